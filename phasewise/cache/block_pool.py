@@ -1,0 +1,124 @@
+"""The KV block pool: a fixed set of block ids with ref counts and an LRU free queue.
+
+A block is *free* when no request references it (``ref_count == 0``). A free block may still
+hold a cached prefix (it keeps its hash) until it is handed out again, at which point its hash
+is dropped: that is an eviction. Free blocks are handed out from the front of the free queue,
+so the block freed longest ago is evicted first.
+
+This module never touches tensors: the model writes K/V into the slots of the ids it is given.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+
+class Block:
+    __slots__ = ("block_id", "ref_count", "block_hash", "parent_hash", "token_ids")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_count = 0
+        # Set while the block is registered in the prefix cache.
+        self.block_hash: int | None = None
+        self.parent_hash: int | None = None
+        self.token_ids: tuple[int, ...] = ()
+
+    def __repr__(self) -> str:
+        return f"Block({self.block_id}, ref={self.ref_count}, hash={self.block_hash})"
+
+
+def chain_hash(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
+    """Hash of a full block: its tokens chained to the hash of the block before it."""
+    return hash((parent_hash, token_ids))
+
+
+@dataclass
+class PoolStats:
+    evictions: int = 0
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        # Free blocks in eviction order (front = next handed out). Values unused.
+        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self._cached: dict[int, Block] = {}
+        self.stats = PoolStats()
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._cached)
+
+    def free_block_ids(self) -> list[int]:
+        """Free block ids in the order they would be handed out."""
+        return list(self._free)
+
+    def allocate(self, n: int) -> list[Block]:
+        """Take ``n`` free blocks (ref count 1 each), evicting cached contents they held."""
+        if n > len(self._free):
+            raise RuntimeError(f"asked for {n} blocks, only {len(self._free)} free")
+        out = []
+        for _ in range(n):
+            block_id, _ = self._free.popitem(last=False)
+            block = self.blocks[block_id]
+            if block.block_hash is not None:
+                self._uncache(block)
+                self.stats.evictions += 1
+            block.ref_count = 1
+            out.append(block)
+        return out
+
+    def touch(self, blocks: list[Block]) -> None:
+        """Add a reference to each block (a prefix-cache hit), taking free ones off the queue."""
+        for block in blocks:
+            if block.ref_count == 0:
+                del self._free[block.block_id]
+            block.ref_count += 1
+
+    def free(self, blocks: list[Block]) -> None:
+        """Drop one reference from each block; blocks reaching zero join the queue's back in
+        the order given (so pass a request's blocks tail first: its tail is evicted first)."""
+        for block in blocks:
+            if block.ref_count <= 0:
+                raise RuntimeError(f"double free of block {block.block_id}")
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._free[block.block_id] = None
+
+    def lookup(self, block_hash: int, parent_hash: int | None,
+               token_ids: tuple[int, ...]) -> Block | None:
+        """The cached block with exactly this content and parent, or None."""
+        block = self._cached.get(block_hash)
+        if block is None or block.parent_hash != parent_hash or block.token_ids != token_ids:
+            return None
+        return block
+
+    def cache(self, block: Block, block_hash: int, parent_hash: int | None,
+              token_ids: tuple[int, ...]) -> bool:
+        """Register a full block under its hash; False if an equal block is already cached."""
+        if block.block_hash is not None or block_hash in self._cached:
+            return False
+        block.block_hash, block.parent_hash, block.token_ids = block_hash, parent_hash, token_ids
+        self._cached[block_hash] = block
+        return True
+
+    def _uncache(self, block: Block) -> None:
+        assert block.block_hash is not None
+        del self._cached[block.block_hash]
+        block.block_hash, block.parent_hash, block.token_ids = None, None, ()
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block that no request holds; returns how many were dropped."""
+        dropped = [b for b in self._cached.values() if b.ref_count == 0]
+        for block in dropped:
+            self._uncache(block)
+        return len(dropped)

@@ -1,0 +1,113 @@
+"""``phasewise``: one entry point. Argument parsing only; the work lives in the rooms."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="Hugging Face checkpoint folder")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--kv-cache-memory", default=None, help="KV pool size, e.g. 512MiB or 4GiB")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="token budget per engine step")
+    p.add_argument("--max-num-seqs", type=int, default=128)
+    p.add_argument("--policy", default="chunked", choices=["chunked", "prefill-first"])
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def _engine_kwargs(a: argparse.Namespace) -> dict:
+    return dict(dtype=a.dtype, device=a.device, max_model_len=a.max_model_len,
+                block_size=a.block_size, kv_cache_memory=a.kv_cache_memory,
+                max_num_batched_tokens=a.max_num_batched_tokens, max_num_seqs=a.max_num_seqs,
+                policy=a.policy, enable_prefix_caching=not a.no_prefix_caching, seed=a.seed)
+
+
+def cmd_generate(a: argparse.Namespace) -> int:
+    from phasewise import LLM, SamplingParams
+
+    llm = LLM(a.model, **_engine_kwargs(a))
+    params = llm.engine.default_sampling_params(
+        max_tokens=a.max_tokens, **({"temperature": a.temperature} if a.temperature is not None
+                                    else {}), **({"seed": a.sample_seed} if a.sample_seed
+                                                 is not None else {}))
+    prompt = a.prompt
+    if a.chat:
+        prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": a.prompt}])
+    out = None
+    for out in llm.stream(prompt, params):
+        sys.stdout.write(out.delta_text)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    if out is None:
+        return 1
+    m = out.metrics
+    n_prompt, n_out = len(out.prompt_token_ids), len(out.token_ids)
+    prefill_steps = [s for s in llm.step_stats if s.num_prefill_tokens]
+    prefill_s = sum(s.duration_s for s in prefill_steps)
+    decode_s = (m.token_times[-1] - m.token_times[0]) if len(m.token_times) > 1 else 0.0
+    print(f"[prefill] {n_prompt} prompt tokens in {prefill_s * 1e3:.1f} ms "
+          f"({n_prompt / max(prefill_s, 1e-9):.1f} tok/s); TTFT {m.ttft * 1e3:.1f} ms",
+          file=sys.stderr)
+    if n_out > 1:
+        print(f"[decode]  {n_out - 1} tokens in {decode_s * 1e3:.1f} ms "
+              f"({(n_out - 1) / max(decode_s, 1e-9):.1f} tok/s; TPOT {m.tpot * 1e3:.1f} ms); "
+              f"finish: {out.finish_reason}", file=sys.stderr)
+    return 0
+
+
+def cmd_make_tiny(a: argparse.Namespace) -> int:
+    from phasewise.model.tiny import make_tiny_checkpoint
+
+    t = time.monotonic()
+    path = make_tiny_checkpoint(a.out, architecture=a.arch, vocab_size=a.vocab_size,
+                                hidden_size=a.hidden_size, num_layers=a.layers, seed=a.seed)
+    print(f"wrote a random-weight {a.arch} checkpoint to {path} "
+          f"({time.monotonic() - t:.1f}s)", file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="phasewise", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="stream a completion for one prompt")
+    _add_engine_args(g)
+    g.add_argument("prompt")
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=None,
+                   help="default: the checkpoint's generation_config.json")
+    g.add_argument("--sample-seed", type=int, default=None, help="per-request sampling seed")
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    g.set_defaults(func=cmd_generate)
+
+    t = sub.add_parser("make-tiny", help="write a tiny random-weight checkpoint (HF layout)")
+    t.add_argument("out")
+    t.add_argument("--arch", default="LlamaForCausalLM",
+                   choices=["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
+                            "Qwen3ForCausalLM"])
+    t.add_argument("--vocab-size", type=int, default=512)
+    t.add_argument("--hidden-size", type=int, default=64)
+    t.add_argument("--layers", type=int, default=2)
+    t.add_argument("--seed", type=int, default=0)
+    t.set_defaults(func=cmd_make_tiny)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"phasewise: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,78 @@
+"""Engine configuration: one frozen, validated dataclass."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+DEVICES = ("auto", "cpu", "cuda")
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6,
+          "mib": 2**20, "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12,
+          "tib": 2**40}
+
+
+def parse_memory(value: int | str) -> int:
+    """Bytes from an int or a string such as ``"512MiB"``, ``"4GiB"``, ``"2GB"``."""
+    if isinstance(value, bool):
+        raise ValueError(f"memory size must be bytes or a string like '4GiB', got {value!r}")
+    if isinstance(value, int):
+        n = value
+    else:
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
+        if not m or m.group(2).lower() not in _UNITS:
+            raise ValueError(f"memory size must be bytes or a number with a unit "
+                             f"(KiB, MiB, GiB, KB, MB, GB), got {value!r}")
+        n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if n <= 0:
+        raise ValueError(f"memory size must be > 0, got {value!r}")
+    return n
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything that shapes an engine. Defaults suit a CPU machine serving a small model.
+
+    ``kv_cache_memory``: bytes (or "4GiB") for the KV block pool; default 1 GiB on CPU and
+    90% of the free memory left after the weights on CUDA. The pool never grows beyond what
+    ``max_num_seqs`` requests of ``max_model_len`` tokens could use. ``num_kv_blocks`` overrides
+    it with an exact block count (tests use this to force preemption).
+    ``max_model_len``: default is the checkpoint's ``max_position_embeddings``, lowered to fit
+    the pool if needed.
+    """
+
+    model: str
+    dtype: str = "auto"
+    device: str = "auto"
+    max_model_len: int | None = None
+    block_size: int = 16
+    kv_cache_memory: int | str | None = None
+    num_kv_blocks: int | None = None
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 128
+    policy: str = "chunked"
+    enable_prefix_caching: bool = True
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        from phasewise.engine.scheduler import POLICIES
+        from phasewise.model.loader import DTYPE_CHOICES
+
+        if self.dtype not in DTYPE_CHOICES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}; got {self.dtype!r}")
+        if self.device not in DEVICES and not str(self.device).startswith("cuda:"):
+            raise ValueError(f"device must be one of {', '.join(DEVICES)} or 'cuda:N'; "
+                             f"got {self.device!r}")
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {', '.join(POLICIES)}; got {self.policy!r}")
+        for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+        for name in ("max_model_len", "num_kv_blocks"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                raise ValueError(f"{name} must be an integer >= 1 or None, got {v!r}")
+        if self.kv_cache_memory is not None:
+            parse_memory(self.kv_cache_memory)
+        if not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")

@@ -1,0 +1,1 @@
+"""Requests, scheduling, the model runner, sampling and the engine loop."""

@@ -1,0 +1,244 @@
+"""The synchronous engine: load a checkpoint, accept requests, run steps.
+
+One ``step()``: ``Scheduler.schedule()`` -> ``ModelRunner.execute()`` -> ``Sampler`` ->
+``Scheduler.update()`` -> text and stop strings -> ``RequestOutput`` for every request that
+received a token, plus a ``StepStats`` record.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from phasewise.cache.manager import KVCacheManager
+from phasewise.config import EngineConfig, parse_memory
+from phasewise.engine.model_runner import ModelRunner
+from phasewise.engine.outputs import RequestOutput, StepStats, TextState
+from phasewise.engine.request import Request, RequestStatus
+from phasewise.engine.sampler import Sampler
+from phasewise.engine.sampling_params import SamplingParams
+from phasewise.engine.scheduler import Scheduler, SchedulerConfig
+from phasewise.model.config import ModelConfig
+from phasewise.model.loader import load_model, resolve_dtype
+from phasewise.model.tokenizer import Tokenizer, load_generation_config
+
+DEFAULT_CPU_KV_MEMORY = 1 << 30
+MAX_STEP_HISTORY = 100_000
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} asked for, but torch sees no CUDA device")
+    return torch.device(device)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, *, load_progress: Any = None) -> None:
+        self.config = config
+        model_dir = Path(config.model)
+        if not model_dir.is_dir():
+            raise FileNotFoundError(f"model folder {model_dir} does not exist")
+        self.model_config = mc = ModelConfig.from_file(model_dir)
+        self.tokenizer = Tokenizer(model_dir)
+        self.generation_config = load_generation_config(model_dir)
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, mc)
+
+        # Context length: the user's, or the checkpoint's, lowered to fit the pool below.
+        max_len = config.max_model_len or mc.max_position_embeddings
+        if config.max_model_len and config.max_model_len > mc.max_position_embeddings:
+            raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's "
+                             f"max_position_embeddings ({mc.max_position_embeddings})")
+        bs = config.block_size
+        block_bytes = ModelRunner.bytes_per_block(mc, bs, self.dtype)
+        blocks_for_all = config.max_num_seqs * -(-max_len // bs)
+        num_blocks: int | None
+        if config.num_kv_blocks is not None:
+            num_blocks = config.num_kv_blocks
+        elif config.kv_cache_memory is not None:
+            num_blocks = min(blocks_for_all, parse_memory(config.kv_cache_memory) // block_bytes)
+        elif self.device.type == "cpu":
+            num_blocks = min(blocks_for_all, DEFAULT_CPU_KV_MEMORY // block_bytes)
+        else:
+            num_blocks = None  # CUDA: decided from the memory left after the weights
+
+        self.model = load_model(model_dir, mc, dtype=self.dtype, device=self.device,
+                                max_positions=max_len, progress=load_progress)
+        if num_blocks is None:
+            free, _ = torch.cuda.mem_get_info(self.device)
+            num_blocks = min(blocks_for_all, int(free * 0.9) // block_bytes)
+        if num_blocks < 1:
+            raise ValueError(f"the KV cache budget holds no block of {block_bytes} bytes; "
+                             "raise kv_cache_memory")
+
+        capacity = num_blocks * bs
+        if capacity - 1 < max_len:
+            if config.max_model_len:
+                raise ValueError(
+                    f"the KV cache holds {capacity} tokens ({num_blocks} blocks of {bs}), too few "
+                    f"for max_model_len {max_len}; raise kv_cache_memory or lower max_model_len")
+            max_len = capacity - 1
+        if mc.sliding_window is not None and mc.sliding_window < max_len:
+            raise ValueError(
+                f"{mc.architecture} uses a sliding attention window of {mc.sliding_window} "
+                f"tokens, shorter than max_model_len {max_len}; phasewise attends to the full "
+                f"context, which would compute a different model. Set max_model_len <= "
+                f"{mc.sliding_window}.")
+        self.max_model_len = max_len
+        self.eos_token_ids = self._eos_ids()
+
+        self.kv = KVCacheManager(num_blocks, bs, config.enable_prefix_caching)
+        budget_tokens = config.max_num_batched_tokens
+        if config.policy == "prefill-first":
+            budget_tokens = max(budget_tokens, max_len)
+        self.scheduler = Scheduler(
+            SchedulerConfig(max_num_batched_tokens=budget_tokens,
+                            max_num_seqs=config.max_num_seqs, max_model_len=max_len,
+                            policy=config.policy),
+            self.kv,
+        )
+        self.runner = ModelRunner(self.model, mc, num_blocks=num_blocks, block_size=bs,
+                                  dtype=self.dtype, device=self.device)
+        self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(config.seed))
+        self.requests: dict[str, Request] = {}
+        self._text: dict[str, TextState] = {}
+        self._ids = itertools.count()
+        self.step_stats: deque[StepStats] = deque(maxlen=MAX_STEP_HISTORY)
+        self._step_index = 0
+
+    # -- set-up helpers --------------------------------------------------------------------
+    def _eos_ids(self) -> tuple[int, ...]:
+        ids: list[int] = []
+        gen = self.generation_config.get("eos_token_id")
+        for source in (gen, list(self.model_config.eos_token_ids), self.tokenizer.eos_token_id):
+            if source is None:
+                continue
+            for t in source if isinstance(source, list) else [source]:
+                if t not in ids:
+                    ids.append(int(t))
+        return tuple(ids)
+
+    def default_sampling_params(self, **overrides: Any) -> SamplingParams:
+        """Sampling defaults from ``generation_config.json``, then ``overrides``."""
+        g = self.generation_config
+        kw: dict[str, Any] = {}
+        if g.get("do_sample") is False:
+            kw["temperature"] = 0.0
+        else:
+            for key in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
+                if g.get(key) is not None:
+                    kw[key] = g[key]
+        kw.update(overrides)
+        return SamplingParams(**kw)
+
+    # -- requests --------------------------------------------------------------------------
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        """Queue a request; returns its id. Raises ValueError for input it can never serve."""
+        params = params or self.default_sampling_params()
+        if isinstance(prompt, str):
+            text: str | None = prompt
+            ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, (list, tuple)):
+            text = None
+            ids = list(prompt)
+            vocab = self.model_config.vocab_size
+            for t in ids:
+                if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
+                    raise ValueError(f"prompt token ids must be integers in [0, {vocab}); "
+                                     f"got {t!r}")
+        else:
+            raise ValueError(f"prompt must be a string or a list of token ids, "
+                             f"got {type(prompt).__name__}")
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if rid in self.requests:
+            raise ValueError(f"request id {rid!r} is already in use")
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        req = Request(rid, ids, params, eos_token_ids=self.eos_token_ids, prompt=text,
+                      generator=generator)
+        self.scheduler.add_request(req)  # raises if it can never fit
+        self.requests[rid] = req
+        self._text[rid] = TextState(
+            self.tokenizer.decode_stream(ids, params.skip_special_tokens), params)
+        return rid
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request now and free its KV blocks (no-op if unknown or finished)."""
+        req = self.requests.get(request_id)
+        if req is not None and not req.finished:
+            self.scheduler.finish_request(req, RequestStatus.FINISHED_ABORTED)
+            self._forget(req)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def _forget(self, req: Request) -> None:
+        self.requests.pop(req.request_id, None)
+        self._text.pop(req.request_id, None)
+
+    # -- the step --------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        start = time.monotonic()
+        batch = self.scheduler.schedule()
+        if not batch.requests:
+            return []
+        tables = [self.kv.block_table(r.request_id) for r in batch.requests]
+        ran = self.runner.execute(batch, tables)
+        sampled = self.sampler(ran.logits, ran.requests)
+        tokens = {}
+        for req, tok, lp in zip(ran.requests, sampled.token_ids, sampled.logprobs):
+            tokens[req.request_id] = tok
+            if req.logprobs is not None and lp is not None:
+                req.logprobs.append(lp)
+        got = self.scheduler.update(batch, tokens)
+
+        outputs = []
+        for req in got:
+            state = self._text[req.request_id]
+            token = req.output_token_ids[-1]
+            ended_by_token = req.finished and req.status is RequestStatus.FINISHED_STOPPED
+            if not ended_by_token or req.params.include_stop_str_in_output:
+                stop = state.add_token(token)
+                if stop is not None and not req.finished:
+                    req.stop_reason = stop
+                    self.scheduler.finish_request(req, RequestStatus.FINISHED_STOPPED)
+            outputs.append(self._output(req, state))
+            if req.finished:
+                self._forget(req)
+        self._step_index += 1
+        self.step_stats.append(StepStats(
+            index=self._step_index, start_time=start, duration_s=time.monotonic() - start,
+            num_prefill_tokens=batch.num_prefill_tokens,
+            num_decode_tokens=batch.num_decode_tokens, num_requests=len(batch.requests),
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            kv_usage=self.kv.usage, num_preempted=len(batch.preempted),
+        ))
+        return outputs
+
+    def _output(self, req: Request, state: TextState) -> RequestOutput:
+        delta_tokens = req.output_token_ids[state.sent_tokens:]
+        state.sent_tokens = req.num_output_tokens
+        delta_text = state.take_delta(req.finished)
+        return RequestOutput(
+            request_id=req.request_id, prompt=req.prompt,
+            prompt_token_ids=req.prompt_token_ids, text=state.text[:state.sent_chars],
+            token_ids=list(req.output_token_ids), delta_text=delta_text,
+            delta_token_ids=list(delta_tokens), finished=req.finished,
+            finish_reason=req.finish_reason, stop_reason=req.stop_reason,
+            logprobs=list(req.logprobs) if req.logprobs is not None else None,
+            metrics=req.metrics,
+        )
+
+    def run_until_done(self) -> None:
+        while self.has_unfinished_requests():
+            self.step()
+

@@ -1,0 +1,68 @@
+"""Turn a ``ScheduledBatch`` into tensors, run the model, return logits for sampled rows."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from phasewise.engine.request import Request
+from phasewise.engine.scheduler import ScheduledBatch
+from phasewise.model.attention import AttentionMetadata
+from phasewise.model.config import ModelConfig
+from phasewise.model.transformer import CausalLM
+
+
+@dataclass
+class RunnerOutput:
+    requests: list[Request]  # the requests whose chunk reached their last token, in row order
+    logits: torch.Tensor  # [len(requests), vocab] fp32
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, cfg: ModelConfig, *, num_blocks: int, block_size: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        self.model = model
+        self.cfg = cfg
+        self.block_size = block_size
+        self.device = device
+        # One allocation for the whole cache: [layers, 2 (k, v), blocks, block_size, kv, hd].
+        # Zeroed so that padded (masked) reads never meet NaN garbage.
+        self.kv_cache = torch.zeros(
+            cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
+            dtype=dtype, device=device,
+        )
+        self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1])
+                          for i in range(cfg.num_layers)]
+
+    @staticmethod
+    def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+        elem = torch.empty((), dtype=dtype).element_size()
+        return cfg.kv_bytes_per_token(elem) * block_size
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch, block_tables: list[list[int]]) -> RunnerOutput:
+        input_ids: list[int] = []
+        positions: list[int] = []
+        context_lens: list[int] = []
+        sample_rows: list[int] = []
+        sample_reqs: list[Request] = []
+        for req, n in zip(batch.requests, batch.num_tokens):
+            start = req.num_computed_tokens
+            input_ids.extend(req.all_token_ids[start:start + n])
+            positions.extend(range(start, start + n))
+            context_lens.append(start)
+            if start + n == req.num_tokens:
+                sample_rows.append(len(input_ids) - 1)
+                sample_reqs.append(req)
+        dev = self.device
+        meta = AttentionMetadata.build(
+            chunk_lens=batch.num_tokens, context_lens=context_lens, block_tables=block_tables,
+            block_size=self.block_size, device=dev,
+        )
+        ids_t = torch.tensor(input_ids, dtype=torch.long, device=dev)
+        pos_t = torch.tensor(positions, dtype=torch.long, device=dev)
+        hidden = self.model(ids_t, pos_t, self.kv_caches, meta)  # [T, hidden]
+        rows = torch.tensor(sample_rows, dtype=torch.long, device=dev)
+        logits = self.model.compute_logits(hidden[rows])  # [S, vocab]
+        return RunnerOutput(sample_reqs, logits)

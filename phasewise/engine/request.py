@@ -1,0 +1,134 @@
+"""Request state. One number drives everything: ``num_computed_tokens``.
+
+``all_token_ids`` is the prompt followed by the outputs sampled so far. ``num_computed_tokens``
+counts the leading tokens of that list whose K/V are in the cache. At any point:
+
+* ``num_computed_tokens < num_prompt_tokens``: the prompt is (still) being prefilled;
+* ``num_computed_tokens == num_tokens - 1``: the next step is a decode of the last sampled
+  token;
+* after preemption it drops to 0 and the prompt *and* the outputs so far are recomputed,
+  as a prefill, before decoding resumes.
+
+A step that computes up to ``num_tokens`` samples one new token; a step that stops short
+(a prompt chunk) samples nothing.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from phasewise.engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+                        RequestStatus.FINISHED_ABORTED)
+
+
+@dataclass
+class RequestMetrics:
+    """Wall-clock timestamps (``time.monotonic()``) of a request's life."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    finished_time: float | None = None
+    num_preemptions: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at admission
+
+    @property
+    def queue_time(self) -> float | None:
+        if self.first_scheduled_time is None:
+            return None
+        return self.first_scheduled_time - self.arrival_time
+
+    @property
+    def ttft(self) -> float | None:
+        if self.first_token_time is None:
+            return None
+        return self.first_token_time - self.arrival_time
+
+    @property
+    def itls(self) -> list[float]:
+        """Gaps between consecutive output tokens."""
+        t = self.token_times
+        return [b - a for a, b in zip(t, t[1:])]
+
+    @property
+    def tpot(self) -> float | None:
+        if len(self.token_times) < 2:
+            return None
+        return (self.token_times[-1] - self.token_times[0]) / (len(self.token_times) - 1)
+
+
+class Request:
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        eos_token_ids: tuple[int, ...] = (),
+        prompt: str | None = None,
+        arrival_time: float | None = None,
+        generator: torch.Generator | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.params = params
+        self.eos_token_ids = eos_token_ids
+        self.generator = generator
+        self.output_token_ids: list[int] = []
+        self._all = list(prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.status = RequestStatus.WAITING
+        self.stop_reason: str | int | None = None
+        self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
+        self.metrics = RequestMetrics(arrival_time or time.monotonic())
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self._all
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self._all)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.status.finished
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.status.value if self.status.finished else None
+
+    def append_output(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self._all.append(token_id)
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, {self.status.value}, "
+                f"computed={self.num_computed_tokens}/{self.num_tokens})")

@@ -1,0 +1,127 @@
+"""Turn one step's logits into tokens, per request's ``SamplingParams``.
+
+Order of operations on each row: penalties (repetition over prompt and outputs, presence and
+frequency over outputs), the ``min_tokens`` mask on stop tokens, then greedy argmax or
+temperature -> top-k -> top-p -> min-p -> a draw. A draw uses the request's own
+``torch.Generator`` when it has a seed, so its tokens do not depend on what else is batched.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from phasewise.engine.request import Request
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    # Per row: {token_id: logprob} for the top-N and the sampled token, or None.
+    logprobs: list[dict[int, float] | None]
+
+
+class Sampler:
+    def __init__(self, generator: torch.Generator) -> None:
+        self.generator = generator  # for requests without a seed
+
+    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
+        """logits: [num_requests, vocab] fp32, one row per request, in order."""
+        raw_logprobs = None
+        if any(r.params.logprobs is not None for r in requests):
+            raw_logprobs = torch.log_softmax(logits, dim=-1)
+        logits = self._apply_penalties(logits, requests)
+
+        tokens = torch.empty(len(requests), dtype=torch.long, device=logits.device)
+        greedy = [i for i, r in enumerate(requests) if r.params.greedy]
+        rand = [i for i, r in enumerate(requests) if not r.params.greedy]
+        if greedy:
+            idx = torch.tensor(greedy, device=logits.device)
+            tokens[idx] = logits[idx].argmax(dim=-1)
+        if rand:
+            idx = torch.tensor(rand, device=logits.device)
+            probs = self._probs([requests[i] for i in rand], logits[idx])
+            tokens[idx] = self._draw(probs, [requests[i] for i in rand])
+        token_list = tokens.tolist()
+
+        logprobs: list[dict[int, float] | None] = [None] * len(requests)
+        if raw_logprobs is not None:
+            for i, r in enumerate(requests):
+                n = r.params.logprobs
+                if n is None:
+                    continue
+                row = raw_logprobs[i]
+                entry = {token_list[i]: float(row[token_list[i]])}
+                if n:
+                    top = torch.topk(row, n)
+                    entry.update(zip(top.indices.tolist(), top.values.tolist()))
+                logprobs[i] = entry
+        return SamplerOutput(token_list, logprobs)
+
+    @staticmethod
+    def _apply_penalties(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        needs = [i for i, r in enumerate(requests)
+                 if r.params.needs_penalties or r.num_output_tokens < r.params.min_tokens]
+        if not needs:
+            return logits
+        logits = logits.clone()
+        vocab = logits.shape[-1]
+        dev = logits.device
+        for i in needs:
+            r, p = requests[i], requests[i].params
+            row = logits[i]
+            if p.repetition_penalty != 1.0:
+                seen = torch.tensor(sorted(set(r.all_token_ids)), dtype=torch.long, device=dev)
+                seen = seen[seen < vocab]
+                vals = row[seen]
+                row[seen] = torch.where(vals > 0, vals / p.repetition_penalty,
+                                        vals * p.repetition_penalty)
+            if (p.presence_penalty or p.frequency_penalty) and r.output_token_ids:
+                out = torch.tensor(r.output_token_ids, dtype=torch.long, device=dev)
+                counts = torch.bincount(out[out < vocab], minlength=vocab).to(row.dtype)
+                row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
+            if r.num_output_tokens < p.min_tokens:
+                stops = set(p.stop_token_ids)
+                if not p.ignore_eos:
+                    stops.update(r.eos_token_ids)
+                ids = [t for t in stops if t < vocab]
+                if ids:
+                    row[torch.tensor(ids, device=dev)] = float("-inf")
+        return logits
+
+    @staticmethod
+    def _probs(requests: list[Request], logits: torch.Tensor) -> torch.Tensor:
+        """Filtered distribution ([n, vocab]) for the non-greedy rows."""
+        dev = logits.device
+        temps = torch.tensor([r.params.temperature for r in requests], device=dev)
+        logits = logits / temps[:, None]
+        top_ks = [r.params.top_k if r.params.top_k > 0 else 0 for r in requests]
+        top_ps = [r.params.top_p for r in requests]
+        if any(top_ks) or any(p < 1.0 for p in top_ps):
+            vocab = logits.shape[-1]
+            sorted_logits, order = logits.sort(dim=-1, descending=True)
+            k = torch.tensor([k if k else vocab for k in top_ks], device=dev)
+            ranks = torch.arange(vocab, device=dev)[None, :]
+            sorted_logits = sorted_logits.masked_fill(ranks >= k[:, None], float("-inf"))
+            sorted_probs = torch.softmax(sorted_logits, dim=-1)
+            # Keep the smallest prefix whose mass reaches top_p (the top token always stays).
+            mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+            p = torch.tensor(top_ps, device=dev)
+            sorted_logits = sorted_logits.masked_fill(mass_before >= p[:, None], float("-inf"))
+            logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+        probs = torch.softmax(logits, dim=-1)
+        min_ps = [r.params.min_p for r in requests]
+        if any(min_ps):
+            mp = torch.tensor(min_ps, device=dev)
+            keep = probs >= mp[:, None] * probs.max(dim=-1, keepdim=True).values
+            probs = probs * keep
+            probs = probs / probs.sum(dim=-1, keepdim=True)
+        return probs
+
+    def _draw(self, probs: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        """One token per row: argmax(p / E) with E ~ Exp(1) is a draw from p."""
+        noise = torch.empty_like(probs)
+        for i, r in enumerate(requests):
+            noise[i].exponential_(generator=r.generator or self.generator)
+        return (probs / noise).argmax(dim=-1)

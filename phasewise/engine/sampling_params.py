@@ -1,0 +1,101 @@
+"""Per-request sampling and stopping settings, validated on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+MAX_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens and when to stop.
+
+    ``temperature == 0`` means greedy. ``top_k`` of 0 or -1 disables top-k. ``max_tokens``
+    of None generates until a stop condition or the model's context length. ``logprobs`` asks
+    for the top-N log-probabilities of every sampled position (computed on the model's raw
+    distribution, before penalties and temperature) plus the sampled token's own.
+    """
+
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    stop: tuple[str, ...] = field(default_factory=tuple)
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        # Accept a single string / any sequence, store tuples (the dataclass is frozen).
+        stop = self.stop
+        if isinstance(stop, str):
+            stop = (stop,)
+        object.__setattr__(self, "stop", tuple(stop or ()))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        self._validate()
+
+    def _validate(self) -> None:
+        def bad(name: str, allowed: str, value: Any) -> ValueError:
+            return ValueError(f"{name} must be {allowed}, got {value!r}")
+
+        def is_int(x: Any) -> bool:
+            return isinstance(x, int) and not isinstance(x, bool)
+
+        def is_num(x: Any) -> bool:
+            return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x
+
+        if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):
+            raise bad("max_tokens", "an integer >= 1 or None", self.max_tokens)
+        if not is_int(self.min_tokens) or self.min_tokens < 0:
+            raise bad("min_tokens", "an integer >= 0", self.min_tokens)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise bad("min_tokens", f"<= max_tokens ({self.max_tokens})", self.min_tokens)
+        if not is_num(self.temperature) or not 0 <= self.temperature <= 100:
+            raise bad("temperature", "a number in [0, 100]", self.temperature)
+        if not is_num(self.top_p) or not 0 < self.top_p <= 1:
+            raise bad("top_p", "a number in (0, 1]", self.top_p)
+        if not is_int(self.top_k) or self.top_k < -1:
+            raise bad("top_k", "an integer >= 1, or 0 / -1 to disable", self.top_k)
+        if not is_num(self.min_p) or not 0 <= self.min_p <= 1:
+            raise bad("min_p", "a number in [0, 1]", self.min_p)
+        if self.seed is not None and not is_int(self.seed):
+            raise bad("seed", "an integer or None", self.seed)
+        if not is_num(self.repetition_penalty) or not 0 < self.repetition_penalty <= 10:
+            raise bad("repetition_penalty", "a number in (0, 10]", self.repetition_penalty)
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not is_num(value) or not -2 <= value <= 2:
+                raise bad(name, "a number in [-2, 2]", value)
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise bad("stop", "non-empty strings", s)
+        for t in self.stop_token_ids:
+            if not is_int(t) or t < 0:
+                raise bad("stop_token_ids", "non-negative integers", t)
+        if self.logprobs is not None and (
+            not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS
+        ):
+            raise bad("logprobs", f"an integer in [0, {MAX_LOGPROBS}] or None", self.logprobs)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def needs_penalties(self) -> bool:
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)
+
+    @property
+    def max_stop_len(self) -> int:
+        return max((len(s) for s in self.stop), default=0)

@@ -1,0 +1,285 @@
+"""Continuous batching under a per-step token budget.
+
+Every step, each running request asks for ``num_tokens - num_computed_tokens`` tokens: one for
+a decode, more for a prompt (or, after preemption, a recompute). The scheduler hands out up to
+``max_num_batched_tokens`` of them and admits waiting requests while budget, KV blocks and the
+sequence cap (``max_num_seqs``) allow. There is no phase flag anywhere: a step's prefill/decode
+mix is read off the token counts it holds.
+
+Policies:
+
+* ``chunked`` (default): decodes first (one token each), then partly prefilled prompts, then
+  new prompts, each cut to the budget that is left. A long prompt never stalls the streams.
+* ``prefill-first``: while prompts wait, a step runs only whole waiting prompts and no
+  decodes. This is the naive behaviour; it is kept to show the stall it causes.
+
+Preemption (by recompute): when a running request needs a block and none is free, the victim
+is the most recently admitted running request that has not been given tokens in this step
+(the lowest priority under first-come-first-served). If the request asking is itself the most
+recently admitted, it is the one preempted (a prompt chunk just waits instead). A victim
+frees all its blocks, goes back to the *front* of the waiting queue with
+``num_computed_tokens = 0``, and later recomputes its prompt and outputs so far (the prefix
+cache often keeps most of them). No new request is admitted in a step that preempted.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from phasewise.cache.manager import KVCacheManager
+from phasewise.engine.request import Request, RequestStatus
+
+POLICIES = ("chunked", "prefill-first")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 128
+    max_model_len: int = 2048
+    policy: str = "chunked"
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {', '.join(POLICIES)}; got {self.policy!r}")
+        if self.policy == "prefill-first" and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"policy 'prefill-first' runs whole prompts, so max_num_batched_tokens "
+                f"({self.max_num_batched_tokens}) must be >= max_model_len ({self.max_model_len})"
+            )
+
+
+@dataclass
+class ScheduledBatch:
+    """One step's work. Requests with a single-token chunk come first (see attention.py)."""
+
+    requests: list[Request] = field(default_factory=list)
+    num_tokens: list[int] = field(default_factory=list)  # tokens computed per request
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def total_tokens(self) -> int:
+        return self.num_prefill_tokens + self.num_decode_tokens
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+
+def _is_decode(req: Request, n: int) -> bool:
+    """One token on top of a fully computed history, and that token is a sampled output."""
+    return n == 1 and req.num_output_tokens > 0 and req.num_computed_tokens == req.num_tokens - 1
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # in admission order (earliest first)
+        self.num_preemptions = 0
+
+    # -- admission -------------------------------------------------------------------------
+    def check_admissible(self, req: Request) -> None:
+        """Raise ValueError if the request could never be scheduled."""
+        n = req.num_prompt_tokens
+        if n == 0:
+            raise ValueError("prompt is empty; it needs at least one token")
+        if n > self.config.max_model_len:
+            raise ValueError(f"prompt has {n} tokens, more than max_model_len "
+                             f"({self.config.max_model_len})")
+        capacity = self.kv.num_blocks * self.kv.block_size
+        if n + 1 > capacity:
+            raise ValueError(f"prompt has {n} tokens but the whole KV cache holds {capacity}; "
+                             "raise the KV cache memory or shorten the prompt")
+
+    def add_request(self, req: Request) -> None:
+        self.check_admissible(req)
+        self.waiting.append(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish_request(self, req: Request, status: RequestStatus) -> None:
+        """End a request (stop string, abort): drop it from its queue and free its blocks."""
+        if req.finished:
+            return
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        req.status = status
+        req.metrics.finished_time = time.monotonic()
+        self.kv.free(req)
+
+    # -- scheduling ------------------------------------------------------------------------
+    def schedule(self) -> ScheduledBatch:
+        if self.config.policy == "prefill-first" and self.waiting:
+            batch = self._schedule_whole_prompts()
+            if batch.requests:
+                return batch
+            return self._schedule(admit=False)
+        return self._schedule(admit=True)
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.kv.free(req)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.PREEMPTED
+        req.metrics.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def _pick_victim(self, asking: Request, scheduled: set[str]) -> Request | None:
+        """Latest-admitted running request not yet scheduled this step, if it ranks below
+        ``asking``; None means ``asking`` itself is the lowest-priority candidate."""
+        for cand in reversed(self.running):
+            if cand is asking:
+                return None
+            if cand.request_id not in scheduled:
+                return cand
+        return None
+
+    def _schedule(self, admit: bool) -> ScheduledBatch:
+        batch = self._schedule_once(admit)
+        if not batch.requests and not batch.preempted and self.running:
+            # Safety net: nothing could run although requests hold blocks (running prompts
+            # filled the pool). Preempt the lowest-priority one so the others move on.
+            victim = self.running[-1]
+            self._preempt(victim)
+            batch = self._schedule_once(admit=False)
+            batch.preempted.insert(0, victim)
+        return batch
+
+    def _schedule_once(self, admit: bool) -> ScheduledBatch:
+        cfg = self.config
+        budget = cfg.max_num_batched_tokens
+        batch = ScheduledBatch()
+        scheduled: set[str] = set()
+        decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        chunks = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        picked: list[tuple[Request, int]] = []
+
+        for req in decodes + chunks:
+            if budget == 0:
+                break
+            if req.status is not RequestStatus.RUNNING:  # preempted earlier in this loop
+                continue
+            remaining = req.num_tokens - req.num_computed_tokens
+            n = min(remaining, budget)
+            while not self.kv.allocate_slots(req, n):
+                fit = self.kv.max_new_tokens(req)
+                if remaining > 1 and fit >= 1:
+                    n = min(n, fit)  # a prompt chunk shrinks to the blocks that are free
+                    continue
+                victim = self._pick_victim(req, scheduled)
+                if victim is None:
+                    if remaining == 1:
+                        self._preempt(req)
+                        batch.preempted.append(req)
+                    n = 0
+                    break
+                self._preempt(victim)
+                batch.preempted.append(victim)
+            if n:
+                picked.append((req, n))
+                scheduled.add(req.request_id)
+                budget -= n
+
+        if admit and not batch.preempted:
+            while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
+                req = self.waiting[0]
+                prefix = self.kv.get_computed_blocks(req)
+                n = min(req.num_tokens - prefix.num_tokens, budget)
+                if not self.kv.allocate_slots(req, n, prefix):
+                    break
+                self._admit(req, prefix.num_tokens)
+                picked.append((req, n))
+                budget -= n
+
+        # Flat-batch order: single-token chunks first, then the longer chunks.
+        picked.sort(key=lambda rn: rn[1] != 1)
+        for req, n in picked:
+            batch.requests.append(req)
+            batch.num_tokens.append(n)
+            if _is_decode(req, n):
+                batch.num_decode_tokens += n
+            else:
+                batch.num_prefill_tokens += n
+        return batch
+
+    def _schedule_whole_prompts(self) -> ScheduledBatch:
+        """prefill-first: admit waiting prompts whole; no decodes run in this step."""
+        budget = self.config.max_num_batched_tokens
+        batch = ScheduledBatch()
+        while self.waiting and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            prefix = self.kv.get_computed_blocks(req)
+            n = req.num_tokens - prefix.num_tokens
+            if n > budget or not self.kv.allocate_slots(req, n, prefix):
+                break
+            self._admit(req, prefix.num_tokens)
+            batch.requests.append(req)
+            batch.num_tokens.append(n)
+            batch.num_prefill_tokens += n
+            budget -= n
+        # Prompt chunks of one token would break the decode-first layout; sort as above.
+        order = sorted(range(len(batch.requests)), key=lambda i: batch.num_tokens[i] != 1)
+        batch.requests = [batch.requests[i] for i in order]
+        batch.num_tokens = [batch.num_tokens[i] for i in order]
+        return batch
+
+    def _admit(self, req: Request, num_cached: int) -> None:
+        self.waiting.popleft()
+        self.kv.record_prefix_lookup(req.num_tokens, num_cached)
+        if req.metrics.first_scheduled_time is None:
+            req.metrics.first_scheduled_time = time.monotonic()
+            req.metrics.num_cached_tokens = num_cached
+        req.num_computed_tokens = num_cached
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+
+    # -- after the forward pass ------------------------------------------------------------
+    def update(self, batch: ScheduledBatch, sampled: dict[str, int]) -> list[Request]:
+        """Advance computed counts, append sampled tokens, finish requests that hit a stop
+        condition. Returns the requests that received a token this step."""
+        now = time.monotonic()
+        got_token = []
+        for req, n in zip(batch.requests, batch.num_tokens):
+            req.num_computed_tokens += n
+            if req.request_id in sampled:
+                token = sampled[req.request_id]
+                req.append_output(token)
+                m = req.metrics
+                if m.first_token_time is None:
+                    m.first_token_time = now
+                m.token_times.append(now)
+                got_token.append(req)
+                status = self._stop_status(req, token)
+                if status is not None:
+                    self.finish_request(req, status)
+                    continue
+            self.kv.cache_blocks(req)
+        return got_token
+
+    def _stop_status(self, req: Request, token: int) -> RequestStatus | None:
+        p = req.params
+        # The sampler masks stop tokens until min_tokens outputs exist; mirror that here.
+        if req.num_output_tokens > p.min_tokens:
+            if token in p.stop_token_ids:
+                req.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+            if not p.ignore_eos and token in req.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+        if p.max_tokens is not None and req.num_output_tokens >= p.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if req.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None

@@ -1,0 +1,100 @@
+"""Offline API: ``LLM(path).generate(...)`` and ``LLM(path).stream(...)``."""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from phasewise.config import EngineConfig
+from phasewise.engine.engine import LLMEngine
+from phasewise.engine.outputs import RequestOutput, StepStats
+from phasewise.engine.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+
+
+class LLM:
+    """Load a Hugging Face checkpoint folder and generate from it.
+
+    Keyword arguments are ``EngineConfig`` fields (``dtype``, ``max_model_len``,
+    ``kv_cache_memory``, ``max_num_batched_tokens``, ``policy``, ...).
+    """
+
+    def __init__(self, model: str, **engine_kwargs: Any) -> None:
+        self.engine = LLMEngine(EngineConfig(model=str(model), **engine_kwargs))
+
+    @property
+    def tokenizer(self):  # noqa: ANN201 - phasewise.model.tokenizer.Tokenizer
+        return self.engine.tokenizer
+
+    @property
+    def step_stats(self) -> list[StepStats]:
+        return list(self.engine.step_stats)
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        progress: bool = False,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion (continuously batched); outputs in input order.
+
+        ``prompts``: a string, a list of token ids, or a list of either.
+        """
+        if isinstance(prompts, str) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompts = list(prompts)  # type: ignore[arg-type]
+        if isinstance(sampling_params, SamplingParams) or sampling_params is None:
+            params = [sampling_params] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
+        engine = self.engine
+        ids = []
+        try:
+            for prompt, p in zip(prompts, params):
+                ids.append(engine.add_request(prompt, p))
+        except Exception:
+            for rid in ids:
+                engine.abort_request(rid)
+            raise
+        final: dict[str, RequestOutput] = {}
+        start, last_report = time.monotonic(), 0.0
+        while len(final) < len(ids) and engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    final[out.request_id] = out
+            if progress and time.monotonic() - last_report > 1.0:
+                last_report = time.monotonic()
+                print(f"\rgenerate: {len(final)}/{len(ids)} done, "
+                      f"{time.monotonic() - start:.1f}s", end="", file=sys.stderr, flush=True)
+        if progress:
+            print(f"\rgenerate: {len(final)}/{len(ids)} done, "
+                  f"{time.monotonic() - start:.1f}s", file=sys.stderr, flush=True)
+        return [final[rid] for rid in ids]
+
+    def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None
+               ) -> Iterator[RequestOutput]:
+        """Yield this request's output after every step that gave it a token.
+
+        Other queued requests keep being served by the same steps. Closing the iterator early
+        aborts the request and frees its KV blocks.
+        """
+        engine = self.engine
+        rid = engine.add_request(prompt, sampling_params)
+        done = False
+        try:
+            while not done and engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.request_id == rid:
+                        done = out.finished
+                        yield out
+        finally:
+            if not done:
+                engine.abort_request(rid)

@@ -1,0 +1,1 @@
+"""Checkpoint loading and the transformer forward pass over a paged KV cache."""

@@ -1,0 +1,159 @@
+"""Attention over the paged KV cache for a flat, mixed batch.
+
+Layout of one step's flat batch (built by ``engine.ModelRunner``, relied on here):
+
+* the first ``num_decode_tokens`` tokens are decode tokens, one per request, in the order of
+  ``decode_block_tables`` rows;
+* after them come the prefill chunks, each a contiguous span described by a ``PrefillSpan``.
+
+KV cache layout, per layer: ``k_cache`` and ``v_cache`` are ``[num_blocks, block_size,
+n_kv_heads, head_dim]``. Token ``t`` of a request lives in block ``block_table[t //
+block_size]`` at offset ``t % block_size``; its flat *slot* is ``block_id * block_size +
+offset``. ``slot_mapping[i]`` is the slot where token ``i`` of the flat batch is written.
+
+A request's attention covers its whole context: the ``context_len`` tokens already in the
+cache plus its chunk, causally inside the chunk.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillSpan:
+    """One request's prompt chunk inside the flat batch."""
+
+    start: int  # index of its first token in the flat batch
+    end: int  # one past its last token
+    context_len: int  # tokens of this request already in the KV cache before this chunk
+    block_table: torch.Tensor | None  # [n_blocks] int64; None when context_len == 0
+    mask: torch.Tensor | None  # [chunk, context_len + chunk] bool (True = attend)
+
+
+@dataclass
+class AttentionMetadata:
+    """Everything attention needs for one step, shared by every layer."""
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64
+    num_decode_tokens: int
+    decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks] int64
+    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] bool
+    prefills: list[PrefillSpan]
+
+    @classmethod
+    def build(
+        cls,
+        *,
+        chunk_lens: list[int],
+        context_lens: list[int],
+        block_tables: list[list[int]],
+        block_size: int,
+        device: torch.device,
+    ) -> AttentionMetadata:
+        """Build metadata for requests laid out in flat-batch order.
+
+        ``chunk_lens[r]`` tokens of request ``r`` are computed this step on top of its
+        ``context_lens[r]`` cached tokens. Requests with a chunk of 1 must come first.
+        """
+        slots: list[int] = []
+        num_decodes = 0
+        for r, (n, ctx) in enumerate(zip(chunk_lens, context_lens)):
+            if n == 1 and r == num_decodes:
+                num_decodes += 1
+            table = block_tables[r]
+            for pos in range(ctx, ctx + n):
+                slots.append(table[pos // block_size] * block_size + pos % block_size)
+        slot_mapping = torch.tensor(slots, dtype=torch.int64, device=device)
+
+        decode_tables = decode_mask = None
+        if num_decodes:
+            max_blocks = max(len(block_tables[r]) for r in range(num_decodes))
+            padded = [block_tables[r] + [0] * (max_blocks - len(block_tables[r]))
+                      for r in range(num_decodes)]
+            decode_tables = torch.tensor(padded, dtype=torch.int64, device=device)
+            seq_lens = torch.tensor(
+                [context_lens[r] + 1 for r in range(num_decodes)], device=device
+            )
+            key_pos = torch.arange(max_blocks * block_size, device=device)
+            decode_mask = (key_pos[None, :] < seq_lens[:, None])[:, None, None, :]
+
+        prefills = []
+        start = num_decodes
+        for r in range(num_decodes, len(chunk_lens)):
+            n, ctx = chunk_lens[r], context_lens[r]
+            table = mask = None
+            if ctx > 0:
+                n_blocks = (ctx + n + block_size - 1) // block_size
+                table = torch.tensor(block_tables[r][:n_blocks], dtype=torch.int64, device=device)
+                q_pos = torch.arange(ctx, ctx + n, device=device)
+                k_pos = torch.arange(ctx + n, device=device)
+                mask = k_pos[None, :] <= q_pos[:, None]
+            prefills.append(PrefillSpan(start, start + n, ctx, table, mask))
+            start += n
+        return cls(slot_mapping, num_decodes, decode_tables, decode_mask, prefills)
+
+
+def write_kv(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Store this step's keys and values ([num_tokens, n_kv_heads, head_dim]) in their slots."""
+    n_kv, hd = k.shape[1], k.shape[2]
+    k_cache.view(-1, n_kv, hd).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, n_kv, hd).index_copy_(0, slot_mapping, v)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Attention for a flat mixed batch.
+
+    q: [num_tokens, n_heads, head_dim]; k, v: [num_tokens, n_kv_heads, head_dim], already
+    written to the cache. Returns [num_tokens, n_heads, head_dim].
+    """
+    num_tokens, n_heads, hd = q.shape
+    n_kv = k.shape[1]
+    group = n_heads // n_kv
+    out = torch.empty_like(q)
+
+    nd = meta.num_decode_tokens
+    if nd:
+        assert meta.decode_block_tables is not None and meta.decode_mask is not None
+        bt = meta.decode_block_tables  # [B, nb]
+        block_size = k_cache.shape[1]
+        length = bt.shape[1] * block_size
+        # Gather each request's context: [B, nb, block_size, n_kv, hd] -> [B, n_kv, L, hd]
+        kc = k_cache[bt].view(nd, length, n_kv, hd).transpose(1, 2)
+        vc = v_cache[bt].view(nd, length, n_kv, hd).transpose(1, 2)
+        qd = q[:nd].view(nd, n_kv, group, hd)  # [B, n_kv, group, hd]
+        scores = torch.matmul(qd, kc.transpose(-1, -2)).float() * scale  # [B, n_kv, group, L]
+        scores.masked_fill_(~meta.decode_mask, float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(q.dtype)
+        out[:nd] = torch.matmul(probs, vc).view(nd, n_heads, hd)
+
+    for span in meta.prefills:
+        qs = q[span.start:span.end].transpose(0, 1).unsqueeze(0)  # [1, n_heads, n, hd]
+        if span.context_len == 0:
+            ks = k[span.start:span.end].transpose(0, 1).unsqueeze(0)  # [1, n_kv, n, hd]
+            vs = v[span.start:span.end].transpose(0, 1).unsqueeze(0)
+            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale,
+                                               enable_gqa=group > 1)
+        else:
+            assert span.block_table is not None
+            total = span.context_len + (span.end - span.start)
+            ks = k_cache[span.block_table].view(-1, n_kv, hd)[:total].transpose(0, 1).unsqueeze(0)
+            vs = v_cache[span.block_table].view(-1, n_kv, hd)[:total].transpose(0, 1).unsqueeze(0)
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=span.mask, scale=scale,
+                                               enable_gqa=group > 1)
+        out[span.start:span.end] = o[0].transpose(0, 1)
+    return out

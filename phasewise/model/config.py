@@ -1,0 +1,209 @@
+"""Model configuration: what phasewise reads from a checkpoint's ``config.json``.
+
+Only the fields the forward pass needs are kept. Parsing is strict: an unsupported
+architecture, activation or RoPE variant is an error that names the allowed values, never a
+silent fallback to something that computes a different function.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+# architecture name -> (qkv bias default, o_proj bias default, q/k RMSNorm)
+# Llama and Qwen3 read `attention_bias` from the config (q, k, v and o together);
+# Qwen2 always has q/k/v biases and no o_proj bias.
+SUPPORTED_ARCHITECTURES: dict[str, dict[str, Any]] = {
+    "LlamaForCausalLM": {"qkv_bias": None, "o_bias": None, "qk_norm": False},
+    "MistralForCausalLM": {"qkv_bias": False, "o_bias": False, "qk_norm": False},
+    "Qwen2ForCausalLM": {"qkv_bias": True, "o_bias": False, "qk_norm": False},
+    "Qwen3ForCausalLM": {"qkv_bias": None, "o_bias": None, "qk_norm": True},
+}
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """Rotary embedding parameters. ``rope_type`` is one of SUPPORTED_ROPE_TYPES."""
+
+    theta: float
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope: RopeConfig
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    # The window the checkpoint's attention actually uses, or None for full attention.
+    sliding_window: int | None
+    dtype: str
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def num_params(self) -> int:
+        """Parameter count (embeddings counted once when tied)."""
+        h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
+        attn = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
+        if self.qkv_bias:
+            attn += self.q_size + 2 * self.kv_size
+        if self.o_bias:
+            attn += h
+        if self.qk_norm:
+            attn += 2 * self.head_dim
+        mlp = 3 * h * i + (2 * i + h if self.mlp_bias else 0)
+        per_layer = attn + mlp + 2 * h
+        emb = v * h * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * per_layer + emb + h
+
+    def kv_bytes_per_token(self, element_size: int) -> int:
+        """Bytes of K and V one token occupies across all layers."""
+        return 2 * self.num_layers * self.kv_size * element_size
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> ModelConfig:
+        path = Path(path)
+        if path.is_dir():
+            path = path / "config.json"
+        if not path.exists():
+            raise FileNotFoundError(f"no config.json at {path}")
+        with open(path) as f:
+            return cls.from_dict(json.load(f))
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
+        archs = d.get("architectures") or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise ValueError(
+                f"unsupported architecture {archs or '(none given)'}; "
+                f"supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
+            )
+        spec = SUPPORTED_ARCHITECTURES[arch]
+
+        def need(key: str) -> Any:
+            if key not in d or d[key] is None:
+                raise ValueError(f"config.json for {arch} lacks required field {key!r}")
+            return d[key]
+
+        act = d.get("hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"unsupported hidden_act {act!r}; supported: 'silu'")
+        hidden = int(need("hidden_size"))
+        heads = int(need("num_attention_heads"))
+        kv_heads = int(d.get("num_key_value_heads") or heads)
+        if heads % kv_heads:
+            raise ValueError(
+                f"num_attention_heads ({heads}) must be a multiple of "
+                f"num_key_value_heads ({kv_heads})"
+            )
+        head_dim = int(d.get("head_dim") or hidden // heads)
+        attn_bias = bool(d.get("attention_bias", False))
+        qkv_bias = attn_bias if spec["qkv_bias"] is None else spec["qkv_bias"]
+        o_bias = attn_bias if spec["o_bias"] is None else spec["o_bias"]
+
+        eos = d.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        return cls(
+            architecture=arch,
+            vocab_size=int(need("vocab_size")),
+            hidden_size=hidden,
+            intermediate_size=int(need("intermediate_size")),
+            num_layers=int(need("num_hidden_layers")),
+            num_heads=heads,
+            num_kv_heads=kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            rope=_parse_rope(d),
+            max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            qkv_bias=qkv_bias,
+            o_bias=o_bias,
+            mlp_bias=bool(d.get("mlp_bias", False)),
+            qk_norm=spec["qk_norm"],
+            sliding_window=_effective_sliding_window(arch, d),
+            dtype=str(d.get("torch_dtype") or d.get("dtype") or "float32"),
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            raw=d,
+        )
+
+
+def _parse_rope(d: dict[str, Any]) -> RopeConfig:
+    # transformers >= 5 writes `rope_parameters` (theta inside); older files write
+    # `rope_theta` at the top level and an optional `rope_scaling`.
+    params = dict(d.get("rope_parameters") or {})
+    scaling = d.get("rope_scaling") or {}
+    params = {**scaling, **params}
+    theta = float(params.get("rope_theta", d.get("rope_theta", 10000.0)))
+    rope_type = params.get("rope_type") or params.get("type") or "default"
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(
+            f"unsupported rope scaling type {rope_type!r}; supported: "
+            f"{', '.join(SUPPORTED_ROPE_TYPES)}"
+        )
+    if rope_type == "default":
+        return RopeConfig(theta=theta)
+    factor = float(params.get("factor", 1.0))
+    if factor <= 0:
+        raise ValueError(f"rope scaling factor must be > 0, got {factor}")
+    if rope_type == "linear":
+        return RopeConfig(theta=theta, rope_type="linear", factor=factor)
+    low = float(params.get("low_freq_factor", 1.0))
+    high = float(params.get("high_freq_factor", 4.0))
+    if high <= low:
+        raise ValueError(f"llama3 rope needs high_freq_factor ({high}) > low_freq_factor ({low})")
+    return RopeConfig(
+        theta=theta,
+        rope_type="llama3",
+        factor=factor,
+        low_freq_factor=low,
+        high_freq_factor=high,
+        original_max_position_embeddings=int(params.get("original_max_position_embeddings", 8192)),
+    )
+
+
+def _effective_sliding_window(arch: str, d: dict[str, Any]) -> int | None:
+    """The attention window some layer really uses, or None if every layer attends fully."""
+    window = d.get("sliding_window")
+    if not window:
+        return None
+    layer_types = d.get("layer_types")
+    if layer_types is not None:
+        return int(window) if "sliding_attention" in layer_types else None
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        if not d.get("use_sliding_window", False):
+            return None
+        max_window_layers = int(d.get("max_window_layers", 0))
+        return int(window) if int(d["num_hidden_layers"]) > max_window_layers else None
+    return int(window)

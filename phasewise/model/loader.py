@@ -1,0 +1,183 @@
+"""Load a Hugging Face checkpoint folder's weights into ``CausalLM``.
+
+Weights are read tensor by tensor from memory-mapped safetensors files and copied straight into
+preallocated parameters of the target dtype and device, so peak memory stays near one copy of
+the model plus the largest single tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from phasewise.model.config import ModelConfig
+from phasewise.model.layers import RotaryEmbedding
+from phasewise.model.transformer import CausalLM
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPE_CHOICES = ("auto", *DTYPES)
+# Tensors some checkpoints carry that the forward pass recomputes.
+_IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
+# Checkpoints above this size report loading progress by default.
+PROGRESS_MIN_BYTES = 256 * 1024 * 1024
+
+ProgressFn = Callable[[int, int], None]  # (bytes loaded so far, total bytes)
+
+
+def resolve_dtype(dtype: str | torch.dtype, cfg: ModelConfig) -> torch.dtype:
+    """The torch dtype to load into: ``auto`` keeps the checkpoint's own dtype."""
+    if isinstance(dtype, torch.dtype):
+        if dtype not in DTYPES.values():
+            raise ValueError(f"unsupported dtype {dtype}; allowed: {', '.join(DTYPE_CHOICES)}")
+        return dtype
+    if dtype == "auto":
+        return DTYPES.get(cfg.dtype, torch.float32)
+    if dtype not in DTYPES:
+        raise ValueError(f"unsupported dtype {dtype!r}; allowed: {', '.join(DTYPE_CHOICES)}")
+    return DTYPES[dtype]
+
+
+def weight_files(model_dir: Path) -> dict[str, Path]:
+    """Map every tensor name to the safetensors file that holds it."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+        missing = sorted({s for s in weight_map.values() if not (model_dir / s).exists()})
+        if missing:
+            raise FileNotFoundError(f"{index} names shard files that are missing: {missing}")
+        return {name: model_dir / shard for name, shard in weight_map.items()}
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        extra = ""
+        if any(model_dir.glob("*.bin")) or any(model_dir.glob("*.pt")):
+            extra = " (only PyTorch .bin/.pt weights found; convert them to safetensors)"
+        raise FileNotFoundError(f"no *.safetensors weights in {model_dir}{extra}")
+    out: dict[str, Path] = {}
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                out[name] = path
+    return out
+
+
+def _targets(cfg: ModelConfig) -> dict[str, tuple[str, int, int]]:
+    """Checkpoint tensor name -> (parameter name, first row, row count) it fills."""
+    q, kv, inter = cfg.q_size, cfg.kv_size, cfg.intermediate_size
+    t: dict[str, tuple[str, int, int]] = {
+        "model.embed_tokens.weight": ("embed_tokens.weight", 0, cfg.vocab_size),
+        "model.norm.weight": ("norm.weight", 0, cfg.hidden_size),
+    }
+    if not cfg.tie_word_embeddings:
+        t["lm_head.weight"] = ("lm_head.weight", 0, cfg.vocab_size)
+    suffixes = ["weight"]
+    for i in range(cfg.num_layers):
+        src, dst = f"model.layers.{i}.", f"layers.{i}."
+        for ln in ("input_layernorm", "post_attention_layernorm"):
+            t[f"{src}{ln}.weight"] = (f"{dst}{ln}.weight", 0, cfg.hidden_size)
+        qkv_suffixes = ["weight", "bias"] if cfg.qkv_bias else suffixes
+        for s in qkv_suffixes:
+            t[f"{src}self_attn.q_proj.{s}"] = (f"{dst}qkv_proj.{s}", 0, q)
+            t[f"{src}self_attn.k_proj.{s}"] = (f"{dst}qkv_proj.{s}", q, kv)
+            t[f"{src}self_attn.v_proj.{s}"] = (f"{dst}qkv_proj.{s}", q + kv, kv)
+        for s in ["weight", "bias"] if cfg.o_bias else suffixes:
+            t[f"{src}self_attn.o_proj.{s}"] = (f"{dst}o_proj.{s}", 0, cfg.hidden_size)
+        if cfg.qk_norm:
+            t[f"{src}self_attn.q_norm.weight"] = (f"{dst}q_norm.weight", 0, cfg.head_dim)
+            t[f"{src}self_attn.k_norm.weight"] = (f"{dst}k_norm.weight", 0, cfg.head_dim)
+        for s in ["weight", "bias"] if cfg.mlp_bias else suffixes:
+            t[f"{src}mlp.gate_proj.{s}"] = (f"{dst}gate_up_proj.{s}", 0, inter)
+            t[f"{src}mlp.up_proj.{s}"] = (f"{dst}gate_up_proj.{s}", inter, inter)
+            t[f"{src}mlp.down_proj.{s}"] = (f"{dst}down_proj.{s}", 0, cfg.hidden_size)
+    return t
+
+
+def _stderr_progress() -> ProgressFn:
+    start = time.monotonic()
+    last = [-1]
+
+    def report(done: int, total: int) -> None:
+        pct = int(100 * done / max(total, 1))
+        if pct // 10 != last[0] // 10 or done == total:
+            last[0] = pct
+            gb = 1024**3
+            print(f"loading weights: {pct:3d}% ({done / gb:.2f}/{total / gb:.2f} GiB, "
+                  f"{time.monotonic() - start:.1f}s)", file=sys.stderr, flush=True)
+
+    return report
+
+
+def load_model(
+    model_dir: str | Path,
+    cfg: ModelConfig,
+    *,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_positions: int,
+    progress: ProgressFn | None | bool = None,
+) -> CausalLM:
+    """Build ``CausalLM`` for ``cfg`` and fill it from the folder's safetensors files.
+
+    ``progress``: a callback ``(bytes_done, bytes_total)``; ``None`` prints to stderr for
+    checkpoints over 256 MiB; ``False`` is silent.
+    """
+    model_dir = Path(model_dir)
+    files = weight_files(model_dir)
+    targets = _targets(cfg)
+    if cfg.tie_word_embeddings:
+        files.pop("lm_head.weight", None)  # tied checkpoints sometimes carry a copy
+    unexpected = sorted(n for n in files if n not in targets and not _IGNORED.match(n))
+    missing = sorted(n for n in targets if n not in files)
+    if missing or unexpected:
+        parts = []
+        if missing:
+            parts.append(f"missing tensors {_clip(missing)}")
+        if unexpected:
+            parts.append(f"unexpected tensors {_clip(unexpected)}")
+        raise ValueError(f"checkpoint {model_dir} does not match {cfg.architecture}: "
+                         + "; ".join(parts))
+
+    with torch.device("meta"):
+        model = CausalLM(cfg, max_positions=1)
+    model = model.to(dtype).to_empty(device=device)
+    model.rope = RotaryEmbedding(cfg.head_dim, cfg.rope, max_positions).to(device)
+    params = dict(model.named_parameters())
+
+    by_file: dict[Path, list[str]] = {}
+    for name in targets:
+        by_file.setdefault(files[name], []).append(name)
+    total = sum(p.numel() * p.element_size() for p in params.values())
+    if progress is None:
+        progress = _stderr_progress() if total >= PROGRESS_MIN_BYTES else False
+    done = 0
+    with torch.no_grad():
+        for path, names in by_file.items():
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                for name in names:
+                    pname, row, rows = targets[name]
+                    dst = params[pname].narrow(0, row, rows)
+                    src = f.get_tensor(name)
+                    if tuple(src.shape) != tuple(dst.shape):
+                        raise ValueError(
+                            f"tensor {name} in {path.name} has shape {tuple(src.shape)}, "
+                            f"expected {tuple(dst.shape)} from config.json"
+                        )
+                    dst.copy_(src)
+                    del src
+                    done += dst.numel() * dst.element_size()
+                    if progress:
+                        progress(done, total)
+    model.eval()
+    return model
+
+
+def _clip(names: list[str], n: int = 8) -> str:
+    shown = ", ".join(names[:n])
+    return shown + (f", ... ({len(names) - n} more)" if len(names) > n else "")

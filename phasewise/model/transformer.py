@@ -1,0 +1,102 @@
+"""The decoder-only transformer shared by Llama, Mistral, Qwen2 and Qwen3.
+
+The four architectures differ only in flags read by ``ModelConfig``: q/k/v (and o) biases,
+q/k RMSNorm, tied embeddings and RoPE scaling. Projections are fused at load time: q, k and v
+into one ``qkv_proj``; gate and up into one ``gate_up_proj``.
+
+The forward pass takes a flat batch of tokens from many requests (see ``attention.py`` for its
+layout) and never sees requests, HTTP or scheduling.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from phasewise.model.attention import AttentionMetadata, paged_attention, write_kv
+from phasewise.model.config import ModelConfig
+from phasewise.model.layers import RMSNorm, RotaryEmbedding
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        h, q, kv = cfg.hidden_size, cfg.q_size, cfg.kv_size
+        self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.qkv_proj = nn.Linear(h, q + 2 * kv, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(q, h, bias=cfg.o_bias)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.gate_up_proj = nn.Linear(h, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, h, bias=cfg.mlp_bias)
+        self.scale = cfg.head_dim**-0.5
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, hidden]
+        rope: RotaryEmbedding,
+        positions: torch.Tensor,  # [T]
+        k_cache: torch.Tensor,  # [num_blocks, block_size, n_kv, head_dim]
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        cfg = self.cfg
+        t = x.shape[0]
+        hd, nh, nkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+        qkv = self.qkv_proj(self.input_layernorm(x))  # [T, q + 2 kv]
+        q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+        q = q.reshape(t, nh, hd)
+        k = k.reshape(t, nkv, hd)
+        v = v.reshape(t, nkv, hd)
+        if cfg.qk_norm:
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        q = rope(positions, q)
+        k = rope(positions, k)
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        attn = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)  # [T, nh, hd]
+        x = x + self.o_proj(attn.reshape(t, nh * hd))
+
+        gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).chunk(2, dim=-1)
+        return x + self.down_proj(F.silu(gate) * up)
+
+
+class CausalLM(nn.Module):
+    """Embedding, decoder layers, final norm and LM head."""
+
+    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope, max_positions)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        if self.cfg.tie_word_embeddings:
+            return self.embed_tokens.weight
+        return self.lm_head.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer (k_cache, v_cache)
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Run the flat batch through the decoder; returns final hidden states [T, hidden]."""
+        x = self.embed_tokens(input_ids)
+        for layer, (kc, vc) in zip(self.layers, kv_caches):
+            x = layer(x, self.rope, positions, kc, vc, meta)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits ([n, vocab], fp32) for the hidden states of the positions to be sampled."""
+        return F.linear(hidden, self.lm_head_weight).float()

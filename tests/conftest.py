@@ -1,0 +1,108 @@
+"""Shared fixtures: tiny random-weight checkpoints written by HF transformers itself.
+
+transformers builds and saves the reference model (``save_pretrained``), so the files phasewise
+loads are exactly what real checkpoints look like, and the same in-memory model serves as the
+reference implementation.
+"""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from phasewise.model.tiny import train_tokenizer
+
+ARCHS = ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"]
+
+_CORPUS = [
+    "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + "
+    "fibonacci(n - 2)\n",
+    "The quick brown fox jumps over the lazy dog. " * 3,
+    "class Stack:\n    def __init__(self):\n        self.items = []\n    def push(self, x):\n"
+    "        self.items.append(x)\n",
+    "import os, sys\nfor path in sys.argv[1:]:\n    print(os.path.getsize(path))\n",
+    "Prefill is compute-bound; decode is bound by memory bandwidth. Ünïcödé ✓ 日本語 🙂\n",
+]
+
+
+def hf_config(arch: str, vocab_size: int, **over: Any):
+    import transformers
+
+    common: dict[str, Any] = dict(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        bos_token_id=0, eos_token_id=1, pad_token_id=2, tie_word_embeddings=False,
+    )
+    common.update(over)
+    cls = {
+        "LlamaForCausalLM": transformers.LlamaConfig,
+        "MistralForCausalLM": transformers.MistralConfig,
+        "Qwen2ForCausalLM": transformers.Qwen2Config,
+        "Qwen3ForCausalLM": transformers.Qwen3Config,
+    }[arch]
+    if arch == "MistralForCausalLM":
+        common.setdefault("sliding_window", None)
+    if arch == "Qwen3ForCausalLM":
+        common.setdefault("head_dim", 16)
+    return cls(**common)
+
+
+def build_hf_checkpoint(out: Path, arch: str, dtype: torch.dtype = torch.float32, seed: int = 0,
+                        max_shard_size: str | None = None, **over: Any):
+    """Write a random-weight checkpoint with transformers; return the in-memory HF model."""
+    import transformers
+
+    vocab = train_tokenizer(out, _CORPUS, vocab_size=300)
+    cfg = hf_config(arch, vocab, **over)
+    torch.manual_seed(seed)
+    model_cls = getattr(transformers, arch)
+    model = model_cls(cfg).eval()
+    # Spread the weights: HF's default init (std 0.02) gives near-uniform logits, where
+    # greedy ties would make parity a coin toss.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, 0.15)
+    model = model.to(dtype)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(out, **kwargs)
+    return model
+
+
+@pytest.fixture(scope="session")
+def hf_checkpoints(tmp_path_factory) -> dict[str, tuple[Path, Any]]:
+    """One fp32 checkpoint per supported architecture: {arch: (folder, hf_model)}."""
+    out = {}
+    for i, arch in enumerate(ARCHS):
+        path = tmp_path_factory.mktemp(arch)
+        over: dict[str, Any] = {}
+        if arch == "LlamaForCausalLM":
+            over["tie_word_embeddings"] = True  # cover tied embeddings too
+        out[arch] = (path, build_hf_checkpoint(path, arch, seed=i, **over))
+    return out
+
+
+@pytest.fixture(scope="session")
+def llama_dir(hf_checkpoints) -> Path:
+    return hf_checkpoints["LlamaForCausalLM"][0]
+
+
+def hf_greedy(model, prompt_ids: list[int], n: int) -> list[int]:
+    """Reference greedy continuation of ``n`` tokens that ignores end-of-sequence."""
+    ids = torch.tensor([prompt_ids])
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                             do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt_ids):].tolist()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
