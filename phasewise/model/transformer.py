@@ -16,7 +16,8 @@ from torch import nn
 
 from phasewise.model.attention import AttentionMetadata, paged_attention, write_kv
 from phasewise.model.config import ModelConfig
-from phasewise.model.layers import RMSNorm, RotaryEmbedding
+from phasewise.model.layers import RMSNorm, RotaryEmbedding, apply_rope
+from phasewise.model.linear import LinearFn, torch_linear
 
 
 class DecoderLayer(nn.Module):
@@ -38,31 +39,34 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         x: torch.Tensor,  # [T, hidden]
-        rope: RotaryEmbedding,
-        positions: torch.Tensor,  # [T]
+        cos_sin: tuple[torch.Tensor, torch.Tensor],  # each [T, 1, head_dim]
         k_cache: torch.Tensor,  # [num_blocks, block_size, n_kv, head_dim]
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
+        lin: LinearFn,
     ) -> torch.Tensor:
         cfg = self.cfg
         t = x.shape[0]
         hd, nh, nkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
-        qkv = self.qkv_proj(self.input_layernorm(x))  # [T, q + 2 kv]
-        q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-        q = q.reshape(t, nh, hd)
-        k = k.reshape(t, nkv, hd)
-        v = v.reshape(t, nkv, hd)
+        p = self.qkv_proj
+        qkv = lin(self.input_layernorm(x), p.weight, p.bias)  # [T, q + 2 kv]
+        v = qkv[:, cfg.q_size + cfg.kv_size:].view(t, nkv, hd)
         if cfg.qk_norm:
-            q = self.q_norm(q)
-            k = self.k_norm(k)
-        q = rope(positions, q)
-        k = rope(positions, k)
+            q = self.q_norm(qkv[:, :cfg.q_size].view(t, nh, hd))
+            k = self.k_norm(qkv[:, cfg.q_size:cfg.q_size + cfg.kv_size].view(t, nkv, hd))
+            qk = torch.cat([q, k], dim=1)  # [T, nh + nkv, hd]
+        else:
+            qk = qkv[:, :cfg.q_size + cfg.kv_size].view(t, nh + nkv, hd)
+        qk = apply_rope(qk, *cos_sin)  # q and k rotated together
+        q, k = qk[:, :nh], qk[:, nh:]
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         attn = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)  # [T, nh, hd]
-        x = x + self.o_proj(attn.reshape(t, nh * hd))
+        x = x + lin(attn.reshape(t, nh * hd), self.o_proj.weight, self.o_proj.bias)
 
-        gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).chunk(2, dim=-1)
-        return x + self.down_proj(F.silu(gate) * up)
+        h = self.post_attention_layernorm(x)
+        gate_up = lin(h, self.gate_up_proj.weight, self.gate_up_proj.bias)  # [T, 2 * inter]
+        gate, up = gate_up.chunk(2, dim=-1)
+        return x + lin(F.silu(gate) * up, self.down_proj.weight, self.down_proj.bias)
 
 
 class CausalLM(nn.Module):
@@ -77,6 +81,8 @@ class CausalLM(nn.Module):
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope, max_positions)
+        # How linear layers are computed; the engine may swap in a calibrated dispatch.
+        self.linear: LinearFn = torch_linear
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -93,10 +99,11 @@ class CausalLM(nn.Module):
     ) -> torch.Tensor:
         """Run the flat batch through the decoder; returns final hidden states [T, hidden]."""
         x = self.embed_tokens(input_ids)
+        cos_sin = self.rope.cos_sin(positions, x.dtype)
         for layer, (kc, vc) in zip(self.layers, kv_caches):
-            x = layer(x, self.rope, positions, kc, vc, meta)
+            x = layer(x, cos_sin, kc, vc, meta, self.linear)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits ([n, vocab], fp32) for the hidden states of the positions to be sampled."""
-        return F.linear(hidden, self.lm_head_weight).float()
+        return self.linear(hidden, self.lm_head_weight, None).float()

