@@ -20,8 +20,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", default="chunked", choices=["chunked", "prefill-first"])
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--linear-backend", default="auto", choices=["auto", "torch"],
-                   help="auto: time phasewise's CPU kernels against torch at start-up")
+    p.add_argument("--kernels", default="auto", choices=["auto", "torch"],
+                   help="auto: phasewise's CPU kernels for bf16 models on CPU; torch: none")
 
 
 def _engine_kwargs(a: argparse.Namespace) -> dict:
@@ -29,7 +29,7 @@ def _engine_kwargs(a: argparse.Namespace) -> dict:
                 block_size=a.block_size, kv_cache_memory=a.kv_cache_memory,
                 max_num_batched_tokens=a.max_num_batched_tokens, max_num_seqs=a.max_num_seqs,
                 policy=a.policy, enable_prefix_caching=not a.no_prefix_caching, seed=a.seed,
-                linear_backend=a.linear_backend)
+                kernels=a.kernels)
 
 
 def cmd_generate(a: argparse.Namespace) -> int:

@@ -6,7 +6,7 @@ import re
 from dataclasses import dataclass
 
 DEVICES = ("auto", "cpu", "cuda")
-LINEAR_BACKENDS = ("auto", "torch")
+KERNEL_CHOICES = ("auto", "torch")
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6,
           "mib": 2**20, "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12,
           "tib": 2**40}
@@ -39,8 +39,9 @@ class EngineConfig:
     it with an exact block count (tests use this to force preemption).
     ``max_model_len``: default is the checkpoint's ``max_position_embeddings``, lowered to fit
     the pool if needed.
-    ``linear_backend``: ``auto`` times phasewise's CPU kernels against torch for bf16 weights
-    on CPU at start-up and uses the faster per batch size; ``torch`` always uses ``F.linear``.
+    ``kernels``: ``auto`` uses phasewise's CPU kernels for bf16 models on CPU (linear layers
+    are timed against torch at start-up and the faster is used per batch size); ``torch``
+    uses torch operations only.
     """
 
     model: str
@@ -55,7 +56,7 @@ class EngineConfig:
     policy: str = "chunked"
     enable_prefix_caching: bool = True
     seed: int = 0
-    linear_backend: str = "auto"
+    kernels: str = "auto"
 
     def __post_init__(self) -> None:
         from phasewise.engine.scheduler import POLICIES
@@ -76,9 +77,9 @@ class EngineConfig:
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
                 raise ValueError(f"{name} must be an integer >= 1 or None, got {v!r}")
-        if self.linear_backend not in LINEAR_BACKENDS:
-            raise ValueError(f"linear_backend must be one of {', '.join(LINEAR_BACKENDS)}; "
-                             f"got {self.linear_backend!r}")
+        if self.kernels not in KERNEL_CHOICES:
+            raise ValueError(f"kernels must be one of {', '.join(KERNEL_CHOICES)}; "
+                             f"got {self.kernels!r}")
         if self.kv_cache_memory is not None:
             parse_memory(self.kv_cache_memory)
         if not isinstance(self.seed, int):

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from phasewise.model import cpu_kernels
 from phasewise.model.linear import LinearDispatch, Upcast
+from phasewise.model.ops import CpuKernelOps, TorchOps
 
 needs_kernels = pytest.mark.skipif(cpu_kernels.load() is None,
                                    reason=f"CPU kernels unavailable: {cpu_kernels.unavailable_reason}")
@@ -21,14 +22,14 @@ def reference(x, w, b):
 
 @needs_kernels
 @settings(max_examples=40, deadline=None)
-@given(m=st.integers(1, 11), n=st.integers(1, 37), k=st.integers(1, 70), bias=st.booleans(),
-       seed=st.integers(0, 2**31 - 1))
-def test_kernel_matches_fp32_reference(m, n, k, bias, seed):
+@given(m=st.integers(1, 40), n=st.integers(1, 300), k=st.integers(1, 600), bias=st.booleans(),
+       seed=st.integers(0, 2**31 - 1), fn=st.sampled_from(["linear_bf16", "gemm_bf16"]))
+def test_kernels_match_fp32_reference(m, n, k, bias, seed, fn):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(m, k, generator=g).bfloat16()
     w = torch.randn(n, k, generator=g).bfloat16()
     b = torch.randn(n, generator=g).bfloat16() if bias else None
-    y = cpu_kernels.linear_bf16(x, w, b)
+    y = getattr(cpu_kernels, fn)(x, w, b)
     assert y.dtype == torch.bfloat16 and y.shape == (m, n)
     ref = reference(x, w, b)
     # Exact fp32 accumulation then one bf16 rounding: within one bf16 ulp of the reference,
@@ -46,9 +47,19 @@ def test_kernel_handles_leading_dims_and_strided_input():
                                rtol=2**-7, atol=5e-3)
 
 
-@pytest.mark.parametrize("kernel_max,large", [(0, "torch"), (0, "upcast"), (8, "upcast")])
+@needs_kernels
+def test_gemm_covers_several_blocks():
+    """Sizes past every blocking factor (96 rows, 256 of K, 256 weight rows per block)."""
+    x = torch.randn(200, 600).bfloat16()
+    w = torch.randn(530, 600).bfloat16()
+    torch.testing.assert_close(cpu_kernels.gemm_bf16(x, w).float(), reference(x, w, None),
+                               rtol=2**-7, atol=0.03)
+
+
+@pytest.mark.parametrize("kernel_max,large", [(0, "torch"), (0, "upcast"), (8, "upcast"),
+                                              (4, "gemm")])
 def test_every_dispatch_plan_computes_the_same_function(kernel_max, large):
-    if kernel_max and cpu_kernels.load() is None:
+    if (kernel_max or large == "gemm") and cpu_kernels.load() is None:
         pytest.skip("CPU kernels unavailable")
     d = LinearDispatch(kernel_max_rows=kernel_max, large=large)
     w = torch.randn(40, 32).bfloat16()
@@ -70,8 +81,76 @@ def test_upcast_reuses_its_scratch():
 def test_calibration_yields_a_valid_plan():
     d = LinearDispatch.calibrate(torch.randn(256, 128).bfloat16(), large_rows=32,
                                  kernel_rows=(4, 8))
-    assert d.large in ("torch", "upcast")
+    assert d.large in ("torch", "upcast", "gemm")
     assert d.kernel_max_rows in (0, 1, 4, 8)
     assert d.timings and d.timings["torch"][32] > 0
-    with pytest.raises(ValueError, match="large must be 'torch' or 'upcast'"):
+    with pytest.raises(ValueError, match="large must be one of torch, upcast, gemm"):
         LinearDispatch(kernel_max_rows=0, large="magic")
+
+
+# -- the fused element-wise kernels against the torch reference ops ---------------------------
+
+@pytest.fixture
+def ops():
+    if cpu_kernels.load() is None:
+        pytest.skip(f"CPU kernels unavailable: {cpu_kernels.unavailable_reason}")
+    return CpuKernelOps(LinearDispatch(kernel_max_rows=8, large="torch"))
+
+
+BF16 = dict(rtol=2**-7, atol=2**-7)
+
+
+@needs_kernels
+@pytest.mark.parametrize("with_delta", [False, True])
+def test_add_rms_norm_matches_torch(ops, with_delta):
+    g = torch.Generator().manual_seed(1)
+    hidden = torch.randn(5, 96, generator=g).bfloat16()
+    delta = torch.randn(5, 96, generator=g).bfloat16() if with_delta else None
+    w = (1 + 0.1 * torch.randn(96, generator=g)).bfloat16()
+    ref_out, ref_hidden = TorchOps().add_rms_norm(delta, hidden.clone(), w, 1e-6)
+    out, new_hidden = ops.add_rms_norm(delta, hidden.clone(), w, 1e-6)
+    assert torch.equal(new_hidden, ref_hidden)  # the bf16 add rounds identically
+    torch.testing.assert_close(out.float(), ref_out.float(), **BF16)
+
+
+@needs_kernels
+def test_silu_mul_matches_torch(ops):
+    gu = torch.randn(3, 2 * 40).bfloat16()
+    torch.testing.assert_close(ops.silu_mul(gu).float(), TorchOps().silu_mul(gu).float(),
+                               **BF16)
+
+
+@needs_kernels
+def test_rope_matches_torch_on_a_strided_view(ops):
+    from phasewise.model.config import RopeConfig
+    from phasewise.model.layers import RotaryEmbedding
+
+    rope = RotaryEmbedding(16, RopeConfig(theta=10000.0), max_positions=64)
+    pos = torch.tensor([0, 5, 63])
+    qkv = torch.randn(3, 7 * 16).bfloat16()
+    view = qkv[:, :5 * 16].view(3, 5, 16)  # q and k heads; v stays untouched
+    ref = TorchOps().rope(view.clone(), TorchOps().rope_tables(rope.cos, rope.sin, pos,
+                                                               torch.bfloat16))
+    v_before = qkv[:, 5 * 16:].clone()
+    out = ops.rope(view, ops.rope_tables(rope.cos, rope.sin, pos, torch.bfloat16))
+    torch.testing.assert_close(out.float(), ref.float(), rtol=2**-6, atol=2**-6)
+    assert torch.equal(qkv[:, 5 * 16:], v_before)
+
+
+@needs_kernels
+@pytest.mark.parametrize("heads", [(4, 4), (14, 2), (6, 1)])
+def test_decode_attention_matches_torch(ops, heads):
+    from phasewise.model.attention import AttentionMetadata
+
+    n_heads, n_kv = heads
+    g = torch.Generator().manual_seed(2)
+    k_cache = torch.randn(12, 4, n_kv, 32, generator=g).bfloat16()
+    v_cache = torch.randn(12, 4, n_kv, 32, generator=g).bfloat16()
+    meta = AttentionMetadata.build(chunk_lens=[1, 1, 1], context_lens=[0, 6, 13],
+                                   block_tables=[[3], [0, 7], [1, 2, 4, 9]], block_size=4,
+                                   device=torch.device("cpu"))
+    q_full = torch.randn(3, n_heads + n_kv, 32, generator=g).bfloat16()
+    q = q_full[:, :n_heads]  # strided, as in the model
+    ref = TorchOps().decode_attention(q, k_cache, v_cache, meta, 32**-0.5)
+    out = ops.decode_attention(q, k_cache, v_cache, meta, 32**-0.5)
+    torch.testing.assert_close(out.float(), ref.float(), rtol=2**-6, atol=2**-6)

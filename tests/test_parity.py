@@ -17,7 +17,10 @@ from phasewise import LLM, SamplingParams
 from phasewise.engine.engine import LLMEngine
 from phasewise.config import EngineConfig
 from phasewise.model.attention import AttentionMetadata
+from phasewise.model import cpu_kernels
 from phasewise.model.config import ModelConfig
+from phasewise.model.linear import LinearDispatch
+from phasewise.model.ops import CpuKernelOps
 from phasewise.model.loader import load_model
 
 N_NEW = 32
@@ -123,9 +126,11 @@ LOGIT_ATOL = {torch.float32: 1e-4, torch.bfloat16: 0.2}
 LOGIT_MEAN_ATOL = {torch.float32: 1e-5, torch.bfloat16: 0.03}
 
 
-def our_logits(path, dtype: torch.dtype, ids: list[int]) -> torch.Tensor:
+def our_logits(path, dtype: torch.dtype, ids: list[int], linear=None) -> torch.Tensor:
     cfg = ModelConfig.from_file(path)
     model = load_model(path, cfg, dtype=dtype, device=torch.device("cpu"), max_positions=256)
+    if linear is not None:
+        model.ops = CpuKernelOps(linear)
     n, bs = len(ids), 16
     nb = -(-n // bs)
     kv = [(torch.zeros(nb, bs, cfg.num_kv_heads, cfg.head_dim, dtype=dtype),
@@ -152,6 +157,22 @@ def test_logits_close_to_hf(tmp_path, arch, dtype):
     assert diff.mean().item() <= LOGIT_MEAN_ATOL[dtype], f"mean |diff| {diff.mean():.3g}"
     # And the comparison is not vacuous: logits are spread well beyond the tolerance.
     assert ref.std().item() > 5 * LOGIT_ATOL[dtype]
+
+
+@pytest.mark.parametrize("plan", [(64, "upcast"), (0, "upcast"), (1, "torch"), (0, "gemm")],
+                         ids=["kernel", "upcast", "kernel-b1", "gemm"])
+def test_bf16_linear_plans_stay_within_tolerance(tmp_path, plan):
+    """The CPU kernel ops, with every way of computing bf16 linears, keep HF parity."""
+    if (plan[0] or plan[1] == "gemm") and cpu_kernels.load() is None:
+        pytest.skip(f"CPU kernels unavailable: {cpu_kernels.unavailable_reason}")
+    hf = build_hf_checkpoint(tmp_path, "Qwen2ForCausalLM", dtype=torch.bfloat16, seed=13)
+    ids = random_prompts(hf.config.vocab_size, [40], seed=8)[0]
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0].float()
+    ours = our_logits(tmp_path, torch.bfloat16, ids, LinearDispatch(*plan))
+    diff = (ours - ref).abs()
+    assert diff.max().item() <= LOGIT_ATOL[torch.bfloat16]
+    assert diff.mean().item() <= LOGIT_MEAN_ATOL[torch.bfloat16]
 
 
 def test_logprobs_along_a_mixed_batch_match_hf(hf_checkpoints):

@@ -25,6 +25,7 @@ from phasewise.engine.sampling_params import SamplingParams
 from phasewise.engine.scheduler import Scheduler, SchedulerConfig
 from phasewise.model.config import ModelConfig
 from phasewise.model.linear import LinearDispatch
+from phasewise.model.ops import CpuKernelOps
 from phasewise.model.loader import load_model, resolve_dtype
 from phasewise.model.tokenizer import Tokenizer, load_generation_config
 
@@ -73,10 +74,9 @@ class LLMEngine:
         self.model = load_model(model_dir, mc, dtype=self.dtype, device=self.device,
                                 max_positions=max_len, progress=load_progress)
         self.linear_plan: LinearDispatch | None = None
-        if (config.linear_backend == "auto" and self.device.type == "cpu"
-                and self.dtype == torch.bfloat16):
+        if config.kernels == "auto" and self.device.type == "cpu" and self.dtype == torch.bfloat16:
             self.linear_plan = LinearDispatch.calibrate(self.model.layers[0].gate_up_proj.weight)
-            self.model.linear = self.linear_plan
+            self.model.ops = CpuKernelOps(self.linear_plan)
         if num_blocks is None:
             free, _ = torch.cuda.mem_get_info(self.device)
             num_blocks = min(blocks_for_all, int(free * 0.9) // block_bytes)

@@ -17,6 +17,7 @@ cache plus its chunk, causally inside the chunk.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -42,6 +43,7 @@ class AttentionMetadata:
     num_decode_tokens: int
     decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks] int64
     decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] bool
+    decode_seq_lens: torch.Tensor | None  # [num_decodes] int64: keys each decode attends to
     prefills: list[PrefillSpan]
 
     @classmethod
@@ -69,15 +71,14 @@ class AttentionMetadata:
                 slots.append(table[pos // block_size] * block_size + pos % block_size)
         slot_mapping = torch.tensor(slots, dtype=torch.int64, device=device)
 
-        decode_tables = decode_mask = None
+        decode_tables = decode_mask = seq_lens = None
         if num_decodes:
             max_blocks = max(len(block_tables[r]) for r in range(num_decodes))
             padded = [block_tables[r] + [0] * (max_blocks - len(block_tables[r]))
                       for r in range(num_decodes)]
             decode_tables = torch.tensor(padded, dtype=torch.int64, device=device)
-            seq_lens = torch.tensor(
-                [context_lens[r] + 1 for r in range(num_decodes)], device=device
-            )
+            seq_lens = torch.tensor([context_lens[r] + 1 for r in range(num_decodes)],
+                                    dtype=torch.int64, device=device)
             key_pos = torch.arange(max_blocks * block_size, device=device)
             decode_mask = (key_pos[None, :] < seq_lens[:, None])[:, None, None, :]
 
@@ -94,7 +95,7 @@ class AttentionMetadata:
                 mask = k_pos[None, :] <= q_pos[:, None]
             prefills.append(PrefillSpan(start, start + n, ctx, table, mask))
             start += n
-        return cls(slot_mapping, num_decodes, decode_tables, decode_mask, prefills)
+        return cls(slot_mapping, num_decodes, decode_tables, decode_mask, seq_lens, prefills)
 
 
 def write_kv(
@@ -107,6 +108,24 @@ def write_kv(
     v_cache.view(-1, n_kv, hd).index_copy_(0, slot_mapping, v)
 
 
+def decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Attention of the decode group: q [num_decodes, n_heads, hd] -> same shape."""
+    assert meta.decode_block_tables is not None and meta.decode_mask is not None
+    nd, n_heads, hd = q.shape
+    n_kv = k_cache.shape[2]
+    bt = meta.decode_block_tables  # [B, nb]
+    length = bt.shape[1] * k_cache.shape[1]
+    # Gather each request's context: [B, nb, block_size, n_kv, hd] -> [B, n_kv, L, hd]
+    kc = k_cache[bt].view(nd, length, n_kv, hd).transpose(1, 2)
+    vc = v_cache[bt].view(nd, length, n_kv, hd).transpose(1, 2)
+    qd = q.reshape(nd, n_kv, n_heads // n_kv, hd)  # [B, n_kv, group, hd]
+    scores = torch.matmul(qd, kc.transpose(-1, -2)).float() * scale  # [B, n_kv, group, L]
+    scores.masked_fill_(~meta.decode_mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(q.dtype)
+    return torch.matmul(probs, vc).view(nd, n_heads, hd)
+
+
 def paged_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -115,31 +134,23 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    decode_fn: Callable[..., torch.Tensor] = decode_attention_torch,
 ) -> torch.Tensor:
     """Attention for a flat mixed batch.
 
     q: [num_tokens, n_heads, head_dim]; k, v: [num_tokens, n_kv_heads, head_dim], already
-    written to the cache. Returns [num_tokens, n_heads, head_dim].
+    written to the cache. ``decode_fn`` computes the decode group (same contract as
+    ``decode_attention_torch``). Returns [num_tokens, n_heads, head_dim].
     """
     num_tokens, n_heads, hd = q.shape
     n_kv = k.shape[1]
     group = n_heads // n_kv
-    out = torch.empty_like(q)
-
     nd = meta.num_decode_tokens
+    if nd == num_tokens:
+        return decode_fn(q, k_cache, v_cache, meta, scale)
+    out = torch.empty(num_tokens, n_heads, hd, dtype=q.dtype, device=q.device)
     if nd:
-        assert meta.decode_block_tables is not None and meta.decode_mask is not None
-        bt = meta.decode_block_tables  # [B, nb]
-        block_size = k_cache.shape[1]
-        length = bt.shape[1] * block_size
-        # Gather each request's context: [B, nb, block_size, n_kv, hd] -> [B, n_kv, L, hd]
-        kc = k_cache[bt].view(nd, length, n_kv, hd).transpose(1, 2)
-        vc = v_cache[bt].view(nd, length, n_kv, hd).transpose(1, 2)
-        qd = q[:nd].view(nd, n_kv, group, hd)  # [B, n_kv, group, hd]
-        scores = torch.matmul(qd, kc.transpose(-1, -2)).float() * scale  # [B, n_kv, group, L]
-        scores.masked_fill_(~meta.decode_mask, float("-inf"))
-        probs = torch.softmax(scores, dim=-1).to(q.dtype)
-        out[:nd] = torch.matmul(probs, vc).view(nd, n_heads, hd)
+        out[:nd] = decode_fn(q[:nd], k_cache, v_cache, meta, scale)
 
     for span in meta.prefills:
         qs = q[span.start:span.end].transpose(0, 1).unsqueeze(0)  # [1, n_heads, n, hd]

@@ -17,6 +17,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <omp.h>
+#include <math.h>
 
 #define NR 4 /* weight rows per micro-tile */
 #define MR 4 /* activation rows per micro-tile (at most) */
@@ -122,4 +124,265 @@ int pw_linear_bf16(const uint16_t *xb, const uint16_t *w, const uint16_t *bias, 
     }
     free(x);
     return 0;
+}
+
+
+/* ---------------------------------------------------------------------------------------
+ * Many activation rows (prefill): a packed, cache-blocked GEMM.
+ *
+ * Weights are widened to fp32 while being packed into 16-column panels, activations into
+ * 6-row panels; a 6x16 register tile (12 accumulators) runs the FMAs. Blocking: NC weight
+ * rows x KC of K are packed once and reused by every activation panel; the fp32 result block
+ * (M x NC) stays in a per-thread buffer across the K blocks and is rounded to bf16 at the end.
+ * Threads split the weight rows (N).
+ */
+#define GMR 6
+#define GNR 16
+#define GKC 256
+#define GMC 96
+#define GNC 256
+
+/* bp[p][k][16] for panels p of 16 weight rows; rows past n_end are zero. */
+static void pack_w(const uint16_t *w, int K, int n0, int nc, int n_end, int k0, int kc, float *bp) {
+    for (int p = 0; p < nc; p += GNR) {
+        float *dst = bp + (long)p * kc;
+        for (int j = 0; j < GNR; j++) {
+            int n = n0 + p + j;
+            if (n < n_end) {
+                const uint16_t *src = w + (long)n * K + k0;
+                for (int k = 0; k < kc; k++) dst[k * GNR + j] = bf16_to_f32(src[k]);
+            } else {
+                for (int k = 0; k < kc; k++) dst[k * GNR + j] = 0.0f;
+            }
+        }
+    }
+}
+
+/* ap[p][k][6] for panels p of 6 activation rows; rows past m_end are zero. */
+static void pack_x(const uint16_t *x, int K, int m0, int mc, int m_end, int k0, int kc, float *ap) {
+    for (int p = 0; p < mc; p += GMR) {
+        float *dst = ap + (long)p * kc;
+        for (int i = 0; i < GMR; i++) {
+            int m = m0 + p + i;
+            if (m < m_end) {
+                const uint16_t *src = x + (long)m * K + k0;
+                for (int k = 0; k < kc; k++) dst[k * GMR + i] = bf16_to_f32(src[k]);
+            } else {
+                for (int k = 0; k < kc; k++) dst[k * GMR + i] = 0.0f;
+            }
+        }
+    }
+}
+
+/* c[6][ldc] (+)= a-panel x b-panel over kc */
+static void micro_6x16(int kc, const float *a, const float *b, float *c, int ldc, int acc) {
+    __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
+    __m256 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
+    for (int k = 0; k < kc; k++) {
+        __m256 b0 = _mm256_loadu_ps(b + k * GNR), b1 = _mm256_loadu_ps(b + k * GNR + 8);
+        const float *ak = a + k * GMR;
+        __m256 av = _mm256_broadcast_ss(ak + 0);
+        c00 = _mm256_fmadd_ps(av, b0, c00); c01 = _mm256_fmadd_ps(av, b1, c01);
+        av = _mm256_broadcast_ss(ak + 1);
+        c10 = _mm256_fmadd_ps(av, b0, c10); c11 = _mm256_fmadd_ps(av, b1, c11);
+        av = _mm256_broadcast_ss(ak + 2);
+        c20 = _mm256_fmadd_ps(av, b0, c20); c21 = _mm256_fmadd_ps(av, b1, c21);
+        av = _mm256_broadcast_ss(ak + 3);
+        c30 = _mm256_fmadd_ps(av, b0, c30); c31 = _mm256_fmadd_ps(av, b1, c31);
+        av = _mm256_broadcast_ss(ak + 4);
+        c40 = _mm256_fmadd_ps(av, b0, c40); c41 = _mm256_fmadd_ps(av, b1, c41);
+        av = _mm256_broadcast_ss(ak + 5);
+        c50 = _mm256_fmadd_ps(av, b0, c50); c51 = _mm256_fmadd_ps(av, b1, c51);
+    }
+    __m256 r[GMR][2] = {{c00, c01}, {c10, c11}, {c20, c21}, {c30, c31}, {c40, c41}, {c50, c51}};
+    for (int i = 0; i < GMR; i++) {
+        float *ci = c + (long)i * ldc;
+        if (acc) {
+            r[i][0] = _mm256_add_ps(r[i][0], _mm256_loadu_ps(ci));
+            r[i][1] = _mm256_add_ps(r[i][1], _mm256_loadu_ps(ci + 8));
+        }
+        _mm256_storeu_ps(ci, r[i][0]);
+        _mm256_storeu_ps(ci + 8, r[i][1]);
+    }
+}
+
+/* y = x @ w^T (+ bias) for many rows of x. Same contract as pw_linear_bf16. */
+int pw_gemm_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y,
+                 int M, int N, int K, int nthreads) {
+    int n_panels = (N + GNR - 1) / GNR;
+    int m_pad = (M + GMR - 1) / GMR * GMR;
+    int failed = 0;
+#pragma omp parallel num_threads(nthreads) reduction(| : failed)
+    {
+        int nt = omp_get_num_threads(), t = omp_get_thread_num();
+        int p_lo = (int)((long)n_panels * t / nt), p_hi = (int)((long)n_panels * (t + 1) / nt);
+        int n_lo = p_lo * GNR, n_hi = p_hi * GNR < N ? p_hi * GNR : N;
+        float *bp = (float *)malloc(sizeof(float) * GNC * GKC);
+        float *ap = (float *)malloc(sizeof(float) * GMC * GKC);
+        float *cb = (float *)malloc(sizeof(float) * (size_t)m_pad * GNC);
+        if (!bp || !ap || !cb) {
+            failed = 1;
+        } else {
+            for (int jc = n_lo; jc < n_hi; jc += GNC) {
+                int nc = n_hi - jc < GNC ? n_hi - jc : GNC;
+                int nc_pad = (nc + GNR - 1) / GNR * GNR;
+                for (int pc = 0; pc < K; pc += GKC) {
+                    int kc = K - pc < GKC ? K - pc : GKC;
+                    pack_w(w, K, jc, nc_pad, jc + nc, pc, kc, bp);
+                    for (int ic = 0; ic < M; ic += GMC) {
+                        int mc = M - ic < GMC ? M - ic : GMC;
+                        int mc_pad = (mc + GMR - 1) / GMR * GMR;
+                        pack_x(x, K, ic, mc_pad, M, pc, kc, ap);
+                        for (int jr = 0; jr < nc_pad; jr += GNR)
+                            for (int ir = 0; ir < mc_pad; ir += GMR)
+                                micro_6x16(kc, ap + (long)ir * kc, bp + (long)jr * kc,
+                                           cb + (long)(ic + ir) * GNC + jr, GNC, pc > 0);
+                    }
+                }
+                for (int m = 0; m < M; m++)
+                    for (int j = 0; j < nc; j++) {
+                        float v = cb[(long)m * GNC + j] + (bias ? bf16_to_f32(bias[jc + j]) : 0.0f);
+                        y[(long)m * N + jc + j] = f32_to_bf16(v);
+                    }
+            }
+        }
+        free(bp);
+        free(ap);
+        free(cb);
+    }
+    return failed ? -1 : 0;
+}
+
+
+/* ---------------------------------------------------------------------------------------
+ * Fused element-wise steps of a decoder layer (bf16 in and out, fp32 inside). Each replaces
+ * several torch ops, whose per-op dispatch cost dominates at the few rows of a decode step.
+ * Rounding follows the reference implementation's order where it rounds to bf16 in between.
+ */
+
+/* If delta: hidden = bf16(hidden + delta) (in place). Then
+ * y = bf16(w * bf16(hidden * rsqrt(mean(hidden^2) + eps))). */
+void pw_add_rmsnorm_bf16(const uint16_t *delta, uint16_t *hidden, const uint16_t *w,
+                         uint16_t *y, int rows, int dim, float eps, int nthreads) {
+#pragma omp parallel for num_threads(rows > 1 ? nthreads : 1) schedule(static)
+    for (int r = 0; r < rows; r++) {
+        uint16_t *h = hidden + (long)r * dim;
+        if (delta) {
+            const uint16_t *d = delta + (long)r * dim;
+            for (int i = 0; i < dim; i++) h[i] = f32_to_bf16(bf16_to_f32(h[i]) + bf16_to_f32(d[i]));
+        }
+        float ss = 0.0f;
+        for (int i = 0; i < dim; i++) {
+            float v = bf16_to_f32(h[i]);
+            ss += v * v;
+        }
+        float rs = 1.0f / sqrtf(ss / (float)dim + eps);
+        uint16_t *yr = y + (long)r * dim;
+        for (int i = 0; i < dim; i++) {
+            float n = bf16_to_f32(f32_to_bf16(bf16_to_f32(h[i]) * rs));
+            yr[i] = f32_to_bf16(n * bf16_to_f32(w[i]));
+        }
+    }
+}
+
+/* out[r][i] = bf16(bf16(silu(gate[r][i])) * up[r][i]) with gate_up[r] = [gate | up]. */
+void pw_silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int rows, int inter, int nthreads) {
+#pragma omp parallel for num_threads(rows > 1 ? nthreads : 1) schedule(static)
+    for (int r = 0; r < rows; r++) {
+        const uint16_t *g = gate_up + (long)r * 2 * inter, *u = g + inter;
+        uint16_t *o = out + (long)r * inter;
+        for (int i = 0; i < inter; i++) {
+            float x = bf16_to_f32(g[i]);
+            float s = bf16_to_f32(f32_to_bf16(x / (1.0f + expf(-x))));
+            o[i] = f32_to_bf16(s * bf16_to_f32(u[i]));
+        }
+    }
+}
+
+/* Rotate heads in place: x row r (stride row_stride elements) holds n_heads heads of hd.
+ * cos/sin: fp32 [rows][hd] (the table rows of each token's position). */
+void pw_rope_bf16(uint16_t *x, long row_stride, const float *cos_t, const float *sin_t,
+                  int rows, int n_heads, int hd) {
+    int half = hd / 2;
+    for (int r = 0; r < rows; r++) {
+        const float *c = cos_t + (long)r * hd, *sn = sin_t + (long)r * hd;
+        for (int h = 0; h < n_heads; h++) {
+            uint16_t *v = x + (long)r * row_stride + (long)h * hd;
+            for (int i = 0; i < half; i++) {
+                float a = bf16_to_f32(v[i]), b = bf16_to_f32(v[i + half]);
+                v[i] = f32_to_bf16(a * c[i] - b * sn[i]);
+                v[i + half] = f32_to_bf16(b * c[i + half] + a * sn[i + half]);
+            }
+        }
+    }
+}
+
+/* Decode attention over the paged cache: one query token per request.
+ * q: [B][n_heads][hd] with row stride q_stride; caches: [blocks][bs][n_kv][hd];
+ * block_tables: [B][max_blocks] int64; seq_lens: [B] int64 (keys to attend, incl. the new one);
+ * out: [B][n_heads][hd] contiguous. Softmax and sums in fp32. */
+int pw_decode_attention_bf16(const uint16_t *q, long q_stride, const uint16_t *k_cache,
+                             const uint16_t *v_cache, const int64_t *block_tables,
+                             int max_blocks, const int64_t *seq_lens, uint16_t *out, int B,
+                             int n_heads, int n_kv, int hd, int bs, float scale, int nthreads) {
+    int group = n_heads / n_kv;
+    int failed = 0;
+#pragma omp parallel for num_threads(nthreads) schedule(dynamic) reduction(| : failed)
+    for (int task = 0; task < B * n_kv; task++) {
+        int b = task / n_kv, kvh = task % n_kv;
+        int len = (int)seq_lens[b];
+        const int64_t *table = block_tables + (long)b * max_blocks;
+        /* scratch: scores [group][len], acc [group][hd], qf [group][hd], mx [group], denom [group] */
+        float *buf = (float *)malloc(sizeof(float) * ((size_t)group * len + 2 * (size_t)group * hd + 2 * (size_t)group));
+        if (!buf) { failed = 1; continue; }
+        float *scores = buf, *acc = scores + (long)group * len, *qf = acc + (long)group * hd;
+        float *mx = qf + (long)group * hd, *denom = mx + group;
+        for (int g = 0; g < group; g++) {
+            mx[g] = -INFINITY;
+            for (int i = 0; i < hd; i++) {
+                acc[g * hd + i] = 0.0f;
+                qf[g * hd + i] = bf16_to_f32(q[(long)b * q_stride + (long)(kvh * group + g) * hd + i]) * scale;
+            }
+        }
+        for (int t = 0; t < len; t++) {
+            const uint16_t *kr = k_cache + ((table[t / bs] * bs + t % bs) * n_kv + kvh) * (long)hd;
+            for (int g = 0; g < group; g++) {
+                __m256 a = _mm256_setzero_ps();
+                int i = 0;
+                for (; i + 8 <= hd; i += 8)
+                    a = _mm256_fmadd_ps(load_bf16x8(kr + i), _mm256_loadu_ps(qf + g * hd + i), a);
+                float sc = hsum8(a);
+                for (; i < hd; i++) sc += bf16_to_f32(kr[i]) * qf[g * hd + i];
+                scores[(long)g * len + t] = sc;
+                if (sc > mx[g]) mx[g] = sc;
+            }
+        }
+        for (int g = 0; g < group; g++) {
+            float d = 0.0f;
+            for (int t = 0; t < len; t++) {
+                float e = expf(scores[(long)g * len + t] - mx[g]);
+                scores[(long)g * len + t] = e;
+                d += e;
+            }
+            denom[g] = d;
+        }
+        for (int t = 0; t < len; t++) {
+            const uint16_t *vr = v_cache + ((table[t / bs] * bs + t % bs) * n_kv + kvh) * (long)hd;
+            for (int g = 0; g < group; g++) {
+                float pt = scores[(long)g * len + t];
+                __m256 p = _mm256_set1_ps(pt);
+                int i = 0;
+                for (; i + 8 <= hd; i += 8) {
+                    __m256 cur = _mm256_loadu_ps(acc + g * hd + i);
+                    _mm256_storeu_ps(acc + g * hd + i, _mm256_fmadd_ps(p, load_bf16x8(vr + i), cur));
+                }
+                for (; i < hd; i++) acc[g * hd + i] += pt * bf16_to_f32(vr[i]);
+            }
+        }
+        for (int g = 0; g < group; g++)
+            for (int i = 0; i < hd; i++)
+                out[((long)b * n_heads + kvh * group + g) * hd + i] = f32_to_bf16(acc[g * hd + i] / denom[g]);
+        free(buf);
+    }
+    return failed ? -1 : 0;
 }

@@ -24,6 +24,7 @@ import torch
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
+LIBS = ["-lm"]
 
 _lib: ctypes.CDLL | None = None
 _tried = False
@@ -60,7 +61,7 @@ def _build(out: Path) -> None:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        subprocess.run([cc, *CFLAGS, str(SOURCE), "-o", tmp], check=True,
+        subprocess.run([cc, *CFLAGS, str(SOURCE), "-o", tmp, *LIBS], check=True,
                        capture_output=True, text=True)
         os.replace(tmp, out)  # atomic: concurrent builders never see a half-written file
     except subprocess.CalledProcessError as e:
@@ -88,18 +89,25 @@ def load() -> ctypes.CDLL | None:
     except (RuntimeError, OSError) as e:
         unavailable_reason = str(e)
         return None
-    lib.pw_linear_bf16.restype = ctypes.c_int
-    lib.pw_linear_bf16.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4
+    P, I, L, F = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
+    signatures = {
+        "pw_linear_bf16": (I, [P, P, P, P, I, I, I, I]),
+        "pw_gemm_bf16": (I, [P, P, P, P, I, I, I, I]),
+        "pw_add_rmsnorm_bf16": (None, [P, P, P, P, I, I, F, I]),
+        "pw_silu_mul_bf16": (None, [P, P, I, I, I]),
+        "pw_rope_bf16": (None, [P, L, P, P, I, I, I]),
+        "pw_decode_attention_bf16": (I, [P, L, P, P, P, I, P, P, I, I, I, I, I, F, I]),
+    }
+    for name, (restype, argtypes) in signatures.items():
+        fn = getattr(lib, name)
+        fn.restype = restype
+        fn.argtypes = argtypes
     _lib = lib
     return lib
 
 
-def linear_bf16(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None
-                ) -> torch.Tensor:
-    """``F.linear`` for bf16 CPU tensors through the AVX2 kernel (``load()`` must succeed).
-
-    x: [..., K], w: [N, K], bias: [N] or None -> [..., N], all bf16.
-    """
+def _call(name: str, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None
+          ) -> torch.Tensor:
     lib = load()
     if lib is None:
         raise RuntimeError(f"CPU kernels unavailable: {unavailable_reason}")
@@ -109,9 +117,24 @@ def linear_bf16(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = No
     m = x2.shape[0]
     y = torch.empty(m, n, dtype=torch.bfloat16)
     if m:
-        rc = lib.pw_linear_bf16(x2.data_ptr(), w.data_ptr(),
+        rc = getattr(lib, name)(x2.data_ptr(), w.data_ptr(),
                                 bias.data_ptr() if bias is not None else None, y.data_ptr(),
                                 m, n, k, torch.get_num_threads())
         if rc != 0:
-            raise MemoryError("pw_linear_bf16 could not allocate scratch memory")
+            raise MemoryError(f"{name} could not allocate scratch memory")
     return y.view(*x.shape[:-1], n)
+
+
+def linear_bf16(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None
+                ) -> torch.Tensor:
+    """``F.linear`` for bf16 CPU tensors, streaming each weight once (few rows of ``x``).
+
+    x: [..., K], w: [N, K] contiguous, bias: [N] or None -> [..., N], all bf16.
+    """
+    return _call("pw_linear_bf16", x, w, bias)
+
+
+def gemm_bf16(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None
+              ) -> torch.Tensor:
+    """Same contract as ``linear_bf16``, as a packed, cache-blocked GEMM (many rows)."""
+    return _call("pw_gemm_bf16", x, w, bias)

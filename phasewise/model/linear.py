@@ -5,12 +5,13 @@ For bf16 weights on a CPU, three ways compute the same function:
 * ``torch``: ``F.linear`` in bf16 (fast where the CPU has native bf16 dot products);
 * ``kernel``: phasewise's AVX2 kernel (``cpu_kernels.c``), which streams each weight once at
   close to memory speed; best for the few activation rows of a decode step;
-* ``upcast``: widen the weight to fp32 in a reused scratch buffer, then fp32 GEMM; best for
-  many rows (prefill) on CPUs whose bf16 GEMM is slow.
+* ``upcast``: widen the weight to fp32 in a reused scratch buffer, then torch's fp32 GEMM;
+* ``gemm``: phasewise's packed GEMM (``cpu_kernels.c``), widening bf16 to fp32 while packing.
+  The last two are for many rows (prefill) on CPUs whose bf16 GEMM is slow.
 
 ``LinearDispatch.calibrate`` times them on one of the model's own weights at engine start
-(well under a second) and keeps a plan: the kernel up to a row count, the faster of the other
-two above it. Every method accumulates in fp32, so they differ only in rounding order.
+(about a second) and keeps a plan: the kernel up to a row count, the fastest of the others
+above it. Every method accumulates in fp32, so they differ only in rounding order.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import torch.nn.functional as F
 from phasewise.model import cpu_kernels
 
 LinearFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
-METHODS = ("torch", "kernel", "upcast")
+LARGE_METHODS = ("torch", "upcast", "gemm")
 
 
 def torch_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
@@ -47,27 +48,34 @@ class Upcast:
         return y.to(x.dtype)
 
 
+def _large_fn(method: str) -> LinearFn:
+    if method == "upcast":
+        return Upcast()
+    if method == "gemm":
+        return cpu_kernels.gemm_bf16
+    return torch_linear
+
+
 @dataclass
 class LinearDispatch:
     """Callable ``(x, w, b) -> y`` that picks a method by the number of activation rows."""
 
     kernel_max_rows: int  # use the kernel for row counts up to this (0: never)
-    large: str  # "torch" or "upcast", for more rows
+    large: str  # one of LARGE_METHODS, for more rows
     timings: dict[str, dict[int, float]] | None = None  # calibration seconds, for reports
 
     def __post_init__(self) -> None:
-        if self.large not in ("torch", "upcast"):
-            raise ValueError(f"large must be 'torch' or 'upcast', got {self.large!r}")
-        self._upcast = Upcast()
+        if self.large not in LARGE_METHODS:
+            raise ValueError(f"large must be one of {', '.join(LARGE_METHODS)}; "
+                             f"got {self.large!r}")
+        self._large = _large_fn(self.large)
 
     def __call__(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None
                  ) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
         if rows <= self.kernel_max_rows:
             return cpu_kernels.linear_bf16(x, w, b)
-        if self.large == "upcast":
-            return self._upcast(x, w, b)
-        return F.linear(x, w, b)
+        return self._large(x, w, b)
 
     def describe(self) -> str:
         if self.kernel_max_rows:
@@ -80,7 +88,6 @@ class LinearDispatch:
         """Time the methods on ``weight`` ([N, K] bf16, CPU) and build a plan."""
         k = weight.shape[1]
         gen = torch.Generator().manual_seed(0)
-        upcast = Upcast()
 
         def seconds(fn: LinearFn, rows: int) -> float:
             x = torch.randn(rows, k, generator=gen).to(weight.dtype)
@@ -92,13 +99,15 @@ class LinearDispatch:
                 best = min(best, time.perf_counter() - t)
             return best
 
-        timings: dict[str, dict[int, float]] = {"torch": {}, "upcast": {}, "kernel": {}}
-        timings["torch"][large_rows] = seconds(torch_linear, large_rows)
-        timings["upcast"][large_rows] = seconds(upcast, large_rows)
-        large = min(("torch", "upcast"), key=lambda m: timings[m][large_rows])
-        large_fn: LinearFn = torch_linear if large == "torch" else upcast
+        have_kernels = cpu_kernels.load() is not None
+        candidates = [m for m in LARGE_METHODS if m != "gemm" or have_kernels]
+        timings: dict[str, dict[int, float]] = {m: {} for m in (*candidates, "kernel")}
+        for m in candidates:
+            timings[m][large_rows] = seconds(_large_fn(m), large_rows)
+        large = min(candidates, key=lambda m: timings[m][large_rows])
+        large_fn = _large_fn(large)
         kernel_max = 0
-        if cpu_kernels.load() is not None:
+        if have_kernels:
             if seconds(cpu_kernels.linear_bf16, 1) <= seconds(large_fn, 1):
                 kernel_max = 1
                 for rows in kernel_rows:

@@ -11,13 +11,12 @@ layout) and never sees requests, HTTP or scheduling.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from phasewise.model.attention import AttentionMetadata, paged_attention, write_kv
 from phasewise.model.config import ModelConfig
-from phasewise.model.layers import RMSNorm, RotaryEmbedding, apply_rope
-from phasewise.model.linear import LinearFn, torch_linear
+from phasewise.model.layers import RMSNorm, RotaryEmbedding
+from phasewise.model.ops import RopeTables, TorchOps
 
 
 class DecoderLayer(nn.Module):
@@ -38,35 +37,41 @@ class DecoderLayer(nn.Module):
 
     def forward(
         self,
-        x: torch.Tensor,  # [T, hidden]
-        cos_sin: tuple[torch.Tensor, torch.Tensor],  # each [T, 1, head_dim]
+        delta: torch.Tensor | None,  # [T, hidden]: previous layer's output, not yet added
+        hidden: torch.Tensor,  # [T, hidden]: the residual stream
+        rope: RopeTables,
         k_cache: torch.Tensor,  # [num_blocks, block_size, n_kv, head_dim]
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
-        lin: LinearFn,
-    ) -> torch.Tensor:
+        ops: TorchOps,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (this layer's MLP output, residual stream before adding it)."""
         cfg = self.cfg
-        t = x.shape[0]
+        t = hidden.shape[0]
         hd, nh, nkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
-        p = self.qkv_proj
-        qkv = lin(self.input_layernorm(x), p.weight, p.bias)  # [T, q + 2 kv]
+        eps = cfg.rms_norm_eps
+        x, hidden = ops.add_rms_norm(delta, hidden, self.input_layernorm.weight, eps)
+        qkv = ops.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)  # [T, q + 2 kv]
         v = qkv[:, cfg.q_size + cfg.kv_size:].view(t, nkv, hd)
         if cfg.qk_norm:
-            q = self.q_norm(qkv[:, :cfg.q_size].view(t, nh, hd))
-            k = self.k_norm(qkv[:, cfg.q_size:cfg.q_size + cfg.kv_size].view(t, nkv, hd))
+            q = ops.rms_norm(qkv[:, :cfg.q_size].reshape(t, nh, hd), self.q_norm.weight, eps)
+            k = ops.rms_norm(qkv[:, cfg.q_size:cfg.q_size + cfg.kv_size].reshape(t, nkv, hd),
+                             self.k_norm.weight, eps)
             qk = torch.cat([q, k], dim=1)  # [T, nh + nkv, hd]
         else:
             qk = qkv[:, :cfg.q_size + cfg.kv_size].view(t, nh + nkv, hd)
-        qk = apply_rope(qk, *cos_sin)  # q and k rotated together
+        qk = ops.rope(qk, rope)  # q and k rotated together
         q, k = qk[:, :nh], qk[:, nh:]
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        attn = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)  # [T, nh, hd]
-        x = x + lin(attn.reshape(t, nh * hd), self.o_proj.weight, self.o_proj.bias)
+        attn = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale,
+                               ops.decode_attention)  # [T, nh, hd]
+        attn_out = ops.linear(attn.reshape(t, nh * hd), self.o_proj.weight, self.o_proj.bias)
 
-        h = self.post_attention_layernorm(x)
-        gate_up = lin(h, self.gate_up_proj.weight, self.gate_up_proj.bias)  # [T, 2 * inter]
-        gate, up = gate_up.chunk(2, dim=-1)
-        return x + lin(F.silu(gate) * up, self.down_proj.weight, self.down_proj.bias)
+        x, hidden = ops.add_rms_norm(attn_out, hidden, self.post_attention_layernorm.weight,
+                                     eps)
+        gate_up = ops.linear(x, self.gate_up_proj.weight, self.gate_up_proj.bias)
+        mlp_out = ops.linear(ops.silu_mul(gate_up), self.down_proj.weight, self.down_proj.bias)
+        return mlp_out, hidden
 
 
 class CausalLM(nn.Module):
@@ -81,8 +86,8 @@ class CausalLM(nn.Module):
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope, max_positions)
-        # How linear layers are computed; the engine may swap in a calibrated dispatch.
-        self.linear: LinearFn = torch_linear
+        # How the numeric steps are computed; the engine may swap in CPU kernels.
+        self.ops: TorchOps = TorchOps()
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -98,12 +103,15 @@ class CausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """Run the flat batch through the decoder; returns final hidden states [T, hidden]."""
-        x = self.embed_tokens(input_ids)
-        cos_sin = self.rope.cos_sin(positions, x.dtype)
+        ops = self.ops
+        hidden = self.embed_tokens(input_ids)
+        rope = ops.rope_tables(self.rope.cos, self.rope.sin, positions, hidden.dtype)
+        delta = None
         for layer, (kc, vc) in zip(self.layers, kv_caches):
-            x = layer(x, cos_sin, kc, vc, meta, self.linear)
-        return self.norm(x)
+            delta, hidden = layer(delta, hidden, rope, kc, vc, meta, ops)
+        out, _ = ops.add_rms_norm(delta, hidden, self.norm.weight, self.cfg.rms_norm_eps)
+        return out
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits ([n, vocab], fp32) for the hidden states of the positions to be sampled."""
-        return self.linear(hidden, self.lm_head_weight, None).float()
+        return self.ops.linear(hidden, self.lm_head_weight, None).float()

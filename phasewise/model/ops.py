@@ -1,0 +1,136 @@
+"""The numeric steps of a decoder layer, behind one interface with two implementations.
+
+``TorchOps`` is the reference: torch operations, any device and dtype. ``CpuKernelOps``
+replaces the steps that dominate a CPU decode step with phasewise's C kernels when the
+tensors are bf16 on a CPU with AVX2: linear layers (through a calibrated ``LinearDispatch``),
+residual-add + RMSNorm, SiLU-and-multiply, RoPE, and decode attention over the paged cache.
+At the few rows of a decode step, a torch op costs more in dispatch than in arithmetic; each
+kernel replaces several of them. Anything a kernel does not cover falls back to ``TorchOps``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from phasewise.model import cpu_kernels
+from phasewise.model.attention import AttentionMetadata, decode_attention_torch
+from phasewise.model.linear import LinearDispatch
+
+RopeTables = tuple[torch.Tensor, torch.Tensor]
+
+
+class TorchOps:
+    name = "torch"
+
+    def linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        return F.linear(x, w, b)
+
+    def add_rms_norm(self, delta: torch.Tensor | None, hidden: torch.Tensor,
+                     weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """``hidden += delta`` (if given), then RMSNorm it. Returns (normed, new hidden).
+        The norm runs in fp32 and is cast back before the weight, as the reference does.
+        Implementations may update ``hidden`` in place: callers use the returned one."""
+        if delta is not None:
+            hidden = hidden + delta
+        normed = F.rms_norm(hidden.float(), (hidden.shape[-1],), eps=eps).to(hidden.dtype)
+        return weight * normed, hidden
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return self.add_rms_norm(None, x, weight, eps)[0]
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    def rope_tables(self, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                    dtype: torch.dtype) -> RopeTables:
+        """Rows of the fp32 cos/sin tables for this step's positions, shared by all layers."""
+        return cos[positions].to(dtype)[:, None, :], sin[positions].to(dtype)[:, None, :]
+
+    def rope(self, x: torch.Tensor, tables: RopeTables) -> torch.Tensor:
+        """Rotate ``x`` ([T, heads, head_dim], any strides); returns the rotated tensor."""
+        cos, sin = tables
+        half = x.shape[-1] // 2
+        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return x * cos + rotated * sin
+
+    def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        return decode_attention_torch(q, k_cache, v_cache, meta, scale)
+
+
+class CpuKernelOps(TorchOps):
+    name = "cpu-kernels"
+
+    def __init__(self, linear: LinearDispatch) -> None:
+        # Without the compiled library only the linear dispatch (torch / fp32 upcast) applies.
+        self.lib = cpu_kernels.load()
+        self.dispatch = linear
+
+    def _ok(self, *ts: torch.Tensor) -> bool:
+        return self.lib is not None and all(
+            t.dtype == torch.bfloat16 and t.device.type == "cpu" and t.is_contiguous()
+            for t in ts)
+
+    def linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        if w.dtype != torch.bfloat16 or w.device.type != "cpu":
+            return F.linear(x, w, b)
+        return self.dispatch(x, w, b)
+
+    def add_rms_norm(self, delta: torch.Tensor | None, hidden: torch.Tensor,
+                     weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        ts = (hidden, weight) if delta is None else (hidden, weight, delta)
+        if not self._ok(*ts) or (delta is not None and delta.shape != hidden.shape):
+            return super().add_rms_norm(delta, hidden, weight, eps)
+        dim = hidden.shape[-1]
+        rows = hidden.numel() // dim
+        out = torch.empty_like(hidden)
+        self.lib.pw_add_rmsnorm_bf16(
+            delta.data_ptr() if delta is not None else None, hidden.data_ptr(),
+            weight.data_ptr(), out.data_ptr(), rows, dim, float(eps), torch.get_num_threads())
+        return out, hidden
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if not self._ok(gate_up):
+            return super().silu_mul(gate_up)
+        inter = gate_up.shape[-1] // 2
+        rows = gate_up.numel() // gate_up.shape[-1]
+        out = torch.empty(*gate_up.shape[:-1], inter, dtype=gate_up.dtype)
+        self.lib.pw_silu_mul_bf16(gate_up.data_ptr(), out.data_ptr(), rows, inter,
+                                  torch.get_num_threads())
+        return out
+
+    def rope_tables(self, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                    dtype: torch.dtype) -> RopeTables:
+        if self.lib is None or dtype != torch.bfloat16 or cos.device.type != "cpu":
+            return super().rope_tables(cos, sin, positions, dtype)
+        return cos[positions].contiguous(), sin[positions].contiguous()  # fp32 [T, hd]
+
+    def rope(self, x: torch.Tensor, tables: RopeTables) -> torch.Tensor:
+        cos, sin = tables
+        t, heads, hd = x.shape
+        if (self.lib is None or cos.dtype != torch.float32 or x.dtype != torch.bfloat16
+                or x.stride(2) != 1 or x.stride(1) != hd):
+            return super().rope(x, tables)
+        # In place: x is this step's own qkv buffer.
+        self.lib.pw_rope_bf16(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(),
+                              t, heads, hd)
+        return x
+
+    def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        nd, nh, hd = q.shape
+        bt, lens = meta.decode_block_tables, meta.decode_seq_lens
+        if (not self._ok(k_cache, v_cache) or q.dtype != torch.bfloat16 or q.stride(2) != 1
+                or q.stride(1) != hd or bt is None or lens is None):
+            return super().decode_attention(q, k_cache, v_cache, meta, scale)
+        n_kv = k_cache.shape[2]
+        out = torch.empty(nd, nh, hd, dtype=q.dtype)
+        rc = self.lib.pw_decode_attention_bf16(
+            q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), bt.data_ptr(),
+            bt.shape[1], lens.data_ptr(), out.data_ptr(), nd, nh, n_kv, hd, k_cache.shape[1],
+            float(scale), torch.get_num_threads())
+        if rc != 0:
+            raise MemoryError("pw_decode_attention_bf16 could not allocate scratch memory")
+        return out
