@@ -198,3 +198,22 @@ def test_logprobs_along_a_mixed_batch_match_hf(hf_checkpoints):
             for t, lp in entry.items():
                 assert abs(lp - row[t].item()) < 1e-4
             assert set(row.topk(5).indices.tolist()) <= set(entry)
+
+
+def test_bf16_engine_with_cpu_kernels_tracks_hf(tmp_path):
+    """A bf16 engine on the kernel ops (decode attention, fused norms, calibrated linears),
+    through chunked prefill and decode, reports logprobs within the bf16 tolerance of HF."""
+    hf = build_hf_checkpoint(tmp_path, "Qwen2ForCausalLM", dtype=torch.bfloat16, seed=21)
+    prompts = random_prompts(hf.config.vocab_size, [5, 30, 12], seed=12)
+    llm = LLM(str(tmp_path), max_num_batched_tokens=16)
+    if cpu_kernels.load() is not None:
+        assert isinstance(llm.engine.model.ops, CpuKernelOps)
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=3)
+    for prompt, out in zip(prompts, llm.generate(prompts, params)):
+        full = torch.tensor([prompt + out.token_ids])
+        with torch.no_grad():
+            ref = torch.log_softmax(hf(full).logits[0].float(), dim=-1)
+        for j, entry in enumerate(out.logprobs):
+            row = ref[len(prompt) - 1 + j]
+            for t, lp in entry.items():
+                assert abs(lp - row[t].item()) <= LOGIT_ATOL[torch.bfloat16]

@@ -71,6 +71,8 @@ class LLMEngine:
         else:
             num_blocks = None  # CUDA: decided from the memory left after the weights
 
+        if num_blocks is not None:  # settle the sizes before spending time on the weights
+            max_len = self._fit_context(num_blocks, max_len)
         self.model = load_model(model_dir, mc, dtype=self.dtype, device=self.device,
                                 max_positions=max_len, progress=load_progress)
         self.linear_plan: LinearDispatch | None = None
@@ -80,23 +82,7 @@ class LLMEngine:
         if num_blocks is None:
             free, _ = torch.cuda.mem_get_info(self.device)
             num_blocks = min(blocks_for_all, int(free * 0.9) // block_bytes)
-        if num_blocks < 1:
-            raise ValueError(f"the KV cache budget holds no block of {block_bytes} bytes; "
-                             "raise kv_cache_memory")
-
-        capacity = num_blocks * bs
-        if capacity - 1 < max_len:
-            if config.max_model_len:
-                raise ValueError(
-                    f"the KV cache holds {capacity} tokens ({num_blocks} blocks of {bs}), too few "
-                    f"for max_model_len {max_len}; raise kv_cache_memory or lower max_model_len")
-            max_len = capacity - 1
-        if mc.sliding_window is not None and mc.sliding_window < max_len:
-            raise ValueError(
-                f"{mc.architecture} uses a sliding attention window of {mc.sliding_window} "
-                f"tokens, shorter than max_model_len {max_len}; phasewise attends to the full "
-                f"context, which would compute a different model. Set max_model_len <= "
-                f"{mc.sliding_window}.")
+            max_len = self._fit_context(num_blocks, max_len)
         self.max_model_len = max_len
         self.eos_token_ids = self._eos_ids()
 
@@ -120,6 +106,29 @@ class LLMEngine:
         self._step_index = 0
 
     # -- set-up helpers --------------------------------------------------------------------
+    def _fit_context(self, num_blocks: int, max_len: int) -> int:
+        """Check the pool against the context length (lowering a default one to fit) and
+        the checkpoint's sliding window against the result; returns max_model_len."""
+        config, mc, bs = self.config, self.model_config, self.config.block_size
+        if num_blocks < 1:
+            raise ValueError("the KV cache budget holds no block of "
+                             f"{ModelRunner.bytes_per_block(mc, bs, self.dtype)} bytes; "
+                             "raise kv_cache_memory")
+        capacity = num_blocks * bs
+        if capacity - 1 < max_len:
+            if config.max_model_len:
+                raise ValueError(
+                    f"the KV cache holds {capacity} tokens ({num_blocks} blocks of {bs}), too few "
+                    f"for max_model_len {max_len}; raise kv_cache_memory or lower max_model_len")
+            max_len = capacity - 1
+        if mc.sliding_window is not None and mc.sliding_window < max_len:
+            raise ValueError(
+                f"{mc.architecture} uses a sliding attention window of {mc.sliding_window} "
+                f"tokens, shorter than max_model_len {max_len}; phasewise attends to the full "
+                f"context, which would compute a different model. Set max_model_len <= "
+                f"{mc.sliding_window}.")
+        return max_len
+
     def _eos_ids(self) -> tuple[int, ...]:
         ids: list[int] = []
         gen = self.generation_config.get("eos_token_id")

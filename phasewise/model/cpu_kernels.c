@@ -88,12 +88,83 @@ static void tile_any(const float *x, const uint16_t *w, int K, int mr, int nr, f
         }
 }
 
+/* Row streaming for very few activation rows: one weight row at a time, read once, with a
+ * software prefetch ahead of the stream (measured +15-35% weight bandwidth on a 2-core
+ * Zen 3 against no prefetch and against the tiles below, at 1-4 rows). */
+#define PREFETCH_BYTES 256
+
+static float row_dot1(const float *x, const uint16_t *wr, int K) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    int k = 0;
+    for (; k + 32 <= K; k += 32) {
+        _mm_prefetch((const char *)(wr + k) + PREFETCH_BYTES, _MM_HINT_T0);
+        a0 = _mm256_fmadd_ps(load_bf16x8(wr + k), _mm256_loadu_ps(x + k), a0);
+        a1 = _mm256_fmadd_ps(load_bf16x8(wr + k + 8), _mm256_loadu_ps(x + k + 8), a1);
+        a2 = _mm256_fmadd_ps(load_bf16x8(wr + k + 16), _mm256_loadu_ps(x + k + 16), a2);
+        a3 = _mm256_fmadd_ps(load_bf16x8(wr + k + 24), _mm256_loadu_ps(x + k + 24), a3);
+    }
+    for (; k + 8 <= K; k += 8) a0 = _mm256_fmadd_ps(load_bf16x8(wr + k), _mm256_loadu_ps(x + k), a0);
+    float s = hsum8(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+    for (; k < K; k++) s += x[k] * bf16_to_f32(wr[k]);
+    return s;
+}
+
+#define DEFINE_ROWS(R)                                                                      \
+    static void rows_##R(const float *x, const uint16_t *wr, int K, float *out) {          \
+        __m256 a[R][2];                                                                     \
+        for (int i = 0; i < R; i++) a[i][0] = a[i][1] = _mm256_setzero_ps();                \
+        int k = 0;                                                                          \
+        for (; k + 16 <= K; k += 16) {                                                      \
+            _mm_prefetch((const char *)(wr + k) + PREFETCH_BYTES, _MM_HINT_T0);             \
+            __m256 w0 = load_bf16x8(wr + k), w1 = load_bf16x8(wr + k + 8);                  \
+            for (int i = 0; i < R; i++) {                                                   \
+                a[i][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + (long)i * K + k), a[i][0]);     \
+                a[i][1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + (long)i * K + k + 8), a[i][1]); \
+            }                                                                               \
+        }                                                                                   \
+        for (int i = 0; i < R; i++) {                                                       \
+            float s = hsum8(_mm256_add_ps(a[i][0], a[i][1]));                               \
+            for (int kk = k; kk < K; kk++) s += x[(long)i * K + kk] * bf16_to_f32(wr[kk]);  \
+            out[i] = s;                                                                     \
+        }                                                                                   \
+    }
+DEFINE_ROWS(2)
+DEFINE_ROWS(3)
+DEFINE_ROWS(4)
+DEFINE_ROWS(5)
+DEFINE_ROWS(6)
+#define ROW_STREAM_MAX 6
+
+static void linear_rows(const float *x, const uint16_t *w, const uint16_t *bias, uint16_t *y,
+                        int M, int N, int K, int nthreads) {
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int n = 0; n < N; n++) {
+        const uint16_t *wr = w + (long)n * K;
+        float out[ROW_STREAM_MAX];
+        switch (M) {
+            case 1: out[0] = row_dot1(x, wr, K); break;
+            case 2: rows_2(x, wr, K, out); break;
+            case 3: rows_3(x, wr, K, out); break;
+            case 4: rows_4(x, wr, K, out); break;
+            case 5: rows_5(x, wr, K, out); break;
+            default: rows_6(x, wr, K, out);
+        }
+        float b = bias ? bf16_to_f32(bias[n]) : 0.0f;
+        for (int i = 0; i < M; i++) y[(long)i * N + n] = f32_to_bf16(out[i] + b);
+    }
+}
+
 /* y = x @ w^T (+ bias). Returns 0, or -1 if scratch memory could not be allocated. */
 int pw_linear_bf16(const uint16_t *xb, const uint16_t *w, const uint16_t *bias, uint16_t *y,
                    int M, int N, int K, int nthreads) {
     float *x = (float *)malloc(sizeof(float) * (size_t)M * (size_t)K);
     if (!x) return -1;
     for (long i = 0; i < (long)M * K; i++) x[i] = bf16_to_f32(xb[i]);
+    if (M <= ROW_STREAM_MAX) {
+        linear_rows(x, w, bias, y, M, N, K, nthreads);
+        free(x);
+        return 0;
+    }
     int nblocks = (N + NR - 1) / NR;
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int b = 0; b < nblocks; b++) {
