@@ -154,3 +154,51 @@ def test_decode_attention_matches_torch(ops, heads):
     ref = TorchOps().decode_attention(q, k_cache, v_cache, meta, 32**-0.5)
     out = ops.decode_attention(q, k_cache, v_cache, meta, 32**-0.5)
     torch.testing.assert_close(out.float(), ref.float(), rtol=2**-6, atol=2**-6)
+
+
+@needs_kernels
+@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"])
+@pytest.mark.parametrize("rows", [1, 3, 6])
+def test_fused_decode_layer_matches_op_by_op(tmp_path, arch, rows):
+    """The one-call decode layer computes what the op-by-op kernel path computes (biases,
+    q/k norms and GQA included), writing the same K/V into the cache."""
+    from conftest import build_hf_checkpoint
+    from phasewise.model.attention import AttentionMetadata
+    from phasewise.model.config import ModelConfig
+    from phasewise.model.loader import load_model
+
+    build_hf_checkpoint(tmp_path, arch, dtype=torch.bfloat16, seed=5)
+    cfg = ModelConfig.from_file(tmp_path)
+    model = load_model(tmp_path, cfg, dtype=torch.bfloat16, device=torch.device("cpu"),
+                       max_positions=128)
+    g = torch.Generator().manual_seed(rows)
+    bs, n_blocks = 4, 40
+    caches = [(torch.randn(n_blocks, bs, cfg.num_kv_heads, cfg.head_dim, generator=g).bfloat16(),
+               torch.randn(n_blocks, bs, cfg.num_kv_heads, cfg.head_dim, generator=g).bfloat16())
+              for _ in range(cfg.num_layers)]
+    ctx = [5 + 3 * r for r in range(rows)]  # up to 21 tokens: 6 blocks of 4
+    perm = torch.randperm(n_blocks, generator=g).tolist()
+    tables = [perm[6 * r:6 * r + 6] for r in range(rows)]
+    meta = AttentionMetadata.build(chunk_lens=[1] * rows, context_lens=ctx,
+                                   block_tables=tables, block_size=bs,
+                                   device=torch.device("cpu"))
+    ids = torch.randint(3, cfg.vocab_size, (rows,), generator=g)
+    pos = torch.tensor(ctx)
+    outs = {}
+    for fused in (True, False):
+        model.ops = CpuKernelOps(LinearDispatch(kernel_max_rows=8, large="torch"),
+                                 fused_decode=fused)
+        kv = [(k.clone(), v.clone()) for k, v in caches]
+        with torch.no_grad():
+            outs[fused] = (model(ids, pos, kv, meta), kv)
+    torch.testing.assert_close(outs[True][0].float(), outs[False][0].float(),
+                               rtol=0.02, atol=0.02)
+    for (k1, v1), (k2, v2) in zip(outs[True][1], outs[False][1]):
+        torch.testing.assert_close(k1.float(), k2.float(), rtol=0.02, atol=0.02)
+        torch.testing.assert_close(v1.float(), v2.float(), rtol=0.02, atol=0.02)
+    # The fused path was really taken (it caches per-layer arguments).
+    fused_ops = CpuKernelOps(LinearDispatch(kernel_max_rows=8, large="torch"))
+    model.ops = fused_ops
+    with torch.no_grad():
+        model(ids, pos, [(k.clone(), v.clone()) for k, v in caches], meta)
+    assert len(fused_ops._layer_args) == cfg.num_layers

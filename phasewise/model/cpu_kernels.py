@@ -26,6 +26,24 @@ SOURCE = Path(__file__).with_name("cpu_kernels.c")
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
 LIBS = ["-lm"]
 
+# Most rows the fused decode layer takes (ROW_STREAM_MAX in cpu_kernels.c).
+DECODE_LAYER_MAX_ROWS = 6
+
+
+class DecodeLayerArgs(ctypes.Structure):
+    """Mirror of ``DecodeLayer`` in cpu_kernels.c (same fields, same order)."""
+
+    _fields_ = (
+        [(n, ctypes.c_int) for n in ("M", "H", "Q", "KV", "I", "n_heads", "n_kv", "hd", "bs",
+                                      "max_blocks", "qk_norm", "nthreads")]
+        + [("eps", ctypes.c_float), ("scale", ctypes.c_float)]
+        + [(n, ctypes.c_void_p) for n in (
+            "hidden", "delta", "out", "w_in_norm", "w_qkv", "b_qkv", "w_q_norm", "w_k_norm",
+            "w_o", "b_o", "w_post_norm", "w_gate_up", "b_gate_up", "w_down", "b_down",
+            "k_cache", "v_cache", "slots", "block_tables", "seq_lens", "cos", "sin")]
+    )
+
+
 _lib: ctypes.CDLL | None = None
 _tried = False
 unavailable_reason: str | None = None
@@ -97,6 +115,7 @@ def load() -> ctypes.CDLL | None:
         "pw_silu_mul_bf16": (None, [P, P, I, I, I]),
         "pw_rope_bf16": (None, [P, L, P, P, I, I, I]),
         "pw_decode_attention_bf16": (I, [P, L, P, P, P, I, P, P, I, I, I, I, I, F, I]),
+        "pw_decode_layer_bf16": (I, [ctypes.POINTER(DecodeLayerArgs)]),
     }
     for name, (restype, argtypes) in signatures.items():
         fn = getattr(lib, name)

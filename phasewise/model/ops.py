@@ -10,8 +10,11 @@ kernel replaces several of them. Anything a kernel does not cover falls back to 
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from phasewise.model import cpu_kernels
 from phasewise.model.attention import AttentionMetadata, decode_attention_torch
@@ -59,14 +62,23 @@ class TorchOps:
                          meta: AttentionMetadata, scale: float) -> torch.Tensor:
         return decode_attention_torch(q, k_cache, v_cache, meta, scale)
 
+    def decode_layer(self, layer: nn.Module, delta: torch.Tensor | None, hidden: torch.Tensor,
+                     rope: RopeTables, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A whole decoder layer in one call for a decode-only step, or None to run it op by
+        op. Same contract as ``DecoderLayer.forward``."""
+        return None
+
 
 class CpuKernelOps(TorchOps):
     name = "cpu-kernels"
 
-    def __init__(self, linear: LinearDispatch) -> None:
+    def __init__(self, linear: LinearDispatch, fused_decode: bool = True) -> None:
         # Without the compiled library only the linear dispatch (torch / fp32 upcast) applies.
         self.lib = cpu_kernels.load()
         self.dispatch = linear
+        self.fused_decode = fused_decode and self.lib is not None
+        self._layer_args: dict[int, cpu_kernels.DecodeLayerArgs] = {}
 
     def _ok(self, *ts: torch.Tensor) -> bool:
         return self.lib is not None and all(
@@ -134,3 +146,59 @@ class CpuKernelOps(TorchOps):
         if rc != 0:
             raise MemoryError("pw_decode_attention_bf16 could not allocate scratch memory")
         return out
+
+    def decode_layer(self, layer: nn.Module, delta: torch.Tensor | None, hidden: torch.Tensor,
+                     rope: RopeTables, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor] | None:
+        t = hidden.shape[0]
+        cos, sin = rope
+        if (not self.fused_decode or meta.num_decode_tokens != t
+                or t > cpu_kernels.DECODE_LAYER_MAX_ROWS or cos.dtype != torch.float32
+                or meta.decode_block_tables is None or meta.decode_seq_lens is None
+                or not self._ok(hidden, k_cache, v_cache)
+                or (delta is not None and not self._ok(delta))):
+            return None
+        args = self._layer_args.get(id(layer))
+        if args is None:
+            args = self._static_args(layer)
+            if args is None:
+                return None
+            self._layer_args[id(layer)] = args
+        out = torch.empty_like(hidden)
+        bt = meta.decode_block_tables
+        args.M, args.max_blocks, args.nthreads = t, bt.shape[1], torch.get_num_threads()
+        args.bs = k_cache.shape[1]
+        args.hidden, args.out = hidden.data_ptr(), out.data_ptr()
+        args.delta = delta.data_ptr() if delta is not None else None
+        args.k_cache, args.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
+        args.slots, args.block_tables = meta.slot_mapping.data_ptr(), bt.data_ptr()
+        args.seq_lens, args.cos, args.sin = (meta.decode_seq_lens.data_ptr(), cos.data_ptr(),
+                                             sin.data_ptr())
+        rc = self.lib.pw_decode_layer_bf16(ctypes.byref(args))
+        if rc != 0:
+            raise RuntimeError(f"pw_decode_layer_bf16 failed ({rc})")
+        return out, hidden
+
+    def _static_args(self, layer: nn.Module) -> cpu_kernels.DecodeLayerArgs | None:
+        """The per-layer fields (shapes, weight pointers); None if a weight is unsuitable."""
+        cfg = layer.cfg
+        weights = {
+            "w_in_norm": layer.input_layernorm.weight, "w_qkv": layer.qkv_proj.weight,
+            "b_qkv": layer.qkv_proj.bias, "w_o": layer.o_proj.weight, "b_o": layer.o_proj.bias,
+            "w_post_norm": layer.post_attention_layernorm.weight,
+            "w_gate_up": layer.gate_up_proj.weight, "b_gate_up": layer.gate_up_proj.bias,
+            "w_down": layer.down_proj.weight, "b_down": layer.down_proj.bias,
+        }
+        if cfg.qk_norm:
+            weights["w_q_norm"] = layer.q_norm.weight
+            weights["w_k_norm"] = layer.k_norm.weight
+        present = [w for w in weights.values() if w is not None]
+        if cfg.head_dim > 512 or not self._ok(*present):
+            return None
+        args = cpu_kernels.DecodeLayerArgs(
+            H=cfg.hidden_size, Q=cfg.q_size, KV=cfg.kv_size, I=cfg.intermediate_size,
+            n_heads=cfg.num_heads, n_kv=cfg.num_kv_heads, hd=cfg.head_dim,
+            qk_norm=int(cfg.qk_norm), eps=cfg.rms_norm_eps, scale=layer.scale)
+        for name, w in weights.items():
+            setattr(args, name, w.data_ptr() if w is not None else None)
+        return args

@@ -46,6 +46,9 @@ class DecoderLayer(nn.Module):
         ops: TorchOps,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (this layer's MLP output, residual stream before adding it)."""
+        fused = ops.decode_layer(self, delta, hidden, rope, k_cache, v_cache, meta)
+        if fused is not None:
+            return fused
         cfg = self.cfg
         t = hidden.shape[0]
         hd, nh, nkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
