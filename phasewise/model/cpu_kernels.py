@@ -116,6 +116,7 @@ def load() -> ctypes.CDLL | None:
         "pw_rope_bf16": (None, [P, L, P, P, I, I, I]),
         "pw_decode_attention_bf16": (I, [P, L, P, P, P, I, P, P, I, I, I, I, I, F, I]),
         "pw_decode_layer_bf16": (I, [ctypes.POINTER(DecodeLayerArgs)]),
+        "pw_stream_read_bf16": (F, [P, L, I]),
     }
     for name, (restype, argtypes) in signatures.items():
         fn = getattr(lib, name)
@@ -157,3 +158,21 @@ def gemm_bf16(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None
               ) -> torch.Tensor:
     """Same contract as ``linear_bf16``, as a packed, cache-blocked GEMM (many rows)."""
     return _call("pw_gemm_bf16", x, w, bias)
+
+
+def stream_read_gbps(buf: torch.Tensor, reps: int = 3) -> float | None:
+    """Best read bandwidth (GB/s) of the kernels' own streaming pattern over ``buf`` (bf16,
+    CPU, contiguous), or None without the kernels. A probe for roofline measurements."""
+    import time
+
+    lib = load()
+    if lib is None:
+        return None
+    n = buf.numel()
+    lib.pw_stream_read_bf16(buf.data_ptr(), n, torch.get_num_threads())
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        lib.pw_stream_read_bf16(buf.data_ptr(), n, torch.get_num_threads())
+        best = min(best, time.perf_counter() - t)
+    return n * 2 / best / 1e9
