@@ -454,29 +454,37 @@ int pw_gemm_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uin
  * Rounding follows the reference implementation's order where it rounds to bf16 in between.
  */
 
+static inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
+
+/* One row: if delta, h = bf16(h + delta) in place; then out[i] = bf16(w * bf16(h * rs)) with
+ * rs = rsqrt(mean(h^2) + eps), written as bf16 (out_bf16) and/or fp32 (out_f32). */
+static void add_norm_row(uint16_t *h, const uint16_t *delta, const uint16_t *w, int dim,
+                         float eps, uint16_t *out_bf16, float *out_f32) {
+    if (delta)
+        for (int i = 0; i < dim; i++) h[i] = f32_to_bf16(bf16_to_f32(h[i]) + bf16_to_f32(delta[i]));
+    float ss = 0.0f;
+    for (int i = 0; i < dim; i++) ss += bf16_to_f32(h[i]) * bf16_to_f32(h[i]);
+    float rs = 1.0f / sqrtf(ss / (float)dim + eps);
+    for (int i = 0; i < dim; i++) {
+        float v = round_bf16(round_bf16(bf16_to_f32(h[i]) * rs) * bf16_to_f32(w[i]));
+        if (out_bf16) out_bf16[i] = f32_to_bf16(v);
+        if (out_f32) out_f32[i] = v;
+    }
+}
+
+/* bf16(bf16(silu(g)) * u) for bf16-valued g and u. */
+static inline float silu_mul_rounded(float g, float u) {
+    return round_bf16(round_bf16(g / (1.0f + expf(-g))) * u);
+}
+
 /* If delta: hidden = bf16(hidden + delta) (in place). Then
  * y = bf16(w * bf16(hidden * rsqrt(mean(hidden^2) + eps))). */
 void pw_add_rmsnorm_bf16(const uint16_t *delta, uint16_t *hidden, const uint16_t *w,
                          uint16_t *y, int rows, int dim, float eps, int nthreads) {
 #pragma omp parallel for num_threads(rows > 1 ? nthreads : 1) schedule(static)
-    for (int r = 0; r < rows; r++) {
-        uint16_t *h = hidden + (long)r * dim;
-        if (delta) {
-            const uint16_t *d = delta + (long)r * dim;
-            for (int i = 0; i < dim; i++) h[i] = f32_to_bf16(bf16_to_f32(h[i]) + bf16_to_f32(d[i]));
-        }
-        float ss = 0.0f;
-        for (int i = 0; i < dim; i++) {
-            float v = bf16_to_f32(h[i]);
-            ss += v * v;
-        }
-        float rs = 1.0f / sqrtf(ss / (float)dim + eps);
-        uint16_t *yr = y + (long)r * dim;
-        for (int i = 0; i < dim; i++) {
-            float n = bf16_to_f32(f32_to_bf16(bf16_to_f32(h[i]) * rs));
-            yr[i] = f32_to_bf16(n * bf16_to_f32(w[i]));
-        }
-    }
+    for (int r = 0; r < rows; r++)
+        add_norm_row(hidden + (long)r * dim, delta ? delta + (long)r * dim : NULL, w, dim, eps,
+                     y + (long)r * dim, NULL);
 }
 
 /* out[r][i] = bf16(bf16(silu(gate[r][i])) * up[r][i]) with gate_up[r] = [gate | up]. */
@@ -484,12 +492,8 @@ void pw_silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int rows, int inte
 #pragma omp parallel for num_threads(rows > 1 ? nthreads : 1) schedule(static)
     for (int r = 0; r < rows; r++) {
         const uint16_t *g = gate_up + (long)r * 2 * inter, *u = g + inter;
-        uint16_t *o = out + (long)r * inter;
-        for (int i = 0; i < inter; i++) {
-            float x = bf16_to_f32(g[i]);
-            float s = bf16_to_f32(f32_to_bf16(x / (1.0f + expf(-x))));
-            o[i] = f32_to_bf16(s * bf16_to_f32(u[i]));
-        }
+        for (int i = 0; i < inter; i++)
+            out[(long)r * inter + i] = f32_to_bf16(silu_mul_rounded(bf16_to_f32(g[i]), bf16_to_f32(u[i])));
     }
 }
 
@@ -511,6 +515,39 @@ void pw_rope_bf16(uint16_t *x, long row_stride, const float *cos_t, const float 
     }
 }
 
+/* One query head (qf: fp32, already scaled) against one request's paged context of `len`
+ * keys of KV head kvh: out = softmax(q . K^T) V, in fp32. `scores` holds `len` floats. */
+static void attend_head(const float *qf, const uint16_t *k_cache, const uint16_t *v_cache,
+                        const int64_t *table, int len, int bs, int n_kv, int kvh, int hd,
+                        float *scores, float *out) {
+    float mx = -INFINITY;
+    for (int t = 0; t < len; t++) {
+        const uint16_t *kr = k_cache + ((table[t / bs] * bs + t % bs) * n_kv + kvh) * (long)hd;
+        __m256 a = _mm256_setzero_ps();
+        int i = 0;
+        for (; i + 8 <= hd; i += 8) a = _mm256_fmadd_ps(load_bf16x8(kr + i), _mm256_loadu_ps(qf + i), a);
+        float v = hsum8(a);
+        for (; i < hd; i++) v += bf16_to_f32(kr[i]) * qf[i];
+        scores[t] = v;
+        if (v > mx) mx = v;
+    }
+    float den = 0.0f;
+    for (int t = 0; t < len; t++) {
+        scores[t] = expf(scores[t] - mx);
+        den += scores[t];
+    }
+    for (int i = 0; i < hd; i++) out[i] = 0.0f;
+    for (int t = 0; t < len; t++) {
+        const uint16_t *vr = v_cache + ((table[t / bs] * bs + t % bs) * n_kv + kvh) * (long)hd;
+        __m256 p = _mm256_set1_ps(scores[t]);
+        int i = 0;
+        for (; i + 8 <= hd; i += 8)
+            _mm256_storeu_ps(out + i, _mm256_fmadd_ps(p, load_bf16x8(vr + i), _mm256_loadu_ps(out + i)));
+        for (; i < hd; i++) out[i] += scores[t] * bf16_to_f32(vr[i]);
+    }
+    for (int i = 0; i < hd; i++) out[i] /= den;
+}
+
 /* Decode attention over the paged cache: one query token per request.
  * q: [B][n_heads][hd] with row stride q_stride; caches: [blocks][bs][n_kv][hd];
  * block_tables: [B][max_blocks] int64; seq_lens: [B] int64 (keys to attend, incl. the new one);
@@ -522,60 +559,16 @@ int pw_decode_attention_bf16(const uint16_t *q, long q_stride, const uint16_t *k
     int group = n_heads / n_kv;
     int failed = 0;
 #pragma omp parallel for num_threads(nthreads) schedule(dynamic) reduction(| : failed)
-    for (int task = 0; task < B * n_kv; task++) {
-        int b = task / n_kv, kvh = task % n_kv;
+    for (int task = 0; task < B * n_heads; task++) {
+        int b = task / n_heads, h = task % n_heads;
         int len = (int)seq_lens[b];
-        const int64_t *table = block_tables + (long)b * max_blocks;
-        /* scratch: scores [group][len], acc [group][hd], qf [group][hd], mx [group], denom [group] */
-        float *buf = (float *)malloc(sizeof(float) * ((size_t)group * len + 2 * (size_t)group * hd + 2 * (size_t)group));
+        float *buf = (float *)malloc(sizeof(float) * ((size_t)len + 2 * (size_t)hd));
         if (!buf) { failed = 1; continue; }
-        float *scores = buf, *acc = scores + (long)group * len, *qf = acc + (long)group * hd;
-        float *mx = qf + (long)group * hd, *denom = mx + group;
-        for (int g = 0; g < group; g++) {
-            mx[g] = -INFINITY;
-            for (int i = 0; i < hd; i++) {
-                acc[g * hd + i] = 0.0f;
-                qf[g * hd + i] = bf16_to_f32(q[(long)b * q_stride + (long)(kvh * group + g) * hd + i]) * scale;
-            }
-        }
-        for (int t = 0; t < len; t++) {
-            const uint16_t *kr = k_cache + ((table[t / bs] * bs + t % bs) * n_kv + kvh) * (long)hd;
-            for (int g = 0; g < group; g++) {
-                __m256 a = _mm256_setzero_ps();
-                int i = 0;
-                for (; i + 8 <= hd; i += 8)
-                    a = _mm256_fmadd_ps(load_bf16x8(kr + i), _mm256_loadu_ps(qf + g * hd + i), a);
-                float sc = hsum8(a);
-                for (; i < hd; i++) sc += bf16_to_f32(kr[i]) * qf[g * hd + i];
-                scores[(long)g * len + t] = sc;
-                if (sc > mx[g]) mx[g] = sc;
-            }
-        }
-        for (int g = 0; g < group; g++) {
-            float d = 0.0f;
-            for (int t = 0; t < len; t++) {
-                float e = expf(scores[(long)g * len + t] - mx[g]);
-                scores[(long)g * len + t] = e;
-                d += e;
-            }
-            denom[g] = d;
-        }
-        for (int t = 0; t < len; t++) {
-            const uint16_t *vr = v_cache + ((table[t / bs] * bs + t % bs) * n_kv + kvh) * (long)hd;
-            for (int g = 0; g < group; g++) {
-                float pt = scores[(long)g * len + t];
-                __m256 p = _mm256_set1_ps(pt);
-                int i = 0;
-                for (; i + 8 <= hd; i += 8) {
-                    __m256 cur = _mm256_loadu_ps(acc + g * hd + i);
-                    _mm256_storeu_ps(acc + g * hd + i, _mm256_fmadd_ps(p, load_bf16x8(vr + i), cur));
-                }
-                for (; i < hd; i++) acc[g * hd + i] += pt * bf16_to_f32(vr[i]);
-            }
-        }
-        for (int g = 0; g < group; g++)
-            for (int i = 0; i < hd; i++)
-                out[((long)b * n_heads + kvh * group + g) * hd + i] = f32_to_bf16(acc[g * hd + i] / denom[g]);
+        float *qf = buf + len, *acc = qf + hd;
+        for (int i = 0; i < hd; i++) qf[i] = bf16_to_f32(q[(long)b * q_stride + (long)h * hd + i]) * scale;
+        attend_head(qf, k_cache, v_cache, block_tables + (long)b * max_blocks, len, bs, n_kv,
+                    h / group, hd, buf, acc);
+        for (int i = 0; i < hd; i++) out[((long)b * n_heads + h) * hd + i] = f32_to_bf16(acc[i]);
         free(buf);
     }
     return failed ? -1 : 0;
@@ -604,31 +597,17 @@ typedef struct {
     const float *cos, *sin;      /* [M][hd] */
 } DecodeLayer;
 
-static inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
-
 /* hidden = bf16(hidden + delta) if delta; xn = fp32 of bf16(w * bf16(norm(hidden))). */
 static void add_norm_rows(uint16_t *hidden, const uint16_t *delta, const uint16_t *w,
                           float *xn, int M, int H, float eps) {
-    for (int m = 0; m < M; m++) {
-        uint16_t *h = hidden + (long)m * H;
-        if (delta)
-            for (int i = 0; i < H; i++)
-                h[i] = f32_to_bf16(bf16_to_f32(h[i]) + bf16_to_f32(delta[(long)m * H + i]));
-        float ss = 0.0f;
-        for (int i = 0; i < H; i++) ss += bf16_to_f32(h[i]) * bf16_to_f32(h[i]);
-        float rs = 1.0f / sqrtf(ss / (float)H + eps);
-        for (int i = 0; i < H; i++)
-            xn[(long)m * H + i] = round_bf16(round_bf16(bf16_to_f32(h[i]) * rs) * bf16_to_f32(w[i]));
-    }
+    for (int m = 0; m < M; m++)
+        add_norm_row(hidden + (long)m * H, delta ? delta + (long)m * H : NULL, w, H, eps, NULL,
+                     xn + (long)m * H);
 }
 
 
 static void head_norm(uint16_t *v, const uint16_t *w, int hd, float eps) {
-    float ss = 0.0f;
-    for (int i = 0; i < hd; i++) ss += bf16_to_f32(v[i]) * bf16_to_f32(v[i]);
-    float rs = 1.0f / sqrtf(ss / (float)hd + eps);
-    for (int i = 0; i < hd; i++)
-        v[i] = f32_to_bf16(round_bf16(bf16_to_f32(v[i]) * rs) * bf16_to_f32(w[i]));
+    add_norm_row(v, NULL, w, hd, eps, v, NULL);  /* in place: every read precedes its write */
 }
 
 int pw_decode_layer_bf16(const DecodeLayer *L) {
@@ -677,35 +656,14 @@ int pw_decode_layer_bf16(const DecodeLayer *L) {
 
 #pragma omp for schedule(dynamic)
         for (int task = 0; task < M * n_heads; task++) {
-            int m = task / n_heads, h = task % n_heads, kvh = h / group;
-            int len = (int)L->seq_lens[m];
-            const int64_t *table = L->block_tables + (long)m * L->max_blocks;
+            int m = task / n_heads, h = task % n_heads;
             const uint16_t *qh = qkv + (long)m * QKV + (long)h * hd;
             float qf[512], acc[512];
-            float *sc = scores + (long)task * max_len;
-            for (int i = 0; i < hd; i++) { qf[i] = bf16_to_f32(qh[i]) * L->scale; acc[i] = 0.0f; }
-            float mx = -INFINITY;
-            for (int t = 0; t < len; t++) {
-                const uint16_t *kr = L->k_cache + ((table[t / L->bs] * L->bs + t % L->bs) * n_kv + kvh) * (long)hd;
-                __m256 a = _mm256_setzero_ps();
-                int i = 0;
-                for (; i + 8 <= hd; i += 8) a = _mm256_fmadd_ps(load_bf16x8(kr + i), _mm256_loadu_ps(qf + i), a);
-                float v = hsum8(a);
-                for (; i < hd; i++) v += bf16_to_f32(kr[i]) * qf[i];
-                sc[t] = v;
-                if (v > mx) mx = v;
-            }
-            float den = 0.0f;
-            for (int t = 0; t < len; t++) { sc[t] = expf(sc[t] - mx); den += sc[t]; }
-            for (int t = 0; t < len; t++) {
-                const uint16_t *vr = L->v_cache + ((table[t / L->bs] * L->bs + t % L->bs) * n_kv + kvh) * (long)hd;
-                __m256 p = _mm256_set1_ps(sc[t]);
-                int i = 0;
-                for (; i + 8 <= hd; i += 8)
-                    _mm256_storeu_ps(acc + i, _mm256_fmadd_ps(p, load_bf16x8(vr + i), _mm256_loadu_ps(acc + i)));
-                for (; i < hd; i++) acc[i] += sc[t] * bf16_to_f32(vr[i]);
-            }
-            for (int i = 0; i < hd; i++) attn[(long)m * Q + (long)h * hd + i] = round_bf16(acc[i] / den);
+            for (int i = 0; i < hd; i++) qf[i] = bf16_to_f32(qh[i]) * L->scale;
+            attend_head(qf, L->k_cache, L->v_cache, L->block_tables + (long)m * L->max_blocks,
+                        (int)L->seq_lens[m], L->bs, n_kv, h / group, hd,
+                        scores + (long)task * max_len, acc);
+            for (int i = 0; i < hd; i++) attn[(long)m * Q + (long)h * hd + i] = round_bf16(acc[i]);
         }
 
         gemv_share(attn, M, L->w_o, Q, H, res);
@@ -728,7 +686,7 @@ int pw_decode_layer_bf16(const DecodeLayer *L) {
             for (int m = 0; m < M; m++) {
                 float gv = round_bf16(res[(long)m * 2 * I + i] + bg);
                 float uv = round_bf16(res[(long)m * 2 * I + I + i] + bu);
-                act[(long)m * I + i] = round_bf16(round_bf16(gv / (1.0f + expf(-gv))) * uv);
+                act[(long)m * I + i] = silu_mul_rounded(gv, uv);
             }
         }
 
