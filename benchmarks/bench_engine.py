@@ -34,13 +34,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-WORKLOADS = ("prefill512_s", "b1_prefill128_s", "b1_total_s", "b8_total_s", "b32_total_s")
-
-
-def prompts(n: int, length: int, salt: int) -> list[list[int]]:
-    """Distinct token-id prompts (no prefix sharing between requests or repetitions)."""
-    return [[100 + (salt * 7919 + i * 131 + j * 17) % 30000 for j in range(length)]
-            for i in range(n)]
+from workloads import WARMUP, WORKLOADS, best_generate_time, prompts  # noqa: E402
 
 
 # -- the machine ---------------------------------------------------------------------------
@@ -90,26 +84,21 @@ def run_phasewise(model: str, reps: int) -> dict[str, float]:
     plan = llm.engine.linear_plan
     print(f"  phasewise linear plan: {plan.describe() if plan else 'torch'}", file=sys.stderr)
 
-    def timed(n: int, length: int, out: int) -> float:
-        best = float("inf")
-        for r in range(reps):
-            ps = prompts(n, length, salt=r + 1 + 10 * n + length)
-            sp = SamplingParams(temperature=0.0, max_tokens=out, ignore_eos=True)
-            t = time.perf_counter()
-            llm.generate(ps, sp)
-            best = min(best, time.perf_counter() - t)
-        return best
+    def generate(ps: list[list[int]], out: int) -> None:
+        llm.generate(ps, SamplingParams(temperature=0.0, max_tokens=out, ignore_eos=True))
 
-    timed(1, 16, 4)
-    res = {"prefill512_s": timed(1, 512, 1), "b1_prefill128_s": timed(1, 128, 1),
-           "b1_total_s": timed(1, 128, 128)}
+    def timed(name: str) -> float:
+        return best_generate_time(generate, *WORKLOADS[name], reps)
+
+    best_generate_time(generate, *WARMUP, 1)
+    res = {name: timed(name) for name in ("prefill512_s", "b1_prefill128_s", "b1_total_s")}
     # The engine's own per-token clock for the batch-1 decode (no prefill inside).
     out = llm.generate(prompts(1, 128, 99), SamplingParams(temperature=0, max_tokens=128,
                                                            ignore_eos=True))[0]
     res["b1_tpot_s"] = out.metrics.tpot
     res["b1_roofline_fraction"] = decode_roofline_fraction(llm)
-    res["b8_total_s"] = timed(8, 128, 64)
-    res["b32_total_s"] = timed(32, 128, 64)
+    res["b8_total_s"] = timed("b8_total_s")
+    res["b32_total_s"] = timed("b32_total_s")
     steps = llm.step_stats
     decode_steps = [s for s in steps if s.num_decode_tokens == 32 and not s.num_prefill_tokens]
     if decode_steps:
@@ -152,21 +141,15 @@ def run_hf(model: str, reps: int) -> dict[str, float]:
 
     m = transformers.AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16).eval()
 
-    def timed(n: int, length: int, out: int) -> float:
-        best = float("inf")
-        for r in range(reps):
-            ids = torch.tensor(prompts(n, length, salt=r + 1 + 10 * n + length))
-            t = time.perf_counter()
-            with torch.no_grad():
-                m.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=out,
-                           do_sample=False, eos_token_id=None, pad_token_id=0)
-            best = min(best, time.perf_counter() - t)
-        return best
+    def generate(ps: list[list[int]], out: int) -> None:
+        ids = torch.tensor(ps)
+        with torch.no_grad():
+            m.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=out,
+                       do_sample=False, eos_token_id=None, pad_token_id=0)
 
-    timed(1, 16, 4)
-    res = {"prefill512_s": timed(1, 512, 1), "b1_prefill128_s": timed(1, 128, 1),
-           "b1_total_s": timed(1, 128, 128), "b8_total_s": timed(8, 128, 64),
-           "b32_total_s": timed(32, 128, 64)}
+    best_generate_time(generate, *WARMUP, 1)
+    res = {name: best_generate_time(generate, *shape, reps)
+           for name, shape in WORKLOADS.items()}
     del m
     return res
 

@@ -14,7 +14,10 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from workloads import WARMUP, WORKLOADS, best_generate_time  # noqa: E402
 
 
 def main() -> None:
@@ -30,30 +33,15 @@ def main() -> None:
     llm = LLM(model=model, dtype="bfloat16", max_model_len=2048, seed=0,
               enable_prefix_caching=False)
 
-    def prompts(n: int, length: int, salt: int) -> list:
-        return [TokensPrompt(prompt_token_ids=[100 + (salt * 7919 + i * 131 + j * 17) % 30000
-                                               for j in range(length)]) for i in range(n)]
+    def generate(ps: list[list[int]], out: int) -> None:
+        llm.generate([TokensPrompt(prompt_token_ids=p) for p in ps],
+                     SamplingParams(temperature=0.0, max_tokens=out, ignore_eos=True),
+                     use_tqdm=False)
 
-    def timed(n: int, length: int, out: int) -> float:
-        best = float("inf")
-        for r in range(reps):
-            ps = prompts(n, length, salt=r + 1 + 10 * n + length)
-            sp = SamplingParams(temperature=0.0, max_tokens=out, ignore_eos=True)
-            t = time.perf_counter()
-            llm.generate(ps, sp, use_tqdm=False)
-            best = min(best, time.perf_counter() - t)
-        return best
-
-    timed(1, 16, 4)  # warm-up
-    workloads = {
-        "prefill512_s": (1, 512, 1),
-        "b1_prefill128_s": (1, 128, 1),
-        "b1_total_s": (1, 128, 128),
-        "b8_total_s": (8, 128, 64),
-        "b32_total_s": (32, 128, 64),
-    }
-    for name, shape in workloads.items():  # one line per workload, as each finishes
-        print("RESULT " + json.dumps({name: timed(*shape)}), flush=True)
+    best_generate_time(generate, *WARMUP, 1)
+    for name, shape in WORKLOADS.items():  # one line per workload, as each finishes
+        timed = best_generate_time(generate, *shape, reps)
+        print("RESULT " + json.dumps({name: timed}), flush=True)
 
 
 if __name__ == "__main__":
