@@ -336,33 +336,20 @@ int pw_linear_bf16(const uint16_t *xb, const uint16_t *w, const uint16_t *bias, 
 #define GMC 96
 #define GNC 256
 
-/* bp[p][k][16] for panels p of 16 weight rows; rows past n_end are zero. */
-static void pack_w(const uint16_t *w, int K, int n0, int nc, int n_end, int k0, int kc, float *bp) {
-    for (int p = 0; p < nc; p += GNR) {
-        float *dst = bp + (long)p * kc;
-        for (int j = 0; j < GNR; j++) {
-            int n = n0 + p + j;
-            if (n < n_end) {
-                const uint16_t *src = w + (long)n * K + k0;
-                for (int k = 0; k < kc; k++) dst[k * GNR + j] = bf16_to_f32(src[k]);
+/* Pack rows [r0, r0 + rows) of a bf16 matrix (row stride K), columns [k0, k0 + kc), into
+ * fp32 panels of `width` rows laid out dst[p][k][width]; rows at or past r_end are zero.
+ * Weights are packed 16 wide (GNR), activations 6 wide (GMR). */
+static void pack_panels(const uint16_t *src, int K, int r0, int rows, int r_end, int k0, int kc,
+                        int width, float *dst) {
+    for (int p = 0; p < rows; p += width) {
+        float *panel = dst + (long)p * kc;
+        for (int j = 0; j < width; j++) {
+            int r = r0 + p + j;
+            if (r < r_end) {
+                const uint16_t *row = src + (long)r * K + k0;
+                for (int k = 0; k < kc; k++) panel[k * width + j] = bf16_to_f32(row[k]);
             } else {
-                for (int k = 0; k < kc; k++) dst[k * GNR + j] = 0.0f;
-            }
-        }
-    }
-}
-
-/* ap[p][k][6] for panels p of 6 activation rows; rows past m_end are zero. */
-static void pack_x(const uint16_t *x, int K, int m0, int mc, int m_end, int k0, int kc, float *ap) {
-    for (int p = 0; p < mc; p += GMR) {
-        float *dst = ap + (long)p * kc;
-        for (int i = 0; i < GMR; i++) {
-            int m = m0 + p + i;
-            if (m < m_end) {
-                const uint16_t *src = x + (long)m * K + k0;
-                for (int k = 0; k < kc; k++) dst[k * GMR + i] = bf16_to_f32(src[k]);
-            } else {
-                for (int k = 0; k < kc; k++) dst[k * GMR + i] = 0.0f;
+                for (int k = 0; k < kc; k++) panel[k * width + j] = 0.0f;
             }
         }
     }
@@ -422,11 +409,11 @@ int pw_gemm_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uin
                 int nc_pad = (nc + GNR - 1) / GNR * GNR;
                 for (int pc = 0; pc < K; pc += GKC) {
                     int kc = K - pc < GKC ? K - pc : GKC;
-                    pack_w(w, K, jc, nc_pad, jc + nc, pc, kc, bp);
+                    pack_panels(w, K, jc, nc_pad, jc + nc, pc, kc, GNR, bp);
                     for (int ic = 0; ic < M; ic += GMC) {
                         int mc = M - ic < GMC ? M - ic : GMC;
                         int mc_pad = (mc + GMR - 1) / GMR * GMR;
-                        pack_x(x, K, ic, mc_pad, M, pc, kc, ap);
+                        pack_panels(x, K, ic, mc_pad, M, pc, kc, GMR, ap);
                         for (int jr = 0; jr < nc_pad; jr += GNR)
                             for (int ir = 0; ir < mc_pad; ir += GMR)
                                 micro_6x16(kc, ap + (long)ir * kc, bp + (long)jr * kc,
