@@ -253,7 +253,3 @@ class LLMEngine:
             metrics=req.metrics,
         )
 
-    def run_until_done(self) -> None:
-        while self.has_unfinished_requests():
-            self.step()
-

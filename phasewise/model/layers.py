@@ -13,10 +13,9 @@ from phasewise.model.config import RopeConfig
 class RMSNorm(nn.Module):
     """Holds an RMSNorm weight; ``ops.add_rms_norm`` / ``ops.rms_norm`` apply it."""
 
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(dim))
-        self.eps = eps
 
 
 def rope_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:
@@ -54,4 +53,3 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat([freqs, freqs], dim=-1)  # [max_positions, head_dim]
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
-        self.max_positions = max_positions

@@ -24,8 +24,6 @@ RopeTables = tuple[torch.Tensor, torch.Tensor]
 
 
 class TorchOps:
-    name = "torch"
-
     def linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
         return F.linear(x, w, b)
 
@@ -71,8 +69,6 @@ class TorchOps:
 
 
 class CpuKernelOps(TorchOps):
-    name = "cpu-kernels"
-
     def __init__(self, linear: LinearDispatch, fused_decode: bool = True) -> None:
         # Without the compiled library only the linear dispatch (torch / fp32 upcast) applies.
         self.lib = cpu_kernels.load()

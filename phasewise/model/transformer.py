@@ -24,13 +24,13 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.cfg = cfg
         h, q, kv = cfg.hidden_size, cfg.q_size, cfg.kv_size
-        self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.input_layernorm = RMSNorm(h)
         self.qkv_proj = nn.Linear(h, q + 2 * kv, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(q, h, bias=cfg.o_bias)
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps)
+            self.q_norm = RMSNorm(cfg.head_dim)
+            self.k_norm = RMSNorm(cfg.head_dim)
+        self.post_attention_layernorm = RMSNorm(h)
         self.gate_up_proj = nn.Linear(h, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, h, bias=cfg.mlp_bias)
         self.scale = cfg.head_dim**-0.5
@@ -85,7 +85,7 @@ class CausalLM(nn.Module):
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size)
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope, max_positions)
