@@ -65,6 +65,26 @@ def cmd_generate(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(a: argparse.Namespace) -> int:
+    import logging
+
+    from phasewise.config import EngineConfig, parse_memory
+    from phasewise.server.serve import build_server, run
+
+    logging.basicConfig(level=getattr(logging, a.log_level.upper()),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not 0 < a.port < 65536:
+        raise ValueError(f"--port must be in 1..65535, got {a.port}")
+    server = build_server(
+        EngineConfig(model=a.model, **_engine_kwargs(a)), served_model_name=a.served_model_name,
+        log_interval_s=a.log_interval, api_key=a.api_key,
+        max_waiting_requests=a.max_waiting_requests,
+        max_request_bytes=parse_memory(a.max_request_size))
+    run(server, host=a.host, port=a.port, shutdown_grace_s=a.shutdown_grace,
+        log_level=a.log_level)
+    return 0
+
+
 def cmd_make_tiny(a: argparse.Namespace) -> int:
     from phasewise.model.tiny import make_tiny_checkpoint
 
@@ -89,6 +109,25 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--sample-seed", type=int, default=None, help="per-request sampling seed")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     g.set_defaults(func=cmd_generate)
+
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (streaming, /metrics)")
+    _add_engine_args(s)
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: all)")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--served-model-name", default=None,
+                   help="the model name clients send (default: the folder's name)")
+    s.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1 routes")
+    s.add_argument("--max-waiting-requests", type=int, default=256,
+                   help="requests allowed to wait for the engine; beyond it new ones get 503")
+    s.add_argument("--max-request-size", default="8MiB", help="request body size limit")
+    s.add_argument("--shutdown-grace", type=float, default=30.0,
+                   help="seconds running streams get to finish after SIGTERM")
+    s.add_argument("--log-interval", type=float, default=5.0,
+                   help="seconds between throughput log lines (0: off)")
+    s.add_argument("--log-level", default="info",
+                   choices=["debug", "info", "warning", "error"])
+    s.set_defaults(func=cmd_serve)
 
     t = sub.add_parser("make-tiny", help="write a tiny random-weight checkpoint (HF layout)")
     t.add_argument("out")

@@ -155,8 +155,11 @@ class LLMEngine:
 
     # -- requests --------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None) -> str:
-        """Queue a request; returns its id. Raises ValueError for input it can never serve."""
+                    request_id: str | None = None, arrival_time: float | None = None) -> str:
+        """Queue a request; returns its id. Raises ValueError for input it can never serve.
+
+        ``arrival_time`` (``time.monotonic()``) defaults to now; a server passes the time the
+        HTTP request arrived, so queue time and TTFT include the wait to reach the engine."""
         params = params or self.default_sampling_params()
         if isinstance(prompt, str):
             text: str | None = prompt
@@ -179,19 +182,22 @@ class LLMEngine:
         if params.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(params.seed)
         req = Request(rid, ids, params, eos_token_ids=self.eos_token_ids, prompt=text,
-                      generator=generator)
+                      arrival_time=arrival_time, generator=generator)
         self.scheduler.add_request(req)  # raises if it can never fit
         self.requests[rid] = req
         self._text[rid] = TextState(
             self.tokenizer.decode_stream(ids, params.skip_special_tokens), params)
         return rid
 
-    def abort_request(self, request_id: str) -> None:
-        """Stop a request now and free its KV blocks (no-op if unknown or finished)."""
+    def abort_request(self, request_id: str) -> Request | None:
+        """Stop a request now and free its KV blocks. Returns the aborted request, or None
+        if the id is unknown or already finished."""
         req = self.requests.get(request_id)
-        if req is not None and not req.finished:
-            self.scheduler.finish_request(req, RequestStatus.FINISHED_ABORTED)
-            self._forget(req)
+        if req is None or req.finished:
+            return None
+        self.scheduler.finish_request(req, RequestStatus.FINISHED_ABORTED)
+        self._forget(req)
+        return req
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()

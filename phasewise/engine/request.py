@@ -99,7 +99,7 @@ class Request:
         self.status = RequestStatus.WAITING
         self.stop_reason: str | int | None = None
         self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
-        self.metrics = RequestMetrics(arrival_time or time.monotonic())
+        self.metrics = RequestMetrics(time.monotonic() if arrival_time is None else arrival_time)
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -1,0 +1,196 @@
+"""Prometheus metrics (``/metrics``) and the periodic log line, fed by the engine thread.
+
+Every interval comes from the engine's own timestamps (``RequestMetrics``), as vLLM defines
+them: queue = arrival -> first scheduled; prefill = first scheduled -> first token;
+decode = first token -> last token; e2e = arrival -> finish. The README lists every metric.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from phasewise.engine.async_engine import EngineSnapshot, FinishedRequest
+from phasewise.engine.outputs import RequestOutput, StepStats
+
+PREFIX = "phasewise:"
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
+_TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000,
+                  100000)
+_STEP_KINDS = ("prefill", "decode", "mixed")
+_FINISH_REASONS = ("stop", "length", "abort")
+
+
+def step_kind(step: StepStats) -> str:
+    """``prefill``, ``decode`` or ``mixed``, read off the step's token counts."""
+    if step.num_prefill_tokens and step.num_decode_tokens:
+        return "mixed"
+    return "prefill" if step.num_prefill_tokens else "decode"
+
+
+class PrometheusMetrics:
+    """Engine observer that keeps the ``phasewise:`` metrics in its own registry."""
+
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
+        self.registry = r = registry or CollectorRegistry()
+        labels = ["model_name"]
+
+        def hist(name: str, doc: str, buckets: Sequence[float]) -> Histogram:
+            return Histogram(PREFIX + name, doc, labels, registry=r,
+                             buckets=buckets).labels(model_name)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(PREFIX + name, doc, labels, registry=r).labels(model_name)
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(PREFIX + name, doc, labels, registry=r).labels(model_name)
+
+        self.ttft = hist("time_to_first_token_seconds",
+                         "Arrival to first output token.", _LATENCY_BUCKETS)
+        self.itl = hist("inter_token_latency_seconds",
+                        "Gap between consecutive output tokens of a request.", _LATENCY_BUCKETS)
+        self.tpot = hist("request_time_per_output_token_seconds",
+                         "Per request: decode time / (output tokens - 1).", _LATENCY_BUCKETS)
+        self.e2e = hist("e2e_request_latency_seconds", "Arrival to finish.", _LATENCY_BUCKETS)
+        self.queue_time = hist("request_queue_time_seconds",
+                               "Arrival to first scheduled.", _LATENCY_BUCKETS)
+        self.prefill_time = hist("request_prefill_time_seconds",
+                                 "First scheduled to first token.", _LATENCY_BUCKETS)
+        self.decode_time = hist("request_decode_time_seconds",
+                                "First token to last token.", _LATENCY_BUCKETS)
+        self.prompt_len = hist("request_prompt_tokens", "Prompt length per request.",
+                               _TOKEN_BUCKETS)
+        self.gen_len = hist("request_generation_tokens", "Output length per request.",
+                            _TOKEN_BUCKETS)
+        self.step_tokens = hist("iteration_tokens", "Tokens (prefill + decode) per engine step.",
+                                _TOKEN_BUCKETS)
+
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens prefilled (counted once "
+                                     "per request, when its first token is sampled).")
+        self.generation_tokens = counter("generation_tokens", "Output tokens sampled.")
+        success = Counter(PREFIX + "request_success", "Finished requests by finish reason.",
+                          labels + ["finished_reason"], registry=r)
+        self.finished = {reason: success.labels(model_name, reason)
+                         for reason in _FINISH_REASONS}
+        self.preemptions = counter("num_preemptions", "Requests preempted (recompute).")
+        self.prefix_queries = counter("prefix_cache_queries",
+                                      "Prompt tokens looked up in the prefix cache.")
+        self.prefix_hits = counter("prefix_cache_hits",
+                                   "Prompt tokens found in the prefix cache.")
+        steps = Counter(PREFIX + "engine_steps", "Engine steps by token mix.",
+                        labels + ["kind"], registry=r)
+        self.steps = {kind: steps.labels(model_name, kind) for kind in _STEP_KINDS}
+        step_tok = Counter(PREFIX + "step_tokens", "Tokens computed in engine steps by phase.",
+                           labels + ["phase"], registry=r)
+        self.step_prefill_tokens = step_tok.labels(model_name, "prefill")
+        self.step_decode_tokens = step_tok.labels(model_name, "decode")
+
+        self.running = gauge("num_requests_running", "Requests holding KV blocks.")
+        self.waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
+        self.kv_usage = gauge("kv_cache_usage_perc",
+                              "Fraction of KV-cache blocks held by requests (0..1).")
+        self.kv_free_blocks = gauge("kv_cache_free_blocks", "KV-cache blocks not held.")
+        self.kv_blocks = gauge("kv_cache_blocks", "KV-cache blocks in the pool.")
+        self._last: EngineSnapshot | None = None
+
+    def on_step(self, step: StepStats | None, outputs: Sequence[RequestOutput],
+                finished: Sequence[FinishedRequest], snapshot: EngineSnapshot) -> None:
+        if step is not None:
+            self.steps[step_kind(step)].inc()
+            self.step_tokens.observe(step.num_tokens)
+            self.step_prefill_tokens.inc(step.num_prefill_tokens)
+            self.step_decode_tokens.inc(step.num_decode_tokens)
+        for out in outputs:
+            times = out.metrics.token_times
+            if not times:
+                continue
+            self.generation_tokens.inc(len(out.delta_token_ids))
+            if len(times) == 1:  # this step gave the request its first token
+                self.prompt_tokens.inc(len(out.prompt_token_ids))
+            else:
+                self.itl.observe(times[-1] - times[-2])
+        for f in finished:
+            self._observe_request(f)
+        last = self._last
+        if last is not None:
+            self.preemptions.inc(max(0, snapshot.num_preemptions - last.num_preemptions))
+            self.prefix_queries.inc(max(0, snapshot.prefix_queries - last.prefix_queries))
+            self.prefix_hits.inc(max(0, snapshot.prefix_hits - last.prefix_hits))
+        else:
+            self.preemptions.inc(snapshot.num_preemptions)
+            self.prefix_queries.inc(snapshot.prefix_queries)
+            self.prefix_hits.inc(snapshot.prefix_hits)
+        self._last = snapshot
+        self.running.set(snapshot.num_running)
+        self.waiting.set(snapshot.num_waiting)
+        self.kv_usage.set(snapshot.kv_usage)
+        self.kv_free_blocks.set(snapshot.num_free_blocks)
+        self.kv_blocks.set(snapshot.num_blocks)
+
+    def _observe_request(self, f: FinishedRequest) -> None:
+        m = f.metrics
+        self.finished.get(f.finish_reason, self.finished["abort"]).inc()
+        if m.finished_time is not None:
+            self.e2e.observe(m.finished_time - m.arrival_time)
+        if m.first_scheduled_time is not None:
+            self.queue_time.observe(m.first_scheduled_time - m.arrival_time)
+        if m.first_token_time is None:
+            return  # aborted before its first token: no prefill/decode figures
+        self.ttft.observe(m.first_token_time - m.arrival_time)
+        if m.first_scheduled_time is not None:
+            self.prefill_time.observe(m.first_token_time - m.first_scheduled_time)
+        self.decode_time.observe(m.token_times[-1] - m.first_token_time)
+        if m.tpot is not None:
+            self.tpot.observe(m.tpot)
+        self.prompt_len.observe(f.num_prompt_tokens)
+        self.gen_len.observe(f.num_output_tokens)
+
+
+class StatLogger:
+    """Engine observer that logs one throughput line at most every ``interval_s`` seconds,
+    and only when something happened since the last line."""
+
+    def __init__(self, interval_s: float = 5.0,
+                 logger: logging.Logger | None = None) -> None:
+        self.interval_s = interval_s
+        self.log = logger or logging.getLogger("phasewise.stats")
+        self._t0 = time.monotonic()
+        self._prompt = 0
+        self._gen = 0
+        self._last: EngineSnapshot | None = None
+        self._base: EngineSnapshot | None = None
+
+    def on_step(self, step: StepStats | None, outputs: Sequence[RequestOutput],
+                finished: Sequence[FinishedRequest], snapshot: EngineSnapshot) -> None:
+        if step is not None:
+            self._prompt += step.num_prefill_tokens
+            self._gen += len(outputs)
+        if self._base is None:
+            self._base = snapshot
+        self._last = snapshot
+        now = time.monotonic()
+        if now - self._t0 >= self.interval_s:
+            self.flush(now)
+
+    def flush(self, now: float | None = None) -> str | None:
+        """Log (and return) the line for the interval just ended, if anything happened."""
+        now = time.monotonic() if now is None else now
+        snap, base = self._last, self._base
+        dt = max(now - self._t0, 1e-9)
+        line = None
+        if snap is not None and (self._prompt or self._gen or snap.num_running
+                                 or snap.num_waiting):
+            queries = snap.prefix_queries - (base.prefix_queries if base else 0)
+            hits = snap.prefix_hits - (base.prefix_hits if base else 0)
+            hit_rate = 100.0 * hits / queries if queries else 0.0
+            line = (f"prompt {self._prompt / dt:.1f} tok/s, generation {self._gen / dt:.1f} "
+                    f"tok/s, running {snap.num_running}, waiting {snap.num_waiting}, "
+                    f"KV usage {100 * snap.kv_usage:.1f}%, prefix hit rate {hit_rate:.1f}%")
+            self.log.info(line)
+        self._t0, self._prompt, self._gen, self._base = now, 0, 0, snap
+        return line
