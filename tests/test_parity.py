@@ -205,7 +205,7 @@ def test_bf16_engine_with_cpu_kernels_tracks_hf(tmp_path):
     through chunked prefill and decode, reports logprobs within the bf16 tolerance of HF."""
     hf = build_hf_checkpoint(tmp_path, "Qwen2ForCausalLM", dtype=torch.bfloat16, seed=21)
     prompts = random_prompts(hf.config.vocab_size, [5, 30, 12], seed=12)
-    llm = LLM(str(tmp_path), max_num_batched_tokens=16)
+    llm = LLM(str(tmp_path), max_num_batched_tokens=16, device="cpu")  # the CPU kernels
     if cpu_kernels.load() is not None:
         assert isinstance(llm.engine.model.ops, CpuKernelOps)
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=3)

@@ -1,0 +1,273 @@
+"""Serving benchmark: phasewise's server and vLLM-CPU's, driven by vLLM's own client.
+
+Each server is started in turn on 127.0.0.1, on the reference checkpoint, and measured with
+``vllm bench serve`` (through benchmarks/peers/vllm_bench_serve.py, in vLLM's venv) on the
+same workload: random token prompts of fixed length, fixed output length with ``ignore_eos``,
+Poisson arrivals, one seed. The table shows TTFT, TPOT and ITL percentiles and goodput under
+the SLOs given, side by side, with ratios against vLLM; for phasewise it also shows the
+server's own split of each request's time into queue, prefill and decode (from /metrics).
+
+    python benchmarks/bench_serve.py [--num-prompts 24] [--request-rate 0.15]
+        [--budgets 2048 128] [--skip-vllm] [--slo ttft:2000,tpot:200 --slo ttft:5000,tpot:200]
+
+Needs /tmp/vllm-venv (see ../shared/PEERS.md) for the client, and for the peer unless
+--skip-vllm. Every server this script starts, it stops by PID.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+DEFAULT_MODEL = HERE / ".checkpoints" / "qwen2-0.5b-shape-random"
+VLLM_PY = Path("/tmp/vllm-venv/bin/python")
+
+
+def log(msg: str) -> None:
+    print(f"[bench_serve {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def wait_ready(url: str, proc: subprocess.Popen, timeout: float, name: str) -> None:
+    t0 = time.monotonic()
+    last = 0.0
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{name} exited with {proc.returncode} before it was ready")
+        try:
+            if httpx.get(url + "/health", timeout=5).status_code == 200:
+                log(f"{name} ready after {time.monotonic() - t0:.0f}s")
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() - t0 > timeout:
+            raise RuntimeError(f"{name} not ready after {timeout:.0f}s")
+        if time.monotonic() - last > 30:
+            last = time.monotonic()
+            log(f"waiting for {name} ({time.monotonic() - t0:.0f}s)")
+        time.sleep(1)
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)  # the server and any workers it spawned
+        try:
+            proc.wait(120)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(30)
+
+
+def scrape(url: str) -> dict[str, float]:
+    text = httpx.get(url + "/metrics", timeout=30).text
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            extra = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items())
+                             if k != "model_name")
+            out[s.name + (f"{{{extra}}}" if extra else "")] = s.value
+    return out
+
+
+def run_client(a: argparse.Namespace, url: str, name: str, out_dir: Path) -> dict:
+    result_file = out_dir / f"{name}.json"
+    cmd = [str(VLLM_PY), str(HERE / "peers" / "vllm_bench_serve.py"),
+           "--backend", "openai", "--base-url", url, "--endpoint", "/v1/completions",
+           "--model", "ref", "--served-model-name", "ref", "--tokenizer", str(a.model),
+           "--dataset-name", "random", "--random-input-len", str(a.input_len),
+           "--random-output-len", str(a.output_len), "--random-range-ratio", "0",
+           "--num-prompts", str(a.num_prompts), "--request-rate", str(a.request_rate),
+           "--seed", str(a.seed), "--ignore-eos", "--temperature", "0",
+           "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
+           "--goodput", *a.slo[0].replace(",", " ").split(),
+           "--save-result", "--save-detailed", "--result-dir", str(out_dir),
+           "--result-filename", result_file.name, "--ready-check-timeout-sec", "1800"]
+    log(f"client -> {name}: {a.num_prompts} prompts, {a.input_len}+{a.output_len} tokens, "
+        f"Poisson {a.request_rate} req/s")
+    subprocess.run(cmd, check=True, env=dict(os.environ, VLLM_TARGET_DEVICE="cpu"))
+    return json.loads(result_file.read_text())
+
+
+def serve_phasewise(a: argparse.Namespace, budget: int, out_dir: Path) -> tuple[dict, dict]:
+    port = a.port
+    url = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "phasewise.cli", "serve", "--model", str(a.model),
+           "--served-model-name", "ref", "--port", str(port), "--max-model-len", "2048",
+           "--max-num-batched-tokens", str(budget), "--policy", "chunked",
+           "--log-interval", "10"]
+    log(f"starting phasewise (budget {budget} tokens/step)")
+    with open(out_dir / f"phasewise-b{budget}.log", "wb") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_ready(url, proc, 600, "phasewise")
+        before = scrape(url)
+        result = run_client(a, url, f"phasewise-b{budget}", out_dir)
+        after = scrape(url)
+    finally:
+        stop(proc)
+    server = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    return result, server
+
+
+def serve_vllm(a: argparse.Namespace, out_dir: Path) -> dict:
+    if a.vllm_url:  # a vLLM-CPU server already running (its start-up takes minutes)
+        return run_client(a, a.vllm_url.rstrip("/"), "vllm", out_dir)
+    port = a.port + 1
+    url = f"http://127.0.0.1:{port}"
+    env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", VLLM_CPU_KVCACHE_SPACE="4",
+               VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS="3600")
+    cmd = [str(VLLM_PY), "-m", "vllm.entrypoints.openai.api_server", "--model", str(a.model),
+           "--served-model-name", "ref", "--dtype", "bfloat16", "--max-model-len", "2048",
+           "--host", "127.0.0.1", "--port", str(port)]
+    log("starting vLLM-CPU (its start-up compiles and warms up for several minutes)")
+    with open(out_dir / "vllm.log", "wb") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)
+    try:
+        wait_ready(url, proc, 3600, "vLLM-CPU")
+        return run_client(a, url, "vllm", out_dir)
+    finally:
+        stop(proc)
+
+
+def parse_slo(text: str) -> dict[str, float]:
+    out = {}
+    for part in text.split(","):
+        key, _, value = part.partition(":")
+        if key not in ("ttft", "tpot", "e2el"):
+            raise SystemExit(f"SLO keys are ttft, tpot, e2el (ms); got {key!r}")
+        out[key] = float(value)
+    return out
+
+
+def goodput(r: dict, slo: dict[str, float]) -> float:
+    """Requests per second that met every SLO (DistServe's definition, as vLLM counts it)."""
+    good = 0
+    for ttft, lat, n, err in zip(r["ttfts"], r["latencies"], r["output_lens"], r["errors"]):
+        if err or not n:
+            continue
+        tpot = (lat - ttft) / (n - 1) if n > 1 else 0.0
+        ok = (ttft * 1e3 <= slo.get("ttft", float("inf"))
+              and tpot * 1e3 <= slo.get("tpot", float("inf"))
+              and lat * 1e3 <= slo.get("e2el", float("inf")))
+        good += ok
+    return good / r["duration"]
+
+
+def longest_stall(r: dict) -> float:
+    return max((max(itl) for itl in r["itls"] if itl), default=0.0)
+
+
+def server_split(m: dict) -> str:
+    def mean(name: str) -> float:
+        n = m.get(f"phasewise:{name}_count", 0.0)
+        return m.get(f"phasewise:{name}_sum", 0.0) / n if n else float("nan")
+    kinds = {k: int(m.get(f"phasewise:engine_steps_total{{kind={k}}}", 0))
+             for k in ("prefill", "decode", "mixed")}
+    return (f"queue {mean('request_queue_time_seconds'):.2f}s, prefill "
+            f"{mean('request_prefill_time_seconds'):.2f}s, decode "
+            f"{mean('request_decode_time_seconds'):.2f}s per request; steps {kinds}, "
+            f"preemptions {int(m.get('phasewise:num_preemptions_total', 0))}")
+
+
+def table(results: dict[str, dict], slos: list[dict[str, float]], peer: str | None) -> str:
+    rows = [("completed", lambda r: f"{r['completed']}/{r['completed'] + r.get('failed', 0)}")]
+    for metric in ("ttft", "tpot", "itl", "e2el"):
+        for p in ("median", "p90", "p99"):
+            key = f"{p}_{metric}_ms"
+            rows.append((f"{metric.upper()} {p} (ms)", lambda r, k=key: f"{r[k]:.0f}"))
+    rows.append(("longest stall (ms)", lambda r: f"{1e3 * longest_stall(r):.0f}"))
+    rows.append(("request throughput (req/s)", lambda r: f"{r['request_throughput']:.3f}"))
+    rows.append(("output throughput (tok/s)", lambda r: f"{r['output_throughput']:.1f}"))
+    for slo in slos:
+        label = ", ".join(f"{k}<={v:.0f}ms" for k, v in slo.items())
+        rows.append((f"goodput {label} (req/s)", lambda r, s=slo: f"{goodput(r, s):.3f}"))
+    names = list(results)
+    width = max(len(r[0]) for r in rows) + 2
+    lines = ["".ljust(width) + "".join(n.rjust(18) for n in names)]
+    for label, fn in rows:
+        lines.append(label.ljust(width) + "".join(fn(results[n]).rjust(18) for n in names))
+    if peer and peer in results:
+        lines.append("")
+        lines.append(f"ratios against {peer} (>1: phasewise better):")
+        p = results[peer]
+        for n in names:
+            if n == peer:
+                continue
+            r = results[n]
+            parts = [f"TTFT p50 x{p['median_ttft_ms'] / r['median_ttft_ms']:.2f}",
+                     f"TPOT p50 x{p['median_tpot_ms'] / r['median_tpot_ms']:.2f}",
+                     f"ITL p99 x{p['p99_itl_ms'] / r['p99_itl_ms']:.2f}",
+                     f"output tok/s x{r['output_throughput'] / p['output_throughput']:.2f}"]
+            for slo in slos:
+                gp, gr = goodput(p, slo), goodput(r, slo)
+                ratio = "inf" if gp == 0 and gr > 0 else ("n/a" if gp == 0 else
+                                                          f"{gr / gp:.2f}")
+                parts.append(f"goodput[{','.join(f'{k}{v:.0f}' for k, v in slo.items())}] "
+                             f"x{ratio}")
+            lines.append(f"  {n}: " + "; ".join(parts))
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", type=Path, default=DEFAULT_MODEL)
+    ap.add_argument("--num-prompts", type=int, default=24)
+    ap.add_argument("--request-rate", type=float, default=0.15)
+    ap.add_argument("--input-len", type=int, default=256)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--budgets", type=int, nargs="+", default=[2048, 128],
+                    help="phasewise --max-num-batched-tokens values, one server run each")
+    ap.add_argument("--slo", action="append", default=None,
+                    help="ttft:MS,tpot:MS (repeatable; the first is passed to the client)")
+    ap.add_argument("--skip-vllm", action="store_true")
+    ap.add_argument("--vllm-url", default=None,
+                    help="measure this already-running vLLM-CPU server instead of starting one "
+                         "(it must serve the same checkpoint as 'ref')")
+    ap.add_argument("--port", type=int, default=8400)
+    ap.add_argument("--out", type=Path, default=HERE / "results" / "serve")
+    a = ap.parse_args()
+    a.slo = a.slo or ["ttft:2000,tpot:200", "ttft:5000,tpot:200"]
+    slos = [parse_slo(s) for s in a.slo]
+    if not VLLM_PY.exists():
+        raise SystemExit(f"{VLLM_PY} not found: install vLLM-CPU as ../shared/PEERS.md says "
+                         "(its client drives every run)")
+    if not (a.model / "config.json").exists():
+        raise SystemExit(f"no checkpoint at {a.model}: run benchmarks/"
+                         "make_reference_checkpoint.py first")
+    a.out.mkdir(parents=True, exist_ok=True)
+
+    results: dict[str, dict] = {}
+    splits: dict[str, str] = {}
+    for budget in a.budgets:
+        name = f"phasewise-b{budget}"
+        results[name], server = serve_phasewise(a, budget, a.out)
+        splits[name] = server_split(server)
+    if not a.skip_vllm:
+        results["vllm-cpu"] = serve_vllm(a, a.out)
+
+    print(f"\nworkload: {a.num_prompts} requests, {a.input_len} prompt + {a.output_len} output "
+          f"tokens (ignore_eos), Poisson {a.request_rate} req/s, seed {a.seed}; "
+          f"client: vllm bench serve; machine: {os.cpu_count()} cores\n")
+    print(table(results, slos, None if a.skip_vllm else "vllm-cpu"))
+    print("\nphasewise server-side split (from /metrics, means):")
+    for name, text in splits.items():
+        print(f"  {name}: {text}")
+    print(f"\nresult files (vLLM's format) in {a.out}")
+
+
+if __name__ == "__main__":
+    main()
