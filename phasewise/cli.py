@@ -85,6 +85,36 @@ def cmd_serve(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(a: argparse.Namespace) -> int:
+    from phasewise.bench.run import main as run_bench
+
+    return run_bench(a)
+
+
+def cmd_bench_report(a: argparse.Namespace) -> int:
+    from phasewise.bench.report import render
+    from phasewise.bench.summary import parse_slo
+
+    out = render(a.results, a.output, stall_factor=a.stall_factor,
+                 slo=parse_slo(a.goodput) or None)
+    print(f"report written to {out}", file=sys.stderr)
+    return 0
+
+
+def build_report_parser() -> argparse.ArgumentParser:
+    r = argparse.ArgumentParser(prog="phasewise bench report",
+                                description="HTML report from benchmark result files")
+    r.add_argument("results", nargs="+", help="result JSON files (phasewise bench, or "
+                   "vllm bench serve --save-detailed)")
+    r.add_argument("-o", "--output", default="bench-report.html")
+    r.add_argument("--stall-factor", type=float, default=5.0,
+                   help="mark a stall where a gap exceeds this x the median ITL")
+    r.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS",
+                   help="SLO lines to draw (default: the results' own)")
+    r.set_defaults(func=cmd_bench_report)
+    return r
+
+
 def cmd_make_tiny(a: argparse.Namespace) -> int:
     from phasewise.model.tiny import make_tiny_checkpoint
 
@@ -129,6 +159,13 @@ def build_parser() -> argparse.ArgumentParser:
                    choices=["debug", "info", "warning", "error"])
     s.set_defaults(func=cmd_serve)
 
+    b = sub.add_parser("bench", help="load-test any OpenAI-compatible server "
+                       "('phasewise bench report FILES' renders an HTML report)")
+    from phasewise.bench.run import add_args as add_bench_args
+
+    add_bench_args(b)
+    b.set_defaults(func=cmd_bench)
+
     t = sub.add_parser("make-tiny", help="write a tiny random-weight checkpoint (HF layout)")
     t.add_argument("out")
     t.add_argument("--arch", default="LlamaForCausalLM",
@@ -143,10 +180,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:2] == ["bench", "report"]:
+        args = build_report_parser().parse_args(argv[2:])
+    else:
+        args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
         print(f"phasewise: error: {e}", file=sys.stderr)
         return 2
 

@@ -157,6 +157,11 @@ class SSEResponse(StreamingResponse):
 
     media_type = "text/event-stream"
 
+    def __init__(self, content: AsyncIterator[str]) -> None:
+        # No caching, and no buffering in proxies (nginx honours X-Accel-Buffering).
+        super().__init__(content, headers={"Cache-Control": "no-cache",
+                                           "X-Accel-Buffering": "no"})
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         stream = asyncio.ensure_future(self.stream_response(send))
         listen = asyncio.ensure_future(self.listen_for_disconnect(receive))
@@ -336,7 +341,8 @@ class OpenAIServer:
             tokens.append(text)
             lps.append(entry.get(tok))
             ranked = sorted(((lp, t) for t, lp in entry.items()), reverse=True)
-            tops.append({self._token_text(t): lp for lp, t in ranked[:max(len(entry) - 1, 1)]})
+            # The top-N and the sampled token (OpenAI: "up to logprobs + 1" entries).
+            tops.append({self._token_text(t): lp for lp, t in ranked})
             offsets.append(pos)
             pos += len(text)
         return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops,
@@ -393,6 +399,9 @@ class OpenAIServer:
             if not self.engine.is_alive:
                 return error_response(ApiError(503, "the engine thread is not running",
                                                type="server_error"))
+            if self.draining:  # load balancers stop sending here while streams finish
+                return error_response(ApiError(503, "the server is draining",
+                                               type="server_error", code="shutting_down"))
             return JSONResponse({"status": "ok"})
 
         @app.get("/version")
@@ -504,6 +513,13 @@ class OpenAIServer:
                 out["usage"] = usage
             return out
 
+        def running_usage(idx: int, out: RequestOutput) -> dict | None:
+            """vLLM's continuous_usage_stats: this choice's counts so far, on every chunk
+            (lets a client count the tokens each chunk carries)."""
+            if not body.continuous_usage:
+                return None
+            return _usage(len(specs[idx].token_ids), len(out.token_ids))
+
         if body.stream:
             async def events() -> AsyncIterator[str]:
                 offsets = [0] * len(specs)
@@ -523,7 +539,8 @@ class OpenAIServer:
                             continue  # bytes of an unfinished character: nothing to show
                         yield _sse(chunk([{"index": idx, "text": out.delta_text,
                                            "logprobs": lp,
-                                           "finish_reason": _finish_reason(out)}]))
+                                           "finish_reason": _finish_reason(out)}],
+                                         running_usage(idx, out)))
                     if body.include_usage:
                         yield _sse(chunk([], _usage(prompt_tokens, completion_tokens)))
                 except (EngineError, EngineStopped) as e:
@@ -597,6 +614,13 @@ class OpenAIServer:
                 out["usage"] = usage
             return out
 
+        def running_usage(idx: int, out: RequestOutput) -> dict | None:
+            """vLLM's continuous_usage_stats: this choice's counts so far, on every chunk
+            (lets a client count the tokens each chunk carries)."""
+            if not body.continuous_usage:
+                return None
+            return _usage(len(specs[idx].token_ids), len(out.token_ids))
+
         if body.stream:
             async def events() -> AsyncIterator[str]:
                 started = [False] * len(specs)
@@ -619,7 +643,8 @@ class OpenAIServer:
                             continue
                         delta = {"content": out.delta_text} if out.delta_text else {}
                         yield _sse(chunk([{"index": idx, "delta": delta, "logprobs": lp,
-                                           "finish_reason": _finish_reason(out)}]))
+                                           "finish_reason": _finish_reason(out)}],
+                                         running_usage(idx, out)))
                     if body.include_usage:
                         yield _sse(chunk([], _usage(len(ids), completion_tokens)))
                 except (EngineError, EngineStopped) as e:

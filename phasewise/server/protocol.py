@@ -47,6 +47,7 @@ class _Body(BaseModel):
 
 class StreamOptions(_Body):
     include_usage: Bool = False
+    continuous_usage_stats: Bool = False  # vLLM's extension: usage on every chunk
 
 
 class _Sampling(_Body):
@@ -106,7 +107,12 @@ class _Sampling(_Body):
 
     @property
     def include_usage(self) -> bool:
-        return bool(self.stream_options and self.stream_options.include_usage)
+        return bool(self.stream_options and (self.stream_options.include_usage
+                                             or self.stream_options.continuous_usage_stats))
+
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
 
 TokenIds = list[Annotated[Int, Field(ge=0)]]

@@ -1,0 +1,204 @@
+"""The load generator: send a workload to an OpenAI-compatible server and time every chunk.
+
+Requests go to ``/v1/completions`` with the prompt as token ids (so the stated lengths are
+exact) and ``stream: true``. Each SSE chunk's arrival is taken from the client's monotonic
+clock; the tokens it carries are counted from ``usage.completion_tokens`` when the server sends
+usage on every chunk (vLLM's and phasewise's ``continuous_usage_stats``), else one per chunk
+with text. Nothing here imports the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import httpx
+
+from phasewise.bench.workload import RequestSpec
+
+
+@dataclass
+class RequestResult:
+    """One request, timed by the client. Times are seconds; ``start`` is from the start of the
+    run, the others from the request's own start."""
+
+    index: int
+    prompt_len: int
+    output_len: int  # asked for
+    intruder: bool
+    start: float = 0.0
+    ttft: float | None = None
+    chunk_times: list[float] = field(default_factory=list)  # every chunk that carried tokens
+    chunk_tokens: list[int] = field(default_factory=list)  # tokens in each of those chunks
+    output_tokens: int = 0
+    latency: float = 0.0
+    success: bool = False
+    error: str = ""
+
+    @property
+    def itls(self) -> list[float]:
+        """Gaps between consecutive token-carrying chunks."""
+        t = self.chunk_times
+        return [b - a for a, b in zip(t, t[1:])]
+
+    @property
+    def tpot(self) -> float | None:
+        """(e2e - TTFT) / (output tokens - 1), as vLLM and DistServe define it."""
+        if not self.success or self.ttft is None or self.output_tokens < 2:
+            return None
+        return (self.latency - self.ttft) / (self.output_tokens - 1)
+
+
+@dataclass
+class ClientConfig:
+    base_url: str
+    model: str | None = None
+    endpoint: str = "/v1/completions"
+    max_concurrency: int | None = None
+    ignore_eos: bool = True
+    temperature: float = 0.0
+    headers: dict[str, str] = field(default_factory=dict)
+    timeout_s: float = 6 * 3600.0
+    extra_body: dict[str, Any] = field(default_factory=dict)
+
+
+def _body(cfg: ClientConfig, spec: RequestSpec, prompt: list[int] | str) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "prompt": prompt, "max_tokens": spec.output_len, "temperature": cfg.temperature,
+        "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+    }
+    if cfg.model:
+        body["model"] = cfg.model
+    if cfg.ignore_eos:
+        body["ignore_eos"] = True
+    body.update(cfg.extra_body)
+    return body
+
+
+async def send_one(client: httpx.AsyncClient, cfg: ClientConfig, spec: RequestSpec,
+                   prompt: list[int] | str, t_run0: float) -> RequestResult:
+    res = RequestResult(spec.index, spec.prompt_len, spec.output_len, spec.intruder)
+    t0 = time.monotonic()
+    res.start = t0 - t_run0
+    counted = 0  # completion tokens reported by usage so far
+    saw_usage = False
+    try:
+        async with client.stream("POST", cfg.endpoint, json=_body(cfg, spec, prompt)) as r:
+            if r.status_code != 200:
+                text = (await r.aread()).decode(errors="replace")
+                res.error = f"HTTP {r.status_code}: {text[:500]}"
+                return res
+            async for line in r.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                now = time.monotonic() - t0
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    res.error = str(chunk["error"].get("message", chunk["error"]))[:500]
+                    return res
+                choices = chunk.get("choices") or []
+                usage = chunk.get("usage")
+                if choices:
+                    text = choices[0].get("text") or (choices[0].get("delta") or {}).get(
+                        "content") or ""
+                    if usage is not None:
+                        saw_usage = True
+                        n = int(usage.get("completion_tokens", 0)) - counted
+                        counted += n
+                    else:
+                        n = 1 if text else 0
+                    if n > 0:
+                        if res.ttft is None:
+                            res.ttft = now
+                        res.chunk_times.append(now)
+                        res.chunk_tokens.append(n)
+                elif usage is not None:  # the final usage-only chunk
+                    res.output_tokens = int(usage.get("completion_tokens", 0))
+        res.latency = time.monotonic() - t0
+        if not res.output_tokens:
+            res.output_tokens = counted if saw_usage else sum(res.chunk_tokens)
+        res.success = res.ttft is not None
+        if not res.success:
+            res.error = "the stream ended without a token"
+    except (httpx.HTTPError, json.JSONDecodeError, ValueError) as e:
+        res.error = f"{type(e).__name__}: {e}"[:500]
+        res.latency = time.monotonic() - t0
+    return res
+
+
+class Progress:
+    """A one-line progress bar on stderr (only when it is a terminal, or forced)."""
+
+    def __init__(self, total: int, label: str, enabled: bool | None = None) -> None:
+        self.total, self.label, self.done, self.failed = total, label, 0, 0
+        self.enabled = sys.stderr.isatty() if enabled is None else enabled
+        self.t0 = time.monotonic()
+        self._last = 0.0
+
+    def update(self, ok: bool) -> None:
+        self.done += 1
+        self.failed += not ok
+        now = time.monotonic()
+        if self.enabled and (now - self._last > 0.2 or self.done == self.total):
+            self._last = now
+            width = 30
+            filled = int(width * self.done / max(self.total, 1))
+            sys.stderr.write(f"\r{self.label} [{'#' * filled}{'.' * (width - filled)}] "
+                             f"{self.done}/{self.total} ({self.failed} failed) "
+                             f"{now - self.t0:.0f}s")
+            if self.done == self.total:
+                sys.stderr.write("\n")
+            sys.stderr.flush()
+
+
+async def run_workload(cfg: ClientConfig, specs: Sequence[RequestSpec],
+                       prompts: Sequence[list[int] | str], *,
+                       progress: Progress | None = None,
+                       on_result: Callable[[RequestResult], None] | None = None,
+                       ) -> tuple[list[RequestResult], float]:
+    """Send every request at its arrival offset (waiting for a concurrency slot when
+    ``max_concurrency`` is set). Returns the results in workload order and the run's
+    duration (first send to last completion)."""
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    sem = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else None
+    async with httpx.AsyncClient(base_url=cfg.base_url.rstrip("/"), headers=cfg.headers,
+                                 timeout=httpx.Timeout(cfg.timeout_s, connect=60.0),
+                                 limits=limits) as client:
+        t_run0 = time.monotonic()
+
+        async def one(spec: RequestSpec, prompt: list[int] | str) -> RequestResult:
+            delay = spec.arrival - (time.monotonic() - t_run0)
+            if delay > 0:
+                await asyncio.sleep(delay)
+            if sem is not None:
+                async with sem:
+                    res = await send_one(client, cfg, spec, prompt, t_run0)
+            else:
+                res = await send_one(client, cfg, spec, prompt, t_run0)
+            if progress is not None:
+                progress.update(res.success)
+            if on_result is not None:
+                on_result(res)
+            return res
+
+        results = await asyncio.gather(*(one(s, p) for s, p in zip(specs, prompts)))
+        duration = max((r.start + r.latency for r in results), default=0.0)
+    return list(results), duration
+
+
+def result_rows(results: Sequence[RequestResult]) -> list[dict[str, Any]]:
+    return [dict(asdict(r), itls=r.itls, tpot=r.tpot) for r in results]
+
+
+def finite(x: float) -> float | None:
+    return x if x is not None and math.isfinite(x) else None

@@ -1,0 +1,216 @@
+"""``phasewise bench``: build the workload, make the prompts, run it (once per request rate),
+summarise, and write vLLM-format result files. Reads the server's ``/metrics`` before and
+after each run when it is a phasewise server, to record its own queue/prefill/decode split."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from phasewise.bench.client import ClientConfig, Progress, run_workload
+from phasewise.bench.prompts import (corpus_text, make_prompts, tokens_from_file,
+                                     tokens_from_server)
+from phasewise.bench.summary import parse_slo, summarize, text_table
+from phasewise.bench.workload import LengthDist, build_workload, load_trace
+
+SERVER_HISTOGRAMS = ("request_queue_time_seconds", "request_prefill_time_seconds",
+                     "request_decode_time_seconds", "time_to_first_token_seconds",
+                     "inter_token_latency_seconds")
+
+
+def scrape_phasewise_metrics(base_url: str, headers: dict[str, str]) -> dict[str, float] | None:
+    """The ``phasewise:`` samples of /metrics, or None if the server is not phasewise."""
+    try:
+        r = httpx.get(base_url.rstrip("/") + "/metrics", headers=headers, timeout=30)
+    except httpx.HTTPError:
+        return None
+    if r.status_code != 200 or "phasewise:" not in r.text:
+        return None
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(r.text):
+        for s in fam.samples:
+            extra = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items())
+                             if k not in ("model_name", "le"))
+            if "le" in s.labels:
+                continue  # bucket counts: the sums and counts are enough here
+            out[s.name + (f"{{{extra}}}" if extra else "")] = s.value
+    return out
+
+
+def server_split(before: dict[str, float], after: dict[str, float]) -> dict[str, Any]:
+    """Means of the server's own intervals over the run, and its step mix."""
+    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    split: dict[str, Any] = {}
+    for h in SERVER_HISTOGRAMS:
+        n = d.get(f"phasewise:{h}_count", 0.0)
+        split[f"mean_{h.removesuffix('_seconds')}_ms"] = (
+            1e3 * d.get(f"phasewise:{h}_sum", 0.0) / n if n else None)
+    split["engine_steps"] = {k: int(d.get(f"phasewise:engine_steps_total{{kind={k}}}", 0))
+                             for k in ("prefill", "decode", "mixed")}
+    split["step_tokens"] = {p: int(d.get(f"phasewise:step_tokens_total{{phase={p}}}", 0))
+                            for p in ("prefill", "decode")}
+    split["preemptions"] = int(d.get("phasewise:num_preemptions_total", 0))
+    split["prompt_tokens"] = int(d.get("phasewise:prompt_tokens_total", 0))
+    split["generation_tokens"] = int(d.get("phasewise:generation_tokens_total", 0))
+    return split
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    """Flags follow ``vllm bench serve`` where the concept is the same."""
+    p.add_argument("--base-url", default="http://127.0.0.1:8000",
+                   help="server root, e.g. http://127.0.0.1:8000")
+    p.add_argument("--endpoint", default="/v1/completions")
+    p.add_argument("--model", default=None, help="model name to send (default: none)")
+    p.add_argument("--num-prompts", type=int, default=100)
+    p.add_argument("--request-rate", type=float, nargs="+", default=[math.inf],
+                   help="requests/s (inf: all at once); several values make a sweep")
+    p.add_argument("--burstiness", type=float, default=1.0,
+                   help="gamma shape of the arrival gaps: 1 Poisson, <1 burstier")
+    p.add_argument("--max-concurrency", type=int, default=None)
+    p.add_argument("--input-len", "--random-input-len", dest="input_len", default="256",
+                   help="prompt tokens: N, uniform:LO-HI or normal:MEAN,STD")
+    p.add_argument("--output-len", "--random-output-len", dest="output_len", default="64",
+                   help="output tokens: N, uniform:LO-HI or normal:MEAN,STD")
+    p.add_argument("--intruder-fraction", type=float, default=0.0,
+                   help="share of requests that get a long prompt instead")
+    p.add_argument("--intruder-len", default="2048", help="the intruders' prompt tokens")
+    p.add_argument("--trace", default=None,
+                   help="JSONL of {arrival, prompt_len|prompt, output_len} (replaces the "
+                        "synthetic workload)")
+    p.add_argument("--trace-time-scale", type=float, default=1.0)
+    p.add_argument("--tokenizer", default=None,
+                   help="tokenizer.json for the prompts (default: the server's /tokenize)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--no-ignore-eos", action="store_true",
+                   help="let requests stop at end-of-sequence (lengths become inexact)")
+    p.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS",
+                   help="SLOs for goodput: ttft:MS tpot:MS e2el:MS")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--header", nargs="+", default=[], metavar="KEY=VALUE")
+    p.add_argument("--label", default=None, help="name of this run in results and reports")
+    p.add_argument("--result-file", "--result-filename", dest="result_file", default=None,
+                   help="write the JSON result here (with a sweep: -rate<R> is added)")
+    p.add_argument("--result-dir", default=None)
+    p.add_argument("--save-result", action="store_true",
+                   help="write the result even without --result-file (name from the label)")
+    p.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
+
+
+def _headers(a: argparse.Namespace) -> dict[str, str]:
+    h = {}
+    for item in a.header:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"--header takes KEY=VALUE, got {item!r}")
+        h[key] = value
+    if a.api_key:
+        h["Authorization"] = f"Bearer {a.api_key}"
+    return h
+
+
+def _result_path(a: argparse.Namespace, label: str, rate: float, sweep: bool) -> Path | None:
+    if not (a.result_file or a.save_result or a.result_dir):
+        return None
+    name = Path(a.result_file).name if a.result_file else f"{label}.json"
+    if sweep:
+        stem = name.removesuffix(".json")
+        name = f"{stem}-rate{rate:g}.json"
+    folder = Path(a.result_dir) if a.result_dir else (
+        Path(a.result_file).parent if a.result_file else Path("."))
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder / name
+
+
+def main(a: argparse.Namespace) -> int:
+    slo = parse_slo(a.goodput)
+    headers = _headers(a)
+    for r in a.request_rate:
+        if not r > 0:
+            raise ValueError(f"--request-rate values must be > 0 (or inf), got {r}")
+    if a.num_prompts < 1:
+        raise ValueError(f"--num-prompts must be >= 1, got {a.num_prompts}")
+    label = a.label or "phasewise-bench"
+    dists = [LengthDist.parse(x) for x in (a.input_len, a.output_len, a.intruder_len)]
+    if a.trace:
+        base_specs = load_trace(a.trace, a.trace_time_scale)
+    else:
+        base_specs = None
+    need_corpus = base_specs is None or any(s.prompt is None for s in base_specs)
+    corpus_ids: list[int] = []
+    if need_corpus:
+        t0 = time.monotonic()
+        text = corpus_text()
+        corpus_ids = (tokens_from_file(a.tokenizer, text) if a.tokenizer
+                      else tokens_from_server(a.base_url, text, headers, a.model))
+        print(f"prompt corpus: {len(corpus_ids)} tokens ({time.monotonic() - t0:.1f}s)",
+              file=sys.stderr)
+    sweep = len(a.request_rate) > 1
+    summaries = []
+    for rate in a.request_rate:
+        if base_specs is not None:
+            specs = base_specs
+        else:
+            specs = build_workload(
+                a.num_prompts, dists[0], dists[1], request_rate=rate,
+                burstiness=a.burstiness, intruder_fraction=a.intruder_fraction,
+                intruder_len=dists[2], seed=a.seed)
+        prompts = make_prompts(specs, corpus_ids, a.seed) if corpus_ids else \
+            [s.prompt or "" for s in specs]
+        cfg = ClientConfig(base_url=a.base_url, model=a.model, endpoint=a.endpoint,
+                           max_concurrency=a.max_concurrency, ignore_eos=not a.no_ignore_eos,
+                           temperature=a.temperature, headers=headers)
+        before = scrape_phasewise_metrics(a.base_url, headers)
+        progress = Progress(len(specs), f"rate {rate:g} req/s",
+                            enabled=False if a.disable_tqdm else None)
+        results, duration = asyncio.run(run_workload(cfg, specs, prompts, progress=progress))
+        after = scrape_phasewise_metrics(a.base_url, headers)
+        out = summarize(results, duration, slo or None)
+        out.update({
+            "label": label, "base_url": a.base_url, "endpoint": a.endpoint,
+            "model_id": a.model, "request_rate": rate if math.isfinite(rate) else "inf",
+            "burstiness": a.burstiness, "max_concurrency": a.max_concurrency,
+            "num_prompts": len(specs), "seed": a.seed, "input_len": a.input_len,
+            "output_len": a.output_len, "intruder_fraction": a.intruder_fraction,
+            "intruder_len": a.intruder_len if a.intruder_fraction else None,
+            "trace": a.trace, "date": time.strftime("%Y%m%d-%H%M%S"),
+            "server_metrics": server_split(before, after) if before and after else None,
+        })
+        print(f"\n==== {label}: request rate {rate:g} req/s ====")
+        print(text_table(out))
+        if out["server_metrics"]:
+            sm = out["server_metrics"]
+            print(f"{'Server-side split (mean ms):':<38}queue "
+                  f"{_fmt(sm['mean_request_queue_time_ms'])}  prefill "
+                  f"{_fmt(sm['mean_request_prefill_time_ms'])}  decode "
+                  f"{_fmt(sm['mean_request_decode_time_ms'])}; steps {sm['engine_steps']}")
+        path = _result_path(a, label, rate, sweep)
+        if path is not None:
+            path.write_text(json.dumps(out, indent=1, allow_nan=True))
+            print(f"result written to {path}")
+        summaries.append(out)
+    if sweep:
+        print("\n==== sweep ====")
+        print(f"{'rate':>8} {'req/s':>8} {'out tok/s':>10} {'TTFT p50':>9} {'TTFT p99':>9} "
+              f"{'TPOT p50':>9} {'ITL p99':>9} {'goodput':>8}")
+        for s in summaries:
+            gp = s["request_goodput"]
+            print(f"{s['request_rate']!s:>8} {s['request_throughput']:>8.3f} "
+                  f"{s['output_throughput']:>10.1f} {s['median_ttft_ms']:>9.0f} "
+                  f"{s['p99_ttft_ms']:>9.0f} {s['median_tpot_ms']:>9.1f} "
+                  f"{s['p99_itl_ms']:>9.0f} {'-' if gp is None else f'{gp:.3f}':>8}")
+    return 0 if all(s["failed"] == 0 for s in summaries) else 1
+
+
+def _fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:.0f}"

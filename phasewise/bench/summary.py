@@ -1,0 +1,166 @@
+"""Summaries of a benchmark run, with vLLM's result field names so existing tooling reads them.
+
+Definitions (as vLLM's ``bench serve`` and DistServe use them):
+
+* TTFT: request sent -> first chunk carrying a token;
+* ITL: gap between consecutive token-carrying chunks of a request (one entry per gap);
+* TPOT: (e2e - TTFT) / (output tokens - 1), per request with at least 2 output tokens;
+* e2e latency (``e2el``): request sent -> stream finished;
+* goodput: completed requests per second that met every SLO given (``ttft``, ``tpot``,
+  ``e2el``, in ms);
+* the longest stall: the largest ITL of the run, the request it happened to, and the request
+  most likely to have caused it (of the requests still waiting for their first token while the
+  gap lasted, the one with the longest prompt: its prefill is what ran meanwhile).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+from typing import Any
+
+from phasewise.bench.client import RequestResult
+
+PERCENTILES = (50, 90, 99)
+
+
+def percentile(values: Sequence[float], p: float) -> float:
+    """Linear interpolation between closest ranks (numpy's default)."""
+    if not values:
+        return float("nan")
+    xs = sorted(values)
+    k = (len(xs) - 1) * p / 100.0
+    lo, hi = math.floor(k), math.ceil(k)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def parse_slo(items: Sequence[str] | None) -> dict[str, float]:
+    """``["ttft:2000", "tpot:200"]`` (or ``"ttft:2000,tpot:200"``) -> {name: ms}."""
+    out: dict[str, float] = {}
+    for item in items or []:
+        for part in item.replace(",", " ").split():
+            key, sep, value = part.partition(":")
+            if key not in ("ttft", "tpot", "e2el") or not sep:
+                raise ValueError(f"an SLO is ttft:MS, tpot:MS or e2el:MS; got {part!r}")
+            try:
+                ms = float(value)
+            except ValueError:
+                raise ValueError(f"SLO {key} needs a number of milliseconds; got {value!r}")
+            if ms <= 0:
+                raise ValueError(f"SLO {key} must be > 0 ms; got {value!r}")
+            out[key] = ms
+    return out
+
+
+def meets_slo(r: RequestResult, slo: dict[str, float]) -> bool:
+    if not r.success or r.ttft is None:
+        return False
+    tpot = r.tpot if r.tpot is not None else 0.0
+    return (r.ttft * 1e3 <= slo.get("ttft", math.inf)
+            and tpot * 1e3 <= slo.get("tpot", math.inf)
+            and r.latency * 1e3 <= slo.get("e2el", math.inf))
+
+
+def longest_stall(results: Sequence[RequestResult]) -> dict[str, Any] | None:
+    best: tuple[float, RequestResult, int] | None = None
+    for r in results:
+        for i, gap in enumerate(r.itls):
+            if best is None or gap > best[0]:
+                best = (gap, r, i)
+    if best is None:
+        return None
+    gap, r, i = best
+    begin = r.start + r.chunk_times[i]  # run time at which the stall began
+    end = begin + gap
+    culprit = None
+    for other in results:
+        if other is r or other.ttft is None:
+            continue
+        first = other.start + other.ttft
+        if other.start < end and first > begin:  # it was waiting for its first token
+            if culprit is None or other.prompt_len > culprit.prompt_len:
+                culprit = other
+    return {"itl_ms": gap * 1e3, "request": r.index, "at_s": begin,
+            "culprit": culprit.index if culprit else None,
+            "culprit_prompt_len": culprit.prompt_len if culprit else None,
+            "culprit_intruder": culprit.intruder if culprit else None}
+
+
+def _stats(name: str, values_s: Sequence[float], out: dict[str, Any]) -> None:
+    ms = [v * 1e3 for v in values_s]
+    out[f"mean_{name}_ms"] = statistics.fmean(ms) if ms else float("nan")
+    out[f"median_{name}_ms"] = statistics.median(ms) if ms else float("nan")
+    out[f"std_{name}_ms"] = statistics.pstdev(ms) if ms else float("nan")
+    for p in PERCENTILES:
+        out[f"p{p}_{name}_ms"] = percentile(ms, p)
+
+
+def summarize(results: Sequence[RequestResult], duration: float,
+              slo: dict[str, float] | None = None) -> dict[str, Any]:
+    ok = [r for r in results if r.success]
+    out: dict[str, Any] = {
+        "duration": duration,
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "total_input_tokens": sum(r.prompt_len for r in ok),
+        "total_output_tokens": sum(r.output_tokens for r in ok),
+    }
+    dur = duration if duration > 0 else math.nan
+    out["request_throughput"] = len(ok) / dur
+    out["output_throughput"] = out["total_output_tokens"] / dur
+    out["total_token_throughput"] = (out["total_input_tokens"]
+                                     + out["total_output_tokens"]) / dur
+    out["request_goodput"] = (sum(meets_slo(r, slo) for r in results) / dur) if slo else None
+    out["slo"] = dict(slo) if slo else None
+    _stats("ttft", [r.ttft for r in ok if r.ttft is not None], out)
+    _stats("tpot", [r.tpot for r in ok if r.tpot is not None], out)
+    _stats("itl", [g for r in ok for g in r.itls], out)
+    _stats("e2el", [r.latency for r in ok], out)
+    out["longest_stall"] = longest_stall(ok)
+    # Per-request detail, in vLLM's field names (seconds), plus what only this client keeps.
+    out["input_lens"] = [r.prompt_len for r in results]
+    out["output_lens"] = [r.output_tokens for r in results]
+    out["ttfts"] = [r.ttft for r in results]
+    out["itls"] = [r.itls for r in results]
+    out["latencies"] = [r.latency for r in results]
+    out["start_times"] = [r.start for r in results]
+    out["errors"] = [r.error for r in results]
+    out["chunk_times"] = [r.chunk_times for r in results]
+    out["chunk_tokens"] = [r.chunk_tokens for r in results]
+    out["intruders"] = [r.intruder for r in results]
+    return out
+
+
+def text_table(result: dict[str, Any]) -> str:
+    """The plain-text summary printed after a run."""
+    lines = []
+
+    def row(label: str, value: Any) -> None:
+        lines.append(f"{label:<38}{value}")
+
+    row("Successful requests:", result["completed"])
+    row("Failed requests:", result["failed"])
+    row("Benchmark duration (s):", f"{result['duration']:.2f}")
+    row("Total input tokens:", result["total_input_tokens"])
+    row("Total generated tokens:", result["total_output_tokens"])
+    row("Request throughput (req/s):", f"{result['request_throughput']:.3f}")
+    if result.get("request_goodput") is not None:
+        slo = ", ".join(f"{k}<={v:g}ms" for k, v in result["slo"].items())
+        row(f"Request goodput (req/s) [{slo}]:", f"{result['request_goodput']:.3f}")
+    row("Output token throughput (tok/s):", f"{result['output_throughput']:.2f}")
+    row("Total token throughput (tok/s):", f"{result['total_token_throughput']:.2f}")
+    for name, label in (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"),
+                        ("e2el", "E2E latency")):
+        stats = "  ".join(f"{k} {result[f'{k}_{name}_ms']:.1f}" for k in
+                          ("mean", "median", "std", "p90", "p99"))
+        row(f"{label} (ms):", stats)
+    stall = result.get("longest_stall")
+    if stall:
+        culprit = ("" if stall["culprit"] is None else
+                   f"; likely cause: request {stall['culprit']} "
+                   f"({stall['culprit_prompt_len']}-token prompt"
+                   f"{', intruder' if stall['culprit_intruder'] else ''})")
+        row("Longest stall:", f"{stall['itl_ms']:.1f} ms in request {stall['request']} at "
+            f"t={stall['at_s']:.2f}s{culprit}")
+    return "\n".join(lines)

@@ -1,0 +1,153 @@
+"""What a benchmark sends and when: lengths, arrival times, intruders and traces.
+
+Everything here is deterministic given the seed, and imports nothing of the engine.
+
+Length distributions are written as text on the command line:
+
+* ``256`` or ``fixed:256`` - every request the same;
+* ``uniform:128-512`` - integers uniformly in [128, 512];
+* ``normal:256,64`` - normal with mean 256 and standard deviation 64, rounded and clipped
+  to at least 1 (and to ``max`` when given as ``normal:256,64,max=1024``).
+
+Arrivals: ``request_rate`` requests per second, with gaps drawn from a gamma distribution of
+shape ``burstiness`` (1.0 is a Poisson process; below 1 burstier, above 1 more regular), or
+all at once when the rate is infinite.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class LengthDist:
+    kind: str  # "fixed", "uniform" or "normal"
+    a: float
+    b: float = 0.0
+    max: int | None = None
+
+    @classmethod
+    def parse(cls, text: str) -> LengthDist:
+        t = text.strip().lower()
+        allowed = "N, fixed:N, uniform:LO-HI or normal:MEAN,STD[,max=M]"
+        if re.fullmatch(r"\d+", t):
+            t = "fixed:" + t
+        m = re.fullmatch(r"fixed:(\d+)", t)
+        if m:
+            dist = cls("fixed", float(m.group(1)))
+        elif m := re.fullmatch(r"uniform:(\d+)-(\d+)", t):
+            dist = cls("uniform", float(m.group(1)), float(m.group(2)))
+        elif m := re.fullmatch(r"normal:(\d+(?:\.\d+)?),(\d+(?:\.\d+)?)(?:,max=(\d+))?", t):
+            dist = cls("normal", float(m.group(1)), float(m.group(2)),
+                       int(m.group(3)) if m.group(3) else None)
+        else:
+            raise ValueError(f"length distribution must be {allowed}; got {text!r}")
+        if dist.kind != "normal" and dist.a < 1:
+            raise ValueError(f"lengths must be >= 1; got {text!r}")
+        if dist.kind == "uniform" and dist.b < dist.a:
+            raise ValueError(f"uniform range must be LO-HI with LO <= HI; got {text!r}")
+        return dist
+
+    def sample(self, rng: random.Random) -> int:
+        if self.kind == "fixed":
+            return int(self.a)
+        if self.kind == "uniform":
+            return rng.randint(int(self.a), int(self.b))
+        n = max(1, round(rng.gauss(self.a, self.b)))
+        return min(n, self.max) if self.max is not None else n
+
+    def __str__(self) -> str:
+        if self.kind == "fixed":
+            return str(int(self.a))
+        if self.kind == "uniform":
+            return f"uniform:{int(self.a)}-{int(self.b)}"
+        return f"normal:{self.a:g},{self.b:g}" + (f",max={self.max}" if self.max else "")
+
+
+@dataclass(frozen=True)
+class RequestSpec:
+    """One request of a workload. ``prompt`` is set when it comes from a trace with text."""
+
+    index: int
+    arrival: float  # seconds after the start of the run
+    prompt_len: int
+    output_len: int
+    intruder: bool = False
+    prompt: str | None = None
+
+
+def arrival_times(n: int, request_rate: float, burstiness: float,
+                  rng: random.Random) -> list[float]:
+    """Offsets (s) of ``n`` arrivals: gamma-distributed gaps with mean 1/rate."""
+    if n < 0:
+        raise ValueError(f"number of requests must be >= 0, got {n}")
+    if burstiness <= 0:
+        raise ValueError(f"burstiness must be > 0, got {burstiness}")
+    if request_rate <= 0:
+        raise ValueError(f"request rate must be > 0 (inf: all at once), got {request_rate}")
+    if math.isinf(request_rate):
+        return [0.0] * n
+    scale = 1.0 / (request_rate * burstiness)
+    t, out = 0.0, []
+    for _ in range(n):
+        out.append(t)
+        t += rng.gammavariate(burstiness, scale)
+    return out
+
+
+def build_workload(num_requests: int, input_len: LengthDist, output_len: LengthDist, *,
+                   request_rate: float = math.inf, burstiness: float = 1.0,
+                   intruder_fraction: float = 0.0, intruder_len: LengthDist | None = None,
+                   seed: int = 0) -> list[RequestSpec]:
+    """A synthetic workload. With ``intruder_fraction`` > 0, that share of the requests (as
+    close as rounding allows, spread by the seed) get ``intruder_len`` prompts instead: long
+    prompts mixed into short chats, the case that makes prefill stall decode."""
+    if not 0.0 <= intruder_fraction <= 1.0:
+        raise ValueError(f"intruder fraction must be in [0, 1], got {intruder_fraction}")
+    if intruder_fraction > 0 and intruder_len is None:
+        raise ValueError("an intruder fraction needs an intruder length")
+    rng = random.Random(seed)
+    arrivals = arrival_times(num_requests, request_rate, burstiness, rng)
+    n_intruders = round(intruder_fraction * num_requests)
+    intruders = set(rng.sample(range(num_requests), n_intruders)) if n_intruders else set()
+    specs = []
+    for i, t in enumerate(arrivals):
+        is_intruder = i in intruders
+        dist = intruder_len if is_intruder and intruder_len is not None else input_len
+        specs.append(RequestSpec(i, t, dist.sample(rng), output_len.sample(rng), is_intruder))
+    return specs
+
+
+def load_trace(path: str | Path, time_scale: float = 1.0) -> list[RequestSpec]:
+    """A JSONL trace, one request per line: ``{"arrival": s, "prompt_len": n | "prompt":
+    text, "output_len": n}`` (``timestamp``/``input_length``/``output_length`` are accepted
+    as aliases). Arrivals are sorted and shifted to start at 0, then multiplied by
+    ``time_scale``."""
+    specs = []
+    with open(path) as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                arrival = float(row.get("arrival", row.get("timestamp", 0.0)))
+                prompt = row.get("prompt")
+                plen = row.get("prompt_len", row.get("input_length"))
+                olen = int(row.get("output_len", row.get("output_length")))
+            except (ValueError, TypeError, json.JSONDecodeError) as e:
+                raise ValueError(f"{path}:{lineno}: each line must be a JSON object with "
+                                 f"arrival, prompt_len (or prompt) and output_len: {e}") from e
+            if prompt is None and plen is None:
+                raise ValueError(f"{path}:{lineno}: give prompt_len or prompt")
+            if olen < 1 or (plen is not None and int(plen) < 1):
+                raise ValueError(f"{path}:{lineno}: lengths must be >= 1")
+            specs.append((arrival, prompt, int(plen) if plen is not None else 0, olen))
+    specs.sort(key=lambda s: s[0])
+    t0 = specs[0][0] if specs else 0.0
+    return [RequestSpec(i, (a - t0) * time_scale, plen, olen, prompt=prompt)
+            for i, (a, prompt, plen, olen) in enumerate(specs)]

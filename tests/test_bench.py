@@ -1,0 +1,257 @@
+"""The benchmark client: workloads, summaries on hand-made timings, the client against a
+scripted fake server, the CLI, and the HTML report."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import random
+import re
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fake_openai import FakeServer
+from phasewise.bench.client import ClientConfig, RequestResult, run_workload
+from phasewise.bench.prompts import make_prompts
+from phasewise.bench.report import render
+from phasewise.bench.summary import longest_stall, parse_slo, percentile, summarize
+from phasewise.bench.workload import (LengthDist, RequestSpec, arrival_times, build_workload,
+                                      load_trace)
+from phasewise.cli import main
+
+
+# -- workloads -----------------------------------------------------------------------------
+def test_length_distributions_parse_and_sample():
+    rng = random.Random(0)
+    assert LengthDist.parse("128").sample(rng) == 128
+    assert LengthDist.parse("fixed:7").sample(rng) == 7
+    u = LengthDist.parse("uniform:10-20")
+    assert {u.sample(rng) for _ in range(500)} == set(range(10, 21))
+    n = LengthDist.parse("normal:100,30,max=120")
+    xs = [n.sample(rng) for _ in range(2000)]
+    assert min(xs) >= 1 and max(xs) == 120
+    assert 85 < sum(xs) / len(xs) < 100  # the cap pulls the mean below 100
+    for bad in ("", "uniform:20-10", "normal:5", "gauss:1,2", "0", "-3"):
+        with pytest.raises(ValueError, match="length distribution|>= 1|LO <= HI"):
+            LengthDist.parse(bad)
+
+
+def test_workload_is_deterministic_and_mixes_the_stated_share_of_intruders():
+    kw = dict(request_rate=2.0, intruder_fraction=0.05, intruder_len=LengthDist.parse("4000"))
+    a = build_workload(200, LengthDist.parse("64"), LengthDist.parse("32"), seed=3, **kw)
+    b = build_workload(200, LengthDist.parse("64"), LengthDist.parse("32"), seed=3, **kw)
+    c = build_workload(200, LengthDist.parse("64"), LengthDist.parse("32"), seed=4, **kw)
+    assert a == b and a != c
+    intruders = [s for s in a if s.intruder]
+    assert len(intruders) == 10 and all(s.prompt_len == 4000 for s in intruders)
+    assert all(s.prompt_len == 64 for s in a if not s.intruder)
+
+
+@settings(max_examples=25, deadline=None)
+@given(rate=st.floats(0.1, 50), burstiness=st.floats(0.2, 5), seed=st.integers(0, 10**6))
+def test_arrivals_start_at_zero_increase_and_average_one_over_rate(rate, burstiness, seed):
+    times = arrival_times(4000, rate, burstiness, random.Random(seed))
+    assert times[0] == 0 and all(b >= a for a, b in zip(times, times[1:]))
+    mean_gap = times[-1] / (len(times) - 1)
+    # Gamma gaps of mean 1/rate: the sample mean of 4000 lies well within 20% of it.
+    assert abs(mean_gap * rate - 1) < 0.2
+
+
+def test_infinite_rate_sends_everything_at_once_and_bad_rates_are_refused():
+    assert arrival_times(5, math.inf, 1.0, random.Random(0)) == [0.0] * 5
+    for rate, burst in ((0, 1), (-1, 1), (1, 0)):
+        with pytest.raises(ValueError):
+            arrival_times(3, rate, burst, random.Random(0))
+
+
+def test_trace_is_sorted_shifted_and_scaled(tmp_path):
+    path = tmp_path / "t.jsonl"
+    path.write_text('{"arrival": 12.0, "prompt_len": 10, "output_len": 4}\n'
+                    '{"timestamp": 10.0, "input_length": 30, "output_length": 2}\n\n'
+                    '{"arrival": 11.0, "prompt": "hello", "output_len": 3}\n')
+    specs = load_trace(path, time_scale=2.0)
+    assert [(s.arrival, s.prompt_len, s.output_len, s.prompt) for s in specs] == [
+        (0.0, 30, 2, None), (2.0, 0, 3, "hello"), (4.0, 10, 4, None)]
+    path.write_text('{"arrival": 1, "output_len": 4}\n')
+    with pytest.raises(ValueError, match="prompt_len or prompt"):
+        load_trace(path)
+
+
+def test_prompts_have_exactly_the_stated_lengths():
+    specs = [RequestSpec(i, 0.0, n, 4) for i, n in enumerate([1, 50, 300])]
+    prompts = make_prompts(specs, list(range(100)), seed=1)
+    assert [len(p) for p in prompts] == [1, 50, 300]
+    assert all(all(0 <= t < 100 for t in p) for p in prompts)
+
+
+# -- summaries on hand-made timings ----------------------------------------------------------
+def _result(i, start, ttft, gaps, tokens=None, prompt_len=16, intruder=False):
+    tokens = tokens or [1] * (len(gaps) + 1)
+    times = [ttft]
+    for g in gaps:
+        times.append(times[-1] + g)
+    return RequestResult(i, prompt_len, sum(tokens), intruder, start=start, ttft=ttft,
+                         chunk_times=times, chunk_tokens=tokens, output_tokens=sum(tokens),
+                         latency=times[-1], success=True)
+
+
+def test_percentile_matches_linear_interpolation():
+    assert percentile([1, 2, 3, 4], 50) == 2.5
+    assert percentile([10], 99) == 10
+    assert percentile(list(range(101)), 90) == 90
+    assert math.isnan(percentile([], 50))
+
+
+def test_summary_values_are_exact_for_known_timings():
+    results = [
+        _result(0, 0.0, 0.5, [0.1, 0.1, 0.1]),  # TPOT 0.1
+        _result(1, 0.0, 1.5, [0.1, 0.3], tokens=[1, 2, 1]),  # 4 tokens: TPOT 0.4/3
+        _result(2, 1.0, 0.25, [2.0, 0.1], prompt_len=16),  # the stall
+        _result(3, 1.5, 2.5, [0.1], prompt_len=2000, intruder=True),  # waited through it
+        RequestResult(4, 16, 8, False, start=2.0, error="HTTP 500: boom", latency=0.01),
+    ]
+    out = summarize(results, duration=5.0, slo={"ttft": 1000, "tpot": 200})
+    assert out["completed"] == 4 and out["failed"] == 1
+    assert out["total_output_tokens"] == 4 + 4 + 3 + 2
+    assert out["request_throughput"] == pytest.approx(0.8)
+    assert out["output_throughput"] == pytest.approx(13 / 5)
+    assert out["median_ttft_ms"] == pytest.approx(1000.0)  # of 250, 500, 1500, 2500
+    assert out["p99_ttft_ms"] == pytest.approx(1500 + 1000 * 0.97)  # rank 2.97 of 0..3
+    tpots = [0.1, 0.4 / 3, 2.1 / 2, 0.1]
+    assert out["mean_tpot_ms"] == pytest.approx(1e3 * sum(tpots) / 4)
+    # ITLs: six of 0.1 s, 0.3 s and 2.0 s; p99 sits at rank 6.93 of 0..7.
+    assert out["median_itl_ms"] == pytest.approx(100.0)
+    assert out["p99_itl_ms"] == pytest.approx(300 + 1700 * 0.93)
+    # Goodput: TTFT <= 1 s and TPOT <= 200 ms holds for request 0 only (1 is late to its
+    # first token, 2 stalls, 3 waited 2.5 s, 4 failed).
+    assert out["request_goodput"] == pytest.approx(1 / 5.0)
+    stall = out["longest_stall"]
+    assert stall["request"] == 2 and stall["itl_ms"] == pytest.approx(2000.0)
+    assert stall["at_s"] == pytest.approx(1.25)
+    assert stall["culprit"] == 3 and stall["culprit_intruder"] is True
+    assert out["errors"][4] == "HTTP 500: boom"
+    assert out["itls"][1] == pytest.approx([0.1, 0.3])
+
+
+def test_slo_parsing():
+    assert parse_slo(["ttft:2000", "tpot:200"]) == {"ttft": 2000.0, "tpot": 200.0}
+    assert parse_slo(["ttft:2000,e2el:9000"]) == {"ttft": 2000.0, "e2el": 9000.0}
+    for bad in (["itl:5"], ["ttft"], ["ttft:-1"], ["tpot:fast"]):
+        with pytest.raises(ValueError):
+            parse_slo(bad)
+
+
+def test_longest_stall_without_gaps_is_none():
+    assert longest_stall([_result(0, 0.0, 0.1, [])]) is None
+
+
+# -- the client against a scripted server ---------------------------------------------------
+@pytest.fixture(scope="module")
+def fake():
+    with FakeServer() as server:
+        yield server
+
+
+def test_client_measures_the_scripted_timings(fake):
+    specs = [RequestSpec(i, 0.0, n, 5, intruder=n == 500)
+             for i, n in enumerate([16, 17, 18, 500, 13])]
+    prompts = [[1] * s.prompt_len for s in specs]
+    cfg = ClientConfig(base_url=fake.url)
+    results, duration = asyncio.run(run_workload(cfg, specs, prompts))
+    ok = {r.prompt_len: r for r in results if r.success}
+    assert set(ok) == {16, 17, 18, 500}
+    failed = [r for r in results if not r.success]
+    assert len(failed) == 1 and "500" in failed[0].error and "scripted" in failed[0].error
+    tol = 0.15  # scheduling jitter of a loaded machine; the scripted gaps are far larger
+    for n, r in ok.items():
+        assert r.ttft == pytest.approx(0.9 if n == 500 else 0.25, abs=tol)
+        assert r.output_tokens == 5
+    assert ok[18].chunk_tokens == [1, 2, 1, 1]  # counted from usage, not from chunks
+    assert ok[16].tpot == pytest.approx(0.05, abs=tol / 4)
+    assert max(ok[17].itls) == pytest.approx(0.6, abs=tol)
+    out = summarize(results, duration, {"ttft": 600})
+    assert out["completed"] == 4 and out["failed"] == 1
+    assert out["request_goodput"] == pytest.approx(3 / duration)
+    stall = out["longest_stall"]
+    assert stall["request"] == 1 and stall["culprit"] == 3 and stall["culprit_intruder"]
+
+
+def test_cli_writes_a_vllm_style_result_and_sweeps(fake, tmp_path, capsys):
+    out = tmp_path / "run.json"
+    rc = main(["bench", "--base-url", fake.url, "--num-prompts", "4", "--input-len", "16",
+               "--output-len", "5", "--request-rate", "inf", "--goodput", "ttft:600",
+               "--result-file", str(out), "--label", "fake", "--disable-tqdm"])
+    assert rc == 0
+    r = json.loads(out.read_text())
+    for key in ("completed", "request_throughput", "output_throughput", "request_goodput",
+                "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms",
+                "p99_itl_ms", "ttfts", "itls", "input_lens", "output_lens", "errors"):
+        assert key in r, key
+    assert r["completed"] == 4 and r["input_lens"] == [16] * 4 and r["output_lens"] == [5] * 4
+    assert r["label"] == "fake" and r["server_metrics"] is None  # not a phasewise server
+    text = capsys.readouterr().out
+    assert "Successful requests:" in text and "Longest stall:" in text
+
+    rc = main(["bench", "--base-url", fake.url, "--num-prompts", "3", "--input-len", "16",
+               "--output-len", "5", "--request-rate", "20", "inf", "--result-dir",
+               str(tmp_path / "sweep"), "--save-result", "--disable-tqdm"])
+    assert rc == 0
+    files = sorted(p.name for p in (tmp_path / "sweep").iterdir())
+    assert files == ["phasewise-bench-rate20.json", "phasewise-bench-rateinf.json"]
+    assert "==== sweep ====" in capsys.readouterr().out
+
+
+def test_cli_reports_failures_in_its_exit_code(fake, tmp_path):
+    rc = main(["bench", "--base-url", fake.url, "--num-prompts", "2", "--input-len", "13",
+               "--output-len", "5", "--disable-tqdm"])
+    assert rc == 1
+    assert main(["bench", "--base-url", fake.url, "--input-len", "nope"]) == 2
+
+
+# -- the report ------------------------------------------------------------------------------
+def test_report_holds_the_expected_series(tmp_path):
+    results = [_result(0, 0.0, 0.5, [0.1, 0.1, 0.1]),
+               _result(1, 0.2, 0.3, [0.1, 1.5, 0.1]),
+               _result(2, 0.5, 1.2, [0.1], prompt_len=3000, intruder=True)]
+    a = summarize(results, 3.0, {"ttft": 1000})
+    a["label"] = "prefill-first"
+    b = summarize(results[:1], 1.0, {"ttft": 1000})
+    b["label"] = "chunked"
+    pa, pb = tmp_path / "a.json", tmp_path / "b.json"
+    pa.write_text(json.dumps(a))
+    pb.write_text(json.dumps(b))
+    out = render([pa, pb], tmp_path / "r.html", stall_factor=5.0)
+    page = out.read_text()
+    data = json.loads(re.search(r'<script type="application/json" id="phasewise-series">'
+                                r"(.*?)</script>", page, re.S).group(1))
+    sa, sb = data["series"]
+    assert [sa["label"], sb["label"]] == ["prefill-first", "chunked"]
+    assert sa["median_itl"] == pytest.approx(0.1)
+    assert [(s["request"], round(s["gap"], 6)) for s in sa["stalls"]] == [(1, 1.5)]
+    assert sa["stalls"][0]["at"] == pytest.approx(0.2 + 0.3 + 0.1)
+    assert sb["stalls"] == []
+    assert sa["ttft_sorted"] == pytest.approx([0.3, 0.5, 1.2])
+    assert [r["intruder"] for r in sa["timeline"]] == [False, False, True]
+    assert sa["timeline"][2]["first_token"] == pytest.approx(1.7)
+    assert sum(sa["tokens_per_s"]["values"]) == 4 + 4 + 2  # every token lands in a bin
+    assert data["slo"] == {"ttft": 1000}
+    pytest.importorskip("matplotlib")
+    assert page.count("data:image/png;base64,") == 2 + 3  # 2 timelines, 2 CDFs, tokens/s
+
+
+def test_report_reads_vllm_results_and_refuses_other_json(tmp_path):
+    vllm_like = {"ttfts": [0.2, 0.4], "itls": [[0.05, 0.05], [0.05]], "latencies": [0.3, 0.45],
+                 "start_times": [0.0, 0.1], "output_lens": [3, 2], "completed": 2,
+                 "request_throughput": 1.0, "output_throughput": 5.0}
+    p = tmp_path / "vllm.json"
+    p.write_text(json.dumps(vllm_like))
+    page = render([p], tmp_path / "v.html").read_text()
+    assert "vllm" in page
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    with pytest.raises(ValueError, match="ttfts"):
+        render([bad], tmp_path / "x.html")
+    assert main(["bench", "report", str(bad), "-o", str(tmp_path / "y.html")]) == 2
