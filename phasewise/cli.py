@@ -14,8 +14,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--kv-cache-memory", default=None, help="KV pool size, e.g. 512MiB or 4GiB")
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048,
-                   help="token budget per engine step")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="token budget per engine step (default: 256 on CPU, 2048 on CUDA)")
     p.add_argument("--max-num-seqs", type=int, default=128)
     p.add_argument("--policy", default="chunked", choices=["chunked", "prefill-first"])
     p.add_argument("--no-prefix-caching", action="store_true")

@@ -133,3 +133,17 @@ def test_cli_make_tiny_then_generate(tmp_path, capsys):
     assert "[prefill]" in err and "[decode]  4 tokens" in err
     assert main(["generate", "--model", str(tmp_path / "none"), "x"]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_step_budget_defaults_to_256_tokens_on_cpu_and_can_be_set(llama_dir):
+    default = LLM(str(llama_dir), device="cpu")
+    assert default.engine.max_num_batched_tokens == 256
+    assert default.engine.scheduler.config.max_num_batched_tokens == 256
+    # A 500-token prompt is prefilled in chunks of at most 256 tokens.
+    ids = [5 + i % 200 for i in range(500)]
+    default.generate(ids, SamplingParams(max_tokens=1))
+    prefill = [s.num_prefill_tokens for s in default.step_stats if s.num_prefill_tokens]
+    assert prefill == [256, 244]
+    assert LLM(str(llama_dir), max_num_batched_tokens=1000).engine.max_num_batched_tokens == 1000
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        EngineConfig(model=str(llama_dir), max_num_batched_tokens=0)

@@ -30,6 +30,8 @@ from phasewise.model.loader import load_model, resolve_dtype
 from phasewise.model.tokenizer import Tokenizer, load_generation_config
 
 DEFAULT_CPU_KV_MEMORY = 1 << 30
+DEFAULT_CPU_STEP_TOKENS = 256  # see EngineConfig.max_num_batched_tokens
+DEFAULT_CUDA_STEP_TOKENS = 2048
 MAX_STEP_HISTORY = 100_000
 
 
@@ -87,7 +89,9 @@ class LLMEngine:
         self.eos_token_ids = self._eos_ids()
 
         self.kv = KVCacheManager(num_blocks, bs, config.enable_prefix_caching)
-        budget_tokens = config.max_num_batched_tokens
+        budget_tokens = config.max_num_batched_tokens or (
+            DEFAULT_CUDA_STEP_TOKENS if self.device.type == "cuda" else DEFAULT_CPU_STEP_TOKENS)
+        self.max_num_batched_tokens = budget_tokens
         if config.policy == "prefill-first":
             budget_tokens = max(budget_tokens, max_len)
         self.scheduler = Scheduler(

@@ -53,7 +53,8 @@ def run(server: OpenAIServer, *, host: str = "127.0.0.1", port: int = 8000,
                             lifespan="on")
     e = server.llm
     log.info("serving %s as %r on http://%s:%d (max_model_len %d, %d KV blocks of %d tokens, "
-             "policy %s, dtype %s, device %s)", e.config.model, server.config.served_model_name,
-             host, port, e.max_model_len, e.kv.num_blocks, e.config.block_size,
-             e.config.policy, str(e.dtype).removeprefix("torch."), e.device)
+             "policy %s, %d tokens per step, dtype %s, device %s)", e.config.model,
+             server.config.served_model_name, host, port, e.max_model_len, e.kv.num_blocks,
+             e.config.block_size, e.config.policy, e.max_num_batched_tokens,
+             str(e.dtype).removeprefix("torch."), e.device)
     DrainingServer(config).run()
