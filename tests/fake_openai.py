@@ -80,6 +80,8 @@ async def app(scope, receive, send):
         if k < len(gaps):
             due += gaps[k]
     final = {"choices": [], "usage": {"prompt_tokens": n, "completion_tokens": done}}
+    if n == 500:  # as a phasewise server would: the engine's own split
+        final["timings"] = [{"index": 0, "queue_s": 0.5, "prefill_s": 0.4, "decode_s": 0.2}]
     await send({"type": "http.response.body", "more_body": True,
                 "body": f"data: {json.dumps(final)}\n\ndata: [DONE]\n\n".encode()})
     await send({"type": "http.response.body", "body": b""})

@@ -177,6 +177,8 @@ def test_client_measures_the_scripted_timings(fake):
     assert out["request_goodput"] == pytest.approx(3 / duration)
     stall = out["longest_stall"]
     assert stall["request"] == 1 and stall["culprit"] == 3 and stall["culprit_intruder"]
+    assert out["server_timings"][3]["queue_s"] == 0.5
+    assert out["server_timings"][0] is None  # the fake sends timings for one script only
 
 
 def test_cli_writes_a_vllm_style_result_and_sweeps(fake, tmp_path, capsys):
@@ -216,6 +218,7 @@ def test_report_holds_the_expected_series(tmp_path):
     results = [_result(0, 0.0, 0.5, [0.1, 0.1, 0.1]),
                _result(1, 0.2, 0.3, [0.1, 1.5, 0.1]),
                _result(2, 0.5, 1.2, [0.1], prompt_len=3000, intruder=True)]
+    results[2].server_timing = {"queue_s": 0.8, "prefill_s": 0.4, "decode_s": 0.1}
     a = summarize(results, 3.0, {"ttft": 1000})
     a["label"] = "prefill-first"
     b = summarize(results[:1], 1.0, {"ttft": 1000})
@@ -236,6 +239,9 @@ def test_report_holds_the_expected_series(tmp_path):
     assert sa["ttft_sorted"] == pytest.approx([0.3, 0.5, 1.2])
     assert [r["intruder"] for r in sa["timeline"]] == [False, False, True]
     assert sa["timeline"][2]["first_token"] == pytest.approx(1.7)
+    # The server's queue time splits waiting from prefill where the server sent it.
+    assert sa["timeline"][2]["queue_end"] == pytest.approx(0.5 + 0.8)
+    assert sa["timeline"][0]["queue_end"] is None
     assert sum(sa["tokens_per_s"]["values"]) == 4 + 4 + 2  # every token lands in a bin
     assert data["slo"] == {"ttft": 1000}
     pytest.importorskip("matplotlib")
@@ -255,3 +261,33 @@ def test_report_reads_vllm_results_and_refuses_other_json(tmp_path):
     with pytest.raises(ValueError, match="ttfts"):
         render([bad], tmp_path / "x.html")
     assert main(["bench", "report", str(bad), "-o", str(tmp_path / "y.html")]) == 2
+
+
+def test_report_draws_latency_against_throughput_for_a_sweep(tmp_path):
+    paths = []
+    for rate, duration in ((1.0, 4.0), (4.0, 2.0)):
+        r = summarize([_result(0, 0.0, 0.2 * rate, [0.1, 0.1]),
+                       _result(1, 0.1, 0.3 * rate, [0.1])], duration)
+        r.update(label="chunked", sweep=True, request_rate=rate)
+        paths.append(tmp_path / f"chunked-rate{rate:g}.json")
+        paths[-1].write_text(json.dumps(r))
+    page = render(paths, tmp_path / "s.html").read_text()
+    data = json.loads(re.search(r'id="phasewise-series">(.*?)</script>', page, re.S).group(1))
+    assert [s["label"] for s in data["series"]] == ["chunked @ 1.0 req/s",
+                                                    "chunked @ 4.0 req/s"]
+    pts = data["sweeps"]["chunked"]
+    assert [p["request_rate"] for p in pts] == [1.0, 4.0]
+    assert [p["request_throughput"] for p in pts] == [0.5, 1.0]
+    assert pts[1]["median_ttft_ms"] == pytest.approx(1e3 * (0.8 + 1.2) / 2)
+    pytest.importorskip("matplotlib")
+    assert page.count("data:image/png;base64,") == 2 + 2 + 1 + 1
+
+
+def test_every_rate_of_a_sweep_gets_the_same_requests():
+    kw = dict(intruder_fraction=0.1, intruder_len=LengthDist.parse("900"), seed=5)
+    dists = (LengthDist.parse("uniform:10-99"), LengthDist.parse("normal:40,9"))
+    slow = build_workload(50, *dists, request_rate=0.5, **kw)
+    fast = build_workload(50, *dists, request_rate=math.inf, **kw)
+    assert [(s.prompt_len, s.output_len, s.intruder) for s in slow] == \
+        [(s.prompt_len, s.output_len, s.intruder) for s in fast]
+    assert [s.arrival for s in slow] != [s.arrival for s in fast]

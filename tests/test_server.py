@@ -102,6 +102,10 @@ def test_stream_sends_every_token_in_its_own_chunk(server, offline):
     # Usage on every chunk counts the tokens so far; then the final usage-only chunk.
     assert [ch["usage"]["completion_tokens"] for ch in chunks[:20]] == list(range(1, 21))
     assert chunks[20]["choices"] == [] and chunks[20]["usage"]["completion_tokens"] == 20
+    # phasewise's extension on the final usage chunk: the engine's own split of the request.
+    (timing,) = chunks[20]["timings"]
+    assert timing["index"] == 0 and timing["preemptions"] == 0
+    assert timing["queue_s"] >= 0 and timing["prefill_s"] > 0 and timing["decode_s"] > 0
 
 
 def test_chat_matches_offline_engine(client, offline):
@@ -147,6 +151,12 @@ def test_token_id_prompts_batches_and_n(server, offline):
     assert [ch["text"] for ch in body["choices"]] == [want_a.text] * 2 + [want_ids.text] * 2
     assert body["usage"]["prompt_tokens"] == len(want_a.prompt_token_ids) + len(ids)
     assert body["usage"]["completion_tokens"] == 32
+
+
+def test_completions_default_to_16_tokens(server):
+    with server.client() as c:
+        r = c.post("/v1/completions", json={"prompt": "x", "ignore_eos": True})
+        assert r.json()["usage"]["completion_tokens"] == 16  # OpenAI's default
 
 
 def test_seeded_sampling_matches_offline_engine(client, offline):
@@ -413,6 +423,24 @@ def test_metrics_count_exactly_the_tokens_served(server, client):
         delta("phasewise:step_tokens_total", phase="prefill")
 
 
+def test_bench_client_against_phasewise_reads_its_metrics(server, tmp_path):
+    from phasewise.cli import main
+
+    server.wait_idle()
+    out = tmp_path / "bench.json"
+    rc = main(["bench", "--base-url", server.url, "--num-prompts", "3", "--input-len", "9",
+               "--output-len", "4", "--request-rate", "inf", "--result-file", str(out),
+               "--disable-tqdm"])
+    assert rc == 0
+    r = json.loads(out.read_text())
+    assert r["completed"] == 3 and r["input_lens"] == [9] * 3 and r["output_lens"] == [4] * 3
+    sm = r["server_metrics"]  # /metrics before and after: exactly this run's tokens
+    assert sm["prompt_tokens"] == 27 and sm["generation_tokens"] == 12
+    assert sm["step_tokens"]["decode"] == 3 * 3
+    assert sm["mean_request_prefill_time_ms"] > 0
+    assert all(t is not None and t["prefill_s"] > 0 for t in r["server_timings"])
+
+
 def test_periodic_log_line_reports_throughput(server, client):
     client.completions.create(model="tiny-llama", prompt=PROMPTS[0], max_tokens=20,
                               temperature=0, extra_body={"ignore_eos": True})
@@ -448,6 +476,9 @@ def test_api_key_is_required_on_v1_routes(narrow):
     assert httpx.get(narrow.url + "/health").status_code == 200  # probes need no key
     r = httpx.post(narrow.url + "/v1/completions", json=body, headers=narrow.headers)
     assert r.status_code == 200
+    # More sequences than may ever wait at once: a 400 (retrying could never help), not 503.
+    r = httpx.post(narrow.url + "/v1/completions", json=dict(body, n=2), headers=narrow.headers)
+    assert r.status_code == 400 and "sequences" in r.json()["error"]["message"]
 
 
 def test_full_waiting_queue_gets_503_and_admitted_requests_finish(narrow, offline):

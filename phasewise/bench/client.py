@@ -40,6 +40,9 @@ class RequestResult:
     latency: float = 0.0
     success: bool = False
     error: str = ""
+    # The server's own split (phasewise servers send it on the final usage chunk):
+    # {"queue_s", "prefill_s", "decode_s", ...}, else None.
+    server_timing: dict[str, Any] | None = None
 
     @property
     def itls(self) -> list[float]:
@@ -94,6 +97,7 @@ async def send_one(client: httpx.AsyncClient, cfg: ClientConfig, spec: RequestSp
             if r.status_code != 200:
                 text = (await r.aread()).decode(errors="replace")
                 res.error = f"HTTP {r.status_code}: {text[:500]}"
+                res.latency = time.monotonic() - t0
                 return res
             async for line in r.aiter_lines():
                 if not line.startswith("data:"):
@@ -104,7 +108,10 @@ async def send_one(client: httpx.AsyncClient, cfg: ClientConfig, spec: RequestSp
                 now = time.monotonic() - t0
                 chunk = json.loads(data)
                 if "error" in chunk:
-                    res.error = str(chunk["error"].get("message", chunk["error"]))[:500]
+                    err = chunk["error"]
+                    res.error = str(err.get("message", err) if isinstance(err, dict)
+                                    else err)[:500]
+                    res.latency = time.monotonic() - t0
                     return res
                 choices = chunk.get("choices") or []
                 usage = chunk.get("usage")
@@ -113,7 +120,7 @@ async def send_one(client: httpx.AsyncClient, cfg: ClientConfig, spec: RequestSp
                         "content") or ""
                     if usage is not None:
                         saw_usage = True
-                        n = int(usage.get("completion_tokens", 0)) - counted
+                        n = int(usage.get("completion_tokens") or 0) - counted
                         counted += n
                     else:
                         n = 1 if text else 0
@@ -123,25 +130,32 @@ async def send_one(client: httpx.AsyncClient, cfg: ClientConfig, spec: RequestSp
                         res.chunk_times.append(now)
                         res.chunk_tokens.append(n)
                 elif usage is not None:  # the final usage-only chunk
-                    res.output_tokens = int(usage.get("completion_tokens", 0))
+                    res.output_tokens = int(usage.get("completion_tokens") or 0)
+                    if isinstance(prompt, str) and usage.get("prompt_tokens"):
+                        res.prompt_len = int(usage["prompt_tokens"])  # a text prompt's length
+                    timings = chunk.get("timings")
+                    if isinstance(timings, list) and timings and isinstance(timings[0], dict):
+                        res.server_timing = timings[0]
         res.latency = time.monotonic() - t0
         if not res.output_tokens:
             res.output_tokens = counted if saw_usage else sum(res.chunk_tokens)
         res.success = res.ttft is not None
         if not res.success:
             res.error = "the stream ended without a token"
-    except (httpx.HTTPError, json.JSONDecodeError, ValueError) as e:
+    except Exception as e:  # any odd reply fails this request, never the whole run
         res.error = f"{type(e).__name__}: {e}"[:500]
         res.latency = time.monotonic() - t0
     return res
 
 
 class Progress:
-    """A one-line progress bar on stderr (only when it is a terminal, or forced)."""
+    """Progress on stderr: a one-line bar on a terminal; elsewhere (logs, pipes) a plain line
+    every 10 seconds and at the end. ``enabled=False`` silences it."""
 
-    def __init__(self, total: int, label: str, enabled: bool | None = None) -> None:
+    def __init__(self, total: int, label: str, enabled: bool = True) -> None:
         self.total, self.label, self.done, self.failed = total, label, 0, 0
-        self.enabled = sys.stderr.isatty() if enabled is None else enabled
+        self.enabled = enabled
+        self.tty = sys.stderr.isatty()
         self.t0 = time.monotonic()
         self._last = 0.0
 
@@ -149,6 +163,12 @@ class Progress:
         self.done += 1
         self.failed += not ok
         now = time.monotonic()
+        if self.enabled and not self.tty:
+            if now - self._last > 10 or self.done == self.total:
+                self._last = now
+                print(f"{self.label}: {self.done}/{self.total} done ({self.failed} failed), "
+                      f"{now - self.t0:.0f}s", file=sys.stderr, flush=True)
+            return
         if self.enabled and (now - self._last > 0.2 or self.done == self.total):
             self._last = now
             width = 30

@@ -30,6 +30,9 @@ def load_result(path: str | Path) -> dict[str, Any]:
                              "detail (phasewise bench, or vllm bench serve --save-detailed)")
     if not r.get("label"):
         r["label"] = Path(path).stem
+    elif r.get("sweep"):  # one file of a sweep: name it by its rate, group it by its label
+        r["sweep_label"] = r["label"]
+        r["label"] = f"{r['label']} @ {r['request_rate']} req/s"
     # vLLM stores absolute clock readings; phasewise, offsets from the run's start.
     t0 = min((t for t in r["start_times"] if t is not None), default=0.0)
     r["start_times"] = [t - t0 for t in r["start_times"]]
@@ -52,13 +55,18 @@ def series(r: dict[str, Any], stall_factor: float, bin_s: float = 1.0) -> dict[s
     threshold = stall_factor * median_itl
     rows, stalls = [], []
     intruders = r.get("intruders") or [False] * len(r["ttfts"])
+    timings = r.get("server_timings") or [None] * len(r["ttfts"])
     chunk_times = r.get("chunk_times")
     for i, (start, ttft, lat, itls) in enumerate(zip(r["start_times"], r["ttfts"],
                                                      r["latencies"], r["itls"])):
         if ttft is None:
             continue
-        rows.append({"request": i, "start": start, "first_token": start + ttft,
-                     "end": start + lat, "intruder": bool(intruders[i])})
+        queue = (timings[i] or {}).get("queue_s")
+        # The server's queue time splits waiting from prefill; without it they are one bar.
+        queue_end = start + min(queue, ttft) if queue is not None else None
+        rows.append({"request": i, "start": start, "queue_end": queue_end,
+                     "first_token": start + ttft, "end": start + lat,
+                     "intruder": bool(intruders[i])})
         # Chunk arrival times: stored by phasewise bench; rebuilt from ITLs for vLLM files.
         times = (chunk_times[i] if chunk_times else
                  [ttft + sum(itls[:k]) for k in range(len(itls) + 1)])
@@ -90,6 +98,21 @@ def series(r: dict[str, Any], stall_factor: float, bin_s: float = 1.0) -> dict[s
     }
 
 
+def sweep_curves(results: Sequence[dict[str, Any]]) -> dict[str, list[dict[str, float]]]:
+    """Latency against achieved throughput, per label that ran at two or more request rates
+    (``phasewise bench --request-rate A B ...`` writes one file per rate, same label)."""
+    groups: dict[str, list[dict[str, float]]] = {}
+    for r in results:
+        base = r.get("sweep_label") or r["label"]
+        groups.setdefault(base, []).append({
+            "request_rate": float(r.get("request_rate", math.nan)),
+            "request_throughput": r["request_throughput"],
+            "median_ttft_ms": r.get("median_ttft_ms"), "p99_ttft_ms": r.get("p99_ttft_ms"),
+            "median_tpot_ms": r.get("median_tpot_ms"), "p99_itl_ms": r.get("p99_itl_ms")})
+    return {k: sorted(v, key=lambda p: p["request_throughput"])
+            for k, v in groups.items() if len(v) >= 2}
+
+
 def _png(fig: Any) -> str:
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=90, bbox_inches="tight")
@@ -99,7 +122,8 @@ def _png(fig: Any) -> str:
     return base64.b64encode(buf.getvalue()).decode()
 
 
-def _charts(all_series: list[dict[str, Any]], slo: dict[str, float]) -> list[tuple[str, str]]:
+def _charts(all_series: list[dict[str, Any]], slo: dict[str, float],
+            curves: dict[str, list[dict[str, float]]]) -> list[tuple[str, str]]:
     """(title, base64 PNG) pairs; empty without matplotlib."""
     try:
         import matplotlib
@@ -112,8 +136,14 @@ def _charts(all_series: list[dict[str, Any]], slo: dict[str, float]) -> list[tup
     for s in all_series:
         rows = s["timeline"]
         fig, ax = plt.subplots(figsize=(10, max(2.5, 0.12 * len(rows) + 1)))
+        split = any(row["queue_end"] is not None for row in rows)
         for y, row in enumerate(rows):
-            ax.barh(y, row["first_token"] - row["start"], left=row["start"], height=0.8,
+            prefill_from = row["start"]
+            if row["queue_end"] is not None:
+                ax.barh(y, row["queue_end"] - row["start"], left=row["start"], height=0.8,
+                        color="#bbbbbb")
+                prefill_from = row["queue_end"]
+            ax.barh(y, row["first_token"] - prefill_from, left=prefill_from, height=0.8,
                     color="#d98c1f" if row["intruder"] else "#f2c879")
             ax.barh(y, row["end"] - row["first_token"], left=row["first_token"], height=0.8,
                     color="#3b7dd8")
@@ -126,8 +156,9 @@ def _charts(all_series: list[dict[str, Any]], slo: dict[str, float]) -> list[tup
             ax.legend(loc="lower right", fontsize=8)
         ax.set_xlabel("time since the run started (s)")
         ax.set_ylabel("request")
-        ax.set_title(f"{s['label']}: waiting + prefill (orange; dark = long-prompt "
-                     f"intruder), decode (blue)", fontsize=10)
+        waiting = "queue (grey, server's clock), prefill" if split else "waiting + prefill"
+        ax.set_title(f"{s['label']}: {waiting} (orange; dark = long-prompt intruder), "
+                     f"decode (blue)", fontsize=10)
         charts.append((f"Timeline: {s['label']}", _png(fig)))
 
     for key, title, slo_key in (("ttft_sorted", "TTFT", "ttft"),
@@ -157,6 +188,22 @@ def _charts(all_series: list[dict[str, Any]], slo: dict[str, float]) -> list[tup
     ax.legend(fontsize=8)
     ax.set_title("Output tokens per second over time", fontsize=10)
     charts.append(("Tokens per second over time", _png(fig)))
+
+    if curves:
+        fig, axes = plt.subplots(1, 3, figsize=(12, 3.5))
+        for label, pts in curves.items():
+            xs = [p["request_throughput"] for p in pts]
+            for ax, key, name in zip(axes, ("median_ttft_ms", "median_tpot_ms", "p99_itl_ms"),
+                                     ("TTFT p50", "TPOT p50", "ITL p99")):
+                ax.plot(xs, [p[key] for p in pts], marker="o", label=label)
+                ax.set_xlabel("achieved requests/s")
+                ax.set_ylabel(f"{name} (ms)")
+        for ax, key in zip(axes, ("ttft", "tpot", None)):
+            if key and key in slo:
+                ax.axhline(slo[key], color="#c0392b", linestyle="--")
+        axes[0].legend(fontsize=8)
+        fig.suptitle("Latency against throughput (sweep)", fontsize=10)
+        charts.append(("Latency against throughput", _png(fig)))
     return charts
 
 
@@ -203,14 +250,15 @@ def render(paths: Sequence[str | Path], out: str | Path, stall_factor: float = 5
         raise ValueError("give at least one result file")
     slo = slo or next((r["slo"] for r in results if r.get("slo")), None) or {}
     all_series = [series(r, stall_factor) for r in results]
-    charts = _charts(all_series, slo)
+    curves = sweep_curves(results)
+    charts = _charts(all_series, slo, curves)
     figs = "".join(f"<h2>{html.escape(t)}</h2><img src=\"data:image/png;base64,{png}\">"
                    for t, png in charts)
     if not charts:
         figs = ("<p><em>Charts need matplotlib: pip install matplotlib (or the package's "
                 "'plot' extra). The series are in this page as JSON.</em></p>")
-    data = json.dumps({"series": all_series, "slo": slo,
-                       "stall_factor": stall_factor}).replace("</", "<\\/")
+    data = json.dumps({"series": all_series, "slo": slo, "stall_factor": stall_factor,
+                       "sweeps": curves}).replace("</", "<\\/")
     title = "phasewise bench report: " + ", ".join(r["label"] for r in results)
     page = f"""<!doctype html>
 <html><head><meta charset="utf-8"><title>{html.escape(title)}</title>

@@ -69,7 +69,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     """Flags follow ``vllm bench serve`` where the concept is the same."""
     p.add_argument("--base-url", default="http://127.0.0.1:8000",
                    help="server root, e.g. http://127.0.0.1:8000")
-    p.add_argument("--endpoint", default="/v1/completions")
+    p.add_argument("--endpoint", default="/v1/completions", choices=["/v1/completions"],
+                   help="completions only: prompts are token ids, so lengths are exact")
     p.add_argument("--model", default=None, help="model name to send (default: none)")
     p.add_argument("--num-prompts", type=int, default=100)
     p.add_argument("--request-rate", type=float, nargs="+", default=[math.inf],
@@ -171,8 +172,7 @@ def main(a: argparse.Namespace) -> int:
                            max_concurrency=a.max_concurrency, ignore_eos=not a.no_ignore_eos,
                            temperature=a.temperature, headers=headers)
         before = scrape_phasewise_metrics(a.base_url, headers)
-        progress = Progress(len(specs), f"rate {rate:g} req/s",
-                            enabled=False if a.disable_tqdm else None)
+        progress = Progress(len(specs), f"rate {rate:g} req/s", enabled=not a.disable_tqdm)
         results, duration = asyncio.run(run_workload(cfg, specs, prompts, progress=progress))
         after = scrape_phasewise_metrics(a.base_url, headers)
         out = summarize(results, duration, slo or None)
@@ -183,7 +183,7 @@ def main(a: argparse.Namespace) -> int:
             "num_prompts": len(specs), "seed": a.seed, "input_len": a.input_len,
             "output_len": a.output_len, "intruder_fraction": a.intruder_fraction,
             "intruder_len": a.intruder_len if a.intruder_fraction else None,
-            "trace": a.trace, "date": time.strftime("%Y%m%d-%H%M%S"),
+            "trace": a.trace, "date": time.strftime("%Y%m%d-%H%M%S"), "sweep": sweep,
             "server_metrics": server_split(before, after) if before and after else None,
         })
         print(f"\n==== {label}: request rate {rate:g} req/s ====")

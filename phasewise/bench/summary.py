@@ -129,6 +129,7 @@ def summarize(results: Sequence[RequestResult], duration: float,
     out["chunk_times"] = [r.chunk_times for r in results]
     out["chunk_tokens"] = [r.chunk_tokens for r in results]
     out["intruders"] = [r.intruder for r in results]
+    out["server_timings"] = [r.server_timing for r in results]
     return out
 
 

@@ -111,8 +111,10 @@ def build_workload(num_requests: int, input_len: LengthDist, output_len: LengthD
         raise ValueError(f"intruder fraction must be in [0, 1], got {intruder_fraction}")
     if intruder_fraction > 0 and intruder_len is None:
         raise ValueError("an intruder fraction needs an intruder length")
+    # Separate streams: the same seed gives the same lengths and intruders at every rate, so
+    # the points of a sweep differ only in their arrival times.
     rng = random.Random(seed)
-    arrivals = arrival_times(num_requests, request_rate, burstiness, rng)
+    arrivals = arrival_times(num_requests, request_rate, burstiness, random.Random(seed + 1))
     n_intruders = round(intruder_fraction * num_requests)
     intruders = set(rng.sample(range(num_requests), n_intruders)) if n_intruders else set()
     specs = []

@@ -133,8 +133,8 @@ class AsyncEngine:
 
     def __init__(self, engine: LLMEngine, *, max_waiting: int | None = None,
                  observers: Sequence[EngineObserver] = ()) -> None:
-        if max_waiting is not None and max_waiting < 0:
-            raise ValueError(f"max_waiting must be >= 0 or None, got {max_waiting}")
+        if max_waiting is not None and max_waiting < 1:
+            raise ValueError(f"max_waiting must be >= 1 or None, got {max_waiting}")
         self.engine = engine
         self.max_waiting = max_waiting
         self.observers = list(observers)
@@ -167,6 +167,9 @@ class AsyncEngine:
         if self._thread is not None:
             self._commands.put(("stop",))
             self._thread.join(timeout)
+            if self._thread.is_alive():  # still in a long step; it stops after it
+                log.warning("the engine thread is still finishing a step after %.0fs", timeout)
+                return
         self._refuse_queued_adds()
 
     def _refuse_queued_adds(self) -> None:
@@ -210,6 +213,9 @@ class AsyncEngine:
         if not self.accepting:
             raise EngineStopped("the server is shutting down and takes no new requests")
         n = len(specs)
+        if self.max_waiting is not None and n > self.max_waiting:
+            raise ValueError(f"this request asks for {n} sequences (prompts x n), more than the "
+                             f"{self.max_waiting} that may wait at once; split it")
         if self.max_waiting is not None:
             queued = self._pending + self._snapshot.num_waiting
             if queued + n > self.max_waiting:
@@ -283,6 +289,20 @@ class AsyncEngine:
                 log.exception("engine observer %r failed", obs)
 
     def _run(self) -> None:
+        try:
+            self._loop_forever()
+        except BaseException as e:  # the thread is dying: nobody may be left waiting
+            log.exception("the engine thread failed")
+            err = EngineError(f"the engine thread failed: {type(e).__name__}: {e}")
+            try:
+                self._abort_all(err)
+            except BaseException:
+                log.exception("aborting the requests in flight failed too")
+                assert self._loop is not None
+                self._loop.call_soon_threadsafe(self._fail_open_groups, err)
+            self._refuse_queued_adds()
+
+    def _loop_forever(self) -> None:
         engine, loop = self.engine, self._loop
         assert loop is not None
         while True:
@@ -308,9 +328,9 @@ class AsyncEngine:
                 elif cmd[0] == "stop":
                     stop = True
             if stop:
-                self._abort_all(EngineStopped("the server shut down"))
+                finished += self._abort_all(EngineStopped("the server shut down"))
                 self._refuse_queued_adds()
-                self._notify(None, [], [])
+                self._notify(None, [], finished)
                 return
             if commands or idle:  # idle: lets observers flush periodic output
                 self._notify(None, [], finished)
@@ -320,13 +340,17 @@ class AsyncEngine:
                 outputs = engine.step()
             except Exception as e:  # a bug: fail the requests in flight, keep serving
                 log.exception("engine step failed; aborting the requests in flight")
-                self._abort_all(EngineError(f"the engine failed: {type(e).__name__}: {e}"))
-                self._notify(None, [], [])
+                aborted = self._abort_all(EngineError(
+                    f"the engine failed: {type(e).__name__}: {e}"))
+                self._notify(None, [], aborted)
                 continue
             step = engine.step_stats[-1] if engine.step_stats else None
             done = [FinishedRequest(o.request_id, len(o.prompt_token_ids), len(o.token_ids),
                                     o.finish_reason or "abort", o.metrics)
                     for o in outputs if o.finished]
+            # Publish the state before the outputs: a caller that reacts to an output must
+            # not see a queue length from before this step.
+            self._snapshot = self._take_snapshot()
             if outputs:
                 loop.call_soon_threadsafe(self._deliver, [(o.request_id, o) for o in outputs])
             self._notify(step, outputs, done)
@@ -353,14 +377,24 @@ class AsyncEngine:
         self._snapshot = self._take_snapshot()
         loop.call_soon_threadsafe(self._resolve, verdict, None)
 
-    def _abort_all(self, error: BaseException) -> None:
+    def _abort_all(self, error: BaseException) -> list[FinishedRequest]:
+        """Abort every request in the engine, and fail every open group on the loop side:
+        a failed step can lose outputs of requests the engine already forgot."""
         engine, loop = self.engine, self._loop
         assert loop is not None
-        ids = list(engine.requests)
-        for rid in ids:
-            engine.abort_request(rid)
-        if ids:
-            loop.call_soon_threadsafe(self._deliver, [(rid, error) for rid in ids])
+        aborted = []
+        for rid in list(engine.requests):
+            req = engine.abort_request(rid)
+            if req is not None:
+                aborted.append(_finished(req, "abort"))
+        loop.call_soon_threadsafe(self._fail_open_groups, error)
+        return aborted
+
+    def _fail_open_groups(self, error: BaseException) -> None:
+        """On the event loop: every group still open gets ``error``."""
+        for group in {id(g): g for g in self._groups.values()}.values():
+            if not group.finished:
+                group._put(error)
 
 
 def _finished(req: Request, reason: str) -> FinishedRequest:

@@ -58,8 +58,8 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if not self.served_model_name:
             raise ValueError("served_model_name must be a non-empty string")
-        if self.max_waiting_requests < 0:
-            raise ValueError(f"max_waiting_requests must be >= 0, got "
+        if self.max_waiting_requests < 1:
+            raise ValueError(f"max_waiting_requests must be >= 1, got "
                              f"{self.max_waiting_requests}")
         if self.max_request_bytes < 1024:
             raise ValueError(f"max_request_bytes must be >= 1024, got {self.max_request_bytes}")
@@ -157,10 +157,11 @@ class SSEResponse(StreamingResponse):
 
     media_type = "text/event-stream"
 
-    def __init__(self, content: AsyncIterator[str]) -> None:
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]) -> None:
         # No caching, and no buffering in proxies (nginx honours X-Accel-Buffering).
         super().__init__(content, headers={"Cache-Control": "no-cache",
                                            "X-Accel-Buffering": "no"})
+        self.on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         stream = asyncio.ensure_future(self.stream_response(send))
@@ -173,7 +174,12 @@ class SSEResponse(StreamingResponse):
             await asyncio.gather(stream, listen, return_exceptions=True)
             aclose = getattr(self.body_iterator, "aclose", None)
             if aclose is not None:
-                await aclose()  # runs the generator's finally (abort) if it is suspended
+                await aclose()  # runs the generator's finally if it is suspended
+            self.on_close()  # aborts what is still running, even if the body never started
+            if stream.done() and not stream.cancelled():
+                err = stream.exception()
+                if err is not None and not isinstance(err, OSError):
+                    log.error("stream failed", exc_info=err)
 
 
 class ClientGone(Exception):
@@ -192,12 +198,15 @@ async def _unless_disconnected(request: Request, work: Awaitable[Any]) -> Any:
     watcher = asyncio.ensure_future(listen())
     try:
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:  # the handler itself is cancelled: pass that on
+        task.cancel()
+        raise
     finally:
         watcher.cancel()
-        if not task.done():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-            raise ClientGone()
+    if not task.done():
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        raise ClientGone()
     return task.result()
 
 
@@ -214,6 +223,20 @@ def _finish_reason(out: RequestOutput) -> str | None:
     if not out.finished:
         return None
     return "length" if out.finish_reason == "length" else "stop"
+
+
+def _timing(index: int, out: RequestOutput) -> dict[str, Any]:
+    """The engine's own split of a finished request's time (phasewise's extension, sent on the
+    final usage chunk as ``timings``; other clients ignore it)."""
+    m = out.metrics
+    queue = prefill = decode = None
+    if m.first_scheduled_time is not None:
+        queue = m.first_scheduled_time - m.arrival_time
+        if m.first_token_time is not None:
+            prefill = m.first_token_time - m.first_scheduled_time
+            decode = m.token_times[-1] - m.first_token_time
+    return {"index": index, "queue_s": queue, "prefill_s": prefill, "decode_s": decode,
+            "cached_tokens": m.num_cached_tokens, "preemptions": m.num_preemptions}
 
 
 def _error_event(e: Exception) -> str:
@@ -524,6 +547,7 @@ class OpenAIServer:
             async def events() -> AsyncIterator[str]:
                 offsets = [0] * len(specs)
                 completion_tokens = 0
+                timings: dict[int, dict[str, Any]] = {}
                 try:
                     async for idx, out in group:
                         lp = None
@@ -535,6 +559,7 @@ class OpenAIServer:
                         offsets[idx] += len(out.delta_text)
                         if out.finished:
                             completion_tokens += len(out.token_ids)
+                            timings[idx] = _timing(idx, out)
                         if not (out.delta_text or lp or out.finished):
                             continue  # bytes of an unfinished character: nothing to show
                         yield _sse(chunk([{"index": idx, "text": out.delta_text,
@@ -542,14 +567,15 @@ class OpenAIServer:
                                            "finish_reason": _finish_reason(out)}],
                                          running_usage(idx, out)))
                     if body.include_usage:
-                        yield _sse(chunk([], _usage(prompt_tokens, completion_tokens)))
+                        yield _sse(dict(chunk([], _usage(prompt_tokens, completion_tokens)),
+                                        timings=[timings[i] for i in sorted(timings)]))
                 except (EngineError, EngineStopped) as e:
                     yield _error_event(e)
                 finally:
                     group.close()
                 yield "data: [DONE]\n\n"
 
-            return SSEResponse(events())
+            return SSEResponse(events(), group.close)
 
         finals = await self._collect(request, group)
         choices = []
@@ -625,6 +651,7 @@ class OpenAIServer:
             async def events() -> AsyncIterator[str]:
                 started = [False] * len(specs)
                 completion_tokens = 0
+                timings: dict[int, dict[str, Any]] = {}
                 try:
                     async for idx, out in group:
                         if not started[idx]:
@@ -639,6 +666,7 @@ class OpenAIServer:
                                                      (out.logprobs or [])[-k:], top_n)
                         if out.finished:
                             completion_tokens += len(out.token_ids)
+                            timings[idx] = _timing(idx, out)
                         if not (out.delta_text or lp or out.finished):
                             continue
                         delta = {"content": out.delta_text} if out.delta_text else {}
@@ -646,14 +674,15 @@ class OpenAIServer:
                                            "finish_reason": _finish_reason(out)}],
                                          running_usage(idx, out)))
                     if body.include_usage:
-                        yield _sse(chunk([], _usage(len(ids), completion_tokens)))
+                        yield _sse(dict(chunk([], _usage(len(ids), completion_tokens)),
+                                        timings=[timings[i] for i in sorted(timings)]))
                 except (EngineError, EngineStopped) as e:
                     yield _error_event(e)
                 finally:
                     group.close()
                 yield "data: [DONE]\n\n"
 
-            return SSEResponse(events())
+            return SSEResponse(events(), group.close)
 
         finals = await self._collect(request, group)
         choices = []

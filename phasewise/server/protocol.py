@@ -120,6 +120,7 @@ TokenIds = list[Annotated[Int, Field(ge=0)]]
 
 class CompletionRequest(_Sampling):
     prompt: Str | TokenIds | list[Str] | list[TokenIds]
+    max_tokens: Int | None = Field(16, ge=1)  # OpenAI's (and vLLM's) default here
     logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: Bool = False
     best_of: Int | None = Field(None, ge=1)

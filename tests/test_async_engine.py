@@ -1,0 +1,100 @@
+"""AsyncEngine: the engine on its own thread, driven from asyncio."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from phasewise import EngineConfig, LLM, SamplingParams
+from phasewise.engine.async_engine import (AsyncEngine, EngineError, EngineOverloaded,
+                                           EngineStopped, PromptSpec)
+from phasewise.engine.engine import LLMEngine
+
+GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+
+class Recorder:
+    def __init__(self):
+        self.finished = []
+
+    def on_step(self, step, outputs, finished, snapshot):
+        self.finished += [f.finish_reason for f in finished]
+
+
+async def _collect(group):
+    outs = {}
+    try:
+        async for idx, out in group:
+            outs[idx] = out
+    finally:
+        group.close()
+    return outs
+
+
+def test_groups_match_the_offline_engine_and_a_failed_step_fails_only_its_requests(llama_dir):
+    ids = [[3, 17, 42, 9], [8, 8, 100]]
+    want = [o.token_ids for o in LLM(str(llama_dir)).generate(ids, GREEDY)]
+    engine = LLMEngine(EngineConfig(model=str(llama_dir)))
+    rec = Recorder()
+    ae = AsyncEngine(engine, max_waiting=4, observers=[rec])
+
+    async def main():
+        ae.start()
+        try:
+            group = await ae.add([PromptSpec(i, GREEDY) for i in ids], "g")
+            outs = await _collect(group)
+            assert [outs[i].token_ids for i in range(2)] == want
+
+            real_step = engine.step
+            calls = {"n": 0}
+
+            def failing_step():
+                calls["n"] += 1
+                if calls["n"] == 3:
+                    raise RuntimeError("injected")
+                return real_step()
+
+            engine.step = failing_step
+            group = await ae.add([PromptSpec(ids[0], GREEDY)], "bad")
+            with pytest.raises(EngineError, match="injected"):
+                await _collect(group)
+            engine.step = real_step
+            # The engine keeps serving, and the failed request left nothing behind.
+            group = await ae.add([PromptSpec(ids[1], GREEDY)], "after")
+            assert (await _collect(group))[0].token_ids == want[1]
+            assert engine.kv.usage == 0 and not engine.requests
+
+            with pytest.raises(ValueError, match="sequences"):
+                await ae.add([PromptSpec(ids[0], GREEDY)] * 5, "too-many")
+            with pytest.raises(ValueError, match="prompt"):
+                await ae.add([PromptSpec([], GREEDY)], "empty")
+            assert ae.num_open_groups == 0
+        finally:
+            await asyncio.to_thread(ae.shutdown)
+        with pytest.raises(EngineStopped):
+            await ae.add([PromptSpec(ids[0], GREEDY)], "late")
+
+    asyncio.run(main())
+    assert rec.finished.count("length") == 3 and rec.finished.count("abort") == 1
+
+
+def test_waiting_limit_refuses_with_overloaded(llama_dir):
+    engine = LLMEngine(EngineConfig(model=str(llama_dir), max_num_seqs=1))
+    ae = AsyncEngine(engine, max_waiting=1)
+    long = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+
+    async def main():
+        ae.start()
+        try:
+            running = await ae.add([PromptSpec([5, 6, 7], long)], "a")
+            await running.__anext__()  # it runs: the only sequence slot is taken
+            queued = await ae.add([PromptSpec([5, 6], GREEDY)], "b")
+            with pytest.raises(EngineOverloaded):
+                await ae.add([PromptSpec([5], GREEDY)], "c")
+            running.close()  # abort: frees the slot for the queued one
+            assert len((await _collect(queued))[0].token_ids) == 6
+        finally:
+            await asyncio.to_thread(ae.shutdown)
+
+    asyncio.run(main())
