@@ -12,7 +12,7 @@ Short chats with a 5% share of long-prompt intruders, Poisson arrivals, sent by
 Prints p99 ITL, the longest stall and its likely cause, TTFT and TPOT side by side, and
 writes result files and an HTML report (``phasewise bench report``) to the output folder.
 
-    python benchmarks/bench_interference.py [--num-prompts 40] [--request-rate 0.2]
+    python benchmarks/bench_interference.py [--num-prompts 60] [--request-rate 0.35]
         [--intruder-len 1024] [--budget 256] [--with-vllm | --vllm-url URL]
 """
 
@@ -68,8 +68,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, default=DEFAULT_MODEL)
-    ap.add_argument("--num-prompts", type=int, default=40)
-    ap.add_argument("--request-rate", type=float, default=0.2)
+    ap.add_argument("--num-prompts", type=int, default=60)
+    ap.add_argument("--request-rate", type=float, default=0.35)
     ap.add_argument("--input-len", default="uniform:32-96")
     ap.add_argument("--output-len", default="48")
     ap.add_argument("--intruder-fraction", type=float, default=0.05)
