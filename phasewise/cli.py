@@ -115,6 +115,46 @@ def build_report_parser() -> argparse.ArgumentParser:
     return r
 
 
+def cmd_roofline(a: argparse.Namespace) -> int:
+    import json
+
+    from phasewise.perf.analysis import analyse, format_text
+    from phasewise.perf.hardware import ACCELERATORS, LINKS, lookup_accelerator, lookup_link
+    from phasewise.perf.models import CATALOG, GenericModel, lookup_model
+
+    if a.list:
+        print("accelerators: " + ", ".join(ACCELERATORS) + ", cpu-local, gpu-local")
+        print("models: " + ", ".join(m.name for m in CATALOG.values()))
+        print("links: " + ", ".join(LINKS))
+        return 0
+    if (a.model is None) == (a.params is None):
+        raise ValueError("give exactly one of --model NAME|PATH or --params N (e.g. 7e9)")
+    model = GenericModel(a.params) if a.params is not None else lookup_model(a.model)
+    result = analyse(model, lookup_accelerator(a.gpu), a.dtype, prompt_len=a.prompt_len,
+                     prefix_len=a.prefix_len, output_len=a.output_len, batch=a.batch,
+                     context=a.context, kv_dtype=a.kv_dtype, mfu=a.mfu, mbu=a.mbu,
+                     link=lookup_link(a.link) if a.link else None, reserve_frac=a.reserve,
+                     compute_dtype=a.compute_dtype)
+    if a.plot:
+        from phasewise.perf.plot import plot_roofline
+
+        print(f"plot written to {plot_roofline(result, a.plot)}", file=sys.stderr)
+    print(json.dumps(result, indent=1) if a.json else format_text(result))
+    return 0
+
+
+def cmd_measure(a: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from phasewise.perf.measure import measure
+
+    result = measure(Path(a.out) if a.out else None, quick=a.quick)
+    for key, entry in result.items():
+        peaks = ", ".join(f"{k} {v / 1e9:.1f} GFLOP/s" for k, v in entry["peak_flops"].items())
+        print(f"{key}: {entry['name']}: read {entry['mem_bandwidth'] / 1e9:.1f} GB/s; {peaks}")
+    return 0
+
+
 def cmd_make_tiny(a: argparse.Namespace) -> int:
     from phasewise.model.tiny import make_tiny_checkpoint
 
@@ -165,6 +205,40 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_bench_args(b)
     b.set_defaults(func=cmd_bench)
+
+    r = sub.add_parser("roofline", help="predict which bound each phase hits, for any model "
+                       "x accelerator x workload (no GPU, no weights, no torch)")
+    r.add_argument("--model", default=None, help="catalog name or a config.json / folder")
+    r.add_argument("--params", type=float, default=None,
+                   help="a generic dense model of this many parameters, e.g. 7e9")
+    r.add_argument("--gpu", "--accelerator", dest="gpu", default="h100-sxm",
+                   help="catalog key (see --list), or cpu-local / gpu-local (phasewise measure)")
+    r.add_argument("--dtype", default="bf16", help="fp32, bf16, fp16, fp8, int8, int4")
+    r.add_argument("--kv-dtype", default=None, help="KV cache dtype (default: --dtype)")
+    r.add_argument("--compute-dtype", default=None,
+                   help="whose peak the math runs at (default: --dtype; fp32 for bf16 weights "
+                        "on CPUs without native bf16)")
+    r.add_argument("--prompt-len", type=int, default=512)
+    r.add_argument("--prefix-len", type=int, default=0, help="cached prefix before the prompt")
+    r.add_argument("--output-len", type=int, default=128)
+    r.add_argument("--batch", type=int, default=1, help="decode batch")
+    r.add_argument("--context", type=int, default=None,
+                   help="decode context length (default: prompt + output/2; 0 = weights only)")
+    r.add_argument("--mfu", type=float, default=1.0, help="fraction of peak FLOP/s reached")
+    r.add_argument("--mbu", type=float, default=1.0, help="fraction of peak bandwidth reached")
+    r.add_argument("--link", default=None, help="price a KV transfer over this link")
+    r.add_argument("--reserve", type=float, default=0.1,
+                   help="memory fraction kept free of weights and KV")
+    r.add_argument("--json", action="store_true")
+    r.add_argument("--plot", default=None, metavar="FILE.png")
+    r.add_argument("--list", action="store_true", help="list catalog entries and exit")
+    r.set_defaults(func=cmd_roofline)
+
+    m = sub.add_parser("measure", help="measure this machine's bandwidth and matmul peaks "
+                       "(the cpu-local / gpu-local accelerators)")
+    m.add_argument("--out", default=None, help="file to write (default: the cache folder)")
+    m.add_argument("--quick", action="store_true", help="fewer repetitions")
+    m.set_defaults(func=cmd_measure)
 
     t = sub.add_parser("make-tiny", help="write a tiny random-weight checkpoint (HF layout)")
     t.add_argument("out")

@@ -1,0 +1,182 @@
+"""``phasewise roofline``: one model x accelerator x workload, analysed and formatted.
+
+``analyse`` returns a plain dict (the ``--json`` output, schema in ``SCHEMA_KEYS``);
+``format_text`` renders it as the readable table.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from phasewise.perf.hardware import Accelerator, Link
+from phasewise.perf.models import GenericModel, ModelShape
+from phasewise.perf.roofline import Roofline
+
+SCHEMA_KEYS = ("model", "accelerator", "dtype", "kv_dtype", "efficiency", "workload",
+               "prefill", "decode", "ttft_s", "tpot_s", "decode_tokens_per_s", "batch_sweep",
+               "critical_batch", "never_compute_bound_beyond_context",
+               "max_concurrent_requests", "kv_transfer", "notes")
+CRITICAL_CONTEXTS = (128, 512, 2048, 8192, 32768)
+
+
+def analyse(model: ModelShape | GenericModel, accel: Accelerator, dtype: str = "bf16", *,
+            prompt_len: int = 512, prefix_len: int = 0, output_len: int = 128,
+            batch: int = 1, context: int | None = None, kv_dtype: str | None = None,
+            mfu: float = 1.0, mbu: float = 1.0, link: Link | None = None,
+            reserve_frac: float = 0.1, compute_dtype: str | None = None) -> dict[str, Any]:
+    if output_len < 1:
+        raise ValueError(f"output length must be >= 1, got {output_len}")
+    if not 0 <= reserve_frac < 1:
+        raise ValueError(f"reserve fraction must be in [0, 1), got {reserve_frac}")
+    r = Roofline(model, accel, dtype, kv_dtype, mfu, mbu, compute_dtype)
+    shaped = isinstance(model, ModelShape)
+    if context is None:
+        # Generic models have no KV cache to read: weights only, as in the seed example.
+        context = prompt_len + output_len // 2 if shaped else 0
+    pre = r.prefill(prompt_len, prefix_len)
+    dec = r.decode(batch, context)
+    notes = []
+    if isinstance(model, GenericModel):
+        notes.append("generic dense model: 2 FLOPs per parameter per token, every weight read "
+                     "once per step; no attention or KV cache (give a model for those)")
+    if shaped and model.is_moe:
+        notes.append(f"MoE: FLOPs use the {model.active_params / 1e9:.2f}B active parameters, "
+                     f"weight bytes the {model.total_params / 1e9:.2f}B total. 'Every weight "
+                     "read once per step' holds only when the batch touches every expert; a "
+                     "small batch reads fewer experts, so small-batch decode can be faster "
+                     "than shown")
+    if mfu != 1.0 or mbu != 1.0:
+        notes.append(f"predictions at {mfu:.0%} of peak FLOP/s (MFU) and {mbu:.0%} of peak "
+                     "bandwidth (MBU)")
+    ctx_total = prompt_len + output_len
+    sweep = []
+    cap = r.max_concurrent_requests(ctx_total, reserve_frac) if shaped else None
+    b = 1
+    while b <= 1024 and (cap is None or b <= max(cap, 1)):
+        step = r.decode(b, context)
+        sweep.append({"batch": b, "step_s": step.time, "tokens_per_s": b / step.time,
+                      "intensity": step.intensity, "bound": step.bound})
+        b *= 2
+    critical = {str(c): r.critical_batch(c) for c in
+                ((0,) if not shaped else CRITICAL_CONTEXTS)}
+    return {
+        "model": {
+            "name": model.name,
+            "source": getattr(model, "source", "parameter count given on the command line"),
+            "total_params": model.params if isinstance(model, GenericModel)
+            else model.total_params,
+            "active_params": model.params if isinstance(model, GenericModel)
+            else model.active_params,
+            "moe": shaped and model.is_moe,
+            "weight_bytes": r.weight_bytes,
+            "kv_bytes_per_token": r.kv_bytes_per_token,
+        },
+        "accelerator": accel.as_dict(),
+        "dtype": r.dtype, "kv_dtype": r.kv_dtype, "compute_dtype": r.compute_dtype,
+        "efficiency": {"mfu": mfu, "mbu": mbu, "peak_flops": r.peak_flops,
+                       "bandwidth_Bps": r.bandwidth, "ridge_flops_per_byte":
+                       r.peak_flops / r.bandwidth},
+        "workload": {"prompt_len": prompt_len, "prefix_len": prefix_len,
+                     "output_len": output_len, "batch": batch, "decode_context": context},
+        "prefill": pre.as_dict(),
+        "decode": dec.as_dict(),
+        "ttft_s": pre.time,
+        "tpot_s": dec.time,
+        "decode_tokens_per_s": batch / dec.time,
+        "batch_sweep": sweep,
+        "critical_batch": critical,
+        "never_compute_bound_beyond_context": r.never_compute_bound_context(),
+        "max_concurrent_requests": {"context": ctx_total, "reserve_frac": reserve_frac,
+                                    "requests": cap},
+        "kv_transfer": (dict(r.kv_transfer(prompt_len, link) or {}, link=link.as_dict())
+                        if link is not None and shaped else None),
+        "notes": notes,
+    }
+
+
+def _t(s: float) -> str:
+    if s is None or not math.isfinite(s):
+        return "-"
+    if s >= 1:
+        return f"{s:.3g} s"
+    if s >= 1e-3:
+        return f"{s * 1e3:.3g} ms"
+    return f"{s * 1e6:.4g} µs"
+
+
+def _b(n: float | None) -> str:
+    if n is None:
+        return "-"
+    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if n >= size:
+            return f"{n / size:.3g} {unit}"
+    return f"{n:.3g} B"
+
+
+def _step_lines(title: str, s: dict[str, Any]) -> list[str]:
+    return [
+        f"{title}",
+        f"  arithmetic        {s['flops'] / 1e9:.4g} GFLOP -> {_t(s['t_compute_s'])}",
+        f"  memory traffic    {_b(s['bytes'])} (weights {_b(s['weight_bytes'])}, KV read "
+        f"{_b(s['kv_read_bytes'])}, KV written {_b(s['kv_write_bytes'])}, activations "
+        f"{_b(s['act_bytes'])}) -> {_t(s['t_memory_s'])}",
+        f"  intensity         {s['intensity']:.3g} FLOP/byte (ridge {s['ridge']:.3g})",
+        f"  bound             {s['bound']}-bound by {s['ratio']:.3g}x; lower bound "
+        f"{_t(s['time_s'])}",
+    ]
+
+
+def format_text(a: dict[str, Any]) -> str:
+    m, acc, eff, w = a["model"], a["accelerator"], a["efficiency"], a["workload"]
+    lines = [
+        f"model        {m['name']}: {m['total_params'] / 1e9:.3g}B parameters"
+        + (f" ({m['active_params'] / 1e9:.3g}B active)" if m["moe"] else "")
+        + f", {_b(m['weight_bytes'])} of weights at {a['dtype']}",
+        f"accelerator  {acc['name']}: {eff['peak_flops'] / 1e12:.4g} TFLOP/s "
+        f"{a['compute_dtype']}, "
+        f"{eff['bandwidth_Bps'] / 1e12:.4g} TB/s, {_b(acc['mem_bytes'])} "
+        f"[{acc['source']}]",
+    ]
+    if m["kv_bytes_per_token"]:
+        lines.append(f"KV cache     {m['kv_bytes_per_token'] / 1024:.4g} KiB per token "
+                     f"({a['kv_dtype']})")
+    p, d = a["prefill"], a["decode"]
+    lines.append(f"in short     prefill of {w['prompt_len']} tokens is {p['bound']}-bound "
+                 f"({p['ratio']:.3g}x); a decode step at batch {w['batch']} is {d['bound']}-"
+                 f"bound ({d['ratio']:.3g}x): its memory traffic takes {_t(d['t_memory_s'])}, "
+                 f"the arithmetic {_t(d['t_compute_s'])}")
+    lines.append("")
+    lines += _step_lines(f"prefill: {w['prompt_len']} tokens after a cached prefix of "
+                         f"{w['prefix_len']}", a["prefill"])
+    lines.append(f"  TTFT (no queueing) {_t(a['ttft_s'])}")
+    lines.append("")
+    lines += _step_lines(f"decode step: batch {w['batch']} at context {w['decode_context']}",
+                         a["decode"])
+    lines.append(f"  TPOT              {_t(a['tpot_s'])}; {a['decode_tokens_per_s']:.4g} "
+                 "output tokens/s")
+    lines.append("")
+    lines.append("decode throughput against batch (context as above):")
+    for p in a["batch_sweep"]:
+        lines.append(f"  batch {p['batch']:>5}: step {_t(p['step_s']):>9}, "
+                     f"{p['tokens_per_s']:>10.4g} tok/s, {p['bound']}-bound")
+    crit = ", ".join(f"{'-' if v is None else f'{v:.4g}'} at {c}"
+                     for c, v in a["critical_batch"].items())
+    lines.append(f"critical batch (decode turns compute-bound): {crit}"
+                 + ("" if m["kv_bytes_per_token"] else " (weights only)"))
+    never = a["never_compute_bound_beyond_context"]
+    if never is not None:
+        lines.append(f"  beyond a context of {never:.0f} tokens decode never turns "
+                     "compute-bound: each sequence's KV reads outweigh its arithmetic")
+    mc = a["max_concurrent_requests"]
+    if mc["requests"] is not None:
+        lines.append(f"KV capacity: {mc['requests']} concurrent requests of {mc['context']} "
+                     f"tokens (after weights and a {mc['reserve_frac']:.0%} reserve)")
+    kt = a["kv_transfer"]
+    if kt:
+        lines.append(f"KV transfer of one {w['prompt_len']}-token prompt over "
+                     f"{kt['link']['name']}: {_b(kt['bytes'])} in {_t(kt['transfer_s'])} "
+                     f"= {kt['transfer_over_prefill']:.3g}x its prefill time")
+    for n in a["notes"]:
+        lines.append(f"note: {n}")
+    return "\n".join(lines)

@@ -1,0 +1,245 @@
+"""Model shapes for the roofline analyser: a catalog of well-known configs, any HF
+``config.json``, or a bare parameter count. Configs only: no weights, no torch.
+
+Parameter counts are the matmul weights (attention q/k/v/o, MLP gate/up/down or the experts),
+the embedding, the LM head when untied, and the norms; biases are left out (a few thousand
+per layer at most).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    name: str
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int  # dense MLP width (per expert for MoE: moe_intermediate_size)
+    vocab_size: int
+    tie_word_embeddings: bool = False
+    num_experts: int = 0  # 0: dense
+    experts_per_token: int = 0
+    max_position_embeddings: int | None = None
+    source: str = ""
+
+    # -- parameters -------------------------------------------------------------------------
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
+    def attn_params_per_layer(self) -> int:
+        h, hd = self.hidden_size, self.head_dim
+        return h * self.num_heads * hd * 2 + h * self.num_kv_heads * hd * 2  # q, o; k, v
+
+    @property
+    def mlp_params_per_layer(self) -> int:
+        """All MLP weights of a layer (every expert, and the router, for MoE)."""
+        one = 3 * self.hidden_size * self.intermediate_size
+        if self.is_moe:
+            return self.num_experts * one + self.hidden_size * self.num_experts
+        return one
+
+    @property
+    def active_mlp_params_per_layer(self) -> int:
+        """MLP weights one token goes through (its routed experts and the router)."""
+        one = 3 * self.hidden_size * self.intermediate_size
+        if self.is_moe:
+            return self.experts_per_token * one + self.hidden_size * self.num_experts
+        return one
+
+    @property
+    def embedding_params(self) -> int:
+        return self.vocab_size * self.hidden_size
+
+    @property
+    def lm_head_params(self) -> int:
+        return self.vocab_size * self.hidden_size
+
+    @property
+    def total_params(self) -> int:
+        norms = self.num_layers * 2 * self.hidden_size + self.hidden_size
+        head = 0 if self.tie_word_embeddings else self.lm_head_params
+        return (self.embedding_params + head + norms
+                + self.num_layers * (self.attn_params_per_layer + self.mlp_params_per_layer))
+
+    @property
+    def active_linear_params(self) -> int:
+        """Matmul weights a token passes through in the layers (no embedding, no LM head)."""
+        return self.num_layers * (self.attn_params_per_layer + self.active_mlp_params_per_layer)
+
+    @property
+    def active_params(self) -> int:
+        head = 0 if self.tie_word_embeddings else self.lm_head_params
+        return self.active_linear_params + self.embedding_params + head
+
+    def kv_bytes_per_token(self, bytes_per_el: float) -> float:
+        """K and V of one token over all layers (GQA: only the KV heads are stored)."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * bytes_per_el
+
+    def act_elems_per_token(self) -> int:
+        """Activation elements a token moves through one layer: each matmul's input and output
+        once (residual stream, q/k/v, attention output, MLP intermediate)."""
+        h, hd = self.hidden_size, self.head_dim
+        inter = self.intermediate_size * (self.experts_per_token if self.is_moe else 1)
+        return 4 * h + (2 * self.num_heads + 2 * self.num_kv_heads) * hd + 3 * inter
+
+    # -- construction ----------------------------------------------------------------------
+    @classmethod
+    def from_hf_config(cls, cfg: dict[str, Any], name: str = "config.json",
+                       source: str = "") -> ModelShape:
+        text = cfg.get("text_config")
+        if isinstance(text, dict):  # multimodal wrappers keep the LM's shape here
+            cfg = {**cfg, **text}
+        try:
+            hidden = int(cfg["hidden_size"])
+            heads = int(cfg["num_attention_heads"])
+            layers = int(cfg["num_hidden_layers"])
+        except KeyError as e:
+            raise ValueError(f"{name}: missing {e.args[0]!r}; a decoder-only config needs "
+                             "hidden_size, num_attention_heads and num_hidden_layers") from e
+        n_experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
+        inter = int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"]) if n_experts \
+            else int(cfg["intermediate_size"])
+        return cls(
+            name=name, hidden_size=hidden, num_layers=layers, num_heads=heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            intermediate_size=inter, vocab_size=int(cfg["vocab_size"]),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            num_experts=n_experts,
+            experts_per_token=int(cfg.get("num_experts_per_tok") or 0) if n_experts else 0,
+            max_position_embeddings=cfg.get("max_position_embeddings"),
+            source=source or name)
+
+    @classmethod
+    def from_path(cls, path: str | Path) -> ModelShape:
+        p = Path(path)
+        if p.is_dir():
+            p = p / "config.json"
+        with open(p) as f:
+            cfg = json.load(f)
+        return cls.from_hf_config(cfg, name=p.parent.name or str(p), source=str(p))
+
+
+@dataclass(frozen=True)
+class GenericModel:
+    """A dense model known only by its parameter count: 2 FLOPs per parameter per token and
+    every weight read once per step. Attention and the KV cache are unknown (no shape)."""
+
+    params: float
+    name: str = field(default="")
+
+    def __post_init__(self) -> None:
+        if not self.params > 0:
+            raise ValueError(f"parameter count must be > 0, got {self.params}")
+        if not self.name:
+            object.__setattr__(self, "name", f"dense {self.params:.3g} parameters")
+
+
+def _shape(name: str, source: str, **kw: Any) -> ModelShape:
+    kw.setdefault("head_dim", kw["hidden_size"] // kw["num_heads"])
+    return ModelShape(name=name, source=source, **kw)
+
+
+def _llama2(name, hidden, layers, heads, kv, inter):
+    return _shape(name, f"meta-llama/{name} config.json", hidden_size=hidden,
+                  num_layers=layers, num_heads=heads, num_kv_heads=kv,
+                  intermediate_size=inter, vocab_size=32000, max_position_embeddings=4096)
+
+
+def _llama31(name, hidden, layers, heads, inter):
+    return _shape(name, f"meta-llama/{name} config.json", hidden_size=hidden,
+                  num_layers=layers, num_heads=heads, num_kv_heads=8,
+                  intermediate_size=inter, vocab_size=128256,
+                  max_position_embeddings=131072)
+
+
+def _qwen25(size, hidden, layers, heads, kv, inter, tied):
+    name = f"Qwen2.5-{size}"
+    return _shape(name, f"Qwen/{name} config.json", hidden_size=hidden, num_layers=layers,
+                  num_heads=heads, num_kv_heads=kv, intermediate_size=inter,
+                  vocab_size=151936 if size in ("0.5B", "1.5B", "3B") else 152064,
+                  tie_word_embeddings=tied, max_position_embeddings=32768)
+
+
+def _qwen3(size, hidden, layers, heads, kv, inter, tied):
+    name = f"Qwen3-{size}"
+    return _shape(name, f"Qwen/{name} config.json", hidden_size=hidden, num_layers=layers,
+                  num_heads=heads, num_kv_heads=kv, head_dim=128, intermediate_size=inter,
+                  vocab_size=151936, tie_word_embeddings=tied, max_position_embeddings=40960)
+
+
+def _gemma2(size, hidden, layers, heads, kv, head_dim, inter):
+    name = f"gemma-2-{size}"
+    return _shape(name, f"google/{name} config.json", hidden_size=hidden, num_layers=layers,
+                  num_heads=heads, num_kv_heads=kv, head_dim=head_dim,
+                  intermediate_size=inter, vocab_size=256000, tie_word_embeddings=True,
+                  max_position_embeddings=8192)
+
+
+CATALOG: dict[str, ModelShape] = {m.name.lower(): m for m in [
+    _llama2("Llama-2-7b-hf", 4096, 32, 32, 32, 11008),
+    _llama2("Llama-2-13b-hf", 5120, 40, 40, 40, 13824),
+    _llama2("Llama-2-70b-hf", 8192, 80, 64, 8, 28672),
+    _llama31("Llama-3.1-8B", 4096, 32, 32, 14336),
+    _llama31("Llama-3.1-70B", 8192, 80, 64, 28672),
+    _llama31("Llama-3.1-405B", 16384, 126, 128, 53248),
+    _qwen25("0.5B", 896, 24, 14, 2, 4864, True),
+    _qwen25("1.5B", 1536, 28, 12, 2, 8960, True),
+    _qwen25("3B", 2048, 36, 16, 2, 11008, True),
+    _qwen25("7B", 3584, 28, 28, 4, 18944, False),
+    _qwen25("14B", 5120, 48, 40, 8, 13824, False),
+    _qwen25("32B", 5120, 64, 40, 8, 27648, False),
+    _qwen25("72B", 8192, 80, 64, 8, 29568, False),
+    _qwen3("0.6B", 1024, 28, 16, 8, 3072, True),
+    _qwen3("1.7B", 2048, 28, 16, 8, 6144, True),
+    _qwen3("4B", 2560, 36, 32, 8, 9728, True),
+    _qwen3("8B", 4096, 36, 32, 8, 12288, False),
+    _qwen3("14B", 5120, 40, 40, 8, 17408, False),
+    _qwen3("32B", 5120, 64, 64, 8, 25600, False),
+    _shape("Mistral-7B-v0.1", "mistralai/Mistral-7B-v0.1 config.json", hidden_size=4096,
+           num_layers=32, num_heads=32, num_kv_heads=8, intermediate_size=14336,
+           vocab_size=32000, max_position_embeddings=32768),
+    _gemma2("2b", 2304, 26, 8, 4, 256, 9216),
+    _gemma2("9b", 3584, 42, 16, 8, 256, 14336),
+    _gemma2("27b", 4608, 46, 32, 16, 128, 36864),
+    _shape("Mixtral-8x7B-v0.1", "mistralai/Mixtral-8x7B-v0.1 config.json", hidden_size=4096,
+           num_layers=32, num_heads=32, num_kv_heads=8, intermediate_size=14336,
+           vocab_size=32000, num_experts=8, experts_per_token=2,
+           max_position_embeddings=32768),
+    _shape("Qwen3-30B-A3B", "Qwen/Qwen3-30B-A3B config.json", hidden_size=2048,
+           num_layers=48, num_heads=32, num_kv_heads=4, head_dim=128, intermediate_size=768,
+           vocab_size=151936, num_experts=128, experts_per_token=8,
+           max_position_embeddings=40960),
+]}
+
+
+def lookup_model(name: str) -> ModelShape:
+    """A catalog entry (case-insensitive; a unique prefix or substring also matches) or a
+    path to a folder / config.json."""
+    p = Path(name)
+    if p.exists():
+        return ModelShape.from_path(p)
+    key = name.lower()
+    if key in CATALOG:
+        return CATALOG[key]
+    hits = [m for k, m in CATALOG.items() if key in k]
+    if len(hits) == 1:
+        return hits[0]
+    names = ", ".join(m.name for m in CATALOG.values())
+    if hits:
+        raise ValueError(f"model {name!r} is ambiguous: {', '.join(m.name for m in hits)}")
+    raise ValueError(f"unknown model {name!r}: give a config.json path or one of {names}")
+
+
+def with_name(shape: ModelShape, name: str) -> ModelShape:
+    return replace(shape, name=name)

@@ -1,0 +1,257 @@
+"""The roofline cost model of one engine step, and what follows from it.
+
+A step of a decoder-only transformer does ``flops`` of arithmetic and moves ``bytes`` through
+the memory system; on a machine with peak ``P`` FLOP/s and bandwidth ``BW`` it cannot take
+less than ``max(flops / P, bytes / BW)``. Which of the two is larger is the step's bound;
+``intensity = flops / bytes`` against the machine's ridge point ``P / BW`` says the same.
+
+FLOPs of a step:
+
+* linear layers: 2 x (matmul parameters a token goes through) per token computed;
+* attention: for a query at position ``i`` (1-based), ``QK^T`` and ``AV`` each cost
+  ``2 * head_dim * i`` per head, so ``4 * layers * heads * head_dim * i`` in all. The causal
+  mask is counted properly: a prefill of ``S`` tokens after a cached prefix of ``P`` sums
+  ``i`` from ``P + 1`` to ``P + S``, which is ``S * P + S * (S + 1) / 2`` (not ``S * (P+S)``);
+* the LM head: ``2 * vocab * hidden`` only for the positions that sample (one per request).
+
+Bytes of a step: every weight once (the full model even for MoE: over a batch, all experts
+are touched), the KV cache each sequence reads (its context), the KV it writes, and
+activations (each matmul's input and output once per token and layer).
+
+Efficiency factors ``mfu`` and ``mbu`` (default 1.0) scale the peaks; with other values the
+predictions are "at X% of peak".
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+from phasewise.perf.hardware import Accelerator, Link
+from phasewise.perf.models import GenericModel, ModelShape
+
+DTYPE_BYTES = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "fp8": 1.0, "int8": 1.0, "int4": 0.5}
+DTYPE_ALIASES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16"}
+
+
+def norm_dtype(dtype: str) -> str:
+    d = DTYPE_ALIASES.get(dtype.lower(), dtype.lower())
+    if d not in DTYPE_BYTES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPE_BYTES)}; got {dtype!r}")
+    return d
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """One step's work, its time bounds and its bound."""
+
+    kind: str  # "prefill" or "decode"
+    tokens: int  # tokens computed in the step
+    flops: float
+    bytes: float
+    weight_bytes: float
+    kv_read_bytes: float
+    kv_write_bytes: float
+    act_bytes: float
+    peak_flops: float  # after mfu
+    bandwidth: float  # after mbu
+
+    @property
+    def intensity(self) -> float:
+        return self.flops / self.bytes
+
+    @property
+    def ridge(self) -> float:
+        return self.peak_flops / self.bandwidth
+
+    @property
+    def t_compute(self) -> float:
+        return self.flops / self.peak_flops
+
+    @property
+    def t_memory(self) -> float:
+        return self.bytes / self.bandwidth
+
+    @property
+    def time(self) -> float:
+        return max(self.t_compute, self.t_memory)
+
+    @property
+    def bound(self) -> str:
+        return "compute" if self.t_compute >= self.t_memory else "memory"
+
+    @property
+    def ratio(self) -> float:
+        """How many times the slower side outweighs the faster (>= 1)."""
+        hi, lo = max(self.t_compute, self.t_memory), min(self.t_compute, self.t_memory)
+        return hi / lo if lo > 0 else math.inf
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d.update(intensity=self.intensity, ridge=self.ridge, t_compute_s=self.t_compute,
+                 t_memory_s=self.t_memory, time_s=self.time, bound=self.bound,
+                 ratio=self.ratio)
+        return d
+
+
+class Roofline:
+    """The cost model for one model on one accelerator at one dtype."""
+
+    def __init__(self, model: ModelShape | GenericModel, accel: Accelerator,
+                 dtype: str = "bf16", kv_dtype: str | None = None, mfu: float = 1.0,
+                 mbu: float = 1.0, compute_dtype: str | None = None) -> None:
+        """``dtype``: how weights are stored (bytes); ``compute_dtype`` (default: the same):
+        whose peak FLOP/s the arithmetic runs at, e.g. fp32 for bf16 weights on a CPU
+        without native bf16 math."""
+        self.model = model
+        self.accel = accel
+        self.dtype = norm_dtype(dtype)
+        self.kv_dtype = norm_dtype(kv_dtype or dtype)
+        self.compute_dtype = norm_dtype(compute_dtype or dtype)
+        for name, v in (("mfu", mfu), ("mbu", mbu)):
+            if not 0 < v <= 1:
+                raise ValueError(f"{name} must be in (0, 1], got {v}")
+        self.mfu, self.mbu = mfu, mbu
+        peak = accel.peak_flops_for(self.compute_dtype)
+        self.peak_flops = peak * mfu
+        self.bandwidth = accel.mem_bandwidth * mbu
+        self.wbytes = DTYPE_BYTES[self.dtype]
+
+    # -- model quantities ------------------------------------------------------------------
+    @property
+    def shaped(self) -> bool:
+        return isinstance(self.model, ModelShape)
+
+    @property
+    def weight_bytes(self) -> float:
+        m = self.model
+        n = m.params if isinstance(m, GenericModel) else m.total_params
+        return n * self.wbytes
+
+    @property
+    def kv_bytes_per_token(self) -> float | None:
+        if not isinstance(self.model, ModelShape):
+            return None
+        return self.model.kv_bytes_per_token(DTYPE_BYTES[self.kv_dtype])
+
+    def _linear_flops_per_token(self) -> float:
+        m = self.model
+        if isinstance(m, GenericModel):
+            return 2.0 * m.params  # the whole model, LM head included, as the seed counts it
+        return 2.0 * m.active_linear_params
+
+    def _lm_head_flops(self) -> float:
+        m = self.model
+        return 0.0 if isinstance(m, GenericModel) else 2.0 * m.lm_head_params
+
+    def _attn_flops(self, query_positions_sum: float) -> float:
+        m = self.model
+        if isinstance(m, GenericModel):
+            return 0.0
+        return 4.0 * m.num_layers * m.num_heads * m.head_dim * query_positions_sum
+
+    def _act_bytes(self, tokens: int) -> float:
+        m = self.model
+        if isinstance(m, GenericModel):
+            return 0.0
+        return tokens * m.num_layers * m.act_elems_per_token() * self.wbytes
+
+    # -- steps -----------------------------------------------------------------------------
+    def prefill(self, prompt_len: int, prefix_len: int = 0, batch: int = 1) -> StepCost:
+        """``batch`` prompts of ``prompt_len`` new tokens each, after ``prefix_len`` cached
+        tokens, in one step; each samples its first token."""
+        if prompt_len < 1 or prefix_len < 0 or batch < 1:
+            raise ValueError("prefill needs prompt_len >= 1, prefix_len >= 0, batch >= 1")
+        s, p = prompt_len, prefix_len
+        positions = s * p + s * (s + 1) / 2  # sum of i for i in P+1..P+S
+        tokens = batch * s
+        flops = (tokens * self._linear_flops_per_token() + batch * self._attn_flops(positions)
+                 + batch * self._lm_head_flops())
+        kvpt = self.kv_bytes_per_token or 0.0
+        kv_read = batch * p * kvpt
+        kv_write = tokens * kvpt
+        act = self._act_bytes(tokens)
+        total = self.weight_bytes + kv_read + kv_write + act
+        return StepCost("prefill", tokens, flops, total, self.weight_bytes, kv_read, kv_write,
+                        act, self.peak_flops, self.bandwidth)
+
+    def decode(self, batch: int = 1, context: int | Sequence[int] = 0) -> StepCost:
+        """One decode step of ``batch`` sequences; ``context`` is each one's length with the
+        new token (a number for all, or one per sequence). 0: weights only."""
+        if isinstance(context, int):
+            contexts = [context] * batch
+        else:
+            contexts = list(context)
+            batch = len(contexts)
+        if batch < 1 or any(c < 0 for c in contexts):
+            raise ValueError("decode needs batch >= 1 and contexts >= 0")
+        flops = batch * (self._linear_flops_per_token() + self._lm_head_flops()) \
+            + self._attn_flops(sum(contexts))
+        kvpt = self.kv_bytes_per_token or 0.0
+        kv_read = sum(max(c - 1, 0) for c in contexts) * kvpt
+        kv_write = batch * kvpt if any(contexts) else 0.0
+        act = self._act_bytes(batch)
+        total = self.weight_bytes + kv_read + kv_write + act
+        return StepCost("decode", batch, flops, total, self.weight_bytes, kv_read, kv_write,
+                        act, self.peak_flops, self.bandwidth)
+
+    # -- derived ---------------------------------------------------------------------------
+    def ttft(self, prompt_len: int, prefix_len: int = 0) -> float:
+        """Prefill time of one prompt (no queueing)."""
+        return self.prefill(prompt_len, prefix_len).time
+
+    def tpot(self, batch: int, prompt_len: int, output_len: int) -> float:
+        """Decode step time at the mean context of the output (prompt + output / 2)."""
+        return self.decode(batch, prompt_len + max(output_len // 2, 1)).time
+
+    def decode_throughput(self, batch: int, context: int) -> float:
+        """Output tokens per second of a decode-only steady state."""
+        return batch / self.decode(batch, context).time
+
+    def critical_batch(self, context: int) -> float | None:
+        """Smallest batch at which a decode step at ``context`` turns compute-bound, or None
+        if it never does (each sequence's KV reads cost more time than its arithmetic)."""
+        per_seq = self.decode(1, context)
+        w = self.weight_bytes / self.bandwidth
+        seq_compute = per_seq.flops / self.peak_flops
+        seq_memory = (per_seq.bytes - self.weight_bytes) / self.bandwidth
+        if seq_compute <= seq_memory:
+            return None
+        return w / (seq_compute - seq_memory)
+
+    def never_compute_bound_context(self) -> float | None:
+        """Context length beyond which decode stays memory-bound at any batch (attention over
+        the KV cache does fewer FLOPs per byte than the ridge), or None if no such length."""
+        if not isinstance(self.model, ModelShape):
+            return None
+        m = self.model
+        kvpt = self.kv_bytes_per_token or 0.0
+        a = m.num_layers * m.act_elems_per_token() * self.wbytes
+        f0 = self._linear_flops_per_token() + self._lm_head_flops()
+        f1 = 4.0 * m.num_layers * m.num_heads * m.head_dim  # per context token
+        # compute(t) = (f0 + f1 t)/P ; memory(t) = ((t - 1) kvpt + kvpt + a)/BW = (t kvpt + a)/BW
+        slope = kvpt / self.bandwidth - f1 / self.peak_flops
+        if slope <= 0:
+            return None
+        return max(0.0, (f0 / self.peak_flops - a / self.bandwidth) / slope)
+
+    def max_concurrent_requests(self, context: int, reserve_frac: float = 0.1) -> int | None:
+        """Requests of ``context`` tokens whose KV fits beside the weights, after keeping
+        ``reserve_frac`` of memory for activations and the runtime."""
+        kvpt = self.kv_bytes_per_token
+        if kvpt is None or context < 1:
+            return None
+        free = self.accel.mem_bytes * (1 - reserve_frac) - self.weight_bytes
+        return max(0, int(free // (context * kvpt)))
+
+    def kv_transfer(self, prompt_len: int, link: Link) -> dict[str, float] | None:
+        """Time to ship one prompt's KV cache over ``link``, against its prefill time."""
+        kvpt = self.kv_bytes_per_token
+        if kvpt is None:
+            return None
+        nbytes = prompt_len * kvpt
+        t = link.latency_s + nbytes / link.bandwidth
+        pre = self.prefill(prompt_len).time
+        return {"bytes": nbytes, "transfer_s": t, "prefill_s": pre,
+                "transfer_over_prefill": t / pre}

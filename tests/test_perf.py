@@ -1,0 +1,193 @@
+"""The roofline analyser: hand-checked quantities, the seed example, properties, the JSON
+schema, and that it runs without torch."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from phasewise.cli import main
+from phasewise.perf.analysis import SCHEMA_KEYS, analyse
+from phasewise.perf.hardware import ACCELERATORS, LINKS, lookup_accelerator, lookup_link
+from phasewise.perf.models import CATALOG, GenericModel, ModelShape, lookup_model
+from phasewise.perf.roofline import Roofline
+
+H100 = ACCELERATORS["h100-sxm"]
+
+
+def test_seed_example_7b_on_h100_at_batch_1():
+    a = analyse(GenericModel(7e9), H100, "bf16", batch=1)
+    d = a["decode"]
+    assert d["weight_bytes"] == 14e9
+    assert d["t_memory_s"] == pytest.approx(14e9 / 3.35e12)  # 4.18 ms
+    assert round(d["t_memory_s"] * 1e3, 2) == 4.18
+    assert d["flops"] == 14e9
+    assert d["t_compute_s"] == pytest.approx(14.2e-6, abs=0.06e-6)  # 14 GFLOP / 989 TFLOP/s
+    assert round(d["ratio"]) == 295 and d["bound"] == "memory"
+
+
+def test_seed_command_prints_the_three_numbers(capsys):
+    assert main(["roofline", "--params", "7e9", "--dtype", "bf16", "--gpu", "h100-sxm",
+                 "--batch", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "4.18 ms" in out and "14.15 µs" in out and "memory-bound (295x)" in out
+
+
+def test_parameter_counts_and_kv_bytes_match_the_published_models():
+    assert lookup_model("Llama-2-7b-hf").total_params == 6_738_415_616
+    assert lookup_model("Llama-3.1-8B").total_params == 8_030_261_248
+    assert lookup_model("Mixtral-8x7B-v0.1").total_params == 46_702_792_704
+    # Llama-2-7B (MHA, 32 KV heads): 2 x 32 layers x 32 heads x 128 x 2 bytes = 512 KiB.
+    assert lookup_model("Llama-2-7b-hf").kv_bytes_per_token(2) == 512 * 1024
+    # Llama-3-8B (GQA, 8 KV heads): 128 KiB.
+    assert lookup_model("Llama-3.1-8B").kv_bytes_per_token(2) == 128 * 1024
+
+
+def test_qwen_biases_are_the_only_parameters_left_out():
+    # Qwen2.5-0.5B has 494,032,768 parameters, of which q/k/v biases are
+    # 24 x (896 + 128 + 128) = 27,648.
+    assert lookup_model("Qwen2.5-0.5B").total_params == 494_032_768 - 24 * (896 + 128 + 128)
+
+
+def _toy() -> ModelShape:
+    return ModelShape("toy", hidden_size=8, num_layers=2, num_heads=2, num_kv_heads=1,
+                      head_dim=4, intermediate_size=16, vocab_size=10)
+
+
+def test_flops_and_bytes_by_hand():
+    m = _toy()
+    # attn/layer: q,o 8*8 each; k,v 8*4 each = 192; mlp 3*8*16 = 384; 2 layers = 1152.
+    assert m.active_linear_params == 1152
+    acc = ACCELERATORS["h100-sxm"]
+    r = Roofline(m, acc, "bf16")
+    p = r.prefill(3, prefix_len=2)
+    # linear 2*1152*3 + attention 4*2*2*4*(3*2 + 3*4/2) + lm head 2*10*8.
+    assert p.flops == 2 * 1152 * 3 + 64 * (6 + 6) + 160
+    kvpt = 2 * 2 * 1 * 4 * 2  # K and V, 2 layers, 1 KV head, dim 4, 2 bytes
+    assert p.kv_read_bytes == 2 * kvpt and p.kv_write_bytes == 3 * kvpt
+    d = r.decode(2, [5, 7])
+    assert d.flops == 2 * (2 * 1152 + 160) + 64 * 12
+    assert d.kv_read_bytes == (4 + 6) * kvpt and d.kv_write_bytes == 2 * kvpt
+    assert d.weight_bytes == m.total_params * 2
+
+
+@given(s=st.integers(1, 300), p=st.integers(0, 300))
+def test_causal_attention_is_counted_once_per_query_key_pair(s, p):
+    r = Roofline(_toy(), H100)
+    brute = sum(p + i for i in range(1, s + 1))  # query at position P+i sees P+i keys
+    base = r.prefill(s, p).flops - 2 * 1152 * s - 160
+    assert base == 64 * brute
+
+
+def test_critical_batch_balances_compute_and_memory():
+    r = Roofline(GenericModel(7e9), H100)
+    assert r.critical_batch(0) == pytest.approx(H100.peak_flops_for("bf16") / 3.35e12)
+    r = Roofline(lookup_model("Llama-3.1-8B"), H100)
+    b = r.critical_batch(128)
+    step = r.decode(round(b), 128)
+    assert step.t_compute == pytest.approx(step.t_memory, rel=0.01)
+    t_never = r.never_compute_bound_context()
+    assert 100 < t_never < 1000
+    assert r.critical_batch(int(t_never) - 20) is not None
+    assert r.critical_batch(int(t_never) + 20) is None
+
+
+@settings(max_examples=40, deadline=None)
+@given(model=st.sampled_from(sorted(CATALOG)), acc=st.sampled_from(sorted(ACCELERATORS)),
+       t=st.integers(1, 30000), b=st.integers(1, 256), s=st.integers(2, 8000))
+def test_monotone_properties(model, acc, t, b, s):
+    r = Roofline(CATALOG[model], ACCELERATORS[acc])
+    assert r.decode(b, t + 100).time >= r.decode(b, t).time  # time grows with context
+    assert r.decode(b + 1, t).intensity > r.decode(b, t).intensity  # and intensity with batch
+    assert r.prefill(s).intensity > r.decode(1, s).intensity  # prefill beats decode
+
+
+def test_kv_capacity_transfer_and_moe_notes():
+    r = Roofline(lookup_model("Llama-3.1-8B"), H100)
+    kvpt = 128 * 1024
+    want = int((80e9 * 0.9 - r.weight_bytes) // (4096 * kvpt))
+    assert r.max_concurrent_requests(4096, 0.1) == want
+    t = r.kv_transfer(2048, lookup_link("100gbe"))
+    assert t["bytes"] == 2048 * kvpt
+    assert t["transfer_s"] == pytest.approx(20e-6 + 2048 * kvpt / 12.5e9)
+    assert t["transfer_over_prefill"] == pytest.approx(t["transfer_s"] / r.prefill(2048).time)
+    a = analyse(lookup_model("Qwen3-30B-A3B"), H100)
+    assert a["model"]["active_params"] < a["model"]["total_params"] / 5
+    assert any("MoE" in n and "active" in n for n in a["notes"])
+    a = analyse(lookup_model("Qwen3-8B"), H100, mfu=0.5, mbu=0.8)
+    assert a["efficiency"]["peak_flops"] == 0.5 * H100.peak_flops_for("bf16")
+    assert any("50% of peak" in n for n in a["notes"])
+
+
+def test_json_schema_and_plot(tmp_path, capsys):
+    plot = tmp_path / "r.png"
+    args = ["roofline", "--model", "Qwen2.5-7B", "--gpu", "a100-80gb", "--batch", "16",
+            "--link", "ib-ndr", "--json"]
+    try:
+        import matplotlib  # noqa: F401
+        args += ["--plot", str(plot)]
+    except ImportError:
+        plot = None
+    assert main(args) == 0
+    a = json.loads(capsys.readouterr().out)
+    assert set(SCHEMA_KEYS) <= set(a)
+    for step in ("prefill", "decode"):
+        assert {"flops", "bytes", "intensity", "ridge", "bound", "time_s", "ratio",
+                "t_compute_s", "t_memory_s"} <= set(a[step])
+        assert a[step]["bound"] in ("compute", "memory")
+    assert [p["batch"] for p in a["batch_sweep"]][:3] == [1, 2, 4]
+    assert a["kv_transfer"]["link"]["key"] == "ib-ndr"
+    assert a["accelerator"]["source"]
+    if plot is not None:
+        assert plot.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_every_catalog_entry_has_a_source():
+    assert all(a.source for a in ACCELERATORS.values())
+    assert all(link.source for link in LINKS.values())
+    assert all(m.source for m in CATALOG.values())
+
+
+def test_config_json_path_and_errors(tmp_path, capsys):
+    cfg = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "num_hidden_layers": 3, "intermediate_size": 128, "vocab_size": 100,
+           "tie_word_embeddings": True}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    m = lookup_model(str(tmp_path))
+    assert (m.head_dim, m.num_kv_heads, m.tie_word_embeddings) == (16, 2, True)
+    with pytest.raises(ValueError, match="unknown model"):
+        lookup_model("gpt-5")
+    with pytest.raises(ValueError, match="unknown accelerator"):
+        lookup_accelerator("h900")
+    with pytest.raises(ValueError, match="no fp8"):
+        Roofline(GenericModel(1e9), ACCELERATORS["a100-80gb"], "fp8")
+    assert main(["roofline", "--params", "7e9", "--dtype", "fp4"]) == 2
+    assert main(["roofline"]) == 2
+    assert "fp32" in capsys.readouterr().err
+
+
+def test_analyser_imports_no_torch():
+    code = ("import sys; from phasewise.cli import main; "
+            "main(['roofline', '--model', 'Llama-3.1-8B', '--json']); "
+            "assert 'torch' not in sys.modules, 'torch was imported'")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["model"]["name"] == "Llama-3.1-8B"
+
+
+def test_measure_writes_cpu_local_and_the_analyser_reads_it(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("PHASEWISE_CACHE_DIR", str(tmp_path))
+    assert main(["measure", "--quick"]) == 0
+    data = json.loads((tmp_path / "machine.json").read_text())
+    cpu = data["cpu-local"]
+    assert cpu["mem_bandwidth"] > 1e8 and cpu["peak_flops"]["fp32"] > 1e8
+    acc = lookup_accelerator("cpu-local")
+    assert acc.peak_flops_for("bf16") == cpu["peak_flops"]["bf16"]
+    capsys.readouterr()
+    assert main(["roofline", "--model", "Qwen2.5-0.5B", "--gpu", "cpu-local"]) == 0
+    assert "measured" in capsys.readouterr().out
