@@ -525,57 +525,27 @@ class OpenAIServer:
         specs = self._specs(prompts, body.n, overrides)
         rid = f"cmpl-{uuid.uuid4().hex}"
         group = await self._submit(specs, rid, arrival)
+        prompt_tokens = sum(len(ids) for ids, _, _ in prompts)
+        if body.stream:
+            offsets = [0] * len(specs)
+
+            def render(idx: int, out: RequestOutput) -> list[tuple[dict[str, Any], bool]]:
+                lp = None
+                if body.logprobs is not None and out.delta_token_ids:
+                    k = len(out.delta_token_ids)
+                    lp = self._completion_logprobs(out.delta_token_ids,
+                                                   (out.logprobs or [])[-k:], offsets[idx])
+                offsets[idx] += len(out.delta_text)
+                if not (out.delta_text or lp or out.finished):
+                    return []  # bytes of an unfinished character: nothing to show
+                return [({"index": idx, "text": out.delta_text, "logprobs": lp,
+                          "finish_reason": _finish_reason(out)}, True)]
+
+            return self._stream(body, group, specs, rid, "text_completion", prompt_tokens,
+                                render)
+
         created = int(time.time())
         model = self.config.served_model_name
-        prompt_tokens = sum(len(ids) for ids, _, _ in prompts)
-
-        def chunk(choices: list[dict[str, Any]], usage: dict | None = None) -> dict:
-            out: dict[str, Any] = {"id": rid, "object": "text_completion", "created": created,
-                                   "model": model, "choices": choices}
-            if body.include_usage:
-                out["usage"] = usage
-            return out
-
-        def running_usage(idx: int, out: RequestOutput) -> dict | None:
-            """vLLM's continuous_usage_stats: this choice's counts so far, on every chunk
-            (lets a client count the tokens each chunk carries)."""
-            if not body.continuous_usage:
-                return None
-            return _usage(len(specs[idx].token_ids), len(out.token_ids))
-
-        if body.stream:
-            async def events() -> AsyncIterator[str]:
-                offsets = [0] * len(specs)
-                completion_tokens = 0
-                timings: dict[int, dict[str, Any]] = {}
-                try:
-                    async for idx, out in group:
-                        lp = None
-                        if body.logprobs is not None and out.delta_token_ids:
-                            k = len(out.delta_token_ids)
-                            lp = self._completion_logprobs(out.delta_token_ids,
-                                                           (out.logprobs or [])[-k:],
-                                                           offsets[idx])
-                        offsets[idx] += len(out.delta_text)
-                        if out.finished:
-                            completion_tokens += len(out.token_ids)
-                            timings[idx] = _timing(idx, out)
-                        if not (out.delta_text or lp or out.finished):
-                            continue  # bytes of an unfinished character: nothing to show
-                        yield _sse(chunk([{"index": idx, "text": out.delta_text,
-                                           "logprobs": lp,
-                                           "finish_reason": _finish_reason(out)}],
-                                         running_usage(idx, out)))
-                    if body.include_usage:
-                        yield _sse(dict(chunk([], _usage(prompt_tokens, completion_tokens)),
-                                        timings=[timings[i] for i in sorted(timings)]))
-                except (EngineError, EngineStopped) as e:
-                    yield _error_event(e)
-                finally:
-                    group.close()
-                yield "data: [DONE]\n\n"
-
-            return SSEResponse(events(), group.close)
 
         finals = await self._collect(request, group)
         choices = []
@@ -589,6 +559,47 @@ class OpenAIServer:
             "id": rid, "object": "text_completion", "created": created, "model": model,
             "choices": choices,
             "usage": _usage(prompt_tokens, sum(len(o.token_ids) for o in finals))})
+
+    def _stream(self, body: Any, group: RequestGroup, specs: list[PromptSpec], rid: str,
+                obj: str, prompt_tokens: int,
+                render: Callable[[int, RequestOutput], list[tuple[dict[str, Any], bool]]]
+                ) -> SSEResponse:
+        """SSE for a group: the choices ``render`` makes of each output (those marked True
+        carry the choice's usage so far, with continuous_usage_stats), then, with
+        include_usage, the usage chunk with the engine's per-choice ``timings``, then
+        ``[DONE]``. An engine failure ends the stream with an error event."""
+        created = int(time.time())
+        model = self.config.served_model_name
+
+        def chunk(choices: list[dict[str, Any]], usage: dict | None = None) -> dict:
+            out: dict[str, Any] = {"id": rid, "object": obj, "created": created,
+                                   "model": model, "choices": choices}
+            if body.include_usage:
+                out["usage"] = usage
+            return out
+
+        async def events() -> AsyncIterator[str]:
+            completion_tokens = 0
+            timings: dict[int, dict[str, Any]] = {}
+            try:
+                async for idx, out in group:
+                    if out.finished:
+                        completion_tokens += len(out.token_ids)
+                        timings[idx] = _timing(idx, out)
+                    running = (_usage(len(specs[idx].token_ids), len(out.token_ids))
+                               if body.continuous_usage else None)
+                    for choice, counted in render(idx, out):
+                        yield _sse(chunk([choice], running if counted else None))
+                if body.include_usage:
+                    yield _sse(dict(chunk([], _usage(prompt_tokens, completion_tokens)),
+                                    timings=[timings[i] for i in sorted(timings)]))
+            except (EngineError, EngineStopped) as e:
+                yield _error_event(e)
+            finally:
+                group.close()
+            yield "data: [DONE]\n\n"
+
+        return SSEResponse(events(), group.close)
 
     async def _collect(self, request: Request, group: RequestGroup) -> list[RequestOutput]:
         """Wait for every request of the group to finish (aborting them if the client
@@ -630,59 +641,31 @@ class OpenAIServer:
         specs = self._specs([(ids, text, max_tokens)], body.n, overrides)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         group = await self._submit(specs, rid, arrival)
+        if body.stream:
+            started = [False] * len(specs)
+
+            def render(idx: int, out: RequestOutput) -> list[tuple[dict[str, Any], bool]]:
+                chunks: list[tuple[dict[str, Any], bool]] = []
+                if not started[idx]:  # the role first, as OpenAI streams it
+                    started[idx] = True
+                    chunks.append(({"index": idx, "delta": {"role": "assistant", "content": ""},
+                                    "logprobs": None, "finish_reason": None}, False))
+                lp = None
+                if top_n is not None and out.delta_token_ids:
+                    k = len(out.delta_token_ids)
+                    lp = self._chat_logprobs(out.delta_token_ids, (out.logprobs or [])[-k:],
+                                             top_n)
+                if out.delta_text or lp or out.finished:
+                    delta = {"content": out.delta_text} if out.delta_text else {}
+                    chunks.append(({"index": idx, "delta": delta, "logprobs": lp,
+                                    "finish_reason": _finish_reason(out)}, True))
+                return chunks
+
+            return self._stream(body, group, specs, rid, "chat.completion.chunk", len(ids),
+                                render)
+
         created = int(time.time())
         model = self.config.served_model_name
-
-        def chunk(choices: list[dict[str, Any]], usage: dict | None = None) -> dict:
-            out: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk",
-                                   "created": created, "model": model, "choices": choices}
-            if body.include_usage:
-                out["usage"] = usage
-            return out
-
-        def running_usage(idx: int, out: RequestOutput) -> dict | None:
-            """vLLM's continuous_usage_stats: this choice's counts so far, on every chunk
-            (lets a client count the tokens each chunk carries)."""
-            if not body.continuous_usage:
-                return None
-            return _usage(len(specs[idx].token_ids), len(out.token_ids))
-
-        if body.stream:
-            async def events() -> AsyncIterator[str]:
-                started = [False] * len(specs)
-                completion_tokens = 0
-                timings: dict[int, dict[str, Any]] = {}
-                try:
-                    async for idx, out in group:
-                        if not started[idx]:
-                            started[idx] = True
-                            yield _sse(chunk([{"index": idx, "delta": {"role": "assistant",
-                                                                       "content": ""},
-                                               "logprobs": None, "finish_reason": None}]))
-                        lp = None
-                        if top_n is not None and out.delta_token_ids:
-                            k = len(out.delta_token_ids)
-                            lp = self._chat_logprobs(out.delta_token_ids,
-                                                     (out.logprobs or [])[-k:], top_n)
-                        if out.finished:
-                            completion_tokens += len(out.token_ids)
-                            timings[idx] = _timing(idx, out)
-                        if not (out.delta_text or lp or out.finished):
-                            continue
-                        delta = {"content": out.delta_text} if out.delta_text else {}
-                        yield _sse(chunk([{"index": idx, "delta": delta, "logprobs": lp,
-                                           "finish_reason": _finish_reason(out)}],
-                                         running_usage(idx, out)))
-                    if body.include_usage:
-                        yield _sse(dict(chunk([], _usage(len(ids), completion_tokens)),
-                                        timings=[timings[i] for i in sorted(timings)]))
-                except (EngineError, EngineStopped) as e:
-                    yield _error_event(e)
-                finally:
-                    group.close()
-                yield "data: [DONE]\n\n"
-
-            return SSEResponse(events(), group.close)
 
         finals = await self._collect(request, group)
         choices = []
