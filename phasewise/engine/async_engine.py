@@ -280,8 +280,12 @@ class AsyncEngine:
             prefix_queries=e.kv.stats.prefix_queries, prefix_hits=e.kv.stats.prefix_hits)
 
     def _notify(self, step: StepStats | None, outputs: Sequence[RequestOutput],
-                finished: Sequence[FinishedRequest]) -> None:
-        self._snapshot = snap = self._take_snapshot()
+                finished: Sequence[FinishedRequest],
+                snap: EngineSnapshot | None = None) -> None:
+        """Publish the state (``snap``, if just taken, else a new one) and tell observers."""
+        if snap is None:
+            snap = self._take_snapshot()
+        self._snapshot = snap
         for obs in self.observers:
             try:
                 obs.on_step(step, outputs, finished, snap)
@@ -350,10 +354,10 @@ class AsyncEngine:
                     for o in outputs if o.finished]
             # Publish the state before the outputs: a caller that reacts to an output must
             # not see a queue length from before this step.
-            self._snapshot = self._take_snapshot()
+            self._snapshot = snap = self._take_snapshot()
             if outputs:
                 loop.call_soon_threadsafe(self._deliver, [(o.request_id, o) for o in outputs])
-            self._notify(step, outputs, done)
+            self._notify(step, outputs, done, snap)
 
     def _handle_add(self, items: list[tuple[str, PromptSpec]], arrival: float,
                     verdict: asyncio.Future) -> None:
