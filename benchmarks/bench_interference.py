@@ -20,34 +20,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
-from bench_serve import DEFAULT_MODEL, VLLM_PY, log, stop, wait_ready
+from bench_serve import (DEFAULT_MODEL, VLLM_PY, log, start_phasewise, start_vllm, stop,
+                         wait_ready)
 
 HERE = Path(__file__).resolve().parent
-
-
-def start_phasewise(model: Path, port: int, extra: list[str], log_path: Path
-                    ) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "phasewise.cli", "serve", "--model", str(model),
-           "--served-model-name", "ref", "--port", str(port), "--max-model-len", "2048",
-           "--log-interval", "10", *extra]
-    with open(log_path, "wb") as f:
-        return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
-
-
-def start_vllm(model: Path, port: int, log_path: Path) -> subprocess.Popen:
-    env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", VLLM_CPU_KVCACHE_SPACE="4",
-               VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS="3600")
-    cmd = [str(VLLM_PY), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-           "--served-model-name", "ref", "--dtype", "bfloat16", "--max-model-len", "2048",
-           "--host", "127.0.0.1", "--port", str(port)]
-    with open(log_path, "wb") as f:
-        return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True)
 
 
 def run_bench(a: argparse.Namespace, url: str, label: str) -> dict:

