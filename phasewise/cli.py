@@ -33,7 +33,7 @@ def _engine_kwargs(a: argparse.Namespace) -> dict:
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
-    from phasewise import LLM, SamplingParams
+    from phasewise import LLM
 
     llm = LLM(a.model, **_engine_kwargs(a))
     params = llm.engine.default_sampling_params(
@@ -201,7 +201,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="load-test any OpenAI-compatible server "
                        "('phasewise bench report FILES' renders an HTML report)")
-    from phasewise.bench.run import add_args as add_bench_args
+    from phasewise.bench.options import add_args as add_bench_args
 
     add_bench_args(b)
     b.set_defaults(func=cmd_bench)
