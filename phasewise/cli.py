@@ -8,7 +8,8 @@ import time
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="Hugging Face checkpoint folder")
+    p.add_argument("--model", default=None,
+                   help="Hugging Face checkpoint folder (default: the bundled stdlib-coder)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     p.add_argument("--max-model-len", type=int, default=None)
@@ -32,36 +33,88 @@ def _engine_kwargs(a: argparse.Namespace) -> dict:
                 kernels=a.kernels)
 
 
+def _model_arg(a: argparse.Namespace) -> str:
+    from phasewise.config import resolve_model
+
+    model = resolve_model(a.model)
+    if a.model is None:
+        print(f"model: stdlib-coder, the bundled default ({model}); --model DIR for another",
+              file=sys.stderr)
+    return model
+
+
+def _roofline_lines(llm, prefill_chunks: list[int], prefill_s: float, decode_steps: int,
+                    decode_s: float) -> list[str]:
+    """The run's two phases against this machine's measured roofline (phasewise.perf)."""
+    from phasewise.perf.explain import explain_generation
+    from phasewise.perf.measure import ensure_local
+    from phasewise.perf.models import ModelShape
+
+    eng = llm.engine
+    dtype = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[
+        str(eng.dtype).removeprefix("torch.")]
+    # phasewise's CPU kernels widen bf16 weights to fp32 and compute in fp32.
+    compute = "fp32" if eng.device.type == "cpu" and eng.linear_plan is not None else dtype
+    accel = ensure_local(eng.device.type, compute)
+    return explain_generation(ModelShape.from_path(eng.config.model), accel, dtype, compute,
+                              prefill_chunks, prefill_s, decode_steps, decode_s,
+                              eng.max_model_len)
+
+
 def cmd_generate(a: argparse.Namespace) -> int:
     from phasewise import LLM
 
-    llm = LLM(a.model, **_engine_kwargs(a))
-    params = llm.engine.default_sampling_params(
+    model = _model_arg(a)
+    t0 = time.monotonic()
+    llm = LLM(model, **_engine_kwargs(a))
+    eng = llm.engine
+    print(f"loaded {eng.model_config.architecture} ({eng.model_config.num_params / 1e6:.1f} M "
+          f"parameters, {str(eng.dtype).removeprefix('torch.')}, {eng.device}) in "
+          f"{time.monotonic() - t0:.1f} s", file=sys.stderr)
+    params = eng.default_sampling_params(
         max_tokens=a.max_tokens, **({"temperature": a.temperature} if a.temperature is not None
                                     else {}), **({"seed": a.sample_seed} if a.sample_seed
                                                  is not None else {}))
     prompt = a.prompt
     if a.chat:
         prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": a.prompt}])
+    # Warm-up: one 2-token request first, so that one-time costs (buffers, first kernel
+    # calls) stay out of the figures below; they are the steady state a server shows.
+    from phasewise import SamplingParams
+
+    llm.generate(llm.tokenizer.encode(" ")[:2] or [0], SamplingParams(max_tokens=2,
+                                                                      ignore_eos=True))
+    n0 = len(eng.step_stats)
     out = None
+    if sys.stdout.isatty():
+        sys.stdout.write(a.prompt if not a.chat else "")
     for out in llm.stream(prompt, params):
         sys.stdout.write(out.delta_text)
         sys.stdout.flush()
     sys.stdout.write("\n")
+    sys.stdout.flush()
     if out is None:
         return 1
     m = out.metrics
     n_prompt, n_out = len(out.prompt_token_ids), len(out.token_ids)
-    prefill_steps = [s for s in llm.step_stats if s.num_prefill_tokens]
+    steps = list(eng.step_stats)[n0:]
+    prefill_steps = [s for s in steps if s.num_prefill_tokens]
     prefill_s = sum(s.duration_s for s in prefill_steps)
-    decode_s = (m.token_times[-1] - m.token_times[0]) if len(m.token_times) > 1 else 0.0
-    print(f"[prefill] {n_prompt} prompt tokens in {prefill_s * 1e3:.1f} ms "
-          f"({n_prompt / max(prefill_s, 1e-9):.1f} tok/s); TTFT {m.ttft * 1e3:.1f} ms",
+    decode_s = (m.token_times[-1] - m.token_times[0]) if n_out > 1 else 0.0
+    steps_text = (f"{len(prefill_steps)} steps of "
+                  + " + ".join(str(s.num_prefill_tokens) for s in prefill_steps)
+                  if len(prefill_steps) > 1 else "1 step")
+    print(f"[prefill]  {n_prompt} prompt tokens, {steps_text}, {prefill_s * 1e3:.1f} ms: "
+          f"{n_prompt / max(prefill_s, 1e-9):.0f} tok/s; TTFT {m.ttft * 1e3:.1f} ms",
           file=sys.stderr)
     if n_out > 1:
-        print(f"[decode]  {n_out - 1} tokens in {decode_s * 1e3:.1f} ms "
-              f"({(n_out - 1) / max(decode_s, 1e-9):.1f} tok/s; TPOT {m.tpot * 1e3:.1f} ms); "
+        print(f"[decode]   {n_out - 1} tokens, {decode_s * 1e3:.1f} ms: "
+              f"{(n_out - 1) / max(decode_s, 1e-9):.0f} tok/s (TPOT {m.tpot * 1e3:.1f} ms); "
               f"finish: {out.finish_reason}", file=sys.stderr)
+    if not a.no_roofline:
+        for line in _roofline_lines(llm, [s.num_prefill_tokens for s in prefill_steps],
+                                    prefill_s, n_out - 1, decode_s):
+            print(line, file=sys.stderr)
     return 0
 
 
@@ -76,7 +129,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
     if not 0 < a.port < 65536:
         raise ValueError(f"--port must be in 1..65535, got {a.port}")
     server = build_server(
-        EngineConfig(model=a.model, **_engine_kwargs(a)), served_model_name=a.served_model_name,
+        EngineConfig(model=_model_arg(a), **_engine_kwargs(a)), served_model_name=a.served_model_name,
         log_interval_s=a.log_interval, api_key=a.api_key,
         max_waiting_requests=a.max_waiting_requests,
         max_request_bytes=parse_memory(a.max_request_size))
@@ -178,6 +231,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="default: the checkpoint's generation_config.json")
     g.add_argument("--sample-seed", type=int, default=None, help="per-request sampling seed")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    g.add_argument("--no-roofline", action="store_true",
+                   help="skip the closing lines that hold both phases against this machine's "
+                   "roofline (they need phasewise measure's figures; a quick measurement is "
+                   "made and saved the first time)")
     g.set_defaults(func=cmd_generate)
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (streaming, /metrics)")

@@ -4,12 +4,28 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from pathlib import Path
 
 DEVICES = ("auto", "cpu", "cuda")
 KERNEL_CHOICES = ("auto", "torch")
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6,
           "mib": 2**20, "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12,
           "tib": 2**40}
+
+
+# The bundled default model (scripts/train_default_model.py writes it; see its README.md).
+BUNDLED_MODEL = Path(__file__).resolve().parent / "assets" / "stdlib-coder"
+
+
+def resolve_model(model: str | Path | None) -> str:
+    """The checkpoint folder to load: ``model``, or the bundled default when it is None."""
+    if model is not None:
+        return str(model)
+    if not (BUNDLED_MODEL / "config.json").exists():
+        raise FileNotFoundError(
+            f"no model given and the bundled default is missing ({BUNDLED_MODEL}); pass "
+            "--model DIR, or rebuild it: python scripts/train_default_model.py")
+    return str(BUNDLED_MODEL)
 
 
 def parse_memory(value: int | str) -> int:

@@ -7,7 +7,7 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from phasewise.config import EngineConfig
+from phasewise.config import EngineConfig, resolve_model
 from phasewise.engine.engine import LLMEngine
 from phasewise.engine.outputs import RequestOutput, StepStats
 from phasewise.engine.sampling_params import SamplingParams
@@ -16,14 +16,15 @@ Prompt = str | list[int]
 
 
 class LLM:
-    """Load a Hugging Face checkpoint folder and generate from it.
+    """Load a Hugging Face checkpoint folder and generate from it (no folder: the bundled
+    default model, ``stdlib-coder``).
 
     Keyword arguments are ``EngineConfig`` fields (``dtype``, ``max_model_len``,
     ``kv_cache_memory``, ``max_num_batched_tokens``, ``policy``, ...).
     """
 
-    def __init__(self, model: str, **engine_kwargs: Any) -> None:
-        self.engine = LLMEngine(EngineConfig(model=str(model), **engine_kwargs))
+    def __init__(self, model: str | None = None, **engine_kwargs: Any) -> None:
+        self.engine = LLMEngine(EngineConfig(model=resolve_model(model), **engine_kwargs))
 
     @property
     def tokenizer(self):  # noqa: ANN201 - phasewise.model.tokenizer.Tokenizer

@@ -74,10 +74,12 @@ class ServerProcess:
         return self.proc.returncode
 
 
-def start_server(model_dir: Path, log_path: Path, *args: str,
+def start_server(model_dir: Path | None, log_path: Path, *args: str,
                  api_key: str | None = None, timeout: float = 120) -> ServerProcess:
+    """``model_dir`` None: no ``--model`` (the bundled default)."""
     port = free_port()
-    cmd = [sys.executable, "-m", "phasewise.cli", "serve", "--model", str(model_dir),
+    cmd = [sys.executable, "-m", "phasewise.cli", "serve",
+           *(["--model", str(model_dir)] if model_dir is not None else []),
            "--host", "127.0.0.1", "--port", str(port), *args]
     if api_key:
         cmd += ["--api-key", api_key]

@@ -128,9 +128,9 @@ def test_cli_make_tiny_then_generate(tmp_path, capsys):
     assert main(["make-tiny", str(tmp_path / "m"), "--vocab-size", "300"]) == 0
     assert (tmp_path / "m" / "tokenizer.json").exists()
     assert main(["generate", "--model", str(tmp_path / "m"), "def fib(n):",
-                 "--max-tokens", "5", "--temperature", "0"]) == 0
+                 "--max-tokens", "5", "--temperature", "0", "--no-roofline"]) == 0
     err = capsys.readouterr().err
-    assert "[prefill]" in err and "[decode]  4 tokens" in err
+    assert "[prefill]" in err and "[decode]   4 tokens," in err and "[roofline]" not in err
     assert main(["generate", "--model", str(tmp_path / "none"), "x"]) == 2
     assert "does not exist" in capsys.readouterr().err
 

@@ -191,3 +191,62 @@ def test_measure_writes_cpu_local_and_the_analyser_reads_it(tmp_path, monkeypatc
     capsys.readouterr()
     assert main(["roofline", "--model", "Qwen2.5-0.5B", "--gpu", "cpu-local"]) == 0
     assert "measured" in capsys.readouterr().out
+
+
+# -- phasewise generate's closing lines (phasewise.perf.explain) ---------------------------
+def _explain_setup():
+    from phasewise.perf.hardware import Accelerator
+
+    shape = ModelShape("small", hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2,
+                       head_dim=64, intermediate_size=768, vocab_size=4096,
+                       tie_word_embeddings=True)
+    acc = Accelerator("cpu-local", "test CPU", {"fp32": 100e9}, 8e9, 10e9, None, "test")
+    return shape, acc, Roofline(shape, acc, "bf16", compute_dtype="fp32")
+
+
+def test_prefill_turns_compute_bound_at_the_crossover_prompt_length():
+    from phasewise.perf.explain import compute_bound_prompt_len, prefill_cost
+
+    shape, acc, roof = _explain_setup()
+    n = compute_bound_prompt_len(roof, 512)
+    assert n is not None and 2 <= n <= 64
+    assert roof.prefill(n).bound == "compute" and roof.prefill(n - 1).bound == "memory"
+    # chunked: two steps read the weights twice, so the same prompt's intensity drops
+    whole, chunked = prefill_cost(roof, [2 * n], 1.0), prefill_cost(roof, [n, n], 1.0)
+    assert chunked.steps == 2 and chunked.tokens == whole.tokens == 2 * n
+    assert chunked.bytes > whole.bytes and chunked.intensity < whole.intensity
+    assert compute_bound_prompt_len(Roofline(shape, acc, "fp32"), 1) is None
+
+
+def test_explain_names_each_phase_bound_and_its_distance_from_the_roof():
+    from phasewise.perf.explain import decode_cost, explain_generation
+
+    shape, acc, roof = _explain_setup()
+    dec = decode_cost(roof, 7, 3, 0.0)
+    assert dec.flops == pytest.approx(sum(roof.decode(1, c).flops for c in (8, 9, 10)))
+    assert dec.bound == "memory"
+    # short prompt, slow steps: memory-bound both, fixed costs named
+    lines = explain_generation(shape, acc, "bf16", "fp32", [5], 0.05, 10, 0.1, 512)
+    text = "\n".join(lines)
+    assert "ridge 10.0 FLOP/byte" in text
+    assert "prefill was memory-bound and decode was memory-bound" in text
+    assert "would make prefill compute-bound" in text and "fixed costs" in text
+    # long prompt, fast steps: prefill compute-bound; faster than the DRAM roof is explained
+    lines = explain_generation(shape, acc, "bf16", "fp32", [400], 1e-4, 10, 1e-5, 512)
+    text = "\n".join(lines)
+    assert "prefill was compute-bound and decode was memory-bound" in text
+    assert "stay in the CPU caches" in text and "fixed costs" not in text
+
+
+def test_ensure_local_measures_only_what_is_missing(tmp_path):
+    from phasewise.perf.measure import ensure_local
+
+    path = tmp_path / "machine.json"
+    path.write_text(json.dumps({"cpu-local": {"name": "old", "peak_flops": {"bf16": 1e9},
+                                              "mem_bytes": 1e9, "mem_bandwidth": 1e9}}))
+    acc = ensure_local("cpu", "bf16", path)
+    assert acc.name == "old"  # had it: nothing measured
+    acc = ensure_local("cpu", "fp32", path)  # lacks fp32: a quick measurement, merged
+    data = json.loads(path.read_text())["cpu-local"]
+    assert data["peak_flops"]["bf16"] == 1e9 and data["peak_flops"]["fp32"] > 1e8
+    assert data["measured"]["quick"] is True and acc.peak_flops_for("fp32") > 1e8

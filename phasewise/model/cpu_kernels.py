@@ -17,6 +17,7 @@ import os
 import platform
 import shutil
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -102,6 +103,8 @@ def load() -> ctypes.CDLL | None:
     path = cache_dir() / "kernels" / f"cpu_kernels-{key}.so"
     try:
         if not path.exists():
+            print(f"compiling phasewise's CPU kernels (once; cached in {path.parent})",
+                  file=sys.stderr, flush=True)
             _build(path)
         lib = ctypes.CDLL(str(path))
     except (RuntimeError, OSError) as e:

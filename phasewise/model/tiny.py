@@ -39,10 +39,12 @@ def stdlib_text(max_bytes: int = 2_000_000) -> list[str]:
     return texts
 
 
-def train_tokenizer(out_dir: str | Path, texts: Iterable[str], vocab_size: int = 512) -> int:
+def train_tokenizer(out_dir: str | Path, texts: Iterable[str], vocab_size: int = 512, *,
+                    chat_template: str = CHAT_TEMPLATE, model_max_length: int = 4096) -> int:
     """Train a byte-level BPE tokenizer on ``texts`` and save tokenizer files.
 
-    Returns the vocabulary size actually reached (special tokens included).
+    Encoding adds BOS in front (the post-processor). Returns the vocabulary size actually
+    reached (special tokens included).
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
@@ -67,7 +69,7 @@ def train_tokenizer(out_dir: str | Path, texts: Iterable[str], vocab_size: int =
         json.dump({
             "tokenizer_class": "PreTrainedTokenizerFast",
             "bos_token": BOS, "eos_token": EOS, "pad_token": PAD,
-            "chat_template": CHAT_TEMPLATE, "model_max_length": 4096,
+            "chat_template": chat_template, "model_max_length": model_max_length,
         }, f, indent=2)
     return tok.get_vocab_size()
 

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from phasewise.perf.hardware import machine_file
+from phasewise.perf.hardware import Accelerator, load_local, machine_file
 
 
 def _best_time(fn: Callable[[], Any], sync: Callable[[], None], reps: int, budget_s: float
@@ -33,8 +33,21 @@ def _best_time(fn: Callable[[], Any], sync: Callable[[], None], reps: int, budge
     return best
 
 
-def measure_device(device: str, progress: Callable[[str], None], quick: bool = False
-                   ) -> dict[str, Any]:
+def _matmul_size(torch: Any, dev: Any, dtype: Any, sync: Callable[[], None], n_max: int,
+                 target_s: float = 1.0) -> int:
+    """The largest square size up to ``n_max`` whose matmul takes about ``target_s`` or less,
+    from a 256-cube probe: an emulated dtype (bf16 on a CPU without bf16 units, ~400x below
+    fp32) would otherwise spend minutes per repetition at full size."""
+    n = 256
+    a = torch.randn(n, n, device=dev).to(dtype)
+    probe = _best_time(lambda: a @ a, sync, 2, 5)
+    while n * 2 <= n_max and probe * 8 <= target_s:
+        n, probe = n * 2, probe * 8
+    return n
+
+
+def measure_device(device: str, progress: Callable[[str], None], quick: bool = False,
+                   dtypes: tuple[str, ...] = ("fp32", "bf16", "fp16")) -> dict[str, Any]:
     import torch
 
     dev = torch.device(device)
@@ -46,18 +59,23 @@ def measure_device(device: str, progress: Callable[[str], None], quick: bool = F
     progress(f"{device}: read bandwidth over {n_bytes >> 20} MiB")
     t = _best_time(lambda: x.sum(), sync, reps, 20)
     bandwidth = n_bytes / t
+    progress(f"{device}: read {bandwidth / 1e9:.1f} GB/s")
     del x
     peaks: dict[str, float] = {}
-    n = 8192 if dev.type == "cuda" else (1024 if quick else 2048)
+    sizes: dict[str, int] = {}
+    n_max = 8192 if dev.type == "cuda" else (1024 if quick else 2048)
     for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16),
                         ("fp16", torch.float16)):
-        if dev.type == "cpu" and name == "fp16":
+        if name not in dtypes or (dev.type == "cpu" and name == "fp16"):
             continue  # CPU fp16 matmul is an emulation, not a peak worth quoting
+        n = _matmul_size(torch, dev, dtype, sync, n_max)
         progress(f"{device}: {name} matmul {n}x{n}x{n}")
         a = torch.randn(n, n, device=dev).to(dtype)
         b = torch.randn(n, n, device=dev).to(dtype)
         t = _best_time(lambda: a @ b, sync, reps, 20)
         peaks[name] = 2 * n ** 3 / t
+        sizes[name] = n
+        progress(f"{device}: {name} matmul {peaks[name] / 1e9:.1f} GFLOP/s")
     if dev.type == "cuda":
         mem = torch.cuda.get_device_properties(dev).total_memory
         name = torch.cuda.get_device_name(dev)
@@ -68,15 +86,17 @@ def measure_device(device: str, progress: Callable[[str], None], quick: bool = F
             "mem_bandwidth": bandwidth,
             "source": f"measured by phasewise measure on {time.strftime('%Y-%m-%d %H:%M')}",
             "measured": {"torch": torch.__version__, "threads": torch.get_num_threads(),
-                         "matmul_n": n, "read_bytes": n_bytes}}
+                         "matmul_n": sizes, "read_bytes": n_bytes, "quick": quick}}
+
+
+def _progress(msg: str) -> None:
+    print(f"measure: {msg}", file=sys.stderr, flush=True)
 
 
 def measure(out: Path | None = None, quick: bool = False) -> dict[str, Any]:
     import torch
 
-    def progress(msg: str) -> None:
-        print(f"measure: {msg}", file=sys.stderr, flush=True)
-
+    progress = _progress
     result = {"cpu-local": measure_device("cpu", progress, quick)}
     if torch.cuda.is_available():
         result["gpu-local"] = measure_device("cuda", progress, quick)
@@ -87,3 +107,30 @@ def measure(out: Path | None = None, quick: bool = False) -> dict[str, Any]:
     path.write_text(json.dumps(existing, indent=1))
     progress(f"written to {path}")
     return result
+
+
+def ensure_local(device_type: str, compute_dtype: str, path: Path | None = None) -> Accelerator:
+    """This machine's ``cpu-local`` / ``gpu-local`` accelerator with a ``compute_dtype`` peak:
+    from ``phasewise measure``'s file, or, when that lacks it, a quick measurement of just the
+    read bandwidth and that dtype's matmul (a few seconds, with progress), added to the file."""
+    key = "gpu-local" if device_type == "cuda" else "cpu-local"
+    path = path or machine_file()
+    try:
+        acc = load_local(key, path)
+        acc.peak_flops_for(compute_dtype)
+        return acc
+    except ValueError:
+        pass
+    _progress(f"no {compute_dtype} figures for {key} in {path} yet: a quick measurement of "
+              f"read bandwidth and {compute_dtype} matmul ('phasewise measure' does the full one)")
+    entry = measure_device("cuda" if device_type == "cuda" else "cpu", _progress, quick=True,
+                           dtypes=(compute_dtype,))
+    existing = json.loads(path.read_text()) if path.exists() else {}
+    old = existing.get(key)
+    if old:  # keep the peaks of other dtypes measured before
+        entry["peak_flops"] = {**old.get("peak_flops", {}), **entry["peak_flops"]}
+    existing[key] = entry
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(existing, indent=1))
+    _progress(f"written to {path}")
+    return load_local(key, path)

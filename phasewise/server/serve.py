@@ -8,6 +8,7 @@ requests on open connections with 503, lets running streams finish for up to
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,11 @@ log = logging.getLogger("phasewise.server")
 def build_server(engine_config: EngineConfig, *, served_model_name: str | None = None,
                  log_interval_s: float = 5.0, **server_kwargs: Any) -> OpenAIServer:
     """Load the checkpoint and wire engine, metrics and HTTP app together."""
+    t0 = time.monotonic()
+    log.info("loading %s", engine_config.model)
     engine = LLMEngine(engine_config)
+    log.info("loaded %s (%.1f M parameters) in %.1f s", engine.model_config.architecture,
+             engine.model_config.num_params / 1e6, time.monotonic() - t0)
     name = served_model_name or Path(engine_config.model).resolve().name
     config = ServerConfig(served_model_name=name, **server_kwargs)
     metrics = PrometheusMetrics(name)

@@ -1,0 +1,152 @@
+"""One generation's two phases held against this machine's roofline.
+
+``phasewise generate`` prints these lines after the stream: for the prefill (the prompt's
+chunks) and the decode steps it ran, the arithmetic intensity the roofline gives them, the
+bound that intensity means on this machine (its measured ridge point), and how the measured
+time compares with the roofline's lower bound. The last line says, in one sentence, which phase
+was compute-bound and which memory-bound, and from what prompt length (and decode batch) the
+answer would flip: the bound follows from bytes per FLOP, not from the phase's name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from phasewise.perf.hardware import Accelerator
+from phasewise.perf.models import ModelShape
+from phasewise.perf.roofline import Roofline
+
+OVERHEAD_RATIO = 3.0  # measured / roofline time above which fixed costs are named
+
+
+@dataclass(frozen=True)
+class PhaseCost:
+    """Roofline totals over a phase's steps, with the measured time."""
+
+    name: str
+    steps: int
+    tokens: int
+    flops: float
+    bytes: float
+    t_compute: float  # summed per step
+    t_memory: float
+    t_bound: float  # sum over steps of max(t_compute, t_memory)
+    measured_s: float
+
+    @property
+    def intensity(self) -> float:
+        return self.flops / self.bytes
+
+    @property
+    def bound(self) -> str:
+        return "compute" if self.t_compute >= self.t_memory else "memory"
+
+    @property
+    def margin(self) -> float:
+        """How many times the binding side outweighs the other."""
+        hi, lo = max(self.t_compute, self.t_memory), min(self.t_compute, self.t_memory)
+        return hi / lo if lo > 0 else float("inf")
+
+    @property
+    def vs_roofline(self) -> float:
+        """Measured time over the roofline's lower bound (1.0 = at the roof)."""
+        return self.measured_s / self.t_bound if self.t_bound > 0 else float("inf")
+
+
+def _total(name: str, costs: list, measured_s: float) -> PhaseCost:
+    return PhaseCost(name, len(costs), sum(c.tokens for c in costs),
+                     sum(c.flops for c in costs), sum(c.bytes for c in costs),
+                     sum(c.t_compute for c in costs), sum(c.t_memory for c in costs),
+                     sum(c.time for c in costs), measured_s)
+
+
+def prefill_cost(roof: Roofline, chunks: Sequence[int], measured_s: float) -> PhaseCost:
+    """The prompt as the engine ran it: ``chunks`` tokens per step, each after the last."""
+    costs, done = [], 0
+    for n in chunks:
+        costs.append(roof.prefill(n, prefix_len=done))
+        done += n
+    return _total("prefill", costs, measured_s)
+
+
+def decode_cost(roof: Roofline, prompt_len: int, steps: int, measured_s: float) -> PhaseCost:
+    """``steps`` single-sequence decode steps after a ``prompt_len``-token prompt (the first
+    output token came with the prefill)."""
+    return _total("decode", [roof.decode(1, context=prompt_len + 1 + i) for i in range(steps)],
+                  measured_s)
+
+
+def compute_bound_prompt_len(roof: Roofline, limit: int) -> int | None:
+    """The shortest prompt whose one-step prefill is compute-bound (None: none up to limit)."""
+    lo, hi = 1, limit
+    if roof.prefill(hi).bound != "compute":
+        return None
+    while lo < hi:  # intensity grows with the prompt: bisect
+        mid = (lo + hi) // 2
+        if roof.prefill(mid).bound == "compute":
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+def _ms(s: float) -> str:
+    return f"{s * 1e3:.2f} ms" if s < 0.01 else f"{s * 1e3:.1f} ms"
+
+
+def _phase_line(p: PhaseCost, per: str) -> str:
+    what = (f"{p.tokens} token{'s' * (p.tokens != 1)} in {p.steps} step{'s' * (p.steps != 1)}"
+            if p.name == "prefill" else f"{p.steps} steps of 1 token")
+    line = (f"[roofline] {p.name + ':':8s} {what}, {p.intensity:.1f} FLOP/byte: "
+            f"{p.bound}-bound ({p.margin:.1f}x); took {per} = {p.vs_roofline:.1f}x its "
+            f"roofline time")
+    return line
+
+
+def explain_generation(shape: ModelShape, accel: Accelerator, weight_dtype: str,
+                       compute_dtype: str, prefill_chunks: Sequence[int], prefill_s: float,
+                       decode_steps: int, decode_s: float, max_len: int) -> list[str]:
+    """The lines ``phasewise generate`` prints after the stream (see the module doc)."""
+    roof = Roofline(shape, accel, weight_dtype, compute_dtype=compute_dtype)
+    prompt_len = sum(prefill_chunks)
+    lines = [f"[roofline] this machine ({accel.key}): {roof.compute_dtype} matmul "
+             f"{roof.peak_flops / 1e9:.1f} GFLOP/s, read {roof.bandwidth / 1e9:.1f} GB/s: "
+             f"ridge {roof.peak_flops / roof.bandwidth:.1f} FLOP/byte; weights "
+             f"{roof.weight_bytes / 1e6:.1f} MB ({roof.dtype})"]
+    pre = prefill_cost(roof, prefill_chunks, prefill_s)
+    lines.append(_phase_line(pre, _ms(prefill_s)) + f" {_ms(pre.t_bound)}")
+    phases = [pre]
+    if decode_steps > 0:
+        dec = decode_cost(roof, prompt_len, decode_steps, decode_s)
+        lines.append(_phase_line(dec, _ms(decode_s / decode_steps) + "/token")
+                     + f" {_ms(dec.t_bound / decode_steps)}")
+        phases.append(dec)
+
+    said = " and ".join(f"{p.name} was {p.bound}-bound" for p in phases)
+    flips = []
+    crossover = compute_bound_prompt_len(roof, max(max_len, prompt_len))
+    if pre.bound == "memory":
+        flips.append(f"a prompt of {crossover} tokens or more would make prefill "
+                     "compute-bound" if crossover else
+                     "no prompt within the context makes prefill compute-bound")
+    elif crossover and crossover > 1:
+        flips.append(f"prompts under {crossover} tokens would leave prefill memory-bound")
+    if decode_steps > 0:
+        batch = roof.critical_batch(prompt_len + decode_steps)
+        flips.append(f"decode would need a batch of ~{batch:.0f} sequences to turn "
+                     "compute-bound" if batch else
+                     "decode stays memory-bound at any batch at this context")
+    lines.append(f"[bound]    on this machine {said}; " + "; ".join(flips) + ".")
+    slow = [p for p in phases if p.vs_roofline > OVERHEAD_RATIO]
+    fast = [p for p in phases if p.vs_roofline < 1.0 and p.bound == "memory"]
+    if slow:
+        lines.append("[bound]    " + " and ".join(p.name for p in slow) + f" ran "
+                     + " / ".join(f"{p.vs_roofline:.0f}x" for p in slow)
+                     + " above the roofline time: at this size a step's fixed costs "
+                     "(Python, per-layer calls) outweigh its arithmetic and weight reads")
+    if fast:
+        lines.append("[bound]    " + " and ".join(p.name for p in fast) + " beat the "
+                     "roofline time, which assumes DRAM bandwidth: the "
+                     f"{roof.weight_bytes / 1e6:.0f} MB of weights stay in the CPU caches")
+    return lines

@@ -1,0 +1,400 @@
+"""Train phasewise's bundled default model: a tiny Llama that writes Python.
+
+    python scripts/train_default_model.py            # ~20 min on 2 CPU cores
+
+The training text is the Python standard library's own source (every machine with Python has
+it; test suites, IDLE, lib2to3, codec tables and pydoc's topic dump are left out). The script
+
+1. lists the ``.py`` files in sorted order and holds every 50th one out for validation;
+2. trains a byte-level BPE tokenizer on the training files with ``tokenizers``;
+3. trains a Llama (``transformers``' ``LlamaForCausalLM``: the reference implementation of
+   the architecture, so the saved checkpoint is exactly what the HF format means) on random
+   windows of the token stream, with AdamW and a cosine schedule;
+4. saves it in the standard layout (``config.json``, ``model.safetensors`` in bf16,
+   ``generation_config.json``, ``tokenizer.json``, ``tokenizer_config.json`` with a chat
+   template) and writes the model card (``README.md``) with the corpus, the losses, a sample
+   and the machine it was trained on.
+
+Everything is seeded: two runs with the same Python (hence the same stdlib), torch version and
+thread count write byte-identical weights. Another thread count or CPU changes the order of
+floating-point sums, so the weights differ in their last bits and drift from there; the
+model's quality does not.
+
+Needs the ``train`` extra: ``pip install -e '.[train]'`` (transformers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import platform
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # run from a checkout without installing
+
+from phasewise.model.tiny import BOS, EOS, PAD, train_tokenizer  # noqa: E402
+
+DEFAULT_OUT = REPO / "phasewise" / "assets" / "stdlib-coder"
+EXCLUDED_DIRS = {"test", "tests", "idlelib", "lib2to3", "turtledemo", "site-packages",
+                 "encodings", "pydoc_data", "ensurepip", "__pycache__"}
+HOLDOUT_EVERY = 50
+SAMPLE_PROMPT = "def fibonacci(n):"
+# Sampling defaults that phasewise (and transformers) read from generation_config.json:
+# greedy decoding of so small a model soon repeats a phrase; a cooled, nucleus-trimmed sample
+# reads more like the corpus.
+SAMPLING_DEFAULTS = {"do_sample": True, "temperature": 0.5, "top_p": 0.95}
+
+# The model is not instruction-tuned. Chat messages become Python comment lines and the
+# prompt ends with "def ", so the assistant's reply is a function: its name, signature and
+# body (earlier assistant turns are rendered back with their "def ").
+CODE_CHAT_TEMPLATE = (
+    "{%- for m in messages -%}"
+    "{%- if m['role'] == 'assistant' -%}def {{ m['content'] }}{{ '\\n' }}"
+    "{%- else -%}# {{ m['content'] | replace('\\n', '\\n# ') }}{{ '\\n' }}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}def {% endif -%}"
+)
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def corpus_files(root: Path) -> list[Path]:
+    files = []
+    for path in sorted(root.rglob("*.py")):
+        if EXCLUDED_DIRS & set(path.relative_to(root).parts):
+            continue
+        files.append(path)
+    return files
+
+
+def read_texts(files: list[Path]) -> list[str]:
+    texts = []
+    for path in files:
+        try:
+            texts.append(path.read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, OSError):
+            continue
+    return texts
+
+
+def fmt_s(s: float) -> str:
+    s = int(s)
+    return f"{s // 60}:{s % 60:02d}"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--out", default=str(DEFAULT_OUT), help="checkpoint folder to write")
+    p.add_argument("--corpus", default=None,
+                   help="folder of .py files to train on (default: this Python's stdlib)")
+    p.add_argument("--max-files", type=int, default=None, help="use only the first N files")
+    p.add_argument("--vocab-size", type=int, default=4096)
+    p.add_argument("--hidden-size", type=int, default=256)
+    p.add_argument("--intermediate-size", type=int, default=768)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--seq-len", type=int, default=256, help="training window (= context)")
+    p.add_argument("--batch-size", type=int, default=4, help="windows per step")
+    p.add_argument("--tokens", type=float, default=3.6e6, help="training tokens in all")
+    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
+    p.add_argument("--warmup", type=float, default=0.05, help="warm-up share of the steps")
+    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--eval-windows", type=int, default=32,
+                   help="held-out windows for the validation loss")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads (default: torch's choice; part of what makes a run "
+                   "bit-reproducible)")
+    p.add_argument("--log-every", type=float, default=15.0, help="seconds between progress lines")
+    p.add_argument("--rewrite-card", action="store_true",
+                   help="only rewrite --out's model card, sampling defaults and chat template "
+                   "from its training.json and this script (after editing them here), "
+                   "without training")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
+    try:
+        import torch
+        import transformers  # noqa: F401
+    except ImportError as e:
+        log(f"error: {e}. Training needs the train extra: pip install -e '.[train]'")
+        return 2
+
+    if a.rewrite_card:
+        return rewrite_card(Path(a.out))
+    threads_before = torch.get_num_threads()
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    try:
+        return train(a)
+    finally:
+        torch.set_num_threads(threads_before)  # when called in-process (the tests)
+
+
+def train(a: argparse.Namespace) -> int:
+    import torch
+    import torch.nn.functional as F
+    from tokenizers import Tokenizer
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    t_start = time.monotonic()
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    # 1. corpus
+    root = Path(a.corpus) if a.corpus else Path(sysconfig.get_paths()["stdlib"])
+    files = corpus_files(root)[: a.max_files]
+    if len(files) < 2:
+        log(f"error: need at least 2 .py files under {root}, found {len(files)}")
+        return 2
+    held = files[::HOLDOUT_EVERY] if len(files) >= 2 * HOLDOUT_EVERY else files[-1:]
+    held_set = set(held)
+    train_files = [f for f in files if f not in held_set]
+    train_texts, val_texts = read_texts(train_files), read_texts(held)
+    corpus_bytes = sum(len(t.encode()) for t in train_texts)
+    digest = hashlib.sha256()
+    for f, t in zip(train_files, train_texts):
+        digest.update(str(f.relative_to(root)).encode() + b"\0" + t.encode() + b"\0")
+    log(f"[1/4] corpus: {len(train_texts)} training files ({corpus_bytes / 1e6:.1f} MB) and "
+        f"{len(val_texts)} held out, from {root}")
+
+    # 2. tokenizer
+    t0 = time.monotonic()
+    vocab = train_tokenizer(out, train_texts, vocab_size=a.vocab_size,
+                            chat_template=CODE_CHAT_TEMPLATE, model_max_length=a.seq_len)
+    tok = Tokenizer.from_file(str(out / "tokenizer.json"))
+    bos, eos, pad = (tok.token_to_id(t) for t in (BOS, EOS, PAD))
+
+    def stream(texts: list[str]) -> torch.Tensor:
+        ids: list[int] = []
+        for enc in tok.encode_batch(texts, add_special_tokens=False):
+            ids += [bos, *enc.ids, eos]
+        return torch.tensor(ids, dtype=torch.long)
+
+    train_ids, val_ids = stream(train_texts), stream(val_texts)
+    log(f"[2/4] tokenizer: {vocab} tokens (byte-level BPE); training stream "
+        f"{len(train_ids):,} tokens ({corpus_bytes / len(train_ids):.2f} bytes/token), "
+        f"held out {len(val_ids):,} ({time.monotonic() - t0:.0f} s)")
+    if len(train_ids) <= a.seq_len + 1 or len(val_ids) <= a.seq_len + 1:
+        log(f"error: the corpus is shorter than one {a.seq_len}-token window; "
+            "lower --seq-len or add files")
+        return 2
+
+    # 3. model and training
+    torch.manual_seed(a.seed)
+    config = LlamaConfig(
+        vocab_size=vocab, hidden_size=a.hidden_size, intermediate_size=a.intermediate_size,
+        num_hidden_layers=a.layers, num_attention_heads=a.heads, num_key_value_heads=a.kv_heads,
+        head_dim=a.hidden_size // a.heads, max_position_embeddings=a.seq_len,
+        rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=True, hidden_act="silu",
+        bos_token_id=bos, eos_token_id=eos, pad_token_id=pad, initializer_range=0.02)
+    model = LlamaForCausalLM(config)
+    n_params = sum(p.numel() for p in model.parameters())
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": a.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}],
+                            lr=a.lr, betas=(0.9, 0.95), eps=1e-8)
+    tokens_per_step = a.batch_size * a.seq_len
+    steps = max(1, round(a.tokens / tokens_per_step))
+    warmup = max(1, round(a.warmup * steps))
+
+    def lr_at(step: int) -> float:
+        if step < warmup:
+            return a.lr * (step + 1) / warmup
+        frac = (step - warmup) / max(1, steps - warmup)
+        return a.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+
+    gen = torch.Generator().manual_seed(a.seed)
+
+    def windows(ids: torch.Tensor, n: int, g: torch.Generator) -> torch.Tensor:
+        starts = torch.randint(0, len(ids) - a.seq_len - 1, (n,), generator=g)
+        return torch.stack([ids[s: s + a.seq_len + 1] for s in starts.tolist()])
+
+    def loss_of(batch: torch.Tensor) -> torch.Tensor:
+        logits = model(input_ids=batch[:, :-1]).logits
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
+                               batch[:, 1:].reshape(-1))
+
+    val_batch = windows(val_ids, a.eval_windows, torch.Generator().manual_seed(a.seed + 1))
+
+    @torch.no_grad()
+    def val_loss() -> float:
+        model.eval()
+        total = sum(loss_of(val_batch[i: i + 8]).item() * len(val_batch[i: i + 8])
+                    for i in range(0, len(val_batch), 8))
+        model.train()
+        return total / len(val_batch)
+
+    log(f"[3/4] model: Llama, {n_params / 1e6:.2f} M parameters ({a.layers} layers, hidden "
+        f"{a.hidden_size}, {a.heads} heads / {a.kv_heads} KV heads, MLP {a.intermediate_size}, "
+        f"tied embeddings); {steps} steps x {tokens_per_step} tokens, "
+        f"{torch.get_num_threads()} threads")
+    model.train()
+    t_train, t_log = time.monotonic(), time.monotonic()
+    ema = None
+    history = []
+    for step in range(steps):
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step)
+        loss = loss_of(windows(train_ids, a.batch_size, gen))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        value = loss.item()
+        ema = value if ema is None else 0.95 * ema + 0.05 * value
+        now = time.monotonic()
+        if now - t_log >= a.log_every or step == steps - 1:
+            t_log = now
+            done = step + 1
+            rate = done * tokens_per_step / (now - t_train)
+            eta = (steps - done) * tokens_per_step / rate
+            history.append({"step": done, "loss": round(ema, 4)})
+            log(f"      step {done}/{steps}  loss {ema:.3f}  lr {lr_at(step):.2e}  "
+                f"{rate:,.0f} tok/s  elapsed {fmt_s(now - t_train)}  eta {fmt_s(eta)}")
+    train_s = time.monotonic() - t_train
+    final_val = val_loss()
+    log(f"      done in {fmt_s(train_s)}: train loss {ema:.3f}, held-out loss {final_val:.3f} "
+        f"(uniform guess: {math.log(vocab):.2f})")
+
+    # 4. save
+    model.eval()
+    with torch.no_grad():
+        ids = tok.encode(SAMPLE_PROMPT).ids  # the post-processor puts BOS in front
+        for _ in range(64):
+            nxt = int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax())
+            ids.append(nxt)
+            if nxt == eos:
+                break
+    sample = tok.decode(ids, skip_special_tokens=True)
+    model.to(torch.bfloat16)
+    model.generation_config.bos_token_id = bos
+    model.generation_config.eos_token_id = eos
+    model.generation_config.pad_token_id = pad
+    for key, value in SAMPLING_DEFAULTS.items():
+        setattr(model.generation_config, key, value)
+    model.save_pretrained(out, safe_serialization=True)
+    size = checkpoint_bytes(out)
+    info = {
+        "python": platform.python_version(), "torch": torch.__version__,
+        "threads": torch.get_num_threads(), "cpu": platform.processor() or platform.machine(),
+        "corpus_files": len(train_texts), "held_out_files": len(val_texts),
+        "corpus_bytes": corpus_bytes, "corpus_sha256": digest.hexdigest(),
+        "train_tokens_in_corpus": len(train_ids), "vocab_size": vocab,
+        "parameters": n_params, "steps": steps, "tokens_seen": steps * tokens_per_step,
+        "train_seconds": round(train_s), "total_seconds": round(time.monotonic() - t_start),
+        "train_loss": round(ema, 4), "held_out_loss": round(final_val, 4),
+        "loss_history": history, "sample_prompt": SAMPLE_PROMPT, "sample": sample,
+        "args": vars(a) | {"out": None},
+    }
+    (out / "training.json").write_text(json.dumps(info, indent=1) + "\n")
+    (out / "README.md").write_text(model_card(info, a, size))
+    log(f"[4/4] saved to {out} ({size / 1e6:.1f} MB) in {fmt_s(time.monotonic() - t_start)} "
+        f"in all. Greedy sample:\n{sample}")
+    return 0
+
+
+def checkpoint_bytes(out: Path) -> int:
+    return sum(f.stat().st_size for f in out.iterdir()
+               if f.is_file() and f.name not in ("README.md", "training.json"))
+
+
+def rewrite_card(out: Path) -> int:
+    from transformers import GenerationConfig
+
+    info = json.loads((out / "training.json").read_text())
+    tok_path = out / "tokenizer_config.json"
+    tok_cfg = json.loads(tok_path.read_text())
+    tok_cfg["chat_template"] = CODE_CHAT_TEMPLATE
+    tok_path.write_text(json.dumps(tok_cfg, indent=2))
+    gen = GenerationConfig.from_pretrained(out)
+    for key, value in SAMPLING_DEFAULTS.items():
+        setattr(gen, key, value)
+    gen.save_pretrained(out)
+    size = checkpoint_bytes(out)
+    a = build_parser().parse_args([])
+    vars(a).update({k: v for k, v in info["args"].items() if k != "out"})
+    (out / "README.md").write_text(model_card(info, a, size))
+    log(f"rewrote {out}'s README.md, chat template and sampling defaults")
+    return 0
+
+
+def model_card(i: dict, a: argparse.Namespace, size: int) -> str:
+    return f"""# stdlib-coder
+
+phasewise's bundled default model: a {i['parameters'] / 1e6:.1f} M-parameter Llama that
+continues Python code. `phasewise serve` and `phasewise generate` use it when no `--model` is
+given. It was trained from scratch by `scripts/train_default_model.py` on the source of the
+Python {i['python']} standard library, so anyone can rebuild it from what is on their machine.
+
+## What it is
+
+- A code-completion toy: given the start of a Python file or function, it writes text that
+  looks like stdlib Python (indentation, docstrings, `self.`, `return`, `raise`), one token
+  at a time.
+- A standard Hugging Face checkpoint (`LlamaForCausalLM`, bf16 safetensors, `tokenizer.json`
+  from the `tokenizers` library, a chat template): it loads through exactly the path a real
+  checkpoint takes, in phasewise and in `transformers`.
+- Small enough ({size / 1e6:.1f} MB) to live in the repository and to start in a second, so the
+  first run of phasewise shows real-looking text streaming with prefill and decode measured.
+
+## What it is not
+
+- Not a useful coding assistant. Its code rarely runs: names are invented, logic is
+  shallow, long outputs wander. It was trained on {i['tokens_seen'] / 1e6:.1f} M tokens for
+  {i['train_seconds'] // 60} minutes on {i['threads']} CPU threads.
+- Not an instruction or chat model. The chat template turns every user and system message
+  into Python comment lines (`# ...`) and ends the prompt with `def `, so a chat reply is a
+  function (its name, signature and body, without the `def `) that a comment might precede
+  in the stdlib. It does not follow instructions or answer questions.
+- Not a model of natural language: it has seen English only in comments and docstrings.
+- Context: {a.seq_len} tokens (its training window); phasewise refuses longer requests.
+
+## Training
+
+| | |
+|---|---|
+| data | {i['corpus_files']} `.py` files of the Python {i['python']} stdlib ({i['corpus_bytes'] / 1e6:.1f} MB; tests, IDLE, lib2to3, codec tables and pydoc's topics left out; every {HOLDOUT_EVERY}th file held out: {i['held_out_files']} files), sha256 `{i['corpus_sha256'][:16]}` |
+| tokenizer | byte-level BPE, {i['vocab_size']} tokens, `<|bos|>` before and `<|eos|>` after every file |
+| model | {a.layers} layers, hidden {a.hidden_size}, {a.heads} heads / {a.kv_heads} KV heads (head dim {a.hidden_size // a.heads}), SwiGLU MLP {a.intermediate_size}, RoPE, tied embeddings: {i['parameters']:,} parameters |
+| training | {i['steps']} steps of {a.batch_size} x {a.seq_len}-token windows drawn at random ({i['tokens_seen']:,} tokens, {i['tokens_seen'] / i['train_tokens_in_corpus']:.2f} passes over the {i['train_tokens_in_corpus']:,}-token stream); AdamW (0.9, 0.95), peak LR {a.lr}, {a.warmup:.0%} warm-up, cosine to 10%, weight decay {a.weight_decay}, gradient clip 1.0, fp32, seed {a.seed} |
+| loss (nats/token) | train {i['train_loss']:.3f}, held out {i['held_out_loss']:.3f}; a uniform guess scores {math.log(i['vocab_size']):.2f} |
+| trained on | {i['cpu']}, {i['threads']} threads, torch {i['torch']}, Python {i['python']}: {i['total_seconds'] // 60} min {i['total_seconds'] % 60} s in all |
+
+Reproduce: `pip install -e '.[train]' && python scripts/train_default_model.py` (the run's
+settings are in `training.json`). The same Python, torch and thread count give byte-identical
+weights; others give a different model of the same quality.
+
+## Sampling defaults
+
+`generation_config.json` sets {", ".join(f"`{k}` {v}" for k, v in SAMPLING_DEFAULTS.items())}:
+phasewise and `transformers` use them when a request does not say. Greedy decoding of so
+small a model soon repeats a phrase, as the sample below shows.
+
+## Sample
+
+Greedy continuation of `{i['sample_prompt']}` (64 tokens at most), as written by the training
+script with `transformers`:
+
+```python
+{i['sample']}
+```
+"""
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,94 @@
+"""scripts/train_default_model.py on a small corpus: seeded, standard layout, loads in the engine.
+
+The full run takes ~20 minutes; here a one-layer model trains for a few steps on a few files.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from phasewise import LLM, SamplingParams
+
+pytest.importorskip("transformers")
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "train_default_model.py"
+
+
+@pytest.fixture(scope="module")
+def script():
+    spec = importlib.util.spec_from_file_location("train_default_model", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory, script):
+    """A few stdlib files, plus two the script must leave out (a test suite and a codec)."""
+    import sysconfig
+
+    root = Path(sysconfig.get_paths()["stdlib"])
+    out = tmp_path_factory.mktemp("corpus")
+    for name in ("textwrap.py", "bisect.py", "heapq.py", "fnmatch.py", "colorsys.py"):
+        (out / name).write_text((root / name).read_text())
+    for sub in ("test", "encodings"):
+        (out / sub).mkdir()
+        (out / sub / "skipped.py").write_text("SKIPPED = 'never trained on'\n" * 50)
+    return out
+
+
+ARGS = ["--vocab-size", "320", "--hidden-size", "32", "--intermediate-size", "64",
+        "--layers", "1", "--heads", "2", "--kv-heads", "1", "--seq-len", "64",
+        "--batch-size", "4", "--tokens", "1024", "--eval-windows", "4", "--threads", "1",
+        "--log-every", "0"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, script, corpus):
+    outs = []
+    for _ in range(2):
+        out = tmp_path_factory.mktemp("model")
+        assert script.main(["--out", str(out), "--corpus", str(corpus), *ARGS]) == 0
+        outs.append(out)
+    return outs
+
+
+def test_files_are_the_standard_layout_and_skip_tests_and_codecs(script, corpus, runs):
+    out = runs[0]
+    for name in ("config.json", "model.safetensors", "generation_config.json",
+                 "tokenizer.json", "tokenizer_config.json", "README.md", "training.json"):
+        assert (out / name).is_file(), name
+    files = script.corpus_files(corpus)
+    assert sorted(f.name for f in files) == sorted(
+        ["textwrap.py", "bisect.py", "heapq.py", "fnmatch.py", "colorsys.py"])
+    info = json.loads((out / "training.json").read_text())
+    assert info["corpus_files"] + info["held_out_files"] == 5
+    assert info["steps"] == 1024 // (4 * 64)
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["num_hidden_layers"] == 1 and cfg["max_position_embeddings"] == 64
+    assert cfg["tie_word_embeddings"] is True
+    tok = json.loads((out / "tokenizer_config.json").read_text())
+    assert tok["chat_template"] == script.CODE_CHAT_TEMPLATE
+    card = (out / "README.md").read_text()
+    assert f"{info['parameters']:,} parameters" in card and info["sample"] in card
+
+
+def test_two_runs_write_identical_weights_and_tokenizer(runs):
+    for name in ("model.safetensors", "tokenizer.json", "config.json"):
+        assert (runs[0] / name).read_bytes() == (runs[1] / name).read_bytes(), name
+
+
+def test_the_result_loads_and_generates_in_the_engine(runs):
+    llm = LLM(str(runs[0]), dtype="float32")
+    assert llm.engine.max_model_len <= 64
+    out = llm.generate("def f(", SamplingParams(max_tokens=5, ignore_eos=True))[0]
+    assert len(out.token_ids) == 5
+
+
+def test_a_corpus_without_files_is_refused(script, tmp_path, capsys):
+    assert script.main(["--out", str(tmp_path / "m"), "--corpus", str(tmp_path), *ARGS]) == 2
+    assert "need at least 2 .py files" in capsys.readouterr().err
