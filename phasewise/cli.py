@@ -43,6 +43,16 @@ def _model_arg(a: argparse.Namespace) -> str:
     return model
 
 
+def _compute_dtype(eng, dtype: str, rows: int) -> str:
+    """Whose peak ``rows`` activation rows of a linear layer run at in this engine."""
+    if eng.device.type != "cpu":
+        return dtype
+    if eng.linear_plan is not None:  # bf16 weights: the calibrated plan decides per row count
+        return eng.linear_plan.compute_dtype(rows)
+    # CPU fp16 has no measured peak (its matmul is an emulation); rate it against fp32.
+    return "fp32" if dtype == "fp16" else dtype
+
+
 def _roofline_lines(llm, prefill_chunks: list[int], prefill_s: float, decode_steps: int,
                     decode_s: float) -> list[str]:
     """The run's two phases against this machine's measured roofline (phasewise.perf)."""
@@ -53,16 +63,16 @@ def _roofline_lines(llm, prefill_chunks: list[int], prefill_s: float, decode_ste
     eng = llm.engine
     dtype = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[
         str(eng.dtype).removeprefix("torch.")]
-    # phasewise's CPU kernels widen bf16 weights to fp32 and compute in fp32.
-    compute = "fp32" if eng.device.type == "cpu" and eng.linear_plan is not None else dtype
-    accel = ensure_local(eng.device.type, compute)
-    return explain_generation(ModelShape.from_path(eng.config.model), accel, dtype, compute,
+    pre = _compute_dtype(eng, dtype, max(prefill_chunks))
+    dec = _compute_dtype(eng, dtype, 1)
+    accel = ensure_local(str(eng.device), tuple(dict.fromkeys((pre, dec))))
+    return explain_generation(ModelShape.from_path(eng.config.model), accel, dtype, pre, dec,
                               prefill_chunks, prefill_s, decode_steps, decode_s,
-                              eng.max_model_len)
+                              min(eng.max_num_batched_tokens, eng.max_model_len))
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
-    from phasewise import LLM
+    from phasewise import LLM, SamplingParams
 
     model = _model_arg(a)
     t0 = time.monotonic()
@@ -75,20 +85,21 @@ def cmd_generate(a: argparse.Namespace) -> int:
         max_tokens=a.max_tokens, **({"temperature": a.temperature} if a.temperature is not None
                                     else {}), **({"seed": a.sample_seed} if a.sample_seed
                                                  is not None else {}))
-    prompt = a.prompt
-    if a.chat:
-        prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": a.prompt}])
-    # Warm-up: one 2-token request first, so that one-time costs (buffers, first kernel
-    # calls) stay out of the figures below; they are the steady state a server shows.
-    from phasewise import SamplingParams
-
-    llm.generate(llm.tokenizer.encode(" ")[:2] or [0], SamplingParams(max_tokens=2,
-                                                                      ignore_eos=True))
+    prompt: str | list[int] = a.prompt
+    if a.chat:  # the template places any BOS itself, as the server's chat route does
+        prompt = llm.tokenizer.encode(llm.tokenizer.apply_chat_template(
+            [{"role": "user", "content": a.prompt}]), add_special_tokens=False)
+    # Warm-up: one greedy 2-token request first, so that one-time costs (buffers, first
+    # kernel calls) stay out of the figures below; they are the steady state a server shows.
+    llm.generate(llm.tokenizer.encode(" ")[:2] or [0], SamplingParams(
+        temperature=0.0, max_tokens=2, ignore_eos=True))
     n0 = len(eng.step_stats)
     out = None
-    if sys.stdout.isatty():
-        sys.stdout.write(a.prompt if not a.chat else "")
+    echo = sys.stdout.isatty() and not a.chat
     for out in llm.stream(prompt, params):
+        if echo:  # on a terminal, the prompt first, once the engine has accepted it
+            sys.stdout.write(a.prompt)
+            echo = False
         sys.stdout.write(out.delta_text)
         sys.stdout.flush()
     sys.stdout.write("\n")
@@ -111,6 +122,9 @@ def cmd_generate(a: argparse.Namespace) -> int:
         print(f"[decode]   {n_out - 1} tokens, {decode_s * 1e3:.1f} ms: "
               f"{(n_out - 1) / max(decode_s, 1e-9):.0f} tok/s (TPOT {m.tpot * 1e3:.1f} ms); "
               f"finish: {out.finish_reason}", file=sys.stderr)
+    else:
+        print(f"[decode]   no decode step: the only token came with the prefill; finish: "
+              f"{out.finish_reason}", file=sys.stderr)
     if not a.no_roofline:
         for line in _roofline_lines(llm, [s.num_prefill_tokens for s in prefill_steps],
                                     prefill_s, n_out - 1, decode_s):

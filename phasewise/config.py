@@ -24,7 +24,8 @@ def resolve_model(model: str | Path | None) -> str:
     if not (BUNDLED_MODEL / "config.json").exists():
         raise FileNotFoundError(
             f"no model given and the bundled default is missing ({BUNDLED_MODEL}); pass "
-            "--model DIR, or rebuild it: python scripts/train_default_model.py")
+            "--model DIR, or rebuild it from a source checkout: "
+            "python scripts/train_default_model.py")
     return str(BUNDLED_MODEL)
 
 

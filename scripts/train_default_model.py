@@ -1,6 +1,6 @@
 """Train phasewise's bundled default model: a tiny Llama that writes Python.
 
-    python scripts/train_default_model.py            # ~20 min on 2 CPU cores
+    python scripts/train_default_model.py            # ~24 min on 2 CPU cores
 
 The training text is the Python standard library's own source (every machine with Python has
 it; test suites, IDLE, lib2to3, codec tables and pydoc's topic dump are left out). The script
@@ -15,10 +15,10 @@ it; test suites, IDLE, lib2to3, codec tables and pydoc's topic dump are left out
    template) and writes the model card (``README.md``) with the corpus, the losses, a sample
    and the machine it was trained on.
 
-Everything is seeded: two runs with the same Python (hence the same stdlib), torch version and
-thread count write byte-identical weights. Another thread count or CPU changes the order of
-floating-point sums, so the weights differ in their last bits and drift from there; the
-model's quality does not.
+Everything is seeded: two runs with the same Python (hence the same stdlib), torch,
+transformers and tokenizers versions, CPU and thread count write byte-identical files.
+Another thread count or CPU changes the order of floating-point sums, so the weights differ
+in their last bits and drift from there; the model's quality does not.
 
 Needs the ``train`` extra: ``pip install -e '.[train]'`` (transformers).
 """
@@ -50,10 +50,11 @@ SAMPLE_PROMPT = "def fibonacci(n):"
 # reads more like the corpus.
 SAMPLING_DEFAULTS = {"do_sample": True, "temperature": 0.5, "top_p": 0.95}
 
-# The model is not instruction-tuned. Chat messages become Python comment lines and the
-# prompt ends with "def ", so the assistant's reply is a function: its name, signature and
-# body (earlier assistant turns are rendered back with their "def ").
+# The model is not instruction-tuned. Chat messages become Python comment lines after the
+# start-of-file token and the prompt ends with "def ", so the assistant's reply is a function:
+# its name, signature and body (earlier assistant turns are rendered back with their "def ").
 CODE_CHAT_TEMPLATE = (
+    "{{- bos_token -}}"
     "{%- for m in messages -%}"
     "{%- if m['role'] == 'assistant' -%}def {{ m['content'] }}{{ '\\n' }}"
     "{%- else -%}# {{ m['content'] | replace('\\n', '\\n# ') }}{{ '\\n' }}"
@@ -84,6 +85,17 @@ def read_texts(files: list[Path]) -> list[str]:
         except (UnicodeDecodeError, OSError):
             continue
     return texts
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def fmt_s(s: float) -> str:
@@ -271,7 +283,11 @@ def train(a: argparse.Namespace) -> int:
     log(f"      done in {fmt_s(train_s)}: train loss {ema:.3f}, held-out loss {final_val:.3f} "
         f"(uniform guess: {math.log(vocab):.2f})")
 
-    # 4. save
+    # 4. save: what ships is bf16, so the held-out loss and the sample are taken again on the
+    # bf16-rounded weights (computed in fp32, as transformers does on CPU).
+    model.eval()
+    model.to(torch.bfloat16).float()
+    shipped_val = val_loss()
     model.eval()
     with torch.no_grad():
         ids = tok.encode(SAMPLE_PROMPT).ids  # the post-processor puts BOS in front
@@ -289,15 +305,20 @@ def train(a: argparse.Namespace) -> int:
         setattr(model.generation_config, key, value)
     model.save_pretrained(out, safe_serialization=True)
     size = checkpoint_bytes(out)
+    import tokenizers
+    import transformers
+
     info = {
         "python": platform.python_version(), "torch": torch.__version__,
-        "threads": torch.get_num_threads(), "cpu": platform.processor() or platform.machine(),
+        "transformers": transformers.__version__, "tokenizers": tokenizers.__version__,
+        "threads": torch.get_num_threads(), "cpu": cpu_name(),
         "corpus_files": len(train_texts), "held_out_files": len(val_texts),
         "corpus_bytes": corpus_bytes, "corpus_sha256": digest.hexdigest(),
         "train_tokens_in_corpus": len(train_ids), "vocab_size": vocab,
         "parameters": n_params, "steps": steps, "tokens_seen": steps * tokens_per_step,
         "train_seconds": round(train_s), "total_seconds": round(time.monotonic() - t_start),
-        "train_loss": round(ema, 4), "held_out_loss": round(final_val, 4),
+        "train_loss": round(ema, 4), "held_out_loss_fp32": round(final_val, 4),
+        "held_out_loss": round(shipped_val, 4),
         "loss_history": history, "sample_prompt": SAMPLE_PROMPT, "sample": sample,
         "args": vars(a) | {"out": None},
     }
@@ -349,8 +370,9 @@ Python {i['python']} standard library, so anyone can rebuild it from what is on 
 - A standard Hugging Face checkpoint (`LlamaForCausalLM`, bf16 safetensors, `tokenizer.json`
   from the `tokenizers` library, a chat template): it loads through exactly the path a real
   checkpoint takes, in phasewise and in `transformers`.
-- Small enough ({size / 1e6:.1f} MB) to live in the repository and to start in a second, so the
-  first run of phasewise shows real-looking text streaming with prefill and decode measured.
+- Small enough ({size / 1e6:.1f} MB) to live in the repository and to load in a couple of
+  seconds, so the first run of phasewise shows real-looking text streaming with prefill and
+  decode measured.
 
 ## What it is not
 
@@ -372,12 +394,17 @@ Python {i['python']} standard library, so anyone can rebuild it from what is on 
 | tokenizer | byte-level BPE, {i['vocab_size']} tokens, `<|bos|>` before and `<|eos|>` after every file |
 | model | {a.layers} layers, hidden {a.hidden_size}, {a.heads} heads / {a.kv_heads} KV heads (head dim {a.hidden_size // a.heads}), SwiGLU MLP {a.intermediate_size}, RoPE, tied embeddings: {i['parameters']:,} parameters |
 | training | {i['steps']} steps of {a.batch_size} x {a.seq_len}-token windows drawn at random ({i['tokens_seen']:,} tokens, {i['tokens_seen'] / i['train_tokens_in_corpus']:.2f} passes over the {i['train_tokens_in_corpus']:,}-token stream); AdamW (0.9, 0.95), peak LR {a.lr}, {a.warmup:.0%} warm-up, cosine to 10%, weight decay {a.weight_decay}, gradient clip 1.0, fp32, seed {a.seed} |
-| loss (nats/token) | train {i['train_loss']:.3f}, held out {i['held_out_loss']:.3f}; a uniform guess scores {math.log(i['vocab_size']):.2f} |
-| trained on | {i['cpu']}, {i['threads']} threads, torch {i['torch']}, Python {i['python']}: {i['total_seconds'] // 60} min {i['total_seconds'] % 60} s in all |
+| loss (nats/token) | train {i['train_loss']:.3f} (last steps, smoothed); held out {i['held_out_loss']:.3f} with the shipped bf16 weights ({i['held_out_loss_fp32']:.3f} before the cast from fp32); a uniform guess scores {math.log(i['vocab_size']):.2f} |
+| trained on | {i['cpu']}, {i['threads']} threads; Python {i['python']}, torch {i['torch']}, transformers {i['transformers']}, tokenizers {i['tokenizers']}: {i['total_seconds'] // 60} min {i['total_seconds'] % 60} s in all |
 
-Reproduce: `pip install -e '.[train]' && python scripts/train_default_model.py` (the run's
-settings are in `training.json`). The same Python, torch and thread count give byte-identical
-weights; others give a different model of the same quality.
+Reproduce (the run's settings are in `training.json`):
+
+```bash
+pip install -e '.[train]' && python scripts/train_default_model.py --threads {i['threads']}
+```
+
+The same Python, library versions, CPU and thread count give byte-identical files; others
+give a different model of the same quality.
 
 ## Sampling defaults
 
@@ -387,8 +414,8 @@ small a model soon repeats a phrase, as the sample below shows.
 
 ## Sample
 
-Greedy continuation of `{i['sample_prompt']}` (64 tokens at most), as written by the training
-script with `transformers`:
+Greedy continuation of `{i['sample_prompt']}` (64 tokens at most) by the shipped weights, as
+written by the training script with `transformers`:
 
 ```python
 {i['sample']}

@@ -220,33 +220,63 @@ def test_prefill_turns_compute_bound_at_the_crossover_prompt_length():
 
 def test_explain_names_each_phase_bound_and_its_distance_from_the_roof():
     from phasewise.perf.explain import decode_cost, explain_generation
+    from phasewise.perf.hardware import Accelerator
 
     shape, acc, roof = _explain_setup()
     dec = decode_cost(roof, 7, 3, 0.0)
     assert dec.flops == pytest.approx(sum(roof.decode(1, c).flops for c in (8, 9, 10)))
     assert dec.bound == "memory"
     # short prompt, slow steps: memory-bound both, fixed costs named
-    lines = explain_generation(shape, acc, "bf16", "fp32", [5], 0.05, 10, 0.1, 512)
+    lines = explain_generation(shape, acc, "bf16", "fp32", "fp32", [5], 0.05, 10, 0.1, 512)
     text = "\n".join(lines)
     assert "ridge 10.0 FLOP/byte" in text
     assert "prefill was memory-bound and decode was memory-bound" in text
-    assert "would make prefill compute-bound" in text and "fixed costs" in text
+    assert "tokens or more would make prefill compute-bound" in text
+    assert "decode would need a batch of ~" in text and "fixed costs" in text
     # long prompt, fast steps: prefill compute-bound; faster than the DRAM roof is explained
-    lines = explain_generation(shape, acc, "bf16", "fp32", [400], 1e-4, 10, 1e-5, 512)
+    lines = explain_generation(shape, acc, "bf16", "fp32", "fp32", [400], 1e-4, 10, 1e-5, 512)
     text = "\n".join(lines)
     assert "prefill was compute-bound and decode was memory-bound" in text
     assert "stay in the CPU caches" in text and "fixed costs" not in text
+    # a step limit below the crossover: no chunk can turn prefill compute-bound
+    lines = explain_generation(shape, acc, "bf16", "fp32", "fp32", [4, 4], 0.05, 0, 0.0, 4)
+    text = "\n".join(lines)
+    assert "no prompt chunk up to the 4-token step limit" in text
+    assert "[roofline] decode" not in text
+    # different arithmetic per phase: both peaks shown, each phase rated against its own
+    acc2 = Accelerator("cpu-local", "t", {"fp32": 100e9, "bf16": 400e9}, 8e9, 10e9, None, "t")
+    lines = explain_generation(shape, acc2, "bf16", "bf16", "fp32", [20], 0.05, 3, 0.1, 256)
+    assert "bf16 matmul 400.0 GFLOP/s, fp32 matmul 100.0 GFLOP/s" in lines[0]
+    assert "ridge 40.0 / 10.0 FLOP/byte" in lines[0]
 
 
-def test_ensure_local_measures_only_what_is_missing(tmp_path):
-    from phasewise.perf.measure import ensure_local
+def test_ensure_local_measures_only_what_is_missing(tmp_path, monkeypatch):
+    from phasewise.perf import measure as measure_mod
 
+    calls = []
+
+    def fake_measure_device(device, progress, quick=False, dtypes=()):
+        calls.append((device, quick, tuple(dtypes)))
+        return {"name": "quick", "peak_flops": {d: 5e9 for d in dtypes}, "mem_bytes": 1e9,
+                "mem_bandwidth": 2e9, "measured": {"quick": quick}}
+
+    monkeypatch.setattr(measure_mod, "measure_device", fake_measure_device)
     path = tmp_path / "machine.json"
-    path.write_text(json.dumps({"cpu-local": {"name": "old", "peak_flops": {"bf16": 1e9},
-                                              "mem_bytes": 1e9, "mem_bandwidth": 1e9}}))
-    acc = ensure_local("cpu", "bf16", path)
-    assert acc.name == "old"  # had it: nothing measured
-    acc = ensure_local("cpu", "fp32", path)  # lacks fp32: a quick measurement, merged
+    path.write_text(json.dumps({"cpu-local": {"name": "full", "peak_flops": {"bf16": 1e9},
+                                              "mem_bytes": 1e9, "mem_bandwidth": 9e9}}))
+    acc = measure_mod.ensure_local("cpu", ("bf16",), path)
+    assert acc.name == "full" and calls == []  # had it: nothing measured
+    acc = measure_mod.ensure_local("cpu", ("fp32", "bf16"), path)  # lacks fp32 only
+    assert calls == [("cpu", True, ("fp32",))]
     data = json.loads(path.read_text())["cpu-local"]
-    assert data["peak_flops"]["bf16"] == 1e9 and data["peak_flops"]["fp32"] > 1e8
-    assert data["measured"]["quick"] is True and acc.peak_flops_for("fp32") > 1e8
+    assert data["peak_flops"] == {"bf16": 1e9, "fp32": 5e9}
+    assert data["mem_bandwidth"] == 9e9 and data["name"] == "full"  # the full run's figures
+    assert acc.peak_flops_for("fp32") == 5e9
+    path.write_text("{not json")  # unreadable: measured afresh and written over
+    acc = measure_mod.ensure_local("cuda:1", ("bf16",), path)
+    assert calls[-1] == ("cuda:1", True, ("bf16",)) and acc.key == "gpu-local"
+    assert json.loads(path.read_text())["gpu-local"]["peak_flops"] == {"bf16": 5e9}
+    blocker = tmp_path / "blocker"  # a file where the cache folder should be: unwritable
+    blocker.write_text("x")
+    acc = measure_mod.ensure_local("cpu", ("fp32",), blocker / "sub" / "machine.json")
+    assert acc.peak_flops_for("fp32") == 5e9  # an unwritable cache only costs the saving

@@ -48,7 +48,8 @@ class LLMEngine:
         self.config = config
         model_dir = Path(config.model)
         if not model_dir.is_dir():
-            raise FileNotFoundError(f"model folder {model_dir} does not exist")
+            raise FileNotFoundError(f"model folder {model_dir} does not exist (phasewise loads "
+                                    "local checkpoint folders; it downloads nothing)")
         self.model_config = mc = ModelConfig.from_file(model_dir)
         self.tokenizer = Tokenizer(model_dir)
         self.generation_config = load_generation_config(model_dir)

@@ -77,6 +77,12 @@ class LinearDispatch:
             return cpu_kernels.linear_bf16(x, w, b)
         return self._large(x, w, b)
 
+    def compute_dtype(self, rows: int) -> str:
+        """Whose arithmetic ``rows`` activation rows run in: ``bf16`` for torch's own bf16
+        ``F.linear``, ``fp32`` for the kernel, the upcast and the packed GEMM."""
+        method = "kernel" if rows <= self.kernel_max_rows else self.large
+        return "bf16" if method == "torch" else "fp32"
+
     def describe(self) -> str:
         if self.kernel_max_rows:
             return (f"kernel for <= {self.kernel_max_rows} rows, {self.large} above")

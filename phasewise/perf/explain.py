@@ -10,6 +10,7 @@ answer would flip: the bound follows from bytes per FLOP, not from the phase's n
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -105,48 +106,62 @@ def _phase_line(p: PhaseCost, per: str) -> str:
 
 
 def explain_generation(shape: ModelShape, accel: Accelerator, weight_dtype: str,
-                       compute_dtype: str, prefill_chunks: Sequence[int], prefill_s: float,
-                       decode_steps: int, decode_s: float, max_len: int) -> list[str]:
-    """The lines ``phasewise generate`` prints after the stream (see the module doc)."""
-    roof = Roofline(shape, accel, weight_dtype, compute_dtype=compute_dtype)
+                       prefill_compute: str, decode_compute: str,
+                       prefill_chunks: Sequence[int], prefill_s: float, decode_steps: int,
+                       decode_s: float, max_step_tokens: int) -> list[str]:
+    """The lines ``phasewise generate`` prints after the stream (see the module doc).
+
+    ``*_compute``: whose peak each phase's arithmetic runs at (it may differ from the
+    weights' dtype, and between phases: fp32 kernels for decode rows, bf16 GEMM for prefill
+    on some CPUs). ``max_step_tokens``: the most prompt tokens one step can take (the step
+    budget, capped by the context), which bounds the crossover search.
+    """
+    pre_roof = Roofline(shape, accel, weight_dtype, compute_dtype=prefill_compute)
+    dec_roof = Roofline(shape, accel, weight_dtype, compute_dtype=decode_compute)
     prompt_len = sum(prefill_chunks)
-    lines = [f"[roofline] this machine ({accel.key}): {roof.compute_dtype} matmul "
-             f"{roof.peak_flops / 1e9:.1f} GFLOP/s, read {roof.bandwidth / 1e9:.1f} GB/s: "
-             f"ridge {roof.peak_flops / roof.bandwidth:.1f} FLOP/byte; weights "
-             f"{roof.weight_bytes / 1e6:.1f} MB ({roof.dtype})"]
-    pre = prefill_cost(roof, prefill_chunks, prefill_s)
+    peaks = ", ".join(f"{d} matmul {r.peak_flops / 1e9:.1f} GFLOP/s"
+                      for d, r in {prefill_compute: pre_roof, decode_compute: dec_roof}.items())
+    ridges = " / ".join(dict.fromkeys(f"{r.peak_flops / r.bandwidth:.1f}"
+                                      for r in (pre_roof, dec_roof)))
+    lines = [f"[roofline] this machine ({accel.key}): {peaks}, read "
+             f"{pre_roof.bandwidth / 1e9:.1f} GB/s: ridge {ridges} FLOP/byte; weights "
+             f"{pre_roof.weight_bytes / 1e6:.1f} MB ({pre_roof.dtype})"]
+    pre = prefill_cost(pre_roof, prefill_chunks, prefill_s)
     lines.append(_phase_line(pre, _ms(prefill_s)) + f" {_ms(pre.t_bound)}")
     phases = [pre]
+    dec = None
     if decode_steps > 0:
-        dec = decode_cost(roof, prompt_len, decode_steps, decode_s)
+        dec = decode_cost(dec_roof, prompt_len, decode_steps, decode_s)
         lines.append(_phase_line(dec, _ms(decode_s / decode_steps) + "/token")
                      + f" {_ms(dec.t_bound / decode_steps)}")
         phases.append(dec)
 
     said = " and ".join(f"{p.name} was {p.bound}-bound" for p in phases)
     flips = []
-    crossover = compute_bound_prompt_len(roof, max(max_len, prompt_len))
+    crossover = compute_bound_prompt_len(pre_roof, max(1, max_step_tokens))
     if pre.bound == "memory":
-        flips.append(f"a prompt of {crossover} tokens or more would make prefill "
+        flips.append(f"a prompt chunk of {crossover} tokens or more would make prefill "
                      "compute-bound" if crossover else
-                     "no prompt within the context makes prefill compute-bound")
+                     f"no prompt chunk up to the {max_step_tokens}-token step limit would "
+                     "make prefill compute-bound")
     elif crossover and crossover > 1:
-        flips.append(f"prompts under {crossover} tokens would leave prefill memory-bound")
-    if decode_steps > 0:
-        batch = roof.critical_batch(prompt_len + decode_steps)
-        flips.append(f"decode would need a batch of ~{batch:.0f} sequences to turn "
-                     "compute-bound" if batch else
+        flips.append(f"prompt chunks under {crossover} tokens would leave prefill memory-bound")
+    if dec is not None and dec.bound == "memory":
+        batch = dec_roof.critical_batch(prompt_len + decode_steps)
+        flips.append(f"decode would need a batch of ~{max(2, math.ceil(batch))} sequences to "
+                     "turn compute-bound" if batch else
                      "decode stays memory-bound at any batch at this context")
-    lines.append(f"[bound]    on this machine {said}; " + "; ".join(flips) + ".")
+    lines.append(f"[bound]    on this machine {said}" + ("; " + "; ".join(flips) if flips
+                                                           else "") + ".")
     slow = [p for p in phases if p.vs_roofline > OVERHEAD_RATIO]
     fast = [p for p in phases if p.vs_roofline < 1.0 and p.bound == "memory"]
     if slow:
-        lines.append("[bound]    " + " and ".join(p.name for p in slow) + f" ran "
+        lines.append("[bound]    " + " and ".join(p.name for p in slow) + " ran "
                      + " / ".join(f"{p.vs_roofline:.0f}x" for p in slow)
                      + " above the roofline time: at this size a step's fixed costs "
                      "(Python, per-layer calls) outweigh its arithmetic and weight reads")
-    if fast:
+    if fast and accel.key == "cpu-local":
         lines.append("[bound]    " + " and ".join(p.name for p in fast) + " beat the "
                      "roofline time, which assumes DRAM bandwidth: the "
-                     f"{roof.weight_bytes / 1e6:.0f} MB of weights stay in the CPU caches")
+                     f"{pre_roof.weight_bytes / 1e6:.0f} MB of weights stay in the CPU caches")
     return lines

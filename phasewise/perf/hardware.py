@@ -148,11 +148,18 @@ def load_local(key: str = "cpu-local", path: Path | None = None) -> Accelerator:
     if not path.exists():
         raise ValueError(f"{key} is this machine as measured: run 'phasewise measure' first "
                          f"(it writes {path})")
-    data = json.loads(path.read_text())
-    entry = data.get(key)
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot read {path} ({e}); run 'phasewise measure' again") from e
+    entry = data.get(key) if isinstance(data, dict) else None
     if entry is None:
-        raise ValueError(f"{path} holds no {key!r} entry (it has {', '.join(data)}); run "
-                         "'phasewise measure'")
+        raise ValueError(f"{path} holds no {key!r} entry; run 'phasewise measure'")
+    return accelerator_from_entry(key, entry, path)
+
+
+def accelerator_from_entry(key: str, entry: dict, path: Path | None = None) -> Accelerator:
+    """An ``Accelerator`` from one machine-file entry (as ``phasewise measure`` writes it)."""
     return Accelerator(key, entry["name"], {k: float(v) for k, v in entry["peak_flops"].items()},
                        float(entry["mem_bytes"]), float(entry["mem_bandwidth"]), None,
                        entry.get("source", f"measured by phasewise measure ({path})"),

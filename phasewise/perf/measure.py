@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from phasewise.perf.hardware import Accelerator, load_local, machine_file
+from phasewise.perf.hardware import Accelerator, accelerator_from_entry, machine_file
 
 
 def _best_time(fn: Callable[[], Any], sync: Callable[[], None], reps: int, budget_s: float
@@ -38,6 +38,8 @@ def _matmul_size(torch: Any, dev: Any, dtype: Any, sync: Callable[[], None], n_m
     """The largest square size up to ``n_max`` whose matmul takes about ``target_s`` or less,
     from a 256-cube probe: an emulated dtype (bf16 on a CPU without bf16 units, ~400x below
     fp32) would otherwise spend minutes per repetition at full size."""
+    if dev.type == "cuda":
+        return n_max  # a small probe there times the launch, not the arithmetic
     n = 256
     a = torch.randn(n, n, device=dev).to(dtype)
     probe = _best_time(lambda: a @ a, sync, 2, 5)
@@ -109,28 +111,37 @@ def measure(out: Path | None = None, quick: bool = False) -> dict[str, Any]:
     return result
 
 
-def ensure_local(device_type: str, compute_dtype: str, path: Path | None = None) -> Accelerator:
-    """This machine's ``cpu-local`` / ``gpu-local`` accelerator with a ``compute_dtype`` peak:
-    from ``phasewise measure``'s file, or, when that lacks it, a quick measurement of just the
-    read bandwidth and that dtype's matmul (a few seconds, with progress), added to the file."""
-    key = "gpu-local" if device_type == "cuda" else "cpu-local"
+def ensure_local(device: str, compute_dtypes: tuple[str, ...],
+                 path: Path | None = None) -> Accelerator:
+    """This machine's ``cpu-local`` / ``gpu-local`` accelerator with peaks for
+    ``compute_dtypes``: from ``phasewise measure``'s file or, when that lacks one, a quick
+    measurement of what is missing (a few seconds, with progress), added to the file. A file
+    that cannot be written only costs the saving."""
+    is_cuda = device.startswith("cuda")
+    key = "gpu-local" if is_cuda else "cpu-local"
     path = path or machine_file()
     try:
-        acc = load_local(key, path)
-        acc.peak_flops_for(compute_dtype)
-        return acc
-    except ValueError:
-        pass
-    _progress(f"no {compute_dtype} figures for {key} in {path} yet: a quick measurement of "
-              f"read bandwidth and {compute_dtype} matmul ('phasewise measure' does the full one)")
-    entry = measure_device("cuda" if device_type == "cuda" else "cpu", _progress, quick=True,
-                           dtypes=(compute_dtype,))
-    existing = json.loads(path.read_text()) if path.exists() else {}
-    old = existing.get(key)
-    if old:  # keep the peaks of other dtypes measured before
-        entry["peak_flops"] = {**old.get("peak_flops", {}), **entry["peak_flops"]}
-    existing[key] = entry
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(existing, indent=1))
-    _progress(f"written to {path}")
-    return load_local(key, path)
+        data = json.loads(path.read_text()) if path.exists() else {}
+        if not isinstance(data, dict):
+            data = {}
+    except (OSError, ValueError):
+        data = {}  # unreadable: measured afresh and written over
+    old = data.get(key) or {}
+    missing = tuple(d for d in compute_dtypes if d not in old.get("peak_flops", {}))
+    if old and not missing:
+        return accelerator_from_entry(key, old, path)
+    what = " and ".join(f"{d} matmul" for d in missing)
+    _progress(f"no {what} figures for {key} in {path} yet: a quick measurement"
+              f"{'' if old else ' of read bandwidth and ' + what} ('phasewise measure' does "
+              "the full one)")
+    entry = measure_device(device, _progress, quick=True, dtypes=missing)
+    if old:  # keep what was measured before (a full run's bandwidth); add the new peaks
+        entry = {**old, "peak_flops": {**old.get("peak_flops", {}), **entry["peak_flops"]}}
+    data[key] = entry
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(data, indent=1))
+        _progress(f"written to {path}")
+    except OSError as e:
+        _progress(f"could not save to {path} ({e}); using the figures for this run only")
+    return accelerator_from_entry(key, entry, path)
