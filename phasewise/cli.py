@@ -147,8 +147,11 @@ def cmd_serve(a: argparse.Namespace) -> int:
         log_interval_s=a.log_interval, api_key=a.api_key,
         max_waiting_requests=a.max_waiting_requests,
         max_request_bytes=parse_memory(a.max_request_size))
-    run(server, host=a.host, port=a.port, shutdown_grace_s=a.shutdown_grace,
-        log_level=a.log_level)
+    try:
+        run(server, host=a.host, port=a.port, shutdown_grace_s=a.shutdown_grace,
+            log_level=a.log_level)
+    except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C once it has drained and shut down
+        pass
     return 0
 
 

@@ -11,6 +11,7 @@ import itertools
 import json
 import keyword
 import math
+import signal
 import sysconfig
 from pathlib import Path
 
@@ -184,5 +185,8 @@ def test_serve_without_model_serves_the_bundled_model(tmp_path, fp32_llm):
             assert chat.json()["usage"]["prompt_tokens"] == len(ids)
             assert chat.json()["choices"][0]["message"]["content"] == greedy(
                 fp32_llm, ids, n=8).text
+        # Ctrl-C drains and exits cleanly, without a traceback
+        assert server.stop(signal.SIGINT) == 0
+        assert "Traceback" not in server.log() and "Finished server process" in server.log()
     finally:
         server.stop()
