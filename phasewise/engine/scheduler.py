@@ -85,6 +85,10 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order (earliest first)
         self.num_preemptions = 0
+        # Longest a request may grow: max_model_len, or less when the whole pool holds fewer
+        # tokens (the engine sizes them to agree; a scheduler built directly may not), so a
+        # request alone in the pool always finishes instead of preempting itself forever.
+        self.max_len = min(config.max_model_len, kv.num_blocks * kv.block_size - 1)
 
     # -- admission -------------------------------------------------------------------------
     def check_admissible(self, req: Request) -> None:
@@ -280,6 +284,6 @@ class Scheduler:
                 return RequestStatus.FINISHED_STOPPED
         if p.max_tokens is not None and req.num_output_tokens >= p.max_tokens:
             return RequestStatus.FINISHED_LENGTH
-        if req.num_tokens >= self.config.max_model_len:
+        if req.num_tokens >= self.max_len:
             return RequestStatus.FINISHED_LENGTH
         return None
