@@ -68,7 +68,8 @@ def _roofline_lines(llm, prefill_chunks: list[int], prefill_s: float, decode_ste
     accel = ensure_local(str(eng.device), tuple(dict.fromkeys((pre, dec))))
     return explain_generation(ModelShape.from_path(eng.config.model), accel, dtype, pre, dec,
                               prefill_chunks, prefill_s, decode_steps, decode_s,
-                              min(eng.max_num_batched_tokens, eng.max_model_len))
+                              min(eng.scheduler.config.max_num_batched_tokens,
+                                  eng.max_model_len))
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
@@ -91,8 +92,13 @@ def cmd_generate(a: argparse.Namespace) -> int:
             [{"role": "user", "content": a.prompt}]), add_special_tokens=False)
     # Warm-up: one greedy 2-token request first, so that one-time costs (buffers, first
     # kernel calls) stay out of the figures below; they are the steady state a server shows.
-    llm.generate(llm.tokenizer.encode(" ")[:2] or [0], SamplingParams(
-        temperature=0.0, max_tokens=2, ignore_eos=True))
+    # Its prompt is one token repeated, one row past the decode kernel's reach, so the
+    # prefill path a real prompt takes is warm too (and no real prompt shares its prefix).
+    rows = (eng.linear_plan.kernel_max_rows if eng.linear_plan is not None else 0) + 1
+    rows = max(2, min(rows, eng.max_model_len - 2))
+    filler = llm.tokenizer.encode(" ", add_special_tokens=False)[:1] or [0]
+    llm.generate(filler * rows, SamplingParams(temperature=0.0, max_tokens=2,
+                                               ignore_eos=True))
     n0 = len(eng.step_stats)
     out = None
     echo = sys.stdout.isatty() and not a.chat
@@ -135,15 +141,24 @@ def cmd_generate(a: argparse.Namespace) -> int:
 def cmd_serve(a: argparse.Namespace) -> int:
     import logging
 
+    logging.basicConfig(level=getattr(logging, a.log_level.upper()),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return _serve(a)
+    except KeyboardInterrupt:  # Ctrl-C while loading: nothing to drain
+        print("phasewise: interrupted", file=sys.stderr)
+        return 130
+
+
+def _serve(a: argparse.Namespace) -> int:
     from phasewise.config import EngineConfig, parse_memory
     from phasewise.server.serve import build_server, run
 
-    logging.basicConfig(level=getattr(logging, a.log_level.upper()),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not 0 < a.port < 65536:
         raise ValueError(f"--port must be in 1..65535, got {a.port}")
     server = build_server(
-        EngineConfig(model=_model_arg(a), **_engine_kwargs(a)), served_model_name=a.served_model_name,
+        EngineConfig(model=_model_arg(a), **_engine_kwargs(a)),
+        served_model_name=a.served_model_name,
         log_interval_s=a.log_interval, api_key=a.api_key,
         max_waiting_requests=a.max_waiting_requests,
         max_request_bytes=parse_memory(a.max_request_size))

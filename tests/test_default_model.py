@@ -146,9 +146,10 @@ def test_chat_template_turns_messages_into_comments(default_llm):
 
 def test_generate_without_model_prints_both_phases_and_their_bounds(tmp_path, monkeypatch,
                                                                     capsys):
-    # A machine file so that no measurement runs: 100 GFLOP/s fp32, 10 GB/s, ridge 10.
+    # A machine file so that no measurement runs: 100 GFLOP/s (fp32, and bf16 for CPUs whose
+    # calibrated plan keeps torch's bf16 GEMM for prefill), 10 GB/s: ridge 10.
     (tmp_path / "machine.json").write_text(json.dumps({"cpu-local": {
-        "name": "test CPU", "peak_flops": {"fp32": 100e9}, "mem_bytes": 8e9,
+        "name": "test CPU", "peak_flops": {"fp32": 100e9, "bf16": 100e9}, "mem_bytes": 8e9,
         "mem_bandwidth": 10e9}}))
     monkeypatch.setenv("PHASEWISE_CACHE_DIR", str(tmp_path))
     assert cli_main(["generate", PROMPT, "--max-tokens", "12", "--device", "cpu"]) == 0

@@ -255,10 +255,11 @@ def test_ensure_local_measures_only_what_is_missing(tmp_path, monkeypatch):
 
     calls = []
 
-    def fake_measure_device(device, progress, quick=False, dtypes=()):
-        calls.append((device, quick, tuple(dtypes)))
+    def fake_measure_device(device, progress, quick=False, dtypes=(), read_bandwidth=True):
+        calls.append((device, quick, tuple(dtypes), read_bandwidth))
         return {"name": "quick", "peak_flops": {d: 5e9 for d in dtypes}, "mem_bytes": 1e9,
-                "mem_bandwidth": 2e9, "measured": {"quick": quick}}
+                "mem_bandwidth": 2e9 if read_bandwidth else None,
+                "measured": {"quick": quick}}
 
     monkeypatch.setattr(measure_mod, "measure_device", fake_measure_device)
     path = tmp_path / "machine.json"
@@ -267,15 +268,18 @@ def test_ensure_local_measures_only_what_is_missing(tmp_path, monkeypatch):
     acc = measure_mod.ensure_local("cpu", ("bf16",), path)
     assert acc.name == "full" and calls == []  # had it: nothing measured
     acc = measure_mod.ensure_local("cpu", ("fp32", "bf16"), path)  # lacks fp32 only
-    assert calls == [("cpu", True, ("fp32",))]
+    assert calls == [("cpu", True, ("fp32",), False)]  # the bandwidth is already known
     data = json.loads(path.read_text())["cpu-local"]
     assert data["peak_flops"] == {"bf16": 1e9, "fp32": 5e9}
     assert data["mem_bandwidth"] == 9e9 and data["name"] == "full"  # the full run's figures
     assert acc.peak_flops_for("fp32") == 5e9
     path.write_text("{not json")  # unreadable: measured afresh and written over
     acc = measure_mod.ensure_local("cuda:1", ("bf16",), path)
-    assert calls[-1] == ("cuda:1", True, ("bf16",)) and acc.key == "gpu-local"
+    assert calls[-1] == ("cuda:1", True, ("bf16",), True) and acc.key == "gpu-local"
     assert json.loads(path.read_text())["gpu-local"]["peak_flops"] == {"bf16": 5e9}
+    path.write_text(json.dumps({"cpu-local": {"name": "damaged"}}))  # an incomplete entry
+    acc = measure_mod.ensure_local("cpu", ("fp32",), path)
+    assert calls[-1][3] is True and acc.mem_bandwidth == 2e9
     blocker = tmp_path / "blocker"  # a file where the cache folder should be: unwritable
     blocker.write_text("x")
     acc = measure_mod.ensure_local("cpu", ("fp32",), blocker / "sub" / "machine.json")

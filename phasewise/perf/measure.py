@@ -49,7 +49,10 @@ def _matmul_size(torch: Any, dev: Any, dtype: Any, sync: Callable[[], None], n_m
 
 
 def measure_device(device: str, progress: Callable[[str], None], quick: bool = False,
-                   dtypes: tuple[str, ...] = ("fp32", "bf16", "fp16")) -> dict[str, Any]:
+                   dtypes: tuple[str, ...] = ("fp32", "bf16", "fp16"),
+                   read_bandwidth: bool = True) -> dict[str, Any]:
+    """Read bandwidth (unless ``read_bandwidth`` is False: then it is None) and matmul peaks
+    for ``dtypes`` on ``device``."""
     import torch
 
     dev = torch.device(device)
@@ -57,12 +60,14 @@ def measure_device(device: str, progress: Callable[[str], None], quick: bool = F
     reps = 3 if quick else 10
     # Read bandwidth: sum a tensor far larger than the caches.
     n_bytes = (2 << 30) if dev.type == "cuda" else ((128 if quick else 512) << 20)
-    x = torch.ones(n_bytes // 4, dtype=torch.float32, device=dev)
-    progress(f"{device}: read bandwidth over {n_bytes >> 20} MiB")
-    t = _best_time(lambda: x.sum(), sync, reps, 20)
-    bandwidth = n_bytes / t
-    progress(f"{device}: read {bandwidth / 1e9:.1f} GB/s")
-    del x
+    bandwidth = None
+    if read_bandwidth:
+        x = torch.ones(n_bytes // 4, dtype=torch.float32, device=dev)
+        progress(f"{device}: read bandwidth over {n_bytes >> 20} MiB")
+        t = _best_time(lambda: x.sum(), sync, reps, 20)
+        bandwidth = n_bytes / t
+        progress(f"{device}: read {bandwidth / 1e9:.1f} GB/s")
+        del x
     peaks: dict[str, float] = {}
     sizes: dict[str, int] = {}
     n_max = 8192 if dev.type == "cuda" else (1024 if quick else 2048)
@@ -104,11 +109,23 @@ def measure(out: Path | None = None, quick: bool = False) -> dict[str, Any]:
         result["gpu-local"] = measure_device("cuda", progress, quick)
     path = out or machine_file()
     path.parent.mkdir(parents=True, exist_ok=True)
-    existing = json.loads(path.read_text()) if path.exists() else {}
+    existing = _read_machine_file(path)
     existing.update(result)
     path.write_text(json.dumps(existing, indent=1))
     progress(f"written to {path}")
     return result
+
+
+_ENTRY_KEYS = {"name", "peak_flops", "mem_bytes", "mem_bandwidth"}
+
+
+def _read_machine_file(path: Path) -> dict[str, Any]:
+    """The machine file's contents; {} when it is missing or unreadable (then rewritten)."""
+    try:
+        data = json.loads(path.read_text()) if path.exists() else {}
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
 
 
 def ensure_local(device: str, compute_dtypes: tuple[str, ...],
@@ -120,13 +137,11 @@ def ensure_local(device: str, compute_dtypes: tuple[str, ...],
     is_cuda = device.startswith("cuda")
     key = "gpu-local" if is_cuda else "cpu-local"
     path = path or machine_file()
-    try:
-        data = json.loads(path.read_text()) if path.exists() else {}
-        if not isinstance(data, dict):
-            data = {}
-    except (OSError, ValueError):
-        data = {}  # unreadable: measured afresh and written over
-    old = data.get(key) or {}
+    data = _read_machine_file(path)
+    old = data.get(key)
+    if not isinstance(old, dict) or not _ENTRY_KEYS <= old.keys() \
+            or not isinstance(old["peak_flops"], dict):
+        old = {}  # missing or damaged: measured afresh
     missing = tuple(d for d in compute_dtypes if d not in old.get("peak_flops", {}))
     if old and not missing:
         return accelerator_from_entry(key, old, path)
@@ -134,7 +149,8 @@ def ensure_local(device: str, compute_dtypes: tuple[str, ...],
     _progress(f"no {what} figures for {key} in {path} yet: a quick measurement"
               f"{'' if old else ' of read bandwidth and ' + what} ('phasewise measure' does "
               "the full one)")
-    entry = measure_device(device, _progress, quick=True, dtypes=missing)
+    entry = measure_device(device, _progress, quick=True, dtypes=missing,
+                           read_bandwidth=not old)
     if old:  # keep what was measured before (a full run's bandwidth); add the new peaks
         entry = {**old, "peak_flops": {**old.get("peak_flops", {}), **entry["peak_flops"]}}
     data[key] = entry
