@@ -147,3 +147,14 @@ def test_step_budget_defaults_to_256_tokens_on_cpu_and_can_be_set(llama_dir):
     assert LLM(str(llama_dir), max_num_batched_tokens=1000).engine.max_num_batched_tokens == 1000
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         EngineConfig(model=str(llama_dir), max_num_batched_tokens=0)
+
+
+def test_one_sequence_pool_holds_a_full_length_request(llama_dir):
+    # The pool is sized for every sequence at full length plus a block: with one sequence
+    # and a context that is a whole number of blocks, the context is kept, not refused or
+    # lowered by one.
+    llm = LLM(str(llama_dir), max_num_seqs=1, max_model_len=64, block_size=16)
+    assert llm.engine.max_model_len == 64
+    assert llm.engine.kv.num_blocks * 16 >= 64 + 1
+    out = llm.generate([5] * 60, SamplingParams(max_tokens=None, ignore_eos=True))[0]
+    assert len(out.token_ids) == 4 and out.finish_reason == "length"

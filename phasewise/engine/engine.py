@@ -63,7 +63,9 @@ class LLMEngine:
                              f"max_position_embeddings ({mc.max_position_embeddings})")
         bs = config.block_size
         block_bytes = ModelRunner.bytes_per_block(mc, bs, self.dtype)
-        blocks_for_all = config.max_num_seqs * -(-max_len // bs)
+        # every sequence at full length, plus one block: the pool must hold max_len + 1 tokens
+        # (see _fit_context), which a single full-length sequence would otherwise miss
+        blocks_for_all = config.max_num_seqs * -(-max_len // bs) + 1
         num_blocks: int | None
         if config.num_kv_blocks is not None:
             num_blocks = config.num_kv_blocks
