@@ -59,10 +59,10 @@ def _roofline_lines(llm, prefill_chunks: list[int], prefill_s: float, decode_ste
     from phasewise.perf.explain import explain_generation
     from phasewise.perf.measure import ensure_local
     from phasewise.perf.models import ModelShape
+    from phasewise.perf.roofline import norm_dtype
 
     eng = llm.engine
-    dtype = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[
-        str(eng.dtype).removeprefix("torch.")]
+    dtype = norm_dtype(str(eng.dtype).removeprefix("torch."))
     pre = _compute_dtype(eng, dtype, max(prefill_chunks))
     dec = _compute_dtype(eng, dtype, 1)
     accel = ensure_local(str(eng.device), tuple(dict.fromkeys((pre, dec))))

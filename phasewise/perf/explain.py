@@ -16,38 +16,46 @@ from dataclasses import dataclass
 
 from phasewise.perf.hardware import Accelerator
 from phasewise.perf.models import ModelShape
-from phasewise.perf.roofline import Roofline
+from phasewise.perf.roofline import Roofline, StepCost
 
 OVERHEAD_RATIO = 3.0  # measured / roofline time above which fixed costs are named
 
 
 @dataclass(frozen=True)
 class PhaseCost:
-    """Roofline totals over a phase's steps, with the measured time."""
+    """A phase's steps on one roofline: their summed cost, the sum of each step's own time
+    bound, and the measured time."""
 
     name: str
     steps: int
-    tokens: int
-    flops: float
-    bytes: float
-    t_compute: float  # summed per step
-    t_memory: float
-    t_bound: float  # sum over steps of max(t_compute, t_memory)
+    total: StepCost  # flops and bytes summed over the steps (same peaks: times add up too)
+    t_bound: float  # sum over steps of max(t_compute, t_memory), not the max of the sums
     measured_s: float
 
     @property
+    def tokens(self) -> int:
+        return self.total.tokens
+
+    @property
+    def flops(self) -> float:
+        return self.total.flops
+
+    @property
+    def bytes(self) -> float:
+        return self.total.bytes
+
+    @property
     def intensity(self) -> float:
-        return self.flops / self.bytes
+        return self.total.intensity
 
     @property
     def bound(self) -> str:
-        return "compute" if self.t_compute >= self.t_memory else "memory"
+        return self.total.bound
 
     @property
     def margin(self) -> float:
         """How many times the binding side outweighs the other."""
-        hi, lo = max(self.t_compute, self.t_memory), min(self.t_compute, self.t_memory)
-        return hi / lo if lo > 0 else float("inf")
+        return self.total.ratio
 
     @property
     def vs_roofline(self) -> float:
@@ -55,11 +63,11 @@ class PhaseCost:
         return self.measured_s / self.t_bound if self.t_bound > 0 else float("inf")
 
 
-def _total(name: str, costs: list, measured_s: float) -> PhaseCost:
-    return PhaseCost(name, len(costs), sum(c.tokens for c in costs),
-                     sum(c.flops for c in costs), sum(c.bytes for c in costs),
-                     sum(c.t_compute for c in costs), sum(c.t_memory for c in costs),
-                     sum(c.time for c in costs), measured_s)
+def _total(name: str, costs: list[StepCost], measured_s: float) -> PhaseCost:
+    summed = StepCost(name, *(sum(getattr(c, f) for c in costs) for f in (
+        "tokens", "flops", "bytes", "weight_bytes", "kv_read_bytes", "kv_write_bytes",
+        "act_bytes")), costs[0].peak_flops, costs[0].bandwidth)
+    return PhaseCost(name, len(costs), summed, sum(c.time for c in costs), measured_s)
 
 
 def prefill_cost(roof: Roofline, chunks: Sequence[int], measured_s: float) -> PhaseCost:
@@ -99,10 +107,9 @@ def _ms(s: float) -> str:
 def _phase_line(p: PhaseCost, per: str) -> str:
     what = (f"{p.tokens} token{'s' * (p.tokens != 1)} in {p.steps} step{'s' * (p.steps != 1)}"
             if p.name == "prefill" else f"{p.steps} steps of 1 token")
-    line = (f"[roofline] {p.name + ':':8s} {what}, {p.intensity:.1f} FLOP/byte: "
+    return (f"[roofline] {p.name + ':':8s} {what}, {p.intensity:.1f} FLOP/byte: "
             f"{p.bound}-bound ({p.margin:.1f}x); took {per} = {p.vs_roofline:.1f}x its "
             f"roofline time")
-    return line
 
 
 def explain_generation(shape: ModelShape, accel: Accelerator, weight_dtype: str,
