@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -12,7 +14,7 @@ from phasewise.model.linear import LinearDispatch, Upcast
 from phasewise.model.ops import CpuKernelOps, TorchOps
 
 needs_kernels = pytest.mark.skipif(cpu_kernels.load() is None,
-                                   reason=f"CPU kernels unavailable: {cpu_kernels.unavailable_reason}")
+                                   reason=f"CPU kernels unavailable: {cpu_kernels.KERNELS.reason}")
 
 
 def reference(x, w, b):
@@ -93,7 +95,7 @@ def test_calibration_yields_a_valid_plan():
 @pytest.fixture
 def ops():
     if cpu_kernels.load() is None:
-        pytest.skip(f"CPU kernels unavailable: {cpu_kernels.unavailable_reason}")
+        pytest.skip(f"CPU kernels unavailable: {cpu_kernels.KERNELS.reason}")
     return CpuKernelOps(LinearDispatch(kernel_max_rows=8, large="torch"))
 
 
@@ -202,3 +204,56 @@ def test_fused_decode_layer_matches_op_by_op(tmp_path, arch, rows):
     with torch.no_grad():
         model(ids, pos, [(k.clone(), v.clone()) for k, v in caches], meta)
     assert len(fused_ops._layer_args) == cfg.num_layers
+
+
+# -- the library's state and the numbers C and Python share ----------------------------------
+
+@needs_kernels
+def test_c_and_python_agree_on_the_shared_layout_and_limits():
+    lib = cpu_kernels.KERNELS.lib
+    assert cpu_kernels.abi_mismatches(lambda what: lib.pw_abi(what.encode())) == []
+    assert lib.pw_abi(b"sizeof DecodeLayer") == ctypes.sizeof(cpu_kernels.DecodeLayerArgs)
+    assert lib.pw_abi(b"no such name") == -1
+    # the limits the Python side uses are the C side's own
+    assert cpu_kernels.KERNELS.decode_layer_max_rows == lib.pw_abi(b"row_stream_max") >= 1
+    assert cpu_kernels.KERNELS.max_head_dim == lib.pw_abi(b"max_head_dim") >= 128
+
+
+def test_a_layout_mismatch_is_named_field_by_field():
+    true = {name: getattr(cpu_kernels.DecodeLayerArgs, name).offset
+            for name, _ in cpu_kernels.DecodeLayerArgs._fields_}
+    true["sizeof DecodeLayer"] = ctypes.sizeof(cpu_kernels.DecodeLayerArgs)
+    assert cpu_kernels.abi_mismatches(true.__getitem__) == []
+    shifted = {**true, "cos": true["cos"] + 8, "sizeof DecodeLayer": true["sizeof DecodeLayer"] + 8}
+    bad = cpu_kernels.abi_mismatches(shifted.__getitem__)
+    assert len(bad) == 2 and any("DecodeLayer.cos" in b for b in bad)
+    assert any("sizeof" in b for b in bad)
+
+
+@needs_kernels
+def test_a_library_built_from_a_disagreeing_source_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setenv("PHASEWISE_CACHE_DIR", str(tmp_path / "cache"))
+    src = cpu_kernels.SOURCE.read_text()
+    assert "FIELD(cos)" in src
+    wrong = tmp_path / "cpu_kernels.c"
+    wrong.write_text(src.replace("FIELD(cos)", '{"cos", 0}'))
+    kl = cpu_kernels.KernelLibrary(wrong)
+    assert kl.load() is None and kl.lib is None
+    assert "disagree" in kl.reason and "DecodeLayer.cos" in kl.reason
+    assert kl.decode_layer_max_rows == 0  # nothing of a refused library is used
+
+
+def test_the_library_is_tried_once_and_keeps_its_reason(monkeypatch):
+    calls = []
+
+    def no_avx2():
+        calls.append(1)
+        return False
+
+    monkeypatch.setattr(cpu_kernels, "_cpu_has_avx2_fma", no_avx2)
+    kl = cpu_kernels.KernelLibrary()
+    assert kl.load() is None and kl.load() is None
+    assert calls == [1] and kl.tried and kl.reason == "this CPU lacks AVX2/FMA"
+    # the module's own instance is a separate object, untouched by this one
+    assert cpu_kernels.KERNELS is not kl
+    assert cpu_kernels.unavailable_reason == cpu_kernels.KERNELS.reason

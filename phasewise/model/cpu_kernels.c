@@ -14,6 +14,7 @@
  * end, as torch does.
  */
 #include <immintrin.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -138,7 +139,7 @@ DEFINE_ROWS(3)
 DEFINE_ROWS(4)
 DEFINE_ROWS(5)
 DEFINE_ROWS(6)
-#define ROW_STREAM_MAX 6
+#define ROW_STREAM_MAX 6 /* the most activation rows dot_rows (and the fused layer) take */
 
 /* Two weight rows (w0, w1) against M <= 3 activation rows. Streaming rows that lie far apart
  * keeps independent memory streams in flight per core: on a 2-core Zen 3, two streams lifted
@@ -584,6 +585,31 @@ typedef struct {
     const float *cos, *sin;      /* [M][hd] */
 } DecodeLayer;
 
+#define MAX_HEAD_DIM 512 /* the fused layer keeps one head's query and output on the stack */
+
+/* The numbers cpu_kernels.py must agree with, read by it once when the library loads:
+ * "row_stream_max", "max_head_dim", "sizeof DecodeLayer", or a DecodeLayer field's name
+ * (its byte offset). -1 for anything else. Python's ctypes mirror of DecodeLayer is checked
+ * against these, field by field, so the two layouts cannot drift apart unnoticed. */
+long pw_abi(const char *what) {
+    static const struct { const char *name; long value; } table[] = {
+        {"row_stream_max", ROW_STREAM_MAX}, {"max_head_dim", MAX_HEAD_DIM},
+        {"sizeof DecodeLayer", (long)sizeof(DecodeLayer)},
+#define FIELD(f) {#f, (long)offsetof(DecodeLayer, f)}
+        FIELD(M), FIELD(H), FIELD(Q), FIELD(KV), FIELD(I), FIELD(n_heads), FIELD(n_kv),
+        FIELD(hd), FIELD(bs), FIELD(max_blocks), FIELD(qk_norm), FIELD(nthreads), FIELD(eps),
+        FIELD(scale), FIELD(hidden), FIELD(delta), FIELD(out), FIELD(w_in_norm), FIELD(w_qkv),
+        FIELD(b_qkv), FIELD(w_q_norm), FIELD(w_k_norm), FIELD(w_o), FIELD(b_o),
+        FIELD(w_post_norm), FIELD(w_gate_up), FIELD(b_gate_up), FIELD(w_down), FIELD(b_down),
+        FIELD(k_cache), FIELD(v_cache), FIELD(slots), FIELD(block_tables), FIELD(seq_lens),
+        FIELD(cos), FIELD(sin),
+#undef FIELD
+    };
+    for (size_t i = 0; i < sizeof(table) / sizeof(table[0]); i++)
+        if (strcmp(what, table[i].name) == 0) return table[i].value;
+    return -1;
+}
+
 /* hidden = bf16(hidden + delta) if delta; xn = fp32 of bf16(w * bf16(norm(hidden))). */
 static void add_norm_rows(uint16_t *hidden, const uint16_t *delta, const uint16_t *w,
                           float *xn, int M, int H, float eps) {
@@ -600,7 +626,7 @@ static void head_norm(uint16_t *v, const uint16_t *w, int hd, float eps) {
 int pw_decode_layer_bf16(const DecodeLayer *L) {
     int M = L->M, H = L->H, Q = L->Q, KV = L->KV, I = L->I, hd = L->hd;
     int n_heads = L->n_heads, n_kv = L->n_kv, group = n_heads / n_kv, QKV = Q + 2 * KV;
-    if (M < 1 || M > ROW_STREAM_MAX || hd > 512) return -2;
+    if (M < 1 || M > ROW_STREAM_MAX || hd > MAX_HEAD_DIM) return -2;
     long max_len = 0;
     for (int m = 0; m < M; m++) if (L->seq_lens[m] > max_len) max_len = L->seq_lens[m];
     int widest = QKV > 2 * I ? QKV : 2 * I;
@@ -645,7 +671,7 @@ int pw_decode_layer_bf16(const DecodeLayer *L) {
         for (int task = 0; task < M * n_heads; task++) {
             int m = task / n_heads, h = task % n_heads;
             const uint16_t *qh = qkv + (long)m * QKV + (long)h * hd;
-            float qf[512], acc[512];
+            float qf[MAX_HEAD_DIM], acc[MAX_HEAD_DIM];
             for (int i = 0; i < hd; i++) qf[i] = bf16_to_f32(qh[i]) * L->scale;
             attend_head(qf, L->k_cache, L->v_cache, L->block_tables + (long)m * L->max_blocks,
                         (int)L->seq_lens[m], L->bs, n_kv, h / group, hd,

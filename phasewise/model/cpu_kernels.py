@@ -3,7 +3,13 @@
 The C file is compiled on first use with the system's C compiler (gcc or cc) into a cache
 folder and loaded with ctypes; no torch headers are needed, so the build takes about a second.
 On a machine without a compiler or without AVX2/FMA, ``load()`` returns None and callers fall
-back to torch.
+back to torch. The state (the library, whether loading was tried, why it failed, the limits the
+C side reports) lives in one ``KernelLibrary``, the module's ``KERNELS``.
+
+Numbers both sides need (the fused decode layer's row limit and head size, the layout of its
+argument struct) are defined in the C file only; ``pw_abi`` reports them and loading checks the
+ctypes mirror against it, so a mismatch disables the kernels with a reason instead of
+corrupting memory.
 
 Cache folder: ``$PHASEWISE_CACHE_DIR`` or ``$XDG_CACHE_HOME/phasewise`` or
 ``~/.cache/phasewise`` (read when a kernel is first needed, never at import).
@@ -19,7 +25,9 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -27,12 +35,10 @@ SOURCE = Path(__file__).with_name("cpu_kernels.c")
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
 LIBS = ["-lm"]
 
-# Most rows the fused decode layer takes (ROW_STREAM_MAX in cpu_kernels.c).
-DECODE_LAYER_MAX_ROWS = 6
-
 
 class DecodeLayerArgs(ctypes.Structure):
-    """Mirror of ``DecodeLayer`` in cpu_kernels.c (same fields, same order)."""
+    """Mirror of ``DecodeLayer`` in cpu_kernels.c (same fields, same order). Loading checks
+    every field's offset and the size against the C side's ``pw_abi``."""
 
     _fields_ = (
         [(n, ctypes.c_int) for n in ("M", "H", "Q", "KV", "I", "n_heads", "n_kv", "hd", "bs",
@@ -43,11 +49,6 @@ class DecodeLayerArgs(ctypes.Structure):
             "w_o", "b_o", "w_post_norm", "w_gate_up", "b_gate_up", "w_down", "b_down",
             "k_cache", "v_cache", "slots", "block_tables", "seq_lens", "cos", "sin")]
     )
-
-
-_lib: ctypes.CDLL | None = None
-_tried = False
-unavailable_reason: str | None = None
 
 
 def cache_dir() -> Path:
@@ -72,7 +73,7 @@ def _cpu_has_avx2_fma() -> bool:
     return False
 
 
-def _build(out: Path) -> None:
+def _build(source: Path, out: Path) -> None:
     cc = shutil.which(os.environ.get("CC", "gcc")) or shutil.which("cc")
     if cc is None:
         raise RuntimeError("no C compiler (gcc or cc) on PATH")
@@ -80,38 +81,19 @@ def _build(out: Path) -> None:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        subprocess.run([cc, *CFLAGS, str(SOURCE), "-o", tmp, *LIBS], check=True,
+        subprocess.run([cc, *CFLAGS, str(source), "-o", tmp, *LIBS], check=True,
                        capture_output=True, text=True)
         os.replace(tmp, out)  # atomic: concurrent builders never see a half-written file
     except subprocess.CalledProcessError as e:
-        raise RuntimeError(f"compiling {SOURCE.name} failed: {e.stderr.strip()[:500]}") from e
+        raise RuntimeError(f"compiling {source.name} failed: {e.stderr.strip()[:500]}") from e
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
 
 
-def load() -> ctypes.CDLL | None:
-    """The compiled kernel library, building it if needed; None if it cannot be had."""
-    global _lib, _tried, unavailable_reason
-    if _tried:
-        return _lib
-    _tried = True
-    if not _cpu_has_avx2_fma():
-        unavailable_reason = "this CPU lacks AVX2/FMA"
-        return None
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS).encode()).hexdigest()[:16]
-    path = cache_dir() / "kernels" / f"cpu_kernels-{key}.so"
-    try:
-        if not path.exists():
-            print(f"compiling phasewise's CPU kernels (once; cached in {path.parent})",
-                  file=sys.stderr, flush=True)
-            _build(path)
-        lib = ctypes.CDLL(str(path))
-    except (RuntimeError, OSError) as e:
-        unavailable_reason = str(e)
-        return None
+def _signatures() -> dict[str, tuple[Any, list[Any]]]:
     P, I, L, F = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
-    signatures = {
+    return {
         "pw_linear_bf16": (I, [P, P, P, P, I, I, I, I]),
         "pw_gemm_bf16": (I, [P, P, P, P, I, I, I, I]),
         "pw_add_rmsnorm_bf16": (None, [P, P, P, P, I, I, F, I]),
@@ -120,20 +102,102 @@ def load() -> ctypes.CDLL | None:
         "pw_decode_attention_bf16": (I, [P, L, P, P, P, I, P, P, I, I, I, I, I, F, I]),
         "pw_decode_layer_bf16": (I, [ctypes.POINTER(DecodeLayerArgs)]),
         "pw_stream_read_bf16": (F, [P, L, I]),
+        "pw_abi": (L, [ctypes.c_char_p]),
     }
-    for name, (restype, argtypes) in signatures.items():
-        fn = getattr(lib, name)
-        fn.restype = restype
-        fn.argtypes = argtypes
-    _lib = lib
-    return lib
+
+
+def abi_mismatches(abi: Callable[[str], int]) -> list[str]:
+    """Where ``DecodeLayerArgs`` disagrees with the C side's layout, as reported by ``abi``
+    (``pw_abi``: a name -> a number); empty when they agree."""
+    bad = []
+    size = abi("sizeof DecodeLayer")
+    if size != ctypes.sizeof(DecodeLayerArgs):
+        bad.append(f"sizeof DecodeLayer is {size} in C, {ctypes.sizeof(DecodeLayerArgs)} here")
+    for name, _ in DecodeLayerArgs._fields_:
+        offset = abi(name)
+        mine = getattr(DecodeLayerArgs, name).offset
+        if offset != mine:
+            bad.append(f"DecodeLayer.{name} is at {offset} in C, {mine} here")
+    return bad
+
+
+class _Unavailable(Exception):
+    """Why the kernels cannot be had (becomes ``KernelLibrary.reason``)."""
+
+
+class KernelLibrary:
+    """The compiled kernels, loaded once on first use: ``lib`` (None until loaded, and when
+    they cannot be had), ``reason`` (why not), and the limits the C side reports
+    (``decode_layer_max_rows``: rows the fused decode layer takes; ``max_head_dim``)."""
+
+    def __init__(self, source: Path = SOURCE) -> None:
+        self.source = source
+        self.lib: ctypes.CDLL | None = None
+        self.reason: str | None = None
+        self.tried = False
+        self.decode_layer_max_rows = 0
+        self.max_head_dim = 0
+
+    def load(self) -> ctypes.CDLL | None:
+        """The library, building it if needed; None if it cannot be had (see ``reason``)."""
+        if not self.tried:
+            self.tried = True
+            try:
+                self.lib = self._open()
+            except _Unavailable as e:
+                self.reason = str(e)
+        return self.lib
+
+    def _open(self) -> ctypes.CDLL:
+        if not _cpu_has_avx2_fma():
+            raise _Unavailable("this CPU lacks AVX2/FMA")
+        key = hashlib.sha256(self.source.read_bytes() + " ".join(CFLAGS).encode()
+                             ).hexdigest()[:16]
+        path = cache_dir() / "kernels" / f"cpu_kernels-{key}.so"
+        try:
+            if not path.exists():
+                print(f"compiling phasewise's CPU kernels (once; cached in {path.parent})",
+                      file=sys.stderr, flush=True)
+                _build(self.source, path)
+            lib = ctypes.CDLL(str(path))
+        except (RuntimeError, OSError) as e:
+            raise _Unavailable(str(e)) from e
+        for name, (restype, argtypes) in _signatures().items():
+            fn = getattr(lib, name)
+            fn.restype = restype
+            fn.argtypes = argtypes
+
+        def abi(what: str) -> int:
+            return int(lib.pw_abi(what.encode()))
+
+        bad = abi_mismatches(abi)
+        if bad:
+            raise _Unavailable(f"{self.source.name} and {Path(__file__).name} disagree: "
+                               + "; ".join(bad))
+        self.decode_layer_max_rows = abi("row_stream_max")
+        self.max_head_dim = abi("max_head_dim")
+        return lib
+
+
+KERNELS = KernelLibrary()
+
+
+def load() -> ctypes.CDLL | None:
+    """The compiled kernel library (``KERNELS.load()``)."""
+    return KERNELS.load()
+
+
+def __getattr__(name: str) -> Any:
+    if name == "unavailable_reason":  # older spelling of KERNELS.reason
+        return KERNELS.reason
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _call(name: str, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None
           ) -> torch.Tensor:
     lib = load()
     if lib is None:
-        raise RuntimeError(f"CPU kernels unavailable: {unavailable_reason}")
+        raise RuntimeError(f"CPU kernels unavailable: {KERNELS.reason}")
     k = x.shape[-1]
     n = w.shape[0]
     x2 = x.reshape(-1, k).contiguous()

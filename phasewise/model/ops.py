@@ -71,7 +71,8 @@ class TorchOps:
 class CpuKernelOps(TorchOps):
     def __init__(self, linear: LinearDispatch, fused_decode: bool = True) -> None:
         # Without the compiled library only the linear dispatch (torch / fp32 upcast) applies.
-        self.lib = cpu_kernels.load()
+        self.kernels = cpu_kernels.KERNELS
+        self.lib = self.kernels.load()
         self.dispatch = linear
         self.fused_decode = fused_decode and self.lib is not None
         self._layer_args: dict[int, cpu_kernels.DecodeLayerArgs] = {}
@@ -149,7 +150,7 @@ class CpuKernelOps(TorchOps):
         t = hidden.shape[0]
         cos, sin = rope
         if (not self.fused_decode or meta.num_decode_tokens != t
-                or t > cpu_kernels.DECODE_LAYER_MAX_ROWS or cos.dtype != torch.float32
+                or t > self.kernels.decode_layer_max_rows or cos.dtype != torch.float32
                 or meta.decode_block_tables is None or meta.decode_seq_lens is None
                 or not self._ok(hidden, k_cache, v_cache)
                 or (delta is not None and not self._ok(delta))):
@@ -189,7 +190,7 @@ class CpuKernelOps(TorchOps):
             weights["w_q_norm"] = layer.q_norm.weight
             weights["w_k_norm"] = layer.k_norm.weight
         present = [w for w in weights.values() if w is not None]
-        if cfg.head_dim > 512 or not self._ok(*present):
+        if cfg.head_dim > self.kernels.max_head_dim or not self._ok(*present):
             return None
         args = cpu_kernels.DecodeLayerArgs(
             H=cfg.hidden_size, Q=cfg.q_size, KV=cfg.kv_size, I=cfg.intermediate_size,
