@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import hashlib
+import os
+import struct
+import subprocess
+import sys
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from phasewise.cache.block_pool import BlockPool
+from phasewise.cache.block_pool import BlockPool, chain_hash
 from phasewise.cache.manager import KVCacheManager
 
 
@@ -129,6 +135,45 @@ def test_chained_hash_does_not_match_a_block_after_a_different_prefix():
     _compute(kv, a, 5)
     b = Req("b", [0, 0, 3, 4, 9])  # second block equal, first block differs
     assert kv.get_computed_blocks(b).num_tokens == 0
+
+
+_HASH_SCRIPT = """
+from phasewise.cache.block_pool import chain_hash
+h1 = chain_hash(None, (1, 2, 3, 4))
+h2 = chain_hash(h1, (5, 6, 7, 8))
+print(h1.hex(), h2.hex(), hash("block"))
+"""
+
+
+def _hashes_in_subprocess(seed: str) -> list[str]:
+    env = {**os.environ, "PYTHONHASHSEED": seed}
+    out = subprocess.run([sys.executable, "-c", _HASH_SCRIPT], capture_output=True, text=True,
+                         env=env, check=True)
+    return out.stdout.split()
+
+
+def test_block_hashes_are_stable_across_processes():
+    a, b = _hashes_in_subprocess("1"), _hashes_in_subprocess("2")
+    assert a[:2] == b[:2]  # the chain hashes agree...
+    assert a[2] != b[2]  # ...in processes whose salted hash() differs
+    assert a[:2] == [chain_hash(None, (1, 2, 3, 4)).hex(),
+                     chain_hash(chain_hash(None, (1, 2, 3, 4)), (5, 6, 7, 8)).hex()]
+
+
+def test_block_hash_is_blake2b_of_parent_and_little_endian_int64_tokens():
+    parent = bytes(16)
+    want = hashlib.blake2b(parent + struct.pack("<3q", 7, 300, 2**40), digest_size=16).digest()
+    assert chain_hash(None, (7, 300, 2**40)) == want
+    assert len(want) == 16
+
+
+def test_different_chains_hash_differently():
+    root = chain_hash(None, (1, 2, 3, 4))
+    other_root = chain_hash(None, (1, 2, 3, 5))
+    assert root != other_root
+    assert chain_hash(root, (5, 6)) != chain_hash(other_root, (5, 6))  # same tokens, parents
+    assert chain_hash(root, (5, 6)) != chain_hash(root, (6, 5))  # order matters
+    assert chain_hash(None, (1,)) != chain_hash(None, (1, 0))  # lengths differ
 
 
 def test_last_token_is_never_served_from_cache():

@@ -6,12 +6,21 @@ is dropped: that is an eviction. Free blocks are handed out from the front of th
 so the block freed longest ago is evicted first.
 
 This module never touches tensors: the model writes K/V into the slots of the ids it is given.
+
+Block hashes are stable: the same tokens after the same parent hash to the same 16 bytes in
+every process and on every machine (Python's ``hash()`` is salted per process), so block
+identities can be compared across processes, e.g. between a prefill and a decode worker.
 """
 
 from __future__ import annotations
 
+import hashlib
+import struct
 from collections import OrderedDict
 from dataclasses import dataclass
+
+HASH_BYTES = 16
+_ROOT = bytes(HASH_BYTES)  # the "parent" of a request's first block
 
 
 class Block:
@@ -21,17 +30,25 @@ class Block:
         self.block_id = block_id
         self.ref_count = 0
         # Set while the block is registered in the prefix cache.
-        self.block_hash: int | None = None
-        self.parent_hash: int | None = None
+        self.block_hash: bytes | None = None
+        self.parent_hash: bytes | None = None
         self.token_ids: tuple[int, ...] = ()
 
     def __repr__(self) -> str:
-        return f"Block({self.block_id}, ref={self.ref_count}, hash={self.block_hash})"
+        h = self.block_hash.hex()[:12] if self.block_hash is not None else None
+        return f"Block({self.block_id}, ref={self.ref_count}, hash={h})"
 
 
-def chain_hash(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
-    """Hash of a full block: its tokens chained to the hash of the block before it."""
-    return hash((parent_hash, token_ids))
+def chain_hash(parent_hash: bytes | None, token_ids: tuple[int, ...]) -> bytes:
+    """Hash of a full block: its tokens chained to the hash of the block before it.
+
+    BLAKE2b with a 16-byte digest over the parent's 16-byte hash (16 zero bytes for a
+    request's first block) followed by the token ids as little-endian signed 64-bit integers.
+    """
+    h = hashlib.blake2b(parent_hash if parent_hash is not None else _ROOT,
+                        digest_size=HASH_BYTES)
+    h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
+    return h.digest()
 
 
 @dataclass
@@ -47,7 +64,7 @@ class BlockPool:
         self.blocks = [Block(i) for i in range(num_blocks)]
         # Free blocks in eviction order (front = next handed out). Values unused.
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
-        self._cached: dict[int, Block] = {}
+        self._cached: dict[bytes, Block] = {}
         self.stats = PoolStats()
 
     @property
@@ -94,7 +111,7 @@ class BlockPool:
             if block.ref_count == 0:
                 self._free[block.block_id] = None
 
-    def lookup(self, block_hash: int, parent_hash: int | None,
+    def lookup(self, block_hash: bytes, parent_hash: bytes | None,
                token_ids: tuple[int, ...]) -> Block | None:
         """The cached block with exactly this content and parent, or None."""
         block = self._cached.get(block_hash)
@@ -102,7 +119,7 @@ class BlockPool:
             return None
         return block
 
-    def cache(self, block: Block, block_hash: int, parent_hash: int | None,
+    def cache(self, block: Block, block_hash: bytes, parent_hash: bytes | None,
               token_ids: tuple[int, ...]) -> bool:
         """Register a full block under its hash; False if an equal block is already cached."""
         if block.block_hash is not None or block_hash in self._cached:
@@ -115,10 +132,3 @@ class BlockPool:
         assert block.block_hash is not None
         del self._cached[block.block_hash]
         block.block_hash, block.parent_hash, block.token_ids = None, None, ()
-
-    def reset_prefix_cache(self) -> int:
-        """Forget every cached block that no request holds; returns how many were dropped."""
-        dropped = [b for b in self._cached.values() if b.ref_count == 0]
-        for block in dropped:
-            self._uncache(block)
-        return len(dropped)

@@ -5,7 +5,8 @@ Block-table layout: request token ``t`` (0-based, over prompt then outputs) live
 tokens are computed; it is released whole when the request finishes or is preempted.
 
 Prefix caching: a *full* block whose tokens have all been computed is registered under a chain
-hash of (hash of the previous block, its own token ids). A new request walks its tokens block
+hash of (hash of the previous block, its own token ids); see ``block_pool.chain_hash`` (stable
+across processes). A new request walks its tokens block
 by block and reuses every leading block found, up to but excluding the block holding its last
 token, which must be computed to yield logits.
 """
@@ -56,7 +57,7 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks)
         self._blocks: dict[str, list[Block]] = {}
         # Chain hashes of the request's leading full blocks, computed so far.
-        self._hashes: dict[str, list[int]] = {}
+        self._hashes: dict[str, list[bytes]] = {}
         # How many of the request's leading blocks are registered in (or found in) the cache.
         self._num_cached: dict[str, int] = {}
         self.stats = CacheStats()
@@ -80,7 +81,7 @@ class KVCacheManager:
     def block_table(self, request_id: str) -> list[int]:
         return [b.block_id for b in self._blocks.get(request_id, [])]
 
-    def _hash_chain(self, request: CacheRequest, num_blocks: int) -> list[int]:
+    def _hash_chain(self, request: CacheRequest, num_blocks: int) -> list[bytes]:
         """Chain hashes of the request's first ``num_blocks`` full blocks (memoized)."""
         hashes = self._hashes.setdefault(request.request_id, [])
         tokens = request.all_token_ids
@@ -176,6 +177,3 @@ class KVCacheManager:
         self.pool.free(list(reversed(blocks)))
         self._num_cached.pop(rid, None)
         self._hashes.pop(rid, None)
-
-    def reset_prefix_cache(self) -> int:
-        return self.pool.reset_prefix_cache()
