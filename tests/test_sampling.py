@@ -66,8 +66,7 @@ def test_top_k_one_is_greedy(llm):
 
 
 def _req(params: SamplingParams, prompt=(1, 2), outputs=(), eos=(0,)) -> Request:
-    r = Request("r", list(prompt), params, eos_token_ids=eos,
-                generator=torch.Generator().manual_seed(params.seed or 0))
+    r = Request("r", list(prompt), params, eos_token_ids=eos, arrival_time=0.0)
     for t in outputs:
         r.append_output(t)
     return r

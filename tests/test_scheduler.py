@@ -16,12 +16,13 @@ def make(budget=16, seqs=8, max_len=64, blocks=64, block_size=4, policy="chunked
          prefix=True) -> Scheduler:
     kv = KVCacheManager(blocks, block_size, enable_prefix_caching=prefix)
     return Scheduler(SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=seqs,
-                                     max_model_len=max_len, policy=policy), kv)
+                                     max_model_len=max_len, policy=policy), kv,
+                     clock=lambda: 0.0)
 
 
 def req(rid: str, n_prompt: int, max_tokens: int = 4, first: int = 1000) -> Request:
     return Request(rid, list(range(first, first + n_prompt)),
-                   SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+                   SamplingParams(max_tokens=max_tokens, ignore_eos=True), arrival_time=0.0)
 
 
 def step(s: Scheduler, token: int = 7) -> ScheduledBatch:
@@ -175,7 +176,8 @@ def test_empty_prompt_is_rejected():
 
 def test_max_model_len_ends_generation_with_length():
     s = make(max_len=8)
-    r = Request("a", [1, 2, 3, 4, 5, 6], SamplingParams(max_tokens=None, ignore_eos=True))
+    r = Request("a", [1, 2, 3, 4, 5, 6], SamplingParams(max_tokens=None, ignore_eos=True),
+                arrival_time=0.0)
     s.add_request(r)
     while s.has_unfinished():
         step(s)
@@ -185,7 +187,8 @@ def test_max_model_len_ends_generation_with_length():
 
 def test_eos_stops_unless_ignored_and_min_tokens_defers_it():
     s = make()
-    r = Request("a", [1, 2], SamplingParams(max_tokens=5, min_tokens=2), eos_token_ids=(7,))
+    r = Request("a", [1, 2], SamplingParams(max_tokens=5, min_tokens=2), eos_token_ids=(7,),
+                arrival_time=0.0)
     s.add_request(r)
     step(s, token=7)  # first output is eos but min_tokens=2 keeps it going
     assert not r.finished
@@ -229,3 +232,34 @@ def test_every_request_finishes_within_budget_and_caps(prompts, outs, budget, bl
     assert s.max_len == min(max_len, blocks * 4 - 1)
     assert all(r.num_output_tokens == min(outs, s.max_len - r.num_prompt_tokens) for r in reqs)
     assert s.kv.num_free_blocks == s.kv.num_blocks
+
+
+def test_finish_rules_apply_in_their_documented_order():
+    from phasewise.engine.finish import masked_tokens, token_finish
+
+    stop, length = RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH
+    p = SamplingParams(max_tokens=3, min_tokens=1, stop_token_ids=(5,))
+    eos = (9,)
+    # min_tokens: the first output cannot stop by token (and the sampler masks 5 and 9 for it)
+    assert token_finish(p, eos, 5, num_output_tokens=1, num_tokens=4, max_len=64) is None
+    assert masked_tokens(p, eos, 0) == {5, 9} and masked_tokens(p, eos, 1) == set()
+    # a stop token id gives its id as the reason; EOS gives none
+    assert token_finish(p, eos, 5, 2, 5, 64) == (stop, 5)
+    assert token_finish(p, eos, 9, 2, 5, 64) == (stop, None)
+    # a stop token on the last allowed output is still a stop, not a length
+    assert token_finish(p, eos, 5, 3, 6, 64) == (stop, 5)
+    assert token_finish(p, eos, 4, 3, 6, 64) == (length, None)
+    # ignore_eos: EOS is an ordinary token (and not masked)
+    q = SamplingParams(max_tokens=None, min_tokens=1, ignore_eos=True)
+    assert token_finish(q, eos, 9, 2, 5, 64) is None
+    assert masked_tokens(q, eos, 0) == set()
+    # the context length ends a request with no max_tokens
+    assert token_finish(q, eos, 4, 2, 64, 64) == (length, None)
+
+
+def test_stop_strings_find_the_earliest_match_after_the_search_start():
+    from phasewise.engine.finish import find_stop_string
+
+    assert find_stop_string("a END b STOP", 0, ("STOP", "END")) == (2, "END")
+    assert find_stop_string("a END b STOP", 3, ("STOP", "END")) == (8, "STOP")
+    assert find_stop_string("abc", 0, ("x",)) is None

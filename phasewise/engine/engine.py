@@ -3,6 +3,9 @@
 One ``step()``: ``Scheduler.schedule()`` -> ``ModelRunner.execute()`` -> ``Sampler`` ->
 ``Scheduler.update()`` -> text and stop strings -> ``RequestOutput`` for every request that
 received a token, plus a ``StepStats`` record.
+
+The engine's clock is ``time.monotonic``; the scheduler stamps requests with the same clock,
+passed to it (it reads none of its own).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from phasewise.engine.request import Request, RequestStatus
 from phasewise.engine.sampler import Sampler
 from phasewise.engine.sampling_params import SamplingParams
 from phasewise.engine.scheduler import Scheduler, SchedulerConfig
+from phasewise.engine.validation import check_token_ids
 from phasewise.model.config import ModelConfig
 from phasewise.model.linear import LinearDispatch
 from phasewise.model.ops import CpuKernelOps
@@ -90,6 +94,7 @@ class LLMEngine:
             max_len = self._fit_context(num_blocks, max_len)
         self.max_model_len = max_len
         self.eos_token_ids = self._eos_ids()
+        self.clock = time.monotonic
 
         self.kv = KVCacheManager(num_blocks, bs, config.enable_prefix_caching)
         budget_tokens = config.max_num_batched_tokens or (
@@ -101,7 +106,7 @@ class LLMEngine:
             SchedulerConfig(max_num_batched_tokens=budget_tokens,
                             max_num_seqs=config.max_num_seqs, max_model_len=max_len,
                             policy=config.policy),
-            self.kv,
+            self.kv, self.clock,
         )
         self.runner = ModelRunner(self.model, mc, num_blocks=num_blocks, block_size=bs,
                                   dtype=self.dtype, device=self.device)
@@ -165,31 +170,25 @@ class LLMEngine:
                     request_id: str | None = None, arrival_time: float | None = None) -> str:
         """Queue a request; returns its id. Raises ValueError for input it can never serve.
 
-        ``arrival_time`` (``time.monotonic()``) defaults to now; a server passes the time the
-        HTTP request arrived, so queue time and TTFT include the wait to reach the engine."""
+        ``arrival_time`` (on ``self.clock``, ``time.monotonic``) defaults to now; a server
+        passes the time the HTTP request arrived, so queue time and TTFT include the wait to
+        reach the engine. Errors are ``phasewise.engine.validation.ValidationError`` (a
+        ValueError naming the field at fault) or ValueError."""
         params = params or self.default_sampling_params()
         if isinstance(prompt, str):
             text: str | None = prompt
             ids = self.tokenizer.encode(prompt)
         elif isinstance(prompt, (list, tuple)):
             text = None
-            ids = list(prompt)
-            vocab = self.model_config.vocab_size
-            for t in ids:
-                if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
-                    raise ValueError(f"prompt token ids must be integers in [0, {vocab}); "
-                                     f"got {t!r}")
+            ids = check_token_ids(prompt, self.model_config.vocab_size, "prompt")
         else:
             raise ValueError(f"prompt must be a string or a list of token ids, "
                              f"got {type(prompt).__name__}")
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self.requests:
             raise ValueError(f"request id {rid!r} is already in use")
-        generator = None
-        if params.seed is not None:
-            generator = torch.Generator(device=self.device).manual_seed(params.seed)
         req = Request(rid, ids, params, eos_token_ids=self.eos_token_ids, prompt=text,
-                      arrival_time=arrival_time, generator=generator)
+                      arrival_time=self.clock() if arrival_time is None else arrival_time)
         self.scheduler.add_request(req)  # raises if it can never fit
         self.requests[rid] = req
         self._text[rid] = TextState(
@@ -212,6 +211,7 @@ class LLMEngine:
     def _forget(self, req: Request) -> None:
         self.requests.pop(req.request_id, None)
         self._text.pop(req.request_id, None)
+        self.sampler.release(req.request_id)
 
     # -- the step --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

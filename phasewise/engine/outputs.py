@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from phasewise.engine.finish import find_stop_string
 from phasewise.engine.request import RequestMetrics
 from phasewise.engine.sampling_params import SamplingParams
 from phasewise.model.tokenizer import TextStream
@@ -51,7 +52,8 @@ class StepStats:
 class TextState:
     """Incremental text of one request, with stop-string matching.
 
-    Stop strings are matched on the decoded text, so they are found across token boundaries.
+    Stop strings (rule 6 of ``phasewise.engine.finish``) are matched on the decoded text, so
+    they are found across token boundaries.
     While a request runs, the last ``max_stop_len - 1`` characters are held back from deltas,
     so a partial stop string never reaches the client.
     """
@@ -73,11 +75,7 @@ class TextState:
         if not self.params.stop:
             return None
         start = max(0, old_len - self.params.max_stop_len + 1)
-        hit: tuple[int, str] | None = None
-        for s in self.params.stop:
-            pos = self.text.find(s, start)
-            if pos != -1 and (hit is None or pos < hit[0]):
-                hit = (pos, s)
+        hit = find_stop_string(self.text, start, self.params.stop)
         if hit is None:
             return None
         pos, s = hit

@@ -16,10 +16,7 @@ A step that computes up to ``num_tokens`` samples one new token; a step that sto
 from __future__ import annotations
 
 import enum
-import time
 from dataclasses import dataclass, field
-
-import torch
 
 from phasewise.engine.sampling_params import SamplingParams
 
@@ -40,7 +37,9 @@ class RequestStatus(enum.Enum):
 
 @dataclass
 class RequestMetrics:
-    """Wall-clock timestamps (``time.monotonic()``) of a request's life."""
+    """Timestamps of a request's life, all on one clock: the caller's ``arrival_time``, then
+    the scheduler's injected clock (``time.monotonic`` in the engine; virtual time in a
+    simulator)."""
 
     arrival_time: float
     first_scheduled_time: float | None = None
@@ -84,22 +83,22 @@ class Request:
         *,
         eos_token_ids: tuple[int, ...] = (),
         prompt: str | None = None,
-        arrival_time: float | None = None,
-        generator: torch.Generator | None = None,
+        arrival_time: float,
     ) -> None:
+        """``arrival_time`` is on the scheduler's clock; a request reads no clock itself.
+        Its random generator, if seeded, lives in the ``Sampler``."""
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
         self.params = params
         self.eos_token_ids = eos_token_ids
-        self.generator = generator
         self.output_token_ids: list[int] = []
         self._all = list(prompt_token_ids)
         self.num_computed_tokens = 0
         self.status = RequestStatus.WAITING
         self.stop_reason: str | int | None = None
         self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
-        self.metrics = RequestMetrics(time.monotonic() if arrival_time is None else arrival_time)
+        self.metrics = RequestMetrics(arrival_time)
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -2,8 +2,11 @@
 
 Order of operations on each row: penalties (repetition over prompt and outputs, presence and
 frequency over outputs), the ``min_tokens`` mask on stop tokens, then greedy argmax or
-temperature -> top-k -> top-p -> min-p -> a draw. A draw uses the request's own
-``torch.Generator`` when it has a seed, so its tokens do not depend on what else is batched.
+temperature -> top-k -> top-p -> min-p -> a draw. A request with a seed draws from its own
+``torch.Generator``, kept here (a ``Request`` holds no tensors): created from
+``params.seed`` on the request's first draw and dropped by ``release`` when the engine forgets
+the request, so its tokens do not depend on what else is batched, and survive preemption.
+Requests without a seed share the engine's generator.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from phasewise.engine.finish import masked_tokens
 from phasewise.engine.request import Request
 
 
@@ -25,6 +29,20 @@ class SamplerOutput:
 class Sampler:
     def __init__(self, generator: torch.Generator) -> None:
         self.generator = generator  # for requests without a seed
+        self._seeded: dict[str, torch.Generator] = {}  # request id -> its own generator
+
+    def release(self, request_id: str) -> None:
+        """Drop a request's generator (the engine calls this when it forgets the request)."""
+        self._seeded.pop(request_id, None)
+
+    def _generator(self, req: Request, device: torch.device) -> torch.Generator:
+        seed = req.params.seed
+        if seed is None:
+            return self.generator
+        gen = self._seeded.get(req.request_id)
+        if gen is None:
+            gen = self._seeded[req.request_id] = torch.Generator(device=device).manual_seed(seed)
+        return gen
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
         """logits: [num_requests, vocab] fp32, one row per request, in order."""
@@ -81,13 +99,10 @@ class Sampler:
                 out = torch.tensor(r.output_token_ids, dtype=torch.long, device=dev)
                 counts = torch.bincount(out[out < vocab], minlength=vocab).to(row.dtype)
                 row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
-            if r.num_output_tokens < p.min_tokens:
-                stops = set(p.stop_token_ids)
-                if not p.ignore_eos:
-                    stops.update(r.eos_token_ids)
-                ids = [t for t in stops if t < vocab]
-                if ids:
-                    row[torch.tensor(ids, device=dev)] = float("-inf")
+            ids = [t for t in masked_tokens(p, r.eos_token_ids, r.num_output_tokens)
+                   if t < vocab]
+            if ids:
+                row[torch.tensor(ids, device=dev)] = float("-inf")
         return logits
 
     @staticmethod
@@ -123,5 +138,5 @@ class Sampler:
         """One token per row: argmax(p / E) with E ~ Exp(1) is a draw from p."""
         noise = torch.empty_like(probs)
         for i, r in enumerate(requests):
-            noise[i].exponential_(generator=r.generator or self.generator)
+            noise[i].exponential_(generator=self._generator(r, probs.device))
         return (probs / noise).argmax(dim=-1)

@@ -20,16 +20,24 @@ recently admitted, it is the one preempted (a prompt chunk just waits instead). 
 frees all its blocks, goes back to the *front* of the waiting queue with
 ``num_computed_tokens = 0``, and later recomputes its prompt and outputs so far (the prefix
 cache often keeps most of them). No new request is admitted in a step that preempted.
+
+Time: the scheduler reads no clock of its own. Every timestamp it stamps on a request
+(``first_scheduled_time``, ``first_token_time``, ``token_times``, ``finished_time``) comes from
+the ``clock`` it is given: the engine passes ``time.monotonic``; a simulator passes its virtual
+time. The clock is required, so no caller gets wall-clock stamps by accident. Like the KV
+manager, this module imports no torch.
 """
 
 from __future__ import annotations
 
-import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from phasewise.cache.manager import KVCacheManager
+from phasewise.engine.finish import token_finish
 from phasewise.engine.request import Request, RequestStatus
+from phasewise.engine.validation import ValidationError, check_context
 
 POLICIES = ("chunked", "prefill-first")
 
@@ -73,15 +81,17 @@ class ScheduledBatch:
         return len(self.requests)
 
 
-def _is_decode(req: Request, n: int) -> bool:
+def is_decode(req: Request, n: int) -> bool:
     """One token on top of a fully computed history, and that token is a sampled output."""
     return n == 1 and req.num_output_tokens > 0 and req.num_computed_tokens == req.num_tokens - 1
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager,
+                 clock: Callable[[], float]) -> None:
         self.config = config
         self.kv = kv
+        self.clock = clock
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order (earliest first)
         self.num_preemptions = 0
@@ -92,17 +102,17 @@ class Scheduler:
 
     # -- admission -------------------------------------------------------------------------
     def check_admissible(self, req: Request) -> None:
-        """Raise ValueError if the request could never be scheduled."""
+        """Raise ``ValidationError`` (a ValueError, ``param="prompt"``) if the request could
+        never be scheduled: an empty prompt, one that leaves the context no room for an output
+        token, or one the whole KV pool cannot hold. A ``max_tokens`` beyond the room left is
+        not refused here: generation then ends at the context length (finish ``length``)."""
         n = req.num_prompt_tokens
-        if n == 0:
-            raise ValueError("prompt is empty; it needs at least one token")
-        if n > self.config.max_model_len:
-            raise ValueError(f"prompt has {n} tokens, more than max_model_len "
-                             f"({self.config.max_model_len})")
+        check_context(n, None, self.config.max_model_len)
         capacity = self.kv.num_blocks * self.kv.block_size
         if n + 1 > capacity:
-            raise ValueError(f"prompt has {n} tokens but the whole KV cache holds {capacity}; "
-                             "raise the KV cache memory or shorten the prompt")
+            raise ValidationError(f"prompt has {n} tokens but the whole KV cache holds "
+                                  f"{capacity}; raise the KV cache memory or shorten the prompt",
+                                  param="prompt")
 
     def add_request(self, req: Request) -> None:
         self.check_admissible(req)
@@ -120,7 +130,7 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
         req.status = status
-        req.metrics.finished_time = time.monotonic()
+        req.metrics.finished_time = self.clock()
         self.kv.free(req)
 
     # -- scheduling ------------------------------------------------------------------------
@@ -213,7 +223,7 @@ class Scheduler:
         for req, n in picked:
             batch.requests.append(req)
             batch.num_tokens.append(n)
-            if _is_decode(req, n):
+            if is_decode(req, n):
                 batch.num_decode_tokens += n
             else:
                 batch.num_prefill_tokens += n
@@ -244,7 +254,7 @@ class Scheduler:
         self.waiting.popleft()
         self.kv.record_prefix_lookup(req.num_tokens, num_cached)
         if req.metrics.first_scheduled_time is None:
-            req.metrics.first_scheduled_time = time.monotonic()
+            req.metrics.first_scheduled_time = self.clock()
             req.metrics.num_cached_tokens = num_cached
         req.num_computed_tokens = num_cached
         req.status = RequestStatus.RUNNING
@@ -254,7 +264,7 @@ class Scheduler:
     def update(self, batch: ScheduledBatch, sampled: dict[str, int]) -> list[Request]:
         """Advance computed counts, append sampled tokens, finish requests that hit a stop
         condition. Returns the requests that received a token this step."""
-        now = time.monotonic()
+        now = self.clock()
         got_token = []
         for req, n in zip(batch.requests, batch.num_tokens):
             req.num_computed_tokens += n
@@ -266,24 +276,11 @@ class Scheduler:
                     m.first_token_time = now
                 m.token_times.append(now)
                 got_token.append(req)
-                status = self._stop_status(req, token)
-                if status is not None:
+                end = token_finish(req.params, req.eos_token_ids, token, req.num_output_tokens,
+                                   req.num_tokens, self.max_len)
+                if end is not None:
+                    status, req.stop_reason = end
                     self.finish_request(req, status)
                     continue
             self.kv.cache_blocks(req)
         return got_token
-
-    def _stop_status(self, req: Request, token: int) -> RequestStatus | None:
-        p = req.params
-        # The sampler masks stop tokens until min_tokens outputs exist; mirror that here.
-        if req.num_output_tokens > p.min_tokens:
-            if token in p.stop_token_ids:
-                req.stop_reason = token
-                return RequestStatus.FINISHED_STOPPED
-            if not p.ignore_eos and token in req.eos_token_ids:
-                return RequestStatus.FINISHED_STOPPED
-        if p.max_tokens is not None and req.num_output_tokens >= p.max_tokens:
-            return RequestStatus.FINISHED_LENGTH
-        if req.num_tokens >= self.max_len:
-            return RequestStatus.FINISHED_LENGTH
-        return None
