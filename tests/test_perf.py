@@ -15,7 +15,7 @@ from phasewise.cli import main
 from phasewise.perf.analysis import SCHEMA_KEYS, analyse
 from phasewise.perf.hardware import ACCELERATORS, LINKS, lookup_accelerator, lookup_link
 from phasewise.perf.models import CATALOG, GenericModel, ModelShape, lookup_model
-from phasewise.perf.roofline import Roofline
+from phasewise.perf.roofline import Chunk, Roofline
 
 H100 = ACCELERATORS["h100-sxm"]
 
@@ -74,6 +74,53 @@ def test_flops_and_bytes_by_hand():
     assert d.flops == 2 * (2 * 1152 + 160) + 64 * 12
     assert d.kv_read_bytes == (4 + 6) * kvpt and d.kv_write_bytes == 2 * kvpt
     assert d.weight_bytes == m.total_params * 2
+
+
+_COST_FIELDS = ("tokens", "flops", "bytes", "weight_bytes", "kv_read_bytes", "kv_write_bytes",
+                "act_bytes")
+
+
+@settings(max_examples=60, deadline=None)
+@given(model=st.sampled_from(sorted(CATALOG) + ["toy"]), s=st.integers(1, 4000),
+       p=st.integers(0, 4000), b=st.integers(1, 16),
+       contexts=st.lists(st.integers(1, 30000), min_size=1, max_size=32))
+def test_a_pure_mixed_step_costs_what_prefill_and_decode_say(model, s, p, b, contexts):
+    r = Roofline(_toy() if model == "toy" else CATALOG[model], H100)
+    pre, mixed = r.prefill(s, p, batch=b), r.mixed([Chunk(s, p)] * b)
+    assert mixed.kind == "prefill"
+    for f in _COST_FIELDS:
+        assert getattr(mixed, f) == pytest.approx(getattr(pre, f), rel=1e-12), f
+    dec, mixed = r.decode(len(contexts), contexts), r.mixed(decodes=contexts)
+    assert mixed.kind == "decode"
+    for f in _COST_FIELDS:
+        assert getattr(mixed, f) == pytest.approx(getattr(dec, f), rel=1e-12), f
+
+
+def test_a_mixed_step_reads_the_weights_once():
+    r = Roofline(lookup_model("Llama-3.1-8B"), H100)
+    pre, dec = r.prefill(512, 128), r.decode(8, 2048)
+    mixed = r.mixed([Chunk(512, 128)], [2048] * 8)
+    assert mixed.kind == "mixed" and mixed.tokens == 520
+    assert mixed.flops == pytest.approx(pre.flops + dec.flops, rel=1e-12)
+    assert mixed.bytes == pytest.approx(pre.bytes + dec.bytes - r.weight_bytes, rel=1e-12)
+    assert mixed.time < pre.time + dec.time
+
+
+def test_mixed_step_by_hand():
+    m = _toy()
+    r = Roofline(m, H100, "bf16")
+    kvpt = 2 * 2 * 1 * 4 * 2
+    # a 3-token chunk after 2 cached that stops short of its prompt's end (no LM head),
+    # a 1-token chunk after 4 that samples, and a decode at context 6
+    c = r.mixed([Chunk(3, 2, samples=False), Chunk(1, 4)], [6])
+    assert c.tokens == 5
+    assert c.flops == 2 * 1152 * 5 + 64 * ((3 * 2 + 6) + 5 + 6) + 2 * 160
+    assert c.kv_read_bytes == (2 + 4 + 5) * kvpt and c.kv_write_bytes == 5 * kvpt
+    assert c.weight_bytes == m.total_params * 2
+    with pytest.raises(ValueError):
+        r.mixed()
+    with pytest.raises(ValueError):
+        r.mixed([Chunk(0, 3)])
 
 
 @given(s=st.integers(1, 300), p=st.integers(0, 300))

@@ -2,7 +2,7 @@
 
 One ``step()``: ``Scheduler.schedule()`` -> ``ModelRunner.execute()`` -> ``Sampler`` ->
 ``Scheduler.update()`` -> text and stop strings -> ``RequestOutput`` for every request that
-received a token, plus a ``StepStats`` record.
+received a token, plus a ``StepStats`` record with the step's roofline-predicted cost.
 
 The engine's clock is ``time.monotonic``; the scheduler stamps requests with the same clock,
 passed to it (it reads none of its own).
@@ -25,13 +25,15 @@ from phasewise.engine.outputs import RequestOutput, StepStats, TextState
 from phasewise.engine.request import Request, RequestStatus
 from phasewise.engine.sampler import Sampler
 from phasewise.engine.sampling_params import SamplingParams
-from phasewise.engine.scheduler import Scheduler, SchedulerConfig
+from phasewise.engine.scheduler import Scheduler, SchedulerConfig, is_decode
 from phasewise.engine.validation import check_token_ids
 from phasewise.model.config import ModelConfig
 from phasewise.model.linear import LinearDispatch
 from phasewise.model.ops import CpuKernelOps
 from phasewise.model.loader import load_model, resolve_dtype
 from phasewise.model.tokenizer import Tokenizer, load_generation_config
+from phasewise.perf.attribution import StepCostModel
+from phasewise.perf.roofline import Chunk
 
 DEFAULT_CPU_KV_MEMORY = 1 << 30
 DEFAULT_CPU_STEP_TOKENS = 256  # see EngineConfig.max_num_batched_tokens
@@ -116,6 +118,9 @@ class LLMEngine:
         self._ids = itertools.count()
         self.step_stats: deque[StepStats] = deque(maxlen=MAX_STEP_HISTORY)
         self._step_index = 0
+        # Roofline cost of each step at the peaks `phasewise measure` stored (never measured
+        # here: without stored peaks, steps get FLOPs and bytes but no predicted time).
+        self.cost_model = StepCostModel.for_engine(self)
 
     # -- set-up helpers --------------------------------------------------------------------
     def _fit_context(self, num_blocks: int, max_len: int) -> int:
@@ -219,6 +224,15 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch.requests:
             return []
+        # The step's exact mix, read before update() advances the computed counts.
+        chunks, decodes = [], []
+        for req, n in zip(batch.requests, batch.num_tokens):
+            done = req.num_computed_tokens
+            if is_decode(req, n):
+                decodes.append(done + 1)
+            else:
+                chunks.append(Chunk(n, done, done + n == req.num_tokens))
+        cost = self.cost_model.predict(chunks, decodes)
         tables = [self.kv.block_table(r.request_id) for r in batch.requests]
         ran = self.runner.execute(batch, tables)
         sampled = self.sampler(ran.logits, ran.requests)
@@ -249,6 +263,7 @@ class LLMEngine:
             num_decode_tokens=batch.num_decode_tokens, num_requests=len(batch.requests),
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             kv_usage=self.kv.usage, num_preempted=len(batch.preempted),
+            predicted_flops=cost.flops, predicted_bytes=cost.bytes, predicted_s=cost.seconds,
         ))
         return outputs
 

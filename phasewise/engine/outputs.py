@@ -31,7 +31,10 @@ class RequestOutput:
 
 @dataclass(frozen=True)
 class StepStats:
-    """One engine step: its token mix and how long it took."""
+    """One engine step: its token mix, how long it took, and what the roofline says it
+    should have cost (``phasewise.perf.attribution``): its FLOPs and bytes for the step's exact
+    mix of chunks and decodes, and the time those take at this machine's measured peaks
+    (``predicted_s``; None when no peaks are stored, or for a step nobody predicted)."""
 
     index: int
     start_time: float  # time.monotonic() at the start of the step
@@ -43,6 +46,9 @@ class StepStats:
     num_waiting: int
     kv_usage: float  # fraction of KV blocks held by requests, after the step
     num_preempted: int
+    predicted_flops: float | None = None
+    predicted_bytes: float | None = None
+    predicted_s: float | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -18,6 +18,12 @@ Bytes of a step: every weight once (the full model even for MoE: over a batch, a
 are touched), the KV cache each sequence reads (its context), the KV it writes, and
 activations (each matmul's input and output once per token and layer).
 
+A *mixed* step (``Roofline.mixed``) is what the engine runs: one fused pass over prompt chunks
+and decode tokens together. Its weights are read once for the whole step, not once per phase;
+linear FLOPs and activations follow the step's total tokens; attention FLOPs and KV bytes are
+counted per chunk from its own positions. A pure prefill or pure decode batch costs exactly
+what ``prefill()`` / ``decode()`` give.
+
 Efficiency factors ``mfu`` and ``mbu`` (default 1.0) scale the peaks; with other values the
 predictions are "at X% of peak".
 """
@@ -46,7 +52,7 @@ def norm_dtype(dtype: str) -> str:
 class StepCost:
     """One step's work, its time bounds and its bound."""
 
-    kind: str  # "prefill" or "decode"
+    kind: str  # "prefill", "decode" or "mixed"
     tokens: int  # tokens computed in the step
     flops: float
     bytes: float
@@ -93,6 +99,18 @@ class StepCost:
                  t_memory_s=self.t_memory, time_s=self.time, bound=self.bound,
                  ratio=self.ratio)
         return d
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One request's prompt (or recompute) chunk in a step: ``tokens`` computed after
+    ``context`` tokens already in the KV cache (cached prefix, earlier chunks). ``samples``:
+    the chunk reaches the request's last token, so its last position goes through the LM head
+    (a chunk that stops short of the prompt's end samples nothing)."""
+
+    tokens: int
+    context: int = 0
+    samples: bool = True
 
 
 class Roofline:
@@ -195,6 +213,35 @@ class Roofline:
         total = self.weight_bytes + kv_read + kv_write + act
         return StepCost("decode", batch, flops, total, self.weight_bytes, kv_read, kv_write,
                         act, self.peak_flops, self.bandwidth)
+
+    def mixed(self, chunks: Sequence[Chunk] = (), decodes: Sequence[int] = ()) -> StepCost:
+        """One fused step over prompt ``chunks`` and decode tokens; ``decodes`` holds each
+        decoding sequence's length with its new token (as ``decode``'s ``context``).
+
+        The weights are read once for the step; linear FLOPs and activations scale with all
+        its tokens; the LM head runs once per sampling position (every decode, every chunk
+        that ``samples``); attention FLOPs, KV reads and KV writes come from each chunk's and
+        each decode's own positions. ``kind`` is ``prefill`` or ``decode`` for a pure batch,
+        else ``mixed``."""
+        if not chunks and not decodes:
+            raise ValueError("a step needs at least one chunk or decode")
+        if any(c.tokens < 1 or c.context < 0 for c in chunks) or any(d < 0 for d in decodes):
+            raise ValueError("chunks need tokens >= 1 and context >= 0; decodes need >= 0")
+        tokens = sum(c.tokens for c in chunks) + len(decodes)
+        # Query positions (1-based) summed: P+1..P+S for a chunk, the context for a decode.
+        positions = sum(c.tokens * c.context + c.tokens * (c.tokens + 1) // 2 for c in chunks) \
+            + sum(decodes)
+        samples = sum(1 for c in chunks if c.samples) + len(decodes)
+        flops = (tokens * self._linear_flops_per_token() + self._attn_flops(positions)
+                 + samples * self._lm_head_flops())
+        kvpt = self.kv_bytes_per_token or 0.0
+        kv_read = (sum(c.context for c in chunks) + sum(max(d - 1, 0) for d in decodes)) * kvpt
+        kv_write = (sum(c.tokens for c in chunks) + sum(1 for d in decodes if d > 0)) * kvpt
+        act = self._act_bytes(tokens)
+        total = self.weight_bytes + kv_read + kv_write + act
+        kind = "mixed" if chunks and decodes else ("prefill" if chunks else "decode")
+        return StepCost(kind, tokens, flops, total, self.weight_bytes, kv_read, kv_write, act,
+                        self.peak_flops, self.bandwidth)
 
     # -- derived ---------------------------------------------------------------------------
     def ttft(self, prompt_len: int, prefix_len: int = 0) -> float:

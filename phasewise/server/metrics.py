@@ -3,6 +3,11 @@
 Every interval comes from the engine's own timestamps (``RequestMetrics``), as vLLM defines
 them: queue = arrival -> first scheduled; prefill = first scheduled -> first token;
 decode = first token -> last token; e2e = arrival -> finish. The README lists every metric.
+
+Each step is also held against the roofline (``StepStats.predicted_*``, from
+``phasewise.perf.attribution``): the bandwidth and FLOP/s it achieved (its predicted bytes and
+FLOPs over its measured duration) and, where this machine's peaks are stored, its measured time
+over the roofline's lower bound.
 """
 
 from __future__ import annotations
@@ -22,6 +27,13 @@ _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 
                     2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
 _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000,
                   100000)
+# Per-step roofline figures: decades with a 3x point between, wide enough for a laptop CPU
+# (~1e9 B/s, 1e10 FLOP/s) up to a large GPU (~5e12 B/s, 1e15 FLOP/s).
+_BANDWIDTH_BUCKETS = tuple(m * 10.0 ** e for e in range(6, 14) for m in (1, 3))
+_FLOPS_BUCKETS = tuple(m * 10.0 ** e for e in range(6, 17) for m in (1, 3))
+_ROOFLINE_RATIO_BUCKETS = (1.0, 1.1, 1.25, 1.5, 2.0, 3.0, 5.0, 10.0, 20.0, 50.0, 100.0, 1000.0)
+_PREDICTED_BUCKETS = (1e-6, 1e-5, 1e-4, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
+                      0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 _STEP_KINDS = ("prefill", "decode", "mixed")
 _FINISH_REASONS = ("stop", "length", "abort")
 
@@ -69,6 +81,22 @@ class PrometheusMetrics:
                             _TOKEN_BUCKETS)
         self.step_tokens = hist("iteration_tokens", "Tokens (prefill + decode) per engine step.",
                                 _TOKEN_BUCKETS)
+        self.step_bandwidth = hist(
+            "step_achieved_bandwidth_bytes_per_second",
+            "Per engine step: roofline-predicted bytes moved / measured step duration.",
+            _BANDWIDTH_BUCKETS)
+        self.step_flops = hist(
+            "step_achieved_flops_per_second",
+            "Per engine step: roofline-predicted FLOPs / measured step duration.", _FLOPS_BUCKETS)
+        self.step_over_roofline = hist(
+            "step_time_over_roofline",
+            "Per engine step: measured duration / roofline lower bound at this machine's "
+            "measured peaks (1 = at the roof; only when peaks are stored).",
+            _ROOFLINE_RATIO_BUCKETS)
+        self.step_predicted = hist(
+            "step_predicted_seconds",
+            "Per engine step: roofline lower bound on its time at this machine's measured peaks "
+            "(only when peaks are stored).", _PREDICTED_BUCKETS)
 
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens prefilled (counted once "
                                      "per request, when its first token is sampled).")
@@ -105,6 +133,7 @@ class PrometheusMetrics:
             self.step_tokens.observe(step.num_tokens)
             self.step_prefill_tokens.inc(step.num_prefill_tokens)
             self.step_decode_tokens.inc(step.num_decode_tokens)
+            self._observe_roofline(step)
         for out in outputs:
             times = out.metrics.token_times
             if not times:
@@ -131,6 +160,17 @@ class PrometheusMetrics:
         self.kv_usage.set(snapshot.kv_usage)
         self.kv_free_blocks.set(snapshot.num_free_blocks)
         self.kv_blocks.set(snapshot.num_blocks)
+
+    def _observe_roofline(self, step: StepStats) -> None:
+        dt = step.duration_s
+        if dt > 0:
+            if step.predicted_bytes is not None:
+                self.step_bandwidth.observe(step.predicted_bytes / dt)
+            if step.predicted_flops is not None:
+                self.step_flops.observe(step.predicted_flops / dt)
+        if step.predicted_s is not None and step.predicted_s > 0:
+            self.step_predicted.observe(step.predicted_s)
+            self.step_over_roofline.observe(dt / step.predicted_s)
 
     def _observe_request(self, f: FinishedRequest) -> None:
         m = f.metrics

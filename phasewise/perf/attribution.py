@@ -1,0 +1,112 @@
+"""What each engine step should have cost: its roofline FLOPs, bytes and time.
+
+``StepCostModel`` holds one model's shape (from its ``config.json``), the dtype its weights and
+KV cache are stored in, the arithmetic a step of ``rows`` tokens runs in, and this machine's
+measured peaks. ``predict`` prices one step's exact mix, a fused pass over prompt chunks and
+decode tokens (``Roofline.mixed``), in pure Python arithmetic: the engine calls it every step.
+
+Peaks come from the file ``phasewise measure`` writes (``cpu-local`` or ``gpu-local``). When
+none are stored, nothing is measured (that would slow every engine start): FLOPs and bytes are
+still predicted, the time is None. This module imports no torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from phasewise.perf.hardware import Accelerator, load_local
+from phasewise.perf.models import ModelShape
+from phasewise.perf.roofline import DTYPE_BYTES, Chunk, Roofline, norm_dtype
+
+# Stands in for the machine when no peaks are stored: FLOPs and bytes do not depend on it,
+# and the times it would give are never reported.
+_UNIT_PEAKS = Accelerator("unit", "no measured peaks", {d: 1.0 for d in DTYPE_BYTES}, 0.0, 1.0,
+                          None, "placeholder")
+
+
+@dataclass(frozen=True)
+class StepPrediction:
+    flops: float
+    bytes: float
+    seconds: float | None  # max(flops / peak, bytes / bandwidth); None without peaks
+    compute_dtype: str  # whose peak the step's arithmetic is rated at
+
+
+def engine_compute_dtype(engine: Any) -> Callable[[int], str]:
+    """For an ``LLMEngine``: the dtype whose peak a step of ``rows`` tokens runs at. On CPU
+    the calibrated bf16 plan decides per row count (kernel or upcast: fp32; torch: bf16), and
+    fp16 (an emulation there, with no measured peak) is rated against fp32; elsewhere the
+    weights' dtype."""
+    dtype = norm_dtype(str(engine.dtype).removeprefix("torch."))
+    if engine.device.type == "cpu":
+        plan = getattr(engine, "linear_plan", None)
+        if plan is not None:
+            return plan.compute_dtype
+        if dtype == "fp16":
+            dtype = "fp32"
+    return lambda rows: dtype
+
+
+def stored_peaks(device_type: str, path: Path | None = None) -> Accelerator | None:
+    """This machine's stored figures for ``device_type`` (``cpu`` or ``cuda``), or None when
+    ``phasewise measure`` has stored none (or they are unreadable). Never measures."""
+    key = "gpu-local" if device_type == "cuda" else "cpu-local"
+    try:
+        accel = load_local(key, path)
+    except (ValueError, KeyError, TypeError, AttributeError, OSError):
+        return None
+    if not accel.mem_bandwidth > 0:
+        return None
+    return accel
+
+
+class StepCostModel:
+    """Roofline cost of engine steps for one model, dtype and machine."""
+
+    def __init__(self, shape: ModelShape, dtype: str, accel: Accelerator | None,
+                 compute_dtype: Callable[[int], str] | None = None) -> None:
+        self.shape = shape
+        self.dtype = norm_dtype(dtype)
+        self.accel = accel
+        self.compute_dtype = compute_dtype or (lambda rows: self.dtype)
+        self._roofs: dict[str, tuple[Roofline, bool]] = {}  # compute dtype -> (roof, timed)
+
+    @classmethod
+    def for_engine(cls, engine: Any, machine_file: Path | None = None) -> StepCostModel:
+        """The model of an ``LLMEngine``: its checkpoint's shape, weight dtype, device and
+        per-step arithmetic, at the peaks stored for its device (``machine_file``: default
+        ``phasewise measure``'s file)."""
+        return cls(ModelShape.from_path(engine.config.model),
+                   str(engine.dtype).removeprefix("torch."),
+                   stored_peaks(engine.device.type, machine_file),
+                   engine_compute_dtype(engine))
+
+    def roofline(self, compute_dtype: str) -> tuple[Roofline, bool]:
+        """The roofline at ``compute_dtype``, and whether its times mean anything (the
+        machine has a peak for that dtype)."""
+        hit = self._roofs.get(compute_dtype)
+        if hit is None:
+            roof, timed = None, False
+            if self.accel is not None:
+                try:
+                    roof = Roofline(self.shape, self.accel, self.dtype,
+                                    compute_dtype=compute_dtype)
+                    timed = roof.peak_flops > 0
+                except ValueError:  # no peak stored for that dtype
+                    roof = None
+            if roof is None or not timed:
+                roof = Roofline(self.shape, _UNIT_PEAKS, self.dtype, compute_dtype=compute_dtype)
+            hit = self._roofs[compute_dtype] = (roof, timed)
+        return hit
+
+    def predict(self, chunks: Sequence[Chunk], decodes: Sequence[int]) -> StepPrediction:
+        """One step: prompt ``chunks`` and ``decodes`` (each decoding sequence's length with
+        its new token), all in one fused pass."""
+        rows = sum(c.tokens for c in chunks) + len(decodes)
+        cdt = self.compute_dtype(rows)
+        roof, timed = self.roofline(cdt)
+        c = roof.mixed(chunks, decodes)
+        return StepPrediction(c.flops, c.bytes, c.time if timed else None, cdt)
