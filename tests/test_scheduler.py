@@ -162,6 +162,19 @@ def test_prompt_longer_than_max_model_len_is_rejected_at_admission():
     assert not s.has_unfinished()
 
 
+def test_prompt_that_fills_max_model_len_is_rejected_naming_the_prompt():
+    from phasewise.engine.validation import ValidationError
+
+    s = make(max_len=16)
+    with pytest.raises(ValidationError, match="16 tokens, as many as max_model_len") as e:
+        s.add_request(req("a", 16))
+    assert e.value.param == "prompt"
+    s.add_request(req("b", 15, max_tokens=8))  # one output token fits
+    while s.has_unfinished():
+        step(s)
+    assert s.running == [] and s.kv.num_free_blocks == s.kv.num_blocks
+
+
 def test_prompt_larger_than_the_pool_is_rejected():
     s = make(max_len=100, blocks=4, block_size=4)
     with pytest.raises(ValueError, match="whole KV cache holds 16"):
