@@ -71,10 +71,6 @@ class BlockPool:
     def num_free(self) -> int:
         return len(self._free)
 
-    @property
-    def num_cached(self) -> int:
-        return len(self._cached)
-
     def free_block_ids(self) -> list[int]:
         """Free block ids in the order they would be handed out."""
         return list(self._free)

@@ -77,9 +77,6 @@ class ScheduledBatch:
     def total_tokens(self) -> int:
         return self.num_prefill_tokens + self.num_decode_tokens
 
-    def __len__(self) -> int:
-        return len(self.requests)
-
 
 def is_decode(req: Request, n: int) -> bool:
     """One token on top of a fully computed history, and that token is a sampled output."""

@@ -252,10 +252,6 @@ class Roofline:
         """Decode step time at the mean context of the output (prompt + output / 2)."""
         return self.decode(batch, prompt_len + max(output_len // 2, 1)).time
 
-    def decode_throughput(self, batch: int, context: int) -> float:
-        """Output tokens per second of a decode-only steady state."""
-        return batch / self.decode(batch, context).time
-
     def critical_batch(self, context: int) -> float | None:
         """Smallest batch at which a decode step at ``context`` turns compute-bound, or None
         if it never does (each sequence's KV reads cost more time than its arithmetic)."""
