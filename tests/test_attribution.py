@@ -148,3 +148,24 @@ def test_metrics_export_achieved_rates_and_time_over_roofline():
     pm.on_step(_step(predicted_flops=None, predicted_bytes=None, predicted_s=None), [], [],
                _snapshot())
     assert _sample(reg, bw + "_count") == 2
+
+
+def test_each_step_is_rated_at_the_arithmetic_its_rows_run_in():
+    from types import SimpleNamespace
+
+    from phasewise.perf.attribution import engine_compute_dtype
+
+    class Plan:  # the calibrated CPU plan: the kernel (fp32 math) up to 16 rows, torch above
+        def compute_dtype(self, rows):
+            return "fp32" if rows <= 16 else "bf16"
+
+    cpu, cuda = SimpleNamespace(type="cpu"), SimpleNamespace(type="cuda")
+    bf16 = engine_compute_dtype(SimpleNamespace(dtype="torch.bfloat16", device=cpu,
+                                                linear_plan=Plan()))
+    assert (bf16(1), bf16(16), bf16(17)) == ("fp32", "fp32", "bf16")
+    fp16 = engine_compute_dtype(SimpleNamespace(dtype="torch.float16", device=cpu,
+                                                linear_plan=None))
+    assert fp16(1) == "fp32"  # CPU fp16 is rated against fp32
+    gpu = engine_compute_dtype(SimpleNamespace(dtype="torch.float16", device=cuda,
+                                               linear_plan=None))
+    assert gpu(1000) == "fp16"
