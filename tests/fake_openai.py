@@ -6,7 +6,9 @@ The script is chosen by the prompt's length (prompts are token ids):
 * every request: first chunk after ``ttft`` seconds, then one chunk per ``gaps`` entry;
   each chunk carries ``tokens`` tokens (usage on every chunk, as continuous_usage_stats);
 * ``SCRIPTS`` maps prompt length -> (ttft, gaps, tokens per chunk); other lengths use
-  the default script; prompt length 13 answers HTTP 500.
+  the default script; prompt length 13 answers HTTP 500;
+* a prompt that, with its ``max_tokens``, exceeds ``CONTEXT_LEN`` answers 400 with an
+  OpenAI-style error body, as phasewise's server words it.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ SCRIPTS = {
     500: (0.90, [0.05, 0.05, 0.05, 0.05], [1, 1, 1, 1, 1]),  # a long prompt: slow TTFT
 }
 ERROR_LEN = 13
+CONTEXT_LEN = 512
 
 
 async def app(scope, receive, send):
@@ -62,6 +65,12 @@ async def app(scope, receive, send):
     n = len(req["prompt"])
     if n == ERROR_LEN:
         await reply(500, {"error": {"message": "scripted failure"}})
+        return
+    if n + int(req.get("max_tokens") or 16) > CONTEXT_LEN:
+        await reply(400, {"error": {
+            "message": f"the prompt has {n} tokens, but this model's context is {CONTEXT_LEN} "
+                       "tokens, which must also hold the output",
+            "type": "invalid_request_error", "param": "prompt", "code": None}})
         return
     ttft, gaps, tokens = SCRIPTS.get(n, DEFAULT)
     await send({"type": "http.response.start", "status": 200,

@@ -211,11 +211,46 @@ def test_cli_writes_a_vllm_style_result_and_sweeps(fake, tmp_path, capsys):
     assert "==== sweep ====" in capsys.readouterr().out
 
 
-def test_cli_reports_failures_in_its_exit_code(fake, tmp_path):
+def test_cli_reports_failures_in_its_exit_code(fake, tmp_path, capsys):
     rc = main(["bench", "--base-url", fake.url, "--num-prompts", "2", "--input-len", "13",
                "--output-len", "5", "--disable-tqdm"])
     assert rc == 1
+    assert "2 requests failed:\n  x2  HTTP 500: scripted failure\n" in capsys.readouterr().out
     assert main(["bench", "--base-url", fake.url, "--input-len", "nope"]) == 2
+
+
+def test_cli_says_why_requests_failed_grouped_and_counted(fake, capsys):
+    # half the requests are intruders too long for the fake's 512-token context
+    rc = main(["bench", "--base-url", fake.url, "--num-prompts", "6", "--input-len", "16",
+               "--output-len", "5", "--intruder-fraction", "0.5", "--intruder-len",
+               "uniform:600-700", "--disable-tqdm"])
+    assert rc == 1
+    out = capsys.readouterr().out
+    assert "Failed requests:                      3" in out and "3 requests failed:" in out
+    why = [ln for ln in out.splitlines() if ln.startswith("  x")]
+    assert len(why) == 1, out  # one reason, though each message has its own prompt length
+    assert why[0].startswith("  x3  HTTP 400: the prompt has 6")
+    assert "but this model's context is 512 tokens" in why[0]
+    assert '{"error"' not in out  # the server's message, not its raw JSON body
+
+
+def test_failure_reasons_group_messages_that_differ_only_in_numbers():
+    from phasewise.bench.client import error_message
+    from phasewise.bench.summary import failure_lines, failure_reasons
+
+    errors = ["", "HTTP 400: prompt has 1030 tokens", "HTTP 500: boom", None,
+              "HTTP 400: prompt has 1041 tokens", "HTTP 400: prompt has 1030 tokens"]
+    assert failure_reasons(errors) == [("HTTP 400: prompt has 1030 tokens", 3, True),
+                                       ("HTTP 500: boom", 1, False)]
+    assert failure_lines({"errors": errors}) == [
+        "4 requests failed:", "  x3  HTTP 400: prompt has 1030 tokens  (the numbers vary)",
+        "  x1  HTTP 500: boom"]
+    assert failure_lines({"errors": ["", None]}) == []
+    assert failure_lines({"errors": ["x" * 300]}, width=10) == ["1 request failed:",
+                                                                "  x1  xxxxxxxxx…"]
+    assert error_message('{"error": {"message": "too long", "type": "x"}}') == "too long"
+    assert error_message('{"detail": "Not Found"}') == "Not Found"
+    assert error_message("<html>bad gateway</html>") == "<html>bad gateway</html>"
 
 
 # -- the report ------------------------------------------------------------------------------

@@ -85,6 +85,24 @@ def _body(cfg: ClientConfig, spec: RequestSpec, prompt: list[int] | str) -> dict
     return body
 
 
+def error_message(body: str) -> str:
+    """An error reply's message: ``error.message`` of an OpenAI-style JSON body (or
+    ``message`` / ``detail`` at the top), else the body as it came."""
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return body.strip()
+    if isinstance(data, dict):
+        err = data.get("error", data)
+        if isinstance(err, dict):
+            msg = err.get("message") or err.get("detail")
+            if isinstance(msg, str) and msg:
+                return msg
+        elif isinstance(err, str) and err:
+            return err
+    return body.strip()
+
+
 async def send_one(client: httpx.AsyncClient, cfg: ClientConfig, spec: RequestSpec,
                    prompt: list[int] | str, t_run0: float) -> RequestResult:
     res = RequestResult(spec.index, spec.prompt_len, spec.output_len, spec.intruder)
@@ -96,7 +114,7 @@ async def send_one(client: httpx.AsyncClient, cfg: ClientConfig, spec: RequestSp
         async with client.stream("POST", cfg.endpoint, json=_body(cfg, spec, prompt)) as r:
             if r.status_code != 200:
                 text = (await r.aread()).decode(errors="replace")
-                res.error = f"HTTP {r.status_code}: {text[:500]}"
+                res.error = f"HTTP {r.status_code}: {error_message(text)[:500]}"
                 res.latency = time.monotonic() - t0
                 return res
             async for line in r.aiter_lines():

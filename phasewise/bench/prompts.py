@@ -54,9 +54,13 @@ def tokens_from_server(base_url: str, text: str, headers: dict[str, str] | None 
             body: dict = {"prompt": text[i:i + _CHUNK_CHARS], "add_special_tokens": False}
             if model:
                 body["model"] = model
-            r = c.post("/tokenize", json=body)
+            try:
+                r = c.post("/tokenize", json=body)
+            except httpx.TransportError as e:
+                raise ConnectionError(f"cannot reach {base_url} ({type(e).__name__}: {e}); "
+                                      "is the server running there?") from e
             if r.status_code != 200:
-                raise RuntimeError(
+                raise ValueError(
                     f"{base_url}/tokenize answered {r.status_code} ({r.text[:200]}); give the "
                     "model's tokenizer.json with --tokenizer instead")
             ids.extend(r.json()["tokens"])

@@ -16,6 +16,7 @@ Definitions (as vLLM's ``bench serve`` and DistServe use them):
 from __future__ import annotations
 
 import math
+import re
 import statistics
 from collections.abc import Sequence
 from typing import Any
@@ -85,6 +86,31 @@ def longest_stall(results: Sequence[RequestResult]) -> dict[str, Any] | None:
             "culprit": culprit.index if culprit else None,
             "culprit_prompt_len": culprit.prompt_len if culprit else None,
             "culprit_intruder": culprit.intruder if culprit else None}
+
+
+def failure_reasons(errors: Sequence[str | None]) -> list[tuple[str, int, bool]]:
+    """The failed requests' errors grouped: (an example, how many, whether the group's
+    messages differ in their numbers), most frequent first. Errors that differ only in
+    numbers (a prompt's length, say) are one group."""
+    groups: dict[str, list[str]] = {}
+    for e in errors:
+        if e:
+            groups.setdefault(re.sub(r"\d+(\.\d+)?", "#", e), []).append(e)
+    return sorted(((msgs[0], len(msgs), len(set(msgs)) > 1) for msgs in groups.values()),
+                  key=lambda g: -g[1])
+
+
+def failure_lines(result: dict[str, Any], width: int = 200) -> list[str]:
+    """``N requests failed:`` and one line per reason (``x COUNT  ERROR``)."""
+    reasons = failure_reasons(result.get("errors") or [])
+    n = sum(count for _, count, _ in reasons)
+    if not n:
+        return []
+    lines = [f"{n} request{'s' * (n != 1)} failed:"]
+    for text, count, varies in reasons:
+        text = text if len(text) <= width else text[:width - 1] + "…"
+        lines.append(f"  x{count}  {text}" + ("  (the numbers vary)" if varies else ""))
+    return lines
 
 
 def _stats(name: str, values_s: Sequence[float], out: dict[str, Any]) -> None:
@@ -164,4 +190,5 @@ def text_table(result: dict[str, Any]) -> str:
                    f"{', intruder' if stall['culprit_intruder'] else ''})")
         row("Longest stall:", f"{stall['itl_ms']:.1f} ms in request {stall['request']} at "
             f"t={stall['at_s']:.2f}s{culprit}")
+    lines += failure_lines(result)
     return "\n".join(lines)
