@@ -1,27 +1,60 @@
-"""``phasewise``: one entry point. Argument parsing only; the work lives in the rooms."""
+"""``phasewise``: one entry point. Argument parsing only; each command's work lives in its room
+(``phasewise.generate``, ``phasewise.server.serve``, ``phasewise.bench``, ``phasewise.perf``).
+
+The flags' choices and defaults come from the definitions they configure (``EngineConfig``
+and its choice tuples, the scheduler's policies, the model registry's architectures).
+Building the parser imports no torch, no HTTP stack: every command builds it.
+
+Exit status and errors:
+
+* a flag the command does not know, or a bad flag value: that command's usage and
+  ``phasewise <command>: error: ...``, exit 2;
+* an error in what was given (``ValueError`` or ``FileNotFoundError``: a missing model folder,
+  a bad length distribution, an unknown accelerator; ``ConnectionError``: a server that
+  cannot be reached): ``phasewise: error: ...``, exit 2;
+* anything else is an internal error: one line ``phasewise: internal error: <type>: ...``,
+  exit 1; ``--debug`` (on any command) prints the traceback before it;
+* Ctrl-C: ``phasewise: interrupted``, exit 130 (``serve`` drains first and exits 0).
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
 import time
+import traceback
+from dataclasses import fields
+
+USER_ERRORS = (ValueError, FileNotFoundError, ConnectionError)
+
+
+def _engine_defaults() -> dict:
+    from phasewise.config import EngineConfig
+
+    return {f.name: f.default for f in fields(EngineConfig)}
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    from phasewise.config import DEVICES, DTYPE_CHOICES, KERNEL_CHOICES
+    from phasewise.engine.scheduler import POLICIES
+
+    d = _engine_defaults()
     p.add_argument("--model", default=None,
                    help="Hugging Face checkpoint folder (default: the bundled stdlib-coder)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--kv-cache-memory", default=None, help="KV pool size, e.g. 512MiB or 4GiB")
-    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+    p.add_argument("--dtype", default=d["dtype"], choices=DTYPE_CHOICES)
+    p.add_argument("--device", default=d["device"],
+                   help=f"{', '.join(DEVICES)} or cuda:N (default: {d['device']})")
+    p.add_argument("--max-model-len", type=int, default=d["max_model_len"])
+    p.add_argument("--block-size", type=int, default=d["block_size"])
+    p.add_argument("--kv-cache-memory", default=d["kv_cache_memory"],
+                   help="KV pool size, e.g. 512MiB or 4GiB")
+    p.add_argument("--max-num-batched-tokens", type=int, default=d["max_num_batched_tokens"],
                    help="token budget per engine step (default: 256 on CPU, 2048 on CUDA)")
-    p.add_argument("--max-num-seqs", type=int, default=128)
-    p.add_argument("--policy", default="chunked", choices=["chunked", "prefill-first"])
+    p.add_argument("--max-num-seqs", type=int, default=d["max_num_seqs"])
+    p.add_argument("--policy", default=d["policy"], choices=POLICIES)
     p.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--kernels", default="auto", choices=["auto", "torch"],
+    p.add_argument("--seed", type=int, default=d["seed"])
+    p.add_argument("--kernels", default=d["kernels"], choices=KERNEL_CHOICES,
                    help="auto: phasewise's CPU kernels for bf16 models on CPU; torch: none")
 
 
@@ -36,106 +69,15 @@ def _engine_kwargs(a: argparse.Namespace) -> dict:
 def _model_arg(a: argparse.Namespace) -> str:
     from phasewise.config import resolve_model
 
-    model = resolve_model(a.model)
-    if a.model is None:
-        print(f"model: stdlib-coder, the bundled default ({model}); --model DIR for another",
-              file=sys.stderr)
-    return model
-
-
-def _compute_dtype(eng, dtype: str, rows: int) -> str:
-    """Whose peak ``rows`` activation rows of a linear layer run at in this engine."""
-    if eng.device.type != "cpu":
-        return dtype
-    if eng.linear_plan is not None:  # bf16 weights: the calibrated plan decides per row count
-        return eng.linear_plan.compute_dtype(rows)
-    # CPU fp16 has no measured peak (its matmul is an emulation); rate it against fp32.
-    return "fp32" if dtype == "fp16" else dtype
-
-
-def _roofline_lines(llm, prefill_chunks: list[int], prefill_s: float, decode_steps: int,
-                    decode_s: float) -> list[str]:
-    """The run's two phases against this machine's measured roofline (phasewise.perf)."""
-    from phasewise.perf.explain import explain_generation
-    from phasewise.perf.measure import ensure_local
-    from phasewise.perf.models import ModelShape
-    from phasewise.perf.roofline import norm_dtype
-
-    eng = llm.engine
-    dtype = norm_dtype(str(eng.dtype).removeprefix("torch."))
-    pre = _compute_dtype(eng, dtype, max(prefill_chunks))
-    dec = _compute_dtype(eng, dtype, 1)
-    accel = ensure_local(str(eng.device), tuple(dict.fromkeys((pre, dec))))
-    return explain_generation(ModelShape.from_path(eng.config.model), accel, dtype, pre, dec,
-                              prefill_chunks, prefill_s, decode_steps, decode_s,
-                              min(eng.scheduler.config.max_num_batched_tokens,
-                                  eng.max_model_len))
+    return resolve_model(a.model, note=lambda line: print(line, file=sys.stderr))
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
-    from phasewise import LLM, SamplingParams
+    from phasewise.generate import GenerateOptions, run
 
-    model = _model_arg(a)
-    t0 = time.monotonic()
-    llm = LLM(model, **_engine_kwargs(a))
-    eng = llm.engine
-    print(f"loaded {eng.model_config.architecture} ({eng.model_config.num_params / 1e6:.1f} M "
-          f"parameters, {str(eng.dtype).removeprefix('torch.')}, {eng.device}) in "
-          f"{time.monotonic() - t0:.1f} s", file=sys.stderr)
-    params = eng.default_sampling_params(
-        max_tokens=a.max_tokens, **({"temperature": a.temperature} if a.temperature is not None
-                                    else {}), **({"seed": a.sample_seed} if a.sample_seed
-                                                 is not None else {}))
-    prompt: str | list[int] = a.prompt
-    if a.chat:  # the template places any BOS itself, as the server's chat route does
-        prompt = llm.tokenizer.encode(llm.tokenizer.apply_chat_template(
-            [{"role": "user", "content": a.prompt}]), add_special_tokens=False)
-    # Warm-up: one greedy 2-token request first, so that one-time costs (buffers, first
-    # kernel calls) stay out of the figures below; they are the steady state a server shows.
-    # Its prompt is one token repeated, one row past the decode kernel's reach, so the
-    # prefill path a real prompt takes is warm too (and no real prompt shares its prefix).
-    rows = (eng.linear_plan.kernel_max_rows if eng.linear_plan is not None else 0) + 1
-    rows = max(2, min(rows, eng.max_model_len - 2))
-    filler = llm.tokenizer.encode(" ", add_special_tokens=False)[:1] or [0]
-    llm.generate(filler * rows, SamplingParams(temperature=0.0, max_tokens=2,
-                                               ignore_eos=True))
-    n0 = len(eng.step_stats)
-    out = None
-    echo = sys.stdout.isatty() and not a.chat
-    for out in llm.stream(prompt, params):
-        if echo:  # on a terminal, the prompt first, once the engine has accepted it
-            sys.stdout.write(a.prompt)
-            echo = False
-        sys.stdout.write(out.delta_text)
-        sys.stdout.flush()
-    sys.stdout.write("\n")
-    sys.stdout.flush()
-    if out is None:
-        return 1
-    m = out.metrics
-    n_prompt, n_out = len(out.prompt_token_ids), len(out.token_ids)
-    steps = list(eng.step_stats)[n0:]
-    prefill_steps = [s for s in steps if s.num_prefill_tokens]
-    prefill_s = sum(s.duration_s for s in prefill_steps)
-    decode_s = (m.token_times[-1] - m.token_times[0]) if n_out > 1 else 0.0
-    steps_text = (f"{len(prefill_steps)} steps of "
-                  + " + ".join(str(s.num_prefill_tokens) for s in prefill_steps)
-                  if len(prefill_steps) > 1 else "1 step")
-    print(f"[prefill]  {n_prompt} prompt tokens, {steps_text}, {prefill_s * 1e3:.1f} ms: "
-          f"{n_prompt / max(prefill_s, 1e-9):.0f} tok/s; TTFT {m.ttft * 1e3:.1f} ms",
-          file=sys.stderr)
-    if n_out > 1:
-        print(f"[decode]   {n_out - 1} tokens, {decode_s * 1e3:.1f} ms: "
-              f"{(n_out - 1) / max(decode_s, 1e-9):.0f} tok/s (TPOT {m.tpot * 1e3:.1f} ms); "
-              f"finish: {out.finish_reason}", file=sys.stderr)
-    else:
-        print(f"[decode]   no decode step: the only token came with the prefill; finish: "
-              f"{out.finish_reason}", file=sys.stderr)
-    if not a.no_roofline:
-        for line in _roofline_lines(llm, [s.num_prefill_tokens for s in prefill_steps],
-                                    prefill_s, n_out - 1, decode_s):
-            print(line, file=sys.stderr)
-    return 0
+    return run(_model_arg(a), _engine_kwargs(a), GenerateOptions(
+        prompt=a.prompt, max_tokens=a.max_tokens, temperature=a.temperature,
+        sample_seed=a.sample_seed, chat=a.chat, roofline=not a.no_roofline))
 
 
 def cmd_serve(a: argparse.Namespace) -> int:
@@ -154,10 +96,11 @@ def _serve(a: argparse.Namespace) -> int:
     from phasewise.config import EngineConfig, parse_memory
     from phasewise.server.serve import build_server, run
 
+    model = _model_arg(a)
     if not 0 < a.port < 65536:
         raise ValueError(f"--port must be in 1..65535, got {a.port}")
     server = build_server(
-        EngineConfig(model=_model_arg(a), **_engine_kwargs(a)),
+        EngineConfig(model=model, **_engine_kwargs(a)),
         served_model_name=a.served_model_name,
         log_interval_s=a.log_interval, api_key=a.api_key,
         max_waiting_requests=a.max_waiting_requests,
@@ -186,31 +129,15 @@ def cmd_bench_report(a: argparse.Namespace) -> int:
     return 0
 
 
-def build_report_parser() -> argparse.ArgumentParser:
-    r = argparse.ArgumentParser(prog="phasewise bench report",
-                                description="HTML report from benchmark result files")
-    r.add_argument("results", nargs="+", help="result JSON files (phasewise bench, or "
-                   "vllm bench serve --save-detailed)")
-    r.add_argument("-o", "--output", default="bench-report.html")
-    r.add_argument("--stall-factor", type=float, default=5.0,
-                   help="mark a stall where a gap exceeds this x the median ITL")
-    r.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS",
-                   help="SLO lines to draw (default: the results' own)")
-    r.set_defaults(func=cmd_bench_report)
-    return r
-
-
 def cmd_roofline(a: argparse.Namespace) -> int:
     import json
 
-    from phasewise.perf.analysis import analyse, format_text
-    from phasewise.perf.hardware import ACCELERATORS, LINKS, lookup_accelerator, lookup_link
-    from phasewise.perf.models import CATALOG, GenericModel, lookup_model
+    from phasewise.perf.analysis import analyse, format_catalog, format_text
+    from phasewise.perf.hardware import lookup_accelerator, lookup_link
+    from phasewise.perf.models import GenericModel, lookup_model
 
     if a.list:
-        print("accelerators: " + ", ".join(ACCELERATORS) + ", cpu-local, gpu-local")
-        print("models: " + ", ".join(m.name for m in CATALOG.values()))
-        print("links: " + ", ".join(LINKS))
+        print(format_catalog())
         return 0
     if (a.model is None) == (a.params is None):
         raise ValueError("give exactly one of --model NAME|PATH or --params N (e.g. 7e9)")
@@ -231,12 +158,10 @@ def cmd_roofline(a: argparse.Namespace) -> int:
 def cmd_measure(a: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from phasewise.perf.measure import measure
+    from phasewise.perf.measure import format_entry, measure
 
-    result = measure(Path(a.out) if a.out else None, quick=a.quick)
-    for key, entry in result.items():
-        peaks = ", ".join(f"{k} {v / 1e9:.1f} GFLOP/s" for k, v in entry["peak_flops"].items())
-        print(f"{key}: {entry['name']}: read {entry['mem_bandwidth'] / 1e9:.1f} GB/s; {peaks}")
+    for key, entry in measure(Path(a.out) if a.out else None, quick=a.quick).items():
+        print(format_entry(key, entry))
     return 0
 
 
@@ -251,11 +176,47 @@ def cmd_make_tiny(a: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="phasewise", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+def _common(top: bool = True) -> argparse.ArgumentParser:
+    """Flags every command takes, before or after its name (``top``: the parser that sets
+    their defaults; a subcommand's parser leaves a flag unset unless it is given there, so
+    that ``phasewise --debug serve`` keeps it)."""
+    c = argparse.ArgumentParser(add_help=False)
+    c.add_argument("--debug", action="store_true", default=False if top else argparse.SUPPRESS,
+                   help="on an internal error, print the traceback too")
+    return c
 
-    g = sub.add_parser("generate", help="stream a completion for one prompt")
+
+def build_report_parser() -> argparse.ArgumentParser:
+    r = argparse.ArgumentParser(prog="phasewise bench report", parents=[_common()],
+                                description="HTML report from benchmark result files")
+    r.add_argument("results", nargs="+", help="result JSON files (phasewise bench, or "
+                   "vllm bench serve --save-detailed)")
+    r.add_argument("-o", "--output", default="bench-report.html")
+    r.add_argument("--stall-factor", type=float, default=5.0,
+                   help="mark a stall where a gap exceeds this x the median ITL")
+    r.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS",
+                   help="SLO lines to draw (default: the results' own)")
+    r.set_defaults(func=cmd_bench_report, parser=r)
+    return r
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from phasewise.bench.options import add_args as add_bench_args
+    from phasewise.config import LOG_LEVELS
+    from phasewise.model.config import SUPPORTED_ARCHITECTURES
+    from phasewise.perf.roofline import DTYPE_BYTES
+
+    parser = argparse.ArgumentParser(prog="phasewise", description=__doc__.split("\n\n")[0],
+                                     parents=[_common()])
+    sub = parser.add_subparsers(dest="command", required=True)
+    common = [_common(top=False)]
+
+    def command(name: str, help: str, func) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help, parents=common)
+        p.set_defaults(func=func, parser=p)
+        return p
+
+    g = command("generate", "stream a completion for one prompt", cmd_generate)
     _add_engine_args(g)
     g.add_argument("prompt")
     g.add_argument("--max-tokens", type=int, default=64)
@@ -267,9 +228,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="skip the closing lines that hold both phases against this machine's "
                    "roofline (they need phasewise measure's figures; a quick measurement is "
                    "made and saved the first time)")
-    g.set_defaults(func=cmd_generate)
 
-    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (streaming, /metrics)")
+    s = command("serve", "OpenAI-compatible HTTP server (streaming, /metrics)", cmd_serve)
     _add_engine_args(s)
     s.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: all)")
     s.add_argument("--port", type=int, default=8000)
@@ -284,25 +244,21 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds running streams get to finish after SIGTERM")
     s.add_argument("--log-interval", type=float, default=5.0,
                    help="seconds between throughput log lines (0: off)")
-    s.add_argument("--log-level", default="info",
-                   choices=["debug", "info", "warning", "error"])
-    s.set_defaults(func=cmd_serve)
+    s.add_argument("--log-level", default="info", choices=LOG_LEVELS)
 
-    b = sub.add_parser("bench", help="load-test any OpenAI-compatible server "
-                       "('phasewise bench report FILES' renders an HTML report)")
-    from phasewise.bench.options import add_args as add_bench_args
-
+    b = command("bench", "load-test any OpenAI-compatible server "
+                "('phasewise bench report FILES' renders an HTML report)", cmd_bench)
     add_bench_args(b)
-    b.set_defaults(func=cmd_bench)
 
-    r = sub.add_parser("roofline", help="predict which bound each phase hits, for any model "
-                       "x accelerator x workload (no GPU, no weights, no torch)")
+    r = command("roofline", "predict which bound each phase hits, for any model x "
+                "accelerator x workload (no GPU, no weights, no torch)", cmd_roofline)
     r.add_argument("--model", default=None, help="catalog name or a config.json / folder")
     r.add_argument("--params", type=float, default=None,
                    help="a generic dense model of this many parameters, e.g. 7e9")
     r.add_argument("--gpu", "--accelerator", dest="gpu", default="h100-sxm",
                    help="catalog key (see --list), or cpu-local / gpu-local (phasewise measure)")
-    r.add_argument("--dtype", default="bf16", help="fp32, bf16, fp16, fp8, int8, int4")
+    dtypes = ", ".join(DTYPE_BYTES)
+    r.add_argument("--dtype", default="bf16", help=dtypes)
     r.add_argument("--kv-dtype", default=None, help="KV cache dtype (default: --dtype)")
     r.add_argument("--compute-dtype", default=None,
                    help="whose peak the math runs at (default: --dtype; fp32 for bf16 weights "
@@ -320,39 +276,56 @@ def build_parser() -> argparse.ArgumentParser:
                    help="memory fraction kept free of weights and KV")
     r.add_argument("--json", action="store_true")
     r.add_argument("--plot", default=None, metavar="FILE.png")
-    r.add_argument("--list", action="store_true", help="list catalog entries and exit")
-    r.set_defaults(func=cmd_roofline)
+    r.add_argument("--list", action="store_true",
+                   help="list the catalogs (accelerators, models, links) with each figure's "
+                   "source, and exit")
 
-    m = sub.add_parser("measure", help="measure this machine's bandwidth and matmul peaks "
-                       "(the cpu-local / gpu-local accelerators)")
+    m = command("measure", "measure this machine's bandwidth and matmul peaks (the "
+                "cpu-local / gpu-local accelerators)", cmd_measure)
     m.add_argument("--out", default=None, help="file to write (default: the cache folder)")
-    m.add_argument("--quick", action="store_true", help="fewer repetitions")
-    m.set_defaults(func=cmd_measure)
+    m.add_argument("--quick", action="store_true",
+                   help="fewer repetitions; never replaces a full measurement in the file")
 
-    t = sub.add_parser("make-tiny", help="write a tiny random-weight checkpoint (HF layout)")
+    t = command("make-tiny", "write a tiny random-weight checkpoint (HF layout)",
+                cmd_make_tiny)
     t.add_argument("out")
-    t.add_argument("--arch", default="LlamaForCausalLM",
-                   choices=["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-                            "Qwen3ForCausalLM"])
+    t.add_argument("--arch", default="LlamaForCausalLM", choices=list(SUPPORTED_ARCHITECTURES))
     t.add_argument("--vocab-size", type=int, default=512)
     t.add_argument("--hidden-size", type=int, default=64)
     t.add_argument("--layers", type=int, default=2)
     t.add_argument("--seed", type=int, default=0)
-    t.set_defaults(func=cmd_make_tiny)
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """The command's arguments; a flag it does not know gets its own usage (exit 2)."""
     if argv[:2] == ["bench", "report"]:
-        args = build_report_parser().parse_args(argv[2:])
+        parser, argv = build_report_parser(), argv[2:]
     else:
-        args = build_parser().parse_args(argv)
+        parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        getattr(args, "parser", parser).error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else list(argv))
     try:
         return int(args.func(args) or 0)
-    except (ValueError, FileNotFoundError, RuntimeError) as e:
+    except USER_ERRORS as e:
         print(f"phasewise: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("phasewise: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # a bug or a broken environment, not the user's input
+        if args.debug:
+            traceback.print_exc()
+        text = " ".join(str(e).split()) or "(no message)"
+        print(f"phasewise: internal error: {type(e).__name__}: {text}"
+              + ("" if args.debug else " (--debug shows the traceback)"), file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-DEVICES = ("auto", "cpu", "cuda")
+DEVICES = ("auto", "cpu", "cuda")  # and "cuda:N"
+# The engine's load dtypes (phasewise.model.loader maps each one to a torch dtype; a test
+# checks the two agree). Kept here, torch-free, so that the CLI's parser can offer them.
+DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 KERNEL_CHOICES = ("auto", "torch")
+LOG_LEVELS = ("debug", "info", "warning", "error")
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6,
           "mib": 2**20, "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12,
           "tib": 2**40}
@@ -17,16 +23,55 @@ _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb"
 BUNDLED_MODEL = Path(__file__).resolve().parent / "assets" / "stdlib-coder"
 
 
-def resolve_model(model: str | Path | None) -> str:
-    """The checkpoint folder to load: ``model``, or the bundled default when it is None."""
-    if model is not None:
-        return str(model)
-    if not (BUNDLED_MODEL / "config.json").exists():
-        raise FileNotFoundError(
-            f"no model given and the bundled default is missing ({BUNDLED_MODEL}); pass "
-            "--model DIR, or rebuild it from a source checkout: "
-            "python scripts/train_default_model.py")
-    return str(BUNDLED_MODEL)
+def resolve_model(model: str | Path | None, note: Callable[[str], None] | None = None) -> str:
+    """The checkpoint folder to load: ``model``, or the bundled default when it is None
+    (then ``note``, if given, is told so).
+
+    A file (such as the folder's ``config.json``) is refused with the folder it sits in, and
+    a name that is not a path here but is in the roofline's model catalog is refused as a
+    catalog name: both raise with what was found and what is expected. A path that does not
+    exist at all is returned as it is, for the engine to report.
+    """
+    if model is None:
+        if not (BUNDLED_MODEL / "config.json").exists():
+            raise FileNotFoundError(
+                f"no model given and the bundled default is missing ({BUNDLED_MODEL}); pass "
+                "--model DIR, or rebuild it from a source checkout: "
+                "python scripts/train_default_model.py")
+        if note is not None:
+            note(f"model: stdlib-coder, the bundled default ({BUNDLED_MODEL}); --model DIR "
+                 "for another")
+        return str(BUNDLED_MODEL)
+    path = Path(model)
+    if path.is_file():
+        folder = f"{path.parent}{os.sep}"
+        if path.name == "config.json":
+            raise ValueError(f"{model} is a file; --model takes the checkpoint folder that "
+                             f"holds config.json: {folder}")
+        raise ValueError(f"{model} is a file; --model takes a checkpoint folder (config.json, "
+                         f"*.safetensors, tokenizer.json), such as the one it is in: {folder}")
+    if not path.exists():
+        name = _catalog_name(str(model))
+        if name is not None:
+            raise FileNotFoundError(
+                f"{model!r} is not a folder here but a roofline catalog name ({name}: "
+                f"phasewise roofline --model {name}); serve and generate need a local "
+                "checkpoint folder (config.json, *.safetensors, tokenizer.json); phasewise "
+                "downloads nothing")
+    return str(model)
+
+
+def _catalog_name(model: str) -> str | None:
+    """The roofline catalog's name for ``model`` or for its last path part (a hub id
+    ``org/name``), matched exactly but for case; None if neither is there. The catalog is
+    configs only: importing it is cheap."""
+    from phasewise.perf.models import CATALOG
+
+    for candidate in (model, Path(model).name):
+        shape = CATALOG.get(candidate.lower())
+        if shape is not None:
+            return shape.name
+    return None
 
 
 def parse_memory(value: int | str) -> int:
@@ -82,7 +127,6 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         from phasewise.engine.scheduler import POLICIES
-        from phasewise.model.loader import DTYPE_CHOICES
 
         if self.dtype not in DTYPE_CHOICES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}; got {self.dtype!r}")

@@ -180,3 +180,59 @@ def format_text(a: dict[str, Any]) -> str:
     for n in a["notes"]:
         lines.append(f"note: {n}")
     return "\n".join(lines)
+
+
+def _rate(v: float, unit: str) -> str:
+    """A per-second figure with a fitting prefix: ``989.4 TFLOP/s``, ``105.2 GFLOP/s``."""
+    for prefix, size in (("T", 1e12), ("G", 1e9), ("M", 1e6)):
+        if v >= size:
+            return f"{v / size:.4g} {prefix}{unit}/s"
+    return f"{v:.4g} {unit}/s"
+
+
+def _accelerator_lines(acc: Accelerator) -> list[str]:
+    peaks = ", ".join(f"{d} {_rate(v, 'OP' if d.startswith('int') else 'FLOP')}"
+                      for d, v in acc.peak_flops.items())
+    link = f"; link {acc.interconnect}" if acc.interconnect else ""
+    lines = [f"  {acc.key:<16}{acc.name}: {peaks}; {_b(acc.mem_bytes)} at "
+             f"{_rate(acc.mem_bandwidth, 'B')}{link}",
+             f"  {'':<16}source: {acc.source}"]
+    if acc.notes:
+        lines.append(f"  {'':<16}note: {acc.notes}")
+    return lines
+
+
+def format_catalog(local: dict[str, Accelerator | str] | None = None) -> str:
+    """``phasewise roofline --list``: every catalog entry with its figures and their source.
+    ``local``: the measured ``cpu-local`` / ``gpu-local`` accelerators, or for each one a line
+    saying why it is not there; by default read from ``phasewise measure``'s file."""
+    from phasewise.perf.hardware import ACCELERATORS, LINKS, load_local
+    from phasewise.perf.models import CATALOG
+
+    if local is None:
+        local = {}
+        for key in ("cpu-local", "gpu-local"):
+            try:
+                local[key] = load_local(key)
+            except (ValueError, KeyError, TypeError) as e:  # not measured, or a damaged file
+                local[key] = str(e)
+
+    lines = ["accelerators (dense peaks per dtype; memory at read bandwidth):"]
+    for acc in ACCELERATORS.values():
+        lines += _accelerator_lines(acc)
+    for key, acc in local.items():
+        if isinstance(acc, Accelerator):
+            lines += _accelerator_lines(acc)
+        else:
+            lines.append(f"  {key:<16}{acc}")
+    lines += ["", "models (parameters; MoE: active per token):"]
+    for m in CATALOG.values():
+        active = f" ({m.active_params / 1e9:.3g}B active)" if m.is_moe else ""
+        lines.append(f"  {m.name:<20}{m.total_params / 1e9:.3g}B parameters{active}; "
+                     f"source: {m.source}")
+    lines += ["", "links (bandwidth each way, latency):"]
+    for link in LINKS.values():
+        lines.append(f"  {link.key:<16}{link.name}: {_rate(link.bandwidth, 'B')}, "
+                     f"{_t(link.latency_s)}")
+        lines.append(f"  {'':<16}source: {link.source}")
+    return "\n".join(lines)

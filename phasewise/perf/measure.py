@@ -1,6 +1,11 @@
 """``phasewise measure``: this machine's read bandwidth and matmul throughput per dtype,
 stored as the ``cpu-local`` (and, with a GPU, ``gpu-local``) accelerator.
 
+Each figure is the best of several runs (the roofline is an upper bound); the runs' band
+(slowest to fastest) is stored beside it and printed, so a noisy reading shows as one. A quick
+measurement (``--quick``, or the one ``phasewise generate`` makes of what is missing) never
+replaces a full one in the machine file.
+
 torch is imported here, when measuring, never when the analyser is imported.
 """
 
@@ -17,20 +22,33 @@ from typing import Any, Callable
 from phasewise.perf.hardware import Accelerator, accelerator_from_entry, machine_file
 
 
-def _best_time(fn: Callable[[], Any], sync: Callable[[], None], reps: int, budget_s: float
-               ) -> float:
+def _times(fn: Callable[[], Any], sync: Callable[[], None], reps: int, budget_s: float
+           ) -> list[float]:
+    """Seconds per call of ``fn`` over up to ``reps`` calls after one warm-up (fewer once
+    ``budget_s`` is spent; at least one)."""
     fn()
     sync()
-    best = float("inf")
+    times: list[float] = []
     t_start = time.monotonic()
     for _ in range(reps):
         t0 = time.perf_counter()
         fn()
         sync()
-        best = min(best, time.perf_counter() - t0)
+        times.append(time.perf_counter() - t0)
         if time.monotonic() - t_start > budget_s:
             break
-    return best
+    return times
+
+
+def _best_time(fn: Callable[[], Any], sync: Callable[[], None], reps: int, budget_s: float
+               ) -> float:
+    return min(_times(fn, sync, reps, budget_s))
+
+
+def _rates(work: float, times: list[float]) -> tuple[float, list[float]]:
+    """The best rate (``work`` per second of the fastest run) and the band [slowest, fastest]
+    over the runs: the figure the roofline uses, and how noisy it was."""
+    return work / min(times), [work / max(times), work / min(times)]
 
 
 def _matmul_size(torch: Any, dev: Any, dtype: Any, sync: Callable[[], None], n_max: int,
@@ -61,12 +79,16 @@ def measure_device(device: str, progress: Callable[[str], None], quick: bool = F
     # Read bandwidth: sum a tensor far larger than the caches.
     n_bytes = (2 << 30) if dev.type == "cuda" else ((128 if quick else 512) << 20)
     bandwidth = None
+    spread: dict[str, list[float]] = {}  # figure -> [slowest, fastest] over its runs
+    runs: dict[str, int] = {}
     if read_bandwidth:
         x = torch.ones(n_bytes // 4, dtype=torch.float32, device=dev)
         progress(f"{device}: read bandwidth over {n_bytes >> 20} MiB")
-        t = _best_time(lambda: x.sum(), sync, reps, 20)
-        bandwidth = n_bytes / t
-        progress(f"{device}: read {bandwidth / 1e9:.1f} GB/s")
+        times = _times(lambda: x.sum(), sync, reps, 20)
+        bandwidth, spread["mem_bandwidth"] = _rates(n_bytes, times)
+        runs["mem_bandwidth"] = len(times)
+        progress(f"{device}: read {bandwidth / 1e9:.1f} GB/s "
+                 f"{band(spread['mem_bandwidth'], len(times), 1e9)}")
         del x
     peaks: dict[str, float] = {}
     sizes: dict[str, int] = {}
@@ -79,10 +101,12 @@ def measure_device(device: str, progress: Callable[[str], None], quick: bool = F
         progress(f"{device}: {name} matmul {n}x{n}x{n}")
         a = torch.randn(n, n, device=dev).to(dtype)
         b = torch.randn(n, n, device=dev).to(dtype)
-        t = _best_time(lambda: a @ b, sync, reps, 20)
-        peaks[name] = 2 * n ** 3 / t
+        times = _times(lambda: a @ b, sync, reps, 20)
+        peaks[name], spread[name] = _rates(2 * n ** 3, times)
+        runs[name] = len(times)
         sizes[name] = n
-        progress(f"{device}: {name} matmul {peaks[name] / 1e9:.1f} GFLOP/s")
+        progress(f"{device}: {name} matmul {peaks[name] / 1e9:.1f} GFLOP/s "
+                 f"{band(spread[name], len(times), 1e9)}")
     if dev.type == "cuda":
         mem = torch.cuda.get_device_properties(dev).total_memory
         name = torch.cuda.get_device_name(dev)
@@ -93,7 +117,39 @@ def measure_device(device: str, progress: Callable[[str], None], quick: bool = F
             "mem_bandwidth": bandwidth,
             "source": f"measured by phasewise measure on {time.strftime('%Y-%m-%d %H:%M')}",
             "measured": {"torch": torch.__version__, "threads": torch.get_num_threads(),
-                         "matmul_n": sizes, "read_bytes": n_bytes, "quick": quick}}
+                         "matmul_n": sizes, "read_bytes": n_bytes, "quick": quick,
+                         "spread": spread, "runs": runs}}
+
+
+def band(spread: list[float] | None, runs: int | None, scale: float) -> str:
+    """``[lo–hi over N runs, X% spread]`` for a figure's band (in units of ``scale``)."""
+    if not spread or len(spread) != 2:
+        return "[no spread recorded]"
+    lo, hi = spread
+    pct = 100 * (hi - lo) / hi if hi > 0 else 0.0
+    over = f" over {runs} run{'s' * (runs != 1)}" if runs else ""
+    return f"[{lo / scale:.1f}-{hi / scale:.1f}{over}, {pct:.0f}% spread]"
+
+
+def format_entry(key: str, entry: dict[str, Any]) -> str:
+    """One machine-file entry as ``phasewise measure`` prints it: each figure with its band."""
+    m = entry.get("measured") or {}
+    spread, runs = m.get("spread") or {}, m.get("runs") or {}
+    parts = [f"read {entry['mem_bandwidth'] / 1e9:.1f} GB/s "
+             f"{band(spread.get('mem_bandwidth'), runs.get('mem_bandwidth'), 1e9)}"]
+    quick_figures = set(m.get("quick_figures", []))
+    for name, v in entry["peak_flops"].items():
+        parts.append(f"{name} matmul {v / 1e9:.1f} GFLOP/s "
+                     f"{band(spread.get(name), runs.get(name), 1e9)}"
+                     + (" (quick)" if name in quick_figures else ""))
+    kind = "quick" if m.get("quick") else "full"
+    return f"{key}: {entry['name']} ({kind}): " + "; ".join(parts)
+
+
+def is_full(entry: Any) -> bool:
+    """Whether a machine-file entry is a full ``phasewise measure`` run (not a quick one, nor
+    one whose kind is unknown: older files did not record it, and count as full)."""
+    return isinstance(entry, dict) and not (entry.get("measured") or {}).get("quick", False)
 
 
 def _progress(msg: str) -> None:
@@ -101,6 +157,10 @@ def _progress(msg: str) -> None:
 
 
 def measure(out: Path | None = None, quick: bool = False) -> dict[str, Any]:
+    """Measure this machine (``cpu-local``, and ``gpu-local`` with a GPU) and store it in the
+    machine file. A quick measurement never replaces a full one: it is reported, and the
+    file keeps the full entry (``phasewise generate`` reads the file, and a quick run's noise
+    could flip its verdict on the bound). Returns the new measurements."""
     import torch
 
     progress = _progress
@@ -108,15 +168,29 @@ def measure(out: Path | None = None, quick: bool = False) -> dict[str, Any]:
     if torch.cuda.is_available():
         result["gpu-local"] = measure_device("cuda", progress, quick)
     path = out or machine_file()
-    path.parent.mkdir(parents=True, exist_ok=True)
     existing = _read_machine_file(path)
-    existing.update(result)
-    path.write_text(json.dumps(existing, indent=1))
-    progress(f"written to {path}")
+    kept = [k for k in result if quick and _complete(existing.get(k))
+            and is_full(existing[k])]
+    for key in kept:
+        progress(f"{key}: kept the full measurement in {path} "
+                 f"({existing[key].get('source', 'undated')}); a quick one never replaces it "
+                 "(run 'phasewise measure' without --quick for a new full one)")
+    new = {k: v for k, v in result.items() if k not in kept}
+    if new:
+        existing.update(new)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(existing, indent=1))
+        progress(f"{', '.join(new)} written to {path}")
     return result
 
 
 _ENTRY_KEYS = {"name", "peak_flops", "mem_bytes", "mem_bandwidth"}
+
+
+def _complete(entry: Any) -> bool:
+    """Whether a machine-file entry holds every figure the analyser reads."""
+    return (isinstance(entry, dict) and _ENTRY_KEYS <= entry.keys()
+            and isinstance(entry["peak_flops"], dict))
 
 
 def _read_machine_file(path: Path) -> dict[str, Any]:
@@ -139,8 +213,7 @@ def ensure_local(device: str, compute_dtypes: tuple[str, ...],
     path = path or machine_file()
     data = _read_machine_file(path)
     old = data.get(key)
-    if not isinstance(old, dict) or not _ENTRY_KEYS <= old.keys() \
-            or not isinstance(old["peak_flops"], dict):
+    if not _complete(old):
         old = {}  # missing or damaged: measured afresh
     missing = tuple(d for d in compute_dtypes if d not in old.get("peak_flops", {}))
     if old and not missing:
@@ -152,7 +225,16 @@ def ensure_local(device: str, compute_dtypes: tuple[str, ...],
     entry = measure_device(device, _progress, quick=True, dtypes=missing,
                            read_bandwidth=not old)
     if old:  # keep what was measured before (a full run's bandwidth); add the new peaks
-        entry = {**old, "peak_flops": {**old.get("peak_flops", {}), **entry["peak_flops"]}}
+        m_old, m_new = old.get("measured") or {}, entry.get("measured") or {}
+
+        def merged(field: str) -> dict[str, Any]:
+            new = {d: v for d, v in (m_new.get(field) or {}).items() if d in missing}
+            return {**(m_old.get(field) or {}), **new}
+
+        measured = {**m_old, "spread": merged("spread"), "runs": merged("runs"),
+                    "quick_figures": sorted({*m_old.get("quick_figures", []), *missing})}
+        peaks = {d: v for d, v in entry["peak_flops"].items() if d in missing}
+        entry = {**old, "peak_flops": {**old["peak_flops"], **peaks}, "measured": measured}
     data[key] = entry
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

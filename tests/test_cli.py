@@ -1,0 +1,191 @@
+"""The command line: parsing only (choices from the definitions they configure, no torch),
+each command's own usage on a bad flag, user errors against internal ones, serve's flags
+reaching the server, and what --model says when it is not a checkpoint folder."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from phasewise import cli
+from phasewise.cli import build_parser, main
+
+
+def _sub(name: str):
+    return build_parser()._subparsers._group_actions[0].choices[name]
+
+
+def _choices(parser, flag: str):
+    return next(a for a in parser._actions if flag in a.option_strings).choices
+
+
+def test_building_the_parser_imports_no_torch_and_no_http_stack():
+    code = ("import sys; from phasewise.cli import build_parser, build_report_parser; "
+            "build_parser(); build_report_parser(); "
+            "heavy = {'torch', 'httpx', 'fastapi', 'uvicorn', 'numpy'} & set(sys.modules); "
+            "assert not heavy, heavy")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+
+
+def test_choices_and_defaults_come_from_the_definitions():
+    from phasewise.config import DTYPE_CHOICES, KERNEL_CHOICES, LOG_LEVELS, EngineConfig
+    from phasewise.engine.scheduler import POLICIES
+    from phasewise.model.config import SUPPORTED_ARCHITECTURES
+    from phasewise.model.loader import DTYPE_CHOICES as LOADER_DTYPES
+
+    assert DTYPE_CHOICES == LOADER_DTYPES  # the torch-free copy the parser offers
+    for name in ("generate", "serve"):
+        p = _sub(name)
+        assert tuple(_choices(p, "--dtype")) == DTYPE_CHOICES
+        assert tuple(_choices(p, "--policy")) == POLICIES
+        assert tuple(_choices(p, "--kernels")) == KERNEL_CHOICES
+        d = p.parse_args(["x"] if name == "generate" else [])
+        cfg = EngineConfig(model="m")
+        assert (d.block_size, d.max_num_seqs, d.seed, d.policy, d.dtype) == \
+            (cfg.block_size, cfg.max_num_seqs, cfg.seed, cfg.policy, cfg.dtype)
+    assert tuple(_choices(_sub("serve"), "--log-level")) == LOG_LEVELS
+    assert list(_choices(_sub("make-tiny"), "--arch")) == list(SUPPORTED_ARCHITECTURES)
+
+
+@pytest.mark.parametrize("argv,usage", [
+    (["serve", "--bogus"], "usage: phasewise serve"),
+    (["generate", "hello", "--bogus", "1"], "usage: phasewise generate"),
+    (["roofline", "--params", "7e9", "--nope"], "usage: phasewise roofline"),
+    (["bench", "report", "a.json", "--bogus"], "usage: phasewise bench report"),
+])
+def test_a_bad_flag_shows_that_commands_usage(argv, usage, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(usage), err
+    assert "unrecognized arguments: --bogus" in err or "--nope" in err
+
+
+def test_user_errors_exit_2_and_internal_errors_exit_1(monkeypatch, capsys):
+    from phasewise.perf import analysis
+
+    assert main(["roofline", "--params", "7e9", "--gpu", "h900"]) == 2
+    assert capsys.readouterr().err.startswith("phasewise: error: unknown accelerator 'h900'")
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("the cost model\nbroke")
+
+    monkeypatch.setattr(analysis, "analyse", broken)
+    assert main(["roofline", "--params", "7e9"]) == 1
+    err = capsys.readouterr().err
+    assert err == ("phasewise: internal error: RuntimeError: the cost model broke "
+                   "(--debug shows the traceback)\n")
+    for argv in (["roofline", "--params", "7e9", "--debug"],
+                 ["--debug", "roofline", "--params", "7e9"]):
+        assert main(argv) == 1
+        err = capsys.readouterr().err
+        assert "Traceback (most recent call last)" in err and "in broken" in err
+        assert err.rstrip().endswith("phasewise: internal error: RuntimeError: the cost "
+                                     "model broke")
+
+
+def test_bench_against_nothing_says_it_cannot_reach_the_server(capsys):
+    assert main(["bench", "--base-url", "http://127.0.0.1:1", "--num-prompts", "1",
+                 "--disable-tqdm"]) == 2
+    err = capsys.readouterr().err
+    assert "phasewise: error: cannot reach http://127.0.0.1:1" in err
+    assert "Traceback" not in err
+
+
+class _FakeServing:
+    def __init__(self) -> None:
+        self.calls: list = []
+
+    def build_server(self, config, **kw):
+        self.calls.append(("build_server", config.model, kw))
+        return "server"
+
+    def run(self, server, **kw):
+        self.calls.append(("run", server, kw))
+
+
+@pytest.fixture
+def serving(monkeypatch):
+    from phasewise.server import serve
+
+    fake = _FakeServing()
+    for name in ("build_server", "run"):
+        monkeypatch.setattr(serve, name, getattr(fake, name))
+    return fake
+
+
+def test_serve_passes_its_flags(serving, tmp_path):
+    assert main(["serve", "--model", str(tmp_path), "--port", "8123",
+                 "--log-level", "warning"]) == 0
+    (kind1, model, kw), (kind2, server, run_kw) = serving.calls
+    assert kind1 == "build_server" and model == str(tmp_path)
+    assert kw["max_request_bytes"] == 8 * 2**20 and kw["max_waiting_requests"] == 256
+    assert run_kw["log_level"] == "warning" and run_kw["port"] == 8123
+
+
+def test_model_flag_says_what_it_found_and_what_it_takes(serving, tmp_path, capsys):
+    cfg = tmp_path / "ckpt" / "config.json"
+    cfg.parent.mkdir()
+    cfg.write_text("{}")
+    assert main(["generate", "--model", str(cfg), "x"]) == 2
+    err = capsys.readouterr().err
+    assert f"{cfg} is a file; --model takes the checkpoint folder that holds config.json: " \
+           f"{cfg.parent}/" in err
+    for name in ("Llama-3.1-8B", "qwen3-8b", "meta-llama/Llama-3.1-8B"):
+        assert main(["serve", "--model", name]) == 2
+        err = capsys.readouterr().err
+        assert "is not a folder here but a roofline catalog name" in err, err
+        assert "phasewise roofline --model" in err and "local checkpoint folder" in err
+    assert serving.calls == []  # refused before any loading
+    assert main(["generate", "--model", str(tmp_path / "none"), "x"]) == 2
+    assert "does not exist" in capsys.readouterr().err  # a missing folder: as before
+
+
+def test_roofline_list_prints_each_figure_with_its_source(tmp_path, monkeypatch, capsys):
+    import json
+
+    from phasewise.perf.hardware import ACCELERATORS, LINKS
+    from phasewise.perf.models import CATALOG
+
+    monkeypatch.setenv("PHASEWISE_CACHE_DIR", str(tmp_path))
+    (tmp_path / "machine.json").write_text(json.dumps({"cpu-local": {
+        "name": "test CPU (measured)", "peak_flops": {"fp32": 105.2e9}, "mem_bytes": 8e9,
+        "mem_bandwidth": 16.1e9, "source": "measured by phasewise measure on 2099-01-01"}}))
+    assert main(["roofline", "--list"]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+
+    def block(first: str) -> str:  # an entry's line and the indented lines under it
+        i = next(k for k, ln in enumerate(lines) if ln.startswith(first))
+        j = i + 1
+        while j < len(lines) and lines[j].startswith(" " * 18):
+            j += 1
+        return "\n".join(lines[i:j])
+
+    h100 = block("  h100-sxm ")
+    assert "bf16 989.4 TFLOP/s" in h100 and "fp32 67 TFLOP/s" in h100
+    assert "80 GB at 3.35 TB/s" in h100 and ACCELERATORS["h100-sxm"].source in h100
+    for acc in ACCELERATORS.values():
+        assert acc.source in block(f"  {acc.key} ")
+    cpu = block("  cpu-local ")
+    assert "fp32 105.2 GFLOP/s" in cpu and "16.1 GB/s" in cpu and "2099-01-01" in cpu
+    assert "phasewise measure" in block("  gpu-local ")  # not measured: says how
+    for m in CATALOG.values():
+        line = block(f"  {m.name} ")
+        assert f"{m.total_params / 1e9:.3g}B parameters" in line and m.source in line
+    assert "(12.9B active)" in block("  Mixtral-8x7B-v0.1 ")
+    for link in LINKS.values():
+        assert link.source in block(f"  {link.key} ")
+    assert "450 GB/s" in block("  nvlink4 ") and "12.5 GB/s" in block("  100gbe ")
+
+
+def test_cli_module_holds_no_command_logic():
+    """generate's work lives in phasewise.generate (cli.py only parses and calls)."""
+    assert not hasattr(cli, "_roofline_lines") and not hasattr(cli, "_compute_dtype")
+    from phasewise import generate
+
+    assert callable(generate.run) and callable(generate.roofline_lines)
