@@ -1,12 +1,19 @@
 """The engine's async front: ``LLMEngine`` runs in its own thread; asyncio code talks to it.
 
-The engine thread owns the ``LLMEngine`` outright: it alone adds, aborts and steps requests,
-so the engine needs no locks. Other threads reach it only through a command queue:
+``AsyncEngine`` is the in-process ``ServingBackend`` (see ``phasewise.engine.backend``).
 
-* ``add``: a group of requests (a batch of prompts, or ``n`` samples of one) joins the engine
-  all together or not at all; the caller awaits the engine thread's verdict, so a request the
-  engine can never serve raises ``ValueError`` in the caller.
-* ``abort``: stops requests and frees their KV blocks before the next step runs.
+The engine thread owns the ``LLMEngine`` outright: it alone adds, aborts and steps requests,
+so the engine needs no locks. Other threads reach it only through a queue of typed commands
+(``phasewise.engine.commands``):
+
+* ``AddRequests``: a group of requests (a batch of prompts, or ``n`` samples of one) joins the
+  engine all together or not at all; the caller awaits the engine thread's ``Verdict``, so a
+  request the engine can never serve raises ``ValueError`` in the caller. The engine thread
+  also applies the waiting limit there, against its own queue at that moment, so admission
+  counts every request exactly once.
+* ``AbortRequests``: stops requests and frees their KV blocks before the next step runs.
+* ``AbortAll``: ends every request with ``EngineStopped`` (the end of a shutdown's grace).
+* ``Stop``: aborts everything and ends the thread.
 
 Outputs travel back with ``loop.call_soon_threadsafe`` into one ``asyncio.Queue`` per group, so
 the event loop never waits on a forward pass. Observers (metrics, the periodic log line) are
@@ -17,115 +24,32 @@ snapshot of the engine's state; they must be quick and thread-safe.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import queue
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Any
 
-from phasewise.engine.engine import LLMEngine
-from phasewise.engine.outputs import RequestOutput, StepStats
-from phasewise.engine.request import Request, RequestMetrics
+from phasewise.engine.backend import (BackendInfo, EngineError, EngineObserver,
+                                      EngineOverloaded, EngineSnapshot, EngineStopped,
+                                      FinishedRequest, PromptSpec, RequestGroup)
+from phasewise.engine.commands import (AbortAll, AbortRequests, AddRequests, Command, Stop,
+                                       Verdict)
+from phasewise.engine.request import Request
 from phasewise.engine.sampling_params import SamplingParams
 
+if TYPE_CHECKING:
+    from phasewise.config import EngineConfig
+    from phasewise.engine.engine import LLMEngine
+    from phasewise.model.tokenizer import Tokenizer
+
+# Re-exported: these names lived here before the backend protocol had its own module.
+__all__ = ["AsyncEngine", "EngineError", "EngineObserver", "EngineOverloaded",
+           "EngineSnapshot", "EngineStopped", "FinishedRequest", "PromptSpec", "RequestGroup"]
+
 log = logging.getLogger("phasewise.engine")
-
-
-class EngineOverloaded(Exception):
-    """The waiting queue is full; retry later."""
-
-
-class EngineStopped(Exception):
-    """The engine is shutting down (or has stopped) and takes no new requests."""
-
-
-class EngineError(Exception):
-    """The engine failed while running this request (a bug: the traceback is in the log)."""
-
-
-@dataclass(frozen=True)
-class EngineSnapshot:
-    """The engine's state, taken on its own thread. Counters are cumulative."""
-
-    num_running: int
-    num_waiting: int
-    kv_usage: float  # fraction of KV blocks held by requests
-    num_free_blocks: int
-    num_blocks: int
-    num_preemptions: int
-    prefix_queries: int  # prompt tokens looked up in the prefix cache
-    prefix_hits: int  # of those, tokens found cached
-
-
-@dataclass(frozen=True)
-class FinishedRequest:
-    """One request's end, for per-request metrics (aborted requests included)."""
-
-    request_id: str
-    num_prompt_tokens: int
-    num_output_tokens: int
-    finish_reason: str  # "stop", "length" or "abort"
-    metrics: RequestMetrics
-
-
-class EngineObserver(Protocol):
-    def on_step(self, step: StepStats | None, outputs: Sequence[RequestOutput],
-                finished: Sequence[FinishedRequest], snapshot: EngineSnapshot) -> None:
-        """``step`` is None when only commands (adds, aborts) changed the state."""
-
-
-@dataclass(frozen=True)
-class PromptSpec:
-    """One request of a group: token ids (already validated by the caller) and its params."""
-
-    token_ids: list[int]
-    params: SamplingParams
-    prompt: str | None = None
-
-
-class RequestGroup:
-    """The outputs of a group of requests, in the order the engine produced them.
-
-    Iterate with ``async for index, output in group``; ``index`` is the request's position in
-    the group. Iteration ends when every request has finished. ``close()`` aborts whatever is
-    still running (call it in a ``finally``); it is safe to call more than once.
-    """
-
-    def __init__(self, engine: AsyncEngine, request_ids: list[str]) -> None:
-        self._engine = engine
-        self.request_ids = request_ids
-        self._index = {rid: i for i, rid in enumerate(request_ids)}
-        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        self._open = set(request_ids)
-
-    def _put(self, item: RequestOutput | BaseException) -> None:  # on the event loop
-        self._queue.put_nowait(item)
-
-    def __aiter__(self) -> RequestGroup:
-        return self
-
-    async def __anext__(self) -> tuple[int, RequestOutput]:
-        if not self._open:
-            raise StopAsyncIteration
-        item = await self._queue.get()
-        if isinstance(item, BaseException):
-            self.close()
-            raise item
-        if item.finished:
-            self._open.discard(item.request_id)
-        return self._index[item.request_id], item
-
-    @property
-    def finished(self) -> bool:
-        return not self._open
-
-    def close(self) -> None:
-        if self._open:
-            self._engine.abort(sorted(self._open))
-            self._open.clear()
-        self._engine._groups_closed(self.request_ids)
 
 
 class AsyncEngine:
@@ -138,14 +62,37 @@ class AsyncEngine:
         self.engine = engine
         self.max_waiting = max_waiting
         self.observers = list(observers)
-        self._commands: queue.Queue[tuple] = queue.Queue()
+        self.tokenizer: Tokenizer = engine.tokenizer
+        c = engine.config
+        self.info = BackendInfo(
+            model_path=str(c.model), max_model_len=engine.max_model_len,
+            vocab_size=engine.model_config.vocab_size, max_waiting=max_waiting,
+            description=(f"max_model_len {engine.max_model_len}, {engine.kv.num_blocks} KV "
+                         f"blocks of {c.block_size} tokens, policy {c.policy}, "
+                         f"{engine.max_num_batched_tokens} tokens per step, dtype "
+                         f"{str(engine.dtype).removeprefix('torch.')}, device {engine.device}"))
+        self._commands: queue.Queue[Command] = queue.Queue()
         self._groups: dict[str, RequestGroup] = {}  # request id -> its group (loop side)
+        self._verdicts: dict[int, asyncio.Future[None]] = {}  # ticket -> caller (loop side)
+        self._tickets = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._accepting = False
-        self._pending = 0  # requests submitted but not yet taken by the engine thread
         self._snapshot = self._take_snapshot()
-        self._ids = 0
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, **kwargs: Any) -> AsyncEngine:
+        """Load the checkpoint into an ``LLMEngine`` and wrap it."""
+        from phasewise.engine.engine import LLMEngine
+
+        return cls(LLMEngine(config), **kwargs)
+
+    def default_sampling_params(self, **overrides: Any) -> SamplingParams:
+        return self.engine.default_sampling_params(**overrides)
+
+    def add_observer(self, observer: EngineObserver) -> None:
+        """Call before ``start``: observers are read by the engine thread without a lock."""
+        self.observers.append(observer)
 
     # -- life cycle ------------------------------------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
@@ -161,11 +108,15 @@ class AsyncEngine:
         """Refuse new requests (draining); running ones go on."""
         self._accepting = False
 
+    def abort_all(self, reason: str) -> None:
+        """End every request now (any thread); each open group gets ``EngineStopped``."""
+        self._commands.put(AbortAll(reason))
+
     def shutdown(self, timeout: float = 10.0) -> None:
         """Abort everything, stop the thread and wait for it."""
         self._accepting = False
         if self._thread is not None:
-            self._commands.put(("stop",))
+            self._commands.put(Stop())
             self._thread.join(timeout)
             if self._thread.is_alive():  # still in a long step; it stops after it
                 log.warning("the engine thread is still finishing a step after %.0fs", timeout)
@@ -174,15 +125,13 @@ class AsyncEngine:
 
     def _refuse_queued_adds(self) -> None:
         """Answer adds that reached the queue after the thread stopped reading it."""
-        loop = self._loop
         while True:
             try:
                 cmd = self._commands.get_nowait()
             except queue.Empty:
                 return
-            if cmd[0] == "add" and loop is not None:
-                loop.call_soon_threadsafe(self._resolve, cmd[3], EngineStopped(
-                    "the server shut down"))
+            if isinstance(cmd, AddRequests):
+                self._reply(Verdict(cmd.ticket, ("stopped", "the server shut down", None)))
 
     @property
     def is_alive(self) -> bool:
@@ -199,13 +148,9 @@ class AsyncEngine:
 
     @property
     def num_open_groups(self) -> int:
-        return len(self._groups)
+        return len({id(g) for g in self._groups.values()})
 
     # -- requests (event-loop side) --------------------------------------------------------
-    def new_request_id(self, prefix: str = "req") -> str:
-        self._ids += 1
-        return f"{prefix}-{self._ids}"
-
     async def add(self, specs: Sequence[PromptSpec], request_id: str,
                   arrival_time: float | None = None) -> RequestGroup:
         """Queue a group of requests (ids ``request_id`` or ``request_id-i``) and return its
@@ -216,59 +161,70 @@ class AsyncEngine:
         if self.max_waiting is not None and n > self.max_waiting:
             raise ValueError(f"this request asks for {n} sequences (prompts x n), more than the "
                              f"{self.max_waiting} that may wait at once; split it")
-        if self.max_waiting is not None:
-            queued = self._pending + self._snapshot.num_waiting
-            if queued + n > self.max_waiting:
-                raise EngineOverloaded(
-                    f"{queued} requests are waiting (limit {self.max_waiting}); retry later")
         ids = [request_id] if n == 1 else [f"{request_id}-{i}" for i in range(n)]
-        group = RequestGroup(self, ids)
         for rid in ids:
             if rid in self._groups:
                 raise ValueError(f"request id {rid!r} is already in use")
+        group = RequestGroup(ids, self.abort, self._groups_closed)
         for rid in ids:
             self._groups[rid] = group
         assert self._loop is not None
+        ticket = next(self._tickets)
         verdict: asyncio.Future[None] = self._loop.create_future()
+        self._verdicts[ticket] = verdict
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        self._pending += n
         try:
-            self._commands.put(("add", list(zip(ids, specs)), arrival, verdict))
+            self._commands.put(AddRequests(ticket, tuple(zip(ids, specs)), arrival,
+                                           self.max_waiting))
             await verdict
         except BaseException:
             # Refused by the engine, or the caller went away while waiting: nothing of the
             # group may stay behind.
-            group._open.clear()
+            group._forget()
             self._groups_closed(ids)
             self.abort(ids)
             raise
         finally:
-            self._pending -= n
+            self._verdicts.pop(ticket, None)
         return group
 
     def abort(self, request_ids: Sequence[str]) -> None:
         """Abort requests (any thread); blocks are freed before the engine's next step."""
         if request_ids:
-            self._commands.put(("abort", list(request_ids)))
+            self._commands.put(AbortRequests(tuple(request_ids)))
 
     def _groups_closed(self, request_ids: Sequence[str]) -> None:
         for rid in request_ids:
             self._groups.pop(rid, None)
 
-    def _deliver(self, items: list[tuple[str, RequestOutput | BaseException]]) -> None:
+    def _deliver(self, items: list[tuple[str, Any]]) -> None:
         """On the event loop: hand outputs to their groups (closed groups are skipped)."""
         for rid, item in items:
             group = self._groups.get(rid)
             if group is not None:
                 group._put(item)
 
-    def _resolve(self, fut: asyncio.Future, error: BaseException | None) -> None:
-        if fut.done():
+    def _reply(self, verdict: Verdict) -> None:
+        """From the engine thread: answer an add on the event loop."""
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._resolve, verdict)
+
+    def _resolve(self, verdict: Verdict) -> None:
+        fut = self._verdicts.get(verdict.ticket)
+        if fut is None or fut.done():
             return
-        if error is None:
+        if verdict.error is None:
             fut.set_result(None)
+            return
+        kind, message, param = verdict.error
+        if kind == "overloaded":
+            fut.set_exception(EngineOverloaded(message))
+        elif kind == "stopped":
+            fut.set_exception(EngineStopped(message))
         else:
-            fut.set_exception(error)
+            from phasewise.engine.validation import ValidationError
+
+            fut.set_exception(ValidationError(message, param))
 
     # -- the engine thread -----------------------------------------------------------------
     def _take_snapshot(self) -> EngineSnapshot:
@@ -279,8 +235,7 @@ class AsyncEngine:
             num_blocks=e.kv.num_blocks, num_preemptions=e.scheduler.num_preemptions,
             prefix_queries=e.kv.stats.prefix_queries, prefix_hits=e.kv.stats.prefix_hits)
 
-    def _notify(self, step: StepStats | None, outputs: Sequence[RequestOutput],
-                finished: Sequence[FinishedRequest],
+    def _notify(self, step: Any, outputs: Sequence[Any], finished: Sequence[FinishedRequest],
                 snap: EngineSnapshot | None = None) -> None:
         """Publish the state (``snap``, if just taken, else a new one) and tell observers."""
         if snap is None:
@@ -311,7 +266,7 @@ class AsyncEngine:
         assert loop is not None
         while True:
             idle = not engine.has_unfinished_requests()
-            commands = []
+            commands: list[Command] = []
             try:
                 commands.append(self._commands.get(timeout=0.5) if idle
                                 else self._commands.get_nowait())
@@ -320,22 +275,21 @@ class AsyncEngine:
             except queue.Empty:
                 pass
             finished: list[FinishedRequest] = []
-            stop = False
             for cmd in commands:
-                if cmd[0] == "add":
-                    self._handle_add(cmd[1], cmd[2], cmd[3])
-                elif cmd[0] == "abort":
-                    for rid in cmd[1]:
+                if isinstance(cmd, AddRequests):
+                    self._handle_add(cmd)
+                elif isinstance(cmd, AbortRequests):
+                    for rid in cmd.request_ids:
                         req = engine.abort_request(rid)
                         if req is not None:
                             finished.append(_finished(req, "abort"))
-                elif cmd[0] == "stop":
-                    stop = True
-            if stop:
-                finished += self._abort_all(EngineStopped("the server shut down"))
-                self._refuse_queued_adds()
-                self._notify(None, [], finished)
-                return
+                elif isinstance(cmd, AbortAll):
+                    finished += self._abort_all(EngineStopped(cmd.reason))
+                elif isinstance(cmd, Stop):
+                    finished += self._abort_all(EngineStopped(cmd.reason))
+                    self._refuse_queued_adds()
+                    self._notify(None, [], finished)
+                    return
             if commands or idle:  # idle: lets observers flush periodic output
                 self._notify(None, [], finished)
             if not engine.has_unfinished_requests():
@@ -359,27 +313,31 @@ class AsyncEngine:
                 loop.call_soon_threadsafe(self._deliver, [(o.request_id, o) for o in outputs])
             self._notify(step, outputs, done, snap)
 
-    def _handle_add(self, items: list[tuple[str, PromptSpec]], arrival: float,
-                    verdict: asyncio.Future) -> None:
-        engine, loop = self.engine, self._loop
-        assert loop is not None
+    def _handle_add(self, cmd: AddRequests) -> None:
+        engine = self.engine
+        n = len(cmd.requests)
+        waiting = len(engine.scheduler.waiting)
+        if cmd.max_waiting is not None and waiting + n > cmd.max_waiting:
+            self._reply(Verdict(cmd.ticket, (
+                "overloaded", f"{waiting} requests are waiting (limit {cmd.max_waiting}) and "
+                f"this one adds {n}; retry later", None)))
+            return
         added: list[str] = []
         try:
-            for rid, spec in items:
-                prompt: str | list[int] = spec.token_ids
-                engine.add_request(prompt, spec.params, request_id=rid, arrival_time=arrival)
+            for rid, spec in cmd.requests:
+                engine.add_request(spec.token_ids, spec.params, request_id=rid,
+                                   arrival_time=cmd.arrival_time)
                 if spec.prompt is not None:
                     engine.requests[rid].prompt = spec.prompt
                 added.append(rid)
         except Exception as e:
             for rid in added:
                 engine.abort_request(rid)
-            loop.call_soon_threadsafe(self._resolve, verdict, e)
+            self._reply(Verdict(cmd.ticket, ("invalid", str(e), getattr(e, "param", None))))
             return
-        # Publish the new queue length before the caller learns it was admitted, so an
-        # admission check that follows sees this group as waiting.
+        # Publish the new queue length before the caller learns it was admitted.
         self._snapshot = self._take_snapshot()
-        loop.call_soon_threadsafe(self._resolve, verdict, None)
+        self._reply(Verdict(cmd.ticket))
 
     def _abort_all(self, error: BaseException) -> list[FinishedRequest]:
         """Abort every request in the engine, and fail every open group on the loop side:

@@ -5,16 +5,29 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from phasewise.engine.validation import ValidationError
+
 MAX_LOGPROBS = 20
+MAX_INT32 = 2**31 - 1  # the bound of every count and id a request can carry
+# A seed is an integer that every JSON parser reads exactly (RFC 8259's interoperable range).
+MIN_SEED, MAX_SEED = -(2**53 - 1), 2**53 - 1
+MAX_STOP_STRINGS = 16
+# Temperatures below this are greedy: dividing logits by ~0 would overflow to inf/NaN.
+GREEDY_TEMPERATURE = 1e-5
+
+
+def wrap_seed(seed: int) -> int:
+    """``seed`` folded into [MIN_SEED, MAX_SEED] (the j-th of n samples uses seed + j)."""
+    return (seed - MIN_SEED) % (MAX_SEED - MIN_SEED + 1) + MIN_SEED
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens and when to stop.
 
-    ``temperature == 0`` means greedy. ``top_k`` of 0 or -1 disables top-k. ``max_tokens``
-    of None generates until a stop condition or the model's context length. ``logprobs`` asks
-    for the top-N log-probabilities of every sampled position (computed on the model's raw
+    ``temperature`` below 1e-5 (0 included) means greedy. ``top_k`` of 0 or -1 disables
+    top-k. ``max_tokens`` of None generates until a stop condition or the model's context
+    length. ``logprobs`` asks for the top-N log-probabilities of every sampled position (computed on the model's raw
     distribution, before penalties and temperature) plus the sampled token's own.
     """
 
@@ -45,8 +58,8 @@ class SamplingParams:
         self._validate()
 
     def _validate(self) -> None:
-        def bad(name: str, allowed: str, value: Any) -> ValueError:
-            return ValueError(f"{name} must be {allowed}, got {value!r}")
+        def bad(name: str, allowed: str, value: Any) -> ValidationError:
+            return ValidationError(f"{name} must be {allowed}, got {value!r}", name)
 
         def is_int(x: Any) -> bool:
             return isinstance(x, int) and not isinstance(x, bool)
@@ -54,34 +67,40 @@ class SamplingParams:
         def is_num(x: Any) -> bool:
             return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x
 
-        if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):
-            raise bad("max_tokens", "an integer >= 1 or None", self.max_tokens)
-        if not is_int(self.min_tokens) or self.min_tokens < 0:
-            raise bad("min_tokens", "an integer >= 0", self.min_tokens)
+        if self.max_tokens is not None and (not is_int(self.max_tokens)
+                                            or not 1 <= self.max_tokens <= MAX_INT32):
+            raise bad("max_tokens", f"an integer >= 1 or None (at most {MAX_INT32})",
+                      self.max_tokens)
+        if not is_int(self.min_tokens) or not 0 <= self.min_tokens <= MAX_INT32:
+            raise bad("min_tokens", f"an integer >= 0 (at most {MAX_INT32})", self.min_tokens)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise bad("min_tokens", f"<= max_tokens ({self.max_tokens})", self.min_tokens)
         if not is_num(self.temperature) or not 0 <= self.temperature <= 100:
             raise bad("temperature", "a number in [0, 100]", self.temperature)
         if not is_num(self.top_p) or not 0 < self.top_p <= 1:
             raise bad("top_p", "a number in (0, 1]", self.top_p)
-        if not is_int(self.top_k) or self.top_k < -1:
-            raise bad("top_k", "an integer >= 1, or 0 / -1 to disable", self.top_k)
+        if not is_int(self.top_k) or not -1 <= self.top_k <= MAX_INT32:
+            raise bad("top_k", f"an integer >= 1, or 0 / -1 to disable (at most {MAX_INT32})",
+                      self.top_k)
         if not is_num(self.min_p) or not 0 <= self.min_p <= 1:
             raise bad("min_p", "a number in [0, 1]", self.min_p)
-        if self.seed is not None and not is_int(self.seed):
-            raise bad("seed", "an integer or None", self.seed)
+        if self.seed is not None and (not is_int(self.seed)
+                                      or not MIN_SEED <= self.seed <= MAX_SEED):
+            raise bad("seed", f"an integer or None (in [{MIN_SEED}, {MAX_SEED}])", self.seed)
         if not is_num(self.repetition_penalty) or not 0 < self.repetition_penalty <= 10:
             raise bad("repetition_penalty", "a number in (0, 10]", self.repetition_penalty)
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not is_num(value) or not -2 <= value <= 2:
                 raise bad(name, "a number in [-2, 2]", value)
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise bad("stop", f"at most {MAX_STOP_STRINGS} strings", len(self.stop))
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise bad("stop", "non-empty strings", s)
         for t in self.stop_token_ids:
-            if not is_int(t) or t < 0:
-                raise bad("stop_token_ids", "non-negative integers", t)
+            if not is_int(t) or not 0 <= t <= MAX_INT32:
+                raise bad("stop_token_ids", f"non-negative integers (at most {MAX_INT32})", t)
         if self.logprobs is not None and (
             not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS
         ):
@@ -89,7 +108,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_TEMPERATURE
 
     @property
     def needs_penalties(self) -> bool:

@@ -52,6 +52,7 @@ class Tokenizer:
             template = jinja_file.read_text()
         self.chat_template: str | None = template
         self._compiled_template: Any = None
+        self._max_token_chars: int | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -60,14 +61,26 @@ class Tokenizer:
     def token_to_id(self, token: str | None) -> int | None:
         return None if token is None else self._tok.token_to_id(token)
 
+    @property
+    def max_token_chars(self) -> int:
+        """The longest vocabulary entry, in characters (a byte-level BPE token: bytes). A text
+        of C characters (or bytes) takes at least C / max_token_chars tokens."""
+        if self._max_token_chars is None:
+            self._max_token_chars = max((len(t) for t in self._tok.get_vocab()), default=1)
+        return self._max_token_chars
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch releases the GIL while the Rust tokenizer runs (encode does not), so a
+        # long text tokenized on a worker thread does not stall the event loop's thread.
+        ids = self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         if (add_special_tokens and self.add_bos_token and self.bos_token_id is not None
                 and (not ids or ids[0] != self.bos_token_id)):
             ids = [self.bos_token_id, *ids]
         return ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        if len(ids) > 256:  # decode_batch releases the GIL, as encode_batch does
+            return self._tok.decode_batch([ids], skip_special_tokens=skip_special_tokens)[0]
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def id_to_token(self, token_id: int) -> str | None:

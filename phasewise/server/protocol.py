@@ -1,44 +1,70 @@
-"""Request bodies of the OpenAI-compatible API (pydantic) and the error body.
+"""Request bodies of the OpenAI-compatible API (pydantic).
 
-Types are strict (a boolean is not a number, a string is not an integer), ranges are checked
-here so that a 400 names the field, and unknown fields are ignored, as OpenAI clients and
-benchmark tools send extras. Fields phasewise cannot honour are refused with a message that
-says so, rather than silently ignored.
+Types are strict (a boolean is not a number, a string is not an integer; an integral float
+such as ``3793.0`` is an integer, as JSON Schema defines it). Every number has explicit
+bounds here, so that no value a request can carry reaches the engine unbounded, and a 400
+names the field. Strings must be valid Unicode (a lone surrogate such as ``"\\ud800"`` is
+refused). Unknown fields are ignored, as OpenAI clients and benchmark tools send extras.
+Fields phasewise cannot honour are refused with a message that says so, rather than silently
+ignored.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, Strict, model_validator
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, Strict,
+                      WithJsonSchema, model_validator)
 
-from phasewise.engine.sampling_params import MAX_LOGPROBS
-
-Int = Annotated[int, Strict()]
-Float = Annotated[float, Strict()]
-Bool = Annotated[bool, Strict()]
-Str = Annotated[str, Strict()]
+from phasewise.engine.sampling_params import (MAX_INT32, MAX_LOGPROBS, MAX_SEED, MIN_SEED,
+                                              MAX_STOP_STRINGS)
+from phasewise.server.errors import ApiError, field_error
 
 MAX_N = 16  # choices per prompt
 
 
-class ApiError(Exception):
-    """An error with an HTTP status and an OpenAI-style body."""
+def _integral(x: Any) -> Any:
+    """JSON Schema's integer includes numbers with a zero fraction (``3793.0``)."""
+    if isinstance(x, float) and x.is_integer():
+        return int(x)
+    return x
 
-    def __init__(self, status: int, message: str, *, param: str | None = None,
-                 type: str = "invalid_request_error", code: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
-        self.type = type
-        self.code = code
-        self.headers = headers or {}
 
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.code}}
+def _valid_unicode(s: str) -> str:
+    """Refuse lone surrogates (JSON allows ``"\\ud800"``; no tokenizer takes it)."""
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"the string holds an invalid Unicode character (a lone surrogate "
+                         f"at position {e.start}); send valid UTF-8 text") from None
+    return s
+
+
+def Int(ge: int, le: int) -> Any:  # noqa: N802 - used as a type
+    """A strict integer in [ge, le] (the bounds inside, so the JSON schema shows them)."""
+    return Annotated[int, Strict(), Field(ge=ge, le=le), BeforeValidator(_integral)]
+
+
+Float = Annotated[float, Strict()]
+Bool = Annotated[bool, Strict()]
+Str = Annotated[str, Strict(), AfterValidator(_valid_unicode)]
+TokenId = Int(0, MAX_INT32)  # the served document narrows it to the vocabulary
+Text1 = Annotated[Str, Field(min_length=1)]
+
+
+def refused(schema: dict[str, Any], typ: Any) -> Any:
+    """A field phasewise refuses unless it is empty or off: documented as only those values
+    (``schema``), checked in a model validator whose message says it is unsupported."""
+    return Annotated[typ, WithJsonSchema(schema)]
+
+
+# Errors of rules that join several fields (or a field and the model's context): a request
+# can match the documented schema field by field and still break one of them.
+COMBINATION = "invalid_combination"
+CONTEXT = "context_length_exceeded"
+TEMPLATE = "chat_template_error"
+RULES_ACROSS_FIELDS = (COMBINATION, CONTEXT, TEMPLATE)
+TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 
 
 class _Body(BaseModel):
@@ -54,38 +80,45 @@ class _Sampling(_Body):
     """Fields shared by completions and chat completions."""
 
     model: Str | None = None
-    n: Int = Field(1, ge=1, le=MAX_N)
-    max_tokens: Int | None = Field(None, ge=1)
+    n: Int(1, MAX_N) = 1
+    max_tokens: Int(1, MAX_INT32) | None = None
     temperature: Float | None = Field(None, ge=0, le=100)
     top_p: Float | None = Field(None, gt=0, le=1)
-    top_k: Int | None = Field(None, ge=-1)
+    top_k: Int(-1, MAX_INT32) | None = None
     min_p: Float | None = Field(None, ge=0, le=1)
-    seed: Int | None = None
-    stop: Str | list[Str] | None = None
-    stop_token_ids: list[Annotated[Int, Field(ge=0)]] | None = None
+    seed: Int(MIN_SEED, MAX_SEED) | None = None
+    stop: Text1 | Annotated[list[Text1], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    stop_token_ids: list[TokenId] | None = Field(None, max_length=MAX_STOP_STRINGS * 4)
     presence_penalty: Float | None = Field(None, ge=-2, le=2)
     frequency_penalty: Float | None = Field(None, ge=-2, le=2)
     repetition_penalty: Float | None = Field(None, gt=0, le=10)
     ignore_eos: Bool = False
-    min_tokens: Int = Field(0, ge=0)
+    min_tokens: Int(0, MAX_INT32) = 0
     skip_special_tokens: Bool = True
     include_stop_str_in_output: Bool = False
     stream: Bool = False
     stream_options: StreamOptions | None = None
     user: Str | None = None
-    logit_bias: dict[str, Float] | None = None
+    logit_bias: refused({"type": "object", "maxProperties": 0,
+                         "description": "not supported: omit it or send {}"},
+                        dict[str, Float]) | None = None
+    response_format: refused({"type": "object", "properties": {"type": {"enum": ["text"]}},
+                              "description": "only {\"type\": \"text\"}: structured output "
+                              "is not supported"}, dict[str, Any]) | None = None
 
     @model_validator(mode="after")
     def _check_common(self) -> _Sampling:
         if self.stream_options is not None and not self.stream:
-            raise ValueError("stream_options is only allowed when stream is true")
+            raise field_error("stream_options",
+                              "stream_options is only allowed when stream is true", COMBINATION)
         if self.logit_bias:
-            raise ValueError("logit_bias is not supported by phasewise; omit it")
-        stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
-        if any(not s for s in stops):
-            raise ValueError("stop strings must be non-empty")
-        if len(stops) > 16:
-            raise ValueError(f"stop takes at most 16 strings, got {len(stops)}")
+            raise field_error("logit_bias", "logit_bias is not supported by phasewise; omit it")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise field_error("response_format", "response_format must be {'type': 'text'}; "
+                              "structured output is not supported by phasewise")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise field_error("min_tokens", f"min_tokens ({self.min_tokens}) must be <= "
+                              f"max_tokens ({self.max_tokens})", COMBINATION)
         return self
 
     def sampling_overrides(self) -> dict[str, Any]:
@@ -115,26 +148,27 @@ class _Sampling(_Body):
         return bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
 
-TokenIds = list[Annotated[Int, Field(ge=0)]]
-
-
 class CompletionRequest(_Sampling):
-    prompt: Str | TokenIds | list[Str] | list[TokenIds]
-    max_tokens: Int | None = Field(16, ge=1)  # OpenAI's (and vLLM's) default here
-    logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    echo: Bool = False
-    best_of: Int | None = Field(None, ge=1)
-    suffix: Str | None = None
+    prompt: (Text1 | TokenIds | Annotated[list[Text1], Field(min_length=1)]
+             | Annotated[list[TokenIds], Field(min_length=1)])
+    max_tokens: Int(1, MAX_INT32) | None = 16  # OpenAI's (and vLLM's) default
+    logprobs: Int(0, MAX_LOGPROBS) | None = None
+    echo: refused({"type": "boolean", "enum": [False], "description": "not supported"},
+                  Bool) = False
+    best_of: Int(1, MAX_N) | None = None
+    suffix: refused({"type": "string", "maxLength": 0, "description": "not supported"},
+                    Str) | None = None
 
     @model_validator(mode="after")
     def _check(self) -> CompletionRequest:
         if self.echo:
-            raise ValueError("echo is not supported by phasewise; omit it or set it to false")
+            raise field_error("echo", "echo is not supported by phasewise; omit it or set it "
+                              "to false")
         if self.suffix:
-            raise ValueError("suffix is not supported by phasewise; omit it")
+            raise field_error("suffix", "suffix is not supported by phasewise; omit it")
         if self.best_of is not None and self.best_of != self.n:
-            raise ValueError(f"best_of must equal n ({self.n}) when given; phasewise returns "
-                             "every sample it draws")
+            raise field_error("best_of", f"best_of must equal n ({self.n}) when given; "
+                              "phasewise returns every sample it draws", COMBINATION)
         return self
 
     def prompt_list(self) -> list[str | list[int]]:
@@ -142,8 +176,6 @@ class CompletionRequest(_Sampling):
         p = self.prompt
         if isinstance(p, str):
             return [p]
-        if not p:
-            return []
         if isinstance(p[0], int):
             return [p]  # type: ignore[list-item]
         return list(p)  # type: ignore[arg-type]
@@ -156,50 +188,61 @@ class TextPart(_Body):
 
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Str | list[dict[str, Any]] | None = None
+    content: Str | refused({"type": "array", "items": {
+        "type": "object", "required": ["type", "text"],
+        "properties": {"type": {"enum": ["text"]}, "text": {"type": "string"}}},
+        "description": "text parts only"}, list[dict[str, Any]]) | None = None
     name: Str | None = None
 
     def text(self, index: int) -> str:
-        """The message's text; content parts must all be text parts."""
+        """The message's text; content parts must all be text parts of valid Unicode."""
         if self.content is None:
             return ""
         if isinstance(self.content, str):
             return self.content
         pieces = []
         for j, part in enumerate(self.content):
+            param = f"messages.{index}.content.{j}"
             if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise ApiError(400, f"messages[{index}].content[{j}] has type "
-                               f"{part.get('type')!r}; phasewise serves text models and takes "
-                               "only parts of type 'text' with a string 'text'",
-                               param=f"messages.{index}.content.{j}")
-            pieces.append(part["text"])
+                raise ApiError(400, f"{param} has type {part.get('type')!r}; phasewise serves "
+                               "text models and takes only parts of type 'text' with a string "
+                               "'text'", param=param)
+            try:
+                pieces.append(_valid_unicode(part["text"]))
+            except ValueError as e:
+                raise ApiError(400, f"{param}.text: {e}", param=f"{param}.text") from None
         return "".join(pieces)
 
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: Int | None = Field(None, ge=1)
+    max_completion_tokens: Int(1, MAX_INT32) | None = None
     logprobs: Bool = False
-    top_logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: Int(0, MAX_LOGPROBS) | None = None
     add_generation_prompt: Bool = True
     continue_final_message: Bool = False
     chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: refused({"type": "array", "maxItems": 0, "description": "not supported"},
+                   list[dict[str, Any]]) | None = None
     tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _check(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
-            raise ValueError("top_logprobs needs logprobs set to true")
+            raise field_error("top_logprobs", "top_logprobs needs logprobs set to true",
+                              COMBINATION)
         if self.tools:
-            raise ValueError("tools (function calling) are not supported by phasewise")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise ValueError("response_format must be {'type': 'text'}; structured output "
-                             "is not supported by phasewise")
+            raise field_error("tools", "tools (function calling) are not supported by "
+                              "phasewise")
         if self.continue_final_message and self.add_generation_prompt:
-            raise ValueError("continue_final_message and add_generation_prompt cannot both "
-                             "be true")
+            raise field_error("continue_final_message", "continue_final_message and "
+                              "add_generation_prompt cannot both be true", COMBINATION)
+        limit = self.output_limit
+        if limit is not None and self.min_tokens > limit:
+            name = "max_completion_tokens" if self.max_completion_tokens is not None \
+                else "max_tokens"
+            raise field_error("min_tokens", f"min_tokens ({self.min_tokens}) must be <= "
+                              f"{name} ({limit})", COMBINATION)
         return self
 
     @property
@@ -212,20 +255,40 @@ class ChatCompletionRequest(_Sampling):
             else self.max_tokens
 
 
-class TokenizeRequest(_Body):
+class _TokenizeBase(BaseModel):
+    # Unknown fields are refused here: with both prompt and messages the request matches
+    # neither form, as the documented schema says.
+    model_config = ConfigDict(extra="forbid")
+
     model: Str | None = None
-    prompt: Str | None = None
-    messages: list[ChatMessage] | None = None
     add_special_tokens: Bool = True
     add_generation_prompt: Bool = True
 
-    @model_validator(mode="after")
-    def _check(self) -> TokenizeRequest:
-        if (self.prompt is None) == (self.messages is None):
-            raise ValueError("give exactly one of prompt or messages")
-        return self
+
+class TokenizePrompt(_TokenizeBase):
+    prompt: Str
+
+
+class TokenizeChat(_TokenizeBase):
+    messages: list[ChatMessage] = Field(min_length=1)
+
+
+TokenizeRequest = TokenizePrompt | TokenizeChat
 
 
 class DetokenizeRequest(_Body):
     model: Str | None = None
-    tokens: TokenIds
+    tokens: list[TokenId]
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorBody(BaseModel):
+    """Every error the API sends (4xx and 5xx)."""
+
+    error: ErrorDetail

@@ -2,64 +2,99 @@
 
 On SIGTERM or Ctrl-C the server drains: it stops accepting connections and answers new
 requests on open connections with 503, lets running streams finish for up to
-``shutdown_grace_s`` seconds, then aborts what is left and stops the engine thread.
+``shutdown_grace_s`` seconds, then ends what is left: each such stream gets an error event
+that names the shutdown, then ``[DONE]``; a waiting non-streamed request gets a 503. One log
+line says how many were cut; no traceback.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
+import socket
 import time
 from pathlib import Path
 from typing import Any
 
 from phasewise.config import EngineConfig
 from phasewise.engine.async_engine import AsyncEngine
-from phasewise.engine.engine import LLMEngine
 from phasewise.server.app import OpenAIServer, ServerConfig
 from phasewise.server.metrics import PrometheusMetrics, StatLogger
 
 log = logging.getLogger("phasewise.server")
 
+# uvicorn cancels what is left this long after our own grace period has ended every request:
+# only a backstop, for a response that ignores the end of its request.
+_BACKSTOP_S = 10.0
+
+
+def check_port(host: str, port: int) -> None:
+    """Fail now, before minutes of loading, if ``host:port`` cannot be bound."""
+    if not 0 < port < 65536:
+        raise ValueError(f"--port must be in 1..65535, got {port}")
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        raise ValueError(f"--host {host!r} does not resolve to an address: {e}") from e
+    family, _, _, _, addr = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(addr)
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                raise ValueError(f"port {port} on {host} is already in use; choose another "
+                                 f"with --port (or stop what is listening there)") from e
+            raise ValueError(f"cannot listen on {host}:{port}: {e.strerror}; change --host "
+                             "or --port") from e
+
 
 def build_server(engine_config: EngineConfig, *, served_model_name: str | None = None,
                  log_interval_s: float = 5.0, **server_kwargs: Any) -> OpenAIServer:
-    """Load the checkpoint and wire engine, metrics and HTTP app together."""
+    """Load the checkpoint and wire backend, metrics and HTTP app together."""
     t0 = time.monotonic()
     log.info("loading %s", engine_config.model)
-    engine = LLMEngine(engine_config)
-    log.info("loaded %s (%.1f M parameters) in %.1f s", engine.model_config.architecture,
-             engine.model_config.num_params / 1e6, time.monotonic() - t0)
     name = served_model_name or Path(engine_config.model).resolve().name
     config = ServerConfig(served_model_name=name, **server_kwargs)
     metrics = PrometheusMetrics(name)
     observers: list[Any] = [metrics]
     if log_interval_s > 0:
         observers.append(StatLogger(log_interval_s))
-    async_engine = AsyncEngine(engine, max_waiting=config.max_waiting_requests,
-                               observers=observers)
-    return OpenAIServer(async_engine, config, metrics)
+    backend = AsyncEngine.from_config(engine_config, max_waiting=config.max_waiting_requests,
+                                      observers=observers)
+    mc = backend.engine.model_config
+    log.info("loaded %s (%.1f M parameters) in %.1f s", mc.architecture, mc.num_params / 1e6,
+             time.monotonic() - t0)
+    return OpenAIServer(backend, config, metrics)
 
 
 def run(server: OpenAIServer, *, host: str = "127.0.0.1", port: int = 8000,
-        shutdown_grace_s: float = 30.0, log_level: str = "info") -> None:
+        shutdown_grace_s: float = 30.0, log_level: str = "info",
+        access_log: bool | None = None) -> None:
+    """Serve until SIGTERM/SIGINT. ``access_log``: one line per request (None: as the
+    server's config says; on by default)."""
     import uvicorn
+
+    if access_log is not None:
+        server.access_log.enabled = access_log
 
     class DrainingServer(uvicorn.Server):
         def handle_exit(self, sig: int, frame: Any) -> None:
             if not server.draining:
                 log.info("draining: refusing new requests; running streams get up to %.0fs",
                          shutdown_grace_s)
-            server.draining = True
-            server.engine.stop_accepting()
+                server.begin_drain()
+                loop = server.loop
+                if loop is not None:  # a signal handler: hand the timer to the loop
+                    loop.call_soon_threadsafe(
+                        loop.call_later, shutdown_grace_s, server.end_open_streams,
+                        shutdown_grace_s)
             super().handle_exit(sig, frame)
 
     config = uvicorn.Config(server.app, host=host, port=port, log_level=log_level,
-                            timeout_graceful_shutdown=shutdown_grace_s, access_log=False,
-                            lifespan="on")
-    e = server.llm
-    log.info("serving %s as %r on http://%s:%d (max_model_len %d, %d KV blocks of %d tokens, "
-             "policy %s, %d tokens per step, dtype %s, device %s)", e.config.model,
-             server.config.served_model_name, host, port, e.max_model_len, e.kv.num_blocks,
-             e.config.block_size, e.config.policy, e.max_num_batched_tokens,
-             str(e.dtype).removeprefix("torch."), e.device)
+                            timeout_graceful_shutdown=shutdown_grace_s + _BACKSTOP_S,
+                            access_log=False, lifespan="on")
+    info = server.backend.info
+    log.info("serving %s as %r on http://%s:%d (%s)", info.model_path,
+             server.config.served_model_name, host, port, info.description)
     DrainingServer(config).run()

@@ -1,0 +1,177 @@
+"""The seam between the HTTP server and whatever produces tokens: ``ServingBackend``.
+
+The server (``phasewise.server``) talks to one ``ServingBackend`` and to nothing else of the
+engine. ``AsyncEngine`` implements it over an in-process ``LLMEngine``; the P/D router will
+implement it over remote prefill and decode workers, so one server fronts either. Everything
+here is plain data or a protocol: this module imports no torch and no engine internals.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+from phasewise.engine.outputs import RequestOutput, StepStats
+from phasewise.engine.request import RequestMetrics
+from phasewise.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from phasewise.model.tokenizer import Tokenizer
+
+
+class EngineOverloaded(Exception):
+    """The waiting queue is full; retry later."""
+
+
+class EngineStopped(Exception):
+    """The engine is shutting down (or has stopped) and takes no new requests."""
+
+
+class EngineError(Exception):
+    """The engine failed while running this request (a bug: the traceback is in the log)."""
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """The engine's state, taken on its own thread. Counters are cumulative."""
+
+    num_running: int
+    num_waiting: int
+    kv_usage: float  # fraction of KV blocks held by requests
+    num_free_blocks: int
+    num_blocks: int
+    num_preemptions: int
+    prefix_queries: int  # prompt tokens looked up in the prefix cache
+    prefix_hits: int  # of those, tokens found cached
+
+
+@dataclass(frozen=True)
+class FinishedRequest:
+    """One request's end, for per-request metrics (aborted requests included)."""
+
+    request_id: str
+    num_prompt_tokens: int
+    num_output_tokens: int
+    finish_reason: str  # "stop", "length" or "abort"
+    metrics: RequestMetrics
+
+
+class EngineObserver(Protocol):
+    def on_step(self, step: StepStats | None, outputs: Sequence[RequestOutput],
+                finished: Sequence[FinishedRequest], snapshot: EngineSnapshot) -> None:
+        """``step`` is None when only commands (adds, aborts) changed the state."""
+
+
+@dataclass(frozen=True)
+class PromptSpec:
+    """One request of a group: token ids (already validated by the caller) and its params."""
+
+    token_ids: list[int]
+    params: SamplingParams
+    prompt: str | None = None
+
+
+@dataclass(frozen=True)
+class BackendInfo:
+    """What a server needs to know about its backend to validate requests and describe
+    itself. ``description`` is shown in the server's start-up line."""
+
+    model_path: str
+    max_model_len: int
+    vocab_size: int
+    max_waiting: int | None
+    description: str
+
+
+class RequestGroup:
+    """The outputs of a group of requests, in the order the backend produced them.
+
+    Iterate with ``async for index, output in group``; ``index`` is the request's position in
+    the group. Iteration ends when every request has finished. ``close()`` aborts whatever is
+    still running (call it in a ``finally``); it is safe to call more than once. An exception
+    put into the group (``_put``) ends the iteration by raising it.
+    """
+
+    def __init__(self, request_ids: list[str], abort: Callable[[list[str]], None],
+                 on_close: Callable[[list[str]], None]) -> None:
+        self.request_ids = request_ids
+        self._abort = abort
+        self._on_close = on_close
+        self._index = {rid: i for i, rid in enumerate(request_ids)}
+        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._open = set(request_ids)
+
+    def _put(self, item: RequestOutput | BaseException) -> None:  # on the event loop
+        self._queue.put_nowait(item)
+
+    def __aiter__(self) -> RequestGroup:
+        return self
+
+    async def __anext__(self) -> tuple[int, RequestOutput]:
+        if not self._open:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            self.close()
+            raise item
+        if item.finished:
+            self._open.discard(item.request_id)
+        return self._index[item.request_id], item
+
+    @property
+    def finished(self) -> bool:
+        return not self._open
+
+    def _forget(self) -> None:
+        """Mark every request finished without aborting (the backend already dropped them)."""
+        self._open.clear()
+
+    def close(self) -> None:
+        if self._open:
+            self._abort(sorted(self._open))
+            self._open.clear()
+        self._on_close(self.request_ids)
+
+
+class ServingBackend(Protocol):
+    """Everything the HTTP server needs from what serves it.
+
+    Life cycle: ``start(loop)`` once the event loop runs; ``stop_accepting()`` when draining
+    begins; ``abort_all(reason)`` ends every open request with ``EngineStopped(reason)``;
+    ``shutdown()`` (blocking: call it off the loop) stops the backend.
+    """
+
+    info: BackendInfo
+    tokenizer: Tokenizer
+
+    def default_sampling_params(self, **overrides: Any) -> SamplingParams:
+        """The model's sampling defaults with ``overrides`` applied (raises
+        ``phasewise.engine.validation.ValidationError`` naming the field)."""
+
+    async def add(self, specs: Sequence[PromptSpec], request_id: str,
+                  arrival_time: float | None = None) -> RequestGroup:
+        """Admit a group (all or nothing). Raises ``EngineOverloaded``, ``EngineStopped`` or
+        ``ValueError``."""
+
+    def abort(self, request_ids: Sequence[str]) -> None: ...
+
+    def abort_all(self, reason: str) -> None: ...
+
+    @property
+    def snapshot(self) -> EngineSnapshot: ...
+
+    def add_observer(self, observer: EngineObserver) -> None: ...
+
+    def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None: ...
+
+    def stop_accepting(self) -> None: ...
+
+    def shutdown(self, timeout: float = 10.0) -> None: ...
+
+    @property
+    def is_alive(self) -> bool: ...
+
+    @property
+    def num_open_groups(self) -> int: ...

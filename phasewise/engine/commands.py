@@ -1,0 +1,54 @@
+"""Commands to the engine thread: plain frozen dataclasses that could cross a process boundary.
+
+Nothing in a command refers to the caller's event loop: an add carries a ``ticket``, and the
+verdict comes back as a ``Verdict`` for that ticket. So the same commands can be pickled onto
+a socket when the engine runs in another process (the P/D workers).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from phasewise.engine.backend import PromptSpec
+
+
+@dataclass(frozen=True)
+class AddRequests:
+    """Admit these requests all together or not at all. ``max_waiting``: refuse the group
+    (``EngineOverloaded``) if the waiting queue would then hold more than this many."""
+
+    ticket: int
+    requests: tuple[tuple[str, PromptSpec], ...]
+    arrival_time: float
+    max_waiting: int | None = None
+
+
+@dataclass(frozen=True)
+class AbortRequests:
+    request_ids: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class AbortAll:
+    """End every request now; their streams get ``EngineStopped(reason)``."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class Stop:
+    """Abort everything and stop the engine loop."""
+
+    reason: str = "the server shut down"
+
+
+Command = AddRequests | AbortRequests | AbortAll | Stop
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The engine's answer to an ``AddRequests``: ``error`` is None when admitted, else
+    (kind, message) with kind one of ``overloaded``, ``stopped``, ``invalid``."""
+
+    ticket: int
+    error: tuple[str, str, str | None] | None = None  # (kind, message, param)

@@ -1,0 +1,132 @@
+"""Errors of the HTTP API: ``ApiError``, its OpenAI-style body, and the translation of
+request-validation failures into a 400 that names the field.
+
+The field at fault is always carried explicitly: pydantic's error location for field checks,
+the ``param`` in a ``FieldError``'s context for checks across fields, ``ValidationError.param``
+from the engine. It is never parsed out of a message's text.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic_core import PydanticCustomError
+
+
+class ApiError(Exception):
+    """An error with an HTTP status and an OpenAI-style body."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None,
+                 type: str = "invalid_request_error", code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.type = type
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+def error_response(err: ApiError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+
+FIELD_ERROR = "phasewise_field"
+
+
+def field_error(param: str | None, message: str,
+                code: str | None = None) -> PydanticCustomError:
+    """For a model validator: an error that names ``param`` (a dotted field path) and, for
+    a rule across fields, its ``code``."""
+    # Braces in the message would be read as placeholders by pydantic: escape them.
+    template = message.replace("{", "{{").replace("}", "}}")
+    return PydanticCustomError(FIELD_ERROR, template, {"param": param, "code": code})
+
+
+# Union types report one error per alternative; say once what the field may be instead.
+UNION_FIELDS = {
+    "prompt": "a non-empty string, a list of token ids, a list of strings or a list of "
+              "token-id lists",
+    "stop": "a string or a list of strings",
+    "content": "a string or a list of content parts",
+}
+
+
+# Request bodies that are a union of models: each model's name -> the fields that tell the
+# forms apart (exactly one of them must be given).
+BODY_UNIONS = {"TokenizePrompt": ("prompt", "messages"), "TokenizeChat": ("prompt", "messages")}
+
+
+def _form_only(e: Any, keys: tuple[str, ...]) -> bool:
+    """An error of a union branch that only says the body has another form's key field or
+    lacks its own."""
+    loc = [str(x) for x in e.get("loc", ())]
+    return len(loc) == 3 and loc[2] in keys and e.get("type") in ("missing",
+                                                                  "extra_forbidden")
+
+
+def _is_type_tag(part: str) -> bool:
+    """pydantic's union branch labels in an error location (``str``, ``list[int]``, ...)."""
+    return part in ("str", "int", "float", "bool") or "[" in part or part.startswith(
+        ("function-", "constrained-", "function-before", "function-after"))
+
+
+def _shown(x: Any) -> str:
+    try:
+        return json.dumps(x)[:80]
+    except (TypeError, ValueError):
+        return repr(x)[:80]
+
+
+def validation_error(exc: RequestValidationError) -> ApiError:
+    """The first of pydantic's errors as a 400 naming the field."""
+    errors = exc.errors()
+    first = errors[0] if errors else {}
+    loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+    kind = first.get("type", "")
+    ctx = first.get("ctx") or {}
+    if kind == "json_invalid":
+        return ApiError(400, f"the request body is not valid JSON: "
+                        f"{ctx.get('error', first.get('msg'))}")
+    if kind in ("model_attributes_type", "dict_type", "model_type") and not loc:
+        return ApiError(400, "the request body must be a JSON object")
+    if loc and loc[0] in BODY_UNIONS:
+        # A body that is one of several models (/tokenize: a prompt or messages): drop the
+        # errors that only say which form it is not, and report what is left.
+        keys = BODY_UNIONS[loc[0]]
+        rest = [e for e in errors if not _form_only(e, keys)]
+        if not rest:
+            return ApiError(400, f"give exactly one of {' or '.join(keys)}")
+        errors, first = rest, rest[0]
+        loc = [str(x) for x in first.get("loc", ())[2:]]
+        kind = first.get("type", "")
+        ctx = first.get("ctx") or {}
+    msg = str(first.get("msg", "invalid request"))
+    if kind == FIELD_ERROR:
+        return ApiError(400, msg, param=ctx.get("param"), code=ctx.get("code"))
+    if kind == "missing" and loc:
+        return ApiError(400, f"{'.'.join(loc)} is required", param=".".join(loc))
+    path = [x for x in loc if not _is_type_tag(x)]
+    if path and path[0] in UNION_FIELDS and len(errors) > 1:
+        # A check of ours in the branch that matched the type (a lone surrogate, ...) says
+        # more than the list of the types the field may have.
+        ours = next((e for e in errors if e.get("type") == "value_error"), None)
+        if ours is not None:
+            return ApiError(400, f"{path[0]}: {str(ours['msg']).removeprefix('Value error, ')}",
+                            param=path[0])
+        return ApiError(400, f"{path[0]} must be {UNION_FIELDS[path[0]]} "
+                        f"(got {_shown(first.get('input'))})", param=path[0])
+    param = ".".join(path) or None
+    if msg.startswith("Value error, "):
+        msg = msg[len("Value error, "):]
+    if param:
+        msg = f"{param}: {msg} (got {_shown(first.get('input'))})"
+    return ApiError(400, msg, param=param)

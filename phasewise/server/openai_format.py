@@ -1,0 +1,135 @@
+"""OpenAI response shapes: usage, finish reasons, logprobs, and the choices of completions
+and chat completions, streamed (a delta) or whole. Pure functions of engine outputs."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from phasewise.engine.outputs import RequestOutput
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def finish_reason(out: RequestOutput) -> str | None:
+    if not out.finished:
+        return None
+    return "length" if out.finish_reason == "length" else "stop"
+
+
+def timing(index: int, out: RequestOutput) -> dict[str, Any]:
+    """The engine's own split of a finished request's time (phasewise's extension, sent on the
+    final usage chunk as ``timings``; other clients ignore it)."""
+    m = out.metrics
+    queue = prefill = decode = None
+    if m.first_scheduled_time is not None:
+        queue = m.first_scheduled_time - m.arrival_time
+        if m.first_token_time is not None:
+            prefill = m.first_token_time - m.first_scheduled_time
+            decode = m.token_times[-1] - m.first_token_time
+    return {"index": index, "queue_s": queue, "prefill_s": prefill, "decode_s": decode,
+            "cached_tokens": m.num_cached_tokens, "preemptions": m.num_preemptions}
+
+
+TokenText = Callable[[int], str]
+
+
+def completion_logprobs(token_text: TokenText, token_ids: list[int],
+                        entries: list[dict[int, float]], offset: int) -> dict[str, Any]:
+    tokens, lps, tops, offsets = [], [], [], []
+    pos = offset
+    for tok, entry in zip(token_ids, entries):
+        text = token_text(tok)
+        tokens.append(text)
+        lps.append(entry.get(tok))
+        ranked = sorted(((lp, t) for t, lp in entry.items()), reverse=True)
+        # The top-N and the sampled token (OpenAI: "up to logprobs + 1" entries).
+        tops.append({token_text(t): lp for lp, t in ranked})
+        offsets.append(pos)
+        pos += len(text)
+    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops,
+            "text_offset": offsets}
+
+
+def chat_logprobs(token_text: TokenText, token_ids: list[int],
+                  entries: list[dict[int, float]], top_n: int) -> dict[str, Any]:
+    content = []
+    for tok, entry in zip(token_ids, entries):
+        text = token_text(tok)
+        ranked = sorted(((lp, t) for t, lp in entry.items()), reverse=True)[:top_n]
+        content.append({
+            "token": text, "logprob": entry.get(tok), "bytes": list(text.encode()),
+            "top_logprobs": [{"token": token_text(t), "logprob": lp,
+                              "bytes": list(token_text(t).encode())} for lp, t in ranked]})
+    return {"content": content}
+
+
+class CompletionChoices:
+    """Choices of ``/v1/completions``: ``text`` and the legacy logprobs layout."""
+
+    stream_object = "text_completion"
+    object = "text_completion"
+
+    def __init__(self, token_text: TokenText, num_choices: int, logprobs: int | None) -> None:
+        self.token_text = token_text
+        self.logprobs = logprobs
+        self.offsets = [0] * num_choices  # characters sent so far, per choice
+
+    def delta(self, idx: int, out: RequestOutput) -> list[tuple[dict[str, Any], bool]]:
+        lp = None
+        if self.logprobs is not None and out.delta_token_ids:
+            k = len(out.delta_token_ids)
+            lp = completion_logprobs(self.token_text, out.delta_token_ids,
+                                     (out.logprobs or [])[-k:], self.offsets[idx])
+        self.offsets[idx] += len(out.delta_text)
+        if not (out.delta_text or lp or out.finished):
+            return []  # bytes of an unfinished character: nothing to show
+        return [({"index": idx, "text": out.delta_text, "logprobs": lp,
+                  "finish_reason": finish_reason(out)}, True)]
+
+    def whole(self, idx: int, out: RequestOutput) -> dict[str, Any]:
+        lp = None
+        if self.logprobs is not None:
+            lp = completion_logprobs(self.token_text, out.token_ids, out.logprobs or [], 0)
+        return {"index": idx, "text": out.text, "logprobs": lp,
+                "finish_reason": finish_reason(out)}
+
+
+class ChatChoices:
+    """Choices of ``/v1/chat/completions``: the assistant's message (streamed: the role
+    first, then content deltas) and the chat logprobs layout."""
+
+    stream_object = "chat.completion.chunk"
+    object = "chat.completion"
+
+    def __init__(self, token_text: TokenText, num_choices: int, top_n: int | None) -> None:
+        self.token_text = token_text
+        self.top_n = top_n
+        self.started = [False] * num_choices
+
+    def delta(self, idx: int, out: RequestOutput) -> list[tuple[dict[str, Any], bool]]:
+        chunks: list[tuple[dict[str, Any], bool]] = []
+        if not self.started[idx]:  # the role first, as OpenAI streams it
+            self.started[idx] = True
+            chunks.append(({"index": idx, "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None, "finish_reason": None}, False))
+        lp = None
+        if self.top_n is not None and out.delta_token_ids:
+            k = len(out.delta_token_ids)
+            lp = chat_logprobs(self.token_text, out.delta_token_ids,
+                               (out.logprobs or [])[-k:], self.top_n)
+        if out.delta_text or lp or out.finished:
+            delta = {"content": out.delta_text} if out.delta_text else {}
+            chunks.append(({"index": idx, "delta": delta, "logprobs": lp,
+                            "finish_reason": finish_reason(out)}, True))
+        return chunks
+
+    def whole(self, idx: int, out: RequestOutput) -> dict[str, Any]:
+        lp = None
+        if self.top_n is not None:
+            lp = chat_logprobs(self.token_text, out.token_ids, out.logprobs or [], self.top_n)
+        return {"index": idx, "message": {"role": "assistant", "content": out.text},
+                "logprobs": lp, "finish_reason": finish_reason(out)}

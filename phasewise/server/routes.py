@@ -1,0 +1,312 @@
+"""The request handlers behind each route: validate, tokenize (off the event loop), submit to
+the ``ServingBackend``, and answer through one response builder shared by completions and
+chat (a stream, or one JSON body once every choice has finished)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from phasewise.engine.backend import (EngineError, EngineOverloaded, EngineStopped,
+                                      PromptSpec, RequestGroup, ServingBackend)
+from phasewise.engine.outputs import RequestOutput
+from phasewise.engine.sampling_params import SamplingParams, wrap_seed
+from phasewise.engine.validation import ValidationError, check_context, check_token_ids
+from phasewise.server.errors import ApiError
+from phasewise.server.guard import access_record
+from phasewise.server.openai_format import ChatChoices, CompletionChoices, usage
+from phasewise.server.protocol import (COMBINATION, CONTEXT, TEMPLATE, ChatCompletionRequest,
+                                       CompletionRequest,
+                                       DetokenizeRequest, TokenizeChat, TokenizeRequest)
+from phasewise.server.sse import stream_group
+
+T = TypeVar("T")
+# A text longer than this many characters per context token cannot fit, whatever it holds:
+# a token covers at most ``max_token_chars`` characters. The factor 2 leaves room for
+# normalizers that compose characters (NFC/NFKC) before tokenizing.
+_CHAR_MARGIN = 2
+
+
+class ClientGone(Exception):
+    """The client disconnected before its response was ready."""
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[Any]) -> Any:
+    """Run ``work``; if the client disconnects first, cancel it (its ``finally`` aborts the
+    requests) and raise ``ClientGone``."""
+    task = asyncio.ensure_future(work)
+
+    async def listen() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(listen())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:  # the handler itself is cancelled: pass that on
+        task.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if not task.done():
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        raise ClientGone()
+    return task.result()
+
+
+class Routes:
+    """Handlers for one backend. ``served_model_name`` is the name clients must send."""
+
+    def __init__(self, backend: ServingBackend, served_model_name: str, *,
+                 retry_after_s: int = 1, tokenizer_threads: int = 2) -> None:
+        self.backend = backend
+        self.retry_after_s = retry_after_s
+        self.tokenizer = backend.tokenizer
+        self.served_model_name = served_model_name
+        info = backend.info
+        self.max_model_len = info.max_model_len
+        self.vocab_size = info.vocab_size
+        self.max_prompt_chars = (info.max_model_len * self.tokenizer.max_token_chars
+                                 * _CHAR_MARGIN)
+        # Tokenizing and chat templating run here, never on the event loop. /tokenize and
+        # /detokenize (not bounded by the context length) get a pool of their own, so a huge
+        # one cannot hold up the prompts of generation requests.
+        self.cpu = ThreadPoolExecutor(tokenizer_threads, thread_name_prefix="phasewise-tok")
+        self.cpu_tools = ThreadPoolExecutor(1, thread_name_prefix="phasewise-tokenize")
+
+    def close(self) -> None:
+        self.cpu.shutdown(wait=False, cancel_futures=True)
+        self.cpu_tools.shutdown(wait=False, cancel_futures=True)
+
+    async def _off_loop(self, fn: Callable[..., T], *args: Any,
+                        pool: ThreadPoolExecutor | None = None) -> T:
+        return await asyncio.get_running_loop().run_in_executor(pool or self.cpu, fn, *args)
+
+    # -- checks ----------------------------------------------------------------------------
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.served_model_name:
+            raise ApiError(404, f"the model {name!r} does not exist; this server serves "
+                           f"{self.served_model_name!r}", param="model", code="model_not_found")
+
+    def _check_chars(self, n_chars: int, param: str) -> None:
+        """Refuse, before tokenizing, a text too long to fit the context in any tokenization."""
+        if n_chars > self.max_prompt_chars:
+            raise ApiError(400, f"{param} has {n_chars} characters; this model's context of "
+                           f"{self.max_model_len} tokens cannot hold more than about "
+                           f"{self.max_prompt_chars} characters, so it was not tokenized",
+                           param=param, code=CONTEXT)
+
+    @staticmethod
+    def _invalid(e: ValidationError, param: str | None = None,
+                 code: str | None = None) -> ApiError:
+        return ApiError(400, str(e), param=param or e.param, code=code)
+
+    def _ids(self, ids: list[int], param: str) -> list[int]:
+        try:
+            return check_token_ids(ids, self.vocab_size, param)
+        except ValidationError as e:
+            raise self._invalid(e) from e
+
+    def _budget(self, n_prompt: int, max_tokens: int | None, param: str,
+                limit_param: str) -> int:
+        try:
+            return check_context(n_prompt, max_tokens, self.max_model_len,
+                                 prompt_param=param, max_tokens_param=limit_param)
+        except ValidationError as e:
+            raise self._invalid(e, code=CONTEXT) from e
+
+    def _params(self, overrides: dict[str, Any]) -> SamplingParams:
+        try:
+            return self.backend.default_sampling_params(**overrides)
+        except ValidationError as e:
+            raise self._invalid(e) from e
+
+    def _specs(self, prompts: list[tuple[list[int], str | None, int]], n: int,
+               overrides: dict[str, Any]) -> list[PromptSpec]:
+        """n samples of each (ids, text, max_tokens); seeded samples get seed, seed+1, ..."""
+        specs = []
+        for ids, text, max_tokens in prompts:
+            if overrides.get("min_tokens", 0) > max_tokens:  # max_tokens: after the context
+                raise ApiError(400, f"min_tokens ({overrides['min_tokens']}) must be <= the "
+                               f"{max_tokens} tokens this prompt leaves in the context",
+                               param="min_tokens", code=COMBINATION)
+            for j in range(n):
+                o = dict(overrides, max_tokens=max_tokens)
+                if j and o.get("seed") is not None:
+                    o["seed"] = wrap_seed(o["seed"] + j)
+                specs.append(PromptSpec(ids, self._params(o), text))
+        return specs
+
+    async def _submit(self, specs: list[PromptSpec], rid: str, arrival: float) -> RequestGroup:
+        try:
+            return await self.backend.add(specs, rid, arrival_time=arrival)
+        except EngineOverloaded as e:
+            raise ApiError(503, f"the server is overloaded: {e}", type="server_error",
+                           code="overloaded", headers={"Retry-After": str(self.retry_after_s)}) from e
+        except EngineStopped as e:
+            raise ApiError(503, str(e), type="server_error", code="shutting_down") from e
+        except ValidationError as e:
+            raise self._invalid(e, e.param or "prompt") from e
+        except ValueError as e:  # more sequences than may ever wait at once
+            raise ApiError(400, str(e), code=COMBINATION) from e
+
+    def _token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    # -- chat templating -------------------------------------------------------------------
+    def _messages(self, messages: list[Any]) -> list[dict[str, Any]]:
+        msgs = []
+        for i, m in enumerate(messages):
+            d: dict[str, Any] = {"role": m.role, "content": m.text(i)}
+            if m.name is not None:
+                d["name"] = m.name
+            msgs.append(d)
+        return msgs
+
+    def _render(self, msgs: list[dict[str, Any]], add_generation_prompt: bool,
+                continue_final: bool, kwargs: dict[str, Any] | None) -> str:
+        try:
+            text = self.tokenizer.apply_chat_template(
+                msgs, add_generation_prompt=add_generation_prompt, **(kwargs or {}))
+        except Exception as e:  # template errors (raise_exception, bad roles, ...)
+            raise ApiError(400, f"the chat template could not render these messages: {e}",
+                           param="messages", code=TEMPLATE) from e
+        if continue_final:
+            last = msgs[-1]["content"]
+            cut = text.rfind(last) if last else -1
+            if cut != -1:
+                text = text[:cut + len(last)]
+        return text
+
+    def _chat_ids(self, msgs: list[dict[str, Any]], add_generation_prompt: bool,
+                  continue_final: bool, kwargs: dict[str, Any] | None) -> tuple[str, list[int]]:
+        """On a worker thread: render the template and tokenize it (the template places any
+        BOS itself)."""
+        text = self._render(msgs, add_generation_prompt, continue_final, kwargs)
+        return text, self.tokenizer.encode(text, add_special_tokens=False)
+
+    # -- the routes ------------------------------------------------------------------------
+    async def tokenize(self, body: TokenizeRequest, request: Request) -> dict[str, Any]:
+        self.check_model(body.model)
+        if isinstance(body, TokenizeChat):
+            msgs = self._messages(body.messages)
+            _, ids = await self._off_loop(self._chat_ids, msgs, body.add_generation_prompt,
+                                          False, None, pool=self.cpu_tools)
+        else:
+            ids = await self._off_loop(self.tokenizer.encode, body.prompt,
+                                       body.add_special_tokens, pool=self.cpu_tools)
+        access_record(request.scope).prompt_tokens = len(ids)
+        return {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids}
+
+    async def detokenize(self, body: DetokenizeRequest, request: Request) -> dict[str, Any]:
+        self.check_model(body.model)
+        if body.tokens:
+            self._ids(body.tokens, "tokens")
+        text = await self._off_loop(self.tokenizer.decode, body.tokens, False,
+                                    pool=self.cpu_tools)
+        return {"prompt": text}
+
+    async def completions(self, body: CompletionRequest, request: Request) -> Response:
+        arrival = time.monotonic()
+        self.check_model(body.model)
+        raw = body.prompt_list()
+        prompts = []
+        for i, p in enumerate(raw):
+            param = "prompt" if len(raw) == 1 else f"prompt.{i}"
+            if isinstance(p, str):
+                self._check_chars(len(p), param)
+                ids, text = await self._off_loop(self.tokenizer.encode, p), p
+            else:
+                ids, text = list(p), None
+            max_tokens = self._budget(len(ids), body.max_tokens, param, "max_tokens")
+            self._ids(ids, param)
+            prompts.append((ids, text, max_tokens))
+        overrides = body.sampling_overrides()
+        if body.logprobs is not None:
+            overrides["logprobs"] = body.logprobs
+        specs = self._specs(prompts, body.n, overrides)
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        choices = CompletionChoices(self._token_text, len(specs), body.logprobs)
+        return await self._respond(request, body, specs, rid, choices, arrival)
+
+    async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
+        arrival = time.monotonic()
+        self.check_model(body.model)
+        msgs = self._messages(body.messages)
+        self._check_chars(sum(len(m["content"]) for m in msgs), "messages")
+        text, ids = await self._off_loop(self._chat_ids, msgs, body.add_generation_prompt,
+                                         body.continue_final_message, body.chat_template_kwargs)
+        limit_param = "max_completion_tokens" if body.max_completion_tokens is not None \
+            else "max_tokens"
+        max_tokens = self._budget(len(ids), body.output_limit, "messages", limit_param)
+        self._ids(ids, "messages")
+        overrides = body.sampling_overrides()
+        if body.num_logprobs is not None:
+            overrides["logprobs"] = body.num_logprobs
+        specs = self._specs([(ids, text, max_tokens)], body.n, overrides)
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        choices = ChatChoices(self._token_text, len(specs), body.num_logprobs)
+        return await self._respond(request, body, specs, rid, choices, arrival)
+
+    # -- the one response builder ----------------------------------------------------------
+    async def _respond(self, request: Request, body: Any, specs: list[PromptSpec], rid: str,
+                       choices: CompletionChoices | ChatChoices, arrival: float) -> Response:
+        rec = access_record(request.scope)
+        rec.request_id = rid
+        rec.prompt_tokens = sum(len(s.token_ids) for s in specs[::max(1, body.n)])
+        group = await self._submit(specs, rid, arrival)
+        prompt_lens = [len(s.token_ids) for s in specs]
+        produced: dict[str, int] = {}
+
+        def on_token(out: RequestOutput) -> None:
+            produced[out.request_id] = len(out.token_ids)
+            rec.output_tokens = sum(produced.values())
+            if rec.ttft_s is None and out.metrics.ttft is not None:
+                rec.ttft_s = out.metrics.ttft
+
+        model = self.served_model_name
+        if body.stream:
+            return stream_group(group=group, rid=rid, obj=choices.stream_object, model=model,
+                                prompt_lens=prompt_lens, prompt_tokens=rec.prompt_tokens,
+                                include_usage=body.include_usage,
+                                continuous_usage=body.continuous_usage, render=choices.delta,
+                                on_token=on_token)
+        created = int(time.time())
+        finals = await self._collect(request, group, on_token)
+        return JSONResponse({
+            "id": rid, "object": choices.object, "created": created, "model": model,
+            "choices": [choices.whole(i, out) for i, out in enumerate(finals)],
+            "usage": usage(rec.prompt_tokens, sum(len(o.token_ids) for o in finals))})
+
+    async def _collect(self, request: Request, group: RequestGroup,
+                       on_token: Callable[[RequestOutput], None]) -> list[RequestOutput]:
+        """Wait for every request of the group to finish (aborting them if the client
+        leaves first); the final outputs in group order."""
+        finals: list[RequestOutput | None] = [None] * len(group.request_ids)
+
+        async def run() -> None:
+            try:
+                async for idx, out in group:
+                    on_token(out)
+                    if out.finished:
+                        finals[idx] = out
+            finally:
+                group.close()
+
+        try:
+            await _unless_disconnected(request, run())
+        except EngineError as e:
+            raise ApiError(500, str(e), type="server_error", code="engine_error") from e
+        except EngineStopped as e:
+            raise ApiError(503, str(e), type="server_error", code="shutting_down") from e
+        except ClientGone as e:  # nobody is listening; the status is for the access log
+            raise ApiError(499, "the client disconnected", code="client_disconnected") from e
+        return [f for f in finals if f is not None]

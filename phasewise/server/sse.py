@@ -1,0 +1,116 @@
+"""Server-sent events: the response class and the one stream builder that completions and
+chat share (each endpoint only renders its choices)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from fastapi.responses import StreamingResponse
+
+from phasewise.engine.backend import EngineError, EngineStopped, RequestGroup
+from phasewise.engine.outputs import RequestOutput
+from phasewise.server.errors import ApiError
+from phasewise.server.openai_format import timing, usage
+
+log = logging.getLogger("phasewise.server")
+
+Scope = dict[str, Any]
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+# A choice chunk and whether it carries the choice's usage so far (continuous_usage_stats).
+Rendered = list[tuple[dict[str, Any], bool]]
+
+
+def sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+DONE = "data: [DONE]\n\n"
+
+
+def error_event(e: Exception) -> str:
+    stopped = isinstance(e, EngineStopped)
+    err = ApiError(503 if stopped else 500, str(e), type="server_error",
+                   code="shutting_down" if stopped else "engine_error")
+    return sse(err.body())
+
+
+class SSEResponse(StreamingResponse):
+    """Server-sent events that stop (and abort their requests) as soon as the client goes:
+    the stream races a listener for ``http.disconnect``."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+        # No caching, and no buffering in proxies (nginx honours X-Accel-Buffering).
+        super().__init__(content, headers={"Cache-Control": "no-cache",
+                                           "X-Accel-Buffering": "no"})
+        self.on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        stream = asyncio.ensure_future(self.stream_response(send))
+        listen = asyncio.ensure_future(self.listen_for_disconnect(receive))
+        try:
+            await asyncio.wait({stream, listen}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (stream, listen):
+                task.cancel()
+            await asyncio.gather(stream, listen, return_exceptions=True)
+            aclose = getattr(self.body_iterator, "aclose", None)
+            if aclose is not None:
+                await aclose()  # runs the generator's finally if it is suspended
+            self.on_close()  # aborts what is still running, even if the body never started
+            if stream.done() and not stream.cancelled():
+                err = stream.exception()
+                if err is not None and not isinstance(err, OSError):
+                    log.error("stream failed: %s: %s", type(err).__name__, err)
+
+
+def stream_group(*, group: RequestGroup, rid: str, obj: str, model: str,
+                 prompt_lens: list[int], prompt_tokens: int, include_usage: bool, continuous_usage: bool,
+                 render: Callable[[int, RequestOutput], Rendered],
+                 on_token: Callable[[RequestOutput], None] | None = None) -> SSEResponse:
+    """SSE for a group (``prompt_lens``: each request's; ``prompt_tokens``: the usage
+    total, each prompt counted once however many samples it has): the choices ``render`` makes of each output (those marked True carry
+    the choice's usage so far, with continuous_usage_stats), then, with include_usage, the
+    usage chunk with the engine's per-choice ``timings``, then ``[DONE]``. An engine failure,
+    or the end of a shutdown's grace period, ends the stream with an error event that says
+    so, then ``[DONE]``."""
+    created = int(time.time())
+
+    def chunk(choices: list[dict[str, Any]], use: dict | None = None) -> dict:
+        out: dict[str, Any] = {"id": rid, "object": obj, "created": created, "model": model,
+                               "choices": choices}
+        if include_usage:
+            out["usage"] = use
+        return out
+
+    async def events() -> AsyncIterator[str]:
+        completion_tokens = 0
+        timings: dict[int, dict[str, Any]] = {}
+        try:
+            async for idx, out in group:
+                if on_token is not None:
+                    on_token(out)
+                if out.finished:
+                    completion_tokens += len(out.token_ids)
+                    timings[idx] = timing(idx, out)
+                running = (usage(prompt_lens[idx], len(out.token_ids))
+                           if continuous_usage else None)
+                for choice, counted in render(idx, out):
+                    yield sse(chunk([choice], running if counted else None))
+            if include_usage:
+                yield sse(dict(chunk([], usage(prompt_tokens, completion_tokens)),
+                               timings=[timings[i] for i in sorted(timings)]))
+        except (EngineError, EngineStopped) as e:
+            yield error_event(e)
+        finally:
+            group.close()
+        yield DONE
+
+    return SSEResponse(events(), group.close)
