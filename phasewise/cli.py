@@ -94,11 +94,10 @@ def cmd_serve(a: argparse.Namespace) -> int:
 
 def _serve(a: argparse.Namespace) -> int:
     from phasewise.config import EngineConfig, parse_memory
-    from phasewise.server.serve import build_server, run
+    from phasewise.server.serve import build_server, check_port, run
 
     model = _model_arg(a)
-    if not 0 < a.port < 65536:
-        raise ValueError(f"--port must be in 1..65535, got {a.port}")
+    check_port(a.host, a.port)  # before the minutes a large model can take to load
     server = build_server(
         EngineConfig(model=model, **_engine_kwargs(a)),
         served_model_name=a.served_model_name,
@@ -107,7 +106,7 @@ def _serve(a: argparse.Namespace) -> int:
         max_request_bytes=parse_memory(a.max_request_size))
     try:
         run(server, host=a.host, port=a.port, shutdown_grace_s=a.shutdown_grace,
-            log_level=a.log_level)
+            log_level=a.log_level, access_log=not a.no_access_log)
     except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C once it has drained and shut down
         pass
     return 0
@@ -245,6 +244,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--log-interval", type=float, default=5.0,
                    help="seconds between throughput log lines (0: off)")
     s.add_argument("--log-level", default="info", choices=LOG_LEVELS)
+    s.add_argument("--no-access-log", action="store_true",
+                   help="no log line per request")
 
     b = command("bench", "load-test any OpenAI-compatible server "
                 "('phasewise bench report FILES' renders an HTML report)", cmd_bench)

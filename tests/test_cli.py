@@ -100,6 +100,9 @@ class _FakeServing:
     def __init__(self) -> None:
         self.calls: list = []
 
+    def check_port(self, host, port):
+        self.calls.append(("check_port", host, port))
+
     def build_server(self, config, **kw):
         self.calls.append(("build_server", config.model, kw))
         return "server"
@@ -113,18 +116,23 @@ def serving(monkeypatch):
     from phasewise.server import serve
 
     fake = _FakeServing()
-    for name in ("build_server", "run"):
+    for name in ("check_port", "build_server", "run"):
         monkeypatch.setattr(serve, name, getattr(fake, name))
     return fake
 
 
-def test_serve_passes_its_flags(serving, tmp_path):
-    assert main(["serve", "--model", str(tmp_path), "--port", "8123",
+def test_serve_passes_its_flags_and_checks_the_port_first(serving, tmp_path):
+    assert main(["serve", "--model", str(tmp_path), "--port", "8123", "--no-access-log",
                  "--log-level", "warning"]) == 0
-    (kind1, model, kw), (kind2, server, run_kw) = serving.calls
+    (kind0, host, port), (kind1, model, kw), (kind2, server, run_kw) = serving.calls
+    assert (kind0, host, port) == ("check_port", "127.0.0.1", 8123)
     assert kind1 == "build_server" and model == str(tmp_path)
     assert kw["max_request_bytes"] == 8 * 2**20 and kw["max_waiting_requests"] == 256
-    assert run_kw["log_level"] == "warning" and run_kw["port"] == 8123
+    assert run_kw["access_log"] is False and run_kw["log_level"] == "warning"
+    assert run_kw["port"] == 8123
+    serving.calls.clear()
+    assert main(["serve", "--model", str(tmp_path)]) == 0
+    assert serving.calls[-1][2]["access_log"] is True
 
 
 def test_model_flag_says_what_it_found_and_what_it_takes(serving, tmp_path, capsys):
@@ -140,7 +148,7 @@ def test_model_flag_says_what_it_found_and_what_it_takes(serving, tmp_path, caps
         err = capsys.readouterr().err
         assert "is not a folder here but a roofline catalog name" in err, err
         assert "phasewise roofline --model" in err and "local checkpoint folder" in err
-    assert serving.calls == []  # refused before any loading
+    assert serving.calls == []  # refused before the port check and any loading
     assert main(["generate", "--model", str(tmp_path / "none"), "x"]) == 2
     assert "does not exist" in capsys.readouterr().err  # a missing folder: as before
 
