@@ -75,8 +75,10 @@ class ServerProcess:
 
 
 def start_server(model_dir: Path | None, log_path: Path, *args: str,
-                 api_key: str | None = None, timeout: float = 120) -> ServerProcess:
-    """``model_dir`` None: no ``--model`` (the bundled default)."""
+                 api_key: str | None = None, timeout: float = 120,
+                 env: dict[str, str] | None = None) -> ServerProcess:
+    """``model_dir`` None: no ``--model`` (the bundled default). ``env``: added to this
+    process's environment."""
     port = free_port()
     cmd = [sys.executable, "-m", "phasewise.cli", "serve",
            *(["--model", str(model_dir)] if model_dir is not None else []),
@@ -84,7 +86,8 @@ def start_server(model_dir: Path | None, log_path: Path, *args: str,
     if api_key:
         cmd += ["--api-key", api_key]
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                env={**os.environ, **(env or {})})
     server = ServerProcess(proc, port, log_path)
     if api_key:
         server.headers = {"Authorization": f"Bearer {api_key}"}

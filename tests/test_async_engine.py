@@ -98,3 +98,73 @@ def test_waiting_limit_refuses_with_overloaded(llama_dir):
             await asyncio.to_thread(ae.shutdown)
 
     asyncio.run(main())
+
+
+def test_a_request_whose_sampling_fails_fails_alone(llama_dir):
+    """A sampling failure tied to one request's settings ends that request with an error;
+    the others in the same step go on, token for token as they would have. A forward pass
+    that fails fails only the requests of that step, not those still waiting."""
+    ids = [[3, 17, 42, 9], [8, 8, 100], [5, 6, 7]]
+    want = [o.token_ids for o in LLM(str(llama_dir)).generate(ids, GREEDY)]
+    engine = LLMEngine(EngineConfig(model=str(llama_dir), max_num_seqs=2))
+    poison = SamplingParams(temperature=0.7, top_k=7, max_tokens=6, ignore_eos=True)
+    real_probs = engine.sampler._probs
+
+    def probs(requests, logits):
+        if any(r.params.top_k == 7 for r in requests):
+            raise RuntimeError("this request's settings break the sampler")
+        return real_probs(requests, logits)
+
+    engine.sampler._probs = probs
+    ae = AsyncEngine(engine)
+
+    async def main():
+        ae.start()
+        try:
+            good = await ae.add([PromptSpec(ids[0], GREEDY)], "good")
+            bad = await ae.add([PromptSpec(ids[1], poison)], "bad")
+            with pytest.raises(EngineError, match="settings break the sampler"):
+                await _collect(bad)
+            assert (await _collect(good))[0].token_ids == want[0]
+
+            assert engine.kv.usage == 0 and not engine.requests
+        finally:
+            await asyncio.to_thread(ae.shutdown)
+
+    asyncio.run(main())
+
+
+def test_a_failed_forward_pass_fails_only_the_requests_of_its_step(llama_dir):
+    ids = [[3, 17, 42, 9], [5, 6, 7]]
+    want = LLM(str(llama_dir)).generate(ids[1], GREEDY)[0].token_ids
+    engine = LLMEngine(EngineConfig(model=str(llama_dir), max_num_seqs=1))
+    real_execute = engine.runner.execute
+    failed = []
+
+    def execute(batch, tables):
+        # Once the second request waits behind the first, the step (holding only the
+        # first) fails.
+        if not failed and "queued" in engine.requests:
+            failed.append([r.request_id for r in batch.requests])
+            raise RuntimeError("forward pass broke")
+        return real_execute(batch, tables)
+
+    engine.runner.execute = execute
+    ae = AsyncEngine(engine)
+    long = SamplingParams(temperature=0, max_tokens=300, ignore_eos=True)
+
+    async def main():
+        ae.start()
+        try:
+            first = await ae.add([PromptSpec(ids[0], long)], "first")
+            await first.__anext__()  # it runs and holds the only sequence slot
+            queued = await ae.add([PromptSpec(ids[1], GREEDY)], "queued")
+            with pytest.raises(EngineError, match="forward pass broke"):
+                await _collect(first)
+            assert (await _collect(queued))[0].token_ids == want
+            assert failed == [["first"]]
+            assert engine.kv.usage == 0 and not engine.requests
+        finally:
+            await asyncio.to_thread(ae.shutdown)
+
+    asyncio.run(main())

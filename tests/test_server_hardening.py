@@ -423,3 +423,36 @@ def test_serve_on_a_port_in_use_fails_before_loading_and_names_the_flag(model_di
     assert proc.returncode == 2, proc.stderr
     assert f"port {port}" in proc.stderr and "--port" in proc.stderr
     assert "loading" not in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_metrics_hold_each_step_against_its_roofline(model_dir, tmp_path):
+    """With this machine's figures stored (here: made up, written by the test), every engine
+    step is exported with its predicted time beside its measured one, and the achieved
+    bandwidth and FLOP/s that the predicted bytes and FLOPs imply."""
+    (tmp_path / "machine.json").write_text(json.dumps({"cpu-local": {
+        "name": "test machine", "peak_flops": {"fp32": 2.0e11, "bf16": 1.0e11},
+        "mem_bytes": 8e9, "mem_bandwidth": 1.0e10}}))
+    s = start_server(model_dir, tmp_path / "roof.log", "--log-interval", "0",
+                     env={"PHASEWISE_CACHE_DIR": str(tmp_path)})
+    try:
+        before = s.wait_idle()
+        r = httpx.post(s.url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 5,
+                                                        "ignore_eos": True}, timeout=60)
+        assert r.status_code == 200
+        after = s.wait_idle()
+    finally:
+        s.stop()
+
+    def delta(name):
+        return after.get((name, ()), 0.0) - before.get((name, ()), 0.0)
+
+    steps = sum(after.get(("phasewise:engine_steps_total", (("kind", k),)), 0.0)
+                - before.get(("phasewise:engine_steps_total", (("kind", k),)), 0.0)
+                for k in ("prefill", "decode", "mixed"))
+    assert steps >= 5  # one prefill and four decodes at least
+    for h in ("step_time_over_roofline", "step_predicted_seconds",
+              "step_achieved_bandwidth_bytes_per_second", "step_achieved_flops_per_second"):
+        assert delta(f"phasewise:{h}_count") == steps, h
+        assert delta(f"phasewise:{h}_sum") > 0, h
+    assert "this machine's stored figures (test machine)" in s.log()
+    assert "predicted time beside its measured one" in s.log()

@@ -65,12 +65,14 @@ class AsyncEngine:
         self.tokenizer: Tokenizer = engine.tokenizer
         c = engine.config
         self.info = BackendInfo(
-            model_path=str(c.model), max_model_len=engine.max_model_len,
+            model_path=str(c.model), architecture=engine.model_config.architecture,
+            num_params=engine.model_config.num_params, max_model_len=engine.max_model_len,
             vocab_size=engine.model_config.vocab_size, max_waiting=max_waiting,
             description=(f"max_model_len {engine.max_model_len}, {engine.kv.num_blocks} KV "
                          f"blocks of {c.block_size} tokens, policy {c.policy}, "
                          f"{engine.max_num_batched_tokens} tokens per step, dtype "
-                         f"{str(engine.dtype).removeprefix('torch.')}, device {engine.device}"))
+                         f"{str(engine.dtype).removeprefix('torch.')}, device {engine.device}"),
+            roofline=_roofline_note(engine))
         self._commands: queue.Queue[Command] = queue.Queue()
         self._groups: dict[str, RequestGroup] = {}  # request id -> its group (loop side)
         self._verdicts: dict[int, asyncio.Future[None]] = {}  # ticket -> caller (loop side)
@@ -296,10 +298,14 @@ class AsyncEngine:
                 continue
             try:
                 outputs = engine.step()
-            except Exception as e:  # a bug: fail the requests in flight, keep serving
-                log.exception("engine step failed; aborting the requests in flight")
-                aborted = self._abort_all(EngineError(
-                    f"the engine failed: {type(e).__name__}: {e}"))
+            except Exception as e:  # a bug: fail the requests it touched, keep serving
+                held = getattr(e, "request_ids", None)  # a StepFailed names the step's requests
+                cause = getattr(e, "cause", e)
+                log.exception("engine step failed; aborting %s", "the requests in flight"
+                              if held is None else f"the {len(held)} request(s) of that step")
+                err = EngineError(f"the engine failed: {type(cause).__name__}: {cause}")
+                aborted = (self._abort_all(err) if held is None
+                           else self._abort_some(held, err))
                 self._notify(None, [], aborted)
                 continue
             step = engine.step_stats[-1] if engine.step_stats else None
@@ -309,8 +315,10 @@ class AsyncEngine:
             # Publish the state before the outputs: a caller that reacts to an output must
             # not see a queue length from before this step.
             self._snapshot = snap = self._take_snapshot()
-            if outputs:
-                loop.call_soon_threadsafe(self._deliver, [(o.request_id, o) for o in outputs])
+            if outputs:  # a request that failed alone gets its error, not an output
+                loop.call_soon_threadsafe(self._deliver, [
+                    (o.request_id, o if o.error is None else EngineError(o.error))
+                    for o in outputs])
             self._notify(step, outputs, done, snap)
 
     def _handle_add(self, cmd: AddRequests) -> None:
@@ -352,11 +360,42 @@ class AsyncEngine:
         loop.call_soon_threadsafe(self._fail_open_groups, error)
         return aborted
 
+    def _abort_some(self, request_ids: Sequence[str],
+                    error: BaseException) -> list[FinishedRequest]:
+        """Abort these requests and fail their groups (the rest run on)."""
+        aborted = []
+        for rid in request_ids:
+            req = self.engine.abort_request(rid)
+            if req is not None:
+                aborted.append(_finished(req, "abort"))
+        assert self._loop is not None
+        self._loop.call_soon_threadsafe(self._deliver, [(rid, error) for rid in request_ids])
+        return aborted
+
     def _fail_open_groups(self, error: BaseException) -> None:
         """On the event loop: every group still open gets ``error``."""
         for group in {id(g): g for g in self._groups.values()}.values():
             if not group.finished:
                 group._put(error)
+
+
+def _roofline_note(engine: LLMEngine) -> str:
+    """What /metrics' per-step predictions rest on, for the start-up log."""
+    model = getattr(engine, "cost_model", None)
+    accel = getattr(model, "accel", None)
+    if model is None or accel is None:
+        return ("per-step roofline: no figures are stored for this machine, so /metrics has "
+                "each step's FLOPs and bytes but no predicted time; run 'phasewise measure' "
+                "and restart")
+    used = sorted({model.compute_dtype(1), model.compute_dtype(engine.max_num_batched_tokens)})
+    missing = [d for d in used if d not in accel.peak_flops]
+    peaks = ", ".join(f"{k} {v / 1e9:.1f} GFLOP/s" for k, v in accel.peak_flops.items())
+    line = (f"per-step roofline: steps run in {'/'.join(used)}; this machine's stored figures "
+            f"({accel.name}): read {accel.mem_bandwidth / 1e9:.1f} GB/s, {peaks}")
+    if missing:
+        return (line + f"; no {'/'.join(missing)} peak is stored, so steps in it get no "
+                "predicted time on /metrics: run 'phasewise measure' and restart")
+    return line + "; /metrics holds each step's predicted time beside its measured one"
 
 
 def _finished(req: Request, reason: str) -> FinishedRequest:

@@ -76,13 +76,17 @@ class PromptSpec:
 @dataclass(frozen=True)
 class BackendInfo:
     """What a server needs to know about its backend to validate requests and describe
-    itself. ``description`` is shown in the server's start-up line."""
+    itself. ``description`` is shown in the server's start-up line; ``roofline`` says what
+    each step's predicted cost is measured against (for the log)."""
 
     model_path: str
+    architecture: str
+    num_params: int
     max_model_len: int
     vocab_size: int
     max_waiting: int | None
     description: str
+    roofline: str = ""
 
 
 class RequestGroup:

@@ -41,6 +41,17 @@ DEFAULT_CUDA_STEP_TOKENS = 2048
 MAX_STEP_HISTORY = 100_000
 
 
+class StepFailed(RuntimeError):
+    """A step's forward pass (or its sampling, for every request alike) raised: no single
+    request is to blame. ``request_ids``: the requests the step held; requests outside it
+    (waiting, or not scheduled) are untouched and may go on."""
+
+    def __init__(self, request_ids: list[str], cause: Exception) -> None:
+        super().__init__(f"{type(cause).__name__}: {cause}")
+        self.request_ids = request_ids
+        self.cause = cause
+
+
 def resolve_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -234,16 +245,21 @@ class LLMEngine:
                 chunks.append(Chunk(n, done, done + n == req.num_tokens))
         cost = self.cost_model.predict(chunks, decodes)
         tables = [self.kv.block_table(r.request_id) for r in batch.requests]
-        ran = self.runner.execute(batch, tables)
-        sampled = self.sampler(ran.logits, ran.requests)
-        tokens = {}
-        for req, tok, lp in zip(ran.requests, sampled.token_ids, sampled.logprobs):
-            tokens[req.request_id] = tok
-            if req.logprobs is not None and lp is not None:
-                req.logprobs.append(lp)
+        try:
+            ran = self.runner.execute(batch, tables)
+            tokens, failed = self._sample(ran.logits, ran.requests)
+        except Exception as e:
+            raise StepFailed([r.request_id for r in batch.requests], e) from e
         got = self.scheduler.update(batch, tokens)
 
         outputs = []
+        for req, error in failed:  # its own sampling failed: it ends here, no one else
+            if not req.finished:
+                self.scheduler.finish_request(req, RequestStatus.FINISHED_ABORTED)
+            out = self._output(req, self._text[req.request_id])
+            out.error = error
+            outputs.append(out)
+            self._forget(req)
         for req in got:
             state = self._text[req.request_id]
             token = req.output_token_ids[-1]
@@ -266,6 +282,37 @@ class LLMEngine:
             predicted_flops=cost.flops, predicted_bytes=cost.bytes, predicted_s=cost.seconds,
         ))
         return outputs
+
+    def _sample(self, logits: torch.Tensor, requests: list[Request]
+                ) -> tuple[dict[str, int], list[tuple[Request, str]]]:
+        """Tokens for the rows of ``logits`` (and their logprobs, recorded on the requests).
+
+        If sampling the batch raises, each row is sampled alone to find the requests whose
+        own settings fail: those come back in the second list, with the error, and the rest
+        of the step goes on. If every row fails alone too, the fault is not one request's,
+        and the original error is raised."""
+        try:
+            sampled = self.sampler(logits, requests)
+            rows = list(zip(requests, sampled.token_ids, sampled.logprobs))
+            failed: list[tuple[Request, str]] = []
+        except Exception as batch_error:
+            rows, failed = [], []
+            for i, req in enumerate(requests):
+                try:
+                    one = self.sampler(logits[i:i + 1], [req])
+                except Exception as e:  # noqa: BLE001 - reported on that request only
+                    failed.append((req, f"sampling failed for this request: "
+                                        f"{type(e).__name__}: {e}"))
+                    continue
+                rows.append((req, one.token_ids[0], one.logprobs[0]))
+            if not rows:
+                raise batch_error
+        tokens = {}
+        for req, tok, lp in rows:
+            tokens[req.request_id] = tok
+            if req.logprobs is not None and lp is not None:
+                req.logprobs.append(lp)
+        return tokens, failed
 
     def _output(self, req: Request, state: TextState) -> RequestOutput:
         delta_tokens = req.output_token_ids[state.sent_tokens:]

@@ -27,6 +27,8 @@ class RequestOutput:
     stop_reason: str | int | None  # the stop string or stop token that ended it
     logprobs: list[dict[int, float]] | None
     metrics: RequestMetrics
+    # Set when this request failed alone (its sampling raised): it is finished, as "abort".
+    error: str | None = None
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from phasewise.engine.async_engine import EngineSnapshot, FinishedRequest
+from phasewise.engine.backend import EngineSnapshot, FinishedRequest
 from phasewise.engine.outputs import RequestOutput, StepStats
 
 PREFIX = "phasewise:"

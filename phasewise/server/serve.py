@@ -62,9 +62,11 @@ def build_server(engine_config: EngineConfig, *, served_model_name: str | None =
         observers.append(StatLogger(log_interval_s))
     backend = AsyncEngine.from_config(engine_config, max_waiting=config.max_waiting_requests,
                                       observers=observers)
-    mc = backend.engine.model_config
-    log.info("loaded %s (%.1f M parameters) in %.1f s", mc.architecture, mc.num_params / 1e6,
-             time.monotonic() - t0)
+    info = backend.info
+    log.info("loaded %s (%.1f M parameters) in %.1f s", info.architecture,
+             info.num_params / 1e6, time.monotonic() - t0)
+    if info.roofline:
+        log.info("%s", info.roofline)
     return OpenAIServer(backend, config, metrics)
 
 
