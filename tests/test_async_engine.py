@@ -168,3 +168,30 @@ def test_a_failed_forward_pass_fails_only_the_requests_of_its_step(llama_dir):
             await asyncio.to_thread(ae.shutdown)
 
     asyncio.run(main())
+
+
+def test_an_add_never_waits_forever_when_the_engine_thread_dies(llama_dir):
+    """The engine thread dies while handling a batch of commands: every add it took off the
+    queue gets an error, not an endless wait."""
+    engine = LLMEngine(EngineConfig(model=str(llama_dir)))
+    ae = AsyncEngine(engine)
+    real_add = engine.add_request
+
+    def dying_add(*a, **kw):
+        raise SystemExit("the engine thread is going down")  # not an Exception: kills it
+
+    async def main():
+        ae.start()
+        try:
+            engine.add_request = dying_add
+            with pytest.raises(EngineError, match="engine thread failed"):
+                await asyncio.wait_for(ae.add([PromptSpec([1, 2], GREEDY)], "x"), 30)
+            await asyncio.to_thread(ae._thread.join, 30)  # it ends right after answering
+            assert not ae.is_alive
+            with pytest.raises(EngineStopped):
+                await ae.add([PromptSpec([1, 2], GREEDY)], "y")
+        finally:
+            engine.add_request = real_add
+            await asyncio.to_thread(ae.shutdown)
+
+    asyncio.run(main())

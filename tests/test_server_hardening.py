@@ -384,7 +384,7 @@ def test_schema_fuzzing_finds_no_server_error_and_no_mismatch(short_server):
             try:
                 fuzz()  # a failure raises, with the request that shows it
             except Unsatisfiable:  # a GET without parameters has no invalid form
-                assert mode is GenerationMode.NEGATIVE and operation.method == "get"
+                assert mode is GenerationMode.NEGATIVE and operation.method in ("get", "head")
     assert "POST /v1/completions" in labels and "POST /v1/chat/completions" in labels
     assert "Traceback" not in server.log()
 
@@ -456,3 +456,32 @@ def test_metrics_hold_each_step_against_its_roofline(model_dir, tmp_path):
         assert delta(f"phasewise:{h}_sum") > 0, h
     assert "this machine's stored figures (test machine)" in s.log()
     assert "predicted time beside its measured one" in s.log()
+
+
+def test_review_findings_stay_fixed(server):
+    """Found by trying the hardened server as a hostile client: streamed logprob offsets,
+    a top_p that rounds to 0 in fp32, the field a too-large request names, HEAD probes."""
+    body = {"prompt": "def f", "max_tokens": 12, "logprobs": 0, "temperature": 0,
+            "ignore_eos": True, "stop": ["zzzzzzzz"]}  # the stop string holds text back
+    whole = _post(server, "/v1/completions", body).json()["choices"][0]["logprobs"]
+    with httpx.stream("POST", server.url + "/v1/completions", json=dict(body, stream=True),
+                      timeout=60) as r:
+        events = [json.loads(ln[6:]) for ln in r.iter_lines()
+                  if ln.startswith("data: ") and ln != "data: [DONE]"]
+    offsets = [o for e in events if e["choices"][0]["logprobs"]
+               for o in e["choices"][0]["logprobs"]["text_offset"]]
+    assert offsets == whole["text_offset"]
+    assert len(set(offsets)) == len(offsets)  # strictly growing: every token has text here
+
+    r = _post(server, "/v1/completions", {"prompt": PROMPT, "max_tokens": 4, "top_p": 1e-300,
+                                          "temperature": 1, "logprobs": 1, "seed": 1})
+    assert r.status_code == 200
+    lp = r.json()["choices"][0]["logprobs"]
+    # Only the most likely token survives: each sampled token is its position's argmax.
+    for tok, top in zip(lp["token_logprobs"], lp["top_logprobs"]):
+        assert tok == max(top.values())
+
+    r = _post(server, "/v1/completions", {"prompt": ["a"] * 17, "n": 16, "max_tokens": 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n"
+    assert r.json()["error"]["code"] == "invalid_combination"
+    assert httpx.head(server.url + "/health").status_code == 200

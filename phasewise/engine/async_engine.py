@@ -178,6 +178,8 @@ class AsyncEngine:
         try:
             self._commands.put(AddRequests(ticket, tuple(zip(ids, specs)), arrival,
                                            self.max_waiting))
+            if not self.is_alive:  # the thread ended after the check above: nobody reads
+                self._refuse_queued_adds()
             await verdict
         except BaseException:
             # Refused by the engine, or the caller went away while waiting: nothing of the
@@ -262,6 +264,14 @@ class AsyncEngine:
                 assert self._loop is not None
                 self._loop.call_soon_threadsafe(self._fail_open_groups, err)
             self._refuse_queued_adds()
+            assert self._loop is not None  # adds taken off the queue but never answered
+            self._loop.call_soon_threadsafe(self._fail_verdicts, err)
+
+    def _fail_verdicts(self, error: BaseException) -> None:
+        """On the event loop: every add still awaiting its verdict gets ``error``."""
+        for fut in list(self._verdicts.values()):
+            if not fut.done():
+                fut.set_exception(error)
 
     def _loop_forever(self) -> None:
         engine, loop = self.engine, self._loop

@@ -123,7 +123,9 @@ class Sampler:
             # Keep the smallest prefix whose mass reaches top_p (the top token always stays).
             mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
             p = torch.tensor(top_ps, device=dev)
-            sorted_logits = sorted_logits.masked_fill(mass_before >= p[:, None], float("-inf"))
+            drop = mass_before >= p[:, None]
+            drop[:, 0] = False  # the top token stays, even when top_p rounds to 0 in fp32
+            sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
             logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
         probs = torch.softmax(logits, dim=-1)
         min_ps = [r.params.min_p for r in requests]

@@ -12,6 +12,8 @@ MAX_INT32 = 2**31 - 1  # the bound of every count and id a request can carry
 # A seed is an integer that every JSON parser reads exactly (RFC 8259's interoperable range).
 MIN_SEED, MAX_SEED = -(2**53 - 1), 2**53 - 1
 MAX_STOP_STRINGS = 16
+# Dividing logits by a penalty near 0 overflows them to inf (every token ties).
+MIN_REPETITION_PENALTY = 0.01
 # Temperatures below this are greedy: dividing logits by ~0 would overflow to inf/NaN.
 GREEDY_TEMPERATURE = 1e-5
 
@@ -87,8 +89,10 @@ class SamplingParams:
         if self.seed is not None and (not is_int(self.seed)
                                       or not MIN_SEED <= self.seed <= MAX_SEED):
             raise bad("seed", f"an integer or None (in [{MIN_SEED}, {MAX_SEED}])", self.seed)
-        if not is_num(self.repetition_penalty) or not 0 < self.repetition_penalty <= 10:
-            raise bad("repetition_penalty", "a number in (0, 10]", self.repetition_penalty)
+        if not is_num(self.repetition_penalty) or not (MIN_REPETITION_PENALTY
+                                                       <= self.repetition_penalty <= 10):
+            raise bad("repetition_penalty", f"a number in [{MIN_REPETITION_PENALTY}, 10]",
+                      self.repetition_penalty)
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not is_num(value) or not -2 <= value <= 2:

@@ -160,7 +160,7 @@ class OpenAIServer:
             return error_response(ApiError(500, f"internal error: {type(exc).__name__}: {exc}",
                                            type="server_error"))
 
-        @app.get("/health", response_model=None, responses={
+        @app.api_route("/health", methods=["GET", "HEAD"], response_model=None, responses={
             200: {"content": {"application/json": {"schema": {"type": "object"}}}},
             503: {**_ERROR, "description": "the engine is down, or the server is draining"}})
         async def health() -> Response:
@@ -194,11 +194,11 @@ class OpenAIServer:
                 "root": self.backend.info.model_path, "max_model_len": self.max_model_len}]}
 
         @app.post("/tokenize", response_model=None, responses=_POST_ERRORS)
-        async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
+        async def tokenize(body: TokenizeRequest, request: Request) -> Response:
             return await routes.tokenize(body, request)
 
         @app.post("/detokenize", response_model=None, responses=_POST_ERRORS)
-        async def detokenize(body: DetokenizeRequest, request: Request) -> dict[str, Any]:
+        async def detokenize(body: DetokenizeRequest, request: Request) -> Response:
             return await routes.detokenize(body, request)
 
         @app.post("/v1/completions", response_model=None,

@@ -46,9 +46,8 @@ def field_error(param: str | None, message: str,
                 code: str | None = None) -> PydanticCustomError:
     """For a model validator: an error that names ``param`` (a dotted field path) and, for
     a rule across fields, its ``code``."""
-    # Braces in the message would be read as placeholders by pydantic: escape them.
-    template = message.replace("{", "{{").replace("}", "}}")
-    return PydanticCustomError(FIELD_ERROR, template, {"param": param, "code": code})
+    # pydantic fills only {param} and {code} placeholders; other braces stay as written.
+    return PydanticCustomError(FIELD_ERROR, message, {"param": param, "code": code})
 
 
 # Union types report one error per alternative; say once what the field may be instead.
@@ -79,6 +78,14 @@ def _is_type_tag(part: str) -> bool:
         ("function-", "constrained-", "function-before", "function-after"))
 
 
+def _message(e: Any) -> str:
+    """An error's message in our words where pydantic's would puzzle."""
+    if e.get("type") == "string_unicode":  # pydantic's own check of a lone surrogate
+        return ("the string holds an invalid Unicode character (a lone surrogate); send "
+                "valid UTF-8 text")
+    return str(e.get("msg", "invalid request")).removeprefix("Value error, ")
+
+
 def _shown(x: Any) -> str:
     try:
         return json.dumps(x)[:80]
@@ -96,8 +103,13 @@ def validation_error(exc: RequestValidationError) -> ApiError:
     if kind == "json_invalid":
         return ApiError(400, f"the request body is not valid JSON: "
                         f"{ctx.get('error', first.get('msg'))}")
-    if kind in ("model_attributes_type", "dict_type", "model_type") and not loc:
+    body_types = ("model_attributes_type", "dict_type", "model_type")
+    if (kind in body_types and not loc) or (loc and loc[0] in BODY_UNIONS and len(loc) == 1
+                                            and all(e.get("type") in body_types
+                                                    for e in errors)):
         return ApiError(400, "the request body must be a JSON object")
+    if kind == "missing" and not loc:
+        return ApiError(400, "the request body is empty; send a JSON object")
     if loc and loc[0] in BODY_UNIONS:
         # A body that is one of several models (/tokenize: a prompt or messages): drop the
         # errors that only say which form it is not, and report what is left.
@@ -109,7 +121,7 @@ def validation_error(exc: RequestValidationError) -> ApiError:
         loc = [str(x) for x in first.get("loc", ())[2:]]
         kind = first.get("type", "")
         ctx = first.get("ctx") or {}
-    msg = str(first.get("msg", "invalid request"))
+    msg = _message(first)
     if kind == FIELD_ERROR:
         return ApiError(400, msg, param=ctx.get("param"), code=ctx.get("code"))
     if kind == "missing" and loc:
@@ -118,15 +130,27 @@ def validation_error(exc: RequestValidationError) -> ApiError:
     if path and path[0] in UNION_FIELDS and len(errors) > 1:
         # A check of ours in the branch that matched the type (a lone surrogate, ...) says
         # more than the list of the types the field may have.
-        ours = next((e for e in errors if e.get("type") == "value_error"), None)
+        ours = next((e for e in errors if e.get("type") in ("value_error", "string_unicode")),
+                    None)
         if ours is not None:
-            return ApiError(400, f"{path[0]}: {str(ours['msg']).removeprefix('Value error, ')}",
-                            param=path[0])
+            return ApiError(400, f"{path[0]}: {_message(ours)}", param=path[0])
+        # A bound or length broken in the branch whose type matched (an id out of range, too
+        # many stop strings) says more than the types the field may have.
+        branches: dict[str, list[Any]] = {}
+        for e in errors:
+            tag = next((str(x) for x in e.get("loc", ()) if _is_type_tag(str(x))), "")
+            branches.setdefault(tag, []).append(e)
+        closest = [errs for errs in sorted(branches.values(), key=len)
+                   if not any(str(e.get("type", "")).endswith("_type") for e in errs)]
+        limit = closest[0][0] if closest else None
+        if limit is not None:
+            where = ".".join(str(x) for x in limit.get("loc", ()) if x != "body"
+                             and not _is_type_tag(str(x)))
+            return ApiError(400, f"{where}: {limit.get('msg')} (got "
+                            f"{_shown(limit.get('input'))})", param=path[0])
         return ApiError(400, f"{path[0]} must be {UNION_FIELDS[path[0]]} "
                         f"(got {_shown(first.get('input'))})", param=path[0])
     param = ".".join(path) or None
-    if msg.startswith("Value error, "):
-        msg = msg[len("Value error, "):]
     if param:
         msg = f"{param}: {msg} (got {_shown(first.get('input'))})"
     return ApiError(400, msg, param=param)

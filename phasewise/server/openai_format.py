@@ -39,6 +39,7 @@ TokenText = Callable[[int], str]
 
 def completion_logprobs(token_text: TokenText, token_ids: list[int],
                         entries: list[dict[int, float]], offset: int) -> dict[str, Any]:
+    """The legacy layout; ``text_offset`` counts each token's own text from ``offset``."""
     tokens, lps, tops, offsets = [], [], [], []
     pos = offset
     for tok, entry in zip(token_ids, entries):
@@ -84,7 +85,9 @@ class CompletionChoices:
             k = len(out.delta_token_ids)
             lp = completion_logprobs(self.token_text, out.delta_token_ids,
                                      (out.logprobs or [])[-k:], self.offsets[idx])
-        self.offsets[idx] += len(out.delta_text)
+            # Offsets follow the tokens' texts, as in the whole reply (the text itself may
+            # lag: a stop string holds characters back, a split character waits).
+            self.offsets[idx] = lp["text_offset"][-1] + len(lp["tokens"][-1])
         if not (out.delta_text or lp or out.finished):
             return []  # bytes of an unfinished character: nothing to show
         return [({"index": idx, "text": out.delta_text, "logprobs": lp,

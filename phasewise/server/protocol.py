@@ -16,8 +16,9 @@ from typing import Annotated, Any, Literal
 from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, Strict,
                       WithJsonSchema, model_validator)
 
-from phasewise.engine.sampling_params import (MAX_INT32, MAX_LOGPROBS, MAX_SEED, MIN_SEED,
-                                              MAX_STOP_STRINGS)
+from phasewise.engine.sampling_params import (MAX_INT32, MAX_LOGPROBS, MAX_SEED,
+                                              MAX_STOP_STRINGS, MIN_REPETITION_PENALTY,
+                                              MIN_SEED)
 from phasewise.server.errors import ApiError, field_error
 
 MAX_N = 16  # choices per prompt
@@ -49,7 +50,7 @@ Float = Annotated[float, Strict()]
 Bool = Annotated[bool, Strict()]
 Str = Annotated[str, Strict(), AfterValidator(_valid_unicode)]
 TokenId = Int(0, MAX_INT32)  # the served document narrows it to the vocabulary
-Text1 = Annotated[Str, Field(min_length=1)]
+Text1 = Annotated[str, Strict(), Field(min_length=1), AfterValidator(_valid_unicode)]
 
 
 def refused(schema: dict[str, Any], typ: Any) -> Any:
@@ -91,7 +92,7 @@ class _Sampling(_Body):
     stop_token_ids: list[TokenId] | None = Field(None, max_length=MAX_STOP_STRINGS * 4)
     presence_penalty: Float | None = Field(None, ge=-2, le=2)
     frequency_penalty: Float | None = Field(None, ge=-2, le=2)
-    repetition_penalty: Float | None = Field(None, gt=0, le=10)
+    repetition_penalty: Float | None = Field(None, ge=MIN_REPETITION_PENALTY, le=10)
     ignore_eos: Bool = False
     min_tokens: Int(0, MAX_INT32) = 0
     skip_special_tokens: Bool = True

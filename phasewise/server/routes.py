@@ -5,6 +5,7 @@ chat (a stream, or one JSON body once every choice has finished)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -12,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from phasewise.engine.backend import (EngineError, EngineOverloaded, EngineStopped,
                                       PromptSpec, RequestGroup, ServingBackend)
@@ -81,6 +82,8 @@ class Routes:
         # one cannot hold up the prompts of generation requests.
         self.cpu = ThreadPoolExecutor(tokenizer_threads, thread_name_prefix="phasewise-tok")
         self.cpu_tools = ThreadPoolExecutor(1, thread_name_prefix="phasewise-tokenize")
+        self._texts: dict[int, str] = {}  # token id -> its text (bounded by the vocabulary)
+        self.max_waiting = info.max_waiting
 
     def close(self) -> None:
         self.cpu.shutdown(wait=False, cancel_futures=True)
@@ -103,6 +106,14 @@ class Routes:
                            f"{self.max_model_len} tokens cannot hold more than about "
                            f"{self.max_prompt_chars} characters, so it was not tokenized",
                            param=param, code=CONTEXT)
+
+    def _check_sequences(self, num_prompts: int, n: int) -> None:
+        """Before any tokenizing: a request may not ask for more sequences than may wait."""
+        if self.max_waiting is not None and num_prompts * n > self.max_waiting:
+            raise ApiError(400, f"this request asks for {num_prompts * n} sequences "
+                           f"({num_prompts} prompt(s) x n={n}), more than the "
+                           f"{self.max_waiting} that may wait at once; split it",
+                           param="n" if n > 1 else "prompt", code=COMBINATION)
 
     @staticmethod
     def _invalid(e: ValidationError, param: str | None = None,
@@ -159,7 +170,13 @@ class Routes:
             raise ApiError(400, str(e), code=COMBINATION) from e
 
     def _token_text(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+        """A token's own text, for logprobs (cached: a logprobs reply asks for the same few
+        thousand ids many times over)."""
+        text = self._texts.get(token_id)
+        if text is None:
+            text = self._texts[token_id] = self.tokenizer.decode([token_id],
+                                                                 skip_special_tokens=False)
+        return text
 
     # -- chat templating -------------------------------------------------------------------
     def _messages(self, messages: list[Any]) -> list[dict[str, Any]]:
@@ -177,8 +194,11 @@ class Routes:
             text = self.tokenizer.apply_chat_template(
                 msgs, add_generation_prompt=add_generation_prompt, **(kwargs or {}))
         except Exception as e:  # template errors (raise_exception, bad roles, ...)
+            # Keyword arguments that clash with the template's own names fail as TypeError.
+            param = "chat_template_kwargs" if kwargs and isinstance(e, TypeError) \
+                else "messages"
             raise ApiError(400, f"the chat template could not render these messages: {e}",
-                           param="messages", code=TEMPLATE) from e
+                           param=param, code=TEMPLATE) from e
         if continue_final:
             last = msgs[-1]["content"]
             cut = text.rfind(last) if last else -1
@@ -194,30 +214,39 @@ class Routes:
         return text, self.tokenizer.encode(text, add_special_tokens=False)
 
     # -- the routes ------------------------------------------------------------------------
-    async def tokenize(self, body: TokenizeRequest, request: Request) -> dict[str, Any]:
+    async def tokenize(self, body: TokenizeRequest, request: Request) -> Response:
         self.check_model(body.model)
-        if isinstance(body, TokenizeChat):
-            msgs = self._messages(body.messages)
-            _, ids = await self._off_loop(self._chat_ids, msgs, body.add_generation_prompt,
-                                          False, None, pool=self.cpu_tools)
-        else:
-            ids = await self._off_loop(self.tokenizer.encode, body.prompt,
-                                       body.add_special_tokens, pool=self.cpu_tools)
-        access_record(request.scope).prompt_tokens = len(ids)
-        return {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids}
+        msgs = self._messages(body.messages) if isinstance(body, TokenizeChat) else None
 
-    async def detokenize(self, body: DetokenizeRequest, request: Request) -> dict[str, Any]:
+        def work() -> tuple[int, bytes]:  # on /tokenize's worker, the reply's JSON too
+            if msgs is not None:
+                _, ids = self._chat_ids(msgs, body.add_generation_prompt, False, None)
+            else:
+                ids = self.tokenizer.encode(body.prompt, body.add_special_tokens)
+            return len(ids), json.dumps({"count": len(ids), "max_model_len": self.max_model_len,
+                                         "tokens": ids}).encode()
+
+        count, reply = await self._off_loop(work, pool=self.cpu_tools)
+        access_record(request.scope).prompt_tokens = count
+        return Response(reply, media_type="application/json")
+
+    async def detokenize(self, body: DetokenizeRequest, request: Request) -> Response:
         self.check_model(body.model)
-        if body.tokens:
-            self._ids(body.tokens, "tokens")
-        text = await self._off_loop(self.tokenizer.decode, body.tokens, False,
-                                    pool=self.cpu_tools)
-        return {"prompt": text}
+
+        def work() -> bytes:
+            if body.tokens:
+                self._ids(body.tokens, "tokens")
+            text = self.tokenizer.decode(body.tokens, skip_special_tokens=False)
+            return json.dumps({"prompt": text}, ensure_ascii=False).encode()
+
+        return Response(await self._off_loop(work, pool=self.cpu_tools),
+                        media_type="application/json")
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         arrival = time.monotonic()
         self.check_model(body.model)
         raw = body.prompt_list()
+        self._check_sequences(len(raw), body.n)
         prompts = []
         for i, p in enumerate(raw):
             param = "prompt" if len(raw) == 1 else f"prompt.{i}"
@@ -240,8 +269,10 @@ class Routes:
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
         arrival = time.monotonic()
         self.check_model(body.model)
+        self._check_sequences(1, body.n)
         msgs = self._messages(body.messages)
-        self._check_chars(sum(len(m["content"]) for m in msgs), "messages")
+        self._check_chars(sum(len(m["content"]) + len(m.get("name") or "") for m in msgs),
+                          "messages")
         text, ids = await self._off_loop(self._chat_ids, msgs, body.add_generation_prompt,
                                          body.continue_final_message, body.chat_template_kwargs)
         limit_param = "max_completion_tokens" if body.max_completion_tokens is not None \
@@ -281,10 +312,15 @@ class Routes:
                                 on_token=on_token)
         created = int(time.time())
         finals = await self._collect(request, group, on_token)
-        return JSONResponse({
-            "id": rid, "object": choices.object, "created": created, "model": model,
-            "choices": [choices.whole(i, out) for i, out in enumerate(finals)],
-            "usage": usage(rec.prompt_tokens, sum(len(o.token_ids) for o in finals))})
+
+        def render() -> bytes:  # on a worker: a reply with logprobs of many choices is big
+            return json.dumps({
+                "id": rid, "object": choices.object, "created": created, "model": model,
+                "choices": [choices.whole(i, out) for i, out in enumerate(finals)],
+                "usage": usage(rec.prompt_tokens, sum(len(o.token_ids) for o in finals))},
+                ensure_ascii=False).encode()
+
+        return Response(await self._off_loop(render), media_type="application/json")
 
     async def _collect(self, request: Request, group: RequestGroup,
                        on_token: Callable[[RequestOutput], None]) -> list[RequestOutput]:

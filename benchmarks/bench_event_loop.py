@@ -1,0 +1,129 @@
+"""How much one hostile-sized request stalls everyone else on a running ``phasewise serve``.
+
+For each case, a victim stream runs (a long greedy completion) while the case's requests are
+sent beside it, and a probe calls ``/health`` every 20 ms. Printed per case: the victim's
+longest inter-token gap and the probe's slowest answer, each against the same figures measured
+with no hostile request (the baseline, in the same run). Issue 11 saw a 4.87 s gap (against a
+3 ms median) for a 7 MB prompt before tokenizing moved off the event loop.
+
+    .venv/bin/python benchmarks/bench_event_loop.py [--model DIR]
+
+Servers bind 127.0.0.1 on a free port and are stopped by PID.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from serving import start_server  # noqa: E402
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def victim(url: str, gaps: list[float], started: threading.Event) -> None:
+    body = {"prompt": "def fibonacci(n):", "max_tokens": 200, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    last = None
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=300) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                now = time.monotonic()
+                if last is not None:
+                    gaps.append(now - last)
+                last = now
+                started.set()
+
+
+def probe(url: str, stop: threading.Event, lat: list[float]) -> None:
+    with httpx.Client(base_url=url, timeout=60) as c:
+        while not stop.is_set():
+            t0 = time.monotonic()
+            c.get("/health")
+            lat.append(time.monotonic() - t0)
+            time.sleep(0.02)
+
+
+def run_case(url: str, send) -> tuple[float, float, float]:
+    """(victim's longest gap, its median gap, the probe's slowest answer), in seconds."""
+    gaps: list[float] = []
+    lat: list[float] = []
+    started, stop = threading.Event(), threading.Event()
+    v = threading.Thread(target=victim, args=(url, gaps, started))
+    p = threading.Thread(target=probe, args=(url, stop, lat))
+    v.start()
+    started.wait(60)
+    p.start()
+    if send is not None:
+        send(url)
+    v.join()
+    stop.set()
+    p.join()
+    return max(gaps), statistics.median(gaps), max(lat)
+
+
+def post(url: str, path: str, body: object) -> None:
+    content = json.dumps(body).encode()
+    r = httpx.post(url + path, content=content, timeout=300,
+                   headers={"content-type": "application/json"})
+    print(f"    {path} ({len(content) / 1e6:.1f} MB) -> {r.status_code}", file=sys.stderr)
+
+
+CASES = {
+    "7 MB prompt to /v1/completions": lambda u: post(u, "/v1/completions",
+                                                      {"prompt": "x = 1\n" * 1_000_000}),
+    "7 MB chat message": lambda u: post(u, "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "x = 1\n" * 1_000_000}]}),
+    "3 x 2.3 MB /tokenize": lambda u: [post(u, "/tokenize", {"prompt": "y = 2\n" * 400_000})
+                                       for _ in range(3)],
+    "1M token ids to /detokenize": lambda u: post(u, "/detokenize",
+                                                  {"tokens": [5] * 1_000_000}),
+    "n=16 x 8 prompts, 60 tokens, logprobs 20": lambda u: post(u, "/v1/completions", {
+        "prompt": [[5, 6]] * 8, "n": 16, "max_tokens": 60, "ignore_eos": True,
+        "temperature": 1, "logprobs": 20}),
+}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None, help="checkpoint folder (default: bundled)")
+    a = ap.parse_args()
+    log = Path(tempfile.mkdtemp()) / "server.log"
+    server = start_server(Path(a.model) if a.model else None, log, "--log-interval", "0",
+                          "--no-access-log")
+    try:
+        print(f"CPU: {cpu_name()}; model: {a.model or 'bundled stdlib-coder'}")
+        base_gap, base_med, base_lat = run_case(server.url, None)
+        print(f"{'case':44} {'longest gap':>12} {'x baseline':>10} {'slowest /health':>16} "
+              f"{'x baseline':>10}")
+        print(f"{'baseline (no hostile request)':44} {base_gap * 1e3:10.1f}ms {1.0:10.1f} "
+              f"{base_lat * 1e3:14.1f}ms {1.0:10.1f}   (median gap {base_med * 1e3:.1f} ms)")
+        for name, send in CASES.items():
+            gap, _, lat = run_case(server.url, send)
+            print(f"{name:44} {gap * 1e3:10.1f}ms {gap / base_gap:10.1f} "
+                  f"{lat * 1e3:14.1f}ms {lat / base_lat:10.1f}")
+    finally:
+        server.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
