@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -129,6 +130,12 @@ class LLMEngine:
         self._ids = itertools.count()
         self.step_stats: deque[StepStats] = deque(maxlen=MAX_STEP_HISTORY)
         self._step_index = 0
+        # P/D: requests whose prompt K/V this engine ships (id -> first token not yet sent),
+        # and what it has received for requests waiting for remote K/V.
+        self.kv_sink: Callable[[str, int, int, torch.Tensor], None] | None = None
+        self._kv_export: dict[str, int] = {}
+        self._remote_loaded: dict[str, int] = {}  # id -> leading prompt tokens whose K/V is in
+        self._remote_blocks: dict[str, set[int]] = {}  # id -> block indices received
         # Roofline cost of each step at the peaks `phasewise measure` stored (never measured
         # here: without stored peaks, steps get FLOPs and bytes but no predicted time).
         self.cost_model = StepCostModel.for_engine(self)
@@ -183,13 +190,34 @@ class LLMEngine:
 
     # -- requests --------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, arrival_time: float | None = None) -> str:
+                    request_id: str | None = None, arrival_time: float | None = None, *,
+                    export_kv_from: int | None = None) -> str:
         """Queue a request; returns its id. Raises ValueError for input it can never serve.
 
         ``arrival_time`` (on ``self.clock``, ``time.monotonic``) defaults to now; a server
         passes the time the HTTP request arrived, so queue time and TTFT include the wait to
         reach the engine. Errors are ``phasewise.engine.validation.ValidationError`` (a
-        ValueError naming the field at fault) or ValueError."""
+        ValueError naming the field at fault) or ValueError.
+
+        ``export_kv_from`` (the prefill role): after every step that computes part of this
+        request's prompt, hand the K/V of its blocks from this token index on (a multiple of
+        block_size) to ``kv_sink`` as soon as the forward pass has written them."""
+        req = self._new_request(prompt, params, request_id, arrival_time)
+        if export_kv_from is not None:
+            if export_kv_from % self.config.block_size or export_kv_from < 0:
+                raise ValueError(f"export_kv_from must be a multiple of the block size "
+                                 f"({self.config.block_size}), got {export_kv_from}")
+            self._kv_export[req.request_id] = export_kv_from
+        try:
+            self.scheduler.add_request(req)  # raises if it can never fit
+        except BaseException:
+            self._kv_export.pop(req.request_id, None)
+            raise
+        self._register(req)
+        return req.request_id
+
+    def _new_request(self, prompt: str | list[int], params: SamplingParams | None,
+                     request_id: str | None, arrival_time: float | None) -> Request:
         params = params or self.default_sampling_params()
         if isinstance(prompt, str):
             text: str | None = prompt
@@ -203,13 +231,119 @@ class LLMEngine:
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self.requests:
             raise ValueError(f"request id {rid!r} is already in use")
-        req = Request(rid, ids, params, eos_token_ids=self.eos_token_ids, prompt=text,
-                      arrival_time=self.clock() if arrival_time is None else arrival_time)
-        self.scheduler.add_request(req)  # raises if it can never fit
-        self.requests[rid] = req
-        self._text[rid] = TextState(
-            self.tokenizer.decode_stream(ids, params.skip_special_tokens), params)
-        return rid
+        return Request(rid, ids, params, eos_token_ids=self.eos_token_ids, prompt=text,
+                       arrival_time=self.clock() if arrival_time is None else arrival_time)
+
+    def _register(self, req: Request) -> None:
+        self.requests[req.request_id] = req
+        self._text[req.request_id] = TextState(self.tokenizer.decode_stream(
+            req.prompt_token_ids, req.params.skip_special_tokens), req.params)
+
+    # -- remote prefill ------------------------------------------------------------------
+    # The decode role admits a request with add_remote_request, writes the K/V a prefill
+    # worker sends with load_remote_kv, and hands over the first token with
+    # finish_remote_prefill; fail_remote_prefill computes here whatever did not arrive.
+    # The prefill role runs the request with add_request(..., export_kv_from=...) and
+    # max_tokens=1, with a kv_sink that ships each chunk's blocks.
+    def add_remote_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                           request_id: str | None = None,
+                           arrival_time: float | None = None) -> int | None:
+        """Admit a request whose prompt a prefill worker computes. Returns the number of
+        prompt tokens this engine's prefix cache already holds (the prefill worker sends K/V
+        from there on), or None when there is no room now (add_request it instead)."""
+        req = self._new_request(prompt, params, request_id, arrival_time)
+        hit = self.scheduler.reserve_remote(req)
+        if hit is None:
+            return None
+        self._register(req)
+        self._remote_loaded[req.request_id] = hit
+        self._remote_blocks[req.request_id] = set()
+        return hit
+
+    def _remote(self, request_id: str) -> Request:
+        req = self.requests.get(request_id)
+        if req is None or req.status is not RequestStatus.WAITING_FOR_REMOTE_KV:
+            raise ValueError(f"request {request_id!r} is not waiting for remote KV")
+        return req
+
+    def load_remote_kv(self, request_id: str, first_token: int, data: torch.Tensor) -> None:
+        """Write K/V sent by the prefill worker: ``data`` ([layers, 2, n, block_size, kv, hd])
+        holds the blocks that start at prompt token ``first_token`` (a block boundary).
+        Blocks before the local prefix-cache hit are never overwritten."""
+        req = self._remote(request_id)
+        bs = self.config.block_size
+        if first_token % bs:
+            raise ValueError(f"first_token {first_token} is not a multiple of the block size "
+                             f"{bs}")
+        n = data.shape[2] if data.dim() == 6 else -1
+        first_block = first_token // bs
+        table = self.kv.block_table(request_id)
+        last_block = -(-req.num_prompt_tokens // bs)  # blocks the prompt occupies
+        if n < 1 or first_token < req.metrics.num_cached_tokens or \
+                first_block + n > last_block:
+            raise ValueError(f"KV blocks {first_block}..{first_block + n - 1} are outside "
+                             f"the prompt's blocks {req.metrics.num_cached_tokens // bs}.."
+                             f"{last_block - 1} of request {request_id!r}")
+        self.runner.write_blocks(table[first_block:first_block + n], data)
+        got = self._remote_blocks[request_id]
+        got.update(range(first_block, first_block + n))
+        loaded = self._remote_loaded[request_id]
+        while loaded < req.num_prompt_tokens and loaded // bs in got:
+            loaded = min(req.num_prompt_tokens, (loaded // bs + 1) * bs)
+        self._remote_loaded[request_id] = loaded
+
+    def remote_kv_complete(self, request_id: str) -> bool:
+        """Whether every block of the request's prompt has arrived."""
+        req = self._remote(request_id)
+        return self._remote_loaded[request_id] >= req.num_prompt_tokens
+
+    def finish_remote_prefill(self, request_id: str, token: int,
+                              logprobs: dict[int, float] | None = None) -> RequestOutput:
+        """The prefill worker's first sampled token: the request joins the running ones (its
+        next step is a decode). Returns its output for that token."""
+        req = self._remote(request_id)
+        if not self.remote_kv_complete(request_id):
+            raise ValueError(f"request {request_id!r} has K/V for {self._remote_loaded[request_id]}"
+                             f" of its {req.num_prompt_tokens} prompt tokens; it cannot decode")
+        self._drop_remote(request_id)
+        if req.logprobs is not None and logprobs is not None:
+            req.logprobs.append(dict(logprobs))
+        self.scheduler.remote_prefill_done(req, token)
+        return self._emit(req)
+
+    def fail_remote_prefill(self, request_id: str) -> int:
+        """The remote prefill will not finish: compute the rest of the prompt here. Returns
+        the prompt tokens kept (their K/V arrived)."""
+        req = self._remote(request_id)
+        kept = self._remote_loaded[request_id]
+        self._drop_remote(request_id)
+        self.scheduler.remote_prefill_failed(req, kept)
+        return req.num_computed_tokens
+
+    def _drop_remote(self, request_id: str) -> None:
+        self._remote_loaded.pop(request_id, None)
+        self._remote_blocks.pop(request_id, None)
+
+    def _export_kv(self, batch: Any) -> None:
+        """After the forward pass: hand the sink the blocks each exporting request's chunk
+        filled (and, the first time, those it found in this engine's prefix cache)."""
+        bs = self.config.block_size
+        for req, n in zip(batch.requests, batch.num_tokens):
+            start = self._kv_export.get(req.request_id)
+            if start is None:
+                continue
+            end = min(req.num_computed_tokens + n, req.num_prompt_tokens)
+            if end <= start:
+                continue
+            first, last = start // bs, -(-end // bs)
+            table = self.kv.block_table(req.request_id)
+            if self.kv_sink is not None:
+                self.kv_sink(req.request_id, first * bs, end,
+                             self.runner.read_blocks(table[first:last]))
+            # The last block may be partly filled: it is sent again with the next chunk.
+            self._kv_export[req.request_id] = (end // bs) * bs
+            if end == req.num_prompt_tokens:
+                del self._kv_export[req.request_id]
 
     def abort_request(self, request_id: str) -> Request | None:
         """Stop a request now and free its KV blocks. Returns the aborted request, or None
@@ -225,6 +359,8 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     def _forget(self, req: Request) -> None:
+        self._kv_export.pop(req.request_id, None)
+        self._drop_remote(req.request_id)
         self.requests.pop(req.request_id, None)
         self._text.pop(req.request_id, None)
         self.sampler.release(req.request_id)
@@ -247,6 +383,8 @@ class LLMEngine:
         tables = [self.kv.block_table(r.request_id) for r in batch.requests]
         try:
             ran = self.runner.execute(batch, tables)
+            if self._kv_export:
+                self._export_kv(batch)
             tokens, failed = self._sample(ran.logits, ran.requests)
         except Exception as e:
             raise StepFailed([r.request_id for r in batch.requests], e) from e
@@ -260,18 +398,7 @@ class LLMEngine:
             out.error = error
             outputs.append(out)
             self._forget(req)
-        for req in got:
-            state = self._text[req.request_id]
-            token = req.output_token_ids[-1]
-            ended_by_token = req.finished and req.status is RequestStatus.FINISHED_STOPPED
-            if not ended_by_token or req.params.include_stop_str_in_output:
-                stop = state.add_token(token)
-                if stop is not None and not req.finished:
-                    req.stop_reason = stop
-                    self.scheduler.finish_request(req, RequestStatus.FINISHED_STOPPED)
-            outputs.append(self._output(req, state))
-            if req.finished:
-                self._forget(req)
+        outputs += [self._emit(req) for req in got]
         self._step_index += 1
         self.step_stats.append(StepStats(
             index=self._step_index, start_time=start, duration_s=time.monotonic() - start,
@@ -313,6 +440,22 @@ class LLMEngine:
             if req.logprobs is not None and lp is not None:
                 req.logprobs.append(lp)
         return tokens, failed
+
+    def _emit(self, req: Request) -> RequestOutput:
+        """The output of a request that just got a token: its text (stop strings checked),
+        and the request forgotten if that finished it."""
+        state = self._text[req.request_id]
+        token = req.output_token_ids[-1]
+        ended_by_token = req.finished and req.status is RequestStatus.FINISHED_STOPPED
+        if not ended_by_token or req.params.include_stop_str_in_output:
+            stop = state.add_token(token)
+            if stop is not None and not req.finished:
+                req.stop_reason = stop
+                self.scheduler.finish_request(req, RequestStatus.FINISHED_STOPPED)
+        out = self._output(req, state)
+        if req.finished:
+            self._forget(req)
+        return out
 
     def _output(self, req: Request, state: TextState) -> RequestOutput:
         delta_tokens = req.output_token_ids[state.sent_tokens:]

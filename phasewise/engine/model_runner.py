@@ -35,6 +35,20 @@ class ModelRunner:
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1])
                           for i in range(cfg.num_layers)]
 
+    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """A copy of these blocks' K/V: [layers, 2, len(block_ids), block_size, kv, hd]."""
+        idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        return self.kv_cache.index_select(2, idx)
+
+    def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
+        """Overwrite these blocks' K/V with ``data`` (the layout ``read_blocks`` returns)."""
+        want = (*self.kv_cache.shape[:2], len(block_ids), *self.kv_cache.shape[3:])
+        if tuple(data.shape) != want:
+            raise ValueError(f"KV data has shape {tuple(data.shape)}; these {len(block_ids)} "
+                             f"blocks need {want}")
+        idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        self.kv_cache.index_copy_(2, idx, data.to(self.device, self.kv_cache.dtype))
+
     @staticmethod
     def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
         elem = torch.empty((), dtype=dtype).element_size()

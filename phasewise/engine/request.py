@@ -25,6 +25,9 @@ class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     PREEMPTED = "preempted"
+    # Holds blocks for its prompt, whose KV a prefill worker computes and sends; never
+    # scheduled until that KV and the first token are in (or the remote prefill fails).
+    WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"

@@ -91,6 +91,9 @@ class Scheduler:
         self.clock = clock
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order (earliest first)
+        # Requests holding blocks whose prompt KV comes from a prefill worker (see
+        # reserve_remote); they count against max_num_seqs but are never scheduled.
+        self.remote: dict[str, Request] = {}
         self.num_preemptions = 0
         # Longest a request may grow: max_model_len, or less when the whole pool holds fewer
         # tokens (the engine sizes them to agree; a scheduler built directly may not), so a
@@ -116,7 +119,48 @@ class Scheduler:
         self.waiting.append(req)
 
     def has_unfinished(self) -> bool:
+        """Whether a step has work: requests waiting for remote KV do not count (nothing
+        runs for them until their KV is in)."""
         return bool(self.waiting or self.running)
+
+    # -- remote prefill (the decode role) --------------------------------------------------
+    def reserve_remote(self, req: Request) -> int | None:
+        """Admit a request whose prompt KV a prefill worker will send: it takes its cached
+        prefix from this pool and blocks for the rest of its prompt, and waits in
+        ``remote``. Returns the prompt tokens found cached here (a multiple of block_size:
+        the prefill worker sends KV from there on), or None when the sequence cap or the free
+        blocks leave no room now (the caller prefills it locally instead)."""
+        self.check_admissible(req)
+        if len(self.running) + len(self.remote) >= self.config.max_num_seqs:
+            return None
+        prefix = self.kv.get_computed_blocks(req)
+        if not self.kv.allocate_slots(req, req.num_tokens - prefix.num_tokens, prefix):
+            return None
+        self.kv.record_prefix_lookup(req.num_tokens, prefix.num_tokens)
+        req.metrics.first_scheduled_time = self.clock()
+        req.metrics.num_cached_tokens = prefix.num_tokens
+        req.num_computed_tokens = prefix.num_tokens
+        req.status = RequestStatus.WAITING_FOR_REMOTE_KV
+        self.remote[req.request_id] = req
+        return prefix.num_tokens
+
+    def remote_prefill_done(self, req: Request, token: int) -> None:
+        """Its whole prompt's KV is in and the prefill worker sampled ``token``: it runs on
+        as if this engine had prefilled it (its next step is a decode)."""
+        del self.remote[req.request_id]
+        req.num_computed_tokens = req.num_tokens
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        self._append_token(req, token, self.clock())
+
+    def remote_prefill_failed(self, req: Request, num_valid_tokens: int) -> None:
+        """The remote prefill will not finish: keep the first ``num_valid_tokens`` of the
+        prompt whose KV arrived, and compute the rest here, chunked, like any prompt."""
+        del self.remote[req.request_id]
+        req.num_computed_tokens = max(req.num_computed_tokens,
+                                      min(num_valid_tokens, req.num_tokens - 1))
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
 
     def finish_request(self, req: Request, status: RequestStatus) -> None:
         """End a request (stop string, abort): drop it from its queue and free its blocks."""
@@ -126,6 +170,8 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+        else:
+            self.remote.pop(req.request_id, None)
         req.status = status
         req.metrics.finished_time = self.clock()
         self.kv.free(req)
@@ -266,18 +312,24 @@ class Scheduler:
         for req, n in zip(batch.requests, batch.num_tokens):
             req.num_computed_tokens += n
             if req.request_id in sampled:
-                token = sampled[req.request_id]
-                req.append_output(token)
-                m = req.metrics
-                if m.first_token_time is None:
-                    m.first_token_time = now
-                m.token_times.append(now)
                 got_token.append(req)
-                end = token_finish(req.params, req.eos_token_ids, token, req.num_output_tokens,
-                                   req.num_tokens, self.max_len)
-                if end is not None:
-                    status, req.stop_reason = end
-                    self.finish_request(req, status)
-                    continue
-            self.kv.cache_blocks(req)
+                self._append_token(req, sampled[req.request_id], now)
+            else:
+                self.kv.cache_blocks(req)
         return got_token
+
+    def _append_token(self, req: Request, token: int, now: float) -> None:
+        """Give a request its sampled token; finish it if that meets a stop condition, else
+        register its full blocks in the prefix cache."""
+        req.append_output(token)
+        m = req.metrics
+        if m.first_token_time is None:
+            m.first_token_time = now
+        m.token_times.append(now)
+        end = token_finish(req.params, req.eos_token_ids, token, req.num_output_tokens,
+                           req.num_tokens, self.max_len)
+        if end is not None:
+            status, req.stop_reason = end
+            self.finish_request(req, status)
+        else:
+            self.kv.cache_blocks(req)
