@@ -75,6 +75,17 @@ def test_greedy_output_is_identical_to_colocated_serving(hf_checkpoints, arch):
     assert d.kv.usage == 0 and p.kv.usage == 0  # both pools empty afterwards
 
 
+def test_seeded_sampling_and_stop_strings_match_colocated_serving(llama_dir):
+    seeded = SamplingParams(temperature=0.8, top_k=40, seed=5, max_tokens=30, ignore_eos=True)
+    got, _, _, _ = disaggregated(llama_dir, PROMPT, seeded)
+    assert got == colocated(llama_dir, PROMPT, seeded)
+    text = engine(llama_dir).tokenizer.decode(colocated(llama_dir, PROMPT))
+    stop = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop=[text[6:9]])
+    got, _, _, _ = disaggregated(llama_dir, PROMPT, stop)
+    want = colocated(llama_dir, PROMPT, stop)
+    assert got == want and len(want) < 20  # the stop string ended both early
+
+
 def test_bf16_and_chunked_prefill_on_the_prefill_worker(tmp_path):
     from conftest import build_hf_checkpoint
 

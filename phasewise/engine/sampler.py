@@ -35,6 +35,14 @@ class Sampler:
         """Drop a request's generator (the engine calls this when it forgets the request)."""
         self._seeded.pop(request_id, None)
 
+    def skip_draw(self, req: Request, vocab_size: int, device: torch.device) -> None:
+        """Advance a seeded request's generator past one draw made elsewhere (a prefill
+        worker sampled its first token), so its later tokens are those it would have drawn
+        here."""
+        if req.params.seed is not None and not req.params.greedy:
+            torch.empty(vocab_size, device=device).exponential_(
+                generator=self._generator(req, device))
+
     def _generator(self, req: Request, device: torch.device) -> torch.Generator:
         seed = req.params.seed
         if seed is None:
