@@ -164,3 +164,54 @@ def test_bad_kv_is_refused_and_an_abort_frees_the_reserved_blocks(llama_dir):
         kv_from_bytes(b"\0" * 10, "float32", (1, 2, 1, 16, 2, 16))
     assert d.abort_request("r") is not None
     assert d.kv.usage == 0 and not d.scheduler.remote
+
+
+def test_two_async_engines_hand_off_through_typed_commands(llama_dir):
+    """The same hand-off between two engine threads, every step a command that could cross
+    a process boundary: the decode engine reserves (PromptSpec.remote), the prefill engine's
+    kv_sink sends LoadRemoteKV as bytes, FinishRemotePrefill hands over the first token. A
+    request whose K/V never comes is computed on the decode side when the prefill fails."""
+    import asyncio
+
+    from phasewise.engine.async_engine import AsyncEngine, PromptSpec
+
+    want = colocated(llama_dir, PROMPT)
+    decode = AsyncEngine(engine(llama_dir))
+
+    def ship(rid, first, end, data):  # on the prefill engine's thread
+        decode.load_remote_kv(rid, first, dtype_name(data.dtype), tuple(data.shape),
+                              kv_to_bytes(data))
+
+    prefill = AsyncEngine(engine(llama_dir, max_num_batched_tokens=16), kv_sink=ship)
+
+    async def collect(group):
+        outs = {}
+        try:
+            async for idx, out in group:
+                outs[idx] = out
+        finally:
+            group.close()
+        return outs
+
+    async def main():
+        decode.start()
+        prefill.start()
+        try:
+            group = await decode.add([PromptSpec(PROMPT, GREEDY, remote=True)], "r")
+            assert group.remote_hits == [0]
+            assert decode.snapshot.num_waiting_remote == 1
+            first = replace(GREEDY, max_tokens=1)
+            pre = await prefill.add([PromptSpec(PROMPT, first, export_kv_from=0)], "r")
+            token = (await collect(pre))[0].token_ids[0]
+            decode.finish_remote_prefill("r", token)
+            assert (await collect(group))[0].token_ids == want
+
+            lost = await decode.add([PromptSpec(PROMPT, GREEDY, remote=True)], "lost")
+            decode.fail_remote_prefill("lost")  # say its prefill worker died: no K/V came
+            assert (await collect(lost))[0].token_ids == want
+            assert decode.engine.kv.usage == 0 and prefill.engine.kv.usage == 0
+        finally:
+            await asyncio.to_thread(decode.shutdown)
+            await asyncio.to_thread(prefill.shutdown)
+
+    asyncio.run(main())

@@ -29,15 +29,16 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from phasewise.engine.backend import (BackendInfo, EngineError, EngineObserver,
                                       EngineOverloaded, EngineSnapshot, EngineStopped,
                                       FinishedRequest, PromptSpec, RequestGroup)
-from phasewise.engine.commands import (AbortAll, AbortRequests, AddRequests, Command, Stop,
-                                       Verdict)
-from phasewise.engine.request import Request
+from phasewise.engine.commands import (AbortAll, AbortRequests, AddRequests, Command,
+                                       FailRemotePrefill, FinishRemotePrefill, LoadRemoteKV,
+                                       Stop, Verdict)
+from phasewise.engine.request import Request, RequestStatus
 from phasewise.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -56,10 +57,15 @@ class AsyncEngine:
     """Runs an ``LLMEngine`` on a background thread; see the module docstring."""
 
     def __init__(self, engine: LLMEngine, *, max_waiting: int | None = None,
-                 observers: Sequence[EngineObserver] = ()) -> None:
+                 observers: Sequence[EngineObserver] = (),
+                 kv_sink: Callable[[str, int, int, Any], None] | None = None) -> None:
+        """``kv_sink`` (the prefill role): called on the engine thread with (request id,
+        first token, end token, K/V blocks tensor) right after a forward pass filled blocks
+        of a request added with ``PromptSpec.export_kv_from``."""
         if max_waiting is not None and max_waiting < 1:
             raise ValueError(f"max_waiting must be >= 1 or None, got {max_waiting}")
         self.engine = engine
+        engine.kv_sink = kv_sink
         self.max_waiting = max_waiting
         self.observers = list(observers)
         self.tokenizer: Tokenizer = engine.tokenizer
@@ -172,7 +178,7 @@ class AsyncEngine:
             self._groups[rid] = group
         assert self._loop is not None
         ticket = next(self._tickets)
-        verdict: asyncio.Future[None] = self._loop.create_future()
+        verdict: asyncio.Future[tuple[int | None, ...]] = self._loop.create_future()
         self._verdicts[ticket] = verdict
         arrival = time.monotonic() if arrival_time is None else arrival_time
         try:
@@ -180,7 +186,7 @@ class AsyncEngine:
                                            self.max_waiting))
             if not self.is_alive:  # the thread ended after the check above: nobody reads
                 self._refuse_queued_adds()
-            await verdict
+            group.remote_hits = list(await verdict)
         except BaseException:
             # Refused by the engine, or the caller went away while waiting: nothing of the
             # group may stay behind.
@@ -191,6 +197,20 @@ class AsyncEngine:
         finally:
             self._verdicts.pop(ticket, None)
         return group
+
+    # -- remote prefill (the decode role; any thread) -------------------------------------
+    def load_remote_kv(self, request_id: str, first_token: int, dtype: str,
+                       shape: tuple[int, ...], payload: bytes) -> None:
+        self._commands.put(LoadRemoteKV(request_id, first_token, dtype, tuple(shape),
+                                        payload))
+
+    def finish_remote_prefill(self, request_id: str, token: int,
+                              logprobs: dict[int, float] | None = None) -> None:
+        self._commands.put(FinishRemotePrefill(
+            request_id, token, None if logprobs is None else tuple(logprobs.items())))
+
+    def fail_remote_prefill(self, request_id: str) -> None:
+        self._commands.put(FailRemotePrefill(request_id))
 
     def abort(self, request_ids: Sequence[str]) -> None:
         """Abort requests (any thread); blocks are freed before the engine's next step."""
@@ -218,7 +238,7 @@ class AsyncEngine:
         if fut is None or fut.done():
             return
         if verdict.error is None:
-            fut.set_result(None)
+            fut.set_result(verdict.remote_hits)
             return
         kind, message, param = verdict.error
         if kind == "overloaded":
@@ -237,7 +257,8 @@ class AsyncEngine:
             num_running=len(e.scheduler.running), num_waiting=len(e.scheduler.waiting),
             kv_usage=e.kv.usage, num_free_blocks=e.kv.num_free_blocks,
             num_blocks=e.kv.num_blocks, num_preemptions=e.scheduler.num_preemptions,
-            prefix_queries=e.kv.stats.prefix_queries, prefix_hits=e.kv.stats.prefix_hits)
+            prefix_queries=e.kv.stats.prefix_queries, prefix_hits=e.kv.stats.prefix_hits,
+            num_waiting_remote=len(e.scheduler.remote))
 
     def _notify(self, step: Any, outputs: Sequence[Any], finished: Sequence[FinishedRequest],
                 snap: EngineSnapshot | None = None) -> None:
@@ -295,6 +316,8 @@ class AsyncEngine:
                         req = engine.abort_request(rid)
                         if req is not None:
                             finished.append(_finished(req, "abort"))
+                elif isinstance(cmd, (LoadRemoteKV, FinishRemotePrefill, FailRemotePrefill)):
+                    self._handle_remote(cmd)
                 elif isinstance(cmd, AbortAll):
                     finished += self._abort_all(EngineStopped(cmd.reason))
                 elif isinstance(cmd, Stop):
@@ -341,10 +364,19 @@ class AsyncEngine:
                 f"this one adds {n}; retry later", None)))
             return
         added: list[str] = []
+        hits: list[int | None] = []
         try:
             for rid, spec in cmd.requests:
-                engine.add_request(spec.token_ids, spec.params, request_id=rid,
-                                   arrival_time=cmd.arrival_time)
+                hit = None
+                if spec.remote:
+                    hit = engine.add_remote_request(spec.token_ids, spec.params,
+                                                    request_id=rid,
+                                                    arrival_time=cmd.arrival_time)
+                if hit is None:  # not remote, or no room to reserve: prefill it here
+                    engine.add_request(spec.token_ids, spec.params, request_id=rid,
+                                       arrival_time=cmd.arrival_time,
+                                       export_kv_from=spec.export_kv_from)
+                hits.append(hit)
                 if spec.prompt is not None:
                     engine.requests[rid].prompt = spec.prompt
                 added.append(rid)
@@ -355,7 +387,36 @@ class AsyncEngine:
             return
         # Publish the new queue length before the caller learns it was admitted.
         self._snapshot = self._take_snapshot()
-        self._reply(Verdict(cmd.ticket))
+        self._reply(Verdict(cmd.ticket, remote_hits=tuple(hits)))
+
+    def _handle_remote(self, cmd: LoadRemoteKV | FinishRemotePrefill | FailRemotePrefill
+                       ) -> None:
+        """A remote prefill's K/V, first token or failure. K/V for a request that is gone
+        (aborted, already computed here) is dropped: the receiver never writes blocks a
+        request no longer holds."""
+        engine, loop = self.engine, self._loop
+        assert loop is not None
+        rid = cmd.request_id
+        req = engine.requests.get(rid)
+        if req is None or req.status is not RequestStatus.WAITING_FOR_REMOTE_KV:
+            log.debug("remote prefill message for %r dropped: it waits for none", rid)
+            return
+        try:
+            if isinstance(cmd, LoadRemoteKV):
+                from phasewise.disagg.kv import kv_from_bytes
+
+                engine.load_remote_kv(rid, cmd.first_token,
+                                      kv_from_bytes(cmd.payload, cmd.dtype, cmd.shape))
+                return
+            if isinstance(cmd, FinishRemotePrefill) and engine.remote_kv_complete(rid):
+                out = engine.finish_remote_prefill(
+                    rid, cmd.token, None if cmd.logprobs is None else dict(cmd.logprobs))
+                loop.call_soon_threadsafe(self._deliver, [(rid, out)])
+                return
+        except ValueError:
+            log.warning("remote K/V for %r refused; computing its prompt here", rid,
+                        exc_info=True)
+        engine.fail_remote_prefill(rid)  # failed, incomplete or refused: compute it here
 
     def _abort_all(self, error: BaseException) -> list[FinishedRequest]:
         """Abort every request in the engine, and fail every open group on the loop side:

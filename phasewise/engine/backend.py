@@ -45,6 +45,7 @@ class EngineSnapshot:
     num_preemptions: int
     prefix_queries: int  # prompt tokens looked up in the prefix cache
     prefix_hits: int  # of those, tokens found cached
+    num_waiting_remote: int = 0  # requests holding blocks while a prefill worker computes
 
 
 @dataclass(frozen=True)
@@ -66,11 +67,18 @@ class EngineObserver(Protocol):
 
 @dataclass(frozen=True)
 class PromptSpec:
-    """One request of a group: token ids (already validated by the caller) and its params."""
+    """One request of a group: token ids (already validated by the caller) and its params.
+
+    P/D (see ``LLMEngine``'s remote prefill): ``remote`` (the decode role) reserves blocks
+    for a prompt a prefill worker computes, or prefills it here when there is no room (the
+    group's ``remote_hits`` then says None); ``export_kv_from`` (the prefill role) ships its
+    prompt's K/V from that token on through the engine's ``kv_sink``."""
 
     token_ids: list[int]
     params: SamplingParams
     prompt: str | None = None
+    remote: bool = False
+    export_kv_from: int | None = None
 
 
 @dataclass(frozen=True)
@@ -104,6 +112,9 @@ class RequestGroup:
         self._abort = abort
         self._on_close = on_close
         self._index = {rid: i for i, rid in enumerate(request_ids)}
+        # Per request with PromptSpec.remote: the prompt tokens the decode engine already
+        # holds (the prefill worker sends K/V from there), or None: it prefills here.
+        self.remote_hits: list[int | None] = []
         self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._open = set(request_ids)
 

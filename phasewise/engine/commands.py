@@ -24,6 +24,35 @@ class AddRequests:
 
 
 @dataclass(frozen=True)
+class LoadRemoteKV:
+    """K/V of a request waiting for a remote prefill: the blocks from prompt token
+    ``first_token`` on, as raw bytes of ``dtype`` in ``shape`` (``phasewise.disagg.kv``)."""
+
+    request_id: str
+    first_token: int
+    dtype: str
+    shape: tuple[int, ...]
+    payload: bytes
+
+
+@dataclass(frozen=True)
+class FinishRemotePrefill:
+    """The prefill worker's first sampled token: the request decodes on here. If its K/V is
+    not all in, it is computed here instead (as after ``FailRemotePrefill``)."""
+
+    request_id: str
+    token: int
+    logprobs: tuple[tuple[int, float], ...] | None = None
+
+
+@dataclass(frozen=True)
+class FailRemotePrefill:
+    """The remote prefill will not finish: compute what did not arrive here."""
+
+    request_id: str
+
+
+@dataclass(frozen=True)
 class AbortRequests:
     request_ids: tuple[str, ...]
 
@@ -42,7 +71,8 @@ class Stop:
     reason: str = "the server shut down"
 
 
-Command = AddRequests | AbortRequests | AbortAll | Stop
+Command = (AddRequests | AbortRequests | AbortAll | Stop | LoadRemoteKV | FinishRemotePrefill
+           | FailRemotePrefill)
 
 
 @dataclass(frozen=True)
@@ -52,3 +82,4 @@ class Verdict:
 
     ticket: int
     error: tuple[str, str, str | None] | None = None  # (kind, message, param)
+    remote_hits: tuple[int | None, ...] = ()  # per request of the group (PromptSpec.remote)
