@@ -343,6 +343,7 @@ def test_gate_outcomes():
     cases = [
         (_h(seq=0), "p1", "duplicate"),
         (_h(seq=5), "p1", "duplicate"),  # new seq, but block 0 already landed
+        (_h(seq=0, first_block=1, first_token=4), "p1", "duplicate"),  # seq reused
         (_h(seq=1, request_id="r9"), "p1", "foreign"),
         (_h(seq=1, epoch=2), "p1", "foreign"),  # an epoch the receiver never issued
         (_h(seq=1, first_block=1, first_token=4), "p2", "foreign"),  # not the bound peer
@@ -358,7 +359,7 @@ def test_gate_outcomes():
         assert g.admit(header, peer) == want, header
     assert not g.complete("r1")
     c = g.counters()
-    assert c == {"ok": 1, "duplicate": 2, "foreign": 3, "out_of_range": 2, "mismatch": 4,
+    assert c == {"ok": 1, "duplicate": 3, "foreign": 3, "out_of_range": 2, "mismatch": 4,
                  "stale": 0}
 
 

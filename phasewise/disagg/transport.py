@@ -1,0 +1,781 @@
+"""The KV transport over pyzmq: the decode worker's KV port (:class:`KVServer`, a ROUTER) and the
+prefill worker's connection to it (:class:`KVClient`, a DEALER).
+
+Threads and sockets. A zmq socket belongs to one thread, so each endpoint runs one I/O thread
+that owns its network socket; calls from other threads (``send``, ``send_kv``...) reach it
+through an inproc pipe. Every endpoint has its own zmq context, closes its sockets with
+linger 0 and joins its thread in ``close()`` (also a context manager).
+
+Server side, per connection: until the handshake (see :mod:`phasewise.disagg.wire`) succeeds,
+anything but ``Open``/``Hello`` is counted as ``unauthenticated`` and dropped unparsed: no frame
+of a peer without the key reaches the :class:`~phasewise.disagg.wire.FrameGate`. After it:
+
+- a KV frame is checked (:func:`~phasewise.disagg.wire.decode_kv_frame`) then judged by the
+  server's ``gate``; for an ``ok`` frame the ``on_frame(peer, header, payload)`` callback runs
+  on the I/O thread under the gate's lock (copy the payload into the pool there; the payload
+  view is only valid during the call). Every frame, admitted or not, also becomes a
+  :class:`FrameEvent` on ``events``; its ``payload`` is set (for ``ok`` frames) only when there
+  is no ``on_frame``.
+- a control message becomes a :class:`MessageEvent` whose ``outcome`` is the gate's verdict
+  (``ok``/``stale``/``foreign``) for request-scoped messages and ``ok`` otherwise; a ``Done``
+  for the current attempt records its frame count in the gate.
+- liveness: any message refreshes the peer; one silent for ``heartbeat_deadline`` seconds is
+  ``lost`` (a :class:`PeerEvent`; it becomes ``alive`` again if it speaks). A hello whose
+  ``name`` was bound to another identity *replaces* that peer: the old identity's attempts are
+  forgotten (their later frames are ``foreign``) and the event lists them.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import random
+import threading
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import zmq
+
+from phasewise.disagg.wire import (
+    PROTOCOL_VERSION,
+    Abort,
+    Accept,
+    Buffer,
+    Bye,
+    Challenge,
+    ChallengeBook,
+    check_secret,
+    Done,
+    Error,
+    FirstToken,
+    FrameError,
+    FrameGate,
+    HandshakeError,
+    Heartbeat,
+    Hello,
+    KVFrameHeader,
+    KVLayout,
+    MessageError,
+    Open,
+    PrefillRequest,
+    Refuse,
+    decode_kv_frame,
+    decode_message,
+    encode_kv_frame,
+    encode_message,
+    make_accept,
+    make_hello,
+    verify_accept,
+    verify_hello,
+)
+
+log = logging.getLogger(__name__)
+
+PeerState = Literal["alive", "lost", "replaced", "closed"]
+
+
+# --------------------------------------------------------------------------------------------
+# events
+
+
+@dataclass(frozen=True)
+class FrameEvent:
+    """A KV frame arrived from ``peer``. ``outcome``: a gate outcome (``ok``, ``stale``,
+    ``foreign``, ``duplicate``, ``out_of_range``, ``mismatch``), a frame error kind
+    (``malformed``, ``size``, ``checksum``) or ``apply_failed`` (``on_frame`` raised)."""
+
+    peer: str
+    header: KVFrameHeader | None
+    outcome: str
+    payload: memoryview | None = None
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class MessageEvent:
+    """A control message from ``peer``; act on it only when ``outcome == "ok"``."""
+
+    peer: str
+    message: Any
+    outcome: str
+
+
+@dataclass(frozen=True)
+class PeerEvent:
+    """``peer`` is now ``state`` (``accepted``, ``lost``, ``alive``, ``replaced``, ``closed``).
+    For ``replaced``, ``forgotten`` lists the request ids whose attempts were dropped and
+    ``replaced_by`` the new identity."""
+
+    peer: str
+    state: str
+    name: str
+    forgotten: tuple[str, ...] = ()
+    replaced_by: str = ""
+
+
+Event = FrameEvent | MessageEvent | PeerEvent
+
+
+@dataclass(frozen=True)
+class PeerInfo:
+    identity: str
+    name: str
+    role: str
+    state: str
+
+
+# --------------------------------------------------------------------------------------------
+# plumbing
+
+
+class _Pipe:
+    """An inproc PUSH -> PULL pair: any thread pushes (under a lock), the I/O thread pulls."""
+
+    def __init__(self, ctx: zmq.Context, tag: str):
+        addr = f"inproc://phasewise-kv-{tag}-{uuid.uuid4().hex}"
+        self.pull = ctx.socket(zmq.PULL)
+        self.pull.setsockopt(zmq.LINGER, 0)
+        self.pull.bind(addr)
+        self._push = ctx.socket(zmq.PUSH)
+        self._push.setsockopt(zmq.LINGER, 0)
+        self._push.connect(addr)
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def push(self, parts: list[Any]) -> None:
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("endpoint is closed")
+            self._push.send_multipart(parts, copy=False)
+
+    def close_push(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._push.close(linger=0)
+
+
+def _bind_address(bind: str) -> str:
+    """zmq spells "any free port" ``*``; accept the usual ``:0`` too."""
+    return bind[:-2] + ":*" if bind.endswith(":0") else bind
+
+
+def _new_identity() -> str:
+    return uuid.uuid4().hex
+
+
+# --------------------------------------------------------------------------------------------
+# faults
+
+
+FaultKind = Literal["drop", "duplicate", "corrupt", "delay"]
+FAULT_KINDS: tuple[str, ...] = ("drop", "duplicate", "corrupt", "delay")
+
+
+@dataclass(frozen=True)
+class Fault:
+    """What to do to one outgoing KV frame. ``delay`` holds it back until ``after`` later
+    frames have gone through the injector (or the attempt's ``send_done`` flushes it)."""
+
+    kind: FaultKind
+    after: int = 1
+
+    def __post_init__(self) -> None:
+        if self.kind not in FAULT_KINDS:
+            raise ValueError(f"kind: {self.kind!r} is not one of {', '.join(FAULT_KINDS)}")
+        if self.after < 1:
+            raise ValueError(f"after: must be >= 1, got {self.after}")
+
+
+class FaultInjector:
+    """Deterministic faults on a client's outgoing KV frames, for tests.
+
+    ``plan`` maps a frame's ``seq`` (within its attempt; every attempt's frame with that seq)
+    to a :class:`Fault` or its kind's name. ``corrupt`` flips one payload byte after the
+    checksum was computed. ``applied`` counts the faults done. ``mute_heartbeats()`` makes the
+    client go silent (its frames and messages still flow).
+    """
+
+    def __init__(self, plan: Mapping[int, Fault | str] | None = None):
+        self.plan: dict[int, Fault] = {
+            int(s): f if isinstance(f, Fault) else Fault(f)  # type: ignore[arg-type]
+            for s, f in (plan or {}).items()}
+        self.applied = dict.fromkeys(FAULT_KINDS, 0)
+        self._held: list[list[Any]] = []  # [frames still to pass, parts]
+        self._lock = threading.Lock()
+        self._muted = threading.Event()
+
+    @classmethod
+    def seeded(cls, seed: int, num_frames: int,
+               rates: Mapping[str, float]) -> FaultInjector:
+        """A plan drawn from ``random.Random(seed)``: each seq below ``num_frames`` gets fault
+        ``k`` with probability ``rates[k]`` (the rates must sum to <= 1)."""
+        if sum(rates.values()) > 1 or any(k not in FAULT_KINDS for k in rates):
+            raise ValueError(f"rates: kinds from {', '.join(FAULT_KINDS)}, summing to <= 1")
+        rng = random.Random(seed)
+        plan: dict[int, Fault] = {}
+        for seq in range(num_frames):
+            r, acc = rng.random(), 0.0
+            for kind in FAULT_KINDS:
+                acc += rates.get(kind, 0.0)
+                if r < acc:
+                    plan[seq] = Fault(kind, rng.randint(1, 3))  # type: ignore[arg-type]
+                    break
+        return cls(plan)
+
+    def mute_heartbeats(self) -> None:
+        self._muted.set()
+
+    def unmute_heartbeats(self) -> None:
+        self._muted.clear()
+
+    @property
+    def heartbeats_muted(self) -> bool:
+        return self._muted.is_set()
+
+    def outgoing(self, seq: int, parts: list[Any]) -> list[list[Any]]:
+        """The multipart messages to send now, in order, for frame ``seq``."""
+        fault = self.plan.get(seq)
+        with self._lock:
+            if fault is not None:
+                self.applied[fault.kind] += 1
+            if fault is not None and fault.kind == "delay":
+                self._held.append([fault.after, parts])
+                return []
+            out: list[list[Any]] = []
+            if fault is None:
+                out.append(parts)
+            elif fault.kind == "duplicate":
+                out += [parts, parts]
+            elif fault.kind == "corrupt":
+                payload = bytearray(parts[1])
+                if payload:
+                    payload[len(payload) // 2] ^= 0xFF
+                else:
+                    payload.append(0)
+                out.append([parts[0], bytes(payload)])
+            for item in self._held:
+                item[0] -= 1
+            out += [p for n, p in self._held if n <= 0]
+            self._held = [item for item in self._held if item[0] > 0]
+            return out
+
+    def flush(self) -> list[list[Any]]:
+        with self._lock:
+            out = [p for _, p in self._held]
+            self._held = []
+            return out
+
+
+# --------------------------------------------------------------------------------------------
+# server
+
+
+@dataclass
+class _Session:
+    rid: bytes
+    identity: str
+    name: str
+    role: str
+    state: str
+    last_seen: float
+
+
+class KVServer:
+    """The decode worker's KV port.
+
+    ``KVServer(bind="tcp://127.0.0.1:0", *, secret, layout, identity=None, on_frame=None,
+    heartbeat_deadline=5.0)``; ``.endpoint`` is the bound address with its real port.
+    ``gate`` is the :class:`FrameGate` every frame passes; ``events`` a queue of
+    :class:`FrameEvent` / :class:`MessageEvent` / :class:`PeerEvent` (drain it, or
+    ``next_event()``). ``counters()`` is a flat dict for /metrics.
+    """
+
+    def __init__(self, bind: str = "tcp://127.0.0.1:0", *, secret: bytes, layout: KVLayout,
+                 identity: str | None = None,
+                 on_frame: Callable[[str, KVFrameHeader, memoryview], None] | None = None,
+                 heartbeat_deadline: float = 5.0, max_frame_bytes: int = 1 << 30,
+                 handshake_ttl: float = 30.0):
+        if heartbeat_deadline <= 0:
+            raise ValueError(f"heartbeat_deadline: must be > 0, got {heartbeat_deadline}")
+        check_secret(secret)
+        self.identity = identity or _new_identity()
+        self.layout = layout
+        self.gate = FrameGate(layout)
+        self.events: queue.Queue[Event] = queue.Queue()
+        self._secret = secret
+        self._on_frame = on_frame
+        self._deadline = heartbeat_deadline
+        self._book = ChallengeBook(self.identity, layout, ttl=handshake_ttl)
+        self._lock = threading.Lock()
+        self._sessions: dict[bytes, _Session] = {}
+        self._by_identity: dict[str, _Session] = {}
+        self._by_name: dict[str, str] = {}
+        self._counts: dict[str, int] = {}
+        self._ctx = zmq.Context()
+        try:
+            self._router = self._ctx.socket(zmq.ROUTER)
+            self._router.setsockopt(zmq.LINGER, 0)
+            self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+            self._router.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
+            self._router.bind(_bind_address(bind))
+            self.endpoint: str = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
+            self._pipe = _Pipe(self._ctx, "server")
+        except Exception:
+            self._ctx.destroy(linger=0)
+            raise
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, daemon=True,
+                                        name=f"phasewise-kv-server-{self.identity[:8]}")
+        self._thread.start()
+
+    # ---- public API (any thread)
+
+    def send(self, peer: str, message: Any) -> None:
+        """Queue a control message to the live peer with identity ``peer``."""
+        with self._lock:
+            s = self._by_identity.get(peer)
+            if s is None or s.state not in ("alive", "lost"):
+                state = "unknown" if s is None else s.state
+                raise KeyError(f"no live KV peer {peer!r} (state: {state})")
+            rid = s.rid
+        self._pipe.push([b"send", rid, encode_message(message)])
+
+    def request_prefill(self, peer: str, request: PrefillRequest) -> None:
+        """Register the attempt with the gate (bound to ``peer``), then send it."""
+        with self._lock:
+            if peer not in self._by_identity:
+                raise KeyError(f"no KV peer {peer!r}")
+        self.gate.expect(request.request_id, request.epoch, request.num_blocks,
+                         first_block=request.first_block, peer=peer)
+        try:
+            self.send(peer, request)
+        except Exception:
+            self.gate.forget(request.request_id)
+            raise
+
+    def abort(self, peer: str, request_id: str, epoch: int) -> None:
+        """Forget the attempt (later frames are ``foreign``) and tell the peer, if it is live."""
+        self.gate.forget(request_id)
+        try:
+            self.send(peer, Abort(request_id=request_id, epoch=epoch))
+        except KeyError:
+            pass
+
+    def next_event(self, timeout: float | None = None) -> Event | None:
+        try:
+            return self.events.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+    def peers(self) -> dict[str, PeerInfo]:
+        with self._lock:
+            return {i: PeerInfo(s.identity, s.name, s.role, s.state)
+                    for i, s in self._by_identity.items()}
+
+    def peer_state(self, peer: str) -> str | None:
+        with self._lock:
+            s = self._by_identity.get(peer)
+            return None if s is None else s.state
+
+    def counters(self) -> dict[str, int]:
+        """``frames.<gate outcome>``, ``frames.apply_failed``, ``frame_errors.<kind>``,
+        ``refused.<field>``, ``unauthenticated``, ``messages.<outcome>``, ``peers.<state>``,
+        ``heartbeats``, ``send_failed``."""
+        with self._lock:
+            out = dict(self._counts)
+        out.update({f"frames.{k}": v for k, v in self.gate.counters().items()})
+        return out
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._pipe.push([b"stop"])
+        except RuntimeError:
+            pass
+        self._thread.join(timeout=10)
+        self._pipe.close_push()
+        if self._thread.is_alive():  # pragma: no cover - only if on_frame hangs
+            log.error("KV server thread did not stop; leaving its zmq context open")
+            return
+        self._ctx.term()
+
+    def __enter__(self) -> KVServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- the I/O thread
+
+    def _count(self, key: str) -> None:
+        with self._lock:
+            self._counts[key] = self._counts.get(key, 0) + 1
+
+    def _emit(self, event: Event) -> None:
+        self.events.put(event)
+
+    def _send_now(self, rid: bytes, parts: list[Any]) -> None:
+        try:
+            self._router.send_multipart([rid, *parts], flags=zmq.NOBLOCK)
+        except zmq.ZMQError as e:  # peer gone (ROUTER_MANDATORY) or its queue full
+            self._count("send_failed")
+            log.debug("KV send to %r failed: %s", rid, e)
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._router, zmq.POLLIN)
+        poller.register(self._pipe.pull, zmq.POLLIN)
+        tick_ms = max(5, min(100, int(self._deadline * 1000 / 5)))
+        try:
+            while True:
+                ready = dict(poller.poll(tick_ms))
+                while self._pipe.pull in ready:
+                    try:
+                        cmd = self._pipe.pull.recv_multipart(flags=zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    if cmd[0] == b"stop":
+                        return
+                    self._send_now(cmd[1], cmd[2:])
+                if self._router in ready:
+                    for _ in range(256):
+                        try:
+                            msg = self._router.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+                        except zmq.Again:
+                            break
+                        try:
+                            self._on_message(msg)
+                        except Exception:  # never let one message kill the port
+                            self._count("internal_errors")
+                            log.exception("KV server failed handling a message")
+                self._check_liveness()
+        finally:
+            self._router.close(linger=0)
+            self._pipe.pull.close(linger=0)
+
+    def _on_message(self, msg: list[zmq.Frame]) -> None:
+        rid = msg[0].bytes
+        parts = [f.buffer for f in msg[1:]]
+        with self._lock:
+            s = self._sessions.get(rid)
+        if s is None:
+            self._handshake(rid, parts)
+            return
+        self._touch(s)
+        if len(parts) == 2:
+            self._on_frame_parts(s, parts)
+        elif len(parts) == 1:
+            self._on_control(s, parts[0])
+        else:
+            self._count("frame_errors.malformed")
+            self._emit(FrameEvent(s.identity, None, "malformed",
+                                  detail=f"{len(parts)} parts"))
+
+    def _handshake(self, rid: bytes, parts: list[memoryview]) -> None:
+        msg: Any = None
+        if len(parts) == 1:
+            try:
+                msg = decode_message(parts[0])
+            except MessageError:
+                msg = None
+        if isinstance(msg, Open):
+            ch = self._book.issue(rid)
+            self._send_now(rid, [encode_message(ch)])
+            return
+        if not isinstance(msg, Hello):
+            self._count("unauthenticated")
+            return
+        challenge = self._book.take(rid)
+        try:
+            if challenge is None:
+                raise HandshakeError("no outstanding challenge for this connection (a replayed "
+                                     "or unsolicited hello)", "nonce")
+            verify_hello(msg, challenge, secret=self._secret)
+            self._accept(rid, msg, challenge)
+        except HandshakeError as e:
+            self._count(f"refused.{e.field}")
+            log.warning("refused KV peer (claimed identity %r, name %r, role %r): %s: %s",
+                        msg.identity, msg.name, msg.role, e.field, e.reason)
+            self._send_now(rid, [encode_message(Refuse(field=e.field, reason=e.reason))])
+
+    def _accept(self, rid: bytes, hello: Hello, challenge: Challenge) -> None:
+        replaced: tuple[str, tuple[str, ...]] | None = None
+        with self._lock:
+            old_ident = self._by_name.get(hello.name)
+            if old_ident is not None and old_ident != hello.identity:
+                old = self._by_identity[old_ident]
+                old.state = "replaced"
+                replaced = (old_ident, tuple(self.gate.forget_peer(old_ident)))
+            same = self._by_identity.get(hello.identity)
+            if same is not None:  # the same incarnation reconnected: drop the old connection
+                self._sessions.pop(same.rid, None)
+            s = _Session(rid, hello.identity, hello.name, hello.role, "alive", time.monotonic())
+            self._sessions[rid] = s
+            self._by_identity[hello.identity] = s
+            self._by_name[hello.name] = hello.identity
+        self._count("peers.accepted")
+        self._send_now(rid, [encode_message(make_accept(hello, challenge, secret=self._secret))])
+        if replaced is not None:
+            self._count("peers.replaced")
+            log.warning("KV peer %r (name %r) replaced by %r; forgot attempts %s",
+                        replaced[0], hello.name, hello.identity, list(replaced[1]))
+            self._emit(PeerEvent(replaced[0], "replaced", hello.name, replaced[1],
+                                 replaced_by=hello.identity))
+        log.info("accepted KV peer %r (name %r, role %r)", hello.identity, hello.name,
+                 hello.role)
+        self._emit(PeerEvent(hello.identity, "accepted", hello.name))
+
+    def _touch(self, s: _Session) -> None:
+        back = False
+        with self._lock:
+            s.last_seen = time.monotonic()
+            if s.state == "lost":
+                s.state, back = "alive", True
+        if back:
+            self._count("peers.alive")
+            log.info("KV peer %r is back", s.identity)
+            self._emit(PeerEvent(s.identity, "alive", s.name))
+
+    def _check_liveness(self) -> None:
+        now = time.monotonic()
+        lost: list[_Session] = []
+        with self._lock:
+            for s in self._by_identity.values():
+                if s.state == "alive" and now - s.last_seen > self._deadline:
+                    s.state = "lost"
+                    lost.append(s)
+        for s in lost:
+            self._count("peers.lost")
+            log.warning("KV peer %r (name %r) lost: no message for %.1fs", s.identity, s.name,
+                        self._deadline)
+            self._emit(PeerEvent(s.identity, "lost", s.name))
+
+    def _on_frame_parts(self, s: _Session, parts: list[memoryview]) -> None:
+        try:
+            header, payload = decode_kv_frame(parts)
+        except FrameError as e:
+            self._count(f"frame_errors.{e.kind}")
+            self._emit(FrameEvent(s.identity, e.header, e.kind, detail=e.detail))
+            return
+        on_frame = self._on_frame
+        apply = None if on_frame is None else (lambda h: on_frame(s.identity, h, payload))
+        try:
+            outcome = self.gate.admit(header, s.identity, apply)
+        except Exception as e:
+            self._count("frames.apply_failed")
+            log.exception("on_frame failed for %s seq %d", header.request_id, header.seq)
+            self._emit(FrameEvent(s.identity, header, "apply_failed", detail=repr(e)))
+            return
+        keep = payload if outcome == "ok" and on_frame is None else None
+        self._emit(FrameEvent(s.identity, header, outcome, keep))
+
+    def _on_control(self, s: _Session, data: memoryview) -> None:
+        try:
+            msg = decode_message(data)
+        except MessageError as e:
+            self._count("messages.malformed")
+            log.debug("malformed message from %r: %s", s.identity, e)
+            return
+        if isinstance(msg, Heartbeat):
+            self._count("heartbeats")
+            return
+        if isinstance(msg, Bye):
+            with self._lock:
+                s.state = "closed"
+            self._count("peers.closed")
+            self._emit(PeerEvent(s.identity, "closed", s.name))
+            return
+        if isinstance(msg, (Done, FirstToken, Error)):
+            outcome = self.gate.classify(msg.request_id, msg.epoch, s.identity)
+            if outcome == "ok" and isinstance(msg, Done):
+                self.gate.note_done(msg.request_id, msg.epoch, msg.num_frames, s.identity)
+        else:
+            outcome = "unexpected"  # handshake kinds, or decode-side kinds sent our way
+        self._count(f"messages.{outcome}")
+        self._emit(MessageEvent(s.identity, msg, outcome))
+
+
+# --------------------------------------------------------------------------------------------
+# client
+
+
+class KVClient:
+    """The prefill worker's connection to a decode worker's KV port.
+
+    ``KVClient(connect, *, secret, layout, role="prefill", identity=None, name=None,
+    heartbeat_interval=1.0, handshake_timeout=10.0, faults=None)``. The handshake runs in the
+    constructor, which raises :class:`HandshakeError` (naming the field) if refused, if the
+    server cannot prove it holds the key (``auth``), or if no answer comes (``timeout``).
+    ``identity`` is this incarnation (a fresh uuid by default); ``name`` is the stable worker
+    name (default: the identity) by which a restart replaces its predecessor.
+    """
+
+    def __init__(self, connect: str, *, secret: bytes, layout: KVLayout, role: str = "prefill",
+                 identity: str | None = None, name: str | None = None,
+                 heartbeat_interval: float = 1.0, handshake_timeout: float = 10.0,
+                 faults: FaultInjector | None = None, close_linger: float = 1.0,
+                 protocol_version: int = PROTOCOL_VERSION):
+        if heartbeat_interval <= 0:
+            raise ValueError(f"heartbeat_interval: must be > 0, got {heartbeat_interval}")
+        self.identity = identity or _new_identity()
+        self.name = name or self.identity
+        self.role = role
+        self.layout = layout
+        self.faults = faults
+        self.server_identity = ""
+        self._inbox: queue.Queue[Any] = queue.Queue()
+        self._interval = heartbeat_interval
+        self._close_linger = close_linger
+        self._seqs: dict[tuple[str, int], int] = {}
+        self._seq_lock = threading.Lock()
+        self._closed = False
+        self._ctx = zmq.Context()
+        try:
+            self._dealer = self._ctx.socket(zmq.DEALER)
+            self._dealer.setsockopt(zmq.LINGER, 0)
+            self._dealer.connect(connect)
+            self._handshake(secret, handshake_timeout, protocol_version)
+            self._pipe = _Pipe(self._ctx, "client")
+        except BaseException:
+            self._ctx.destroy(linger=0)
+            raise
+        self._thread = threading.Thread(target=self._run, daemon=True,
+                                        name=f"phasewise-kv-client-{self.identity[:8]}")
+        self._thread.start()
+
+    def _reply(self, timeout: float, waiting_for: str) -> Any:
+        if not self._dealer.poll(int(timeout * 1000)):
+            raise HandshakeError(f"no {waiting_for} from the server within {timeout}s",
+                                 "timeout")
+        try:
+            msg = decode_message(self._dealer.recv())
+        except MessageError as e:
+            raise HandshakeError(f"bad {waiting_for}: {e}", "protocol") from None
+        if isinstance(msg, Refuse):
+            raise HandshakeError(msg.reason, msg.field)
+        return msg
+
+    def _handshake(self, secret: bytes, timeout: float, version: int) -> None:
+        self._dealer.send(encode_message(Open(identity=self.identity)))
+        ch = self._reply(timeout, "challenge")
+        if not isinstance(ch, Challenge):
+            raise HandshakeError(f"expected a challenge, got {ch.KIND!r}", "protocol")
+        hello = make_hello(ch, secret=secret, identity=self.identity, name=self.name,
+                           role=self.role, layout=self.layout, version=version)
+        self._dealer.send(encode_message(hello))
+        acc = self._reply(timeout, "accept")
+        if not isinstance(acc, Accept):
+            raise HandshakeError(f"expected accept, got {acc.KIND!r}", "protocol")
+        verify_accept(acc, hello, ch, secret=secret)
+        self.server_identity = ch.server_identity
+
+    # ---- public API (any thread)
+
+    def send(self, message: Any) -> None:
+        """Queue a control message (``FirstToken``, ``Error``, ``Done``...) to the server."""
+        self._pipe.push([b"send", encode_message(message)])
+
+    def send_kv(self, request_id: str, epoch: int, *, first_block: int, num_blocks: int,
+                first_token: int, num_tokens: int, layer_start: int, layer_end: int,
+                payload: Buffer) -> int:
+        """Queue one KV frame; returns its seq (0, 1, ... per attempt). The payload must stay
+        unchanged until sent (it is not copied)."""
+        with self._seq_lock:
+            seq = self._seqs.get((request_id, epoch), 0)
+            self._seqs[(request_id, epoch)] = seq + 1
+        parts = encode_kv_frame(
+            request_id=request_id, epoch=epoch, seq=seq, first_block=first_block,
+            num_blocks=num_blocks, first_token=first_token, num_tokens=num_tokens,
+            layer_start=layer_start, layer_end=layer_end, dtype=self.layout.dtype,
+            payload=payload)
+        for out in (self.faults.outgoing(seq, parts) if self.faults else [parts]):
+            self._pipe.push([b"send", *out])
+        return seq
+
+    def send_done(self, request_id: str, epoch: int) -> int:
+        """Send any frames the fault injector still holds, then ``Done`` with the attempt's
+        frame count (returned)."""
+        with self._seq_lock:
+            n = self._seqs.pop((request_id, epoch), 0)
+        for out in (self.faults.flush() if self.faults else []):
+            self._pipe.push([b"send", *out])
+        self.send(Done(request_id=request_id, epoch=epoch, num_frames=n))
+        return n
+
+    def recv(self, timeout: float | None = None) -> Any | None:
+        """The next message from the server (``PrefillRequest``, ``Abort``), or None."""
+        try:
+            return self._inbox.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._pipe.push([b"stop"])
+        except RuntimeError:
+            pass
+        self._thread.join(timeout=10)
+        self._pipe.close_push()
+        if not self._thread.is_alive():
+            self._ctx.term()
+
+    def __enter__(self) -> KVClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- the I/O thread
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._dealer, zmq.POLLIN)
+        poller.register(self._pipe.pull, zmq.POLLIN)
+        beat = 0
+        next_beat = time.monotonic()
+        try:
+            while True:
+                now = time.monotonic()
+                if now >= next_beat:
+                    if not (self.faults and self.faults.heartbeats_muted):
+                        self._dealer.send(encode_message(
+                            Heartbeat(identity=self.identity, seq=beat)))
+                        beat += 1
+                    next_beat = now + self._interval
+                wait_ms = max(1, int((next_beat - now) * 1000))
+                ready = dict(poller.poll(wait_ms))
+                while self._pipe.pull in ready:
+                    try:
+                        cmd = self._pipe.pull.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    if cmd[0].bytes == b"stop":
+                        self._dealer.send(encode_message(Bye(identity=self.identity)),
+                                          flags=zmq.NOBLOCK)
+                        # give queued frames and the bye a bounded chance to leave
+                        self._dealer.setsockopt(zmq.LINGER, int(self._close_linger * 1000))
+                        return
+                    self._dealer.send_multipart(cmd[1:], copy=False)
+                if self._dealer in ready:
+                    while True:
+                        try:
+                            data = self._dealer.recv(flags=zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                        try:
+                            self._inbox.put(decode_message(data))
+                        except MessageError as e:
+                            log.warning("malformed message from KV server: %s", e)
+        except zmq.ZMQError as e:  # pragma: no cover - socket failure
+            log.error("KV client I/O thread stopped: %s", e)
+        finally:
+            self._dealer.close()
+            self._pipe.pull.close(linger=0)

@@ -1,0 +1,456 @@
+"""The KV transport over real pyzmq sockets on 127.0.0.1 (free ports only).
+
+Faults are injected deterministically (a plan keyed by frame seq); every wait is bounded and
+generous, and no assertion is about how long anything took.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import threading
+import time
+
+import pytest
+import zmq
+
+from phasewise.disagg import transport as t
+from phasewise.disagg import wire as w
+
+LAYOUT = w.KVLayout(model_id="LlamaForCausalLM:abc123", dtype="float32", num_layers=2,
+                    num_kv_heads=2, head_dim=4, block_size=4)
+SECRET = os.urandom(32)
+BLOCK = LAYOUT.block_layer_bytes() * LAYOUT.num_layers  # bytes of one block, all layers
+WAIT = 10.0  # generous bound on any wait; never an assertion about duration
+
+OTHER = {"model_id": "LlamaForCausalLM:def456", "dtype": "bfloat16", "num_layers": 3,
+         "num_kv_heads": 4, "head_dim": 8, "block_size": 16,
+         "cache_layout": "kv,layers,blocks,block_size,kv_heads,head_dim",
+         "block_hash_scheme": "sha256/int64le"}
+
+
+def _kv_threads():
+    return [th for th in threading.enumerate() if th.name.startswith("phasewise-kv-")]
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_threads():
+    assert _kv_threads() == []
+    yield
+    assert _kv_threads() == [], "an endpoint was not closed"
+
+
+@pytest.fixture
+def server():
+    with t.KVServer("tcp://127.0.0.1:0", secret=SECRET, layout=LAYOUT,
+                    heartbeat_deadline=60.0) as srv:
+        yield srv
+
+
+@pytest.fixture
+def ctx():
+    c = zmq.Context()
+    yield c
+    c.destroy(linger=0)
+
+
+def _client(srv, **kw):
+    kw.setdefault("secret", SECRET)
+    kw.setdefault("layout", LAYOUT)
+    kw.setdefault("heartbeat_interval", 30.0)
+    return t.KVClient(srv.endpoint, **kw)
+
+
+def _wait(pred, timeout=WAIT):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if pred():
+            return True
+        time.sleep(0.005)
+    return pred()
+
+
+def _events_until(srv, pred, timeout=WAIT):
+    """Every event up to and including the first that satisfies ``pred``."""
+    out = []
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        ev = srv.next_event(timeout=0.05)
+        if ev is None:
+            continue
+        out.append(ev)
+        if pred(ev):
+            return out
+    raise AssertionError(f"no matching event within {timeout}s; got {out}")
+
+
+def _is_done(ev):
+    return isinstance(ev, t.MessageEvent) and isinstance(ev.message, w.Done)
+
+
+def _accepted(srv, client):
+    _events_until(srv, lambda e: isinstance(e, t.PeerEvent) and e.peer == client.identity
+                  and e.state == "accepted")
+
+
+def _request(rid="r1", epoch=1, num_blocks=4, first_block=0):
+    return w.PrefillRequest(request_id=rid, epoch=epoch, token_ids=tuple(range(4 * num_blocks)),
+                            params={"temperature": 0.0}, num_blocks=num_blocks,
+                            first_block=first_block)
+
+
+def _send_block(client, block, rid="r1", epoch=1, payload=None):
+    return client.send_kv(rid, epoch, first_block=block, num_blocks=1, first_token=4 * block,
+                          num_tokens=4, layer_start=0, layer_end=2,
+                          payload=os.urandom(BLOCK) if payload is None else payload)
+
+
+# ---- raw sockets, to play a misbehaving peer
+
+
+def _raw(ctx, endpoint):
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(endpoint)
+    return s
+
+
+def _recv(sock):
+    assert sock.poll(int(WAIT * 1000)), "no reply"
+    return w.decode_message(sock.recv())
+
+
+def _raw_handshake(sock, identity="raw-peer", secret=SECRET):
+    sock.send(w.encode_message(w.Open(identity=identity)))
+    ch = _recv(sock)
+    hello = w.make_hello(ch, secret=secret, identity=identity, role="prefill", layout=LAYOUT)
+    sock.send(w.encode_message(hello))
+    return ch, hello, _recv(sock)
+
+
+# ---- handshake
+
+
+def test_handshake_then_messages_flow_both_ways(server):
+    with _client(server, name="prefill-0") as c:
+        _accepted(server, c)
+        assert c.server_identity == server.identity
+        info = server.peers()[c.identity]
+        assert (info.name, info.role, info.state) == ("prefill-0", "prefill", "alive")
+        req = _request()
+        server.request_prefill(c.identity, req)
+        assert c.recv(timeout=WAIT) == req
+        c.send(w.FirstToken(request_id="r1", epoch=1, token_id=7, logprobs={"7": -0.5}))
+        (ev,) = _events_until(server, lambda e: isinstance(e, t.MessageEvent))
+        assert ev.outcome == "ok" and ev.peer == c.identity
+        assert ev.message == w.FirstToken(request_id="r1", epoch=1, token_id=7,
+                                          logprobs={"7": -0.5})
+
+
+@pytest.mark.parametrize("mode", ["queue", "callback"])
+def test_frames_round_trip_with_payload_intact(mode):
+    landed = {}
+
+    def on_frame(peer, header, payload):
+        assert header.num_blocks == 2
+        landed[header.first_block] = bytes(payload)
+
+    with t.KVServer(secret=SECRET, layout=LAYOUT,
+                    on_frame=on_frame if mode == "callback" else None) as srv:
+        with _client(srv) as c:
+            srv.request_prefill(c.identity, _request(num_blocks=4))
+            sent = {b: os.urandom(2 * BLOCK) for b in (0, 2)}
+            for b, data in sent.items():
+                c.send_kv("r1", 1, first_block=b, num_blocks=2, first_token=4 * b,
+                          num_tokens=8 if b == 0 else 5, layer_start=0, layer_end=2,
+                          payload=data)
+            assert c.send_done("r1", 1) == 2
+            events = _events_until(srv, _is_done)
+        frames = [e for e in events if isinstance(e, t.FrameEvent)]
+        assert [f.outcome for f in frames] == ["ok", "ok"]
+        if mode == "queue":
+            landed = {f.header.first_block: bytes(f.payload) for f in frames}
+        else:
+            assert all(f.payload is None for f in frames)
+        assert landed == sent
+        assert srv.gate.complete("r1") and srv.gate.missing_seqs("r1") == []
+        assert srv.counters()["frames.ok"] == 2
+
+
+def test_rogue_peer_without_the_key_is_refused_and_lands_nothing(server, ctx, caplog):
+    caplog.set_level(logging.WARNING, logger="phasewise.disagg.transport")
+    server.gate.expect("r1", 1, 4)
+    with pytest.raises(w.HandshakeError) as e:
+        _client(server, secret=os.urandom(32), identity="rogue-1")
+    assert e.value.field == "auth"
+    assert server.counters()["refused.auth"] == 1
+    lines = [r.getMessage() for r in caplog.records if "rogue-1" in r.getMessage()]
+    assert len(lines) == 1 and "auth" in lines[0]
+
+    # the same peer skipping the handshake and pushing frames anyway
+    rogue = _raw(ctx, server.endpoint)
+    ch, hello, reply = _raw_handshake(rogue, identity="rogue-2", secret=os.urandom(32))
+    assert isinstance(reply, w.Refuse) and reply.field == "auth"
+    for b in range(4):
+        rogue.send_multipart(w.encode_kv_frame(
+            request_id="r1", epoch=1, seq=b, first_block=b, num_blocks=1, first_token=4 * b,
+            num_tokens=4, layer_start=0, layer_end=2, dtype="float32",
+            payload=os.urandom(BLOCK)))
+    rogue.send(w.encode_message(w.Done(request_id="r1", epoch=1, num_frames=4)))
+    assert _wait(lambda: server.counters().get("unauthenticated", 0) == 5)
+    c = server.counters()
+    assert c["refused.auth"] == 2 and c["frames.ok"] == 0
+    assert server.gate.missing_blocks("r1") == [0, 1, 2, 3]
+    assert server.gate.missing_seqs("r1") is None
+    assert not [e for e in iter(lambda: server.next_event(0), None)
+                if not isinstance(e, t.PeerEvent)]
+    assert server.peers() == {}
+
+
+def test_a_replayed_hello_is_refused(server, ctx):
+    a = _raw(ctx, server.endpoint)
+    ch, hello, reply = _raw_handshake(a, identity="legit")
+    assert isinstance(reply, w.Accept)
+    w.verify_accept(reply, hello, ch, secret=SECRET)
+    replay = w.encode_message(hello)
+    # straight onto a new connection
+    b = _raw(ctx, server.endpoint)
+    b.send(replay)
+    reply = _recv(b)
+    assert isinstance(reply, w.Refuse) and reply.field == "nonce"
+    # after asking for (and being given) a fresh challenge
+    c = _raw(ctx, server.endpoint)
+    c.send(w.encode_message(w.Open(identity="legit")))
+    assert isinstance(_recv(c), w.Challenge)
+    c.send(replay)
+    reply = _recv(c)
+    assert isinstance(reply, w.Refuse) and reply.field == "nonce"
+    assert server.counters()["refused.nonce"] == 2
+    assert server.counters()["peers.accepted"] == 1
+
+
+def test_version_mismatch_is_refused(server):
+    with pytest.raises(w.HandshakeError) as e:
+        _client(server, protocol_version=w.PROTOCOL_VERSION + 1)
+    assert e.value.field == "version"
+    assert server.counters()["refused.version"] == 1 and server.peers() == {}
+
+
+@pytest.mark.parametrize("name", sorted(OTHER))
+def test_layout_mismatch_is_refused_at_connect_naming_the_field(server, name):
+    theirs = dataclasses.replace(LAYOUT, **{name: OTHER[name]})
+    with pytest.raises(w.HandshakeError) as e:
+        _client(server, layout=theirs)
+    assert e.value.field == f"layout.{name}"
+    assert repr(OTHER[name]) in e.value.reason
+    assert server.counters()[f"refused.layout.{name}"] == 1
+
+
+def test_no_answer_is_a_handshake_timeout(ctx):
+    silent = ctx.socket(zmq.ROUTER)
+    silent.setsockopt(zmq.LINGER, 0)
+    port = silent.bind_to_random_port("tcp://127.0.0.1")
+    with pytest.raises(w.HandshakeError) as e:
+        t.KVClient(f"tcp://127.0.0.1:{port}", secret=SECRET, layout=LAYOUT,
+                   handshake_timeout=0.2)
+    assert e.value.field == "timeout"
+
+
+def test_client_refuses_a_server_that_cannot_prove_the_key(ctx):
+    fake = ctx.socket(zmq.ROUTER)
+    fake.setsockopt(zmq.LINGER, 0)
+    port = fake.bind_to_random_port("tcp://127.0.0.1")
+    result = {}
+
+    def connect():
+        try:
+            t.KVClient(f"tcp://127.0.0.1:{port}", secret=SECRET, layout=LAYOUT)
+        except w.HandshakeError as e:
+            result["field"] = e.field
+
+    th = threading.Thread(target=connect)
+    th.start()
+    assert fake.poll(int(WAIT * 1000))
+    rid, _open = fake.recv_multipart()
+    ch = w.make_challenge("impostor", LAYOUT)
+    fake.send_multipart([rid, w.encode_message(ch)])
+    assert fake.poll(int(WAIT * 1000))
+    rid, data = fake.recv_multipart()
+    hello = w.decode_message(data)
+    fake.send_multipart([rid, w.encode_message(w.make_accept(hello, ch, secret=os.urandom(32)))])
+    th.join(WAIT)
+    assert result == {"field": "auth"}
+
+
+# ---- faults
+
+
+def _run_with_faults(plan, num_blocks=4):
+    applied = []
+
+    def on_frame(peer, header, payload):
+        applied.append(header.first_block)
+
+    faults = t.FaultInjector(plan)
+    with t.KVServer(secret=SECRET, layout=LAYOUT, on_frame=on_frame) as srv:
+        with _client(srv, faults=faults) as c:
+            srv.request_prefill(c.identity, _request(num_blocks=num_blocks))
+            for b in range(num_blocks):
+                assert _send_block(c, b) == b
+            c.send_done("r1", 1)
+            events = _events_until(srv, _is_done)
+        return srv, faults, applied, [e for e in events if isinstance(e, t.FrameEvent)]
+
+
+def test_dropped_frame_leaves_the_transfer_incomplete_naming_the_seq():
+    srv, faults, applied, frames = _run_with_faults({2: "drop"})
+    assert faults.applied["drop"] == 1
+    assert not srv.gate.complete("r1")
+    assert srv.gate.missing_seqs("r1") == [2] and srv.gate.missing_blocks("r1") == [2]
+    assert srv.gate.landed_prefix("r1") == 2  # blocks 0-1 usable, recompute from 2
+    assert sorted(applied) == [0, 1, 3]
+
+
+def test_duplicated_frame_is_counted_and_applied_once():
+    srv, faults, applied, frames = _run_with_faults({1: "duplicate"})
+    assert faults.applied["duplicate"] == 1
+    assert [f.outcome for f in frames] == ["ok", "ok", "duplicate", "ok", "ok"]
+    assert sorted(applied) == [0, 1, 2, 3]
+    assert srv.counters()["frames.duplicate"] == 1 and srv.gate.complete("r1")
+
+
+def test_corrupted_frame_fails_its_checksum():
+    srv, faults, applied, frames = _run_with_faults({1: "corrupt"})
+    assert faults.applied["corrupt"] == 1
+    bad = [f for f in frames if f.outcome != "ok"]
+    assert len(bad) == 1 and bad[0].outcome == "checksum" and bad[0].header.seq == 1
+    assert srv.counters()["frame_errors.checksum"] == 1
+    assert 1 not in applied and srv.gate.missing_seqs("r1") == [1]
+    assert not srv.gate.complete("r1")
+
+
+def test_delayed_frame_still_lands():
+    srv, faults, applied, frames = _run_with_faults({0: t.Fault("delay", after=2)})
+    assert faults.applied["delay"] == 1
+    assert [f.header.seq for f in frames] == [1, 2, 0, 3]  # it really arrived late
+    assert all(f.outcome == "ok" for f in frames)
+    assert applied == [1, 2, 0, 3] and srv.gate.complete("r1")
+
+
+def test_a_frame_delayed_past_the_last_is_flushed_before_done():
+    srv, faults, applied, frames = _run_with_faults({3: t.Fault("delay", after=5)})
+    assert [f.header.seq for f in frames] == [0, 1, 2, 3] and srv.gate.complete("r1")
+
+
+def test_seeded_fault_plans_are_deterministic():
+    rates = {"drop": 0.2, "duplicate": 0.2, "corrupt": 0.2, "delay": 0.2}
+    a = t.FaultInjector.seeded(7, 50, rates).plan
+    assert a == t.FaultInjector.seeded(7, 50, rates).plan
+    assert a != t.FaultInjector.seeded(8, 50, rates).plan
+    assert {f.kind for f in a.values()} == set(t.FAULT_KINDS)
+    with pytest.raises(ValueError, match="rates"):
+        t.FaultInjector.seeded(1, 5, {"drop": 0.9, "corrupt": 0.9})
+    with pytest.raises(ValueError, match="kind"):
+        t.Fault("explode")
+
+
+# ---- attempts, peers, liveness
+
+
+def test_stale_epoch_and_foreign_request_are_refused(server):
+    with _client(server) as c:
+        server.request_prefill(c.identity, _request(epoch=1))
+        server.request_prefill(c.identity, _request(epoch=2))  # the retry
+        _send_block(c, 0, epoch=1)
+        _send_block(c, 0, rid="never-asked", epoch=2)
+        _send_block(c, 0, epoch=2)
+        c.send_done("r1", 1)
+        events = _events_until(server, _is_done)
+    frames = [e.outcome for e in events if isinstance(e, t.FrameEvent)]
+    assert frames == ["stale", "foreign", "ok"]
+    done = [e for e in events if _is_done(e)]
+    assert done[0].outcome == "stale"
+    assert server.gate.missing_seqs("r1") is None  # a stale Done says nothing
+    c = server.counters()
+    assert (c["frames.stale"], c["frames.foreign"], c["frames.ok"]) == (1, 1, 1)
+
+
+def test_abort_reaches_the_client_and_later_frames_are_foreign(server):
+    with _client(server) as c:
+        server.request_prefill(c.identity, _request())
+        assert isinstance(c.recv(timeout=WAIT), w.PrefillRequest)
+        server.abort(c.identity, "r1", 1)
+        assert c.recv(timeout=WAIT) == w.Abort(request_id="r1", epoch=1)
+        _send_block(c, 0)
+        c.send_done("r1", 1)
+        events = _events_until(server, _is_done)
+    assert [e.outcome for e in events if isinstance(e, t.FrameEvent)] == ["foreign"]
+
+
+def test_a_restarted_peer_replaces_its_old_identity(server):
+    with _client(server, name="prefill-0") as old:
+        server.request_prefill(old.identity, _request())
+        with _client(server, name="prefill-0") as new:
+            assert new.identity != old.identity
+            ev = _events_until(server, lambda e: isinstance(e, t.PeerEvent)
+                               and e.state == "replaced")[-1]
+            assert (ev.peer, ev.forgotten, ev.replaced_by) == \
+                (old.identity, ("r1",), new.identity)
+            assert server.peer_state(old.identity) == "replaced"
+            with pytest.raises(KeyError):
+                server.request_prefill(old.identity, _request(epoch=2))
+            _send_block(old, 0)  # the old incarnation's attempt is gone
+            old.send_done("r1", 1)
+            first = _events_until(server, _is_done)
+            server.request_prefill(new.identity, _request(epoch=2))
+            _send_block(old, 0, epoch=2)  # bound to the new identity, not the old
+            _send_block(new, 0, epoch=2)
+            new.send_done("r1", 2)
+            second = _events_until(server, _is_done)
+    outcomes = [(e.peer, e.outcome) for e in first + second if isinstance(e, t.FrameEvent)]
+    assert outcomes == [(old.identity, "foreign"), (old.identity, "foreign"),
+                        (new.identity, "ok")]
+    assert server.counters()["peers.replaced"] == 1
+
+
+def test_a_silent_peer_is_reported_lost_and_back():
+    faults = t.FaultInjector()
+    with t.KVServer(secret=SECRET, layout=LAYOUT, heartbeat_deadline=1.0) as srv:
+        with _client(srv, heartbeat_interval=0.05, faults=faults) as c:
+            _accepted(srv, c)
+            faults.mute_heartbeats()
+            _events_until(srv, lambda e: isinstance(e, t.PeerEvent) and e.state == "lost")
+            assert srv.peer_state(c.identity) == "lost"
+            faults.unmute_heartbeats()
+            _events_until(srv, lambda e: isinstance(e, t.PeerEvent) and e.state == "alive")
+            assert srv.peer_state(c.identity) == "alive"
+        assert srv.counters()["peers.lost"] >= 1 and srv.counters()["heartbeats"] >= 1
+
+
+def test_close_says_bye_and_leaves_nothing_running(server):
+    c = _client(server)
+    _accepted(server, c)
+    c.close()
+    c.close()  # idempotent
+    _events_until(server, lambda e: isinstance(e, t.PeerEvent) and e.state == "closed")
+    assert server.peer_state(c.identity) == "closed"
+    with pytest.raises(KeyError):
+        server.send(c.identity, w.Abort(request_id="r1", epoch=1))
+    with pytest.raises(RuntimeError, match="closed"):
+        c.send(w.Abort(request_id="r1", epoch=1))
+
+
+def test_garbage_after_the_handshake_is_counted_not_fatal(server, ctx):
+    s = _raw(ctx, server.endpoint)
+    _ch, _hello, reply = _raw_handshake(s)
+    assert isinstance(reply, w.Accept)
+    s.send(b"{not json")
+    s.send_multipart([b"a", b"b", b"c"])
+    s.send_multipart([b'{"kind":"kv_frame"}', b"payload"])
+    s.send(w.encode_message(w.Hello(**{**dataclasses.asdict(_hello), "layout": LAYOUT})))
+    assert _wait(lambda: server.counters().get("messages.unexpected", 0) == 1)
+    c = server.counters()
+    assert c["messages.malformed"] == 1 and c["frame_errors.malformed"] == 2
+    with _client(server) as ok:  # the port still works
+        _accepted(server, ok)
