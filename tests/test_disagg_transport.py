@@ -405,10 +405,12 @@ def test_a_restarted_peer_replaces_its_old_identity(server):
             first = _events_until(server, _is_done)
             server.request_prefill(new.identity, _request(epoch=2))
             _send_block(old, 0, epoch=2)  # bound to the new identity, not the old
-            _send_block(new, 0, epoch=2)
+            second = _events_until(server, lambda e: isinstance(e, t.FrameEvent))
+            _send_block(new, 0, epoch=2)  # (two connections: wait, as they do not order)
             new.send_done("r1", 2)
-            second = _events_until(server, _is_done)
-    outcomes = [(e.peer, e.outcome) for e in first + second if isinstance(e, t.FrameEvent)]
+            third = _events_until(server, _is_done)
+    outcomes = [(e.peer, e.outcome) for e in first + second + third
+                if isinstance(e, t.FrameEvent)]
     assert outcomes == [(old.identity, "foreign"), (old.identity, "foreign"),
                         (new.identity, "ok")]
     assert server.counters()["peers.replaced"] == 1
