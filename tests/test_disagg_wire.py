@@ -67,6 +67,19 @@ def test_block_bytes_follow_the_cache_layout():
     assert mla.block_layer_bytes() == LAYOUT.block_layer_bytes() // 2
 
 
+def test_frame_shape_follows_the_cache_layout():
+    h = w.decode_kv_frame(w.encode_kv_frame(
+        request_id="r", epoch=0, seq=0, first_block=2, num_blocks=3, first_token=8,
+        num_tokens=9, layer_start=1, layer_end=2, dtype="float32",
+        payload=os.urandom(3 * LAYOUT.block_layer_bytes())))[0]
+    shape = LAYOUT.frame_shape(h)
+    assert shape == (1, 2, 3, 4, 2, 4)
+    assert 4 * shape[0] * shape[1] * shape[2] * shape[3] * shape[4] * shape[5] == h.nbytes
+    odd = dataclasses.replace(LAYOUT, cache_layout="layers,kv,pages")
+    with pytest.raises(ValueError, match="pages"):
+        odd.frame_shape(h)
+
+
 # ---- handshake
 
 

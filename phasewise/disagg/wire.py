@@ -283,6 +283,19 @@ class KVLayout(_Record):
     def itemsize(self) -> int:
         return DTYPE_BYTES[self.dtype]
 
+    def frame_shape(self, header: KVFrameHeader) -> tuple[int, ...]:
+        """The payload's tensor shape, in ``cache_layout`` order: for the default layout
+        ``[layer_end - layer_start, 2, num_blocks, block_size, num_kv_heads, head_dim]``."""
+        sizes = {"layers": header.layer_end - header.layer_start, "kv": 2,
+                 "blocks": header.num_blocks, "block_size": self.block_size,
+                 "kv_heads": self.num_kv_heads, "head_dim": self.head_dim}
+        dims = self.cache_layout.split(",")
+        unknown = [d for d in dims if d not in sizes]
+        if unknown:
+            raise ValueError(f"cache_layout: dimension {unknown[0]!r} is not one of "
+                             f"{', '.join(sizes)}")
+        return tuple(sizes[d] for d in dims)
+
     def block_layer_bytes(self) -> int:
         """Bytes of one block of one layer: [kv?, block_size, kv_heads, head_dim] * itemsize."""
         kv = 2 if "kv" in self.cache_layout.split(",") else 1
@@ -310,6 +323,9 @@ class Open(_Record):
     """Client -> server, first: please challenge me. ``identity`` is only a claim here."""
 
     identity: str
+
+    def _check(self) -> None:
+        _nonempty(self, "identity")
 
 
 @_message("challenge")
