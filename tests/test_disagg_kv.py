@@ -75,6 +75,13 @@ def test_greedy_output_is_identical_to_colocated_serving(hf_checkpoints, arch):
     assert d.kv.usage == 0 and p.kv.usage == 0  # both pools empty afterwards
 
 
+def test_a_chunk_that_ends_inside_a_block_sends_that_block_once_it_is_full(llama_dir):
+    kw = {"max_num_batched_tokens": 10}  # chunks end at 10, 20, 30, 40, 41
+    got, chunks, _, _ = disaggregated(llama_dir, PROMPT, prefill_kw=kw)
+    assert [(c[1], c[2]) for c in chunks] == [(0, 16), (16, 32), (32, 41)]
+    assert got == colocated(llama_dir, PROMPT, **kw)
+
+
 def test_seeded_sampling_and_stop_strings_match_colocated_serving(llama_dir):
     seeded = SamplingParams(temperature=0.8, top_k=40, seed=5, max_tokens=30, ignore_eos=True)
     got, _, _, _ = disaggregated(llama_dir, PROMPT, seeded)
@@ -93,7 +100,7 @@ def test_bf16_and_chunked_prefill_on_the_prefill_worker(tmp_path):
     kw = {"max_num_batched_tokens": 16}  # three prompt chunks; the co-located run alike
     got, chunks, _, _ = disaggregated(tmp_path, PROMPT, prefill_kw=kw)
     assert got == colocated(tmp_path, PROMPT, **kw)
-    # Each chunk's blocks, the partial last block sent again with the next chunk.
+    # Each chunk's full blocks, each block once; the last holds the prompt's end.
     assert [(c[1], c[2]) for c in chunks] == [(0, 16), (16, 32), (32, 41)]
     assert all(c[3] == "bfloat16" for c in chunks)
 

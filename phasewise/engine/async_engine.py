@@ -87,6 +87,9 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._accepting = False
         self._snapshot = self._take_snapshot()
+        # Remote prefills (decode role), by how they ended: "done" (decoded on from the
+        # remote K/V) or a fallback to computing here: "failed", "incomplete", "refused".
+        self.remote_outcomes: dict[str, int] = {}
 
     @classmethod
     def from_config(cls, config: EngineConfig, **kwargs: Any) -> AsyncEngine:
@@ -412,11 +415,18 @@ class AsyncEngine:
                 out = engine.finish_remote_prefill(
                     rid, cmd.token, None if cmd.logprobs is None else dict(cmd.logprobs))
                 loop.call_soon_threadsafe(self._deliver, [(rid, out)])
+                self._count_remote("done")
                 return
+            outcome = "incomplete" if isinstance(cmd, FinishRemotePrefill) else "failed"
         except ValueError:
             log.warning("remote K/V for %r refused; computing its prompt here", rid,
                         exc_info=True)
+            outcome = "refused"
+        self._count_remote(outcome)
         engine.fail_remote_prefill(rid)  # failed, incomplete or refused: compute it here
+
+    def _count_remote(self, outcome: str) -> None:
+        self.remote_outcomes[outcome] = self.remote_outcomes.get(outcome, 0) + 1
 
     def _abort_all(self, error: BaseException) -> list[FinishedRequest]:
         """Abort every request in the engine, and fail every open group on the loop side:

@@ -201,7 +201,8 @@ class LLMEngine:
 
         ``export_kv_from`` (the prefill role): after every step that computes part of this
         request's prompt, hand the K/V of its blocks from this token index on (a multiple of
-        block_size) to ``kv_sink`` as soon as the forward pass has written them."""
+        block_size) to ``kv_sink`` as soon as the forward pass has written them; each block
+        once, when it is full or holds the prompt's end."""
         req = self._new_request(prompt, params, request_id, arrival_time)
         if export_kv_from is not None:
             if export_kv_from % self.config.block_size or export_kv_from < 0:
@@ -334,6 +335,10 @@ class LLMEngine:
             if start is None:
                 continue
             end = min(req.num_computed_tokens + n, req.num_prompt_tokens)
+            # Each block is sent once: a partly filled one waits until it is full, or until
+            # it holds the end of the prompt.
+            if end < req.num_prompt_tokens:
+                end = (end // bs) * bs
             if end <= start:
                 continue
             first, last = start // bs, -(-end // bs)
@@ -341,10 +346,10 @@ class LLMEngine:
             if self.kv_sink is not None:
                 self.kv_sink(req.request_id, first * bs, end,
                              self.runner.read_blocks(table[first:last]))
-            # The last block may be partly filled: it is sent again with the next chunk.
-            self._kv_export[req.request_id] = (end // bs) * bs
             if end == req.num_prompt_tokens:
                 del self._kv_export[req.request_id]
+            else:
+                self._kv_export[req.request_id] = end
 
     def abort_request(self, request_id: str) -> Request | None:
         """Stop a request now and free its KV blocks. Returns the aborted request, or None

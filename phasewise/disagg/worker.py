@@ -1,0 +1,240 @@
+"""The two sides of a remote prefill, each around an ``AsyncEngine``: the decode side opens the
+K/V port and asks a connected prefill worker for a request's prompt; the prefill side computes
+it and pushes each chunk's blocks, then the first token.
+
+Decode reserves, prefill pushes (``../shared/DISAGG.md``):
+
+1. ``DecodeSide.add`` admits the group with ``PromptSpec.remote``: the engine matches its own
+   prefix cache and reserves blocks for the rest of each prompt. A prompt whose uncached part
+   is under ``threshold`` tokens, or one that found no room, is prefilled locally, chunked.
+2. For each reserved request it sends ``PrefillRequest`` (the blocks to push) to a live
+   prefill worker, as attempt ``epoch``.
+3. ``PrefillSide`` runs the prompt with ``max_tokens=1`` and ``export_kv_from``; its engine's
+   ``kv_sink`` sends each chunk's blocks as a K/V frame the moment the forward pass wrote
+   them; then ``Done`` (the frame count) and ``FirstToken``.
+4. The decode side's ``FrameGate`` admits a frame only for the current attempt of a known
+   request; the blocks go to the engine thread as ``LoadRemoteKV`` (bytes), which drops them
+   if the request is gone. ``FirstToken`` becomes ``FinishRemotePrefill``: with every block in,
+   the request decodes on; otherwise (a frame lost) the engine computes the prompt itself.
+5. Any fault (an ``Error``, the peer lost or replaced) fails the attempt: the decode engine
+   keeps the leading blocks that arrived and computes the rest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hashlib
+import logging
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from phasewise.disagg.kv import dtype_name, kv_to_bytes
+from phasewise.disagg.transport import KVClient, KVServer, MessageEvent, PeerEvent
+from phasewise.disagg.wire import Error, FirstToken, KVLayout, PrefillRequest
+from phasewise.engine.async_engine import AsyncEngine
+from phasewise.engine.backend import PromptSpec, RequestGroup
+from phasewise.engine.sampling_params import SamplingParams
+
+log = logging.getLogger("phasewise.disagg")
+
+
+def layout_of(engine: Any) -> KVLayout:
+    """What a peer must share with this ``LLMEngine`` for its K/V to be usable here: the
+    checkpoint (its config.json's hash), dtype and cache geometry."""
+    cfg_bytes = (Path(engine.config.model) / "config.json").read_bytes()
+    mc = engine.model_config
+    return KVLayout(model_id=f"{mc.architecture}/{hashlib.sha256(cfg_bytes).hexdigest()[:16]}",
+                    dtype=dtype_name(engine.dtype), num_layers=mc.num_layers,
+                    num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
+                    block_size=engine.config.block_size)
+
+
+def params_to_wire(params: SamplingParams) -> dict[str, Any]:
+    """SamplingParams as JSON-able values (tuples become lists)."""
+    return {k: list(v) if isinstance(v, tuple) else v
+            for k, v in dataclasses.asdict(params).items()}
+
+
+def params_from_wire(values: dict[str, Any]) -> SamplingParams:
+    fields = {f.name for f in dataclasses.fields(SamplingParams)}
+    unknown = sorted(set(values) - fields)
+    if unknown:
+        raise ValueError(f"unknown sampling parameters {unknown}")
+    return SamplingParams(**values)  # validates every value
+
+
+class DecodeSide:
+    """The decode role's K/V port and its remote-prefill bookkeeping (see the module)."""
+
+    def __init__(self, backend: AsyncEngine, *, secret: bytes, bind: str = "tcp://127.0.0.1:0",
+                 threshold: int = 0, heartbeat_deadline: float = 5.0) -> None:
+        self.backend = backend
+        self.layout = layout_of(backend.engine)
+        self.threshold = threshold
+        self.server = KVServer(bind, secret=secret, layout=self.layout, on_frame=self._land,
+                               heartbeat_deadline=heartbeat_deadline)
+        self._attempts: dict[str, tuple[str, int]] = {}  # request id -> (peer, epoch)
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._events, name="phasewise-decode-kv",
+                                        daemon=True)
+        self._thread.start()
+
+    @property
+    def endpoint(self) -> str:
+        return self.server.endpoint
+
+    def _prefill_peer(self) -> str | None:
+        alive = [p for p, info in self.server.peers().items()
+                 if self.server.peer_state(p) in ("accepted", "alive")]
+        return alive[0] if alive else None
+
+    async def add(self, specs: Sequence[PromptSpec], request_id: str,
+                  arrival_time: float | None = None) -> RequestGroup:
+        """Admit a group; prompts long enough go to a prefill worker when one is connected."""
+        peer = self._prefill_peer()
+        remote = [dataclasses.replace(s, remote=peer is not None
+                                      and len(s.token_ids) >= self.threshold) for s in specs]
+        group = await self.backend.add(remote, request_id, arrival_time)
+        bs = self.layout.block_size
+        for rid, spec, hit in zip(group.request_ids, remote, group.remote_hits):
+            if hit is None:
+                continue
+            if peer is None or len(spec.token_ids) - hit < self.threshold:
+                self.backend.fail_remote_prefill(rid)  # mostly cached here: prefill locally
+                continue
+            with self._lock:
+                self._attempts[rid] = (peer, 1)
+            self.server.request_prefill(peer, PrefillRequest(
+                rid, 1, tuple(spec.token_ids), params_to_wire(spec.params),
+                -(-len(spec.token_ids) // bs), first_block=hit // bs))
+        return group
+
+    def _land(self, peer: str, header: Any, payload: memoryview) -> None:
+        """An admitted frame (on the transport's thread): to the engine thread, as bytes."""
+        self.backend.load_remote_kv(header.request_id, header.first_token, header.dtype,
+                                    self.layout.frame_shape(header), bytes(payload))
+
+    def _fail(self, rid: str, why: str) -> None:
+        with self._lock:
+            attempt = self._attempts.pop(rid, None)
+        if attempt is not None:
+            log.warning("remote prefill of %s failed (%s): computing it here", rid, why)
+            self.server.gate.forget(rid)
+            self.backend.fail_remote_prefill(rid)
+
+    def _events(self) -> None:
+        while not self._closed.is_set():
+            event = self.server.next_event(0.1)
+            if isinstance(event, MessageEvent) and event.outcome == "ok":
+                msg = event.message
+                if isinstance(msg, FirstToken):
+                    with self._lock:
+                        attempt = self._attempts.pop(msg.request_id, None)
+                    if attempt is not None and attempt[1] == msg.epoch:
+                        self.server.gate.forget(msg.request_id)
+                        logprobs = (None if msg.logprobs is None
+                                    else {int(k): v for k, v in msg.logprobs.items()})
+                        self.backend.finish_remote_prefill(msg.request_id, msg.token_id,
+                                                           logprobs)
+                elif isinstance(msg, Error):
+                    self._fail(msg.request_id, f"the prefill worker said: {msg.reason}")
+            elif isinstance(event, PeerEvent) and event.state in ("lost", "replaced",
+                                                                    "closed"):
+                with self._lock:
+                    gone = [r for r, (p, _) in self._attempts.items() if p == event.peer]
+                for rid in gone:
+                    self._fail(rid, f"prefill worker {event.name or event.peer} {event.state}")
+
+    def close(self) -> None:
+        self._closed.set()
+        self._thread.join(5)
+        self.server.close()
+
+
+class PrefillSide:
+    """The prefill role: connects to a decode worker's K/V port, computes the prompts it is
+    sent and pushes their K/V. Runs its own event loop on a thread."""
+
+    def __init__(self, backend: AsyncEngine, connect: str, *, secret: bytes,
+                 name: str = "prefill", faults: Any = None,
+                 heartbeat_interval: float = 1.0) -> None:
+        self.backend = backend
+        self.layout = layout_of(backend.engine)
+        backend.engine.kv_sink = self._ship
+        self.client = KVClient(connect, secret=secret, layout=self.layout, role="prefill",
+                               name=name, faults=faults, heartbeat_interval=heartbeat_interval)
+        self._epochs: dict[str, int] = {}
+        self._stop = threading.Event()
+        self._started = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="phasewise-prefill-kv",
+                                        daemon=True)
+        self._thread.start()
+        self._started.wait(30)
+
+    def _ship(self, rid: str, first: int, end: int, data: Any) -> None:
+        """On the engine thread, right after a forward pass filled these blocks."""
+        epoch = self._epochs.get(rid)
+        if epoch is None:
+            return
+        bs = self.layout.block_size
+        self.client.send_kv(rid, epoch, first_block=first // bs, num_blocks=data.shape[2],
+                            first_token=first, num_tokens=end - first, layer_start=0,
+                            layer_end=data.shape[0], payload=kv_to_bytes(data))
+
+    def _run(self) -> None:
+        asyncio.run(self._main())
+
+    async def _main(self) -> None:
+        self.backend.start(asyncio.get_running_loop())
+        self._started.set()
+        tasks: set[asyncio.Task] = set()
+        try:
+            while not self._stop.is_set():
+                msg = await asyncio.to_thread(self.client.recv, 0.1)
+                if isinstance(msg, PrefillRequest):
+                    task = asyncio.ensure_future(self._serve(msg))
+                    tasks.add(task)
+                    task.add_done_callback(tasks.discard)
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await asyncio.to_thread(self.backend.shutdown)
+
+    async def _serve(self, req: PrefillRequest) -> None:
+        rid, epoch = req.request_id, req.epoch
+        try:
+            p = params_from_wire(req.params)
+            first = dataclasses.replace(p, max_tokens=1, min_tokens=min(p.min_tokens, 1))
+            self._epochs[rid] = epoch
+            group = await self.backend.add([PromptSpec(
+                list(req.token_ids), first,
+                export_kv_from=req.first_block * self.layout.block_size)], rid)
+            final = None
+            try:
+                async for _, out in group:
+                    if out.finished:
+                        final = out
+            finally:
+                group.close()
+            if final is None or not final.token_ids:
+                raise RuntimeError("the prefill produced no token")
+            self.client.send_done(rid, epoch)
+            lp = final.logprobs[0] if final.logprobs else None
+            self.client.send(FirstToken(rid, epoch, final.token_ids[0],
+                                        None if lp is None else {str(k): v
+                                                                 for k, v in lp.items()}))
+        except Exception as e:  # noqa: BLE001 - reported to the decode side, which recomputes
+            log.warning("prefill of %s failed: %s", rid, e)
+            self.client.send(Error(rid, epoch, type(e).__name__, str(e)[:500]))
+        finally:
+            self._epochs.pop(rid, None)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(30)
+        self.client.close()

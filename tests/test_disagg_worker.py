@@ -1,0 +1,170 @@
+"""A remote prefill over real pyzmq sockets on 127.0.0.1: a decode engine and a prefill engine,
+each on its own engine thread, joined by the K/V port (HMAC handshake, checksummed frames).
+Greedy output equals co-located serving's, and every fault ends in a complete, correct
+output computed on the decode side."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from phasewise import EngineConfig, SamplingParams
+from phasewise.disagg.transport import FaultInjector
+from phasewise.disagg.wire import HandshakeError
+from phasewise.disagg.worker import DecodeSide, PrefillSide
+from phasewise.engine.async_engine import AsyncEngine, PromptSpec
+from phasewise.engine.engine import LLMEngine
+
+SECRET = b"test-secret-of-enough-bytes-0123"
+GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+PROMPT = [(5 * i + 2) % 250 + 1 for i in range(41)]
+
+
+def async_engine(path, **kw) -> AsyncEngine:
+    return AsyncEngine(LLMEngine(EngineConfig(model=str(path), **kw)))
+
+
+def colocated(path, prompt, **kw) -> list[int]:
+    eng = LLMEngine(EngineConfig(model=str(path), **kw))
+    eng.add_request(prompt, GREEDY, request_id="r")
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.finished:
+                return out.token_ids
+    raise AssertionError("no output")
+
+
+async def _collect(group):
+    outs = {}
+    try:
+        async for idx, out in group:
+            outs[idx] = out
+    finally:
+        group.close()
+    return outs
+
+
+def _wait_for_peer(decode: DecodeSide) -> None:
+    deadline = time.monotonic() + 30
+    while decode._prefill_peer() is None:
+        assert time.monotonic() < deadline, "the prefill worker never connected"
+        time.sleep(0.01)
+
+
+def serve_through(path, prompts, *, prefill_kw=None, decode_kw=None, faults=None,
+                  before=None):
+    """Start both sides, send ``prompts``, return (token ids per prompt, decode side's
+    counters, the decode engine)."""
+    decode_engine = async_engine(path, **(decode_kw or {}))
+
+    async def main():
+        decode_engine.start()
+        decode = DecodeSide(decode_engine, secret=SECRET, heartbeat_deadline=2.0)
+        prefill = PrefillSide(async_engine(path, **(prefill_kw or {})), decode.endpoint,
+                              secret=SECRET, faults=faults, heartbeat_interval=0.2)
+        try:
+            _wait_for_peer(decode)
+            if before is not None:
+                before(decode, prefill)
+            groups = [await decode.add([PromptSpec(p, GREEDY)], f"r{i}")
+                      for i, p in enumerate(prompts)]
+            outs = [(await _collect(g))[0].token_ids for g in groups]
+            return outs, decode.server.counters()
+        finally:
+            prefill.close()
+            decode.close()
+            await asyncio.to_thread(decode_engine.shutdown)
+
+    outs, counters = asyncio.run(main())
+    counters = dict(counters, **{f"remote.{k}": v
+                                  for k, v in decode_engine.remote_outcomes.items()})
+    return outs, counters, decode_engine.engine
+
+
+def test_remote_prefill_over_sockets_matches_colocated(llama_dir):
+    prompts = [PROMPT, PROMPT[3:], list(reversed(PROMPT))]
+    # The prefill worker computes each whole prompt in one step, as the co-located engine.
+    outs, counters, eng = serve_through(llama_dir, prompts)
+    for got, prompt in zip(outs, prompts):
+        assert got == colocated(llama_dir, prompt)
+    assert counters["frames.ok"] == 3 and counters["peers.accepted"] == 1
+    assert counters["remote.done"] == 3 and len([k for k in counters if "remote." in k]) == 1
+    assert not any(counters[k] for k in ("frames.stale", "frames.foreign", "frames.duplicate",
+                                          "frames.out_of_range", "frames.mismatch"))
+    assert eng.kv.usage == 0 and not eng.scheduler.remote
+
+
+def test_chunks_of_concurrent_prompts_each_land_once(llama_dir):
+    """Three prompts share the prefill worker's 16-token steps, so their chunks end inside
+    blocks: every block still travels once and lands."""
+    prompts = [PROMPT, PROMPT[3:], list(reversed(PROMPT))]
+    outs, counters, eng = serve_through(llama_dir, prompts,
+                                        prefill_kw={"max_num_batched_tokens": 16})
+    assert all(len(o) == GREEDY.max_tokens for o in outs)
+    assert counters["frames.duplicate"] == 0 and counters["frames.mismatch"] == 0
+    assert 3 <= counters["frames.ok"] <= 9  # 9 blocks, one or more to a frame
+    assert counters["remote.done"] == 3  # all decoded on from remote K/V: no fallback
+    assert eng.kv.usage == 0
+
+
+def test_a_dropped_or_corrupted_frame_is_recomputed_on_the_decode_side(llama_dir):
+    """The injector counts frames per request. A corrupted first frame (the whole prompt)
+    lands nothing: the decode side computes the prompt. A dropped second frame of three
+    keeps the first block and computes the rest, in the same 16-token chunks as the
+    co-located run it is compared with."""
+    corrupt = FaultInjector({0: "corrupt"})
+    outs, counters, eng = serve_through(llama_dir, [PROMPT], faults=corrupt)
+    assert outs == [colocated(llama_dir, PROMPT)]
+    assert corrupt.applied["corrupt"] == 1 and counters.get("frames.ok", 0) == 0
+    assert counters["remote.incomplete"] == 1 and eng.kv.usage == 0
+
+    kw = {"max_num_batched_tokens": 16}
+    drop = FaultInjector({1: "drop"})
+    outs, counters, eng = serve_through(llama_dir, [PROMPT], faults=drop, prefill_kw=kw,
+                                        decode_kw=kw)
+    assert outs == [colocated(llama_dir, PROMPT, **kw)]
+    assert drop.applied["drop"] == 1 and counters["frames.ok"] == 2
+    assert counters["remote.incomplete"] == 1 and eng.kv.usage == 0
+    assert eng.requests == {} and not eng.scheduler.remote
+
+
+def test_a_prefill_worker_that_goes_away_leaves_a_complete_stream(llama_dir):
+    """The prefill worker closes before the request comes: the decode side prefills locally
+    (no live peer). One that hangs mid-attempt and falls silent is reported lost by its
+    missing heartbeats, and the attempt is computed on the decode side."""
+    outs, counters, eng = serve_through(llama_dir, [PROMPT],
+                                        before=lambda decode, prefill: prefill.close())
+    assert outs == [colocated(llama_dir, PROMPT)]
+    assert not any(k.startswith("remote.") for k in counters) and eng.kv.usage == 0
+
+    faults = FaultInjector()
+
+    def hang(decode, prefill):
+        async def never(req):  # takes the request, computes nothing, says nothing
+            faults.mute_heartbeats()
+        prefill._serve = never
+
+    outs, counters, eng = serve_through(llama_dir, [PROMPT], faults=faults, before=hang)
+    assert outs == [colocated(llama_dir, PROMPT)]
+    assert counters["remote.failed"] == 1 and eng.kv.usage == 0
+
+
+def test_a_peer_without_the_secret_is_refused(llama_dir):
+    decode_engine = async_engine(llama_dir)
+
+    async def main():
+        decode_engine.start()
+        decode = DecodeSide(decode_engine, secret=SECRET)
+        try:
+            with pytest.raises(HandshakeError) as err:
+                PrefillSide(async_engine(llama_dir), decode.endpoint,
+                            secret=b"not-the-secret-but-long-enough!!")
+            assert err.value.field == "auth"
+            assert decode._prefill_peer() is None
+        finally:
+            decode.close()
+            await asyncio.to_thread(decode_engine.shutdown)
+
+    asyncio.run(main())
