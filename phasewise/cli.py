@@ -94,16 +94,19 @@ def cmd_serve(a: argparse.Namespace) -> int:
 
 def _serve(a: argparse.Namespace) -> int:
     from phasewise.config import EngineConfig, parse_memory
-    from phasewise.server.serve import build_server, check_port, run
+    from phasewise.server.serve import build_server, check_port, read_secret, run
 
     model = _model_arg(a)
     check_port(a.host, a.port)  # before the minutes a large model can take to load
+    secret = read_secret(a.kv_secret_file, a.role) if a.role != "both" else None
     server = build_server(
         EngineConfig(model=model, **_engine_kwargs(a)),
         served_model_name=a.served_model_name,
         log_interval_s=a.log_interval, api_key=a.api_key,
         max_waiting_requests=a.max_waiting_requests,
-        max_request_bytes=parse_memory(a.max_request_size))
+        max_request_bytes=parse_memory(a.max_request_size), role=a.role,
+        kv_bind=a.kv_bind, kv_connect=a.kv_connect, kv_secret=secret,
+        disagg_threshold=a.disagg_threshold)
     try:
         run(server, host=a.host, port=a.port, shutdown_grace_s=a.shutdown_grace,
             log_level=a.log_level, access_log=not a.no_access_log)
@@ -201,7 +204,7 @@ def build_report_parser() -> argparse.ArgumentParser:
 
 def build_parser() -> argparse.ArgumentParser:
     from phasewise.bench.options import add_args as add_bench_args
-    from phasewise.config import LOG_LEVELS
+    from phasewise.config import LOG_LEVELS, SERVE_ROLES
     from phasewise.model.config import SUPPORTED_ARCHITECTURES
     from phasewise.perf.roofline import DTYPE_BYTES
 
@@ -244,6 +247,18 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--log-interval", type=float, default=5.0,
                    help="seconds between throughput log lines (0: off)")
     s.add_argument("--log-level", default="info", choices=LOG_LEVELS)
+    s.add_argument("--role", default="both", choices=SERVE_ROLES,
+                   help="both: prefill and decode here; decode: open the K/V port and send "
+                   "prompts to prefill workers; prefill: compute prompts for a decode worker")
+    s.add_argument("--kv-bind", default="tcp://127.0.0.1:8100",
+                   help="decode role: the K/V port to listen on")
+    s.add_argument("--kv-connect", default=None,
+                   help="prefill role: the decode worker's K/V port, tcp://HOST:PORT")
+    s.add_argument("--kv-secret-file", default=None,
+                   help="prefill/decode roles: file holding the shared secret (>= 16 bytes)")
+    s.add_argument("--disagg-threshold", type=int, default=0,
+                   help="decode role: prompts with fewer uncached tokens prefill here "
+                   "(0: every prompt a prefill worker can take)")
     s.add_argument("--no-access-log", action="store_true",
                    help="no log line per request")
 

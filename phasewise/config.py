@@ -14,6 +14,7 @@ DEVICES = ("auto", "cpu", "cuda")  # and "cuda:N"
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 KERNEL_CHOICES = ("auto", "torch")
 LOG_LEVELS = ("debug", "info", "warning", "error")
+SERVE_ROLES = ("both", "prefill", "decode")  # phasewise serve --role
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6,
           "mib": 2**20, "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12,
           "tib": 2**40}

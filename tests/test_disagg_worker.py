@@ -64,6 +64,7 @@ def serve_through(path, prompts, *, prefill_kw=None, decode_kw=None, faults=None
         decode = DecodeSide(decode_engine, secret=SECRET, heartbeat_deadline=2.0)
         prefill = PrefillSide(async_engine(path, **(prefill_kw or {})), decode.endpoint,
                               secret=SECRET, faults=faults, heartbeat_interval=0.2)
+        prefill.start()  # on a loop of its own, on a thread
         try:
             _wait_for_peer(decode)
             if before is not None:

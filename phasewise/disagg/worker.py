@@ -41,6 +41,47 @@ from phasewise.engine.sampling_params import SamplingParams
 log = logging.getLogger("phasewise.disagg")
 
 
+class _Delegate:
+    """A ``ServingBackend`` that is its ``AsyncEngine`` except where a side adds to it."""
+
+    backend: AsyncEngine
+
+    @property
+    def info(self) -> Any:
+        return self.backend.info
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.backend.tokenizer
+
+    @property
+    def snapshot(self) -> Any:
+        return self.backend.snapshot
+
+    @property
+    def is_alive(self) -> bool:
+        return self.backend.is_alive
+
+    @property
+    def num_open_groups(self) -> int:
+        return self.backend.num_open_groups
+
+    def default_sampling_params(self, **overrides: Any) -> SamplingParams:
+        return self.backend.default_sampling_params(**overrides)
+
+    def abort(self, request_ids: Sequence[str]) -> None:
+        self.backend.abort(request_ids)
+
+    def abort_all(self, reason: str) -> None:
+        self.backend.abort_all(reason)
+
+    def add_observer(self, observer: Any) -> None:
+        self.backend.add_observer(observer)
+
+    def stop_accepting(self) -> None:
+        self.backend.stop_accepting()
+
+
 def layout_of(engine: Any) -> KVLayout:
     """What a peer must share with this ``LLMEngine`` for its K/V to be usable here: the
     checkpoint (its config.json's hash), dtype and cache geometry."""
@@ -66,8 +107,9 @@ def params_from_wire(values: dict[str, Any]) -> SamplingParams:
     return SamplingParams(**values)  # validates every value
 
 
-class DecodeSide:
-    """The decode role's K/V port and its remote-prefill bookkeeping (see the module)."""
+class DecodeSide(_Delegate):
+    """The decode role's K/V port and its remote-prefill bookkeeping (see the module); a
+    ``ServingBackend``, so the HTTP server fronts it as it fronts an ``AsyncEngine``."""
 
     def __init__(self, backend: AsyncEngine, *, secret: bytes, bind: str = "tcp://127.0.0.1:0",
                  threshold: int = 0, heartbeat_deadline: float = 5.0) -> None:
@@ -149,15 +191,24 @@ class DecodeSide:
                 for rid in gone:
                     self._fail(rid, f"prefill worker {event.name or event.peer} {event.state}")
 
+    def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        self.backend.start(loop)
+
     def close(self) -> None:
         self._closed.set()
         self._thread.join(5)
         self.server.close()
 
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self.close()
+        self.backend.shutdown(timeout)
 
-class PrefillSide:
+
+class PrefillSide(_Delegate):
     """The prefill role: connects to a decode worker's K/V port, computes the prompts it is
-    sent and pushes their K/V. Runs its own event loop on a thread."""
+    sent and pushes their K/V. ``start(loop)`` runs it on that event loop (a server's);
+    ``start()`` on a loop of its own, on a thread. A ``ServingBackend`` too, so a server
+    fronts it (``/health``, ``/metrics``)."""
 
     def __init__(self, backend: AsyncEngine, connect: str, *, secret: bytes,
                  name: str = "prefill", faults: Any = None,
@@ -165,11 +216,24 @@ class PrefillSide:
         self.backend = backend
         self.layout = layout_of(backend.engine)
         backend.engine.kv_sink = self._ship
+        self._connect = connect
         self.client = KVClient(connect, secret=secret, layout=self.layout, role="prefill",
                                name=name, faults=faults, heartbeat_interval=heartbeat_interval)
         self._epochs: dict[str, int] = {}
         self._stop = threading.Event()
         self._started = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._task: asyncio.Task | None = None
+
+    @property
+    def endpoint(self) -> str:
+        return self._connect
+
+    def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        if loop is not None:
+            self.backend.start(loop)
+            self._task = loop.create_task(self._receive())
+            return
         self._thread = threading.Thread(target=self._run, name="phasewise-prefill-kv",
                                         daemon=True)
         self._thread.start()
@@ -191,6 +255,12 @@ class PrefillSide:
     async def _main(self) -> None:
         self.backend.start(asyncio.get_running_loop())
         self._started.set()
+        try:
+            await self._receive()
+        finally:
+            await asyncio.to_thread(self.backend.shutdown)
+
+    async def _receive(self) -> None:
         tasks: set[asyncio.Task] = set()
         try:
             while not self._stop.is_set():
@@ -203,7 +273,6 @@ class PrefillSide:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-            await asyncio.to_thread(self.backend.shutdown)
 
     async def _serve(self, req: PrefillRequest) -> None:
         rid, epoch = req.request_id, req.epoch
@@ -235,6 +304,14 @@ class PrefillSide:
             self._epochs.pop(rid, None)
 
     def close(self) -> None:
+        """Stop taking prompts and close the connection (a thread of its own also stops its
+        engine)."""
         self._stop.set()
-        self._thread.join(30)
+        if self._thread is not None:
+            self._thread.join(30)
         self.client.close()
+
+    def shutdown(self, timeout: float = 10.0) -> None:  # the server's, off its loop
+        self._stop.set()
+        self.client.close()
+        self.backend.shutdown(timeout)

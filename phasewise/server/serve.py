@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from phasewise.config import EngineConfig
+from phasewise.config import SERVE_ROLES, EngineConfig
 from phasewise.engine.async_engine import AsyncEngine
 from phasewise.server.app import OpenAIServer, ServerConfig
 from phasewise.server.metrics import PrometheusMetrics, StatLogger
@@ -49,9 +49,42 @@ def check_port(host: str, port: int) -> None:
                              "or --port") from e
 
 
+ROLES = SERVE_ROLES
+
+
+def read_secret(path: str | None, role: str) -> bytes:
+    """The K/V port's shared secret, from a file (never the command line alone)."""
+    if path is None:
+        raise ValueError(f"--role {role} needs --kv-secret-file FILE: the shared secret (at "
+                         "least 16 bytes) that prefill and decode workers authenticate with")
+    try:
+        secret = Path(path).read_bytes().strip()
+    except OSError as e:
+        raise ValueError(f"--kv-secret-file {path}: {e.strerror}") from e
+    if len(secret) < 16:
+        raise ValueError(f"--kv-secret-file {path} holds {len(secret)} bytes; the secret "
+                         "needs at least 16")
+    return secret
+
+
 def build_server(engine_config: EngineConfig, *, served_model_name: str | None = None,
-                 log_interval_s: float = 5.0, **server_kwargs: Any) -> OpenAIServer:
-    """Load the checkpoint and wire backend, metrics and HTTP app together."""
+                 log_interval_s: float = 5.0, role: str = "both",
+                 kv_bind: str = "tcp://127.0.0.1:8100", kv_connect: str | None = None,
+                 kv_secret: bytes | None = None, disagg_threshold: int = 0,
+                 **server_kwargs: Any) -> OpenAIServer:
+    """Load the checkpoint and wire backend, metrics and HTTP app together.
+
+    ``role``: ``both`` (one engine does prefill and decode), ``decode`` (opens the K/V port
+    ``kv_bind``; prompts of at least ``disagg_threshold`` uncached tokens go to a connected
+    prefill worker, the rest, and every fault, are prefilled here) or ``prefill`` (connects
+    to a decode worker's K/V port ``kv_connect`` and computes the prompts it is sent)."""
+    if role not in ROLES:
+        raise ValueError(f"--role must be one of {', '.join(ROLES)}; got {role!r}")
+    if role == "prefill" and not kv_connect:
+        raise ValueError("--role prefill needs --kv-connect tcp://HOST:PORT, the decode "
+                         "worker's K/V port")
+    if disagg_threshold < 0:
+        raise ValueError(f"--disagg-threshold must be >= 0, got {disagg_threshold}")
     t0 = time.monotonic()
     log.info("loading %s", engine_config.model)
     name = served_model_name or Path(engine_config.model).resolve().name
@@ -60,8 +93,23 @@ def build_server(engine_config: EngineConfig, *, served_model_name: str | None =
     observers: list[Any] = [metrics]
     if log_interval_s > 0:
         observers.append(StatLogger(log_interval_s))
-    backend = AsyncEngine.from_config(engine_config, max_waiting=config.max_waiting_requests,
-                                      observers=observers)
+    engine = AsyncEngine.from_config(engine_config, max_waiting=config.max_waiting_requests,
+                                     observers=observers)
+    backend: Any = engine
+    if role != "both":
+        from phasewise.disagg.worker import DecodeSide, PrefillSide
+
+        assert kv_secret is not None
+        if role == "decode":
+            backend = DecodeSide(engine, secret=kv_secret, bind=kv_bind,
+                                 threshold=disagg_threshold)
+            log.info("decode role: K/V port %s; %s go to a connected prefill worker",
+                     backend.endpoint, "all prompts" if disagg_threshold == 0 else
+                     f"prompts of {disagg_threshold}+ uncached tokens")
+        else:
+            backend = PrefillSide(engine, kv_connect, secret=kv_secret,
+                                  name=f"prefill@{socket.gethostname()}")
+            log.info("prefill role: connected to the decode worker's K/V port %s", kv_connect)
     info = backend.info
     log.info("loaded %s (%.1f M parameters) in %.1f s", info.architecture,
              info.num_params / 1e6, time.monotonic() - t0)

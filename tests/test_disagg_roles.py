@@ -1,0 +1,49 @@
+"""``phasewise serve --role decode`` and ``--role prefill`` as two real processes on
+127.0.0.1: the official openai client streams from the decode worker, whose prompts the
+prefill worker computes over the authenticated K/V port."""
+
+from __future__ import annotations
+
+import openai
+
+from conftest import build_hf_checkpoint
+from phasewise import LLM, SamplingParams
+from serving import free_port, start_server
+
+PROMPT = "def fibonacci(n):"
+
+
+def test_a_prefill_and_a_decode_worker_serve_the_openai_client(tmp_path):
+    model = tmp_path / "model"
+    build_hf_checkpoint(model, "LlamaForCausalLM", seed=2, max_position_embeddings=512)
+    secret = tmp_path / "kv.secret"
+    secret.write_bytes(b"a-shared-secret-for-the-kv-port\n")
+    kv = f"tcp://127.0.0.1:{free_port()}"
+    decode = start_server(model, tmp_path / "decode.log", "--role", "decode", "--kv-bind", kv,
+                          "--kv-secret-file", str(secret), "--served-model-name", "m",
+                          "--log-interval", "0")
+    prefill = None
+    try:
+        prefill = start_server(model, tmp_path / "prefill.log", "--role", "prefill",
+                               "--kv-connect", kv, "--kv-secret-file", str(secret),
+                               "--log-interval", "0")
+        want = LLM(str(model)).generate(PROMPT, SamplingParams(
+            temperature=0, max_tokens=24, ignore_eos=True))[0].text
+        before = prefill.metrics()
+        client = openai.OpenAI(base_url=decode.url + "/v1", api_key="unused", max_retries=0)
+        stream = client.completions.create(model="m", prompt=PROMPT, max_tokens=24,
+                                           temperature=0, stream=True,
+                                           extra_body={"ignore_eos": True})
+        assert "".join(c.choices[0].text for c in stream) == want
+        after = prefill.wait_idle()
+        key = ("phasewise:step_tokens_total", (("phase", "prefill"),))
+        # The prompt was computed on the prefill worker, not on the decode worker.
+        n_prompt = len(LLM(str(model)).tokenizer.encode(PROMPT))
+        assert after[key] - before.get(key, 0) == n_prompt
+        assert decode.wait_idle()[key] == 0
+        assert "K/V port" in decode.log() and "connected to the decode" in prefill.log()
+    finally:
+        if prefill is not None:
+            prefill.stop()
+        decode.stop()
+    assert "Traceback" not in decode.log() + prefill.log()
