@@ -4,6 +4,8 @@ prefill worker computes over the authenticated K/V port."""
 
 from __future__ import annotations
 
+import signal
+
 import openai
 
 from conftest import build_hf_checkpoint
@@ -42,8 +44,24 @@ def test_a_prefill_and_a_decode_worker_serve_the_openai_client(tmp_path):
         assert after[key] - before.get(key, 0) == n_prompt
         assert decode.wait_idle()[key] == 0
         assert "K/V port" in decode.log() and "connected to the decode" in prefill.log()
+
+        # SIGKILL the prefill worker: the next request, sent to it before its silence is
+        # noticed, is failed when its heartbeats stop, and the decode worker computes it.
+        prefill.stop(signal.SIGKILL)
+        got = client.completions.create(model="m", prompt=PROMPT, max_tokens=24,
+                                        temperature=0, extra_body={"ignore_eos": True})
+        assert got.choices[0].text == want and got.choices[0].finish_reason == "length"
+        after_kill = decode.wait_idle()
+        assert after_kill[key] == n_prompt  # computed here this time
+        assert after_kill[("phasewise:kv_cache_usage_perc", ())] == 0
+        assert "computing it here" in decode.log()
+        outcomes = {o: after_kill.get(("phasewise:remote_prefills_total", (("outcome", o),)))
+                    for o in ("done", "failed")}
+        assert outcomes == {"done": 1, "failed": 1}
+        assert after_kill[("phasewise:kv_frames_total", (("outcome", "ok"),))] >= 1
+        assert after_kill[("phasewise:remote_prefills_in_flight", ())] == 0
     finally:
         if prefill is not None:
             prefill.stop()
         decode.stop()
-    assert "Traceback" not in decode.log() + prefill.log()
+    assert "Traceback" not in decode.log()

@@ -169,3 +169,38 @@ def test_a_peer_without_the_secret_is_refused(llama_dir):
             await asyncio.to_thread(decode_engine.shutdown)
 
     asyncio.run(main())
+
+
+def test_a_client_abort_during_a_remote_prefill_leaves_both_pools_empty(llama_dir):
+    """The client goes away right after its request went to the prefill worker: the decode
+    side frees its reservation and tells the prefill worker, which stops; whatever was
+    already in flight is dropped. Afterwards neither engine holds a block or a request."""
+    decode_engine = async_engine(llama_dir)
+    prefill_engine = async_engine(llama_dir, max_num_batched_tokens=16)
+
+    async def main():
+        decode_engine.start()
+        decode = DecodeSide(decode_engine, secret=SECRET)
+        prefill = PrefillSide(prefill_engine, decode.endpoint, secret=SECRET)
+        prefill.start()
+        try:
+            _wait_for_peer(decode)
+            long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+            groups = [await decode.add([PromptSpec(PROMPT[i:], long)], f"a{i}")
+                      for i in range(4)]
+            for g in groups:
+                g.close()  # the clients hang up
+            deadline = time.monotonic() + 30
+            while (decode_engine.engine.requests or prefill_engine.engine.requests
+                   or decode._attempts):
+                assert time.monotonic() < deadline, "something was left behind"
+                await asyncio.sleep(0.02)
+            assert decode_engine.engine.kv.usage == 0
+            assert not decode_engine.engine.scheduler.remote
+        finally:
+            prefill.close()
+            decode.close()
+            await asyncio.to_thread(decode_engine.shutdown)
+        assert prefill_engine.engine.kv.usage == 0
+
+    asyncio.run(main())

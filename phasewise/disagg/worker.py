@@ -33,7 +33,7 @@ from typing import Any
 
 from phasewise.disagg.kv import dtype_name, kv_to_bytes
 from phasewise.disagg.transport import KVClient, KVServer, MessageEvent, PeerEvent
-from phasewise.disagg.wire import Error, FirstToken, KVLayout, PrefillRequest
+from phasewise.disagg.wire import Abort, Error, FirstToken, KVLayout, PrefillRequest
 from phasewise.engine.async_engine import AsyncEngine
 from phasewise.engine.backend import PromptSpec, RequestGroup
 from phasewise.engine.sampling_params import SamplingParams
@@ -124,15 +124,37 @@ class DecodeSide(_Delegate):
         self._thread = threading.Thread(target=self._events, name="phasewise-decode-kv",
                                         daemon=True)
         self._thread.start()
+        backend.add_abort_listener(self._aborted)
+
+    def _aborted(self, request_ids: Sequence[str]) -> None:
+        """A client went away: its prefill worker stops, and no frame of it lands."""
+        for rid in request_ids:
+            with self._lock:
+                attempt = self._attempts.pop(rid, None)
+            if attempt is not None:
+                self.server.gate.forget(rid)
+                self.server.abort(attempt[0], rid, attempt[1])
 
     @property
     def endpoint(self) -> str:
         return self.server.endpoint
 
+    def _live_peers(self) -> list[str]:
+        return [p for p in self.server.peers()
+                if self.server.peer_state(p) in ("accepted", "alive")]
+
     def _prefill_peer(self) -> str | None:
-        alive = [p for p, info in self.server.peers().items()
-                 if self.server.peer_state(p) in ("accepted", "alive")]
+        alive = self._live_peers()
         return alive[0] if alive else None
+
+    @property
+    def num_live_peers(self) -> int:
+        return len(self._live_peers())
+
+    @property
+    def num_attempts(self) -> int:
+        with self._lock:
+            return len(self._attempts)
 
     async def add(self, specs: Sequence[PromptSpec], request_id: str,
                   arrival_time: float | None = None) -> RequestGroup:
@@ -220,6 +242,7 @@ class PrefillSide(_Delegate):
         self.client = KVClient(connect, secret=secret, layout=self.layout, role="prefill",
                                name=name, faults=faults, heartbeat_interval=heartbeat_interval)
         self._epochs: dict[str, int] = {}
+        self._serving: dict[str, asyncio.Task] = {}  # request id -> its _serve task
         self._stop = threading.Event()
         self._started = threading.Event()
         self._thread: threading.Thread | None = None
@@ -269,6 +292,13 @@ class PrefillSide(_Delegate):
                     task = asyncio.ensure_future(self._serve(msg))
                     tasks.add(task)
                     task.add_done_callback(tasks.discard)
+                    self._serving[msg.request_id] = task
+                    task.add_done_callback(
+                        lambda _, rid=msg.request_id: self._serving.pop(rid, None))
+                elif isinstance(msg, Abort) and self._epochs.get(msg.request_id) == msg.epoch:
+                    serving = self._serving.get(msg.request_id)
+                    if serving is not None:  # its finally closes the group: an abort here
+                        serving.cancel()
         finally:
             for task in tasks:
                 task.cancel()

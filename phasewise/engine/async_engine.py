@@ -90,6 +90,7 @@ class AsyncEngine:
         # Remote prefills (decode role), by how they ended: "done" (decoded on from the
         # remote K/V) or a fallback to computing here: "failed", "incomplete", "refused".
         self.remote_outcomes: dict[str, int] = {}
+        self._abort_listeners: list[Callable[[Sequence[str]], None]] = []
 
     @classmethod
     def from_config(cls, config: EngineConfig, **kwargs: Any) -> AsyncEngine:
@@ -216,9 +217,16 @@ class AsyncEngine:
         self._commands.put(FailRemotePrefill(request_id))
 
     def abort(self, request_ids: Sequence[str]) -> None:
-        """Abort requests (any thread); blocks are freed before the engine's next step."""
+        """Abort requests (any thread); blocks are freed before the engine's next step.
+        Listeners (``add_abort_listener``: a decode side telling its prefill worker) hear
+        of it too."""
         if request_ids:
             self._commands.put(AbortRequests(tuple(request_ids)))
+            for listener in self._abort_listeners:
+                listener(request_ids)
+
+    def add_abort_listener(self, listener: Callable[[Sequence[str]], None]) -> None:
+        self._abort_listeners.append(listener)
 
     def _groups_closed(self, request_ids: Sequence[str]) -> None:
         for rid in request_ids:
