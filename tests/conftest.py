@@ -101,3 +101,14 @@ def hf_greedy(model, prompt_ids: list[int], n: int) -> list[int]:
     return out[0, len(prompt_ids):].tolist()
 
 
+
+
+async def collect(group) -> dict:
+    """Every output of an engine request group, by index, then close it."""
+    outs = {}
+    try:
+        async for idx, out in group:
+            outs[idx] = out
+    finally:
+        group.close()
+    return outs

@@ -6,6 +6,8 @@ import asyncio
 
 import pytest
 
+from conftest import collect
+
 from phasewise import EngineConfig, LLM, SamplingParams
 from phasewise.engine.async_engine import (AsyncEngine, EngineError, EngineOverloaded,
                                            EngineStopped, PromptSpec)
@@ -22,14 +24,6 @@ class Recorder:
         self.finished += [f.finish_reason for f in finished]
 
 
-async def _collect(group):
-    outs = {}
-    try:
-        async for idx, out in group:
-            outs[idx] = out
-    finally:
-        group.close()
-    return outs
 
 
 def test_groups_match_the_offline_engine_and_a_failed_step_fails_only_its_requests(llama_dir):
@@ -43,7 +37,7 @@ def test_groups_match_the_offline_engine_and_a_failed_step_fails_only_its_reques
         ae.start()
         try:
             group = await ae.add([PromptSpec(i, GREEDY) for i in ids], "g")
-            outs = await _collect(group)
+            outs = await collect(group)
             assert [outs[i].token_ids for i in range(2)] == want
 
             real_step = engine.step
@@ -58,11 +52,11 @@ def test_groups_match_the_offline_engine_and_a_failed_step_fails_only_its_reques
             engine.step = failing_step
             group = await ae.add([PromptSpec(ids[0], GREEDY)], "bad")
             with pytest.raises(EngineError, match="injected"):
-                await _collect(group)
+                await collect(group)
             engine.step = real_step
             # The engine keeps serving, and the failed request left nothing behind.
             group = await ae.add([PromptSpec(ids[1], GREEDY)], "after")
-            assert (await _collect(group))[0].token_ids == want[1]
+            assert (await collect(group))[0].token_ids == want[1]
             assert engine.kv.usage == 0 and not engine.requests
 
             with pytest.raises(ValueError, match="sequences"):
@@ -93,7 +87,7 @@ def test_waiting_limit_refuses_with_overloaded(llama_dir):
             with pytest.raises(EngineOverloaded):
                 await ae.add([PromptSpec([5], GREEDY)], "c")
             running.close()  # abort: frees the slot for the queued one
-            assert len((await _collect(queued))[0].token_ids) == 6
+            assert len((await collect(queued))[0].token_ids) == 6
         finally:
             await asyncio.to_thread(ae.shutdown)
 
@@ -124,8 +118,8 @@ def test_a_request_whose_sampling_fails_fails_alone(llama_dir):
             good = await ae.add([PromptSpec(ids[0], GREEDY)], "good")
             bad = await ae.add([PromptSpec(ids[1], poison)], "bad")
             with pytest.raises(EngineError, match="settings break the sampler"):
-                await _collect(bad)
-            assert (await _collect(good))[0].token_ids == want[0]
+                await collect(bad)
+            assert (await collect(good))[0].token_ids == want[0]
 
             assert engine.kv.usage == 0 and not engine.requests
         finally:
@@ -160,8 +154,8 @@ def test_a_failed_forward_pass_fails_only_the_requests_of_its_step(llama_dir):
             await first.__anext__()  # it runs and holds the only sequence slot
             queued = await ae.add([PromptSpec(ids[1], GREEDY)], "queued")
             with pytest.raises(EngineError, match="forward pass broke"):
-                await _collect(first)
-            assert (await _collect(queued))[0].token_ids == want
+                await collect(first)
+            assert (await collect(queued))[0].token_ids == want
             assert failed == [["first"]]
             assert engine.kv.usage == 0 and not engine.requests
         finally:

@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from conftest import ARCHS
+from conftest import ARCHS, collect
 from phasewise import EngineConfig, SamplingParams
 from phasewise.disagg.kv import dtype_name, kv_from_bytes, kv_to_bytes
 from phasewise.engine.engine import LLMEngine
@@ -190,15 +190,6 @@ def test_two_async_engines_hand_off_through_typed_commands(llama_dir):
                               kv_to_bytes(data))
 
     prefill = AsyncEngine(engine(llama_dir, max_num_batched_tokens=16), kv_sink=ship)
-
-    async def collect(group):
-        outs = {}
-        try:
-            async for idx, out in group:
-                outs[idx] = out
-        finally:
-            group.close()
-        return outs
 
     async def main():
         decode.start()

@@ -10,6 +10,8 @@ import time
 
 import pytest
 
+from conftest import collect
+
 from phasewise import EngineConfig, SamplingParams
 from phasewise.disagg.transport import FaultInjector
 from phasewise.disagg.wire import HandshakeError
@@ -36,14 +38,6 @@ def colocated(path, prompt, **kw) -> list[int]:
     raise AssertionError("no output")
 
 
-async def _collect(group):
-    outs = {}
-    try:
-        async for idx, out in group:
-            outs[idx] = out
-    finally:
-        group.close()
-    return outs
 
 
 def _wait_for_peer(decode: DecodeSide) -> None:
@@ -71,7 +65,7 @@ def serve_through(path, prompts, *, prefill_kw=None, decode_kw=None, faults=None
                 before(decode, prefill)
             groups = [await decode.add([PromptSpec(p, GREEDY)], f"r{i}")
                       for i, p in enumerate(prompts)]
-            outs = [(await _collect(g))[0].token_ids for g in groups]
+            outs = [(await collect(g))[0].token_ids for g in groups]
             return outs, decode.server.counters()
         finally:
             prefill.close()

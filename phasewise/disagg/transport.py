@@ -283,7 +283,39 @@ class _Session:
     last_seen: float
 
 
-class KVServer:
+class _Endpoint:
+    """What both ends share: one I/O thread that owns the socket, stopped through the pipe;
+    ``close()`` (also on leaving a ``with`` block) stops it and ends the zmq context."""
+
+    _closed: bool
+    _pipe: _Pipe
+    _thread: threading.Thread
+    _ctx: zmq.Context
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._pipe.push([b"stop"])
+        except RuntimeError:
+            pass
+        self._thread.join(timeout=10)
+        self._pipe.close_push()
+        if self._thread.is_alive():  # pragma: no cover - only if a callback hangs
+            log.error("%s I/O thread did not stop; leaving its zmq context open",
+                      type(self).__name__)
+            return
+        self._ctx.term()
+
+    def __enter__(self) -> _Endpoint:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class KVServer(_Endpoint):
     """The decode worker's KV port.
 
     ``KVServer(bind="tcp://127.0.0.1:0", *, secret, layout, identity=None, on_frame=None,
@@ -389,26 +421,6 @@ class KVServer:
         out.update({f"frames.{k}": v for k, v in self.gate.counters().items()})
         return out
 
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        try:
-            self._pipe.push([b"stop"])
-        except RuntimeError:
-            pass
-        self._thread.join(timeout=10)
-        self._pipe.close_push()
-        if self._thread.is_alive():  # pragma: no cover - only if on_frame hangs
-            log.error("KV server thread did not stop; leaving its zmq context open")
-            return
-        self._ctx.term()
-
-    def __enter__(self) -> KVServer:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     # ---- the I/O thread
 
@@ -604,7 +616,7 @@ class KVServer:
 # client
 
 
-class KVClient:
+class KVClient(_Endpoint):
     """The prefill worker's connection to a decode worker's KV port.
 
     ``KVClient(connect, *, secret, layout, role="prefill", identity=None, name=None,
@@ -714,24 +726,6 @@ class KVClient:
         except queue.Empty:
             return None
 
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        try:
-            self._pipe.push([b"stop"])
-        except RuntimeError:
-            pass
-        self._thread.join(timeout=10)
-        self._pipe.close_push()
-        if not self._thread.is_alive():
-            self._ctx.term()
-
-    def __enter__(self) -> KVClient:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     # ---- the I/O thread
 
