@@ -169,6 +169,8 @@ def test_bad_kv_is_refused_and_an_abort_frees_the_reserved_blocks(llama_dir):
         d.load_remote_kv("nobody", 0, block)
     with pytest.raises(ValueError, match="needs"):
         kv_from_bytes(b"\0" * 10, "float32", (1, 2, 1, 16, 2, 16))
+    with pytest.raises(ValueError, match="not an id"):
+        d.finish_remote_prefill("r", 10**6)  # a token outside the vocabulary never lands
     assert d.abort_request("r") is not None
     assert d.kv.usage == 0 and not d.scheduler.remote
 

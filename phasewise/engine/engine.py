@@ -303,6 +303,10 @@ class LLMEngine:
         """The prefill worker's first sampled token: the request joins the running ones (its
         next step is a decode). Returns its output for that token."""
         req = self._remote(request_id)
+        vocab = self.model_config.vocab_size
+        if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab:
+            raise ValueError(f"the first token {token!r} of request {request_id!r} is not an id "
+                             f"in [0, {vocab})")
         if not self.remote_kv_complete(request_id):
             raise ValueError(f"request {request_id!r} has K/V for {self._remote_loaded[request_id]}"
                              f" of its {req.num_prompt_tokens} prompt tokens; it cannot decode")
