@@ -65,7 +65,8 @@ def serve_through(path, prompts, *, prefill_kw=None, decode_kw=None, faults=None
                 before(decode, prefill)
             groups = [await decode.add([PromptSpec(p, GREEDY)], f"r{i}")
                       for i, p in enumerate(prompts)]
-            outs = [(await collect(g))[0].token_ids for g in groups]
+            # Bounded: a hand-off that hangs fails the test instead of the whole run.
+            outs = [(await asyncio.wait_for(collect(g), 120))[0].token_ids for g in groups]
             return outs, decode.server.counters()
         finally:
             prefill.close()
@@ -198,3 +199,23 @@ def test_a_client_abort_during_a_remote_prefill_leaves_both_pools_empty(llama_di
         assert prefill_engine.engine.kv.usage == 0
 
     asyncio.run(main())
+
+
+def test_an_odd_first_token_message_is_computed_locally_not_hung(llama_dir):
+    """A prefill worker whose FirstToken carries log-probabilities keyed by something that is
+    not a token id: the decode side does not stall (its event thread goes on) and computes
+    the prompt itself."""
+    from phasewise.disagg.wire import FirstToken
+
+    def odd(decode, prefill):
+        send = prefill.client.send
+
+        def patched(msg):
+            if isinstance(msg, FirstToken):
+                msg = FirstToken(msg.request_id, msg.epoch, msg.token_id, {"not-an-id": -1.0})
+            send(msg)
+        prefill.client.send = patched
+
+    outs, counters, eng = serve_through(llama_dir, [PROMPT, PROMPT[1:]], before=odd)
+    assert outs == [colocated(llama_dir, PROMPT), colocated(llama_dir, PROMPT[1:])]
+    assert counters["remote.failed"] == 2 and eng.kv.usage == 0

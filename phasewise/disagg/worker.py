@@ -193,25 +193,38 @@ class DecodeSide(_Delegate):
     def _events(self) -> None:
         while not self._closed.is_set():
             event = self.server.next_event(0.1)
-            if isinstance(event, MessageEvent) and event.outcome == "ok":
-                msg = event.message
-                if isinstance(msg, FirstToken):
+            try:
+                self._on_event(event)
+            except Exception as e:  # a peer's odd message must not stop this thread
+                log.warning("K/V event from %s not handled (%s: %s)",
+                            getattr(event, "peer", "?"), type(e).__name__, e)
+                rid = getattr(getattr(event, "message", None), "request_id", None)
+                if rid is not None:  # whatever happened to its attempt, compute it here
                     with self._lock:
-                        attempt = self._attempts.pop(msg.request_id, None)
-                    if attempt is not None and attempt[1] == msg.epoch:
-                        self.server.gate.forget(msg.request_id)
-                        logprobs = (None if msg.logprobs is None
-                                    else {int(k): v for k, v in msg.logprobs.items()})
-                        self.backend.finish_remote_prefill(msg.request_id, msg.token_id,
-                                                           logprobs)
-                elif isinstance(msg, Error):
-                    self._fail(msg.request_id, f"the prefill worker said: {msg.reason}")
-            elif isinstance(event, PeerEvent) and event.state in ("lost", "replaced",
-                                                                    "closed"):
+                        self._attempts.pop(rid, None)
+                    self.server.gate.forget(rid)
+                    self.backend.fail_remote_prefill(rid)
+
+    def _on_event(self, event: Any) -> None:
+        if isinstance(event, MessageEvent) and event.outcome == "ok":
+            msg = event.message
+            if isinstance(msg, FirstToken):
                 with self._lock:
-                    gone = [r for r, (p, _) in self._attempts.items() if p == event.peer]
-                for rid in gone:
-                    self._fail(rid, f"prefill worker {event.name or event.peer} {event.state}")
+                    attempt = self._attempts.pop(msg.request_id, None)
+                if attempt is not None and attempt[1] == msg.epoch:
+                    self.server.gate.forget(msg.request_id)
+                    logprobs = (None if msg.logprobs is None
+                                else {int(k): v for k, v in msg.logprobs.items()})
+                    self.backend.finish_remote_prefill(msg.request_id, msg.token_id,
+                                                       logprobs)
+            elif isinstance(msg, Error):
+                self._fail(msg.request_id, f"the prefill worker said: {msg.reason}")
+        elif isinstance(event, PeerEvent) and event.state in ("lost", "replaced",
+                                                                "closed"):
+            with self._lock:
+                gone = [r for r, (p, _) in self._attempts.items() if p == event.peer]
+            for rid in gone:
+                self._fail(rid, f"prefill worker {event.name or event.peer} {event.state}")
 
     def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
         self.backend.start(loop)
