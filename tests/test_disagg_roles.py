@@ -60,6 +60,13 @@ def test_a_prefill_and_a_decode_worker_serve_the_openai_client(tmp_path):
         assert outcomes == {"done": 1, "failed": 1}
         assert after_kill[("phasewise:kv_frames_total", (("outcome", "ok"),))] >= 1
         assert after_kill[("phasewise:remote_prefills_in_flight", ())] == 0
+        # The one remote prefill that decoded on: its K/V bytes are the prompt's blocks.
+        assert after_kill[("phasewise:remote_prefill_seconds_count", ())] == 1
+        assert after_kill[("phasewise:kv_transfer_frames_sum", ())] >= 1
+        layers, kv_heads, head_dim, block = 2, 2, 16, 16  # the tiny checkpoint, fp32
+        blocks = -(-n_prompt // block)
+        assert after_kill[("phasewise:kv_transfer_bytes_sum", ())] == \
+            blocks * layers * 2 * block * kv_heads * head_dim * 4
     finally:
         if prefill is not None:
             prefill.stop()

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 PREFIX = "phasewise:"
@@ -50,3 +51,34 @@ class DisaggCollector:
                                   labels=["model_name"])
         peers.add_metric([self.model_name], self.side.num_live_peers)
         yield from (frames, refused, outcomes, in_flight, peers)
+
+
+_SECONDS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
+_BYTES = tuple(10.0 ** k for k in range(3, 11))
+
+
+class TransferMetrics:
+    """Histograms of each remote prefill that decoded on (``DecodeSide.on_transfer``)."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
+        def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Any:
+            return Histogram(PREFIX + name, doc, ["model_name"], registry=registry,
+                             buckets=buckets).labels(model_name)
+
+        self.span = hist("remote_prefill_seconds", "PrefillRequest sent to first token back: "
+                         "the prefill worker's queue and compute plus the K/V transfer.",
+                         _SECONDS)
+        self.window = hist("kv_transfer_window_seconds", "First K/V frame landed to first "
+                           "token back: the transfer, plus the compute of later chunks when "
+                           "the prompt came in several.", _SECONDS)
+        self.nbytes = hist("kv_transfer_bytes", "K/V bytes landed per remote prefill.",
+                           _BYTES)
+        self.frames = hist("kv_transfer_frames", "K/V frames per remote prefill.",
+                           (1, 2, 4, 8, 16, 32, 64, 128, 256))
+
+    def observe(self, t: Any) -> None:
+        self.span.observe(t.done_at - t.sent_at)
+        if t.first_frame_at is not None:
+            self.window.observe(t.done_at - t.first_frame_at)
+        self.nbytes.observe(t.nbytes)
+        self.frames.observe(t.frames)

@@ -27,6 +27,7 @@ import dataclasses
 import hashlib
 import logging
 import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -39,6 +40,17 @@ from phasewise.engine.backend import PromptSpec, RequestGroup
 from phasewise.engine.sampling_params import SamplingParams
 
 log = logging.getLogger("phasewise.disagg")
+
+
+@dataclasses.dataclass
+class Transfer:
+    """One remote prefill seen from the decode side (``time.monotonic`` seconds)."""
+
+    sent_at: float  # PrefillRequest sent
+    first_frame_at: float | None = None  # first K/V frame landed
+    done_at: float | None = None  # first token back
+    nbytes: int = 0  # K/V bytes landed
+    frames: int = 0
 
 
 class _Delegate:
@@ -119,6 +131,9 @@ class DecodeSide(_Delegate):
         self.server = KVServer(bind, secret=secret, layout=self.layout, on_frame=self._land,
                                heartbeat_deadline=heartbeat_deadline)
         self._attempts: dict[str, tuple[str, int]] = {}  # request id -> (peer, epoch)
+        self._transfers: dict[str, Transfer] = {}  # request id -> its remote prefill so far
+        # Called (on this side's event thread) with each remote prefill that decoded on.
+        self.on_transfer: Any = None
         self._lock = threading.Lock()
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._events, name="phasewise-decode-kv",
@@ -131,6 +146,7 @@ class DecodeSide(_Delegate):
         for rid in request_ids:
             with self._lock:
                 attempt = self._attempts.pop(rid, None)
+                self._transfers.pop(rid, None)
             if attempt is not None:
                 self.server.gate.forget(rid)
                 self.server.abort(attempt[0], rid, attempt[1])
@@ -172,6 +188,7 @@ class DecodeSide(_Delegate):
                 continue
             with self._lock:
                 self._attempts[rid] = (peer, 1)
+                self._transfers[rid] = Transfer(time.monotonic())
             self.server.request_prefill(peer, PrefillRequest(
                 rid, 1, tuple(spec.token_ids), params_to_wire(spec.params),
                 -(-len(spec.token_ids) // bs), first_block=hit // bs))
@@ -181,10 +198,18 @@ class DecodeSide(_Delegate):
         """An admitted frame (on the transport's thread): to the engine thread, as bytes."""
         self.backend.load_remote_kv(header.request_id, header.first_token, header.dtype,
                                     self.layout.frame_shape(header), bytes(payload))
+        with self._lock:
+            t = self._transfers.get(header.request_id)
+            if t is not None:
+                if t.first_frame_at is None:
+                    t.first_frame_at = time.monotonic()
+                t.nbytes += len(payload)
+                t.frames += 1
 
     def _fail(self, rid: str, why: str) -> None:
         with self._lock:
             attempt = self._attempts.pop(rid, None)
+            self._transfers.pop(rid, None)
         if attempt is not None:
             log.warning("remote prefill of %s failed (%s): computing it here", rid, why)
             self.server.gate.forget(rid)
@@ -202,6 +227,7 @@ class DecodeSide(_Delegate):
                 if rid is not None:  # whatever happened to its attempt, compute it here
                     with self._lock:
                         self._attempts.pop(rid, None)
+                        self._transfers.pop(rid, None)
                     self.server.gate.forget(rid)
                     self.backend.fail_remote_prefill(rid)
 
@@ -211,12 +237,16 @@ class DecodeSide(_Delegate):
             if isinstance(msg, FirstToken):
                 with self._lock:
                     attempt = self._attempts.pop(msg.request_id, None)
+                    transfer = self._transfers.pop(msg.request_id, None)
                 if attempt is not None and attempt[1] == msg.epoch:
                     self.server.gate.forget(msg.request_id)
                     logprobs = (None if msg.logprobs is None
                                 else {int(k): v for k, v in msg.logprobs.items()})
                     self.backend.finish_remote_prefill(msg.request_id, msg.token_id,
                                                        logprobs)
+                    if transfer is not None and self.on_transfer is not None:
+                        transfer.done_at = time.monotonic()
+                        self.on_transfer(transfer)
             elif isinstance(msg, Error):
                 self._fail(msg.request_id, f"the prefill worker said: {msg.reason}")
         elif isinstance(event, PeerEvent) and event.state in ("lost", "replaced",

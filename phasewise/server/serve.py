@@ -103,9 +103,10 @@ def build_server(engine_config: EngineConfig, *, served_model_name: str | None =
         if role == "decode":
             backend = DecodeSide(engine, secret=kv_secret, bind=kv_bind,
                                  threshold=disagg_threshold)
-            from phasewise.disagg.metrics import DisaggCollector
+            from phasewise.disagg.metrics import DisaggCollector, TransferMetrics
 
             metrics.registry.register(DisaggCollector(backend, name))
+            backend.on_transfer = TransferMetrics(metrics.registry, name).observe
             log.info("decode role: K/V port %s; %s go to a connected prefill worker",
                      backend.endpoint, "all prompts" if disagg_threshold == 0 else
                      f"prompts of {disagg_threshold}+ uncached tokens")
