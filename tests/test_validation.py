@@ -64,3 +64,16 @@ def test_validation_imports_without_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True)
     assert out.stdout.strip() == "5"
+
+
+def test_a_request_may_not_ask_for_more_sequences_than_may_wait():
+    from phasewise.engine.validation import check_sequences
+
+    check_sequences(16, 16, 256)  # exactly the limit
+    check_sequences(10**6, 16, None)  # no limit
+    with pytest.raises(ValidationError, match="257 sequences") as err:
+        check_sequences(257, 1, 256)
+    assert err.value.param == "prompt"
+    with pytest.raises(ValidationError, match=r"2 prompt\(s\) x n=16") as err:
+        check_sequences(2, 16, 31)
+    assert err.value.param == "n"

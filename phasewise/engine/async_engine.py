@@ -14,6 +14,8 @@ so the engine needs no locks. Other threads reach it only through a queue of typ
 * ``AbortRequests``: stops requests and frees their KV blocks before the next step runs.
 * ``AbortAll``: ends every request with ``EngineStopped`` (the end of a shutdown's grace).
 * ``Stop``: aborts everything and ends the thread.
+* ``LoadRemoteKV``, ``FinishRemotePrefill``, ``FailRemotePrefill`` (the decode role of P/D):
+  a prefill worker's K/V blocks, its first token, or the end of its attempt.
 
 Outputs travel back with ``loop.call_soon_threadsafe`` into one ``asyncio.Queue`` per group, so
 the event loop never waits on a forward pass. Observers (metrics, the periodic log line) are
@@ -40,6 +42,7 @@ from phasewise.engine.commands import (AbortAll, AbortRequests, AddRequests, Com
                                        Stop, Verdict)
 from phasewise.engine.request import Request, RequestStatus
 from phasewise.engine.sampling_params import SamplingParams
+from phasewise.engine.validation import check_sequences
 
 if TYPE_CHECKING:
     from phasewise.config import EngineConfig
@@ -81,7 +84,8 @@ class AsyncEngine:
             roofline=_roofline_note(engine))
         self._commands: queue.Queue[Command] = queue.Queue()
         self._groups: dict[str, RequestGroup] = {}  # request id -> its group (loop side)
-        self._verdicts: dict[int, asyncio.Future[None]] = {}  # ticket -> caller (loop side)
+        # ticket -> the caller's future (loop side): each request's remote_hits when admitted
+        self._verdicts: dict[int, asyncio.Future[tuple[int | None, ...]]] = {}
         self._tickets = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -170,9 +174,7 @@ class AsyncEngine:
         if not self.accepting:
             raise EngineStopped("the server is shutting down and takes no new requests")
         n = len(specs)
-        if self.max_waiting is not None and n > self.max_waiting:
-            raise ValueError(f"this request asks for {n} sequences (prompts x n), more than the "
-                             f"{self.max_waiting} that may wait at once; split it")
+        check_sequences(n, 1, self.max_waiting)
         ids = [request_id] if n == 1 else [f"{request_id}-{i}" for i in range(n)]
         for rid in ids:
             if rid in self._groups:
@@ -323,10 +325,7 @@ class AsyncEngine:
                 if isinstance(cmd, AddRequests):
                     self._handle_add(cmd)
                 elif isinstance(cmd, AbortRequests):
-                    for rid in cmd.request_ids:
-                        req = engine.abort_request(rid)
-                        if req is not None:
-                            finished.append(_finished(req, "abort"))
+                    finished += self._abort(cmd.request_ids)
                 elif isinstance(cmd, (LoadRemoteKV, FinishRemotePrefill, FailRemotePrefill)):
                     self._handle_remote(cmd)
                 elif isinstance(cmd, AbortAll):
@@ -439,24 +438,20 @@ class AsyncEngine:
     def _abort_all(self, error: BaseException) -> list[FinishedRequest]:
         """Abort every request in the engine, and fail every open group on the loop side:
         a failed step can lose outputs of requests the engine already forgot."""
-        engine, loop = self.engine, self._loop
-        assert loop is not None
-        aborted = []
-        for rid in list(engine.requests):
-            req = engine.abort_request(rid)
-            if req is not None:
-                aborted.append(_finished(req, "abort"))
-        loop.call_soon_threadsafe(self._fail_open_groups, error)
+        assert self._loop is not None
+        aborted = self._abort(list(self.engine.requests))
+        self._loop.call_soon_threadsafe(self._fail_open_groups, error)
         return aborted
+
+    def _abort(self, request_ids: Sequence[str]) -> list[FinishedRequest]:
+        """On the engine thread: end these requests; the ends of those still running."""
+        ended = (self.engine.abort_request(rid) for rid in request_ids)
+        return [_finished(req, "abort") for req in ended if req is not None]
 
     def _abort_some(self, request_ids: Sequence[str],
                     error: BaseException) -> list[FinishedRequest]:
         """Abort these requests and fail their groups (the rest run on)."""
-        aborted = []
-        for rid in request_ids:
-            req = self.engine.abort_request(rid)
-            if req is not None:
-                aborted.append(_finished(req, "abort"))
+        aborted = self._abort(request_ids)
         assert self._loop is not None
         self._loop.call_soon_threadsafe(self._deliver, [(rid, error) for rid in request_ids])
         return aborted

@@ -60,6 +60,18 @@ def check_context(num_prompt_tokens: int, max_tokens: int | None, max_model_len:
     return max_tokens
 
 
+def check_sequences(num_prompts: int, n: int, max_waiting: int | None) -> None:
+    """A request may not ask for more sequences (prompts x n) than may ever wait at once:
+    retrying could never help, so it is a ``ValidationError`` (``param`` ``n`` when n > 1,
+    else ``prompt``), not an overload."""
+    count = num_prompts * n
+    if max_waiting is not None and count > max_waiting:
+        raise ValidationError(
+            f"this request asks for {count} sequences ({num_prompts} prompt(s) x n={n}), more "
+            f"than the {max_waiting} that may wait at once; split it",
+            "n" if n > 1 else "prompt")
+
+
 def check_token_ids(ids: Iterable[object], vocab_size: int, param: str = "prompt") -> list[int]:
     """The ids as a list, after checking each is an integer in ``[0, vocab_size)`` and that
     there is at least one. Raises ``ValidationError`` with ``param``."""

@@ -19,7 +19,8 @@ from phasewise.engine.backend import (EngineError, EngineOverloaded, EngineStopp
                                       PromptSpec, RequestGroup, ServingBackend)
 from phasewise.engine.outputs import RequestOutput
 from phasewise.engine.sampling_params import SamplingParams, wrap_seed
-from phasewise.engine.validation import ValidationError, check_context, check_token_ids
+from phasewise.engine.validation import (ValidationError, check_context, check_sequences,
+                                         check_token_ids)
 from phasewise.server.errors import ApiError
 from phasewise.server.guard import access_record
 from phasewise.server.openai_format import ChatChoices, CompletionChoices, usage
@@ -109,11 +110,10 @@ class Routes:
 
     def _check_sequences(self, num_prompts: int, n: int) -> None:
         """Before any tokenizing: a request may not ask for more sequences than may wait."""
-        if self.max_waiting is not None and num_prompts * n > self.max_waiting:
-            raise ApiError(400, f"this request asks for {num_prompts * n} sequences "
-                           f"({num_prompts} prompt(s) x n={n}), more than the "
-                           f"{self.max_waiting} that may wait at once; split it",
-                           param="n" if n > 1 else "prompt", code=COMBINATION)
+        try:
+            check_sequences(num_prompts, n, self.max_waiting)
+        except ValidationError as e:
+            raise self._invalid(e, code=COMBINATION) from e
 
     @staticmethod
     def _invalid(e: ValidationError, param: str | None = None,
