@@ -106,13 +106,57 @@ def _serve(a: argparse.Namespace) -> int:
         max_waiting_requests=a.max_waiting_requests,
         max_request_bytes=parse_memory(a.max_request_size), role=a.role,
         kv_bind=a.kv_bind, kv_connect=a.kv_connect, kv_secret=secret,
-        disagg_threshold=a.disagg_threshold)
+        disagg_threshold=a.disagg_threshold, prefill_queue_limit=a.prefill_queue_limit)
     try:
         run(server, host=a.host, port=a.port, shutdown_grace_s=a.shutdown_grace,
             log_level=a.log_level, access_log=not a.no_access_log)
     except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C once it has drained and shut down
         pass
     return 0
+
+
+def _logging(level: str) -> None:
+    import logging
+
+    logging.basicConfig(level=getattr(logging, level.upper()),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def cmd_router(a: argparse.Namespace) -> int:
+    from phasewise.config import parse_memory
+    from phasewise.server.serve import build_router, check_port, run
+
+    _logging(a.log_level)
+    model = _model_arg(a)
+    check_port(a.host, a.port)
+    try:
+        server = build_router(model, a.decode, a.prefill or [],
+                              served_model_name=a.served_model_name, api_key=a.api_key,
+                              wait_s=a.wait, max_waiting_requests=a.max_waiting_requests,
+                              max_request_bytes=parse_memory(a.max_request_size))
+        run(server, host=a.host, port=a.port, shutdown_grace_s=a.shutdown_grace,
+            log_level=a.log_level, access_log=not a.no_access_log)
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+def cmd_pd(a: argparse.Namespace) -> int:
+    from phasewise.disagg.launch import Launcher, PDConfig
+
+    _logging(a.log_level)
+    engine = []
+    for flag, value in (("--dtype", a.dtype), ("--max-model-len", a.max_model_len),
+                        ("--kv-cache-memory", a.kv_cache_memory),
+                        ("--max-num-batched-tokens", a.max_num_batched_tokens),
+                        ("--max-num-seqs", a.max_num_seqs)):
+        if value is not None:
+            engine += [flag, str(value)]
+    return Launcher(PDConfig(
+        model=_model_arg(a), host=a.host, port=a.port, decode_port=a.decode_port,
+        prefill_port=a.prefill_port, kv_port=a.kv_port, kv_secret_file=a.kv_secret_file,
+        disagg_threshold=a.disagg_threshold, api_key=a.api_key, pin=a.pin,
+        engine_args=engine, log_level=a.log_level)).run()
 
 
 def cmd_bench(a: argparse.Namespace) -> int:
@@ -259,8 +303,56 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--disagg-threshold", type=int, default=0,
                    help="decode role: prompts with fewer uncached tokens prefill here "
                    "(0: every prompt a prefill worker can take)")
+    s.add_argument("--prefill-queue-limit", type=int, default=8,
+                   help="decode role: prefill here while every prefill worker holds this "
+                   "many prompts or more")
     s.add_argument("--no-access-log", action="store_true",
                    help="no log line per request")
+
+    ro = command("router", "the OpenAI API in front of P/D workers (decode workers "
+                 "decide what to prefill remotely)", cmd_router)
+    ro.add_argument("--model", default=None,
+                    help="the checkpoint folder the workers serve (for its tokenizer; "
+                    "default: the bundled stdlib-coder); checked against each worker")
+    ro.add_argument("--decode", nargs="+", required=True, metavar="URL",
+                    help="decode (or --role both) workers, http://HOST:PORT")
+    ro.add_argument("--prefill", nargs="*", default=[], metavar="URL",
+                    help="prefill workers, http://HOST:PORT (watched for /health and "
+                    "/metrics; their K/V goes to the decode workers directly)")
+    ro.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: all)")
+    ro.add_argument("--port", type=int, default=8000)
+    ro.add_argument("--served-model-name", default=None)
+    ro.add_argument("--api-key", default=None,
+                    help="required of clients, and sent to the workers")
+    ro.add_argument("--max-waiting-requests", type=int, default=256)
+    ro.add_argument("--max-request-size", default="8MiB")
+    ro.add_argument("--shutdown-grace", type=float, default=30.0)
+    ro.add_argument("--wait", type=float, default=300.0,
+                    help="seconds to wait for the workers at start-up")
+    ro.add_argument("--log-level", default="info", choices=LOG_LEVELS)
+    ro.add_argument("--no-access-log", action="store_true")
+
+    pd = command("pd", "start 1 prefill worker, 1 decode worker and a router here "
+                 "(Ctrl-C stops all three)", cmd_pd)
+    pd.add_argument("--model", default=None,
+                    help="checkpoint folder (default: the bundled stdlib-coder)")
+    pd.add_argument("--host", default="127.0.0.1")
+    pd.add_argument("--port", type=int, default=8000, help="the router's port")
+    pd.add_argument("--decode-port", type=int, default=None, help="default: --port + 1")
+    pd.add_argument("--prefill-port", type=int, default=None, help="default: --port + 2")
+    pd.add_argument("--kv-port", type=int, default=8100)
+    pd.add_argument("--kv-secret-file", default=None,
+                    help="default: a fresh random secret, removed when it stops")
+    pd.add_argument("--disagg-threshold", type=int, default=0)
+    pd.add_argument("--api-key", default=None)
+    pd.add_argument("--pin", action="store_true",
+                    help="decode worker on core 0, prefill worker on core 1, one thread each")
+    pd.add_argument("--dtype", default=None)
+    pd.add_argument("--max-model-len", type=int, default=None)
+    pd.add_argument("--kv-cache-memory", default=None)
+    pd.add_argument("--max-num-batched-tokens", type=int, default=None)
+    pd.add_argument("--max-num-seqs", type=int, default=None)
+    pd.add_argument("--log-level", default="info", choices=LOG_LEVELS)
 
     b = command("bench", "load-test any OpenAI-compatible server "
                 "('phasewise bench report FILES' renders an HTML report)", cmd_bench)

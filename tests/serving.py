@@ -76,11 +76,13 @@ class ServerProcess:
 
 def start_server(model_dir: Path | None, log_path: Path, *args: str,
                  api_key: str | None = None, timeout: float = 120,
-                 env: dict[str, str] | None = None) -> ServerProcess:
+                 env: dict[str, str] | None = None, command: str = "serve",
+                 port: int | None = None) -> ServerProcess:
     """``model_dir`` None: no ``--model`` (the bundled default). ``env``: added to this
-    process's environment."""
-    port = free_port()
-    cmd = [sys.executable, "-m", "phasewise.cli", "serve",
+    process's environment. ``command``: ``serve``, ``router`` or ``pd`` (its ``--port``
+    is the one whose /health is awaited)."""
+    port = port or free_port()
+    cmd = [sys.executable, "-m", "phasewise.cli", command,
            *(["--model", str(model_dir)] if model_dir is not None else []),
            "--host", "127.0.0.1", "--port", str(port), *args]
     if api_key:

@@ -158,7 +158,7 @@ def test_a_peer_without_the_secret_is_refused(llama_dir):
                 PrefillSide(async_engine(llama_dir), decode.endpoint,
                             secret=b"not-the-secret-but-long-enough!!")
             assert err.value.field == "auth"
-            assert decode._prefill_peer() is None
+            assert decode._prefill_peer() == (None, "no_prefill_worker")
         finally:
             decode.close()
             await asyncio.to_thread(decode_engine.shutdown)

@@ -50,7 +50,25 @@ class DisaggCollector:
                                   "heard from within the heartbeat deadline.",
                                   labels=["model_name"])
         peers.add_metric([self.model_name], self.side.num_live_peers)
-        yield from (frames, refused, outcomes, in_flight, peers)
+        local = CounterMetricFamily(
+            PREFIX + "local_prefills", "Prompts the decode worker prefilled itself, by "
+            "reason: short_prompt (under --disagg-threshold), cached (its uncached part "
+            "under the threshold), no_prefill_worker, prefill_busy (every prefill worker at "
+            "--prefill-queue-limit), no_room (no blocks to reserve). Fault fallbacks are "
+            "remote_prefills{outcome!=done}.", labels=["model_name", "reason"])
+        with self.side._lock:
+            reasons = dict(self.side.local_prefills)
+        for reason, value in reasons.items():
+            local.add_metric([self.model_name, reason], value)
+        queues = GaugeMetricFamily(
+            PREFIX + "prefill_queue_depth", "Prompts each connected prefill worker holds "
+            "(its last heartbeat, or what this worker sent it and awaits, if more).",
+            labels=["model_name", "peer"])
+        for identity, p in self.side.server.peers().items():
+            if p.state in ("accepted", "alive"):
+                queues.add_metric([self.model_name, p.name or identity],
+                                  self.side._queue_of(identity, p.queue))
+        yield from (frames, refused, outcomes, in_flight, peers, local, queues)
 
 
 _SECONDS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
@@ -75,10 +93,17 @@ class TransferMetrics:
                            _BYTES)
         self.frames = hist("kv_transfer_frames", "K/V frames per remote prefill.",
                            (1, 2, 4, 8, 16, 32, 64, 128, 256))
+        self.rate = hist("kv_transfer_gbytes_per_second", "K/V bytes landed over the "
+                         "transfer window, in GB/s (a lower bound on the link's rate when "
+                         "the window holds later chunks' compute).",
+                         (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0))
 
     def observe(self, t: Any) -> None:
         self.span.observe(t.done_at - t.sent_at)
         if t.first_frame_at is not None:
-            self.window.observe(t.done_at - t.first_frame_at)
+            window = t.done_at - t.first_frame_at
+            self.window.observe(window)
+            if window > 0:
+                self.rate.observe(t.nbytes / window / 1e9)
         self.nbytes.observe(t.nbytes)
         self.frames.observe(t.frames)

@@ -125,6 +125,7 @@ class PeerInfo:
     name: str
     role: str
     state: str
+    queue: int = 0  # the peer's last reported queue (heartbeats)
 
 
 # --------------------------------------------------------------------------------------------
@@ -281,6 +282,7 @@ class _Session:
     role: str
     state: str
     last_seen: float
+    queue: int = 0
 
 
 class _Endpoint:
@@ -404,7 +406,7 @@ class KVServer(_Endpoint):
 
     def peers(self) -> dict[str, PeerInfo]:
         with self._lock:
-            return {i: PeerInfo(s.identity, s.name, s.role, s.state)
+            return {i: PeerInfo(s.identity, s.name, s.role, s.state, s.queue)
                     for i, s in self._by_identity.items()}
 
     def peer_state(self, peer: str) -> str | None:
@@ -595,6 +597,8 @@ class KVServer(_Endpoint):
             return
         if isinstance(msg, Heartbeat):
             self._count("heartbeats")
+            with self._lock:
+                s.queue = msg.queue
             return
         if isinstance(msg, Bye):
             with self._lock:
@@ -631,7 +635,8 @@ class KVClient(_Endpoint):
                  identity: str | None = None, name: str | None = None,
                  heartbeat_interval: float = 1.0, handshake_timeout: float = 10.0,
                  faults: FaultInjector | None = None, close_linger: float = 1.0,
-                 protocol_version: int = PROTOCOL_VERSION):
+                 protocol_version: int = PROTOCOL_VERSION,
+                 load: Callable[[], int] | None = None):
         if heartbeat_interval <= 0:
             raise ValueError(f"heartbeat_interval: must be > 0, got {heartbeat_interval}")
         self.identity = identity or _new_identity()
@@ -642,6 +647,7 @@ class KVClient(_Endpoint):
         self.server_identity = ""
         self._inbox: queue.Queue[Any] = queue.Queue()
         self._interval = heartbeat_interval
+        self._load = load  # this worker's queue, sent with each heartbeat
         self._close_linger = close_linger
         self._seqs: dict[tuple[str, int], int] = {}
         self._seq_lock = threading.Lock()
@@ -740,8 +746,14 @@ class KVClient(_Endpoint):
                 now = time.monotonic()
                 if now >= next_beat:
                     if not (self.faults and self.faults.heartbeats_muted):
-                        self._dealer.send(encode_message(
-                            Heartbeat(identity=self.identity, seq=beat)))
+                        queue_len = 0
+                        if self._load is not None:
+                            try:
+                                queue_len = max(0, int(self._load()))
+                            except Exception:  # noqa: BLE001 - a heartbeat must still go
+                                log.debug("load callback failed", exc_info=True)
+                        self._dealer.send(encode_message(Heartbeat(
+                            identity=self.identity, seq=beat, queue=queue_len)))
                         beat += 1
                     next_beat = now + self._interval
                 wait_ms = max(1, int((next_beat - now) * 1000))

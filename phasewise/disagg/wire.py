@@ -521,14 +521,18 @@ class Abort(_Record):
 @_message("heartbeat")
 @dataclass(frozen=True)
 class Heartbeat(_Record):
-    """Either way: I am alive. ``seq`` counts up from 0 per sender."""
+    """Either way: I am alive. ``seq`` counts up from 0 per sender; ``queue``: the prompts
+    a prefill worker holds (waiting or computing), so a decode worker can route around a
+    busy one."""
 
     identity: str
     seq: int
+    queue: int = 0
 
     def _check(self) -> None:
         _nonempty(self, "identity")
         _nonneg(self, "seq")
+        _nonneg(self, "queue")
 
 
 @_message("bye")

@@ -5,10 +5,13 @@ it and pushes each chunk's blocks, then the first token.
 Decode reserves, prefill pushes (``../shared/DISAGG.md``):
 
 1. ``DecodeSide.add`` admits the group with ``PromptSpec.remote``: the engine matches its own
-   prefix cache and reserves blocks for the rest of each prompt. A prompt whose uncached part
-   is under ``threshold`` tokens, or one that found no room, is prefilled locally, chunked.
-2. For each reserved request it sends ``PrefillRequest`` (the blocks to push) to a live
-   prefill worker, as attempt ``epoch``.
+   prefix cache and reserves blocks for the rest of each prompt. A prompt is prefilled
+   locally, chunked, when its uncached part is under ``threshold`` tokens, when no prefill
+   worker is connected, when every one has ``queue_limit`` prompts or more (its heartbeats
+   say how many it holds; this side counts what it sent), or when the decode engine found
+   no room to reserve; ``local_prefills`` counts each reason.
+2. For each reserved request it sends ``PrefillRequest`` (the blocks to push) to the live
+   prefill worker with the shortest queue, as attempt ``epoch``.
 3. ``PrefillSide`` runs the prompt with ``max_tokens=1`` and ``export_kv_from``; its engine's
    ``kv_sink`` sends each chunk's blocks as a K/V frame the moment the forward pass wrote
    them; then ``Done`` (the frame count) and ``FirstToken``.
@@ -37,9 +40,16 @@ from phasewise.disagg.transport import KVClient, KVServer, MessageEvent, PeerEve
 from phasewise.disagg.wire import Abort, Error, FirstToken, KVLayout, PrefillRequest
 from phasewise.engine.async_engine import AsyncEngine
 from phasewise.engine.backend import PromptSpec, RequestGroup
+from phasewise.engine.request import RemoteTiming
 from phasewise.engine.sampling_params import SamplingParams
+from phasewise.server.relay import params_from_wire, params_to_wire
 
 log = logging.getLogger("phasewise.disagg")
+
+# Why a prompt sent to the decode role was prefilled there: shorter than the threshold;
+# its uncached part shorter than the threshold; no prefill worker connected; every one at the
+# queue limit; no room in the decode engine to reserve its blocks.
+LOCAL_REASONS = ("short_prompt", "cached", "no_prefill_worker", "prefill_busy", "no_room")
 
 
 @dataclasses.dataclass
@@ -105,29 +115,23 @@ def layout_of(engine: Any) -> KVLayout:
                     block_size=engine.config.block_size)
 
 
-def params_to_wire(params: SamplingParams) -> dict[str, Any]:
-    """SamplingParams as JSON-able values (tuples become lists)."""
-    return {k: list(v) if isinstance(v, tuple) else v
-            for k, v in dataclasses.asdict(params).items()}
-
-
-def params_from_wire(values: dict[str, Any]) -> SamplingParams:
-    fields = {f.name for f in dataclasses.fields(SamplingParams)}
-    unknown = sorted(set(values) - fields)
-    if unknown:
-        raise ValueError(f"unknown sampling parameters {unknown}")
-    return SamplingParams(**values)  # validates every value
-
-
 class DecodeSide(_Delegate):
     """The decode role's K/V port and its remote-prefill bookkeeping (see the module); a
     ``ServingBackend``, so the HTTP server fronts it as it fronts an ``AsyncEngine``."""
 
     def __init__(self, backend: AsyncEngine, *, secret: bytes, bind: str = "tcp://127.0.0.1:0",
-                 threshold: int = 0, heartbeat_deadline: float = 5.0) -> None:
+                 threshold: int = 0, queue_limit: int = 8,
+                 heartbeat_deadline: float = 5.0) -> None:
+        if threshold < 0:
+            raise ValueError(f"threshold must be >= 0, got {threshold}")
+        if queue_limit < 1:
+            raise ValueError(f"queue_limit must be >= 1, got {queue_limit}")
         self.backend = backend
         self.layout = layout_of(backend.engine)
         self.threshold = threshold
+        self.queue_limit = queue_limit
+        # Prompts prefilled here instead, by reason (see the module).
+        self.local_prefills = dict.fromkeys(LOCAL_REASONS, 0)
         self.server = KVServer(bind, secret=secret, layout=self.layout, on_frame=self._land,
                                heartbeat_deadline=heartbeat_deadline)
         self._attempts: dict[str, tuple[str, int]] = {}  # request id -> (peer, epoch)
@@ -159,9 +163,28 @@ class DecodeSide(_Delegate):
         return [p for p in self.server.peers()
                 if self.server.peer_state(p) in ("accepted", "alive")]
 
-    def _prefill_peer(self) -> str | None:
-        alive = self._live_peers()
-        return alive[0] if alive else None
+    def _queue_of(self, peer: str, reported: int) -> int:
+        """A prefill worker's queue: what its last heartbeat said, or what this side sent
+        it and has not heard back from, whichever is more (a heartbeat is up to a second
+        old)."""
+        with self._lock:
+            sent = sum(1 for p, _ in self._attempts.values() if p == peer)
+        return max(reported, sent)
+
+    def _prefill_peer(self) -> tuple[str | None, str | None]:
+        """The live prefill worker with the shortest queue, or (None, why not)."""
+        peers = [(self._queue_of(i, p.queue), i) for i, p in self.server.peers().items()
+                 if p.state in ("accepted", "alive")]
+        if not peers:
+            return None, "no_prefill_worker"
+        depth, peer = min(peers)
+        if depth >= self.queue_limit:
+            return None, "prefill_busy"
+        return peer, None
+
+    def _local(self, reason: str, n: int = 1) -> None:
+        with self._lock:
+            self.local_prefills[reason] += n
 
     @property
     def num_live_peers(self) -> int:
@@ -174,17 +197,28 @@ class DecodeSide(_Delegate):
 
     async def add(self, specs: Sequence[PromptSpec], request_id: str,
                   arrival_time: float | None = None) -> RequestGroup:
-        """Admit a group; prompts long enough go to a prefill worker when one is connected."""
-        peer = self._prefill_peer()
-        remote = [dataclasses.replace(s, remote=peer is not None
-                                      and len(s.token_ids) >= self.threshold) for s in specs]
+        """Admit a group; prompts long enough go to a prefill worker when one is connected
+        and not too busy (see the module)."""
+        peer, why_not = self._prefill_peer()
+        long_enough = [len(s.token_ids) >= max(1, self.threshold) for s in specs]
+        remote = [dataclasses.replace(s, remote=peer is not None and long)
+                  for s, long in zip(specs, long_enough)]
         group = await self.backend.add(remote, request_id, arrival_time)
         bs = self.layout.block_size
-        for rid, spec, hit in zip(group.request_ids, remote, group.remote_hits):
-            if hit is None:
+        for rid, spec, hit, long in zip(group.request_ids, remote, group.remote_hits,
+                                        long_enough):
+            if not long:
+                self._local("short_prompt")
                 continue
-            if peer is None or len(spec.token_ids) - hit < self.threshold:
-                self.backend.fail_remote_prefill(rid)  # mostly cached here: prefill locally
+            if peer is None:
+                self._local(why_not or "no_prefill_worker")
+                continue
+            if hit is None:
+                self._local("no_room")
+                continue
+            if len(spec.token_ids) - hit < max(1, self.threshold):
+                self._local("cached")  # mostly cached here: prefill the rest locally
+                self.backend.fail_remote_prefill(rid)
                 continue
             with self._lock:
                 self._attempts[rid] = (peer, 1)
@@ -242,10 +276,15 @@ class DecodeSide(_Delegate):
                     self.server.gate.forget(msg.request_id)
                     logprobs = (None if msg.logprobs is None
                                 else {int(k): v for k, v in msg.logprobs.items()})
-                    self.backend.finish_remote_prefill(msg.request_id, msg.token_id,
-                                                       logprobs)
-                    if transfer is not None and self.on_transfer is not None:
+                    timing = None
+                    if transfer is not None:
                         transfer.done_at = time.monotonic()
+                        timing = RemoteTiming(transfer.sent_at, transfer.first_frame_at,
+                                              transfer.done_at, transfer.nbytes,
+                                              transfer.frames)
+                    self.backend.finish_remote_prefill(msg.request_id, msg.token_id,
+                                                       logprobs, timing)
+                    if transfer is not None and self.on_transfer is not None:
                         self.on_transfer(transfer)
             elif isinstance(msg, Error):
                 self._fail(msg.request_id, f"the prefill worker said: {msg.reason}")
@@ -283,7 +322,8 @@ class PrefillSide(_Delegate):
         backend.engine.kv_sink = self._ship
         self._connect = connect
         self.client = KVClient(connect, secret=secret, layout=self.layout, role="prefill",
-                               name=name, faults=faults, heartbeat_interval=heartbeat_interval)
+                               name=name, faults=faults, heartbeat_interval=heartbeat_interval,
+                               load=self._queue_len)
         self._epochs: dict[str, int] = {}
         self._serving: dict[str, asyncio.Task] = {}  # request id -> its _serve task
         self._stop = threading.Event()
@@ -294,6 +334,11 @@ class PrefillSide(_Delegate):
     @property
     def endpoint(self) -> str:
         return self._connect
+
+    def _queue_len(self) -> int:
+        """The prompts this worker holds (its heartbeats carry it to the decode side)."""
+        snap = self.backend.snapshot
+        return snap.num_running + snap.num_waiting
 
     def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
         if loop is not None:

@@ -40,7 +40,7 @@ from phasewise.engine.backend import (BackendInfo, EngineError, EngineObserver,
 from phasewise.engine.commands import (AbortAll, AbortRequests, AddRequests, Command,
                                        FailRemotePrefill, FinishRemotePrefill, LoadRemoteKV,
                                        Stop, Verdict)
-from phasewise.engine.request import Request, RequestStatus
+from phasewise.engine.request import RemoteTiming, Request, RequestStatus
 from phasewise.engine.sampling_params import SamplingParams
 from phasewise.engine.validation import check_sequences
 
@@ -211,9 +211,11 @@ class AsyncEngine:
                                         payload))
 
     def finish_remote_prefill(self, request_id: str, token: int,
-                              logprobs: dict[int, float] | None = None) -> None:
+                              logprobs: dict[int, float] | None = None,
+                              timing: RemoteTiming | None = None) -> None:
         self._commands.put(FinishRemotePrefill(
-            request_id, token, None if logprobs is None else tuple(logprobs.items())))
+            request_id, token, None if logprobs is None else tuple(logprobs.items()),
+            timing))
 
     def fail_remote_prefill(self, request_id: str) -> None:
         self._commands.put(FailRemotePrefill(request_id))
@@ -271,7 +273,9 @@ class AsyncEngine:
             kv_usage=e.kv.usage, num_free_blocks=e.kv.num_free_blocks,
             num_blocks=e.kv.num_blocks, num_preemptions=e.scheduler.num_preemptions,
             prefix_queries=e.kv.stats.prefix_queries, prefix_hits=e.kv.stats.prefix_hits,
-            num_waiting_remote=len(e.scheduler.remote))
+            num_waiting_remote=len(e.scheduler.remote),
+            num_blocks_waiting_remote=sum(len(e.kv.block_table(r))
+                                          for r in e.scheduler.remote))
 
     def _notify(self, step: Any, outputs: Sequence[Any], finished: Sequence[FinishedRequest],
                 snap: EngineSnapshot | None = None) -> None:
@@ -419,6 +423,7 @@ class AsyncEngine:
                                       kv_from_bytes(cmd.payload, cmd.dtype, cmd.shape))
                 return
             if isinstance(cmd, FinishRemotePrefill) and engine.remote_kv_complete(rid):
+                req.metrics.remote = cmd.timing
                 out = engine.finish_remote_prefill(
                     rid, cmd.token, None if cmd.logprobs is None else dict(cmd.logprobs))
                 loop.call_soon_threadsafe(self._deliver, [(rid, out)])

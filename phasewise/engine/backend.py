@@ -29,6 +29,11 @@ class EngineStopped(Exception):
     """The engine is shutting down (or has stopped) and takes no new requests."""
 
 
+class EngineUnavailable(Exception):
+    """Nothing behind this backend can take the request now (a router with no reachable
+    worker); retry later."""
+
+
 class EngineError(Exception):
     """The engine failed while running this request (a bug: the traceback is in the log)."""
 
@@ -46,6 +51,7 @@ class EngineSnapshot:
     prefix_queries: int  # prompt tokens looked up in the prefix cache
     prefix_hits: int  # of those, tokens found cached
     num_waiting_remote: int = 0  # requests holding blocks while a prefill worker computes
+    num_blocks_waiting_remote: int = 0  # the blocks those requests hold
 
 
 @dataclass(frozen=True)

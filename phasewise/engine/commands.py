@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from phasewise.engine.backend import PromptSpec
+from phasewise.engine.request import RemoteTiming
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,7 @@ class FinishRemotePrefill:
     request_id: str
     token: int
     logprobs: tuple[tuple[int, float], ...] | None = None
+    timing: RemoteTiming | None = None  # the hand-off's milestones, for the request's metrics
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 from phasewise.engine.sampling_params import SamplingParams
 
@@ -38,6 +39,17 @@ class RequestStatus(enum.Enum):
                         RequestStatus.FINISHED_ABORTED)
 
 
+@dataclass(frozen=True)
+class RemoteTiming:
+    """A remote prefill's milestones on the decode worker's clock."""
+
+    sent: float
+    first_kv: float | None
+    done: float
+    kv_bytes: int
+    kv_frames: int
+
+
 @dataclass
 class RequestMetrics:
     """Timestamps of a request's life, all on one clock: the caller's ``arrival_time``, then
@@ -51,6 +63,12 @@ class RequestMetrics:
     finished_time: float | None = None
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at admission
+    # A prompt prefilled by a prefill worker (the decode role), on the same clock:
+    # ``remote.sent``, ``remote.first_kv`` and ``remote.done`` (request sent, first K/V
+    # frame landed, first token back) and ``remote.kv_bytes``; None for a local prefill.
+    remote: RemoteTiming | None = None
+    # Behind a router: the worker's own ``timings`` entry for this request.
+    worker_timing: dict[str, Any] | None = None
 
     @property
     def queue_time(self) -> float | None:

@@ -2,7 +2,7 @@
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
 ``GET /health``, ``GET /metrics``, ``POST /tokenize``, ``POST /detokenize``, ``GET /version``,
-``GET /openapi.json``.
+``GET /openapi.json``; and ``/internal/v1/*``, which a router calls (``internal``).
 
 The jobs live in their own modules: ``guard`` (API key, draining, body size; the access log),
 ``protocol`` (request bodies and their bounds), ``errors`` (``ApiError`` and the 400s that name
@@ -32,6 +32,7 @@ import phasewise
 from phasewise.engine.backend import ServingBackend
 from phasewise.server.errors import ApiError, error_response, validation_error
 from phasewise.server.guard import AccessLog, Guard
+from phasewise.server.internal import add_internal_routes
 from phasewise.server.metrics import PrometheusMetrics
 from phasewise.server.protocol import (ChatCompletionRequest, CompletionRequest,
                                        DetokenizeRequest, ErrorBody, TokenizeRequest)
@@ -52,6 +53,7 @@ class ServerConfig:
     max_request_bytes: int = 8 * 2**20
     retry_after_s: int = 1
     access_log: bool = True
+    role: str = "both"  # what /internal/v1/info tells a router
 
     def __post_init__(self) -> None:
         if not self.served_model_name:
@@ -165,12 +167,14 @@ class OpenAIServer:
             503: {**_ERROR, "description": "the engine is down, or the server is draining"}})
         async def health() -> Response:
             if not self.backend.is_alive:
-                return error_response(ApiError(503, "the engine thread is not running",
-                                               type="server_error"))
+                why = getattr(self.backend, "down_reason", None) or \
+                    "the engine thread is not running"
+                return error_response(ApiError(503, why, type="server_error"))
             if self.draining:  # load balancers stop sending here while streams finish
                 return error_response(ApiError(503, "the server is draining",
                                                type="server_error", code="shutting_down"))
-            return JSONResponse({"status": "ok"})
+            detail = getattr(self.backend, "health_detail", None)
+            return JSONResponse({"status": "ok", **(detail() if detail else {})})
 
         @app.get("/version", response_model=None)
         async def version() -> dict[str, str]:
@@ -210,6 +214,10 @@ class OpenAIServer:
                   responses={200: _JSON_OR_SSE, **_POST_ERRORS})
         async def chat(body: ChatCompletionRequest, request: Request) -> Response:
             return await routes.chat(body, request)
+
+        add_internal_routes(app, self.backend, routes, role=self.config.role,
+                            served_model_name=self.config.served_model_name,
+                            is_draining=lambda: self.draining)
 
         def openapi() -> dict[str, Any]:
             """FastAPI documents a 422 for every body; this server answers 400 instead."""

@@ -123,6 +123,8 @@ class PrometheusMetrics:
         self.waiting_remote = gauge("num_requests_waiting_remote_kv",
                                     "Requests holding KV blocks while a prefill worker "
                                     "computes their prompt (P/D).")
+        self.blocks_waiting_remote = gauge("num_blocks_waiting_remote_kv",
+                                           "KV blocks those requests hold (P/D).")
         self.kv_usage = gauge("kv_cache_usage_perc",
                               "Fraction of KV-cache blocks held by requests (0..1).")
         self.kv_free_blocks = gauge("kv_cache_free_blocks", "KV-cache blocks not held.")
@@ -161,6 +163,7 @@ class PrometheusMetrics:
         self.running.set(snapshot.num_running)
         self.waiting.set(snapshot.num_waiting)
         self.waiting_remote.set(snapshot.num_waiting_remote)
+        self.blocks_waiting_remote.set(snapshot.num_blocks_waiting_remote)
         self.kv_usage.set(snapshot.kv_usage)
         self.kv_free_blocks.set(snapshot.num_free_blocks)
         self.kv_blocks.set(snapshot.num_blocks)

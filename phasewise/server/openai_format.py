@@ -22,16 +22,33 @@ def finish_reason(out: RequestOutput) -> str | None:
 
 def timing(index: int, out: RequestOutput) -> dict[str, Any]:
     """The engine's own split of a finished request's time (phasewise's extension, sent on the
-    final usage chunk as ``timings``; other clients ignore it)."""
+    final usage chunk as ``timings``; other clients ignore it).
+
+    ``queue_s`` (arrival to first scheduled), ``prefill_s`` (to the first token) and
+    ``decode_s`` (first to last token). A prompt a prefill worker computed (the decode role)
+    splits its prefill further: ``remote_prefill_s`` (request sent to the first K/V frame),
+    ``kv_transfer_s`` (first frame to the first token back), ``first_step_s`` (first token
+    back to its emission here), with ``kv_bytes`` and ``kv_frames``. Behind a router the
+    entry is the worker's, with the router's own ``router_ttft_s``."""
     m = out.metrics
+    if m.worker_timing is not None:
+        return {**m.worker_timing, "index": index, "router_ttft_s": m.ttft}
     queue = prefill = decode = None
     if m.first_scheduled_time is not None:
         queue = m.first_scheduled_time - m.arrival_time
         if m.first_token_time is not None:
             prefill = m.first_token_time - m.first_scheduled_time
             decode = m.token_times[-1] - m.first_token_time
-    return {"index": index, "queue_s": queue, "prefill_s": prefill, "decode_s": decode,
-            "cached_tokens": m.num_cached_tokens, "preemptions": m.num_preemptions}
+    entry = {"index": index, "queue_s": queue, "prefill_s": prefill, "decode_s": decode,
+             "cached_tokens": m.num_cached_tokens, "preemptions": m.num_preemptions}
+    r = m.remote
+    if r is not None:
+        landed = r.first_kv if r.first_kv is not None else r.done
+        entry.update(remote_prefill_s=landed - r.sent, kv_transfer_s=r.done - landed,
+                     first_step_s=(None if m.first_token_time is None
+                                   else max(0.0, m.first_token_time - r.done)),
+                     kv_bytes=r.kv_bytes, kv_frames=r.kv_frames)
+    return entry
 
 
 TokenText = Callable[[int], str]

@@ -16,7 +16,8 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from phasewise.engine.backend import (EngineError, EngineOverloaded, EngineStopped,
-                                      PromptSpec, RequestGroup, ServingBackend)
+                                      EngineUnavailable, PromptSpec, RequestGroup,
+                                      ServingBackend)
 from phasewise.engine.outputs import RequestOutput
 from phasewise.engine.sampling_params import SamplingParams, wrap_seed
 from phasewise.engine.validation import (ValidationError, check_context, check_sequences,
@@ -164,6 +165,11 @@ class Routes:
                            code="overloaded", headers={"Retry-After": str(self.retry_after_s)}) from e
         except EngineStopped as e:
             raise ApiError(503, str(e), type="server_error", code="shutting_down") from e
+        except EngineUnavailable as e:
+            raise ApiError(503, str(e), type="server_error", code="unavailable",
+                           headers={"Retry-After": str(self.retry_after_s)}) from e
+        except EngineError as e:
+            raise ApiError(500, str(e), type="server_error", code="engine_error") from e
         except ValidationError as e:
             raise self._invalid(e, e.param or "prompt") from e
         except ValueError as e:  # more sequences than may ever wait at once

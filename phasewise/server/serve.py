@@ -67,17 +67,40 @@ def read_secret(path: str | None, role: str) -> bytes:
     return secret
 
 
+def _connect_prefill(engine: AsyncEngine, connect: str, secret: bytes, name: str,
+                     wait_s: float) -> Any:
+    """The prefill role's K/V connection. A decode worker that is still loading does not
+    answer the handshake yet: retry (with a line every 10 s) until ``wait_s``; a refusal
+    (the key, the version, the layout) is final."""
+    from phasewise.disagg.transport import HandshakeError
+    from phasewise.disagg.worker import PrefillSide
+
+    deadline = time.monotonic() + wait_s
+    note = time.monotonic() + 10
+    while True:
+        try:
+            return PrefillSide(engine, connect, secret=secret, name=name)
+        except HandshakeError as e:
+            if e.field != "timeout" or time.monotonic() >= deadline:
+                raise ValueError(f"--kv-connect {connect}: {e}") from e
+            if time.monotonic() >= note:
+                log.info("waiting for the decode worker's K/V port at %s", connect)
+                note = time.monotonic() + 10
+
+
 def build_server(engine_config: EngineConfig, *, served_model_name: str | None = None,
                  log_interval_s: float = 5.0, role: str = "both",
                  kv_bind: str = "tcp://127.0.0.1:8100", kv_connect: str | None = None,
                  kv_secret: bytes | None = None, disagg_threshold: int = 0,
+                 prefill_queue_limit: int = 8, kv_connect_wait_s: float = 300.0,
                  **server_kwargs: Any) -> OpenAIServer:
     """Load the checkpoint and wire backend, metrics and HTTP app together.
 
     ``role``: ``both`` (one engine does prefill and decode), ``decode`` (opens the K/V port
     ``kv_bind``; prompts of at least ``disagg_threshold`` uncached tokens go to a connected
-    prefill worker, the rest, and every fault, are prefilled here) or ``prefill`` (connects
-    to a decode worker's K/V port ``kv_connect`` and computes the prompts it is sent)."""
+    prefill worker with fewer than ``prefill_queue_limit`` prompts queued; the rest, and every
+    fault, are prefilled here) or ``prefill`` (connects to a decode worker's K/V port
+    ``kv_connect`` and computes the prompts it is sent)."""
     if role not in ROLES:
         raise ValueError(f"--role must be one of {', '.join(ROLES)}; got {role!r}")
     if role == "prefill" and not kv_connect:
@@ -85,10 +108,12 @@ def build_server(engine_config: EngineConfig, *, served_model_name: str | None =
                          "worker's K/V port")
     if disagg_threshold < 0:
         raise ValueError(f"--disagg-threshold must be >= 0, got {disagg_threshold}")
+    if prefill_queue_limit < 1:
+        raise ValueError(f"--prefill-queue-limit must be >= 1, got {prefill_queue_limit}")
     t0 = time.monotonic()
     log.info("loading %s", engine_config.model)
     name = served_model_name or Path(engine_config.model).resolve().name
-    config = ServerConfig(served_model_name=name, **server_kwargs)
+    config = ServerConfig(served_model_name=name, role=role, **server_kwargs)
     metrics = PrometheusMetrics(name)
     observers: list[Any] = [metrics]
     if log_interval_s > 0:
@@ -102,7 +127,7 @@ def build_server(engine_config: EngineConfig, *, served_model_name: str | None =
         assert kv_secret is not None
         if role == "decode":
             backend = DecodeSide(engine, secret=kv_secret, bind=kv_bind,
-                                 threshold=disagg_threshold)
+                                 threshold=disagg_threshold, queue_limit=prefill_queue_limit)
             from phasewise.disagg.metrics import DisaggCollector, TransferMetrics
 
             metrics.registry.register(DisaggCollector(backend, name))
@@ -111,8 +136,8 @@ def build_server(engine_config: EngineConfig, *, served_model_name: str | None =
                      backend.endpoint, "all prompts" if disagg_threshold == 0 else
                      f"prompts of {disagg_threshold}+ uncached tokens")
         else:
-            backend = PrefillSide(engine, kv_connect, secret=kv_secret,
-                                  name=f"prefill@{socket.gethostname()}")
+            backend = _connect_prefill(engine, kv_connect, kv_secret,
+                                       f"prefill@{socket.gethostname()}", kv_connect_wait_s)
             log.info("prefill role: connected to the decode worker's K/V port %s", kv_connect)
     info = backend.info
     log.info("loaded %s (%.1f M parameters) in %.1f s", info.architecture,
@@ -120,6 +145,24 @@ def build_server(engine_config: EngineConfig, *, served_model_name: str | None =
     if info.roofline:
         log.info("%s", info.roofline)
     return OpenAIServer(backend, config, metrics)
+
+
+def build_router(model: str, decode: list[str], prefill: list[str], *,
+                 served_model_name: str | None = None, api_key: str | None = None,
+                 wait_s: float = 300.0, **server_kwargs: Any) -> OpenAIServer:
+    """``phasewise router``: wait for the workers, check they serve ``model``'s checkpoint,
+    and put the OpenAI API in front of them (``phasewise.disagg.router``)."""
+    from phasewise.disagg.router import Router, RouterCollector
+
+    router = Router(decode, prefill, model_dir=model, api_key=api_key, wait_s=wait_s)
+    router.connect()
+    name = served_model_name or Path(model).resolve().name
+    config = ServerConfig(served_model_name=name, role="router", api_key=api_key,
+                          **server_kwargs)
+    metrics = PrometheusMetrics(name)
+    router.add_observer(metrics)
+    metrics.registry.register(RouterCollector(router))
+    return OpenAIServer(router, config, metrics)
 
 
 def run(server: OpenAIServer, *, host: str = "127.0.0.1", port: int = 8000,

@@ -1,0 +1,481 @@
+"""``phasewise router``: the OpenAI-compatible API in front of decode (or ``both``) workers,
+served by the same server code as ``phasewise serve``, through the ``ServingBackend`` seam.
+
+The router tokenizes, templates and validates each request as a server does, then relays the
+token ids and sampling parameters to the decode worker with the least load
+(``/internal/v1/generate``, see ``phasewise.server.internal``), and rebuilds the worker's
+output stream as its own. Whether a prompt is prefilled remotely is the decode worker's call
+(its threshold, its own prefix cache, the prefill workers' queues): it alone knows what it has
+cached. The router watches every worker (``/internal/v1/load`` each ``poll_interval``): load
+for routing, liveness for ``/health`` and ``/metrics``.
+
+Faults: a decode worker that cannot be reached when a request arrives is skipped (the next
+one is tried; none left is a 503 that names each worker and why); one that goes away while it
+streams ends that response with an error that names it (nothing else can finish the request:
+its K/V and its position in the sampling stream were there). Its prefill worker is not
+touched: what it computed is ordinary evictable cache there.
+
+Every call carries ``--api-key`` as a bearer token, as any client's would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import json
+import logging
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from phasewise.engine.backend import (BackendInfo, EngineError, EngineObserver,
+                                      EngineOverloaded, EngineSnapshot, EngineStopped,
+                                      EngineUnavailable, FinishedRequest, PromptSpec,
+                                      RequestGroup)
+from phasewise.engine.sampling_params import SamplingParams
+from phasewise.engine.validation import ValidationError, check_sequences
+from phasewise.model.tokenizer import Tokenizer
+from phasewise.server.internal import file_sha256
+from phasewise.server.relay import OutputAssembler, RelayError, params_to_wire
+
+log = logging.getLogger("phasewise.router")
+# httpx logs every request at INFO: the polls alone would be two lines a second per worker.
+logging.getLogger("httpx").setLevel(logging.WARNING)
+
+_EMPTY = EngineSnapshot(0, 0, 0.0, 0, 0, 0, 0, 0)
+
+
+class RouterConfigError(ValueError):
+    """The workers cannot be fronted by this router (unreachable, or a different model)."""
+
+
+@dataclasses.dataclass
+class Worker:
+    url: str
+    role: str  # what it was listed as: "decode" or "prefill"
+    up: bool = False
+    reason: str | None = "not polled yet"
+    draining: bool = False
+    snapshot: EngineSnapshot | None = None
+    open_groups: int = 0
+    in_flight: int = 0  # groups this router streams from it now
+
+    def down(self, reason: str) -> None:
+        if self.up:
+            log.warning("%s worker %s is down: %s", self.role, self.url, reason)
+        self.up, self.reason = False, reason
+
+    @property
+    def load(self) -> int:
+        waiting = self.snapshot.num_waiting if self.snapshot is not None else 0
+        return self.in_flight + waiting
+
+
+def _why(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+
+
+def _error_of(resp_body: bytes) -> tuple[str, str | None, str | None]:
+    """(message, param, code) of a worker's error body."""
+    try:
+        err = json.loads(resp_body)["error"]
+        return str(err.get("message")), err.get("param"), err.get("code")
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return resp_body[:300].decode(errors="replace"), None, None
+
+
+class Router:
+    """A ``ServingBackend`` over remote workers (see the module). ``connect()`` (blocking,
+    before the server is built) waits for the workers and checks they serve ``model_dir``'s
+    checkpoint."""
+
+    def __init__(self, decode: Sequence[str], prefill: Sequence[str] = (), *,
+                 model_dir: str | Path, api_key: str | None = None,
+                 poll_interval: float = 0.5, wait_s: float = 300.0,
+                 request_timeout: float = 10.0) -> None:
+        if not decode:
+            raise RouterConfigError("the router needs at least one --decode URL")
+        urls = [u.rstrip("/") for u in (*decode, *prefill)]
+        for u in urls:
+            if not u.startswith(("http://", "https://")):
+                raise RouterConfigError(f"worker URL {u!r} must start with http:// or https://")
+        if len(set(urls)) != len(urls):
+            raise RouterConfigError(f"a worker URL is listed twice: {urls}")
+        if poll_interval <= 0:
+            raise RouterConfigError(f"poll_interval must be > 0, got {poll_interval}")
+        self.decode = [Worker(u.rstrip("/"), "decode") for u in decode]
+        self.prefill = [Worker(u.rstrip("/"), "prefill") for u in prefill]
+        self.model_dir = Path(model_dir)
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.poll_interval = poll_interval
+        self.wait_s = wait_s
+        self.request_timeout = request_timeout
+        self.tokenizer = Tokenizer(self.model_dir)
+        self.info: BackendInfo = None  # type: ignore[assignment]  # set by connect()
+        self._defaults: dict[str, Any] = {}
+        self._observers: list[EngineObserver] = []
+        self._groups: dict[str, tuple[RequestGroup, asyncio.Task, Worker]] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._client: httpx.AsyncClient | None = None
+        self._poller: asyncio.Task | None = None
+        self._accepting = True
+        self._turn = itertools.count()
+
+    @property
+    def workers(self) -> list[Worker]:
+        return [*self.decode, *self.prefill]
+
+    # -- start-up (blocking) ---------------------------------------------------------------
+    def connect(self) -> None:
+        """Wait up to ``wait_s`` for every worker's ``/internal/v1/info``, showing progress;
+        check each serves this checkpoint. Raises ``RouterConfigError`` naming the worker."""
+        want = {"config_sha256": file_sha256(self.model_dir / "config.json"),
+                "tokenizer_sha256": file_sha256(self.model_dir / "tokenizer.json")}
+        pending = {w.url: w for w in self.workers}
+        infos: dict[str, dict[str, Any]] = {}
+        deadline = time.monotonic() + self.wait_s
+        next_note = time.monotonic() + 5.0
+        with httpx.Client(headers=self.headers, timeout=self.request_timeout) as client:
+            while pending:
+                for url, w in list(pending.items()):
+                    try:
+                        r = client.get(url + "/internal/v1/info")
+                    except httpx.HTTPError as e:
+                        w.reason = _why(e)
+                        continue
+                    if r.status_code == 401:
+                        raise RouterConfigError(
+                            f"{w.role} worker {url} refused the router's API key (401): give "
+                            "the router the workers' --api-key")
+                    if r.status_code != 200:
+                        w.reason = f"/internal/v1/info answered {r.status_code}"
+                        continue
+                    infos[url] = r.json()
+                    del pending[url]
+                if not pending:
+                    break
+                now = time.monotonic()
+                if now >= deadline:
+                    raise RouterConfigError(
+                        f"workers not reachable after {self.wait_s:.0f} s: " + "; ".join(
+                            f"{w.role} {u} ({w.reason})" for u, w in pending.items()))
+                if now >= next_note:
+                    log.info("waiting for %d worker(s): %s", len(pending), "; ".join(
+                        f"{w.role} {u} ({w.reason})" for u, w in pending.items()))
+                    next_note = now + 5.0
+                time.sleep(0.25)
+        for w in self.workers:
+            got = infos[w.url]
+            allowed = ("decode", "both") if w.role == "decode" else ("prefill",)
+            if got.get("role") not in allowed:
+                raise RouterConfigError(
+                    f"{w.url} was given as a {w.role} worker but runs --role "
+                    f"{got.get('role')!r} (a {w.role} URL must be one of: "
+                    f"{', '.join(allowed)})")
+            for key, value in want.items():
+                if got.get(key) != value:
+                    raise RouterConfigError(
+                        f"{w.role} worker {w.url} serves a different checkpoint: its {key} "
+                        f"is {got.get(key)}, the router's --model {self.model_dir} has "
+                        f"{value}")
+            w.up, w.reason = True, None
+        first = infos[self.decode[0].url]
+        base = dict(first["info"])
+        base["description"] = (f"router over {len(self.decode)} decode and "
+                               f"{len(self.prefill)} prefill worker(s)")
+        self.info = BackendInfo(**base)
+        self._defaults = dict(first["defaults"])
+        log.info("router: decode %s; prefill %s", ", ".join(w.url for w in self.decode),
+                 ", ".join(w.url for w in self.prefill) or "none")
+
+    # -- ServingBackend --------------------------------------------------------------------
+    def default_sampling_params(self, **overrides: Any) -> SamplingParams:
+        return SamplingParams(**{**self._defaults, **overrides})
+
+    def add_observer(self, observer: EngineObserver) -> None:
+        self._observers.append(observer)
+
+    def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        self._loop = loop or asyncio.get_event_loop()
+        self._client = httpx.AsyncClient(
+            headers=self.headers,
+            timeout=httpx.Timeout(self.request_timeout, read=None),
+            limits=httpx.Limits(max_connections=4096, max_keepalive_connections=64))
+        self._poller = self._loop.create_task(self._poll())
+
+    def stop_accepting(self) -> None:
+        self._accepting = False
+
+    @property
+    def is_alive(self) -> bool:
+        return (self._poller is not None and not self._poller.done()
+                and any(w.up for w in self.decode))
+
+    @property
+    def down_reason(self) -> str:
+        if self._poller is None or self._poller.done():
+            return "the router's worker watcher is not running"
+        return "no decode worker is reachable: " + "; ".join(
+            f"{w.url} ({w.reason})" for w in self.decode)
+
+    def health_detail(self) -> dict[str, Any]:
+        return {"workers": [{"url": w.url, "role": w.role, "up": w.up,
+                             "draining": w.draining, "reason": w.reason}
+                            for w in self.workers]}
+
+    @property
+    def snapshot(self) -> EngineSnapshot:
+        """The decode workers' snapshots, summed (``kv_usage``: their mean)."""
+        snaps = [w.snapshot for w in self.decode if w.up and w.snapshot is not None]
+        if not snaps:
+            return _EMPTY
+        total = {f.name: sum(getattr(s, f.name) for s in snaps)
+                 for f in dataclasses.fields(EngineSnapshot)}
+        total["kv_usage"] = total["kv_usage"] / len(snaps)
+        return EngineSnapshot(**total)
+
+    @property
+    def num_open_groups(self) -> int:
+        return len({id(g) for g, _, _ in self._groups.values()})
+
+    async def add(self, specs: Sequence[PromptSpec], request_id: str,
+                  arrival_time: float | None = None) -> RequestGroup:
+        if not self._accepting:
+            raise EngineStopped("the server is shutting down and takes no new requests")
+        assert self._client is not None, "start() the router first"
+        n = len(specs)
+        check_sequences(n, 1, self.info.max_waiting)
+        ids = [request_id] if n == 1 else [f"{request_id}-{i}" for i in range(n)]
+        if any(rid in self._groups for rid in ids):
+            raise ValueError(f"request id {request_id!r} is already in use")
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        body = {"request_id": request_id, "specs": [
+            {"token_ids": s.token_ids, "params": params_to_wire(s.params), "prompt": s.prompt}
+            for s in specs]}
+        size = sum(len(s.token_ids) for s in specs)
+        # A long prompt's JSON is built off the event loop (no request's size may hold up
+        # another's stream).
+        content = (await asyncio.to_thread(json.dumps, body) if size > 2048
+                   else json.dumps(body))
+        resp, worker = await self._open(content)
+        group = RequestGroup(ids, self.abort, self._closed)
+        group.remote_hits = [None] * n
+        assembler = OutputAssembler(ids, [s.token_ids for s in specs],
+                                    [s.prompt for s in specs], arrival)
+        assembler.admitted()
+        worker.in_flight += 1
+        task = asyncio.ensure_future(self._pump(group, assembler, resp, worker))
+        for rid in ids:
+            self._groups[rid] = (group, task, worker)
+        return group
+
+    async def _open(self, content: str) -> tuple[httpx.Response, Worker]:
+        """Start the relay on the least loaded decode worker that takes it."""
+        assert self._client is not None
+        tried: list[str] = []
+        overloaded = False
+        for w in self._candidates():
+            try:
+                req = self._client.build_request(
+                    "POST", w.url + "/internal/v1/generate", content=content,
+                    headers={"Content-Type": "application/json"})
+                resp = await self._client.send(req, stream=True)
+            except httpx.HTTPError as e:
+                w.down(_why(e))
+                tried.append(f"{w.url} ({w.reason})")
+                continue
+            if resp.status_code == 200:
+                return resp, w
+            raw = await resp.aread()
+            await resp.aclose()
+            message, param, code = _error_of(raw)
+            if resp.status_code == 400:
+                raise ValidationError(message, param)
+            if resp.status_code == 503 and code == "overloaded":
+                overloaded = True
+                tried.append(f"{w.url} (overloaded)")
+                continue
+            if resp.status_code == 503:
+                w.draining = True
+                tried.append(f"{w.url} ({message})")
+                continue
+            if resp.status_code == 401:
+                raise EngineError(f"decode worker {w.url} refused the router's API key: give "
+                                  "the router the workers' --api-key")
+            raise EngineError(f"decode worker {w.url} answered {resp.status_code}: {message}")
+        if overloaded:
+            raise EngineOverloaded("every decode worker is at its waiting limit: "
+                                   + "; ".join(tried))
+        if not tried:
+            tried = [f"{w.url} ({w.reason or 'draining'})" for w in self.decode]
+        raise EngineUnavailable("no decode worker can take this request now: "
+                                + "; ".join(tried))
+
+    def _candidates(self) -> list[Worker]:
+        """Decode workers that are up, the least loaded first (ties in turn)."""
+        turn = next(self._turn)
+        live = [w for w in self.decode if w.up and not w.draining]
+        k = len(live)
+        order = {id(w): (i - turn) % k for i, w in enumerate(live)} if k else {}
+        return sorted(live, key=lambda w: (w.load, order[id(w)]))
+
+    async def _pump(self, group: RequestGroup, assembler: OutputAssembler,
+                    resp: httpx.Response, worker: Worker) -> None:
+        """Worker lines -> the group's outputs (and the observers: the router's metrics)."""
+        try:
+            async for line in resp.aiter_lines():
+                if not line:
+                    continue
+                if line.startswith('{"error"'):
+                    err = json.loads(line)["error"]
+                    cls = EngineStopped if err.get("kind") == "stopped" else EngineError
+                    group._put(cls(f"decode worker {worker.url}: {err.get('message')}"))
+                    return
+                out = assembler.feed(line)
+                group._put(out)
+                ended = []
+                if out.finished:
+                    ended = [FinishedRequest(out.request_id, len(out.prompt_token_ids),
+                                             len(out.token_ids), out.finish_reason or "stop",
+                                             out.metrics)]
+                self._notify([out], ended)
+            if not all(assembler.finished):
+                raise EngineError(f"decode worker {worker.url} ended the stream before every "
+                                  "request finished")
+        except asyncio.CancelledError:
+            raise
+        except httpx.HTTPError as e:
+            worker.down(_why(e))
+            group._put(EngineError(
+                f"the decode worker {worker.url} went away while streaming this response "
+                f"({_why(e)}); the response is incomplete"))
+        except (RelayError, ValueError, KeyError) as e:
+            group._put(EngineError(f"decode worker {worker.url} sent an unusable line: "
+                                   f"{_why(e)}"))
+        except EngineError as e:
+            group._put(e)
+        finally:
+            worker.in_flight -= 1
+            await resp.aclose()
+
+    def _notify(self, outputs: list[Any], finished: list[FinishedRequest]) -> None:
+        snap = self.snapshot
+        for obs in self._observers:
+            try:
+                obs.on_step(None, outputs, finished, snap)
+            except Exception:  # noqa: BLE001 - metrics must never end a stream
+                log.exception("observer failed")
+
+    def abort(self, request_ids: Sequence[str]) -> None:
+        """End these requests: a whole group closes its relay (the worker aborts it when the
+        connection goes); part of one is aborted on the worker by id."""
+        by_group: dict[int, tuple[RequestGroup, asyncio.Task, Worker, list[str]]] = {}
+        for rid in request_ids:
+            entry = self._groups.get(rid)
+            if entry is not None:
+                g, t, w = entry
+                by_group.setdefault(id(g), (g, t, w, []))[3].append(rid)
+        for group, task, worker, rids in by_group.values():
+            if set(rids) >= group._open or group.finished:
+                task.cancel()
+            elif self._loop is not None and self._client is not None:
+                self._loop.create_task(self._abort_remote(worker, rids))
+
+    async def _abort_remote(self, worker: Worker, rids: list[str]) -> None:
+        assert self._client is not None
+        try:
+            await self._client.post(worker.url + "/internal/v1/abort",
+                                    json={"request_ids": rids})
+        except httpx.HTTPError as e:
+            log.warning("could not abort %s on %s: %s", rids, worker.url, _why(e))
+
+    def _closed(self, request_ids: Sequence[str]) -> None:
+        for rid in request_ids:
+            entry = self._groups.pop(rid, None)
+            if entry is not None and not entry[1].done():
+                entry[1].cancel()
+
+    def abort_all(self, reason: str) -> None:
+        for group, task, _ in {id(g): (g, t, w) for g, t, w in self._groups.values()}.values():
+            group._put(EngineStopped(reason))
+            task.cancel()
+
+    # -- watching the workers --------------------------------------------------------------
+    async def _poll(self) -> None:
+        assert self._client is not None
+        while True:
+            await asyncio.gather(*(self._poll_one(w) for w in self.workers))
+            await asyncio.sleep(self.poll_interval)
+
+    async def _poll_one(self, w: Worker) -> None:
+        assert self._client is not None
+        try:
+            r = await self._client.get(w.url + "/internal/v1/load",
+                                       timeout=min(2.0, self.request_timeout))
+            if r.status_code != 200:
+                w.down(f"/internal/v1/load answered {r.status_code}")
+                return
+            data = r.json()
+            w.snapshot = EngineSnapshot(**data["snapshot"])
+            w.open_groups = int(data["open_groups"])
+            w.draining = bool(data["draining"])
+            if not data["alive"]:
+                w.down("its engine is not running")
+                return
+            if not w.up:
+                log.info("%s worker %s is up", w.role, w.url)
+            w.up, w.reason = True, None
+        except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:
+            w.down(_why(e))
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Blocking (off the loop): stop watching and close every relay."""
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+
+        async def close() -> None:
+            if self._poller is not None:
+                self._poller.cancel()
+            tasks = [t for _, t, _ in self._groups.values()]
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, *(p for p in [self._poller] if p),
+                                 return_exceptions=True)
+            if self._client is not None:
+                await self._client.aclose()
+
+        try:
+            asyncio.run_coroutine_threadsafe(close(), loop).result(timeout)
+        except Exception:  # noqa: BLE001 - shutting down regardless
+            log.debug("router shutdown", exc_info=True)
+
+
+class RouterCollector:
+    """The router's view of its workers on ``/metrics``, read at scrape time."""
+
+    def __init__(self, router: Router) -> None:
+        self.router = router
+
+    def collect(self) -> Any:
+        from prometheus_client.core import GaugeMetricFamily
+
+        up = GaugeMetricFamily("phasewise:router_worker_up", "1 if the worker answered its "
+                               "last poll and its engine runs.", labels=["url", "role"])
+        flight = GaugeMetricFamily("phasewise:router_worker_in_flight", "Requests this "
+                                   "router streams from the worker now.",
+                                   labels=["url", "role"])
+        queue = GaugeMetricFamily("phasewise:router_worker_queue", "Requests running and "
+                                  "waiting on the worker (its last poll).",
+                                  labels=["url", "role"])
+        for w in self.router.workers:
+            up.add_metric([w.url, w.role], 1.0 if w.up else 0.0)
+            flight.add_metric([w.url, w.role], w.in_flight)
+            snap = w.snapshot
+            queue.add_metric([w.url, w.role], 0 if snap is None
+                             else snap.num_running + snap.num_waiting)
+        yield from (up, flight, queue)

@@ -1,0 +1,138 @@
+"""The internal API a router calls on the workers behind it (``phasewise.disagg.router``).
+
+Every route here is behind ``--api-key`` like ``/v1/*`` (``guard``) and left out of the
+OpenAPI document: it is phasewise's own, not OpenAI's.
+
+* ``GET /internal/v1/info``: what a router must share with this worker (the checkpoint's
+  ``config.json`` and ``tokenizer.json`` hashes), its limits (``BackendInfo``), its sampling
+  defaults and its role.
+* ``GET /internal/v1/load``: the engine's latest snapshot, for routing by load.
+* ``POST /internal/v1/generate``: a group of already tokenized prompts with their sampling
+  parameters; the reply streams one JSON line per output (``relay``). The same checks as
+  ``/v1/*`` apply (token ids, context, every parameter); closing the connection aborts the
+  group.
+* ``POST /internal/v1/abort``: abort requests by id.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+from pydantic import BaseModel, ConfigDict, Field
+
+from phasewise.engine.backend import EngineError, EngineStopped, PromptSpec, ServingBackend
+from phasewise.server.errors import ApiError
+from phasewise.server.guard import access_record
+from phasewise.server.openai_format import timing
+from phasewise.server.relay import (MEDIA_TYPE, encode_error, encode_output, param_defaults,
+                                    params_from_wire)
+from phasewise.server.routes import Routes
+from phasewise.server.sse import SSEResponse
+
+# A router's request ids: the ones its own routes make (``cmpl-<hex>``, ``chatcmpl-<hex>``).
+_ID_PATTERN = r"^[A-Za-z0-9._:-]+$"
+
+
+class RelaySpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    token_ids: list[int] = Field(min_length=1)
+    params: dict[str, Any]
+    prompt: str | None = None
+
+
+class RelayRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    request_id: str = Field(min_length=1, max_length=200, pattern=_ID_PATTERN)
+    specs: list[RelaySpec] = Field(min_length=1)
+
+
+class AbortRelay(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    request_ids: list[str] = Field(min_length=1, max_length=4096)
+
+
+class NDJSONResponse(SSEResponse):
+    """The relay stream: one JSON line per output, aborted as soon as the router goes."""
+
+    media_type = MEDIA_TYPE
+
+
+def file_sha256(path: Path) -> str | None:
+    try:
+        return hashlib.sha256(path.read_bytes()).hexdigest()
+    except OSError:
+        return None
+
+
+def add_internal_routes(app: FastAPI, backend: ServingBackend, routes: Routes, *,
+                        role: str, served_model_name: str,
+                        is_draining: Any) -> None:
+    model_dir = Path(backend.info.model_path)
+    identity = {"config_sha256": file_sha256(model_dir / "config.json"),
+                "tokenizer_sha256": file_sha256(model_dir / "tokenizer.json")}
+
+    @app.get("/internal/v1/info", include_in_schema=False)
+    async def info() -> dict[str, Any]:
+        return {"role": role, "served_model_name": served_model_name,
+                "info": dataclasses.asdict(backend.info),
+                "defaults": param_defaults(backend.default_sampling_params()), **identity}
+
+    @app.get("/internal/v1/load", include_in_schema=False)
+    async def load() -> dict[str, Any]:
+        return {"role": role, "alive": backend.is_alive, "draining": bool(is_draining()),
+                "open_groups": backend.num_open_groups,
+                "snapshot": dataclasses.asdict(backend.snapshot)}
+
+    @app.post("/internal/v1/abort", include_in_schema=False)
+    async def abort(body: AbortRelay) -> dict[str, Any]:
+        backend.abort(body.request_ids)
+        return {"aborted": len(body.request_ids)}
+
+    @app.post("/internal/v1/generate", include_in_schema=False, response_model=None)
+    async def generate(body: RelayRequest, request: Request) -> Response:
+        arrival = time.monotonic()
+        rec = access_record(request.scope)
+        rec.request_id = body.request_id
+        rec.prompt_tokens = sum(len(s.token_ids) for s in body.specs)
+        routes._check_sequences(len(body.specs), 1)
+        specs = []
+        for i, s in enumerate(body.specs):
+            where = f"specs.{i}"
+            ids = routes._ids(s.token_ids, f"{where}.token_ids")
+            try:
+                params = params_from_wire(s.params)
+            except (ValueError, TypeError) as e:
+                raise ApiError(400, f"{where}.params: {e}", param=f"{where}.params") from e
+            routes._budget(len(ids), params.max_tokens, f"{where}.token_ids",
+                           f"{where}.params.max_tokens")
+            specs.append(PromptSpec(ids, params, s.prompt))
+        group = await routes._submit(specs, body.request_id, arrival)
+
+        produced: dict[int, int] = {}
+
+        async def lines() -> AsyncIterator[bytes]:
+            try:
+                async for idx, out in group:
+                    produced[idx] = len(out.token_ids)
+                    rec.output_tokens = sum(produced.values())
+                    if rec.ttft_s is None and out.metrics.ttft is not None:
+                        rec.ttft_s = out.metrics.ttft
+                    yield encode_output(idx, out, timing(idx, out) if out.finished else None)
+            except EngineStopped as e:
+                yield encode_error("stopped", str(e))
+            except EngineError as e:
+                yield encode_error("engine", str(e))
+            finally:
+                group.close()
+
+        return NDJSONResponse(lines(), group.close)

@@ -1,0 +1,141 @@
+"""The internal relay between a router and the workers behind it: one JSON line per engine
+output, so a router can rebuild each worker's ``RequestOutput`` stream as its own.
+
+A worker answers ``POST /internal/v1/generate`` (validated token ids and sampling parameters,
+already tokenized by the router) with ``application/x-ndjson``: one ``encode_output`` line per
+output, then, if the worker's engine failed or stopped, one ``{"error": ...}`` line. The
+router's ``OutputAssembler`` turns the lines back into ``RequestOutput``s with timestamps on
+its own clock (so its TTFT and ITL are what its clients see) and keeps the worker's own split
+of the request's time as ``RequestMetrics.worker_timing``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from collections.abc import Callable
+from typing import Any
+
+from phasewise.engine.outputs import RequestOutput
+from phasewise.engine.request import RequestMetrics
+from phasewise.engine.sampling_params import SamplingParams
+
+MEDIA_TYPE = "application/x-ndjson"
+
+
+def params_to_wire(params: SamplingParams) -> dict[str, Any]:
+    """SamplingParams as JSON-able values (tuples become lists)."""
+    return {k: list(v) if isinstance(v, tuple) else v
+            for k, v in dataclasses.asdict(params).items()}
+
+
+def params_from_wire(values: dict[str, Any]) -> SamplingParams:
+    """The inverse of ``params_to_wire``; every value is validated by SamplingParams."""
+    fields = {f.name for f in dataclasses.fields(SamplingParams)}
+    unknown = sorted(set(values) - fields)
+    if unknown:
+        raise ValueError(f"unknown sampling parameters {unknown} (allowed: "
+                         f"{', '.join(sorted(fields))})")
+    return SamplingParams(**values)
+
+
+def param_defaults(params: SamplingParams) -> dict[str, Any]:
+    """The fields of ``params`` that differ from SamplingParams() (a model's generation
+    defaults), so a router applies a client's overrides over the same defaults a worker
+    would."""
+    base = params_to_wire(SamplingParams())
+    return {k: v for k, v in params_to_wire(params).items() if base[k] != v}
+
+
+def encode_output(index: int, out: RequestOutput, timing: dict[str, Any] | None) -> bytes:
+    """One line: what this output added (text, token ids, their logprobs), and on the last one
+    the finish and the worker's ``timing`` of the request."""
+    k = len(out.delta_token_ids)
+    lps = None
+    if out.logprobs is not None and k:
+        lps = [[[t, lp] for t, lp in entry.items()] for entry in out.logprobs[-k:]]
+    line: dict[str, Any] = {"i": index, "text": out.delta_text, "ids": out.delta_token_ids,
+                            "lp": lps}
+    if out.finished:
+        line.update(fin=out.finish_reason, stop=out.stop_reason, err=out.error,
+                    timing=timing)
+    return json.dumps(line, ensure_ascii=False).encode() + b"\n"
+
+
+def encode_error(kind: str, message: str) -> bytes:
+    """The stream's last line when the worker's engine failed (``engine``) or is shutting
+    down (``stopped``)."""
+    return json.dumps({"error": {"kind": kind, "message": message}}).encode() + b"\n"
+
+
+class RelayError(Exception):
+    """A line the router cannot use (a bug or a foreign peer): the request fails."""
+
+
+class OutputAssembler:
+    """The router's side: per request of a group, the outputs so far, rebuilt from lines."""
+
+    def __init__(self, request_ids: list[str], prompts: list[list[int]],
+                 texts: list[str | None], arrival_time: float,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.request_ids = request_ids
+        self.prompts = prompts
+        self.texts = texts
+        self.clock = clock
+        self.metrics = [RequestMetrics(arrival_time=arrival_time) for _ in request_ids]
+        self.text = ["" for _ in request_ids]
+        self.ids: list[list[int]] = [[] for _ in request_ids]
+        self.logprobs: list[list[dict[int, float]] | None] = [None for _ in request_ids]
+        self.finished = [False] * len(request_ids)
+
+    def admitted(self) -> None:
+        """The worker took the group (its reply began)."""
+        now = self.clock()
+        for m in self.metrics:
+            m.first_scheduled_time = now
+
+    def feed(self, raw: bytes | str) -> RequestOutput:
+        """One output line -> that request's ``RequestOutput``. Raises ``RelayError``."""
+        try:
+            line = json.loads(raw)
+            i = line["i"]
+            delta_text, delta_ids, lps = line["text"], line["ids"], line["lp"]
+            if not (isinstance(i, int) and 0 <= i < len(self.request_ids)
+                    and not self.finished[i] and isinstance(delta_text, str)
+                    and isinstance(delta_ids, list)
+                    and all(isinstance(t, int) for t in delta_ids)):
+                raise RelayError(f"malformed output line: {str(raw)[:200]}")
+            entries = None if lps is None else [{int(t): float(lp) for t, lp in e}
+                                                 for e in lps]
+        except (ValueError, KeyError, TypeError) as e:
+            raise RelayError(f"malformed output line ({type(e).__name__}: {e}): "
+                             f"{str(raw)[:200]}") from None
+        now = self.clock()
+        m = self.metrics[i]
+        if delta_ids and m.first_token_time is None:
+            m.first_token_time = now
+        m.token_times.extend([now] * len(delta_ids))
+        self.text[i] += delta_text
+        self.ids[i].extend(delta_ids)
+        if entries is not None:
+            if self.logprobs[i] is None:
+                self.logprobs[i] = []
+            self.logprobs[i].extend(entries)
+        fin = line.get("fin")
+        finished = "fin" in line
+        if finished:
+            self.finished[i] = True
+            m.finished_time = now
+            timing = line.get("timing")
+            if isinstance(timing, dict):
+                m.worker_timing = timing
+                m.num_cached_tokens = int(timing.get("cached_tokens") or 0)
+                m.num_preemptions = int(timing.get("preemptions") or 0)
+        return RequestOutput(
+            request_id=self.request_ids[i], prompt=self.texts[i],
+            prompt_token_ids=self.prompts[i], text=self.text[i], token_ids=self.ids[i],
+            delta_text=delta_text, delta_token_ids=list(delta_ids), finished=finished,
+            finish_reason=fin, stop_reason=line.get("stop"),
+            logprobs=self.logprobs[i],
+            metrics=m, error=line.get("err"))
