@@ -42,7 +42,7 @@ def colocated(path, prompt, **kw) -> list[int]:
 
 def _wait_for_peer(decode: DecodeSide) -> None:
     deadline = time.monotonic() + 30
-    while decode._prefill_peer() is None:
+    while decode._prefill_peer()[0] is None:
         assert time.monotonic() < deadline, "the prefill worker never connected"
         time.sleep(0.01)
 
@@ -219,3 +219,37 @@ def test_an_odd_first_token_message_is_computed_locally_not_hung(llama_dir):
     outs, counters, eng = serve_through(llama_dir, [PROMPT, PROMPT[1:]], before=odd)
     assert outs == [colocated(llama_dir, PROMPT), colocated(llama_dir, PROMPT[1:])]
     assert counters["remote.failed"] == 2 and eng.kv.usage == 0
+
+
+def test_the_shortest_prefill_queue_is_chosen_and_a_busy_one_is_skipped(llama_dir):
+    """Heartbeats carry each prefill worker's queue; the decode side also counts what it sent
+    and has not heard back from. At the limit it prefills locally, saying why."""
+    from phasewise.disagg.transport import PeerInfo
+
+    decode_engine = async_engine(llama_dir)
+    decode = DecodeSide(decode_engine, secret=SECRET, queue_limit=3)
+    try:
+        peers = {"a": PeerInfo("a", "pa", "prefill", "alive", 2),
+                 "b": PeerInfo("b", "pb", "prefill", "alive", 1),
+                 "c": PeerInfo("c", "pc", "prefill", "lost", 0)}
+        decode.server.peers = lambda: peers
+        assert decode._prefill_peer() == ("b", None)  # "c" has the shortest, but is lost
+        decode._attempts.update({"r1": ("b", 1), "r2": ("b", 1)})  # sent, not yet heard of
+        assert decode._prefill_peer() == ("a", None)
+        peers["a"] = PeerInfo("a", "pa", "prefill", "alive", 3)
+        decode._attempts["r3"] = ("b", 1)
+        assert decode._prefill_peer() == (None, "prefill_busy")
+
+        async def main():
+            decode_engine.start()
+            try:
+                group = await decode.add([PromptSpec(PROMPT, GREEDY)], "busy")
+                return (await asyncio.wait_for(collect(group), 60))[0].token_ids
+            finally:
+                await asyncio.to_thread(decode_engine.shutdown)
+
+        assert asyncio.run(main()) == colocated(llama_dir, PROMPT)
+        assert decode.local_prefills["prefill_busy"] == 1
+        assert decode.num_attempts == 3  # the planted ones: nothing was sent
+    finally:
+        decode.close()

@@ -1,0 +1,129 @@
+"""The internal relay a router uses (``/internal/v1/*``, ``phasewise.server.relay``), in process:
+a worker's output lines rebuild the same outputs the engine made; bad relay input is a 400
+naming the field; the routes are behind --api-key; the decode role routes around a busy
+prefill worker and counts why it prefilled locally."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+
+from phasewise import LLM, SamplingParams
+from phasewise.config import EngineConfig
+from phasewise.engine.async_engine import AsyncEngine
+from phasewise.engine.outputs import RequestOutput
+from phasewise.engine.request import RequestMetrics
+from phasewise.server.app import OpenAIServer, ServerConfig
+from phasewise.server.relay import (OutputAssembler, RelayError, encode_output,
+                                    param_defaults, params_from_wire, params_to_wire)
+
+
+def _out(i: int, text: str, ids: list[int], lps, finished: bool) -> RequestOutput:
+    return RequestOutput(f"r-{i}", None, [1, 2], text, ids, text, ids, finished,
+                         "length" if finished else None, None, lps, RequestMetrics(0.0))
+
+
+def test_output_lines_rebuild_text_ids_logprobs_and_the_workers_timing():
+    asm = OutputAssembler(["g-0", "g-1"], [[1, 2], [3]], ["ab", None], arrival_time=0.0,
+                          clock=iter([1.0, 2.0, 3.0, 4.0]).__next__)
+    asm.admitted()
+    lines = [encode_output(1, _out(1, "x", [5], [{5: -0.5, 6: -1.0}], False), None),
+             encode_output(0, _out(0, "é", [7, 8], None, False), None),
+             encode_output(1, _out(1, "yz", [9], [{9: -0.25}], True), {"queue_s": 0.5,
+                                                                       "cached_tokens": 16})]
+    outs = [asm.feed(line) for line in lines]
+    assert [o.request_id for o in outs] == ["g-1", "g-0", "g-1"]
+    last = outs[2]
+    assert last.finished and last.finish_reason == "length"
+    assert last.text == "xyz" and last.token_ids == [5, 9] and last.delta_token_ids == [9]
+    assert last.logprobs == [{5: -0.5, 6: -1.0}, {9: -0.25}]
+    # The router's clock: first token at its first line, every token at its line's time.
+    assert last.metrics.first_token_time == 2.0 and last.metrics.token_times == [2.0, 4.0]
+    assert last.metrics.worker_timing == {"queue_s": 0.5, "cached_tokens": 16}
+    assert last.metrics.num_cached_tokens == 16
+    assert outs[1].text == "é" and outs[1].prompt == "ab" and not outs[1].finished
+    # A finished request takes no more lines; garbage is refused, not guessed at.
+    for bad in (lines[2], b"{}", b"not json", b'{"i": 9, "text": "", "ids": [], "lp": null}',
+                b'{"i": 0, "text": 3, "ids": [], "lp": null}',
+                b'{"i": 0, "text": "", "ids": ["a"], "lp": null}'):
+        with pytest.raises(RelayError):
+            asm.feed(bad)
+
+
+def test_sampling_params_cross_the_wire_unchanged():
+    p = SamplingParams(temperature=0.7, top_k=5, stop=["\n\n", "x"], seed=3, max_tokens=9,
+                       logprobs=2)
+    assert params_from_wire(json.loads(json.dumps(params_to_wire(p)))) == p
+    assert param_defaults(SamplingParams()) == {}
+    assert param_defaults(p)["top_k"] == 5
+    with pytest.raises(ValueError, match="unknown sampling parameters.*bogus"):
+        params_from_wire({"bogus": 1})
+
+
+@pytest.fixture(scope="module")
+def worker(tmp_path_factory):
+    from conftest import build_hf_checkpoint
+
+    path = tmp_path_factory.mktemp("relay") / "m"
+    build_hf_checkpoint(path, "LlamaForCausalLM", seed=5, max_position_embeddings=128)
+    return path
+
+
+def _serve(path, **config):
+    engine = AsyncEngine.from_config(EngineConfig(model=str(path)))
+    return engine, OpenAIServer(engine, ServerConfig(served_model_name="m", **config))
+
+
+def test_internal_generate_streams_what_the_engine_makes_and_checks_its_input(worker):
+    engine, server = _serve(worker, api_key="k")
+    ids = LLM(str(worker)).tokenizer.encode("def f(x):")
+    want = LLM(str(worker)).generate(ids, SamplingParams(temperature=0, max_tokens=6,
+                                                         ignore_eos=True, logprobs=1))[0]
+    auth = {"Authorization": "Bearer k"}
+
+    async def run():
+        engine.start(asyncio.get_running_loop())
+        transport = httpx.ASGITransport(app=server.app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://w") as c:
+            # Behind --api-key, like /v1.
+            assert (await c.get("/internal/v1/info")).status_code == 401
+            info = (await c.get("/internal/v1/info", headers=auth)).json()
+            assert info["role"] == "both" and info["info"]["max_model_len"] == 128
+            assert len(info["config_sha256"]) == 64
+            params = params_to_wire(SamplingParams(temperature=0, max_tokens=6,
+                                                   ignore_eos=True, logprobs=1))
+            r = await c.post("/internal/v1/generate", headers=auth, json={
+                "request_id": "cmpl-1", "specs": [{"token_ids": ids, "params": params}]})
+            assert r.status_code == 200, r.text
+            assert r.headers["content-type"].startswith("application/x-ndjson")
+            asm = OutputAssembler(["cmpl-1"], [ids], [None], 0.0)
+            outs = [asm.feed(line) for line in r.text.splitlines()]
+            assert outs[-1].finished and outs[-1].token_ids == want.token_ids
+            assert outs[-1].text == want.text
+            assert [max(d, key=d.get) for d in outs[-1].logprobs] == want.token_ids
+            assert outs[-1].metrics.worker_timing["prefill_s"] >= 0
+            # Each bad input: a 400 naming the field.
+            bad = [({"request_id": "a b", "specs": [{"token_ids": ids, "params": {}}]},
+                    "request_id"),
+                   ({"request_id": "x", "specs": [{"token_ids": [10 ** 6], "params": {}}]},
+                    "specs.0.token_ids"),
+                   ({"request_id": "x", "specs": [{"token_ids": ids,
+                                                  "params": {"top_k": "many"}}]},
+                    "specs.0.params"),
+                   ({"request_id": "x", "specs": [{"token_ids": ids,
+                                                  "params": {"max_tokens": 10 ** 4}}]},
+                    "specs.0.params.max_tokens"),
+                   ({"request_id": "x", "specs": [{"token_ids": ids, "params": {},
+                                                  "extra": 1}]}, "specs.0.extra")]
+            for body, param in bad:
+                r = await c.post("/internal/v1/generate", headers=auth, json=body)
+                assert r.status_code == 400, (body, r.text)
+                assert r.json()["error"]["param"] == param, r.json()
+            load = (await c.get("/internal/v1/load", headers=auth)).json()
+            assert load["alive"] and load["snapshot"]["num_running"] == 0
+        await asyncio.to_thread(engine.shutdown)
+
+    asyncio.run(run())
