@@ -21,6 +21,7 @@ import torch
 
 from phasewise.cache.manager import KVCacheManager
 from phasewise.config import EngineConfig, parse_memory
+from phasewise.engine.kv_connector import PushConnector
 from phasewise.engine.model_runner import ModelRunner
 from phasewise.engine.outputs import RequestOutput, StepStats, TextState
 from phasewise.engine.request import Request, RequestStatus
@@ -130,12 +131,8 @@ class LLMEngine:
         self._ids = itertools.count()
         self.step_stats: deque[StepStats] = deque(maxlen=MAX_STEP_HISTORY)
         self._step_index = 0
-        # P/D: requests whose prompt K/V this engine ships (id -> first token not yet sent),
-        # and what it has received for requests waiting for remote K/V.
-        self.kv_sink: Callable[[str, int, int, torch.Tensor], None] | None = None
-        self._kv_export: dict[str, int] = {}
-        self._remote_loaded: dict[str, int] = {}  # id -> leading prompt tokens whose K/V is in
-        self._remote_blocks: dict[str, set[int]] = {}  # id -> block indices received
+        # P/D: the K/V this engine ships (prefill role) and receives (decode role).
+        self.connector = PushConnector(self.runner, bs)
         # Roofline cost of each step at the peaks `phasewise measure` stored (never measured
         # here: without stored peaks, steps get FLOPs and bytes but no predicted time).
         self.cost_model = StepCostModel.for_engine(self)
@@ -205,14 +202,11 @@ class LLMEngine:
         once, when it is full or holds the prompt's end."""
         req = self._new_request(prompt, params, request_id, arrival_time)
         if export_kv_from is not None:
-            if export_kv_from % self.config.block_size or export_kv_from < 0:
-                raise ValueError(f"export_kv_from must be a multiple of the block size "
-                                 f"({self.config.block_size}), got {export_kv_from}")
-            self._kv_export[req.request_id] = export_kv_from
+            self.connector.export(req.request_id, export_kv_from)
         try:
             self.scheduler.add_request(req)  # raises if it can never fit
         except BaseException:
-            self._kv_export.pop(req.request_id, None)
+            self.connector.request_finished(req.request_id)
             raise
         self._register(req)
         return req.request_id
@@ -257,8 +251,7 @@ class LLMEngine:
         if hit is None:
             return None
         self._register(req)
-        self._remote_loaded[req.request_id] = hit
-        self._remote_blocks[req.request_id] = set()
+        self.connector.after_alloc(req.request_id, req.num_prompt_tokens, hit)
         return hit
 
     def _remote(self, request_id: str) -> Request:
@@ -271,32 +264,14 @@ class LLMEngine:
         """Write K/V sent by the prefill worker: ``data`` ([layers, 2, n, block_size, kv, hd])
         holds the blocks that start at prompt token ``first_token`` (a block boundary).
         Blocks before the local prefix-cache hit are never overwritten."""
-        req = self._remote(request_id)
-        bs = self.config.block_size
-        if first_token % bs:
-            raise ValueError(f"first_token {first_token} is not a multiple of the block size "
-                             f"{bs}")
-        n = data.shape[2] if data.dim() == 6 else -1
-        first_block = first_token // bs
-        table = self.kv.block_table(request_id)
-        last_block = -(-req.num_prompt_tokens // bs)  # blocks the prompt occupies
-        if n < 1 or first_token < req.metrics.num_cached_tokens or \
-                first_block + n > last_block:
-            raise ValueError(f"KV blocks {first_block}..{first_block + n - 1} are outside "
-                             f"the prompt's blocks {req.metrics.num_cached_tokens // bs}.."
-                             f"{last_block - 1} of request {request_id!r}")
-        self.runner.write_blocks(table[first_block:first_block + n], data)
-        got = self._remote_blocks[request_id]
-        got.update(range(first_block, first_block + n))
-        loaded = self._remote_loaded[request_id]
-        while loaded < req.num_prompt_tokens and loaded // bs in got:
-            loaded = min(req.num_prompt_tokens, (loaded // bs + 1) * bs)
-        self._remote_loaded[request_id] = loaded
+        self._remote(request_id)
+        self.connector.start_load(request_id, first_token, data,
+                                  self.kv.block_table(request_id))
 
     def remote_kv_complete(self, request_id: str) -> bool:
         """Whether every block of the request's prompt has arrived."""
-        req = self._remote(request_id)
-        return self._remote_loaded[request_id] >= req.num_prompt_tokens
+        self._remote(request_id)
+        return self.connector.load_complete(request_id)
 
     def finish_remote_prefill(self, request_id: str, token: int,
                               logprobs: dict[int, float] | None = None) -> RequestOutput:
@@ -308,9 +283,10 @@ class LLMEngine:
             raise ValueError(f"the first token {token!r} of request {request_id!r} is not an id "
                              f"in [0, {vocab})")
         if not self.remote_kv_complete(request_id):
-            raise ValueError(f"request {request_id!r} has K/V for {self._remote_loaded[request_id]}"
-                             f" of its {req.num_prompt_tokens} prompt tokens; it cannot decode")
-        self._drop_remote(request_id)
+            raise ValueError(f"request {request_id!r} has K/V for "
+                             f"{self.connector.loaded_tokens(request_id)} of its "
+                             f"{req.num_prompt_tokens} prompt tokens; it cannot decode")
+        self.connector.end_load(request_id)
         if req.logprobs is not None and logprobs is not None:
             req.logprobs.append(dict(logprobs))
         self.sampler.skip_draw(req, self.model_config.vocab_size, self.device)
@@ -321,39 +297,20 @@ class LLMEngine:
         """The remote prefill will not finish: compute the rest of the prompt here. Returns
         the prompt tokens kept (their K/V arrived)."""
         req = self._remote(request_id)
-        kept = self._remote_loaded[request_id]
-        self._drop_remote(request_id)
+        kept = self.connector.loaded_tokens(request_id)
+        self.connector.end_load(request_id)
         self.scheduler.remote_prefill_failed(req, kept)
         return req.num_computed_tokens
 
-    def _drop_remote(self, request_id: str) -> None:
-        self._remote_loaded.pop(request_id, None)
-        self._remote_blocks.pop(request_id, None)
+    @property
+    def kv_sink(self) -> Callable[[str, int, int, torch.Tensor], None] | None:
+        """The prefill role's sink: (request id, first prompt token, end, the blocks' K/V),
+        called on the engine thread right after the forward pass that wrote them."""
+        return self.connector.sink
 
-    def _export_kv(self, batch: Any) -> None:
-        """After the forward pass: hand the sink the blocks each exporting request's chunk
-        filled (and, the first time, those it found in this engine's prefix cache)."""
-        bs = self.config.block_size
-        for req, n in zip(batch.requests, batch.num_tokens):
-            start = self._kv_export.get(req.request_id)
-            if start is None:
-                continue
-            end = min(req.num_computed_tokens + n, req.num_prompt_tokens)
-            # Each block is sent once: a partly filled one waits until it is full, or until
-            # it holds the end of the prompt.
-            if end < req.num_prompt_tokens:
-                end = (end // bs) * bs
-            if end <= start:
-                continue
-            first, last = start // bs, -(-end // bs)
-            table = self.kv.block_table(req.request_id)
-            if self.kv_sink is not None:
-                self.kv_sink(req.request_id, first * bs, end,
-                             self.runner.read_blocks(table[first:last]))
-            if end == req.num_prompt_tokens:
-                del self._kv_export[req.request_id]
-            else:
-                self._kv_export[req.request_id] = end
+    @kv_sink.setter
+    def kv_sink(self, sink: Callable[[str, int, int, torch.Tensor], None] | None) -> None:
+        self.connector.sink = sink
 
     def abort_request(self, request_id: str) -> Request | None:
         """Stop a request now and free its KV blocks. Returns the aborted request, or None
@@ -369,8 +326,7 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     def _forget(self, req: Request) -> None:
-        self._kv_export.pop(req.request_id, None)
-        self._drop_remote(req.request_id)
+        self.connector.request_finished(req.request_id)  # pushing never holds blocks
         self.requests.pop(req.request_id, None)
         self._text.pop(req.request_id, None)
         self.sampler.release(req.request_id)
@@ -392,9 +348,12 @@ class LLMEngine:
         cost = self.cost_model.predict(chunks, decodes)
         tables = [self.kv.block_table(r.request_id) for r in batch.requests]
         try:
+            exports = (self.connector.step_exports(batch.requests, batch.num_tokens)
+                       if self.connector.exporting else [])
             ran = self.runner.execute(batch, tables)
-            if self._kv_export:
-                self._export_kv(batch)
+            if exports:
+                self.connector.save(exports, {r.request_id: t
+                                              for r, t in zip(batch.requests, tables)})
             tokens, failed = self._sample(ran.logits, ran.requests)
         except Exception as e:
             raise StepFailed([r.request_id for r in batch.requests], e) from e
