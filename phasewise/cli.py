@@ -106,7 +106,8 @@ def _serve(a: argparse.Namespace) -> int:
         max_waiting_requests=a.max_waiting_requests,
         max_request_bytes=parse_memory(a.max_request_size), role=a.role,
         kv_bind=a.kv_bind, kv_connect=a.kv_connect, kv_secret=secret,
-        disagg_threshold=a.disagg_threshold, prefill_queue_limit=a.prefill_queue_limit)
+        disagg_threshold=a.disagg_threshold, prefill_queue_limit=a.prefill_queue_limit,
+        remote_prefill_timeout=a.remote_prefill_timeout)
     try:
         run(server, host=a.host, port=a.port, shutdown_grace_s=a.shutdown_grace,
             log_level=a.log_level, access_log=not a.no_access_log)
@@ -306,6 +307,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--prefill-queue-limit", type=int, default=8,
                    help="decode role: prefill here while every prefill worker holds this "
                    "many prompts or more")
+    s.add_argument("--remote-prefill-timeout", type=float, default=120.0,
+                   help="decode role: seconds to wait for a remote prefill's first token "
+                   "before computing the prompt here")
     s.add_argument("--no-access-log", action="store_true",
                    help="no log line per request")
 

@@ -253,3 +253,63 @@ def test_the_shortest_prefill_queue_is_chosen_and_a_busy_one_is_skipped(llama_di
         assert decode.num_attempts == 3  # the planted ones: nothing was sent
     finally:
         decode.close()
+
+
+def test_a_prefill_worker_that_never_answers_is_timed_out_per_request(llama_dir):
+    """Alive (its heartbeats go on) but its first token never comes: after the decode side's
+    per-request deadline the prompt is computed there."""
+    decode_engine = async_engine(llama_dir)
+
+    async def main():
+        decode_engine.start()
+        decode = DecodeSide(decode_engine, secret=SECRET, request_timeout=1.0)
+        prefill = PrefillSide(async_engine(llama_dir), decode.endpoint, secret=SECRET,
+                              heartbeat_interval=0.2)
+        real_send = prefill.client.send
+        # The first token (and Done) are lost on the way; frames still flow.
+        prefill.client.send = lambda msg: None if type(msg).__name__ == "FirstToken" \
+            else real_send(msg)
+        prefill.start()
+        try:
+            _wait_for_peer(decode)
+            group = await decode.add([PromptSpec(PROMPT, GREEDY)], "late")
+            out = (await asyncio.wait_for(collect(group), 60))[0]
+            return out.token_ids, dict(decode_engine.remote_outcomes)
+        finally:
+            prefill.close()
+            decode.close()
+            await asyncio.to_thread(decode_engine.shutdown)
+
+    ids, outcomes = asyncio.run(main())
+    assert ids == colocated(llama_dir, PROMPT)
+    assert outcomes.get("failed") == 1 and not outcomes.get("done")
+
+
+def test_n_samples_of_one_prompt_each_hand_off_and_match_colocated(llama_dir):
+    """A group of three samples of one prompt (n=3) and a second prompt: each sample is its
+    own remote prefill (the later ones find the first's blocks in the decode side's prefix
+    cache once they are in), and every output equals co-located serving's."""
+    other = PROMPT[:20] + [7, 8, 9]
+    decode_engine = async_engine(llama_dir)
+
+    async def main():
+        decode_engine.start()
+        decode = DecodeSide(decode_engine, secret=SECRET)
+        prefill = PrefillSide(async_engine(llama_dir), decode.endpoint, secret=SECRET)
+        prefill.start()
+        try:
+            _wait_for_peer(decode)
+            group = await decode.add([PromptSpec(PROMPT, GREEDY)] * 3
+                                     + [PromptSpec(other, GREEDY)], "n3")
+            outs = await asyncio.wait_for(collect(group), 60)
+            return [outs[i].token_ids for i in range(4)]
+        finally:
+            prefill.close()
+            decode.close()
+            await asyncio.to_thread(decode_engine.shutdown)
+
+    got = asyncio.run(main())
+    want = colocated(llama_dir, PROMPT)
+    assert got[:3] == [want] * 3 and got[3] == colocated(llama_dir, other)
+    assert decode_engine.remote_outcomes.get("done", 0) >= 1
+    assert not decode_engine.remote_outcomes.get("failed")

@@ -19,8 +19,9 @@ Decode reserves, prefill pushes (``../shared/DISAGG.md``):
    request; the blocks go to the engine thread as ``LoadRemoteKV`` (bytes), which drops them
    if the request is gone. ``FirstToken`` becomes ``FinishRemotePrefill``: with every block in,
    the request decodes on; otherwise (a frame lost) the engine computes the prompt itself.
-5. Any fault (an ``Error``, the peer lost or replaced) fails the attempt: the decode engine
-   keeps the leading blocks that arrived and computes the rest.
+5. Any fault (an ``Error``, the peer lost or replaced, no first token within
+   ``request_timeout``) fails the attempt: the decode engine keeps the leading blocks that
+   arrived and computes the rest.
 """
 
 from __future__ import annotations
@@ -121,11 +122,16 @@ class DecodeSide(_Delegate):
 
     def __init__(self, backend: AsyncEngine, *, secret: bytes, bind: str = "tcp://127.0.0.1:0",
                  threshold: int = 0, queue_limit: int = 8,
-                 heartbeat_deadline: float = 5.0) -> None:
+                 heartbeat_deadline: float = 5.0, request_timeout: float = 120.0) -> None:
         if threshold < 0:
             raise ValueError(f"threshold must be >= 0, got {threshold}")
         if queue_limit < 1:
             raise ValueError(f"queue_limit must be >= 1, got {queue_limit}")
+        if request_timeout <= 0:
+            raise ValueError(f"request_timeout must be > 0, got {request_timeout}")
+        # Per request: a remote prefill whose first token has not come back this long after
+        # it was sent is computed here (its peer may be alive but have lost it).
+        self.request_timeout = request_timeout
         self.backend = backend
         self.layout = layout_of(backend.engine)
         self.threshold = threshold
@@ -240,18 +246,32 @@ class DecodeSide(_Delegate):
                 t.nbytes += len(payload)
                 t.frames += 1
 
-    def _fail(self, rid: str, why: str) -> None:
+    def _fail(self, rid: str, why: str, tell_peer: bool = False) -> None:
         with self._lock:
             attempt = self._attempts.pop(rid, None)
             self._transfers.pop(rid, None)
         if attempt is not None:
             log.warning("remote prefill of %s failed (%s): computing it here", rid, why)
             self.server.gate.forget(rid)
+            if tell_peer:  # it may still be computing: stop it
+                self.server.abort(attempt[0], rid, attempt[1])
             self.backend.fail_remote_prefill(rid)
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            late = [rid for rid, t in self._transfers.items()
+                    if now - t.sent_at > self.request_timeout]
+        for rid in late:
+            self._fail(rid, f"no first token within {self.request_timeout:g} s",
+                       tell_peer=True)
 
     def _events(self) -> None:
         while not self._closed.is_set():
             event = self.server.next_event(0.1)
+            self._expire()
+            if event is None:
+                continue
             try:
                 self._on_event(event)
             except Exception as e:  # a peer's odd message must not stop this thread

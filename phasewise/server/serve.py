@@ -93,6 +93,7 @@ def build_server(engine_config: EngineConfig, *, served_model_name: str | None =
                  kv_bind: str = "tcp://127.0.0.1:8100", kv_connect: str | None = None,
                  kv_secret: bytes | None = None, disagg_threshold: int = 0,
                  prefill_queue_limit: int = 8, kv_connect_wait_s: float = 300.0,
+                 remote_prefill_timeout: float = 120.0,
                  **server_kwargs: Any) -> OpenAIServer:
     """Load the checkpoint and wire backend, metrics and HTTP app together.
 
@@ -110,6 +111,8 @@ def build_server(engine_config: EngineConfig, *, served_model_name: str | None =
         raise ValueError(f"--disagg-threshold must be >= 0, got {disagg_threshold}")
     if prefill_queue_limit < 1:
         raise ValueError(f"--prefill-queue-limit must be >= 1, got {prefill_queue_limit}")
+    if not remote_prefill_timeout > 0:
+        raise ValueError(f"--remote-prefill-timeout must be > 0, got {remote_prefill_timeout}")
     t0 = time.monotonic()
     log.info("loading %s", engine_config.model)
     name = served_model_name or Path(engine_config.model).resolve().name
@@ -127,7 +130,8 @@ def build_server(engine_config: EngineConfig, *, served_model_name: str | None =
         assert kv_secret is not None
         if role == "decode":
             backend = DecodeSide(engine, secret=kv_secret, bind=kv_bind,
-                                 threshold=disagg_threshold, queue_limit=prefill_queue_limit)
+                                 threshold=disagg_threshold, queue_limit=prefill_queue_limit,
+                                 request_timeout=remote_prefill_timeout)
             from phasewise.disagg.metrics import DisaggCollector, TransferMetrics
 
             metrics.registry.register(DisaggCollector(backend, name))
