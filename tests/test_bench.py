@@ -331,3 +331,23 @@ def test_every_rate_of_a_sweep_gets_the_same_requests():
     assert [(s.prompt_len, s.output_len, s.intruder) for s in slow] == \
         [(s.prompt_len, s.output_len, s.intruder) for s in fast]
     assert [s.arrival for s in slow] != [s.arrival for s in fast]
+
+
+def test_ttft_split_averages_the_servers_timings_and_the_remote_parts_over_remote_ones():
+    from phasewise.bench.summary import ttft_split
+
+    timings = [
+        {"queue_s": 0.010, "prefill_s": 0.100},  # prefilled locally
+        {"queue_s": 0.030, "prefill_s": 0.300, "remote_prefill_s": 0.2,
+         "kv_transfer_s": 0.05, "first_step_s": 0.01, "kv_bytes": 2_000_000},
+        None,  # a server that sent no timings for this one
+    ]
+    split = ttft_split(timings)
+    assert split["requests"] == 2 and split["remote"] == 1
+    assert split["mean_queue_ms"] == pytest.approx(20.0)
+    assert split["mean_prefill_ms"] == pytest.approx(200.0)
+    assert split["mean_remote_prefill_ms"] == pytest.approx(200.0)
+    assert split["mean_kv_transfer_ms"] == pytest.approx(50.0)
+    assert split["mean_kv_bytes"] == 2_000_000
+    assert ttft_split([None, None]) is None
+    assert ttft_split([timings[0]])["mean_kv_transfer_ms"] is None

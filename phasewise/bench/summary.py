@@ -156,6 +156,32 @@ def summarize(results: Sequence[RequestResult], duration: float,
     out["chunk_tokens"] = [r.chunk_tokens for r in results]
     out["intruders"] = [r.intruder for r in results]
     out["server_timings"] = [r.server_timing for r in results]
+    out["ttft_split"] = ttft_split(out["server_timings"])
+    return out
+
+
+# The server's split of TTFT (phasewise's usage ``timings``): queue, then either a local
+# prefill or, for a prompt a prefill worker computed, its remote prefill, transfer and the
+# first step back on the decode worker.
+SPLIT_KEYS = ("queue_s", "prefill_s", "remote_prefill_s", "kv_transfer_s", "first_step_s")
+
+
+def ttft_split(timings: Sequence[dict[str, Any] | None]) -> dict[str, Any] | None:
+    """Means (ms) of each part of TTFT over the requests the server timed, with how many
+    were prefilled remotely and their mean K/V bytes; None when no request was timed."""
+    timed = [t for t in timings if isinstance(t, dict)]
+    if not timed:
+        return None
+    out: dict[str, Any] = {"requests": len(timed)}
+    remote = [t for t in timed if t.get("kv_bytes") is not None]
+    for key in SPLIT_KEYS:
+        pool = remote if key in ("remote_prefill_s", "kv_transfer_s", "first_step_s") \
+            else timed
+        vals = [t[key] for t in pool if isinstance(t.get(key), (int, float))]
+        out[f"mean_{key[:-2]}_ms"] = statistics.fmean(vals) * 1e3 if vals else None
+    out["remote"] = len(remote)
+    out["mean_kv_bytes"] = (statistics.fmean(t["kv_bytes"] for t in remote)
+                            if remote else None)
     return out
 
 
@@ -190,5 +216,14 @@ def text_table(result: dict[str, Any]) -> str:
                    f"{', intruder' if stall['culprit_intruder'] else ''})")
         row("Longest stall:", f"{stall['itl_ms']:.1f} ms in request {stall['request']} at "
             f"t={stall['at_s']:.2f}s{culprit}")
+    split = result.get("ttft_split")
+    if split:
+        parts = [f"{name} {split[f'mean_{name}_ms']:.1f}" for name in
+                 ("queue", "prefill", "remote_prefill", "kv_transfer", "first_step")
+                 if split.get(f"mean_{name}_ms") is not None]
+        remote = (f"; {split['remote']} of {split['requests']} prefilled remotely, "
+                  f"{split['mean_kv_bytes'] / 1e6:.2f} MB of K/V each"
+                  if split["remote"] else "")
+        row("Server's TTFT split, mean (ms):", "  ".join(parts) + remote)
     lines += failure_lines(result)
     return "\n".join(lines)
