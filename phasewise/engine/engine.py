@@ -21,7 +21,7 @@ import torch
 
 from phasewise.cache.manager import KVCacheManager
 from phasewise.config import EngineConfig, parse_memory
-from phasewise.engine.kv_connector import PushConnector
+from phasewise.disagg.connector import PushConnector
 from phasewise.engine.model_runner import ModelRunner
 from phasewise.engine.outputs import RequestOutput, StepStats, TextState
 from phasewise.engine.request import Request, RequestStatus

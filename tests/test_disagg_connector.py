@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from phasewise.engine.kv_connector import PushConnector
+from phasewise.disagg.connector import PushConnector
 
 BS = 4
 
