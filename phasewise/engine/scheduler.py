@@ -131,7 +131,7 @@ class Scheduler:
         the prefill worker sends KV from there on), or None when the sequence cap or the free
         blocks leave no room now (the caller prefills it locally instead)."""
         self.check_admissible(req)
-        if len(self.running) + len(self.remote) >= self.config.max_num_seqs:
+        if not self._has_seat():
             return None
         prefix = self.kv.get_computed_blocks(req)
         if not self.kv.allocate_slots(req, req.num_tokens - prefix.num_tokens, prefix):
@@ -251,7 +251,7 @@ class Scheduler:
                 budget -= n
 
         if admit and not batch.preempted:
-            while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
+            while self.waiting and budget > 0 and self._has_seat():
                 req = self.waiting[0]
                 prefix = self.kv.get_computed_blocks(req)
                 n = min(req.num_tokens - prefix.num_tokens, budget)
@@ -276,7 +276,7 @@ class Scheduler:
         """prefill-first: admit waiting prompts whole; no decodes run in this step."""
         budget = self.config.max_num_batched_tokens
         batch = ScheduledBatch()
-        while self.waiting and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and self._has_seat():
             req = self.waiting[0]
             prefix = self.kv.get_computed_blocks(req)
             n = req.num_tokens - prefix.num_tokens
@@ -292,6 +292,10 @@ class Scheduler:
         batch.requests = [batch.requests[i] for i in order]
         batch.num_tokens = [batch.num_tokens[i] for i in order]
         return batch
+
+    def _has_seat(self) -> bool:
+        """Under max_num_seqs: requests waiting for remote K/V hold their seat too."""
+        return len(self.running) + len(self.remote) < self.config.max_num_seqs
 
     def _admit(self, req: Request, num_cached: int) -> None:
         self.waiting.popleft()
