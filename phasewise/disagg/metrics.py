@@ -23,8 +23,11 @@ class DisaggCollector:
         counts = self.side.server.counters()
         frames = CounterMetricFamily(
             PREFIX + "kv_frames", "K/V frames received, by what the gate made of them (ok, "
-            "stale, foreign, duplicate, out_of_range, mismatch) or how they failed (checksum, "
-            "size, malformed).", labels=["model_name", "outcome"])
+            "stale, foreign, duplicate, out_of_range, mismatch), how they failed (checksum, "
+            "size, malformed), sent by a peer that never completed the handshake "
+            "(unauthenticated, dropped unread, control messages included), or counted by a "
+            "prefill worker's Done but never landed (missing).",
+            labels=["model_name", "outcome"])
         refused = CounterMetricFamily(
             PREFIX + "kv_peers_refused", "K/V peers refused at connect time, by the field at "
             "fault (auth, nonce, version, layout.*).", labels=["model_name", "reason"])
@@ -34,6 +37,10 @@ class DisaggCollector:
                 frames.add_metric([self.model_name, rest], value)
             elif head == "refused" and rest:
                 refused.add_metric([self.model_name, rest], value)
+        frames.add_metric([self.model_name, "unauthenticated"], counts.get("unauthenticated", 0))
+        with self.side._lock:
+            missing = self.side.missing_frames
+        frames.add_metric([self.model_name, "missing"], missing)
         outcomes = CounterMetricFamily(
             PREFIX + "remote_prefills", "Remote prefills by how they ended: done (decoded on "
             "from the remote K/V), or computed here instead: failed (an error, a lost or "

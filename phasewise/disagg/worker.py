@@ -136,6 +136,7 @@ class DecodeSide(_Delegate):
         self.layout = layout_of(backend.engine)
         self.threshold = threshold
         self.queue_limit = queue_limit
+        self.missing_frames = 0  # frames a prefill worker's Done counted that never landed
         # Prompts prefilled here instead, by reason (see the module).
         self.local_prefills = dict.fromkeys(LOCAL_REASONS, 0)
         self.server = KVServer(bind, secret=secret, layout=self.layout, on_frame=self._land,
@@ -293,6 +294,12 @@ class DecodeSide(_Delegate):
                     attempt = self._attempts.pop(msg.request_id, None)
                     transfer = self._transfers.pop(msg.request_id, None)
                 if attempt is not None and attempt[1] == msg.epoch:
+                    missing = self.server.gate.missing_seqs(msg.request_id)
+                    if missing:  # sent (the Done counts them) but never admitted
+                        log.warning("remote prefill of %s: frames %s never landed",
+                                    msg.request_id, missing)
+                        with self._lock:
+                            self.missing_frames += len(missing)
                     self.server.gate.forget(msg.request_id)
                     logprobs = (None if msg.logprobs is None
                                 else {int(k): v for k, v in msg.logprobs.items()})

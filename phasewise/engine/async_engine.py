@@ -314,8 +314,10 @@ class AsyncEngine:
     def _loop_forever(self) -> None:
         engine, loop = self.engine, self._loop
         assert loop is not None
+        stalled = False  # the last step found nothing it may run (seats held by remote K/V)
         while True:
-            idle = not engine.has_unfinished_requests()
+            # Only a command (K/V arriving, an abort) can unstall it: wait for one.
+            idle = stalled or not engine.has_unfinished_requests()
             commands: list[Command] = []
             try:
                 commands.append(self._commands.get(timeout=0.5) if idle
@@ -345,6 +347,7 @@ class AsyncEngine:
                 continue
             try:
                 outputs = engine.step()
+                stalled = engine.stalled
             except Exception as e:  # a bug: fail the requests it touched, keep serving
                 held = getattr(e, "request_ids", None)  # a StepFailed names the step's requests
                 cause = getattr(e, "cause", e)

@@ -131,6 +131,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self.step_stats: deque[StepStats] = deque(maxlen=MAX_STEP_HISTORY)
         self._step_index = 0
+        self.stalled = False  # the last step() found nothing it may run
         # P/D: the K/V this engine ships (prefill role) and receives (decode role).
         self.connector = PushConnector(self.runner, bs)
         # Roofline cost of each step at the peaks `phasewise measure` stored (never measured
@@ -325,6 +326,7 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
+
     def _forget(self, req: Request) -> None:
         self.connector.request_finished(req.request_id)  # pushing never holds blocks
         self.requests.pop(req.request_id, None)
@@ -335,6 +337,9 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         start = time.monotonic()
         batch = self.scheduler.schedule()
+        # Nothing could run and nothing changed (every seat held by requests waiting for
+        # remote K/V): only a command can change that, so a caller may wait for one.
+        self.stalled = not batch.requests and not batch.preempted
         if not batch.requests:
             return []
         # The step's exact mix, read before update() advances the computed counts.
