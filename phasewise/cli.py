@@ -107,7 +107,7 @@ def _serve(a: argparse.Namespace) -> int:
         max_request_bytes=parse_memory(a.max_request_size), role=a.role,
         kv_bind=a.kv_bind, kv_connect=a.kv_connect, kv_secret=secret,
         disagg_threshold=a.disagg_threshold, prefill_queue_limit=a.prefill_queue_limit,
-        remote_prefill_timeout=a.remote_prefill_timeout)
+        remote_prefill_timeout=a.remote_prefill_timeout, kv_name=a.kv_name)
     try:
         run(server, host=a.host, port=a.port, shutdown_grace_s=a.shutdown_grace,
             log_level=a.log_level, access_log=not a.no_access_log)
@@ -297,8 +297,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "prompts to prefill workers; prefill: compute prompts for a decode worker")
     s.add_argument("--kv-bind", default="tcp://127.0.0.1:8100",
                    help="decode role: the K/V port to listen on")
-    s.add_argument("--kv-connect", default=None,
-                   help="prefill role: the decode worker's K/V port, tcp://HOST:PORT")
+    s.add_argument("--kv-connect", nargs="+", default=None, metavar="URL",
+                   help="prefill role: the decode workers' K/V ports, tcp://HOST:PORT "
+                   "(one or more: it prefills for each)")
     s.add_argument("--kv-secret-file", default=None,
                    help="prefill/decode roles: file holding the shared secret (>= 16 bytes)")
     s.add_argument("--disagg-threshold", type=int, default=0,
@@ -307,9 +308,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--prefill-queue-limit", type=int, default=8,
                    help="decode role: prefill here while every prefill worker holds this "
                    "many prompts or more")
-    s.add_argument("--remote-prefill-timeout", type=float, default=120.0,
-                   help="decode role: seconds to wait for a remote prefill's first token "
-                   "before computing the prompt here")
+    s.add_argument("--remote-prefill-timeout", type=float, default=300.0,
+                   help="decode role: seconds from sending a prompt (its wait in the prefill "
+                   "worker's queue included) to its first token back, after which the prompt "
+                   "is computed here")
+    s.add_argument("--kv-name", default=None,
+                   help="prefill role: the name decode workers know this worker by (default "
+                   "prefill@HOSTNAME); a worker that connects under a name already connected "
+                   "replaces it, so give each prefill worker on one host its own")
     s.add_argument("--no-access-log", action="store_true",
                    help="no log line per request")
 

@@ -122,8 +122,29 @@ def test_internal_generate_streams_what_the_engine_makes_and_checks_its_input(wo
                 r = await c.post("/internal/v1/generate", headers=auth, json=body)
                 assert r.status_code == 400, (body, r.text)
                 assert r.json()["error"]["param"] == param, r.json()
+            # n samples of one prompt: its ids cross once, the others point at it.
+            r = await c.post("/internal/v1/generate", headers=auth, json={
+                "request_id": "cmpl-2", "specs": [{"token_ids": ids, "params": params},
+                                                  {"same_as": 0, "params": params}]})
+            asm = OutputAssembler(["cmpl-2-0", "cmpl-2-1"], [ids, ids], [None, None], 0.0)
+            finals = [o for o in map(asm.feed, r.text.splitlines()) if o.finished]
+            assert [o.token_ids for o in finals] == [want.token_ids] * 2
+            for specs, param in (([{"same_as": 0, "params": params}], "specs.0.same_as"),
+                                 ([{"token_ids": ids, "same_as": 0, "params": params}],
+                                  "specs.0")):
+                r = await c.post("/internal/v1/generate", headers=auth,
+                                 json={"request_id": "x", "specs": specs})
+                assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
             load = (await c.get("/internal/v1/load", headers=auth)).json()
             assert load["alive"] and load["snapshot"]["num_running"] == 0
         await asyncio.to_thread(engine.shutdown)
 
     asyncio.run(run())
+
+
+def test_the_router_names_a_workers_400_as_its_client_named_the_field():
+    from phasewise.disagg.router import _client_param
+
+    assert _client_param("specs.3.params.max_tokens") == "max_tokens"
+    assert _client_param("specs.0.token_ids") == "prompt"
+    assert _client_param("request_id") == "request_id" and _client_param(None) is None

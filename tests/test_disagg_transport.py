@@ -456,3 +456,26 @@ def test_garbage_after_the_handshake_is_counted_not_fatal(server, ctx):
     assert c["messages.malformed"] == 1 and c["frame_errors.malformed"] == 2
     with _client(server) as ok:  # the port still works
         _accepted(server, ok)
+
+
+def test_the_server_answers_heartbeats_so_a_client_sees_it_go_silent():
+    """A live server answers every heartbeat (and the answers never reach ``recv``); once it
+    is gone the client's ``silent_for`` only grows."""
+    srv = t.KVServer(secret=SECRET, layout=LAYOUT)
+    try:
+        with _client(srv, heartbeat_interval=0.05) as c:
+            _accepted(srv, c)
+            beats = srv.counters().get("heartbeats", 0)
+            deadline = time.monotonic() + WAIT
+            while srv.counters().get("heartbeats", 0) < beats + 3:  # answered three more
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            time.sleep(1.0)  # 20 heartbeats' worth: without answers, silent since the handshake
+            assert c.silent_for < 0.8
+            assert c.recv(0.05) is None  # heartbeat answers are not messages
+            srv.close()
+            before = c.silent_for
+            time.sleep(0.3)
+            assert c.silent_for >= before + 0.25  # nobody answers any more
+    finally:
+        srv.close()

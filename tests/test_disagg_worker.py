@@ -130,15 +130,21 @@ def test_a_prefill_worker_that_goes_away_leaves_a_complete_stream(llama_dir):
     """The prefill worker closes before the request comes: the decode side prefills locally
     (no live peer). One that hangs mid-attempt and falls silent is reported lost by its
     missing heartbeats, and the attempt is computed on the decode side."""
-    outs, counters, eng = serve_through(llama_dir, [PROMPT],
-                                        before=lambda decode, prefill: prefill.close())
+    def close_first(decode, prefill):
+        prefill.close()
+        deadline = time.monotonic() + 30
+        while decode.num_live_peers:  # its Bye has landed: no live peer is left
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+
+    outs, counters, eng = serve_through(llama_dir, [PROMPT], before=close_first)
     assert outs == [colocated(llama_dir, PROMPT)]
     assert not any(k.startswith("remote.") for k in counters) and eng.kv.usage == 0
 
     faults = FaultInjector()
 
     def hang(decode, prefill):
-        async def never(req):  # takes the request, computes nothing, says nothing
+        async def never(req, link):  # takes the request, computes nothing, says nothing
             faults.mute_heartbeats()
         prefill._serve = never
 
@@ -313,3 +319,113 @@ def test_n_samples_of_one_prompt_each_hand_off_and_match_colocated(llama_dir):
     assert got[:3] == [want] * 3 and got[3] == colocated(llama_dir, other)
     assert decode_engine.remote_outcomes.get("done", 0) >= 1
     assert not decode_engine.remote_outcomes.get("failed")
+
+
+def test_a_prefill_worker_connects_again_to_a_restarted_decode_worker(llama_dir):
+    """The decode worker restarts on the same K/V port: the new one does not know the old
+    session and answers no heartbeat, so the prefill worker, silent-for past its deadline,
+    hand-shakes again (its /health says why meanwhile) and serves the new decode worker."""
+    prefill = None
+
+    async def serve_one(decode_engine, decode, prompt):
+        group = await decode.add([PromptSpec(prompt, GREEDY)], f"r{len(prompt)}")
+        return (await asyncio.wait_for(collect(group), 60))[0].token_ids
+
+    async def main():
+        nonlocal prefill
+        first_engine = async_engine(llama_dir)
+        first_engine.start()
+        first = DecodeSide(first_engine, secret=SECRET)
+        endpoint = first.endpoint
+        prefill = PrefillSide(async_engine(llama_dir), endpoint, secret=SECRET,
+                              heartbeat_interval=0.1, server_deadline=1.0)
+        prefill.start()
+        try:
+            _wait_for_peer(first)
+            assert await serve_one(first_engine, first, PROMPT) == colocated(llama_dir, PROMPT)
+            assert first_engine.remote_outcomes == {"done": 1}
+        finally:
+            first.close()
+            await asyncio.to_thread(first_engine.shutdown)
+        deadline = time.monotonic() + 30
+        while prefill.is_alive:  # silent past its deadline: it says so
+            assert time.monotonic() < deadline, "the prefill worker never noticed"
+            await asyncio.sleep(0.05)
+        assert "no answer from the decode workers' K/V ports" in prefill.down_reason
+        second_engine = async_engine(llama_dir)
+        second_engine.start()
+        second = DecodeSide(second_engine, secret=SECRET, bind=endpoint)
+        try:
+            _wait_for_peer(second)
+            other = PROMPT[:30]
+            assert await serve_one(second_engine, second, other) == colocated(llama_dir,
+                                                                              other)
+            assert second_engine.remote_outcomes == {"done": 1}
+            assert prefill.reconnects >= 1 and prefill.is_alive
+        finally:
+            prefill.close()
+            second.close()
+            await asyncio.to_thread(second_engine.shutdown)
+
+    asyncio.run(main())
+
+
+def test_one_prefill_worker_serves_two_decode_workers(llama_dir):
+    """--kv-connect A B: one prefill worker prefills for two decode workers, each prompt's
+    K/V going back to the decode worker that asked."""
+    engines = [async_engine(llama_dir), async_engine(llama_dir)]
+    prompts = [PROMPT, PROMPT[5:]]
+
+    async def main():
+        for e in engines:
+            e.start()
+        decodes = [DecodeSide(e, secret=SECRET) for e in engines]
+        prefill = PrefillSide(async_engine(llama_dir), [d.endpoint for d in decodes],
+                              secret=SECRET)
+        prefill.start()
+        try:
+            for d in decodes:
+                _wait_for_peer(d)
+            groups = [await d.add([PromptSpec(p, GREEDY)], f"from-{i}")
+                      for i, (d, p) in enumerate(zip(decodes, prompts))]
+            return [(await asyncio.wait_for(collect(g), 60))[0].token_ids for g in groups]
+        finally:
+            prefill.close()
+            for d, e in zip(decodes, engines):
+                d.close()
+                await asyncio.to_thread(e.shutdown)
+
+    got = asyncio.run(main())
+    assert got == [colocated(llama_dir, p) for p in prompts]
+    assert [e.remote_outcomes for e in engines] == [{"done": 1}, {"done": 1}]
+
+
+def test_a_prefill_request_that_cannot_be_sent_is_computed_locally(llama_dir):
+    """The chosen prefill worker went away between the choice and the send (the send
+    raises): the request is computed here, the caller gets its group, nothing leaks."""
+    decode_engine = async_engine(llama_dir)
+
+    async def main():
+        decode_engine.start()
+        decode = DecodeSide(decode_engine, secret=SECRET)
+        prefill = PrefillSide(async_engine(llama_dir), decode.endpoint, secret=SECRET)
+        prefill.start()
+        try:
+            _wait_for_peer(decode)
+
+            def gone(peer, msg):
+                raise KeyError(f"no live KV peer {peer!r}")
+
+            decode.server.request_prefill = gone
+            group = await decode.add([PromptSpec(PROMPT, GREEDY)], "gone")
+            ids = (await asyncio.wait_for(collect(group), 60))[0].token_ids
+            return ids, decode.num_attempts, decode_engine.num_open_groups
+        finally:
+            prefill.close()
+            decode.close()
+            await asyncio.to_thread(decode_engine.shutdown)
+
+    ids, attempts, open_groups = asyncio.run(main())
+    assert ids == colocated(llama_dir, PROMPT)
+    assert attempts == 0 and open_groups == 0
+    assert decode_engine.remote_outcomes == {"failed": 1}

@@ -48,6 +48,18 @@ class PDConfig:
         return (self.decode_port or self.port + 1, self.prefill_port or self.port + 2)
 
 
+def _die_with_parent() -> None:
+    """In the child, before exec (Linux): SIGTERM it if the launcher dies, even by SIGKILL,
+    so no worker outlives it holding its ports."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def _ready(url: str) -> bool:
     try:
         with urllib.request.urlopen(url + "/health", timeout=2) as r:
@@ -103,7 +115,9 @@ class Launcher:
             env["OMP_NUM_THREADS"] = "1"
         log.info("starting the %s: %s", role, " ".join(
             "***" if prev == "--api-key" else a for prev, a in zip(["", *cmd], cmd)))
-        proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+        proc = subprocess.Popen(cmd, env=env, start_new_session=True,
+                                preexec_fn=_die_with_parent if sys.platform == "linux"
+                                else None)
         self.procs[role] = proc
         return proc
 
@@ -142,7 +156,10 @@ class Launcher:
                     os.killpg(proc.pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
-                proc.wait(5)
+                try:
+                    proc.wait(5)
+                except subprocess.TimeoutExpired:
+                    log.error("the %s (pid %d) survived SIGKILL", role, proc.pid)
         if self._tmp is not None:
             self._tmp.cleanup()
             self._tmp = None
@@ -183,5 +200,12 @@ class Launcher:
             log.info("stopping the router, the prefill and the decode worker")
             return 0
         finally:
-            signal.signal(signal.SIGTERM, old)
-            self.stop()
+            # A second Ctrl-C or SIGTERM must not cut the stop short (the SIGKILL of what
+            # does not drain, the secret's removal).
+            old_int = signal.signal(signal.SIGINT, signal.SIG_IGN)
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            try:
+                self.stop()
+            finally:
+                signal.signal(signal.SIGTERM, old)
+                signal.signal(signal.SIGINT, old_int)

@@ -64,9 +64,13 @@ class Worker:
     open_groups: int = 0
     in_flight: int = 0  # groups this router streams from it now
 
+    down_since: float | None = None  # time.monotonic() of the first failed poll in a row
+
     def down(self, reason: str) -> None:
         if self.up:
             log.warning("%s worker %s is down: %s", self.role, self.url, reason)
+        if self.down_since is None:
+            self.down_since = time.monotonic()
         self.up, self.reason = False, reason
 
     @property
@@ -77,6 +81,16 @@ class Worker:
 
 def _why(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+
+
+def _client_param(param: str | None) -> str | None:
+    """``specs.0.params.max_tokens`` -> ``max_tokens``; ``specs.0.token_ids`` -> ``prompt``."""
+    if not param or not param.startswith("specs."):
+        return param
+    rest = param.split(".", 2)[2] if param.count(".") >= 2 else ""
+    if rest.startswith("params."):
+        return rest[len("params."):]
+    return "prompt" if rest == "token_ids" else rest or None
 
 
 def _error_of(resp_body: bytes) -> tuple[str, str | None, str | None]:
@@ -96,7 +110,8 @@ class Router:
     def __init__(self, decode: Sequence[str], prefill: Sequence[str] = (), *,
                  model_dir: str | Path, api_key: str | None = None,
                  poll_interval: float = 0.5, wait_s: float = 300.0,
-                 request_timeout: float = 10.0) -> None:
+                 request_timeout: float = 10.0, stream_deadline: float = 15.0,
+                 admit_timeout: float = 120.0) -> None:
         if not decode:
             raise RouterConfigError("the router needs at least one --decode URL")
         urls = [u.rstrip("/") for u in (*decode, *prefill)]
@@ -114,6 +129,11 @@ class Router:
         self.poll_interval = poll_interval
         self.wait_s = wait_s
         self.request_timeout = request_timeout
+        # A worker that has answered no poll for this long has its open streams ended with
+        # an error (a host that died without closing its connections sends nothing more).
+        self.stream_deadline = stream_deadline
+        self.admit_timeout = admit_timeout  # for the worker to take (or refuse) a request
+        self._background: set[asyncio.Task] = set()
         self.tokenizer = Tokenizer(self.model_dir)
         self.info: BackendInfo = None  # type: ignore[assignment]  # set by connect()
         self._defaults: dict[str, Any] = {}
@@ -253,22 +273,28 @@ class Router:
         if any(rid in self._groups for rid in ids):
             raise ValueError(f"request id {request_id!r} is already in use")
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        body = {"request_id": request_id, "specs": [
-            {"token_ids": s.token_ids, "params": params_to_wire(s.params), "prompt": s.prompt}
-            for s in specs]}
-        size = sum(len(s.token_ids) for s in specs)
+        # n samples of one prompt share its token list: it crosses the wire once.
+        first_of: dict[int, int] = {}
+        wire_specs: list[dict[str, Any]] = []
+        for i, s in enumerate(specs):
+            k = first_of.setdefault(id(s.token_ids), i)
+            ref: dict[str, Any] = ({"token_ids": s.token_ids} if k == i
+                                   else {"same_as": k})
+            wire_specs.append({**ref, "params": params_to_wire(s.params), "prompt": s.prompt})
+        body = {"request_id": request_id, "specs": wire_specs}
+        size = sum(len(s["token_ids"]) for s in wire_specs if "token_ids" in s)
         # A long prompt's JSON is built off the event loop (no request's size may hold up
         # another's stream).
         content = (await asyncio.to_thread(json.dumps, body) if size > 2048
                    else json.dumps(body))
-        resp, worker = await self._open(content)
+        resp, worker = await self._open(content)  # counted in its in_flight from here
         group = RequestGroup(ids, self.abort, self._closed)
         group.remote_hits = [None] * n
         assembler = OutputAssembler(ids, [s.token_ids for s in specs],
                                     [s.prompt for s in specs], arrival)
         assembler.admitted()
-        worker.in_flight += 1
         task = asyncio.ensure_future(self._pump(group, assembler, resp, worker))
+        task.add_done_callback(lambda _: self._release(worker, resp))
         for rid in ids:
             self._groups[rid] = (group, task, worker)
         return group
@@ -279,21 +305,33 @@ class Router:
         tried: list[str] = []
         overloaded = False
         for w in self._candidates():
+            w.in_flight += 1  # before the wait, so concurrent requests spread out
             try:
                 req = self._client.build_request(
                     "POST", w.url + "/internal/v1/generate", content=content,
                     headers={"Content-Type": "application/json"})
-                resp = await self._client.send(req, stream=True)
-            except httpx.HTTPError as e:
+                resp = await asyncio.wait_for(self._client.send(req, stream=True),
+                                              self.admit_timeout)
+            except (httpx.HTTPError, asyncio.TimeoutError) as e:
+                w.in_flight -= 1
+                if isinstance(e, asyncio.TimeoutError):
+                    tried.append(f"{w.url} (took no request in {self.admit_timeout:g} s)")
+                    continue
                 w.down(_why(e))
                 tried.append(f"{w.url} ({w.reason})")
                 continue
+            except BaseException:
+                w.in_flight -= 1
+                raise
             if resp.status_code == 200:
                 return resp, w
+            w.in_flight -= 1
             raw = await resp.aread()
             await resp.aclose()
             message, param, code = _error_of(raw)
             if resp.status_code == 400:
+                # The relay's field names, as the client named them.
+                param = _client_param(param)
                 raise ValidationError(message, param)
             if resp.status_code == 503 and code == "overloaded":
                 overloaded = True
@@ -306,6 +344,9 @@ class Router:
             if resp.status_code == 401:
                 raise EngineError(f"decode worker {w.url} refused the router's API key: give "
                                   "the router the workers' --api-key")
+            if resp.status_code == 413:
+                raise ValidationError(f"the request is too large for decode worker {w.url} "
+                                      f"({message})", "prompt")
             raise EngineError(f"decode worker {w.url} answered {resp.status_code}: {message}")
         if overloaded:
             raise EngineOverloaded("every decode worker is at its waiting limit: "
@@ -332,6 +373,8 @@ class Router:
                     continue
                 if line.startswith('{"error"'):
                     err = json.loads(line)["error"]
+                    if not isinstance(err, dict):
+                        raise RelayError(f"malformed error line: {line[:200]}")
                     cls = EngineStopped if err.get("kind") == "stopped" else EngineError
                     group._put(cls(f"decode worker {worker.url}: {err.get('message')}"))
                     return
@@ -353,14 +396,21 @@ class Router:
             group._put(EngineError(
                 f"the decode worker {worker.url} went away while streaming this response "
                 f"({_why(e)}); the response is incomplete"))
-        except (RelayError, ValueError, KeyError) as e:
+        except (RelayError, ValueError, KeyError, TypeError, AttributeError) as e:
             group._put(EngineError(f"decode worker {worker.url} sent an unusable line: "
                                    f"{_why(e)}"))
         except EngineError as e:
             group._put(e)
         finally:
-            worker.in_flight -= 1
             await resp.aclose()
+
+    def _release(self, worker: Worker, resp: httpx.Response) -> None:
+        """A relay ended (even one cancelled before it began): its count, its connection."""
+        worker.in_flight -= 1
+        if not resp.is_closed and self._loop is not None and not self._loop.is_closed():
+            t = self._loop.create_task(resp.aclose())  # the worker sees the client go
+            self._background.add(t)
+            t.add_done_callback(self._background.discard)
 
     def _notify(self, outputs: list[Any], finished: list[FinishedRequest]) -> None:
         snap = self.snapshot
@@ -383,7 +433,9 @@ class Router:
             if set(rids) >= group._open or group.finished:
                 task.cancel()
             elif self._loop is not None and self._client is not None:
-                self._loop.create_task(self._abort_remote(worker, rids))
+                t = self._loop.create_task(self._abort_remote(worker, rids))
+                self._background.add(t)
+                t.add_done_callback(self._background.discard)
 
     async def _abort_remote(self, worker: Worker, rids: list[str]) -> None:
         assert self._client is not None
@@ -409,7 +461,22 @@ class Router:
         assert self._client is not None
         while True:
             await asyncio.gather(*(self._poll_one(w) for w in self.workers))
+            self._end_streams_of_silent_workers()
             await asyncio.sleep(self.poll_interval)
+
+    def _end_streams_of_silent_workers(self) -> None:
+        now = time.monotonic()
+        for w in self.decode:
+            if w.up or w.down_since is None or now - w.down_since < self.stream_deadline:
+                continue
+            entries = {id(g): (g, t) for g, t, x in self._groups.values() if x is w}
+            for group, task in entries.values():
+                if not task.done():
+                    group._put(EngineError(
+                        f"the decode worker {w.url} stopped answering ({w.reason}) for "
+                        f"{now - w.down_since:.0f} s while streaming this response; the "
+                        "response is incomplete"))
+                    task.cancel()
 
     async def _poll_one(self, w: Worker) -> None:
         assert self._client is not None
@@ -428,7 +495,7 @@ class Router:
                 return
             if not w.up:
                 log.info("%s worker %s is up", w.role, w.url)
-            w.up, w.reason = True, None
+            w.up, w.reason, w.down_since = True, None, None
         except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:
             w.down(_why(e))
 

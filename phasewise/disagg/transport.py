@@ -22,7 +22,10 @@ of a peer without the key reaches the :class:`~phasewise.disagg.wire.FrameGate`.
 - liveness: any message refreshes the peer; one silent for ``heartbeat_deadline`` seconds is
   ``lost`` (a :class:`PeerEvent`; it becomes ``alive`` again if it speaks). A hello whose
   ``name`` was bound to another identity *replaces* that peer: the old identity's attempts are
-  forgotten (their later frames are ``foreign``) and the event lists them.
+  forgotten (their later frames are ``foreign``) and the event lists them. The server answers
+  each heartbeat, so a client knows how long the server has been silent
+  (``KVClient.silent_for``): a server that died, or restarted and no longer knows the
+  session, answers nothing.
 """
 
 from __future__ import annotations
@@ -599,6 +602,10 @@ class KVServer(_Endpoint):
             self._count("heartbeats")
             with self._lock:
                 s.queue = msg.queue
+            # Answered, so the client can tell this server is gone (or restarted: a new one
+            # does not know its session and answers nothing).
+            self._send_now(s.rid, [encode_message(Heartbeat(identity=self.identity,
+                                                            seq=msg.seq))])
             return
         if isinstance(msg, Bye):
             with self._lock:
@@ -647,6 +654,7 @@ class KVClient(_Endpoint):
         self.server_identity = ""
         self._inbox: queue.Queue[Any] = queue.Queue()
         self._interval = heartbeat_interval
+        self._last_heard = time.monotonic()
         self._load = load  # this worker's queue, sent with each heartbeat
         self._close_linger = close_linger
         self._seqs: dict[tuple[str, int], int] = {}
@@ -691,6 +699,7 @@ class KVClient(_Endpoint):
             raise HandshakeError(f"expected accept, got {acc.KIND!r}", "protocol")
         verify_accept(acc, hello, ch, secret=secret)
         self.server_identity = ch.server_identity
+        self._last_heard = time.monotonic()
 
     # ---- public API (any thread)
 
@@ -724,6 +733,11 @@ class KVClient(_Endpoint):
             self._pipe.push([b"send", *out])
         self.send(Done(request_id=request_id, epoch=epoch, num_frames=n))
         return n
+
+    @property
+    def silent_for(self) -> float:
+        """Seconds since the server last answered (it answers every heartbeat)."""
+        return time.monotonic() - self._last_heard
 
     def recv(self, timeout: float | None = None) -> Any | None:
         """The next message from the server (``PrefillRequest``, ``Abort``), or None."""
@@ -777,9 +791,13 @@ class KVClient(_Endpoint):
                         except zmq.Again:
                             break
                         try:
-                            self._inbox.put(decode_message(data))
+                            msg = decode_message(data)
                         except MessageError as e:
                             log.warning("malformed message from KV server: %s", e)
+                            continue
+                        self._last_heard = time.monotonic()
+                        if not isinstance(msg, Heartbeat):
+                            self._inbox.put(msg)
         except zmq.ZMQError as e:  # pragma: no cover - socket failure
             log.error("KV client I/O thread stopped: %s", e)
         finally:

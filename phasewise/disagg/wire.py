@@ -40,8 +40,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
-PROTOCOL_VERSION = 1
-"""Bumped on any change to a message's fields or meaning; peers must match exactly."""
+PROTOCOL_VERSION = 2
+"""Bumped on any change to a message's fields or meaning; peers must match exactly. 2: a
+heartbeat carries the sender's queue, and the server answers each one."""
 
 ROLES = ("prefill", "decode", "router")
 """Roles a client may claim in its hello."""

@@ -92,6 +92,11 @@ class _Delegate:
     def default_sampling_params(self, **overrides: Any) -> SamplingParams:
         return self.backend.default_sampling_params(**overrides)
 
+    async def add(self, specs: Sequence[PromptSpec], request_id: str,
+                  arrival_time: float | None = None) -> RequestGroup:
+        """Serve a group here, prefill and decode (a side may add to this)."""
+        return await self.backend.add(specs, request_id, arrival_time)
+
     def abort(self, request_ids: Sequence[str]) -> None:
         self.backend.abort(request_ids)
 
@@ -122,7 +127,7 @@ class DecodeSide(_Delegate):
 
     def __init__(self, backend: AsyncEngine, *, secret: bytes, bind: str = "tcp://127.0.0.1:0",
                  threshold: int = 0, queue_limit: int = 8,
-                 heartbeat_deadline: float = 5.0, request_timeout: float = 120.0) -> None:
+                 heartbeat_deadline: float = 5.0, request_timeout: float = 300.0) -> None:
         if threshold < 0:
             raise ValueError(f"threshold must be >= 0, got {threshold}")
         if queue_limit < 1:
@@ -160,11 +165,17 @@ class DecodeSide(_Delegate):
                 self._transfers.pop(rid, None)
             if attempt is not None:
                 self.server.gate.forget(rid)
-                self.server.abort(attempt[0], rid, attempt[1])
+                self._tell_abort(attempt[0], rid, attempt[1])
 
     @property
     def endpoint(self) -> str:
         return self.server.endpoint
+
+    def _tell_abort(self, peer: str, rid: str, epoch: int) -> None:
+        try:
+            self.server.abort(peer, rid, epoch)
+        except Exception as e:  # noqa: BLE001 - a peer that is gone computes nothing more
+            log.debug("abort of %s not sent to %s: %s", rid, peer, e)
 
     def _live_peers(self) -> list[str]:
         return [p for p in self.server.peers()
@@ -230,9 +241,16 @@ class DecodeSide(_Delegate):
             with self._lock:
                 self._attempts[rid] = (peer, 1)
                 self._transfers[rid] = Transfer(time.monotonic())
-            self.server.request_prefill(peer, PrefillRequest(
-                rid, 1, tuple(spec.token_ids), params_to_wire(spec.params),
-                -(-len(spec.token_ids) // bs), first_block=hit // bs))
+            try:  # the peer may have gone (closed, replaced) while the group was admitted
+                self.server.request_prefill(peer, PrefillRequest(
+                    rid, 1, tuple(spec.token_ids), params_to_wire(spec.params),
+                    -(-len(spec.token_ids) // bs), first_block=hit // bs))
+            except Exception as e:  # noqa: BLE001 - whatever it was, compute it here
+                self._fail(rid, f"the prefill request could not be sent ({e})")
+            else:
+                if self.server.peer_state(peer) not in ("accepted", "alive"):
+                    self._fail(rid, f"prefill worker {peer} is {self.server.peer_state(peer)}",
+                               tell_peer=True)
         return group
 
     def _land(self, peer: str, header: Any, payload: memoryview) -> None:
@@ -255,7 +273,7 @@ class DecodeSide(_Delegate):
             log.warning("remote prefill of %s failed (%s): computing it here", rid, why)
             self.server.gate.forget(rid)
             if tell_peer:  # it may still be computing: stop it
-                self.server.abort(attempt[0], rid, attempt[1])
+                self._tell_abort(attempt[0], rid, attempt[1])
             self.backend.fail_remote_prefill(rid)
 
     def _expire(self) -> None:
@@ -335,23 +353,46 @@ class DecodeSide(_Delegate):
         self.backend.shutdown(timeout)
 
 
-class PrefillSide(_Delegate):
-    """The prefill role: connects to a decode worker's K/V port, computes the prompts it is
-    sent and pushes their K/V. ``start(loop)`` runs it on that event loop (a server's);
-    ``start()`` on a loop of its own, on a thread. A ``ServingBackend`` too, so a server
-    fronts it (``/health``, ``/metrics``)."""
+class _Link:
+    """One decode worker's K/V port, as the prefill side holds it."""
 
-    def __init__(self, backend: AsyncEngine, connect: str, *, secret: bytes,
+    def __init__(self, endpoint: str, client: KVClient) -> None:
+        self.endpoint = endpoint
+        self.client = client
+
+
+class PrefillSide(_Delegate):
+    """The prefill role: connects to one or more decode workers' K/V ports, computes the
+    prompts they send and pushes their K/V back to the one that asked. ``start(loop)`` runs
+    it on that event loop (a server's); ``start()`` on a loop of its own, on a thread. A
+    ``ServingBackend`` too, so a server fronts it (``/health``, ``/metrics``)."""
+
+    def __init__(self, backend: AsyncEngine, connect: str | Sequence[str], *, secret: bytes,
                  name: str = "prefill", faults: Any = None,
-                 heartbeat_interval: float = 1.0) -> None:
+                 heartbeat_interval: float = 1.0, server_deadline: float = 5.0) -> None:
+        endpoints = [connect] if isinstance(connect, str) else list(connect)
+        if not endpoints or len(set(endpoints)) != len(endpoints):
+            raise ValueError(f"connect: one or more distinct K/V ports, got {endpoints}")
         self.backend = backend
         self.layout = layout_of(backend.engine)
+        self._client_args = dict(secret=secret, layout=self.layout, role="prefill", name=name,
+                                 faults=faults, heartbeat_interval=heartbeat_interval,
+                                 load=self._queue_len)
+        # A decode worker silent this long (it died, or restarted and forgot this session)
+        # is connected to again, under the same name, with a new identity.
+        self.server_deadline = server_deadline
+        self.links: list[_Link] = []
+        try:
+            for e in endpoints:
+                self.links.append(_Link(e, KVClient(e, **self._client_args)))
+        except BaseException:
+            for link in self.links:
+                link.client.close()
+            raise
         backend.engine.kv_sink = self._ship
-        self._connect = connect
-        self.client = KVClient(connect, secret=secret, layout=self.layout, role="prefill",
-                               name=name, faults=faults, heartbeat_interval=heartbeat_interval,
-                               load=self._queue_len)
-        self._epochs: dict[str, int] = {}
+        self.reconnects = 0
+        # request id -> (the link it came on, its epoch)
+        self._epochs: dict[str, tuple[_Link, int]] = {}
         self._serving: dict[str, asyncio.Task] = {}  # request id -> its _serve task
         self._stop = threading.Event()
         self._started = threading.Event()
@@ -359,8 +400,57 @@ class PrefillSide(_Delegate):
         self._task: asyncio.Task | None = None
 
     @property
+    def client(self) -> KVClient:
+        """The first decode worker's connection."""
+        return self.links[0].client
+
+    @property
     def endpoint(self) -> str:
-        return self._connect
+        return ", ".join(link.endpoint for link in self.links)
+
+    @property
+    def is_alive(self) -> bool:
+        """The engine runs and some decode worker answers."""
+        return self.backend.is_alive and any(
+            link.client.silent_for <= self.server_deadline for link in self.links)
+
+    @property
+    def down_reason(self) -> str:
+        if not self.backend.is_alive:
+            return "the engine thread is not running"
+        return "no answer from the decode workers' K/V ports (reconnecting): " + "; ".join(
+            f"{link.endpoint} silent for {link.client.silent_for:.0f} s"
+            for link in self.links)
+
+    async def _reconnect(self, link: _Link) -> None:
+        """A decode worker went silent: hand-shake again (in a thread) until it answers."""
+        log.warning("the decode worker's K/V port %s has been silent for %.0f s; "
+                    "connecting again", link.endpoint, link.client.silent_for)
+        from phasewise.disagg.wire import HandshakeError
+
+        while not self._stop.is_set():
+            try:
+                new = await asyncio.to_thread(KVClient, link.endpoint, handshake_timeout=2.0,
+                                              **self._client_args)
+            except HandshakeError as e:
+                if e.field != "timeout":
+                    log.error("the decode worker's K/V port %s refused this worker: %s",
+                              link.endpoint, e)
+                await asyncio.sleep(1.0)
+                continue
+            if self._stop.is_set():  # closed while connecting
+                await asyncio.to_thread(new.close)
+                return
+            old, link.client = link.client, new
+            self.reconnects += 1
+            # What the silent decode worker asked for is nobody's now: stop computing it.
+            for rid, (owner, _) in list(self._epochs.items()):
+                task = self._serving.get(rid)
+                if owner is link and task is not None:
+                    task.cancel()
+            await asyncio.to_thread(old.close)
+            log.info("connected to the decode worker's K/V port %s again", link.endpoint)
+            return
 
     def _queue_len(self) -> int:
         """The prompts this worker holds (its heartbeats carry it to the decode side)."""
@@ -379,13 +469,19 @@ class PrefillSide(_Delegate):
 
     def _ship(self, rid: str, first: int, end: int, data: Any) -> None:
         """On the engine thread, right after a forward pass filled these blocks."""
-        epoch = self._epochs.get(rid)
-        if epoch is None:
+        held = self._epochs.get(rid)
+        if held is None:
             return
+        link, epoch = held
         bs = self.layout.block_size
-        self.client.send_kv(rid, epoch, first_block=first // bs, num_blocks=data.shape[2],
-                            first_token=first, num_tokens=end - first, layer_start=0,
-                            layer_end=data.shape[0], payload=kv_to_bytes(data))
+        try:
+            link.client.send_kv(rid, epoch, first_block=first // bs,
+                                num_blocks=data.shape[2], first_token=first,
+                                num_tokens=end - first, layer_start=0,
+                                layer_end=data.shape[0], payload=kv_to_bytes(data))
+        except RuntimeError as e:  # its connection closed under it (a reconnect, a stop):
+            # this request's K/V is lost, never the engine step it rode on
+            log.info("K/V of %s not sent: %s", rid, e)
 
     def _run(self) -> None:
         asyncio.run(self._main())
@@ -401,30 +497,41 @@ class PrefillSide(_Delegate):
     async def _receive(self) -> None:
         tasks: set[asyncio.Task] = set()
         try:
-            while not self._stop.is_set():
-                msg = await asyncio.to_thread(self.client.recv, 0.1)
-                if isinstance(msg, PrefillRequest):
-                    task = asyncio.ensure_future(self._serve(msg))
-                    tasks.add(task)
-                    task.add_done_callback(tasks.discard)
-                    self._serving[msg.request_id] = task
-                    task.add_done_callback(
-                        lambda _, rid=msg.request_id: self._serving.pop(rid, None))
-                elif isinstance(msg, Abort) and self._epochs.get(msg.request_id) == msg.epoch:
-                    serving = self._serving.get(msg.request_id)
-                    if serving is not None:  # its finally closes the group: an abort here
-                        serving.cancel()
+            await asyncio.gather(*(self._receive_from(link, tasks) for link in self.links))
         finally:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def _serve(self, req: PrefillRequest) -> None:
+    async def _receive_from(self, link: _Link, tasks: set[asyncio.Task]) -> None:
+        while not self._stop.is_set():
+            if link.client.silent_for > self.server_deadline:
+                await self._reconnect(link)
+                continue
+            msg = await asyncio.to_thread(link.client.recv, 0.1)
+            if isinstance(msg, PrefillRequest):
+                if msg.request_id in self._serving:  # another decode worker's, same id
+                    link.client.send(Error(msg.request_id, msg.epoch, "ValueError",
+                                           "request id already being prefilled here"))
+                    continue
+                task = asyncio.ensure_future(self._serve(msg, link))
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+                self._serving[msg.request_id] = task
+                task.add_done_callback(
+                    lambda _, rid=msg.request_id: self._serving.pop(rid, None))
+            elif isinstance(msg, Abort) and self._epochs.get(msg.request_id) == (link,
+                                                                                 msg.epoch):
+                serving = self._serving.get(msg.request_id)
+                if serving is not None:  # its finally closes the group: an abort here
+                    serving.cancel()
+
+    async def _serve(self, req: PrefillRequest, link: _Link) -> None:
         rid, epoch = req.request_id, req.epoch
         try:
             p = params_from_wire(req.params)
             first = dataclasses.replace(p, max_tokens=1, min_tokens=min(p.min_tokens, 1))
-            self._epochs[rid] = epoch
+            self._epochs[rid] = (link, epoch)
             group = await self.backend.add([PromptSpec(
                 list(req.token_ids), first,
                 export_kv_from=req.first_block * self.layout.block_size)], rid)
@@ -437,26 +544,28 @@ class PrefillSide(_Delegate):
                 group.close()
             if final is None or not final.token_ids:
                 raise RuntimeError("the prefill produced no token")
-            self.client.send_done(rid, epoch)
+            link.client.send_done(rid, epoch)
             lp = final.logprobs[0] if final.logprobs else None
-            self.client.send(FirstToken(rid, epoch, final.token_ids[0],
+            link.client.send(FirstToken(rid, epoch, final.token_ids[0],
                                         None if lp is None else {str(k): v
                                                                  for k, v in lp.items()}))
         except Exception as e:  # noqa: BLE001 - reported to the decode side, which recomputes
             log.warning("prefill of %s failed: %s", rid, e)
-            self.client.send(Error(rid, epoch, type(e).__name__, str(e)[:500]))
+            link.client.send(Error(rid, epoch, type(e).__name__, str(e)[:500]))
         finally:
             self._epochs.pop(rid, None)
 
     def close(self) -> None:
-        """Stop taking prompts and close the connection (a thread of its own also stops its
+        """Stop taking prompts and close the connections (a thread of its own also stops its
         engine)."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(30)
-        self.client.close()
+        for link in self.links:
+            link.client.close()
 
     def shutdown(self, timeout: float = 10.0) -> None:  # the server's, off its loop
         self._stop.set()
-        self.client.close()
+        for link in self.links:
+            link.client.close()
         self.backend.shutdown(timeout)

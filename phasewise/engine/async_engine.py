@@ -426,9 +426,9 @@ class AsyncEngine:
                                       kv_from_bytes(cmd.payload, cmd.dtype, cmd.shape))
                 return
             if isinstance(cmd, FinishRemotePrefill) and engine.remote_kv_complete(rid):
-                req.metrics.remote = cmd.timing
                 out = engine.finish_remote_prefill(
                     rid, cmd.token, None if cmd.logprobs is None else dict(cmd.logprobs))
+                req.metrics.remote = cmd.timing  # read when the request finishes
                 loop.call_soon_threadsafe(self._deliver, [(rid, out)])
                 self._count_remote("done")
                 return

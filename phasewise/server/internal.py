@@ -24,11 +24,13 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ValidationError as PydanticValidationError
 
 from phasewise.engine.backend import EngineError, EngineStopped, PromptSpec, ServingBackend
-from phasewise.server.errors import ApiError
+from phasewise.server.errors import ApiError, validation_error
 from phasewise.server.guard import access_record
 from phasewise.server.openai_format import timing
 from phasewise.server.relay import (MEDIA_TYPE, encode_error, encode_output, param_defaults,
@@ -41,9 +43,13 @@ _ID_PATTERN = r"^[A-Za-z0-9._:-]+$"
 
 
 class RelaySpec(BaseModel):
+    """One request: its prompt's ``token_ids``, or ``same_as``: the index of an earlier spec
+    whose prompt it shares (n samples of one prompt cross the wire once)."""
+
     model_config = ConfigDict(extra="forbid")
 
-    token_ids: list[int] = Field(min_length=1)
+    token_ids: list[int] | None = Field(default=None, min_length=1)
+    same_as: int | None = Field(default=None, ge=0)
     params: dict[str, Any]
     prompt: str | None = None
 
@@ -98,17 +104,26 @@ def add_internal_routes(app: FastAPI, backend: ServingBackend, routes: Routes, *
         backend.abort(body.request_ids)
         return {"aborted": len(body.request_ids)}
 
-    @app.post("/internal/v1/generate", include_in_schema=False, response_model=None)
-    async def generate(body: RelayRequest, request: Request) -> Response:
-        arrival = time.monotonic()
-        rec = access_record(request.scope)
-        rec.request_id = body.request_id
-        rec.prompt_tokens = sum(len(s.token_ids) for s in body.specs)
+    def parse(raw: bytes) -> tuple[RelayRequest, list[PromptSpec]]:
+        """On a worker thread: a body of n long prompts is work the size of the request."""
+        try:
+            body = RelayRequest.model_validate_json(raw)
+        except PydanticValidationError as e:
+            raise validation_error(RequestValidationError(e.errors())) from e
         routes._check_sequences(len(body.specs), 1)
-        specs = []
+        specs: list[PromptSpec] = []
         for i, s in enumerate(body.specs):
             where = f"specs.{i}"
-            ids = routes._ids(s.token_ids, f"{where}.token_ids")
+            if (s.token_ids is None) == (s.same_as is None):
+                raise ApiError(400, f"{where}: give exactly one of token_ids or same_as",
+                               param=where)
+            if s.token_ids is not None:
+                ids = routes._ids(s.token_ids, f"{where}.token_ids")
+            elif s.same_as < i:
+                ids = specs[s.same_as].token_ids
+            else:
+                raise ApiError(400, f"{where}.same_as must name an earlier spec (< {i})",
+                               param=f"{where}.same_as")
             try:
                 params = params_from_wire(s.params)
             except (ValueError, TypeError) as e:
@@ -116,6 +131,15 @@ def add_internal_routes(app: FastAPI, backend: ServingBackend, routes: Routes, *
             routes._budget(len(ids), params.max_tokens, f"{where}.token_ids",
                            f"{where}.params.max_tokens")
             specs.append(PromptSpec(ids, params, s.prompt))
+        return body, specs
+
+    @app.post("/internal/v1/generate", include_in_schema=False, response_model=None)
+    async def generate(request: Request) -> Response:
+        arrival = time.monotonic()
+        body, specs = await routes._off_loop(parse, await request.body())
+        rec = access_record(request.scope)
+        rec.request_id = body.request_id
+        rec.prompt_tokens = sum(len(s.token_ids) for s in specs)
         group = await routes._submit(specs, body.request_id, arrival)
 
         produced: dict[int, int] = {}

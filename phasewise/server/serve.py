@@ -67,7 +67,7 @@ def read_secret(path: str | None, role: str) -> bytes:
     return secret
 
 
-def _connect_prefill(engine: AsyncEngine, connect: str, secret: bytes, name: str,
+def _connect_prefill(engine: AsyncEngine, connect: list[str], secret: bytes, name: str,
                      wait_s: float) -> Any:
     """The prefill role's K/V connection. A decode worker that is still loading does not
     answer the handshake yet: retry (with a line every 10 s) until ``wait_s``; a refusal
@@ -82,18 +82,19 @@ def _connect_prefill(engine: AsyncEngine, connect: str, secret: bytes, name: str
             return PrefillSide(engine, connect, secret=secret, name=name)
         except HandshakeError as e:
             if e.field != "timeout" or time.monotonic() >= deadline:
-                raise ValueError(f"--kv-connect {connect}: {e}") from e
+                raise ValueError(f"--kv-connect {' '.join(connect)}: {e}") from e
             if time.monotonic() >= note:
-                log.info("waiting for the decode worker's K/V port at %s", connect)
+                log.info("waiting for the decode workers' K/V ports at %s", " ".join(connect))
                 note = time.monotonic() + 10
 
 
 def build_server(engine_config: EngineConfig, *, served_model_name: str | None = None,
                  log_interval_s: float = 5.0, role: str = "both",
-                 kv_bind: str = "tcp://127.0.0.1:8100", kv_connect: str | None = None,
+                 kv_bind: str = "tcp://127.0.0.1:8100",
+                 kv_connect: str | list[str] | None = None,
                  kv_secret: bytes | None = None, disagg_threshold: int = 0,
                  prefill_queue_limit: int = 8, kv_connect_wait_s: float = 300.0,
-                 remote_prefill_timeout: float = 120.0,
+                 remote_prefill_timeout: float = 300.0, kv_name: str | None = None,
                  **server_kwargs: Any) -> OpenAIServer:
     """Load the checkpoint and wire backend, metrics and HTTP app together.
 
@@ -101,9 +102,11 @@ def build_server(engine_config: EngineConfig, *, served_model_name: str | None =
     ``kv_bind``; prompts of at least ``disagg_threshold`` uncached tokens go to a connected
     prefill worker with fewer than ``prefill_queue_limit`` prompts queued; the rest, and every
     fault, are prefilled here) or ``prefill`` (connects to a decode worker's K/V port
-    ``kv_connect`` and computes the prompts it is sent)."""
+    ``kv_connect``, one or several, and computes the prompts each sends)."""
     if role not in ROLES:
         raise ValueError(f"--role must be one of {', '.join(ROLES)}; got {role!r}")
+    if isinstance(kv_connect, str):
+        kv_connect = [kv_connect]
     if role == "prefill" and not kv_connect:
         raise ValueError("--role prefill needs --kv-connect tcp://HOST:PORT, the decode "
                          "worker's K/V port")
@@ -141,8 +144,10 @@ def build_server(engine_config: EngineConfig, *, served_model_name: str | None =
                      f"prompts of {disagg_threshold}+ uncached tokens")
         else:
             backend = _connect_prefill(engine, kv_connect, kv_secret,
-                                       f"prefill@{socket.gethostname()}", kv_connect_wait_s)
-            log.info("prefill role: connected to the decode worker's K/V port %s", kv_connect)
+                                       kv_name or f"prefill@{socket.gethostname()}",
+                                       kv_connect_wait_s)
+            log.info("prefill role: connected to the decode worker's K/V port %s",
+                     " ".join(kv_connect))
     info = backend.info
     log.info("loaded %s (%.1f M parameters) in %.1f s", info.architecture,
              info.num_params / 1e6, time.monotonic() - t0)
