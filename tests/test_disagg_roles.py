@@ -58,6 +58,8 @@ def test_a_prefill_and_a_decode_worker_serve_the_openai_client(tmp_path):
         outcomes = {o: after_kill.get(("phasewise:remote_prefills_total", (("outcome", o),)))
                     for o in ("done", "failed")}
         assert outcomes == {"done": 1, "failed": 1}
+        assert after_kill[("phasewise:remote_prefill_failures_total",
+                           (("kind", "peer_lost"),))] == 1
         assert after_kill[("phasewise:kv_frames_total", (("outcome", "ok"),))] >= 1
         assert after_kill[("phasewise:remote_prefills_in_flight", ())] == 0
         # The one remote prefill that decoded on: its K/V bytes are the prompt's blocks.

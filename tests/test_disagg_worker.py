@@ -280,6 +280,7 @@ def test_a_prefill_worker_that_never_answers_is_timed_out_per_request(llama_dir)
             _wait_for_peer(decode)
             group = await decode.add([PromptSpec(PROMPT, GREEDY)], "late")
             out = (await asyncio.wait_for(collect(group), 60))[0]
+            assert decode.failures["timeout"] == 1 and sum(decode.failures.values()) == 1
             return out.token_ids, dict(decode_engine.remote_outcomes)
         finally:
             prefill.close()
@@ -419,6 +420,7 @@ def test_a_prefill_request_that_cannot_be_sent_is_computed_locally(llama_dir):
             decode.server.request_prefill = gone
             group = await decode.add([PromptSpec(PROMPT, GREEDY)], "gone")
             ids = (await asyncio.wait_for(collect(group), 60))[0].token_ids
+            assert decode.failures["send_failed"] == 1
             return ids, decode.num_attempts, decode_engine.num_open_groups
         finally:
             prefill.close()

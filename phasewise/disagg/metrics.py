@@ -75,7 +75,16 @@ class DisaggCollector:
             if p.state in ("accepted", "alive"):
                 queues.add_metric([self.model_name, p.name or identity],
                                   self.side._queue_of(identity, p.queue))
-        yield from (frames, refused, outcomes, in_flight, peers, local, queues)
+        kinds = CounterMetricFamily(
+            PREFIX + "remote_prefill_failures", "Remote prefills failed (and computed here) by "
+            "kind: error (the prefill worker said so), peer_lost / peer_replaced / "
+            "peer_closed, timeout (--remote-prefill-timeout), send_failed, peer_gone.",
+            labels=["model_name", "kind"])
+        with self.side._lock:
+            failures = dict(self.side.failures)
+        for kind, value in failures.items():
+            kinds.add_metric([self.model_name, kind], value)
+        yield from (frames, refused, outcomes, in_flight, peers, local, queues, kinds)
 
 
 _SECONDS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)

@@ -51,6 +51,11 @@ log = logging.getLogger("phasewise.disagg")
 # its uncached part shorter than the threshold; no prefill worker connected; every one at the
 # queue limit; no room in the decode engine to reserve its blocks.
 LOCAL_REASONS = ("short_prompt", "cached", "no_prefill_worker", "prefill_busy", "no_room")
+# Why a remote prefill was failed (and computed here): the prefill worker said so; it was
+# lost (silent), replaced (restarted) or closed; no first token within the deadline; the
+# request could not be sent, or its peer went away as it was.
+FAILURE_KINDS = ("error", "peer_lost", "peer_replaced", "peer_closed", "timeout",
+                 "send_failed", "peer_gone")
 
 
 @dataclasses.dataclass
@@ -142,6 +147,8 @@ class DecodeSide(_Delegate):
         self.threshold = threshold
         self.queue_limit = queue_limit
         self.missing_frames = 0  # frames a prefill worker's Done counted that never landed
+        # Failed hand-offs by kind (FAILURE_KINDS).
+        self.failures: dict[str, int] = dict.fromkeys(FAILURE_KINDS, 0)
         # Prompts prefilled here instead, by reason (see the module).
         self.local_prefills = dict.fromkeys(LOCAL_REASONS, 0)
         self.server = KVServer(bind, secret=secret, layout=self.layout, on_frame=self._land,
@@ -246,11 +253,12 @@ class DecodeSide(_Delegate):
                     rid, 1, tuple(spec.token_ids), params_to_wire(spec.params),
                     -(-len(spec.token_ids) // bs), first_block=hit // bs))
             except Exception as e:  # noqa: BLE001 - whatever it was, compute it here
-                self._fail(rid, f"the prefill request could not be sent ({e})")
+                self._fail(rid, f"the prefill request could not be sent ({e})",
+                           kind="send_failed")
             else:
                 if self.server.peer_state(peer) not in ("accepted", "alive"):
                     self._fail(rid, f"prefill worker {peer} is {self.server.peer_state(peer)}",
-                               tell_peer=True)
+                               tell_peer=True, kind="peer_gone")
         return group
 
     def _land(self, peer: str, header: Any, payload: memoryview) -> None:
@@ -265,10 +273,13 @@ class DecodeSide(_Delegate):
                 t.nbytes += len(payload)
                 t.frames += 1
 
-    def _fail(self, rid: str, why: str, tell_peer: bool = False) -> None:
+    def _fail(self, rid: str, why: str, tell_peer: bool = False,
+              kind: str = "error") -> None:
         with self._lock:
             attempt = self._attempts.pop(rid, None)
             self._transfers.pop(rid, None)
+            if attempt is not None:
+                self.failures[kind] = self.failures.get(kind, 0) + 1
         if attempt is not None:
             log.warning("remote prefill of %s failed (%s): computing it here", rid, why)
             self.server.gate.forget(rid)
@@ -283,7 +294,7 @@ class DecodeSide(_Delegate):
                     if now - t.sent_at > self.request_timeout]
         for rid in late:
             self._fail(rid, f"no first token within {self.request_timeout:g} s",
-                       tell_peer=True)
+                       tell_peer=True, kind="timeout")
 
     def _events(self) -> None:
         while not self._closed.is_set():
@@ -332,13 +343,15 @@ class DecodeSide(_Delegate):
                     if transfer is not None and self.on_transfer is not None:
                         self.on_transfer(transfer)
             elif isinstance(msg, Error):
-                self._fail(msg.request_id, f"the prefill worker said: {msg.reason}")
+                self._fail(msg.request_id, f"the prefill worker said: {msg.reason}",
+                           kind="error")
         elif isinstance(event, PeerEvent) and event.state in ("lost", "replaced",
                                                                 "closed"):
             with self._lock:
                 gone = [r for r, (p, _) in self._attempts.items() if p == event.peer]
             for rid in gone:
-                self._fail(rid, f"prefill worker {event.name or event.peer} {event.state}")
+                self._fail(rid, f"prefill worker {event.name or event.peer} {event.state}",
+                           kind=f"peer_{event.state}")
 
     def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
         self.backend.start(loop)
