@@ -6,6 +6,7 @@ output computed on the decode side."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 import pytest
@@ -45,6 +46,23 @@ def _wait_for_peer(decode: DecodeSide) -> None:
     while decode._prefill_peer()[0] is None:
         assert time.monotonic() < deadline, "the prefill worker never connected"
         time.sleep(0.01)
+
+
+@contextlib.asynccontextmanager
+async def connected(path):
+    """A decode side and a prefill side joined over 127.0.0.1; both stopped afterwards."""
+    decode_engine = async_engine(path)
+    decode_engine.start()
+    decode = DecodeSide(decode_engine, secret=SECRET)
+    prefill = PrefillSide(async_engine(path), decode.endpoint, secret=SECRET)
+    prefill.start()
+    try:
+        _wait_for_peer(decode)
+        yield decode_engine, decode, prefill
+    finally:
+        prefill.close()
+        decode.close()
+        await asyncio.to_thread(decode_engine.shutdown)
 
 
 def serve_through(path, prompts, *, prefill_kw=None, decode_kw=None, faults=None,
@@ -297,25 +315,15 @@ def test_n_samples_of_one_prompt_each_hand_off_and_match_colocated(llama_dir):
     own remote prefill (the later ones find the first's blocks in the decode side's prefix
     cache once they are in), and every output equals co-located serving's."""
     other = PROMPT[:20] + [7, 8, 9]
-    decode_engine = async_engine(llama_dir)
 
     async def main():
-        decode_engine.start()
-        decode = DecodeSide(decode_engine, secret=SECRET)
-        prefill = PrefillSide(async_engine(llama_dir), decode.endpoint, secret=SECRET)
-        prefill.start()
-        try:
-            _wait_for_peer(decode)
+        async with connected(llama_dir) as (decode_engine, decode, _):
             group = await decode.add([PromptSpec(PROMPT, GREEDY)] * 3
                                      + [PromptSpec(other, GREEDY)], "n3")
             outs = await asyncio.wait_for(collect(group), 60)
-            return [outs[i].token_ids for i in range(4)]
-        finally:
-            prefill.close()
-            decode.close()
-            await asyncio.to_thread(decode_engine.shutdown)
+            return [outs[i].token_ids for i in range(4)], decode_engine
 
-    got = asyncio.run(main())
+    got, decode_engine = asyncio.run(main())
     want = colocated(llama_dir, PROMPT)
     assert got[:3] == [want] * 3 and got[3] == colocated(llama_dir, other)
     assert decode_engine.remote_outcomes.get("done", 0) >= 1
@@ -404,30 +412,19 @@ def test_one_prefill_worker_serves_two_decode_workers(llama_dir):
 def test_a_prefill_request_that_cannot_be_sent_is_computed_locally(llama_dir):
     """The chosen prefill worker went away between the choice and the send (the send
     raises): the request is computed here, the caller gets its group, nothing leaks."""
-    decode_engine = async_engine(llama_dir)
+    def gone(peer, msg):
+        raise KeyError(f"no live KV peer {peer!r}")
 
     async def main():
-        decode_engine.start()
-        decode = DecodeSide(decode_engine, secret=SECRET)
-        prefill = PrefillSide(async_engine(llama_dir), decode.endpoint, secret=SECRET)
-        prefill.start()
-        try:
-            _wait_for_peer(decode)
-
-            def gone(peer, msg):
-                raise KeyError(f"no live KV peer {peer!r}")
-
+        async with connected(llama_dir) as (decode_engine, decode, _):
             decode.server.request_prefill = gone
             group = await decode.add([PromptSpec(PROMPT, GREEDY)], "gone")
             ids = (await asyncio.wait_for(collect(group), 60))[0].token_ids
             assert decode.failures["send_failed"] == 1
-            return ids, decode.num_attempts, decode_engine.num_open_groups
-        finally:
-            prefill.close()
-            decode.close()
-            await asyncio.to_thread(decode_engine.shutdown)
+            return ids, decode.num_attempts, decode_engine
 
-    ids, attempts, open_groups = asyncio.run(main())
+    ids, attempts, decode_engine = asyncio.run(main())
+    open_groups = decode_engine.num_open_groups
     assert ids == colocated(llama_dir, PROMPT)
     assert attempts == 0 and open_groups == 0
     assert decode_engine.remote_outcomes == {"failed": 1}
