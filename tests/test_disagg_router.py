@@ -211,3 +211,22 @@ def test_router_refuses_workers_of_another_checkpoint(model, tmp_path):
         assert "config_sha256" in out.stderr and "Traceback" not in out.stderr
     finally:
         worker.stop()
+
+
+def test_router_refuses_decode_workers_with_different_limits(model, tmp_path):
+    a = start_server(model, tmp_path / "a.log", "--log-interval", "0", "--max-model-len", "256")
+    b = None
+    try:
+        b = start_server(model, tmp_path / "b.log", "--log-interval", "0",
+                         "--max-model-len", "128")
+        out = subprocess.run(
+            [sys.executable, "-m", "phasewise.cli", "router", "--model", str(model),
+             "--decode", a.url, b.url, "--port", str(free_port()), "--wait", "20"],
+            capture_output=True, text=True, timeout=120)
+        assert out.returncode == 2, out.stderr
+        assert "max_model_len" in out.stderr and b.url in out.stderr
+        assert "Traceback" not in out.stderr
+    finally:
+        for p in (a, b):
+            if p is not None:
+                p.stop()

@@ -204,6 +204,21 @@ class Router:
                         f"{value}")
             w.up, w.reason = True, None
         first = infos[self.decode[0].url]
+        # One set of limits and sampling defaults for all of them (paths and machines may
+        # differ between hosts).
+        limits = ("architecture", "num_params", "max_model_len", "vocab_size", "max_waiting")
+
+        def shape(info: dict[str, Any]) -> dict[str, Any]:
+            return {**{k: info["info"].get(k) for k in limits},
+                    **{f"defaults.{k}": v for k, v in info["defaults"].items()}}
+
+        for w in self.decode[1:]:
+            a, b = shape(first), shape(infos[w.url])
+            diff = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+            if diff:
+                raise RouterConfigError(
+                    f"decode workers {self.decode[0].url} and {w.url} differ in "
+                    f"{', '.join(diff)}: start them with the same flags")
         base = dict(first["info"])
         base["description"] = (f"router over {len(self.decode)} decode and "
                                f"{len(self.prefill)} prefill worker(s)")

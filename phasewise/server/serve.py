@@ -81,7 +81,8 @@ def _connect_prefill(engine: AsyncEngine, connect: list[str], secret: bytes, nam
         try:
             return PrefillSide(engine, connect, secret=secret, name=name)
         except HandshakeError as e:
-            if e.field != "timeout" or time.monotonic() >= deadline:
+            # No answer yet, or a challenge pushed out by a flood of others: try again.
+            if e.field not in ("timeout", "nonce") or time.monotonic() >= deadline:
                 raise ValueError(f"--kv-connect {' '.join(connect)}: {e}") from e
             if time.monotonic() >= note:
                 log.info("waiting for the decode workers' K/V ports at %s", " ".join(connect))
