@@ -197,3 +197,23 @@ def test_cli_module_holds_no_command_logic():
     from phasewise import generate
 
     assert callable(generate.run) and callable(generate.roofline_lines)
+
+
+def test_a_bad_or_busy_kv_address_is_refused_before_loading(tmp_path, capsys):
+    import socket
+
+    secret = tmp_path / "kv.secret"
+    secret.write_text("0123456789abcdef0123")
+    with socket.socket() as s:  # a free port for the HTTP side
+        s.bind(("127.0.0.1", 0))
+        http_port = str(s.getsockname()[1])
+    base = ["serve", "--role", "decode", "--port", http_port, "--kv-secret-file", str(secret)]
+    assert main([*base, "--kv-bind", "127.0.0.1:8100"]) == 2
+    assert "must be tcp://HOST:PORT" in capsys.readouterr().err
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert main([*base, "--kv-bind", f"tcp://127.0.0.1:{port}"]) == 2
+        err = capsys.readouterr().err
+        assert "--kv-bind" in err and "already in use" in err and "loading" not in err

@@ -357,7 +357,11 @@ class KVServer(_Endpoint):
             self._router.setsockopt(zmq.LINGER, 0)
             self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)
             self._router.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
-            self._router.bind(_bind_address(bind))
+            try:
+                self._router.bind(_bind_address(bind))
+            except zmq.ZMQError as e:
+                raise ValueError(f"cannot listen on K/V address {bind!r}: {e.strerror} (give "
+                                 "tcp://HOST:PORT, with a port nothing else uses)") from e
             self.endpoint: str = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
             self._pipe = _Pipe(self._ctx, "server")
         except Exception:

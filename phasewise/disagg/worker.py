@@ -132,7 +132,7 @@ class DecodeSide(_Delegate):
 
     def __init__(self, backend: AsyncEngine, *, secret: bytes, bind: str = "tcp://127.0.0.1:0",
                  threshold: int = 0, queue_limit: int = 8,
-                 heartbeat_deadline: float = 5.0, request_timeout: float = 300.0) -> None:
+                 heartbeat_deadline: float = 2.0, request_timeout: float = 300.0) -> None:
         if threshold < 0:
             raise ValueError(f"threshold must be >= 0, got {threshold}")
         if queue_limit < 1:
@@ -382,7 +382,7 @@ class PrefillSide(_Delegate):
 
     def __init__(self, backend: AsyncEngine, connect: str | Sequence[str], *, secret: bytes,
                  name: str = "prefill", faults: Any = None,
-                 heartbeat_interval: float = 1.0, server_deadline: float = 5.0) -> None:
+                 heartbeat_interval: float = 0.5, server_deadline: float = 5.0) -> None:
         endpoints = [connect] if isinstance(connect, str) else list(connect)
         if not endpoints or len(set(endpoints)) != len(endpoints):
             raise ValueError(f"connect: one or more distinct K/V ports, got {endpoints}")

@@ -25,7 +25,8 @@ Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 
 OPEN_PATHS = frozenset({"/health", "/metrics", "/version", "/openapi.json"})
-QUIET_PATHS = frozenset({"/health", "/metrics"})  # logged only when they fail
+# Logged only when they fail: probes, scrapes and a router's polls.
+QUIET_PATHS = frozenset({"/health", "/metrics", "/internal/v1/load", "/internal/v1/info"})
 
 access_log = logging.getLogger("phasewise.access")
 

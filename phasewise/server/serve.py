@@ -108,6 +108,19 @@ def build_server(engine_config: EngineConfig, *, served_model_name: str | None =
         raise ValueError(f"--role must be one of {', '.join(ROLES)}; got {role!r}")
     if isinstance(kv_connect, str):
         kv_connect = [kv_connect]
+    import re
+
+    for url in ([kv_bind] if role == "decode" else []) + (kv_connect or []):
+        if not re.fullmatch(r"tcp://[^:/\s]+:\d{1,5}", url):
+            raise ValueError(f"K/V address {url!r} must be tcp://HOST:PORT")
+    if role == "decode":  # before the minutes a large model can take to load
+        host, port = kv_bind[len("tcp://"):].rsplit(":", 1)
+        if int(port):
+            try:
+                check_port("127.0.0.1" if host == "*" else host, int(port))
+            except ValueError as e:
+                raise ValueError(f"--kv-bind {kv_bind}: {e}".replace("--port", "--kv-bind")
+                                 ) from e
     if role == "prefill" and not kv_connect:
         raise ValueError("--role prefill needs --kv-connect tcp://HOST:PORT, the decode "
                          "worker's K/V port")
