@@ -81,10 +81,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
 
 
 def cmd_serve(a: argparse.Namespace) -> int:
-    import logging
-
-    logging.basicConfig(level=getattr(logging, a.log_level.upper()),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _logging(a.log_level)
     try:
         return _serve(a)
     except KeyboardInterrupt:  # Ctrl-C while loading: nothing to drain

@@ -38,9 +38,8 @@ class DisaggCollector:
             elif head == "refused" and rest:
                 refused.add_metric([self.model_name, rest], value)
         frames.add_metric([self.model_name, "unauthenticated"], counts.get("unauthenticated", 0))
-        with self.side._lock:
-            missing = self.side.missing_frames
-        frames.add_metric([self.model_name, "missing"], missing)
+        tallies = self.side.tallies()
+        frames.add_metric([self.model_name, "missing"], tallies.missing_frames)
         outcomes = CounterMetricFamily(
             PREFIX + "remote_prefills", "Remote prefills by how they ended: done (decoded on "
             "from the remote K/V), or computed here instead: failed (an error, a lost or "
@@ -63,9 +62,7 @@ class DisaggCollector:
             "under the threshold), no_prefill_worker, prefill_busy (every prefill worker at "
             "--prefill-queue-limit), no_room (no blocks to reserve). Fault fallbacks are "
             "remote_prefills{outcome!=done}.", labels=["model_name", "reason"])
-        with self.side._lock:
-            reasons = dict(self.side.local_prefills)
-        for reason, value in reasons.items():
+        for reason, value in tallies.local_prefills.items():
             local.add_metric([self.model_name, reason], value)
         queues = GaugeMetricFamily(
             PREFIX + "prefill_queue_depth", "Prompts each connected prefill worker holds "
@@ -80,9 +77,7 @@ class DisaggCollector:
             "kind: error (the prefill worker said so), peer_lost / peer_replaced / "
             "peer_closed, timeout (--remote-prefill-timeout), send_failed, peer_gone.",
             labels=["model_name", "kind"])
-        with self.side._lock:
-            failures = dict(self.side.failures)
-        for kind, value in failures.items():
+        for kind, value in tallies.failures.items():
             kinds.add_metric([self.model_name, kind], value)
         yield from (frames, refused, outcomes, in_flight, peers, local, queues, kinds)
 

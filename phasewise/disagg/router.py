@@ -122,8 +122,8 @@ class Router:
             raise RouterConfigError(f"a worker URL is listed twice: {urls}")
         if poll_interval <= 0:
             raise RouterConfigError(f"poll_interval must be > 0, got {poll_interval}")
-        self.decode = [Worker(u.rstrip("/"), "decode") for u in decode]
-        self.prefill = [Worker(u.rstrip("/"), "prefill") for u in prefill]
+        self.decode = [Worker(u, "decode") for u in urls[:len(decode)]]
+        self.prefill = [Worker(u, "prefill") for u in urls[len(decode):]]
         self.model_dir = Path(model_dir)
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.poll_interval = poll_interval

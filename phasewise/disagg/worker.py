@@ -69,6 +69,13 @@ class Transfer:
     frames: int = 0
 
 
+@dataclasses.dataclass(frozen=True)
+class Tallies:
+    local_prefills: dict[str, int]  # by LOCAL_REASONS
+    failures: dict[str, int]  # by FAILURE_KINDS
+    missing_frames: int
+
+
 class _Delegate:
     """A ``ServingBackend`` that is its ``AsyncEngine`` except where a side adds to it."""
 
@@ -214,6 +221,12 @@ class DecodeSide(_Delegate):
     @property
     def num_live_peers(self) -> int:
         return len(self._live_peers())
+
+    def tallies(self) -> Tallies:
+        """This side's counters, read together (for /metrics)."""
+        with self._lock:
+            return Tallies(dict(self.local_prefills), dict(self.failures),
+                           self.missing_frames)
 
     @property
     def num_attempts(self) -> int:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import re
 import socket
 import time
 from pathlib import Path
@@ -108,8 +109,6 @@ def build_server(engine_config: EngineConfig, *, served_model_name: str | None =
         raise ValueError(f"--role must be one of {', '.join(ROLES)}; got {role!r}")
     if isinstance(kv_connect, str):
         kv_connect = [kv_connect]
-    import re
-
     for url in ([kv_bind] if role == "decode" else []) + (kv_connect or []):
         if not re.fullmatch(r"tcp://[^:/\s]+:\d{1,5}", url):
             raise ValueError(f"K/V address {url!r} must be tcp://HOST:PORT")
