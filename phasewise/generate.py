@@ -91,12 +91,15 @@ def run(model: str, engine_kwargs: dict[str, Any], opts: GenerateOptions,
 def warm_up(llm: Any) -> None:
     """One greedy 2-token request, so that one-time costs (buffers, first kernel calls) stay
     out of the figures that follow; they are the steady state a server shows. Its prompt is
-    one token repeated, one row past the decode kernel's reach, so the prefill path a real
-    prompt takes is warm too (and no real prompt shares its prefix)."""
+    one token repeated, one row past the kernel's reach in the linear plan (65 rows when the
+    kernel takes every row count), so the prefill path a real prompt takes is warm too (and no real prompt shares its prefix)."""
     from phasewise import SamplingParams
+    from phasewise.model.linear import ALL_ROWS
 
     eng = llm.engine
-    rows = (eng.linear_plan.kernel_max_rows if eng.linear_plan is not None else 0) + 1
+    kernel_max = eng.linear_plan.kernel_max_rows if eng.linear_plan is not None else 0
+    # Past the fused decode layer's few rows the kernel's tiles take over: 65 rows warm them.
+    rows = 65 if kernel_max >= ALL_ROWS else kernel_max + 1
     rows = max(2, min(rows, eng.max_model_len - 2))
     filler = llm.tokenizer.encode(" ", add_special_tokens=False)[:1] or [0]
     llm.generate(filler * rows, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))

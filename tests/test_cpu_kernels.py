@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from phasewise.model import cpu_kernels
-from phasewise.model.linear import LinearDispatch, Upcast
+from phasewise.model.linear import ALL_ROWS, LinearDispatch, Upcast
 from phasewise.model.ops import CpuKernelOps, TorchOps
 
 needs_kernels = pytest.mark.skipif(cpu_kernels.load() is None,
@@ -50,16 +50,20 @@ def test_kernel_handles_leading_dims_and_strided_input():
 
 
 @needs_kernels
-def test_gemm_covers_several_blocks():
-    """Sizes past every blocking factor (96 rows, 256 of K, 256 weight rows per block)."""
-    x = torch.randn(200, 600).bfloat16()
+@pytest.mark.parametrize("fn", ["gemm_bf16", "linear_bf16"])
+def test_many_rows_cover_several_blocks(fn):
+    """Sizes past every blocking factor: for the GEMM 96 rows, 256 of K, 256 weight rows per
+    block; for the kernel's tiles, blocks of activation rows (512 KiB of fp32: 218 rows of
+    600) and an odd row count."""
+    x = torch.randn(501, 600).bfloat16()
     w = torch.randn(530, 600).bfloat16()
-    torch.testing.assert_close(cpu_kernels.gemm_bf16(x, w).float(), reference(x, w, None),
+    b = torch.randn(530).bfloat16()
+    torch.testing.assert_close(getattr(cpu_kernels, fn)(x, w, b).float(), reference(x, w, b),
                                rtol=2**-7, atol=0.03)
 
 
 @pytest.mark.parametrize("kernel_max,large", [(0, "torch"), (0, "upcast"), (8, "upcast"),
-                                              (4, "gemm")])
+                                              (4, "gemm"), (ALL_ROWS, "gemm")])
 def test_every_dispatch_plan_computes_the_same_function(kernel_max, large):
     if (kernel_max or large == "gemm") and cpu_kernels.load() is None:
         pytest.skip("CPU kernels unavailable")
@@ -84,7 +88,9 @@ def test_calibration_yields_a_valid_plan():
     d = LinearDispatch.calibrate(torch.randn(256, 128).bfloat16(), large_rows=32,
                                  kernel_rows=(4, 8))
     assert d.large in ("torch", "upcast", "gemm")
-    assert d.kernel_max_rows in (0, 1, 4, 8)
+    # up to a timed row count, or every row count if it never lost
+    assert d.kernel_max_rows in (0, 1, 4, 8, ALL_ROWS)
+    assert (d.describe() == "kernel for all row counts") == (d.kernel_max_rows == ALL_ROWS)
     assert d.timings and d.timings["torch"][32] > 0
     with pytest.raises(ValueError, match="large must be one of torch, upcast, gemm"):
         LinearDispatch(kernel_max_rows=0, large="magic")
@@ -116,8 +122,10 @@ def test_add_rms_norm_matches_torch(ops, with_delta):
 
 
 @needs_kernels
-def test_silu_mul_matches_torch(ops):
-    gu = torch.randn(3, 2 * 40).bfloat16()
+@pytest.mark.parametrize("inter", [40, 43, 5])  # whole vectors of 8, a tail, only a tail
+def test_silu_mul_matches_torch(ops, inter):
+    gu = (torch.randn(3, 2 * inter) * 4).bfloat16()
+    gu[0, :4] = torch.tensor([-100.0, 100.0, -88.5, 0.0])  # past exp's fp32 range, and zero
     torch.testing.assert_close(ops.silu_mul(gu).float(), TorchOps().silu_mul(gu).float(),
                                **BF16)
 
@@ -141,21 +149,36 @@ def test_rope_matches_torch_on_a_strided_view(ops):
 
 @needs_kernels
 @pytest.mark.parametrize("heads", [(4, 4), (14, 2), (6, 1)])
-def test_decode_attention_matches_torch(ops, heads):
+@pytest.mark.parametrize("hd,context", [(32, [0, 6, 13]),  # short contexts, head of 32
+                                        # several 64-key chunks and a partial block of 8 keys;
+                                        # heads with a tail past their 8-wide vectors, or two
+                                        # 64-wide output blocks
+                                        (36, [0, 69, 200]), (128, [130, 7, 64])])
+def test_decode_attention_matches_torch(ops, heads, hd, context):
     from phasewise.model.attention import AttentionMetadata
 
     n_heads, n_kv = heads
+    bs = 4
+    tables, next_block = [], 0
+    for c in context:  # distinct blocks, in a shuffled order
+        n = c // bs + 1
+        tables.append(list(range(next_block, next_block + n))[::-1])
+        next_block += n
     g = torch.Generator().manual_seed(2)
-    k_cache = torch.randn(12, 4, n_kv, 32, generator=g).bfloat16()
-    v_cache = torch.randn(12, 4, n_kv, 32, generator=g).bfloat16()
-    meta = AttentionMetadata.build(chunk_lens=[1, 1, 1], context_lens=[0, 6, 13],
-                                   block_tables=[[3], [0, 7], [1, 2, 4, 9]], block_size=4,
+    k_cache = torch.randn(next_block, bs, n_kv, hd, generator=g).bfloat16()
+    v_cache = torch.randn(next_block, bs, n_kv, hd, generator=g).bfloat16()
+    meta = AttentionMetadata.build(chunk_lens=[1] * len(context), context_lens=context,
+                                   block_tables=tables, block_size=bs,
                                    device=torch.device("cpu"))
-    q_full = torch.randn(3, n_heads + n_kv, 32, generator=g).bfloat16()
+    q_full = torch.randn(len(context), n_heads + n_kv, hd, generator=g).bfloat16() * 3
     q = q_full[:, :n_heads]  # strided, as in the model
-    ref = TorchOps().decode_attention(q, k_cache, v_cache, meta, 32**-0.5)
-    out = ops.decode_attention(q, k_cache, v_cache, meta, 32**-0.5)
-    torch.testing.assert_close(out.float(), ref.float(), rtol=2**-6, atol=2**-6)
+    # The reference in fp32 from the same bf16 inputs (torch's bf16 path rounds scores and
+    # probabilities to bf16 on the way; the kernel keeps them in fp32 and rounds once).
+    ref = TorchOps().decode_attention(q.float(), k_cache.float(), v_cache.float(), meta,
+                                      hd**-0.5)
+    out = ops.decode_attention(q, k_cache, v_cache, meta, hd**-0.5)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), ref, rtol=2**-7, atol=1e-3)
 
 
 @needs_kernels

@@ -3,14 +3,17 @@
 For bf16 weights on a CPU, four ways compute the same function:
 
 * ``torch``: ``F.linear`` in bf16 (fast where the CPU has native bf16 dot products);
-* ``kernel``: phasewise's AVX2 kernel (``cpu_kernels.c``), which streams each weight once at
-  close to memory speed; best for the few activation rows of a decode step;
+* ``kernel``: phasewise's AVX2 kernel (``cpu_kernels.c``): for the few rows of a decode step it
+  streams each weight once at close to memory speed; for more rows it runs register tiles
+  that widen bf16 weights in registers, read in place (near torch's fp32 GEMM speed on an
+  AVX2 CPU, at any row count);
 * ``upcast``: widen the weight to fp32 in a reused scratch buffer, then torch's fp32 GEMM;
 * ``gemm``: phasewise's packed GEMM (``cpu_kernels.c``), widening bf16 to fp32 while packing.
   The last two are for many rows (prefill) on CPUs whose bf16 GEMM is slow.
 
 ``LinearDispatch.calibrate`` times them on one of the model's own weights at engine start
-(about a second) and keeps a plan: the kernel up to a row count, the fastest of the others
+(one to three seconds on the reference checkpoint) and keeps a plan: the kernel up to a row
+count (or at every count, when it wins at the largest one timed), the fastest of the others
 above it. Every method accumulates in fp32, so they differ only in rounding order.
 """
 
@@ -27,6 +30,7 @@ from phasewise.model import cpu_kernels
 
 LinearFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 LARGE_METHODS = ("torch", "upcast", "gemm")
+ALL_ROWS = 2**31 - 1  # kernel_max_rows meaning "the kernel at every row count"
 
 
 def torch_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
@@ -84,14 +88,19 @@ class LinearDispatch:
         return "bf16" if method == "torch" else "fp32"
 
     def describe(self) -> str:
+        if self.kernel_max_rows >= ALL_ROWS:
+            return "kernel for all row counts"
         if self.kernel_max_rows:
             return (f"kernel for <= {self.kernel_max_rows} rows, {self.large} above")
         return f"{self.large} for all row counts"
 
     @classmethod
     def calibrate(cls, weight: torch.Tensor, large_rows: int = 256,
-                  kernel_rows: tuple[int, ...] = (16, 32, 64, 128)) -> LinearDispatch:
-        """Time the methods on ``weight`` ([N, K] bf16, CPU) and build a plan."""
+                  kernel_rows: tuple[int, ...] = (16, 32, 64, 128, 256, 512)
+                  ) -> LinearDispatch:
+        """Time the methods on ``weight`` ([N, K] bf16, CPU) and build a plan: the kernel
+        while it is at least as fast as the best other method at each of ``kernel_rows``
+        (ascending); if it never loses, at every row count."""
         k = weight.shape[1]
         gen = torch.Generator().manual_seed(0)
 
@@ -118,8 +127,11 @@ class LinearDispatch:
                 kernel_max = 1
                 for rows in kernel_rows:
                     timings["kernel"][rows] = seconds(cpu_kernels.linear_bf16, rows)
-                    timings[large][rows] = seconds(large_fn, rows)
+                    if rows not in timings[large]:
+                        timings[large][rows] = seconds(large_fn, rows)
                     if timings["kernel"][rows] > timings[large][rows]:
                         break
                     kernel_max = rows
+                else:
+                    kernel_max = ALL_ROWS
         return cls(kernel_max_rows=kernel_max, large=large, timings=timings)

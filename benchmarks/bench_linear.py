@@ -1,0 +1,110 @@
+"""The linear-layer methods of phasewise's CPU dispatch, side by side, on this machine.
+
+For each projection of the reference checkpoint's shape (qkv 896->1152, o 896->896, gate_up
+896->9728, down 4864->896, the LM head 896->32000) and each row count, it times:
+
+* ``kernel``: phasewise's C kernel (the streaming GEMV up to 6 rows, the 2x6 register tiles
+  above), bf16 weights in place;
+* ``gemm``: phasewise's packed GEMM (weights widened to fp32 while packed, per call);
+* ``upcast``: the weight widened to fp32 in a scratch buffer, then torch's fp32 GEMM;
+* ``torch-bf16``: ``F.linear`` on the bf16 weight (fast only where the CPU has bf16 dot
+  products: AVX512_BF16 / AMX);
+* ``torch-fp32``: ``F.linear`` on an fp32 copy of the weight (twice the bytes), the
+  machine's fp32 GEMM as a yardstick.
+
+Each method's calls cycle through enough copies of the weight (>= 96 MiB) that weights come
+from memory, as in a model's forward pass, not from the last-level cache; the methods run
+interleaved, round after round, and the median round counts, so the shared machine's drift
+hits them alike. It prints GFLOP/s, each method's ratio to ``torch-fp32``, and the plan the
+engine's calibration would pick here.
+
+    .venv/bin/python benchmarks/bench_linear.py [--rows 1 8 32 128 512] [--rounds 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+from phasewise.model import cpu_kernels
+from phasewise.model.linear import LinearDispatch, Upcast
+
+SHAPES = {"qkv": (1152, 896), "o": (896, 896), "gate_up": (9728, 896), "down": (896, 4864),
+          "lm_head": (32000, 896)}
+
+
+def methods() -> dict:
+    out = {}
+    if cpu_kernels.load() is not None:
+        out["kernel"] = cpu_kernels.linear_bf16
+        out["gemm"] = cpu_kernels.gemm_bf16
+    out["upcast"] = Upcast()
+    out["torch-bf16"] = lambda x, w, b: F.linear(x, w, b)
+    out["torch-fp32"] = None  # fp32 copies of the weights; see run()
+    return out
+
+
+def run(rows: list[int], rounds: int) -> None:
+    fns = methods()
+    names = list(fns)
+    print(f"{'shape':<8}{'rows':>6}" + "".join(f"{n:>12}" for n in names)
+          + "   (GFLOP/s; ratio to torch-fp32 in brackets)")
+    for shape, (n, k) in SHAPES.items():
+        copies = max(2, (96 << 20) // (n * k * 2))
+        ws = [torch.randn(n, k).bfloat16() for _ in range(copies)]
+        ws32 = [w.float() for w in ws[: max(2, copies // 2)]]  # the same bytes in fp32
+        for m in rows:
+            x = torch.randn(m, k).bfloat16()
+            x32 = x.float()
+            times: dict[str, list[float]] = {name: [] for name in names}
+            for _ in range(rounds):
+                for name in names:
+                    fn, weights, xin = fns[name], ws, x
+                    if name == "torch-fp32":
+                        fn, weights, xin = (lambda a, w, b: F.linear(a, w, b)), ws32, x32
+                    fn(xin, weights[0], None)  # warm
+                    t = time.perf_counter()
+                    for w in weights:
+                        fn(xin, w, None)
+                    times[name].append((time.perf_counter() - t) / len(weights))
+            rate = {name: 2 * m * n * k / statistics.median(t) / 1e9 for name, t in times.items()}
+            ref = rate["torch-fp32"]
+            cells = "".join(f"{rate[name]:>7.1f} x{rate[name] / ref:<3.1f}"[:12].rjust(12)
+                            for name in names)
+            print(f"{shape:<8}{m:>6}{cells}", flush=True)
+        del ws, ws32
+    plan = LinearDispatch.calibrate(torch.randn(*SHAPES["gate_up"]).bfloat16())
+    print(f"\nthe engine's calibration on this machine (gate_up weight): {plan.describe()}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 128, 512])
+    ap.add_argument("--rounds", type=int, default=4)
+    a = ap.parse_args()
+    flags = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("model name", "flags")):
+                    key, val = line.split(":", 1)
+                    if key.strip() == "flags":
+                        want = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16")
+                        val = " ".join(v for v in val.split() if v in want)
+                    flags += f"{key.strip()}: {val.strip()}; "
+                    if key.strip() == "flags":
+                        break
+    except OSError:
+        pass
+    print(f"machine: {flags}torch {torch.__version__}, {torch.get_num_threads()} threads",
+          file=sys.stderr)
+    run(a.rows, a.rounds)
+
+
+if __name__ == "__main__":
+    main()
