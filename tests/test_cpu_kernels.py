@@ -209,24 +209,40 @@ def test_fused_decode_layer_matches_op_by_op(tmp_path, arch, rows):
                                    device=torch.device("cpu"))
     ids = torch.randint(3, cfg.vocab_size, (rows,), generator=g)
     pos = torch.tensor(ctx)
+    class LayerByLayer(CpuKernelOps):  # the fused layer, called once per layer from Python
+        def decode_stack(self, *args, **kwargs):
+            return None
+
     outs = {}
-    for fused in (True, False):
-        model.ops = CpuKernelOps(LinearDispatch(kernel_max_rows=8, large="torch"),
-                                 fused_decode=fused)
+    for name, ops in (("stack", CpuKernelOps(LinearDispatch(kernel_max_rows=8, large="torch"))),
+                      ("layers", LayerByLayer(LinearDispatch(kernel_max_rows=8, large="torch"))),
+                      ("ops", CpuKernelOps(LinearDispatch(kernel_max_rows=8, large="torch"),
+                                           fused_decode=False))):
+        model.ops = ops
         kv = [(k.clone(), v.clone()) for k, v in caches]
         with torch.no_grad():
-            outs[fused] = (model(ids, pos, kv, meta), kv)
-    torch.testing.assert_close(outs[True][0].float(), outs[False][0].float(),
-                               rtol=0.02, atol=0.02)
-    for (k1, v1), (k2, v2) in zip(outs[True][1], outs[False][1]):
-        torch.testing.assert_close(k1.float(), k2.float(), rtol=0.02, atol=0.02)
-        torch.testing.assert_close(v1.float(), v2.float(), rtol=0.02, atol=0.02)
-    # The fused path was really taken (it caches per-layer arguments).
-    fused_ops = CpuKernelOps(LinearDispatch(kernel_max_rows=8, large="torch"))
-    model.ops = fused_ops
-    with torch.no_grad():
-        model(ids, pos, [(k.clone(), v.clone()) for k, v in caches], meta)
-    assert len(fused_ops._layer_args) == cfg.num_layers
+            outs[name] = (model(ids, pos, kv, meta), kv)
+        if name == "stack":  # the one-call stack was really taken
+            assert ops._stack is not None and not ops._layer_args
+        if name == "layers":  # and here the per-layer fused call (it caches its arguments)
+            assert len(ops._layer_args) == cfg.num_layers
+    for name in ("stack", "layers"):
+        torch.testing.assert_close(outs[name][0].float(), outs["ops"][0].float(),
+                                   rtol=0.02, atol=0.02)
+        for (k1, v1), (k2, v2) in zip(outs[name][1], outs["ops"][1]):
+            torch.testing.assert_close(k1.float(), k2.float(), rtol=0.02, atol=0.02)
+            torch.testing.assert_close(v1.float(), v2.float(), rtol=0.02, atol=0.02)
+    # One call or one per layer, the same kernel: the same bits; also with an odd number of
+    # layers (the stack's output buffers alternate).
+    assert torch.equal(outs["stack"][0], outs["layers"][0])
+    model.layers = torch.nn.ModuleList(list(model.layers)[:1])
+    odd = {}
+    for name, ops in (("stack", CpuKernelOps(LinearDispatch(kernel_max_rows=8, large="torch"))),
+                      ("layers", LayerByLayer(LinearDispatch(kernel_max_rows=8, large="torch")))):
+        model.ops = ops
+        with torch.no_grad():
+            odd[name] = model(ids, pos, [(k.clone(), v.clone()) for k, v in caches[:1]], meta)
+    assert torch.equal(odd["stack"], odd["layers"])
 
 
 # -- the library's state and the numbers C and Python share ----------------------------------

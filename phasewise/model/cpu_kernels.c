@@ -1025,6 +1025,31 @@ int pw_decode_layer_bf16(const DecodeLayer *L) {
 }
 
 
+/* Every decoder layer of a decode step in one call: L[0] carries the step's fields (M,
+ * max_blocks, nthreads, bs, hidden, delta, slots, block_tables, seq_lens, cos, sin), which
+ * are copied into L[1..n-1]; each layer's caches come from k_caches/v_caches; outputs
+ * alternate between buf_a and buf_b (layer i writes buf_a if i is even, and layer i + 1 reads
+ * it as its delta). At batch 1 this replaces 24 calls from Python, each setting up its
+ * arguments, with one. Returns the first layer's error, or 0. */
+int pw_decode_stack_bf16(DecodeLayer *L, int n, uint16_t *const *k_caches,
+                         uint16_t *const *v_caches, uint16_t *buf_a, uint16_t *buf_b) {
+    for (int i = 0; i < n; i++) {
+        DecodeLayer *l = L + i;
+        if (i > 0) {
+            l->M = L->M; l->max_blocks = L->max_blocks; l->nthreads = L->nthreads; l->bs = L->bs;
+            l->hidden = L->hidden; l->slots = L->slots; l->block_tables = L->block_tables;
+            l->seq_lens = L->seq_lens; l->cos = L->cos; l->sin = L->sin;
+            l->delta = L[i - 1].out;
+        }
+        l->k_cache = k_caches[i];
+        l->v_cache = v_caches[i];
+        l->out = i % 2 == 0 ? buf_a : buf_b;
+        int rc = pw_decode_layer_bf16(l);
+        if (rc != 0) return rc;
+    }
+    return 0;
+}
+
 /* Read bandwidth probe: sums `n` bf16 words as fp32 with four streams per thread, the same
  * access pattern as the GEMV above. Returns the sum (so the reads cannot be optimized away). */
 float pw_stream_read_bf16(const uint16_t *buf, long n, int nthreads) {

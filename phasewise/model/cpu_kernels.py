@@ -101,6 +101,7 @@ def _signatures() -> dict[str, tuple[Any, list[Any]]]:
         "pw_rope_bf16": (None, [P, L, P, P, I, I, I]),
         "pw_decode_attention_bf16": (I, [P, L, P, P, P, I, P, P, I, I, I, I, I, F, I]),
         "pw_decode_layer_bf16": (I, [ctypes.POINTER(DecodeLayerArgs)]),
+        "pw_decode_stack_bf16": (I, [ctypes.POINTER(DecodeLayerArgs), I, P, P, P, P]),
         "pw_stream_read_bf16": (F, [P, L, I]),
         "pw_abi": (L, [ctypes.c_char_p]),
     }

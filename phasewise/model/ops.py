@@ -3,9 +3,11 @@
 ``TorchOps`` is the reference: torch operations, any device and dtype. ``CpuKernelOps``
 replaces the steps that dominate a CPU decode step with phasewise's C kernels when the
 tensors are bf16 on a CPU with AVX2: linear layers (through a calibrated ``LinearDispatch``),
-residual-add + RMSNorm, SiLU-and-multiply, RoPE, and decode attention over the paged cache.
-At the few rows of a decode step, a torch op costs more in dispatch than in arithmetic; each
-kernel replaces several of them. Anything a kernel does not cover falls back to ``TorchOps``.
+residual-add + RMSNorm, SiLU-and-multiply, RoPE, and decode attention over the paged cache;
+for decode-only steps of a few requests, a whole layer in one call (``decode_layer``) or all
+of them in one (``decode_stack``). At the few rows of a decode step, a torch op costs more in
+dispatch than in arithmetic; each kernel replaces several of them. Anything a kernel does
+not cover falls back to ``TorchOps``.
 """
 
 from __future__ import annotations
@@ -67,6 +69,13 @@ class TorchOps:
         op. Same contract as ``DecoderLayer.forward``."""
         return None
 
+    def decode_stack(self, layers: nn.ModuleList, hidden: torch.Tensor, rope: RopeTables,
+                     kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                     meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Every decoder layer of a decode-only step in one call, or None to run them one
+        by one. Returns (last layer's MLP output, residual stream before adding it)."""
+        return None
+
 
 class CpuKernelOps(TorchOps):
     def __init__(self, linear: LinearDispatch, fused_decode: bool = True) -> None:
@@ -76,6 +85,7 @@ class CpuKernelOps(TorchOps):
         self.dispatch = linear
         self.fused_decode = fused_decode and self.lib is not None
         self._layer_args: dict[int, cpu_kernels.DecodeLayerArgs] = {}
+        self._stack: tuple | None = None  # (layers, cache pointers, (args, k, v)) of decode_stack
 
     def _ok(self, *ts: torch.Tensor) -> bool:
         return self.lib is not None and all(
@@ -175,6 +185,55 @@ class CpuKernelOps(TorchOps):
         if rc != 0:
             raise RuntimeError(f"pw_decode_layer_bf16 failed ({rc})")
         return out, hidden
+
+    def decode_stack(self, layers: nn.ModuleList, hidden: torch.Tensor, rope: RopeTables,
+                     kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                     meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor] | None:
+        t = hidden.shape[0]
+        cos, sin = rope
+        if (not self.fused_decode or meta.num_decode_tokens != t or not layers
+                or t > self.kernels.decode_layer_max_rows or cos.dtype != torch.float32
+                or meta.decode_block_tables is None or meta.decode_seq_lens is None
+                or not self._ok(hidden) or len(kv_caches) != len(layers)
+                or not all(self._ok(k, v) for k, v in kv_caches)):
+            return None
+        stack = self._stack_args(layers, kv_caches)
+        if stack is None:
+            return None
+        args, k_ptrs, v_ptrs = stack
+        first = args[0]
+        bt = meta.decode_block_tables
+        first.M, first.max_blocks, first.nthreads = t, bt.shape[1], torch.get_num_threads()
+        first.bs = kv_caches[0][0].shape[1]
+        first.hidden, first.delta = hidden.data_ptr(), None
+        first.slots, first.block_tables = meta.slot_mapping.data_ptr(), bt.data_ptr()
+        first.seq_lens, first.cos, first.sin = (meta.decode_seq_lens.data_ptr(), cos.data_ptr(),
+                                                sin.data_ptr())
+        bufs = torch.empty(2, *hidden.shape, dtype=hidden.dtype)
+        rc = self.lib.pw_decode_stack_bf16(args, len(layers), ctypes.addressof(k_ptrs),
+                                           ctypes.addressof(v_ptrs), bufs[0].data_ptr(),
+                                           bufs[1].data_ptr())
+        if rc != 0:
+            raise RuntimeError(f"pw_decode_stack_bf16 failed ({rc})")
+        return bufs[(len(layers) - 1) % 2], hidden
+
+    def _stack_args(self, layers: nn.ModuleList,
+                    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple | None:
+        """The layers' argument structs as one C array, with the caches' pointers; built once
+        (and again if the caches move). None if any layer cannot be fused."""
+        ptrs = tuple((k.data_ptr(), v.data_ptr()) for k, v in kv_caches)
+        cached = getattr(self, "_stack", None)
+        if cached is not None and cached[0] is layers and cached[1] == ptrs:
+            return cached[2]
+        static = [self._static_args(layer) for layer in layers]
+        if any(a is None for a in static):
+            return None
+        args = (cpu_kernels.DecodeLayerArgs * len(layers))(*static)
+        n = len(layers)
+        k_ptrs = (ctypes.c_void_p * n)(*(p[0] for p in ptrs))
+        v_ptrs = (ctypes.c_void_p * n)(*(p[1] for p in ptrs))
+        self._stack = (layers, ptrs, (args, k_ptrs, v_ptrs))
+        return self._stack[2]
 
     def _static_args(self, layer: nn.Module) -> cpu_kernels.DecodeLayerArgs | None:
         """The per-layer fields (shapes, weight pointers); None if a weight is unsuitable."""

@@ -109,9 +109,13 @@ class CausalLM(nn.Module):
         ops = self.ops
         hidden = self.embed_tokens(input_ids)
         rope = ops.rope_tables(self.rope.cos, self.rope.sin, positions, hidden.dtype)
-        delta = None
-        for layer, (kc, vc) in zip(self.layers, kv_caches):
-            delta, hidden = layer(delta, hidden, rope, kc, vc, meta, ops)
+        stacked = ops.decode_stack(self.layers, hidden, rope, kv_caches, meta)
+        if stacked is not None:  # the whole decoder in one call (decode-only steps, CPU)
+            delta, hidden = stacked
+        else:
+            delta = None
+            for layer, (kc, vc) in zip(self.layers, kv_caches):
+                delta, hidden = layer(delta, hidden, rope, kc, vc, meta, ops)
         out, _ = ops.add_rms_norm(delta, hidden, self.norm.weight, self.cfg.rms_norm_eps)
         return out
 
