@@ -92,7 +92,8 @@ def warm_up(llm: Any) -> None:
     """One greedy 2-token request, so that one-time costs (buffers, first kernel calls) stay
     out of the figures that follow; they are the steady state a server shows. Its prompt is
     one token repeated, one row past the kernel's reach in the linear plan (65 rows when the
-    kernel takes every row count), so the prefill path a real prompt takes is warm too (and no real prompt shares its prefix)."""
+    kernel takes every row count), so the prefill path a real prompt takes is warm too (and
+    no real prompt shares its prefix)."""
     from phasewise import SamplingParams
     from phasewise.model.linear import ALL_ROWS
 

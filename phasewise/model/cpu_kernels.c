@@ -817,6 +817,35 @@ static int group_parts(int B, int n_kv, int group, int nthreads) {
     return parts;
 }
 
+/* One task of decode attention: request b = task / (n_kv * parts), KV head, and its share of
+ * that head's query group. q: rows of stride q_stride holding n_heads heads of hd (bf16);
+ * `mine`: this thread's scratch (2 * group * hd + att_scratch_floats(group, hd) floats).
+ * Writes the heads' outputs at (b * n_heads + head) * hd: bf16 into out_bf16, or the
+ * bf16-rounded fp32 value into out_f32. */
+static void attention_task(int task, int parts, int group, int n_heads, int n_kv, int hd,
+                           const uint16_t *q, long q_stride, float scale,
+                           const uint16_t *k_cache, const uint16_t *v_cache,
+                           const int64_t *block_tables, int max_blocks,
+                           const int64_t *seq_lens, int bs, float *mine, uint16_t *out_bf16,
+                           float *out_f32) {
+    int b = task / (n_kv * parts), kvh = task / parts % n_kv, part = task % parts;
+    int g0 = group * part / parts, g1 = group * (part + 1) / parts, G = g1 - g0;
+    float *qf = mine, *acc = qf + (long)group * hd, *work = acc + (long)group * hd;
+    for (int g = 0; g < G; g++) {
+        const uint16_t *qh = q + (long)b * q_stride + (long)(kvh * group + g0 + g) * hd;
+        for (int i = 0; i < hd; i++) qf[(long)g * hd + i] = bf16_to_f32(qh[i]) * scale;
+    }
+    attend_group(qf, G, k_cache, v_cache, block_tables + (long)b * max_blocks, (int)seq_lens[b],
+                 bs, n_kv, kvh, hd, work, acc);
+    for (int g = 0; g < G; g++) {
+        long o = ((long)b * n_heads + kvh * group + g0 + g) * hd;
+        for (int i = 0; i < hd; i++) {
+            if (out_bf16) out_bf16[o + i] = f32_to_bf16(acc[(long)g * hd + i]);
+            else out_f32[o + i] = round_bf16(acc[(long)g * hd + i]);
+        }
+    }
+}
+
 /* Decode attention over the paged cache: one query token per request.
  * q: [B][n_heads][hd] with row stride q_stride; caches: [blocks][bs][n_kv][hd];
  * block_tables: [B][max_blocks] int64; seq_lens: [B] int64 (keys to attend, incl. the new one);
@@ -830,22 +859,10 @@ int pw_decode_attention_bf16(const uint16_t *q, long q_stride, const uint16_t *k
     float *scratch = (float *)malloc(sizeof(float) * (size_t)per_task * nthreads);
     if (!scratch) return -1;
 #pragma omp parallel for num_threads(nthreads) schedule(dynamic)
-    for (int task = 0; task < B * n_kv * parts; task++) {
-        int b = task / (n_kv * parts), kvh = task / parts % n_kv, part = task % parts;
-        int g0 = group * part / parts, g1 = group * (part + 1) / parts, G = g1 - g0;
-        float *mine = scratch + per_task * omp_get_thread_num();
-        float *qf = mine, *acc = qf + (long)group * hd, *work = acc + (long)group * hd;
-        for (int g = 0; g < G; g++) {
-            const uint16_t *qh = q + (long)b * q_stride + (long)(kvh * group + g0 + g) * hd;
-            for (int i = 0; i < hd; i++) qf[(long)g * hd + i] = bf16_to_f32(qh[i]) * scale;
-        }
-        attend_group(qf, G, k_cache, v_cache, block_tables + (long)b * max_blocks,
-                     (int)seq_lens[b], bs, n_kv, kvh, hd, work, acc);
-        for (int g = 0; g < G; g++) {
-            uint16_t *oh = out + ((long)b * n_heads + kvh * group + g0 + g) * hd;
-            for (int i = 0; i < hd; i++) oh[i] = f32_to_bf16(acc[(long)g * hd + i]);
-        }
-    }
+    for (int task = 0; task < B * n_kv * parts; task++)
+        attention_task(task, parts, group, n_heads, n_kv, hd, q, q_stride, scale, k_cache,
+                       v_cache, block_tables, max_blocks, seq_lens, bs,
+                       scratch + per_task * omp_get_thread_num(), out, NULL);
     free(scratch);
     return 0;
 }
@@ -956,21 +973,11 @@ int pw_decode_layer_bf16(const DecodeLayer *L) {
         }
 
 #pragma omp for schedule(dynamic)
-        for (int task = 0; task < M * n_kv * parts; task++) {
-            int m = task / (n_kv * parts), kvh = task / parts % n_kv, part = task % parts;
-            int g0 = group * part / parts, g1 = group * (part + 1) / parts, G = g1 - g0;
-            float *mine = att + per_task * omp_get_thread_num();
-            float *qf = mine, *acc = qf + (long)group * hd, *work = acc + (long)group * hd;
-            for (int g = 0; g < G; g++) {
-                const uint16_t *qh = qkv + (long)m * QKV + (long)(kvh * group + g0 + g) * hd;
-                for (int i = 0; i < hd; i++) qf[(long)g * hd + i] = bf16_to_f32(qh[i]) * L->scale;
-            }
-            attend_group(qf, G, L->k_cache, L->v_cache, L->block_tables + (long)m * L->max_blocks,
-                         (int)L->seq_lens[m], L->bs, n_kv, kvh, hd, work, acc);
-            for (int g = 0; g < G; g++)
-                for (int i = 0; i < hd; i++)
-                    attn[(long)m * Q + (long)(kvh * group + g0 + g) * hd + i] = round_bf16(acc[(long)g * hd + i]);
-        }
+        for (int task = 0; task < M * n_kv * parts; task++)  /* attn[m][head][hd]: Q = heads * hd */
+            attention_task(task, parts, group, n_heads, n_kv, hd, qkv, QKV, L->scale,
+                           L->k_cache, L->v_cache, L->block_tables, L->max_blocks,
+                           L->seq_lens, L->bs, att + per_task * omp_get_thread_num(), NULL,
+                           attn);
 
         gemv_share(attn, M, L->w_o, Q, H, res);
 #pragma omp barrier

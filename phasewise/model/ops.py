@@ -194,8 +194,7 @@ class CpuKernelOps(TorchOps):
         if (not self.fused_decode or meta.num_decode_tokens != t or not layers
                 or t > self.kernels.decode_layer_max_rows or cos.dtype != torch.float32
                 or meta.decode_block_tables is None or meta.decode_seq_lens is None
-                or not self._ok(hidden) or len(kv_caches) != len(layers)
-                or not all(self._ok(k, v) for k, v in kv_caches)):
+                or not self._ok(hidden) or len(kv_caches) != len(layers)):
             return None
         stack = self._stack_args(layers, kv_caches)
         if stack is None:
@@ -220,11 +219,14 @@ class CpuKernelOps(TorchOps):
     def _stack_args(self, layers: nn.ModuleList,
                     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple | None:
         """The layers' argument structs as one C array, with the caches' pointers; built once
-        (and again if the caches move). None if any layer cannot be fused."""
+        (and again if the caches move); the caches and weights are checked when it is built.
+        None if any layer cannot be fused."""
         ptrs = tuple((k.data_ptr(), v.data_ptr()) for k, v in kv_caches)
         cached = getattr(self, "_stack", None)
         if cached is not None and cached[0] is layers and cached[1] == ptrs:
             return cached[2]
+        if not all(self._ok(k, v) for k, v in kv_caches):
+            return None
         static = [self._static_args(layer) for layer in layers]
         if any(a is None for a in static):
             return None
