@@ -130,6 +130,17 @@ def test_silu_mul_matches_torch(ops, inter):
                                **BF16)
 
 
+def test_silu_mul_at_the_ends_of_fp32(ops):
+    """Where e^-g overflows the gate's SiLU is -0 (times any finite u), whatever u's size;
+    NaN and infinities come out as torch's do. Whole vectors of 8 and the scalar tail."""
+    inf, nan = float("inf"), float("nan")
+    gate = [-100.0, -200.0, -1e30, -inf, nan, 100.0, 88.0, -88.0, -100.0]
+    up = [1.0, 1e30, 1.0, 1.0, 1.0, 2.0, 1.0, 1e38, 3.0]
+    gu = torch.tensor([gate + up]).bfloat16()
+    torch.testing.assert_close(ops.silu_mul(gu).float(), TorchOps().silu_mul(gu).float(),
+                               rtol=2**-7, atol=0.0, equal_nan=True)
+
+
 @needs_kernels
 def test_rope_matches_torch_on_a_strided_view(ops):
     from phasewise.model.config import RopeConfig
@@ -179,6 +190,32 @@ def test_decode_attention_matches_torch(ops, heads, hd, context):
     out = ops.decode_attention(q, k_cache, v_cache, meta, hd**-0.5)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), ref, rtol=2**-7, atol=1e-3)
+
+
+@needs_kernels
+@pytest.mark.parametrize("length", [8, 63, 64])  # whole vectors of 8 keys, or a scalar tail
+def test_decode_attention_keeps_a_nan(ops, length):
+    """A NaN in a key or a query makes its heads' output NaN, as in torch (the kernel's
+    vectorised exp and running max must not drop it)."""
+    from phasewise.model.attention import AttentionMetadata
+
+    bs, hd = 4, 16
+    n_blocks = length // bs + 1
+    g = torch.Generator().manual_seed(3)
+    k_cache = torch.randn(2 * n_blocks, bs, 1, hd, generator=g).bfloat16()
+    v_cache = torch.randn(2 * n_blocks, bs, 1, hd, generator=g).bfloat16()
+    k_cache[0, 3, 0, 5] = float("nan")  # request 0's 4th key
+    meta = AttentionMetadata.build(chunk_lens=[1, 1], context_lens=[length - 1] * 2,
+                                   block_tables=[list(range(n_blocks)),
+                                                 list(range(n_blocks, 2 * n_blocks))],
+                                   block_size=bs, device=torch.device("cpu"))
+    q = torch.randn(2, 2, hd, generator=g).bfloat16()
+    q[1, 1, 0] = float("nan")  # request 1's second head
+    out = ops.decode_attention(q, k_cache, v_cache, meta, hd**-0.5).float()
+    ref = TorchOps().decode_attention(q.float(), k_cache.float(), v_cache.float(), meta,
+                                      hd**-0.5)
+    assert torch.equal(out.isnan(), ref.isnan())
+    assert out[0].isnan().all() and out[1, 1].isnan().all() and not out[1, 0].isnan().any()
 
 
 @needs_kernels

@@ -595,10 +595,15 @@ static inline float silu_mul_rounded(float g, float u) {
 
 /* Eight at a time: exp by range reduction to r in [-ln2/2, ln2/2] (x = n ln2 + r, ln2 split
  * in two for exactness) and a degree-6 polynomial for e^r, then a scale by 2^n built in the
- * exponent bits; within ~2 ulp of expf over the clamped range, where e^x under- or overflows
- * fp32 anyway. Scalar expf in these loops took ~15 ns per element. */
+ * exponent bits; within ~2 ulp of expf, inf where it overflows, NaN for NaN. Scalar expf in
+ * these loops took ~15 ns per element. */
 static inline __m256 exp8(__m256 x) {
-    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+    /* expf overflows to inf past 88.72; below -87.3 the result is the smallest normal
+     * instead of a denormal or 0, which no caller can tell apart (they add 1 to it, or sum
+     * it with e^0 = 1). The clamps take x as their second operand so that a NaN passes
+     * through (max/min return the second operand when either is NaN). */
+    __m256 overflow = _mm256_cmp_ps(x, _mm256_set1_ps(88.72f), _CMP_GT_OQ);
+    x = _mm256_min_ps(_mm256_set1_ps(88.3f), _mm256_max_ps(_mm256_set1_ps(-87.3f), x));
     __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504089f)),
                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
@@ -611,7 +616,8 @@ static inline __m256 exp8(__m256 x) {
     p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
     p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
     __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+    return _mm256_blendv_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e)), _mm256_set1_ps(INFINITY),
+                            overflow);
 }
 
 /* f32_to_bf16 for eight lanes, as fp32 (the rounded value) or as the 16-bit words. */
