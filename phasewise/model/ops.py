@@ -157,12 +157,7 @@ class CpuKernelOps(TorchOps):
     def decode_layer(self, layer: nn.Module, delta: torch.Tensor | None, hidden: torch.Tensor,
                      rope: RopeTables, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor] | None:
-        t = hidden.shape[0]
-        cos, sin = rope
-        if (not self.fused_decode or meta.num_decode_tokens != t
-                or t > self.kernels.decode_layer_max_rows or cos.dtype != torch.float32
-                or meta.decode_block_tables is None or meta.decode_seq_lens is None
-                or not self._ok(hidden, k_cache, v_cache)
+        if (not self._fusable_step(hidden, rope, meta) or not self._ok(k_cache, v_cache)
                 or (delta is not None and not self._ok(delta))):
             return None
         args = self._layer_args.get(id(layer))
@@ -172,15 +167,10 @@ class CpuKernelOps(TorchOps):
                 return None
             self._layer_args[id(layer)] = args
         out = torch.empty_like(hidden)
-        bt = meta.decode_block_tables
-        args.M, args.max_blocks, args.nthreads = t, bt.shape[1], torch.get_num_threads()
-        args.bs = k_cache.shape[1]
-        args.hidden, args.out = hidden.data_ptr(), out.data_ptr()
+        self._set_step_fields(args, hidden, rope, meta, k_cache.shape[1])
+        args.out = out.data_ptr()
         args.delta = delta.data_ptr() if delta is not None else None
         args.k_cache, args.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
-        args.slots, args.block_tables = meta.slot_mapping.data_ptr(), bt.data_ptr()
-        args.seq_lens, args.cos, args.sin = (meta.decode_seq_lens.data_ptr(), cos.data_ptr(),
-                                             sin.data_ptr())
         rc = self.lib.pw_decode_layer_bf16(ctypes.byref(args))
         if rc != 0:
             raise RuntimeError(f"pw_decode_layer_bf16 failed ({rc})")
@@ -189,25 +179,15 @@ class CpuKernelOps(TorchOps):
     def decode_stack(self, layers: nn.ModuleList, hidden: torch.Tensor, rope: RopeTables,
                      kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                      meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor] | None:
-        t = hidden.shape[0]
-        cos, sin = rope
-        if (not self.fused_decode or meta.num_decode_tokens != t or not layers
-                or t > self.kernels.decode_layer_max_rows or cos.dtype != torch.float32
-                or meta.decode_block_tables is None or meta.decode_seq_lens is None
-                or not self._ok(hidden) or len(kv_caches) != len(layers)):
+        if (not layers or len(kv_caches) != len(layers)
+                or not self._fusable_step(hidden, rope, meta)):
             return None
         stack = self._stack_args(layers, kv_caches)
         if stack is None:
             return None
         args, k_ptrs, v_ptrs = stack
-        first = args[0]
-        bt = meta.decode_block_tables
-        first.M, first.max_blocks, first.nthreads = t, bt.shape[1], torch.get_num_threads()
-        first.bs = kv_caches[0][0].shape[1]
-        first.hidden, first.delta = hidden.data_ptr(), None
-        first.slots, first.block_tables = meta.slot_mapping.data_ptr(), bt.data_ptr()
-        first.seq_lens, first.cos, first.sin = (meta.decode_seq_lens.data_ptr(), cos.data_ptr(),
-                                                sin.data_ptr())
+        self._set_step_fields(args[0], hidden, rope, meta, kv_caches[0][0].shape[1])
+        args[0].delta = None  # the first layer has no previous output to add
         bufs = torch.empty(2, *hidden.shape, dtype=hidden.dtype)
         rc = self.lib.pw_decode_stack_bf16(args, len(layers), ctypes.addressof(k_ptrs),
                                            ctypes.addressof(v_ptrs), bufs[0].data_ptr(),
@@ -215,6 +195,30 @@ class CpuKernelOps(TorchOps):
         if rc != 0:
             raise RuntimeError(f"pw_decode_stack_bf16 failed ({rc})")
         return bufs[(len(layers) - 1) % 2], hidden
+
+    def _fusable_step(self, hidden: torch.Tensor, rope: RopeTables,
+                      meta: AttentionMetadata) -> bool:
+        """Whether this step can run as fused decode layers: decode tokens only, few enough
+        rows, fp32 RoPE tables, the decode metadata built, bf16 hidden states."""
+        t = hidden.shape[0]
+        return (self.fused_decode and meta.num_decode_tokens == t
+                and t <= self.kernels.decode_layer_max_rows and rope[0].dtype == torch.float32
+                and meta.decode_block_tables is not None and meta.decode_seq_lens is not None
+                and self._ok(hidden))
+
+    @staticmethod
+    def _set_step_fields(args: cpu_kernels.DecodeLayerArgs, hidden: torch.Tensor,
+                         rope: RopeTables, meta: AttentionMetadata, block_size: int) -> None:
+        """The fields of a layer's arguments that change with each step (not the caches,
+        the delta or the output, which the callers set)."""
+        cos, sin = rope
+        bt = meta.decode_block_tables
+        args.M, args.max_blocks, args.nthreads = (hidden.shape[0], bt.shape[1],
+                                                  torch.get_num_threads())
+        args.bs, args.hidden = block_size, hidden.data_ptr()
+        args.slots, args.block_tables = meta.slot_mapping.data_ptr(), bt.data_ptr()
+        args.seq_lens, args.cos, args.sin = (meta.decode_seq_lens.data_ptr(), cos.data_ptr(),
+                                             sin.data_ptr())
 
     def _stack_args(self, layers: nn.ModuleList,
                     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple | None:
