@@ -1,9 +1,9 @@
 """Build, load and call the hand-written CPU kernels in ``cpu_kernels.c``.
 
 The C file is compiled on first use with the system's C compiler (gcc or cc) into a cache
-folder and loaded with ctypes; no torch headers are needed, so the build takes about a second.
-On a machine without a compiler or without AVX2/FMA, ``load()`` returns None and callers fall
-back to torch. The state (the library, whether loading was tried, why it failed, the limits the
+folder and loaded with ctypes; no torch headers are needed, so the build takes a few seconds,
+once. On a machine without a compiler or without AVX2/FMA, ``load()`` returns None and callers
+fall back to torch. The state (the library, whether loading was tried, why it failed, the limits the
 C side reports) lives in one ``KernelLibrary``, the module's ``KERNELS``.
 
 Numbers both sides need (the fused decode layer's row limit and head size, the layout of its
