@@ -27,7 +27,7 @@ from phasewise.engine.outputs import RequestOutput, StepStats, TextState
 from phasewise.engine.request import Request, RequestStatus
 from phasewise.engine.sampler import Sampler
 from phasewise.engine.sampling_params import SamplingParams
-from phasewise.engine.scheduler import Scheduler, SchedulerConfig, is_decode
+from phasewise.engine.scheduler import Scheduler, SchedulerConfig
 from phasewise.engine.validation import check_token_ids
 from phasewise.model.config import ModelConfig
 from phasewise.model.linear import LinearDispatch
@@ -35,7 +35,6 @@ from phasewise.model.ops import CpuKernelOps
 from phasewise.model.loader import load_model, resolve_dtype
 from phasewise.model.tokenizer import Tokenizer, load_generation_config
 from phasewise.perf.attribution import StepCostModel
-from phasewise.perf.roofline import Chunk
 
 DEFAULT_CPU_KV_MEMORY = 1 << 30
 DEFAULT_CPU_STEP_TOKENS = 256  # see EngineConfig.max_num_batched_tokens
@@ -342,15 +341,7 @@ class LLMEngine:
         self.stalled = not batch.requests and not batch.preempted
         if not batch.requests:
             return []
-        # The step's exact mix, read before update() advances the computed counts.
-        chunks, decodes = [], []
-        for req, n in zip(batch.requests, batch.num_tokens):
-            done = req.num_computed_tokens
-            if is_decode(req, n):
-                decodes.append(done + 1)
-            else:
-                chunks.append(Chunk(n, done, done + n == req.num_tokens))
-        cost = self.cost_model.predict(chunks, decodes)
+        cost = self.cost_model.predict(*batch.mix())  # before update() advances the counts
         tables = [self.kv.block_table(r.request_id) for r in batch.requests]
         try:
             exports = (self.connector.step_exports(batch.requests, batch.num_tokens)

@@ -38,6 +38,7 @@ from phasewise.cache.manager import KVCacheManager
 from phasewise.engine.finish import token_finish
 from phasewise.engine.request import Request, RequestStatus
 from phasewise.engine.validation import ValidationError, check_context
+from phasewise.perf.roofline import Chunk
 
 POLICIES = ("chunked", "prefill-first")
 
@@ -76,6 +77,20 @@ class ScheduledBatch:
     @property
     def total_tokens(self) -> int:
         return self.num_prefill_tokens + self.num_decode_tokens
+
+    def mix(self) -> tuple[list[Chunk], list[int]]:
+        """The step's exact mix, as the roofline prices it: each prompt chunk with its
+        context (and whether it reaches its request's last token, so samples), and each
+        decode's sequence length with its new token. Read it before ``update()`` advances
+        the computed counts."""
+        chunks, decodes = [], []
+        for req, n in zip(self.requests, self.num_tokens):
+            done = req.num_computed_tokens
+            if is_decode(req, n):
+                decodes.append(done + 1)
+            else:
+                chunks.append(Chunk(n, done, done + n == req.num_tokens))
+        return chunks, decodes
 
 
 def is_decode(req: Request, n: int) -> bool:
