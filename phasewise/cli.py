@@ -209,6 +209,74 @@ def cmd_measure(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_calibrate(a: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from phasewise.perf.calibrate import calibrate
+
+    kw = {k: v for k, v in (("dtype", a.dtype), ("device", a.device),
+                            ("kernels", a.kernels), ("block_size", a.block_size),
+                            ("max_num_batched_tokens", a.max_num_batched_tokens)) if v is not None}
+    cm, path = calibrate(_model_arg(a), engine_kwargs=kw, quick=a.quick, reps=a.reps,
+                         out=Path(a.out) if a.out else None, max_context=a.max_context)
+    print("\n".join(cm.describe()))
+    print(f"profile written to {path}")
+    return 0
+
+
+def cmd_simulate(a: argparse.Namespace) -> int:
+    from phasewise.perf.commands import run_simulate
+
+    return run_simulate(a, _sim_model(a))
+
+
+def cmd_plan(a: argparse.Namespace) -> int:
+    from phasewise.perf.commands import run_plan
+
+    return run_plan(a, _sim_model(a))
+
+
+def _sim_model(a: argparse.Namespace) -> str:
+    """A catalog name as given; else a checkpoint folder (default: the bundled model)."""
+    from phasewise.perf.models import CATALOG
+
+    if a.model is not None and a.model.lower() in CATALOG:
+        return a.model.lower()
+    return _model_arg(a)
+
+
+def _add_sim_args(p: argparse.ArgumentParser) -> None:
+    """What ``simulate`` and ``plan`` model: the model, the machine, one engine's limits."""
+    from phasewise.bench.options import add_workload_args
+    from phasewise.engine.scheduler import POLICIES
+
+    d = _engine_defaults()
+    p.add_argument("--model", default=None, help="catalog name (phasewise roofline --list) or "
+                   "a checkpoint folder (default: the bundled stdlib-coder)")
+    p.add_argument("--gpu", "--accelerator", dest="gpu", default="cpu-local",
+                   help="catalog key (phasewise roofline --list), or cpu-local / gpu-local: "
+                   "this machine as phasewise measure measured it (default: cpu-local)")
+    p.add_argument("--profile", default=None, help="a phasewise calibrate profile (default: "
+                   "the stored one for this model on this machine, with --gpu cpu-local)")
+    p.add_argument("--dtype", default="bf16", help="how the weights and K/V are stored")
+    p.add_argument("--link", default=None, help="P/D: the K/V link (catalog key; default: "
+                   "instant)")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--block-size", type=int, default=d["block_size"])
+    p.add_argument("--kv-cache-memory", default=None,
+                   help="K/V pool per engine (default: 1GiB on a CPU; on an accelerator 90%% "
+                   "of its memory less the weights)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="step budget (default: 256 on a CPU, 2048 on an accelerator)")
+    p.add_argument("--max-num-seqs", type=int, default=d["max_num_seqs"])
+    p.add_argument("--policy", default=d["policy"], choices=POLICIES)
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--prefill-queue-limit", type=int, default=8,
+                   help="P/D: prefill on the decode worker while every prefill queue is this "
+                   "long")
+    add_workload_args(p)
+
+
 def cmd_make_tiny(a: argparse.Namespace) -> int:
     from phasewise.model.tiny import make_tiny_checkpoint
 
@@ -400,6 +468,60 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--out", default=None, help="file to write (default: the cache folder)")
     m.add_argument("--quick", action="store_true",
                    help="fewer repetitions; never replaces a full measurement in the file")
+
+    ca = command("calibrate", "time the real engine over a grid of steps and fit the step "
+                 "cost model that simulate and plan use (a profile per model x machine)",
+                 cmd_calibrate)
+    ca.add_argument("--model", default=None,
+                    help="checkpoint folder (default: the bundled stdlib-coder)")
+    ca.add_argument("--dtype", default=None)
+    ca.add_argument("--device", default=None)
+    ca.add_argument("--kernels", default=None)
+    ca.add_argument("--block-size", type=int, default=None)
+    ca.add_argument("--max-num-batched-tokens", type=int, default=None,
+                    help="the largest step the grid holds (default: 544, --quick 160)")
+    ca.add_argument("--max-context", type=int, default=4096,
+                    help="the longest context the grid reaches (the model's own is the cap)")
+    ca.add_argument("--reps", type=int, default=3, help="steps timed per grid point (median)")
+    ca.add_argument("--quick", action="store_true", help="a small grid (a smoke test)")
+    ca.add_argument("--out", default=None, help="profile file (default: the cache folder's "
+                    "profiles/MODEL@MACHINE.json, which simulate and plan read)")
+
+    si = command("simulate", "serve a workload in virtual time: the real scheduler, step "
+                 "times from the cost model, the bench's summary", cmd_simulate)
+    _add_sim_args(si)
+    si.add_argument("--mode", default="colocated", choices=["colocated", "pd"])
+    si.add_argument("--replicas", type=int, default=1, help="co-located engines behind a router")
+    si.add_argument("--prefill", type=int, default=1, help="P/D: prefill workers")
+    si.add_argument("--decode", type=int, default=1, help="P/D: decode workers")
+    si.add_argument("--disagg-threshold", type=int, default=0,
+                    help="P/D: prompts with fewer uncached tokens prefill on the decode worker")
+
+    pl = command("plan", "search co-located and P/D deployments for the most goodput per "
+                 "accelerator under TTFT and TPOT SLOs; emit Kubernetes manifests", cmd_plan)
+    _add_sim_args(pl)
+    pl.add_argument("--budgets", type=int, nargs="+", default=[256, 512, 1024, 2048],
+                    help="step budgets to try")
+    pl.add_argument("--ratios", nargs="+", default=["1:1", "1:2", "2:1", "1:3", "3:1"],
+                    help="P/D prefill:decode ratios to try")
+    pl.add_argument("--thresholds", type=int, nargs="+", default=[0, 512, 1024],
+                    help="P/D disaggregation thresholds to try")
+    pl.add_argument("--no-pd", action="store_true", help="co-located candidates only")
+    pl.add_argument("--window", type=float, default=30.0,
+                    help="seconds of traffic simulated per rate (requests = rate x window, "
+                    "at least --num-prompts, at most 20000)")
+    pl.add_argument("--k8s-out", default=None, metavar="DIR",
+                    help="write the winner's Kubernetes manifests here")
+    pl.add_argument("--name", default="phasewise", help="manifests: prefix of every object")
+    pl.add_argument("--namespace", default=None)
+    pl.add_argument("--image", default="phasewise:latest",
+                    help="manifests: the container image (phasewise publishes none: build one)")
+    pl.add_argument("--model-pvc", default="phasewise-models",
+                    help="manifests: the PersistentVolumeClaim holding the checkpoints")
+    pl.add_argument("--model-path", default=None,
+                    help="manifests: the checkpoint folder in the container "
+                    "(default: /models/NAME)")
+    pl.add_argument("--cpus", type=int, default=2, help="manifests: CPUs per engine pod")
 
     t = command("make-tiny", "write a tiny random-weight checkpoint (HF layout)",
                 cmd_make_tiny)

@@ -14,12 +14,27 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--endpoint", default="/v1/completions", choices=["/v1/completions"],
                    help="completions only: prompts are token ids, so lengths are exact")
     p.add_argument("--model", default=None, help="model name to send (default: none)")
+    add_workload_args(p)
+    p.add_argument("--max-concurrency", type=int, default=None)
+    p.add_argument("--tokenizer", default=None,
+                   help="tokenizer.json for the prompts (default: the server's /tokenize)")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--no-ignore-eos", action="store_true",
+                   help="let requests stop at end-of-sequence (lengths become inexact)")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--header", nargs="+", default=[], metavar="KEY=VALUE")
+    p.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
+
+
+def add_workload_args(p: argparse.ArgumentParser) -> None:
+    """What is sent and when, the SLOs and where results go: shared by ``phasewise bench``
+    and the simulator (``phasewise simulate``, ``phasewise plan``), so one workload
+    description drives a real run and a simulated one."""
     p.add_argument("--num-prompts", type=int, default=100)
     p.add_argument("--request-rate", type=float, nargs="+", default=[math.inf],
                    help="requests/s (inf: all at once); several values make a sweep")
     p.add_argument("--burstiness", type=float, default=1.0,
                    help="gamma shape of the arrival gaps: 1 Poisson, <1 burstier")
-    p.add_argument("--max-concurrency", type=int, default=None)
     p.add_argument("--input-len", "--random-input-len", dest="input_len", default="256",
                    help="prompt tokens: N, uniform:LO-HI or normal:MEAN,STD")
     p.add_argument("--output-len", "--random-output-len", dest="output_len", default="64",
@@ -31,20 +46,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="JSONL of {arrival, prompt_len|prompt, output_len} (replaces the "
                         "synthetic workload)")
     p.add_argument("--trace-time-scale", type=float, default=1.0)
-    p.add_argument("--tokenizer", default=None,
-                   help="tokenizer.json for the prompts (default: the server's /tokenize)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--no-ignore-eos", action="store_true",
-                   help="let requests stop at end-of-sequence (lengths become inexact)")
     p.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS",
                    help="SLOs for goodput: ttft:MS tpot:MS e2el:MS")
-    p.add_argument("--api-key", default=None)
-    p.add_argument("--header", nargs="+", default=[], metavar="KEY=VALUE")
     p.add_argument("--label", default=None, help="name of this run in results and reports")
     p.add_argument("--result-file", "--result-filename", dest="result_file", default=None,
                    help="write the JSON result here (with a sweep: -rate<R> is added)")
     p.add_argument("--result-dir", default=None)
     p.add_argument("--save-result", action="store_true",
                    help="write the result even without --result-file (name from the label)")
-    p.add_argument("--disable-tqdm", action="store_true", help="no progress bar")

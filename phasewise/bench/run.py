@@ -77,7 +77,7 @@ def _headers(a: argparse.Namespace) -> dict[str, str]:
     return h
 
 
-def _result_path(a: argparse.Namespace, label: str, rate: float, sweep: bool) -> Path | None:
+def result_path(a: argparse.Namespace, label: str, rate: float, sweep: bool) -> Path | None:
     if not (a.result_file or a.save_result or a.result_dir):
         return None
     name = Path(a.result_file).name if a.result_file else f"{label}.json"
@@ -88,6 +88,15 @@ def _result_path(a: argparse.Namespace, label: str, rate: float, sweep: bool) ->
         Path(a.result_file).parent if a.result_file else Path("."))
     folder.mkdir(parents=True, exist_ok=True)
     return folder / name
+
+
+def save_result(a: argparse.Namespace, out: dict[str, Any], label: str, rate: float,
+                sweep: bool) -> None:
+    """Write one run's result where the flags say (nowhere without them), and say where."""
+    path = result_path(a, label, rate, sweep)
+    if path is not None:
+        path.write_text(json.dumps(out, indent=1, allow_nan=True))
+        print(f"result written to {path}")
 
 
 def main(a: argparse.Namespace) -> int:
@@ -151,10 +160,7 @@ def main(a: argparse.Namespace) -> int:
                   f"{_fmt(sm['mean_request_queue_time_ms'])}  prefill "
                   f"{_fmt(sm['mean_request_prefill_time_ms'])}  decode "
                   f"{_fmt(sm['mean_request_decode_time_ms'])}; steps {sm['engine_steps']}")
-        path = _result_path(a, label, rate, sweep)
-        if path is not None:
-            path.write_text(json.dumps(out, indent=1, allow_nan=True))
-            print(f"result written to {path}")
+        save_result(a, out, label, rate, sweep)
         summaries.append(out)
     if sweep:
         print("\n==== sweep ====")

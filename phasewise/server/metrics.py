@@ -113,6 +113,11 @@ class PrometheusMetrics:
         steps = Counter(PREFIX + "engine_steps", "Engine steps by token mix.",
                         labels + ["kind"], registry=r)
         self.steps = {kind: steps.labels(model_name, kind) for kind in _STEP_KINDS}
+        step_time = Histogram(PREFIX + "step_duration_seconds",
+                              "Engine step durations (schedule, forward pass, sampling) by "
+                              "token mix.", labels + ["kind"], buckets=_LATENCY_BUCKETS,
+                              registry=r)
+        self.step_time = {kind: step_time.labels(model_name, kind) for kind in _STEP_KINDS}
         step_tok = Counter(PREFIX + "step_tokens", "Tokens computed in engine steps by phase.",
                            labels + ["phase"], registry=r)
         self.step_prefill_tokens = step_tok.labels(model_name, "prefill")
@@ -135,6 +140,7 @@ class PrometheusMetrics:
                 finished: Sequence[FinishedRequest], snapshot: EngineSnapshot) -> None:
         if step is not None:
             self.steps[step_kind(step)].inc()
+            self.step_time[step_kind(step)].observe(step.duration_s)
             self.step_tokens.observe(step.num_tokens)
             self.step_prefill_tokens.inc(step.num_prefill_tokens)
             self.step_decode_tokens.inc(step.num_decode_tokens)

@@ -1,0 +1,272 @@
+"""The work behind ``phasewise calibrate``, ``simulate`` and ``plan`` (``cli.py`` parses their
+flags and calls these). What is modelled, and from where:
+
+* the model: a catalog name (``phasewise roofline --list``) or a checkpoint folder;
+* the machine: a catalog accelerator, or ``cpu-local`` / ``gpu-local`` (this machine as
+  ``phasewise measure`` measured it);
+* the step costs: ``--profile FILE``, else the profile ``phasewise calibrate`` stored for
+  this model on this machine (``cpu-local``), else efficiencies assumed for the accelerator
+  (said on the first line of the output).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from phasewise.bench.summary import parse_slo, text_table
+from phasewise.bench.workload import LengthDist, RequestSpec, build_workload, load_trace
+from phasewise.perf.costmodel import CostModel
+from phasewise.perf.models import ModelShape, lookup_model
+from phasewise.perf.simulate import Deployment, EngineSpec, kv_blocks_for, simulate
+
+CPU_KV_MEMORY = 1 << 30  # the engine's default K/V pool on CPU (engine.DEFAULT_CPU_KV_MEMORY)
+CPU_STEP_TOKENS, GPU_STEP_TOKENS = 256, 2048  # the engine's default step budgets
+GPU_MEMORY_FRACTION = 0.9  # of the accelerator's memory for weights and K/V, as on CUDA
+MAX_PLAN_REQUESTS = 20_000  # per simulated rate in plan's search
+
+
+def _say(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def model_shape(model: str) -> ModelShape:
+    p = Path(model)
+    if p.exists():
+        return ModelShape.from_path(p)
+    return lookup_model(model)
+
+
+def cost_model(model: str, gpu: str, profile: str | None, dtype: str = "bf16"
+               ) -> CostModel:
+    """The step cost model for ``model`` on ``gpu`` (see the module)."""
+    from phasewise.perf.calibrate import load_profile, profile_path
+    from phasewise.perf.hardware import lookup_accelerator
+
+    shape = model_shape(model)
+    if profile:
+        return load_profile(profile, shape)
+    if gpu == "cpu-local":
+        stored = profile_path(Path(model).name if Path(model).exists() else model)
+        if stored.exists():
+            return load_profile(stored, shape)
+    accel = lookup_accelerator(gpu)
+    compute = None
+    if gpu == "cpu-local":  # no native bf16 math on many CPUs: rate at the faster peak
+        compute = max(accel.peak_flops, key=accel.peak_flops.get)
+    cm = CostModel(shape, accel, dtype, compute_dtype=compute)
+    if gpu == "cpu-local":
+        cm.source = ("assumed efficiencies: no profile for this model on this machine "
+                     "('phasewise calibrate' fits one)")
+    return cm
+
+
+def engine_spec(cm: CostModel, a: argparse.Namespace) -> EngineSpec:
+    from phasewise.config import parse_memory
+
+    cpu = cm.accel.key == "cpu-local" or cm.accel.key.startswith("cpu")
+    if a.kv_cache_memory:
+        memory = float(parse_memory(a.kv_cache_memory))
+    elif cpu:
+        memory = float(CPU_KV_MEMORY)
+    else:
+        memory = cm.accel.mem_bytes * GPU_MEMORY_FRACTION - cm.body_bytes - cm.head_bytes
+        if memory <= 0:
+            raise ValueError(f"{cm.shape.name}'s weights do not fit in {cm.accel.name}'s "
+                             "memory with room for K/V")
+    blocks = kv_blocks_for(cm, memory, a.block_size)
+    max_len = a.max_model_len or cm.shape.max_position_embeddings or 4096
+    max_len = min(max_len, blocks * a.block_size - 1)
+    budget = a.max_num_batched_tokens or (CPU_STEP_TOKENS if cpu else GPU_STEP_TOKENS)
+    return EngineSpec(num_kv_blocks=blocks, max_num_batched_tokens=budget,
+                      max_num_seqs=a.max_num_seqs, max_model_len=max_len, policy=a.policy,
+                      block_size=a.block_size, enable_prefix_caching=not a.no_prefix_caching)
+
+
+def deployment(a: argparse.Namespace) -> Deployment:
+    from phasewise.perf.hardware import lookup_link
+
+    link = lookup_link(a.link) if a.link else None
+    return Deployment(a.mode, replicas=a.replicas, prefill=a.prefill, decode=a.decode,
+                      threshold=a.disagg_threshold, prefill_queue_limit=a.prefill_queue_limit,
+                      link=link)
+
+
+def workload_maker(a: argparse.Namespace, model: str):
+    """``make(rate, n=None)``: the workload flags' requests at ``rate`` (a trace: as given)."""
+    if a.num_prompts < 1:
+        raise ValueError(f"--num-prompts must be >= 1, got {a.num_prompts}")
+    dists = [LengthDist.parse(x) for x in (a.input_len, a.output_len, a.intruder_len)]
+    trace = _trace(a.trace, a.trace_time_scale, model) if a.trace else None
+
+    def make(rate: float, n: int | None = None) -> list[RequestSpec]:
+        if trace is not None:
+            return trace
+        return build_workload(n or a.num_prompts, dists[0], dists[1], request_rate=rate,
+                              burstiness=a.burstiness, intruder_fraction=a.intruder_fraction,
+                              intruder_len=dists[2], seed=a.seed)
+    return make
+
+
+def _trace(path: str, scale: float, model: str) -> list[RequestSpec]:
+    specs = load_trace(path, scale)
+    if any(s.prompt is not None and not s.prompt_len for s in specs):
+        tok = Path(model) / "tokenizer.json"
+        if not tok.exists():
+            raise ValueError(f"{path} gives prompts as text: simulating needs their lengths "
+                             "(prompt_len), or --model a checkpoint folder with a tokenizer")
+        from tokenizers import Tokenizer
+
+        t = Tokenizer.from_file(str(tok))
+        specs = [s if s.prompt is None or s.prompt_len else
+                 RequestSpec(s.index, s.arrival, len(t.encode(s.prompt).ids), s.output_len,
+                             s.intruder) for s in specs]
+    return specs
+
+
+# -- phasewise simulate -----------------------------------------------------------------------
+def run_simulate(a: argparse.Namespace, model: str) -> int:
+    cm = cost_model(model, a.gpu, a.profile, a.dtype)
+    eng = engine_spec(cm, a)
+    dep = deployment(a)
+    slo = parse_slo(a.goodput)
+    make = workload_maker(a, model)
+    label = a.label or "phasewise-simulate"
+    for line in cm.describe():
+        print(line)
+    print(f"deployment: {dep.describe()}; per engine: {eng.policy}, budget "
+          f"{eng.max_num_batched_tokens} tokens, {eng.max_num_seqs} sequences, "
+          f"{eng.num_kv_blocks} K/V blocks of {eng.block_size}, context {eng.max_model_len}")
+    from phasewise.bench.run import save_result
+
+    sweep = len(a.request_rate) > 1
+    for rate in a.request_rate:
+        if not rate > 0:
+            raise ValueError(f"--request-rate values must be > 0 (or inf), got {rate}")
+        specs = make(rate)
+        t0 = time.monotonic()
+        out = simulate(cm, eng, dep, specs, slo or None)
+        wall = time.monotonic() - t0
+        out.update({"label": label, "request_rate": rate if math.isfinite(rate) else "inf",
+                    "num_prompts": len(specs), "seed": a.seed, "input_len": a.input_len,
+                    "output_len": a.output_len, "intruder_fraction": a.intruder_fraction,
+                    "intruder_len": a.intruder_len if a.intruder_fraction else None,
+                    "trace": a.trace, "sweep": sweep, "model_id": model,
+                    "date": time.strftime("%Y%m%d-%H%M%S"), "simulation_wall_s": wall})
+        print(f"\n==== {label}: request rate {rate:g} req/s (simulated: {len(specs)} "
+              f"requests in {wall:.2f} s) ====")
+        print(text_table(out))
+        sim = out["simulated"]
+        for w in sim["workers"]:
+            print(f"{w['name']:<14} {w['role']:<8} busy {w['utilization']:6.1%}  steps "
+                  f"{w['steps']}  preemptions {w['preemptions']}")
+        if dep.mode == "pd":
+            print(f"remote prefills {sim['remote_prefills']}, local {sim['local_prefills']}, "
+                  f"mean wait for the last K/V byte after the prefill: "
+                  f"{_ms(sim['mean_transfer_wait_ms'])}")
+        save_result(a, out, label, rate, sweep)
+    return 0
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f} ms"
+
+
+# -- phasewise plan ---------------------------------------------------------------------------
+def run_plan(a: argparse.Namespace, model: str) -> int:
+    from phasewise.perf.plan import Workload, search, size, table
+
+    slo = parse_slo(a.goodput)
+    if not {"ttft", "tpot"} <= set(slo):
+        raise ValueError("plan needs both SLOs: --goodput ttft:MS tpot:MS")
+    cm = cost_model(model, a.gpu, a.profile, a.dtype)
+    eng = engine_spec(cm, a)
+    make = workload_maker(a, model)
+    if len(a.request_rate) != 1:
+        raise ValueError("plan takes one --request-rate: the traffic to size for (inf: size "
+                         "nothing)")
+    rate = a.request_rate[0]
+    window = a.window
+
+    def at(r: float) -> list[RequestSpec]:
+        # Enough requests that the rate holds for the window (a burst would measure a queue
+        # draining instead, and flatter whichever deployment spreads it over more workers):
+        # at least --num-prompts, at most MAX_PLAN_REQUESTS.
+        n = min(max(a.num_prompts, math.ceil(r * window)), MAX_PLAN_REQUESTS)
+        return make(r, n)
+
+    wl = Workload(at, rate if math.isfinite(rate) else None)
+    from phasewise.perf.hardware import lookup_link
+
+    link = lookup_link(a.link) if a.link else None
+    for line in cm.describe():
+        print(line)
+    budgets = sorted(set(a.budgets))
+    if any(b < 1 for b in budgets):
+        raise ValueError(f"--budgets must be >= 1, got {budgets}")
+    cands = search(cm, eng, wl, slo, budgets=budgets, ratios=_ratios(a.ratios),
+                   thresholds=sorted(set(a.thresholds)), link=link, pd=not a.no_pd,
+                   progress=_say)
+    print(f"\nSLO: TTFT <= {slo['ttft']:g} ms and TPOT <= {slo['tpot']:g} ms for >= 90% of "
+          "requests (DistServe's goodput); per accelerator: goodput / accelerators")
+    print(table(cands))
+    best = cands[0]
+    if best.goodput <= 0:
+        print("\nno deployment meets the SLO at any rate: loosen the SLO or use a faster "
+              "accelerator")
+        return 1
+    sized = size(best, wl, cm, slo)
+    print(f"\nbest: {best.label()}: {best.per_accelerator:.3g} req/s per accelerator")
+    dep = best.deployment
+    if sized is not None:
+        dep = sized.deployment
+        print(f"for {rate:g} req/s: {sized.units} unit(s): {dep.describe()}, "
+              f"{dep.accelerators} accelerators; simulated at that rate "
+              f"{sized.attainment:.0%} of requests meet both SLOs "
+              f"(TTFT p90 {sized.result['p90_ttft_ms']:.0f} ms, TPOT p90 "
+              f"{sized.result['p90_tpot_ms']:.1f} ms)")
+    if a.k8s_out:
+        paths = write_manifests(a, model, best, dep, eng, cm)
+        print(f"Kubernetes manifests written to {', '.join(map(str, paths))}")
+    return 0
+
+
+def _ratios(items: list[str]) -> list[tuple[int, int]]:
+    out = []
+    for item in items:
+        p, sep, d = item.partition(":")
+        if not sep or not p.isdigit() or not d.isdigit() or int(p) < 1 or int(d) < 1:
+            raise ValueError(f"--ratios takes P:D pairs of integers >= 1, e.g. 1:1 2:1; "
+                             f"got {item!r}")
+        out.append((int(p), int(d)))
+    return out
+
+
+def write_manifests(a: argparse.Namespace, model: str, best: Any, dep: Deployment,
+                    eng: EngineSpec, cm: CostModel) -> list[Path]:
+    from phasewise.perf.k8s import DeploySpec, RoleResources, write
+
+    gpu = 0 if cm.accel.key.startswith("cpu") else 1
+    mem_gib = math.ceil((cm.body_bytes + cm.head_bytes + eng.num_kv_blocks * eng.block_size
+                         * cm.kv_bytes_per_token) / 2**30 * 1.3) + 2
+    engine_role = RoleResources(cpu=str(a.cpus), memory=f"{mem_gib}Gi", gpus=gpu)
+    args = [("--policy", eng.policy), ("--max-num-batched-tokens", str(eng.max_num_batched_tokens)),
+            ("--max-num-seqs", str(eng.max_num_seqs)), ("--max-model-len", str(eng.max_model_len)),
+            ("--block-size", str(eng.block_size))]
+    if a.kv_cache_memory:
+        args.append(("--kv-cache-memory", a.kv_cache_memory))
+    if a.no_prefix_caching:
+        args.append(("--no-prefix-caching", ""))
+    name = Path(model).name if Path(model).exists() else model
+    spec = DeploySpec(
+        model_path=a.model_path or f"/models/{name}",
+        mode=dep.mode, replicas=dep.replicas, prefill=dep.prefill, decode=dep.decode,
+        name=a.name, namespace=a.namespace, image=a.image, model_pvc=a.model_pvc,
+        engine_args=tuple(args), disagg_threshold=dep.threshold,
+        resources={"both": engine_role, "prefill": engine_role, "decode": engine_role,
+                   "router": RoleResources(cpu="1", memory="2Gi")})
+    return write(spec, a.k8s_out)

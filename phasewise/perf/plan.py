@@ -1,0 +1,242 @@
+"""``phasewise plan``: which deployment serves a workload with the most goodput per accelerator.
+
+Goodput is DistServe's: the highest request rate at which at least 90% of requests meet both
+the TTFT and the TPOT SLO. ``goodput`` finds it for one deployment by simulating the workload
+at a rising rate (doubling until attainment falls below the bar, then bisecting), each rate
+with the same requests (lengths and intruders depend on the seed, not the rate).
+
+The search (``search``):
+
+* co-located: each scheduling policy, each step budget, one replica (replicas scale goodput
+  by their number: each takes its share of the traffic);
+* P/D: each prefill:decode ratio and each disaggregation threshold, one unit of that ratio.
+
+Candidates are ranked by goodput per accelerator. Each gets a verdict with its reason: the
+deployment is simulated just above its goodput to see what gives first (the TTFT or the TPOT
+SLO, which workers are saturated, preemptions). For the workload's own rate (when it has
+one), the planner sizes the winner (units needed at the per-unit goodput) and checks that
+size by simulating the whole deployment at that rate.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from phasewise.bench.workload import RequestSpec
+from phasewise.perf.costmodel import CostModel
+from phasewise.perf.simulate import Deployment, EngineSpec, simulate
+
+ATTAINMENT = 0.9
+RATIOS = ((1, 1), (1, 2), (2, 1), (1, 3), (3, 1))
+
+
+@dataclass
+class Workload:
+    """Requests at a given rate: ``make(rate)`` builds them (same lengths at every rate)."""
+
+    make: Callable[[float], list[RequestSpec]]
+    rate: float | None = None  # the operator's traffic, req/s (None: size nothing)
+
+
+@dataclass
+class Candidate:
+    deployment: Deployment
+    engine: EngineSpec
+    goodput: float = 0.0  # req/s at >= ATTAINMENT of requests within both SLOs
+    at_goodput: dict[str, Any] | None = None  # the simulation at that rate
+    above: dict[str, Any] | None = None  # just above it: what gives first
+    verdict: str = ""
+
+    @property
+    def accelerators(self) -> int:
+        return self.deployment.accelerators
+
+    @property
+    def per_accelerator(self) -> float:
+        return self.goodput / self.accelerators
+
+    def label(self) -> str:
+        d, e = self.deployment, self.engine
+        if d.mode == "colocated":
+            return f"co-located, {e.policy}, budget {e.max_num_batched_tokens}"
+        return f"P/D {d.prefill}:{d.decode}, threshold {d.threshold}, budget " \
+               f"{e.max_num_batched_tokens}"
+
+
+def attainment(result: dict[str, Any], slo: dict[str, float]) -> float:
+    """Share of all requests (failed ones count as misses) within every SLO."""
+    n = result["completed"] + result["failed"]
+    met = round((result["request_goodput"] or 0.0) * result["duration"])
+    return met / n if n else 0.0
+
+
+def goodput(cost: CostModel, engine: EngineSpec, dep: Deployment, wl: Workload,
+            slo: dict[str, float], *, start: float = 0.25, iters: int = 9,
+            max_rate: float = 1e4) -> tuple[float, dict[str, Any] | None]:
+    """The highest rate with attainment >= ATTAINMENT, and the simulation at it (0 and None
+    when even a slow trickle misses)."""
+    def run(rate: float) -> tuple[float, dict[str, Any]]:
+        res = simulate(cost, engine, dep, wl.make(rate), slo)
+        return attainment(res, slo), res
+
+    lo, lo_res, hi = 0.0, None, None
+    rate = start
+    while rate <= max_rate:  # bracket: double until it fails
+        att, res = run(rate)
+        if att >= ATTAINMENT:
+            lo, lo_res = rate, res
+            rate *= 2
+        else:
+            hi = rate
+            break
+    if hi is None:
+        return lo, lo_res
+    if lo == 0.0:  # the first rate failed: look below it
+        rate = start
+        for _ in range(6):
+            rate /= 4
+            att, res = run(rate)
+            if att >= ATTAINMENT:
+                lo, lo_res = rate, res
+                break
+            hi = rate
+        if lo == 0.0:
+            return 0.0, None
+    for _ in range(iters):
+        mid = (lo + hi) / 2
+        att, res = run(mid)
+        if att >= ATTAINMENT:
+            lo, lo_res = mid, res
+        else:
+            hi = mid
+    return lo, lo_res
+
+
+def verdict(c: Candidate, slo: dict[str, float]) -> str:
+    """Why a candidate stops where it does, from the simulation just above its goodput: which
+    SLO gives first, and what the requests that miss it spent their time on."""
+    if c.goodput == 0.0 or c.above is None:
+        return "misses the SLO even at a trickle of requests: no rate is served within it"
+    a = c.above
+    n = len(a["ttfts"])
+    ttft_ms, tpot_ms = slo.get("ttft", math.inf), slo.get("tpot", math.inf)
+    late: list[dict[str, Any]] = []  # the server timings of the requests that miss TTFT
+    tpot_miss = 0
+    for ttft, lat, out, timing in zip(a["ttfts"], a["latencies"], a["output_lens"],
+                                      a["server_timings"]):
+        if ttft is None or ttft * 1e3 > ttft_ms:
+            late.append(timing or {})
+        elif out > 1 and (lat - ttft) / (out - 1) * 1e3 > tpot_ms:
+            tpot_miss += 1
+    sim = a["simulated"]
+    roles: dict[str, list[float]] = {}
+    for w in sim["workers"]:
+        roles.setdefault(w["role"], []).append(w["utilization"])
+    busy = ", ".join(f"{role} {sum(u) / len(u):.0%} busy" for role, u in roles.items())
+    rate = a["request_rate"]
+    misses = f"{len(late)} of {n} miss TTFT, {tpot_miss} miss TPOT"
+    if len(late) >= tpot_miss:
+        queue = [t["queue_s"] for t in late if t.get("queue_s") is not None]
+        pre = [t["prefill_s"] for t in late if t.get("prefill_s") is not None]
+        q = sum(queue) / len(queue) if queue else 0.0
+        p = sum(pre) / len(pre) if pre else 0.0
+        if q >= p:
+            why = (f"prefill-bound at {rate:.3g} req/s: the late prompts waited {q * 1e3:.0f} "
+                   f"ms for their first step, then took {p * 1e3:.0f} ms")
+        else:
+            why = (f"prompt-bound at {rate:.3g} req/s: the late prompts' own prefill took "
+                   f"{p * 1e3:.0f} ms (after {q * 1e3:.0f} ms of waiting) against a TTFT "
+                   f"SLO of {ttft_ms:g} ms")
+    else:
+        mix = {}
+        for w in sim["workers"]:
+            for k, v in w["steps"].items():
+                mix[k] = mix.get(k, 0) + v
+        steps = sum(mix.values()) or 1
+        why = (f"decode-bound at {rate:.3g} req/s: TPOT p90 {a['p90_tpot_ms']:.1f} ms against "
+               f"{tpot_ms:g} ms; {mix.get('mixed', 0) / steps:.0%} of steps carry prompt "
+               "chunks")
+    why += f" ({busy}; {misses})"
+    preempt = sum(w["preemptions"] for w in sim["workers"])
+    if preempt:
+        why += f"; {preempt} preemptions (the K/V pool is full)"
+    return why
+
+
+def search(cost: CostModel, engine: EngineSpec, wl: Workload, slo: dict[str, float], *,
+           budgets: Sequence[int] = (256, 512, 1024, 2048), policies: Sequence[str] =
+           ("chunked", "prefill-first"), ratios: Sequence[tuple[int, int]] = RATIOS,
+           thresholds: Sequence[int] = (0, 512, 1024), link: Any = None, pd: bool = True,
+           start: float = 0.25, progress: Callable[[str], None] | None = None
+           ) -> list[Candidate]:
+    """Every candidate, its goodput and verdict, best goodput per accelerator first
+    (``start``: the first rate each search tries, req/s)."""
+    say = progress or (lambda msg: None)
+    cands: list[Candidate] = []
+    for policy in policies:
+        for b in (budgets if policy == "chunked" else budgets[-1:]):
+            cands.append(Candidate(Deployment("colocated"),
+                                   replace(engine, policy=policy, max_num_batched_tokens=b)))
+    if pd:
+        budget = max(budgets)
+        for p, d in ratios:
+            for t in thresholds:
+                cands.append(Candidate(Deployment("pd", prefill=p, decode=d, threshold=t,
+                                                  link=link),
+                                       replace(engine, max_num_batched_tokens=budget)))
+    for i, c in enumerate(cands, 1):
+        c.goodput, c.at_goodput = goodput(cost, c.engine, c.deployment, wl, slo, start=start)
+        if c.goodput > 0:
+            res = simulate(cost, c.engine, c.deployment, wl.make(c.goodput * 1.25), slo)
+            res["request_rate"] = c.goodput * 1.25
+            c.above = res
+        c.verdict = verdict(c, slo)
+        say(f"[{i}/{len(cands)}] {c.label():<44} goodput {c.goodput:8.3f} req/s "
+            f"({c.per_accelerator:.3f} per accelerator)")
+    cands.sort(key=lambda c: -c.per_accelerator)
+    return cands
+
+
+@dataclass
+class Sized:
+    """The winner scaled to the workload's rate, and its check."""
+
+    candidate: Candidate
+    units: int
+    deployment: Deployment
+    result: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def attainment(self) -> float:
+        return self.result.get("_attainment", 0.0)
+
+
+def size(best: Candidate, wl: Workload, cost: CostModel, slo: dict[str, float]) -> Sized | None:
+    """Units of the winner needed for the workload's rate, checked by simulating them all
+    behind one router (one more unit while the check misses, up to 4 more)."""
+    if wl.rate is None or not math.isfinite(wl.rate) or best.goodput <= 0:
+        return None
+    units = max(1, math.ceil(wl.rate / best.goodput))
+    for _ in range(5):
+        d = best.deployment
+        dep = replace(d, replicas=units) if d.mode == "colocated" else \
+            replace(d, prefill=d.prefill * units, decode=d.decode * units)
+        res = simulate(cost, best.engine, dep, wl.make(wl.rate), slo)
+        att = attainment(res, slo)
+        res["_attainment"] = att
+        if att >= ATTAINMENT:
+            break
+        units += 1
+    return Sized(best, units, dep, res)
+
+
+def table(cands: Sequence[Candidate]) -> str:
+    lines = [f"{'rank':>4}  {'deployment':<44} {'accel':>5} {'goodput':>9} {'per accel':>9}  "
+             "verdict"]
+    for i, c in enumerate(cands, 1):
+        lines.append(f"{i:>4}  {c.label():<44} {c.accelerators:>5} {c.goodput:>9.3f} "
+                     f"{c.per_accelerator:>9.3f}  {c.verdict}")
+    return "\n".join(lines)

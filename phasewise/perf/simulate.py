@@ -1,0 +1,394 @@
+"""``phasewise simulate``: a workload served in virtual time, by the real scheduler.
+
+Discrete events over one virtual clock. Each engine (a co-located replica, a prefill worker
+or a decode worker) is the real ``Scheduler`` over the real ``KVCacheManager``, stamping
+requests with the virtual clock; a ``CostModel`` says how long each step takes from its exact
+mix. No weights are loaded, nothing is computed: a sampled token is a placeholder id.
+
+What each engine does is what the real one does:
+
+* a step starts as soon as its engine is free and has work; requests that arrived meanwhile
+  were added before it is scheduled (the server adds them between steps);
+* the step's mix (prompt chunks with their contexts, decode contexts) is read before
+  ``update()``, its duration priced, and ``update()`` stamps its tokens at the step's end;
+* a request samples in a step that computes up to its last token.
+
+Deployments (``Deployment``):
+
+* ``colocated``: ``replicas`` engines behind a router that sends each request to the engine
+  with the fewest requests queued or running (ties in turn), as ``phasewise router`` does;
+* ``pd``: ``prefill`` and ``decode`` workers. The router picks a decode worker the same way;
+  the decode worker prefills a prompt remotely when its uncached part is at least the
+  threshold, a prefill worker's queue is under the queue limit and its pool has room
+  (``Scheduler.reserve_remote``), else locally. The prefill worker with the shortest queue
+  runs it (its own prefix cache, its own chunked steps) and pushes each chunk's K/V as the
+  chunk's step ends, over a link (one queue per prefill worker: bandwidth and latency); the
+  request's first token lands on the decode worker when its last K/V byte has, plus a fixed
+  hand-off cost (``Deployment.handoff_s``) (``remote_prefill_done``), and it decodes there.
+
+The result is the bench's summary (``phasewise.bench.summary.summarize``), so simulated and
+measured runs read alike and ``phasewise bench report`` lays them side by side; it adds
+``simulated`` (per-worker busy time, steps by kind, transfers).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from phasewise.bench.client import RequestResult
+from phasewise.bench.summary import summarize
+from phasewise.bench.workload import RequestSpec
+from phasewise.cache.manager import KVCacheManager
+from phasewise.engine.request import Request, RequestStatus
+from phasewise.engine.sampling_params import SamplingParams
+from phasewise.engine.scheduler import Scheduler, SchedulerConfig
+from phasewise.perf.costmodel import CostModel
+from phasewise.perf.hardware import Link
+
+MODES = ("colocated", "pd")
+_TOKEN = 1  # the id every simulated sample gets
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """One engine's limits, as ``phasewise serve`` would be started."""
+
+    num_kv_blocks: int
+    max_num_batched_tokens: int = 256
+    max_num_seqs: int = 128
+    max_model_len: int = 4096
+    policy: str = "chunked"
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("num_kv_blocks", "block_size"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
+
+    def scheduler_config(self) -> SchedulerConfig:
+        budget = self.max_num_batched_tokens
+        if self.policy == "prefill-first":  # as the engine does: whole prompts must fit
+            budget = max(budget, self.max_model_len)
+        return SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=self.max_num_seqs,
+                               max_model_len=self.max_model_len, policy=self.policy)
+
+
+@dataclass(frozen=True)
+class Deployment:
+    mode: str = "colocated"
+    replicas: int = 1  # colocated engines
+    prefill: int = 1  # pd
+    decode: int = 1  # pd
+    threshold: int = 0  # pd: prompts with fewer uncached tokens prefill on the decode worker
+    prefill_queue_limit: int = 8  # pd: prefill locally while every prefill queue is this long
+    link: Link | None = None  # pd: how K/V travels (None: instantly)
+    # pd: fixed cost of one remote prefill beyond its bytes (the request message, the hops
+    # between the workers' threads, the final message): ~10-25 ms over loopback for
+    # phasewise's own workers (bench_disagg.py), a few ms for RDMA transfer engines.
+    handoff_s: float = 0.005
+    prefill_engine: EngineSpec | None = None  # pd: the prefill workers' limits (default: same)
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {', '.join(MODES)}; got {self.mode!r}")
+        for name in ("replicas", "prefill", "decode", "prefill_queue_limit"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+        if self.threshold < 0:
+            raise ValueError(f"threshold must be >= 0, got {self.threshold}")
+        if not 0 <= self.handoff_s < 60:
+            raise ValueError(f"handoff_s must be in [0, 60) seconds, got {self.handoff_s}")
+
+    @property
+    def accelerators(self) -> int:
+        return self.replicas if self.mode == "colocated" else self.prefill + self.decode
+
+    def describe(self) -> str:
+        if self.mode == "colocated":
+            return f"co-located x{self.replicas}"
+        return (f"P/D {self.prefill}P:{self.decode}D, threshold {self.threshold}"
+                + (f", {self.link.key}" if self.link else ""))
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@dataclass
+class _Transfer:
+    """A remote prefill in flight: the decode side's request and where its K/V goes."""
+
+    decode_req: Request
+    decoder: _Engine
+    first_token: int | None = None
+    last_byte: float = 0.0  # when the K/V sent so far has all landed
+    nbytes: float = 0.0
+    start_block: int = 0  # K/V from this block on is sent (the decode side's cached prefix)
+
+
+@dataclass
+class _Engine:
+    name: str
+    role: str  # "both", "prefill" or "decode"
+    scheduler: Scheduler
+    busy: bool = False
+    busy_s: float = 0.0
+    steps: dict[str, int] = field(default_factory=lambda: {"prefill": 0, "decode": 0,
+                                                            "mixed": 0})
+    link_free: float = 0.0  # prefill role: when its link finishes what it was given
+    transfers: dict[str, _Transfer] = field(default_factory=dict)  # prefill role
+
+    @property
+    def load(self) -> int:
+        s = self.scheduler
+        return len(s.waiting) + len(s.running) + len(s.remote)
+
+
+class Simulation:
+    def __init__(self, cost: CostModel, engine: EngineSpec, deployment: Deployment,
+                 progress: Callable[[int, int], None] | None = None) -> None:
+        self.cost = cost
+        self.spec = engine
+        self.dep = deployment
+        self.clock = _Clock()
+        self.progress = progress
+        self._events: list[tuple[float, int, Callable[[], None]]] = []
+        self._seq = itertools.count()
+        self._turn = itertools.count()
+
+        def make(name: str, role: str, spec: EngineSpec) -> _Engine:
+            kv = KVCacheManager(spec.num_kv_blocks, spec.block_size, spec.enable_prefix_caching)
+            return _Engine(name, role, Scheduler(spec.scheduler_config(), kv, self.clock))
+
+        d = deployment
+        if d.mode == "colocated":
+            self.front = [make(f"replica-{i}", "both", engine) for i in range(d.replicas)]
+            self.prefillers: list[_Engine] = []
+        else:
+            self.front = [make(f"decode-{i}", "decode", engine) for i in range(d.decode)]
+            pspec = d.prefill_engine or engine
+            self.prefillers = [make(f"prefill-{i}", "prefill", pspec) for i in range(d.prefill)]
+        self.engines = self.front + self.prefillers
+        self.kv_bytes_per_token = cost.kv_bytes_per_token
+        self.remote_prefills = 0
+        self.local_prefills: dict[str, int] = {}
+        self.transfer_s: list[float] = []
+        self._remote_of: dict[str, Request] = {}  # the prefill workers' side of a request
+
+    # -- events ---------------------------------------------------------------------------
+    def _at(self, t: float, fn: Callable[[], None]) -> None:
+        heapq.heappush(self._events, (t, next(self._seq), fn))
+
+    def run(self, specs: Sequence[RequestSpec], slo: dict[str, float] | None = None
+            ) -> dict[str, Any]:
+        self.requests: list[tuple[RequestSpec, Request]] = []
+        for spec in specs:
+            self._at(spec.arrival, lambda spec=spec: self._arrive(spec))
+        done = 0
+        total = len(specs)
+        while self._events:
+            t, _, fn = heapq.heappop(self._events)
+            self.clock.now = t
+            fn()
+            if self.progress and len(self.requests) and len(self.requests) % 500 == 0 \
+                    and len(self.requests) != done:
+                done = len(self.requests)
+                self.progress(done, total)
+        return self._summary(slo)
+
+    def _wake(self, e: _Engine) -> None:
+        if not e.busy and e.scheduler.has_unfinished():
+            e.busy = True
+            self._at(self.clock.now, lambda: self._step(e))
+
+    # -- arrivals and routing --------------------------------------------------------------
+    def _pick(self, engines: Sequence[_Engine]) -> _Engine:
+        turn = next(self._turn)
+        k = len(engines)
+        return min(engines, key=lambda e: (e.load, (engines.index(e) - turn) % k))
+
+    def _new_request(self, spec: RequestSpec, rid: str, max_tokens: int) -> Request:
+        base = spec.index * 1_000_003 + 7  # distinct ids per request: no accidental sharing
+        ids = list(range(base, base + spec.prompt_len))
+        return Request(rid, ids, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                       arrival_time=self.clock.now)
+
+    def _arrive(self, spec: RequestSpec) -> None:
+        engine = self._pick(self.front)
+        req = self._new_request(spec, f"r{spec.index}", spec.output_len)
+        self.requests.append((spec, req))
+        if engine.role == "decode" and self._try_remote(engine, req):
+            return
+        try:
+            engine.scheduler.add_request(req)
+        except ValueError:  # it could never fit (too long): the server would refuse it
+            req.status = RequestStatus.FINISHED_ABORTED
+            return
+        self._wake(engine)
+
+    def _try_remote(self, dec: _Engine, req: Request) -> bool:
+        d = self.dep
+        threshold = max(1, d.threshold)
+        if req.num_prompt_tokens < threshold:
+            self._local("short_prompt")
+            return False
+        peer = min(self.prefillers, key=lambda p: p.load)
+        if peer.load >= d.prefill_queue_limit:
+            self._local("prefill_busy")
+            return False
+        try:
+            hit = dec.scheduler.reserve_remote(req)
+        except ValueError:
+            return False
+        if hit is None:
+            self._local("no_room")
+            return False
+        if req.num_prompt_tokens - hit < threshold:
+            self._local("cached")
+            dec.scheduler.remote_prefill_failed(req, hit)
+            self._wake(dec)
+            return True
+        preq = Request(req.request_id, req.prompt_token_ids, SamplingParams(max_tokens=1,
+                       ignore_eos=True), arrival_time=self.clock.now)
+        try:
+            peer.scheduler.add_request(preq)
+        except ValueError:
+            dec.scheduler.remote_prefill_failed(req, hit)
+            self._wake(dec)
+            return True
+        peer.transfers[req.request_id] = _Transfer(req, dec, start_block=hit // self.spec.block_size)
+        self._remote_of[req.request_id] = preq
+        self.remote_prefills += 1
+        self._wake(peer)
+        return True
+
+    def _local(self, why: str) -> None:
+        self.local_prefills[why] = self.local_prefills.get(why, 0) + 1
+
+    # -- steps --------------------------------------------------------------------------------
+    def _step(self, e: _Engine) -> None:
+        s = e.scheduler
+        batch = s.schedule()
+        if not batch.requests:
+            e.busy = False
+            if batch.preempted:  # it freed blocks: the next schedule() can run something
+                self._wake(e)
+            return  # else nothing is runnable until remote K/V lands (which wakes it)
+        chunks, decodes = batch.mix()
+        # Which requests sample: those whose step reaches their last token.
+        ends = [r.num_computed_tokens + n == r.num_tokens
+                for r, n in zip(batch.requests, batch.num_tokens)]
+        dt = self.cost.step_time(chunks, decodes)
+        kind = "mixed" if chunks and decodes else ("prefill" if chunks else "decode")
+        e.steps[kind] += 1
+        e.busy_s += dt
+        self._at(self.clock.now + dt, lambda: self._step_end(e, batch, ends))
+
+    def _step_end(self, e: _Engine, batch: Any, ends: list[bool]) -> None:
+        sampled = {r.request_id: _TOKEN for r, end in zip(batch.requests, ends) if end}
+        if e.role == "prefill":
+            self._push(e, batch, sampled)
+        e.scheduler.update(batch, sampled)
+        e.busy = False
+        self._wake(e)
+
+    def _push(self, e: _Engine, batch: Any, sampled: dict[str, int]) -> None:
+        """The prefill role: each chunk's K/V goes on the link as its step ends; a request
+        whose last chunk ran lands its first token once its last byte has."""
+        now = self.clock.now
+        link = self.dep.link
+        bs = self.spec.block_size
+        for req, n in zip(batch.requests, batch.num_tokens):
+            tr = e.transfers.get(req.request_id)
+            if tr is None:
+                continue
+            first = max(req.num_computed_tokens, tr.start_block * bs)
+            sent = max(0, req.num_computed_tokens + n - first)
+            nbytes = sent * self.kv_bytes_per_token
+            tr.nbytes += nbytes
+            if link is not None:
+                start = max(now, e.link_free)
+                e.link_free = start + nbytes / link.bandwidth
+                tr.last_byte = e.link_free + link.latency_s
+            else:
+                tr.last_byte = now
+            if req.request_id in sampled:
+                del e.transfers[req.request_id]
+                at = max(now, tr.last_byte) + self.dep.handoff_s
+                self.transfer_s.append(at - now)
+                self._at(at, lambda tr=tr: self._landed(tr))
+
+    def _landed(self, tr: _Transfer) -> None:
+        req = tr.decode_req
+        if req.status is RequestStatus.WAITING_FOR_REMOTE_KV:
+            tr.decoder.scheduler.remote_prefill_done(req, _TOKEN)
+            self._wake(tr.decoder)
+
+    # -- results ------------------------------------------------------------------------------
+    def _summary(self, slo: dict[str, float] | None) -> dict[str, Any]:
+        results = []
+        end = 0.0
+        for spec, req in self.requests:
+            m = req.metrics
+            r = RequestResult(spec.index, spec.prompt_len, spec.output_len, spec.intruder,
+                              start=m.arrival_time)
+            if m.first_token_time is not None and req.status is not \
+                    RequestStatus.FINISHED_ABORTED:
+                r.ttft = m.first_token_time - m.arrival_time
+                r.chunk_times = [t - m.arrival_time for t in m.token_times]
+                r.chunk_tokens = [1] * len(m.token_times)
+                r.output_tokens = len(m.token_times)
+                r.latency = (m.finished_time or m.token_times[-1]) - m.arrival_time
+                r.success = req.finished
+                end = max(end, m.finished_time or 0.0)
+            if not r.success:
+                r.error = "the request could not be served (longer than the context or pool)"
+            # Queue: arrival to the first step that computed part of its prompt, wherever.
+            remote = self._remote_of.get(req.request_id)
+            queue = remote.metrics.queue_time if remote is not None else m.queue_time
+            r.server_timing = None if queue is None else {
+                "queue_s": queue, "remote": remote is not None,
+                "prefill_s": None if r.ttft is None else r.ttft - queue}
+            results.append(r)
+        start = min((s.arrival for s, _ in self.requests), default=0.0)
+        out = summarize(results, max(end - start, 1e-9), slo)
+        out["simulated"] = {
+            "deployment": self.dep.describe(),
+            "cost_model": self.cost.source,
+            "workers": [{"name": e.name, "role": e.role, "steps": e.steps,
+                         "busy_s": e.busy_s, "utilization": e.busy_s / max(end - start, 1e-9),
+                         "preemptions": e.scheduler.num_preemptions} for e in self.engines],
+            "remote_prefills": self.remote_prefills,
+            "local_prefills": dict(self.local_prefills),
+            "mean_transfer_wait_ms": (1e3 * sum(self.transfer_s) / len(self.transfer_s)
+                                      if self.transfer_s else None),
+        }
+        return out
+
+
+def simulate(cost: CostModel, engine: EngineSpec, deployment: Deployment,
+             specs: Sequence[RequestSpec], slo: dict[str, float] | None = None,
+             progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
+    """Serve ``specs`` in virtual time; the bench's summary dict, plus ``simulated``."""
+    return Simulation(cost, engine, deployment, progress).run(specs, slo)
+
+
+def kv_blocks_for(cost: CostModel, memory_bytes: float, block_size: int) -> int:
+    """Blocks of K/V in ``memory_bytes``."""
+    per_block = cost.kv_bytes_per_token * block_size
+    n = int(memory_bytes // per_block) if per_block > 0 else 0
+    if n < 1:
+        raise ValueError(f"{memory_bytes / 2**20:.0f} MiB holds no {block_size}-token K/V "
+                         f"block ({per_block / 2**20:.2f} MiB each)")
+    return n
+

@@ -1,0 +1,357 @@
+"""The simulator (the real scheduler in virtual time), the step cost model and its fit, the
+planner, and the results the field knows that a simulation must reproduce."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from phasewise.bench.workload import LengthDist, RequestSpec, build_workload
+from phasewise.perf.calibrate import GridPoint, grid
+from phasewise.perf.costmodel import CostModel, Knot, StepMix, fit, nnls
+from phasewise.perf.hardware import LINKS, Link, lookup_accelerator
+from phasewise.perf.models import lookup_model
+from phasewise.perf.plan import Workload, attainment, goodput, search, size
+from phasewise.perf.roofline import Chunk
+from phasewise.perf.simulate import Deployment, EngineSpec, kv_blocks_for, simulate
+
+
+class LinearCost:
+    """Step time 0.1 s + 0.01 s per token: easy to follow by hand."""
+
+    source = "test"
+    kv_bytes_per_token = 1000.0
+
+    def step_time(self, chunks=(), decodes=()):
+        return 0.1 + 0.01 * (sum(c.tokens for c in chunks) + len(decodes))
+
+
+def spec(i, arrival, prompt, out):
+    return RequestSpec(i, arrival, prompt, out)
+
+
+ENGINE = EngineSpec(num_kv_blocks=64, max_num_batched_tokens=6, max_model_len=64,
+                    block_size=4)
+
+
+# -- the simulator, followed by hand ------------------------------------------------------------
+def test_one_request_timeline_is_the_schedulers():
+    # A 10-token prompt under a 6-token budget: chunks of 6 and 4, then two decodes.
+    r = simulate(LinearCost(), ENGINE, Deployment(), [spec(0, 0.0, 10, 3)])
+    assert r["completed"] == 1
+    assert r["ttfts"][0] == pytest.approx(0.16 + 0.14)
+    assert r["itls"][0] == pytest.approx([0.11, 0.11])
+    assert r["latencies"][0] == pytest.approx(0.52)
+    w = r["simulated"]["workers"][0]
+    assert w["steps"] == {"prefill": 2, "decode": 2, "mixed": 0}
+    assert w["busy_s"] == pytest.approx(0.52)
+
+
+def test_a_request_arriving_mid_step_waits_for_the_next_step():
+    # The first prompt's step runs 0 -> 0.15; the second arrives at 0.05 and is scheduled
+    # at 0.15, beside the first one's decode.
+    r = simulate(LinearCost(), ENGINE, Deployment(), [spec(0, 0.0, 5, 2), spec(1, 0.05, 4, 2)])
+    assert r["server_timings"][1]["queue_s"] == pytest.approx(0.10)
+    # Step 2 holds request 0's decode (1) and request 1's prompt, cut to the budget left (5).
+    assert r["ttfts"][1] == pytest.approx(0.10 + 0.1 + 0.01 * 5)
+
+
+def test_pd_first_token_lands_with_the_last_kv_byte():
+    link = Link("t", "test link", 1e6, "test", 0.01)  # 1 MB/s, 10 ms
+    r = simulate(LinearCost(), ENGINE, Deployment("pd", link=link, handoff_s=0.0),
+                 [spec(0, 0.0, 10, 3)])
+    # Prefill worker: chunk 6 (0 -> 0.16, its 6 kB on the link until 0.166), chunk 4
+    # (0.16 -> 0.30, 4 kB sent 0.30 -> 0.304, + 10 ms): the first token is back at 0.314.
+    assert r["ttfts"][0] == pytest.approx(0.314)
+    assert r["itls"][0] == pytest.approx([0.11, 0.11])  # decode-only steps on the decode side
+    sim = r["simulated"]
+    dec, pre = sim["workers"]
+    assert (dec["role"], pre["role"]) == ("decode", "prefill")
+    assert dec["steps"] == {"prefill": 0, "decode": 2, "mixed": 0}
+    assert pre["steps"]["prefill"] == 2
+    assert sim["remote_prefills"] == 1
+    assert sim["mean_transfer_wait_ms"] == pytest.approx(14.0)
+    # The fixed hand-off cost comes on top of the bytes, once per remote prefill.
+    r = simulate(LinearCost(), ENGINE, Deployment("pd", link=link, handoff_s=0.02),
+                 [spec(0, 0.0, 10, 3)])
+    assert r["ttfts"][0] == pytest.approx(0.334)
+
+
+def test_pd_threshold_keeps_short_prompts_on_the_decode_worker():
+    r = simulate(LinearCost(), ENGINE, Deployment("pd", threshold=8),
+                 [spec(0, 0.0, 5, 2), spec(1, 0.0, 12, 2)])
+    sim = r["simulated"]
+    assert sim["remote_prefills"] == 1
+    assert sim["local_prefills"] == {"short_prompt": 1}
+    assert r["completed"] == 2
+
+
+def test_a_small_pool_preempts_and_every_request_still_finishes():
+    small = EngineSpec(num_kv_blocks=12, max_num_batched_tokens=16, max_model_len=40,
+                       block_size=4)
+    specs = [spec(i, 0.0, 12, 20) for i in range(4)]
+    r = simulate(LinearCost(), small, Deployment(), specs)
+    assert r["completed"] == 4
+    assert r["simulated"]["workers"][0]["preemptions"] > 0
+    assert all(n == 20 for n in r["output_lens"])
+
+
+def test_replicas_share_the_requests_by_load():
+    specs = [spec(i, 0.0, 4, 4) for i in range(6)]
+    r = simulate(LinearCost(), ENGINE, Deployment(replicas=3), specs)
+    served = [w["steps"]["prefill"] + w["steps"]["mixed"] for w in r["simulated"]["workers"]]
+    assert r["completed"] == 6 and all(s > 0 for s in served)
+
+
+def test_a_prompt_longer_than_the_context_fails_alone():
+    r = simulate(LinearCost(), ENGINE, Deployment(), [spec(0, 0.0, 100, 2), spec(1, 0.0, 4, 2)])
+    assert r["failed"] == 1 and r["completed"] == 1
+
+
+def test_same_seed_same_run():
+    cm = CostModel(lookup_model("qwen2.5-0.5b"), lookup_accelerator("l4"))
+    eng = EngineSpec(num_kv_blocks=2000, max_num_batched_tokens=512)
+    specs = build_workload(40, LengthDist.parse("uniform:16-300"), LengthDist.parse("16"),
+                           request_rate=30.0, seed=4)
+    a = simulate(cm, eng, Deployment(), specs)
+    b = simulate(cm, eng, Deployment(), specs)
+    assert a["ttfts"] == b["ttfts"] and a["itls"] == b["itls"]
+
+
+def test_deployment_and_engine_specs_name_bad_values():
+    with pytest.raises(ValueError, match="mode must be one of colocated, pd"):
+        Deployment("both")
+    with pytest.raises(ValueError, match="decode must be an integer >= 1"):
+        Deployment("pd", decode=0)
+    with pytest.raises(ValueError, match="num_kv_blocks"):
+        EngineSpec(num_kv_blocks=0)
+
+
+# -- the cost model and its fit ------------------------------------------------------------------
+SHAPE = lookup_model("qwen2.5-0.5b")
+CPU = lookup_accelerator("l4")  # any figures: the fit is checked against a known model
+
+
+def truth() -> CostModel:
+    knots = [Knot(r, "bf16", u) for r, u in
+             ((1, 1.3), (2, 1.5), (4, 2.0), (8, 2.2), (16, 2.0), (32, 1.8), (64, 1.9),
+              (128, 2.0), (256, 1.9), (512, 1.8))]
+    return CostModel(SHAPE, CPU, "bf16", knots, overhead_s=2e-3, per_seq_s=3e-4,
+                     attn_prefill_inv_eff=2.5, kv_prefill_inv_eff=4.0, kv_decode_inv_eff=6.0)
+
+
+def test_the_fit_recovers_a_known_model_and_predicts_steps_it_never_saw():
+    t = truth()
+    pts = grid(4096 + 544, 544)
+    steps = [(p.mix(), t.step_time(p.mix().chunks, p.mix().decodes)) for p in pts]
+    got = fit(SHAPE, CPU, "bf16", steps, lambda rows: "bf16")
+    assert got.fit_report["max_abs_rel_err"] < 1e-6
+    assert got.overhead_s == pytest.approx(2e-3, rel=1e-3)
+    assert got.kv_decode_inv_eff == pytest.approx(6.0, rel=1e-3)
+    for p in (GridPoint(3, 300), GridPoint(24, 3000), GridPoint(0, 0, 200, 1500),
+              GridPoint(12, 1500, 200, 1500), GridPoint(20, 200, 160, 200)):
+        m = p.mix()
+        assert got.step_time(m.chunks, m.decodes) == pytest.approx(
+            t.step_time(m.chunks, m.decodes), rel=1e-3)
+
+
+def test_the_fit_wants_enough_points_and_positive_times():
+    with pytest.raises(ValueError, match="at least 4"):
+        fit(SHAPE, CPU, "bf16", [(StepMix((), [10]), 0.1)])
+    with pytest.raises(ValueError, match="> 0"):
+        fit(SHAPE, CPU, "bf16", [(StepMix((), [10 + i]), 0.0) for i in range(5)])
+
+
+def test_a_profile_round_trips():
+    t = truth()
+    back = CostModel.from_dict(SHAPE, CPU, json.loads(json.dumps(t.to_dict())))
+    for mix in (StepMix((), [100] * 5), StepMix([Chunk(64, 10)], [300])):
+        assert back.step_time(mix.chunks, mix.decodes) == t.step_time(mix.chunks, mix.decodes)
+
+
+def test_assumed_model_is_the_fused_roofline_at_its_efficiencies():
+    cm = CostModel(SHAPE, CPU)  # no knots: assumed MFU / MBU
+    batch = [512] * 8
+    weights = cm.body_bytes + cm.head_bytes
+    kv = sum(batch) * cm.kv_bytes_per_token
+    expect = cm.overhead_s + 8 * cm.per_seq_s + (weights + kv) / (CPU.mem_bandwidth * cm.mbu)
+    assert cm.step_time((), batch) == pytest.approx(expect)  # decode: memory-bound
+    # A long prompt chunk is compute-bound: time grows with its tokens.
+    assert cm.step_time([Chunk(4096)]) > 3 * cm.step_time([Chunk(1024)])
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(2, 12), st.integers(1, 6), st.integers(0, 2**31 - 1))
+def test_nnls_meets_its_optimality_conditions(m, n, seed):
+    rng = np.random.default_rng(seed)
+    a = rng.normal(size=(m + n, n))
+    b = rng.normal(size=m + n)
+    x = nnls(a, b)
+    g = a.T @ (a @ x - b)  # gradient of half the squared residual
+    assert (x >= 0).all()
+    assert np.allclose(g[x > 1e-9], 0, atol=1e-6)  # free coordinates: stationary
+    assert (g[x <= 1e-9] >= -1e-6).all()  # bound ones: the gradient pushes them below 0
+    free = np.linalg.lstsq(a, b, rcond=None)[0]
+    if (free > 0).all():
+        assert np.allclose(x, free, atol=1e-6)
+
+
+# -- what the field found, reproduced in simulation ----------------------------------------------
+def engine_for(cm: CostModel, **kw) -> EngineSpec:
+    free = cm.accel.mem_bytes * 0.9 - cm.body_bytes - cm.head_bytes
+    return EngineSpec(num_kv_blocks=kv_blocks_for(cm, free, 16), max_model_len=8192, **kw)
+
+
+def test_sarathi_chunked_prefill_beats_prefill_first_on_p99_itl_at_equal_throughput():
+    cm = CostModel(lookup_model("llama-3.1-8b"), lookup_accelerator("a100-80gb"))
+    specs = build_workload(200, LengthDist.parse("uniform:1024-3072"), LengthDist.parse("128"),
+                           request_rate=2.0, seed=1)
+    chunked = simulate(cm, engine_for(cm, max_num_batched_tokens=512), Deployment(), specs)
+    first = simulate(cm, engine_for(cm, policy="prefill-first"), Deployment(), specs)
+    assert chunked["completed"] == first["completed"] == 200
+    assert chunked["output_throughput"] == pytest.approx(first["output_throughput"], rel=0.05)
+    assert chunked["p99_itl_ms"] < 0.5 * first["p99_itl_ms"]
+
+
+def _workload(input_len: str, output_len: str, seed: int, window: float = 20.0,
+              cap: int = 2000) -> Workload:
+    """Enough requests that each rate holds for ``window`` seconds: fewer would measure how a
+    burst drains, not a sustained rate (a short burst flatters whichever deployment has more
+    workers to spread it over)."""
+    return Workload(lambda r: build_workload(int(min(max(120, r * window), cap)),
+                                             LengthDist.parse(input_len),
+                                             LengthDist.parse(output_len), request_rate=r,
+                                             seed=seed))
+
+
+def test_distserve_pd_wins_goodput_per_accelerator_with_long_prompts_and_tight_slos():
+    # Long prompts, TTFT and TPOT tight together: chunked co-location must trade one for the
+    # other at every budget; a prefill-heavy P/D ratio meets both.
+    cm = CostModel(lookup_model("llama-3.1-8b"), lookup_accelerator("a100-80gb"))
+    wl = _workload("uniform:2048-4096", "256", seed=2)
+    slo = {"ttft": 500.0, "tpot": 18.0}
+    # (Budgets above 512 do worse still: their prompt chunks stretch TPOT further.)
+    best_colocated = max(goodput(cm, engine_for(cm, max_num_batched_tokens=b), Deployment(),
+                                 wl, slo, start=0.5, iters=5)[0] for b in (256, 512))
+    pd, _ = goodput(cm, engine_for(cm, max_num_batched_tokens=2048),
+                    Deployment("pd", prefill=2, decode=1, link=LINKS["ib-ndr"]), wl, slo,
+                    start=0.5, iters=5)
+    assert best_colocated > 0
+    assert pd / 3 > 1.15 * best_colocated
+
+
+def test_llm_d_pd_does_not_pay_for_a_small_model_with_short_requests():
+    cm = CostModel(lookup_model("qwen2.5-1.5b"), lookup_accelerator("l4"))
+    wl = _workload("uniform:64-256", "uniform:32-96", seed=3, window=6.0)
+    slo = {"ttft": 150.0, "tpot": 25.0}
+    eng = engine_for(cm, max_num_batched_tokens=512)
+    colocated, _ = goodput(cm, eng, Deployment(), wl, slo, start=32, iters=3)
+    assert colocated > 0
+    for p, d in ((1, 1), (1, 3)):
+        pd, _ = goodput(cm, eng, Deployment("pd", prefill=p, decode=d, link=LINKS["25gbe"]),
+                        wl, slo, start=32, iters=3)
+        assert pd / (p + d) < colocated
+
+
+# -- the planner -----------------------------------------------------------------------------------
+def test_plan_ranks_by_goodput_per_accelerator_gives_reasons_and_sizes_the_winner():
+    cm = CostModel(lookup_model("llama-3.1-8b"), lookup_accelerator("h100-sxm"))
+    wl = _workload("uniform:256-1024", "64", seed=5, window=3.0, cap=200)
+    wl.rate = 12.0
+    slo = {"ttft": 400.0, "tpot": 25.0}
+    cands = search(cm, engine_for(cm), wl, slo, budgets=(512, 2048), policies=("chunked",),
+                   ratios=((1, 1),), thresholds=(0,), link=LINKS["ib-ndr"], start=8.0)
+    assert len(cands) == 3
+    per = [c.per_accelerator for c in cands]
+    assert per == sorted(per, reverse=True) and per[0] > 0
+    for c in cands:
+        assert "bound at" in c.verdict and "miss TTFT" in c.verdict
+        assert attainment(c.at_goodput, slo) >= 0.9
+    sized = size(cands[0], wl, cm, slo)
+    assert sized is not None and sized.units >= math.ceil(12.0 / cands[0].goodput)
+    assert sized.attainment >= 0.9
+    assert sized.deployment.accelerators == sized.units * cands[0].accelerators
+
+
+def test_plan_cli_writes_manifests_that_validate(tmp_path, capsys):
+    kubernetes_validate = pytest.importorskip("kubernetes_validate")
+    import yaml
+
+    from phasewise.cli import main
+
+    out = tmp_path / "k8s"
+    rc = main(["plan", "--model", "llama-3.1-8b", "--gpu", "l4", "--link", "25gbe",
+               "--input-len", "uniform:64-256", "--output-len", "32", "--num-prompts", "40",
+               "--request-rate", "3", "--goodput", "ttft:1000", "tpot:100", "--budgets", "512",
+               "--ratios", "1:1", "--thresholds", "0", "--window", "5", "--max-model-len",
+               "2048", "--k8s-out", str(out)])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    assert "rank" in text and "best:" in text and "unit(s)" in text
+    docs = [d for f in out.glob("*.yaml") for d in yaml.safe_load_all(f.read_text()) if d]
+    kinds = {d["kind"] for d in docs}
+    assert {"Deployment", "Service", "ConfigMap"} <= kinds
+    for d in docs:
+        kubernetes_validate.validate(d, "1.30.0", strict=True)
+
+
+def test_simulate_cli_writes_a_result_the_report_reads(tmp_path, capsys):
+    from phasewise.bench.report import load_result, render
+    from phasewise.cli import main
+
+    res = tmp_path / "sim.json"
+    rc = main(["simulate", "--model", "llama-3.1-8b", "--gpu", "h100-sxm", "--num-prompts",
+               "50", "--request-rate", "5", "--input-len", "uniform:100-900", "--output-len",
+               "32", "--goodput", "ttft:500", "tpot:50", "--result-file", str(res),
+               "--mode", "pd", "--link", "100gbe"])
+    text = capsys.readouterr().out
+    assert rc == 0
+    assert "P/D 1P:1D" in text and "remote prefills 50" in text
+    r = load_result(res)
+    assert r["completed"] == 50 and r["simulated"]["deployment"].startswith("P/D")
+    assert render([res], tmp_path / "report.html").exists()
+
+
+def test_simulate_cli_names_what_is_missing(tmp_path, capsys, monkeypatch):
+    from phasewise.cli import main
+
+    monkeypatch.setenv("PHASEWISE_CACHE_DIR", str(tmp_path))  # no phasewise measure file
+    rc = main(["simulate", "--model", "qwen2.5-0.5b", "--num-prompts", "5"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "phasewise measure" in err
+    rc = main(["simulate", "--model", "qwen2.5-0.5b", "--gpu", "nope", "--num-prompts", "5"])
+    assert rc == 2 and "unknown accelerator 'nope'" in capsys.readouterr().err
+    rc = main(["plan", "--model", "qwen2.5-0.5b", "--gpu", "l4", "--goodput", "ttft:100"])
+    assert rc == 2 and "both SLOs" in capsys.readouterr().err
+
+
+def test_simulate_plan_and_manifests_run_without_torch():
+    import subprocess
+    import sys
+
+    script = r"""
+import sys
+sys.modules["torch"] = None  # any `import torch` now raises ImportError
+from phasewise.bench.workload import LengthDist, build_workload
+from phasewise.perf.costmodel import CostModel
+from phasewise.perf.hardware import lookup_accelerator
+from phasewise.perf.k8s import DeploySpec, manifests
+from phasewise.perf.models import lookup_model
+from phasewise.perf.plan import Workload, goodput
+from phasewise.perf.simulate import Deployment, EngineSpec, simulate
+import phasewise.perf.commands, phasewise.perf.calibrate
+cm = CostModel(lookup_model("qwen2.5-0.5b"), lookup_accelerator("l4"))
+specs = build_workload(20, LengthDist.parse("64"), LengthDist.parse("8"), request_rate=50.0)
+r = simulate(cm, EngineSpec(num_kv_blocks=500), Deployment("pd"), specs)
+assert r["completed"] == 20, r
+assert manifests(DeploySpec(model_path="/models/x", mode="pd", decode=2))
+print("ok")
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok"
