@@ -287,13 +287,20 @@ def test_plan_cli_writes_manifests_that_validate(tmp_path, capsys):
     out = tmp_path / "k8s"
     rc = main(["plan", "--model", "llama-3.1-8b", "--gpu", "l4", "--link", "25gbe",
                "--input-len", "uniform:64-256", "--output-len", "32", "--num-prompts", "40",
-               "--request-rate", "3", "--goodput", "ttft:1000", "tpot:100", "--budgets", "512",
+               "--request-rate", "3", "--goodput", "ttft:1000", "tpot:100", "--budgets", "128",
+               "512",
                "--ratios", "1:1", "--thresholds", "0", "--window", "5", "--max-model-len",
                "2048", "--k8s-out", str(out)])
     text = capsys.readouterr().out
     assert rc == 0, text
     assert "rank" in text and "best:" in text and "unit(s)" in text
     docs = [d for f in out.glob("*.yaml") for d in yaml.safe_load_all(f.read_text()) if d]
+    # The winner's own settings reach the engines' flags.
+    best = text.split("best: ", 1)[1].split(":", 1)[0]
+    budget = best.rsplit("budget ", 1)[1]
+    args = next(d for d in docs if d["kind"] == "ConfigMap"
+                and "PHASEWISE_ENGINE_ARGS" in d.get("data", {}))["data"]["PHASEWISE_ENGINE_ARGS"]
+    assert f"--max-num-batched-tokens {budget}" in args
     kinds = {d["kind"] for d in docs}
     assert {"Deployment", "Service", "ConfigMap"} <= kinds
     for d in docs:
@@ -355,3 +362,22 @@ print("ok")
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok"
+
+
+def test_quick_grid_is_small_and_short_contexts_are_spread():
+    quick = grid(4096 + 160, 160, quick=True)
+    assert len(quick) <= 16
+    assert {p.decode_context for p in quick if p.decodes} <= {128, 512}
+    short = grid(256, 544)  # the bundled model's context
+    ctx = {p.decode_context for p in short if p.decodes}
+    assert len(ctx) >= 3 and max(ctx) < 256
+    assert all(p.chunk_context + p.chunk < 256 for p in short)
+
+
+def test_pd_timings_carry_each_remote_prefills_kv_bytes():
+    specs = [spec(i, 0.01 * i, 30, 2) for i in range(3)]
+    r = simulate(LinearCost(), ENGINE, Deployment("pd", handoff_s=0.0), specs)
+    assert r["completed"] == 3
+    kv = [t["kv_bytes"] for t in r["server_timings"]]
+    assert kv == [30 * LinearCost.kv_bytes_per_token] * 3  # each prompt's K/V, once
+    assert r["ttft_split"]["remote"] == 3  # the bench's own split sees them as remote

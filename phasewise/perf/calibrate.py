@@ -83,7 +83,7 @@ def grid(max_len: int, budget: int, quick: bool = False) -> list[GridPoint]:
     contexts = [c for c in ((128, 512) if quick else CONTEXTS) if c < max_len]
     pre_ctx = [c for c in ((0, 512) if quick else PREFILL_CONTEXTS) if c < max_len]
     mixed_ctx = [c for c in MIXED_CONTEXTS if c < max_len]
-    if len(contexts) < 3:  # a short-context model: spread the contexts over its own
+    if not quick and len(contexts) < 3:  # a short-context model: spread them over its own
         contexts = sorted({max(8, max_len * k // 8) for k in (1, 2, 4, 6)})
         pre_ctx = sorted({0, max_len // 4, max_len // 2})
         mixed_ctx = [contexts[0], contexts[-2]]
@@ -150,7 +150,8 @@ def load_profile(path: str | Path, shape: ModelShape | None = None) -> CostModel
         raise ValueError(f"{p} is not a phasewise profile of version {PROFILE_VERSION}; "
                          "run 'phasewise calibrate' again")
     shape = shape or ModelShape(**data["shape"])
-    accel = accelerator_from_entry("cpu-local", data["accelerator"], p)
+    accel = accelerator_from_entry(data["accelerator"].get("key", "cpu-local"),
+                                   data["accelerator"], p)
     return CostModel.from_dict(shape, accel, data["cost_model"])
 
 
@@ -229,8 +230,13 @@ def calibrate(model: str, *, engine_kwargs: dict[str, Any] | None = None, quick:
     budget = kw.pop("max_num_batched_tokens", None) or (128 + 32 if quick else 512 + 32)
     limit = shape.max_position_embeddings or max_context
     max_len = min(kw.pop("max_model_len", None) or limit, limit, max_context + budget)
-    if max_len < 32:
-        raise ValueError(f"the model's context ({max_len}) is too short to calibrate")
+    if max_len <= 64:
+        raise ValueError(f"the model's context ({max_len}) is too short to calibrate "
+                         "(it needs more than 64 tokens)")
+    if budget < 32:
+        raise ValueError(f"--max-num-batched-tokens must be >= 32 for the grid, got {budget}")
+    if reps < 1:
+        raise ValueError(f"--reps must be >= 1, got {reps}")
     points = grid(max_len, budget, quick)
     bs = kw.get("block_size", 16)
     cfg = EngineConfig(model=model, max_model_len=max_len, max_num_batched_tokens=budget,
@@ -266,8 +272,9 @@ def calibrate(model: str, *, engine_kwargs: dict[str, Any] | None = None, quick:
     cm = fit(shape, accel, dtype, [(p.mix(), t) for p, t in rows], compute_dtype,
              source=f"fitted by phasewise calibrate on {time.strftime('%Y-%m-%d %H:%M')}, "
                     f"{mid['cpu'] if device == 'cpu' else device}")
+    gpu = re.sub(r"[^a-z0-9]+", "-", accel.name.lower()).strip("-")
     path = out or profile_path(Path(model).name, machine_slug(mid) if device == "cpu"
-                               else device)
+                               else f"{device}-{gpu}")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({
         "version": PROFILE_VERSION, "model": str(model), "shape": shape.__dict__,
@@ -288,7 +295,8 @@ def _compute_dtype_of(engine: Any) -> Callable[[int], str]:
 
 
 def _accel_entry(a: Accelerator) -> dict[str, Any]:
-    return {"name": a.name, "peak_flops": dict(a.peak_flops), "mem_bytes": a.mem_bytes,
+    return {"key": a.key, "name": a.name, "peak_flops": dict(a.peak_flops),
+            "mem_bytes": a.mem_bytes,
             "mem_bandwidth": a.mem_bandwidth, "source": a.source}
 
 

@@ -190,6 +190,11 @@ def run_plan(a: argparse.Namespace, model: str) -> int:
         raise ValueError("plan takes one --request-rate: the traffic to size for (inf: size "
                          "nothing)")
     rate = a.request_rate[0]
+    if not rate > 0:
+        raise ValueError(f"--request-rate must be > 0 (or inf: size nothing), got {rate}")
+    if a.trace:
+        raise ValueError("plan searches over request rates, which a trace fixes: give the "
+                         "workload as lengths and a rate (simulate takes --trace)")
     window = a.window
 
     def at(r: float) -> list[RequestSpec]:
@@ -210,7 +215,7 @@ def run_plan(a: argparse.Namespace, model: str) -> int:
         raise ValueError(f"--budgets must be >= 1, got {budgets}")
     cands = search(cm, eng, wl, slo, budgets=budgets, ratios=_ratios(a.ratios),
                    thresholds=sorted(set(a.thresholds)), link=link, pd=not a.no_pd,
-                   progress=_say)
+                   queue_limit=a.prefill_queue_limit, progress=_say)
     print(f"\nSLO: TTFT <= {slo['ttft']:g} ms and TPOT <= {slo['tpot']:g} ms for >= 90% of "
           "requests (DistServe's goodput); per accelerator: goodput / accelerators")
     print(table(cands))
@@ -220,6 +225,7 @@ def run_plan(a: argparse.Namespace, model: str) -> int:
               "accelerator")
         return 1
     sized = size(best, wl, cm, slo)
+    short = sized is not None and sized.attainment < 0.9
     print(f"\nbest: {best.label()}: {best.per_accelerator:.3g} req/s per accelerator")
     dep = best.deployment
     if sized is not None:
@@ -228,11 +234,12 @@ def run_plan(a: argparse.Namespace, model: str) -> int:
               f"{dep.accelerators} accelerators; simulated at that rate "
               f"{sized.attainment:.0%} of requests meet both SLOs "
               f"(TTFT p90 {sized.result['p90_ttft_ms']:.0f} ms, TPOT p90 "
-              f"{sized.result['p90_tpot_ms']:.1f} ms)")
+              f"{sized.result['p90_tpot_ms']:.1f} ms)"
+              + ("; that is still short of 90%: more units, or a looser SLO" if short else ""))
     if a.k8s_out:
-        paths = write_manifests(a, model, best, dep, eng, cm)
+        paths = write_manifests(a, model, best, dep, cm)
         print(f"Kubernetes manifests written to {', '.join(map(str, paths))}")
-    return 0
+    return 1 if short else 0
 
 
 def _ratios(items: list[str]) -> list[tuple[int, int]]:
@@ -247,16 +254,22 @@ def _ratios(items: list[str]) -> list[tuple[int, int]]:
 
 
 def write_manifests(a: argparse.Namespace, model: str, best: Any, dep: Deployment,
-                    eng: EngineSpec, cm: CostModel) -> list[Path]:
+                    cm: CostModel) -> list[Path]:
     from phasewise.perf.k8s import DeploySpec, RoleResources, write
 
+    eng = best.engine  # the winner's policy and budget, not the flags' defaults
     gpu = 0 if cm.accel.key.startswith("cpu") else 1
-    mem_gib = math.ceil((cm.body_bytes + cm.head_bytes + eng.num_kv_blocks * eng.block_size
-                         * cm.kv_bytes_per_token) / 2**30 * 1.3) + 2
+    # Host memory: on a CPU the weights and the K/V pool live there; on a GPU only a copy of
+    # the weights passes through while loading.
+    kv = eng.num_kv_blocks * eng.block_size * cm.kv_bytes_per_token if not gpu else 0.0
+    mem_gib = math.ceil((cm.body_bytes + cm.head_bytes + kv) / 2**30 * 1.3) + 2
     engine_role = RoleResources(cpu=str(a.cpus), memory=f"{mem_gib}Gi", gpus=gpu)
-    args = [("--policy", eng.policy), ("--max-num-batched-tokens", str(eng.max_num_batched_tokens)),
-            ("--max-num-seqs", str(eng.max_num_seqs)), ("--max-model-len", str(eng.max_model_len)),
-            ("--block-size", str(eng.block_size))]
+    args = [("--policy", eng.policy),
+            ("--max-num-batched-tokens", str(eng.max_num_batched_tokens)),
+            ("--max-num-seqs", str(eng.max_num_seqs)),
+            ("--max-model-len", str(eng.max_model_len)), ("--block-size", str(eng.block_size))]
+    if dep.mode == "pd":
+        args.append(("--prefill-queue-limit", str(dep.prefill_queue_limit)))
     if a.kv_cache_memory:
         args.append(("--kv-cache-memory", a.kv_cache_memory))
     if a.no_prefix_caching:

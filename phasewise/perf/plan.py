@@ -138,7 +138,10 @@ def verdict(c: Candidate, slo: dict[str, float]) -> str:
     busy = ", ".join(f"{role} {sum(u) / len(u):.0%} busy" for role, u in roles.items())
     rate = a["request_rate"]
     misses = f"{len(late)} of {n} miss TTFT, {tpot_miss} miss TPOT"
-    if len(late) >= tpot_miss:
+    if not late and not tpot_miss:
+        why = (f"meets the SLO at {rate:.3g} req/s too, above the rate the search settled on "
+               "(attainment is not monotonic in the rate at this number of requests)")
+    elif len(late) >= tpot_miss:
         queue = [t["queue_s"] for t in late if t.get("queue_s") is not None]
         pre = [t["prefill_s"] for t in late if t.get("prefill_s") is not None]
         q = sum(queue) / len(queue) if queue else 0.0
@@ -170,8 +173,8 @@ def search(cost: CostModel, engine: EngineSpec, wl: Workload, slo: dict[str, flo
            budgets: Sequence[int] = (256, 512, 1024, 2048), policies: Sequence[str] =
            ("chunked", "prefill-first"), ratios: Sequence[tuple[int, int]] = RATIOS,
            thresholds: Sequence[int] = (0, 512, 1024), link: Any = None, pd: bool = True,
-           start: float = 0.25, progress: Callable[[str], None] | None = None
-           ) -> list[Candidate]:
+           start: float = 0.25, queue_limit: int = 8,
+           progress: Callable[[str], None] | None = None) -> list[Candidate]:
     """Every candidate, its goodput and verdict, best goodput per accelerator first
     (``start``: the first rate each search tries, req/s)."""
     say = progress or (lambda msg: None)
@@ -185,7 +188,7 @@ def search(cost: CostModel, engine: EngineSpec, wl: Workload, slo: dict[str, flo
         for p, d in ratios:
             for t in thresholds:
                 cands.append(Candidate(Deployment("pd", prefill=p, decode=d, threshold=t,
-                                                  link=link),
+                                                  link=link, prefill_queue_limit=queue_limit),
                                        replace(engine, max_num_batched_tokens=budget)))
     for i, c in enumerate(cands, 1):
         c.goodput, c.at_goodput = goodput(cost, c.engine, c.deployment, wl, slo, start=start)
@@ -220,17 +223,17 @@ def size(best: Candidate, wl: Workload, cost: CostModel, slo: dict[str, float]) 
     if wl.rate is None or not math.isfinite(wl.rate) or best.goodput <= 0:
         return None
     units = max(1, math.ceil(wl.rate / best.goodput))
-    for _ in range(5):
-        d = best.deployment
+    d = best.deployment
+    for attempt in range(5):
+        if attempt:
+            units += 1
         dep = replace(d, replicas=units) if d.mode == "colocated" else \
             replace(d, prefill=d.prefill * units, decode=d.decode * units)
         res = simulate(cost, best.engine, dep, wl.make(wl.rate), slo)
-        att = attainment(res, slo)
-        res["_attainment"] = att
-        if att >= ATTAINMENT:
+        res["_attainment"] = attainment(res, slo)
+        if res["_attainment"] >= ATTAINMENT:
             break
-        units += 1
-    return Sized(best, units, dep, res)
+    return Sized(best, units, dep, res)  # units, dep and res always agree
 
 
 def table(cands: Sequence[Candidate]) -> str:

@@ -134,6 +134,9 @@ class _Transfer:
     last_byte: float = 0.0  # when the K/V sent so far has all landed
     nbytes: float = 0.0
     start_block: int = 0  # K/V from this block on is sent (the decode side's cached prefix)
+    sent_upto: int = 0  # tokens whose K/V is on its way (a recompute sends nothing again)
+    started: float | None = None  # the prefill's first step ended (its first K/V sent)
+    prefill_done: float | None = None  # its last chunk's step ended
 
 
 @dataclass
@@ -147,11 +150,14 @@ class _Engine:
                                                             "mixed": 0})
     link_free: float = 0.0  # prefill role: when its link finishes what it was given
     transfers: dict[str, _Transfer] = field(default_factory=dict)  # prefill role
+    landing: int = 0  # prefill role: prefills done whose K/V has not landed yet
 
     @property
     def load(self) -> int:
+        """Requests it holds; for a prefill worker also those whose K/V is still on the
+        link (the decode side counts what it sent and has not heard back from)."""
         s = self.scheduler
-        return len(s.waiting) + len(s.running) + len(s.remote)
+        return len(s.waiting) + len(s.running) + len(s.remote) + self.landing
 
 
 class Simulation:
@@ -184,6 +190,7 @@ class Simulation:
         self.local_prefills: dict[str, int] = {}
         self.transfer_s: list[float] = []
         self._remote_of: dict[str, Request] = {}  # the prefill workers' side of a request
+        self._landed_at: dict[str, _Transfer] = {}
 
     # -- events ---------------------------------------------------------------------------
     def _at(self, t: float, fn: Callable[[], None]) -> None:
@@ -312,8 +319,12 @@ class Simulation:
             tr = e.transfers.get(req.request_id)
             if tr is None:
                 continue
-            first = max(req.num_computed_tokens, tr.start_block * bs)
-            sent = max(0, req.num_computed_tokens + n - first)
+            end = req.num_computed_tokens + n
+            first = max(tr.sent_upto, tr.start_block * bs)
+            sent = max(0, end - first)
+            tr.sent_upto = max(tr.sent_upto, end)
+            if tr.started is None:
+                tr.started = now
             nbytes = sent * self.kv_bytes_per_token
             tr.nbytes += nbytes
             if link is not None:
@@ -324,12 +335,16 @@ class Simulation:
                 tr.last_byte = now
             if req.request_id in sampled:
                 del e.transfers[req.request_id]
+                e.landing += 1  # still this worker's, as the decode side counts it
                 at = max(now, tr.last_byte) + self.dep.handoff_s
                 self.transfer_s.append(at - now)
-                self._at(at, lambda tr=tr: self._landed(tr))
+                tr.prefill_done = now
+                self._at(at, lambda tr=tr, e=e: self._landed(tr, e))
 
-    def _landed(self, tr: _Transfer) -> None:
+    def _landed(self, tr: _Transfer, peer: _Engine) -> None:
+        peer.landing -= 1
         req = tr.decode_req
+        self._landed_at[req.request_id] = tr
         if req.status is RequestStatus.WAITING_FOR_REMOTE_KV:
             tr.decoder.scheduler.remote_prefill_done(req, _TOKEN)
             self._wake(tr.decoder)
@@ -359,6 +374,16 @@ class Simulation:
             r.server_timing = None if queue is None else {
                 "queue_s": queue, "remote": remote is not None,
                 "prefill_s": None if r.ttft is None else r.ttft - queue}
+            tr = self._landed_at.get(req.request_id)
+            if r.server_timing is not None and tr is not None and tr.prefill_done is not None:
+                # As the decode role reports a remote prefill (bench's ttft_split reads it).
+                # Unlike the server's, queue_s here is the wait for the prefill worker's
+                # first step (the server's starts at its own reservation, ~0).
+                landed = m.first_token_time or tr.prefill_done
+                r.server_timing.update(
+                    kv_bytes=tr.nbytes,
+                    remote_prefill_s=tr.prefill_done - m.arrival_time,
+                    kv_transfer_s=max(0.0, landed - tr.prefill_done))
             results.append(r)
         start = min((s.arrival for s, _ in self.requests), default=0.0)
         out = summarize(results, max(end - start, 1e-9), slo)
