@@ -41,10 +41,11 @@ from bench_disagg import (Procs, free_port, machine_info, machine_line,  # noqa:
 from phasewise.bench.options import add_args as add_bench_args  # noqa: E402
 from phasewise.bench.run import main as bench_main  # noqa: E402
 from phasewise.bench.workload import LengthDist, build_workload  # noqa: E402
-from phasewise.perf.calibrate import (GridPoint, check_points, load_profile,  # noqa: E402
-                                       pool_blocks)
+from phasewise.perf.calibrate import (GridPoint, check_points, grid_engine,  # noqa: E402
+                                       load_profile)
 from phasewise.perf.models import ModelShape  # noqa: E402
-from phasewise.perf.simulate import Deployment, EngineSpec, simulate  # noqa: E402
+from phasewise.perf.simulate import (Deployment, EngineSpec, kv_blocks_for,  # noqa: E402
+                                      simulate)
 
 PW = [sys.executable, "-m", "phasewise.cli"]
 REFERENCE = HERE / ".checkpoints" / "qwen2-0.5b-shape-random"
@@ -114,7 +115,13 @@ HELD_OUT = [GridPoint(5, 300), GridPoint(10, 700), GridPoint(20, 1500), GridPoin
 QUICK_HELD_OUT = [GridPoint(3, 100), GridPoint(0, 0, 40, 60), GridPoint(2, 90, 24, 90)]
 
 
-# -- calibration and the per-step check -------------------------------------------------------
+# -- calibration and the per-step check ---------------------------------------------------
+def longest_of(a: argparse.Namespace, points: list[GridPoint]) -> int:
+    """A context that holds every one of ``points`` (within the model's)."""
+    return min(max(max(p.decode_context, p.chunk_context + p.chunk) for p in points) + 8,
+               a.model_len)
+
+
 def calibrate(a: argparse.Namespace, procs: Procs, out: Path, threads: int,
               cpus: str | None, max_context: int) -> Path:
     if out.exists() and a.reuse_profiles:
@@ -142,17 +149,10 @@ def held_out_steps(a: argparse.Namespace, profile: Path) -> list[dict[str, Any]]
     profile's predictions."""
     import random
 
-    from phasewise.config import EngineConfig
-    from phasewise.engine.engine import LLMEngine
     from phasewise.perf.calibrate import measure_point
 
     points = QUICK_HELD_OUT if a.quick else HELD_OUT
-    longest = min(max(max(p.decode_context, p.chunk_context + p.chunk) for p in points) + 8,
-                  a.model_len)
-    cfg = EngineConfig(model=str(a.model), max_model_len=longest,
-                       max_num_batched_tokens=512 + 32, max_num_seqs=64,
-                       num_kv_blocks=pool_blocks(points, 16, longest))
-    engine = LLMEngine(cfg)
+    engine = grid_engine(a.model, points, longest_of(a, points), 512 + 32)
     rng = random.Random(1)
     for _ in range(2):
         measure_point(engine, points[0], rng)
@@ -174,10 +174,8 @@ def interleaved_steps(a: argparse.Namespace) -> tuple[list[dict[str, Any]], dict
     same step's time drifts by 10-30% over tens of minutes)."""
     import random
 
-    from phasewise.config import EngineConfig
-    from phasewise.engine.engine import LLMEngine
     from phasewise.perf.attribution import engine_compute_dtype
-    from phasewise.perf.calibrate import grid, measure_point
+    from phasewise.perf.calibrate import grid, measure_point, time_points
     from phasewise.perf.costmodel import fit
     from phasewise.perf.measure import ensure_local
 
@@ -186,22 +184,13 @@ def interleaved_steps(a: argparse.Namespace) -> tuple[list[dict[str, Any]], dict
     max_len = min(a.model_len, MAX_LEN + budget)
     cal = grid(max_len, budget, a.quick)
     points = cal + [p for p in held if p not in cal]
-    cfg = EngineConfig(model=str(a.model), max_model_len=max_len,
-                       max_num_batched_tokens=budget, max_num_seqs=64,
-                       num_kv_blocks=pool_blocks(points, 16, max_len))
-    engine = LLMEngine(cfg)
+    engine = grid_engine(a.model, points, max_len, budget)
     cdt = engine_compute_dtype(engine)
     accel = ensure_local("cpu", tuple(sorted({cdt(r) for r in (1, 16, 256, budget)})))
     rng = random.Random(2)
     for _ in range(2):
         measure_point(engine, held[0], rng)
-    times: dict[GridPoint, list[float]] = {p: [] for p in points}
-    for r in range(3):
-        order = list(points)
-        rng.shuffle(order)
-        for p in order:
-            times[p].append(measure_point(engine, p, rng))
-        log(f"  interleaved round {r + 1}/3 done")
+    times = time_points(engine, points, 3, rng, log)
     del engine
     gc.collect()
     med = {p: statistics.median(t) for p, t in times.items()}
@@ -231,17 +220,12 @@ class Anchors:
 
         import torch
 
-        from phasewise.config import EngineConfig
-        from phasewise.engine.engine import LLMEngine
         from phasewise.perf.calibrate import measure_point
 
         points = QUICK_ANCHORS if self.a.quick else ANCHORS
         if self.engine is None:
-            longest = max(p.decode_context + p.chunk_context + p.chunk for p in points) + 8
-            self.engine = LLMEngine(EngineConfig(
-                model=str(self.a.model), max_model_len=min(longest, self.a.model_len),
-                max_num_batched_tokens=512 + 32, max_num_seqs=64,
-                num_kv_blocks=pool_blocks(points, 16, min(longest, self.a.model_len))))
+            self.engine = grid_engine(self.a.model, points, longest_of(self.a, points),
+                                      512 + 32)
         cm = load_profile(profile, ModelShape.from_path(self.a.model))
         old_threads, old_cpus = torch.get_num_threads(), os.sched_getaffinity(0)
         torch.set_num_threads(threads)
@@ -363,7 +347,7 @@ def simulated(a: argparse.Namespace, case: Case, profile: Path, link: Any,
     cm: Any = load_profile(profile, ModelShape.from_path(a.model))
     if drift != 1.0:
         cm = Scaled(cm, drift)
-    blocks = KV_MEMORY // int(cm.kv_bytes_per_token * 16)
+    blocks = kv_blocks_for(cm, KV_MEMORY, 16)
     eng = EngineSpec(num_kv_blocks=blocks, max_num_batched_tokens=case.budget,
                      max_model_len=min(MAX_LEN, a.model_len), policy=case.policy)
     # P/D: phasewise's own hand-off over loopback costs 12-35 ms beyond its bytes' 1-11 ms

@@ -213,6 +213,38 @@ def measure_point(engine: Any, pt: GridPoint, rng: Any) -> float:
             engine.abort_request(rid)
 
 
+def grid_engine(model: str | Path, points: Sequence[GridPoint], max_len: int, budget: int,
+                **engine_kwargs: Any) -> Any:
+    """An ``LLMEngine`` whose pool and budget hold every one of ``points``."""
+    from phasewise.config import EngineConfig
+    from phasewise.engine.engine import LLMEngine
+
+    bs = engine_kwargs.get("block_size", 16)
+    return LLMEngine(EngineConfig(model=str(model), max_model_len=max_len,
+                                  max_num_batched_tokens=budget, max_num_seqs=64,
+                                  num_kv_blocks=pool_blocks(points, bs, max_len),
+                                  **engine_kwargs))
+
+
+def time_points(engine: Any, points: Sequence[GridPoint], rounds: int, rng: Any,
+                say: Callable[[str], None]) -> dict[GridPoint, list[float]]:
+    """Each point's step time in each of ``rounds`` rounds over all of them, each round in a
+    fresh random order: a machine whose speed drifts over minutes (a shared VM's does, by
+    10-20%) then spreads the drift over every point instead of skewing the points timed
+    together."""
+    times: dict[GridPoint, list[float]] = {p: [] for p in points}
+    t0 = time.monotonic()
+    for r in range(rounds):
+        order = list(points)
+        rng.shuffle(order)
+        for i, pt in enumerate(order, 1):
+            times[pt].append(measure_point(engine, pt, rng))
+            if i % 10 == 0 or i == len(order):
+                say(f"  round {r + 1}/{rounds}: {i}/{len(order)} steps "
+                    f"({time.monotonic() - t0:.0f} s)")
+    return times
+
+
 def calibrate(model: str, *, engine_kwargs: dict[str, Any] | None = None, quick: bool = False,
               reps: int = 3, out: Path | None = None, max_context: int = 4096,
               progress: Callable[[str], None] | None = None) -> tuple[CostModel, Path]:
@@ -220,8 +252,7 @@ def calibrate(model: str, *, engine_kwargs: dict[str, Any] | None = None, quick:
     fitted model and where it was written."""
     import random
 
-    from phasewise.config import EngineConfig
-    from phasewise.engine.engine import LLMEngine
+    from phasewise.perf.attribution import engine_compute_dtype
     from phasewise.perf.measure import ensure_local
 
     say = progress or (lambda msg: print(msg, file=sys.stderr, flush=True))
@@ -239,31 +270,17 @@ def calibrate(model: str, *, engine_kwargs: dict[str, Any] | None = None, quick:
         raise ValueError(f"--reps must be >= 1, got {reps}")
     points = grid(max_len, budget, quick)
     bs = kw.get("block_size", 16)
-    cfg = EngineConfig(model=model, max_model_len=max_len, max_num_batched_tokens=budget,
-                       max_num_seqs=64, num_kv_blocks=pool_blocks(points, bs, max_len), **kw)
     say(f"calibrate: loading {model} ({shape.name}) for a grid of {len(points)} steps x "
         f"{reps} rounds")
-    engine = LLMEngine(cfg)
+    engine = grid_engine(model, points, max_len, budget, **kw)
     device = engine.device.type
-    compute_dtype = _compute_dtype_of(engine)
+    compute_dtype = engine_compute_dtype(engine)
     accel = ensure_local(str(engine.device),
                          tuple(sorted({compute_dtype(r) for r in (1, 16, 256, budget)})))
     rng = random.Random(0)
     for _ in range(2):  # warm-up: first steps pay for allocations and kernel builds
         measure_point(engine, GridPoint(4, min(128, max_len - 1), 16, 16), rng)
-    # Rounds over the whole grid, each in a fresh random order: a machine whose speed drifts
-    # over minutes (a shared VM's does, by 10-20%) then spreads the drift over every point
-    # instead of skewing the points timed together.
-    times: dict[GridPoint, list[float]] = {p: [] for p in points}
-    t0 = time.monotonic()
-    for r in range(reps):
-        order = list(points)
-        rng.shuffle(order)
-        for i, pt in enumerate(order, 1):
-            times[pt].append(measure_point(engine, pt, rng))
-            if i % 10 == 0 or i == len(order):
-                say(f"  round {r + 1}/{reps}: {i}/{len(order)} steps "
-                    f"({time.monotonic() - t0:.0f} s)")
+    times = time_points(engine, points, reps, rng, say)
     rows = [(p, statistics.median(times[p])) for p in points]
     for p, t in rows:
         say(f"  {p.label():<36} {t * 1e3:9.2f} ms")
@@ -286,12 +303,6 @@ def calibrate(model: str, *, engine_kwargs: dict[str, Any] | None = None, quick:
                  for p, t in rows],
     }, indent=1))
     return cm, path
-
-
-def _compute_dtype_of(engine: Any) -> Callable[[int], str]:
-    from phasewise.perf.attribution import engine_compute_dtype
-
-    return engine_compute_dtype(engine)
 
 
 def _accel_entry(a: Accelerator) -> dict[str, Any]:

@@ -39,7 +39,7 @@ from typing import Any
 
 from phasewise.perf.hardware import Accelerator
 from phasewise.perf.models import ModelShape
-from phasewise.perf.roofline import DTYPE_BYTES, Chunk, norm_dtype
+from phasewise.perf.roofline import DTYPE_BYTES, Chunk, chunk_positions, norm_dtype
 
 # Assumed for an accelerator nobody calibrated (the planner's catalog GPUs): a tuned engine's
 # dense GEMMs reach about half the datasheet peak, its decode steps about three quarters of
@@ -147,8 +147,7 @@ class CostModel:
         """The step's design row: ``TERMS`` first, then one column per knot (the matmuls'
         roofline time carried by that knot). Linear in the unknowns ``fit`` solves for."""
         rows, samples = mix.rows, mix.samples
-        positions = sum(c.tokens * c.context + c.tokens * (c.tokens + 1) / 2
-                        for c in mix.chunks)
+        positions = chunk_positions(mix.chunks)
         row = [1.0, float(mix.seqs),
                positions * self.attn_flops_per_pos / self.attn_peak,
                sum(c.context for c in mix.chunks) * self.kv_bytes_per_token / self.bandwidth,
@@ -176,8 +175,7 @@ class CostModel:
     def _assumed_time(self, mix: StepMix) -> float:
         """Without a fit: the roofline of the fused step at the assumed MFU and MBU."""
         peak, bw = self.default_peak * self.mfu, self.bandwidth * self.mbu
-        positions = sum(c.tokens * c.context + c.tokens * (c.tokens + 1) / 2
-                        for c in mix.chunks) + sum(mix.decodes)
+        positions = chunk_positions(mix.chunks) + sum(mix.decodes)
         flops = (mix.rows * self.body_flops_per_row + mix.samples * self.head_flops_per_row
                  + positions * self.attn_flops_per_pos)
         kv = (sum(c.context + c.tokens for c in mix.chunks)

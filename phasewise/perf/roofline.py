@@ -113,6 +113,12 @@ class Chunk:
     samples: bool = True
 
 
+def chunk_positions(chunks: Sequence[Chunk]) -> int:
+    """Query positions (1-based) summed over prompt chunks: P+1..P+S for a chunk of S tokens
+    after P, i.e. S * P + S * (S + 1) / 2 (the causal mask counted once per pair)."""
+    return sum(c.tokens * c.context + c.tokens * (c.tokens + 1) // 2 for c in chunks)
+
+
 class Roofline:
     """The cost model for one model on one accelerator at one dtype."""
 
@@ -228,9 +234,8 @@ class Roofline:
         if any(c.tokens < 1 or c.context < 0 for c in chunks) or any(d < 0 for d in decodes):
             raise ValueError("chunks need tokens >= 1 and context >= 0; decodes need >= 0")
         tokens = sum(c.tokens for c in chunks) + len(decodes)
-        # Query positions (1-based) summed: P+1..P+S for a chunk, the context for a decode.
-        positions = sum(c.tokens * c.context + c.tokens * (c.tokens + 1) // 2 for c in chunks) \
-            + sum(decodes)
+        # Query positions (1-based) summed: the chunks', and each decode's context.
+        positions = chunk_positions(chunks) + sum(decodes)
         samples = sum(1 for c in chunks if c.samples) + len(decodes)
         flops = (tokens * self._linear_flops_per_token() + self._attn_flops(positions)
                  + samples * self._lm_head_flops())

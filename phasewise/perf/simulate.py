@@ -135,7 +135,6 @@ class _Transfer:
     nbytes: float = 0.0
     start_block: int = 0  # K/V from this block on is sent (the decode side's cached prefix)
     sent_upto: int = 0  # tokens whose K/V is on its way (a recompute sends nothing again)
-    started: float | None = None  # the prefill's first step ended (its first K/V sent)
     prefill_done: float | None = None  # its last chunk's step ended
 
 
@@ -161,13 +160,11 @@ class _Engine:
 
 
 class Simulation:
-    def __init__(self, cost: CostModel, engine: EngineSpec, deployment: Deployment,
-                 progress: Callable[[int, int], None] | None = None) -> None:
+    def __init__(self, cost: CostModel, engine: EngineSpec, deployment: Deployment) -> None:
         self.cost = cost
         self.spec = engine
         self.dep = deployment
         self.clock = _Clock()
-        self.progress = progress
         self._events: list[tuple[float, int, Callable[[], None]]] = []
         self._seq = itertools.count()
         self._turn = itertools.count()
@@ -201,16 +198,10 @@ class Simulation:
         self.requests: list[tuple[RequestSpec, Request]] = []
         for spec in specs:
             self._at(spec.arrival, lambda spec=spec: self._arrive(spec))
-        done = 0
-        total = len(specs)
         while self._events:
             t, _, fn = heapq.heappop(self._events)
             self.clock.now = t
             fn()
-            if self.progress and len(self.requests) and len(self.requests) % 500 == 0 \
-                    and len(self.requests) != done:
-                done = len(self.requests)
-                self.progress(done, total)
         return self._summary(slo)
 
     def _wake(self, e: _Engine) -> None:
@@ -222,7 +213,7 @@ class Simulation:
     def _pick(self, engines: Sequence[_Engine]) -> _Engine:
         turn = next(self._turn)
         k = len(engines)
-        return min(engines, key=lambda e: (e.load, (engines.index(e) - turn) % k))
+        return min(enumerate(engines), key=lambda ie: (ie[1].load, (ie[0] - turn) % k))[1]
 
     def _new_request(self, spec: RequestSpec, rid: str, max_tokens: int) -> Request:
         base = spec.index * 1_000_003 + 7  # distinct ids per request: no accidental sharing
@@ -323,8 +314,6 @@ class Simulation:
             first = max(tr.sent_upto, tr.start_block * bs)
             sent = max(0, end - first)
             tr.sent_upto = max(tr.sent_upto, end)
-            if tr.started is None:
-                tr.started = now
             nbytes = sent * self.kv_bytes_per_token
             tr.nbytes += nbytes
             if link is not None:
@@ -402,10 +391,10 @@ class Simulation:
 
 
 def simulate(cost: CostModel, engine: EngineSpec, deployment: Deployment,
-             specs: Sequence[RequestSpec], slo: dict[str, float] | None = None,
-             progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
+             specs: Sequence[RequestSpec], slo: dict[str, float] | None = None
+             ) -> dict[str, Any]:
     """Serve ``specs`` in virtual time; the bench's summary dict, plus ``simulated``."""
-    return Simulation(cost, engine, deployment, progress).run(specs, slo)
+    return Simulation(cost, engine, deployment).run(specs, slo)
 
 
 def kv_blocks_for(cost: CostModel, memory_bytes: float, block_size: int) -> int:
