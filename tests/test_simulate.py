@@ -128,6 +128,8 @@ def test_deployment_and_engine_specs_name_bad_values():
         Deployment("both")
     with pytest.raises(ValueError, match="decode must be an integer >= 1"):
         Deployment("pd", decode=0)
+    with pytest.raises(ValueError, match="prefill must be <= 1024"):
+        Deployment("pd", prefill=10**8)
     with pytest.raises(ValueError, match="num_kv_blocks"):
         EngineSpec(num_kv_blocks=0)
 
@@ -335,6 +337,12 @@ def test_simulate_cli_names_what_is_missing(tmp_path, capsys, monkeypatch):
     assert rc == 2 and "unknown accelerator 'nope'" in capsys.readouterr().err
     rc = main(["plan", "--model", "qwen2.5-0.5b", "--gpu", "l4", "--goodput", "ttft:100"])
     assert rc == 2 and "both SLOs" in capsys.readouterr().err
+    bad = tmp_path / "profile.json"
+    bad.write_text('{"version": 1, "shape": {}}')
+    rc = main(["simulate", "--model", "qwen2.5-0.5b", "--profile", str(bad)])
+    assert rc == 2 and "damaged profile" in capsys.readouterr().err
+    rc = main(["simulate", "--model", "qwen2.5-0.5b", "--gpu", "l4", "--block-size", "0"])
+    assert rc == 2 and "--block-size must be >= 1" in capsys.readouterr().err
 
 
 def test_simulate_plan_and_manifests_run_without_torch():

@@ -149,10 +149,14 @@ def load_profile(path: str | Path, shape: ModelShape | None = None) -> CostModel
     if not isinstance(data, dict) or data.get("version") != PROFILE_VERSION:
         raise ValueError(f"{p} is not a phasewise profile of version {PROFILE_VERSION}; "
                          "run 'phasewise calibrate' again")
-    shape = shape or ModelShape(**data["shape"])
-    accel = accelerator_from_entry(data["accelerator"].get("key", "cpu-local"),
-                                   data["accelerator"], p)
-    return CostModel.from_dict(shape, accel, data["cost_model"])
+    try:
+        shape = shape or ModelShape(**data["shape"])
+        accel = accelerator_from_entry(data["accelerator"].get("key", "cpu-local"),
+                                       data["accelerator"], p)
+        return CostModel.from_dict(shape, accel, data["cost_model"])
+    except (KeyError, TypeError, AttributeError, ValueError) as e:
+        raise ValueError(f"{p} is a damaged profile ({type(e).__name__}: {e}); run "
+                         "'phasewise calibrate' again") from e
 
 
 # -- measuring --------------------------------------------------------------------------------

@@ -68,6 +68,8 @@ def cost_model(model: str, gpu: str, profile: str | None, dtype: str = "bf16"
 def engine_spec(cm: CostModel, a: argparse.Namespace) -> EngineSpec:
     from phasewise.config import parse_memory
 
+    if a.block_size < 1:
+        raise ValueError(f"--block-size must be >= 1, got {a.block_size}")
     cpu = cm.accel.key == "cpu-local" or cm.accel.key.startswith("cpu")
     if a.kv_cache_memory:
         memory = float(parse_memory(a.kv_cache_memory))

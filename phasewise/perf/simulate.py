@@ -50,6 +50,7 @@ from phasewise.perf.costmodel import CostModel
 from phasewise.perf.hardware import Link
 
 MODES = ("colocated", "pd")
+MAX_WORKERS = 1024  # engines of one role a simulation holds (each is a scheduler and a pool)
 _TOKEN = 1  # the id every simulated sample gets
 
 
@@ -100,6 +101,8 @@ class Deployment:
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+            if v > MAX_WORKERS:
+                raise ValueError(f"{name} must be <= {MAX_WORKERS}, got {v}")
         if self.threshold < 0:
             raise ValueError(f"threshold must be >= 0, got {self.threshold}")
         if not 0 <= self.handoff_s < 60:
