@@ -7,10 +7,16 @@ PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/pip install -q torch==2.13.0
 .venv/bin/pip install -q -e '.[test]'
-# The P/D cross-host test joins two network namespaces with a veth pair (iproute2's `ip`).
-if [ "$(id -u)" = 0 ] && ! command -v ip >/dev/null 2>&1; then
-    (apt-get update -qq && apt-get install -y -qq iproute2) >/dev/null 2>&1 \
-        || echo "iproute2 could not be installed: the network-namespace test will skip"
+# As root, from the distribution's packages: iproute2's `ip` (the P/D cross-host test joins
+# two network namespaces with a veth pair) and chromium (the dashboard's browser tests).
+need=()
+command -v ip >/dev/null 2>&1 || need+=(iproute2)
+command -v chromium >/dev/null 2>&1 || need+=(chromium fonts-dejavu-core)
+if [ "$(id -u)" = 0 ] && [ "${#need[@]}" -gt 0 ]; then
+    echo "installing ${need[*]} with apt-get"
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}") \
+        >/dev/null 2>&1 || echo "apt-get could not install ${need[*]}: the tests that need them \
+will skip (under CI the browser tests fail instead)"
 fi
 set +e
 .venv/bin/python -m pytest -q "$@"

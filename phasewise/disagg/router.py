@@ -26,6 +26,7 @@ import itertools
 import json
 import logging
 import time
+import urllib.parse
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -144,6 +145,7 @@ class Router:
         self._poller: asyncio.Task | None = None
         self._accepting = True
         self._turn = itertools.count()
+        self._trace_lookups: set[asyncio.Future] = set()  # the dashboard's, in flight
 
     @property
     def workers(self) -> list[Worker]:
@@ -382,6 +384,7 @@ class Router:
     async def _pump(self, group: RequestGroup, assembler: OutputAssembler,
                     resp: httpx.Response, worker: Worker) -> None:
         """Worker lines -> the group's outputs (and the observers: the router's metrics)."""
+        last: dict[str, Any] = {}  # each request's latest output, until it finishes
         try:
             async for line in resp.aiter_lines():
                 if not line:
@@ -396,7 +399,9 @@ class Router:
                 out = assembler.feed(line)
                 group._put(out)
                 ended = []
+                last[out.request_id] = out
                 if out.finished:
+                    del last[out.request_id]
                     ended = [FinishedRequest(out.request_id, len(out.prompt_token_ids),
                                              len(out.token_ids), out.finish_reason or "stop",
                                              out.metrics)]
@@ -417,6 +422,12 @@ class Router:
         except EngineError as e:
             group._put(e)
         finally:
+            # What did not finish ended here (the client left, the worker went, a bad
+            # line): the observers hear of it as an abort, as an engine's would.
+            if last:
+                self._notify([], [FinishedRequest(o.request_id, len(o.prompt_token_ids),
+                                                  len(o.token_ids), "abort", o.metrics)
+                                  for o in last.values()])
             await resp.aclose()
 
     def _release(self, worker: Worker, resp: httpx.Response) -> None:
@@ -470,6 +481,41 @@ class Router:
         for group, task, _ in {id(g): (g, t, w) for g, t, w in self._groups.values()}.values():
             group._put(EngineStopped(reason))
             task.cancel()
+
+    async def find_trace(self, request_id: str, found: dict[str, Any] | None
+                         ) -> dict[str, Any] | None:
+        """For the dashboard's playground: the router's own trace of a request (``found``:
+        its outputs on the router's clock) with the steps it rode on, from the decode worker
+        that ran it (each is asked in turn)."""
+        if self._client is None or len(self._trace_lookups) >= 8:  # (bounded: best effort)
+            return found
+        client = self._client
+        path = f"/dashboard/api/requests/{urllib.parse.quote(request_id, safe='')}"
+
+        async def ask(w: Worker) -> dict[str, Any] | None:
+            try:
+                r = await client.get(w.url + path, timeout=2.0)
+                data = r.json() if r.status_code == 200 else None
+            except (httpx.HTTPError, ValueError):
+                return None
+            return data if isinstance(data, dict) else None
+
+        up = [w for w in self.decode if w.up]
+        task = asyncio.ensure_future(asyncio.gather(*(ask(w) for w in up)))
+        self._trace_lookups.add(task)
+        try:
+            answers = await task
+        finally:
+            self._trace_lookups.discard(task)
+        for w, data in zip(up, answers):
+            if data is None:
+                continue
+            if found is None:
+                return {**data, "worker": w.url}
+            return {**found, "steps": data.get("steps", []),
+                    "step_detail": data.get("step_detail", []), "worker": w.url,
+                    "worker_outputs": data.get("outputs", [])}
+        return found
 
     # -- watching the workers --------------------------------------------------------------
     async def _poll(self) -> None:

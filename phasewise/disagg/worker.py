@@ -67,6 +67,7 @@ class Transfer:
     done_at: float | None = None  # first token back
     nbytes: int = 0  # K/V bytes landed
     frames: int = 0
+    peer: str = ""  # the prefill worker's name (its identity when it gave none)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -258,9 +259,11 @@ class DecodeSide(_Delegate):
                 self._local("cached")  # mostly cached here: prefill the rest locally
                 self.backend.fail_remote_prefill(rid)
                 continue
+            info = self.server.peers().get(peer)
             with self._lock:
                 self._attempts[rid] = (peer, 1)
-                self._transfers[rid] = Transfer(time.monotonic())
+                self._transfers[rid] = Transfer(time.monotonic(),
+                                                peer=(info.name if info else "") or peer)
             try:  # the peer may have gone (closed, replaced) while the group was admitted
                 self.server.request_prefill(peer, PrefillRequest(
                     rid, 1, tuple(spec.token_ids), params_to_wire(spec.params),

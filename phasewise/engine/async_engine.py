@@ -327,13 +327,20 @@ class AsyncEngine:
             except queue.Empty:
                 pass
             finished: list[FinishedRequest] = []
+            firsts = []  # first tokens a prefill worker sent back
             for cmd in commands:
                 if isinstance(cmd, AddRequests):
                     self._handle_add(cmd)
                 elif isinstance(cmd, AbortRequests):
                     finished += self._abort(cmd.request_ids)
                 elif isinstance(cmd, (LoadRemoteKV, FinishRemotePrefill, FailRemotePrefill)):
-                    self._handle_remote(cmd)
+                    out = self._handle_remote(cmd)
+                    if out is not None:
+                        firsts.append(out)
+                        if out.finished:
+                            finished.append(FinishedRequest(
+                                out.request_id, len(out.prompt_token_ids),
+                                len(out.token_ids), out.finish_reason or "stop", out.metrics))
                 elif isinstance(cmd, AbortAll):
                     finished += self._abort_all(EngineStopped(cmd.reason))
                 elif isinstance(cmd, Stop):
@@ -342,7 +349,7 @@ class AsyncEngine:
                     self._notify(None, [], finished)
                     return
             if commands or idle:  # idle: lets observers flush periodic output
-                self._notify(None, [], finished)
+                self._notify(None, firsts, finished)
             if not engine.has_unfinished_requests():
                 continue
             try:
@@ -407,31 +414,32 @@ class AsyncEngine:
         self._reply(Verdict(cmd.ticket, remote_hits=tuple(hits)))
 
     def _handle_remote(self, cmd: LoadRemoteKV | FinishRemotePrefill | FailRemotePrefill
-                       ) -> None:
+                       ) -> Any:
         """A remote prefill's K/V, first token or failure. K/V for a request that is gone
         (aborted, already computed here) is dropped: the receiver never writes blocks a
-        request no longer holds."""
+        request no longer holds. Returns the output of a first token that came back (for
+        the observers: its TTFT), else None."""
         engine, loop = self.engine, self._loop
         assert loop is not None
         rid = cmd.request_id
         req = engine.requests.get(rid)
         if req is None or req.status is not RequestStatus.WAITING_FOR_REMOTE_KV:
             log.debug("remote prefill message for %r dropped: it waits for none", rid)
-            return
+            return None
         try:
             if isinstance(cmd, LoadRemoteKV):
                 from phasewise.disagg.kv import kv_from_bytes
 
                 engine.load_remote_kv(rid, cmd.first_token,
                                       kv_from_bytes(cmd.payload, cmd.dtype, cmd.shape))
-                return
+                return None
             if isinstance(cmd, FinishRemotePrefill) and engine.remote_kv_complete(rid):
                 out = engine.finish_remote_prefill(
                     rid, cmd.token, None if cmd.logprobs is None else dict(cmd.logprobs))
                 req.metrics.remote = cmd.timing  # read when the request finishes
                 loop.call_soon_threadsafe(self._deliver, [(rid, out)])
                 self._count_remote("done")
-                return
+                return out
             outcome = "incomplete" if isinstance(cmd, FinishRemotePrefill) else "failed"
         except ValueError:
             log.warning("remote K/V for %r refused; computing its prompt here", rid,
@@ -439,6 +447,7 @@ class AsyncEngine:
             outcome = "refused"
         self._count_remote(outcome)
         engine.fail_remote_prefill(rid)  # failed, incomplete or refused: compute it here
+        return None
 
     def _count_remote(self, outcome: str) -> None:
         self.remote_outcomes[outcome] = self.remote_outcomes.get(outcome, 0) + 1

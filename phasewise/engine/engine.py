@@ -342,6 +342,7 @@ class LLMEngine:
         if not batch.requests:
             return []
         cost = self.cost_model.predict(*batch.mix())  # before update() advances the counts
+        chunks, decoders = batch.riders()
         tables = [self.kv.block_table(r.request_id) for r in batch.requests]
         try:
             exports = (self.connector.step_exports(batch.requests, batch.num_tokens)
@@ -372,6 +373,7 @@ class LLMEngine:
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             kv_usage=self.kv.usage, num_preempted=len(batch.preempted),
             predicted_flops=cost.flops, predicted_bytes=cost.bytes, predicted_s=cost.seconds,
+            prefill_chunks=chunks, decode_ids=decoders, compute_dtype=cost.compute_dtype,
         ))
         return outputs
 

@@ -51,6 +51,11 @@ class StepStats:
     predicted_flops: float | None = None
     predicted_bytes: float | None = None
     predicted_s: float | None = None
+    # Who rode on the step (for the dashboard's playground and stall view): each prompt
+    # chunk as (request id, tokens), and the ids of the requests that decoded one token.
+    prefill_chunks: tuple[tuple[str, int], ...] = ()
+    decode_ids: tuple[str, ...] = ()
+    compute_dtype: str | None = None  # whose peak predicted_s is rated at
 
     @property
     def num_tokens(self) -> int:

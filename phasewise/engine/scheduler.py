@@ -92,6 +92,17 @@ class ScheduledBatch:
                 chunks.append(Chunk(n, done, done + n == req.num_tokens))
         return chunks, decodes
 
+    def riders(self) -> tuple[tuple[tuple[str, int], ...], tuple[str, ...]]:
+        """Who rides on the step: each prompt chunk as (request id, tokens), and the ids of
+        the decoding requests. Read it before ``update()``, as ``mix``."""
+        chunks, decodes = [], []
+        for req, n in zip(self.requests, self.num_tokens):
+            if is_decode(req, n):
+                decodes.append(req.request_id)
+            else:
+                chunks.append((req.request_id, n))
+        return tuple(chunks), tuple(decodes)
+
 
 def is_decode(req: Request, n: int) -> bool:
     """One token on top of a fully computed history, and that token is a sampled output."""

@@ -2,7 +2,8 @@
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
 ``GET /health``, ``GET /metrics``, ``POST /tokenize``, ``POST /detokenize``, ``GET /version``,
-``GET /openapi.json``; and ``/internal/v1/*``, which a router calls (``internal``).
+``GET /openapi.json``; ``/dashboard`` (the live page, ``dashboard``); and ``/internal/v1/*``,
+which a router calls (``internal``).
 
 The jobs live in their own modules: ``guard`` (API key, draining, body size; the access log),
 ``protocol`` (request bodies and their bounds), ``errors`` (``ApiError`` and the 400s that name
@@ -30,6 +31,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import phasewise
 from phasewise.engine.backend import ServingBackend
+from phasewise.server.dashboard import add_dashboard_routes
+from phasewise.server.dashboard.hub import Hub
 from phasewise.server.errors import ApiError, error_response, validation_error
 from phasewise.server.guard import AccessLog, Guard
 from phasewise.server.internal import add_internal_routes
@@ -86,10 +89,13 @@ class OpenAIServer:
     """Builds the FastAPI app around a backend; ``app`` is the ASGI entry point."""
 
     def __init__(self, backend: ServingBackend, config: ServerConfig,
-                 metrics: PrometheusMetrics | None = None) -> None:
+                 metrics: PrometheusMetrics | None = None, dashboard: Hub | None = None,
+                 trace_lookup: Any = None) -> None:
         self.backend = backend
         self.config = config
         self.metrics = metrics
+        self.dashboard = dashboard
+        self.trace_lookup = trace_lookup
         self.draining = False
         self.created = int(time.time())
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -111,6 +117,8 @@ class OpenAIServer:
         """Refuse new requests; running ones go on (any thread)."""
         self.draining = True
         self.backend.stop_accepting()
+        if self.dashboard is not None and self.loop is not None:
+            self.loop.call_soon_threadsafe(self.dashboard.close)  # its pages' streams end
 
     def end_open_streams(self, grace_s: float) -> None:
         """The grace period is over: every request still open ends now, its stream with an
@@ -214,6 +222,10 @@ class OpenAIServer:
                   responses={200: _JSON_OR_SSE, **_POST_ERRORS})
         async def chat(body: ChatCompletionRequest, request: Request) -> Response:
             return await routes.chat(body, request)
+
+        if self.dashboard is not None:
+            add_dashboard_routes(app, self.dashboard, routes, api_key=self.config.api_key,
+                                 trace_lookup=self.trace_lookup)
 
         add_internal_routes(app, self.backend, routes, role=self.config.role,
                             served_model_name=self.config.served_model_name,

@@ -6,6 +6,9 @@ Which routes ``--api-key`` protects: every route that takes input or runs the mo
 vocabulary). Left open, by choice: ``/health`` (load balancers and Kubernetes probes send no
 key), ``/metrics`` (Prometheus scrapers; it holds counts and latencies, no request content),
 ``/version`` and ``/openapi.json`` (they describe the software, not the deployment).
+``/dashboard`` is behind the key too; a browser, which cannot send the header, logs in at
+``/dashboard/login`` and gets a session cookie (derived from the key, ``HttpOnly``,
+``SameSite=Strict``) that is good for ``/dashboard*`` only.
 """
 
 from __future__ import annotations
@@ -24,7 +27,23 @@ Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 
-OPEN_PATHS = frozenset({"/health", "/metrics", "/version", "/openapi.json"})
+OPEN_PATHS = frozenset({"/health", "/metrics", "/version", "/openapi.json",
+                        "/dashboard/login"})
+DASHBOARD = "/dashboard"
+DASHBOARD_COOKIE = "phasewise_dashboard"
+
+
+def dashboard_token(api_key: str) -> str:
+    """What the dashboard's cookie holds: derived from the key, never the key itself."""
+    return hmac.new(api_key.encode(), b"phasewise dashboard session", "sha256").hexdigest()
+
+
+def _cookie(headers: dict[str, str], name: str) -> str:
+    for part in headers.get("cookie", "").split(";"):
+        k, _, v = part.strip().partition("=")
+        if k == name:
+            return v
+    return ""
 # Logged only when they fail: probes, scrapes and a router's polls.
 QUIET_PATHS = frozenset({"/health", "/metrics", "/internal/v1/load", "/internal/v1/info"})
 
@@ -122,20 +141,43 @@ class Guard:
                    for k, v in scope.get("headers", [])}
         path = scope.get("path", "")
         key = self.api_key
+        dashboard = path == DASHBOARD or path.startswith(DASHBOARD + "/")
+        by_cookie = False
         if key is not None and path not in OPEN_PATHS:
             auth = headers.get("authorization", "")
             given = auth[7:] if auth.lower().startswith("bearer ") else ""
-            if not hmac.compare_digest(given.encode(), key.encode()):
+            ok = hmac.compare_digest(given.encode(), key.encode())
+            if not ok and dashboard:  # a browser's session, from /dashboard/login
+                by_cookie = ok = hmac.compare_digest(
+                    _cookie(headers, DASHBOARD_COOKIE).encode(), dashboard_token(key).encode())
+            if not ok:
+                if dashboard and scope.get("method") in ("GET", "HEAD") and \
+                        path in (DASHBOARD, DASHBOARD + "/"):
+                    await send({"type": "http.response.start", "status": 303,
+                                "headers": [(b"location", b"/dashboard/login"),
+                                            (b"content-length", b"0")]})
+                    await send({"type": "http.response.body", "body": b""})
+                    return
                 await self._refuse(send, ApiError(
-                    401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
+                    401, "missing or invalid API key: send 'Authorization: Bearer <key>'"
+                    + (" (or log in at /dashboard/login)" if dashboard else ""),
                     code="invalid_api_key"))
                 return
+        if by_cookie and scope.get("method") == "POST" and \
+                headers.get("content-type", "").split(";")[0].strip() != "application/json":
+            # A session cookie rides along on any same-site form post; a JSON body needs a
+            # script of this origin (a cross-site one would need CORS, which is not served).
+            await self._refuse(send, ApiError(
+                415, "a dashboard session's POST must be application/json",
+                code="unsupported_media_type"))
+            return
         if self.is_draining() and scope.get("method") == "POST":
             await self._refuse(send, ApiError(
                 503, "the server is shutting down and takes no new requests",
                 type="server_error", code="shutting_down"))
             return
-        if scope.get("method") == "POST" and headers.get("content-type", "").split(";")[0] in (
+        if scope.get("method") == "POST" and path != DASHBOARD + "/login" and \
+                headers.get("content-type", "").split(";")[0] in (
                 "", "application/x-www-form-urlencoded", "text/plain"):
             # Every POST body of this API is JSON; take curl's default form type (and none at
             # all) as JSON rather than refusing a well-formed body over a header.

@@ -248,7 +248,9 @@ class Routes:
         return Response(await self._off_loop(work, pool=self.cpu_tools),
                         media_type="application/json")
 
-    async def completions(self, body: CompletionRequest, request: Request) -> Response:
+    async def completions(self, body: CompletionRequest, request: Request,
+                          id_prefix: str = "cmpl-") -> Response:
+        """``id_prefix``: the response id's (the dashboard's playground marks its own)."""
         arrival = time.monotonic()
         self.check_model(body.model)
         raw = body.prompt_list()
@@ -268,7 +270,7 @@ class Routes:
         if body.logprobs is not None:
             overrides["logprobs"] = body.logprobs
         specs = self._specs(prompts, body.n, overrides)
-        rid = f"cmpl-{uuid.uuid4().hex}"
+        rid = f"{id_prefix}{uuid.uuid4().hex}"
         choices = CompletionChoices(self._token_text, len(specs), body.logprobs)
         return await self._respond(request, body, specs, rid, choices, arrival)
 

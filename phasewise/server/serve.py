@@ -20,6 +20,8 @@ from typing import Any
 from phasewise.config import SERVE_ROLES, EngineConfig
 from phasewise.engine.async_engine import AsyncEngine
 from phasewise.server.app import OpenAIServer, ServerConfig
+from phasewise.server.dashboard import DashboardFeed, Hub, peaks_of
+from phasewise.server.dashboard.hub import relays_for
 from phasewise.server.metrics import PrometheusMetrics, StatLogger
 
 log = logging.getLogger("phasewise.server")
@@ -134,11 +136,14 @@ def build_server(engine_config: EngineConfig, *, served_model_name: str | None =
     name = served_model_name or Path(engine_config.model).resolve().name
     config = ServerConfig(served_model_name=name, role=role, **server_kwargs)
     metrics = PrometheusMetrics(name)
-    observers: list[Any] = [metrics]
+    feed = DashboardFeed(model_name=name, role=role)
+    observers: list[Any] = [metrics, feed]
     if log_interval_s > 0:
         observers.append(StatLogger(log_interval_s))
     engine = AsyncEngine.from_config(engine_config, max_waiting=config.max_waiting_requests,
                                      observers=observers)
+    feed.peaks = peaks_of(getattr(getattr(engine.engine, "cost_model", None), "accel", None))
+    feed.info = dashboard_info(engine.engine)
     backend: Any = engine
     if role != "both":
         from phasewise.disagg.worker import DecodeSide, PrefillSide
@@ -151,7 +156,13 @@ def build_server(engine_config: EngineConfig, *, served_model_name: str | None =
             from phasewise.disagg.metrics import DisaggCollector, TransferMetrics
 
             metrics.registry.register(DisaggCollector(backend, name))
-            backend.on_transfer = TransferMetrics(metrics.registry, name).observe
+            histograms = TransferMetrics(metrics.registry, name)
+
+            def on_transfer(t: Any) -> None:
+                histograms.observe(t)
+                feed.on_transfer(t)
+
+            backend.on_transfer = on_transfer
             log.info("decode role: K/V port %s; %s go to a connected prefill worker",
                      backend.endpoint, "all prompts" if disagg_threshold == 0 else
                      f"prompts of {disagg_threshold}+ uncached tokens")
@@ -166,7 +177,17 @@ def build_server(engine_config: EngineConfig, *, served_model_name: str | None =
              info.num_params / 1e6, time.monotonic() - t0)
     if info.roofline:
         log.info("%s", info.roofline)
-    return OpenAIServer(backend, config, metrics)
+    feed.info["description"] = info.description
+    return OpenAIServer(backend, config, metrics, dashboard=Hub(feed))
+
+
+def dashboard_info(engine: Any) -> dict[str, Any]:
+    """What the dashboard's header says about an ``LLMEngine``."""
+    cfg = engine.config
+    return {"max_model_len": engine.max_model_len,
+            "budget": engine.max_num_batched_tokens, "policy": cfg.policy,
+            "block_size": cfg.block_size, "device": engine.device.type,
+            "dtype": str(engine.dtype).removeprefix("torch.")}
 
 
 def build_router(model: str, decode: list[str], prefill: list[str], *,
@@ -184,7 +205,13 @@ def build_router(model: str, decode: list[str], prefill: list[str], *,
     metrics = PrometheusMetrics(name)
     router.add_observer(metrics)
     metrics.registry.register(RouterCollector(router))
-    return OpenAIServer(router, config, metrics)
+    feed = DashboardFeed(model_name=name, role="router",
+                         info={"description": router.info.description})
+    router.add_observer(feed)
+    hub = Hub(feed)
+    relays_for(hub, router.workers, router.headers)
+    return OpenAIServer(router, config, metrics, dashboard=hub,
+                        trace_lookup=router.find_trace)
 
 
 def run(server: OpenAIServer, *, host: str = "127.0.0.1", port: int = 8000,

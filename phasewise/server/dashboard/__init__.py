@@ -1,0 +1,147 @@
+"""``/dashboard``: the two phases, live in a browser (served by ``phasewise serve`` and by the
+router).
+
+* ``GET /dashboard``: the page (HTML, its script and the vendored uPlot, no build step and
+  nothing from a CDN: ``static/``);
+* ``GET /dashboard/events``: server-sent events: a ``hello`` (model, role, this machine's
+  peaks, histogram edges, recent history), then a frame every 0.2 s (``feed``, ``hub``);
+  behind a router also ``worker`` events, each worker's own frames;
+* ``GET /dashboard/api/requests/{id}``: one playground request's trace (the steps it rode
+  on, each output's time and text); other clients' requests have none (``feed``);
+* ``POST /dashboard/api/completions``: the playground's completions (``/v1/completions``'s
+  handler, reachable with the dashboard's session; ids ``cmpl-playground-...``);
+* ``GET /dashboard/api/status``: whether the server is draining, how many pages watch (of
+  how many allowed) and, behind a router, each worker's relay;
+* ``GET|POST /dashboard/login``: with ``--api-key``, a browser logs in with the key and gets
+  a session cookie good for ``/dashboard*`` only (``guard``).
+"""
+
+from __future__ import annotations
+
+import hmac
+import mimetypes
+import urllib.parse
+from importlib import resources
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
+
+from phasewise.server.dashboard.feed import PLAYGROUND_PREFIX, DashboardFeed, peaks_of
+from phasewise.server.dashboard.hub import Hub
+from phasewise.server.errors import ApiError
+from phasewise.server.guard import DASHBOARD_COOKIE, dashboard_token
+from phasewise.server.protocol import CompletionRequest
+from phasewise.server.sse import SSEResponse
+
+__all__ = ["DashboardFeed", "Hub", "add_dashboard_routes", "peaks_of"]
+
+_STATIC = resources.files("phasewise.server.dashboard") / "static"
+SESSION_S = 12 * 3600  # a login lasts this long
+_MAX_STATIC = 1 << 20
+_LOGIN = """<!doctype html><html lang="en"><head><meta charset="utf-8">
+<title>phasewise dashboard: log in</title><style>
+body{{font:15px system-ui,sans-serif;background:#10141a;color:#dde3ea;display:flex;
+justify-content:center;margin-top:12vh}}form{{background:#1a212b;padding:24px 28px;
+border-radius:8px;min-width:320px}}input{{width:100%;padding:8px;margin:10px 0;
+box-sizing:border-box;background:#0c1015;color:#dde3ea;border:1px solid #39424f}}
+button{{padding:8px 16px}}.err{{color:#ff7b72}}</style></head><body>
+<form method="post" action="/dashboard/login"><h2>phasewise dashboard</h2>
+<p>This server runs with <code>--api-key</code>: enter it to watch the dashboard.</p>
+{error}<input type="password" name="key" autofocus placeholder="API key" id="key">
+<button type="submit" id="login">Log in</button></form></body></html>"""
+
+
+def _static(name: str) -> Response:
+    """A file of ``static/`` (only plain names under it: no traversal)."""
+    parts = name.split("/")
+    if not name or any(p in ("", ".", "..") or p.startswith(".") for p in parts):
+        raise ApiError(404, f"no such dashboard file: {name}")
+    node = _STATIC
+    for p in parts:
+        node = node / p
+    if not node.is_file():
+        raise ApiError(404, f"no such dashboard file: {name}")
+    data = node.read_bytes()[:_MAX_STATIC]
+    kind = mimetypes.guess_type(parts[-1])[0] or "application/octet-stream"
+    if kind.startswith("text/") or kind == "application/javascript":
+        kind += "; charset=utf-8"
+    return Response(data, media_type=kind, headers={"Cache-Control": "no-cache"})
+
+
+def add_dashboard_routes(app: FastAPI, hub: Hub, routes: Any, *, api_key: str | None,
+                         trace_lookup: Any = None) -> None:
+    """The dashboard's routes on ``app``. ``trace_lookup(id)`` (async, optional) finds a
+    request's trace where the feed has none (the router asks its workers)."""
+
+    @app.get("/dashboard", include_in_schema=False)
+    async def page() -> Response:
+        return _static("index.html")
+
+    @app.get("/dashboard/", include_in_schema=False)
+    async def page_slash() -> Response:
+        return RedirectResponse("/dashboard", status_code=307)
+
+    @app.get("/dashboard/static/{name:path}", include_in_schema=False)
+    async def static(name: str) -> Response:
+        return _static(name)
+
+    @app.get("/dashboard/login", include_in_schema=False)
+    async def login_form() -> Response:
+        if api_key is None:
+            return RedirectResponse("/dashboard", status_code=303)
+        return HTMLResponse(_LOGIN.format(error=""))
+
+    @app.post("/dashboard/login", include_in_schema=False)
+    async def login(request: Request) -> Response:
+        if api_key is None:
+            return RedirectResponse("/dashboard", status_code=303)
+        body = (await request.body())[:4096].decode("utf-8", "replace")
+        given = urllib.parse.parse_qs(body).get("key", [""])[0]
+        if not hmac.compare_digest(given.encode(), api_key.encode()):
+            return HTMLResponse(_LOGIN.format(
+                error='<p class="err" id="error">That is not this server\'s API key.</p>'),
+                status_code=401)
+        resp = RedirectResponse("/dashboard", status_code=303)
+        resp.set_cookie(DASHBOARD_COOKIE, dashboard_token(api_key), path="/dashboard",
+                        httponly=True, samesite="strict", max_age=SESSION_S)
+        return resp
+
+    @app.get("/dashboard/events", include_in_schema=False)
+    async def events() -> Response:
+        if hub.closed:
+            raise ApiError(503, "the server is shutting down", type="server_error",
+                           code="shutting_down")
+        if hub.full:
+            raise ApiError(503, f"{hub.max_pages} dashboard pages are open already; close "
+                           "one and retry", type="server_error", code="too_many_pages",
+                           headers={"Retry-After": "5"})
+        page, first = hub.join()
+        return SSEResponse(hub.stream(page, first), lambda: hub.leave(page))
+
+    @app.get("/dashboard/api/requests/{request_id}", include_in_schema=False)
+    async def trace(request_id: str) -> Response:
+        if len(request_id) > 200:
+            raise ApiError(400, "request id longer than 200 characters", param="request_id")
+        found = hub.feed.trace(request_id)
+        if trace_lookup is not None:
+            found = await trace_lookup(request_id, found)
+        if found is None:
+            raise ApiError(404, f"no trace of request {request_id!r}: traces are kept for "
+                           "the playground's requests (ids cmpl-playground-...) from their "
+                           "first step until 256 more have finished", code="not_found")
+        return JSONResponse(found)
+
+    @app.post("/dashboard/api/completions", include_in_schema=False, response_model=None)
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await routes.completions(body, request, id_prefix=PLAYGROUND_PREFIX)
+
+    @app.get("/dashboard/api/status", include_in_schema=False)
+    async def status() -> dict[str, Any]:
+        """What a page asks when its stream was refused or broke: is it the key, a full
+        house, or the server going away?"""
+        return hub.status()
+
+
+mimetypes.add_type("application/javascript", ".js")
+mimetypes.add_type("text/css", ".css")
