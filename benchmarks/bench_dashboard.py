@@ -6,8 +6,8 @@ round under every condition in a fresh random order:
 
 * ``none``: no page is connected (the feed's observer still records every step: it always
   does, so its own cost is in every condition; the line "observer" below prices it alone);
-* ``sse``: one client reads ``/dashboard/events`` and parses every frame as the page does
-  (what the server pays for a viewer anywhere);
+* ``sse``: one client reads ``/dashboard/events`` as it comes, in its own process (what the
+  server pays for a viewer anywhere: building, encoding and sending the frames);
 * ``browser``: a headless chromium renders the page on this same machine (``--browser``;
   also the browser's own CPU time, taken from the same cores as the engine's).
 
@@ -96,18 +96,20 @@ def batch(url: str, n: int, max_tokens: int) -> list[float]:
 
 
 _WATCH = """
-import json, sys, httpx
+import sys, httpx
 with httpx.stream("GET", sys.argv[1] + "/dashboard/events", timeout=30) as r:
-    for line in r.iter_lines():
-        if line.startswith("data:"):
-            json.loads(line[5:])
-            print("frame", flush=True)
+    first = True
+    for chunk in r.iter_raw():
+        if first:
+            print("attached", flush=True)
+            first = False
 """
 
 
 class SSEWatcher:
-    """A process that reads /dashboard/events and parses every frame (as a page would); in
-    its own process, so its work is not this load generator's."""
+    """A process that reads /dashboard/events as fast as the server sends it (a page on
+    another machine: what the server pays is building and sending the frames; a browser's
+    parsing and drawing is the browser machine's work, measured by ``--browser``)."""
 
     def __init__(self, url: str) -> None:
         self.url = url
@@ -179,6 +181,24 @@ def observer_cost(batch_size: int, n: int = 20000) -> float:
     return (time.perf_counter() - t0) / n
 
 
+def frame_cost(url: str, n: int = 200) -> tuple[float, int]:
+    """Seconds to build and encode one frame of the live server's feed as it is now (its
+    hello holds the last 400 steps: priced per 40 steps, about a frame's worth under this
+    load), and the frame's bytes, measured here on a copy of its data."""
+    import json as _json
+
+    with httpx.stream("GET", url + "/dashboard/events", timeout=30) as r:
+        for line in r.iter_lines():
+            if line.startswith("data:"):
+                hello = _json.loads(line[5:])
+                break
+    frame = dict(hello, steps=hello["steps"][-40:])
+    t0 = time.perf_counter()
+    for _ in range(n):
+        text = _json.dumps(frame, separators=(",", ":"))
+    return (time.perf_counter() - t0) / n, len(text)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="checkpoint (default: the bundled model)")
@@ -232,6 +252,9 @@ def main() -> None:
             med = statistics.median(tpot[c])
             print(f"  {c:8s} {1e3 * med:7.2f} ms   x{med / base:.3f} of none; median of the "
                   f"rounds' paired ratios x{statistics.median(ratios[c]):.3f}")
+        fc, nbytes = frame_cost(url)
+        print(f"a frame of 40 steps: {nbytes} bytes, encoded in {1e6 * fc:.0f} us; at five a "
+              f"second that is {100 * 5 * fc:.2f}% of one core, shared by every page")
         cost = observer_cost(args.batch)
         print(f"observer: DashboardFeed.on_step takes {1e6 * cost:.1f} us for a decode step of "
               f"{args.batch} requests, {100 * cost / base:.2f}% of the median TPOT "

@@ -234,6 +234,44 @@ def test_a_page_that_falls_behind_is_dropped_not_waited_for():
     asyncio.run(main())
 
 
+def test_a_page_that_stops_reading_gives_its_slot_back():
+    from phasewise.server.dashboard import PageStream
+
+    async def main():
+        hub = Hub(DashboardFeed(model_name="m"), interval_s=0.001, max_pages=2,
+                  max_pages_per_client=2)
+        page, _ = hub.join("10.0.0.1")
+        assert hub.pages_of("10.0.0.1") == 1
+        for _ in range(200):  # the broadcaster's frames pile up unread
+            await asyncio.sleep(0.002)
+            if page.dropped:
+                break
+        assert page.dropped and not hub.full and hub.pages_of("10.0.0.1") == 0
+
+        # a write that never completes (a client that stopped reading) ends the stream
+        closed = []
+
+        async def forever():
+            while True:
+                yield "data: x\n\n"
+
+        resp = PageStream(forever(), lambda: closed.append(True))
+        resp.send_timeout = 0.05
+        blocked = asyncio.Event()
+
+        async def send(message):
+            if message["type"] == "http.response.body":
+                blocked.set()
+                await asyncio.Future()  # never
+
+        async def receive():
+            await asyncio.Future()
+
+        await asyncio.wait_for(resp({"type": "http"}, receive, send), 10)
+        assert blocked.is_set() and closed == [True]
+    asyncio.run(main())
+
+
 # -- over HTTP -------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
@@ -295,7 +333,8 @@ def test_the_page_its_script_and_the_vendored_chart_library_are_served(server):
         assert "MIT License" in lic
         for bad in ("..%2F..%2Fguard.py", "%2e%2e/feed.py", ".hidden", "vendor/%2E%2E/x"):
             assert c.get(f"/dashboard/static/{bad}").status_code == 404, bad
-    for bad in ("../feed.py", "vendor/../../hub.py", "", "vendor//x", ".", "a/.b"):
+    for bad in ("../feed.py", "vendor/../../hub.py", "", "vendor//x", ".", "a/.b", "a" * 300,
+                "vendor/" + "b" * 250 + "/x"):
         with pytest.raises(ApiError) as e:  # (httpx would normalise these before sending)
             _static(bad)
         assert e.value.status == 404
@@ -397,6 +436,16 @@ def test_with_an_api_key_the_dashboard_needs_it_or_a_session(keyed):
         assert r.status_code == 415
         r = anon.post("/dashboard/api/completions", json={"prompt": "x", "max_tokens": 2})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+        r = anon.post("/dashboard/api/completions", content='{"prompt": "x", "max_tokens": 1}',
+                      headers={"content-type": "Application/JSON; charset=utf-8"})
+        assert r.status_code == 200  # media types are case-insensitive
+        # another app's cookie of the same name beside ours does not log us out
+        token = anon.cookies[DASHBOARD_COOKIE]
+        r = httpx.get(url + "/dashboard/api/status", headers={
+            "cookie": f"{DASHBOARD_COOKIE}=other; {DASHBOARD_COOKIE}={token}"})
+        assert r.status_code == 200 and r.json()["max_pages"] >= 1
+        assert anon.post("/dashboard/login", content="key=" + "k" * 5000, headers={
+            "content-type": "application/x-www-form-urlencoded"}).status_code == 400
         it = events(anon)
         assert next(it)[0] == "hello"
     with keyed.client() as c:  # the bearer header works too

@@ -38,12 +38,15 @@ def dashboard_token(api_key: str) -> str:
     return hmac.new(api_key.encode(), b"phasewise dashboard session", "sha256").hexdigest()
 
 
-def _cookie(headers: dict[str, str], name: str) -> str:
+def _cookies(headers: dict[str, str], name: str) -> list[str]:
+    """Every value of cookie ``name`` (another app on the host may set one of the same
+    name at a wider path: the browser then sends both)."""
+    out = []
     for part in headers.get("cookie", "").split(";"):
         k, _, v = part.strip().partition("=")
         if k == name:
-            return v
-    return ""
+            out.append(v)
+    return out
 # Logged only when they fail: probes, scrapes and a router's polls.
 QUIET_PATHS = frozenset({"/health", "/metrics", "/internal/v1/load", "/internal/v1/info"})
 
@@ -148,8 +151,9 @@ class Guard:
             given = auth[7:] if auth.lower().startswith("bearer ") else ""
             ok = hmac.compare_digest(given.encode(), key.encode())
             if not ok and dashboard:  # a browser's session, from /dashboard/login
-                by_cookie = ok = hmac.compare_digest(
-                    _cookie(headers, DASHBOARD_COOKIE).encode(), dashboard_token(key).encode())
+                token = dashboard_token(key).encode()
+                by_cookie = ok = any(hmac.compare_digest(v.encode(), token)
+                                     for v in _cookies(headers, DASHBOARD_COOKIE)[:8])
             if not ok:
                 if dashboard and scope.get("method") in ("GET", "HEAD") and \
                         path in (DASHBOARD, DASHBOARD + "/"):
@@ -164,7 +168,8 @@ class Guard:
                     code="invalid_api_key"))
                 return
         if by_cookie and scope.get("method") == "POST" and \
-                headers.get("content-type", "").split(";")[0].strip() != "application/json":
+                headers.get("content-type", "").split(";")[0].strip().lower() != \
+                "application/json":
             # A session cookie rides along on any same-site form post; a JSON body needs a
             # script of this origin (a cross-site one would need CORS, which is not served).
             await self._refuse(send, ApiError(

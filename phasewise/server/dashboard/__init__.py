@@ -18,6 +18,7 @@ router).
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import mimetypes
 import urllib.parse
@@ -55,14 +56,19 @@ button{{padding:8px 16px}}.err{{color:#ff7b72}}</style></head><body>
 def _static(name: str) -> Response:
     """A file of ``static/`` (only plain names under it: no traversal)."""
     parts = name.split("/")
-    if not name or any(p in ("", ".", "..") or p.startswith(".") for p in parts):
-        raise ApiError(404, f"no such dashboard file: {name}")
+    missing = ApiError(404, f"no such dashboard file: {name[:100]}")
+    if not name or len(name) > 200 or any(p in ("", ".", "..") or p.startswith(".")
+                                          for p in parts):
+        raise missing
     node = _STATIC
     for p in parts:
         node = node / p
-    if not node.is_file():
-        raise ApiError(404, f"no such dashboard file: {name}")
-    data = node.read_bytes()[:_MAX_STATIC]
+    try:
+        if not node.is_file():
+            raise missing
+        data = node.read_bytes()[:_MAX_STATIC]
+    except OSError:  # a name the file system refuses (too long, say): not ours either
+        raise missing from None
     kind = mimetypes.guess_type(parts[-1])[0] or "application/octet-stream"
     if kind.startswith("text/") or kind == "application/javascript":
         kind += "; charset=utf-8"
@@ -74,7 +80,7 @@ def add_dashboard_routes(app: FastAPI, hub: Hub, routes: Any, *, api_key: str | 
     """The dashboard's routes on ``app``. ``trace_lookup(id)`` (async, optional) finds a
     request's trace where the feed has none (the router asks its workers)."""
 
-    @app.get("/dashboard", include_in_schema=False)
+    @app.api_route("/dashboard", methods=["GET", "HEAD"], include_in_schema=False)
     async def page() -> Response:
         return _static("index.html")
 
@@ -82,7 +88,8 @@ def add_dashboard_routes(app: FastAPI, hub: Hub, routes: Any, *, api_key: str | 
     async def page_slash() -> Response:
         return RedirectResponse("/dashboard", status_code=307)
 
-    @app.get("/dashboard/static/{name:path}", include_in_schema=False)
+    @app.api_route("/dashboard/static/{name:path}", methods=["GET", "HEAD"],
+                   include_in_schema=False)
     async def static(name: str) -> Response:
         return _static(name)
 
@@ -96,8 +103,12 @@ def add_dashboard_routes(app: FastAPI, hub: Hub, routes: Any, *, api_key: str | 
     async def login(request: Request) -> Response:
         if api_key is None:
             return RedirectResponse("/dashboard", status_code=303)
-        body = (await request.body())[:4096].decode("utf-8", "replace")
-        given = urllib.parse.parse_qs(body).get("key", [""])[0]
+        raw = await request.body()
+        if len(raw) > 4096:
+            return HTMLResponse(_LOGIN.format(
+                error='<p class="err" id="error">That form is larger than 4 KiB: send only '
+                      'the key.</p>'), status_code=400)
+        given = urllib.parse.parse_qs(raw.decode("utf-8", "replace")).get("key", [""])[0]
         if not hmac.compare_digest(given.encode(), api_key.encode()):
             return HTMLResponse(_LOGIN.format(
                 error='<p class="err" id="error">That is not this server\'s API key.</p>'),
@@ -108,16 +119,18 @@ def add_dashboard_routes(app: FastAPI, hub: Hub, routes: Any, *, api_key: str | 
         return resp
 
     @app.get("/dashboard/events", include_in_schema=False)
-    async def events() -> Response:
+    async def events(request: Request) -> Response:
         if hub.closed:
             raise ApiError(503, "the server is shutting down", type="server_error",
                            code="shutting_down")
-        if hub.full:
-            raise ApiError(503, f"{hub.max_pages} dashboard pages are open already; close "
-                           "one and retry", type="server_error", code="too_many_pages",
-                           headers={"Retry-After": "5"})
-        page, first = hub.join()
-        return SSEResponse(hub.stream(page, first), lambda: hub.leave(page))
+        client = request.client.host if request.client else "-"
+        if hub.full or hub.pages_of(client) >= hub.max_pages_per_client:
+            many = (f"{hub.max_pages} dashboard pages are open already" if hub.full else
+                    f"{hub.max_pages_per_client} dashboard pages are open from {client}")
+            raise ApiError(503, f"{many}; close one and retry", type="server_error",
+                           code="too_many_pages", headers={"Retry-After": "5"})
+        page, first = hub.join(client)
+        return PageStream(hub.stream(page, first), lambda: hub.leave(page))
 
     @app.get("/dashboard/api/requests/{request_id}", include_in_schema=False)
     async def trace(request_id: str) -> Response:
@@ -141,6 +154,19 @@ def add_dashboard_routes(app: FastAPI, hub: Hub, routes: Any, *, api_key: str | 
         """What a page asks when its stream was refused or broke: is it the key, a full
         house, or the server going away?"""
         return hub.status()
+
+
+class PageStream(SSEResponse):
+    """A page's event stream, ended when a write has waited ``send_timeout`` seconds: a
+    client that stops reading (or a half-open connection) gives its slot back."""
+
+    send_timeout = 10.0
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        async def timed(message: dict[str, Any]) -> None:
+            await asyncio.wait_for(send(message), self.send_timeout)
+
+        await super().__call__(scope, receive, timed)
 
 
 mimetypes.add_type("application/javascript", ".js")

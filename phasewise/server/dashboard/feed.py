@@ -45,6 +45,11 @@ TRANSFER_HISTORY = 512
 MAX_VICTIM_IDS = 8
 
 
+def _sig(x: float | None) -> float | None:
+    """``x`` to four significant digits."""
+    return None if x is None else float(f"{x:.4g}")
+
+
 def bucket(edges: Sequence[float], x: float) -> int:
     """Index of the bin of ``x``: bin i holds edges[i-1] <= x < edges[i]; the last is open."""
     lo, hi = 0, len(edges)
@@ -143,10 +148,10 @@ class DashboardFeed:
                 tr = self._trace(rid, None)
             if tr is not None and tr.full and len(tr.steps) < MAX_TRACE_EVENTS:
                 tr.steps.append((step.index, 1, "decode"))
-        self._steps.append([
-            step.index, round(step.start_time - self.t0, 4), step.duration_s,
-            step.num_prefill_tokens, step.num_decode_tokens, step.predicted_s,
-            step.predicted_bytes, step.predicted_flops, step.compute_dtype,
+        self._steps.append([  # (rounded to what a chart shows: a smaller frame to encode)
+            step.index, round(step.start_time - self.t0, 4), round(step.duration_s, 7),
+            step.num_prefill_tokens, step.num_decode_tokens, _sig(step.predicted_s),
+            _sig(step.predicted_bytes), _sig(step.predicted_flops), step.compute_dtype,
             step.num_requests, step.num_running, step.num_waiting, round(step.kv_usage, 4)])
         if step.num_prefill_tokens == 0:
             if step.num_decode_tokens:

@@ -4,7 +4,8 @@ One broadcaster task builds a frame from the feed every ``interval_s`` (0.2 s: f
 second) while at least one page is connected, encodes it once, and offers it to every page.
 Each page has its own bounded queue: a page that cannot keep up is dropped (its stream ends
 with a ``reset`` event and the browser reconnects with a fresh ``hello``), so a slow viewer
-never holds up the engine, the other pages or the event loop.
+never holds up the engine, the other pages or the event loop, and gives its slot back (at
+most ``MAX_PAGES``, and half of them from one address).
 
 Behind a router, each worker's own ``/dashboard/events`` is relayed (while a page watches),
 tagged with the worker's URL and role, so one page shows every worker.
@@ -24,6 +25,7 @@ from phasewise.server.dashboard.feed import Cursor, DashboardFeed
 log = logging.getLogger("phasewise.dashboard")
 
 MAX_PAGES = 32
+MAX_PAGES_PER_CLIENT = 16  # so one address cannot take every slot
 PAGE_QUEUE = 64  # frames a page may fall behind by before it is dropped
 
 
@@ -35,9 +37,10 @@ def encode(event: str | None, payload: dict[str, Any] | str) -> str:
 class Page:
     """One connected page's queue (None ends its stream)."""
 
-    def __init__(self) -> None:
+    def __init__(self, client: str = "-") -> None:
         self.queue: asyncio.Queue[str | None] = asyncio.Queue(maxsize=PAGE_QUEUE)
         self.dropped = False
+        self.client = client
 
     def offer(self, text: str) -> None:
         if self.dropped:
@@ -64,12 +67,14 @@ class Hub:
     """The pages of one server and the broadcaster that feeds them."""
 
     def __init__(self, feed: DashboardFeed, *, interval_s: float = 0.2,
-                 max_pages: int = MAX_PAGES) -> None:
+                 max_pages: int = MAX_PAGES,
+                 max_pages_per_client: int = MAX_PAGES_PER_CLIENT) -> None:
         if not interval_s > 0:
             raise ValueError(f"interval_s must be > 0, got {interval_s}")
         self.feed = feed
         self.interval_s = interval_s
         self.max_pages = max_pages
+        self.max_pages_per_client = max_pages_per_client
         self.pages: set[Page] = set()  # those frames are offered to
         self.open: set[Page] = set()  # every page whose stream is open (the limit's count)
         self.relays: list[WorkerRelay] = []
@@ -80,14 +85,17 @@ class Hub:
     def full(self) -> bool:
         return len(self.open) >= self.max_pages
 
-    def join(self) -> tuple[Page, str]:
+    def pages_of(self, client: str) -> int:
+        return sum(1 for p in self.open if p.client == client)
+
+    def join(self, client: str = "-") -> tuple[Page, str]:
         """A new page and its first events (on the loop): the hello, and each relayed
         worker's latest hello."""
         cursor = Cursor()
         first = encode("hello", self.hello(cursor))
         for relay in self.relays:
             first += relay.hello_text or encode("worker", relay.status_payload())
-        page = Page()
+        page = Page(client)
         self.pages.add(page)
         self.open.add(page)
         if self._task is None or self._task.done():  # frames go on from that hello
@@ -116,8 +124,9 @@ class Hub:
     def offer(self, text: str) -> None:
         for page in list(self.pages):
             page.offer(text)
-            if page.dropped:
-                self.pages.discard(page)
+            if page.dropped:  # its slot is free now; its stream ends when it reads on, or
+                self.pages.discard(page)  # when a write to it times out (PageStream)
+                self.open.discard(page)
 
     def close(self) -> None:
         """End every page's stream (the server is draining): nothing holds shutdown up."""
