@@ -365,7 +365,8 @@ function drawTransfers() {
     }
   }
   const role = (S.sources.get("self") || { hello: {} }).hello.role;
-  if (!changed("xfer", `${role}:${pts.length}:${per.size}`)) return;
+  const newest = [...S.sources.values()].map((x) => x.lastTransfer).join(",");
+  if (!changed("xfer", `${role}:${newest}`)) return; // (the kept list stops growing at 1000)
   $("pd-card").hidden = !per.size && !(role === "decode" || role === "router");
   pts.sort((a, b) => a[0] - b[0]);
   charts.xfer.setData([pts.map((p) => p[0]), pts.map((p) => p[1])]);
