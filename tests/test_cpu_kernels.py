@@ -40,6 +40,33 @@ def test_kernels_match_fp32_reference(m, n, k, bias, seed, fn):
 
 
 @needs_kernels
+@settings(max_examples=40, deadline=None)
+@given(m=st.integers(1, cpu_kernels.INT8_ROWS_MAX), n=st.integers(1, 300),
+       k=st.integers(1, 600), bias=st.booleans(), seed=st.integers(0, 2**31 - 1))
+def test_int8_kernel_matches_its_dequantized_fp32_reference(m, n, k, bias, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g).bfloat16()
+    w = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    scale = torch.rand(n, generator=g) * 0.02 + 1e-4
+    b = torch.randn(n, generator=g).bfloat16() if bias else None
+    y = cpu_kernels.linear_int8(x, w, scale, b)
+    assert y.dtype == torch.bfloat16 and y.shape == (m, n)
+    ref = reference(x, (w.float() * scale[:, None]), b)
+    # fp32 accumulation (each int8 is exact in fp32), the scale once, one bf16 rounding
+    torch.testing.assert_close(y.float(), ref, rtol=2**-7, atol=2e-5 * k)
+
+
+@needs_kernels
+def test_int8_kernel_refuses_what_it_cannot_compute():
+    x = torch.randn(cpu_kernels.INT8_ROWS_MAX + 1, 16).bfloat16()
+    w = torch.zeros(8, 16, dtype=torch.int8)
+    with pytest.raises(ValueError, match="at most"):
+        cpu_kernels.linear_int8(x, w, torch.ones(8))
+    with pytest.raises(TypeError, match="int8 w"):
+        cpu_kernels.linear_int8(x[:1], w.float(), torch.ones(8))
+
+
+@needs_kernels
 def test_kernel_handles_leading_dims_and_strided_input():
     x = torch.randn(2, 3, 64).bfloat16()[:, :, :48]  # non-contiguous view
     w = torch.randn(24, 48).bfloat16()
@@ -293,6 +320,7 @@ def test_c_and_python_agree_on_the_shared_layout_and_limits():
     # the limits the Python side uses are the C side's own
     assert cpu_kernels.KERNELS.decode_layer_max_rows == lib.pw_abi(b"row_stream_max") >= 1
     assert cpu_kernels.KERNELS.max_head_dim == lib.pw_abi(b"max_head_dim") >= 128
+    assert cpu_kernels.INT8_ROWS_MAX == lib.pw_abi(b"int8_rows_max") >= 1
 
 
 def test_a_layout_mismatch_is_named_field_by_field():

@@ -100,6 +100,7 @@ DEFINE_ROWS(4)
 DEFINE_ROWS(5)
 DEFINE_ROWS(6)
 #define ROW_STREAM_MAX 6 /* the most activation rows dot_rows (and the fused layer) take */
+#define INT8_ROWS_MAX 4 /* the most activation rows pw_linear_int8 takes */
 
 /* Two weight rows (w0, w1) against M <= 3 activation rows. Streaming rows that lie far apart
  * keeps independent memory streams in flight per core: on a 2-core Zen 3, two streams lifted
@@ -910,6 +911,7 @@ typedef struct {
 long pw_abi(const char *what) {
     static const struct { const char *name; long value; } table[] = {
         {"row_stream_max", ROW_STREAM_MAX}, {"max_head_dim", MAX_HEAD_DIM},
+        {"int8_rows_max", INT8_ROWS_MAX},
         {"sizeof DecodeLayer", (long)sizeof(DecodeLayer)},
 #define FIELD(f) {#f, (long)offsetof(DecodeLayer, f)}
         FIELD(M), FIELD(H), FIELD(Q), FIELD(KV), FIELD(I), FIELD(n_heads), FIELD(n_kv),
@@ -1090,4 +1092,99 @@ float pw_stream_read_bf16(const uint16_t *buf, long n, int nthreads) {
         total += hsum8(_mm256_add_ps(_mm256_add_ps(a[0], a[1]), _mm256_add_ps(a[2], a[3])));
     }
     return total;
+}
+
+
+/* ---------------------------------------------------------------------------------------
+ * Weight-only int8 (issue 15): w [N, K] int8 with one fp32 scale per output row (symmetric,
+ * per output channel: w_real[n][k] = scale[n] * w[n][k]); activations stay bf16, accumulation
+ * is fp32. For the few rows of a decode step: each weight byte is read once per call, widened
+ * in registers (vpmovsxbd, vcvtdq2ps: 8 weights per 8-byte load) and met by every activation
+ * row; each thread streams four weight rows at once (as quad_dot), so four memory streams are
+ * in flight per core. The scale multiplies the finished dot product, once per output.
+ */
+static inline __m256 load_i8x8(const int8_t *p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+
+/* o[r * M + m] = dot(x[m], w[r]) for R weight rows and M activation rows, both fixed at
+ * compile time so that every accumulator stays in a register (R * M + R + 1 <= 16 ymm). */
+#define DEFINE_DOT_I8(R, M)                                                                  \
+    static void dot_i8_##R##x##M(const float *x, const int8_t *const *w, int K, float *o) {  \
+        __m256 a[R * M];                                                                     \
+        for (int i = 0; i < R * M; i++) a[i] = _mm256_setzero_ps();                          \
+        int k = 0;                                                                           \
+        for (; k + 8 <= K; k += 8) {                                                         \
+            if ((k & 31) == 0)                                                               \
+                for (int r = 0; r < R; r++)                                                  \
+                    _mm_prefetch((const char *)(w[r] + k) + PREFETCH_BYTES, PREFETCH_HINT);  \
+            __m256 wv[R];                                                                    \
+            for (int r = 0; r < R; r++) wv[r] = load_i8x8(w[r] + k);                         \
+            for (int m = 0; m < M; m++) {                                                    \
+                __m256 xv = _mm256_loadu_ps(x + (long)m * K + k);                            \
+                for (int r = 0; r < R; r++) a[r * M + m] = _mm256_fmadd_ps(wv[r], xv, a[r * M + m]); \
+            }                                                                                \
+        }                                                                                    \
+        for (int r = 0; r < R; r++)                                                          \
+            for (int m = 0; m < M; m++) {                                                    \
+                float s = hsum8(a[r * M + m]);                                               \
+                for (int kk = k; kk < K; kk++) s += x[(long)m * K + kk] * (float)w[r][kk];   \
+                o[r * M + m] = s;                                                            \
+            }                                                                                \
+    }
+DEFINE_DOT_I8(4, 1)
+DEFINE_DOT_I8(4, 2)
+DEFINE_DOT_I8(2, 3)
+DEFINE_DOT_I8(2, 4)
+DEFINE_DOT_I8(1, 1)
+DEFINE_DOT_I8(1, 2)
+DEFINE_DOT_I8(1, 3)
+DEFINE_DOT_I8(1, 4)
+
+typedef void (*dot_i8_fn)(const float *, const int8_t *const *, int, float *);
+
+/* y = x @ (scale * w)^T + bias, for M <= INT8_ROWS_MAX rows. x, bias, y bf16; w int8; scale
+ * fp32. Returns 0, -1 when scratch memory could not be had, -2 for too many rows. */
+int pw_linear_int8(const uint16_t *xb, const int8_t *w, const float *scale,
+                   const uint16_t *bias, uint16_t *y, int M, int N, int K, int nthreads) {
+    if (M > INT8_ROWS_MAX) return -2;
+    float *x = (float *)malloc(sizeof(float) * (size_t)M * (size_t)K);
+    if (!x) return -1;
+    for (long i = 0; i < (long)M * K; i++) x[i] = bf16_to_f32(xb[i]);
+    /* R weight rows at a time (four streams for one or two activation rows, two for more),
+     * then the rest one by one. */
+    static const dot_i8_fn WIDE[INT8_ROWS_MAX + 1] = {0, dot_i8_4x1, dot_i8_4x2, dot_i8_2x3,
+                                                      dot_i8_2x4};
+    static const dot_i8_fn ONE[INT8_ROWS_MAX + 1] = {0, dot_i8_1x1, dot_i8_1x2, dot_i8_1x3,
+                                                     dot_i8_1x4};
+    const int R = M <= 2 ? 4 : 2;
+#pragma omp parallel num_threads(nthreads)
+    {
+        int t = omp_get_thread_num(), T = omp_get_num_threads();
+        int lo = (int)((long)N * t / T), hi = (int)((long)N * (t + 1) / T);
+        int q = (hi - lo) / R;
+        float o[4 * INT8_ROWS_MAX];
+        for (int i = 0; i < q; i++) {
+            const int8_t *rows[4];
+            int n[4];
+            for (int r = 0; r < R; r++) {  /* rows far apart: independent streams */
+                n[r] = lo + r * q + i;
+                rows[r] = w + (long)n[r] * K;
+            }
+            WIDE[M](x, rows, K, o);
+            for (int r = 0; r < R; r++) {
+                float b = bias ? bf16_to_f32(bias[n[r]]) : 0.0f;
+                for (int m = 0; m < M; m++)
+                    y[(long)m * N + n[r]] = f32_to_bf16(o[r * M + m] * scale[n[r]] + b);
+            }
+        }
+        for (int nn = lo + R * q; nn < hi; nn++) {
+            const int8_t *row = w + (long)nn * K;
+            float b = bias ? bf16_to_f32(bias[nn]) : 0.0f;
+            ONE[M](x, &row, K, o);
+            for (int m = 0; m < M; m++) y[(long)m * N + nn] = f32_to_bf16(o[m] * scale[nn] + b);
+        }
+    }
+    free(x);
+    return 0;
 }

@@ -96,6 +96,7 @@ def _signatures() -> dict[str, tuple[Any, list[Any]]]:
     return {
         "pw_linear_bf16": (I, [P, P, P, P, I, I, I, I]),
         "pw_gemm_bf16": (I, [P, P, P, P, I, I, I, I]),
+        "pw_linear_int8": (I, [P, P, P, P, P, I, I, I, I]),
         "pw_add_rmsnorm_bf16": (None, [P, P, P, P, I, I, F, I]),
         "pw_silu_mul_bf16": (None, [P, P, I, I, I]),
         "pw_rope_bf16": (None, [P, L, P, P, I, I, I]),
@@ -226,6 +227,36 @@ def gemm_bf16(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None
               ) -> torch.Tensor:
     """Same contract as ``linear_bf16``, as a packed, cache-blocked GEMM (many rows)."""
     return _call("pw_gemm_bf16", x, w, bias)
+
+
+INT8_ROWS_MAX = 4  # the most activation rows pw_linear_int8 takes (as in the C source)
+
+
+def linear_int8(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, scale[:, None] * w, bias)`` for weight-only int8: x [..., K] bf16 with
+    at most ``INT8_ROWS_MAX`` rows, w [N, K] int8 contiguous, scale [N] fp32, bias [N] bf16
+    or None -> [..., N] bf16. Each weight byte is read once, at memory speed."""
+    lib = load()
+    if lib is None:
+        raise RuntimeError(f"CPU kernels unavailable: {KERNELS.reason}")
+    k, n = x.shape[-1], w.shape[0]
+    x2 = x.reshape(-1, k).contiguous()
+    m = x2.shape[0]
+    if m > INT8_ROWS_MAX:
+        raise ValueError(f"linear_int8 takes at most {INT8_ROWS_MAX} rows, got {m}")
+    if w.dtype != torch.int8 or scale.dtype != torch.float32 or x2.dtype != torch.bfloat16:
+        raise TypeError(f"linear_int8 needs bf16 x, int8 w and fp32 scale; got {x2.dtype}, "
+                        f"{w.dtype}, {scale.dtype}")
+    w, scale = w.contiguous(), scale.contiguous()
+    y = torch.empty(m, n, dtype=torch.bfloat16)
+    if m:
+        rc = lib.pw_linear_int8(x2.data_ptr(), w.data_ptr(), scale.data_ptr(),
+                                bias.data_ptr() if bias is not None else None, y.data_ptr(),
+                                m, n, k, torch.get_num_threads())
+        if rc != 0:
+            raise MemoryError("pw_linear_int8 could not allocate scratch memory")
+    return y.view(*x.shape[:-1], n)
 
 
 def stream_read_gbps(buf: torch.Tensor, reps: int = 3) -> float | None:
