@@ -56,6 +56,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=d["seed"])
     p.add_argument("--kernels", default=d["kernels"], choices=KERNEL_CHOICES,
                    help="auto: phasewise's CPU kernels for bf16 models on CPU; torch: none")
+    p.add_argument("--quantization", default=d["quantization"], choices=["int8"],
+                   help="int8: the decoder's projection weights in int8, one scale per "
+                   "output channel (CPU; halves the bytes a decode step reads)")
 
 
 def _engine_kwargs(a: argparse.Namespace) -> dict:
@@ -63,7 +66,7 @@ def _engine_kwargs(a: argparse.Namespace) -> dict:
                 block_size=a.block_size, kv_cache_memory=a.kv_cache_memory,
                 max_num_batched_tokens=a.max_num_batched_tokens, max_num_seqs=a.max_num_seqs,
                 policy=a.policy, enable_prefix_caching=not a.no_prefix_caching, seed=a.seed,
-                kernels=a.kernels)
+                kernels=a.kernels, quantization=a.quantization)
 
 
 def _model_arg(a: argparse.Namespace) -> str:

@@ -107,6 +107,9 @@ class EngineConfig:
     step, so the budget bounds how long a prompt chunk can stall decoding: on a 2-core CPU a
     256-token step of a 0.5B model takes ~2-3 s, a 2048-token one ~20 s, while prefill
     throughput at 256 is within ~6% of the best chunk size measured there.
+    ``quantization``: ``int8`` stores the decoder layers' projection weights as int8 with
+    one scale per output channel (``phasewise.model.quant``; CPU only), halving the bytes a
+    decode step reads; None keeps the checkpoint's weights.
     ``kernels``: ``auto`` uses phasewise's CPU kernels for bf16 models on CPU (linear layers
     are timed against torch at start-up and the faster is used per batch size); ``torch``
     uses torch operations only.
@@ -125,6 +128,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     seed: int = 0
     kernels: str = "auto"
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         from phasewise.engine.scheduler import POLICIES
@@ -147,6 +151,9 @@ class EngineConfig:
         if self.kernels not in KERNEL_CHOICES:
             raise ValueError(f"kernels must be one of {', '.join(KERNEL_CHOICES)}; "
                              f"got {self.kernels!r}")
+        if self.quantization is not None and self.quantization not in ("int8",):
+            raise ValueError(f"quantization must be int8 or None (the checkpoint's own "
+                             f"weights); got {self.quantization!r}")
         if self.kv_cache_memory is not None:
             parse_memory(self.kv_cache_memory)
         if not isinstance(self.seed, int):

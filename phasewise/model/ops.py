@@ -29,6 +29,19 @@ class TorchOps:
     def linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
         return F.linear(x, w, b)
 
+    def proj(self, x: torch.Tensor, lin: nn.Linear) -> torch.Tensor:
+        """A decoder projection: ``linear``, or for int8 weights (``phasewise.model.quant``)
+        the dequantized weight in fp32."""
+        scale = getattr(lin, "weight_scale", None)
+        if scale is None:
+            return self.linear(x, lin.weight, lin.bias)
+        return self.linear_int8(x, lin.weight, scale, lin.bias)
+
+    def linear_int8(self, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
+                    b: torch.Tensor | None) -> torch.Tensor:
+        y = F.linear(x.float(), q.float() * scale[:, None], None if b is None else b.float())
+        return y.to(x.dtype)
+
     def add_rms_norm(self, delta: torch.Tensor | None, hidden: torch.Tensor,
                      weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
         """``hidden += delta`` (if given), then RMSNorm it. Returns (normed, new hidden).
@@ -86,6 +99,7 @@ class CpuKernelOps(TorchOps):
         self.fused_decode = fused_decode and self.lib is not None
         self._layer_args: dict[int, cpu_kernels.DecodeLayerArgs] = {}
         self._stack: tuple | None = None  # (layers, cache pointers, (args, k, v)) of decode_stack
+        self._int8_scratch = torch.empty(0, dtype=torch.float32)  # int8 weights, dequantized
 
     def _ok(self, *ts: torch.Tensor) -> bool:
         return self.lib is not None and all(
@@ -96,6 +110,22 @@ class CpuKernelOps(TorchOps):
         if w.dtype != torch.bfloat16 or w.device.type != "cpu":
             return F.linear(x, w, b)
         return self.dispatch(x, w, b)
+
+    def linear_int8(self, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
+                    b: torch.Tensor | None) -> torch.Tensor:
+        """The int8 kernel for a decode step's few rows (each weight byte read once); more
+        rows: the weight dequantized into a reused fp32 scratch, then torch's fp32 GEMM."""
+        rows = x.numel() // x.shape[-1]
+        if (self.lib is not None and rows <= cpu_kernels.INT8_ROWS_MAX
+                and x.dtype == torch.bfloat16 and x.device.type == "cpu"
+                and (b is None or b.dtype == torch.bfloat16)):
+            return cpu_kernels.linear_int8(x, q, scale, b)
+        n = q.numel()
+        if self._int8_scratch.numel() < n:
+            self._int8_scratch = torch.empty(n, dtype=torch.float32)
+        w32 = self._int8_scratch[:n].view(q.shape).copy_(q).mul_(scale[:, None])
+        y = F.linear(x.float(), w32, None if b is None else b.float())
+        return y.to(x.dtype)
 
     def add_rms_norm(self, delta: torch.Tensor | None, hidden: torch.Tensor,
                      weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:

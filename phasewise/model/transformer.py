@@ -54,7 +54,7 @@ class DecoderLayer(nn.Module):
         hd, nh, nkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
         eps = cfg.rms_norm_eps
         x, hidden = ops.add_rms_norm(delta, hidden, self.input_layernorm.weight, eps)
-        qkv = ops.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)  # [T, q + 2 kv]
+        qkv = ops.proj(x, self.qkv_proj)  # [T, q + 2 kv]
         v = qkv[:, cfg.q_size + cfg.kv_size:].view(t, nkv, hd)
         if cfg.qk_norm:
             q = ops.rms_norm(qkv[:, :cfg.q_size].reshape(t, nh, hd), self.q_norm.weight, eps)
@@ -68,12 +68,12 @@ class DecoderLayer(nn.Module):
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         attn = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale,
                                ops.decode_attention)  # [T, nh, hd]
-        attn_out = ops.linear(attn.reshape(t, nh * hd), self.o_proj.weight, self.o_proj.bias)
+        attn_out = ops.proj(attn.reshape(t, nh * hd), self.o_proj)
 
         x, hidden = ops.add_rms_norm(attn_out, hidden, self.post_attention_layernorm.weight,
                                      eps)
-        gate_up = ops.linear(x, self.gate_up_proj.weight, self.gate_up_proj.bias)
-        mlp_out = ops.linear(ops.silu_mul(gate_up), self.down_proj.weight, self.down_proj.bias)
+        gate_up = ops.proj(x, self.gate_up_proj)
+        mlp_out = ops.proj(ops.silu_mul(gate_up), self.down_proj)
         return mlp_out, hidden
 
 

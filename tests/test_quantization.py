@@ -1,0 +1,90 @@
+"""Weight-only int8 (``--quantization int8``): the quantizer's error bound, and what it does to
+the model's next-token distribution on held-out code, on the bundled model (bf16)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from phasewise import LLM, SamplingParams
+from phasewise.config import BUNDLED_MODEL, EngineConfig
+from phasewise.model.quant import dequantize_rows, quantize_rows_int8
+
+# Held-out in the sense that matters here: written for this test, not the training corpus.
+PROMPTS = ["def fibonacci(n):\n", "class Stack:\n    def push(self, x):\n",
+           "import os\nfor name in os.listdir(", "    return sorted(items, key=",
+           "with open(path) as f:\n    for line in", "def parse_args(argv):\n    parser = ",
+           "if __name__ == '__main__':\n", "    except KeyError as e:\n        raise"]
+
+
+@settings(max_examples=30, deadline=None)
+@given(n=st.integers(1, 40), k=st.integers(1, 300), seed=st.integers(0, 2**31 - 1),
+       spread=st.floats(1e-3, 1e3))
+def test_each_weight_comes_back_within_half_a_step_of_its_row(n, k, seed, spread):
+    g = torch.Generator().manual_seed(seed)
+    w = (torch.randn(n, k, generator=g) * spread).bfloat16()
+    q, scale = quantize_rows_int8(w)
+    assert q.dtype == torch.int8 and q.abs().max() <= 127 and scale.shape == (n,)
+    err = (dequantize_rows(q, scale) - w.float()).abs()
+    assert (err <= scale[:, None] * 0.5 * (1 + 1e-5) + 1e-30).all()
+    # each row's largest weight is exactly representable: the scale is its size / 127
+    assert torch.allclose(q.abs().amax(dim=1).float(), torch.full((n,), 127.0))
+
+
+def test_only_known_schemes_are_accepted():
+    with pytest.raises(ValueError, match="quantization must be int8 or None"):
+        EngineConfig(model=str(BUNDLED_MODEL), quantization="int4")
+
+
+def first_token_logprobs(llm: LLM, n: int = 8) -> list[dict[int, float]]:
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=1, logprobs=n))
+    return [o.logprobs[0] for o in outs]
+
+
+@pytest.fixture(scope="module")
+def engines():
+    return {"bf16": LLM(str(BUNDLED_MODEL)),
+            "int8": LLM(str(BUNDLED_MODEL), quantization="int8"),
+            "int8-torch": LLM(str(BUNDLED_MODEL), quantization="int8", kernels="torch")}
+
+
+def test_int8_layers_are_int8_and_leave_the_fused_bf16_path(engines):
+    model = engines["int8"].engine.model
+    for layer in model.layers:
+        for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
+            lin = getattr(layer, name)
+            assert lin.weight.dtype == torch.int8 and lin.weight_scale.dtype == torch.float32
+    assert model.lm_head_weight.dtype == torch.bfloat16  # the LM head stays as it was
+    ops = model.ops
+    if hasattr(ops, "_static_args"):  # the C decode layer reads bf16 weights only
+        assert ops._static_args(model.layers[0]) is None
+
+
+def test_int8_keeps_the_next_token_distribution_close_to_bf16(engines):
+    """The stated tolerance: on these prompts, the bf16 model's top-8 next tokens get
+    log-probabilities within 0.15 nats on average (0.5 at worst) under int8, and the greedy
+    next token is the same for at least 7 of the 8 prompts."""
+    ref, got = first_token_logprobs(engines["bf16"]), first_token_logprobs(engines["int8"])
+    diffs, same_top = [], 0
+    for r, g in zip(ref, got):
+        shared = [t for t in r if t in g]
+        assert len(shared) >= 5
+        diffs += [abs(r[t] - g[t]) for t in shared]
+        same_top += max(r, key=r.get) == max(g, key=g.get)
+    mean = sum(diffs) / len(diffs)
+    assert mean < 0.15 and max(diffs) < 0.5, (mean, max(diffs))
+    assert same_top >= 7
+    assert all(math.isfinite(d) for d in diffs)
+
+
+def test_the_int8_kernel_computes_what_the_dequantized_torch_path_does(engines):
+    a, b = first_token_logprobs(engines["int8"]), first_token_logprobs(engines["int8-torch"])
+    for r, g in zip(a, b):
+        shared = [t for t in r if t in g]
+        assert len(shared) >= 6
+        # the same int8 weights, accumulated in fp32 by both: only rounding order differs
+        assert max(abs(r[t] - g[t]) for t in shared) < 0.05
