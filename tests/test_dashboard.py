@@ -511,8 +511,9 @@ def test_the_routers_dashboard_shows_each_worker_and_the_kv_transfers(model_dir,
                         saw["decode_ttft"] = sum(frame["ttft"])
                 elif name is None:
                     saw["router_ttft"] = sum(ev["ttft"])
+                # (each worker's relay connects on its own: wait for both to be heard)
                 if saw["transfers"] and saw["router_ttft"] and saw["decode_ttft"] and \
-                        "r" in result:
+                        saw["prefill_steps"] and "r" in result:
                     break
         assert saw["hello"] >= {(decode_url, "decode"), (prefill_url, "prefill")}
         assert saw["prefill_steps"] > 0
