@@ -91,6 +91,7 @@ ENGINE_FLAGS: dict[str, Any] = {
     "--no-prefix-caching": SWITCH,
     "--seed": int,
     "--kernels": KERNEL_CHOICES,
+    "--quantization": ("int8",),
     "--max-waiting-requests": int,
     "--max-request-size": str,
     "--log-interval": float,
