@@ -402,9 +402,7 @@ class Router:
                 last[out.request_id] = out
                 if out.finished:
                     del last[out.request_id]
-                    ended = [FinishedRequest(out.request_id, len(out.prompt_token_ids),
-                                             len(out.token_ids), out.finish_reason or "stop",
-                                             out.metrics)]
+                    ended = [FinishedRequest.of(out, default="stop")]
                 self._notify([out], ended)
             if not all(assembler.finished):
                 raise EngineError(f"decode worker {worker.url} ended the stream before every "
@@ -425,9 +423,7 @@ class Router:
             # What did not finish ended here (the client left, the worker went, a bad
             # line): the observers hear of it as an abort, as an engine's would.
             if last:
-                self._notify([], [FinishedRequest(o.request_id, len(o.prompt_token_ids),
-                                                  len(o.token_ids), "abort", o.metrics)
-                                  for o in last.values()])
+                self._notify([], [FinishedRequest.of(o, "abort") for o in last.values()])
             await resp.aclose()
 
     def _release(self, worker: Worker, resp: httpx.Response) -> None:

@@ -338,9 +338,7 @@ class AsyncEngine:
                     if out is not None:
                         firsts.append(out)
                         if out.finished:
-                            finished.append(FinishedRequest(
-                                out.request_id, len(out.prompt_token_ids),
-                                len(out.token_ids), out.finish_reason or "stop", out.metrics))
+                            finished.append(FinishedRequest.of(out, default="stop"))
                 elif isinstance(cmd, AbortAll):
                     finished += self._abort_all(EngineStopped(cmd.reason))
                 elif isinstance(cmd, Stop):
@@ -366,9 +364,7 @@ class AsyncEngine:
                 self._notify(None, [], aborted)
                 continue
             step = engine.step_stats[-1] if engine.step_stats else None
-            done = [FinishedRequest(o.request_id, len(o.prompt_token_ids), len(o.token_ids),
-                                    o.finish_reason or "abort", o.metrics)
-                    for o in outputs if o.finished]
+            done = [FinishedRequest.of(o) for o in outputs if o.finished]
             # Publish the state before the outputs: a caller that reacts to an output must
             # not see a queue length from before this step.
             self._snapshot = snap = self._take_snapshot()

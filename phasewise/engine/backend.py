@@ -64,6 +64,14 @@ class FinishedRequest:
     finish_reason: str  # "stop", "length" or "abort"
     metrics: RequestMetrics
 
+    @classmethod
+    def of(cls, out: RequestOutput, reason: str | None = None,
+           default: str = "abort") -> FinishedRequest:
+        """The end of the request ``out`` is the latest output of: ``reason``, else its own
+        finish reason, else ``default``."""
+        return cls(out.request_id, len(out.prompt_token_ids), len(out.token_ids),
+                   reason or out.finish_reason or default, out.metrics)
+
 
 class EngineObserver(Protocol):
     def on_step(self, step: StepStats | None, outputs: Sequence[RequestOutput],
