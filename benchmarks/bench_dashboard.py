@@ -27,11 +27,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import shutil
-import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -43,34 +40,17 @@ import httpx
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from bench_disagg import machine_info, machine_line  # noqa: E402
+from bench_disagg import PW, Procs, free_port, machine_info, machine_line, wait_http  # noqa: E402
+
+LOGS = HERE / "results" / "dashboard"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start(model: str | None, port: int) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "phasewise.cli", "serve", "--host", "127.0.0.1", "--port",
-           str(port), "--log-interval", "0", "--no-access-log"]
-    if model:
-        cmd += ["--model", model]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"the server exited with {proc.returncode}: {' '.join(cmd)}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    os.killpg(proc.pid, signal.SIGKILL)
-    raise SystemExit("the server did not come up in 300 s")
+def start(procs: Procs, model: str | None, port: int) -> None:
+    """``phasewise serve`` on ``port`` (its log: benchmarks/results/dashboard/serve.log)."""
+    cmd = [*PW, "serve", "--host", "127.0.0.1", "--port", str(port), "--log-interval", "0",
+           "--no-access-log", *(["--model", model] if model else [])]
+    p = procs.start("serve", cmd, LOGS / "serve.log")
+    wait_http(f"http://127.0.0.1:{port}/health", [p], 300, "phasewise serve", LOGS / "serve.log")
 
 
 def one(url: str, max_tokens: int, i: int, out: list[float]) -> None:
@@ -215,9 +195,10 @@ def main() -> None:
     print(machine_line(m))
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    proc = start(args.model, port)
+    procs = Procs()
     browser = None
     try:
+        start(procs, args.model, port)
         conditions = ["none", "sse"]
         if args.browser:
             browser = BrowserWatcher(url)
@@ -262,11 +243,7 @@ def main() -> None:
     finally:
         if browser is not None:
             browser.close()
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+        procs.stop_all()
 
 
 if __name__ == "__main__":

@@ -10,33 +10,26 @@ runs the playground once while the load goes on, and saves the whole page:
     python scripts/dashboard_screenshot.py [--out docs/dashboard.png] [--at 0.7]
 
 ``--at``: how far through the load (its expected duration) the picture is taken. Every
-process it starts, it stops by PID.
+process it starts, it stops by PID (its process group; logs in
+benchmarks/results/dashboard/).
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
-import signal
-import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-import httpx
-
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "benchmarks"))
+from bench_dashboard import LOGS, start  # noqa: E402
+from bench_disagg import PW, Procs, free_port  # noqa: E402
+
 LOAD = ["--num-prompts", "160", "--request-rate", "8", "--input-len", "uniform:16-64",
         "--output-len", "64", "--intruder-fraction", "0.1", "--intruder-len", "180",
         "--seed", "1", "--disable-tqdm"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main() -> None:
@@ -49,30 +42,17 @@ def main() -> None:
     chromium = shutil.which("chromium") or "/usr/bin/chromium"
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    exe = [sys.executable, "-m", "phasewise.cli"]
-    server = subprocess.Popen([*exe, "serve", "--port", str(port), "--log-interval", "0",
-                               "--no-access-log"], start_new_session=True,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    load = None
+    procs = Procs()
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if server.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit("the server did not come up")
-            time.sleep(0.2)
+        start(procs, None, port)  # the bundled model
         with sync_playwright() as p:
             browser = p.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
             page = browser.new_page(viewport={"width": 1400, "height": 1000})
             page.goto(url + "/dashboard")
             page.wait_for_function("document.getElementById('conn').textContent === 'live'")
-            cmd = [*exe, "bench", "--base-url", url, *LOAD]
-            print("load:", " ".join(["phasewise", *cmd[3:]]), flush=True)
-            load = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, start_new_session=True)
+            cmd = [*PW, "bench", "--base-url", url, *LOAD]
+            print("load:", " ".join(["phasewise", *cmd[len(PW):]]), flush=True)
+            load = procs.start("bench", cmd, LOGS / "screenshot-load.log")
             expected = 160 / 8
             time.sleep(expected * args.at - 4)
             page.click("#pg-run")
@@ -85,13 +65,7 @@ def main() -> None:
             browser.close()
         load.wait(600)
     finally:
-        for proc in (load, server):
-            if proc is not None and proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGTERM)
-                try:
-                    proc.wait(30)
-                except subprocess.TimeoutExpired:
-                    os.killpg(proc.pid, signal.SIGKILL)
+        procs.stop_all()
 
 
 if __name__ == "__main__":

@@ -228,7 +228,7 @@ def test_a_page_that_falls_behind_is_dropped_not_waited_for():
         got = await asyncio.wait_for(page.queue.get(), 5)
         assert json.loads(got[len("data: "):])["kind"] == "frame"
         hub.close()  # draining: every page's stream ends
-        while (item := await asyncio.wait_for(page.queue.get(), 5)) is not None:
+        while await asyncio.wait_for(page.queue.get(), 5) is not None:
             pass
         assert not hub.pages
     asyncio.run(main())

@@ -12,7 +12,6 @@ import random
 import re
 import shutil
 import threading
-import time
 
 import httpx
 import pytest
@@ -88,6 +87,10 @@ class Page:
     def wait(self, expr: str, timeout: int = WAIT_MS) -> None:
         self.page.wait_for_function(expr, timeout=timeout)
 
+    def wait_live(self) -> None:
+        """Until the page's badge says its event stream is open."""
+        self.wait("document.getElementById('conn').textContent === 'live'")
+
     def close(self) -> None:
         self.page.close()
 
@@ -104,7 +107,7 @@ def stream(url: str, body: dict, out: dict | None = None) -> None:
 def test_the_page_loads_cleanly_and_its_charts_follow_the_engine(server, browser):
     p = Page(browser, server.url + "/dashboard")
     try:
-        p.wait("document.getElementById('conn').textContent === 'live'")
+        p.wait_live()
         p.wait("S.sources.has('self') && S.sources.get('self').hello.model !== undefined")
         before = p.js("S.sources.get('self').lastIndex")
         threads = [threading.Thread(target=stream, args=(server.url, {
@@ -132,7 +135,7 @@ def test_the_page_loads_cleanly_and_its_charts_follow_the_engine(server, browser
 def test_the_playground_streams_and_its_token_timings_agree_with_the_api(server, browser):
     p = Page(browser, server.url + "/dashboard")
     try:
-        p.wait("document.getElementById('conn').textContent === 'live'")
+        p.wait_live()
         p.page.fill("#pg-prompt", "import os\n")
         p.page.fill("#pg-max", "12")
         p.page.fill("#pg-temp", "0")
@@ -166,7 +169,7 @@ def test_the_playground_streams_and_its_token_timings_agree_with_the_api(server,
 def test_the_stall_view_names_the_prompt_that_held_the_streams_back(server, browser):
     p = Page(browser, server.url + "/dashboard")
     try:
-        p.wait("document.getElementById('conn').textContent === 'live'")
+        p.wait_live()
         p.wait("S.sources.has('self')")
         before = p.js("S.sources.get('self').lastIndex")  # (the hello holds older steps)
         seen: dict = {}
@@ -203,13 +206,13 @@ def test_a_page_that_loses_its_server_says_so_and_reconnects(model_dir, browser,
     s = start_server(model_dir, tmp_path / "a.log", "--log-interval", "0", port=port)
     p = Page(browser, s.url + "/dashboard")
     try:
-        p.wait("document.getElementById('conn').textContent === 'live'")
+        p.wait_live()
         s.stop()
         p.wait("document.getElementById('conn').className.includes('bad')")
         banner = p.page.inner_text("#banner")
         assert "reconnecting" in banner or "cannot reach" in banner
         s = start_server(model_dir, tmp_path / "b.log", "--log-interval", "0", port=port)
-        p.wait("document.getElementById('conn').textContent === 'live'")
+        p.wait_live()
         assert p.page.locator("#banner").is_hidden()
         # the errors a browser logs for a refused connection are expected here; nothing
         # else (no exception in the page's own code)
@@ -231,7 +234,7 @@ def test_with_an_api_key_the_page_asks_for_it_then_works(model_dir, browser, tmp
         p.page.fill("#key", "browser-key")
         p.page.click("#login")
         p.page.wait_for_url("**/dashboard")
-        p.wait("document.getElementById('conn').textContent === 'live'")
+        p.wait_live()
         p.page.fill("#pg-max", "4")
         p.page.click("#pg-run")  # the playground's request rides on the session
         p.wait("document.getElementById('pg-status').textContent === 'done'")

@@ -132,7 +132,7 @@ class DashboardFeed:
             if step is not None:
                 self._on_step(step)
             for out in outputs:
-                self._on_output(out, step)
+                self._on_output(out)
             for f in finished:
                 self._on_finished(f)
 
@@ -184,7 +184,7 @@ class DashboardFeed:
                           for rid, n in intruders],
             "num_victims": len(victims), "victims": victims[:MAX_VICTIM_IDS]})
 
-    def _on_output(self, out: RequestOutput, step: StepStats | None) -> None:
+    def _on_output(self, out: RequestOutput) -> None:
         m = out.metrics
         times = m.token_times
         if not times:
