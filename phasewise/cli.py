@@ -57,8 +57,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kernels", default=d["kernels"], choices=KERNEL_CHOICES,
                    help="auto: phasewise's CPU kernels for bf16 models on CPU; torch: none")
     p.add_argument("--quantization", default=d["quantization"], choices=["int8"],
-                   help="int8: the decoder's projection weights in int8, one scale per "
-                   "output channel (CPU; halves the bytes a decode step reads)")
+                   help="int8: the decoder's projections and the LM head in int8, one scale "
+                   "per output channel (CPU; halves the bytes a decode step reads)")
 
 
 def _engine_kwargs(a: argparse.Namespace) -> dict:
@@ -445,7 +445,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="catalog key (see --list), or cpu-local / gpu-local (phasewise measure)")
     dtypes = ", ".join(DTYPE_BYTES)
     r.add_argument("--dtype", default="bf16", help=dtypes)
-    r.add_argument("--kv-dtype", default=None, help="KV cache dtype (default: --dtype)")
+    r.add_argument("--kv-dtype", default=None,
+                   help="KV cache dtype (default: --dtype; bf16 for the weight-only int8/int4)")
     r.add_argument("--compute-dtype", default=None,
                    help="whose peak the math runs at (default: --dtype; fp32 for bf16 weights "
                         "on CPUs without native bf16)")

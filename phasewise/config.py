@@ -107,9 +107,10 @@ class EngineConfig:
     step, so the budget bounds how long a prompt chunk can stall decoding: on a 2-core CPU a
     256-token step of a 0.5B model takes ~2-3 s, a 2048-token one ~20 s, while prefill
     throughput at 256 is within ~6% of the best chunk size measured there.
-    ``quantization``: ``int8`` stores the decoder layers' projection weights as int8 with
-    one scale per output channel (``phasewise.model.quant``; CPU only), halving the bytes a
-    decode step reads; None keeps the checkpoint's weights.
+    ``quantization``: ``int8`` stores the decoder layers' projections and the LM head as
+    int8 with one scale per output channel, quantized as the checkpoint is read
+    (``phasewise.model.quant``; CPU only), halving the bytes a decode step reads; None keeps
+    the checkpoint's weights.
     ``kernels``: ``auto`` uses phasewise's CPU kernels for bf16 models on CPU (linear layers
     are timed against torch at start-up and the faster is used per batch size); ``torch``
     uses torch operations only.

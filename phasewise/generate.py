@@ -38,8 +38,9 @@ def run(model: str, engine_kwargs: dict[str, Any], opts: GenerateOptions,
     t0 = time.monotonic()
     llm = LLM(model, **engine_kwargs)
     eng = llm.engine
+    quant = f", {eng.config.quantization} weights" if eng.config.quantization else ""
     print(f"loaded {eng.model_config.architecture} ({eng.model_config.num_params / 1e6:.1f} M "
-          f"parameters, {str(eng.dtype).removeprefix('torch.')}, {eng.device}) in "
+          f"parameters, {str(eng.dtype).removeprefix('torch.')}{quant}, {eng.device}) in "
           f"{time.monotonic() - t0:.1f} s", file=err)
     overrides: dict[str, Any] = {"max_tokens": opts.max_tokens}
     if opts.temperature is not None:
@@ -106,30 +107,20 @@ def warm_up(llm: Any) -> None:
     llm.generate(filler * rows, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
 
 
-def compute_dtype(eng: Any, dtype: str, rows: int) -> str:
-    """Whose peak ``rows`` activation rows of a linear layer run at in this engine."""
-    if eng.device.type != "cpu":
-        return dtype
-    if eng.linear_plan is not None:  # bf16 weights: the calibrated plan decides per row count
-        return eng.linear_plan.compute_dtype(rows)
-    # CPU fp16 has no measured peak (its matmul is an emulation); rate it against fp32.
-    return "fp32" if dtype == "fp16" else dtype
-
-
 def roofline_lines(llm: Any, prefill_chunks: list[int], prefill_s: float, decode_steps: int,
                    decode_s: float) -> list[str]:
     """The run's two phases against this machine's measured roofline (phasewise.perf)."""
+    from phasewise.perf.attribution import engine_compute_dtype, engine_weight_dtype
     from phasewise.perf.explain import explain_generation
     from phasewise.perf.measure import ensure_local
     from phasewise.perf.models import ModelShape
-    from phasewise.perf.roofline import norm_dtype
 
     eng = llm.engine
-    dtype = norm_dtype(str(eng.dtype).removeprefix("torch."))
-    pre = compute_dtype(eng, dtype, max(prefill_chunks))
-    dec = compute_dtype(eng, dtype, 1)
+    arithmetic = engine_compute_dtype(eng)
+    pre, dec = arithmetic(max(prefill_chunks)), arithmetic(1)
     accel = ensure_local(str(eng.device), tuple(dict.fromkeys((pre, dec))))
-    return explain_generation(ModelShape.from_path(eng.config.model), accel, dtype, pre, dec,
+    return explain_generation(ModelShape.from_path(eng.config.model), accel,
+                              engine_weight_dtype(eng), pre, dec,
                               prefill_chunks, prefill_s, decode_steps, decode_s,
                               min(eng.scheduler.config.max_num_batched_tokens,
                                   eng.max_model_len))

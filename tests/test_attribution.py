@@ -153,7 +153,7 @@ def test_metrics_export_achieved_rates_and_time_over_roofline():
 def test_each_step_is_rated_at_the_arithmetic_its_rows_run_in():
     from types import SimpleNamespace
 
-    from phasewise.perf.attribution import engine_compute_dtype
+    from phasewise.perf.attribution import engine_compute_dtype, engine_weight_dtype
 
     class Plan:  # the calibrated CPU plan: the kernel (fp32 math) up to 16 rows, torch above
         def compute_dtype(self, rows):
@@ -169,3 +169,9 @@ def test_each_step_is_rated_at_the_arithmetic_its_rows_run_in():
     gpu = engine_compute_dtype(SimpleNamespace(dtype="torch.float16", device=cuda,
                                                linear_plan=None))
     assert gpu(1000) == "fp16"
+    # int8 weights are widened to fp32 by every CPU path, whatever the bf16 plan says
+    int8 = SimpleNamespace(dtype="torch.bfloat16", device=cpu, linear_plan=Plan(),
+                           config=SimpleNamespace(quantization="int8"))
+    assert engine_weight_dtype(int8) == "int8"
+    assert engine_weight_dtype(SimpleNamespace(dtype="torch.float16", device=cuda)) == "fp16"
+    assert {engine_compute_dtype(int8)(r) for r in (1, 16, 17, 4096)} == {"fp32"}

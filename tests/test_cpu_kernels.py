@@ -41,7 +41,7 @@ def test_kernels_match_fp32_reference(m, n, k, bias, seed, fn):
 
 @needs_kernels
 @settings(max_examples=40, deadline=None)
-@given(m=st.integers(1, cpu_kernels.INT8_ROWS_MAX), n=st.integers(1, 300),
+@given(m=st.integers(1, 3 * cpu_kernels.INT8_ROWS_MAX), n=st.integers(1, 300),
        k=st.integers(1, 600), bias=st.booleans(), seed=st.integers(0, 2**31 - 1))
 def test_int8_kernel_matches_its_dequantized_fp32_reference(m, n, k, bias, seed):
     g = torch.Generator().manual_seed(seed)
@@ -60,8 +60,10 @@ def test_int8_kernel_matches_its_dequantized_fp32_reference(m, n, k, bias, seed)
 def test_int8_kernel_refuses_what_it_cannot_compute():
     x = torch.randn(cpu_kernels.INT8_ROWS_MAX + 1, 16).bfloat16()
     w = torch.zeros(8, 16, dtype=torch.int8)
-    with pytest.raises(ValueError, match="at most"):
-        cpu_kernels.linear_int8(x, w, torch.ones(8))
+    with pytest.raises(ValueError, match="against w"):
+        cpu_kernels.linear_int8(x, w[:, :8], torch.ones(8))
+    with pytest.raises(ValueError, match="against w"):
+        cpu_kernels.linear_int8(x, w, torch.ones(7))
     with pytest.raises(TypeError, match="int8 w"):
         cpu_kernels.linear_int8(x[:1], w.float(), torch.ones(8))
 
@@ -248,9 +250,11 @@ def test_decode_attention_keeps_a_nan(ops, length):
 @needs_kernels
 @pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"])
 @pytest.mark.parametrize("rows", [1, 3, 6])
-def test_fused_decode_layer_matches_op_by_op(tmp_path, arch, rows):
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_fused_decode_layer_matches_op_by_op(tmp_path, arch, rows, quantization):
     """The one-call decode layer computes what the op-by-op kernel path computes (biases,
-    q/k norms and GQA included), writing the same K/V into the cache."""
+    q/k norms and GQA included, bf16 or int8 projections), writing the same K/V into the
+    cache."""
     from conftest import build_hf_checkpoint
     from phasewise.model.attention import AttentionMetadata
     from phasewise.model.config import ModelConfig
@@ -260,6 +264,10 @@ def test_fused_decode_layer_matches_op_by_op(tmp_path, arch, rows):
     cfg = ModelConfig.from_file(tmp_path)
     model = load_model(tmp_path, cfg, dtype=torch.bfloat16, device=torch.device("cpu"),
                        max_positions=128)
+    if quantization == "int8":
+        from phasewise.model.quant import quantize_model_int8
+        quantize_model_int8(model)
+        assert model.layers[0].down_proj.weight.dtype == torch.int8
     g = torch.Generator().manual_seed(rows)
     bs, n_blocks = 4, 40
     caches = [(torch.randn(n_blocks, bs, cfg.num_kv_heads, cfg.head_dim, generator=g).bfloat16(),
@@ -327,11 +335,13 @@ def test_a_layout_mismatch_is_named_field_by_field():
     true = {name: getattr(cpu_kernels.DecodeLayerArgs, name).offset
             for name, _ in cpu_kernels.DecodeLayerArgs._fields_}
     true["sizeof DecodeLayer"] = ctypes.sizeof(cpu_kernels.DecodeLayerArgs)
+    true["int8_rows_max"] = cpu_kernels.INT8_ROWS_MAX
     assert cpu_kernels.abi_mismatches(true.__getitem__) == []
-    shifted = {**true, "cos": true["cos"] + 8, "sizeof DecodeLayer": true["sizeof DecodeLayer"] + 8}
+    shifted = {**true, "cos": true["cos"] + 8, "sizeof DecodeLayer": true["sizeof DecodeLayer"] + 8,
+               "int8_rows_max": cpu_kernels.INT8_ROWS_MAX - 1}
     bad = cpu_kernels.abi_mismatches(shifted.__getitem__)
-    assert len(bad) == 2 and any("DecodeLayer.cos" in b for b in bad)
-    assert any("sizeof" in b for b in bad)
+    assert len(bad) == 3 and any("DecodeLayer.cos" in b for b in bad)
+    assert any("sizeof" in b for b in bad) and any("int8_rows_max" in b for b in bad)
 
 
 @needs_kernels
@@ -361,3 +371,28 @@ def test_the_library_is_tried_once_and_keeps_its_reason(monkeypatch):
     # the module's own instance is a separate object, untouched by this one
     assert cpu_kernels.KERNELS is not kl
     assert cpu_kernels.unavailable_reason == cpu_kernels.KERNELS.reason
+
+
+@needs_kernels
+@pytest.mark.parametrize("m,n,k", [(1, 67, 96), (2, 33, 64), (1, 5, 32), (2, 130, 896),
+                                   (130, 20, 40), (200, 37, 64)])
+def test_int8_fixed_point_rows_and_the_packed_gemm_match_the_reference(m, n, k):
+    """1-2 rows with K a multiple of 32 take the 16-bit fixed-point path; more than 128 rows
+    the packed GEMM; both within the kernel's stated tolerance of the fp32 reference."""
+    g = torch.Generator().manual_seed(m * 1000 + n + k)
+    x = (torch.randn(m, k, generator=g) * torch.rand(m, k, generator=g) * 4).bfloat16()
+    w = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    scale = torch.rand(n, generator=g) * 0.02 + 1e-4
+    y = cpu_kernels.linear_int8(x, w, scale)
+    ref = reference(x, w.float() * scale[:, None], None)
+    torch.testing.assert_close(y.float(), ref, rtol=2**-7, atol=2e-5 * k)
+
+
+@needs_kernels
+@pytest.mark.parametrize("m", [1, 2, 3])
+def test_int8_kernel_keeps_a_nan_in_its_row(m):
+    x = torch.randn(m, 64).bfloat16()
+    x[0, 7] = float("nan")
+    w = torch.randint(-127, 128, (16, 64), dtype=torch.int8)
+    y = cpu_kernels.linear_int8(x, w, torch.full((16,), 0.01))
+    assert y[0].isnan().all() and not y[1:].isnan().any()

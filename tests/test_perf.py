@@ -331,3 +331,15 @@ def test_ensure_local_measures_only_what_is_missing(tmp_path, monkeypatch):
     blocker.write_text("x")
     acc = measure_mod.ensure_local("cpu", ("fp32",), blocker / "sub" / "machine.json")
     assert acc.peak_flops_for("fp32") == 5e9  # an unwritable cache only costs the saving
+
+
+def test_weight_only_int8_halves_the_weights_and_keeps_16_bit_kv_and_activations():
+    shape, acc, bf16 = _explain_setup()
+    int8 = Roofline(shape, acc, "int8", compute_dtype="fp32")
+    assert int8.kv_dtype == "bf16" and int8.weight_bytes == bf16.weight_bytes / 2
+    a, b = bf16.decode(4, 300), int8.decode(4, 300)
+    assert b.kv_read_bytes == a.kv_read_bytes and b.act_bytes == a.act_bytes
+    assert b.flops == a.flops and b.weight_bytes == a.weight_bytes / 2
+    int8_kv = Roofline(shape, acc, "int8", kv_dtype="int8", compute_dtype="fp32")
+    assert int8_kv.kv_bytes_per_token == bf16.kv_bytes_per_token / 2
+    assert Roofline(shape, acc, "fp8", compute_dtype="fp32").kv_dtype == "fp8"  # not weight-only

@@ -52,16 +52,47 @@ def engines():
             "int8-torch": LLM(str(BUNDLED_MODEL), quantization="int8", kernels="torch")}
 
 
-def test_int8_layers_are_int8_and_leave_the_fused_bf16_path(engines):
+def test_int8_weights_are_int8_from_loading_and_run_in_the_fused_decode_layer(engines):
     model = engines["int8"].engine.model
     for layer in model.layers:
         for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
             lin = getattr(layer, name)
             assert lin.weight.dtype == torch.int8 and lin.weight_scale.dtype == torch.float32
-    assert model.lm_head_weight.dtype == torch.bfloat16  # the LM head stays as it was
-    ops = model.ops
-    if hasattr(ops, "_static_args"):  # the C decode layer reads bf16 weights only
-        assert ops._static_args(model.layers[0]) is None
+            assert lin.weight_scale.shape == (lin.weight.shape[0],)
+        assert layer.input_layernorm.weight.dtype == torch.bfloat16  # norms stay as they were
+    # the LM head is int8 too; the bundled model ties it to the embedding, which dequantizes
+    assert model.cfg.tie_word_embeddings and model.lm_head_weight.dtype == torch.int8
+    ids = torch.tensor([5, 17])
+    bf16 = engines["bf16"].engine.model.embed_tokens(ids)
+    got = model.embed_tokens(ids)
+    assert got.dtype == torch.bfloat16
+    assert (got.float() - bf16.float()).abs().max() <= model.embed_tokens.weight_scale.max()
+    # the C decode layer takes the int8 projections, with their scales
+    args = model.ops._static_args(model.layers[0])
+    assert args is not None and args.s_down == model.layers[0].down_proj.weight_scale.data_ptr()
+    assert args.w_down == model.layers[0].down_proj.weight.data_ptr()
+    # and only the int8 copies are kept: the weights take about half the bf16 bytes
+    def weight_bytes(m):
+        return sum(p.numel() * p.element_size() for p in m.parameters())
+    ratio = weight_bytes(model) / weight_bytes(engines["bf16"].engine.model)
+    assert 0.45 < ratio < 0.6, ratio
+
+
+def test_an_untied_lm_head_is_quantized_and_its_embedding_kept(tmp_path):
+    from conftest import build_hf_checkpoint
+
+    build_hf_checkpoint(tmp_path, "LlamaForCausalLM", dtype=torch.bfloat16, seed=3,
+                        tie_word_embeddings=False)
+    ref = LLM(str(tmp_path))
+    llm = LLM(str(tmp_path), quantization="int8")
+    m = llm.engine.model
+    assert not m.cfg.tie_word_embeddings
+    assert m.lm_head.weight.dtype == torch.int8 and m.embed_tokens.weight.dtype == torch.bfloat16
+    assert torch.equal(m.embed_tokens.weight, ref.engine.model.embed_tokens.weight)
+    q, s = quantize_rows_int8(ref.engine.model.lm_head.weight)
+    assert torch.equal(m.lm_head.weight, q) and torch.equal(m.lm_head.weight_scale, s)
+    p = SamplingParams(temperature=0, max_tokens=6)
+    assert len(llm.generate(["hello"], p)[0].token_ids) == 6
 
 
 def test_int8_keeps_the_next_token_distribution_close_to_bf16(engines):

@@ -32,7 +32,7 @@ from phasewise.engine.validation import check_token_ids
 from phasewise.model.config import ModelConfig
 from phasewise.model.linear import LinearDispatch
 from phasewise.model.ops import CpuKernelOps
-from phasewise.model.quant import quantize_model_int8
+from phasewise.model.quant import dequantize_rows
 from phasewise.model.loader import load_model, resolve_dtype
 from phasewise.model.tokenizer import Tokenizer, load_generation_config
 from phasewise.perf.attribution import StepCostModel
@@ -97,17 +97,21 @@ class LLMEngine:
 
         if num_blocks is not None:  # settle the sizes before spending time on the weights
             max_len = self._fit_context(num_blocks, max_len)
-        self.model = load_model(model_dir, mc, dtype=self.dtype, device=self.device,
-                                max_positions=max_len, progress=load_progress)
-        self.linear_plan: LinearDispatch | None = None
         if config.quantization is not None and self.device.type != "cpu":
             raise ValueError(f"quantization {config.quantization} runs on CPU only; got "
                              f"device {self.device}")
+        self.model = load_model(model_dir, mc, dtype=self.dtype, device=self.device,
+                                max_positions=max_len, progress=load_progress,
+                                quantization=config.quantization)
+        self.linear_plan: LinearDispatch | None = None
         if config.kernels == "auto" and self.device.type == "cpu" and self.dtype == torch.bfloat16:
-            self.linear_plan = LinearDispatch.calibrate(self.model.layers[0].gate_up_proj.weight)
+            gate_up = self.model.layers[0].gate_up_proj
+            w = gate_up.weight
+            if w.dtype == torch.int8:  # the plan times bf16 weights of the same shape
+                w = dequantize_rows(w, gate_up.weight_scale).to(self.dtype)
+            self.linear_plan = LinearDispatch.calibrate(w)
+            del w
             self.model.ops = CpuKernelOps(self.linear_plan)
-        if config.quantization == "int8":  # (after the calibration, which times bf16 weights)
-            quantize_model_int8(self.model)
         if num_blocks is None:
             free, _ = torch.cuda.mem_get_info(self.device)
             num_blocks = min(blocks_for_all, int(free * 0.9) // block_bytes)

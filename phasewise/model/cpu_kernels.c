@@ -100,7 +100,10 @@ DEFINE_ROWS(4)
 DEFINE_ROWS(5)
 DEFINE_ROWS(6)
 #define ROW_STREAM_MAX 6 /* the most activation rows dot_rows (and the fused layer) take */
-#define INT8_ROWS_MAX 4 /* the most activation rows pw_linear_int8 takes */
+#define INT8_ROWS_MAX ROW_STREAM_MAX /* the most activation rows the int8 streams take */
+#ifndef INT8_TILE_ROWS_MAX
+#define INT8_TILE_ROWS_MAX 128 /* int8 tiles up to this many rows, the packed GEMM above */
+#endif
 
 /* Two weight rows (w0, w1) against M <= 3 activation rows. Streaming rows that lie far apart
  * keeps independent memory streams in flight per core: on a 2-core Zen 3, two streams lifted
@@ -391,8 +394,19 @@ static void tile_2x6(const float *x, long ldx, const uint16_t *w, long ldw, int 
                        bias ? bias + j : NULL, y + i * ldy + j);
 }
 
-static int linear_tiles(const uint16_t *xb, const uint16_t *w, const uint16_t *bias,
-                        uint16_t *y, int M, int N, int K, int nthreads) {
+typedef void (*tile_i8_fn)(const float *, long, const int8_t *, long, int, const float *,
+                           uint16_t *, long, const uint16_t *, const int8_t *);
+static void tile_i8_2x6(const float *x, long ldx, const int8_t *w, long ldw, int K,
+                        const float *scale, uint16_t *y, long ldy, const uint16_t *bias,
+                        const int8_t *pf);
+static void edge_i8(int R, int C, const float *x, long ldx, const int8_t *w, long ldw, int K,
+                    const float *scale, uint16_t *y, long ldy, const uint16_t *bias);
+
+/* The tiles' driver, for bf16 weights, or (with `scale`) int8 ones whose tiles are
+ * tile_i8_2x6 and edge_i8 (below, with the int8 kernels; their activations keep their
+ * order). */
+static int linear_tiles(const uint16_t *xb, const void *w, const float *scale,
+                        const uint16_t *bias, uint16_t *y, int M, int N, int K, int nthreads) {
     float *x = (float *)malloc(sizeof(float) * (size_t)M * K);
     if (!x) return -1;
     int K16 = K / 16 * 16;
@@ -403,7 +417,12 @@ static int linear_tiles(const uint16_t *xb, const uint16_t *w, const uint16_t *b
 #pragma omp parallel num_threads(nthreads)
     {
 #pragma omp for schedule(static)
-        for (int m = 0; m < M; m++) permute_row(xb + (long)m * K, x + (long)m * K, K, K16);
+        for (int m = 0; m < M; m++) {
+            if (scale)
+                for (int k = 0; k < K; k++) x[(long)m * K + k] = bf16_to_f32(xb[(long)m * K + k]);
+            else
+                permute_row(xb + (long)m * K, x + (long)m * K, K, K16);
+        }
         /* the implicit barrier: every row is converted before any tile reads it */
         int t = omp_get_thread_num(), T = omp_get_num_threads();
         int lo = (int)((long)ntiles * t / T) * TILE_N;
@@ -417,18 +436,28 @@ static int linear_tiles(const uint16_t *xb, const uint16_t *w, const uint16_t *b
             int few = m1 - m0 <= PREFETCH_EVERY_PASS_ROWS;
             for (int n = lo; n < hi; n += TILE_N) {
                 int c = hi - n < TILE_N ? hi - n : TILE_N;
-                const uint16_t *wn = w + (long)n * K, *bn = bias ? bias + n : NULL;
+                const uint16_t *bn = bias ? bias + n : NULL;
                 for (int m = m0; m < m1; m += TILE_M) {
                     int r = m1 - m < TILE_M ? m1 - m : TILE_M;
                     const float *xm = x + (long)m * K;
                     uint16_t *ym = y + (long)m * N + n;
-                    if (r == TILE_M && c == TILE_N) {
-                        const uint16_t *pf = (m == m0 || few) && n + TILE_N < hi
-                                                 ? wn + (long)TILE_N * K : NULL;
-                        tile_2x6(xm, K, wn, K, K16, K, ym, N, bn, pf);
-                    } else {
-                        EDGE[r - 1][c - 1](xm, K, wn, K, K16, K, ym, N, bn);
+                    int full = r == TILE_M && c == TILE_N;
+                    int prefetch = (m == m0 || few) && n + TILE_N < hi;
+                    if (scale) {
+                        const int8_t *wn = (const int8_t *)w + (long)n * K;
+                        if (full)
+                            tile_i8_2x6(xm, K, wn, K, K, scale + n, ym, N, bn,
+                                        prefetch ? wn + (long)TILE_N * K : NULL);
+                        else
+                            edge_i8(r, c, xm, K, wn, K, K, scale + n, ym, N, bn);
+                        continue;
                     }
+                    const uint16_t *wn = (const uint16_t *)w + (long)n * K;
+                    if (full)
+                        tile_2x6(xm, K, wn, K, K16, K, ym, N, bn,
+                                 prefetch ? wn + (long)TILE_N * K : NULL);
+                    else
+                        EDGE[r - 1][c - 1](xm, K, wn, K, K16, K, ym, N, bn);
                 }
             }
         }
@@ -440,7 +469,7 @@ static int linear_tiles(const uint16_t *xb, const uint16_t *w, const uint16_t *b
 /* y = x @ w^T (+ bias). Returns 0, or -1 if scratch memory could not be allocated. */
 int pw_linear_bf16(const uint16_t *xb, const uint16_t *w, const uint16_t *bias, uint16_t *y,
                    int M, int N, int K, int nthreads) {
-    if (M > ROW_STREAM_MAX) return linear_tiles(xb, w, bias, y, M, N, K, nthreads);
+    if (M > ROW_STREAM_MAX) return linear_tiles(xb, w, NULL, bias, y, M, N, K, nthreads);
     float *x = (float *)malloc(sizeof(float) * (size_t)M * (size_t)K);
     if (!x) return -1;
     for (long i = 0; i < (long)M * K; i++) x[i] = bf16_to_f32(xb[i]);
@@ -465,20 +494,25 @@ int pw_linear_bf16(const uint16_t *xb, const uint16_t *w, const uint16_t *bias, 
 #define GMC 96
 #define GNC 256
 
-/* Pack rows [r0, r0 + rows) of a bf16 matrix (row stride K), columns [k0, k0 + kc), into
- * fp32 panels of `width` rows laid out dst[p][k][width]; rows at or past r_end are zero.
- * Weights are packed 16 wide (GNR), activations 6 wide (GMR). */
-static void pack_panels(const uint16_t *src, int K, int r0, int rows, int r_end, int k0, int kc,
-                        int width, float *dst) {
+/* Pack rows [r0, r0 + rows) of a matrix (row stride K), columns [k0, k0 + kc), into fp32
+ * panels of `width` rows laid out dst[p][k][width]; rows at or past r_end are zero. The matrix
+ * is bf16, or with `scale` int8 whose row r is worth scale[r] times its integers (weight-only
+ * int8). Weights are packed 16 wide (GNR), activations 6 wide (GMR). */
+static void pack_panels(const void *src, const float *scale, int K, int r0, int rows,
+                        int r_end, int k0, int kc, int width, float *dst) {
     for (int p = 0; p < rows; p += width) {
         float *panel = dst + (long)p * kc;
         for (int j = 0; j < width; j++) {
             int r = r0 + p + j;
-            if (r < r_end) {
-                const uint16_t *row = src + (long)r * K + k0;
-                for (int k = 0; k < kc; k++) panel[k * width + j] = bf16_to_f32(row[k]);
-            } else {
+            if (r >= r_end) {
                 for (int k = 0; k < kc; k++) panel[k * width + j] = 0.0f;
+            } else if (scale) {
+                const int8_t *row = (const int8_t *)src + (long)r * K + k0;
+                float s = scale[r];
+                for (int k = 0; k < kc; k++) panel[k * width + j] = s * (float)row[k];
+            } else {
+                const uint16_t *row = (const uint16_t *)src + (long)r * K + k0;
+                for (int k = 0; k < kc; k++) panel[k * width + j] = bf16_to_f32(row[k]);
             }
         }
     }
@@ -516,9 +550,9 @@ static void micro_6x16(int kc, const float *a, const float *b, float *c, int ldc
     }
 }
 
-/* y = x @ w^T (+ bias) for many rows of x. Same contract as pw_linear_bf16. */
-int pw_gemm_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y,
-                 int M, int N, int K, int nthreads) {
+/* y = x @ w^T (+ bias) for many rows of x; w bf16, or int8 with its per-row scale. */
+static int gemm(const uint16_t *x, const void *w, const float *scale, const uint16_t *bias,
+                uint16_t *y, int M, int N, int K, int nthreads) {
     int n_panels = (N + GNR - 1) / GNR;
     int m_pad = (M + GMR - 1) / GMR * GMR;
     int failed = 0;
@@ -538,11 +572,11 @@ int pw_gemm_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uin
                 int nc_pad = (nc + GNR - 1) / GNR * GNR;
                 for (int pc = 0; pc < K; pc += GKC) {
                     int kc = K - pc < GKC ? K - pc : GKC;
-                    pack_panels(w, K, jc, nc_pad, jc + nc, pc, kc, GNR, bp);
+                    pack_panels(w, scale, K, jc, nc_pad, jc + nc, pc, kc, GNR, bp);
                     for (int ic = 0; ic < M; ic += GMC) {
                         int mc = M - ic < GMC ? M - ic : GMC;
                         int mc_pad = (mc + GMR - 1) / GMR * GMR;
-                        pack_panels(x, K, ic, mc_pad, M, pc, kc, GMR, ap);
+                        pack_panels(x, NULL, K, ic, mc_pad, M, pc, kc, GMR, ap);
                         for (int jr = 0; jr < nc_pad; jr += GNR)
                             for (int ir = 0; ir < mc_pad; ir += GMR)
                                 micro_6x16(kc, ap + (long)ir * kc, bp + (long)jr * kc,
@@ -561,6 +595,12 @@ int pw_gemm_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uin
         free(cb);
     }
     return failed ? -1 : 0;
+}
+
+/* y = x @ w^T (+ bias) for many rows of x. Same contract as pw_linear_bf16. */
+int pw_gemm_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y,
+                 int M, int N, int K, int nthreads) {
+    return gemm(x, w, NULL, bias, y, M, N, K, nthreads);
 }
 
 
@@ -881,6 +921,352 @@ int pw_decode_attention_bf16(const uint16_t *q, long q_stride, const uint16_t *k
 
 
 /* ---------------------------------------------------------------------------------------
+ * Weight-only int8 (issue 15): w [N, K] int8 with one fp32 scale per output row (symmetric,
+ * per output channel: w_real[n][k] = scale[n] * w[n][k]); activations stay bf16, accumulation
+ * is fp32. For the few rows of a decode step: each weight byte is read once per call, widened
+ * in registers (vpmovsxbd, vcvtdq2ps: 8 weights per 8-byte load) and met by every activation
+ * row; each thread streams four weight rows at once (as quad_dot), so four memory streams are
+ * in flight per core. The scale multiplies the finished dot product, once per output.
+ */
+#ifndef INT8_PREFETCH_BYTES
+#define INT8_PREFETCH_BYTES 256
+#endif
+#ifndef INT8_PREFETCH_MASK
+#define INT8_PREFETCH_MASK 31
+#endif
+static inline __m256 load_i8x8(const int8_t *p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+
+/* o[r * M + m] = dot(x[m], w[r]) for R weight rows and M activation rows, both fixed at
+ * compile time so that every accumulator stays in a register (R * M + R + 1 <= 16 ymm). */
+#define DEFINE_DOT_I8(R, M)                                                                  \
+    static void dot_i8_##R##x##M(const float *x, const int8_t *const *w, int K, float *o) {  \
+        __m256 a[R * M];                                                                     \
+        for (int i = 0; i < R * M; i++) a[i] = _mm256_setzero_ps();                          \
+        int k = 0;                                                                           \
+        for (; k + 8 <= K; k += 8) {                                                         \
+            if ((k & INT8_PREFETCH_MASK) == 0)                                               \
+                for (int r = 0; r < R; r++)                                                  \
+                    _mm_prefetch((const char *)(w[r] + k) + INT8_PREFETCH_BYTES, PREFETCH_HINT); \
+            __m256 wv[R];                                                                    \
+            for (int r = 0; r < R; r++) wv[r] = load_i8x8(w[r] + k);                         \
+            for (int m = 0; m < M; m++) {                                                    \
+                __m256 xv = _mm256_loadu_ps(x + (long)m * K + k);                            \
+                for (int r = 0; r < R; r++) a[r * M + m] = _mm256_fmadd_ps(wv[r], xv, a[r * M + m]); \
+            }                                                                                \
+        }                                                                                    \
+        for (int r = 0; r < R; r++)                                                          \
+            for (int m = 0; m < M; m++) {                                                    \
+                float s = hsum8(a[r * M + m]);                                               \
+                for (int kk = k; kk < K; kk++) s += x[(long)m * K + kk] * (float)w[r][kk];   \
+                o[r * M + m] = s;                                                            \
+            }                                                                                \
+    }
+DEFINE_DOT_I8(4, 1)
+DEFINE_DOT_I8(4, 2)
+DEFINE_DOT_I8(2, 3)
+DEFINE_DOT_I8(2, 4)
+DEFINE_DOT_I8(2, 5)
+DEFINE_DOT_I8(2, 6)
+DEFINE_DOT_I8(1, 1)
+DEFINE_DOT_I8(1, 2)
+DEFINE_DOT_I8(1, 3)
+DEFINE_DOT_I8(1, 4)
+DEFINE_DOT_I8(1, 5)
+DEFINE_DOT_I8(1, 6)
+
+typedef void (*dot_i8_fn)(const float *, const int8_t *const *, int, float *);
+
+/* One or two activation rows (batch-1 and -2 decode), K a multiple of 32: the activations are
+ * first put in 16-bit fixed point, one fp32 scale per block of 32 (xs = max |x| / 32767 over
+ * the block: 15 bits against the block's largest value, finer than the bf16 they come from
+ * for all but its smallest elements), so that each 16 weights need one widening
+ * (vpmovsxbw) and one integer multiply-add of pairs (vpmaddwd) instead of two widenings to
+ * fp32, two conversions and two FMAs; per block the integer sum is converted and scaled
+ * once. Decode at batch 1 streams int8 at memory speed this way (the fp32 widening was
+ * bound by the vector units near the read bandwidth); the results differ from the fp32 path
+ * by the fixed-point rounding, within the tests' tolerance. */
+#define Q16_BLOCK 32
+/* Returns 0, or -1 for a NaN or an infinity (fixed point cannot carry it: the caller takes
+ * the fp32 path, which propagates it as torch does). */
+static int quantize_rows_q16(const float *x, int M, int K, int16_t *xq, float *xs) {
+    int nb = K / Q16_BLOCK;
+    for (int m = 0; m < M; m++)
+        for (int b = 0; b < nb; b++) {
+            const float *xb = x + (long)m * K + (long)b * Q16_BLOCK;
+            float amax = 0.0f;
+            for (int i = 0; i < Q16_BLOCK; i++) {
+                if (!isfinite(xb[i])) return -1;
+                amax = fmaxf(amax, fabsf(xb[i]));
+            }
+            float s = amax / 32767.0f, inv = amax > 0.0f ? 32767.0f / amax : 0.0f;
+            xs[(long)m * nb + b] = s;
+            int16_t *q = xq + (long)m * K + (long)b * Q16_BLOCK;
+            for (int i = 0; i < Q16_BLOCK; i++) q[i] = (int16_t)lrintf(xb[i] * inv);
+        }
+    return 0;
+}
+
+/* o[r * M + m] = dot(xq[m] * xs[m], w[r]) for R int8 weight rows, M <= 2 fixed-point rows. */
+#define DEFINE_DOT_Q16(R, M)                                                                 \
+    static void dot_q16_##R##x##M(const int16_t *xq, const float *xs, const int8_t *const *w, \
+                                  int K, float *o) {                                         \
+        __m256 a[R * M];                                                                     \
+        for (int i = 0; i < R * M; i++) a[i] = _mm256_setzero_ps();                          \
+        int nb = K / Q16_BLOCK;                                                              \
+        for (int b = 0; b < nb; b++) {                                                       \
+            int k = b * Q16_BLOCK;                                                           \
+            if ((k & 63) == 0)                                                               \
+                for (int r = 0; r < R; r++)                                                  \
+                    _mm_prefetch((const char *)(w[r] + k) + INT8_PREFETCH_BYTES, PREFETCH_HINT); \
+            __m256i xl[M], xh[M];                                                            \
+            __m256 s[M];                                                                     \
+            for (int m = 0; m < M; m++) {                                                    \
+                xl[m] = _mm256_loadu_si256((const __m256i *)(xq + (long)m * K + k));         \
+                xh[m] = _mm256_loadu_si256((const __m256i *)(xq + (long)m * K + k + 16));    \
+                s[m] = _mm256_broadcast_ss(xs + (long)m * nb + b);                           \
+            }                                                                                \
+            for (int r = 0; r < R; r++) {                                                    \
+                __m256i wl = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w[r] + k))); \
+                __m256i wh = _mm256_cvtepi8_epi16(                                           \
+                    _mm_loadu_si128((const __m128i *)(w[r] + k + 16)));                      \
+                for (int m = 0; m < M; m++) {                                                \
+                    __m256i p = _mm256_add_epi32(_mm256_madd_epi16(wl, xl[m]),               \
+                                                 _mm256_madd_epi16(wh, xh[m]));              \
+                    a[r * M + m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), s[m], a[r * M + m]); \
+                }                                                                            \
+            }                                                                                \
+        }                                                                                    \
+        for (int i = 0; i < R * M; i++) o[i] = hsum8(a[i]);                                  \
+    }
+DEFINE_DOT_Q16(4, 1)
+DEFINE_DOT_Q16(2, 2)
+DEFINE_DOT_Q16(1, 1)
+DEFINE_DOT_Q16(1, 2)
+typedef void (*dot_q16_fn)(const int16_t *, const float *, const int8_t *const *, int, float *);
+
+/* gemv_share_i8 for M <= 2 and K % 32 == 0, in fixed point (above); each thread puts the
+ * activations in fixed point itself (a few microseconds), so no barrier is needed. Returns 0,
+ * or -1 (the caller then takes the fp32 path) if its scratch could not be had or the
+ * activations hold a NaN or an infinity; every thread sees the same activations, so all
+ * threads decide alike. */
+static int gemv_share_q16(const float *x, int M, const int8_t *w, const float *scale, int K,
+                          int N, float *res) {
+    int16_t *xq = (int16_t *)malloc(sizeof(int16_t) * (size_t)M * K
+                                    + sizeof(float) * (size_t)M * (K / Q16_BLOCK));
+    if (!xq) return -1;
+    float *xs = (float *)(xq + (size_t)M * K);
+    if (quantize_rows_q16(x, M, K, xq, xs) != 0) {
+        free(xq);
+        return -1;
+    }
+    static const dot_q16_fn WIDE[3] = {0, dot_q16_4x1, dot_q16_2x2};
+    static const dot_q16_fn ONE[3] = {0, dot_q16_1x1, dot_q16_1x2};
+    const int R = M == 1 ? 4 : 2;
+    int t = omp_get_thread_num(), T = omp_get_num_threads();
+    int lo = (int)((long)N * t / T), hi = (int)((long)N * (t + 1) / T);
+    int q = (hi - lo) / R;
+    float o[8];
+    for (int i = 0; i < q; i++) {
+        const int8_t *rows[4];
+        int n[4];
+        for (int r = 0; r < R; r++) {
+            n[r] = lo + r * q + i;
+            rows[r] = w + (long)n[r] * K;
+        }
+        WIDE[M](xq, xs, rows, K, o);
+        for (int r = 0; r < R; r++)
+            for (int m = 0; m < M; m++) res[(long)m * N + n[r]] = o[r * M + m] * scale[n[r]];
+    }
+    for (int nn = lo + R * q; nn < hi; nn++) {
+        const int8_t *row = w + (long)nn * K;
+        ONE[M](xq, xs, &row, K, o);
+        for (int m = 0; m < M; m++) res[(long)m * N + nn] = o[m] * scale[nn];
+    }
+    free(xq);
+    return 0;
+}
+
+/* Called by every thread of a parallel region, as gemv_share: res[m * N + n] = scale[n] *
+ * dot(x[m], w[n]) for this thread's contiguous share of the N int8 weight rows, M <=
+ * INT8_ROWS_MAX. R weight rows at a time (four streams for one or two activation rows, two
+ * for more), far apart in the share so that they are independent streams; the rest one by
+ * one. No barrier at the end. */
+static void gemv_share_i8(const float *x, int M, const int8_t *w, const float *scale, int K,
+                          int N, float *res) {
+    static const dot_i8_fn WIDE[INT8_ROWS_MAX + 1] = {0, dot_i8_4x1, dot_i8_4x2, dot_i8_2x3,
+                                                      dot_i8_2x4, dot_i8_2x5, dot_i8_2x6};
+    static const dot_i8_fn ONE[INT8_ROWS_MAX + 1] = {0, dot_i8_1x1, dot_i8_1x2, dot_i8_1x3,
+                                                     dot_i8_1x4, dot_i8_1x5, dot_i8_1x6};
+    if (M <= 2 && K % Q16_BLOCK == 0 && gemv_share_q16(x, M, w, scale, K, N, res) == 0) return;
+    const int R = M <= 2 ? 4 : 2;
+    int t = omp_get_thread_num(), T = omp_get_num_threads();
+    int lo = (int)((long)N * t / T), hi = (int)((long)N * (t + 1) / T);
+    int q = (hi - lo) / R;
+    float o[4 * INT8_ROWS_MAX];
+    for (int i = 0; i < q; i++) {
+        const int8_t *rows[4];
+        int n[4];
+        for (int r = 0; r < R; r++) {
+            n[r] = lo + r * q + i;
+            rows[r] = w + (long)n[r] * K;
+        }
+        WIDE[M](x, rows, K, o);
+        for (int r = 0; r < R; r++)
+            for (int m = 0; m < M; m++) res[(long)m * N + n[r]] = o[r * M + m] * scale[n[r]];
+    }
+    for (int nn = lo + R * q; nn < hi; nn++) {
+        const int8_t *row = w + (long)nn * K;
+        ONE[M](x, &row, K, o);
+        for (int m = 0; m < M; m++) res[(long)m * N + nn] = o[m] * scale[nn];
+    }
+}
+
+/* A projection's share, bf16 weights or (with a scale) int8 ones. */
+static void proj_share(const float *x, int M, const void *w, const float *scale, int K, int N,
+                       float *res) {
+    if (scale)
+        gemv_share_i8(x, M, (const int8_t *)w, scale, K, N, res);
+    else
+        gemv_share(x, M, (const uint16_t *)w, K, N, res);
+}
+
+/* More rows than the streams take: the bf16 tiles' 2 x 6 register tiles (linear_tiles drives
+ * them), over int8 weights. Per 8 weights of a row, one 8-byte load is sign-extended and
+ * converted to fp32 (vpmovsxbd, vcvtdq2ps), so the activations keep their order. A row's
+ * dot product is scaled once, at the end. */
+static inline void tile_store_i8(__m256 acc, const float *xi, const int8_t *wj, int K8, int K,
+                                 float scale_j, const uint16_t *bias_j, uint16_t *yij) {
+    float s = hsum8(acc);
+    for (int k = K8; k < K; k++) s += xi[k] * (float)wj[k];
+    *yij = f32_to_bf16(s * scale_j + (bias_j ? bf16_to_f32(*bias_j) : 0.0f));
+}
+
+/* 8 weights of each of the 6 rows against 8 of both activation rows: ymm0-5 row 0, ymm6-11
+ * row 1, ymm12/13 the activations, ymm14/15 the widened weights (alternating, so one row's
+ * conversion overlaps the previous row's FMAs). */
+#define I8_ROW(WOFF, BASE, ACC0, ACC1, T)                                                  \
+    "vpmovsxbd " WOFF BASE ", %%ymm" T "\n\t"                                              \
+    "vcvtdq2ps %%ymm" T ", %%ymm" T "\n\t"                                                 \
+    "vfmadd231ps %%ymm" T ", %%ymm12, %%ymm" ACC0 "\n\t"                                   \
+    "vfmadd231ps %%ymm" T ", %%ymm13, %%ymm" ACC1 "\n\t"
+#define I8_STEP(XOFF, WOFF)                                                                 \
+    "vmovups " XOFF "(%[xp]), %%ymm12\n\t"                                                  \
+    "vmovups " XOFF "(%[xp],%[lx],1), %%ymm13\n\t"                                          \
+    I8_ROW(WOFF, "(%[p0])", "0", "6", "14")                                                \
+    I8_ROW(WOFF, "(%[p0],%[lw],1)", "1", "7", "15")                                        \
+    I8_ROW(WOFF, "(%[p0],%[lw],2)", "2", "8", "14")                                        \
+    I8_ROW(WOFF, "(%[p3])", "3", "9", "15")                                                \
+    I8_ROW(WOFF, "(%[p3],%[lw],1)", "4", "10", "14")                                       \
+    I8_ROW(WOFF, "(%[p3],%[lw],2)", "5", "11", "15")
+#define I8_BODY64                                                                           \
+    I8_STEP("0", "0") I8_STEP("32", "8") I8_STEP("64", "16") I8_STEP("96", "24")           \
+    I8_STEP("128", "32") I8_STEP("160", "40") I8_STEP("192", "48") I8_STEP("224", "56")    \
+    "add $64, %[p0]\n\t" "add $64, %[p3]\n\t" "add $256, %[xp]\n\t"
+#define I8_BODY8 I8_STEP("0", "0") "add $8, %[p0]\n\t" "add $8, %[p3]\n\t" "add $32, %[xp]\n\t"
+
+/* The full 2x6 int8 tile; pf: the next tile's first weight row to prefetch alongside (one
+ * line of each of its rows per 64 weights), or NULL. */
+static void tile_i8_2x6(const float *x, long ldx, const int8_t *w, long ldw, int K,
+                        const float *scale, uint16_t *y, long ldy, const uint16_t *bias,
+                        const int8_t *pf) {
+    float acc[TILE_M * TILE_N][8] __attribute__((aligned(32)));
+    const int8_t *p0 = w, *p3 = w + 3 * ldw;
+    const float *xp = x;
+    long lw = ldw, lx = ldx * 4; /* bytes */
+    long n64 = K / 64, n8 = (K - n64 * 64) / 8;
+    int K8 = (int)(n64 * 64 + n8 * 8);
+    const int8_t *q0 = pf ? pf : w, *q3 = q0 + 3 * ldw;
+    __asm__ volatile(
+        "vxorps %%ymm0, %%ymm0, %%ymm0\n\t" "vxorps %%ymm1, %%ymm1, %%ymm1\n\t"
+        "vxorps %%ymm2, %%ymm2, %%ymm2\n\t" "vxorps %%ymm3, %%ymm3, %%ymm3\n\t"
+        "vxorps %%ymm4, %%ymm4, %%ymm4\n\t" "vxorps %%ymm5, %%ymm5, %%ymm5\n\t"
+        "vxorps %%ymm6, %%ymm6, %%ymm6\n\t" "vxorps %%ymm7, %%ymm7, %%ymm7\n\t"
+        "vxorps %%ymm8, %%ymm8, %%ymm8\n\t" "vxorps %%ymm9, %%ymm9, %%ymm9\n\t"
+        "vxorps %%ymm10, %%ymm10, %%ymm10\n\t" "vxorps %%ymm11, %%ymm11, %%ymm11\n\t"
+        "test %[n64], %[n64]\n\t"
+        "jz 2f\n\t"
+        "1:\n\t"
+        "test %[pf], %[pf]\n\t"
+        "jz 5f\n\t"
+        "prefetcht0 (%[q0])\n\t" "prefetcht0 (%[q0],%[lw],1)\n\t" "prefetcht0 (%[q0],%[lw],2)\n\t"
+        "prefetcht0 (%[q3])\n\t" "prefetcht0 (%[q3],%[lw],1)\n\t" "prefetcht0 (%[q3],%[lw],2)\n\t"
+        "add $64, %[q0]\n\t" "add $64, %[q3]\n\t"
+        "5:\n\t"
+        I8_BODY64
+        "dec %[n64]\n\t"
+        "jnz 1b\n\t"
+        "2:\n\t"
+        "test %[n8], %[n8]\n\t"
+        "jz 4f\n\t"
+        "3:\n\t"
+        I8_BODY8
+        "dec %[n8]\n\t"
+        "jnz 3b\n\t"
+        "4:\n\t"
+        "vmovaps %%ymm0, 0(%[o])\n\t" "vmovaps %%ymm1, 32(%[o])\n\t"
+        "vmovaps %%ymm2, 64(%[o])\n\t" "vmovaps %%ymm3, 96(%[o])\n\t"
+        "vmovaps %%ymm4, 128(%[o])\n\t" "vmovaps %%ymm5, 160(%[o])\n\t"
+        "vmovaps %%ymm6, 192(%[o])\n\t" "vmovaps %%ymm7, 224(%[o])\n\t"
+        "vmovaps %%ymm8, 256(%[o])\n\t" "vmovaps %%ymm9, 288(%[o])\n\t"
+        "vmovaps %%ymm10, 320(%[o])\n\t" "vmovaps %%ymm11, 352(%[o])\n\t"
+        : [p0] "+r"(p0), [p3] "+r"(p3), [xp] "+r"(xp), [q0] "+r"(q0), [q3] "+r"(q3),
+          [n64] "+r"(n64), [n8] "+r"(n8)
+        : [lw] "r"(lw), [lx] "r"(lx), [o] "r"(acc), [pf] "r"(pf)
+        : "memory", "cc", "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7",
+          "xmm8", "xmm9", "xmm10", "xmm11", "xmm12", "xmm13", "xmm14", "xmm15");
+    for (int i = 0; i < TILE_M; i++)
+        for (int j = 0; j < TILE_N; j++)
+            tile_store_i8(_mm256_load_ps(acc[i * TILE_N + j]), x + i * ldx, w + j * ldw, K8, K,
+                          scale[j], bias ? bias + j : NULL, y + i * ldy + j);
+}
+
+/* Edge tiles (R <= TILE_M rows, C <= TILE_N weight rows), in intrinsics. */
+static void edge_i8(int R, int C, const float *x, long ldx, const int8_t *w, long ldw, int K,
+                    const float *scale, uint16_t *y, long ldy, const uint16_t *bias) {
+    __m256 acc[TILE_M][TILE_N];
+    for (int i = 0; i < R; i++) for (int j = 0; j < C; j++) acc[i][j] = _mm256_setzero_ps();
+    int K8 = K / 8 * 8;
+    for (int k = 0; k < K8; k += 8)
+        for (int j = 0; j < C; j++) {
+            __m256 wv = load_i8x8(w + j * ldw + k);
+            for (int i = 0; i < R; i++)
+                acc[i][j] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + i * ldx + k), acc[i][j]);
+        }
+    for (int i = 0; i < R; i++)
+        for (int j = 0; j < C; j++)
+            tile_store_i8(acc[i][j], x + i * ldx, w + j * ldw, K8, K, scale[j],
+                          bias ? bias + j : NULL, y + i * ldy + j);
+}
+
+/* y = x @ (scale * w)^T + bias. x, bias, y bf16; w int8; scale fp32. Up to INT8_ROWS_MAX
+ * rows stream the weights (each byte read once); more rows run the packed GEMM, widening the
+ * int8 weights into its fp32 panels. Returns 0, or -1 when scratch memory could not be had. */
+int pw_linear_int8(const uint16_t *xb, const int8_t *w, const float *scale,
+                   const uint16_t *bias, uint16_t *y, int M, int N, int K, int nthreads) {
+    if (M > INT8_TILE_ROWS_MAX) return gemm(xb, w, scale, bias, y, M, N, K, nthreads);
+    if (M > INT8_ROWS_MAX) return linear_tiles(xb, w, scale, bias, y, M, N, K, nthreads);
+    float *x = (float *)malloc(sizeof(float) * ((size_t)M * K + (size_t)M * N));
+    if (!x) return -1;
+    float *res = x + (size_t)M * K;
+    for (long i = 0; i < (long)M * K; i++) x[i] = bf16_to_f32(xb[i]);
+#pragma omp parallel num_threads(nthreads)
+    {
+        gemv_share_i8(x, M, w, scale, K, N, res);
+#pragma omp barrier
+#pragma omp for schedule(static)
+        for (int n = 0; n < N; n++) {
+            float b = bias ? bf16_to_f32(bias[n]) : 0.0f;
+            for (int m = 0; m < M; m++) y[(long)m * N + n] = f32_to_bf16(res[(long)m * N + n] + b);
+        }
+    }
+    free(x);
+    return 0;
+}
+
+
+/* ---------------------------------------------------------------------------------------
  * A whole decoder layer for a decode step (a few rows, each one request's next token), in
  * one call and one OpenMP region. At batch 1 a layer's weights take ~2 ms to stream; the
  * dozen torch/ctypes calls an unfused layer needs cost ~0.6 ms more, which this removes.
@@ -893,13 +1279,24 @@ typedef struct {
     uint16_t *hidden;        /* [M][H] residual stream, updated in place */
     const uint16_t *delta;   /* [M][H] previous layer's MLP output, or NULL for the first layer */
     uint16_t *out;           /* [M][H] this layer's MLP output */
-    const uint16_t *w_in_norm, *w_qkv, *b_qkv, *w_q_norm, *w_k_norm, *w_o, *b_o;
-    const uint16_t *w_post_norm, *w_gate_up, *b_gate_up, *w_down, *b_down;
+    /* w_qkv, w_o, w_gate_up and w_down are bf16, or int8 where their scale (below) is given */
+    const uint16_t *w_in_norm;
+    const void *w_qkv;
+    const uint16_t *b_qkv, *w_q_norm, *w_k_norm;
+    const void *w_o;
+    const uint16_t *b_o, *w_post_norm;
+    const void *w_gate_up;
+    const uint16_t *b_gate_up;
+    const void *w_down;
+    const uint16_t *b_down;
     uint16_t *k_cache, *v_cache; /* this layer's [blocks][bs][n_kv][hd] */
     const int64_t *slots;        /* [M] cache slot of each row's new token */
     const int64_t *block_tables; /* [M][max_blocks] */
     const int64_t *seq_lens;     /* [M] keys to attend, the new token included */
     const float *cos, *sin;      /* [M][hd] */
+    /* Weight-only int8 (NULL: that projection is bf16): the fp32 per-row scales of w_qkv,
+     * w_o, w_gate_up and w_down, whose pointers then point at int8 weights. */
+    const float *s_qkv, *s_o, *s_gate_up, *s_down;
 } DecodeLayer;
 
 #define MAX_HEAD_DIM 512 /* the largest head the kernels take (a bound on scratch sizes) */
@@ -920,7 +1317,7 @@ long pw_abi(const char *what) {
         FIELD(b_qkv), FIELD(w_q_norm), FIELD(w_k_norm), FIELD(w_o), FIELD(b_o),
         FIELD(w_post_norm), FIELD(w_gate_up), FIELD(b_gate_up), FIELD(w_down), FIELD(b_down),
         FIELD(k_cache), FIELD(v_cache), FIELD(slots), FIELD(block_tables), FIELD(seq_lens),
-        FIELD(cos), FIELD(sin),
+        FIELD(cos), FIELD(sin), FIELD(s_qkv), FIELD(s_o), FIELD(s_gate_up), FIELD(s_down),
 #undef FIELD
     };
     for (size_t i = 0; i < sizeof(table) / sizeof(table[0]); i++)
@@ -964,7 +1361,7 @@ int pw_decode_layer_bf16(const DecodeLayer *L) {
 #pragma omp single
         add_norm_rows(L->hidden, L->delta, L->w_in_norm, xn, M, H, L->eps);
 
-        gemv_share(xn, M, L->w_qkv, H, QKV, res);
+        proj_share(xn, M, L->w_qkv, L->s_qkv, H, QKV, res);
 #pragma omp barrier
 #pragma omp for schedule(static)
         for (int n = 0; n < QKV; n++) {
@@ -992,7 +1389,7 @@ int pw_decode_layer_bf16(const DecodeLayer *L) {
                            L->seq_lens, L->bs, att + per_task * omp_get_thread_num(), NULL,
                            attn);
 
-        gemv_share(attn, M, L->w_o, Q, H, res);
+        proj_share(attn, M, L->w_o, L->s_o, Q, H, res);
 #pragma omp barrier
 #pragma omp for schedule(static)
         for (int n = 0; n < H; n++) {
@@ -1003,7 +1400,7 @@ int pw_decode_layer_bf16(const DecodeLayer *L) {
 #pragma omp single
         add_norm_rows(L->hidden, o, L->w_post_norm, xn, M, H, L->eps);
 
-        gemv_share(xn, M, L->w_gate_up, H, 2 * I, res);
+        proj_share(xn, M, L->w_gate_up, L->s_gate_up, H, 2 * I, res);
 #pragma omp barrier
 #pragma omp for schedule(static)
         for (int i = 0; i < I; i += 8) {  /* 8 at a time, the last group scalar if I % 8 */
@@ -1030,7 +1427,7 @@ int pw_decode_layer_bf16(const DecodeLayer *L) {
             }
         }
 
-        gemv_share(act, M, L->w_down, I, H, res);
+        proj_share(act, M, L->w_down, L->s_down, I, H, res);
 #pragma omp barrier
 #pragma omp for schedule(static)
         for (int n = 0; n < H; n++) {
@@ -1092,99 +1489,4 @@ float pw_stream_read_bf16(const uint16_t *buf, long n, int nthreads) {
         total += hsum8(_mm256_add_ps(_mm256_add_ps(a[0], a[1]), _mm256_add_ps(a[2], a[3])));
     }
     return total;
-}
-
-
-/* ---------------------------------------------------------------------------------------
- * Weight-only int8 (issue 15): w [N, K] int8 with one fp32 scale per output row (symmetric,
- * per output channel: w_real[n][k] = scale[n] * w[n][k]); activations stay bf16, accumulation
- * is fp32. For the few rows of a decode step: each weight byte is read once per call, widened
- * in registers (vpmovsxbd, vcvtdq2ps: 8 weights per 8-byte load) and met by every activation
- * row; each thread streams four weight rows at once (as quad_dot), so four memory streams are
- * in flight per core. The scale multiplies the finished dot product, once per output.
- */
-static inline __m256 load_i8x8(const int8_t *p) {
-    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
-}
-
-/* o[r * M + m] = dot(x[m], w[r]) for R weight rows and M activation rows, both fixed at
- * compile time so that every accumulator stays in a register (R * M + R + 1 <= 16 ymm). */
-#define DEFINE_DOT_I8(R, M)                                                                  \
-    static void dot_i8_##R##x##M(const float *x, const int8_t *const *w, int K, float *o) {  \
-        __m256 a[R * M];                                                                     \
-        for (int i = 0; i < R * M; i++) a[i] = _mm256_setzero_ps();                          \
-        int k = 0;                                                                           \
-        for (; k + 8 <= K; k += 8) {                                                         \
-            if ((k & 31) == 0)                                                               \
-                for (int r = 0; r < R; r++)                                                  \
-                    _mm_prefetch((const char *)(w[r] + k) + PREFETCH_BYTES, PREFETCH_HINT);  \
-            __m256 wv[R];                                                                    \
-            for (int r = 0; r < R; r++) wv[r] = load_i8x8(w[r] + k);                         \
-            for (int m = 0; m < M; m++) {                                                    \
-                __m256 xv = _mm256_loadu_ps(x + (long)m * K + k);                            \
-                for (int r = 0; r < R; r++) a[r * M + m] = _mm256_fmadd_ps(wv[r], xv, a[r * M + m]); \
-            }                                                                                \
-        }                                                                                    \
-        for (int r = 0; r < R; r++)                                                          \
-            for (int m = 0; m < M; m++) {                                                    \
-                float s = hsum8(a[r * M + m]);                                               \
-                for (int kk = k; kk < K; kk++) s += x[(long)m * K + kk] * (float)w[r][kk];   \
-                o[r * M + m] = s;                                                            \
-            }                                                                                \
-    }
-DEFINE_DOT_I8(4, 1)
-DEFINE_DOT_I8(4, 2)
-DEFINE_DOT_I8(2, 3)
-DEFINE_DOT_I8(2, 4)
-DEFINE_DOT_I8(1, 1)
-DEFINE_DOT_I8(1, 2)
-DEFINE_DOT_I8(1, 3)
-DEFINE_DOT_I8(1, 4)
-
-typedef void (*dot_i8_fn)(const float *, const int8_t *const *, int, float *);
-
-/* y = x @ (scale * w)^T + bias, for M <= INT8_ROWS_MAX rows. x, bias, y bf16; w int8; scale
- * fp32. Returns 0, -1 when scratch memory could not be had, -2 for too many rows. */
-int pw_linear_int8(const uint16_t *xb, const int8_t *w, const float *scale,
-                   const uint16_t *bias, uint16_t *y, int M, int N, int K, int nthreads) {
-    if (M > INT8_ROWS_MAX) return -2;
-    float *x = (float *)malloc(sizeof(float) * (size_t)M * (size_t)K);
-    if (!x) return -1;
-    for (long i = 0; i < (long)M * K; i++) x[i] = bf16_to_f32(xb[i]);
-    /* R weight rows at a time (four streams for one or two activation rows, two for more),
-     * then the rest one by one. */
-    static const dot_i8_fn WIDE[INT8_ROWS_MAX + 1] = {0, dot_i8_4x1, dot_i8_4x2, dot_i8_2x3,
-                                                      dot_i8_2x4};
-    static const dot_i8_fn ONE[INT8_ROWS_MAX + 1] = {0, dot_i8_1x1, dot_i8_1x2, dot_i8_1x3,
-                                                     dot_i8_1x4};
-    const int R = M <= 2 ? 4 : 2;
-#pragma omp parallel num_threads(nthreads)
-    {
-        int t = omp_get_thread_num(), T = omp_get_num_threads();
-        int lo = (int)((long)N * t / T), hi = (int)((long)N * (t + 1) / T);
-        int q = (hi - lo) / R;
-        float o[4 * INT8_ROWS_MAX];
-        for (int i = 0; i < q; i++) {
-            const int8_t *rows[4];
-            int n[4];
-            for (int r = 0; r < R; r++) {  /* rows far apart: independent streams */
-                n[r] = lo + r * q + i;
-                rows[r] = w + (long)n[r] * K;
-            }
-            WIDE[M](x, rows, K, o);
-            for (int r = 0; r < R; r++) {
-                float b = bias ? bf16_to_f32(bias[n[r]]) : 0.0f;
-                for (int m = 0; m < M; m++)
-                    y[(long)m * N + n[r]] = f32_to_bf16(o[r * M + m] * scale[n[r]] + b);
-            }
-        }
-        for (int nn = lo + R * q; nn < hi; nn++) {
-            const int8_t *row = w + (long)nn * K;
-            float b = bias ? bf16_to_f32(bias[nn]) : 0.0f;
-            ONE[M](x, &row, K, o);
-            for (int m = 0; m < M; m++) y[(long)m * N + nn] = f32_to_bf16(o[m] * scale[nn] + b);
-        }
-    }
-    free(x);
-    return 0;
 }

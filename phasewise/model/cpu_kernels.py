@@ -36,6 +36,9 @@ CFLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
 LIBS = ["-lm"]
 
 
+INT8_ROWS_MAX = 6  # the most activation rows the int8 kernels take (checked against the C side)
+
+
 class DecodeLayerArgs(ctypes.Structure):
     """Mirror of ``DecodeLayer`` in cpu_kernels.c (same fields, same order). Loading checks
     every field's offset and the size against the C side's ``pw_abi``."""
@@ -47,7 +50,8 @@ class DecodeLayerArgs(ctypes.Structure):
         + [(n, ctypes.c_void_p) for n in (
             "hidden", "delta", "out", "w_in_norm", "w_qkv", "b_qkv", "w_q_norm", "w_k_norm",
             "w_o", "b_o", "w_post_norm", "w_gate_up", "b_gate_up", "w_down", "b_down",
-            "k_cache", "v_cache", "slots", "block_tables", "seq_lens", "cos", "sin")]
+            "k_cache", "v_cache", "slots", "block_tables", "seq_lens", "cos", "sin",
+            "s_qkv", "s_o", "s_gate_up", "s_down")]
     )
 
 
@@ -112,6 +116,8 @@ def abi_mismatches(abi: Callable[[str], int]) -> list[str]:
     """Where ``DecodeLayerArgs`` disagrees with the C side's layout, as reported by ``abi``
     (``pw_abi``: a name -> a number); empty when they agree."""
     bad = []
+    if abi("int8_rows_max") != INT8_ROWS_MAX:
+        bad.append(f"int8_rows_max is {abi('int8_rows_max')} in C, {INT8_ROWS_MAX} here")
     size = abi("sizeof DecodeLayer")
     if size != ctypes.sizeof(DecodeLayerArgs):
         bad.append(f"sizeof DecodeLayer is {size} in C, {ctypes.sizeof(DecodeLayerArgs)} here")
@@ -229,25 +235,28 @@ def gemm_bf16(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None
     return _call("pw_gemm_bf16", x, w, bias)
 
 
-INT8_ROWS_MAX = 4  # the most activation rows pw_linear_int8 takes (as in the C source)
 
 
 def linear_int8(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
                 bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, scale[:, None] * w, bias)`` for weight-only int8: x [..., K] bf16 with
-    at most ``INT8_ROWS_MAX`` rows, w [N, K] int8 contiguous, scale [N] fp32, bias [N] bf16
-    or None -> [..., N] bf16. Each weight byte is read once, at memory speed."""
+    """``F.linear(x, scale[:, None] * w, bias)`` for weight-only int8: x [..., K] bf16, w [N,
+    K] int8 contiguous, scale [N] fp32, bias [N] bf16 or None -> [..., N] bf16. Up to
+    ``INT8_ROWS_MAX`` rows each weight byte is read once, at memory speed; more rows run the
+    packed GEMM, which widens the int8 weights block by block (no full-size copy)."""
     lib = load()
     if lib is None:
         raise RuntimeError(f"CPU kernels unavailable: {KERNELS.reason}")
     k, n = x.shape[-1], w.shape[0]
     x2 = x.reshape(-1, k).contiguous()
     m = x2.shape[0]
-    if m > INT8_ROWS_MAX:
-        raise ValueError(f"linear_int8 takes at most {INT8_ROWS_MAX} rows, got {m}")
-    if w.dtype != torch.int8 or scale.dtype != torch.float32 or x2.dtype != torch.bfloat16:
-        raise TypeError(f"linear_int8 needs bf16 x, int8 w and fp32 scale; got {x2.dtype}, "
-                        f"{w.dtype}, {scale.dtype}")
+    if (w.dtype != torch.int8 or scale.dtype != torch.float32 or x2.dtype != torch.bfloat16
+            or (bias is not None and bias.dtype != torch.bfloat16)):
+        raise TypeError(f"linear_int8 needs bf16 x, int8 w, fp32 scale and a bf16 bias; got "
+                        f"{x2.dtype}, {w.dtype}, {scale.dtype}, "
+                        f"{None if bias is None else bias.dtype}")
+    if w.shape[1] != k or scale.shape != (n,) or (bias is not None and bias.shape != (n,)):
+        raise ValueError(f"linear_int8: x [..., {k}] against w {tuple(w.shape)}, scale "
+                         f"{tuple(scale.shape)}")
     w, scale = w.contiguous(), scale.contiguous()
     y = torch.empty(m, n, dtype=torch.bfloat16)
     if m:

@@ -19,6 +19,7 @@ from safetensors import safe_open
 
 from phasewise.model.config import ModelConfig
 from phasewise.model.layers import RotaryEmbedding
+from phasewise.model.quant import prepare_int8, quantize_rows_int8
 from phasewise.model.transformer import CausalLM
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -122,11 +123,15 @@ def load_model(
     device: torch.device,
     max_positions: int,
     progress: ProgressFn | None | bool = None,
+    quantization: str | None = None,
 ) -> CausalLM:
     """Build ``CausalLM`` for ``cfg`` and fill it from the folder's safetensors files.
 
     ``progress``: a callback ``(bytes_done, bytes_total)``; ``None`` prints to stderr for
-    checkpoints over 256 MiB; ``False`` is silent.
+    checkpoints over 256 MiB; ``False`` is silent. ``quantization="int8"`` (CPU): the
+    weights ``phasewise.model.quant`` names are quantized as each tensor is read (after a
+    cast to ``dtype``, so the result is that of quantizing the ``dtype`` model), and only
+    their int8 copies are kept.
     """
     model_dir = Path(model_dir)
     files = weight_files(model_dir)
@@ -147,6 +152,13 @@ def load_model(
     with torch.device("meta"):
         model = CausalLM(cfg, max_positions=1)
     model = model.to(dtype)
+    scales: dict[str, torch.Tensor] = {}
+    if quantization == "int8":
+        if device.type != "cpu":
+            raise ValueError(f"quantization int8 runs on CPU only; got device {device}")
+        scales = prepare_int8(model, dtype)
+    elif quantization is not None:
+        raise ValueError(f"quantization must be int8 or None; got {quantization!r}")
     if device.type == "cpu":
         _place_in_arena(model)
     else:
@@ -173,7 +185,13 @@ def load_model(
                             f"tensor {name} in {path.name} has shape {tuple(src.shape)}, "
                             f"expected {tuple(dst.shape)} from config.json"
                         )
-                    dst.copy_(src)
+                    if pname in scales:  # int8: quantize these rows as they arrive
+                        q, scale = quantize_rows_int8(src.to(dtype))
+                        dst.copy_(q)
+                        scales[pname].narrow(0, row, rows).copy_(scale)
+                        del q, scale
+                    else:
+                        dst.copy_(src)
                     del src
                     done += dst.numel() * dst.element_size()
                     if progress:

@@ -23,6 +23,7 @@ from phasewise.model.attention import AttentionMetadata, decode_attention_torch
 from phasewise.model.linear import LinearDispatch
 
 RopeTables = tuple[torch.Tensor, torch.Tensor]
+INT8_DEQUANT_FLOATS = 1 << 22  # TorchOps.linear_int8's dequantized block (16 MiB of fp32)
 
 
 class TorchOps:
@@ -30,17 +31,24 @@ class TorchOps:
         return F.linear(x, w, b)
 
     def proj(self, x: torch.Tensor, lin: nn.Linear) -> torch.Tensor:
-        """A decoder projection: ``linear``, or for int8 weights (``phasewise.model.quant``)
-        the dequantized weight in fp32."""
-        scale = getattr(lin, "weight_scale", None)
+        """A decoder projection or the LM head (``lin``: a module with ``weight`` and
+        perhaps ``bias``): ``linear``, or for int8 weights (``phasewise.model.quant``)
+        ``linear_int8``."""
+        scale, bias = getattr(lin, "weight_scale", None), getattr(lin, "bias", None)
         if scale is None:
-            return self.linear(x, lin.weight, lin.bias)
-        return self.linear_int8(x, lin.weight, scale, lin.bias)
+            return self.linear(x, lin.weight, bias)
+        return self.linear_int8(x, lin.weight, scale, bias)
 
     def linear_int8(self, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
                     b: torch.Tensor | None) -> torch.Tensor:
-        y = F.linear(x.float(), q.float() * scale[:, None], None if b is None else b.float())
-        return y.to(x.dtype)
+        """fp32 against the dequantized weight, a block of output rows at a time (an LM
+        head's full fp32 copy would be 4x its int8 bytes)."""
+        x32 = x.float()
+        step = max(1, INT8_DEQUANT_FLOATS // max(1, q.shape[1]))
+        parts = [F.linear(x32, q[i:i + step].float() * scale[i:i + step, None],
+                          None if b is None else b[i:i + step].float())
+                 for i in range(0, q.shape[0], step)]
+        return torch.cat(parts, dim=-1).to(x.dtype)
 
     def add_rms_norm(self, delta: torch.Tensor | None, hidden: torch.Tensor,
                      weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -99,7 +107,6 @@ class CpuKernelOps(TorchOps):
         self.fused_decode = fused_decode and self.lib is not None
         self._layer_args: dict[int, cpu_kernels.DecodeLayerArgs] = {}
         self._stack: tuple | None = None  # (layers, cache pointers, (args, k, v)) of decode_stack
-        self._int8_scratch = torch.empty(0, dtype=torch.float32)  # int8 weights, dequantized
 
     def _ok(self, *ts: torch.Tensor) -> bool:
         return self.lib is not None and all(
@@ -113,19 +120,12 @@ class CpuKernelOps(TorchOps):
 
     def linear_int8(self, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
                     b: torch.Tensor | None) -> torch.Tensor:
-        """The int8 kernel for a decode step's few rows (each weight byte read once); more
-        rows: the weight dequantized into a reused fp32 scratch, then torch's fp32 GEMM."""
-        rows = x.numel() // x.shape[-1]
-        if (self.lib is not None and rows <= cpu_kernels.INT8_ROWS_MAX
-                and x.dtype == torch.bfloat16 and x.device.type == "cpu"
+        """The int8 kernel: each weight byte read once for a decode step's few rows, the
+        packed GEMM for more."""
+        if (self.lib is not None and x.dtype == torch.bfloat16 and x.device.type == "cpu"
                 and (b is None or b.dtype == torch.bfloat16)):
             return cpu_kernels.linear_int8(x, q, scale, b)
-        n = q.numel()
-        if self._int8_scratch.numel() < n:
-            self._int8_scratch = torch.empty(n, dtype=torch.float32)
-        w32 = self._int8_scratch[:n].view(q.shape).copy_(q).mul_(scale[:, None])
-        y = F.linear(x.float(), w32, None if b is None else b.float())
-        return y.to(x.dtype)
+        return super().linear_int8(x, q, scale, b)
 
     def add_rms_norm(self, delta: torch.Tensor | None, hidden: torch.Tensor,
                      weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -275,18 +275,29 @@ class CpuKernelOps(TorchOps):
         """The per-layer fields (shapes, weight pointers); None if a weight is unsuitable."""
         cfg = layer.cfg
         weights = {
-            "w_in_norm": layer.input_layernorm.weight, "w_qkv": layer.qkv_proj.weight,
-            "b_qkv": layer.qkv_proj.bias, "w_o": layer.o_proj.weight, "b_o": layer.o_proj.bias,
-            "w_post_norm": layer.post_attention_layernorm.weight,
-            "w_gate_up": layer.gate_up_proj.weight, "b_gate_up": layer.gate_up_proj.bias,
-            "w_down": layer.down_proj.weight, "b_down": layer.down_proj.bias,
+            "w_in_norm": layer.input_layernorm.weight, "b_qkv": layer.qkv_proj.bias,
+            "b_o": layer.o_proj.bias, "w_post_norm": layer.post_attention_layernorm.weight,
+            "b_gate_up": layer.gate_up_proj.bias, "b_down": layer.down_proj.bias,
         }
         if cfg.qk_norm:
             weights["w_q_norm"] = layer.q_norm.weight
             weights["w_k_norm"] = layer.k_norm.weight
+        int8: dict[str, torch.Tensor] = {}  # int8 projections' scales, by their field
+        for field, lin in (("qkv", layer.qkv_proj), ("o", layer.o_proj),
+                           ("gate_up", layer.gate_up_proj), ("down", layer.down_proj)):
+            scale = getattr(lin, "weight_scale", None)
+            if scale is None:
+                weights["w_" + field] = lin.weight
+                continue
+            w = lin.weight
+            if (w.dtype != torch.int8 or scale.dtype != torch.float32 or w.device.type != "cpu"
+                    or not (w.is_contiguous() and scale.is_contiguous())):
+                return None
+            int8["w_" + field], int8["s_" + field] = w, scale
         present = [w for w in weights.values() if w is not None]
         if cfg.head_dim > self.kernels.max_head_dim or not self._ok(*present):
             return None
+        weights.update(int8)
         args = cpu_kernels.DecodeLayerArgs(
             H=cfg.hidden_size, Q=cfg.q_size, KV=cfg.kv_size, I=cfg.intermediate_size,
             n_heads=cfg.num_heads, n_kv=cfg.num_kv_heads, hd=cfg.head_dim,

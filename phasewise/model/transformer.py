@@ -93,10 +93,13 @@ class CausalLM(nn.Module):
         self.ops: TorchOps = TorchOps()
 
     @property
+    def lm_head_module(self) -> nn.Module:
+        """The module whose ``weight`` (and, under int8, ``weight_scale``) is the LM head."""
+        return self.embed_tokens if self.cfg.tie_word_embeddings else self.lm_head
+
+    @property
     def lm_head_weight(self) -> torch.Tensor:
-        if self.cfg.tie_word_embeddings:
-            return self.embed_tokens.weight
-        return self.lm_head.weight
+        return self.lm_head_module.weight
 
     def forward(
         self,
@@ -121,4 +124,4 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits ([n, vocab], fp32) for the hidden states of the positions to be sampled."""
-        return self.ops.linear(hidden, self.lm_head_weight, None).float()
+        return self.ops.proj(hidden, self.lm_head_module).float()

@@ -35,13 +35,23 @@ class StepPrediction:
     compute_dtype: str  # whose peak the step's arithmetic is rated at
 
 
+def engine_weight_dtype(engine: Any) -> str:
+    """For an ``LLMEngine``: how the weights a step streams are stored (``int8`` under
+    ``--quantization int8``, else the model's dtype)."""
+    if getattr(getattr(engine, "config", None), "quantization", None) == "int8":
+        return "int8"
+    return norm_dtype(str(engine.dtype).removeprefix("torch."))
+
+
 def engine_compute_dtype(engine: Any) -> Callable[[int], str]:
     """For an ``LLMEngine``: the dtype whose peak a step of ``rows`` tokens runs at. On CPU
-    the calibrated bf16 plan decides per row count (kernel or upcast: fp32; torch: bf16), and
-    fp16 (an emulation there, with no measured peak) is rated against fp32; elsewhere the
-    weights' dtype."""
+    the calibrated bf16 plan decides per row count (kernel or upcast: fp32; torch: bf16),
+    int8 weights are widened to fp32 by every path that runs them, and fp16 (an emulation
+    there, with no measured peak) is rated against fp32; elsewhere the weights' dtype."""
     dtype = norm_dtype(str(engine.dtype).removeprefix("torch."))
     if engine.device.type == "cpu":
+        if engine_weight_dtype(engine) == "int8":
+            return lambda rows: "fp32"
         plan = getattr(engine, "linear_plan", None)
         if plan is not None:
             return plan.compute_dtype
@@ -67,9 +77,11 @@ class StepCostModel:
     """Roofline cost of engine steps for one model, dtype and machine."""
 
     def __init__(self, shape: ModelShape, dtype: str, accel: Accelerator | None,
-                 compute_dtype: Callable[[int], str] | None = None) -> None:
+                 compute_dtype: Callable[[int], str] | None = None,
+                 kv_dtype: str | None = None) -> None:
         self.shape = shape
         self.dtype = norm_dtype(dtype)
+        self.kv_dtype = kv_dtype
         self.accel = accel
         self.compute_dtype = compute_dtype or (lambda rows: self.dtype)
         self._roofs: dict[str, tuple[Roofline, bool]] = {}  # compute dtype -> (roof, timed)
@@ -79,10 +91,10 @@ class StepCostModel:
         """The model of an ``LLMEngine``: its checkpoint's shape, weight dtype, device and
         per-step arithmetic, at the peaks stored for its device (``machine_file``: default
         ``phasewise measure``'s file)."""
-        return cls(ModelShape.from_path(engine.config.model),
-                   str(engine.dtype).removeprefix("torch."),
+        return cls(ModelShape.from_path(engine.config.model), engine_weight_dtype(engine),
                    stored_peaks(engine.device.type, machine_file),
-                   engine_compute_dtype(engine))
+                   engine_compute_dtype(engine),
+                   kv_dtype=norm_dtype(str(engine.dtype).removeprefix("torch.")))
 
     def roofline(self, compute_dtype: str) -> tuple[Roofline, bool]:
         """The roofline at ``compute_dtype``, and whether its times mean anything (the
@@ -92,13 +104,14 @@ class StepCostModel:
             roof, timed = None, False
             if self.accel is not None:
                 try:
-                    roof = Roofline(self.shape, self.accel, self.dtype,
+                    roof = Roofline(self.shape, self.accel, self.dtype, self.kv_dtype,
                                     compute_dtype=compute_dtype)
                     timed = roof.peak_flops > 0
                 except ValueError:  # no peak stored for that dtype
                     roof = None
             if roof is None or not timed:
-                roof = Roofline(self.shape, _UNIT_PEAKS, self.dtype, compute_dtype=compute_dtype)
+                roof = Roofline(self.shape, _UNIT_PEAKS, self.dtype, self.kv_dtype,
+                                compute_dtype=compute_dtype)
             hit = self._roofs[compute_dtype] = (roof, timed)
         return hit
 

@@ -38,6 +38,7 @@ from phasewise.perf.hardware import Accelerator, Link
 from phasewise.perf.models import GenericModel, ModelShape
 
 DTYPE_BYTES = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "fp8": 1.0, "int8": 1.0, "int4": 0.5}
+WEIGHT_ONLY_DTYPES = ("int8", "int4")  # weights stored so, activations 16-bit
 DTYPE_ALIASES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16"}
 
 
@@ -127,12 +128,15 @@ class Roofline:
                  mbu: float = 1.0, compute_dtype: str | None = None) -> None:
         """``dtype``: how weights are stored (bytes); ``compute_dtype`` (default: the same):
         whose peak FLOP/s the arithmetic runs at, e.g. fp32 for bf16 weights on a CPU
-        without native bf16 math."""
+        without native bf16 math. Weight-only integer dtypes (int8, int4) keep 16-bit
+        activations, and by default a bf16 K/V cache and bf16 arithmetic."""
         self.model = model
         self.accel = accel
         self.dtype = norm_dtype(dtype)
-        self.kv_dtype = norm_dtype(kv_dtype or dtype)
-        self.compute_dtype = norm_dtype(compute_dtype or dtype)
+        wide = "bf16" if self.dtype in WEIGHT_ONLY_DTYPES else self.dtype
+        self.kv_dtype = norm_dtype(kv_dtype or wide)
+        self.act_bytes_per_el = DTYPE_BYTES[wide]
+        self.compute_dtype = norm_dtype(compute_dtype or wide)
         for name, v in (("mfu", mfu), ("mbu", mbu)):
             if not 0 < v <= 1:
                 raise ValueError(f"{name} must be in (0, 1], got {v}")
@@ -179,7 +183,7 @@ class Roofline:
         m = self.model
         if isinstance(m, GenericModel):
             return 0.0
-        return tokens * m.num_layers * m.act_elems_per_token() * self.wbytes
+        return tokens * m.num_layers * m.act_elems_per_token() * self.act_bytes_per_el
 
     # -- steps -----------------------------------------------------------------------------
     def prefill(self, prompt_len: int, prefix_len: int = 0, batch: int = 1) -> StepCost:
@@ -275,7 +279,7 @@ class Roofline:
             return None
         m = self.model
         kvpt = self.kv_bytes_per_token or 0.0
-        a = m.num_layers * m.act_elems_per_token() * self.wbytes
+        a = m.num_layers * m.act_elems_per_token() * self.act_bytes_per_el
         f0 = self._linear_flops_per_token() + self._lm_head_flops()
         f1 = 4.0 * m.num_layers * m.num_heads * m.head_dim  # per context token
         # compute(t) = (f0 + f1 t)/P ; memory(t) = ((t - 1) kvpt + kvpt + a)/BW = (t kvpt + a)/BW
