@@ -35,7 +35,8 @@ def _engine_defaults() -> dict:
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    from phasewise.config import DEVICES, DTYPE_CHOICES, KERNEL_CHOICES
+    from phasewise.config import (DEFAULT_SPECULATIVE_TOKENS, DEVICES, DTYPE_CHOICES,
+                                  KERNEL_CHOICES, MAX_SPECULATIVE_TOKENS, SPECULATIVE_CHOICES)
     from phasewise.engine.scheduler import POLICIES
 
     d = _engine_defaults()
@@ -59,6 +60,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantization", default=d["quantization"], choices=["int8"],
                    help="int8: the decoder's projections and the LM head in int8, one scale "
                    "per output channel (CPU; halves the bytes a decode step reads)")
+    p.add_argument("--speculative", default=d["speculative"], choices=SPECULATIVE_CHOICES,
+                   help="ngram: speculative decoding by prompt lookup; each decode step also "
+                   "verifies tokens proposed from the request's own prompt and outputs")
+    p.add_argument("--num-speculative-tokens", type=int, default=d["num_speculative_tokens"],
+                   help=f"drafts verified per step with --speculative (1.."
+                   f"{MAX_SPECULATIVE_TOKENS}; default {DEFAULT_SPECULATIVE_TOKENS})")
 
 
 def _engine_kwargs(a: argparse.Namespace) -> dict:
@@ -66,7 +73,8 @@ def _engine_kwargs(a: argparse.Namespace) -> dict:
                 block_size=a.block_size, kv_cache_memory=a.kv_cache_memory,
                 max_num_batched_tokens=a.max_num_batched_tokens, max_num_seqs=a.max_num_seqs,
                 policy=a.policy, enable_prefix_caching=not a.no_prefix_caching, seed=a.seed,
-                kernels=a.kernels, quantization=a.quantization)
+                kernels=a.kernels, quantization=a.quantization, speculative=a.speculative,
+                num_speculative_tokens=a.num_speculative_tokens)
 
 
 def _model_arg(a: argparse.Namespace) -> str:

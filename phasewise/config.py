@@ -13,6 +13,10 @@ DEVICES = ("auto", "cpu", "cuda")  # and "cuda:N"
 # checks the two agree). Kept here, torch-free, so that the CLI's parser can offer them.
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 KERNEL_CHOICES = ("auto", "torch")
+# Speculative decoding (phasewise.engine.spec): proposers, and --num-speculative-tokens.
+SPECULATIVE_CHOICES = ("ngram",)
+DEFAULT_SPECULATIVE_TOKENS = 4
+MAX_SPECULATIVE_TOKENS = 16  # the verify rows of one request in a step, at most 1 + this
 LOG_LEVELS = ("debug", "info", "warning", "error")
 SERVE_ROLES = ("both", "prefill", "decode")  # phasewise serve --role
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6,
@@ -111,6 +115,10 @@ class EngineConfig:
     int8 with one scale per output channel, quantized as the checkpoint is read
     (``phasewise.model.quant``; CPU only), halving the bytes a decode step reads; None keeps
     the checkpoint's weights.
+    ``speculative``: ``ngram`` turns on speculative decoding with prompt lookup
+    (``phasewise.engine.spec``): each decode step also verifies up to
+    ``num_speculative_tokens`` tokens (default 4, at most 16) proposed from the request's own
+    prompt and outputs; greedy output is unchanged, sampled output keeps its distribution.
     ``kernels``: ``auto`` uses phasewise's CPU kernels for bf16 models on CPU (linear layers
     are timed against torch at start-up and the faster is used per batch size); ``torch``
     uses torch operations only.
@@ -130,6 +138,8 @@ class EngineConfig:
     seed: int = 0
     kernels: str = "auto"
     quantization: str | None = None
+    speculative: str | None = None
+    num_speculative_tokens: int | None = None
 
     def __post_init__(self) -> None:
         from phasewise.engine.scheduler import POLICIES
@@ -155,6 +165,19 @@ class EngineConfig:
         if self.quantization is not None and self.quantization not in ("int8",):
             raise ValueError(f"quantization must be int8 or None (the checkpoint's own "
                              f"weights); got {self.quantization!r}")
+        if self.speculative is not None and self.speculative not in SPECULATIVE_CHOICES:
+            raise ValueError(f"speculative must be one of {', '.join(SPECULATIVE_CHOICES)} or "
+                             f"None; got {self.speculative!r}")
+        k = self.num_speculative_tokens
+        if k is not None:
+            if self.speculative is None:
+                raise ValueError("num_speculative_tokens needs speculative (e.g. 'ngram')")
+            if (not isinstance(k, int) or isinstance(k, bool)
+                    or not 1 <= k <= MAX_SPECULATIVE_TOKENS):
+                raise ValueError(f"num_speculative_tokens must be an integer in 1.."
+                                 f"{MAX_SPECULATIVE_TOKENS}, got {k!r}")
+        elif self.speculative is not None:
+            object.__setattr__(self, "num_speculative_tokens", DEFAULT_SPECULATIVE_TOKENS)
         if self.kv_cache_memory is not None:
             parse_memory(self.kv_cache_memory)
         if not isinstance(self.seed, int):

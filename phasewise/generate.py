@@ -68,7 +68,8 @@ def run(model: str, engine_kwargs: dict[str, Any], opts: GenerateOptions,
         return 1
     m = final.metrics
     n_prompt, n_out = len(final.prompt_token_ids), len(final.token_ids)
-    prefill_steps = [s for s in list(eng.step_stats)[n0:] if s.num_prefill_tokens]
+    run_steps = list(eng.step_stats)[n0:]
+    prefill_steps = [s for s in run_steps if s.num_prefill_tokens]
     chunks = [s.num_prefill_tokens for s in prefill_steps]
     prefill_s = sum(s.duration_s for s in prefill_steps)
     decode_s = (m.token_times[-1] - m.token_times[0]) if n_out > 1 else 0.0
@@ -76,17 +77,38 @@ def run(model: str, engine_kwargs: dict[str, Any], opts: GenerateOptions,
                   if len(chunks) > 1 else "1 step")
     print(f"[prefill]  {n_prompt} prompt tokens, {steps_text}, {prefill_s * 1e3:.1f} ms: "
           f"{n_prompt / max(prefill_s, 1e-9):.0f} tok/s; TTFT {m.ttft * 1e3:.1f} ms", file=err)
+    verifies = None
     if n_out > 1:
         print(f"[decode]   {n_out - 1} tokens, {decode_s * 1e3:.1f} ms: "
               f"{(n_out - 1) / max(decode_s, 1e-9):.0f} tok/s (TPOT {m.tpot * 1e3:.1f} ms); "
               f"finish: {final.finish_reason}", file=err)
+        if eng.proposer is not None:
+            verifies = speculation_lines(run_steps, n_out - 1, err)
     else:
         print(f"[decode]   no decode step: the only token came with the prefill; finish: "
               f"{final.finish_reason}", file=err)
     if opts.roofline:
-        for line in roofline_lines(llm, chunks, prefill_s, n_out - 1, decode_s):
+        for line in roofline_lines(llm, chunks, prefill_s, n_out - 1, decode_s, verifies):
             print(line, file=err)
     return 0
+
+
+def speculation_lines(steps: list[Any], decoded: int, err: TextIO) -> list[tuple[int, int]]:
+    """Print the run's speculative decoding figures; returns each decode step's (rows,
+    tokens emitted) for the roofline (the last step's emitted count is what the output's end
+    left of it)."""
+    dec = [s for s in steps if s.num_decode_tokens and not s.num_prefill_tokens]
+    verifies = [(s.num_decode_tokens, 1 + s.num_spec_accepted) for s in dec]
+    if verifies:
+        rows, emitted = verifies[-1]
+        verifies[-1] = (rows, max(1, emitted - (sum(e for _, e in verifies) - decoded)))
+    proposed = sum(s.num_spec_proposed for s in dec)
+    accepted = sum(s.num_spec_accepted for s in dec)
+    rate = f"{accepted / proposed:.0%}" if proposed else "n/a"
+    print(f"[speculative] ngram: {proposed} draft tokens proposed, {accepted} accepted "
+          f"({rate}); {decoded} tokens in {len(dec)} decode steps: "
+          f"{decoded / max(len(dec), 1):.2f} tokens per weight read", file=err)
+    return verifies
 
 
 def warm_up(llm: Any) -> None:
@@ -108,12 +130,14 @@ def warm_up(llm: Any) -> None:
 
 
 def roofline_lines(llm: Any, prefill_chunks: list[int], prefill_s: float, decode_steps: int,
-                   decode_s: float) -> list[str]:
+                   decode_s: float, verifies: list[tuple[int, int]] | None = None
+                   ) -> list[str]:
     """The run's two phases against this machine's measured roofline (phasewise.perf)."""
     from phasewise.perf.attribution import engine_compute_dtype, engine_weight_dtype
     from phasewise.perf.explain import explain_generation
     from phasewise.perf.measure import ensure_local
     from phasewise.perf.models import ModelShape
+    from phasewise.perf.roofline import norm_dtype
 
     eng = llm.engine
     arithmetic = engine_compute_dtype(eng)
@@ -123,4 +147,5 @@ def roofline_lines(llm: Any, prefill_chunks: list[int], prefill_s: float, decode
                               engine_weight_dtype(eng), pre, dec,
                               prefill_chunks, prefill_s, decode_steps, decode_s,
                               min(eng.scheduler.config.max_num_batched_tokens,
-                                  eng.max_model_len))
+                                  eng.max_model_len), verifies,
+                              norm_dtype(str(eng.dtype).removeprefix("torch.")))

@@ -273,6 +273,15 @@ def test_explain_names_each_phase_bound_and_its_distance_from_the_roof():
     dec = decode_cost(roof, 7, 3, 0.0)
     assert dec.flops == pytest.approx(sum(roof.decode(1, c).flops for c in (8, 9, 10)))
     assert dec.bound == "memory"
+    # speculative decoding: a step of 3 rows (8, 9, 10) that emitted 2, then 2 rows (10, 11)
+    spec = decode_cost(roof, 7, 2, 0.0, verifies=[(3, 2), (2, 1)])
+    assert spec.steps == 2 and spec.tokens == 5
+    assert spec.flops == pytest.approx(roof.mixed(decodes=[8, 9, 10]).flops
+                                       + roof.mixed(decodes=[10, 11]).flops)
+    assert spec.bytes < 1.01 * dec.bytes * 2 / 3  # two weight reads instead of three
+    lines = explain_generation(shape, acc, "bf16", "fp32", "fp32", [7], 0.05, 3, 0.1, 512,
+                               verifies=[(3, 2), (2, 1)])
+    assert "2 steps of 2.5 rows, 3 tokens: 1.50 tokens per weight read" in "\n".join(lines)
     # short prompt, slow steps: memory-bound both, fixed costs named
     lines = explain_generation(shape, acc, "bf16", "fp32", "fp32", [5], 0.05, 10, 0.1, 512)
     text = "\n".join(lines)

@@ -28,7 +28,7 @@ def req(rid: str, n_prompt: int, max_tokens: int = 4, first: int = 1000) -> Requ
 def step(s: Scheduler, token: int = 7) -> ScheduledBatch:
     """Schedule one step and feed back a fake sampled token for each finished chunk."""
     batch = s.schedule()
-    sampled = {r.request_id: token for r, n in zip(batch.requests, batch.num_tokens)
+    sampled = {r.request_id: [token] for r, n in zip(batch.requests, batch.num_tokens)
                if r.num_computed_tokens + n == r.num_tokens}
     s.update(batch, sampled)
     return batch
@@ -146,8 +146,8 @@ def test_preempted_request_recomputes_prompt_and_outputs_then_finishes():
             if r.request_id == "b" and r.metrics.num_preemptions and r.num_computed_tokens == 0:
                 recompute_sizes.append(n)
             if r.num_computed_tokens + n == r.num_tokens:
-                sampled[r.request_id] = 10 + i
-        for r in s.update(batch, sampled):
+                sampled[r.request_id] = [10 + i]
+        for r, _ in s.update(batch, sampled):
             outputs[r.request_id].append(r.output_token_ids[-1])
     assert not s.has_unfinished()
     assert len(outputs["a"]) == 10 and len(outputs["b"]) == 10
@@ -276,3 +276,60 @@ def test_stop_strings_find_the_earliest_match_after_the_search_start():
     assert find_stop_string("a END b STOP", 0, ("STOP", "END")) == (2, "END")
     assert find_stop_string("a END b STOP", 3, ("STOP", "END")) == (8, "STOP")
     assert find_stop_string("abc", 0, ("x",)) is None
+
+
+# -- speculative drafts take only what is left -----------------------------------------------
+
+def draft_step(s: Scheduler, drafts: int, accept_all: bool = True) -> ScheduledBatch:
+    """Give every decoding request ``drafts`` fake drafts, schedule, and feed back what a
+    verify would emit (all drafts accepted and one more, or none accepted)."""
+    for r in s.running:
+        if r.num_output_tokens and r.num_computed_tokens == r.num_tokens - 1:
+            r.spec_token_ids = [5] * drafts
+    batch = s.schedule()
+    sampled = {}
+    for r, n in zip(batch.requests, batch.num_tokens):
+        if r.spec_token_ids:
+            sampled[r.request_id] = r.spec_token_ids + [6] if accept_all else [6]
+        elif r.num_computed_tokens + n == r.num_tokens:
+            sampled[r.request_id] = [7]
+    s.update(batch, sampled)
+    return batch
+
+
+def test_drafts_never_starve_a_decode_or_keep_a_prompt_out():
+    s = make(budget=64, seqs=32, max_len=128, blocks=400)
+    reqs = [req(f"r{i}", 6, max_tokens=40, first=100 * i + 1000) for i in range(20)]
+    for r in reqs:
+        s.add_request(r)
+    for _ in range(6):
+        batch = draft_step(s, 4)
+        assert batch.total_tokens <= 64
+        decoding = [r for r in s.running if r.num_output_tokens]
+        # every request that was decoding got its token in this step
+        assert all(r in batch.requests for r in decoding if r.num_output_tokens > 1)
+    assert all(r.num_output_tokens > 0 for r in reqs)  # every prompt was admitted and ran
+
+
+def test_drafts_take_only_free_blocks_and_never_preempt():
+    for drafts in (0, 3):
+        s = make(budget=32, seqs=8, max_len=64, blocks=6, block_size=4)
+        for i, rid in enumerate("abc"):
+            s.add_request(req(rid, 7, max_tokens=2, first=1000 + 100 * i))
+        while s.has_unfinished():
+            batch = draft_step(s, drafts)
+            assert not batch.preempted, f"drafts={drafts} preempted {batch.preempted}"
+        assert s.num_preemptions == 0 and s.kv.num_free_blocks == 6
+
+
+def test_a_verify_registers_the_true_chain_in_the_prefix_cache():
+    s = make(budget=32, block_size=4)
+    a = req("a", 9, max_tokens=10)
+    s.add_request(a)
+    draft_step(s, 0)  # the prefill: one output
+    draft_step(s, 3)  # a verify that keeps all 3 drafts and adds one: 9 + 5 tokens
+    assert a.num_output_tokens == 5 and a.num_computed_tokens == 13
+    tokens = list(a.all_token_ids)
+    s.finish_request(a, RequestStatus.FINISHED_ABORTED)
+    b = Request("b", tokens + [9], SamplingParams(max_tokens=1), arrival_time=0.0)
+    assert s.kv.get_computed_blocks(b).num_tokens == 12  # all three full blocks are found

@@ -33,7 +33,7 @@ steps = []
 while s.has_unfinished():
     now[0] += 1.0
     b = s.schedule()
-    sampled = {r.request_id: 7 for r, n in zip(b.requests, b.num_tokens)
+    sampled = {r.request_id: [7] for r, n in zip(b.requests, b.num_tokens)
                if r.num_computed_tokens + n == r.num_tokens}
     s.update(b, sampled)
     steps.append(b.num_tokens)

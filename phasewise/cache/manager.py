@@ -155,7 +155,8 @@ class KVCacheManager:
         rid = request.request_id
         blocks = self._blocks.get(rid, [])
         bs = self.block_size
-        n_full = min(request.num_computed_tokens // bs, len(blocks))
+        n_full = min(min(request.num_computed_tokens, len(request.all_token_ids)) // bs,
+                     len(blocks))
         start = self._num_cached.get(rid, 0)
         if n_full <= start:
             return
@@ -165,6 +166,16 @@ class KVCacheManager:
             parent = hashes[i - 1] if i else None
             self.pool.cache(blocks[i], hashes[i], parent, tuple(tokens[i * bs:(i + 1) * bs]))
         self._num_cached[rid] = n_full
+
+    def trim(self, request: CacheRequest, num_tokens: int) -> None:
+        """Give back the tail blocks past the first ``num_tokens`` tokens' (the slots of
+        rejected draft tokens, which no cached block holds)."""
+        blocks = self._blocks.get(request.request_id)
+        keep = max(self.blocks_needed(num_tokens), self._num_cached.get(request.request_id, 0))
+        if blocks and len(blocks) > keep:
+            tail = blocks[keep:]
+            del blocks[keep:]
+            self.pool.free(list(reversed(tail)))
 
     def free(self, request: CacheRequest) -> None:
         """Release every block the request holds (tail first, so its tail is evicted first)."""

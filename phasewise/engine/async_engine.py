@@ -275,7 +275,9 @@ class AsyncEngine:
             prefix_queries=e.kv.stats.prefix_queries, prefix_hits=e.kv.stats.prefix_hits,
             num_waiting_remote=len(e.scheduler.remote),
             num_blocks_waiting_remote=sum(len(e.kv.block_table(r))
-                                          for r in e.scheduler.remote))
+                                          for r in e.scheduler.remote),
+            spec_verifies=e.spec_stats.verifies, spec_proposed=e.spec_stats.proposed,
+            spec_accepted=e.spec_stats.accepted, spec_emitted=e.spec_stats.emitted)
 
     def _notify(self, step: Any, outputs: Sequence[Any], finished: Sequence[FinishedRequest],
                 snap: EngineSnapshot | None = None) -> None:

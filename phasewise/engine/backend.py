@@ -52,6 +52,12 @@ class EngineSnapshot:
     prefix_hits: int  # of those, tokens found cached
     num_waiting_remote: int = 0  # requests holding blocks while a prefill worker computes
     num_blocks_waiting_remote: int = 0  # the blocks those requests hold
+    # Speculative decoding: verifies (request-steps with drafts), drafts proposed, accepted,
+    # and the tokens those verifies emitted.
+    spec_verifies: int = 0
+    spec_proposed: int = 0
+    spec_accepted: int = 0
+    spec_emitted: int = 0
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,7 @@ from phasewise.engine.request import Request, RequestStatus
 from phasewise.engine.sampler import Sampler
 from phasewise.engine.sampling_params import SamplingParams
 from phasewise.engine.scheduler import Scheduler, SchedulerConfig
+from phasewise.engine.spec import NgramProposer, SpecStats
 from phasewise.engine.validation import check_token_ids
 from phasewise.model.config import ModelConfig
 from phasewise.model.linear import LinearDispatch
@@ -135,6 +136,9 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, mc, num_blocks=num_blocks, block_size=bs,
                                   dtype=self.dtype, device=self.device)
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(config.seed))
+        # Speculative decoding (phasewise.engine.spec): who proposes drafts, and the counts.
+        self.proposer = NgramProposer() if config.speculative == "ngram" else None
+        self.spec_stats = SpecStats()
         self.requests: dict[str, Request] = {}
         self._text: dict[str, TextState] = {}
         self._ids = itertools.count()
@@ -338,6 +342,8 @@ class LLMEngine:
 
     def _forget(self, req: Request) -> None:
         self.connector.request_finished(req.request_id)  # pushing never holds blocks
+        if self.proposer is not None:
+            self.proposer.release(req.request_id)
         self.requests.pop(req.request_id, None)
         self._text.pop(req.request_id, None)
         self.sampler.release(req.request_id)
@@ -345,6 +351,8 @@ class LLMEngine:
     # -- the step --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         start = time.monotonic()
+        if self.proposer is not None:
+            self._propose()
         batch = self.scheduler.schedule()
         # Nothing could run and nothing changed (every seat held by requests waiting for
         # remote K/V): only a command can change that, so a caller may wait for one.
@@ -361,9 +369,13 @@ class LLMEngine:
             if exports:
                 self.connector.save(exports, {r.request_id: t
                                               for r, t in zip(batch.requests, tables)})
-            tokens, failed = self._sample(ran.logits, ran.requests)
+            tokens, failed = self._sample(ran)
+            verified = self._verify(ran, tokens, failed)
         except Exception as e:
             raise StepFailed([r.request_id for r in batch.requests], e) from e
+        for req in batch.requests:  # a verify whose sampling failed: its drafts are void
+            if req.spec_token_ids and req.request_id not in tokens:
+                verified.pop(req.request_id, None)
         got = self.scheduler.update(batch, tokens)
 
         outputs = []
@@ -374,7 +386,17 @@ class LLMEngine:
             out.error = error
             outputs.append(out)
             self._forget(req)
-        outputs += [self._emit(req) for req in got]
+        proposed = accepted = 0
+        for req, kept in got:
+            spec = verified.get(req.request_id)
+            if spec is not None and req.logprobs is not None:  # drop those of tokens cut off
+                del req.logprobs[len(req.logprobs) - (len(tokens[req.request_id]) - kept):]
+            out = self._emit(req, kept)
+            outputs.append(out)
+            if spec is not None:
+                proposed += spec[0]
+                accepted += spec[1]
+                self.spec_stats.add(spec[0], spec[1], len(out.delta_token_ids))
         self._step_index += 1
         self.step_stats.append(StepStats(
             index=self._step_index, start_time=start, duration_s=time.monotonic() - start,
@@ -384,17 +406,69 @@ class LLMEngine:
             kv_usage=self.kv.usage, num_preempted=len(batch.preempted),
             predicted_flops=cost.flops, predicted_bytes=cost.bytes, predicted_s=cost.seconds,
             prefill_chunks=chunks, decode_ids=decoders, compute_dtype=cost.compute_dtype,
+            num_spec_proposed=proposed, num_spec_accepted=accepted,
         ))
         return outputs
 
-    def _sample(self, logits: torch.Tensor, requests: list[Request]
-                ) -> tuple[dict[str, int], list[tuple[Request, str]]]:
-        """Tokens for the rows of ``logits`` (and their logprobs, recorded on the requests).
+    def _propose(self) -> None:
+        """Give each decoding request drafts to verify in this step: at most
+        ``num_speculative_tokens``, no more than its context and ``max_tokens`` leave room
+        for, and none for a request whose sampling needs the history token by token
+        (penalties, ``min_tokens`` still masking its stop tokens)."""
+        k = self.config.num_speculative_tokens or 0
+        max_len = self.scheduler.max_len
+        for req in self.scheduler.running:
+            p = req.params
+            if (req.num_output_tokens == 0 or req.num_computed_tokens != req.num_tokens - 1
+                    or p.needs_penalties or req.num_output_tokens < p.min_tokens):
+                continue
+            room = min(k, max_len - req.num_tokens)
+            if p.max_tokens is not None:
+                room = min(room, p.max_tokens - req.num_output_tokens - 1)
+            if room >= 1:
+                req.spec_token_ids = self.proposer.propose(req.request_id, req.all_token_ids,
+                                                           room)
+
+    def _verify(self, ran: Any, tokens: dict[str, list[int]],
+                failed: list[tuple[Request, str]]) -> dict[str, tuple[int, int]]:
+        """Turn each verify's rows of logits into its tokens (added to ``tokens``; a request
+        whose verification raises joins ``failed``). Returns (drafts, accepted) per
+        verifying request."""
+        verified: dict[str, tuple[int, int]] = {}
+        row = 0
+        for req, n in zip(ran.requests, ran.rows):
+            if n > 1:
+                try:
+                    out, accepted = self.sampler.verify(ran.logits[row:row + n], req)
+                except Exception as e:  # noqa: BLE001 - reported on that request only
+                    failed.append((req, f"sampling failed for this request: "
+                                        f"{type(e).__name__}: {e}"))
+                else:
+                    tokens[req.request_id] = out.token_ids
+                    if req.logprobs is not None:
+                        req.logprobs.extend(lp for lp in out.logprobs if lp is not None)
+                    verified[req.request_id] = (n - 1, accepted)
+            row += n
+        return verified
+
+    def _sample(self, ran: Any) -> tuple[dict[str, list[int]], list[tuple[Request, str]]]:
+        """Tokens for the requests that sample one token (and their logprobs, recorded on
+        the requests); the rows of verifying requests (``Request.spec_token_ids``) are left
+        to ``_verify``.
 
         If sampling the batch raises, each row is sampled alone to find the requests whose
         own settings fail: those come back in the second list, with the error, and the rest
         of the step goes on. If every row fails alone too, the fault is not one request's,
         and the original error is raised."""
+        picked, requests, row = [], [], 0
+        for req, n in zip(ran.requests, ran.rows):
+            if n == 1:
+                picked.append(row)
+                requests.append(req)
+            row += n
+        if not requests:
+            return {}, []
+        logits = ran.logits if len(picked) == row else ran.logits[picked]
         try:
             sampled = self.sampler(logits, requests)
             rows = list(zip(requests, sampled.token_ids, sampled.logprobs))
@@ -413,22 +487,33 @@ class LLMEngine:
                 raise batch_error
         tokens = {}
         for req, tok, lp in rows:
-            tokens[req.request_id] = tok
+            tokens[req.request_id] = [tok]
             if req.logprobs is not None and lp is not None:
                 req.logprobs.append(lp)
         return tokens, failed
 
-    def _emit(self, req: Request) -> RequestOutput:
-        """The output of a request that just got a token: its text (stop strings checked),
-        and the request forgotten if that finished it."""
+    def _emit(self, req: Request, new_tokens: int = 1) -> RequestOutput:
+        """The output of a request that just got ``new_tokens`` tokens (more than one after
+        a verify): their text, stop strings checked token by token (a stop string ends the
+        request at the token that completes it, and the tokens after it are dropped), and
+        the request forgotten if that finished it."""
         state = self._text[req.request_id]
-        token = req.output_token_ids[-1]
+        tokens = req.output_token_ids[req.num_output_tokens - new_tokens:]
         ended_by_token = req.finished and req.status is RequestStatus.FINISHED_STOPPED
-        if not ended_by_token or req.params.include_stop_str_in_output:
+        for i, token in enumerate(tokens):
+            last = i == len(tokens) - 1
+            if last and ended_by_token and not req.params.include_stop_str_in_output:
+                break
             stop = state.add_token(token)
-            if stop is not None and not req.finished:
-                req.stop_reason = stop
+            if stop is None or (last and req.finished):
+                continue
+            req.truncate_outputs(req.num_output_tokens - (len(tokens) - 1 - i))
+            req.stop_reason = stop
+            if req.finished:  # the token cut off had ended it (length): the stop string did
+                req.status = RequestStatus.FINISHED_STOPPED
+            else:
                 self.scheduler.finish_request(req, RequestStatus.FINISHED_STOPPED)
+            break
         out = self._output(req, state)
         if req.finished:
             self._forget(req)

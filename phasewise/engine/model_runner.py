@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from phasewise.engine.request import Request
-from phasewise.engine.scheduler import ScheduledBatch
+from phasewise.engine.scheduler import ScheduledBatch, is_decode
 from phasewise.model.attention import AttentionMetadata
 from phasewise.model.config import ModelConfig
 from phasewise.model.transformer import CausalLM
@@ -16,7 +16,8 @@ from phasewise.model.transformer import CausalLM
 @dataclass
 class RunnerOutput:
     requests: list[Request]  # the requests whose chunk reached their last token, in row order
-    logits: torch.Tensor  # [len(requests), vocab] fp32
+    logits: torch.Tensor  # [sum(rows), vocab] fp32
+    rows: list[int]  # logits rows per request: 1, or 1 + its drafts for a verify
 
 
 class ModelRunner:
@@ -58,20 +59,40 @@ class ModelRunner:
     def execute(self, batch: ScheduledBatch, block_tables: list[list[int]]) -> RunnerOutput:
         input_ids: list[int] = []
         positions: list[int] = []
+        chunk_lens: list[int] = []
         context_lens: list[int] = []
+        tables: list[list[int]] = []
         sample_rows: list[int] = []
         sample_reqs: list[Request] = []
-        for req, n in zip(batch.requests, batch.num_tokens):
+        rows_per_req: list[int] = []
+        for req, n, table in zip(batch.requests, batch.num_tokens, block_tables):
             start = req.num_computed_tokens
+            if req.spec_token_ids and is_decode(req, n):
+                # A verify: the last sampled token and its drafts, laid out as n decode rows
+                # of this request, row j attending to the context and the rows before it
+                # (every row's K/V is written before any row attends), so the decode kernels
+                # run it; each row's logits say what follows it.
+                input_ids += [req.all_token_ids[start], *req.spec_token_ids]
+                positions += range(start, start + n)
+                chunk_lens += [1] * n
+                context_lens += range(start, start + n)
+                tables += [table] * n
+                sample_rows += range(len(input_ids) - n, len(input_ids))
+                sample_reqs.append(req)
+                rows_per_req.append(n)
+                continue
             input_ids.extend(req.all_token_ids[start:start + n])
             positions.extend(range(start, start + n))
+            chunk_lens.append(n)
             context_lens.append(start)
+            tables.append(table)
             if start + n == req.num_tokens:
                 sample_rows.append(len(input_ids) - 1)
                 sample_reqs.append(req)
+                rows_per_req.append(1)
         dev = self.device
         meta = AttentionMetadata.build(
-            chunk_lens=batch.num_tokens, context_lens=context_lens, block_tables=block_tables,
+            chunk_lens=chunk_lens, context_lens=context_lens, block_tables=tables,
             block_size=self.block_size, device=dev,
         )
         ids_t = torch.tensor(input_ids, dtype=torch.long, device=dev)
@@ -79,4 +100,4 @@ class ModelRunner:
         hidden = self.model(ids_t, pos_t, self.kv_caches, meta)  # [T, hidden]
         rows = torch.tensor(sample_rows, dtype=torch.long, device=dev)
         logits = self.model.compute_logits(hidden[rows])  # [S, vocab]
-        return RunnerOutput(sample_reqs, logits)
+        return RunnerOutput(sample_reqs, logits, rows_per_req)

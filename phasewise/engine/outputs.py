@@ -56,6 +56,9 @@ class StepStats:
     prefill_chunks: tuple[tuple[str, int], ...] = ()
     decode_ids: tuple[str, ...] = ()
     compute_dtype: str | None = None  # whose peak predicted_s is rated at
+    # Speculative decoding: draft tokens this step verified, and how many it kept.
+    num_spec_proposed: int = 0
+    num_spec_accepted: int = 0
 
     @property
     def num_tokens(self) -> int:

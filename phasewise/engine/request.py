@@ -120,6 +120,9 @@ class Request:
         self.stop_reason: str | int | None = None
         self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
         self.metrics = RequestMetrics(arrival_time)
+        # Speculative decoding: the draft tokens this step verifies after the last sampled
+        # token (a decode of 1 + len(spec_token_ids) tokens); never part of all_token_ids.
+        self.spec_token_ids: list[int] = []
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -148,6 +151,18 @@ class Request:
     def append_output(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self._all.append(token_id)
+
+    def truncate_outputs(self, n: int) -> None:
+        """Keep the first ``n`` outputs (a stop string ended the request inside a step that
+        emitted several), with their timestamps and logprobs."""
+        drop = self.num_output_tokens - n
+        if drop <= 0:
+            return
+        del self.output_token_ids[n:]
+        del self._all[self.num_prompt_tokens + n:]
+        del self.metrics.token_times[len(self.metrics.token_times) - drop:]
+        if self.logprobs is not None and len(self.logprobs) > n:
+            del self.logprobs[n:]
 
     def __repr__(self) -> str:
         return (f"Request({self.request_id!r}, {self.status.value}, "

@@ -5,7 +5,9 @@ frequency over outputs), the ``min_tokens`` mask on stop tokens, then greedy arg
 temperature -> top-k -> top-p -> min-p -> a draw. A request with a seed draws from its own
 ``torch.Generator``, kept here (a ``Request`` holds no tensors): created from
 ``params.seed`` on the request's first draw and dropped by ``release`` when the engine forgets
-the request, so its tokens do not depend on what else is batched, and survive preemption.
+the request, so its tokens do not depend on what else is batched, and survive preemption
+(except under speculative decoding: a verify draws once per draft it checks, and how many
+drafts a step leaves it depends on the batch).
 Requests without a seed share the engine's generator.
 """
 
@@ -17,6 +19,7 @@ import torch
 
 from phasewise.engine.finish import masked_tokens
 from phasewise.engine.request import Request
+from phasewise.engine.spec import verify_greedy, verify_sampled
 
 
 @dataclass
@@ -74,16 +77,28 @@ class Sampler:
         logprobs: list[dict[int, float] | None] = [None] * len(requests)
         if raw_logprobs is not None:
             for i, r in enumerate(requests):
-                n = r.params.logprobs
-                if n is None:
-                    continue
-                row = raw_logprobs[i]
-                entry = {token_list[i]: float(row[token_list[i]])}
-                if n:
-                    top = torch.topk(row, n)
-                    entry.update(zip(top.indices.tolist(), top.values.tolist()))
-                logprobs[i] = entry
+                if r.params.logprobs is not None:
+                    logprobs[i] = _logprob_entry(raw_logprobs[i], token_list[i], r.params.logprobs)
         return SamplerOutput(token_list, logprobs)
+
+    def verify(self, logits: torch.Tensor, req: Request) -> tuple[SamplerOutput, int]:
+        """Speculative decoding: ``logits`` ([1 + drafts, vocab] fp32) are the rows of a
+        request that verified ``req.spec_token_ids``; returns the tokens to emit (the
+        accepted drafts and one more, see ``phasewise.engine.spec``) with their logprobs,
+        and how many drafts were accepted. The engine gives drafts only to requests this
+        sampler needs no per-token history for (no penalties, min_tokens reached)."""
+        drafts = req.spec_token_ids
+        if req.params.greedy:
+            tokens, accepted = verify_greedy(logits, drafts)
+        else:
+            probs = self._probs([req] * logits.shape[0], logits)
+            tokens, accepted = verify_sampled(probs, drafts, self._generator(req, logits.device))
+        logprobs: list[dict[int, float] | None] = [None] * len(tokens)
+        n = req.params.logprobs
+        if n is not None:
+            raw = torch.log_softmax(logits[:len(tokens)], dim=-1)
+            logprobs = [_logprob_entry(raw[j], t, n) for j, t in enumerate(tokens)]
+        return SamplerOutput(tokens, logprobs), accepted
 
     @staticmethod
     def _apply_penalties(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
@@ -150,3 +165,12 @@ class Sampler:
         for i, r in enumerate(requests):
             noise[i].exponential_(generator=self._generator(r, probs.device))
         return (probs / noise).argmax(dim=-1)
+
+
+def _logprob_entry(row: torch.Tensor, token: int, n: int) -> dict[int, float]:
+    """{token_id: logprob} for the sampled token and the row's top ``n``."""
+    entry = {token: float(row[token])}
+    if n:
+        top = torch.topk(row, n)
+        entry.update(zip(top.indices.tolist(), top.values.tolist()))
+    return entry

@@ -86,8 +86,8 @@ class ScheduledBatch:
         chunks, decodes = [], []
         for req, n in zip(self.requests, self.num_tokens):
             done = req.num_computed_tokens
-            if is_decode(req, n):
-                decodes.append(done + 1)
+            if is_decode(req, n):  # a verify's rows are decodes, one position apart
+                decodes.extend(range(done + 1, done + 1 + n))
             else:
                 chunks.append(Chunk(n, done, done + n == req.num_tokens))
         return chunks, decodes
@@ -105,8 +105,10 @@ class ScheduledBatch:
 
 
 def is_decode(req: Request, n: int) -> bool:
-    """One token on top of a fully computed history, and that token is a sampled output."""
-    return n == 1 and req.num_output_tokens > 0 and req.num_computed_tokens == req.num_tokens - 1
+    """One token on top of a fully computed history, and that token is a sampled output,
+    with the step's draft tokens behind it if it verifies some (speculative decoding)."""
+    return (n == 1 + len(req.spec_token_ids) and req.num_output_tokens > 0
+            and req.num_computed_tokens == req.num_tokens - 1)
 
 
 class Scheduler:
@@ -213,6 +215,7 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
+        req.spec_token_ids = []
         self.kv.free(req)
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
@@ -249,6 +252,13 @@ class Scheduler:
         decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
         chunks = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
         picked: list[tuple[Request, int]] = []
+        # Speculative drafts get only what is left once every decode has its token and the
+        # prompts their chunks: they never take budget or blocks from another request.
+        drafts = {}
+        for r in self.running:
+            if r.spec_token_ids:
+                drafts[r.request_id] = r.spec_token_ids
+                r.spec_token_ids = []
 
         for req in decodes + chunks:
             if budget == 0:
@@ -259,8 +269,8 @@ class Scheduler:
             n = min(remaining, budget)
             while not self.kv.allocate_slots(req, n):
                 fit = self.kv.max_new_tokens(req)
-                if remaining > 1 and fit >= 1:
-                    n = min(n, fit)  # a prompt chunk shrinks to the blocks that are free
+                if remaining > 1 and 1 <= fit < n:
+                    n = fit  # a prompt chunk shrinks to the blocks that are free
                     continue
                 victim = self._pick_victim(req, scheduled)
                 if victim is None:
@@ -287,8 +297,20 @@ class Scheduler:
                 picked.append((req, n))
                 budget -= n
 
-        # Flat-batch order: single-token chunks first, then the longer chunks.
-        picked.sort(key=lambda rn: rn[1] != 1)
+        if drafts and not batch.preempted:
+            for i, (req, n) in enumerate(picked):
+                mine = drafts.get(req.request_id)
+                if not mine or budget == 0 or not is_decode(req, n):
+                    continue
+                extra = min(len(mine), budget, self.kv.max_new_tokens(req) - n)
+                if extra > 0 and self.kv.allocate_slots(req, n + extra):
+                    req.spec_token_ids = mine[:extra]
+                    picked[i] = (req, n + extra)
+                    budget -= extra
+
+        # Flat-batch order: single-token chunks and decodes (a verify's rows are decode rows)
+        # first, then the longer chunks.
+        picked.sort(key=lambda rn: rn[1] != 1 and not is_decode(*rn))
         for req, n in picked:
             batch.requests.append(req)
             batch.num_tokens.append(n)
@@ -334,18 +356,38 @@ class Scheduler:
         self.running.append(req)
 
     # -- after the forward pass ------------------------------------------------------------
-    def update(self, batch: ScheduledBatch, sampled: dict[str, int]) -> list[Request]:
+    def update(self, batch: ScheduledBatch, sampled: dict[str, list[int]]
+               ) -> list[tuple[Request, int]]:
         """Advance computed counts, append sampled tokens, finish requests that hit a stop
-        condition. Returns the requests that received a token this step."""
+        condition. ``sampled``: each request's new tokens (one, or for a verify its accepted
+        drafts and one more). Returns the requests that received tokens this step, each
+        with how many it kept (fewer than sampled when one of them finished it)."""
         now = self.clock()
         got_token = []
         for req, n in zip(batch.requests, batch.num_tokens):
-            req.num_computed_tokens += n
-            if req.request_id in sampled:
-                got_token.append(req)
-                self._append_token(req, sampled[req.request_id], now)
-            else:
+            tokens = sampled.get(req.request_id)
+            verify = bool(req.spec_token_ids)
+            req.spec_token_ids = []
+            if not verify:
+                req.num_computed_tokens += n
+            if not tokens:
+                if verify:  # its sampling failed: only the last sampled token's K/V holds
+                    req.num_computed_tokens += 1
                 self.kv.cache_blocks(req)
+                continue
+            kept = 0
+            for token in tokens:
+                kept += 1
+                self._append_token(req, token, now)
+                if req.finished:
+                    break
+            if verify and not req.finished:
+                # The last sampled token and the accepted drafts (every new token but the
+                # last) hold valid K/V; the rejected drafts' slots go back.
+                req.num_computed_tokens += kept
+                self.kv.trim(req, req.num_computed_tokens + 1)
+                self.kv.cache_blocks(req)
+            got_token.append((req, kept))
         return got_token
 
     def _append_token(self, req: Request, token: int, now: float) -> None:

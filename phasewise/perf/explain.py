@@ -79,11 +79,19 @@ def prefill_cost(roof: Roofline, chunks: Sequence[int], measured_s: float) -> Ph
     return _total("prefill", costs, measured_s)
 
 
-def decode_cost(roof: Roofline, prompt_len: int, steps: int, measured_s: float) -> PhaseCost:
+def decode_cost(roof: Roofline, prompt_len: int, steps: int, measured_s: float,
+                verifies: Sequence[tuple[int, int]] | None = None) -> PhaseCost:
     """``steps`` single-sequence decode steps after a ``prompt_len``-token prompt (the first
-    output token came with the prefill)."""
-    return _total("decode", [roof.decode(1, context=prompt_len + 1 + i) for i in range(steps)],
-                  measured_s)
+    output token came with the prefill). With speculative decoding, ``verifies`` gives each
+    step's (rows, tokens emitted): a step of r rows is r decode rows one position apart (the
+    last sampled token and its drafts), and the context grows by what it emitted."""
+    if verifies is None:
+        verifies = [(1, 1)] * steps
+    costs, ctx = [], prompt_len + 1
+    for rows, emitted in verifies:
+        costs.append(roof.mixed(decodes=range(ctx, ctx + rows)))
+        ctx += emitted
+    return _total("decode", costs, measured_s)
 
 
 def compute_bound_prompt_len(roof: Roofline, limit: int) -> int | None:
@@ -104,9 +112,16 @@ def _ms(s: float) -> str:
     return f"{s * 1e3:.2f} ms" if s < 0.01 else f"{s * 1e3:.1f} ms"
 
 
-def _phase_line(p: PhaseCost, per: str) -> str:
-    what = (f"{p.tokens} token{'s' * (p.tokens != 1)} in {p.steps} step{'s' * (p.steps != 1)}"
-            if p.name == "prefill" else f"{p.steps} steps of 1 token")
+def _phase_line(p: PhaseCost, per: str, emitted: int | None = None) -> str:
+    """``emitted``: the tokens the decode steps produced, when that differs from one a step
+    (speculative decoding): they are shown per weight read (a step reads every weight once)."""
+    if p.name == "prefill":
+        what = f"{p.tokens} token{'s' * (p.tokens != 1)} in {p.steps} step{'s' * (p.steps != 1)}"
+    elif emitted is None:
+        what = f"{p.steps} steps of 1 token"
+    else:
+        what = (f"{p.steps} steps of {p.tokens / p.steps:.1f} rows, {emitted} tokens: "
+                f"{emitted / p.steps:.2f} tokens per weight read")
     return (f"[roofline] {p.name + ':':8s} {what}, {p.intensity:.1f} FLOP/byte: "
             f"{p.bound}-bound ({p.margin:.1f}x); took {per} = {p.vs_roofline:.1f}x its "
             f"roofline time")
@@ -115,16 +130,21 @@ def _phase_line(p: PhaseCost, per: str) -> str:
 def explain_generation(shape: ModelShape, accel: Accelerator, weight_dtype: str,
                        prefill_compute: str, decode_compute: str,
                        prefill_chunks: Sequence[int], prefill_s: float, decode_steps: int,
-                       decode_s: float, max_step_tokens: int) -> list[str]:
+                       decode_s: float, max_step_tokens: int,
+                       verifies: Sequence[tuple[int, int]] | None = None,
+                       kv_dtype: str | None = None) -> list[str]:
     """The lines ``phasewise generate`` prints after the stream (see the module doc).
 
     ``*_compute``: whose peak each phase's arithmetic runs at (it may differ from the
     weights' dtype, and between phases: fp32 kernels for decode rows, bf16 GEMM for prefill
     on some CPUs). ``max_step_tokens``: the most prompt tokens one step can take (the step
-    budget, capped by the context), which bounds the crossover search.
+    budget, capped by the context), which bounds the crossover search. ``decode_steps``: the
+    decode tokens; ``verifies`` (speculative decoding): each decode step's (rows, tokens
+    emitted), whose emitted tokens sum to ``decode_steps``. ``kv_dtype``: the K/V cache's,
+    when it is not the weights' (int8 weights keep the model's K/V).
     """
-    pre_roof = Roofline(shape, accel, weight_dtype, compute_dtype=prefill_compute)
-    dec_roof = Roofline(shape, accel, weight_dtype, compute_dtype=decode_compute)
+    pre_roof = Roofline(shape, accel, weight_dtype, kv_dtype, compute_dtype=prefill_compute)
+    dec_roof = Roofline(shape, accel, weight_dtype, kv_dtype, compute_dtype=decode_compute)
     prompt_len = sum(prefill_chunks)
     peaks = ", ".join(f"{d} matmul {r.peak_flops / 1e9:.1f} GFLOP/s"
                       for d, r in {prefill_compute: pre_roof, decode_compute: dec_roof}.items())
@@ -138,8 +158,10 @@ def explain_generation(shape: ModelShape, accel: Accelerator, weight_dtype: str,
     phases = [pre]
     dec = None
     if decode_steps > 0:
-        dec = decode_cost(dec_roof, prompt_len, decode_steps, decode_s)
-        lines.append(_phase_line(dec, _ms(decode_s / decode_steps) + "/token")
+        dec = decode_cost(dec_roof, prompt_len, decode_steps, decode_s, verifies)
+        per_step = f" ({_ms(decode_s / dec.steps)}/step)" if verifies else ""
+        lines.append(_phase_line(dec, _ms(decode_s / decode_steps) + "/token" + per_step,
+                                 decode_steps if verifies else None)
                      + f" {_ms(dec.t_bound / decode_steps)}")
         phases.append(dec)
 

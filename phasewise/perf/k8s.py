@@ -92,6 +92,8 @@ ENGINE_FLAGS: dict[str, Any] = {
     "--seed": int,
     "--kernels": KERNEL_CHOICES,
     "--quantization": ("int8",),
+    "--speculative": ("ngram",),
+    "--num-speculative-tokens": int,
     "--max-waiting-requests": int,
     "--max-request-size": str,
     "--log-interval": float,

@@ -296,14 +296,14 @@ class Simulation:
         self._at(self.clock.now + dt, lambda: self._step_end(e, batch, ends))
 
     def _step_end(self, e: _Engine, batch: Any, ends: list[bool]) -> None:
-        sampled = {r.request_id: _TOKEN for r, end in zip(batch.requests, ends) if end}
+        sampled = {r.request_id: [_TOKEN] for r, end in zip(batch.requests, ends) if end}
         if e.role == "prefill":
             self._push(e, batch, sampled)
         e.scheduler.update(batch, sampled)
         e.busy = False
         self._wake(e)
 
-    def _push(self, e: _Engine, batch: Any, sampled: dict[str, int]) -> None:
+    def _push(self, e: _Engine, batch: Any, sampled: dict[str, list[int]]) -> None:
         """The prefill role: each chunk's K/V goes on the link as its step ends; a request
         whose last chunk ran lands its first token once its last byte has."""
         now = self.clock.now

@@ -110,6 +110,18 @@ class PrometheusMetrics:
                                       "Prompt tokens looked up in the prefix cache.")
         self.prefix_hits = counter("prefix_cache_hits",
                                    "Prompt tokens found in the prefix cache.")
+        # Speculative decoding (vLLM's names): acceptance rate = accepted / draft tokens;
+        # mean accepted length = accepted / drafts (verifies).
+        self.spec_counters = {
+            "spec_verifies": counter("spec_decode_num_drafts",
+                                     "Speculative decoding: request-steps that verified drafts."),
+            "spec_proposed": counter("spec_decode_num_draft_tokens",
+                                     "Speculative decoding: draft tokens proposed and verified."),
+            "spec_accepted": counter("spec_decode_num_accepted_tokens",
+                                     "Speculative decoding: draft tokens accepted."),
+            "spec_emitted": counter("spec_decode_num_emitted_tokens",
+                                    "Speculative decoding: tokens the verifies emitted."),
+        }
         steps = Counter(PREFIX + "engine_steps", "Engine steps by token mix.",
                         labels + ["kind"], registry=r)
         self.steps = {kind: steps.labels(model_name, kind) for kind in _STEP_KINDS}
@@ -149,22 +161,21 @@ class PrometheusMetrics:
             times = out.metrics.token_times
             if not times:
                 continue
-            self.generation_tokens.inc(len(out.delta_token_ids))
-            if len(times) == 1:  # this step gave the request its first token
+            new = len(out.delta_token_ids)
+            self.generation_tokens.inc(new)
+            if len(times) == new:  # this step gave the request its first token
                 self.prompt_tokens.inc(len(out.prompt_token_ids))
-            else:
-                self.itl.observe(times[-1] - times[-2])
+            # every gap this output closes (a verify emits several tokens at once)
+            for i in range(max(len(times) - new, 1), len(times)):
+                self.itl.observe(times[i] - times[i - 1])
         for f in finished:
             self._observe_request(f)
         last = self._last
-        if last is not None:
-            self.preemptions.inc(max(0, snapshot.num_preemptions - last.num_preemptions))
-            self.prefix_queries.inc(max(0, snapshot.prefix_queries - last.prefix_queries))
-            self.prefix_hits.inc(max(0, snapshot.prefix_hits - last.prefix_hits))
-        else:
-            self.preemptions.inc(snapshot.num_preemptions)
-            self.prefix_queries.inc(snapshot.prefix_queries)
-            self.prefix_hits.inc(snapshot.prefix_hits)
+        cumulative = {"num_preemptions": self.preemptions, "prefix_queries": self.prefix_queries,
+                      "prefix_hits": self.prefix_hits, **self.spec_counters}
+        for field, metric in cumulative.items():
+            now = getattr(snapshot, field)
+            metric.inc(max(0, now - getattr(last, field)) if last is not None else now)
         self._last = snapshot
         self.running.set(snapshot.num_running)
         self.waiting.set(snapshot.num_waiting)

