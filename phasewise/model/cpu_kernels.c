@@ -316,6 +316,26 @@ static const edge_fn EDGE[TILE_M][TILE_N] = {
     {edge_1_1, edge_1_2, edge_1_3, edge_1_4, edge_1_5, edge_1_6},
     {edge_2_1, edge_2_2, edge_2_3, edge_2_4, edge_2_5, edge_2_6}};
 
+/* What both 2x6 tiles (bf16 and int8) share in assembly: zeroing the 12 accumulators
+ * (ymm0-11), saving them to acc[12][8] (%[o]), and the registers they clobber. */
+#define TILE_ZERO                                                                           \
+    "vxorps %%ymm0, %%ymm0, %%ymm0\n\t" "vxorps %%ymm1, %%ymm1, %%ymm1\n\t"                \
+    "vxorps %%ymm2, %%ymm2, %%ymm2\n\t" "vxorps %%ymm3, %%ymm3, %%ymm3\n\t"                \
+    "vxorps %%ymm4, %%ymm4, %%ymm4\n\t" "vxorps %%ymm5, %%ymm5, %%ymm5\n\t"                \
+    "vxorps %%ymm6, %%ymm6, %%ymm6\n\t" "vxorps %%ymm7, %%ymm7, %%ymm7\n\t"                \
+    "vxorps %%ymm8, %%ymm8, %%ymm8\n\t" "vxorps %%ymm9, %%ymm9, %%ymm9\n\t"                \
+    "vxorps %%ymm10, %%ymm10, %%ymm10\n\t" "vxorps %%ymm11, %%ymm11, %%ymm11\n\t"
+#define TILE_SAVE                                                                           \
+    "vmovaps %%ymm0, 0(%[o])\n\t" "vmovaps %%ymm1, 32(%[o])\n\t"                          \
+    "vmovaps %%ymm2, 64(%[o])\n\t" "vmovaps %%ymm3, 96(%[o])\n\t"                         \
+    "vmovaps %%ymm4, 128(%[o])\n\t" "vmovaps %%ymm5, 160(%[o])\n\t"                       \
+    "vmovaps %%ymm6, 192(%[o])\n\t" "vmovaps %%ymm7, 224(%[o])\n\t"                       \
+    "vmovaps %%ymm8, 256(%[o])\n\t" "vmovaps %%ymm9, 288(%[o])\n\t"                       \
+    "vmovaps %%ymm10, 320(%[o])\n\t" "vmovaps %%ymm11, 352(%[o])\n\t"
+#define TILE_CLOBBERS                                                                       \
+    "memory", "cc", "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8",  \
+    "xmm9", "xmm10", "xmm11", "xmm12", "xmm13", "xmm14", "xmm15"
+
 /* Half of 16 weights of each of the 6 rows against the 2 activation rows: ymm0-5 row 0,
  * ymm6-11 row 1, ymm12/13 the activations, ymm14 the widened weights, ymm15 zero. */
 #define TILE_HALF(UNPACK, XOFF)                                                             \
@@ -353,12 +373,7 @@ static void tile_2x6(const float *x, long ldx, const uint16_t *w, long ldw, int 
     long n32 = pf ? K16 / 32 : 0, n16 = (K16 - n32 * 32) / 16;
     const uint16_t *q0 = pf ? pf : w, *q3 = q0 + 3 * ldw;
     __asm__ volatile(
-        "vxorps %%ymm0, %%ymm0, %%ymm0\n\t" "vxorps %%ymm1, %%ymm1, %%ymm1\n\t"
-        "vxorps %%ymm2, %%ymm2, %%ymm2\n\t" "vxorps %%ymm3, %%ymm3, %%ymm3\n\t"
-        "vxorps %%ymm4, %%ymm4, %%ymm4\n\t" "vxorps %%ymm5, %%ymm5, %%ymm5\n\t"
-        "vxorps %%ymm6, %%ymm6, %%ymm6\n\t" "vxorps %%ymm7, %%ymm7, %%ymm7\n\t"
-        "vxorps %%ymm8, %%ymm8, %%ymm8\n\t" "vxorps %%ymm9, %%ymm9, %%ymm9\n\t"
-        "vxorps %%ymm10, %%ymm10, %%ymm10\n\t" "vxorps %%ymm11, %%ymm11, %%ymm11\n\t"
+        TILE_ZERO
         "vpxor %%ymm15, %%ymm15, %%ymm15\n\t"
         "test %[n32], %[n32]\n\t"
         "jz 2f\n\t"
@@ -377,17 +392,11 @@ static void tile_2x6(const float *x, long ldx, const uint16_t *w, long ldw, int 
         "dec %[n16]\n\t"
         "jnz 3b\n\t"
         "4:\n\t"
-        "vmovaps %%ymm0, 0(%[o])\n\t" "vmovaps %%ymm1, 32(%[o])\n\t"
-        "vmovaps %%ymm2, 64(%[o])\n\t" "vmovaps %%ymm3, 96(%[o])\n\t"
-        "vmovaps %%ymm4, 128(%[o])\n\t" "vmovaps %%ymm5, 160(%[o])\n\t"
-        "vmovaps %%ymm6, 192(%[o])\n\t" "vmovaps %%ymm7, 224(%[o])\n\t"
-        "vmovaps %%ymm8, 256(%[o])\n\t" "vmovaps %%ymm9, 288(%[o])\n\t"
-        "vmovaps %%ymm10, 320(%[o])\n\t" "vmovaps %%ymm11, 352(%[o])\n\t"
+        TILE_SAVE
         : [p0] "+r"(p0), [p3] "+r"(p3), [xp] "+r"(xp), [q0] "+r"(q0), [q3] "+r"(q3),
           [n32] "+r"(n32), [n16] "+r"(n16)
         : [lw] "r"(lw), [lx] "r"(lx), [o] "r"(acc)
-        : "memory", "cc", "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7",
-          "xmm8", "xmm9", "xmm10", "xmm11", "xmm12", "xmm13", "xmm14", "xmm15");
+        : TILE_CLOBBERS);
     for (int i = 0; i < TILE_M; i++)
         for (int j = 0; j < TILE_N; j++)
             tile_store(_mm256_load_ps(acc[i * TILE_N + j]), x + i * ldx, w + j * ldw, K16, K,
@@ -1179,12 +1188,7 @@ static void tile_i8_2x6(const float *x, long ldx, const int8_t *w, long ldw, int
     int K8 = (int)(n64 * 64 + n8 * 8);
     const int8_t *q0 = pf ? pf : w, *q3 = q0 + 3 * ldw;
     __asm__ volatile(
-        "vxorps %%ymm0, %%ymm0, %%ymm0\n\t" "vxorps %%ymm1, %%ymm1, %%ymm1\n\t"
-        "vxorps %%ymm2, %%ymm2, %%ymm2\n\t" "vxorps %%ymm3, %%ymm3, %%ymm3\n\t"
-        "vxorps %%ymm4, %%ymm4, %%ymm4\n\t" "vxorps %%ymm5, %%ymm5, %%ymm5\n\t"
-        "vxorps %%ymm6, %%ymm6, %%ymm6\n\t" "vxorps %%ymm7, %%ymm7, %%ymm7\n\t"
-        "vxorps %%ymm8, %%ymm8, %%ymm8\n\t" "vxorps %%ymm9, %%ymm9, %%ymm9\n\t"
-        "vxorps %%ymm10, %%ymm10, %%ymm10\n\t" "vxorps %%ymm11, %%ymm11, %%ymm11\n\t"
+        TILE_ZERO
         "test %[n64], %[n64]\n\t"
         "jz 2f\n\t"
         "1:\n\t"
@@ -1205,17 +1209,11 @@ static void tile_i8_2x6(const float *x, long ldx, const int8_t *w, long ldw, int
         "dec %[n8]\n\t"
         "jnz 3b\n\t"
         "4:\n\t"
-        "vmovaps %%ymm0, 0(%[o])\n\t" "vmovaps %%ymm1, 32(%[o])\n\t"
-        "vmovaps %%ymm2, 64(%[o])\n\t" "vmovaps %%ymm3, 96(%[o])\n\t"
-        "vmovaps %%ymm4, 128(%[o])\n\t" "vmovaps %%ymm5, 160(%[o])\n\t"
-        "vmovaps %%ymm6, 192(%[o])\n\t" "vmovaps %%ymm7, 224(%[o])\n\t"
-        "vmovaps %%ymm8, 256(%[o])\n\t" "vmovaps %%ymm9, 288(%[o])\n\t"
-        "vmovaps %%ymm10, 320(%[o])\n\t" "vmovaps %%ymm11, 352(%[o])\n\t"
+        TILE_SAVE
         : [p0] "+r"(p0), [p3] "+r"(p3), [xp] "+r"(xp), [q0] "+r"(q0), [q3] "+r"(q3),
           [n64] "+r"(n64), [n8] "+r"(n8)
         : [lw] "r"(lw), [lx] "r"(lx), [o] "r"(acc), [pf] "r"(pf)
-        : "memory", "cc", "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7",
-          "xmm8", "xmm9", "xmm10", "xmm11", "xmm12", "xmm13", "xmm14", "xmm15");
+        : TILE_CLOBBERS);
     for (int i = 0; i < TILE_M; i++)
         for (int j = 0; j < TILE_N; j++)
             tile_store_i8(_mm256_load_ps(acc[i * TILE_N + j]), x + i * ldx, w + j * ldw, K8, K,
