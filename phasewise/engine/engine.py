@@ -150,6 +150,10 @@ class LLMEngine:
         # Roofline cost of each step at the peaks `phasewise measure` stored (never measured
         # here: without stored peaks, steps get FLOPs and bytes but no predicted time).
         self.cost_model = StepCostModel.for_engine(self)
+        # Speculative decoding spends compute that a memory-bound step leaves idle: a step's
+        # decode rows (drafts included) stay under the batch at which this machine's
+        # roofline turns decode compute-bound. None (no stored peaks): no cap.
+        self.spec_row_cap = self._spec_row_cap() if self.proposer is not None else None
 
     # -- set-up helpers --------------------------------------------------------------------
     def _fit_context(self, num_blocks: int, max_len: int) -> int:
@@ -413,21 +417,38 @@ class LLMEngine:
     def _propose(self) -> None:
         """Give each decoding request drafts to verify in this step: at most
         ``num_speculative_tokens``, no more than its context and ``max_tokens`` leave room
-        for, and none for a request whose sampling needs the history token by token
-        (penalties, ``min_tokens`` still masking its stop tokens)."""
+        for, none for a request whose sampling needs the history token by token
+        (penalties, ``min_tokens`` still masking its stop tokens), and together no more
+        than ``spec_row_cap`` rows with the decodes (earliest requests first)."""
         k = self.config.num_speculative_tokens or 0
         max_len = self.scheduler.max_len
-        for req in self.scheduler.running:
+        decoding = [r for r in self.scheduler.running
+                    if r.num_output_tokens and r.num_computed_tokens == r.num_tokens - 1]
+        spare = (self.spec_row_cap - len(decoding) if self.spec_row_cap is not None
+                 else len(decoding) * k)
+        for req in decoding:
             p = req.params
-            if (req.num_output_tokens == 0 or req.num_computed_tokens != req.num_tokens - 1
-                    or p.needs_penalties or req.num_output_tokens < p.min_tokens):
+            if spare <= 0:
+                break
+            if p.needs_penalties or req.num_output_tokens < p.min_tokens:
                 continue
-            room = min(k, max_len - req.num_tokens)
+            room = min(k, max_len - req.num_tokens, spare)
             if p.max_tokens is not None:
                 room = min(room, p.max_tokens - req.num_output_tokens - 1)
             if room >= 1:
                 req.spec_token_ids = self.proposer.propose(req.request_id, req.all_token_ids,
                                                            room)
+                spare -= len(req.spec_token_ids)
+
+    def _spec_row_cap(self) -> int | None:
+        """The decode rows a step may hold before this machine's roofline says decode turns
+        compute-bound (at half the context), or None without stored peaks or when it never
+        does: drafts beyond it would cost their full compute."""
+        roof, timed = self.cost_model.roofline(self.cost_model.compute_dtype(1))
+        if not timed:
+            return None
+        batch = roof.critical_batch(max(1, self.max_model_len // 2))
+        return None if batch is None else max(1, int(batch))
 
     def _verify(self, ran: Any, tokens: dict[str, list[int]],
                 failed: list[tuple[Request, str]]) -> dict[str, tuple[int, int]]:
