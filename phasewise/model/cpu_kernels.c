@@ -224,13 +224,18 @@ static void gemv_share(const float *x, int M, const uint16_t *w, int K, int N, f
     }
 }
 
-static int linear_rows(const float *x, const uint16_t *w, const uint16_t *bias, uint16_t *y,
-                       int M, int N, int K, int nthreads) {
+static void proj_share(const float *x, int M, const void *w, const float *scale, int K, int N,
+                       float *res);
+
+/* The few-rows linear layer: every thread streams its share of the weights (bf16, or int8
+ * with `scale`), then the bias and the rounding. */
+static int linear_rows(const float *x, const void *w, const float *scale, const uint16_t *bias,
+                       uint16_t *y, int M, int N, int K, int nthreads) {
     float *res = (float *)malloc(sizeof(float) * (size_t)M * N);
     if (!res) return -1;
 #pragma omp parallel num_threads(nthreads)
     {
-        gemv_share(x, M, w, K, N, res);
+        proj_share(x, M, w, scale, K, N, res);
 #pragma omp barrier
 #pragma omp for schedule(static)
         for (int n = 0; n < N; n++) {
@@ -482,7 +487,7 @@ int pw_linear_bf16(const uint16_t *xb, const uint16_t *w, const uint16_t *bias, 
     float *x = (float *)malloc(sizeof(float) * (size_t)M * (size_t)K);
     if (!x) return -1;
     for (long i = 0; i < (long)M * K; i++) x[i] = bf16_to_f32(xb[i]);
-    int rc = linear_rows(x, w, bias, y, M, N, K, nthreads);
+    int rc = linear_rows(x, w, NULL, bias, y, M, N, K, nthreads);
     free(x);
     return rc;
 }
@@ -947,10 +952,20 @@ static inline __m256 load_i8x8(const int8_t *p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
 }
 
+/* The activation rows an int8 dot kernel reads: fp32 (x), or in 16-bit fixed point (xq,
+ * with one scale per block of 32 in xs; see gemv_share_q16). */
+typedef struct {
+    const float *x;
+    const int16_t *xq;
+    const float *xs;
+} I8Act;
+typedef void (*dot_i8_fn)(const I8Act *, const int8_t *const *, int, float *);
+
 /* o[r * M + m] = dot(x[m], w[r]) for R weight rows and M activation rows, both fixed at
  * compile time so that every accumulator stays in a register (R * M + R + 1 <= 16 ymm). */
 #define DEFINE_DOT_I8(R, M)                                                                  \
-    static void dot_i8_##R##x##M(const float *x, const int8_t *const *w, int K, float *o) {  \
+    static void dot_i8_##R##x##M(const I8Act *act, const int8_t *const *w, int K, float *o) { \
+        const float *x = act->x;                                                             \
         __m256 a[R * M];                                                                     \
         for (int i = 0; i < R * M; i++) a[i] = _mm256_setzero_ps();                          \
         int k = 0;                                                                           \
@@ -985,7 +1000,6 @@ DEFINE_DOT_I8(1, 4)
 DEFINE_DOT_I8(1, 5)
 DEFINE_DOT_I8(1, 6)
 
-typedef void (*dot_i8_fn)(const float *, const int8_t *const *, int, float *);
 
 /* One or two activation rows (batch-1 and -2 decode), K a multiple of 32: the activations are
  * first put in 16-bit fixed point, one fp32 scale per block of 32 (xs = max |x| / 32767 over
@@ -1019,8 +1033,10 @@ static int quantize_rows_q16(const float *x, int M, int K, int16_t *xq, float *x
 
 /* o[r * M + m] = dot(xq[m] * xs[m], w[r]) for R int8 weight rows, M <= 2 fixed-point rows. */
 #define DEFINE_DOT_Q16(R, M)                                                                 \
-    static void dot_q16_##R##x##M(const int16_t *xq, const float *xs, const int8_t *const *w, \
-                                  int K, float *o) {                                         \
+    static void dot_q16_##R##x##M(const I8Act *act, const int8_t *const *w, int K,           \
+                                  float *o) {                                                \
+        const int16_t *xq = act->xq;                                                         \
+        const float *xs = act->xs;                                                           \
         __m256 a[R * M];                                                                     \
         for (int i = 0; i < R * M; i++) a[i] = _mm256_setzero_ps();                          \
         int nb = K / Q16_BLOCK;                                                              \
@@ -1053,7 +1069,33 @@ DEFINE_DOT_Q16(4, 1)
 DEFINE_DOT_Q16(2, 2)
 DEFINE_DOT_Q16(1, 1)
 DEFINE_DOT_Q16(1, 2)
-typedef void (*dot_q16_fn)(const int16_t *, const float *, const int8_t *const *, int, float *);
+
+/* This thread's share of the N weight rows, R at a time through `wide` (rows far apart in
+ * the share, so that they are independent streams), the rest one by one through `one`:
+ * res[m * N + n] = scale[n] * dot(row m, w[n]). No barrier. */
+static void share_rows_i8(const I8Act *act, int M, int R, dot_i8_fn wide, dot_i8_fn one,
+                          const int8_t *w, const float *scale, int K, int N, float *res) {
+    int t = omp_get_thread_num(), T = omp_get_num_threads();
+    int lo = (int)((long)N * t / T), hi = (int)((long)N * (t + 1) / T);
+    int q = (hi - lo) / R;
+    float o[4 * INT8_ROWS_MAX];
+    for (int i = 0; i < q; i++) {
+        const int8_t *rows[4];
+        int n[4];
+        for (int r = 0; r < R; r++) {
+            n[r] = lo + r * q + i;
+            rows[r] = w + (long)n[r] * K;
+        }
+        wide(act, rows, K, o);
+        for (int r = 0; r < R; r++)
+            for (int m = 0; m < M; m++) res[(long)m * N + n[r]] = o[r * M + m] * scale[n[r]];
+    }
+    for (int nn = lo + R * q; nn < hi; nn++) {
+        const int8_t *row = w + (long)nn * K;
+        one(act, &row, K, o);
+        for (int m = 0; m < M; m++) res[(long)m * N + nn] = o[m] * scale[nn];
+    }
+}
 
 /* gemv_share_i8 for M <= 2 and K % 32 == 0, in fixed point (above); each thread puts the
  * activations in fixed point itself (a few microseconds), so no barrier is needed. Returns 0,
@@ -1070,29 +1112,10 @@ static int gemv_share_q16(const float *x, int M, const int8_t *w, const float *s
         free(xq);
         return -1;
     }
-    static const dot_q16_fn WIDE[3] = {0, dot_q16_4x1, dot_q16_2x2};
-    static const dot_q16_fn ONE[3] = {0, dot_q16_1x1, dot_q16_1x2};
-    const int R = M == 1 ? 4 : 2;
-    int t = omp_get_thread_num(), T = omp_get_num_threads();
-    int lo = (int)((long)N * t / T), hi = (int)((long)N * (t + 1) / T);
-    int q = (hi - lo) / R;
-    float o[8];
-    for (int i = 0; i < q; i++) {
-        const int8_t *rows[4];
-        int n[4];
-        for (int r = 0; r < R; r++) {
-            n[r] = lo + r * q + i;
-            rows[r] = w + (long)n[r] * K;
-        }
-        WIDE[M](xq, xs, rows, K, o);
-        for (int r = 0; r < R; r++)
-            for (int m = 0; m < M; m++) res[(long)m * N + n[r]] = o[r * M + m] * scale[n[r]];
-    }
-    for (int nn = lo + R * q; nn < hi; nn++) {
-        const int8_t *row = w + (long)nn * K;
-        ONE[M](xq, xs, &row, K, o);
-        for (int m = 0; m < M; m++) res[(long)m * N + nn] = o[m] * scale[nn];
-    }
+    static const dot_i8_fn WIDE[3] = {0, dot_q16_4x1, dot_q16_2x2};
+    static const dot_i8_fn ONE[3] = {0, dot_q16_1x1, dot_q16_1x2};
+    I8Act act = {NULL, xq, xs};
+    share_rows_i8(&act, M, M == 1 ? 4 : 2, WIDE[M], ONE[M], w, scale, K, N, res);
     free(xq);
     return 0;
 }
@@ -1109,27 +1132,8 @@ static void gemv_share_i8(const float *x, int M, const int8_t *w, const float *s
     static const dot_i8_fn ONE[INT8_ROWS_MAX + 1] = {0, dot_i8_1x1, dot_i8_1x2, dot_i8_1x3,
                                                      dot_i8_1x4, dot_i8_1x5, dot_i8_1x6};
     if (M <= 2 && K % Q16_BLOCK == 0 && gemv_share_q16(x, M, w, scale, K, N, res) == 0) return;
-    const int R = M <= 2 ? 4 : 2;
-    int t = omp_get_thread_num(), T = omp_get_num_threads();
-    int lo = (int)((long)N * t / T), hi = (int)((long)N * (t + 1) / T);
-    int q = (hi - lo) / R;
-    float o[4 * INT8_ROWS_MAX];
-    for (int i = 0; i < q; i++) {
-        const int8_t *rows[4];
-        int n[4];
-        for (int r = 0; r < R; r++) {
-            n[r] = lo + r * q + i;
-            rows[r] = w + (long)n[r] * K;
-        }
-        WIDE[M](x, rows, K, o);
-        for (int r = 0; r < R; r++)
-            for (int m = 0; m < M; m++) res[(long)m * N + n[r]] = o[r * M + m] * scale[n[r]];
-    }
-    for (int nn = lo + R * q; nn < hi; nn++) {
-        const int8_t *row = w + (long)nn * K;
-        ONE[M](x, &row, K, o);
-        for (int m = 0; m < M; m++) res[(long)m * N + nn] = o[m] * scale[nn];
-    }
+    I8Act act = {x, NULL, NULL};
+    share_rows_i8(&act, M, M <= 2 ? 4 : 2, WIDE[M], ONE[M], w, scale, K, N, res);
 }
 
 /* A projection's share, bf16 weights or (with a scale) int8 ones. */
@@ -1239,28 +1243,19 @@ static void edge_i8(int R, int C, const float *x, long ldx, const int8_t *w, lon
 }
 
 /* y = x @ (scale * w)^T + bias. x, bias, y bf16; w int8; scale fp32. Up to INT8_ROWS_MAX
- * rows stream the weights (each byte read once); more rows run the packed GEMM, widening the
- * int8 weights into its fp32 panels. Returns 0, or -1 when scratch memory could not be had. */
+ * rows stream the weights (each byte read once); up to INT8_TILE_ROWS_MAX the register
+ * tiles; more rows the packed GEMM, widening the int8 weights into its fp32 panels. Returns
+ * 0, or -1 when scratch memory could not be had. */
 int pw_linear_int8(const uint16_t *xb, const int8_t *w, const float *scale,
                    const uint16_t *bias, uint16_t *y, int M, int N, int K, int nthreads) {
     if (M > INT8_TILE_ROWS_MAX) return gemm(xb, w, scale, bias, y, M, N, K, nthreads);
     if (M > INT8_ROWS_MAX) return linear_tiles(xb, w, scale, bias, y, M, N, K, nthreads);
-    float *x = (float *)malloc(sizeof(float) * ((size_t)M * K + (size_t)M * N));
+    float *x = (float *)malloc(sizeof(float) * (size_t)M * K);
     if (!x) return -1;
-    float *res = x + (size_t)M * K;
     for (long i = 0; i < (long)M * K; i++) x[i] = bf16_to_f32(xb[i]);
-#pragma omp parallel num_threads(nthreads)
-    {
-        gemv_share_i8(x, M, w, scale, K, N, res);
-#pragma omp barrier
-#pragma omp for schedule(static)
-        for (int n = 0; n < N; n++) {
-            float b = bias ? bf16_to_f32(bias[n]) : 0.0f;
-            for (int m = 0; m < M; m++) y[(long)m * N + n] = f32_to_bf16(res[(long)m * N + n] + b);
-        }
-    }
+    int rc = linear_rows(x, w, scale, bias, y, M, N, K, nthreads);
     free(x);
-    return 0;
+    return rc;
 }
 
 
