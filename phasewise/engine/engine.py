@@ -377,9 +377,6 @@ class LLMEngine:
             verified = self._verify(ran, tokens, failed)
         except Exception as e:
             raise StepFailed([r.request_id for r in batch.requests], e) from e
-        for req in batch.requests:  # a verify whose sampling failed: its drafts are void
-            if req.spec_token_ids and req.request_id not in tokens:
-                verified.pop(req.request_id, None)
         got = self.scheduler.update(batch, tokens)
 
         outputs = []
