@@ -94,6 +94,12 @@ class Page:
     def close(self) -> None:
         self.page.close()
 
+    def __enter__(self) -> "Page":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
 
 def stream(url: str, body: dict, out: dict | None = None) -> None:
     with httpx.stream("POST", url + "/v1/completions", timeout=300,
@@ -105,8 +111,7 @@ def stream(url: str, body: dict, out: dict | None = None) -> None:
 
 
 def test_the_page_loads_cleanly_and_its_charts_follow_the_engine(server, browser):
-    p = Page(browser, server.url + "/dashboard")
-    try:
+    with Page(browser, server.url + "/dashboard") as p:
         p.wait_live()
         p.wait("S.sources.has('self') && S.sources.get('self').hello.model !== undefined")
         before = p.js("S.sources.get('self').lastIndex")
@@ -128,13 +133,10 @@ def test_the_page_loads_cleanly_and_its_charts_follow_the_engine(server, browser
         p.wait(f"S.sources.get('self').steps.filter(s => s[0] > {before})"
                ".reduce((a, s) => a + s[4], 0) === 3 * 39")
         assert p.errors == []
-    finally:
-        p.close()
 
 
 def test_the_playground_streams_and_its_token_timings_agree_with_the_api(server, browser):
-    p = Page(browser, server.url + "/dashboard")
-    try:
+    with Page(browser, server.url + "/dashboard") as p:
         p.wait_live()
         p.page.fill("#pg-prompt", "import os\n")
         p.page.fill("#pg-max", "12")
@@ -162,13 +164,10 @@ def test_the_playground_streams_and_its_token_timings_agree_with_the_api(server,
         assert rows.count() == 12
         assert "prefill" in rows.first.text_content()  # (inside a closed <details>)
         assert p.errors == []
-    finally:
-        p.close()
 
 
 def test_the_stall_view_names_the_prompt_that_held_the_streams_back(server, browser):
-    p = Page(browser, server.url + "/dashboard")
-    try:
+    with Page(browser, server.url + "/dashboard") as p:
         p.wait_live()
         p.wait("S.sources.has('self')")
         before = p.js("S.sources.get('self').lastIndex")  # (the hello holds older steps)
@@ -197,50 +196,46 @@ def test_the_stall_view_names_the_prompt_that_held_the_streams_back(server, brow
         for t in threads:
             t.join()
         assert p.errors == []
-    finally:
-        p.close()
 
 
 def test_a_page_that_loses_its_server_says_so_and_reconnects(model_dir, browser, tmp_path):
     port = free_port()
     s = start_server(model_dir, tmp_path / "a.log", "--log-interval", "0", port=port)
-    p = Page(browser, s.url + "/dashboard")
     try:
-        p.wait_live()
-        s.stop()
-        p.wait("document.getElementById('conn').className.includes('bad')")
-        banner = p.page.inner_text("#banner")
-        assert "reconnecting" in banner or "cannot reach" in banner
-        s = start_server(model_dir, tmp_path / "b.log", "--log-interval", "0", port=port)
-        p.wait_live()
-        assert p.page.locator("#banner").is_hidden()
-        # the errors a browser logs for a refused connection are expected here; nothing
-        # else (no exception in the page's own code)
-        assert not [e for e in p.errors if e.startswith("uncaught")]
+        with Page(browser, s.url + "/dashboard") as p:
+            p.wait_live()
+            s.stop()
+            p.wait("document.getElementById('conn').className.includes('bad')")
+            banner = p.page.inner_text("#banner")
+            assert "reconnecting" in banner or "cannot reach" in banner
+            s = start_server(model_dir, tmp_path / "b.log", "--log-interval", "0", port=port)
+            p.wait_live()
+            assert p.page.locator("#banner").is_hidden()
+            # the errors a browser logs for a refused connection are expected here; nothing
+            # else (no exception in the page's own code)
+            assert not [e for e in p.errors if e.startswith("uncaught")]
     finally:
-        p.close()
         s.stop()
 
 
 def test_with_an_api_key_the_page_asks_for_it_then_works(model_dir, browser, tmp_path):
     s = start_server(model_dir, tmp_path / "key.log", "--log-interval", "0",
                      api_key="browser-key")
-    p = Page(browser, s.url + "/dashboard")
     try:
-        assert p.page.url.endswith("/dashboard/login")
-        p.page.fill("#key", "wrong")
-        p.page.click("#login")
-        assert "not this server" in p.page.inner_text("#error")
-        p.page.fill("#key", "browser-key")
-        p.page.click("#login")
-        p.page.wait_for_url("**/dashboard")
-        p.wait_live()
-        p.page.fill("#pg-max", "4")
-        p.page.click("#pg-run")  # the playground's request rides on the session
-        p.wait("document.getElementById('pg-status').textContent === 'done'")
-        assert p.page.locator("#pg-out .tok").count() == 4
-        errors = [e for e in p.errors if "401" not in e]  # the wrong key's page, above
-        assert errors == []
+        with Page(browser, s.url + "/dashboard") as p:
+            assert p.page.url.endswith("/dashboard/login")
+            p.page.fill("#key", "wrong")
+            p.page.click("#login")
+            assert "not this server" in p.page.inner_text("#error")
+            p.page.fill("#key", "browser-key")
+            p.page.click("#login")
+            p.page.wait_for_url("**/dashboard")
+            p.wait_live()
+            p.page.fill("#pg-max", "4")
+            p.page.click("#pg-run")  # the playground's request rides on the session
+            p.wait("document.getElementById('pg-status').textContent === 'done'")
+            assert p.page.locator("#pg-out .tok").count() == 4
+            errors = [e for e in p.errors if "401" not in e]  # the wrong key's page, above
+            assert errors == []
     finally:
-        p.close()
         s.stop()

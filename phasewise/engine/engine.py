@@ -453,20 +453,19 @@ class LLMEngine:
         whose verification raises joins ``failed``). Returns (drafts, accepted) per
         verifying request."""
         verified: dict[str, tuple[int, int]] = {}
-        row = 0
-        for req, n in zip(ran.requests, ran.rows):
-            if n > 1:
-                try:
-                    out, accepted = self.sampler.verify(ran.logits[row:row + n], req)
-                except Exception as e:  # noqa: BLE001 - reported on that request only
-                    failed.append((req, f"sampling failed for this request: "
-                                        f"{type(e).__name__}: {e}"))
-                else:
-                    tokens[req.request_id] = out.token_ids
-                    if req.logprobs is not None:
-                        req.logprobs.extend(lp for lp in out.logprobs if lp is not None)
-                    verified[req.request_id] = (n - 1, accepted)
-            row += n
+        for req, row, n in ran.spans():
+            if n == 1:
+                continue
+            try:
+                out, accepted = self.sampler.verify(ran.logits[row:row + n], req)
+            except Exception as e:  # noqa: BLE001 - reported on that request only
+                failed.append((req, f"sampling failed for this request: "
+                                    f"{type(e).__name__}: {e}"))
+                continue
+            tokens[req.request_id] = out.token_ids
+            if req.logprobs is not None:
+                req.logprobs.extend(lp for lp in out.logprobs if lp is not None)
+            verified[req.request_id] = (n - 1, accepted)
         return verified
 
     def _sample(self, ran: Any) -> tuple[dict[str, list[int]], list[tuple[Request, str]]]:
@@ -478,15 +477,12 @@ class LLMEngine:
         own settings fail: those come back in the second list, with the error, and the rest
         of the step goes on. If every row fails alone too, the fault is not one request's,
         and the original error is raised."""
-        picked, requests, row = [], [], 0
-        for req, n in zip(ran.requests, ran.rows):
-            if n == 1:
-                picked.append(row)
-                requests.append(req)
-            row += n
-        if not requests:
+        plain = [(req, row) for req, row, n in ran.spans() if n == 1]
+        if not plain:
             return {}, []
-        logits = ran.logits if len(picked) == row else ran.logits[picked]
+        requests = [req for req, _ in plain]
+        logits = (ran.logits if len(plain) == ran.logits.shape[0]
+                  else ran.logits[[row for _, row in plain]])
         try:
             sampled = self.sampler(logits, requests)
             rows = list(zip(requests, sampled.token_ids, sampled.logprobs))

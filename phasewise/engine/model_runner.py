@@ -19,6 +19,14 @@ class RunnerOutput:
     logits: torch.Tensor  # [sum(rows), vocab] fp32
     rows: list[int]  # logits rows per request: 1, or 1 + its drafts for a verify
 
+    def spans(self) -> list[tuple[Request, int, int]]:
+        """Each request with its first logits row and its number of rows."""
+        out, row = [], 0
+        for req, n in zip(self.requests, self.rows):
+            out.append((req, row, n))
+            row += n
+        return out
+
 
 class ModelRunner:
     def __init__(self, model: CausalLM, cfg: ModelConfig, *, num_blocks: int, block_size: int,

@@ -31,6 +31,14 @@ class RequestOutput:
     error: str | None = None
 
 
+def new_token_gaps(out: RequestOutput) -> list[float]:
+    """The gaps between consecutive output tokens that ``out``'s new tokens close: one per
+    token after the request's first (a verify emits several at once, so some are 0)."""
+    times = out.metrics.token_times
+    return [times[i] - times[i - 1]
+            for i in range(max(len(times) - len(out.delta_token_ids), 1), len(times))]
+
+
 @dataclass(frozen=True)
 class StepStats:
     """One engine step: its token mix, how long it took, and what the roofline says it

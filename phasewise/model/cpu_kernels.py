@@ -201,8 +201,10 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def _call(name: str, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None
-          ) -> torch.Tensor:
+def _call(name: str, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
+          scale: torch.Tensor | None = None) -> torch.Tensor:
+    """A linear kernel's call: ``name(x, w[, scale], bias, y, M, N, K, threads)`` over x's
+    rows, y [..., N] bf16 (``scale``: int8 weights' per-row scales)."""
     lib = load()
     if lib is None:
         raise RuntimeError(f"CPU kernels unavailable: {KERNELS.reason}")
@@ -212,7 +214,8 @@ def _call(name: str, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None
     m = x2.shape[0]
     y = torch.empty(m, n, dtype=torch.bfloat16)
     if m:
-        rc = getattr(lib, name)(x2.data_ptr(), w.data_ptr(),
+        scales = [] if scale is None else [scale.data_ptr()]
+        rc = getattr(lib, name)(x2.data_ptr(), w.data_ptr(), *scales,
                                 bias.data_ptr() if bias is not None else None, y.data_ptr(),
                                 m, n, k, torch.get_num_threads())
         if rc != 0:
@@ -243,29 +246,16 @@ def linear_int8(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
     K] int8 contiguous, scale [N] fp32, bias [N] bf16 or None -> [..., N] bf16. Up to
     ``INT8_ROWS_MAX`` rows each weight byte is read once, at memory speed; more rows run the
     packed GEMM, which widens the int8 weights block by block (no full-size copy)."""
-    lib = load()
-    if lib is None:
-        raise RuntimeError(f"CPU kernels unavailable: {KERNELS.reason}")
     k, n = x.shape[-1], w.shape[0]
-    x2 = x.reshape(-1, k).contiguous()
-    m = x2.shape[0]
-    if (w.dtype != torch.int8 or scale.dtype != torch.float32 or x2.dtype != torch.bfloat16
+    if (w.dtype != torch.int8 or scale.dtype != torch.float32 or x.dtype != torch.bfloat16
             or (bias is not None and bias.dtype != torch.bfloat16)):
         raise TypeError(f"linear_int8 needs bf16 x, int8 w, fp32 scale and a bf16 bias; got "
-                        f"{x2.dtype}, {w.dtype}, {scale.dtype}, "
+                        f"{x.dtype}, {w.dtype}, {scale.dtype}, "
                         f"{None if bias is None else bias.dtype}")
     if w.shape[1] != k or scale.shape != (n,) or (bias is not None and bias.shape != (n,)):
         raise ValueError(f"linear_int8: x [..., {k}] against w {tuple(w.shape)}, scale "
                          f"{tuple(scale.shape)}")
-    w, scale = w.contiguous(), scale.contiguous()
-    y = torch.empty(m, n, dtype=torch.bfloat16)
-    if m:
-        rc = lib.pw_linear_int8(x2.data_ptr(), w.data_ptr(), scale.data_ptr(),
-                                bias.data_ptr() if bias is not None else None, y.data_ptr(),
-                                m, n, k, torch.get_num_threads())
-        if rc != 0:
-            raise MemoryError("pw_linear_int8 could not allocate scratch memory")
-    return y.view(*x.shape[:-1], n)
+    return _call("pw_linear_int8", x, w.contiguous(), bias, scale.contiguous())
 
 
 def stream_read_gbps(buf: torch.Tensor, reps: int = 3) -> float | None:

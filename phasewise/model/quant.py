@@ -38,8 +38,6 @@ class Int8Embedding(nn.Module):
     """A tied embedding table in int8: the LM head streams it as int8, and a lookup
     dequantizes the rows it reads into ``dtype``."""
 
-    bias = None  # read as an LM head by ops.proj
-
     def __init__(self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype) -> None:
         super().__init__()
         self.dtype = dtype

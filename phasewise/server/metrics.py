@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from phasewise.engine.backend import EngineSnapshot, FinishedRequest
-from phasewise.engine.outputs import RequestOutput, StepStats
+from phasewise.engine.outputs import RequestOutput, StepStats, new_token_gaps
 
 PREFIX = "phasewise:"
 
@@ -165,9 +165,8 @@ class PrometheusMetrics:
             self.generation_tokens.inc(new)
             if len(times) == new:  # this step gave the request its first token
                 self.prompt_tokens.inc(len(out.prompt_token_ids))
-            # every gap this output closes (a verify emits several tokens at once)
-            for i in range(max(len(times) - new, 1), len(times)):
-                self.itl.observe(times[i] - times[i - 1])
+            for gap in new_token_gaps(out):
+                self.itl.observe(gap)
         for f in finished:
             self._observe_request(f)
         last = self._last

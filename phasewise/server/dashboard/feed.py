@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from phasewise.engine.backend import EngineSnapshot, FinishedRequest
-from phasewise.engine.outputs import RequestOutput, StepStats
+from phasewise.engine.outputs import RequestOutput, StepStats, new_token_gaps
 
 # Latency histogram edges: 1 ms to ~63 s, five per decade (the last bin is open).
 LATENCY_EDGES = tuple(round(1e-3 * 10 ** (i / 5), 6) for i in range(26))
@@ -193,8 +193,8 @@ class DashboardFeed:
         if new:
             if len(times) == new:  # its first token(s)
                 self.ttft[bucket(LATENCY_EDGES, times[0] - m.arrival_time)] += 1
-            for i in range(max(len(times) - new, 1), len(times)):  # each gap it closes
-                self.itl[bucket(LATENCY_EDGES, times[i] - times[i - 1])] += 1
+            for gap in new_token_gaps(out):
+                self.itl[bucket(LATENCY_EDGES, gap)] += 1
         full = out.request_id.startswith(PLAYGROUND_PREFIX)
         if out.finished and not full and out.request_id not in self._active:
             return  # (one step from admission to its end: nothing to follow)
