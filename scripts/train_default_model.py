@@ -1,24 +1,44 @@
 """Train phasewise's bundled default model: a tiny Llama that writes Python.
 
-    python scripts/train_default_model.py            # ~24 min on 2 CPU cores
+    python scripts/train_default_model.py --threads 2   # hours: resumable, see below
 
-The training text is the Python standard library's own source (every machine with Python has
-it; test suites, IDLE, lib2to3, codec tables and pydoc's topic dump are left out). The script
+The training text is Python source found on every machine that has phasewise installed:
 
-1. lists the ``.py`` files in sorted order and holds every 50th one out for validation;
-2. trains a byte-level BPE tokenizer on the training files with ``tokenizers``;
+- **core**: the Python standard library (test suites, IDLE, lib2to3, codec tables and pydoc's
+  topic dump left out). Its sorted listing holds every 50th file out for validation, whole
+  files, and the tokenizer is trained on the rest;
+- **stdlib tests**: the standard library's own test suite (``test/``, PSF licence);
+- **packages**: the pure-Python source of torch's own dependencies (sympy, mpmath, networkx,
+  jinja2, markupsafe, fsspec, filelock), each checked against the permissive licence its
+  metadata states (``PACKAGES``); a package that is absent or whose metadata names another
+  licence is skipped, and the card lists what was used.
+
+Training windows are drawn from the three groups by fixed shares (``MIX``). The script
+
+1. lists the files and holds the core's every 50th out;
+2. trains a byte-level BPE tokenizer on the core's training files with ``tokenizers``;
 3. trains a Llama (``transformers``' ``LlamaForCausalLM``: the reference implementation of
    the architecture, so the saved checkpoint is exactly what the HF format means) on random
-   windows of the token stream, with AdamW and a cosine schedule;
+   windows, with AdamW and a cosine schedule; the first ``--short-frac`` of the steps use
+   ``--short-seq``-token windows (cheaper attention), the rest the full ``--seq-len``, which
+   becomes the model's context;
 4. saves it in the standard layout (``config.json``, ``model.safetensors`` in bf16,
    ``generation_config.json``, ``tokenizer.json``, ``tokenizer_config.json`` with a chat
-   template) and writes the model card (``README.md``) with the corpus, the losses, a sample
+   template) and writes the model card (``README.md``) with the data, the losses, a sample
    and the machine it was trained on.
+
+**Resumable.** Every ``--save-every`` seconds, and on Ctrl-C or SIGTERM, the model, the
+optimizer, the step and the random generator's state go to ``--work-dir`` (default: a folder
+under phasewise's cache, named by the run's settings); running the same command again
+continues from there, bit for bit as if never stopped. ``--fresh`` discards a saved state.
+The state is removed once the model is saved.
 
 Everything is seeded: two runs with the same Python (hence the same stdlib), torch,
 transformers and tokenizers versions, CPU and thread count write byte-identical files.
 Another thread count or CPU changes the order of floating-point sums, so the weights differ
-in their last bits and drift from there; the model's quality does not.
+in their last bits and drift from there; the model's quality does not. Arithmetic is fp32,
+or bf16 autocast where the CPU has AMX or AVX-512 bf16 (``--dtype auto``), where it runs
+several times faster.
 
 Needs the ``train`` extra: ``pip install -e '.[train]'`` (transformers).
 """
@@ -27,6 +47,8 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import os
+import signal
 import json
 import math
 import platform
@@ -44,6 +66,12 @@ DEFAULT_OUT = REPO / "phasewise" / "assets" / "stdlib-coder"
 EXCLUDED_DIRS = {"test", "tests", "idlelib", "lib2to3", "turtledemo", "site-packages",
                  "encodings", "pydoc_data", "ensurepip", "__pycache__"}
 HOLDOUT_EVERY = 50
+# Installed packages whose source is trained on (all are torch's own dependencies, so present
+# wherever phasewise is), with the licence their metadata must name.
+PACKAGES = {"sympy": "BSD", "mpmath": "BSD", "networkx": "BSD", "jinja2": "BSD",
+            "markupsafe": "BSD", "fsspec": "BSD", "filelock": "MIT"}
+# Shares of the training windows drawn from each group (renormalised over the groups present).
+MIX = {"core": 0.5, "stdlib-tests": 0.2, "packages": 0.3}
 SAMPLE_PROMPT = "def fibonacci(n):"
 # Sampling defaults that phasewise (and transformers) read from generation_config.json:
 # greedy decoding of so small a model soon repeats a phrase; a cooled, nucleus-trimmed sample
@@ -75,6 +103,48 @@ def corpus_files(root: Path) -> list[Path]:
             continue
         files.append(path)
     return files
+
+
+def stdlib_test_files(root: Path, held: set[Path]) -> list[Path]:
+    return [p for p in sorted((root / "test").rglob("*.py"))
+            if "__pycache__" not in p.parts and p not in held]
+
+
+def package_licence(name: str) -> str:
+    from importlib import metadata
+
+    meta = metadata.metadata(name)
+    parts = [meta.get("License-Expression") or "", (meta.get("License") or "")[:200]]
+    parts += [c for c in (meta.get_all("Classifier") or []) if c.startswith("License")]
+    return " | ".join(p for p in parts if p)
+
+
+def package_files() -> tuple[list[Path], list[dict]]:
+    """The source files of PACKAGES that are installed under the licence named there."""
+    import importlib.util
+
+    files, used = [], []
+    for name, licence in PACKAGES.items():
+        try:
+            spec = importlib.util.find_spec(name)
+            stated = package_licence(name)
+        except Exception:  # noqa: BLE001 - absent or without metadata: skipped
+            log(f"      package {name}: not installed, skipped")
+            continue
+        if spec is None or not spec.submodule_search_locations:
+            log(f"      package {name}: not installed as a package, skipped")
+            continue
+        if licence.lower() not in stated.lower():
+            log(f"      package {name}: its metadata says {stated!r}, not {licence}; skipped")
+            continue
+        root = Path(list(spec.submodule_search_locations)[0])
+        found = [p for p in sorted(root.rglob("*.py")) if "__pycache__" not in p.parts]
+        from importlib import metadata
+
+        used.append({"name": name, "version": metadata.version(name), "licence": stated,
+                     "files": len(found)})
+        files += found
+    return files, used
 
 
 def read_texts(files: list[Path]) -> list[str]:
@@ -111,15 +181,35 @@ def build_parser() -> argparse.ArgumentParser:
                    help="folder of .py files to train on (default: this Python's stdlib)")
     p.add_argument("--max-files", type=int, default=None, help="use only the first N files")
     p.add_argument("--vocab-size", type=int, default=4096)
-    p.add_argument("--hidden-size", type=int, default=256)
-    p.add_argument("--intermediate-size", type=int, default=768)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--hidden-size", type=int, default=384)
+    p.add_argument("--intermediate-size", type=int, default=1152)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--heads", type=int, default=6)
     p.add_argument("--kv-heads", type=int, default=2)
-    p.add_argument("--seq-len", type=int, default=256, help="training window (= context)")
-    p.add_argument("--batch-size", type=int, default=4, help="windows per step")
-    p.add_argument("--tokens", type=float, default=3.6e6, help="training tokens in all")
-    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
+    p.add_argument("--seq-len", type=int, default=1024,
+                   help="training window of the last steps (= the model's context)")
+    p.add_argument("--short-seq", type=int, default=256,
+                   help="window of the first --short-frac of the steps (more windows per "
+                   "step, the same tokens); ignored if not below --seq-len")
+    p.add_argument("--short-frac", type=float, default=0.75)
+    p.add_argument("--batch-size", type=int, default=4,
+                   help="--seq-len windows per step")
+    p.add_argument("--tokens", type=float, default=10e6, help="training tokens in all")
+    p.add_argument("--no-extra-data", action="store_true",
+                   help="train on the core (stdlib) files only; --corpus implies it")
+    p.add_argument("--dtype", choices=["auto", "fp32", "bf16"], default="auto",
+                   help="arithmetic: bf16 autocast or fp32; auto takes bf16 where the CPU "
+                   "has AMX or AVX-512 bf16")
+    p.add_argument("--work-dir", default=None,
+                   help="where the resumable state goes (default: under phasewise's cache, "
+                   "named by the run's settings)")
+    p.add_argument("--save-every", type=float, default=300.0,
+                   help="seconds between saves of the resumable state")
+    p.add_argument("--fresh", action="store_true", help="discard a saved state and start over")
+    p.add_argument("--stop-after", type=int, default=None,
+                   help="save the state and exit after this many steps of this run (exit "
+                   "code 3); the next run continues")
+    p.add_argument("--lr", type=float, default=2e-3, help="peak learning rate")
     p.add_argument("--warmup", type=float, default=0.05, help="warm-up share of the steps")
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--eval-windows", type=int, default=32,
@@ -156,6 +246,32 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(threads_before)  # when called in-process (the tests)
 
 
+def cpu_has_bf16() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return " amx_bf16" in flags or " avx512_bf16" in flags
+
+
+def state_dir(a: argparse.Namespace) -> Path:
+    """Where this run's resumable state lives: named by every setting that shapes the run."""
+    if a.work_dir:
+        return Path(a.work_dir)
+    from phasewise.model.cpu_kernels import cache_dir
+
+    keep = {k: v for k, v in sorted(vars(a).items())
+            if k not in ("work_dir", "save_every", "fresh", "stop_after", "log_every",
+                         "rewrite_card")}
+    keep["out"] = str(Path(a.out).resolve())
+    tag = hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()[:12]
+    return cache_dir() / "train" / f"stdlib-coder-{tag}"
+
+
+class Stop(Exception):
+    """SIGTERM: save the state and exit, as Ctrl-C does."""
+
+
 def train(a: argparse.Namespace) -> int:
     import torch
     import torch.nn.functional as F
@@ -166,7 +282,7 @@ def train(a: argparse.Namespace) -> int:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
 
-    # 1. corpus
+    # 1. data
     root = Path(a.corpus) if a.corpus else Path(sysconfig.get_paths()["stdlib"])
     files = corpus_files(root)[: a.max_files]
     if len(files) < 2:
@@ -180,10 +296,31 @@ def train(a: argparse.Namespace) -> int:
     digest = hashlib.sha256()
     for f, t in zip(train_files, train_texts):
         digest.update(str(f.relative_to(root)).encode() + b"\0" + t.encode() + b"\0")
-    log(f"[1/4] corpus: {len(train_texts)} training files ({corpus_bytes / 1e6:.1f} MB) and "
-        f"{len(val_texts)} held out, from {root}")
+    groups = {"core": train_texts}
+    sources = [{"group": "core", "what": f"Python {platform.python_version()} standard library",
+                "licence": "PSF-2.0", "files": len(train_texts), "bytes": corpus_bytes}]
+    if not (a.corpus or a.no_extra_data):
+        tests = read_texts(stdlib_test_files(root, held_set))
+        if tests:
+            groups["stdlib-tests"] = tests
+            sources.append({"group": "stdlib-tests", "what": "its test suite (test/)",
+                            "licence": "PSF-2.0", "files": len(tests),
+                            "bytes": sum(len(t.encode()) for t in tests)})
+        pkg_files, used = package_files()
+        if pkg_files:
+            texts = read_texts(pkg_files)
+            groups["packages"] = texts
+            for u in used:
+                sources.append({"group": "packages", "what": f"{u['name']} {u['version']}",
+                                "licence": u["licence"], "files": u["files"]})
+            sources.append({"group": "packages", "what": "all packages", "licence": "",
+                            "files": len(texts), "bytes": sum(len(t.encode()) for t in texts)})
+    log(f"[1/4] data: {len(train_texts)} core training files ({corpus_bytes / 1e6:.1f} MB) and "
+        f"{len(val_texts)} held out, from {root}; "
+        + ", ".join(f"{g} {len(t)} files" for g, t in groups.items()))
 
-    # 2. tokenizer
+    # 2. tokenizer (on the core's training files only, so the held-out tokens stay those of
+    # earlier models trained by this script)
     t0 = time.monotonic()
     vocab = train_tokenizer(out, train_texts, vocab_size=a.vocab_size,
                             chat_template=CODE_CHAT_TEMPLATE, model_max_length=a.seq_len)
@@ -196,14 +333,22 @@ def train(a: argparse.Namespace) -> int:
             ids += [bos, *enc.ids, eos]
         return torch.tensor(ids, dtype=torch.long)
 
-    train_ids, val_ids = stream(train_texts), stream(val_texts)
-    log(f"[2/4] tokenizer: {vocab} tokens (byte-level BPE); training stream "
+    streams = {g: stream(t) for g, t in groups.items()}
+    train_ids, val_ids = streams["core"], stream(val_texts)
+    for src in sources:
+        if src["what"] in ("all packages",) or src["group"] != "packages":
+            src["tokens"] = len(streams[src["group"]])
+    log(f"[2/4] tokenizer: {vocab} tokens (byte-level BPE); core stream "
         f"{len(train_ids):,} tokens ({corpus_bytes / len(train_ids):.2f} bytes/token), "
-        f"held out {len(val_ids):,} ({time.monotonic() - t0:.0f} s)")
-    if len(train_ids) <= a.seq_len + 1 or len(val_ids) <= a.seq_len + 1:
+        + "".join(f"{g} {len(s):,}, " for g, s in streams.items() if g != "core")
+        + f"held out {len(val_ids):,} ({time.monotonic() - t0:.0f} s)")
+    if min(len(s) for s in streams.values()) <= a.seq_len + 1 or len(val_ids) <= a.seq_len + 1:
         log(f"error: the corpus is shorter than one {a.seq_len}-token window; "
             "lower --seq-len or add files")
         return 2
+    mix = {g: MIX[g] for g in streams}
+    total = sum(mix.values())
+    mix = {g: w / total for g, w in mix.items()}
 
     # 3. model and training
     torch.manual_seed(a.seed)
@@ -223,6 +368,9 @@ def train(a: argparse.Namespace) -> int:
     tokens_per_step = a.batch_size * a.seq_len
     steps = max(1, round(a.tokens / tokens_per_step))
     warmup = max(1, round(a.warmup * steps))
+    short = a.short_seq if 0 < a.short_seq < a.seq_len else a.seq_len
+    short_steps = round(a.short_frac * steps) if short < a.seq_len else 0
+    bf16 = a.dtype == "bf16" or (a.dtype == "auto" and cpu_has_bf16())
 
     def lr_at(step: int) -> float:
         if step < warmup:
@@ -231,54 +379,115 @@ def train(a: argparse.Namespace) -> int:
         return a.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
 
     gen = torch.Generator().manual_seed(a.seed)
+    names = sorted(streams)
+    weights = torch.tensor([mix[g] for g in names], dtype=torch.float64)
 
-    def windows(ids: torch.Tensor, n: int, g: torch.Generator) -> torch.Tensor:
-        starts = torch.randint(0, len(ids) - a.seq_len - 1, (n,), generator=g)
-        return torch.stack([ids[s: s + a.seq_len + 1] for s in starts.tolist()])
+    def windows_of(ids: torch.Tensor, n: int, seq: int, g: torch.Generator) -> torch.Tensor:
+        starts = torch.randint(0, len(ids) - seq - 1, (n,), generator=g)
+        return torch.stack([ids[s: s + seq + 1] for s in starts.tolist()])
+
+    def train_batch(step: int) -> torch.Tensor:
+        seq = short if step < short_steps else a.seq_len
+        n = tokens_per_step // seq
+        picks = torch.multinomial(weights, n, replacement=True, generator=gen).tolist()
+        return torch.cat([windows_of(streams[names[i]], 1, seq, gen) for i in picks])
 
     def loss_of(batch: torch.Tensor) -> torch.Tensor:
-        logits = model(input_ids=batch[:, :-1]).logits
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            logits = model(input_ids=batch[:, :-1]).logits
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
                                batch[:, 1:].reshape(-1))
 
-    val_batch = windows(val_ids, a.eval_windows, torch.Generator().manual_seed(a.seed + 1))
+    val_batch = windows_of(val_ids, a.eval_windows, a.seq_len,
+                           torch.Generator().manual_seed(a.seed + 1))
 
     @torch.no_grad()
     def val_loss() -> float:
         model.eval()
-        total = sum(loss_of(val_batch[i: i + 8]).item() * len(val_batch[i: i + 8])
-                    for i in range(0, len(val_batch), 8))
+        total = sum(loss_of(val_batch[i: i + 4]).item() * len(val_batch[i: i + 4])
+                    for i in range(0, len(val_batch), 4))
         model.train()
         return total / len(val_batch)
 
+    # resumable state
+    sdir = state_dir(a)
+    state_path = sdir / "state.pt"
+    step, ema, history, trained_s = 0, None, [], 0.0
+    if a.fresh and state_path.exists():
+        state_path.unlink()
+    if state_path.exists():
+        st = torch.load(state_path, weights_only=False)  # our own file, written below
+        model.load_state_dict(st["model"])
+        opt.load_state_dict(st["opt"])
+        gen.set_state(st["gen"])
+        step, ema, history, trained_s = st["step"], st["ema"], st["history"], st["trained_s"]
+        log(f"      resuming from {state_path}: step {step}/{steps}, "
+            f"{fmt_s(trained_s)} trained so far")
+
+    trained_before = trained_s
+
+    def save_state() -> None:
+        sdir.mkdir(parents=True, exist_ok=True)
+        tmp = state_path.with_suffix(".tmp")
+        torch.save({"model": model.state_dict(), "opt": opt.state_dict(),
+                    "gen": gen.get_state(), "step": step, "ema": ema, "history": history,
+                    "trained_s": trained_s}, tmp)
+        os.replace(tmp, state_path)
+
     log(f"[3/4] model: Llama, {n_params / 1e6:.2f} M parameters ({a.layers} layers, hidden "
         f"{a.hidden_size}, {a.heads} heads / {a.kv_heads} KV heads, MLP {a.intermediate_size}, "
-        f"tied embeddings); {steps} steps x {tokens_per_step} tokens, "
-        f"{torch.get_num_threads()} threads")
+        f"tied embeddings); {steps} steps x {tokens_per_step} tokens"
+        + (f" ({short_steps} of them in {short}-token windows)" if short_steps else "")
+        + f", {'bf16 autocast' if bf16 else 'fp32'}, {torch.get_num_threads()} threads; "
+        f"state saved to {sdir} every {a.save_every:.0f} s")
+
+    def on_term(signum, frame):  # noqa: ARG001
+        raise Stop
+
+    old_term = signal.signal(signal.SIGTERM, on_term) if hasattr(signal, "SIGTERM") else None
     model.train()
-    t_train, t_log = time.monotonic(), time.monotonic()
-    ema = None
-    history = []
-    for step in range(steps):
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step)
-        loss = loss_of(windows(train_ids, a.batch_size, gen))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        value = loss.item()
-        ema = value if ema is None else 0.95 * ema + 0.05 * value
-        now = time.monotonic()
-        if now - t_log >= a.log_every or step == steps - 1:
-            t_log = now
-            done = step + 1
-            rate = done * tokens_per_step / (now - t_train)
-            eta = (steps - done) * tokens_per_step / rate
-            history.append({"step": done, "loss": round(ema, 4)})
-            log(f"      step {done}/{steps}  loss {ema:.3f}  lr {lr_at(step):.2e}  "
-                f"{rate:,.0f} tok/s  elapsed {fmt_s(now - t_train)}  eta {fmt_s(eta)}")
-    train_s = time.monotonic() - t_train
+    t_run = time.monotonic()
+    t_log = t_save = t_run
+    first = step
+    try:
+        while step < steps:
+            for group in opt.param_groups:
+                group["lr"] = lr_at(step)
+            loss = loss_of(train_batch(step))
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            value = loss.item()
+            ema = value if ema is None else 0.95 * ema + 0.05 * value
+            step += 1
+            now = time.monotonic()
+            if now - t_log >= a.log_every or step == steps:
+                t_log = now
+                rate = (step - first) * tokens_per_step / (now - t_run)
+                eta = (steps - step) * tokens_per_step / rate
+                history.append({"step": step, "loss": round(ema, 4)})
+                log(f"      step {step}/{steps}  loss {ema:.3f}  lr {lr_at(step - 1):.2e}  "
+                    f"{rate:,.0f} tok/s  trained {fmt_s(trained_s + now - t_run)}  "
+                    f"eta {fmt_s(eta)}")
+            if step < steps and now - t_save >= a.save_every:
+                trained_s += now - t_run
+                t_run = t_save = now
+                first = step
+                save_state()
+            if a.stop_after is not None and step - first >= a.stop_after and step < steps:
+                raise Stop
+    except (KeyboardInterrupt, Stop):
+        trained_s += time.monotonic() - t_run
+        save_state()
+        log(f"      stopped at step {step}/{steps}; state saved to {state_path}: run the same "
+            "command again to continue")
+        return 3
+    finally:
+        if old_term is not None:
+            signal.signal(signal.SIGTERM, old_term)
+    train_s = trained_s + time.monotonic() - t_run
+    setup_s = time.monotonic() - t_start - (train_s - trained_before)
     final_val = val_loss()
     log(f"      done in {fmt_s(train_s)}: train loss {ema:.3f}, held-out loss {final_val:.3f} "
         f"(uniform guess: {math.log(vocab):.2f})")
@@ -316,7 +525,9 @@ def train(a: argparse.Namespace) -> int:
         "corpus_bytes": corpus_bytes, "corpus_sha256": digest.hexdigest(),
         "train_tokens_in_corpus": len(train_ids), "vocab_size": vocab,
         "parameters": n_params, "steps": steps, "tokens_seen": steps * tokens_per_step,
-        "train_seconds": round(train_s), "total_seconds": round(time.monotonic() - t_start),
+        "train_seconds": round(train_s), "total_seconds": round(train_s + setup_s),
+        "sources": sources, "mix": mix, "arithmetic": "bf16 autocast" if bf16 else "fp32",
+        "short_steps": short_steps, "short_seq": short,
         "train_loss": round(ema, 4), "held_out_loss_fp32": round(final_val, 4),
         "held_out_loss": round(shipped_val, 4),
         "loss_history": history, "sample_prompt": SAMPLE_PROMPT, "sample": sample,
@@ -324,6 +535,7 @@ def train(a: argparse.Namespace) -> int:
     }
     (out / "training.json").write_text(json.dumps(info, indent=1) + "\n")
     (out / "README.md").write_text(model_card(info, a, size))
+    state_path.unlink(missing_ok=True)
     log(f"[4/4] saved to {out} ({size / 1e6:.1f} MB) in {fmt_s(time.monotonic() - t_start)} "
         f"in all. Greedy sample:\n{sample}")
     return 0
@@ -352,6 +564,36 @@ def rewrite_card(out: Path) -> int:
     (out / "README.md").write_text(model_card(info, a, size))
     log(f"rewrote {out}'s README.md, chat template and sampling defaults")
     return 0
+
+
+def sources_line(i: dict) -> str:
+    """The extra training groups of the card's data row, with their licences and shares."""
+    extra = [s for s in i.get("sources", []) if s["group"] != "core"]
+    if not extra:
+        return ""
+    mix = i.get("mix", {})
+    parts = []
+    for group in ("stdlib-tests", "packages"):
+        rows = [s for s in extra if s["group"] == group]
+        if not rows:
+            continue
+        total = rows[-1]
+        if group == "packages":
+            names = ", ".join(f"{s['what']} ({s['licence']})" for s in rows[:-1])
+            parts.append(f"installed packages {names}: {total['files']} files, "
+                         f"{total['bytes'] / 1e6:.1f} MB")
+        else:
+            parts.append(f"the stdlib's test suite ({total['licence']}): {total['files']} "
+                         f"files, {total['bytes'] / 1e6:.1f} MB")
+    shares = ", ".join(f"{g} {w:.0%}" for g, w in mix.items())
+    return "; also " + "; ".join(parts) + f". Windows drawn by shares: {shares}"
+
+
+def short_line(i: dict, a: argparse.Namespace) -> str:
+    if not i.get("short_steps"):
+        return f" ({a.batch_size} x {a.seq_len}-token windows drawn at random)"
+    return (f" (the first {i['short_steps']} in {i['short_seq']}-token windows, the rest in "
+            f"{a.batch_size} x {a.seq_len}, drawn at random)")
 
 
 def model_card(i: dict, a: argparse.Namespace, size: int) -> str:
@@ -390,10 +632,10 @@ Python {i['python']} standard library, so anyone can rebuild it from what is on 
 
 | | |
 |---|---|
-| data | {i['corpus_files']} `.py` files of the Python {i['python']} stdlib ({i['corpus_bytes'] / 1e6:.1f} MB; tests, IDLE, lib2to3, codec tables and pydoc's topics left out; every {HOLDOUT_EVERY}th file held out: {i['held_out_files']} files), sha256 `{i['corpus_sha256'][:16]}` |
+| data | {i['corpus_files']} `.py` files of the Python {i['python']} stdlib ({i['corpus_bytes'] / 1e6:.1f} MB; tests, IDLE, lib2to3, codec tables and pydoc's topics left out; every {HOLDOUT_EVERY}th file held out: {i['held_out_files']} files), sha256 `{i['corpus_sha256'][:16]}`{sources_line(i)} |
 | tokenizer | byte-level BPE, {i['vocab_size']} tokens, `<|bos|>` before and `<|eos|>` after every file |
 | model | {a.layers} layers, hidden {a.hidden_size}, {a.heads} heads / {a.kv_heads} KV heads (head dim {a.hidden_size // a.heads}), SwiGLU MLP {a.intermediate_size}, RoPE, tied embeddings: {i['parameters']:,} parameters |
-| training | {i['steps']} steps of {a.batch_size} x {a.seq_len}-token windows drawn at random ({i['tokens_seen']:,} tokens, {i['tokens_seen'] / i['train_tokens_in_corpus']:.2f} passes over the {i['train_tokens_in_corpus']:,}-token stream); AdamW (0.9, 0.95), peak LR {a.lr}, {a.warmup:.0%} warm-up, cosine to 10%, weight decay {a.weight_decay}, gradient clip 1.0, fp32, seed {a.seed} |
+| training | {i['steps']} steps of {a.batch_size * a.seq_len} tokens{short_line(i, a)} ({i['tokens_seen']:,} tokens, {i['tokens_seen'] / i['train_tokens_in_corpus']:.2f} times the {i['train_tokens_in_corpus']:,}-token core stream); AdamW (0.9, 0.95), peak LR {a.lr}, {a.warmup:.0%} warm-up, cosine to 10%, weight decay {a.weight_decay}, gradient clip 1.0, {i.get('arithmetic', 'fp32')}, seed {a.seed} |
 | loss (nats/token) | train {i['train_loss']:.3f} (last steps, smoothed); held out {i['held_out_loss']:.3f} with the shipped bf16 weights ({i['held_out_loss_fp32']:.3f} before the cast from fp32); a uniform guess scores {math.log(i['vocab_size']):.2f} |
 | trained on | {i['cpu']}, {i['threads']} threads; Python {i['python']}, torch {i['torch']}, transformers {i['transformers']}, tokenizers {i['tokenizers']}: {i['total_seconds'] // 60} min {i['total_seconds'] % 60} s in all |
 

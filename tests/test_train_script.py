@@ -92,3 +92,19 @@ def test_the_result_loads_and_generates_in_the_engine(runs):
 def test_a_corpus_without_files_is_refused(script, tmp_path, capsys):
     assert script.main(["--out", str(tmp_path / "m"), "--corpus", str(tmp_path), *ARGS]) == 2
     assert "need at least 2 .py files" in capsys.readouterr().err
+
+
+def test_a_stopped_run_resumes_to_the_same_weights(script, corpus, runs, tmp_path, capsys):
+    """Stopped after one step (its state saved), then run again: the same files as one go."""
+    out, work = tmp_path / "m", tmp_path / "state"
+    argv = ["--out", str(out), "--corpus", str(corpus), "--work-dir", str(work), *ARGS]
+    assert script.main([*argv, "--stop-after", "1"]) == 3
+    assert (work / "state.pt").is_file()
+    assert "step 1/4" in capsys.readouterr().err
+    assert script.main(argv) == 0
+    assert "resuming from" in capsys.readouterr().err
+    assert not (work / "state.pt").exists()  # removed once the model is saved
+    for name in ("model.safetensors", "tokenizer.json"):
+        assert (out / name).read_bytes() == (runs[0] / name).read_bytes(), name
+    info = json.loads((out / "training.json").read_text())
+    assert info["steps"] == 4 and info["sources"][0]["group"] == "core"
