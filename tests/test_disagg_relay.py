@@ -53,9 +53,19 @@ def test_output_lines_rebuild_text_ids_logprobs_and_the_workers_timing():
             asm.feed(bad)
 
 
+def test_prompt_logprobs_cross_on_a_requests_first_line():
+    out = _out(0, "x", [5], None, True)
+    out.prompt_logprobs = [None, {2: -0.75, 9: -0.5}]
+    first = encode_output(0, out, None, first=True)
+    assert json.loads(encode_output(0, out, None))  # later lines leave them out
+    assert "plp" not in json.loads(encode_output(0, out, None))
+    asm = OutputAssembler(["g"], [[1, 2]], [None], arrival_time=0.0)
+    assert asm.feed(first).prompt_logprobs == [None, {2: -0.75, 9: -0.5}]
+
+
 def test_sampling_params_cross_the_wire_unchanged():
     p = SamplingParams(temperature=0.7, top_k=5, stop=["\n\n", "x"], seed=3, max_tokens=9,
-                       logprobs=2)
+                       logprobs=2, prompt_logprobs=1)
     assert params_from_wire(json.loads(json.dumps(params_to_wire(p)))) == p
     assert param_defaults(SamplingParams()) == {}
     assert param_defaults(p)["top_k"] == 5

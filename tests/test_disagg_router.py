@@ -87,6 +87,17 @@ def test_pd_starts_three_processes_the_openai_client_streams_through_the_router(
                     "router_ttft_s"):
             assert timing[key] >= 0, key
         assert timing["remote_prefill_s"] + timing["kv_transfer_s"] <= timing["prefill_s"]
+        # Prompt logprobs (echo): the decode worker computes the prompt itself, and they
+        # come through the relay.
+        offline = LLM(str(model))
+        ids = offline.tokenizer.encode(PROMPT * 4, add_special_tokens=False)
+        scored = httpx.post(pd.url + "/v1/completions", headers=pd.headers, timeout=60, json={
+            "prompt": ids, "echo": True, "logprobs": 1, "max_tokens": 1}).json()
+        lps = scored["choices"][0]["logprobs"]["token_logprobs"]
+        assert len(lps) == len(ids) + 1 and lps[0] is None
+        ref = offline.generate([ids], SamplingParams(max_tokens=1, prompt_logprobs=0))[0]
+        for pos in range(1, len(ids)):
+            assert abs(lps[pos] - ref.prompt_logprobs[pos][ids[pos]]) < 0.02, pos
         # Chat works through the same relay.
         chat = client.chat.completions.create(
             model=model.name, messages=[{"role": "user", "content": "hi"}], max_tokens=5,
@@ -96,7 +107,7 @@ def test_pd_starts_three_processes_the_openai_client_streams_through_the_router(
         m = pd.metrics()
         assert m[("phasewise:router_worker_up",
                   (("role", "decode"), ("url", f"http://127.0.0.1:{dport}")))] == 1
-        assert m[("phasewise:time_to_first_token_seconds_count", ())] == 2
+        assert m[("phasewise:time_to_first_token_seconds_count", ())] == 3  # 3 requests
     finally:
         code = pd.stop(signal.SIGTERM, timeout=90)
     # Stopping the launcher stopped all three.

@@ -239,7 +239,9 @@ class DecodeSide(_Delegate):
         """Admit a group; prompts long enough go to a prefill worker when one is connected
         and not too busy (see the module)."""
         peer, why_not = self._prefill_peer()
-        long_enough = [len(s.token_ids) >= max(1, self.threshold) for s in specs]
+        # A request that wants its prompt logprobs needs the prompt's logits: computed here.
+        long_enough = [len(s.token_ids) >= max(1, self.threshold)
+                       and s.params.prompt_logprobs is None for s in specs]
         remote = [dataclasses.replace(s, remote=peer is not None and long)
                   for s, long in zip(specs, long_enough)]
         group = await self.backend.add(remote, request_id, arrival_time)

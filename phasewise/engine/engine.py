@@ -544,6 +544,6 @@ class LLMEngine:
             delta_token_ids=list(delta_tokens), finished=req.finished,
             finish_reason=req.finish_reason, stop_reason=req.stop_reason,
             logprobs=list(req.logprobs) if req.logprobs is not None else None,
-            metrics=req.metrics,
+            metrics=req.metrics, prompt_logprobs=req.prompt_logprobs,
         )
 

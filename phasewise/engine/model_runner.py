@@ -12,6 +12,10 @@ from phasewise.model.attention import AttentionMetadata
 from phasewise.model.config import ModelConfig
 from phasewise.model.transformer import CausalLM
 
+# Prompt logprobs are computed this many positions at a time: [rows, vocab] logits at once,
+# never [prompt_len, vocab].
+PROMPT_LOGPROB_ROWS = 64
+
 
 @dataclass
 class RunnerOutput:
@@ -73,6 +77,9 @@ class ModelRunner:
         sample_rows: list[int] = []
         sample_reqs: list[Request] = []
         rows_per_req: list[int] = []
+        # (request, its first flat row to score, that row's position, rows): prompt chunks
+        # whose positions need their logprobs
+        scored: list[tuple[Request, int, int, int]] = []
         for req, n, table in zip(batch.requests, batch.num_tokens, block_tables):
             start = req.num_computed_tokens
             if req.spec_token_ids and is_decode(req, n):
@@ -89,6 +96,14 @@ class ModelRunner:
                 sample_reqs.append(req)
                 rows_per_req.append(n)
                 continue
+            if req.needs_prompt_logprobs:
+                # Row j (position start + j) scores the prompt token after it (the next
+                # chunk's first, for the last row), if not scored yet (a recompute after
+                # preemption skips those).
+                first = max(start, len(req.prompt_logprobs) - 1)
+                last = min(start + n, req.num_prompt_tokens - 1)
+                if last > first:
+                    scored.append((req, len(input_ids) + first - start, first, last - first))
             input_ids.extend(req.all_token_ids[start:start + n])
             positions.extend(range(start, start + n))
             chunk_lens.append(n)
@@ -108,4 +123,26 @@ class ModelRunner:
         hidden = self.model(ids_t, pos_t, self.kv_caches, meta)  # [T, hidden]
         rows = torch.tensor(sample_rows, dtype=torch.long, device=dev)
         logits = self.model.compute_logits(hidden[rows])  # [S, vocab]
+        for req, row, pos, n in scored:
+            self._prompt_logprobs(req, hidden[row:row + n], pos)
         return RunnerOutput(sample_reqs, logits, rows_per_req)
+
+    def _prompt_logprobs(self, req: Request, hidden: torch.Tensor, pos: int) -> None:
+        """Append to ``req.prompt_logprobs`` the entries of the positions ``pos ..`` whose
+        hidden states are ``hidden`` (each scores the prompt token after it), in blocks of
+        PROMPT_LOGPROB_ROWS rows."""
+        top_n = req.params.prompt_logprobs
+        n = hidden.shape[0]
+        prompt = req.prompt_token_ids
+        for b in range(0, n, PROMPT_LOGPROB_ROWS):
+            k = min(PROMPT_LOGPROB_ROWS, n - b)
+            logits = self.model.compute_logits(hidden[b:b + k]).float()
+            lp = torch.log_softmax(logits, dim=-1)
+            targets = torch.tensor(prompt[pos + b + 1:pos + b + 1 + k], device=lp.device)
+            own = lp.gather(1, targets[:, None])[:, 0].tolist()
+            tops = torch.topk(lp, top_n) if top_n else None
+            for j, (t, v) in enumerate(zip(targets.tolist(), own)):
+                entry = {t: v}
+                if tops is not None:
+                    entry.update(zip(tops.indices[j].tolist(), tops.values[j].tolist()))
+                req.prompt_logprobs.append(entry)

@@ -29,6 +29,9 @@ class RequestOutput:
     metrics: RequestMetrics
     # Set when this request failed alone (its sampling raised): it is finished, as "abort".
     error: str | None = None
+    # With SamplingParams.prompt_logprobs: one entry per prompt position, None for the first
+    # (complete from the request's first output on).
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
 def new_token_gaps(out: RequestOutput) -> list[float]:

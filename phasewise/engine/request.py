@@ -119,6 +119,10 @@ class Request:
         self.status = RequestStatus.WAITING
         self.stop_reason: str | int | None = None
         self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
+        # One entry per prompt position: None for the first (nothing precedes it), then the
+        # prompt token's own log-probability and the top N (filled chunk by chunk in prefill).
+        self.prompt_logprobs: list[dict[int, float] | None] | None = (
+            [None] if params.prompt_logprobs is not None else None)
         self.metrics = RequestMetrics(arrival_time)
         # Speculative decoding: the draft tokens this step verifies after the last sampled
         # token (a decode of 1 + len(spec_token_ids) tokens); never part of all_token_ids.
@@ -143,6 +147,13 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.status.finished
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Prompt positions still lack their logprobs: its prefill must compute (not take
+        from the prefix cache, nor from a prefill worker) every prompt token."""
+        return (self.prompt_logprobs is not None
+                and len(self.prompt_logprobs) < self.num_prompt_tokens)
 
     @property
     def finish_reason(self) -> str | None:

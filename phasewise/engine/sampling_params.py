@@ -29,8 +29,13 @@ class SamplingParams:
 
     ``temperature`` below 1e-5 (0 included) means greedy. ``top_k`` of 0 or -1 disables
     top-k. ``max_tokens`` of None generates until a stop condition or the model's context
-    length. ``logprobs`` asks for the top-N log-probabilities of every sampled position (computed on the model's raw
-    distribution, before penalties and temperature) plus the sampled token's own.
+    length; 0 only prefills the prompt (for ``prompt_logprobs``) and finishes with
+    ``length`` and no output. ``logprobs`` asks for the top-N log-probabilities of every
+    sampled position (computed on the model's raw distribution, before penalties and
+    temperature) plus the sampled token's own. ``prompt_logprobs`` asks for the same of every
+    prompt position after the first: each prompt token's own log-probability given the tokens
+    before it, and the top N there (computed chunk by chunk in prefill; such a request does
+    not use the prefix cache, whose blocks hold no logits).
     """
 
     max_tokens: int | None = 16
@@ -47,6 +52,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
 
@@ -70,8 +76,8 @@ class SamplingParams:
             return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x
 
         if self.max_tokens is not None and (not is_int(self.max_tokens)
-                                            or not 1 <= self.max_tokens <= MAX_INT32):
-            raise bad("max_tokens", f"an integer >= 1 or None (at most {MAX_INT32})",
+                                            or not 0 <= self.max_tokens <= MAX_INT32):
+            raise bad("max_tokens", f"an integer >= 0 or None (at most {MAX_INT32})",
                       self.max_tokens)
         if not is_int(self.min_tokens) or not 0 <= self.min_tokens <= MAX_INT32:
             raise bad("min_tokens", f"an integer >= 0 (at most {MAX_INT32})", self.min_tokens)
@@ -109,6 +115,11 @@ class SamplingParams:
             not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS
         ):
             raise bad("logprobs", f"an integer in [0, {MAX_LOGPROBS}] or None", self.logprobs)
+        if self.prompt_logprobs is not None and (
+            not is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS
+        ):
+            raise bad("prompt_logprobs", f"an integer in [0, {MAX_LOGPROBS}] or None",
+                      self.prompt_logprobs)
 
     @property
     def greedy(self) -> bool:

@@ -34,7 +34,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from phasewise.cache.manager import KVCacheManager
+from phasewise.cache.manager import CachedPrefix, KVCacheManager
 from phasewise.engine.finish import token_finish
 from phasewise.engine.request import Request, RequestStatus
 from phasewise.engine.validation import ValidationError, check_context
@@ -161,7 +161,7 @@ class Scheduler:
         self.check_admissible(req)
         if not self._has_seat():
             return None
-        prefix = self.kv.get_computed_blocks(req)
+        prefix = self._cached_prefix(req)
         if not self.kv.allocate_slots(req, req.num_tokens - prefix.num_tokens, prefix):
             return None
         self.kv.record_prefix_lookup(req.num_tokens, prefix.num_tokens)
@@ -289,7 +289,7 @@ class Scheduler:
         if admit and not batch.preempted:
             while self.waiting and budget > 0 and self._has_seat():
                 req = self.waiting[0]
-                prefix = self.kv.get_computed_blocks(req)
+                prefix = self._cached_prefix(req)
                 n = min(req.num_tokens - prefix.num_tokens, budget)
                 if not self.kv.allocate_slots(req, n, prefix):
                     break
@@ -326,7 +326,7 @@ class Scheduler:
         batch = ScheduledBatch()
         while self.waiting and self._has_seat():
             req = self.waiting[0]
-            prefix = self.kv.get_computed_blocks(req)
+            prefix = self._cached_prefix(req)
             n = req.num_tokens - prefix.num_tokens
             if n > budget or not self.kv.allocate_slots(req, n, prefix):
                 break
@@ -340,6 +340,13 @@ class Scheduler:
         batch.requests = [batch.requests[i] for i in order]
         batch.num_tokens = [batch.num_tokens[i] for i in order]
         return batch
+
+    def _cached_prefix(self, req: Request) -> CachedPrefix:
+        """The prefix cache's blocks for a request, none for one that still needs its prompt
+        logprobs (cached blocks hold K/V, not the logits its positions need)."""
+        if req.needs_prompt_logprobs:
+            return CachedPrefix()
+        return self.kv.get_computed_blocks(req)
 
     def _has_seat(self) -> bool:
         """Under max_num_seqs: requests waiting for remote K/V hold their seat too."""
@@ -375,6 +382,11 @@ class Scheduler:
                     req.num_computed_tokens += 1
                 self.kv.cache_blocks(req)
                 continue
+            if req.params.max_tokens == 0:  # it only prefilled: no output, ended by length
+                self.kv.cache_blocks(req)
+                self.finish_request(req, RequestStatus.FINISHED_LENGTH)
+                got_token.append((req, 0))
+                continue
             kept = 0
             for token in tokens:
                 kept += 1
@@ -391,17 +403,17 @@ class Scheduler:
         return got_token
 
     def _append_token(self, req: Request, token: int, now: float) -> None:
-        """Give a request its sampled token; finish it if that meets a stop condition, else
-        register its full blocks in the prefix cache."""
+        """Give a request its sampled token, register its full computed blocks in the prefix
+        cache (those of a request this token ends too: a one-token request leaves its prompt
+        cached), and finish it if the token meets a stop condition."""
         req.append_output(token)
         m = req.metrics
         if m.first_token_time is None:
             m.first_token_time = now
         m.token_times.append(now)
+        self.kv.cache_blocks(req)
         end = token_finish(req.params, req.eos_token_ids, token, req.num_output_tokens,
                            req.num_tokens, self.max_len)
         if end is not None:
             status, req.stop_reason = end
             self.finish_request(req, status)
-        else:
-            self.kv.cache_blocks(req)

@@ -25,13 +25,14 @@ class ValidationError(ValueError):
 
 
 def check_context(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int, *,
-                  prompt_param: str = "prompt", max_tokens_param: str = "max_tokens") -> int:
+                  prompt_param: str = "prompt", max_tokens_param: str = "max_tokens",
+                  min_max_tokens: int = 1) -> int:
     """The effective ``max_tokens`` of a request: ``max_tokens`` itself, or, when it is None,
     all the room the context leaves after the prompt.
 
     Raises ``ValidationError`` (``param=prompt_param``) for an empty prompt or one that leaves
-    no room for an output token, and (``param=max_tokens_param``) for ``max_tokens`` below 1
-    or beyond that room.
+    no room for an output token, and (``param=max_tokens_param``) for ``max_tokens`` below
+    ``min_max_tokens`` (1; 0 where a request may only prefill) or beyond that room.
     """
     n, limit = num_prompt_tokens, max_model_len
     if n < 1:
@@ -50,9 +51,9 @@ def check_context(num_prompt_tokens: int, max_tokens: int | None, max_model_len:
     room = limit - n
     if max_tokens is None:
         return room
-    if max_tokens < 1:
-        raise ValidationError(f"{max_tokens_param} must be an integer >= 1, got {max_tokens}",
-                              max_tokens_param)
+    if max_tokens < min_max_tokens:
+        raise ValidationError(f"{max_tokens_param} must be an integer >= {min_max_tokens}, "
+                              f"got {max_tokens}", max_tokens_param)
     if max_tokens > room:
         raise ValidationError(
             f"{max_tokens_param} is {max_tokens}, but max_model_len is {limit} tokens and the "

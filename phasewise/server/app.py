@@ -1,8 +1,8 @@
 """The OpenAI-compatible HTTP API over a ``ServingBackend``: the app's assembly.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
-``GET /health``, ``GET /metrics``, ``POST /tokenize``, ``POST /detokenize``, ``GET /version``,
-``GET /openapi.json``; ``/dashboard`` (the live page, ``dashboard``); and ``/internal/v1/*``,
+``GET /v1/models/{id}``, ``GET /health``, ``GET /metrics``, ``POST /tokenize``,
+``POST /detokenize``, ``GET /tokenizer_info``, ``GET /version``, ``GET /openapi.json``; ``/dashboard`` (the live page, ``dashboard``); and ``/internal/v1/*``,
 which a router calls (``internal``).
 
 The jobs live in their own modules: ``guard`` (API key, draining, body size; the access log),
@@ -198,12 +198,26 @@ class OpenAIServer:
             return Response(generate_latest(self.metrics.registry),
                             media_type=CONTENT_TYPE_LATEST)
 
+        def model_card() -> dict[str, Any]:
+            return {"id": self.config.served_model_name, "object": "model",
+                    "created": self.created, "owned_by": "phasewise",
+                    "root": self.backend.info.model_path, "max_model_len": self.max_model_len}
+
         @app.get("/v1/models", response_model=None, responses={401: _POST_ERRORS[401]})
         async def models() -> dict[str, Any]:
-            return {"object": "list", "data": [{
-                "id": self.config.served_model_name, "object": "model",
-                "created": self.created, "owned_by": "phasewise",
-                "root": self.backend.info.model_path, "max_model_len": self.max_model_len}]}
+            return {"object": "list", "data": [model_card()]}
+
+        @app.get("/v1/models/{model_id:path}", response_model=None,
+                 responses={401: _POST_ERRORS[401], 404: _POST_ERRORS[404]})
+        async def model(model_id: str) -> dict[str, Any]:
+            routes.check_model(model_id)
+            return model_card()
+
+        @app.get("/tokenizer_info", response_model=None, responses={401: _POST_ERRORS[401]})
+        async def tokenizer_info() -> dict[str, Any]:
+            """vLLM's route: what a client needs to tokenize and template as this server does
+            (lm-eval's remote tokenizer reads it, then calls /tokenize and /detokenize)."""
+            return routes.tokenizer_info()
 
         @app.post("/tokenize", response_model=None, responses=_POST_ERRORS)
         async def tokenize(body: TokenizeRequest, request: Request) -> Response:

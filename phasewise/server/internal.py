@@ -147,11 +147,13 @@ def add_internal_routes(app: FastAPI, backend: ServingBackend, routes: Routes, *
         async def lines() -> AsyncIterator[bytes]:
             try:
                 async for idx, out in group:
+                    first = idx not in produced
                     produced[idx] = len(out.token_ids)
                     rec.output_tokens = sum(produced.values())
                     if rec.ttft_s is None and out.metrics.ttft is not None:
                         rec.ttft_s = out.metrics.ttft
-                    yield encode_output(idx, out, timing(idx, out) if out.finished else None)
+                    yield encode_output(idx, out, timing(idx, out) if out.finished else None,
+                                        first=first)
             except EngineStopped as e:
                 yield encode_error("stopped", str(e))
             except EngineError as e:

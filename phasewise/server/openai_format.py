@@ -55,21 +55,47 @@ TokenText = Callable[[int], str]
 
 
 def completion_logprobs(token_text: TokenText, token_ids: list[int],
-                        entries: list[dict[int, float]], offset: int) -> dict[str, Any]:
-    """The legacy layout; ``text_offset`` counts each token's own text from ``offset``."""
+                        entries: list[dict[int, float] | None], offset: int,
+                        top_n: int | None = None) -> dict[str, Any]:
+    """The legacy layout; ``text_offset`` counts each token's own text from ``offset``. An
+    entry of None (an echoed prompt's first token) is a null logprob and null top entries;
+    ``top_n`` keeps that many of an entry's others (an entry may carry more, when
+    prompt_logprobs asked for more than logprobs)."""
     tokens, lps, tops, offsets = [], [], [], []
     pos = offset
     for tok, entry in zip(token_ids, entries):
         text = token_text(tok)
         tokens.append(text)
-        lps.append(entry.get(tok))
-        ranked = sorted(((lp, t) for t, lp in entry.items()), reverse=True)
-        # The top-N and the sampled token (OpenAI: "up to logprobs + 1" entries).
-        tops.append({token_text(t): lp for lp, t in ranked})
         offsets.append(pos)
         pos += len(text)
+        if entry is None:
+            lps.append(None)
+            tops.append(None)
+            continue
+        lps.append(entry.get(tok))
+        ranked = sorted(((lp, t) for t, lp in entry.items()), reverse=True)
+        if top_n is not None and len(ranked) > top_n:
+            ranked = [(lp, t) for i, (lp, t) in enumerate(ranked) if i < top_n or t == tok]
+        # The top-N and the sampled token (OpenAI: "up to logprobs + 1" entries).
+        tops.append({token_text(t): lp for lp, t in ranked})
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops,
             "text_offset": offsets}
+
+
+def vllm_prompt_logprobs(token_text: TokenText, entries: list[dict[int, float] | None],
+                         top_n: int) -> list[dict[str, Any] | None]:
+    """vLLM's ``prompt_logprobs`` of a choice: per prompt position, null for the first, else
+    {token id: {"logprob", "decoded_token"}} for the prompt token and the top ``top_n``."""
+    out: list[dict[str, Any] | None] = []
+    for entry in entries:
+        if entry is None:
+            out.append(None)
+            continue
+        items = list(entry.items())
+        own, rest = items[:1], sorted(items[1:], key=lambda kv: -kv[1])[:top_n]
+        out.append({str(t): {"logprob": lp, "decoded_token": token_text(t)}
+                    for t, lp in own + rest})
+    return out
 
 
 def chat_logprobs(token_text: TokenText, token_ids: list[int],
@@ -86,18 +112,51 @@ def chat_logprobs(token_text: TokenText, token_ids: list[int],
 
 
 class CompletionChoices:
-    """Choices of ``/v1/completions``: ``text`` and the legacy logprobs layout."""
+    """Choices of ``/v1/completions``: ``text`` and the legacy logprobs layout. With
+    ``echo``, each choice starts with its prompt (``prompt_texts``, one per choice) and, with
+    logprobs, the prompt tokens' entries; ``prompt_logprobs`` adds vLLM's per-choice field."""
 
     stream_object = "text_completion"
     object = "text_completion"
 
-    def __init__(self, token_text: TokenText, num_choices: int, logprobs: int | None) -> None:
+    def __init__(self, token_text: TokenText, num_choices: int, logprobs: int | None, *,
+                 echo: bool = False, prompt_texts: list[str] | None = None,
+                 prompt_logprobs: int | None = None) -> None:
         self.token_text = token_text
         self.logprobs = logprobs
+        self.echo = echo
+        self.prompt_texts = prompt_texts or [""] * num_choices
+        self.prompt_logprobs = prompt_logprobs
         self.offsets = [0] * num_choices  # characters sent so far, per choice
+        self.started = [False] * num_choices
+
+    def _echoed(self, idx: int, out: RequestOutput) -> tuple[str, dict[str, Any] | None]:
+        """The prompt's text and (with logprobs) its tokens' entries, from offset 0."""
+        lp = None
+        if self.logprobs is not None:
+            lp = completion_logprobs(self.token_text, out.prompt_token_ids,
+                                     out.prompt_logprobs or [None] * len(out.prompt_token_ids),
+                                     0, self.logprobs)
+        return self.prompt_texts[idx], lp
+
+    def _extra(self, out: RequestOutput) -> dict[str, Any]:
+        if self.prompt_logprobs is None:
+            return {}
+        return {"prompt_logprobs": vllm_prompt_logprobs(
+            self.token_text, out.prompt_logprobs or [], self.prompt_logprobs)}
 
     def delta(self, idx: int, out: RequestOutput) -> list[tuple[dict[str, Any], bool]]:
-        lp = None
+        first = not self.started[idx]
+        self.started[idx] = True
+        text, lp, extra = out.delta_text, None, {}
+        head_lp = None
+        if first:
+            extra = self._extra(out)
+            if self.echo:
+                head, head_lp = self._echoed(idx, out)
+                text = head + text
+                if head_lp is not None:
+                    self.offsets[idx] = len(head)
         if self.logprobs is not None and out.delta_token_ids:
             k = len(out.delta_token_ids)
             lp = completion_logprobs(self.token_text, out.delta_token_ids,
@@ -105,17 +164,23 @@ class CompletionChoices:
             # Offsets follow the tokens' texts, as in the whole reply (the text itself may
             # lag: a stop string holds characters back, a split character waits).
             self.offsets[idx] = lp["text_offset"][-1] + len(lp["tokens"][-1])
-        if not (out.delta_text or lp or out.finished):
+        if head_lp is not None:
+            lp = head_lp if lp is None else {k: head_lp[k] + lp[k] for k in head_lp}
+        if not (text or lp or out.finished or extra):
             return []  # bytes of an unfinished character: nothing to show
-        return [({"index": idx, "text": out.delta_text, "logprobs": lp,
-                  "finish_reason": finish_reason(out)}, True)]
+        return [({"index": idx, "text": text, "logprobs": lp,
+                  "finish_reason": finish_reason(out), **extra}, True)]
 
     def whole(self, idx: int, out: RequestOutput) -> dict[str, Any]:
-        lp = None
+        text, lp = out.text, None
+        head, head_lp = self._echoed(idx, out) if self.echo else ("", None)
         if self.logprobs is not None:
-            lp = completion_logprobs(self.token_text, out.token_ids, out.logprobs or [], 0)
-        return {"index": idx, "text": out.text, "logprobs": lp,
-                "finish_reason": finish_reason(out)}
+            lp = completion_logprobs(self.token_text, out.token_ids, out.logprobs or [],
+                                     len(head) if head_lp is not None else 0)
+            if head_lp is not None:
+                lp = {k: head_lp[k] + lp[k] for k in head_lp}
+        return {"index": idx, "text": head + text, "logprobs": lp,
+                "finish_reason": finish_reason(out), **self._extra(out)}
 
 
 class ChatChoices:

@@ -152,19 +152,21 @@ class _Sampling(_Body):
 class CompletionRequest(_Sampling):
     prompt: (Text1 | TokenIds | Annotated[list[Text1], Field(min_length=1)]
              | Annotated[list[TokenIds], Field(min_length=1)])
-    max_tokens: Int(1, MAX_INT32) | None = 16  # OpenAI's (and vLLM's) default
+    # OpenAI's (and vLLM's) default; 0 only scores the prompt (with echo or prompt_logprobs)
+    max_tokens: Int(0, MAX_INT32) | None = 16
     logprobs: Int(0, MAX_LOGPROBS) | None = None
-    echo: refused({"type": "boolean", "enum": [False], "description": "not supported"},
-                  Bool) = False
+    # The prompt in front of the completion's text; with logprobs, the prompt tokens' too
+    # (the first one's null), as lm-eval's loglikelihood tasks read them.
+    echo: Bool = False
+    # vLLM's extension: each prompt token's logprob and the top N, in the choice's
+    # "prompt_logprobs" (the first entry null).
+    prompt_logprobs: Int(0, MAX_LOGPROBS) | None = None
     best_of: Int(1, MAX_N) | None = None
     suffix: refused({"type": "string", "maxLength": 0, "description": "not supported"},
                     Str) | None = None
 
     @model_validator(mode="after")
     def _check(self) -> CompletionRequest:
-        if self.echo:
-            raise field_error("echo", "echo is not supported by phasewise; omit it or set it "
-                              "to false")
         if self.suffix:
             raise field_error("suffix", "suffix is not supported by phasewise; omit it")
         if self.best_of is not None and self.best_of != self.n:

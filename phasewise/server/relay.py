@@ -48,15 +48,27 @@ def param_defaults(params: SamplingParams) -> dict[str, Any]:
     return {k: v for k, v in params_to_wire(params).items() if base[k] != v}
 
 
-def encode_output(index: int, out: RequestOutput, timing: dict[str, Any] | None) -> bytes:
-    """One line: what this output added (text, token ids, their logprobs), and on the last one
-    the finish and the worker's ``timing`` of the request."""
+def _entries(entries: list[dict[int, float] | None]) -> list[list[list[Any]] | None]:
+    return [None if e is None else [[t, lp] for t, lp in e.items()] for e in entries]
+
+
+def _parse_entries(raw: list[Any]) -> list[dict[int, float] | None]:
+    return [None if e is None else {int(t): float(lp) for t, lp in e} for e in raw]
+
+
+def encode_output(index: int, out: RequestOutput, timing: dict[str, Any] | None, *,
+                  first: bool = False) -> bytes:
+    """One line: what this output added (text, token ids, their logprobs), on a request's
+    ``first`` line its prompt logprobs (if asked for), and on the last one the finish and the
+    worker's ``timing`` of the request."""
     k = len(out.delta_token_ids)
     lps = None
     if out.logprobs is not None and k:
-        lps = [[[t, lp] for t, lp in entry.items()] for entry in out.logprobs[-k:]]
+        lps = _entries(out.logprobs[-k:])
     line: dict[str, Any] = {"i": index, "text": out.delta_text, "ids": out.delta_token_ids,
                             "lp": lps}
+    if first and out.prompt_logprobs is not None:
+        line["plp"] = _entries(out.prompt_logprobs)
     if out.finished:
         line.update(fin=out.finish_reason, stop=out.stop_reason, err=out.error,
                     timing=timing)
@@ -88,6 +100,8 @@ class OutputAssembler:
         self.ids: list[list[int]] = [[] for _ in request_ids]
         self.logprobs: list[list[dict[int, float]] | None] = [None for _ in request_ids]
         self.finished = [False] * len(request_ids)
+        self.prompt_logprobs: list[list[dict[int, float] | None] | None] = [
+            None for _ in request_ids]
 
     def admitted(self) -> None:
         """The worker took the group (its reply began)."""
@@ -106,8 +120,9 @@ class OutputAssembler:
                     and isinstance(delta_ids, list)
                     and all(isinstance(t, int) for t in delta_ids)):
                 raise RelayError(f"malformed output line: {str(raw)[:200]}")
-            entries = None if lps is None else [{int(t): float(lp) for t, lp in e}
-                                                 for e in lps]
+            entries = None if lps is None else _parse_entries(lps)
+            if "plp" in line:
+                self.prompt_logprobs[i] = _parse_entries(line["plp"])
         except (ValueError, KeyError, TypeError) as e:
             raise RelayError(f"malformed output line ({type(e).__name__}: {e}): "
                              f"{str(raw)[:200]}") from None
@@ -138,4 +153,4 @@ class OutputAssembler:
             delta_text=delta_text, delta_token_ids=list(delta_ids), finished=finished,
             finish_reason=fin, stop_reason=line.get("stop"),
             logprobs=self.logprobs[i],
-            metrics=m, error=line.get("err"))
+            metrics=m, error=line.get("err"), prompt_logprobs=self.prompt_logprobs[i])

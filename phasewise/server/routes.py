@@ -128,10 +128,11 @@ class Routes:
             raise self._invalid(e) from e
 
     def _budget(self, n_prompt: int, max_tokens: int | None, param: str,
-                limit_param: str) -> int:
+                limit_param: str, min_max_tokens: int = 1) -> int:
         try:
             return check_context(n_prompt, max_tokens, self.max_model_len,
-                                 prompt_param=param, max_tokens_param=limit_param)
+                                 prompt_param=param, max_tokens_param=limit_param,
+                                 min_max_tokens=min_max_tokens)
         except ValidationError as e:
             raise self._invalid(e, code=CONTEXT) from e
 
@@ -220,6 +221,14 @@ class Routes:
         return text, self.tokenizer.encode(text, add_special_tokens=False)
 
     # -- the routes ------------------------------------------------------------------------
+    def tokenizer_info(self) -> dict[str, Any]:
+        tok = self.tokenizer
+        return {"tokenizer_class": tok.config.get("tokenizer_class", "PreTrainedTokenizerFast"),
+                "bos_token": tok.bos_token, "eos_token": tok.eos_token,
+                "pad_token": tok.pad_token, "add_bos_token": tok.add_bos_token,
+                "chat_template": tok.chat_template, "model_max_length": self.max_model_len,
+                "vocab_size": self.vocab_size}
+
     async def tokenize(self, body: TokenizeRequest, request: Request) -> Response:
         self.check_model(body.model)
         msgs = self._messages(body.messages) if isinstance(body, TokenizeChat) else None
@@ -256,6 +265,7 @@ class Routes:
         raw = body.prompt_list()
         self._check_sequences(len(raw), body.n)
         prompts = []
+        echoed: list[str] = []
         for i, p in enumerate(raw):
             param = "prompt" if len(raw) == 1 else f"prompt.{i}"
             if isinstance(p, str):
@@ -263,15 +273,27 @@ class Routes:
                 ids, text = await self._off_loop(self.tokenizer.encode, p), p
             else:
                 ids, text = list(p), None
-            max_tokens = self._budget(len(ids), body.max_tokens, param, "max_tokens")
+            max_tokens = self._budget(len(ids), body.max_tokens, param, "max_tokens",
+                                      min_max_tokens=0)
             self._ids(ids, param)
             prompts.append((ids, text, max_tokens))
+            if body.echo:  # a token-id prompt echoes as its decoded text
+                echoed += [text if text is not None else await self._off_loop(
+                    self.tokenizer.decode, ids, False)] * body.n
         overrides = body.sampling_overrides()
         if body.logprobs is not None:
             overrides["logprobs"] = body.logprobs
+        # Prompt tokens' logprobs: for echo with logprobs, and for vLLM's prompt_logprobs
+        # (the larger top N of the two; each view keeps its own).
+        wanted = [n for n in (body.logprobs if body.echo else None, body.prompt_logprobs)
+                  if n is not None]
+        if wanted:
+            overrides["prompt_logprobs"] = max(wanted)
         specs = self._specs(prompts, body.n, overrides)
         rid = f"{id_prefix}{uuid.uuid4().hex}"
-        choices = CompletionChoices(self._token_text, len(specs), body.logprobs)
+        choices = CompletionChoices(self._token_text, len(specs), body.logprobs, echo=body.echo,
+                                    prompt_texts=echoed or None,
+                                    prompt_logprobs=body.prompt_logprobs)
         return await self._respond(request, body, specs, rid, choices, arrival)
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:

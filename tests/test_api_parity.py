@@ -1,0 +1,213 @@
+"""What real clients need from the API (issue 17), against a real ``phasewise serve``:
+``echo`` and prompt logprobs on /v1/completions (checked against HF transformers' own
+logprobs, fp32), ``max_tokens: 0``, vLLM's ``prompt_logprobs``, ``GET /v1/models/{id}``,
+``GET /tokenizer_info``, and lm-evaluation-harness's ``local-completions`` running a
+multiple-choice task end to end with the server's tokenizer."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+import torch
+
+from conftest import build_hf_checkpoint
+from phasewise.model.tokenizer import Tokenizer
+from serving import start_server
+
+TOL = 2e-4  # fp32 server against fp32 HF: the same math in another order
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    path = tmp_path_factory.mktemp("parity")
+    hf = build_hf_checkpoint(path, "LlamaForCausalLM", seed=11, max_position_embeddings=1024)
+    return path, hf
+
+
+@pytest.fixture(scope="module")
+def server(model, tmp_path_factory):
+    s = start_server(model[0], tmp_path_factory.mktemp("logs") / "server.log",
+                     "--served-model-name", "tiny", "--dtype", "float32",
+                     "--max-num-batched-tokens", "32")  # long prompts prefill in chunks
+    yield s
+    s.stop()
+
+
+def hf_logprobs(hf, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        logits = hf(torch.tensor([ids])).logits[0].float()
+    return torch.log_softmax(logits, dim=-1)
+
+
+def post(server, body: dict) -> dict:
+    r = httpx.post(server.url + "/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_echo_with_logprobs_scores_the_prompt_as_hf_does(server, model):
+    path, hf = model
+    tok = Tokenizer(path)
+    ids = tok.encode("def fibonacci(n):\n    if n < 2:\n        return n\n" * 3,
+                     add_special_tokens=False)
+    assert len(ids) > 64  # more than two of the server's 32-token chunks
+    out = post(server, {"prompt": ids, "echo": True, "logprobs": 2, "max_tokens": 1,
+                        "temperature": 0})
+    choice = out["choices"][0]
+    lp = choice["logprobs"]
+    assert len(lp["tokens"]) == len(ids) + 1  # the prompt, then the one generated token
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    ref = hf_logprobs(hf, ids)
+    for pos in range(1, len(ids)):
+        assert abs(lp["token_logprobs"][pos] - float(ref[pos - 1, ids[pos]])) < TOL, pos
+        # the top 2 and the prompt token itself, keyed by their text (two byte tokens that
+        # both decode to U+FFFD share a key, as in OpenAI's layout)
+        top = lp["top_logprobs"][pos]
+        allowed = torch.topk(ref[pos - 1], 2).values.tolist() + [float(ref[pos - 1, ids[pos]])]
+        assert 1 <= len(top) <= 3
+        assert all(min(abs(v - a) for a in allowed) < TOL for v in top.values())
+    generated = int(ref[-1].argmax())
+    assert abs(lp["token_logprobs"][-1] - float(ref[-1, generated])) < TOL
+    plain = post(server, {"prompt": ids, "max_tokens": 1, "temperature": 0})
+    assert choice["text"] == (tok.decode(ids, skip_special_tokens=False)
+                              + plain["choices"][0]["text"])
+    assert lp["text_offset"] == sorted(lp["text_offset"])
+    assert out["usage"]["prompt_tokens"] == len(ids)
+    assert out["usage"]["completion_tokens"] == 1
+
+
+def test_max_tokens_zero_echoes_the_prompt_and_generates_nothing(server, model):
+    prompt = "import os, sys\nfor path in sys.argv[1:]:"
+    out = post(server, {"prompt": prompt, "echo": True, "logprobs": 0, "max_tokens": 0})
+    choice = out["choices"][0]
+    assert choice["text"] == prompt and choice["finish_reason"] == "length"
+    n = out["usage"]["prompt_tokens"]
+    assert len(choice["logprobs"]["token_logprobs"]) == n
+    assert out["usage"]["completion_tokens"] == 0
+    # without echo, max_tokens 0 is an empty completion
+    out = post(server, {"prompt": prompt, "max_tokens": 0})
+    assert out["choices"][0]["text"] == "" and out["usage"]["completion_tokens"] == 0
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": prompt, "max_tokens": -1},
+                   timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+
+
+def test_vllm_prompt_logprobs_field(server, model):
+    path, hf = model
+    ids = Tokenizer(path).encode("class Stack:\n    def push(self, x):", add_special_tokens=False)
+    out = post(server, {"prompt": ids, "prompt_logprobs": 3, "max_tokens": 2,
+                        "temperature": 0})
+    plp = out["choices"][0]["prompt_logprobs"]
+    ref = hf_logprobs(hf, ids)
+    assert plp[0] is None and len(plp) == len(ids)
+    for pos in range(1, len(ids)):
+        entry = plp[pos]
+        assert str(ids[pos]) in entry and len(entry) in (3, 4)
+        assert abs(entry[str(ids[pos])]["logprob"] - float(ref[pos - 1, ids[pos]])) < TOL
+        top = torch.topk(ref[pos - 1], 3)
+        for t, v in zip(top.indices.tolist(), top.values.tolist()):
+            assert abs(entry[str(t)]["logprob"] - v) < TOL
+        assert all(isinstance(e["decoded_token"], str) for e in entry.values())
+    assert "prompt_logprobs" not in post(server, {"prompt": ids, "max_tokens": 1})["choices"][0]
+
+
+def test_echo_streams_the_prompt_first(server):
+    prompt = "The quick brown fox"
+    with httpx.stream("POST", server.url + "/v1/completions", timeout=60, json={
+            "prompt": prompt, "echo": True, "max_tokens": 4, "stream": True,
+            "temperature": 0}) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines()
+                  if line.startswith("data: ") and line != "data: [DONE]"]
+    texts = [e["choices"][0]["text"] for e in events]
+    assert texts[0].startswith(prompt)
+    whole = post(server, {"prompt": prompt, "echo": True, "max_tokens": 4, "temperature": 0})
+    assert "".join(texts) == whole["choices"][0]["text"]
+
+
+def test_models_by_id_and_tokenizer_info(server, model):
+    r = httpx.get(server.url + "/v1/models/tiny", timeout=30)
+    assert r.status_code == 200 and r.json()["id"] == "tiny"
+    r = httpx.get(server.url + "/v1/models/gpt-4", timeout=30)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    info = httpx.get(server.url + "/tokenizer_info", timeout=30).json()
+    tok = Tokenizer(model[0])
+    assert info["eos_token"] == tok.eos_token and info["bos_token"] == tok.bos_token
+    assert info["chat_template"] == tok.chat_template and info["model_max_length"] == 1024
+    assert info["vocab_size"] == tok.vocab_size
+
+
+MC_DOCS = [
+    {"question": "def fibonacci(n):", "choices": ["    return n", "The quick brown",
+                                                  "    import sys"], "answer": 0},
+    {"question": "class Stack:", "choices": ["    def push(self, x):", "fox jumps",
+                                             "🙂 日本語"], "answer": 0},
+    {"question": "The quick brown fox", "choices": ["jumps over", "self.items", "= []"],
+     "answer": 0},
+    {"question": "import os, sys", "choices": ["for path in", "Prefill is", "lazy dog"],
+     "answer": 1},
+    {"question": "Prefill is compute-bound;", "choices": ["decode is bound", "def f(",
+                                                          "os.path"], "answer": 2},
+]
+
+
+def test_lm_eval_local_completions_runs_a_multiple_choice_task(server, model, tmp_path,
+                                                               monkeypatch):
+    """lm-eval scores each choice by the prompt logprobs it asks for with echo; its
+    loglikelihoods, and so its accuracy, must be what HF's logprobs give."""
+    lm_eval = pytest.importorskip("lm_eval")
+    from lm_eval.tasks import TaskManager
+
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf-datasets"))
+    data = tmp_path / "mc.jsonl"
+    data.write_text("".join(json.dumps(d) + "\n" for d in MC_DOCS))
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    (tasks / "tiny_mc.yaml").write_text(f"""task: tiny_mc
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{question}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: answer
+metric_list:
+  - metric: acc
+""")
+    results = lm_eval.simple_evaluate(
+        model="local-completions",
+        model_args={"model": "tiny", "base_url": server.url + "/v1/completions",
+                    "num_concurrent": 1, "max_retries": 1},
+        tasks=["tiny_mc"], task_manager=TaskManager(include_path=str(tasks)),
+        log_samples=True)
+    path, hf = model
+    tok = Tokenizer(path)
+    correct = 0
+    samples = results["samples"]["tiny_mc"]
+    assert len(samples) == len(MC_DOCS)
+    for sample in samples:
+        doc = sample["doc"]
+        scores = []
+        for choice in doc["choices"]:  # lm-eval's pairing: context, then " " + the choice
+            ctx = tok.encode(doc["question"], add_special_tokens=False)
+            whole = tok.encode(doc["question"] + " " + choice, add_special_tokens=False)
+            ref = hf_logprobs(hf, whole)
+            scores.append(sum(float(ref[p - 1, whole[p]]) for p in range(len(ctx), len(whole))))
+        got = [resp[0][0] if isinstance(resp[0], (list, tuple)) else resp[0]
+               for resp in sample["resps"]]
+        for mine, theirs in zip(got, scores):
+            assert abs(float(mine) - theirs) < 1e-3, (doc, got, scores)
+        correct += int(max(range(len(scores)), key=scores.__getitem__) == doc["answer"])
+    assert "GET /tokenizer_info" in server.log()  # it took the server's tokenizer
+    acc = results["results"]["tiny_mc"]["acc,none"]
+    assert acc == pytest.approx(correct / len(MC_DOCS))
+
+
+def test_the_server_logged_no_error(server):
+    """Last: nothing above (max_tokens 0 has no first token, for one) hit a server bug."""
+    assert "Traceback" not in server.log()
