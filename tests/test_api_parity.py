@@ -7,6 +7,7 @@ multiple-choice task end to end with the server's tokenizer."""
 from __future__ import annotations
 
 import json
+import re
 
 import httpx
 import pytest
@@ -206,6 +207,109 @@ metric_list:
     assert "GET /tokenizer_info" in server.log()  # it took the server's tokenizer
     acc = results["results"]["tiny_mc"]["acc,none"]
     assert acc == pytest.approx(correct / len(MC_DOCS))
+
+
+# -- structured output, through the clients that use it ----------------------------------------
+PERSON = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 8}, "age": {"type": "integer", "minimum": 0,
+                                                       "maximum": 120},
+    "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3}},
+    "required": ["name", "age", "tags"], "additionalProperties": False}
+
+
+def test_response_format_json_schema_and_json_object_with_the_openai_client(server):
+    import jsonschema
+    import openai
+    from pydantic import BaseModel, Field
+
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+    for seed in range(3):
+        r = client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "a person"}], max_tokens=120,
+            seed=seed, temperature=1.0, response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "person", "schema": PERSON, "strict": True}})
+        assert r.choices[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(r.choices[0].message.content), PERSON)
+
+    class Point(BaseModel):  # the SDK's own parse helper: a strict schema from pydantic
+        x: int = Field(ge=-9, le=9)
+        label: str = Field(max_length=4)
+
+    parsed = client.chat.completions.parse(
+        model="tiny", messages=[{"role": "user", "content": "a point"}], max_tokens=60,
+        response_format=Point).choices[0].message.parsed
+    assert isinstance(parsed, Point)
+    r = client.completions.create(model="tiny", prompt="x", max_tokens=80, seed=4,
+                                  extra_body={"response_format": {"type": "json_object"}})
+    assert r.choices[0].text.startswith("{")
+
+
+def test_vllm_guided_fields_and_streaming(server):
+    import jsonschema
+
+    def complete(**extra) -> str:
+        out = post(server, {"prompt": "x", "max_tokens": 80, "temperature": 1.0, "seed": 1,
+                            **extra})
+        assert out["choices"][0]["finish_reason"] == "stop", out
+        return out["choices"][0]["text"]
+
+    jsonschema.validate(json.loads(complete(guided_json=PERSON)), PERSON)
+    jsonschema.validate(json.loads(complete(guided_json=json.dumps(PERSON))), PERSON)
+    assert complete(guided_choice=["yes", "no"]) in ("yes", "no")
+    assert re.fullmatch(r"[0-9]{3}-[a-z]{2}", complete(guided_regex=r"[0-9]{3}-[a-z]{2}"))
+    assert re.fullmatch(r"(ab)+", complete(guided_grammar='start: ("ab")+'))
+    assert complete(structured_outputs={"choice": ["left", "right"]}) in ("left", "right")
+    jsonschema.validate(json.loads(complete(structured_outputs={"json": PERSON})), PERSON)
+    # streamed, the deltas add up to the document
+    with httpx.stream("POST", server.url + "/v1/completions", timeout=60, json={
+            "prompt": "x", "max_tokens": 80, "stream": True, "seed": 2,
+            "guided_json": PERSON}) as r:
+        text = "".join(json.loads(line[6:])["choices"][0]["text"] for line in r.iter_lines()
+                       if line.startswith("data: ") and line != "data: [DONE]")
+    jsonschema.validate(json.loads(text), PERSON)
+
+
+@pytest.mark.parametrize("body,param,code", [
+    ({"guided_regex": "("}, "guided_regex", "invalid_grammar"),
+    ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice", "invalid_combination"),
+    ({"response_format": {"type": "json_schema"}}, "response_format.json_schema",
+     "invalid_combination"),
+    ({"response_format": {"type": "xml"}}, "response_format.type", None),
+    ({"guided_json": "{not json"}, "guided_json", "invalid_grammar"),
+    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs",
+     "invalid_combination"),
+    ({"guided_choice": []}, "guided_choice", None),
+])
+def test_bad_constraints_are_400s_naming_the_field(server, body, param, code):
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": "x", **body}, timeout=30)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["code"] == code, err
+
+
+def test_langchain_and_litellm_get_structured_output(server, monkeypatch):
+    from pydantic import BaseModel, Field
+
+    class Pet(BaseModel):
+        name: str = Field(max_length=6)
+        legs: int = Field(ge=0, le=8)
+
+    from langchain_openai import ChatOpenAI
+
+    chat = ChatOpenAI(base_url=server.url + "/v1", api_key="x", model="tiny", max_tokens=60,
+                      max_retries=0)
+    pet = chat.with_structured_output(Pet, method="json_schema").invoke("a pet")
+    assert isinstance(pet, Pet)
+
+    monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no fetch at import
+    import litellm
+
+    r = litellm.completion(model="openai/tiny", api_base=server.url + "/v1", api_key="x",
+                           messages=[{"role": "user", "content": "a pet"}], max_tokens=60,
+                           response_format={"type": "json_schema", "json_schema": {
+                               "name": "pet", "schema": Pet.model_json_schema()}})
+    assert Pet.model_validate_json(r.choices[0].message.content)
 
 
 def test_the_server_logged_no_error(server):

@@ -7,6 +7,7 @@ one."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -98,6 +99,11 @@ def test_pd_starts_three_processes_the_openai_client_streams_through_the_router(
         ref = offline.generate([ids], SamplingParams(max_tokens=1, prompt_logprobs=0))[0]
         for pos in range(1, len(ids)):
             assert abs(lps[pos] - ref.prompt_logprobs[pos][ids[pos]]) < 0.02, pos
+        # Structured output: the prefill worker samples the first token under the grammar,
+        # the decode worker's matcher goes on from it.
+        guided = httpx.post(pd.url + "/v1/completions", headers=pd.headers, timeout=60, json={
+            "prompt": PROMPT * 4, "max_tokens": 20, "guided_regex": "[a-c]{4}-[0-9]{2}"}).json()
+        assert re.fullmatch("[a-c]{4}-[0-9]{2}", guided["choices"][0]["text"]), guided
         # Chat works through the same relay.
         chat = client.chat.completions.create(
             model=model.name, messages=[{"role": "user", "content": "hi"}], max_tokens=5,
@@ -107,7 +113,7 @@ def test_pd_starts_three_processes_the_openai_client_streams_through_the_router(
         m = pd.metrics()
         assert m[("phasewise:router_worker_up",
                   (("role", "decode"), ("url", f"http://127.0.0.1:{dport}")))] == 1
-        assert m[("phasewise:time_to_first_token_seconds_count", ())] == 3  # 3 requests
+        assert m[("phasewise:time_to_first_token_seconds_count", ())] == 4  # 4 requests
     finally:
         code = pd.stop(signal.SIGTERM, timeout=90)
     # Stopping the launcher stopped all three.

@@ -29,6 +29,7 @@ from phasewise.engine.sampler import Sampler
 from phasewise.engine.sampling_params import SamplingParams
 from phasewise.engine.scheduler import Scheduler, SchedulerConfig
 from phasewise.engine.spec import NgramProposer, SpecStats
+from phasewise.engine.structured import GrammarCompiler
 from phasewise.engine.validation import check_token_ids
 from phasewise.model.config import ModelConfig
 from phasewise.model.linear import LinearDispatch
@@ -136,6 +137,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, mc, num_blocks=num_blocks, block_size=bs,
                                   dtype=self.dtype, device=self.device)
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(config.seed))
+        self._grammars: GrammarCompiler | None = None  # built on the first constrained request
         # Speculative decoding (phasewise.engine.spec): who proposes drafts, and the counts.
         self.proposer = NgramProposer() if config.speculative == "ngram" else None
         self.spec_stats = SpecStats()
@@ -244,8 +246,19 @@ class LLMEngine:
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self.requests:
             raise ValueError(f"request id {rid!r} is already in use")
-        return Request(rid, ids, params, eos_token_ids=self.eos_token_ids, prompt=text,
-                       arrival_time=self.clock() if arrival_time is None else arrival_time)
+        req = Request(rid, ids, params, eos_token_ids=self.eos_token_ids, prompt=text,
+                      arrival_time=self.clock() if arrival_time is None else arrival_time)
+        if params.structured_output is not None:
+            req.grammar = self.grammars.compile(params.structured_output)
+        return req
+
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """Structured output's compiler for this model's tokenizer and logits width."""
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(self.tokenizer.to_json(), self.eos_token_ids,
+                                             self.model_config.vocab_size)
+        return self._grammars
 
     def _register(self, req: Request) -> None:
         self.requests[req.request_id] = req
@@ -307,6 +320,9 @@ class LLMEngine:
         self.connector.end_load(request_id)
         if req.logprobs is not None and logprobs is not None:
             req.logprobs.append(dict(logprobs))
+        if req.grammar is not None and not req.grammar.accept(token):
+            raise ValueError(f"the first token {token} of request {request_id!r} is not one "
+                             f"its structured output allows")
         self.sampler.skip_draw(req, self.model_config.vocab_size, self.device)
         self.scheduler.remote_prefill_done(req, token)
         return self._emit(req)
@@ -415,7 +431,7 @@ class LLMEngine:
         """Give each decoding request drafts to verify in this step: at most
         ``num_speculative_tokens``, no more than its context and ``max_tokens`` leave room
         for, none for a request whose sampling needs the history token by token
-        (penalties, ``min_tokens`` still masking its stop tokens), and together no more
+        (penalties, ``min_tokens`` still masking its stop tokens, a grammar), and together no more
         than ``spec_row_cap`` rows with the decodes (earliest requests first)."""
         k = self.config.num_speculative_tokens or 0
         max_len = self.scheduler.max_len
@@ -427,7 +443,8 @@ class LLMEngine:
             p = req.params
             if spare <= 0:
                 break
-            if p.needs_penalties or req.num_output_tokens < p.min_tokens:
+            if (p.needs_penalties or req.num_output_tokens < p.min_tokens
+                    or req.grammar is not None):
                 continue
             room = min(k, max_len - req.num_tokens, spare)
             if p.max_tokens is not None:
@@ -501,6 +518,10 @@ class LLMEngine:
                 raise batch_error
         tokens = {}
         for req, tok, lp in rows:
+            if req.grammar is not None and not req.grammar.accept(tok):
+                failed.append((req, f"structured output refused token {tok}: "
+                                    f"{req.grammar.error}"))
+                continue
             tokens[req.request_id] = [tok]
             if req.logprobs is not None and lp is not None:
                 req.logprobs.append(lp)
@@ -513,7 +534,9 @@ class LLMEngine:
         the request forgotten if that finished it."""
         state = self._text[req.request_id]
         tokens = req.output_token_ids[req.num_output_tokens - new_tokens:]
-        ended_by_token = req.finished and req.status is RequestStatus.FINISHED_STOPPED
+        # (a stop token's text is not shown; a grammar's last token is its output's end)
+        ended_by_token = (req.finished and req.status is RequestStatus.FINISHED_STOPPED
+                          and not req.output_complete)
         for i, token in enumerate(tokens):
             last = i == len(tokens) - 1
             if last and ended_by_token and not req.params.include_stop_str_in_output:

@@ -124,6 +124,9 @@ class Request:
         self.prompt_logprobs: list[dict[int, float] | None] | None = (
             [None] if params.prompt_logprobs is not None else None)
         self.metrics = RequestMetrics(arrival_time)
+        # Structured output: its place in its grammar (a structured.Matcher, set by the
+        # engine), advanced by each token it is given.
+        self.grammar: Any = None
         # Speculative decoding: the draft tokens this step verifies after the last sampled
         # token (a decode of 1 + len(spec_token_ids) tokens); never part of all_token_ids.
         self.spec_token_ids: list[int] = []
@@ -147,6 +150,11 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.status.finished
+
+    @property
+    def output_complete(self) -> bool:
+        """Its grammar can take nothing more (structured output): it ends here."""
+        return self.grammar is not None and self.grammar.done
 
     @property
     def needs_prompt_logprobs(self) -> bool:

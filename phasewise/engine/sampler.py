@@ -1,7 +1,8 @@
 """Turn one step's logits into tokens, per request's ``SamplingParams``.
 
 Order of operations on each row: penalties (repetition over prompt and outputs, presence and
-frequency over outputs), the ``min_tokens`` mask on stop tokens, then greedy argmax or
+frequency over outputs), the ``min_tokens`` mask on stop tokens, a structured output's grammar
+mask (``phasewise.engine.structured``), then greedy argmax or
 temperature -> top-k -> top-p -> min-p -> a draw. A request with a seed draws from its own
 ``torch.Generator``, kept here (a ``Request`` holds no tensors): created from
 ``params.seed`` on the request's first draw and dropped by ``release`` when the engine forgets
@@ -61,6 +62,7 @@ class Sampler:
         if any(r.params.logprobs is not None for r in requests):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
         logits = self._apply_penalties(logits, requests)
+        logits = self._apply_grammars(logits, requests)
 
         tokens = torch.empty(len(requests), dtype=torch.long, device=logits.device)
         greedy = [i for i, r in enumerate(requests) if r.params.greedy]
@@ -126,6 +128,19 @@ class Sampler:
                    if t < vocab]
             if ids:
                 row[torch.tensor(ids, device=dev)] = float("-inf")
+        return logits
+
+    @staticmethod
+    def _apply_grammars(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        """Structured output: -inf for every token a request's grammar does not allow next."""
+        rows = [i for i, r in enumerate(requests) if r.grammar is not None]
+        if not rows:
+            return logits
+        if not any(r.params.needs_penalties or r.num_output_tokens < r.params.min_tokens
+                   for r in requests):
+            logits = logits.clone()  # (the penalties' pass has already cloned otherwise)
+        for i in rows:
+            requests[i].grammar.apply(logits[i])
         return logits
 
     @staticmethod

@@ -35,7 +35,8 @@ class SamplingParams:
     temperature) plus the sampled token's own. ``prompt_logprobs`` asks for the same of every
     prompt position after the first: each prompt token's own log-probability given the tokens
     before it, and the top N there (computed chunk by chunk in prefill; such a request does
-    not use the prefix cache, whose blocks hold no logits).
+    not use the prefix cache, whose blocks hold no logits). ``structured_output`` constrains
+    the output to a grammar: the JSON text of a spec (``phasewise.engine.structured``).
     """
 
     max_tokens: int | None = 16
@@ -53,6 +54,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    structured_output: str | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
 
@@ -120,6 +122,10 @@ class SamplingParams:
         ):
             raise bad("prompt_logprobs", f"an integer in [0, {MAX_LOGPROBS}] or None",
                       self.prompt_logprobs)
+        if self.structured_output is not None:
+            from phasewise.engine.structured import parse_spec
+
+            parse_spec(self.structured_output)
 
     @property
     def greedy(self) -> bool:

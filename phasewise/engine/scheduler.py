@@ -414,6 +414,8 @@ class Scheduler:
         self.kv.cache_blocks(req)
         end = token_finish(req.params, req.eos_token_ids, token, req.num_output_tokens,
                            req.num_tokens, self.max_len)
+        if end is None and req.output_complete:
+            end = (RequestStatus.FINISHED_STOPPED, None)
         if end is not None:
             status, req.stop_reason = end
             self.finish_request(req, status)

@@ -1483,3 +1483,20 @@ float pw_stream_read_bf16(const uint16_t *buf, long n, int nthreads) {
     }
     return total;
 }
+
+
+/* Structured output's token mask: logits[i] = -inf for every token i whose bit (bit i % 32 of
+ * word i / 32, as llguidance writes its bitmask) is clear, and for i at or past 32 * n_words
+ * (a logits row wider than the tokenizer's vocabulary). One pass, no allocation: the torch
+ * ops it replaces (unpack, compare, masked_fill) cost ~40-70 us a token at 4,096 tokens. */
+void pw_mask_logits(float *logits, int vocab, const uint32_t *bits, int n_words) {
+    int covered = n_words * 32 < vocab ? n_words * 32 : vocab;
+    for (int w = 0; w * 32 < covered; w++) {
+        uint32_t word = bits[w];
+        if (word == 0xffffffffu) continue;
+        int end = w * 32 + 32 < covered ? w * 32 + 32 : covered;
+        for (int i = w * 32; i < end; i++)
+            if (!((word >> (i & 31)) & 1u)) logits[i] = -INFINITY;
+    }
+    for (int i = covered; i < vocab; i++) logits[i] = -INFINITY;
+}

@@ -108,6 +108,7 @@ def _signatures() -> dict[str, tuple[Any, list[Any]]]:
         "pw_decode_layer_bf16": (I, [ctypes.POINTER(DecodeLayerArgs)]),
         "pw_decode_stack_bf16": (I, [ctypes.POINTER(DecodeLayerArgs), I, P, P, P, P]),
         "pw_stream_read_bf16": (F, [P, L, I]),
+        "pw_mask_logits": (None, [P, I, P, I]),
         "pw_abi": (L, [ctypes.c_char_p]),
     }
 
@@ -221,6 +222,17 @@ def _call(name: str, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None
         if rc != 0:
             raise MemoryError(f"{name} could not allocate scratch memory")
     return y.view(*x.shape[:-1], n)
+
+
+def mask_logits(row: torch.Tensor, bits: torch.Tensor) -> bool:
+    """Structured output: set ``row`` (fp32, contiguous, on CPU) to -inf wherever the
+    bitmask ``bits`` (int32, contiguous: bit j of word i is token 32 i + j) has a clear bit,
+    and past its end. Returns False, touching nothing, when the kernels are unavailable."""
+    lib = load()
+    if lib is None:
+        return False
+    lib.pw_mask_logits(row.data_ptr(), row.numel(), bits.data_ptr(), bits.numel())
+    return True
 
 
 def linear_bf16(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None

@@ -54,6 +54,11 @@ class Tokenizer:
         self._compiled_template: Any = None
         self._max_token_chars: int | None = None
 
+    def to_json(self) -> str:
+        """The tokenizer as ``tokenizer.json`` text (for libraries that read it, such as
+        the grammar library of structured output)."""
+        return self._tok.to_str()
+
     @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)

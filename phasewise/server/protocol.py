@@ -11,14 +11,16 @@ ignored.
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
-from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, Strict,
-                      WithJsonSchema, model_validator)
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field,
+                      PrivateAttr, Strict, WithJsonSchema, model_validator)
 
 from phasewise.engine.sampling_params import (MAX_INT32, MAX_LOGPROBS, MAX_SEED,
                                               MAX_STOP_STRINGS, MIN_REPETITION_PENALTY,
                                               MIN_SEED)
+from phasewise.engine.structured import spec_json
 from phasewise.server.errors import ApiError, field_error
 
 MAX_N = 16  # choices per prompt
@@ -64,7 +66,10 @@ def refused(schema: dict[str, Any], typ: Any) -> Any:
 COMBINATION = "invalid_combination"
 CONTEXT = "context_length_exceeded"
 TEMPLATE = "chat_template_error"
-RULES_ACROSS_FIELDS = (COMBINATION, CONTEXT, TEMPLATE)
+# A structured output's schema, regex or grammar that does not parse or compile (a rule on
+# a field's content that its JSON schema cannot state).
+GRAMMAR = "invalid_grammar"
+RULES_ACROSS_FIELDS = (COMBINATION, CONTEXT, TEMPLATE, GRAMMAR)
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 
 
@@ -75,6 +80,62 @@ class _Body(BaseModel):
 class StreamOptions(_Body):
     include_usage: Bool = False
     continuous_usage_stats: Bool = False  # vLLM's extension: usage on every chunk
+
+
+class JsonSchemaFormat(_Body):
+    name: Annotated[str, Strict(), Field(min_length=1, max_length=64)] = "response"
+    description: Str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: Bool | None = None  # the output always follows the schema, strict or not
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise field_error("response_format.json_schema", "a response_format of type "
+                              "json_schema needs json_schema: {name, schema, strict}",
+                              COMBINATION)
+        return self
+
+
+class StructuredOutputs(_Body):
+    """vLLM's ``structured_outputs``: exactly one of its fields."""
+
+    json_: dict[str, Any] | Str | None = Field(None, alias="json")
+    regex: Text1 | None = None
+    choice: Annotated[list[Text1], Field(min_length=1, max_length=256)] | None = None
+    grammar: Text1 | None = None
+    json_object: Bool | None = None
+
+    def spec(self) -> tuple[str, str]:
+        given = [k for k in ("json", "regex", "choice", "grammar", "json_object")
+                 if getattr(self, "json_" if k == "json" else k) not in (None, False)]
+        if len(given) != 1:
+            raise field_error("structured_outputs", "structured_outputs takes exactly one of "
+                              "json, regex, choice, grammar, json_object; got "
+                              f"{given or 'none'}", COMBINATION)
+        kind, param = given[0], f"structured_outputs.{given[0]}"
+        if kind == "json":
+            schema = self.json_
+            if isinstance(schema, str):
+                try:
+                    schema = json.loads(schema)
+                except ValueError as e:
+                    raise field_error(param, f"{param} is not valid JSON: {e}", GRAMMAR)
+            if not isinstance(schema, dict):
+                raise field_error(param, f"{param} must be a JSON schema object", GRAMMAR)
+            return param, spec_json("json_schema", schema)
+        if kind == "json_object":
+            return param, spec_json("json_object")
+        if kind == "regex":
+            return param, spec_json("regex", self.regex)
+        if kind == "choice":
+            return param, spec_json("choice", self.choice)
+        return param, spec_json("lark", self.grammar)
 
 
 class _Sampling(_Body):
@@ -103,9 +164,15 @@ class _Sampling(_Body):
     logit_bias: refused({"type": "object", "maxProperties": 0,
                          "description": "not supported: omit it or send {}"},
                         dict[str, Float]) | None = None
-    response_format: refused({"type": "object", "properties": {"type": {"enum": ["text"]}},
-                              "description": "only {\"type\": \"text\"}: structured output "
-                              "is not supported"}, dict[str, Any]) | None = None
+    # Structured output (phasewise.engine.structured): OpenAI's response_format, or one of
+    # vLLM's fields; at most one of them.
+    response_format: ResponseFormat | None = None
+    guided_json: Str | dict[str, Any] | None = None
+    guided_regex: Text1 | None = None
+    guided_choice: Annotated[list[Text1], Field(min_length=1, max_length=256)] | None = None
+    guided_grammar: Text1 | None = None
+    structured_outputs: StructuredOutputs | None = None
+    _structured: tuple[str, str] | None = PrivateAttr(None)
 
     @model_validator(mode="after")
     def _check_common(self) -> _Sampling:
@@ -114,13 +181,52 @@ class _Sampling(_Body):
                               "stream_options is only allowed when stream is true", COMBINATION)
         if self.logit_bias:
             raise field_error("logit_bias", "logit_bias is not supported by phasewise; omit it")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise field_error("response_format", "response_format must be {'type': 'text'}; "
-                              "structured output is not supported by phasewise")
+        given = [name for name in ("response_format", "guided_json", "guided_regex",
+                                   "guided_choice", "guided_grammar", "structured_outputs")
+                 if getattr(self, name) is not None
+                 and not (name == "response_format" and self.response_format.type == "text")]
+        if len(given) > 1:
+            raise field_error(given[1], f"{' and '.join(given)} each constrain the output; "
+                              "send at most one of them", COMBINATION)
+        self._structured = self._structured_spec()
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise field_error("min_tokens", f"min_tokens ({self.min_tokens}) must be <= "
                               f"max_tokens ({self.max_tokens})", COMBINATION)
         return self
+
+    @property
+    def structured_spec(self) -> tuple[str, str] | None:
+        """(the field that asked, ``SamplingParams.structured_output``) or None."""
+        return self._structured
+
+    def _structured_spec(self) -> tuple[str, str] | None:
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            return "response_format", spec_json("json_object")
+        if rf is not None and rf.type == "json_schema":
+            return "response_format.json_schema.schema", spec_json("json_schema",
+                                                                   rf.json_schema.schema_)
+        if self.guided_json is not None:
+            schema = self.guided_json
+            if isinstance(schema, str):
+                try:
+                    schema = json.loads(schema)
+                except ValueError as e:
+                    raise field_error("guided_json", f"guided_json is not valid JSON: {e}",
+                                      GRAMMAR)
+            if not isinstance(schema, dict):
+                raise field_error("guided_json", "guided_json must be a JSON schema object",
+                                  GRAMMAR)
+            return "guided_json", spec_json("json_schema", schema)
+        if self.guided_regex is not None:
+            return "guided_regex", spec_json("regex", self.guided_regex)
+        if self.guided_choice is not None:
+            return "guided_choice", spec_json("choice", self.guided_choice)
+        if self.guided_grammar is not None:
+            return "guided_grammar", spec_json("lark", self.guided_grammar)
+        if self.structured_outputs is not None:
+            return self.structured_outputs.spec()
+        return None
 
     def sampling_overrides(self) -> dict[str, Any]:
         """SamplingParams fields the client set (the rest come from the checkpoint)."""

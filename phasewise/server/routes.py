@@ -20,12 +20,14 @@ from phasewise.engine.backend import (EngineError, EngineOverloaded, EngineStopp
                                       ServingBackend)
 from phasewise.engine.outputs import RequestOutput
 from phasewise.engine.sampling_params import SamplingParams, wrap_seed
+from phasewise.engine.structured import GrammarCompiler
 from phasewise.engine.validation import (ValidationError, check_context, check_sequences,
                                          check_token_ids)
 from phasewise.server.errors import ApiError
 from phasewise.server.guard import access_record
 from phasewise.server.openai_format import ChatChoices, CompletionChoices, usage
-from phasewise.server.protocol import (COMBINATION, CONTEXT, TEMPLATE, ChatCompletionRequest,
+from phasewise.server.protocol import (COMBINATION, CONTEXT, GRAMMAR, TEMPLATE,
+                                       ChatCompletionRequest,
                                        CompletionRequest,
                                        DetokenizeRequest, TokenizeChat, TokenizeRequest)
 from phasewise.server.sse import stream_group
@@ -85,6 +87,7 @@ class Routes:
         self.cpu = ThreadPoolExecutor(tokenizer_threads, thread_name_prefix="phasewise-tok")
         self.cpu_tools = ThreadPoolExecutor(1, thread_name_prefix="phasewise-tokenize")
         self._texts: dict[int, str] = {}  # token id -> its text (bounded by the vocabulary)
+        self._grammars: GrammarCompiler | None = None  # structured output's, on first use
         self.max_waiting = info.max_waiting
 
     def close(self) -> None:
@@ -135,6 +138,26 @@ class Routes:
                                  min_max_tokens=min_max_tokens)
         except ValidationError as e:
             raise self._invalid(e, code=CONTEXT) from e
+
+    def _check_grammar(self, param: str, spec: str) -> None:
+        """On a worker thread: compile a structured output as the engine will, so that one
+        that does not is a 400 naming the request's field (compiling is bounded by
+        llguidance's limits; a few ms for a typical schema)."""
+        if self._grammars is None:
+            eos = self.tokenizer.eos_token_id  # (only whether a grammar compiles is asked)
+            self._grammars = GrammarCompiler(self.tokenizer.to_json(),
+                                             () if eos is None else (eos,), self.vocab_size)
+        try:
+            self._grammars.compile(spec, param)
+        except ValidationError as e:
+            raise self._invalid(e, param, code=GRAMMAR) from e
+
+    async def _structured(self, body: Any, overrides: dict[str, Any]) -> None:
+        """Put the request's structured output (if any) in ``overrides``, once it compiles."""
+        spec = body.structured_spec
+        if spec is not None:
+            await self._off_loop(self._check_grammar, *spec)
+            overrides["structured_output"] = spec[1]
 
     def _params(self, overrides: dict[str, Any]) -> SamplingParams:
         try:
@@ -289,6 +312,7 @@ class Routes:
                   if n is not None]
         if wanted:
             overrides["prompt_logprobs"] = max(wanted)
+        await self._structured(body, overrides)
         specs = self._specs(prompts, body.n, overrides)
         rid = f"{id_prefix}{uuid.uuid4().hex}"
         choices = CompletionChoices(self._token_text, len(specs), body.logprobs, echo=body.echo,
@@ -312,6 +336,7 @@ class Routes:
         overrides = body.sampling_overrides()
         if body.num_logprobs is not None:
             overrides["logprobs"] = body.num_logprobs
+        await self._structured(body, overrides)
         specs = self._specs([(ids, text, max_tokens)], body.n, overrides)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         choices = ChatChoices(self._token_text, len(specs), body.num_logprobs)
