@@ -312,6 +312,150 @@ def test_langchain_and_litellm_get_structured_output(server, monkeypatch):
     assert Pet.model_validate_json(r.choices[0].message.content)
 
 
+# -- tools --------------------------------------------------------------------------------------
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "the weather in a city",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 10},
+        "unit": {"enum": ["c", "f"]}}, "required": ["city", "unit"],
+        "additionalProperties": False}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "properties": {
+        "zone": {"enum": ["utc", "cet"]}}, "required": ["zone"], "additionalProperties": False}}}
+
+
+def test_a_named_tool_call_round_trips_through_the_openai_client(server):
+    import jsonschema
+    import openai
+
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+    messages = [{"role": "user", "content": "weather in Oslo?"}]
+    r = client.chat.completions.create(
+        model="tiny", messages=messages, tools=[WEATHER, TIME], max_tokens=60, seed=3,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather" and call.id.startswith("call_")
+    args = json.loads(call.function.arguments)
+    jsonschema.validate(args, WEATHER["function"]["parameters"])
+    # the result goes back, and the conversation goes on
+    messages += [choice.message.model_dump(exclude_none=True),
+                 {"role": "tool", "tool_call_id": call.id, "content": '{"temp": 3}'}]
+    again = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8,
+                                           tools=[WEATHER, TIME])
+    assert again.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+
+def test_required_tool_calls_always_parse_and_stream_as_deltas(server):
+    import jsonschema
+
+    body = {"messages": [{"role": "user", "content": "time and weather"}],
+            "tools": [WEATHER, TIME], "tool_choice": "required", "max_tokens": 120,
+            "parallel_tool_calls": False}
+    for seed in range(3):
+        r = httpx.post(server.url + "/v1/chat/completions", timeout=60,
+                       json={**body, "seed": seed}).json()
+        choice = r["choices"][0]
+        assert choice["finish_reason"] == "tool_calls", choice
+        schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
+        for call in choice["message"]["tool_calls"]:
+            jsonschema.validate(json.loads(call["function"]["arguments"]),
+                                schemas[call["function"]["name"]])
+    # streamed: per call, a delta with its id and name, then its arguments; the same calls
+    with httpx.stream("POST", server.url + "/v1/chat/completions", timeout=60,
+                      json={**body, "seed": 0, "stream": True}) as resp:
+        events = [json.loads(line[6:]) for line in resp.iter_lines()
+                  if line.startswith("data: ") and line != "data: [DONE]"]
+    calls: dict[int, dict] = {}
+    for e in events:
+        for tc in e["choices"][0]["delta"].get("tool_calls", []):
+            c = calls.setdefault(tc["index"], {"name": None, "arguments": ""})
+            if "id" in tc:
+                assert c["name"] is None and tc["function"]["arguments"] == ""
+                c["name"], c["id"] = tc["function"]["name"], tc["id"]
+            c["arguments"] += tc["function"].get("arguments", "")
+    assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    whole = httpx.post(server.url + "/v1/chat/completions", timeout=60,
+                       json={**body, "seed": 0}).json()["choices"][0]["message"]["tool_calls"]
+    assert [(c["name"], c["arguments"]) for c in calls.values()] == [
+        (c["function"]["name"], c["function"]["arguments"]) for c in whole]
+
+
+def test_auto_parses_hermes_blocks():
+    from phasewise.server.tools import parse_hermes, required_schema
+
+    text = ('Let me look.\n<tool_call>\n{"name": "get_time", "arguments": {"zone": "utc"}}'
+            '\n</tool_call>\n<tool_call>{"name": "nope", "arguments": {}}</tool_call>')
+    content, calls = parse_hermes(text, {"get_time"})
+    assert calls == [{"name": "get_time", "arguments": '{"zone": "utc"}'}]
+    assert content.startswith("Let me look.") and "nope" in content  # unknown: left as text
+    assert parse_hermes("just text", {"get_time"}) == ("just text", [])
+    schema = required_schema([WEATHER, TIME], parallel=False)
+    assert schema["maxItems"] == 1 and len(schema["items"]["anyOf"]) == 2
+
+
+def test_auto_streams_content_until_a_tool_call_begins():
+    from phasewise.engine.outputs import RequestOutput
+    from phasewise.engine.request import RequestMetrics
+    from phasewise.server.tools import ToolChatChoices
+
+    pieces = ["Sure", ", <tool", '_call>{"name": "get_time", ', '"arguments": {"zone": "utc"}}',
+              "</tool_call>"]
+    choices = ToolChatChoices(str, 1, None, mode="auto", names={"get_time"})
+    text, chunks = "", []
+    for i, p in enumerate(pieces):
+        text += p
+        last = i == len(pieces) - 1
+        out = RequestOutput("r", None, [1], text, list(range(i + 1)), p, [i], last,
+                            "stop" if last else None, None, None, RequestMetrics(0.0))
+        chunks += [c for c, _ in choices.delta(0, out)]
+    content = "".join(c["delta"].get("content") or "" for c in chunks)
+    assert content.rstrip() == "Sure,"  # the marker and the call never showed as text
+    calls = [tc for c in chunks for tc in c["delta"].get("tool_calls", [])]
+    assert calls[0]["function"] == {"name": "get_time", "arguments": ""}
+    assert json.loads(calls[1]["function"]["arguments"]) == {"zone": "utc"}
+    assert chunks[-1]["finish_reason"] == "tool_calls"
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "x"}}},
+     "tool_choice.function.name"),
+    ({"tools": [WEATHER, WEATHER]}, "tools"),
+    ({"tools": [WEATHER], "tool_choice": "required",
+      "response_format": {"type": "json_object"}}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]},
+     "tools.0.function.name"),
+])
+def test_bad_tool_requests_are_400s(server, body, param):
+    r = httpx.post(server.url + "/v1/chat/completions", timeout=30, json={
+        "messages": [{"role": "user", "content": "x"}], **body})
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_langchain_binds_tools_and_structures_by_function_calling(server):
+    from langchain_core.messages import ToolMessage
+    from langchain_openai import ChatOpenAI
+    from pydantic import BaseModel, Field
+
+    chat = ChatOpenAI(base_url=server.url + "/v1", api_key="x", model="tiny", max_tokens=60,
+                      max_retries=0)
+
+    class Pet(BaseModel):
+        name: str = Field(max_length=6)
+        legs: int = Field(ge=0, le=8)
+
+    # LangChain's default method: a forced tool call whose arguments are the object
+    assert isinstance(chat.with_structured_output(Pet).invoke("a pet"), Pet)
+    bound = chat.bind_tools([WEATHER], tool_choice="get_weather")
+    msg = bound.invoke("weather?")
+    (call,) = msg.tool_calls
+    assert call["name"] == "get_weather" and set(call["args"]) == {"city", "unit"}
+    follow = bound.invoke(["weather?", msg, ToolMessage(content="3C", tool_call_id=call["id"])])
+    assert follow.tool_calls  # still forced: the conversation round-tripped
+
+
 def test_the_server_logged_no_error(server):
     """Last: nothing above (max_tokens 0 has no first token, for one) hit a server bug."""
     assert "Traceback" not in server.log()

@@ -295,6 +295,44 @@ class TextPart(_Body):
     text: Str
 
 
+FunctionName = Annotated[str, Strict(), Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
+MAX_TOOLS = 128
+
+
+class CalledFunction(_Body):
+    name: FunctionName
+    arguments: Str = "{}"  # the JSON text of the arguments, as OpenAI sends it
+
+
+class ToolCall(_Body):
+    """A call an earlier assistant message made (sent back with the tool's result)."""
+
+    id: Str = ""
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
+class FunctionDef(_Body):
+    name: FunctionName
+    description: Str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: Bool | None = None  # calls under tool_choice required/named always follow it
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Body):
+    name: FunctionName
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Str | refused({"type": "array", "items": {
@@ -302,6 +340,8 @@ class ChatMessage(_Body):
         "properties": {"type": {"enum": ["text"]}, "text": {"type": "string"}}},
         "description": "text parts only"}, list[dict[str, Any]]) | None = None
     name: Str | None = None
+    tool_calls: Annotated[list[ToolCall], Field(max_length=MAX_TOOLS)] | None = None
+    tool_call_id: Str | None = None
 
     def text(self, index: int) -> str:
         """The message's text; content parts must all be text parts of valid Unicode."""
@@ -331,18 +371,30 @@ class ChatCompletionRequest(_Sampling):
     add_generation_prompt: Bool = True
     continue_final_message: Bool = False
     chat_template_kwargs: dict[str, Any] | None = None
-    tools: refused({"type": "array", "maxItems": 0, "description": "not supported"},
-                   list[dict[str, Any]]) | None = None
-    tool_choice: Any = None
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: Bool = True
 
     @model_validator(mode="after")
     def _check(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
             raise field_error("top_logprobs", "top_logprobs needs logprobs set to true",
                               COMBINATION)
-        if self.tools:
-            raise field_error("tools", "tools (function calling) are not supported by "
-                              "phasewise")
+        names = [t.function.name for t in self.tools or []]
+        if len(set(names)) != len(names):
+            raise field_error("tools", "tools must have distinct function names",
+                              COMBINATION)
+        choice = self.tool_choice
+        if choice is not None and choice != "none" and not names:
+            raise field_error("tool_choice", "tool_choice needs tools", COMBINATION)
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise field_error("tool_choice.function.name", f"tool_choice names "
+                              f"{choice.function.name!r}, which is not among the tools "
+                              f"({', '.join(names)})", COMBINATION)
+        if self.tool_mode in ("required", "named") and self._structured is not None:
+            raise field_error("tool_choice", f"tool_choice {self.tool_mode} constrains the "
+                              f"output, and so does {self._structured[0]}; send one of them",
+                              COMBINATION)
         if self.continue_final_message and self.add_generation_prompt:
             raise field_error("continue_final_message", "continue_final_message and "
                               "add_generation_prompt cannot both be true", COMBINATION)
@@ -353,6 +405,20 @@ class ChatCompletionRequest(_Sampling):
             raise field_error("min_tokens", f"min_tokens ({self.min_tokens}) must be <= "
                               f"{name} ({limit})", COMBINATION)
         return self
+
+    @property
+    def tool_mode(self) -> str:
+        """none (no tools, or tool_choice none), auto (the default with tools), required,
+        or named."""
+        if not self.tools or self.tool_choice == "none":
+            return "none"
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return "named"
+        return self.tool_choice or "auto"
+
+    @property
+    def tool_dicts(self) -> list[dict[str, Any]]:
+        return [t.model_dump(exclude_none=True) for t in self.tools or []]
 
     @property
     def num_logprobs(self) -> int | None:

@@ -20,7 +20,8 @@ from phasewise.engine.backend import (EngineError, EngineOverloaded, EngineStopp
                                       ServingBackend)
 from phasewise.engine.outputs import RequestOutput
 from phasewise.engine.sampling_params import SamplingParams, wrap_seed
-from phasewise.engine.structured import GrammarCompiler
+from phasewise.engine.structured import GrammarCompiler, spec_json
+from phasewise.server import tools as tools_mod
 from phasewise.engine.validation import (ValidationError, check_context, check_sequences,
                                          check_token_ids)
 from phasewise.server.errors import ApiError
@@ -37,6 +38,13 @@ T = TypeVar("T")
 # a token covers at most ``max_token_chars`` characters. The factor 2 leaves room for
 # normalizers that compose characters (NFC/NFKC) before tokenizing.
 _CHAR_MARGIN = 2
+
+
+def _json_or_text(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
 
 
 class ClientGone(Exception):
@@ -156,8 +164,11 @@ class Routes:
         """Put the request's structured output (if any) in ``overrides``, once it compiles."""
         spec = body.structured_spec
         if spec is not None:
-            await self._off_loop(self._check_grammar, *spec)
-            overrides["structured_output"] = spec[1]
+            await self._constrain(overrides, *spec)
+
+    async def _constrain(self, overrides: dict[str, Any], param: str, spec: str) -> None:
+        await self._off_loop(self._check_grammar, param, spec)
+        overrides["structured_output"] = spec
 
     def _params(self, overrides: dict[str, Any]) -> SamplingParams:
         try:
@@ -215,6 +226,14 @@ class Routes:
             d: dict[str, Any] = {"role": m.role, "content": m.text(i)}
             if m.name is not None:
                 d["name"] = m.name
+            if m.tool_calls:
+                # Templates read a call's arguments as an object (transformers' convention);
+                # OpenAI sends their JSON text.
+                d["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                    "name": c.function.name, "arguments": _json_or_text(c.function.arguments)}}
+                    for c in m.tool_calls]
+            if m.tool_call_id is not None:
+                d["tool_call_id"] = m.tool_call_id
             msgs.append(d)
         return msgs
 
@@ -325,10 +344,19 @@ class Routes:
         self.check_model(body.model)
         self._check_sequences(1, body.n)
         msgs = self._messages(body.messages)
-        self._check_chars(sum(len(m["content"]) + len(m.get("name") or "") for m in msgs),
-                          "messages")
+        mode = body.tool_mode
+        kwargs = dict(body.chat_template_kwargs or {})
+        tools = body.tool_dicts if mode != "none" else []
+        if tools:
+            if tools_mod.template_renders_tools(self.tokenizer.chat_template):
+                kwargs["tools"] = tools
+            else:  # a template that knows no tools: they become a system message
+                msgs = [{"role": "system", "content": tools_mod.tools_message(tools)}, *msgs]
+        self._check_chars(sum(len(m["content"]) + len(m.get("name") or "")
+                              + len(json.dumps(m.get("tool_calls") or "")) for m in msgs)
+                          + len(json.dumps(tools)), "messages")
         text, ids = await self._off_loop(self._chat_ids, msgs, body.add_generation_prompt,
-                                         body.continue_final_message, body.chat_template_kwargs)
+                                         body.continue_final_message, kwargs or None)
         limit_param = "max_completion_tokens" if body.max_completion_tokens is not None \
             else "max_tokens"
         max_tokens = self._budget(len(ids), body.output_limit, "messages", limit_param)
@@ -337,9 +365,24 @@ class Routes:
         if body.num_logprobs is not None:
             overrides["logprobs"] = body.num_logprobs
         await self._structured(body, overrides)
+        names = {t["function"]["name"] for t in tools}
+        function = None
+        if mode == "required":
+            await self._constrain(overrides, "tools", spec_json(
+                "json_schema", tools_mod.required_schema(tools, body.parallel_tool_calls)))
+        elif mode == "named":
+            function = body.tool_choice.function.name
+            tool = next(t for t in tools if t["function"]["name"] == function)
+            await self._constrain(overrides, "tools", spec_json(
+                "json_schema", tools_mod.parameters(tool)))
         specs = self._specs([(ids, text, max_tokens)], body.n, overrides)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        choices = ChatChoices(self._token_text, len(specs), body.num_logprobs)
+        if mode == "none":
+            choices: ChatChoices = ChatChoices(self._token_text, len(specs), body.num_logprobs)
+        else:
+            choices = tools_mod.ToolChatChoices(self._token_text, len(specs),
+                                                body.num_logprobs, mode=mode, names=names,
+                                                function=function)
         return await self._respond(request, body, specs, rid, choices, arrival)
 
     # -- the one response builder ----------------------------------------------------------

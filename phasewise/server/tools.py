@@ -1,0 +1,189 @@
+"""Tools (function calling) on ``/v1/chat/completions``: rendering the tools into the prompt,
+constraining the output for ``tool_choice`` ``required`` or a named function, and parsing
+tool calls out of the output into OpenAI's ``tool_calls`` (whole, or streamed as deltas).
+
+- The checkpoint's chat template renders the tools when it knows how (it reads a ``tools``
+  variable, as Qwen's, Llama 3's, Mistral's and Hermes' templates do). A template that never
+  mentions ``tools`` gets them as a system message instead (``tools_message``), which asks
+  for calls in the Hermes form below.
+- ``auto``: the model may answer, or call tools in the Hermes form used by Qwen 2.5/3 and
+  Hermes models, ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` (one block per
+  call); the blocks become ``tool_calls``, the text outside them the message's ``content``.
+- ``required``: the output is constrained (structured output) to a JSON array of 1 or more
+  calls, ``[{"name": <one of the tools>, "arguments": <its parameters' schema>}]`` (at most
+  16, or 1 with ``parallel_tool_calls: false``), so the calls always parse (unless
+  ``max_tokens`` cuts them short: then the text is the content, finish reason ``length``).
+- a named function: the output is constrained to that function's parameters schema; it is the
+  call's ``arguments``.
+- ``none``: the tools are neither rendered nor parsed.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from typing import Any
+
+from phasewise.engine.outputs import RequestOutput
+from phasewise.server.openai_format import ChatChoices, TokenText, finish_reason
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+_BLOCK = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*" + re.escape(CLOSE), re.DOTALL)
+ANY_OBJECT: dict[str, Any] = {"type": "object"}
+MAX_PARALLEL_CALLS = 16  # calls in one reply under tool_choice required
+
+
+def call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def parameters(tool: dict[str, Any]) -> dict[str, Any]:
+    """A function's parameters schema (any object when it gives none)."""
+    return tool["function"].get("parameters") or ANY_OBJECT
+
+
+def template_renders_tools(template: str | None) -> bool:
+    return bool(template) and re.search(r"\btools\b", template) is not None
+
+
+def tools_message(tools: list[dict[str, Any]]) -> str:
+    """The tools as a system message, for a chat template that does not render them."""
+    specs = "\n".join(json.dumps(t["function"], ensure_ascii=False) for t in tools)
+    return ("You may call the functions below. To call one, reply with "
+            f'{OPEN}{{"name": <function name>, "arguments": <arguments object>}}{CLOSE}, one '
+            f"block per call.\nFunctions:\n{specs}")
+
+
+def required_schema(tools: list[dict[str, Any]], parallel: bool) -> dict[str, Any]:
+    """What ``tool_choice: "required"`` constrains the output to."""
+    one_of = [{"type": "object", "properties": {
+        "name": {"const": t["function"]["name"]}, "arguments": parameters(t)},
+        "required": ["name", "arguments"], "additionalProperties": False} for t in tools]
+    return {"type": "array", "minItems": 1, "maxItems": MAX_PARALLEL_CALLS if parallel else 1,
+            "items": one_of[0] if len(one_of) == 1 else {"anyOf": one_of}}
+
+
+def _arguments(value: Any) -> str:
+    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+
+
+def parse_hermes(text: str, names: set[str]) -> tuple[str | None, list[dict[str, str]]]:
+    """(content, calls) from an ``auto`` output: each ``<tool_call>`` block that holds a JSON
+    object naming one of ``names`` is a call; the text outside the blocks is the content
+    (None when it is blank). A block that does not parse stays in the content."""
+    calls, kept, pos = [], [], 0
+    for m in _BLOCK.finditer(text):
+        try:
+            obj = json.loads(m.group(1))
+        except ValueError:
+            continue
+        if not (isinstance(obj, dict) and obj.get("name") in names):
+            continue
+        kept.append(text[pos:m.start()])
+        pos = m.end()
+        calls.append({"name": obj["name"], "arguments": _arguments(obj.get("arguments", {}))})
+    kept.append(text[pos:])
+    content = "".join(kept).strip()
+    return (content or None), calls
+
+
+def parse_required(text: str) -> list[dict[str, str]] | None:
+    try:
+        items = json.loads(text)
+    except ValueError:
+        return None
+    if not isinstance(items, list):
+        return None
+    return [{"name": i["name"], "arguments": _arguments(i.get("arguments", {}))}
+            for i in items if isinstance(i, dict) and "name" in i]
+
+
+def _held_back(text: str) -> int:
+    """How many characters at the end of ``text`` could begin a ``<tool_call>`` marker."""
+    for n in range(min(len(OPEN) - 1, len(text)), 0, -1):
+        if OPEN.startswith(text[-n:]):
+            return n
+    return 0
+
+
+class ToolChatChoices(ChatChoices):
+    """Chat choices of a request with tools: ``mode`` is ``auto``, ``required`` or
+    ``named`` (``function``: its name). Streams content (``auto``, until a tool-call marker
+    begins) and, once the output is finished, each call as OpenAI streams them: a delta with
+    its index, id, type and name (empty arguments), then one with its arguments."""
+
+    def __init__(self, token_text: TokenText, num_choices: int, top_n: int | None, *,
+                 mode: str, names: set[str], function: str | None = None) -> None:
+        super().__init__(token_text, num_choices, top_n)
+        self.mode = mode
+        self.names = names
+        self.function = function
+        self.sent = [0] * num_choices  # content characters streamed, per choice
+
+    def _calls(self, out: RequestOutput) -> tuple[str | None, list[dict[str, str]] | None]:
+        """(content, calls) of a finished output; calls None when there are none."""
+        text = out.text
+        if self.mode == "auto":
+            content, calls = parse_hermes(text, self.names)
+            return content, calls or None
+        if out.finish_reason == "length":  # cut short: it may not parse
+            return text or None, None
+        if self.mode == "named":
+            return None, [{"name": self.function, "arguments": text}]
+        calls = parse_required(text)
+        return (None, calls) if calls else (text or None, None)
+
+    @staticmethod
+    def _finish(out: RequestOutput, calls: list[dict[str, str]] | None) -> str | None:
+        reason = finish_reason(out)
+        return "tool_calls" if calls and reason == "stop" else reason
+
+    def delta(self, idx: int, out: RequestOutput) -> list[tuple[dict[str, Any], bool]]:
+        chunks: list[tuple[dict[str, Any], bool]] = []
+        if not self.started[idx]:
+            self.started[idx] = True
+            chunks.append(({"index": idx, "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None, "finish_reason": None}, False))
+        if not out.finished:  # content streams (auto) until a tool call may begin
+            if self.mode == "auto":
+                text = out.text
+                cut = text.find(OPEN)
+                safe = cut if cut != -1 else len(text) - _held_back(text)
+                if safe > self.sent[idx]:
+                    chunks.append(({"index": idx, "delta": {"content": text[self.sent[idx]:safe]},
+                                    "logprobs": None, "finish_reason": None}, True))
+                    self.sent[idx] = safe
+            return chunks
+        content, calls = self._calls(out)
+        if self.mode == "auto":  # what was held back, up to the first call
+            cut = out.text.find(OPEN) if calls else -1
+            rest = out.text[self.sent[idx]:cut if cut != -1 else len(out.text)]
+            rest = rest.rstrip() if calls else rest
+        else:
+            rest = content or ""
+        if rest:
+            chunks.append(({"index": idx, "delta": {"content": rest}, "logprobs": None,
+                            "finish_reason": None}, False))
+        for k, call in enumerate(calls or []):
+            chunks.append(({"index": idx, "delta": {"tool_calls": [{
+                "index": k, "id": call_id(), "type": "function",
+                "function": {"name": call["name"], "arguments": ""}}]},
+                "logprobs": None, "finish_reason": None}, False))
+            chunks.append(({"index": idx, "delta": {"tool_calls": [{
+                "index": k, "function": {"arguments": call["arguments"]}}]},
+                "logprobs": None, "finish_reason": None}, False))
+        chunks.append(({"index": idx, "delta": {}, "logprobs": None,
+                        "finish_reason": self._finish(out, calls)}, True))
+        return chunks
+
+    def whole(self, idx: int, out: RequestOutput) -> dict[str, Any]:
+        choice = super().whole(idx, out)
+        content, calls = self._calls(out)
+        choice["message"]["content"] = content
+        if calls:
+            choice["message"]["tool_calls"] = [
+                {"id": call_id(), "type": "function",
+                 "function": {"name": c["name"], "arguments": c["arguments"]}} for c in calls]
+        choice["finish_reason"] = self._finish(out, calls)
+        return choice
