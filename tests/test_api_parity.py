@@ -456,6 +456,71 @@ def test_langchain_binds_tools_and_structures_by_function_calling(server):
     assert follow.tool_calls  # still forced: the conversation round-tripped
 
 
+# -- the Responses API --------------------------------------------------------------------------
+def test_responses_create_streams_the_same_text_with_openais_events(server):
+    import openai
+
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+    args = dict(model="tiny", instructions="be brief", max_output_tokens=12, temperature=0,
+                input=[{"role": "user", "content": [{"type": "input_text", "text": "hi"}]}])
+    whole = client.responses.create(**args)
+    assert whole.object == "response" and whole.status == "incomplete"  # 12 tokens cut it
+    assert whole.incomplete_details.reason == "max_output_tokens"
+    assert whole.usage.output_tokens == 12 and whole.usage.input_tokens > 0
+    assert whole.usage.total_tokens == whole.usage.input_tokens + 12
+    events = list(client.responses.create(stream=True, **args))
+    kinds = [e.type for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress",
+                         "response.output_item.added", "response.content_part.added"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done",
+                          "response.output_item.done", "response.incomplete"]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert deltas == whole.output_text == events[-1].response.output_text
+    # ended by a stop string: completed, and the SDK's stream helper gets its final response
+    with client.responses.stream(model="tiny", input="x", max_output_tokens=64,
+                                 extra_body={"stop": ["e"], "seed": 1}) as stream:
+        list(stream)
+        final = stream.get_final_response()
+    assert final.status == "completed" and "e" not in final.output_text
+
+
+def test_responses_text_format_and_what_is_refused(server):
+    import jsonschema
+    import openai
+
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+    r = client.responses.create(model="tiny", input="a person", max_output_tokens=120,
+                                text={"format": {"type": "json_schema", "name": "person",
+                                                 "schema": PERSON, "strict": True}})
+    assert r.status == "completed"
+    jsonschema.validate(json.loads(r.output_text), PERSON)
+    for body, param in (({"previous_response_id": "resp_1"}, "previous_response_id"),
+                        ({"tools": [{"type": "function", "name": "f"}]}, "tools"),
+                        ({"input": [{"type": "input_image", "image_url": "x"}]}, "input"),
+                        ({"input": [{"role": "user", "content": [{"type": "input_file"}]}]},
+                         "input"),
+                        ({"input": []}, "input"), ({"n": 2}, "n"),
+                        ({"model": "gpt-4"}, "model")):
+        x = httpx.post(server.url + "/v1/responses", json={"input": "x", **body}, timeout=30)
+        assert x.status_code in (400, 404) and x.json()["error"]["param"] == param, x.text
+
+
+def test_langchain_and_litellm_use_the_responses_api(server, monkeypatch):
+    from langchain_openai import ChatOpenAI
+
+    chat = ChatOpenAI(base_url=server.url + "/v1", api_key="x", model="tiny", max_tokens=8,
+                      max_retries=0, use_responses_api=True)
+    msg = chat.invoke("hello")
+    assert msg.text and msg.usage_metadata["output_tokens"] == 8
+    monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+    import litellm
+
+    r = litellm.responses(model="openai/tiny", api_base=server.url + "/v1", api_key="x",
+                          input="hello", max_output_tokens=16)  # (LiteLLM sends >= 16)
+    assert r.usage.output_tokens == 16 and r.output[0].content[0].text
+
+
 def test_the_server_logged_no_error(server):
     """Last: nothing above (max_tokens 0 has no first token, for one) hit a server bug."""
     assert "Traceback" not in server.log()

@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP API over a ``ServingBackend``: the app's assembly.
 
-Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST /v1/responses``
+(``responses``), ``GET /v1/models``,
 ``GET /v1/models/{id}``, ``GET /health``, ``GET /metrics``, ``POST /tokenize``,
 ``POST /detokenize``, ``GET /tokenizer_info``, ``GET /version``, ``GET /openapi.json``; ``/dashboard`` (the live page, ``dashboard``); and ``/internal/v1/*``,
 which a router calls (``internal``).
@@ -39,6 +40,8 @@ from phasewise.server.internal import add_internal_routes
 from phasewise.server.metrics import PrometheusMetrics
 from phasewise.server.protocol import (ChatCompletionRequest, CompletionRequest,
                                        DetokenizeRequest, ErrorBody, TokenizeRequest)
+from phasewise.server import responses as responses_api
+from phasewise.server.responses import ResponsesRequest
 from phasewise.server.routes import Routes
 
 log = logging.getLogger("phasewise.server")
@@ -236,6 +239,11 @@ class OpenAIServer:
                   responses={200: _JSON_OR_SSE, **_POST_ERRORS})
         async def chat(body: ChatCompletionRequest, request: Request) -> Response:
             return await routes.chat(body, request)
+
+        @app.post("/v1/responses", response_model=None,
+                  responses={200: _JSON_OR_SSE, **_POST_ERRORS})
+        async def responses(body: ResponsesRequest, request: Request) -> Response:
+            return await responses_api.create(routes, body, request)
 
         if self.dashboard is not None:
             add_dashboard_routes(app, self.dashboard, routes, api_key=self.config.api_key,

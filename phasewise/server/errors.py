@@ -56,6 +56,10 @@ UNION_FIELDS = {
               "token-id lists",
     "stop": "a string or a list of strings",
     "content": "a string or a list of content parts",
+    # /v1/responses
+    "input": "a non-empty string, or a non-empty list of messages ({\"role\": system, "
+             "developer, user or assistant, \"content\": a string or a list of input_text / "
+             "output_text parts}); images, files and function-call items are not served",
 }
 
 
