@@ -412,7 +412,10 @@ def train(a: argparse.Namespace) -> int:
     # resumable state
     sdir = state_dir(a)
     state_path = sdir / "state.pt"
-    step, ema, history, trained_s = 0, None, [], 0.0
+    # trained_s: wall seconds of the training steps (a machine shared with other work, or a
+    # paused process, stretches it); cpu_s: the CPU seconds they used (all threads), the
+    # compute the card states
+    step, ema, history, trained_s, cpu_s = 0, None, [], 0.0, 0.0
     if a.fresh and state_path.exists():
         state_path.unlink()
     if state_path.exists():
@@ -421,6 +424,7 @@ def train(a: argparse.Namespace) -> int:
         opt.load_state_dict(st["opt"])
         gen.set_state(st["gen"])
         step, ema, history, trained_s = st["step"], st["ema"], st["history"], st["trained_s"]
+        cpu_s = st.get("cpu_s", 0.0)
         log(f"      resuming from {state_path}: step {step}/{steps}, "
             f"{fmt_s(trained_s)} trained so far")
 
@@ -431,7 +435,7 @@ def train(a: argparse.Namespace) -> int:
         tmp = state_path.with_suffix(".tmp")
         torch.save({"model": model.state_dict(), "opt": opt.state_dict(),
                     "gen": gen.get_state(), "step": step, "ema": ema, "history": history,
-                    "trained_s": trained_s}, tmp)
+                    "trained_s": trained_s, "cpu_s": cpu_s}, tmp)
         os.replace(tmp, state_path)
 
     log(f"[3/4] model: Llama, {n_params / 1e6:.2f} M parameters ({a.layers} layers, hidden "
@@ -446,7 +450,7 @@ def train(a: argparse.Namespace) -> int:
 
     old_term = signal.signal(signal.SIGTERM, on_term) if hasattr(signal, "SIGTERM") else None
     model.train()
-    t_run = time.monotonic()
+    t_run, cpu_run = time.monotonic(), time.process_time()
     t_log = t_save = t_run
     first = step
     try:
@@ -472,13 +476,16 @@ def train(a: argparse.Namespace) -> int:
                     f"eta {fmt_s(eta)}")
             if step < steps and now - t_save >= a.save_every:
                 trained_s += now - t_run
+                cpu_s += time.process_time() - cpu_run
                 t_run = t_save = now
+                cpu_run = time.process_time()
                 first = step
                 save_state()
             if a.stop_after is not None and step - first >= a.stop_after and step < steps:
                 raise Stop
     except (KeyboardInterrupt, Stop):
         trained_s += time.monotonic() - t_run
+        cpu_s += time.process_time() - cpu_run
         save_state()
         log(f"      stopped at step {step}/{steps}; state saved to {state_path}: run the same "
             "command again to continue")
@@ -487,6 +494,7 @@ def train(a: argparse.Namespace) -> int:
         if old_term is not None:
             signal.signal(signal.SIGTERM, old_term)
     train_s = trained_s + time.monotonic() - t_run
+    cpu_s += time.process_time() - cpu_run
     setup_s = time.monotonic() - t_start - (train_s - trained_before)
     final_val = val_loss()
     log(f"      done in {fmt_s(train_s)}: train loss {ema:.3f}, held-out loss {final_val:.3f} "
@@ -526,6 +534,7 @@ def train(a: argparse.Namespace) -> int:
         "train_tokens_in_corpus": len(train_ids), "vocab_size": vocab,
         "parameters": n_params, "steps": steps, "tokens_seen": steps * tokens_per_step,
         "train_seconds": round(train_s), "total_seconds": round(train_s + setup_s),
+        "train_cpu_seconds": round(cpu_s),
         "sources": sources, "mix": mix, "arithmetic": "bf16 autocast" if bf16 else "fp32",
         "short_steps": short_steps, "short_seq": short,
         "train_loss": round(ema, 4), "held_out_loss_fp32": round(final_val, 4),
@@ -637,7 +646,7 @@ Python {i['python']} standard library, so anyone can rebuild it from what is on 
 | model | {a.layers} layers, hidden {a.hidden_size}, {a.heads} heads / {a.kv_heads} KV heads (head dim {a.hidden_size // a.heads}), SwiGLU MLP {a.intermediate_size}, RoPE, tied embeddings: {i['parameters']:,} parameters |
 | training | {i['steps']} steps of {a.batch_size * a.seq_len} tokens{short_line(i, a)} ({i['tokens_seen']:,} tokens, {i['tokens_seen'] / i['train_tokens_in_corpus']:.2f} times the {i['train_tokens_in_corpus']:,}-token core stream); AdamW (0.9, 0.95), peak LR {a.lr}, {a.warmup:.0%} warm-up, cosine to 10%, weight decay {a.weight_decay}, gradient clip 1.0, {i.get('arithmetic', 'fp32')}, seed {a.seed} |
 | loss (nats/token) | train {i['train_loss']:.3f} (last steps, smoothed); held out {i['held_out_loss']:.3f} with the shipped bf16 weights ({i['held_out_loss_fp32']:.3f} before the cast from fp32); a uniform guess scores {math.log(i['vocab_size']):.2f} |
-| trained on | {i['cpu']}, {i['threads']} threads; Python {i['python']}, torch {i['torch']}, transformers {i['transformers']}, tokenizers {i['tokenizers']}: {i['total_seconds'] // 60} min {i['total_seconds'] % 60} s in all |
+| trained on | {i['cpu']}, {i['threads']} threads; Python {i['python']}, torch {i['torch']}, transformers {i['transformers']}, tokenizers {i['tokenizers']}: {i['total_seconds'] // 60} min {i['total_seconds'] % 60} s in all, of which training used {i.get('train_cpu_seconds', 0) / 3600:.1f} CPU-hours |
 
 Reproduce (the run's settings are in `training.json`):
 
