@@ -167,7 +167,12 @@ def main() -> int:
     print(machine_line(machine_info()))
     import importlib.metadata as md
 
-    print("llguidance", md.version("llguidance"), "| outlines-core", md.version("outlines_core"))
+    try:
+        print("llguidance", md.version("llguidance"), "| outlines-core",
+              md.version("outlines_core"))
+    except md.PackageNotFoundError as e:
+        print(f"{e.name} is not installed: pip install llguidance outlines-core")
+        return 2
     print(f"{'tokenizer':>18} {'schema':>7} | {'library':>13} {'compile':>9} "
           f"{'mean/token':>11} {'median':>9} {'p90':>9} | outlines/llguidance (mean)")
     for tname, path in TOKENIZERS.items():
