@@ -280,12 +280,43 @@ def test_vllm_guided_fields_and_streaming(server):
     ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs",
      "invalid_combination"),
     ({"guided_choice": []}, "guided_choice", None),
+    ({"guided_regex": "[^\\s\\S]"}, "guided_regex", "invalid_grammar"),  # cannot start
+    ({"guided_json": "[" * 5000 + "]" * 5000}, "guided_json", "invalid_grammar"),
 ])
 def test_bad_constraints_are_400s_naming_the_field(server, body, param, code):
     r = httpx.post(server.url + "/v1/completions", json={"prompt": "x", **body}, timeout=30)
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == param and err["code"] == code, err
+
+
+def test_a_grammar_whose_check_runs_too_long_is_refused(model, monkeypatch):
+    """The check runs under a time budget (a grammar whose first steps are slow would hold
+    the engine thread as long); here a check made slow on purpose meets a small budget."""
+    import asyncio
+    import time as clock
+
+    from phasewise.config import EngineConfig
+    from phasewise.engine.async_engine import AsyncEngine
+    from phasewise.engine.structured import spec_json
+    from phasewise.server import routes as routes_mod
+    from phasewise.server.errors import ApiError
+
+    engine = AsyncEngine.from_config(EngineConfig(model=str(model[0])))
+    routes = routes_mod.Routes(engine, "tiny")
+    slow = routes._check_grammar
+    monkeypatch.setattr(routes, "_check_grammar",
+                        lambda param, spec: (clock.sleep(0.3), slow(param, spec)))
+    monkeypatch.setattr(routes_mod, "GRAMMAR_CHECK_S", 0.05)
+    overrides: dict = {}
+    with pytest.raises(ApiError) as err:
+        asyncio.run(routes._constrain(overrides, "guided_regex", spec_json("regex", "ab+")))
+    assert err.value.status == 400 and err.value.param == "guided_regex"
+    assert "takes more than" in err.value.message and "structured_output" not in overrides
+    monkeypatch.setattr(routes_mod, "GRAMMAR_CHECK_S", 30.0)
+    asyncio.run(routes._constrain(overrides, "guided_regex", spec_json("regex", "ab+")))
+    assert overrides["structured_output"] == spec_json("regex", "ab+")
+    routes.close()
 
 
 def test_langchain_and_litellm_get_structured_output(server, monkeypatch):
@@ -347,6 +378,16 @@ def test_a_named_tool_call_round_trips_through_the_openai_client(server):
     assert again.choices[0].finish_reason in ("stop", "length", "tool_calls")
 
 
+def test_a_named_call_cut_by_a_stop_string_is_content_not_a_broken_call(server):
+    r = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
+        "messages": [{"role": "user", "content": "x"}], "tools": [WEATHER], "stop": ['"'],
+        "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+        "max_tokens": 40}).json()
+    choice = r["choices"][0]
+    assert "tool_calls" not in choice["message"] and choice["finish_reason"] == "stop"
+    assert choice["message"]["content"] == "{"  # cut at the first quote
+
+
 def test_required_tool_calls_always_parse_and_stream_as_deltas(server):
     import jsonschema
 
@@ -391,6 +432,9 @@ def test_auto_parses_hermes_blocks():
     assert calls == [{"name": "get_time", "arguments": '{"zone": "utc"}'}]
     assert content.startswith("Let me look.") and "nope" in content  # unknown: left as text
     assert parse_hermes("just text", {"get_time"}) == ("just text", [])
+    # an unclosed marker (or thousands of them) is text, found in one pass
+    many = "<tool_call>" * 20000
+    assert parse_hermes(many, {"get_time"}) == (many, [])
     schema = required_schema([WEATHER, TIME], parallel=False)
     assert schema["maxItems"] == 1 and len(schema["items"]["anyOf"]) == 2
 
@@ -401,7 +445,7 @@ def test_auto_streams_content_until_a_tool_call_begins():
     from phasewise.server.tools import ToolChatChoices
 
     pieces = ["Sure", ", <tool", '_call>{"name": "get_time", ', '"arguments": {"zone": "utc"}}',
-              "</tool_call>"]
+              "</tool_call>", " Then", " done."]
     choices = ToolChatChoices(str, 1, None, mode="auto", names={"get_time"})
     text, chunks = "", []
     for i, p in enumerate(pieces):
@@ -411,7 +455,9 @@ def test_auto_streams_content_until_a_tool_call_begins():
                             "stop" if last else None, None, None, RequestMetrics(0.0))
         chunks += [c for c, _ in choices.delta(0, out)]
     content = "".join(c["delta"].get("content") or "" for c in chunks)
-    assert content.rstrip() == "Sure,"  # the marker and the call never showed as text
+    # the marker and the call never show as text; what follows the call still comes
+    assert content.split() == ["Sure,", "Then", "done."]
+    assert "tool_call" not in content
     calls = [tc for c in chunks for tc in c["delta"].get("tool_calls", [])]
     assert calls[0]["function"] == {"name": "get_time", "arguments": ""}
     assert json.loads(calls[1]["function"]["arguments"]) == {"zone": "utc"}
@@ -468,6 +514,9 @@ def test_responses_create_streams_the_same_text_with_openais_events(server):
     assert whole.incomplete_details.reason == "max_output_tokens"
     assert whole.usage.output_tokens == 12 and whole.usage.input_tokens > 0
     assert whole.usage.total_tokens == whole.usage.input_tokens + 12
+    raw = httpx.post(server.url + "/v1/responses", timeout=60, json={
+        "input": "hi", "max_output_tokens": 3}).json()
+    openai.types.responses.Response.model_validate(raw)  # strict: every required field
     events = list(client.responses.create(stream=True, **args))
     kinds = [e.type for e in events]
     assert kinds[:4] == ["response.created", "response.in_progress",

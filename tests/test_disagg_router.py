@@ -104,6 +104,11 @@ def test_pd_starts_three_processes_the_openai_client_streams_through_the_router(
         guided = httpx.post(pd.url + "/v1/completions", headers=pd.headers, timeout=60, json={
             "prompt": PROMPT * 4, "max_tokens": 20, "guided_regex": "[a-c]{4}-[0-9]{2}"}).json()
         assert re.fullmatch("[a-c]{4}-[0-9]{2}", guided["choices"][0]["text"]), guided
+        # max_tokens 0 (scoring only) through the router, a long prompt: no token comes back
+        zero = httpx.post(pd.url + "/v1/completions", headers=pd.headers, timeout=60, json={
+            "prompt": PROMPT * 4, "max_tokens": 0, "echo": True}).json()
+        assert zero["usage"]["completion_tokens"] == 0, zero
+        assert zero["choices"][0]["text"].startswith(PROMPT)
         # Chat works through the same relay.
         chat = client.chat.completions.create(
             model=model.name, messages=[{"role": "user", "content": "hi"}], max_tokens=5,

@@ -143,3 +143,22 @@ def test_bad_constraints_name_the_field(llm):
     with pytest.raises(ValidationError, match="does not compile"):
         llm.generate(["x"], SamplingParams(structured_output=spec_json("regex", "(")))
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_the_eos_that_ends_a_grammar_is_not_text(llm):
+    """A grammar that may end (a regex of optional letters) ends at EOS: its text is not
+    the output's, even with skip_special_tokens off."""
+    eos = llm.tokenizer.eos_token
+    outs = llm.generate(["x"] * 6, [SamplingParams(
+        max_tokens=8, temperature=1.0, seed=s, skip_special_tokens=False,
+        structured_output=spec_json("regex", "[a-z]{0,3}")) for s in range(6)])
+    for o in outs:
+        assert eos not in o.text and re.fullmatch("[a-z]{0,3}", o.text), o.text
+
+
+def test_n_samples_of_one_grammar_compile_once(llm):
+    spec = spec_json("choice", ["north", "south"])
+    llm.generate(["x"] * 4, SamplingParams(max_tokens=4, structured_output=spec))
+    first = llm.engine.grammars._compiled[spec]
+    llm.generate(["y"] * 4, SamplingParams(max_tokens=4, structured_output=spec))
+    assert llm.engine.grammars._compiled[spec] is first

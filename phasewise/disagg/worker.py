@@ -239,9 +239,11 @@ class DecodeSide(_Delegate):
         """Admit a group; prompts long enough go to a prefill worker when one is connected
         and not too busy (see the module)."""
         peer, why_not = self._prefill_peer()
-        # A request that wants its prompt logprobs needs the prompt's logits: computed here.
+        # A request that wants its prompt logprobs needs the prompt's logits, and one with
+        # max_tokens 0 wants no token (a prefill worker always samples one): computed here.
         long_enough = [len(s.token_ids) >= max(1, self.threshold)
-                       and s.params.prompt_logprobs is None for s in specs]
+                       and s.params.prompt_logprobs is None and s.params.max_tokens != 0
+                       for s in specs]
         remote = [dataclasses.replace(s, remote=peer is not None and long)
                   for s, long in zip(specs, long_enough)]
         group = await self.backend.add(remote, request_id, arrival_time)

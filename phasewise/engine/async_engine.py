@@ -103,6 +103,12 @@ class AsyncEngine:
 
         return cls(LLMEngine(config), **kwargs)
 
+    @property
+    def grammars(self) -> Any:
+        """The engine's structured-output compiler: a server checks each request's grammar
+        with it (on a worker thread), so the engine's copy starts from warm caches."""
+        return self.engine.grammars
+
     def default_sampling_params(self, **overrides: Any) -> SamplingParams:
         return self.engine.default_sampling_params(**overrides)
 

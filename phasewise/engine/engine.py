@@ -317,12 +317,14 @@ class LLMEngine:
             raise ValueError(f"request {request_id!r} has K/V for "
                              f"{self.connector.loaded_tokens(request_id)} of its "
                              f"{req.num_prompt_tokens} prompt tokens; it cannot decode")
+        if req.grammar is not None and not req.grammar.accept(token):
+            # a fresh matcher for the local prefill that the caller falls back to
+            req.grammar = self.grammars.compile(req.params.structured_output)
+            raise ValueError(f"the first token {token} of request {request_id!r} is not one "
+                             f"its structured output allows")
         self.connector.end_load(request_id)
         if req.logprobs is not None and logprobs is not None:
             req.logprobs.append(dict(logprobs))
-        if req.grammar is not None and not req.grammar.accept(token):
-            raise ValueError(f"the first token {token} of request {request_id!r} is not one "
-                             f"its structured output allows")
         self.sampler.skip_draw(req, self.model_config.vocab_size, self.device)
         self.scheduler.remote_prefill_done(req, token)
         return self._emit(req)
@@ -534,9 +536,12 @@ class LLMEngine:
         the request forgotten if that finished it."""
         state = self._text[req.request_id]
         tokens = req.output_token_ids[req.num_output_tokens - new_tokens:]
-        # (a stop token's text is not shown; a grammar's last token is its output's end)
+        # A stop token's text is not shown (unless asked for); a grammar's last token is the
+        # output's end and is shown, unless it is itself a stop token (EOS).
         ended_by_token = (req.finished and req.status is RequestStatus.FINISHED_STOPPED
-                          and not req.output_complete)
+                          and (not req.output_complete or bool(tokens) and (
+                              tokens[-1] in req.eos_token_ids
+                              or tokens[-1] in req.params.stop_token_ids)))
         for i, token in enumerate(tokens):
             last = i == len(tokens) - 1
             if last and ended_by_token and not req.params.include_stop_str_in_output:

@@ -19,19 +19,37 @@ first token), and computes a mask in 30-45 us per token on a 4,096- or 32,000-to
 vocabulary (outlines-core: 9-48 us on the small one, 62-125 us on the large one); its wheel
 has no dependencies. xgrammar was not taken: its wheel pulls triton into a CPU install.
 
-Limits: a grammar's compile is bounded by llguidance's own parser limits; llguidance reads the
-tokenizer from ``tokenizer.json`` (byte-level and other BPE vocabularies).
+Limits: compiling and each token's mask are bounded by parser limits tighter than
+llguidance's defaults (``LIMITS``: a few milliseconds of lexer work at the start and per
+token, no precomputation of large lexemes, short errors), so one request's grammar cannot
+hold the engine thread for long; ``GrammarCompiler.check`` compiles and computes the first
+mask (where the lexer does its first work), which the server runs on a worker thread before
+admitting a request. Compiled grammars are kept (up to ``CACHE_GRAMMARS``) and each request
+gets a copy, so n samples of one request compile once. llguidance reads the tokenizer from
+``tokenizer.json`` (byte-level and other BPE vocabularies).
 """
 
 from __future__ import annotations
 
 import json
+import threading
 from typing import Any
 
 from phasewise.engine.validation import ValidationError
 
 KINDS = ("json_schema", "json_object", "regex", "choice", "lark")
 MAX_CHOICES = 256
+CACHE_GRAMMARS = 64
+# llguidance's limits (its defaults: 1M initial and 200k per-step lexer fuel, 50k Earley items
+# a step, 250k lexer states, large lexemes precomputed, verbose errors)
+LIMITS = dict(initial_lexer_fuel=200_000, step_lexer_fuel=100_000, step_max_items=20_000,
+              max_lexer_states=50_000, max_grammar_size=200_000,
+              precompute_large_lexemes=False, verbose_errors=False)
+MAX_ERROR_CHARS = 400
+
+
+class TooDeep(ValueError):
+    """A schema nested too deeply to write as JSON."""
 
 
 def spec_json(kind: str, value: Any = None) -> str:
@@ -45,7 +63,10 @@ def spec_json(kind: str, value: Any = None) -> str:
         spec["choices"] = list(value)
     elif kind == "lark":
         spec["grammar"] = value
-    return json.dumps(spec, sort_keys=True, ensure_ascii=False)
+    try:
+        return json.dumps(spec, sort_keys=True, ensure_ascii=False)
+    except RecursionError:
+        raise TooDeep("the schema is nested too deeply") from None
 
 
 def parse_spec(text: str, param: str = "structured_output") -> dict[str, Any]:
@@ -57,6 +78,8 @@ def parse_spec(text: str, param: str = "structured_output") -> dict[str, Any]:
         spec = json.loads(text)
     except (TypeError, ValueError) as e:
         raise bad(f"not valid JSON ({e})") from None
+    except RecursionError:
+        raise bad("nested too deeply") from None
     if not isinstance(spec, dict) or spec.get("type") not in KINDS:
         raise bad(f"must be an object whose type is one of {', '.join(KINDS)}")
     kind = spec["type"]
@@ -138,6 +161,10 @@ class Matcher:
         row[:width].masked_fill_(banned[:width], float("-inf"))
         row[width:] = float("-inf")
 
+    def disallowed_check(self) -> None:
+        """Compute the mask once (for ``GrammarCompiler.check``); errors land in ``error``."""
+        self._fill()
+
     def banned(self, bits: Any = None) -> Any:
         """A bool tensor [vocab_size] (CPU): True where the grammar does not allow that token
         next (``bits``: the bitmask just filled, else it is filled now)."""
@@ -162,7 +189,11 @@ class Matcher:
 
     @property
     def error(self) -> str | None:
-        return self._m.get_error() if self._m.is_error() else None
+        return _short(self._m.get_error()) if self._m.is_error() else None
+
+
+def _short(message: str) -> str:
+    return message if len(message) <= MAX_ERROR_CHARS else message[:MAX_ERROR_CHARS] + "..."
 
 
 class GrammarCompiler:
@@ -176,6 +207,10 @@ class GrammarCompiler:
         self.eos = list(eos_token_ids)
         self.vocab_size = vocab_size
         self._tok: Any = None
+        self._limits: Any = None
+        self._compiled: dict[str, Any] = {}  # spec text -> a fresh matcher to copy from
+        # the engine thread and a server's worker thread may share one compiler
+        self._lock = threading.Lock()
 
     @property
     def tokenizer(self) -> Any:
@@ -188,14 +223,36 @@ class GrammarCompiler:
     def compile(self, text: str, param: str = "structured_output") -> Matcher:
         """A matcher for ``text`` (a ``structured_output``); raises ``ValidationError``
         naming ``param`` for a constraint that does not parse or compile."""
-        spec = parse_spec(text, param)
-        llg = _llguidance()
-        try:
-            grammar = grammar_of(spec)
-        except (ValueError, TypeError) as e:
-            raise ValidationError(f"{param}: {e}", param) from None
-        m = llg.LLMatcher(self.tokenizer, grammar, log_level=0)
-        if m.is_error():
-            raise ValidationError(f"{param}: the {spec['type'].replace('_', ' ')} does not "
-                                  f"compile: {m.get_error()}", param)
-        return Matcher(m, self.vocab_size)
+        with self._lock:
+            template = self._compiled.get(text)
+        if template is None:
+            spec = parse_spec(text, param)
+            llg = _llguidance()
+            if self._limits is None:
+                self._limits = llg.LLParserLimits(**LIMITS)
+            try:
+                grammar = grammar_of(spec)
+            except (ValueError, TypeError, RecursionError) as e:
+                raise ValidationError(f"{param}: {_short(str(e) or type(e).__name__)}",
+                                      param) from None
+            template = llg.LLMatcher(self.tokenizer, grammar, log_level=0,
+                                     limits=self._limits)
+            if template.is_error():
+                raise ValidationError(f"{param}: the {spec['type'].replace('_', ' ')} does "
+                                      f"not compile: {_short(template.get_error())}", param)
+            with self._lock:
+                if len(self._compiled) >= CACHE_GRAMMARS:
+                    self._compiled.pop(next(iter(self._compiled)))
+                self._compiled[text] = template
+        return Matcher(template.deep_copy(), self.vocab_size)
+
+    def check(self, text: str, param: str = "structured_output") -> None:
+        """Compile ``text`` and compute its first mask (the lexer's first work, which a
+        pathological grammar makes expensive or fails), as the engine will; raises
+        ``ValidationError`` naming ``param``."""
+        m = self.compile(text, param)
+        m.disallowed_check()
+        if m.error is not None:
+            with self._lock:
+                self._compiled.pop(text, None)
+            raise ValidationError(f"{param}: the grammar cannot start: {m.error}", param)

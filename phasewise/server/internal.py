@@ -129,7 +129,7 @@ def add_internal_routes(app: FastAPI, backend: ServingBackend, routes: Routes, *
             except (ValueError, TypeError) as e:
                 raise ApiError(400, f"{where}.params: {e}", param=f"{where}.params") from e
             routes._budget(len(ids), params.max_tokens, f"{where}.token_ids",
-                           f"{where}.params.max_tokens")
+                           f"{where}.params.max_tokens", min_max_tokens=0)
             specs.append(PromptSpec(ids, params, s.prompt))
         return body, specs
 
@@ -137,6 +137,12 @@ def add_internal_routes(app: FastAPI, backend: ServingBackend, routes: Routes, *
     async def generate(request: Request) -> Response:
         arrival = time.monotonic()
         body, specs = await routes._off_loop(parse, await request.body())
+        for i, s in enumerate(specs):  # checked as this worker's engine will run it
+            if s.params.structured_output is not None and \
+                    s.params.structured_output not in (x.params.structured_output
+                                                       for x in specs[:i]):
+                await routes._constrain({}, f"specs.{i}.params.structured_output",
+                                        s.params.structured_output)
         rec = access_record(request.scope)
         rec.request_id = body.request_id
         rec.prompt_tokens = sum(len(s.token_ids) for s in specs)

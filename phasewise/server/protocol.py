@@ -20,7 +20,7 @@ from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fi
 from phasewise.engine.sampling_params import (MAX_INT32, MAX_LOGPROBS, MAX_SEED,
                                               MAX_STOP_STRINGS, MIN_REPETITION_PENALTY,
                                               MIN_SEED)
-from phasewise.engine.structured import spec_json
+from phasewise.engine.structured import TooDeep, spec_json
 from phasewise.server.errors import ApiError, field_error
 
 MAX_N = 16  # choices per prompt
@@ -124,7 +124,7 @@ class StructuredOutputs(_Body):
             if isinstance(schema, str):
                 try:
                     schema = json.loads(schema)
-                except ValueError as e:
+                except (ValueError, RecursionError) as e:
                     raise field_error(param, f"{param} is not valid JSON: {e}", GRAMMAR)
             if not isinstance(schema, dict):
                 raise field_error(param, f"{param} must be a JSON schema object", GRAMMAR)
@@ -200,6 +200,20 @@ class _Sampling(_Body):
         return self._structured
 
     def _structured_spec(self) -> tuple[str, str] | None:
+        try:
+            return self._structured_spec_of()
+        except TooDeep as e:  # spec_json: a schema nested too deeply to write
+            raise field_error(self._structured_field(), f"{self._structured_field()}: {e}",
+                              GRAMMAR)
+
+    def _structured_field(self) -> str:
+        for name in ("response_format", "guided_json", "guided_regex", "guided_choice",
+                     "guided_grammar", "structured_outputs"):
+            if getattr(self, name) is not None:
+                return name
+        return "response_format"
+
+    def _structured_spec_of(self) -> tuple[str, str] | None:
         rf = self.response_format
         if rf is not None and rf.type == "json_object":
             return "response_format", spec_json("json_object")
@@ -211,7 +225,7 @@ class _Sampling(_Body):
             if isinstance(schema, str):
                 try:
                     schema = json.loads(schema)
-                except ValueError as e:
+                except (ValueError, RecursionError) as e:
                     raise field_error("guided_json", f"guided_json is not valid JSON: {e}",
                                       GRAMMAR)
             if not isinstance(schema, dict):

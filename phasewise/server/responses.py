@@ -180,7 +180,8 @@ class ResponseBuilder:
             n = len(out.token_ids)
             r["usage"] = {"input_tokens": input_tokens,
                           "input_tokens_details": {"cached_tokens":
-                                                   out.metrics.num_cached_tokens},
+                                                   out.metrics.num_cached_tokens,
+                                                   "cache_write_tokens": 0},
                           "output_tokens": n, "output_tokens_details": {"reasoning_tokens": 0},
                           "total_tokens": input_tokens + n}
             if status == "completed":

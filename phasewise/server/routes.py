@@ -34,6 +34,7 @@ from phasewise.server.protocol import (COMBINATION, CONTEXT, GRAMMAR, TEMPLATE,
 from phasewise.server.sse import stream_group
 
 T = TypeVar("T")
+GRAMMAR_CHECK_S = 5.0  # a structured output's compile and first mask, at most
 # A text longer than this many characters per context token cannot fit, whatever it holds:
 # a token covers at most ``max_token_chars`` characters. The factor 2 leaves room for
 # normalizers that compose characters (NFC/NFKC) before tokenizing.
@@ -43,7 +44,7 @@ _CHAR_MARGIN = 2
 def _json_or_text(text: str) -> Any:
     try:
         return json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):
         return text
 
 
@@ -94,6 +95,9 @@ class Routes:
         # one cannot hold up the prompts of generation requests.
         self.cpu = ThreadPoolExecutor(tokenizer_threads, thread_name_prefix="phasewise-tok")
         self.cpu_tools = ThreadPoolExecutor(1, thread_name_prefix="phasewise-tokenize")
+        # Structured output's checks: their own thread, so a slow grammar holds up no
+        # tokenizing
+        self.cpu_grammar = ThreadPoolExecutor(1, thread_name_prefix="phasewise-grammar")
         self._texts: dict[int, str] = {}  # token id -> its text (bounded by the vocabulary)
         self._grammars: GrammarCompiler | None = None  # structured output's, on first use
         self.max_waiting = info.max_waiting
@@ -101,6 +105,7 @@ class Routes:
     def close(self) -> None:
         self.cpu.shutdown(wait=False, cancel_futures=True)
         self.cpu_tools.shutdown(wait=False, cancel_futures=True)
+        self.cpu_grammar.shutdown(wait=False, cancel_futures=True)
 
     async def _off_loop(self, fn: Callable[..., T], *args: Any,
                         pool: ThreadPoolExecutor | None = None) -> T:
@@ -147,16 +152,24 @@ class Routes:
         except ValidationError as e:
             raise self._invalid(e, code=CONTEXT) from e
 
-    def _check_grammar(self, param: str, spec: str) -> None:
-        """On a worker thread: compile a structured output as the engine will, so that one
-        that does not is a 400 naming the request's field (compiling is bounded by
-        llguidance's limits; a few ms for a typical schema)."""
+    def _compiler(self) -> GrammarCompiler:
+        """The compiler, its tokenizer built (once, ~1 s: before any check is timed)."""
         if self._grammars is None:
-            eos = self.tokenizer.eos_token_id  # (only whether a grammar compiles is asked)
+            self._grammars = getattr(self.backend, "grammars", None)
+        if self._grammars is None:  # a router: its workers check again with their engine's
+            eos = self.tokenizer.eos_token_id
             self._grammars = GrammarCompiler(self.tokenizer.to_json(),
                                              () if eos is None else (eos,), self.vocab_size)
+        self._grammars.tokenizer  # noqa: B018 - builds it
+        return self._grammars
+
+    def _check_grammar(self, param: str, spec: str) -> None:
+        """On the grammar thread: compile a structured output and compute its first mask as
+        the engine will (with the engine's own compiler when it is in this process, so the
+        engine's copy starts warm), so that one that does not is a 400 naming the request's
+        field; a few ms for a typical schema."""
         try:
-            self._grammars.compile(spec, param)
+            self._compiler().check(spec, param)
         except ValidationError as e:
             raise self._invalid(e, param, code=GRAMMAR) from e
 
@@ -167,7 +180,18 @@ class Routes:
             await self._constrain(overrides, *spec)
 
     async def _constrain(self, overrides: dict[str, Any], param: str, spec: str) -> None:
-        await self._off_loop(self._check_grammar, param, spec)
+        """Check a structured output (``_check_grammar``) within ``GRAMMAR_CHECK_S`` and put
+        it in ``overrides``. A grammar that takes longer is refused: its first steps would
+        hold the engine thread as long (the check itself finishes on its own thread, which
+        only other grammar checks wait for)."""
+        await self._off_loop(self._compiler, pool=self.cpu_grammar)  # untimed, once
+        work = self._off_loop(self._check_grammar, param, spec, pool=self.cpu_grammar)
+        try:
+            await asyncio.wait_for(work, GRAMMAR_CHECK_S)
+        except asyncio.TimeoutError:
+            raise ApiError(400, f"{param}: the grammar takes more than {GRAMMAR_CHECK_S:g} s "
+                           "to compile and start; simplify it (large repetition counts in a "
+                           "pattern are the usual cause)", param=param, code=GRAMMAR) from None
         overrides["structured_output"] = spec
 
     def _params(self, overrides: dict[str, Any]) -> SamplingParams:

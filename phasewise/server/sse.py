@@ -93,6 +93,7 @@ def stream_group(*, group: RequestGroup, rid: str, obj: str, model: str,
     async def events() -> AsyncIterator[str]:
         completion_tokens = 0
         timings: dict[int, dict[str, Any]] = {}
+        rendered_first: set[int] = set()
         try:
             async for idx, out in group:
                 if on_token is not None:
@@ -102,8 +103,20 @@ def stream_group(*, group: RequestGroup, rid: str, obj: str, model: str,
                     timings[idx] = timing(idx, out)
                 running = (usage(prompt_lens[idx], len(out.token_ids))
                            if continuous_usage else None)
-                for choice, counted in render(idx, out):
-                    yield sse(chunk([choice], running if counted else None))
+
+                def lines(idx: int = idx, out: RequestOutput = out,
+                          running: dict | None = running) -> list[str]:
+                    return [sse(chunk([choice], running if counted else None))
+                            for choice, counted in render(idx, out)]
+
+                if out.prompt_logprobs is not None and idx not in rendered_first:
+                    # the first chunk carries the whole prompt's logprobs: a worker builds it
+                    rendered_first.add(idx)
+                    for line in await asyncio.to_thread(lines):
+                        yield line
+                else:
+                    for line in lines():
+                        yield line
             if include_usage:
                 yield sse(dict(chunk([], usage(prompt_tokens, completion_tokens)),
                                timings=[timings[i] for i in sorted(timings)]))

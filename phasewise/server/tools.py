@@ -29,7 +29,6 @@ from phasewise.engine.outputs import RequestOutput
 from phasewise.server.openai_format import ChatChoices, TokenText, finish_reason
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
-_BLOCK = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*" + re.escape(CLOSE), re.DOTALL)
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
 MAX_PARALLEL_CALLS = 16  # calls in one reply under tool_choice required
 
@@ -68,30 +67,42 @@ def _arguments(value: Any) -> str:
     return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
 
 
-def parse_hermes(text: str, names: set[str]) -> tuple[str | None, list[dict[str, str]]]:
-    """(content, calls) from an ``auto`` output: each ``<tool_call>`` block that holds a JSON
-    object naming one of ``names`` is a call; the text outside the blocks is the content
-    (None when it is blank). A block that does not parse stays in the content."""
-    calls, kept, pos = [], [], 0
-    for m in _BLOCK.finditer(text):
+def split_hermes(text: str, names: set[str]) -> tuple[str, list[dict[str, str]]]:
+    """(the text outside the calls, calls) of an ``auto`` output: each ``<tool_call>`` block
+    that holds a JSON object naming one of ``names`` is a call; a block that does not parse
+    stays in the text. One pass over the text (a marker without its end ends the scan)."""
+    calls, kept, pos, at = [], [], 0, 0
+    while True:
+        start = text.find(OPEN, at)
+        if start == -1:
+            break
+        end = text.find(CLOSE, start + len(OPEN))
+        if end == -1:
+            break
+        at = end + len(CLOSE)
         try:
-            obj = json.loads(m.group(1))
-        except ValueError:
+            obj = json.loads(text[start + len(OPEN):end])
+        except (ValueError, RecursionError):
             continue
         if not (isinstance(obj, dict) and obj.get("name") in names):
             continue
-        kept.append(text[pos:m.start()])
-        pos = m.end()
+        kept.append(text[pos:start])
+        pos = at
         calls.append({"name": obj["name"], "arguments": _arguments(obj.get("arguments", {}))})
     kept.append(text[pos:])
-    content = "".join(kept).strip()
-    return (content or None), calls
+    return "".join(kept), calls
+
+
+def parse_hermes(text: str, names: set[str]) -> tuple[str | None, list[dict[str, str]]]:
+    """(content, calls): ``split_hermes`` with the content stripped (None when blank)."""
+    rest, calls = split_hermes(text, names)
+    return (rest.strip() or None), calls
 
 
 def parse_required(text: str) -> list[dict[str, str]] | None:
     try:
         items = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
     if not isinstance(items, list):
         return None
@@ -130,6 +141,10 @@ class ToolChatChoices(ChatChoices):
         if out.finish_reason == "length":  # cut short: it may not parse
             return text or None, None
         if self.mode == "named":
+            try:  # a stop string can cut the constrained arguments short
+                json.loads(text)
+            except (ValueError, RecursionError):
+                return text or None, None
             return None, [{"name": self.function, "arguments": text}]
         calls = parse_required(text)
         return (None, calls) if calls else (text or None, None)
@@ -156,9 +171,9 @@ class ToolChatChoices(ChatChoices):
                     self.sent[idx] = safe
             return chunks
         content, calls = self._calls(out)
-        if self.mode == "auto":  # what was held back, up to the first call
-            cut = out.text.find(OPEN) if calls else -1
-            rest = out.text[self.sent[idx]:cut if cut != -1 else len(out.text)]
+        if self.mode == "auto":  # the text outside the calls not streamed yet
+            outside, _ = split_hermes(out.text, self.names)
+            rest = outside[self.sent[idx]:]  # (it starts with what was streamed)
             rest = rest.rstrip() if calls else rest
         else:
             rest = content or ""
