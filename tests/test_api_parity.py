@@ -87,8 +87,11 @@ def test_max_tokens_zero_echoes_the_prompt_and_generates_nothing(server, model):
     n = out["usage"]["prompt_tokens"]
     assert len(choice["logprobs"]["token_logprobs"]) == n
     assert out["usage"]["completion_tokens"] == 0
-    # without echo, max_tokens 0 is an empty completion
+    # without echo, max_tokens 0 is an empty completion; its prompt counts in /metrics
+    before = server.wait_idle()[("phasewise:prompt_tokens_total", ())]
     out = post(server, {"prompt": prompt, "max_tokens": 0})
+    after = server.wait_idle()[("phasewise:prompt_tokens_total", ())]
+    assert after - before == out["usage"]["prompt_tokens"]
     assert out["choices"][0]["text"] == "" and out["usage"]["completion_tokens"] == 0
     r = httpx.post(server.url + "/v1/completions", json={"prompt": prompt, "max_tokens": -1},
                    timeout=30)

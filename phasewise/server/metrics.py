@@ -160,6 +160,8 @@ class PrometheusMetrics:
         for out in outputs:
             times = out.metrics.token_times
             if not times:
+                if out.finished and out.finish_reason == "length":  # max_tokens 0: scored
+                    self.prompt_tokens.inc(len(out.prompt_token_ids))
                 continue
             new = len(out.delta_token_ids)
             self.generation_tokens.inc(new)
@@ -203,7 +205,10 @@ class PrometheusMetrics:
         if m.first_scheduled_time is not None:
             self.queue_time.observe(m.first_scheduled_time - m.arrival_time)
         if m.first_token_time is None:
-            return  # aborted before its first token: no prefill/decode figures
+            if f.finish_reason == "length":  # max_tokens 0: it only scored its prompt
+                self.prompt_len.observe(f.num_prompt_tokens)
+                self.gen_len.observe(0)
+            return  # no first token: no prefill/decode figures
         self.ttft.observe(m.first_token_time - m.arrival_time)
         if m.first_scheduled_time is not None:
             self.prefill_time.observe(m.first_token_time - m.first_scheduled_time)
