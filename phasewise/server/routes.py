@@ -184,7 +184,8 @@ class Routes:
         it in ``overrides``. A grammar that takes longer is refused: its first steps would
         hold the engine thread as long (the check itself finishes on its own thread, which
         only other grammar checks wait for)."""
-        await self._off_loop(self._compiler, pool=self.cpu_grammar)  # untimed, once
+        if self._grammars is None or self._grammars._tok is None:  # untimed, once (a later
+            await self._off_loop(self._compiler, pool=self.cpu_grammar)  # one never waits)
         work = self._off_loop(self._check_grammar, param, spec, pool=self.cpu_grammar)
         try:
             await asyncio.wait_for(work, GRAMMAR_CHECK_S)
