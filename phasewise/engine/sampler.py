@@ -61,8 +61,8 @@ class Sampler:
         raw_logprobs = None
         if any(r.params.logprobs is not None for r in requests):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
-        logits = self._apply_penalties(logits, requests)
-        logits = self._apply_grammars(logits, requests)
+        penalized = self._apply_penalties(logits, requests)
+        logits = self._apply_grammars(penalized, requests, copied=penalized is not logits)
 
         tokens = torch.empty(len(requests), dtype=torch.long, device=logits.device)
         greedy = [i for i, r in enumerate(requests) if r.params.greedy]
@@ -131,14 +131,15 @@ class Sampler:
         return logits
 
     @staticmethod
-    def _apply_grammars(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-        """Structured output: -inf for every token a request's grammar does not allow next."""
+    def _apply_grammars(logits: torch.Tensor, requests: list[Request], *,
+                        copied: bool) -> torch.Tensor:
+        """Structured output: -inf for every token a request's grammar does not allow next
+        (on a copy, unless ``logits`` already is one)."""
         rows = [i for i, r in enumerate(requests) if r.grammar is not None]
         if not rows:
             return logits
-        if not any(r.params.needs_penalties or r.num_output_tokens < r.params.min_tokens
-                   for r in requests):
-            logits = logits.clone()  # (the penalties' pass has already cloned otherwise)
+        if not copied:
+            logits = logits.clone()
         for i in rows:
             requests[i].grammar.apply(logits[i])
         return logits

@@ -135,7 +135,7 @@ class Matcher:
         self._bits: Any = None  # int32 bitmask, allocated on first use
         self._done = bool(matcher.is_stopped())
 
-    def _fill(self) -> Any:
+    def fill(self) -> Any:
         """The grammar's bitmask of the next token (int32 words; bit j of word i is token
         32 i + j), computed into one buffer per request."""
         if self._bits is None:
@@ -150,7 +150,7 @@ class Matcher:
     def apply(self, row: Any) -> None:
         """Set ``row`` (one request's fp32 logits) to -inf wherever the grammar does not
         allow that token next (and past the vocabulary the grammar knows)."""
-        bits = self._fill()
+        bits = self.fill()
         if row.device.type == "cpu" and row.is_contiguous():
             from phasewise.model.cpu_kernels import mask_logits
 
@@ -161,17 +161,13 @@ class Matcher:
         row[:width].masked_fill_(banned[:width], float("-inf"))
         row[width:] = float("-inf")
 
-    def disallowed_check(self) -> None:
-        """Compute the mask once (for ``GrammarCompiler.check``); errors land in ``error``."""
-        self._fill()
-
     def banned(self, bits: Any = None) -> Any:
         """A bool tensor [vocab_size] (CPU): True where the grammar does not allow that token
         next (``bits``: the bitmask just filled, else it is filled now)."""
         import numpy as np
         import torch
 
-        bits = self._fill() if bits is None else bits
+        bits = self.fill() if bits is None else bits
         flat = np.unpackbits(bits.numpy().view(np.uint8), bitorder="little")
         return torch.from_numpy(flat[:self.vocab_size] == 0)
 
@@ -251,7 +247,7 @@ class GrammarCompiler:
         pathological grammar makes expensive or fails), as the engine will; raises
         ``ValidationError`` naming ``param``."""
         m = self.compile(text, param)
-        m.disallowed_check()
+        m.fill()  # errors land in m.error
         if m.error is not None:
             with self._lock:
                 self._compiled.pop(text, None)

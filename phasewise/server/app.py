@@ -1,10 +1,10 @@
 """The OpenAI-compatible HTTP API over a ``ServingBackend``: the app's assembly.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST /v1/responses``
-(``responses``), ``GET /v1/models``,
-``GET /v1/models/{id}``, ``GET /health``, ``GET /metrics``, ``POST /tokenize``,
-``POST /detokenize``, ``GET /tokenizer_info``, ``GET /version``, ``GET /openapi.json``; ``/dashboard`` (the live page, ``dashboard``); and ``/internal/v1/*``,
-which a router calls (``internal``).
+(``responses``), ``GET /v1/models``, ``GET /v1/models/{id}``, ``GET /health``,
+``GET /metrics``, ``POST /tokenize``, ``POST /detokenize``, ``GET /tokenizer_info``,
+``GET /version``, ``GET /openapi.json``; ``/dashboard`` (the live page, ``dashboard``); and
+``/internal/v1/*``, which a router calls (``internal``).
 
 The jobs live in their own modules: ``guard`` (API key, draining, body size; the access log),
 ``protocol`` (request bodies and their bounds), ``errors`` (``ApiError`` and the 400s that name

@@ -82,6 +82,14 @@ def completion_logprobs(token_text: TokenText, token_ids: list[int],
             "text_offset": offsets}
 
 
+def _joined(head: dict[str, Any] | None, tail: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Two legacy logprobs layouts one after the other (an echoed prompt's, then the
+    completion's); either may be None."""
+    if head is None or tail is None:
+        return tail if head is None else head
+    return {k: head[k] + tail[k] for k in head}
+
+
 def vllm_prompt_logprobs(token_text: TokenText, entries: list[dict[int, float] | None],
                          top_n: int) -> list[dict[str, Any] | None]:
     """vLLM's ``prompt_logprobs`` of a choice: per prompt position, null for the first, else
@@ -164,8 +172,7 @@ class CompletionChoices:
             # Offsets follow the tokens' texts, as in the whole reply (the text itself may
             # lag: a stop string holds characters back, a split character waits).
             self.offsets[idx] = lp["text_offset"][-1] + len(lp["tokens"][-1])
-        if head_lp is not None:
-            lp = head_lp if lp is None else {k: head_lp[k] + lp[k] for k in head_lp}
+        lp = _joined(head_lp, lp)
         if not (text or lp or out.finished or extra):
             return []  # bytes of an unfinished character: nothing to show
         return [({"index": idx, "text": text, "logprobs": lp,
@@ -175,10 +182,8 @@ class CompletionChoices:
         text, lp = out.text, None
         head, head_lp = self._echoed(idx, out) if self.echo else ("", None)
         if self.logprobs is not None:
-            lp = completion_logprobs(self.token_text, out.token_ids, out.logprobs or [],
-                                     len(head) if head_lp is not None else 0)
-            if head_lp is not None:
-                lp = {k: head_lp[k] + lp[k] for k in head_lp}
+            lp = _joined(head_lp, completion_logprobs(self.token_text, out.token_ids,
+                                                      out.logprobs or [], len(head)))
         return {"index": idx, "text": head + text, "logprobs": lp,
                 "finish_reason": finish_reason(out), **self._extra(out)}
 

@@ -82,6 +82,28 @@ class StreamOptions(_Body):
     continuous_usage_stats: Bool = False  # vLLM's extension: usage on every chunk
 
 
+# The fields that constrain the output (structured output), in the order they are read.
+STRUCTURED_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice",
+                     "guided_grammar", "structured_outputs")
+
+
+def constraint(param: str, kind: str, value: Any = None) -> tuple[str, str]:
+    """(param, the ``structured_output`` text) for a model validator: a schema that arrives as
+    JSON text is parsed first, and one that is not a JSON object, or that is nested too deeply
+    to write, is an error naming ``param``."""
+    if kind == "json_schema" and isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except (ValueError, RecursionError) as e:
+            raise field_error(param, f"{param} is not valid JSON: {e}", GRAMMAR)
+    if kind == "json_schema" and not isinstance(value, dict):
+        raise field_error(param, f"{param} must be a JSON schema object", GRAMMAR)
+    try:
+        return param, spec_json(kind, value)
+    except TooDeep as e:
+        raise field_error(param, f"{param}: {e}", GRAMMAR)
+
+
 class JsonSchemaFormat(_Body):
     name: Annotated[str, Strict(), Field(min_length=1, max_length=64)] = "response"
     description: Str | None = None
@@ -120,22 +142,12 @@ class StructuredOutputs(_Body):
                               f"{given or 'none'}", COMBINATION)
         kind, param = given[0], f"structured_outputs.{given[0]}"
         if kind == "json":
-            schema = self.json_
-            if isinstance(schema, str):
-                try:
-                    schema = json.loads(schema)
-                except (ValueError, RecursionError) as e:
-                    raise field_error(param, f"{param} is not valid JSON: {e}", GRAMMAR)
-            if not isinstance(schema, dict):
-                raise field_error(param, f"{param} must be a JSON schema object", GRAMMAR)
-            return param, spec_json("json_schema", schema)
+            return constraint(param, "json_schema", self.json_)
         if kind == "json_object":
-            return param, spec_json("json_object")
-        if kind == "regex":
-            return param, spec_json("regex", self.regex)
-        if kind == "choice":
-            return param, spec_json("choice", self.choice)
-        return param, spec_json("lark", self.grammar)
+            return constraint(param, "json_object")
+        if kind == "grammar":
+            return constraint(param, "lark", self.grammar)
+        return constraint(param, kind, getattr(self, kind))
 
 
 class _Sampling(_Body):
@@ -181,9 +193,7 @@ class _Sampling(_Body):
                               "stream_options is only allowed when stream is true", COMBINATION)
         if self.logit_bias:
             raise field_error("logit_bias", "logit_bias is not supported by phasewise; omit it")
-        given = [name for name in ("response_format", "guided_json", "guided_regex",
-                                   "guided_choice", "guided_grammar", "structured_outputs")
-                 if getattr(self, name) is not None
+        given = [name for name in STRUCTURED_FIELDS if getattr(self, name) is not None
                  and not (name == "response_format" and self.response_format.type == "text")]
         if len(given) > 1:
             raise field_error(given[1], f"{' and '.join(given)} each constrain the output; "
@@ -200,44 +210,16 @@ class _Sampling(_Body):
         return self._structured
 
     def _structured_spec(self) -> tuple[str, str] | None:
-        try:
-            return self._structured_spec_of()
-        except TooDeep as e:  # spec_json: a schema nested too deeply to write
-            raise field_error(self._structured_field(), f"{self._structured_field()}: {e}",
-                              GRAMMAR)
-
-    def _structured_field(self) -> str:
-        for name in ("response_format", "guided_json", "guided_regex", "guided_choice",
-                     "guided_grammar", "structured_outputs"):
-            if getattr(self, name) is not None:
-                return name
-        return "response_format"
-
-    def _structured_spec_of(self) -> tuple[str, str] | None:
         rf = self.response_format
         if rf is not None and rf.type == "json_object":
-            return "response_format", spec_json("json_object")
+            return constraint("response_format", "json_object")
         if rf is not None and rf.type == "json_schema":
-            return "response_format.json_schema.schema", spec_json("json_schema",
-                                                                   rf.json_schema.schema_)
-        if self.guided_json is not None:
-            schema = self.guided_json
-            if isinstance(schema, str):
-                try:
-                    schema = json.loads(schema)
-                except (ValueError, RecursionError) as e:
-                    raise field_error("guided_json", f"guided_json is not valid JSON: {e}",
-                                      GRAMMAR)
-            if not isinstance(schema, dict):
-                raise field_error("guided_json", "guided_json must be a JSON schema object",
-                                  GRAMMAR)
-            return "guided_json", spec_json("json_schema", schema)
-        if self.guided_regex is not None:
-            return "guided_regex", spec_json("regex", self.guided_regex)
-        if self.guided_choice is not None:
-            return "guided_choice", spec_json("choice", self.guided_choice)
-        if self.guided_grammar is not None:
-            return "guided_grammar", spec_json("lark", self.guided_grammar)
+            return constraint("response_format.json_schema.schema", "json_schema",
+                              rf.json_schema.schema_)
+        for param, kind in (("guided_json", "json_schema"), ("guided_regex", "regex"),
+                            ("guided_choice", "choice"), ("guided_grammar", "lark")):
+            if getattr(self, param) is not None:
+                return constraint(param, kind, getattr(self, param))
         if self.structured_outputs is not None:
             return self.structured_outputs.spec()
         return None

@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Annotated, Any, Literal
 
 from fastapi import Request
@@ -35,11 +35,10 @@ from pydantic import Field, PrivateAttr, model_validator
 from phasewise.engine.backend import EngineError, EngineStopped, RequestGroup
 from phasewise.engine.outputs import RequestOutput
 from phasewise.engine.sampling_params import MAX_INT32
-from phasewise.engine.structured import spec_json
 from phasewise.server.errors import field_error
 from phasewise.server.guard import access_record
 from phasewise.server.protocol import (COMBINATION, Bool, Float, Int, JsonSchemaFormat, Str,
-                                       Text1, _Body, _Sampling, refused)
+                                       Text1, _Body, _Sampling, constraint, refused)
 from phasewise.server.sse import SSEResponse
 
 # Fields of the Responses API that phasewise does not serve, and why.
@@ -126,12 +125,12 @@ class ResponsesRequest(_Sampling):
                 raise field_error("text.format", f"text.format and {self._structured[0]} each "
                                   "constrain the output; send one of them", COMBINATION)
             if fmt.type == "json_object":
-                self._text_spec = ("text.format", spec_json("json_object"))
+                self._text_spec = constraint("text.format", "json_object")
             elif fmt.schema_ is None:
                 raise field_error("text.format.schema", "a text.format of type json_schema "
                                   "needs a schema", COMBINATION)
             else:
-                self._text_spec = ("text.format.schema", spec_json("json_schema", fmt.schema_))
+                self._text_spec = constraint("text.format.schema", "json_schema", fmt.schema_)
         return self
 
     @property
@@ -169,7 +168,8 @@ class ResponseBuilder:
         output = [] if text is None else [self.item(status, text)]
         r: dict[str, Any] = {
             "id": self.id, "object": "response", "created_at": self.created, "status": status,
-            "model": self.model, "output": output, "error": None, "incomplete_details": None, "instructions": body.instructions,
+            "model": self.model, "output": output, "error": None, "incomplete_details": None,
+            "instructions": body.instructions,
             "max_output_tokens": body.max_output_tokens, "metadata": body.metadata or {},
             "parallel_tool_calls": False, "temperature": body.temperature,
             "top_p": body.top_p, "tool_choice": "none", "tools": [], "store": False,
@@ -207,7 +207,8 @@ class ResponseBuilder:
     def status_of(out: RequestOutput) -> str:
         return "incomplete" if out.finish_reason == "length" else "completed"
 
-    async def events(self, group: RequestGroup, input_tokens: int) -> AsyncIterator[str]:
+    async def events(self, group: RequestGroup, input_tokens: int,
+                     on_token: Callable[[RequestOutput], None]) -> AsyncIterator[str]:
         where = {"item_id": self.item_id, "output_index": 0, "content_index": 0}
         yield self.event("response.created", response=self.response("in_progress"))
         yield self.event("response.in_progress", response=self.response("in_progress"))
@@ -216,6 +217,7 @@ class ResponseBuilder:
         yield self.event("response.content_part.added", part=self.part(""), **where)
         try:
             async for _, out in group:
+                on_token(out)
                 if out.delta_text:
                     yield self.event("response.output_text.delta", delta=out.delta_text,
                                      logprobs=[], **where)
@@ -267,30 +269,9 @@ async def create(routes: Any, body: ResponsesRequest, request: Request) -> Respo
             rec.ttft_s = out.metrics.ttft
 
     if body.stream:
-        async def events() -> AsyncIterator[str]:
-            async for line in builder.events(_watch(group, on_token), len(ids)):
-                yield line
-        return SSEResponse(events(), group.close)
+        return SSEResponse(builder.events(group, len(ids), on_token), group.close)
     (final,) = await routes._collect(request, group, on_token)
     status = builder.status_of(final)
     return Response(json.dumps(builder.response(status, final.text, final, len(ids)),
                                ensure_ascii=False).encode(), media_type="application/json")
 
-
-class _watch:
-    """A group whose outputs also go to ``on_token`` (the access log's counts)."""
-
-    def __init__(self, group: RequestGroup, on_token: Any) -> None:
-        self.group = group
-        self.on_token = on_token
-
-    def __aiter__(self) -> AsyncIterator[tuple[int, RequestOutput]]:
-        return self._iter()
-
-    async def _iter(self) -> AsyncIterator[tuple[int, RequestOutput]]:
-        async for idx, out in self.group:
-            self.on_token(out)
-            yield idx, out
-
-    def close(self) -> None:
-        self.group.close()

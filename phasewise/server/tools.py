@@ -155,41 +155,41 @@ class ToolChatChoices(ChatChoices):
         return "tool_calls" if calls and reason == "stop" else reason
 
     def delta(self, idx: int, out: RequestOutput) -> list[tuple[dict[str, Any], bool]]:
+        def chunk(delta: dict[str, Any], counted: bool,
+                  finish: str | None = None) -> tuple[dict[str, Any], bool]:
+            return ({"index": idx, "delta": delta, "logprobs": None,
+                     "finish_reason": finish}, counted)
+
         chunks: list[tuple[dict[str, Any], bool]] = []
         if not self.started[idx]:
             self.started[idx] = True
-            chunks.append(({"index": idx, "delta": {"role": "assistant", "content": ""},
-                            "logprobs": None, "finish_reason": None}, False))
+            chunks.append(chunk({"role": "assistant", "content": ""}, False))
         if not out.finished:  # content streams (auto) until a tool call may begin
             if self.mode == "auto":
                 text = out.text
                 cut = text.find(OPEN)
                 safe = cut if cut != -1 else len(text) - _held_back(text)
                 if safe > self.sent[idx]:
-                    chunks.append(({"index": idx, "delta": {"content": text[self.sent[idx]:safe]},
-                                    "logprobs": None, "finish_reason": None}, True))
+                    chunks.append(chunk({"content": text[self.sent[idx]:safe]}, True))
                     self.sent[idx] = safe
             return chunks
-        content, calls = self._calls(out)
         if self.mode == "auto":  # the text outside the calls not streamed yet
-            outside, _ = split_hermes(out.text, self.names)
+            outside, found = split_hermes(out.text, self.names)
+            calls = found or None
             rest = outside[self.sent[idx]:]  # (it starts with what was streamed)
             rest = rest.rstrip() if calls else rest
         else:
+            content, calls = self._calls(out)
             rest = content or ""
         if rest:
-            chunks.append(({"index": idx, "delta": {"content": rest}, "logprobs": None,
-                            "finish_reason": None}, False))
+            chunks.append(chunk({"content": rest}, False))
         for k, call in enumerate(calls or []):
-            chunks.append(({"index": idx, "delta": {"tool_calls": [{
+            chunks.append(chunk({"tool_calls": [{
                 "index": k, "id": call_id(), "type": "function",
-                "function": {"name": call["name"], "arguments": ""}}]},
-                "logprobs": None, "finish_reason": None}, False))
-            chunks.append(({"index": idx, "delta": {"tool_calls": [{
-                "index": k, "function": {"arguments": call["arguments"]}}]},
-                "logprobs": None, "finish_reason": None}, False))
-        chunks.append(({"index": idx, "delta": {}, "logprobs": None,
-                        "finish_reason": self._finish(out, calls)}, True))
+                "function": {"name": call["name"], "arguments": ""}}]}, False))
+            chunks.append(chunk({"tool_calls": [{
+                "index": k, "function": {"arguments": call["arguments"]}}]}, False))
+        chunks.append(chunk({}, True, self._finish(out, calls)))
         return chunks
 
     def whole(self, idx: int, out: RequestOutput) -> dict[str, Any]:
