@@ -64,19 +64,34 @@ def read_gbps(reps: int = 5) -> float:
 
 
 def matmul_gflops(dtype: torch.dtype) -> float:
+    """The best matmul throughput this machine shows at the reference checkpoint's two
+    largest shapes and 512 rows: torch's, and for bf16 where the CPU has AMX also
+    phasewise's own AMX kernel (a peak must not look low only because torch's GEMM is slow
+    here; as read_gbps takes the faster reader)."""
+    from phasewise.model import cpu_kernels
+
+    fns = [torch.nn.functional.linear]
+    if dtype == torch.bfloat16 and cpu_kernels.amx_available():
+        fns.append(cpu_kernels.linear_amx)
     best = 0.0
     for n, k in ((9728, 896), (896, 4864)):
         a = torch.randn(512, k).to(dtype)
         w = torch.randn(n, k).to(dtype)
-        t = best_time(lambda: torch.nn.functional.linear(a, w), reps=3)
-        best = max(best, 2 * 512 * n * k / t / 1e9)
+        for fn in fns:
+            t = best_time(lambda: fn(a, w), reps=3)
+            best = max(best, 2 * 512 * n * k / t / 1e9)
     return best
 
 
 def measure_machine() -> dict[str, float]:
+    from phasewise.model import cpu_kernels
+
     out: dict[str, float] = {"read_gbps": read_gbps()}
     for name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
         out[f"{name}_gflops"] = matmul_gflops(dtype)
+    tile = cpu_kernels.amx_tile_gflops()
+    if tile:
+        out["amx_tile_gflops"] = tile
     return out
 
 

@@ -7,6 +7,7 @@ For each projection of the reference checkpoint's shape (qkv 896->1152, o 896->8
   above), bf16 weights in place;
 * ``gemm``: phasewise's packed GEMM (weights widened to fp32 while packed, per call);
 * ``upcast``: the weight widened to fp32 in a scratch buffer, then torch's fp32 GEMM;
+* ``amx``: phasewise's AMX kernel (where the CPU has AMX-BF16), bf16 weights in place;
 * ``torch-bf16``: ``F.linear`` on the bf16 weight (fast only where the CPU has bf16 dot
   products: AVX512_BF16 / AMX);
 * ``torch-fp32``: ``F.linear`` on an fp32 copy of the weight (twice the bytes), the
@@ -15,10 +16,11 @@ For each projection of the reference checkpoint's shape (qkv 896->1152, o 896->8
 Each method's calls cycle through enough copies of the weight (>= 96 MiB) that weights come
 from memory, as in a model's forward pass, not from the last-level cache; the methods run
 interleaved, round after round, and the median round counts, so the shared machine's drift
-hits them alike. It prints GFLOP/s, each method's ratio to ``torch-fp32``, and the plan the
-engine's calibration would pick here.
+hits them alike. It prints GFLOP/s, each method's ratio to the faster of ``torch-bf16`` and ``torch-fp32``,
+and the plan the engine's calibration would pick here.
 
     .venv/bin/python benchmarks/bench_linear.py [--rows 1 8 32 128 512] [--rounds 4]
+                                                [--shapes qkv o gate_up down lm_head]
 """
 
 from __future__ import annotations
@@ -47,18 +49,21 @@ def methods() -> dict:
     if cpu_kernels.load() is not None:
         out["kernel"] = cpu_kernels.linear_bf16
         out["gemm"] = cpu_kernels.gemm_bf16
+    if cpu_kernels.amx_available():
+        out["amx"] = cpu_kernels.linear_amx
     out["upcast"] = Upcast()
     out["torch-bf16"] = lambda x, w, b: F.linear(x, w, b)
     out["torch-fp32"] = None  # fp32 copies of the weights; see run()
     return out
 
 
-def run(rows: list[int], rounds: int) -> None:
+def run(rows: list[int], rounds: int, shapes: list[str]) -> None:
     fns = methods()
     names = list(fns)
     print(f"{'shape':<8}{'rows':>6}" + "".join(f"{n:>12}" for n in names)
-          + "   (GFLOP/s, then the ratio to torch-fp32)")
-    for shape, (n, k) in SHAPES.items():
+          + "   (GFLOP/s, then the ratio to torch's faster: bf16 or fp32)")
+    for shape in shapes:
+        n, k = SHAPES[shape]
         copies = max(2, (96 << 20) // (n * k * 2))
         ws = [torch.randn(n, k).bfloat16() for _ in range(copies)]
         ws32 = [w.float() for w in ws[: max(2, copies // 2)]]  # the same bytes in fp32
@@ -77,22 +82,25 @@ def run(rows: list[int], rounds: int) -> None:
                         fn(xin, w, None)
                     times[name].append((time.perf_counter() - t) / len(weights))
             rate = {name: 2 * m * n * k / statistics.median(t) / 1e9 for name, t in times.items()}
-            ref = rate["torch-fp32"]
+            ref = max(rate["torch-fp32"], rate["torch-bf16"])
             cells = "".join(f"{rate[name]:>7.1f} x{rate[name] / ref:<3.1f}"[:12].rjust(12)
                             for name in names)
             print(f"{shape:<8}{m:>6}{cells}", flush=True)
         del ws, ws32
-    plan = LinearDispatch.calibrate(torch.randn(*SHAPES["gate_up"]).bfloat16())
-    print(f"\nthe engine's calibration on this machine (gate_up weight): {plan.describe()}")
+    # as the engine calibrates: the 24 layers' gate_up weights of the reference checkpoint
+    plan = LinearDispatch.calibrate([torch.randn(*SHAPES["gate_up"]).bfloat16()
+                                     for _ in range(24)])
+    print(f"\nthe engine's calibration on this machine (24 gate_up weights): {plan.describe()}")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 128, 512])
     ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
     a = ap.parse_args()
     print(machine_line(machine_info()), file=sys.stderr)
-    run(a.rows, a.rounds)
+    run(a.rows, a.rounds, a.shapes)
 
 
 if __name__ == "__main__":

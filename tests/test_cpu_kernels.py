@@ -15,6 +15,8 @@ from phasewise.model.ops import CpuKernelOps, TorchOps
 
 needs_kernels = pytest.mark.skipif(cpu_kernels.load() is None,
                                    reason=f"CPU kernels unavailable: {cpu_kernels.KERNELS.reason}")
+needs_amx = pytest.mark.skipif(not cpu_kernels.amx_available(),
+                               reason=f"AMX kernels unavailable: {cpu_kernels.KERNELS.amx_reason}")
 
 
 def reference(x, w, b):
@@ -37,6 +39,67 @@ def test_kernels_match_fp32_reference(m, n, k, bias, seed, fn):
     # Exact fp32 accumulation then one bf16 rounding: within one bf16 ulp of the reference,
     # give or take fp32 summation order.
     torch.testing.assert_close(y.float(), ref, rtol=2**-7, atol=1e-4 * k)
+
+
+@needs_amx
+@settings(max_examples=40, deadline=None)
+@given(m=st.integers(1, 70), n=st.integers(16, 200), k=st.integers(1, 300), bias=st.booleans(),
+       offset=st.integers(0, 3), seed=st.integers(0, 2**31 - 1))
+def test_amx_linear_matches_fp32_reference(m, n, k, bias, offset, seed):
+    """The AMX tiles: any row count (several 32-token blocks), K tails (K % 32), N tails (the
+    shifted last tile), activations that start off a 64-byte line (a view into a larger
+    tensor)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m + offset, k, generator=g).bfloat16()[offset:]
+    w = torch.randn(n, k, generator=g).bfloat16()
+    b = torch.randn(n, generator=g).bfloat16() if bias else None
+    y = cpu_kernels.linear_amx(x, w, b)
+    assert y.dtype == torch.bfloat16 and y.shape == (m, n)
+    # bf16 x bf16 products are exact in fp32: as the fp32 kernels, one rounding at the end
+    torch.testing.assert_close(y.float(), reference(x, w, b), rtol=2**-7, atol=1e-4 * k)
+
+
+@needs_amx
+def test_amx_linear_blocks_long_prompts_and_streams_large_outputs():
+    """Enough tokens for several L2-sized token blocks (K = 4864: 32 tokens a block pair),
+    and an output large enough for the streaming stores."""
+    g = torch.Generator().manual_seed(3)
+    for m, n, k in ((200, 64, 4864), (700, 3072, 64)):
+        x = torch.randn(m, k, generator=g).bfloat16()
+        w = torch.randn(n, k, generator=g).bfloat16()
+        b = torch.randn(n, generator=g).bfloat16()
+        torch.testing.assert_close(cpu_kernels.linear_amx(x, w, b).float(), reference(x, w, b),
+                                   rtol=2**-7, atol=1e-4 * k)
+
+
+@needs_amx
+@settings(max_examples=25, deadline=None)
+@given(m=st.integers(1, 40), inter=st.integers(16, 120), k=st.integers(1, 200),
+       bias=st.booleans(), seed=st.integers(0, 2**31 - 1))
+def test_amx_gate_up_silu_is_the_unfused_path_bit_for_bit(m, inter, k, bias, seed):
+    """glu_amx = silu_mul(linear(x, gate_up)): the same accumulation, the same roundings and
+    the same exp as the AVX2 SiLU, so the same bits; and near an fp32 reference."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g).bfloat16()
+    w = (torch.randn(2 * inter, k, generator=g) * 0.2).bfloat16()
+    b = torch.randn(2 * inter, generator=g).bfloat16() if bias else None
+    fused = cpu_kernels.glu_amx(x, w, b)
+    ops = CpuKernelOps(LinearDispatch(kernel_max_rows=0, large="torch"))
+    unfused = ops.silu_mul(cpu_kernels.linear_amx(x, w, b))
+    assert fused.shape == (m, inter) and torch.equal(fused, unfused)
+    ref = TorchOps().silu_mul(reference(x, w, b).bfloat16())
+    torch.testing.assert_close(fused.float(), ref.float(), rtol=0.02, atol=0.02)
+
+
+@needs_amx
+def test_amx_refuses_what_it_cannot_compute():
+    x = torch.randn(3, 64).bfloat16()
+    # fewer than 16 outputs: torch computes them (the tiles need 16 rows of weights)
+    w = torch.randn(9, 64).bfloat16()
+    torch.testing.assert_close(cpu_kernels.linear_amx(x, w).float(), reference(x, w, None),
+                               rtol=2**-7, atol=1e-2)
+    with pytest.raises(ValueError, match="even number"):
+        cpu_kernels.glu_amx(x, torch.randn(31, 64).bfloat16())
 
 
 @needs_kernels
@@ -116,7 +179,7 @@ def test_upcast_reuses_its_scratch():
 def test_calibration_yields_a_valid_plan():
     d = LinearDispatch.calibrate(torch.randn(256, 128).bfloat16(), large_rows=32,
                                  kernel_rows=(4, 8))
-    assert d.large in ("torch", "upcast", "gemm")
+    assert d.large in ("torch", "upcast", "gemm") + (("amx",) if cpu_kernels.amx_available() else ())
     # up to a timed row count, or every row count if it never lost
     assert d.kernel_max_rows in (0, 1, 4, 8, ALL_ROWS)
     assert (d.describe() == "kernel for all row counts") == (d.kernel_max_rows == ALL_ROWS)
@@ -247,14 +310,20 @@ def test_decode_attention_keeps_a_nan(ops, length):
     assert out[0].isnan().all() and out[1, 1].isnan().all() and not out[1, 0].isnan().any()
 
 
+PLANS = {"avx2": (8, "torch"), "amx": (0, "amx")}
+
+
 @needs_kernels
 @pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"])
 @pytest.mark.parametrize("rows", [1, 3, 6])
-@pytest.mark.parametrize("quantization", [None, "int8"])
-def test_fused_decode_layer_matches_op_by_op(tmp_path, arch, rows, quantization):
+@pytest.mark.parametrize("quantization,plan", [(None, "avx2"), ("int8", "avx2"), (None, "amx")])
+def test_fused_decode_layer_matches_op_by_op(tmp_path, arch, rows, quantization, plan):
     """The one-call decode layer computes what the op-by-op kernel path computes (biases,
-    q/k norms and GQA included, bf16 or int8 projections), writing the same K/V into the
-    cache."""
+    q/k norms and GQA included, bf16 or int8 projections, the AVX2 streams or the AMX
+    tiles), writing the same K/V into the cache."""
+    if plan == "amx" and not cpu_kernels.amx_available():
+        pytest.skip(f"AMX kernels unavailable: {cpu_kernels.KERNELS.amx_reason}")
+    dispatch = LinearDispatch(*PLANS[plan])
     from conftest import build_hf_checkpoint
     from phasewise.model.attention import AttentionMetadata
     from phasewise.model.config import ModelConfig
@@ -286,10 +355,8 @@ def test_fused_decode_layer_matches_op_by_op(tmp_path, arch, rows, quantization)
             return None
 
     outs = {}
-    for name, ops in (("stack", CpuKernelOps(LinearDispatch(kernel_max_rows=8, large="torch"))),
-                      ("layers", LayerByLayer(LinearDispatch(kernel_max_rows=8, large="torch"))),
-                      ("ops", CpuKernelOps(LinearDispatch(kernel_max_rows=8, large="torch"),
-                                           fused_decode=False))):
+    for name, ops in (("stack", CpuKernelOps(dispatch)), ("layers", LayerByLayer(dispatch)),
+                      ("ops", CpuKernelOps(dispatch, fused_decode=False))):
         model.ops = ops
         kv = [(k.clone(), v.clone()) for k, v in caches]
         with torch.no_grad():
@@ -307,10 +374,11 @@ def test_fused_decode_layer_matches_op_by_op(tmp_path, arch, rows, quantization)
     # One call or one per layer, the same kernel: the same bits; also with an odd number of
     # layers (the stack's output buffers alternate).
     assert torch.equal(outs["stack"][0], outs["layers"][0])
+    if plan == "amx":  # the AMX products and the GLU epilogue are the op-by-op ones exactly
+        assert torch.equal(outs["stack"][0], outs["ops"][0])
     model.layers = torch.nn.ModuleList(list(model.layers)[:1])
     odd = {}
-    for name, ops in (("stack", CpuKernelOps(LinearDispatch(kernel_max_rows=8, large="torch"))),
-                      ("layers", LayerByLayer(LinearDispatch(kernel_max_rows=8, large="torch")))):
+    for name, ops in (("stack", CpuKernelOps(dispatch)), ("layers", LayerByLayer(dispatch))):
         model.ops = ops
         with torch.no_grad():
             odd[name] = model(ids, pos, [(k.clone(), v.clone()) for k, v in caches[:1]], meta)

@@ -159,12 +159,15 @@ def test_logits_close_to_hf(tmp_path, arch, dtype):
     assert ref.std().item() > 5 * LOGIT_ATOL[dtype]
 
 
-@pytest.mark.parametrize("plan", [(64, "upcast"), (0, "upcast"), (1, "torch"), (0, "gemm")],
-                         ids=["kernel", "upcast", "kernel-b1", "gemm"])
+@pytest.mark.parametrize("plan", [(64, "upcast"), (0, "upcast"), (1, "torch"), (0, "gemm"),
+                                  (0, "amx")],
+                         ids=["kernel", "upcast", "kernel-b1", "gemm", "amx"])
 def test_bf16_linear_plans_stay_within_tolerance(tmp_path, plan):
     """The CPU kernel ops, with every way of computing bf16 linears, keep HF parity."""
     if (plan[0] or plan[1] == "gemm") and cpu_kernels.load() is None:
         pytest.skip(f"CPU kernels unavailable: {cpu_kernels.unavailable_reason}")
+    if plan[1] == "amx" and not cpu_kernels.amx_available():
+        pytest.skip(f"AMX kernels unavailable: {cpu_kernels.KERNELS.amx_reason}")
     hf = build_hf_checkpoint(tmp_path, "Qwen2ForCausalLM", dtype=torch.bfloat16, seed=13)
     ids = random_prompts(hf.config.vocab_size, [40], seed=8)[0]
     with torch.no_grad():

@@ -108,11 +108,12 @@ class LLMEngine:
         self.linear_plan: LinearDispatch | None = None
         if config.kernels == "auto" and self.device.type == "cpu" and self.dtype == torch.bfloat16:
             gate_up = self.model.layers[0].gate_up_proj
-            w = gate_up.weight
-            if w.dtype == torch.int8:  # the plan times bf16 weights of the same shape
-                w = dequantize_rows(w, gate_up.weight_scale).to(self.dtype)
-            self.linear_plan = LinearDispatch.calibrate(w)
-            del w
+            if gate_up.weight.dtype == torch.int8:  # the plan times bf16 weights of that shape
+                ws = [dequantize_rows(gate_up.weight, gate_up.weight_scale).to(self.dtype)]
+            else:  # every layer's, so that few rows time a stream from memory, as decode runs
+                ws = [layer.gate_up_proj.weight for layer in self.model.layers]
+            self.linear_plan = LinearDispatch.calibrate(ws)
+            del ws
             self.model.ops = CpuKernelOps(self.linear_plan)
         if num_blocks is None:
             free, _ = torch.cuda.mem_get_info(self.device)

@@ -626,16 +626,38 @@ int pw_gemm_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uin
 
 static inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
 
+static inline __m256 round_bf16x8(__m256 f);
+static inline void store_bf16x8(uint16_t *p, __m256 f);
+
 /* One row: if delta, h = bf16(h + delta) in place; then out[i] = bf16(w * bf16(h * rs)) with
- * rs = rsqrt(mean(h^2) + eps), written as bf16 (out_bf16) and/or fp32 (out_f32). */
+ * rs = rsqrt(mean(h^2) + eps), written as bf16 (out_bf16) and/or fp32 (out_f32). Eight lanes
+ * at a time (the sum of squares in eight partial sums, then their tree), the tail scalar. */
 static void add_norm_row(uint16_t *h, const uint16_t *delta, const uint16_t *w, int dim,
                          float eps, uint16_t *out_bf16, float *out_f32) {
-    if (delta)
-        for (int i = 0; i < dim; i++) h[i] = f32_to_bf16(bf16_to_f32(h[i]) + bf16_to_f32(delta[i]));
-    float ss = 0.0f;
-    for (int i = 0; i < dim; i++) ss += bf16_to_f32(h[i]) * bf16_to_f32(h[i]);
+    int d8 = dim / 8 * 8;
+    __m256 acc = _mm256_setzero_ps();
+    for (int i = 0; i < d8; i += 8) {
+        __m256 v = load_bf16x8(h + i);
+        if (delta) {
+            v = round_bf16x8(_mm256_add_ps(v, load_bf16x8(delta + i)));
+            store_bf16x8(h + i, v);
+        }
+        acc = _mm256_fmadd_ps(v, v, acc);
+    }
+    float ss = hsum8(acc);
+    for (int i = d8; i < dim; i++) {
+        if (delta) h[i] = f32_to_bf16(bf16_to_f32(h[i]) + bf16_to_f32(delta[i]));
+        ss += bf16_to_f32(h[i]) * bf16_to_f32(h[i]);
+    }
     float rs = 1.0f / sqrtf(ss / (float)dim + eps);
-    for (int i = 0; i < dim; i++) {
+    __m256 rsv = _mm256_set1_ps(rs);
+    for (int i = 0; i < d8; i += 8) {
+        __m256 v = round_bf16x8(_mm256_mul_ps(round_bf16x8(_mm256_mul_ps(load_bf16x8(h + i), rsv)),
+                                              load_bf16x8(w + i)));
+        if (out_bf16) store_bf16x8(out_bf16 + i, v);
+        if (out_f32) _mm256_storeu_ps(out_f32 + i, v);
+    }
+    for (int i = d8; i < dim; i++) {
         float v = round_bf16(round_bf16(bf16_to_f32(h[i]) * rs) * bf16_to_f32(w[i]));
         if (out_bf16) out_bf16[i] = f32_to_bf16(v);
         if (out_f32) out_f32[i] = v;
@@ -723,15 +745,26 @@ void pw_silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int rows, int inte
 }
 
 /* Rotate heads in place: x row r (stride row_stride elements) holds n_heads heads of hd.
- * cos/sin: fp32 [rows][hd] (the table rows of each token's position). */
+ * cos/sin: fp32 [rows][hd] (the table rows of each token's position). Eight pairs at a time
+ * when hd / 2 is a multiple of 8. */
 void pw_rope_bf16(uint16_t *x, long row_stride, const float *cos_t, const float *sin_t,
-                  int rows, int n_heads, int hd) {
-    int half = hd / 2;
+                  int rows, int n_heads, int hd, int nthreads) {
+    int half = hd / 2, h8 = half % 8 == 0 ? half : 0;
+#pragma omp parallel for num_threads(rows >= 16 ? nthreads : 1) schedule(static)
     for (int r = 0; r < rows; r++) {
         const float *c = cos_t + (long)r * hd, *sn = sin_t + (long)r * hd;
         for (int h = 0; h < n_heads; h++) {
             uint16_t *v = x + (long)r * row_stride + (long)h * hd;
-            for (int i = 0; i < half; i++) {
+            for (int i = 0; i < h8; i += 8) {
+                __m256 a = load_bf16x8(v + i), b = load_bf16x8(v + i + half);
+                __m256 ra = _mm256_fmsub_ps(a, _mm256_loadu_ps(c + i),
+                                            _mm256_mul_ps(b, _mm256_loadu_ps(sn + i)));
+                __m256 rb = _mm256_fmadd_ps(b, _mm256_loadu_ps(c + i + half),
+                                            _mm256_mul_ps(a, _mm256_loadu_ps(sn + i + half)));
+                store_bf16x8(v + i, ra);
+                store_bf16x8(v + i + half, rb);
+            }
+            for (int i = h8; i < half; i++) {
                 float a = bf16_to_f32(v[i]), b = bf16_to_f32(v[i + half]);
                 v[i] = f32_to_bf16(a * c[i] - b * sn[i]);
                 v[i + half] = f32_to_bf16(b * c[i + half] + a * sn[i + half]);
@@ -1290,6 +1323,7 @@ typedef struct {
     /* Weight-only int8 (NULL: that projection is bf16): the fp32 per-row scales of w_qkv,
      * w_o, w_gate_up and w_down, whose pointers then point at int8 weights. */
     const float *s_qkv, *s_o, *s_gate_up, *s_down;
+    int amx; /* 1: the bf16 projections run on AMX tiles (cpu_amx.c), where the CPU has them */
 } DecodeLayer;
 
 #define MAX_HEAD_DIM 512 /* the largest head the kernels take (a bound on scratch sizes) */
@@ -1311,6 +1345,7 @@ long pw_abi(const char *what) {
         FIELD(w_post_norm), FIELD(w_gate_up), FIELD(b_gate_up), FIELD(w_down), FIELD(b_down),
         FIELD(k_cache), FIELD(v_cache), FIELD(slots), FIELD(block_tables), FIELD(seq_lens),
         FIELD(cos), FIELD(sin), FIELD(s_qkv), FIELD(s_o), FIELD(s_gate_up), FIELD(s_down),
+        FIELD(amx),
 #undef FIELD
     };
     for (size_t i = 0; i < sizeof(table) / sizeof(table[0]); i++)
@@ -1331,6 +1366,25 @@ static void head_norm(uint16_t *v, const uint16_t *w, int hd, float eps) {
     add_norm_row(v, NULL, w, hd, eps, v, NULL);  /* in place: every read precedes its write */
 }
 
+/* cpu_amx.c's projection share, when that file was compiled in (weak: absent otherwise). */
+void pw_amx_pack_f32(const float *x, int M, int K, uint32_t *xp) __attribute__((weak));
+void pw_amx_share(const uint32_t *xp, int M, const uint16_t *w, int K, int N, float *res)
+    __attribute__((weak));
+
+/* A fused layer's projection, called by every thread of its region: on AMX tiles when the
+ * layer asks for them and the weights are bf16 (one thread packs the activations; the
+ * single's barrier makes them visible), else proj_share. No barrier at the end. */
+static void layer_proj(const DecodeLayer *L, const float *x, int M, const void *w,
+                       const float *scale, int K, int N, uint32_t *xp, float *res) {
+    if (L->amx && !scale && N >= 16 && pw_amx_share && pw_amx_pack_f32) {
+#pragma omp single
+        pw_amx_pack_f32(x, M, K, xp);
+        pw_amx_share(xp, M, (const uint16_t *)w, K, N, res);
+        return;
+    }
+    proj_share(x, M, w, scale, K, N, res);
+}
+
 int pw_decode_layer_bf16(const DecodeLayer *L) {
     int M = L->M, H = L->H, Q = L->Q, KV = L->KV, I = L->I, hd = L->hd;
     int n_heads = L->n_heads, n_kv = L->n_kv, group = n_heads / n_kv, QKV = Q + 2 * KV;
@@ -1344,7 +1398,14 @@ int pw_decode_layer_bf16(const DecodeLayer *L) {
     float *buf = (float *)malloc(sizeof(float) * n_floats);
     uint16_t *qkv = (uint16_t *)malloc(sizeof(uint16_t) * (size_t)M * QKV);
     uint16_t *o = (uint16_t *)malloc(sizeof(uint16_t) * (size_t)M * H);
-    if (!buf || !qkv || !o) { free(buf); free(qkv); free(o); return -1; }
+    int widest_k = H > Q ? (H > I ? H : I) : (Q > I ? Q : I);
+    /* AMX: the packed activations, 1 KiB per 32 values of K (16 tokens of them) */
+    uint32_t *xp = L->amx ? (uint32_t *)aligned_alloc(64, (size_t)(widest_k + 31) / 32 * 1024)
+                          : NULL;
+    if (!buf || !qkv || !o || (L->amx && !xp)) {
+        free(buf); free(qkv); free(o); free(xp);
+        return -1;
+    }
     float *xn = buf, *attn = xn + (long)M * H, *act = attn + (long)M * Q;
     float *att = act + (long)M * I; /* per-thread attention scratch */
     float *res = att + per_task * L->nthreads; /* [M][N] projection results */
@@ -1354,7 +1415,7 @@ int pw_decode_layer_bf16(const DecodeLayer *L) {
 #pragma omp single
         add_norm_rows(L->hidden, L->delta, L->w_in_norm, xn, M, H, L->eps);
 
-        proj_share(xn, M, L->w_qkv, L->s_qkv, H, QKV, res);
+        layer_proj(L, xn, M, L->w_qkv, L->s_qkv, H, QKV, xp, res);
 #pragma omp barrier
 #pragma omp for schedule(static)
         for (int n = 0; n < QKV; n++) {
@@ -1369,7 +1430,7 @@ int pw_decode_layer_bf16(const DecodeLayer *L) {
                 for (int h = 0; h < n_heads; h++) head_norm(row + (long)h * hd, L->w_q_norm, hd, L->eps);
                 for (int h = 0; h < n_kv; h++) head_norm(row + Q + (long)h * hd, L->w_k_norm, hd, L->eps);
             }
-            pw_rope_bf16(row, QKV, L->cos + (long)m * hd, L->sin + (long)m * hd, 1, n_heads + n_kv, hd);
+            pw_rope_bf16(row, QKV, L->cos + (long)m * hd, L->sin + (long)m * hd, 1, n_heads + n_kv, hd, 1);
             long slot = L->slots[m];
             memcpy(L->k_cache + slot * KV, row + Q, sizeof(uint16_t) * KV);
             memcpy(L->v_cache + slot * KV, row + Q + KV, sizeof(uint16_t) * KV);
@@ -1382,7 +1443,7 @@ int pw_decode_layer_bf16(const DecodeLayer *L) {
                            L->seq_lens, L->bs, att + per_task * omp_get_thread_num(), NULL,
                            attn);
 
-        proj_share(attn, M, L->w_o, L->s_o, Q, H, res);
+        layer_proj(L, attn, M, L->w_o, L->s_o, Q, H, xp, res);
 #pragma omp barrier
 #pragma omp for schedule(static)
         for (int n = 0; n < H; n++) {
@@ -1393,7 +1454,7 @@ int pw_decode_layer_bf16(const DecodeLayer *L) {
 #pragma omp single
         add_norm_rows(L->hidden, o, L->w_post_norm, xn, M, H, L->eps);
 
-        proj_share(xn, M, L->w_gate_up, L->s_gate_up, H, 2 * I, res);
+        layer_proj(L, xn, M, L->w_gate_up, L->s_gate_up, H, 2 * I, xp, res);
 #pragma omp barrier
 #pragma omp for schedule(static)
         for (int i = 0; i < I; i += 8) {  /* 8 at a time, the last group scalar if I % 8 */
@@ -1420,7 +1481,7 @@ int pw_decode_layer_bf16(const DecodeLayer *L) {
             }
         }
 
-        proj_share(act, M, L->w_down, L->s_down, I, H, res);
+        layer_proj(L, act, M, L->w_down, L->s_down, I, H, xp, res);
 #pragma omp barrier
 #pragma omp for schedule(static)
         for (int n = 0; n < H; n++) {
@@ -1431,6 +1492,7 @@ int pw_decode_layer_bf16(const DecodeLayer *L) {
     free(buf);
     free(qkv);
     free(o);
+    free(xp);
     return 0;
 }
 
@@ -1448,7 +1510,7 @@ int pw_decode_stack_bf16(DecodeLayer *L, int n, uint16_t *const *k_caches,
         if (i > 0) {
             l->M = L->M; l->max_blocks = L->max_blocks; l->nthreads = L->nthreads; l->bs = L->bs;
             l->hidden = L->hidden; l->slots = L->slots; l->block_tables = L->block_tables;
-            l->seq_lens = L->seq_lens; l->cos = L->cos; l->sin = L->sin;
+            l->seq_lens = L->seq_lens; l->cos = L->cos; l->sin = L->sin; l->amx = L->amx;
             l->delta = L[i - 1].out;
         }
         l->k_cache = k_caches[i];

@@ -1,9 +1,12 @@
-"""Build, load and call the hand-written CPU kernels in ``cpu_kernels.c``.
+"""Build, load and call the hand-written CPU kernels in ``cpu_kernels.c`` (AVX2) and
+``cpu_amx.c`` (Intel AMX).
 
-The C file is compiled on first use with the system's C compiler (gcc or cc) into a cache
-folder and loaded with ctypes; no torch headers are needed, so the build takes a few seconds,
-once. On a machine without a compiler or without AVX2/FMA, ``load()`` returns None and callers
-fall back to torch. The state (the library, whether loading was tried, why it failed, the limits the
+The C files are compiled on first use with the system's C compiler (gcc or cc) into one
+library in a cache folder and loaded with ctypes; no torch headers are needed, so the build
+takes a few seconds, once. On a machine without a compiler or without AVX2/FMA, ``load()``
+returns None and callers fall back to torch. The AMX kernels run only where the CPU has
+AMX-BF16 and AVX512_BF16 and Linux grants the process its tile state (``amx_available()``);
+a compiler too old for AMX builds the AVX2 kernels alone. The state (the library, whether loading was tried, why it failed, the limits the
 C side reports) lives in one ``KernelLibrary``, the module's ``KERNELS``.
 
 Numbers both sides need (the fused decode layer's row limit and head size, the layout of its
@@ -32,6 +35,8 @@ from typing import Any
 import torch
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
+AMX_SOURCE = Path(__file__).with_name("cpu_amx.c")
+AMX_FLAGS = {"amx_tile", "amx_bf16", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"}
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
 LIBS = ["-lm"]
 
@@ -52,6 +57,7 @@ class DecodeLayerArgs(ctypes.Structure):
             "w_o", "b_o", "w_post_norm", "w_gate_up", "b_gate_up", "w_down", "b_down",
             "k_cache", "v_cache", "slots", "block_tables", "seq_lens", "cos", "sin",
             "s_qkv", "s_o", "s_gate_up", "s_down")]
+        + [("amx", ctypes.c_int)]
     )
 
 
@@ -63,21 +69,25 @@ def cache_dir() -> Path:
     return (Path(xdg) if xdg else Path.home() / ".cache") / "phasewise"
 
 
-def _cpu_has_avx2_fma() -> bool:
+def cpu_flags() -> set[str]:
+    """This CPU's feature flags from /proc/cpuinfo (empty off x86-64 or without it)."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
-        return False
+        return set()
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    return {"avx2", "fma"} <= flags
+                    return set(line.split(":", 1)[1].split())
     except OSError:
-        return False
-    return False
+        pass
+    return set()
 
 
-def _build(source: Path, out: Path) -> None:
+def _cpu_has_avx2_fma() -> bool:
+    return {"avx2", "fma"} <= cpu_flags()
+
+
+def _build(sources: list[Path], out: Path) -> None:
     cc = shutil.which(os.environ.get("CC", "gcc")) or shutil.which("cc")
     if cc is None:
         raise RuntimeError("no C compiler (gcc or cc) on PATH")
@@ -85,11 +95,12 @@ def _build(source: Path, out: Path) -> None:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        subprocess.run([cc, *CFLAGS, str(source), "-o", tmp, *LIBS], check=True,
+        subprocess.run([cc, *CFLAGS, *map(str, sources), "-o", tmp, *LIBS], check=True,
                        capture_output=True, text=True)
         os.replace(tmp, out)  # atomic: concurrent builders never see a half-written file
     except subprocess.CalledProcessError as e:
-        raise RuntimeError(f"compiling {source.name} failed: {e.stderr.strip()[:500]}") from e
+        names = " and ".join(s.name for s in sources)
+        raise RuntimeError(f"compiling {names} failed: {e.stderr.strip()[:500]}") from e
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
@@ -103,7 +114,7 @@ def _signatures() -> dict[str, tuple[Any, list[Any]]]:
         "pw_linear_int8": (I, [P, P, P, P, P, I, I, I, I]),
         "pw_add_rmsnorm_bf16": (None, [P, P, P, P, I, I, F, I]),
         "pw_silu_mul_bf16": (None, [P, P, I, I, I]),
-        "pw_rope_bf16": (None, [P, L, P, P, I, I, I]),
+        "pw_rope_bf16": (None, [P, L, P, P, I, I, I, I]),
         "pw_decode_attention_bf16": (I, [P, L, P, P, P, I, P, P, I, I, I, I, I, F, I]),
         "pw_decode_layer_bf16": (I, [ctypes.POINTER(DecodeLayerArgs)]),
         "pw_decode_stack_bf16": (I, [ctypes.POINTER(DecodeLayerArgs), I, P, P, P, P]),
@@ -111,6 +122,14 @@ def _signatures() -> dict[str, tuple[Any, list[Any]]]:
         "pw_mask_logits": (None, [P, I, P, I]),
         "pw_abi": (L, [ctypes.c_char_p]),
     }
+
+
+AMX_SIGNATURES = {
+    "pw_amx_init": (ctypes.c_int, []),
+    "pw_linear_amx": (ctypes.c_int, [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4),
+    "pw_linear_glu_amx": (ctypes.c_int, [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4),
+    "pw_amx_tile_flops": (ctypes.c_double, [ctypes.c_long, ctypes.c_int]),
+}
 
 
 def abi_mismatches(abi: Callable[[str], int]) -> list[str]:
@@ -137,15 +156,19 @@ class _Unavailable(Exception):
 class KernelLibrary:
     """The compiled kernels, loaded once on first use: ``lib`` (None until loaded, and when
     they cannot be had), ``reason`` (why not), and the limits the C side reports
-    (``decode_layer_max_rows``: rows the fused decode layer takes; ``max_head_dim``)."""
+    (``decode_layer_max_rows``: rows the fused decode layer takes; ``max_head_dim``), and
+    whether the AMX kernels may run (``amx``; ``amx_reason``: why not)."""
 
-    def __init__(self, source: Path = SOURCE) -> None:
+    def __init__(self, source: Path = SOURCE, amx_source: Path = AMX_SOURCE) -> None:
         self.source = source
+        self.amx_source = amx_source
         self.lib: ctypes.CDLL | None = None
         self.reason: str | None = None
         self.tried = False
         self.decode_layer_max_rows = 0
         self.max_head_dim = 0
+        self.amx = False
+        self.amx_reason: str | None = "the kernels are not loaded"
 
     def load(self) -> ctypes.CDLL | None:
         """The library, building it if needed; None if it cannot be had (see ``reason``)."""
@@ -157,18 +180,32 @@ class KernelLibrary:
                 self.reason = str(e)
         return self.lib
 
+    def _compiled(self, sources: list[Path]) -> ctypes.CDLL:
+        key = hashlib.sha256(b"".join(s.read_bytes() for s in sources)
+                             + " ".join(CFLAGS).encode()).hexdigest()[:16]
+        path = cache_dir() / "kernels" / f"cpu_kernels-{key}.so"
+        if not path.exists():
+            print(f"compiling phasewise's CPU kernels (once; cached in {path.parent})",
+                  file=sys.stderr, flush=True)
+            _build(sources, path)
+        return ctypes.CDLL(str(path))
+
     def _open(self) -> ctypes.CDLL:
         if not _cpu_has_avx2_fma():
             raise _Unavailable("this CPU lacks AVX2/FMA")
-        key = hashlib.sha256(self.source.read_bytes() + " ".join(CFLAGS).encode()
-                             ).hexdigest()[:16]
-        path = cache_dir() / "kernels" / f"cpu_kernels-{key}.so"
+        lib = None
+        if self.amx_source.exists():
+            try:
+                lib = self._compiled([self.source, self.amx_source])
+                self.amx_reason = None
+            except RuntimeError as e:  # e.g. a compiler that predates AMX: AVX2 alone
+                self.amx_reason = str(e)
+            except OSError as e:
+                raise _Unavailable(str(e)) from e
+        else:
+            self.amx_reason = f"{self.amx_source.name} is missing"
         try:
-            if not path.exists():
-                print(f"compiling phasewise's CPU kernels (once; cached in {path.parent})",
-                      file=sys.stderr, flush=True)
-                _build(self.source, path)
-            lib = ctypes.CDLL(str(path))
+            lib = lib or self._compiled([self.source])
         except (RuntimeError, OSError) as e:
             raise _Unavailable(str(e)) from e
         for name, (restype, argtypes) in _signatures().items():
@@ -185,7 +222,23 @@ class KernelLibrary:
                                + "; ".join(bad))
         self.decode_layer_max_rows = abi("row_stream_max")
         self.max_head_dim = abi("max_head_dim")
+        if self.amx_reason is None:
+            self._enable_amx(lib)
         return lib
+
+    def _enable_amx(self, lib: ctypes.CDLL) -> None:
+        missing = AMX_FLAGS - cpu_flags()
+        if missing:
+            self.amx_reason = "this CPU lacks " + ", ".join(sorted(missing))
+            return
+        for name, (restype, argtypes) in AMX_SIGNATURES.items():
+            fn = getattr(lib, name)
+            fn.restype = restype
+            fn.argtypes = argtypes
+        if lib.pw_amx_init() != 0:
+            self.amx_reason = "Linux refused the AMX tile state (arch_prctl)"
+            return
+        self.amx = True
 
 
 KERNELS = KernelLibrary()
@@ -194,6 +247,12 @@ KERNELS = KernelLibrary()
 def load() -> ctypes.CDLL | None:
     """The compiled kernel library (``KERNELS.load()``)."""
     return KERNELS.load()
+
+
+def amx_available() -> bool:
+    """Whether the AMX kernels can run here (the library loaded, the CPU and the kernel
+    allow it)."""
+    return KERNELS.load() is not None and KERNELS.amx
 
 
 def __getattr__(name: str) -> Any:
@@ -250,6 +309,39 @@ def gemm_bf16(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None
     return _call("pw_gemm_bf16", x, w, bias)
 
 
+def linear_amx(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None
+               ) -> torch.Tensor:
+    """Same contract as ``linear_bf16``, on AMX tiles (any row count; ``amx_available()``
+    must hold). The weight is read in place; fewer than 16 output features go to torch."""
+    if w.shape[0] < 16:
+        return torch.nn.functional.linear(x, w, bias)
+    if not amx_available():
+        raise RuntimeError(f"AMX kernels unavailable: {KERNELS.amx_reason or KERNELS.reason}")
+    return _call("pw_linear_amx", x, w, bias)
+
+
+
+def glu_amx(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None
+            ) -> torch.Tensor:
+    """A SwiGLU MLP's gate/up projection and SiLU-and-multiply in one AMX pass: w [2I, K]
+    (gate rows, then up rows), bias [2I] or None -> [..., I] = bf16(bf16(silu(g)) * u), the
+    values ``silu_mul(linear(x, w, bias))`` gives. Needs ``amx_available()`` and I >= 16."""
+    inter = w.shape[0] // 2
+    if w.shape[0] % 2 or inter < 16:
+        raise ValueError(f"glu_amx: w must have an even number >= 32 of rows; got {w.shape[0]}")
+    if not amx_available():
+        raise RuntimeError(f"AMX kernels unavailable: {KERNELS.amx_reason or KERNELS.reason}")
+    k = x.shape[-1]
+    x2 = x.reshape(-1, k).contiguous()
+    y = torch.empty(x2.shape[0], inter, dtype=torch.bfloat16)
+    if x2.shape[0]:
+        rc = KERNELS.lib.pw_linear_glu_amx(x2.data_ptr(), w.data_ptr(),
+                                           bias.data_ptr() if bias is not None else None,
+                                           y.data_ptr(), x2.shape[0], inter, k,
+                                           torch.get_num_threads())
+        if rc != 0:
+            raise MemoryError("pw_linear_glu_amx could not allocate scratch memory")
+    return y.view(*x.shape[:-1], inter)
 
 
 def linear_int8(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
@@ -268,6 +360,25 @@ def linear_int8(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
         raise ValueError(f"linear_int8: x [..., {k}] against w {tuple(w.shape)}, scale "
                          f"{tuple(scale.shape)}")
     return _call("pw_linear_int8", x, w.contiguous(), bias, scale.contiguous())
+
+
+def amx_tile_gflops(seconds: float = 0.2) -> float | None:
+    """The AMX tile unit's ceiling on this machine (GFLOP/s, all threads): tile products on
+    operands already in the tile registers, no memory traffic. None without AMX."""
+    import time
+
+    if not amx_available():
+        return None
+    fn, threads = KERNELS.lib.pw_amx_tile_flops, torch.get_num_threads()
+    fn(1000, threads)
+    iters = 1000
+    while True:
+        t = time.perf_counter()
+        flops = fn(iters, threads)
+        dt = time.perf_counter() - t
+        if dt >= seconds:
+            return flops / dt / 1e9
+        iters *= 4
 
 
 def stream_read_gbps(buf: torch.Tensor, reps: int = 3) -> float | None:

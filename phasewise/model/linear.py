@@ -1,8 +1,11 @@
 """How each linear layer is computed, chosen by measuring this machine.
 
-For bf16 weights on a CPU, four ways compute the same function:
+For bf16 weights on a CPU, five ways compute the same function:
 
 * ``torch``: ``F.linear`` in bf16 (fast where the CPU has native bf16 dot products);
+* ``amx``: phasewise's AMX kernel (``cpu_amx.c``), on CPUs with AMX-BF16: bf16 tile
+  products into fp32, the weights read in place at any row count (torch's oneDNN path
+  reorders them on every call, which dominates a decode step's few rows);
 * ``kernel``: phasewise's AVX2 kernel (``cpu_kernels.c``): for the few rows of a decode step it
   streams each weight once at close to memory speed; for more rows it runs register tiles
   that widen bf16 weights in registers, read in place (near torch's fp32 GEMM speed on an
@@ -11,10 +14,12 @@ For bf16 weights on a CPU, four ways compute the same function:
 * ``gemm``: phasewise's packed GEMM (``cpu_kernels.c``), widening bf16 to fp32 while packing.
   The last two are for many rows (prefill) on CPUs whose bf16 GEMM is slow.
 
-``LinearDispatch.calibrate`` times them on one of the model's own weights at engine start
-(one to three seconds on the reference checkpoint) and keeps a plan: the kernel up to a row
+``LinearDispatch.calibrate`` times them on the model's own weights (every layer's gate/up
+projection, so that a few rows stream from memory as in a decode step) at engine start (one
+to three seconds on the reference checkpoint) and keeps a plan: the kernel up to a row
 count (or at every count, when it wins at the largest one timed), the fastest of the others
-above it. Every method accumulates in fp32, so they differ only in rounding order.
+above it. Every method accumulates in fp32, so they differ only in rounding order. Where
+``amx`` is a candidate its products are bf16 x bf16 (exact in fp32), like torch's bf16 path.
 """
 
 from __future__ import annotations
@@ -29,8 +34,9 @@ import torch.nn.functional as F
 from phasewise.model import cpu_kernels
 
 LinearFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
-LARGE_METHODS = ("torch", "upcast", "gemm")
+LARGE_METHODS = ("torch", "upcast", "gemm", "amx")
 ALL_ROWS = 2**31 - 1  # kernel_max_rows meaning "the kernel at every row count"
+SMALL_ROWS = 64  # calibration: below this many rows a timing streams every weight given
 
 
 def torch_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
@@ -57,6 +63,8 @@ def _large_fn(method: str) -> LinearFn:
         return Upcast()
     if method == "gemm":
         return cpu_kernels.gemm_bf16
+    if method == "amx":
+        return cpu_kernels.linear_amx
     return torch_linear
 
 
@@ -81,11 +89,15 @@ class LinearDispatch:
             return cpu_kernels.linear_bf16(x, w, b)
         return self._large(x, w, b)
 
+    def method(self, rows: int) -> str:
+        """The method ``rows`` activation rows run: ``kernel`` or one of LARGE_METHODS."""
+        return "kernel" if rows <= self.kernel_max_rows else self.large
+
     def compute_dtype(self, rows: int) -> str:
         """Whose arithmetic ``rows`` activation rows run in: ``bf16`` for torch's own bf16
-        ``F.linear``, ``fp32`` for the kernel, the upcast and the packed GEMM."""
-        method = "kernel" if rows <= self.kernel_max_rows else self.large
-        return "bf16" if method == "torch" else "fp32"
+        ``F.linear`` and the AMX tiles (bf16 products), ``fp32`` for the kernel, the upcast
+        and the packed GEMM."""
+        return "bf16" if self.method(rows) in ("torch", "amx") else "fp32"
 
     def describe(self) -> str:
         if self.kernel_max_rows >= ALL_ROWS:
@@ -95,27 +107,39 @@ class LinearDispatch:
         return f"{self.large} for all row counts"
 
     @classmethod
-    def calibrate(cls, weight: torch.Tensor, large_rows: int = 256,
+    def calibrate(cls, weight: torch.Tensor | list[torch.Tensor], large_rows: int = 256,
                   kernel_rows: tuple[int, ...] = (16, 32, 64, 128, 256, 512)
                   ) -> LinearDispatch:
-        """Time the methods on ``weight`` ([N, K] bf16, CPU) and build a plan: the kernel
-        while it is at least as fast as the best other method at each of ``kernel_rows``
-        (ascending); if it never loses, at every row count."""
-        k = weight.shape[1]
+        """Time the methods on ``weight`` ([N, K] bf16, CPU; or a list of such weights of
+        one shape, e.g. every layer's) and build a plan: the kernel while it is at least as
+        fast as the best other method at each of ``kernel_rows`` (ascending); if it never
+        loses, at every row count.
+
+        Below ``SMALL_ROWS`` rows a layer streams its weights from memory, so each timing
+        passes over every weight given: with several layers' weights that is the memory
+        stream of a decode step, not one weight sitting in the cache (which ranked the
+        methods wrongly on a 2-core AMX Xeon). Larger row counts, compute-bound, time the
+        first two."""
+        weights = [weight] if isinstance(weight, torch.Tensor) else list(weight)
+        k = weights[0].shape[1]
         gen = torch.Generator().manual_seed(0)
 
         def seconds(fn: LinearFn, rows: int) -> float:
-            x = torch.randn(rows, k, generator=gen).to(weight.dtype)
-            fn(x, weight, None)  # warm-up
+            ws = weights if rows < SMALL_ROWS else weights[:2]
+            x = torch.randn(rows, k, generator=gen).to(ws[0].dtype)
+            fn(x, ws[0], None)  # warm-up
             best = float("inf")
             for _ in range(2):
                 t = time.perf_counter()
-                fn(x, weight, None)
+                for w in ws:
+                    fn(x, w, None)
                 best = min(best, time.perf_counter() - t)
             return best
 
         have_kernels = cpu_kernels.load() is not None
-        candidates = [m for m in LARGE_METHODS if m != "gemm" or have_kernels]
+        have_amx = cpu_kernels.amx_available() and weights[0].shape[0] >= 16
+        candidates = [m for m in LARGE_METHODS
+                      if (m != "gemm" or have_kernels) and (m != "amx" or have_amx)]
         timings: dict[str, dict[int, float]] = {m: {} for m in (*candidates, "kernel")}
         for m in candidates:
             timings[m][large_rows] = seconds(_large_fn(m), large_rows)

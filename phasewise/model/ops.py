@@ -67,6 +67,11 @@ class TorchOps:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 
+    def gate_up_silu(self, x: torch.Tensor, lin: nn.Linear) -> torch.Tensor:
+        """A SwiGLU MLP's first half: ``silu_mul(proj(x, lin))`` with ``lin`` the fused
+        gate/up projection ([gate | up] rows). Implementations may fuse the two."""
+        return self.silu_mul(self.proj(x, lin))
+
     def rope_tables(self, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
                     dtype: torch.dtype) -> RopeTables:
         """Rows of the fp32 cos/sin tables for this step's positions, shared by all layers."""
@@ -127,6 +132,16 @@ class CpuKernelOps(TorchOps):
             return cpu_kernels.linear_int8(x, q, scale, b)
         return super().linear_int8(x, q, scale, b)
 
+    def gate_up_silu(self, x: torch.Tensor, lin: nn.Linear) -> torch.Tensor:
+        """On AMX, when the plan runs these rows there: the projection and SiLU-and-multiply
+        in one pass (``cpu_kernels.glu_amx``), never writing the [rows, 2I] projection."""
+        w, b = lin.weight, lin.bias
+        rows = x.numel() // x.shape[-1]
+        if (self._amx_rows(rows) and getattr(lin, "weight_scale", None) is None
+                and self._ok(x, w) and (b is None or self._ok(b)) and w.shape[0] >= 32):
+            return cpu_kernels.glu_amx(x, w, b)
+        return super().gate_up_silu(x, lin)
+
     def add_rms_norm(self, delta: torch.Tensor | None, hidden: torch.Tensor,
                      weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
         ts = (hidden, weight) if delta is None else (hidden, weight, delta)
@@ -164,7 +179,7 @@ class CpuKernelOps(TorchOps):
             return super().rope(x, tables)
         # In place: x is this step's own qkv buffer.
         self.lib.pw_rope_bf16(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(),
-                              t, heads, hd)
+                              t, heads, hd, torch.get_num_threads())
         return x
 
     def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -198,6 +213,7 @@ class CpuKernelOps(TorchOps):
             self._layer_args[id(layer)] = args
         out = torch.empty_like(hidden)
         self._set_step_fields(args, hidden, rope, meta, k_cache.shape[1])
+        args.amx = self._amx_rows(hidden.shape[0])
         args.out = out.data_ptr()
         args.delta = delta.data_ptr() if delta is not None else None
         args.k_cache, args.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
@@ -217,6 +233,7 @@ class CpuKernelOps(TorchOps):
             return None
         args, k_ptrs, v_ptrs = stack
         self._set_step_fields(args[0], hidden, rope, meta, kv_caches[0][0].shape[1])
+        args[0].amx = self._amx_rows(hidden.shape[0])
         args[0].delta = None  # the first layer has no previous output to add
         bufs = torch.empty(2, *hidden.shape, dtype=hidden.dtype)
         rc = self.lib.pw_decode_stack_bf16(args, len(layers), ctypes.addressof(k_ptrs),
@@ -225,6 +242,11 @@ class CpuKernelOps(TorchOps):
         if rc != 0:
             raise RuntimeError(f"pw_decode_stack_bf16 failed ({rc})")
         return bufs[(len(layers) - 1) % 2], hidden
+
+    def _amx_rows(self, rows: int) -> int:
+        """1 if the plan runs ``rows`` rows' bf16 projections on AMX tiles (the fused layer
+        then does too), else 0."""
+        return int(self.dispatch.method(rows) == "amx" and cpu_kernels.amx_available())
 
     def _fusable_step(self, hidden: torch.Tensor, rope: RopeTables,
                       meta: AttentionMetadata) -> bool:

@@ -72,8 +72,8 @@ class DecoderLayer(nn.Module):
 
         x, hidden = ops.add_rms_norm(attn_out, hidden, self.post_attention_layernorm.weight,
                                      eps)
-        gate_up = ops.proj(x, self.gate_up_proj)
-        mlp_out = ops.proj(ops.silu_mul(gate_up), self.down_proj)
+        act = ops.gate_up_silu(x, self.gate_up_proj)  # [T, intermediate]
+        mlp_out = ops.proj(act, self.down_proj)
         return mlp_out, hidden
 
 

@@ -1,0 +1,487 @@
+/*
+ * phasewise CPU kernels for Intel AMX: bf16-weight linear layers on AMX-BF16 tiles.
+ *
+ * Why hand-written: torch's bf16 F.linear on an AMX CPU goes through oneDNN, which reorders
+ * the weight into its blocked layout on every call. At a decode step's few rows that
+ * reorder is most of the work: measured on a 2-core Xeon (AMX, AVX512_BF16), torch moved
+ * 8-15 GB/s of weights at 8-32 rows against ~20 GB/s of read bandwidth. Here the weights are
+ * read where they lie, in torch's own [N, K] layout, never repacked and never copied: so no
+ * second copy of the model is resident and a decode step reads each weight once.
+ *
+ * The trick: y^T = W x^T. A tile multiply TDPBF16PS computes C[16][16] += A[16][32] B[16][32]
+ * (fp32 += bf16 pairs), where A is read row by row (16 rows of 64 bytes, any stride) and B
+ * must be in "VNNI" order (row r holds the pairs k = 2r, 2r+1 of 16 columns). Sixteen rows of
+ * W, 32 values of K each, are exactly an A tile, loaded straight from the weight with stride
+ * 2K bytes. The activations (few, and read many times) are the ones repacked: x [M, K] is put
+ * in VNNI order once per call, 16 tokens x 32 values per 1 KiB tile. C then holds 16 output
+ * channels x 16 tokens in fp32; the epilogue transposes it (AVX-512), adds the bias, rounds to
+ * bf16 once (to nearest even, as torch) and stores y [M, N].
+ *
+ * Blocking: 2 A tiles (32 channels) x 2 B tiles (32 tokens) -> 4 C tiles, all 8 tile
+ * registers. Threads split the channels into 32-row panels; a panel's weights are read from
+ * memory once per block of tokens (all of them when the block fits in L2) while the next
+ * panel is prefetched into L2, spread over this panel's steps. K need not be a multiple of
+ * 32 (the last partial block's weights are copied, zero-padded, once per panel), nor N of 16
+ * (the last tile is shifted back to end at N, recomputing a few channels), but N >= 16.
+ * benchmarks/bench_linear.py times it against torch and the AVX2 kernels.
+ *
+ * Layout: x [M, K] bf16 row-major, w [N, K] bf16 row-major, optional bias [N] bf16, y [M, N]
+ * bf16. Accumulation in fp32.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <omp.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+/* Ask Linux for permission to use AMX tile data (per process; needed once before the first
+ * tile instruction). Returns 0 when granted. No AMX instruction here: safe on any x86-64. */
+int pw_amx_init(void) {
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 0 : -1;
+}
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,amx-tile,amx-bf16")
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((packed)) TileConfig;
+
+/* Eight tiles of 16 rows x 64 bytes. A global constant, not a stack struct: gcc 12 assumes
+ * ldtilecfg reads only 8 bytes of its operand and drops the stores that fill the rest of a
+ * local struct (a fault at the first ldtilecfg). */
+static const TileConfig TILES = {
+    .palette = 1,
+    .colsb = {64, 64, 64, 64, 64, 64, 64, 64},
+    .rows = {16, 16, 16, 16, 16, 16, 16, 16},
+};
+
+#define TILE_BYTES 1024
+#define XBLOCK_MAX_BYTES (1L << 20) /* packed activations per token block: stays in L2 */
+#define NT_STORE_BYTES (4L << 20)   /* outputs at least this large bypass the caches */
+
+/* A 16 x 16 transpose of 32-bit lanes, in place. */
+static inline void transpose16(__m512i r[16]) {
+    __m512i t[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) {
+        r[4 * i + 0] = _mm512_unpacklo_epi64(t[4 * i + 0], t[4 * i + 2]);
+        r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i + 0], t[4 * i + 2]);
+        r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    for (int i = 0; i < 2; i++)
+        for (int j = 0; j < 4; j++) {
+            __m512i a = r[8 * i + j], b = r[8 * i + 4 + j];
+            t[8 * i + j] = _mm512_shuffle_i32x4(a, b, 0x88);
+            t[8 * i + 4 + j] = _mm512_shuffle_i32x4(a, b, 0xdd);
+        }
+    for (int j = 0; j < 8; j++) {
+        r[j] = _mm512_shuffle_i32x4(t[j], t[8 + j], 0x88);
+        r[8 + j] = _mm512_shuffle_i32x4(t[j], t[8 + j], 0xdd);
+    }
+}
+
+/* One B tile: `rows` (<= 16) token rows of 32 bf16 values from src (row stride ld), only the
+ * first kt (<= 32) of them, zero elsewhere, in VNNI order: dst row r = the pairs (2r, 2r + 1)
+ * of the 16 tokens. A pair of bf16 is one 32-bit lane, so this is a 16 x 16 transpose. */
+static inline void pack_tile(const uint16_t *src, long ld, int rows, int kt, uint32_t *dst) {
+    __m512i r[16];
+    __mmask32 km = kt >= 32 ? 0xffffffffu : (1u << kt) - 1u;
+    for (int t = 0; t < 16; t++)
+        r[t] = t < rows ? _mm512_maskz_loadu_epi16(km, src + (long)t * ld) : _mm512_setzero_si512();
+    transpose16(r);
+    for (int i = 0; i < 16; i++) _mm512_store_si512(dst + i * 16, r[i]);
+}
+
+/* The same from fp32 rows (the fused decode layer's activations, already bf16-valued). */
+static inline void pack_tile_f32(const float *src, long ld, int rows, int kt, uint32_t *dst) {
+    __m512i r[16];
+    __mmask16 lo = kt >= 16 ? 0xffff : (__mmask16)((1u << kt) - 1u);
+    __mmask16 hi = kt >= 32 ? 0xffff : kt <= 16 ? 0 : (__mmask16)((1u << (kt - 16)) - 1u);
+    for (int t = 0; t < 16; t++) {
+        if (t >= rows) { r[t] = _mm512_setzero_si512(); continue; }
+        __m512 a = _mm512_maskz_loadu_ps(lo, src + (long)t * ld);
+        __m512 b = _mm512_maskz_loadu_ps(hi, src + (long)t * ld + 16);
+        r[t] = (__m512i)_mm512_cvtne2ps_pbh(b, a);  /* exact: the values are bf16 already */
+    }
+    transpose16(r);
+    for (int i = 0; i < 16; i++) _mm512_store_si512(dst + i * 16, r[i]);
+}
+
+/* Tiles for tokens [tb * 16, tb * 16 + 16) x all K blocks, at xp + tb * KB tiles. */
+static void pack_rows(const uint16_t *x, int M, int K, int tb, uint32_t *xp) {
+    int KB = (K + 31) / 32, m0 = tb * 16, rows = M - m0 < 16 ? M - m0 : 16;
+    for (int kb = 0; kb < KB; kb++)
+        pack_tile(x + (long)m0 * K + kb * 32, K, rows, K - kb * 32,
+                  xp + ((long)tb * KB + kb) * (TILE_BYTES / 4));
+}
+
+static inline __m512 load_bias16(const uint16_t *bias, __mmask16 nm) {
+    if (!bias) return _mm512_setzero_ps();
+    __m256i h = _mm256_maskz_loadu_epi16(nm, bias);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+static inline __m256i round16(__m512i acc, __m512 bias) {
+    return (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_castsi512_ps(acc), bias));
+}
+
+/* The epilogue of a tile pair: c0 holds channels [na, na + 16), c1 [nb, nb + 16), each
+ * [16 channels][16 tokens] fp32; tokens [m0, m0 + mt) go to y (bf16, + bias). When the two
+ * tiles are adjacent and their 64 bytes of y are aligned, one 64-byte store per token
+ * (streaming past the caches for large outputs: `nt`). */
+static void store_pair(const float *c0, const float *c1, int na, int nb, uint16_t *y, int N,
+                       int m0, int mt, const uint16_t *bias, int nt) {
+    __m512i a[16], b[16];
+    for (int i = 0; i < 16; i++) {
+        a[i] = _mm512_load_si512(c0 + i * 16);
+        b[i] = _mm512_load_si512(c1 + i * 16);
+    }
+    transpose16(a);
+    transpose16(b);
+    __m512 ba = load_bias16(bias ? bias + na : NULL, 0xffff);
+    __m512 bb = load_bias16(bias ? bias + nb : NULL, 0xffff);
+    if (nb == na + 16 && ((uintptr_t)(y + (long)m0 * N + na) & 63) == 0 && (N & 31) == 0) {
+        for (int t = 0; t < mt; t++) {
+            __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(round16(a[t], ba)),
+                                           round16(b[t], bb), 1);
+            uint16_t *dst = y + (long)(m0 + t) * N + na;
+            if (nt)
+                _mm512_stream_si512((__m512i *)dst, v);
+            else
+                _mm512_store_si512(dst, v);
+        }
+        return;
+    }
+    for (int t = 0; t < mt; t++) {  /* overlapping tiles (N % 32 != 0): b last, same values */
+        _mm256_storeu_si256((__m256i *)(y + (long)(m0 + t) * N + na), round16(a[t], ba));
+        _mm256_storeu_si256((__m256i *)(y + (long)(m0 + t) * N + nb), round16(b[t], bb));
+    }
+}
+
+/* The weights of a K tail (K % 32 values of 16 rows), zero-padded to a full A tile. */
+static void tail_tile(const uint16_t *w, int K, uint16_t *dst) {
+    int k0 = K / 32 * 32;
+    memset(dst, 0, TILE_BYTES);
+    for (int i = 0; i < 16; i++) memcpy(dst + i * 32, w + (long)i * K + k0, (size_t)(K - k0) * 2);
+}
+
+/* A panel: the two 16-row tiles of weights that share the activations, at rows na and nb, K
+ * values each, with their zero-padded K tails when K % 32 != 0. For a plain linear layer
+ * they are 32 consecutive rows (nb = na + 16, unless the panel overhangs N); for the fused
+ * gate/up + SiLU they are gate rows and the matching up rows (nb = I + na). */
+typedef struct {
+    const uint16_t *wa, *wb;
+    int na, nb;
+    uint16_t tail[2][TILE_BYTES / 2] __attribute__((aligned(64)));
+} Panel;
+
+static void panel_rows(Panel *p, const uint16_t *w, int na, int nb, int K) {
+    p->na = na;
+    p->nb = nb;
+    p->wa = w + (long)na * K;
+    p->wb = w + (long)nb * K;
+    if (K % 32) {
+        tail_tile(p->wa, K, p->tail[0]);
+        tail_tile(p->wb, K, p->tail[1]);
+    }
+}
+
+/* Panel i of a layer: plain (glu = 0, 32 rows of N) or gate/up (glu = 1, 16 of N = I). */
+static void panel_at(Panel *p, const uint16_t *w, int i, int N, int K, int glu) {
+    if (glu) {
+        int na = i * 16 + 16 > N ? N - 16 : i * 16;
+        panel_rows(p, w, na, N + na, K);
+        return;
+    }
+    int n0 = i * 32;
+    panel_rows(p, w, n0 + 16 > N ? N - 16 : n0, n0 + 32 > N ? N - 16 : n0 + 16, K);
+}
+
+/* Prefetch cursor: the rows [n, n + rows) of w (of K values each), spread evenly over a
+ * panel's steps. */
+typedef struct {
+    const char *p, *end;
+    long per_step;
+} Prefetch;
+
+static void prefetch_rows(Prefetch *pf, const uint16_t *w, int n, int rows, int K, long steps) {
+    pf->p = (const char *)(w + (long)n * K);
+    pf->end = pf->p + (long)rows * K * 2;
+    long lines = (pf->end - pf->p + 63) / 64;
+    pf->per_step = steps > 0 ? (lines + steps - 1) / steps : lines;
+}
+
+static inline void prefetch_step(Prefetch *pf) {
+    for (long i = 0; i < pf->per_step && pf->p < pf->end; i++, pf->p += 64)
+        _mm_prefetch(pf->p, _MM_HINT_T1);
+}
+
+/* Queue panel i's weights (none if i is past the last panel): pf[0] its first rows, pf[1]
+ * (glu) the up rows. */
+static void prefetch_panel(Prefetch pf[2], const uint16_t *w, int i, int npanels, int N, int K,
+                           int glu, long steps) {
+    int width = glu ? 16 : 32;
+    int n = i < npanels ? i * width : N;
+    int rows = n + width < N ? width : N - n;
+    prefetch_rows(&pf[0], w, n, rows, K, steps);
+    prefetch_rows(&pf[1], w, glu ? N + n : n, glu ? rows : 0, K, steps);
+}
+
+/* C tiles 0..3 (+)= the panel's weights x the packed token blocks x0 (and x1 if two) over
+ * all of K: tile 0 = rows na x x0, 1 = nb x x0, 2 = na x x1, 3 = nb x x1. */
+static inline void panel_product(const Panel *p, const uint32_t *x0, const uint32_t *x1,
+                                 int two, int K, Prefetch *pf) {
+    int KF = K / 32;
+    long lda = (long)K * 2;
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int kb = 0; kb < KF; kb++) {
+        if (pf) {
+            prefetch_step(&pf[0]);
+            prefetch_step(&pf[1]);
+        }
+        _tile_loadd(4, p->wa + kb * 32, lda);
+        _tile_loadd(6, x0 + kb * 256, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_loadd(5, p->wb + kb * 32, lda);
+        _tile_dpbf16ps(1, 5, 6);
+        if (two) {
+            _tile_loadd(7, x1 + kb * 256, 64);
+            _tile_dpbf16ps(2, 4, 7);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+    }
+    if (K % 32) {
+        _tile_loadd(4, p->tail[0], 64);
+        _tile_loadd(5, p->tail[1], 64);
+        _tile_loadd(6, x0 + KF * 256, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 5, 6);
+        if (two) {
+            _tile_loadd(7, x1 + KF * 256, 64);
+            _tile_dpbf16ps(2, 4, 7);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+    }
+}
+
+/* exp8 of cpu_kernels.c on sixteen lanes: the same steps and constants (so the same
+ * results), the same clamps (a NaN passes through: max/min return their second operand). */
+static inline __m512 exp16(__m512 x) {
+    __mmask16 overflow = _mm512_cmp_ps_mask(x, _mm512_set1_ps(88.72f), _CMP_GT_OQ);
+    x = _mm512_min_ps(_mm512_set1_ps(88.3f), _mm512_max_ps(_mm512_set1_ps(-87.3f), x));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504089f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_mask_blend_ps(overflow, _mm512_mul_ps(p, _mm512_castsi512_ps(e)),
+                                _mm512_set1_ps(INFINITY));
+}
+
+static inline __m512 round_bf16x16(__m512 f) {
+    __m256i h = (__m256i)_mm512_cvtneps_pbh(f);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/* The epilogue of a gate/up tile pair: act = bf16(bf16(silu(g)) * u) with g and u the
+ * rounded projections (+ their biases), as the unfused path computes them. */
+static void store_glu(const float *cg, const float *cu, int n, int N, uint16_t *y, int m0,
+                      int mt, const uint16_t *bias) {
+    __m512i g[16], u[16];
+    for (int i = 0; i < 16; i++) {
+        g[i] = _mm512_load_si512(cg + i * 16);
+        u[i] = _mm512_load_si512(cu + i * 16);
+    }
+    transpose16(g);
+    transpose16(u);
+    __m512 bg = load_bias16(bias ? bias + n : NULL, 0xffff);
+    __m512 bu = load_bias16(bias ? bias + N + n : NULL, 0xffff);
+    for (int t = 0; t < mt; t++) {
+        __m512 gv = round_bf16x16(_mm512_add_ps(_mm512_castsi512_ps(g[t]), bg));
+        __m512 uv = round_bf16x16(_mm512_add_ps(_mm512_castsi512_ps(u[t]), bu));
+        __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv));
+        __m512 silu = round_bf16x16(_mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f), e)));
+        _mm256_storeu_si256((__m256i *)(y + (long)(m0 + t) * N + n),
+                            (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(silu, uv)));
+    }
+}
+
+/* Scratch for the packed activations, grown as needed and kept (no page faults per call). */
+static void *xp_buf;
+static size_t xp_size;
+static void *packed_scratch(size_t bytes) {
+    if (xp_size < bytes) {
+        free(xp_buf);
+        xp_buf = aligned_alloc(64, (bytes + 4095) / 4096 * 4096);
+        xp_size = xp_buf ? bytes : 0;
+    }
+    return xp_buf;
+}
+
+/* The driver of both entry points below: y [M, N] from w's N rows (glu = 0), or from its 2N
+ * rows [gate | up] through SiLU (glu = 1). */
+static int amx_linear(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y,
+                      int M, int N, int K, int nthreads, int glu) {
+    if (N < 16) return -2;
+    if (M <= 0) return 0;
+    int KB = (K + 31) / 32, TB = (M + 15) / 16;
+    long tile_row = (long)KB * TILE_BYTES;  /* bytes of one 16-token block */
+    uint32_t *xp = (uint32_t *)packed_scratch((size_t)TB * tile_row);
+    if (!xp) return -1;
+    /* Token blocks of an even number of 16-token tiles whose packed size fits in L2. */
+    int tb_block = (int)(XBLOCK_MAX_BYTES / tile_row) / 2 * 2;
+    if (tb_block < 2) tb_block = 2;
+    int npanels = glu ? (N + 15) / 16 : (N + 31) / 32;
+    int nt = !glu && (long)M * N * 2 >= NT_STORE_BYTES;
+#pragma omp parallel num_threads(nthreads)
+    {
+        int t = omp_get_thread_num(), T = omp_get_num_threads();
+        int lo = (int)((long)npanels * t / T), hi = (int)((long)npanels * (t + 1) / T);
+        Prefetch pf[2];
+        /* this thread's first panel, on its way while the tokens are packed */
+        prefetch_panel(pf, w, lo < hi ? lo : npanels, npanels, N, K, glu, 1);
+        prefetch_step(&pf[0]);
+        prefetch_step(&pf[1]);
+#pragma omp for schedule(static)
+        for (int tb = 0; tb < TB; tb++) pack_rows(x, M, K, tb, xp);
+        /* the implicit barrier: every token is packed before any panel reads it */
+        _tile_loadconfig(&TILES);
+        float c[4][256] __attribute__((aligned(64)));
+        Panel p;
+        for (int tb0 = 0; tb0 < TB; tb0 += tb_block) {
+            int tb1 = tb0 + tb_block < TB ? tb0 + tb_block : TB;
+            for (int i = lo; i < hi; i++) {
+                panel_at(&p, w, i, N, K, glu);
+                long steps = (long)((tb1 - tb0 + 1) / 2) * (K / 32);
+                /* the next panel of this thread, or of the next token block: its first */
+                int next = i + 1 < hi ? i + 1 : (tb1 < TB ? lo : npanels);
+                prefetch_panel(pf, w, next, npanels, N, K, glu, steps);
+                for (int tb = tb0; tb < tb1; tb += 2) {
+                    int two = tb + 1 < tb1;
+                    const uint32_t *x0 = xp + (long)tb * KB * 256, *x1 = x0 + (long)KB * 256;
+                    panel_product(&p, x0, x1, two, K, pf);
+                    _tile_stored(0, c[0], 64);
+                    _tile_stored(1, c[1], 64);
+                    if (two) {
+                        _tile_stored(2, c[2], 64);
+                        _tile_stored(3, c[3], 64);
+                    }
+                    for (int half = 0; half <= two; half++) {
+                        int m0 = (tb + half) * 16, mt = M - m0 < 16 ? M - m0 : 16;
+                        if (glu)
+                            store_glu(c[2 * half], c[2 * half + 1], p.na, N, y, m0, mt, bias);
+                        else
+                            store_pair(c[2 * half], c[2 * half + 1], p.na, p.nb, y, N, m0, mt,
+                                       bias, nt);
+                    }
+                }
+            }
+        }
+        _tile_release();
+        if (nt) _mm_sfence();  /* this thread's streaming stores, before the region's barrier */
+    }
+    return 0;
+}
+
+/* y = x @ w^T (+ bias). Returns 0, -1 if scratch memory could not be allocated, -2 if
+ * N < 16. Not reentrant (one scratch per process): the engine runs one forward at a time. */
+int pw_linear_amx(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y,
+                  int M, int N, int K, int nthreads) {
+    return amx_linear(x, w, bias, y, M, N, K, nthreads, 0);
+}
+
+/* A SwiGLU MLP's first half in one pass: w [2I, K] is [gate | up] (gate_up_proj), bias [2I]
+ * or NULL; y [M, I] = bf16(bf16(silu(g)) * u) with g, u the bf16-rounded projections (the
+ * unfused path's values, without writing and re-reading [M, 2I]). Same returns; I >= 16. */
+int pw_linear_glu_amx(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y,
+                      int M, int I, int K, int nthreads) {
+    return amx_linear(x, w, bias, y, M, I, K, nthreads, 1);
+}
+
+/* For the fused decode layer (cpu_kernels.c): M <= 16 fp32 activation rows (bf16-valued),
+ * packed once by one thread into xp (KB tiles), then every thread of the region computes its
+ * share of res[m * N + n] = dot(x[m], w[n]) in fp32 (no bias, no rounding: the caller adds
+ * and rounds). N >= 16. No barrier at the end, like proj_share. */
+void pw_amx_pack_f32(const float *x, int M, int K, uint32_t *xp) {
+    int KB = (K + 31) / 32;
+    for (int kb = 0; kb < KB; kb++)
+        pack_tile_f32(x + kb * 32, K, M, K - kb * 32, xp + (long)kb * 256);
+}
+
+void pw_amx_share(const uint32_t *xp, int M, const uint16_t *w, int K, int N, float *res) {
+    int npanels = (N + 31) / 32;
+    int t = omp_get_thread_num(), T = omp_get_num_threads();
+    int lo = (int)((long)npanels * t / T), hi = (int)((long)npanels * (t + 1) / T);
+    if (lo >= hi) return;
+    _tile_loadconfig(&TILES);
+    float c[2][256] __attribute__((aligned(64)));
+    Panel p;
+    Prefetch pf[2];
+    for (int i = lo; i < hi; i++) {
+        panel_at(&p, w, i, N, K, 0);
+        prefetch_panel(pf, w, i + 1 < hi ? i + 1 : npanels, npanels, N, K, 0, K / 32);
+        panel_product(&p, xp, xp, 0, K, pf);
+        _tile_stored(0, c[0], 64);
+        _tile_stored(1, c[1], 64);
+        __m512i a[16], b[16];
+        for (int j = 0; j < 16; j++) {
+            a[j] = _mm512_load_si512(c[0] + j * 16);
+            b[j] = _mm512_load_si512(c[1] + j * 16);
+        }
+        transpose16(a);
+        transpose16(b);
+        for (int m = 0; m < M; m++) {
+            _mm512_storeu_si512(res + (long)m * N + p.na, a[m]);
+            _mm512_storeu_si512(res + (long)m * N + p.nb, b[m]);
+        }
+    }
+    _tile_release();
+}
+
+/* The tile unit's own ceiling: `iters` rounds of four independent tile products on operands
+ * that never leave the tile registers, on each of `nthreads` threads. Returns the FLOPs done
+ * (the caller times the call). A probe for benchmarks, not a kernel. */
+double pw_amx_tile_flops(long iters, int nthreads) {
+    double flops = 0;
+#pragma omp parallel num_threads(nthreads) reduction(+ : flops)
+    {
+        _tile_loadconfig(&TILES);
+        _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+        _tile_zero(4); _tile_zero(5); _tile_zero(6); _tile_zero(7);
+        for (long i = 0; i < iters; i++) {
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 5, 6);
+            _tile_dpbf16ps(2, 4, 7);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+        _tile_release();
+        flops += 4.0 * iters * 16 * 16 * 32 * 2;
+    }
+    return flops;
+}
+
+#pragma GCC pop_options
