@@ -269,7 +269,10 @@ def main() -> None:
           f"{torch.backends.cpu.get_cpu_capability()}", file=sys.stderr)
     machine = measure_machine()
     print(f"  read {machine['read_gbps']:.1f} GB/s, bf16 matmul {machine['bf16_gflops']:.1f} "
-          f"GFLOP/s, fp32 matmul {machine['fp32_gflops']:.1f} GFLOP/s", file=sys.stderr)
+          f"GFLOP/s, fp32 matmul {machine['fp32_gflops']:.1f} GFLOP/s"
+          + (f"; AMX tile unit {machine['amx_tile_gflops']:.0f} GFLOP/s (products on operands "
+             "in tile registers: the ceiling no matmul reaches)"
+             if "amx_tile_gflops" in machine else ""), file=sys.stderr)
     results: dict[str, dict[str, float]] = {}
     print("running phasewise ...", file=sys.stderr)
     results["phasewise"] = run_phasewise(a.model, reps)

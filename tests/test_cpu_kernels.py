@@ -61,15 +61,19 @@ def test_amx_linear_matches_fp32_reference(m, n, k, bias, offset, seed):
 
 @needs_amx
 def test_amx_linear_blocks_long_prompts_and_streams_large_outputs():
-    """Enough tokens for several L2-sized token blocks (K = 4864: 32 tokens a block pair),
-    and an output large enough for the streaming stores."""
+    """Enough tokens for several L2-sized token blocks (K = 4864: 96 tokens a block), K in
+    chunks whose C tiles wait in memory between them (300 rows, K = 600: 18 blocks and a
+    tail), and an output large enough for the streaming stores; the fused SiLU pass too."""
     g = torch.Generator().manual_seed(3)
-    for m, n, k in ((200, 64, 4864), (700, 3072, 64)):
+    for m, n, k in ((200, 64, 4864), (300, 80, 600), (700, 3072, 64)):
         x = torch.randn(m, k, generator=g).bfloat16()
         w = torch.randn(n, k, generator=g).bfloat16()
         b = torch.randn(n, generator=g).bfloat16()
-        torch.testing.assert_close(cpu_kernels.linear_amx(x, w, b).float(), reference(x, w, b),
-                                   rtol=2**-7, atol=1e-4 * k)
+        y = cpu_kernels.linear_amx(x, w, b)
+        torch.testing.assert_close(y.float(), reference(x, w, b), rtol=2**-7, atol=1e-4 * k)
+        if n % 2 == 0:
+            ops = CpuKernelOps(LinearDispatch(kernel_max_rows=0, large="torch"))
+            assert torch.equal(cpu_kernels.glu_amx(x, w, b), ops.silu_mul(y))
 
 
 @needs_amx
