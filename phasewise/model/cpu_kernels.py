@@ -120,6 +120,7 @@ def _signatures() -> dict[str, tuple[Any, list[Any]]]:
         "pw_decode_stack_bf16": (I, [ctypes.POINTER(DecodeLayerArgs), I, P, P, P, P]),
         "pw_stream_read_bf16": (F, [P, L, I]),
         "pw_mask_logits": (None, [P, I, P, I]),
+        "pw_enable_avx512": (None, [I]),
         "pw_abi": (L, [ctypes.c_char_p]),
     }
 
@@ -239,6 +240,7 @@ class KernelLibrary:
             self.amx_reason = "Linux refused the AMX tile state (arch_prctl)"
             return
         self.amx = True
+        lib.pw_enable_avx512(1)  # the RMSNorms too: bf16 rounding in one instruction
 
 
 KERNELS = KernelLibrary()
