@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from phasewise.model import cpu_kernels
 from phasewise.model.attention import AttentionMetadata, paged_attention, write_kv
 
 
@@ -98,3 +100,55 @@ def test_decode_group_must_lead_the_batch():
     # Only the leading single-token chunks form the decode group; the trailing one is a span.
     assert meta.num_decode_tokens == 2
     assert [(p.start, p.end, p.context_len) for p in meta.prefills] == [(2, 7, 2), (7, 8, 4)]
+
+
+@pytest.mark.skipif(not cpu_kernels.amx_available(),
+                    reason=f"AMX kernels unavailable: {cpu_kernels.KERNELS.amx_reason}")
+@settings(max_examples=30, deadline=None)
+@given(
+    data=st.data(),
+    ctx=st.sampled_from([0, 0, 1, 31, 70]),
+    n=st.sampled_from([2, 5, 16, 17, 33, 64, 100]),  # 1 token: a decode, not a prefill
+    block_size=st.sampled_from([4, 16]),
+    heads=st.sampled_from([(4, 4), (4, 2), (14, 2), (6, 1)]),
+    hd=st.sampled_from([32, 64, 128]),
+)
+def test_amx_prefill_attention_matches_sdpa(data, ctx, n, block_size, heads, hd):
+    """The AMX flash attention (K/V from the paged cache, causal, GQA, a context before the
+    chunk, the 32-query tasks' tails) against SDPA in fp32 on the same bf16 inputs: within
+    bf16 rounding of the weights and the output."""
+    from phasewise.model.linear import LinearDispatch
+    from phasewise.model.ops import CpuKernelOps
+
+    n_heads, n_kv = heads
+    g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31 - 1)))
+    nb = -(-(ctx + n) // block_size)
+    num_blocks = nb + 3
+    table = torch.randperm(num_blocks, generator=g)[:nb].tolist()
+    k_cache = torch.randn(num_blocks, block_size, n_kv, hd, generator=g).bfloat16()
+    v_cache = torch.randn(num_blocks, block_size, n_kv, hd, generator=g).bfloat16()
+    q = (torch.randn(ctx + n, n_heads, hd, generator=g) * 2).bfloat16()
+    k = torch.randn(ctx + n, n_kv, hd, generator=g).bfloat16()
+    v = torch.randn(ctx + n, n_kv, hd, generator=g).bfloat16()
+    for pos in range(ctx):  # the context is already in the cache
+        blk, off = table[pos // block_size], pos % block_size
+        k_cache[blk, off], v_cache[blk, off] = k[pos], v[pos]
+    meta = AttentionMetadata.build(chunk_lens=[n], context_lens=[ctx], block_tables=[table],
+                                   block_size=block_size, device=torch.device("cpu"))
+    # the chunk's q as a view into a wider buffer, as the model's qkv rows are
+    wide = torch.zeros(n, n_heads + 3, hd).bfloat16()
+    wide[:, 1:1 + n_heads] = q[ctx:]
+    write_kv(k[ctx:], v[ctx:], k_cache, v_cache, meta.slot_mapping)
+    ops = CpuKernelOps(LinearDispatch(kernel_max_rows=0, large="amx"))
+    taken = []
+
+    def prefill_fn(*args):
+        taken.append(ops.prefill_attention(*args))
+        return taken[-1]
+
+    scale = hd**-0.5
+    out = paged_attention(wide[:, 1:1 + n_heads], k[ctx:], v[ctx:], k_cache, v_cache, meta,
+                          scale, prefill_fn=prefill_fn)
+    assert taken == [True]
+    ref = reference(q.float(), k.float(), v.float(), ctx, n, scale)
+    torch.testing.assert_close(out.float(), ref, atol=0.03, rtol=0.03)

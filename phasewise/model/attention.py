@@ -31,8 +31,9 @@ class PrefillSpan:
     start: int  # index of its first token in the flat batch
     end: int  # one past its last token
     context_len: int  # tokens of this request already in the KV cache before this chunk
-    block_table: torch.Tensor | None  # [n_blocks] int64; None when context_len == 0
-    mask: torch.Tensor | None  # [chunk, context_len + chunk] bool (True = attend)
+    block_table: torch.Tensor  # [n_blocks] int64: the blocks of the context and this chunk
+    mask: torch.Tensor | None  # [chunk, context_len + chunk] bool (True = attend); None
+    # when context_len == 0 (causal within the chunk)
 
 
 @dataclass
@@ -86,10 +87,10 @@ class AttentionMetadata:
         start = num_decodes
         for r in range(num_decodes, len(chunk_lens)):
             n, ctx = chunk_lens[r], context_lens[r]
-            table = mask = None
+            mask = None
+            n_blocks = (ctx + n + block_size - 1) // block_size
+            table = torch.tensor(block_tables[r][:n_blocks], dtype=torch.int64, device=device)
             if ctx > 0:
-                n_blocks = (ctx + n + block_size - 1) // block_size
-                table = torch.tensor(block_tables[r][:n_blocks], dtype=torch.int64, device=device)
                 q_pos = torch.arange(ctx, ctx + n, device=device)
                 k_pos = torch.arange(ctx + n, device=device)
                 mask = k_pos[None, :] <= q_pos[:, None]
@@ -135,12 +136,15 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     decode_fn: Callable[..., torch.Tensor] = decode_attention_torch,
+    prefill_fn: Callable[..., bool] | None = None,
 ) -> torch.Tensor:
     """Attention for a flat mixed batch.
 
     q: [num_tokens, n_heads, head_dim]; k, v: [num_tokens, n_kv_heads, head_dim], already
     written to the cache. ``decode_fn`` computes the decode group (same contract as
-    ``decode_attention_torch``). Returns [num_tokens, n_heads, head_dim].
+    ``decode_attention_torch``). ``prefill_fn(q_span, k_cache, v_cache, span, scale, out)``,
+    if given, may compute a prefill span's attention from the cache into ``out[span]`` and
+    return True; otherwise (False) torch's SDPA does. Returns [num_tokens, n_heads, head_dim].
     """
     num_tokens, n_heads, hd = q.shape
     n_kv = k.shape[1]
@@ -153,6 +157,9 @@ def paged_attention(
         out[:nd] = decode_fn(q[:nd], k_cache, v_cache, meta, scale)
 
     for span in meta.prefills:
+        if prefill_fn is not None and prefill_fn(q[span.start:span.end], k_cache, v_cache,
+                                                 span, scale, out):
+            continue
         qs = q[span.start:span.end].transpose(0, 1).unsqueeze(0)  # [1, n_heads, n, hd]
         if span.context_len == 0:
             ks = k[span.start:span.end].transpose(0, 1).unsqueeze(0)  # [1, n_kv, n, hd]
@@ -160,7 +167,6 @@ def paged_attention(
             o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale,
                                                enable_gqa=group > 1)
         else:
-            assert span.block_table is not None
             total = span.context_len + (span.end - span.start)
             ks = k_cache[span.block_table].view(-1, n_kv, hd)[:total].transpose(0, 1).unsqueeze(0)
             vs = v_cache[span.block_table].view(-1, n_kv, hd)[:total].transpose(0, 1).unsqueeze(0)

@@ -507,6 +507,267 @@ void pw_amx_share(const uint32_t *xp, int M, const uint16_t *w, int K, int N, fl
     _tile_release();
 }
 
+/* ---------------------------------------------------------------------------------------
+ * Prefill attention on AMX tiles: one request's chunk of n queries (positions ctx ..
+ * ctx + n - 1) against its ctx + n keys in the paged cache (this chunk's already written),
+ * causally, flash-style, in transposed form so that the softmax never reduces across a
+ * vector: per 16 queries of one head and 32 keys a step,
+ *   S^T [32 keys][16 queries] = K Q^T          (K rows as the left tiles, Q^T in pair order)
+ *   online softmax down the keys, all 16 queries a vector: running max and sum, the output
+ *   rescaled when a max grows; probabilities rounded to bf16, put in pair order (P^T)
+ *   O^T [hd][16 queries] += V^T P^T            (V^T tiles: 16 dims x 32 keys)
+ * and at the end O = (O^T)^T / sum. K and V^T are put in tile form once per call per KV head;
+ * every query head of the group reads them. head_dim: a multiple of 32, at most 128.
+ */
+#define ATT_QB 32  /* queries a task: two halves of 16, the columns of the tiles */
+#define ATT_KB 32  /* keys a step */
+#define RESCALE_MARGIN 8.0f /* a running max moves only when passed by more than this */
+
+/* Pointer to key/value row j (of KV head g) in a paged cache [blocks][bs][n_kv][hd]. */
+static inline const uint16_t *kv_row(const uint16_t *cache, const int64_t *table, int bs,
+                                     int n_kv, int hd, int g, long j) {
+    return cache + ((table[j / bs] * bs + j % bs) * n_kv + g) * (long)hd;
+}
+
+/* K of KV head g as left tiles: for 16 keys and 32 dims, the 16 key rows (64 bytes each);
+ * keys at or past L are zero. */
+static void pack_k(const uint16_t *k_cache, const int64_t *table, int bs, int n_kv, int hd,
+                   int g, long L, int kb16, uint16_t *dst) {
+    for (int d = 0; d < hd; d += 32) {
+        uint16_t *out = dst + ((long)kb16 * (hd / 32) + d / 32) * 512;
+        for (int t = 0; t < 16; t++) {
+            long j = (long)kb16 * 16 + t;
+            __m512i v = j < L ? _mm512_loadu_si512(kv_row(k_cache, table, bs, n_kv, hd, g, j) + d)
+                              : _mm512_setzero_si512();
+            _mm512_store_si512(out + t * 32, v);
+        }
+    }
+}
+
+/* V^T of KV head g as left tiles: for 32 keys and 16 dims, row d = the 32 keys' values of
+ * dim d (as 16 pairs of keys): the pair-interleaved rows, transposed. */
+static void pack_vt(const uint16_t *v_cache, const int64_t *table, int bs, int n_kv, int hd,
+                    int g, long L, int kb32, uint32_t *dst) {
+    /* 16-bit lanes of two rows interleaved: a0 b0 a1 b1 ... a15 b15 */
+    const __m512i idx = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9,
+                                         40, 8, 39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1,
+                                         32, 0);
+    for (int d = 0; d < hd; d += 16) {
+        __m512i r[16];
+        for (int c = 0; c < 16; c++) {  /* key pair c: keys 2c, 2c + 1 */
+            long j0 = (long)kb32 * 32 + 2 * c, j1 = j0 + 1;
+            __m512i va = j0 < L ? _mm512_castsi256_si512(_mm256_loadu_si256(
+                                      (const __m256i *)(kv_row(v_cache, table, bs, n_kv, hd, g, j0) + d)))
+                                : _mm512_setzero_si512();
+            __m512i vb = j1 < L ? _mm512_castsi256_si512(_mm256_loadu_si256(
+                                      (const __m256i *)(kv_row(v_cache, table, bs, n_kv, hd, g, j1) + d)))
+                                : _mm512_setzero_si512();
+            r[c] = _mm512_permutex2var_epi16(va, idx, vb);  /* [dim][pair] as dwords */
+        }
+        transpose16(r);  /* -> [dim][key pair] */
+        uint32_t *out = dst + ((long)kb32 * (hd / 16) + d / 16) * 256;
+        for (int i = 0; i < 16; i++) _mm512_store_si512(out + i * 16, r[i]);
+    }
+}
+
+/* e^x for attention weights (rounded to bf16 afterwards): 2^(x log2 e) as 2^n 2^f, f in
+ * [-1/2, 1/2], a degree-5 polynomial for 2^f (relative error ~2e-7) and vscalefps; x below
+ * -87 counts as -87 (e^-87 ~ 1.6e-38: nothing next to the weight of the max, e^0, and still
+ * a normal float: a denormal result costs a microcode assist, which made this step 4x
+ * slower); NaN stays NaN. Masked keys must be zeroed by the caller. */
+static inline __m512 exp16_fast(__m512 x) {
+    x = _mm512_max_ps(_mm512_set1_ps(-87.0f), x);
+    __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504089f));
+    __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 f = _mm512_sub_ps(t, n);
+    __m512 p = _mm512_set1_ps(1.3333558e-3f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* The softmax of one step for one half (16 queries): the scores S^T (32 keys, a vector of
+ * the 16 queries each, at st with a row stride of 16 floats) against the keys k0.. that the
+ * queries at qpos see; updates the running max mx and sum, rescales O^T (ot, [hd][16]) when
+ * the max moves, and writes the weights P^T in pair order (pt, 16 rows of 16 pairs). */
+static inline void softmax_step(const float *st, long k0, __m512 qpos, __m512 sc, __m512 *mx,
+                                __m512 *sum, float *ot, int hd, uint32_t *pt) {
+    /* 16-bit lanes of two vectors' bf16 interleaved (a: the first 16 of the 32, b the last) */
+    const __m512i inter = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25,
+                                           9, 24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2,
+                                           17, 1, 16, 0);
+    __m512 s[32];
+    __mmask16 seen[32];
+    __m512 m_new = *mx;  /* this step's max, beside the reference one */
+    for (int j = 0; j < 32; j++) {
+        /* key k0 + j is seen by the queries at or after it */
+        seen[j] = _mm512_cmp_ps_mask(_mm512_set1_ps((float)(k0 + j)), qpos, _CMP_LE_OQ);
+        s[j] = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), seen[j], _mm512_load_ps(st + 16 * j), sc);
+        m_new = _mm512_max_ps(m_new, s[j]);
+    }
+    /* Lazy rescaling: the reference max moves only when a score passes it by more than
+     * RESCALE_MARGIN (e^8 ~ 3e3: the weights and sums stay far inside fp32 and bf16), so the
+     * O^T rescale is rare after the first keys. */
+    __mmask16 grew = _mm512_cmp_ps_mask(m_new, _mm512_add_ps(*mx, _mm512_set1_ps(RESCALE_MARGIN)),
+                                        _CMP_GT_OQ);
+    if (grew) {
+        __m512 ref = _mm512_mask_mov_ps(*mx, grew, m_new);
+        __m512 alpha = exp16_fast(_mm512_sub_ps(*mx, ref));  /* 0 where nothing was seen */
+        alpha = _mm512_mask_mov_ps(_mm512_set1_ps(1.0f), grew, alpha);
+        *sum = _mm512_mul_ps(*sum, alpha);
+        for (int d = 0; d < hd; d++)
+            _mm512_store_ps(ot + 16 * d, _mm512_mul_ps(_mm512_load_ps(ot + 16 * d), alpha));
+        *mx = ref;
+    }
+    for (int c = 0; c < 16; c++) {
+        __m512 p0 = _mm512_maskz_mov_ps(seen[2 * c], exp16_fast(_mm512_sub_ps(s[2 * c], *mx)));
+        __m512 p1 = _mm512_maskz_mov_ps(seen[2 * c + 1],
+                                        exp16_fast(_mm512_sub_ps(s[2 * c + 1], *mx)));
+        *sum = _mm512_add_ps(*sum, _mm512_add_ps(p0, p1));
+        __m512i pb = (__m512i)_mm512_cvtne2ps_pbh(p1, p0);  /* [p0 | p1] as bf16 */
+        _mm512_store_si512(pt + 16 * c, _mm512_permutexvar_epi16(inter, pb));
+    }
+}
+
+/* One task: queries [q0, q0 + nq) (nq <= 32: two halves of 16) of head h against keys
+ * [0, ctx + q0 + nq). kp: K tiles, vtp: V^T tiles of the head's KV group. Tiles: S^T and
+ * then O^T blocks in 0-3 (keys or dims x the two halves), K or V^T in 4-5, Q^T or P^T of the
+ * halves in 6-7. */
+static void attend_block(const uint16_t *q, long q_stride, const uint16_t *kp,
+                         const uint32_t *vtp, int hd, int h, long ctx, int q0, int nq,
+                         float scale, uint16_t *out, long out_stride) {
+    uint32_t qt[2][4 * 256] __attribute__((aligned(64)));   /* Q^T: a tile per 32 dims */
+    float st[4 * 256] __attribute__((aligned(64)));         /* S^T: 4 tiles */
+    uint32_t pt[2][256] __attribute__((aligned(64)));       /* P^T of each half */
+    float ot[2][128 * 16] __attribute__((aligned(64)));     /* O^T: [hd][16 queries] fp32 */
+    int DB = hd / 32, n1 = nq > 16 ? nq - 16 : 0;
+    for (int d = 0; d < DB; d++) {  /* Q^T tile d: the queries' dims [32 d, 32 d + 32) */
+        const uint16_t *src = q + (long)q0 * q_stride + (long)h * hd + d * 32;
+        pack_tile(src, q_stride, nq < 16 ? nq : 16, 32, qt[0] + d * 256);
+        pack_tile(src + 16 * q_stride, q_stride, n1, 32, qt[1] + d * 256);
+    }
+    memset(ot[0], 0, sizeof(float) * 16 * hd);
+    memset(ot[1], 0, sizeof(float) * 16 * hd);
+    /* query i sits at position ctx + q0 + i; padding queries copy the last one's */
+    const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    __m512i last = _mm512_set1_epi32((int)(ctx + q0 + nq - 1));
+    __m512 qpos[2], mx[2], sum[2];
+    for (int half = 0; half < 2; half++) {
+        qpos[half] = _mm512_cvtepi32_ps(_mm512_min_epi32(
+            _mm512_add_epi32(_mm512_set1_epi32((int)(ctx + q0 + 16 * half)), lane), last));
+        mx[half] = _mm512_set1_ps(-INFINITY);
+        sum[half] = _mm512_setzero_ps();
+    }
+    const __m512 sc = _mm512_set1_ps(scale);
+    long end = ctx + q0 + nq;  /* keys the last query sees */
+    for (long k0 = 0; k0 < end; k0 += ATT_KB) {
+        int kb16 = (int)(k0 / 16);
+        /* S^T: tile 0 = keys 0-15 x half 0, 1 = keys 16-31 x half 0, 2 and 3 half 1 */
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int d = 0; d < DB; d++) {
+            _tile_loadd(4, kp + ((long)kb16 * DB + d) * 512, 64);
+            _tile_loadd(6, qt[0] + d * 256, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_loadd(5, kp + ((long)(kb16 + 1) * DB + d) * 512, 64);
+            _tile_dpbf16ps(1, 5, 6);
+            _tile_loadd(7, qt[1] + d * 256, 64);
+            _tile_dpbf16ps(2, 4, 7);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+        _tile_stored(0, st, 64);
+        _tile_stored(1, st + 256, 64);
+        _tile_stored(2, st + 512, 64);
+        _tile_stored(3, st + 768, 64);
+        softmax_step(st, k0, qpos[0], sc, &mx[0], &sum[0], ot[0], hd, pt[0]);
+        softmax_step(st + 512, k0, qpos[1], sc, &mx[1], &sum[1], ot[1], hd, pt[1]);
+        /* O^T += V^T P^T: per 16 dims, both halves */
+        _tile_loadd(6, pt[0], 64);
+        _tile_loadd(7, pt[1], 64);
+        const uint32_t *vb = vtp + (long)(k0 / 32) * (hd / 16) * 256;
+        for (int d = 0; d < hd; d += 32) {
+            float *o0 = ot[0] + 16 * d, *o1 = ot[1] + 16 * d;
+            _tile_loadd(4, vb + (d / 16) * 256, 64);
+            _tile_loadd(0, o0, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_loadd(1, o1, 64);
+            _tile_dpbf16ps(1, 4, 7);
+            _tile_loadd(5, vb + (d / 16 + 1) * 256, 64);
+            _tile_loadd(2, o0 + 256, 64);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_loadd(3, o1 + 256, 64);
+            _tile_dpbf16ps(3, 5, 7);
+            _tile_stored(0, o0, 64);
+            _tile_stored(1, o1, 64);
+            _tile_stored(2, o0 + 256, 64);
+            _tile_stored(3, o1 + 256, 64);
+        }
+    }
+    for (int half = 0; half < 2; half++) {
+        int rows = half ? n1 : (nq < 16 ? nq : 16);
+        __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.0f), sum[half]);
+        for (int d = 0; d < hd; d += 16) {
+            __m512i r[16];
+            for (int i = 0; i < 16; i++)
+                r[i] = _mm512_castps_si512(_mm512_mul_ps(_mm512_load_ps(ot[half] + 16 * (d + i)), inv));
+            transpose16(r);  /* -> [query][16 dims] */
+            for (int i = 0; i < rows; i++)
+                _mm256_storeu_si256((__m256i *)(out + (long)(q0 + 16 * half + i) * out_stride
+                                                + (long)h * hd + d),
+                                    (__m256i)_mm512_cvtneps_pbh(_mm512_castsi512_ps(r[i])));
+        }
+    }
+}
+
+/* q [n][.. n_heads x hd ..] (row stride q_stride), caches [blocks][bs][n_kv][hd], table: the
+ * request's blocks; out [n][n_heads][hd] (row stride out_stride). Returns 0, -1 without
+ * scratch memory, -2 for a head size it does not take (hd % 32 or hd > 128). */
+int pw_prefill_attention_amx(const uint16_t *q, long q_stride, const uint16_t *k_cache,
+                             const uint16_t *v_cache, const int64_t *table, int bs, long ctx,
+                             int n, uint16_t *out, long out_stride, int n_heads, int n_kv,
+                             int hd, float scale, int nthreads) {
+    if (hd % 32 || hd > 128 || n_heads % n_kv) return -2;
+    if (n <= 0) return 0;
+    long L = ctx + n;
+    int KB32 = (int)((L + 31) / 32);
+    size_t k_tiles = (size_t)2 * KB32 * (hd / 32), v_tiles = (size_t)KB32 * (hd / 16);
+    size_t per_head = (k_tiles + v_tiles) * TILE_BYTES;
+    char *buf = (char *)aligned_alloc(64, (size_t)n_kv * per_head);
+    if (!buf) return -1;
+    int group = n_heads / n_kv, QB = (n + ATT_QB - 1) / ATT_QB;
+#pragma omp parallel num_threads(nthreads)
+    {
+#pragma omp for schedule(static) collapse(2)
+        for (int g = 0; g < n_kv; g++)
+            for (int kb = 0; kb < KB32; kb++) {
+                uint16_t *kp = (uint16_t *)(buf + (size_t)g * per_head);
+                pack_k(k_cache, table, bs, n_kv, hd, g, L, 2 * kb, kp);
+                pack_k(k_cache, table, bs, n_kv, hd, g, L, 2 * kb + 1, kp);
+                pack_vt(v_cache, table, bs, n_kv, hd, g, L, kb,
+                        (uint32_t *)(buf + (size_t)g * per_head + k_tiles * TILE_BYTES));
+            }
+        _tile_loadconfig(&TILES);
+        /* the longest tasks (the last query blocks see the most keys) first */
+#pragma omp for schedule(dynamic)
+        for (int task = 0; task < n_heads * QB; task++) {
+            int qb = QB - 1 - task / n_heads, h = task % n_heads;
+            const char *base = buf + (size_t)(h / group) * per_head;
+            int q0 = qb * ATT_QB, nq = n - q0 < ATT_QB ? n - q0 : ATT_QB;
+            attend_block(q, q_stride, (const uint16_t *)base,
+                         (const uint32_t *)(base + k_tiles * TILE_BYTES), hd, h, ctx, q0, nq,
+                         scale, out, out_stride);
+        }
+        _tile_release();
+    }
+    free(buf);
+    return 0;
+}
+
 /* add_norm_row of cpu_kernels.c with AVX-512 (bf16 rounding in one instruction, sixteen
  * lanes): if delta, h = bf16(h + delta) in place; out = bf16(w * bf16(h * rs)), rs =
  * rsqrt(mean(h^2) + eps), as bf16 (out_bf16) and/or fp32 (out_f32); out_bf16 may be h.

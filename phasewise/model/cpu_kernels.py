@@ -130,6 +130,12 @@ AMX_SIGNATURES = {
     "pw_linear_amx": (ctypes.c_int, [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4),
     "pw_linear_glu_amx": (ctypes.c_int, [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4),
     "pw_amx_tile_flops": (ctypes.c_double, [ctypes.c_long, ctypes.c_int]),
+    # q, q_stride, k_cache, v_cache, table, bs, ctx, n, out, out_stride, heads, kv, hd,
+    # scale, threads
+    "pw_prefill_attention_amx": (ctypes.c_int, [
+        ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+        ctypes.c_int, ctypes.c_long, ctypes.c_int, ctypes.c_void_p, ctypes.c_long,
+        ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_int]),
 }
 
 

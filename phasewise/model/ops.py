@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from phasewise.model import cpu_kernels
-from phasewise.model.attention import AttentionMetadata, decode_attention_torch
+from phasewise.model.attention import AttentionMetadata, PrefillSpan, decode_attention_torch
 from phasewise.model.linear import LinearDispatch
 
 RopeTables = tuple[torch.Tensor, torch.Tensor]
@@ -87,6 +87,13 @@ class TorchOps:
     def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          meta: AttentionMetadata, scale: float) -> torch.Tensor:
         return decode_attention_torch(q, k_cache, v_cache, meta, scale)
+
+    def prefill_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          span: PrefillSpan, scale: float, out: torch.Tensor) -> bool:
+        """A prefill span's attention (q [n, n_heads, hd], the span's K/V already in the
+        caches) into ``out[span.start:span.end]``, returning True; or False to leave it to
+        torch's SDPA, as here."""
+        return False
 
     def decode_layer(self, layer: nn.Module, delta: torch.Tensor | None, hidden: torch.Tensor,
                      rope: RopeTables, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -198,6 +205,26 @@ class CpuKernelOps(TorchOps):
         if rc != 0:
             raise MemoryError("pw_decode_attention_bf16 could not allocate scratch memory")
         return out
+
+    def prefill_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          span: PrefillSpan, scale: float, out: torch.Tensor) -> bool:
+        """On AMX (``cpu_kernels.prefill_attention_amx``): flash attention on the tiles,
+        reading K/V from the paged cache; head sizes that are multiples of 32 up to 128."""
+        hd = q.shape[2]
+        if (not cpu_kernels.amx_available() or not self._ok(k_cache, v_cache)
+                or q.dtype != torch.bfloat16 or q.stride(2) != 1 or q.stride(1) != hd
+                or hd % 32 or hd > 128 or not out.is_contiguous()):
+            return False
+        dst = out[span.start:span.end]
+        table = span.block_table.contiguous()
+        rc = self.lib.pw_prefill_attention_amx(
+            q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+            table.data_ptr(), k_cache.shape[1], span.context_len, q.shape[0], dst.data_ptr(),
+            dst.stride(0), q.shape[1], k_cache.shape[2], hd, float(scale),
+            torch.get_num_threads())
+        if rc == -1:
+            raise MemoryError("pw_prefill_attention_amx could not allocate scratch memory")
+        return rc == 0
 
     def decode_layer(self, layer: nn.Module, delta: torch.Tensor | None, hidden: torch.Tensor,
                      rope: RopeTables, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -67,7 +67,7 @@ class DecoderLayer(nn.Module):
         q, k = qk[:, :nh], qk[:, nh:]
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         attn = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale,
-                               ops.decode_attention)  # [T, nh, hd]
+                               ops.decode_attention, ops.prefill_attention)  # [T, nh, hd]
         attn_out = ops.proj(attn.reshape(t, nh * hd), self.o_proj)
 
         x, hidden = ops.add_rms_norm(attn_out, hidden, self.post_attention_layernorm.weight,
