@@ -77,6 +77,35 @@ def test_amx_linear_blocks_long_prompts_and_streams_large_outputs():
 
 
 @needs_amx
+def test_amx_linear_is_safe_from_several_threads_at_once():
+    """Two threads (two engines in one process) calling the kernel together, each with its
+    own shapes: each gets its own scratch, so each gets its own right answer."""
+    import threading
+
+    g = torch.Generator().manual_seed(11)
+    jobs = [(torch.randn(m, k, generator=g).bfloat16(), torch.randn(n, k, generator=g).bfloat16())
+            for m, n, k in ((150, 96, 640), (40, 200, 4864))]
+    errors = []
+
+    def work(x, w):
+        ref = reference(x, w, None)
+        for _ in range(20):
+            try:
+                torch.testing.assert_close(cpu_kernels.linear_amx(x, w).float(), ref,
+                                           rtol=2**-7, atol=1e-4 * x.shape[1])
+            except AssertionError as e:
+                errors.append(e)
+                return
+
+    threads = [threading.Thread(target=work, args=job) for job in jobs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+
+
+@needs_amx
 @settings(max_examples=25, deadline=None)
 @given(m=st.integers(1, 40), inter=st.integers(16, 120), k=st.integers(1, 200),
        bias=st.booleans(), seed=st.integers(0, 2**31 - 1))

@@ -1,5 +1,7 @@
 /*
- * phasewise CPU kernels for Intel AMX: bf16-weight linear layers on AMX-BF16 tiles.
+ * phasewise CPU kernels for Intel AMX (AMX-BF16 tiles, with AVX-512 BF16): bf16 linear
+ * layers (plain, and a SwiGLU gate/up projection fused with its SiLU), the fused decode
+ * layer's projections, prefill attention, and the RMSNorm rows of cpu_kernels.c.
  *
  * Why hand-written: torch's bf16 F.linear on an AMX CPU goes through oneDNN, which reorders
  * the weight into its blocked layout on every call. At a decode step's few rows that
@@ -13,17 +15,19 @@
  * must be in "VNNI" order (row r holds the pairs k = 2r, 2r+1 of 16 columns). Sixteen rows of
  * W, 32 values of K each, are exactly an A tile, loaded straight from the weight with stride
  * 2K bytes. The activations (few, and read many times) are the ones repacked: x [M, K] is put
- * in VNNI order once per call, 16 tokens x 32 values per 1 KiB tile. C then holds 16 output
- * channels x 16 tokens in fp32; the epilogue transposes it (AVX-512), adds the bias, rounds to
- * bf16 once (to nearest even, as torch) and stores y [M, N].
+ * in VNNI order, 16 tokens x 32 values per 1 KiB tile, one L2-sized block of tokens at a
+ * time. C then holds 16 output channels x 16 tokens in fp32; the epilogue transposes it
+ * (AVX-512), adds the bias, rounds to bf16 once (to nearest even, as torch) and stores y.
  *
  * Blocking: 2 A tiles (32 channels) x 2 B tiles (32 tokens) -> 4 C tiles, all 8 tile
  * registers. Threads split the channels into 32-row panels; a panel's weights are read from
  * memory once per block of tokens (all of them when the block fits in L2) while the next
- * panel is prefetched into L2, spread over this panel's steps. K need not be a multiple of
- * 32 (the last partial block's weights are copied, zero-padded, once per panel), nor N of 16
- * (the last tile is shifted back to end at N, recomputing a few channels), but N >= 16.
- * benchmarks/bench_linear.py times it against torch and the AVX2 kernels.
+ * panel is prefetched into L2, spread over this panel's steps; with many token pairs a
+ * block, K goes in chunks whose weights stay in L1 while every pair passes over them. K need
+ * not be a multiple of 32 (the last partial block's weights are copied, zero-padded, once
+ * per panel), nor N of 16 (the last tile is shifted back to end at N, recomputing a few
+ * channels), but N >= 16. benchmarks/bench_linear.py times it against torch and the AVX2
+ * kernels.
  *
  * Layout: x [M, K] bf16 row-major, w [N, K] bf16 row-major, optional bias [N] bf16, y [M, N]
  * bf16. Accumulation in fp32.
@@ -123,12 +127,13 @@ static inline void pack_tile_f32(const float *src, long ld, int rows, int kt, ui
     for (int i = 0; i < 16; i++) _mm512_store_si512(dst + i * 16, r[i]);
 }
 
-/* Tiles for tokens [tb * 16, tb * 16 + 16) x all K blocks, at xp + tb * KB tiles. */
-static void pack_rows(const uint16_t *x, int M, int K, int tb, uint32_t *xp) {
+/* Tiles for tokens [tb * 16, tb * 16 + 16) x all K blocks, at xp + (tb - tb0) * KB tiles
+ * (tb0: the first 16-token tile of the block xp holds). */
+static void pack_rows(const uint16_t *x, int M, int K, int tb, int tb0, uint32_t *xp) {
     int KB = (K + 31) / 32, m0 = tb * 16, rows = M - m0 < 16 ? M - m0 : 16;
     for (int kb = 0; kb < KB; kb++)
         pack_tile(x + (long)m0 * K + kb * 32, K, rows, K - kb * 32,
-                  xp + ((long)tb * KB + kb) * (TILE_BYTES / 4));
+                  xp + ((long)(tb - tb0) * KB + kb) * (TILE_BYTES / 4));
 }
 
 static inline __m512 load_bias16(const uint16_t *bias, __mmask16 nm) {
@@ -343,9 +348,11 @@ static void store_glu(const float *cg, const float *cu, int n, int N, uint16_t *
     }
 }
 
-/* Scratch for the packed activations, grown as needed and kept (no page faults per call). */
-static void *xp_buf;
-static size_t xp_size;
+/* Scratch for the packed activations of one token block and the threads' spilled C tiles,
+ * grown as needed and kept (no page faults per call); one per calling thread, so engines
+ * running in different threads of one process never share it. */
+static __thread void *xp_buf;
+static __thread size_t xp_size;
 static void *packed_scratch(size_t bytes) {
     if (xp_size < bytes) {
         free(xp_buf);
@@ -372,7 +379,8 @@ static int amx_linear(const uint16_t *x, const uint16_t *w, const uint16_t *bias
      * token blocks hold 3 pairs) */
     int KF = K / 32, kc = tb_block / 2 >= KC_MIN_PAIRS && TB >= 2 * KC_MIN_PAIRS ? KC : KF;
     long spill_bytes = (long)(tb_block / 2) * 4 * TILE_BYTES;  /* a thread's C tiles */
-    uint32_t *xp = (uint32_t *)packed_scratch((size_t)TB * tile_row
+    int block_tiles = TB < tb_block ? TB : tb_block;  /* packed: one token block at a time */
+    uint32_t *xp = (uint32_t *)packed_scratch((size_t)block_tiles * tile_row
                                               + (size_t)nthreads * spill_bytes);
     if (!xp) return -1;
     int npanels = glu ? (N + 15) / 16 : (N + 31) / 32;
@@ -386,15 +394,19 @@ static int amx_linear(const uint16_t *x, const uint16_t *w, const uint16_t *bias
         prefetch_panel(pf, w, lo < hi ? lo : npanels, npanels, N, K, glu, 1);
         prefetch_step(&pf[0]);
         prefetch_step(&pf[1]);
-#pragma omp for schedule(static)
-        for (int tb = 0; tb < TB; tb++) pack_rows(x, M, K, tb, xp);
-        /* the implicit barrier: every token is packed before any panel reads it */
         _tile_loadconfig(&TILES);
         float c[4][256] __attribute__((aligned(64)));
-        float *cs = (float *)((char *)xp + (size_t)TB * tile_row + (size_t)t * spill_bytes);
+        float *cs = (float *)((char *)xp + (size_t)block_tiles * tile_row
+                              + (size_t)t * spill_bytes);
         Panel p;
         for (int tb0 = 0; tb0 < TB; tb0 += tb_block) {
             int tb1 = tb0 + tb_block < TB ? tb0 + tb_block : TB;
+            if (tb0 > 0) {
+#pragma omp barrier
+            }  /* every thread is done with the previous block before it is overwritten */
+#pragma omp for schedule(static)
+            for (int tb = tb0; tb < tb1; tb++) pack_rows(x, M, K, tb, tb0, xp);
+            /* the implicit barrier: the block is packed before any panel reads it */
             for (int i = lo; i < hi; i++) {
                 panel_at(&p, w, i, N, K, glu);
                 long steps = (long)((tb1 - tb0 + 1) / 2) * (K / 32);
@@ -408,7 +420,8 @@ static int amx_linear(const uint16_t *x, const uint16_t *w, const uint16_t *bias
                     int kb1 = kb0 + kc < KF ? kb0 + kc : KF, last = kb1 == KF;
                     for (int tb = tb0; tb < tb1; tb += 2) {
                         int two = tb + 1 < tb1;
-                        const uint32_t *x0 = xp + (long)tb * KB * 256, *x1 = x0 + (long)KB * 256;
+                        const uint32_t *x0 = xp + (long)(tb - tb0) * KB * 256;
+                        const uint32_t *x1 = x0 + (long)KB * 256;
                         float *spill = cs + (long)(tb - tb0) / 2 * 1024;
                         if (kb0 == 0) {
                             zero_c();
@@ -453,7 +466,7 @@ static int amx_linear(const uint16_t *x, const uint16_t *w, const uint16_t *bias
 }
 
 /* y = x @ w^T (+ bias). Returns 0, -1 if scratch memory could not be allocated, -2 if
- * N < 16. Not reentrant (one scratch per process): the engine runs one forward at a time. */
+ * N < 16. */
 int pw_linear_amx(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y,
                   int M, int N, int K, int nthreads) {
     return amx_linear(x, w, bias, y, M, N, K, nthreads, 0);
