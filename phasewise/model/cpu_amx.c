@@ -146,6 +146,18 @@ static inline __m256i round16(__m512i acc, __m512 bias) {
     return (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_castsi512_ps(acc), bias));
 }
 
+/* Two C tiles ([16 rows][16 columns] fp32 each) transposed into registers: a[j] holds
+ * column j of c0, b[j] of c1. */
+static inline void load_transposed(const float *c0, const float *c1, __m512i a[16],
+                                   __m512i b[16]) {
+    for (int i = 0; i < 16; i++) {
+        a[i] = _mm512_load_si512(c0 + i * 16);
+        b[i] = _mm512_load_si512(c1 + i * 16);
+    }
+    transpose16(a);
+    transpose16(b);
+}
+
 /* The epilogue of a tile pair: c0 holds channels [na, na + 16), c1 [nb, nb + 16), each
  * [16 channels][16 tokens] fp32; tokens [m0, m0 + mt) go to y (bf16, + bias). When the two
  * tiles are adjacent and their 64 bytes of y are aligned, one 64-byte store per token
@@ -153,12 +165,7 @@ static inline __m256i round16(__m512i acc, __m512 bias) {
 static void store_pair(const float *c0, const float *c1, int na, int nb, uint16_t *y, int N,
                        int m0, int mt, const uint16_t *bias, int nt) {
     __m512i a[16], b[16];
-    for (int i = 0; i < 16; i++) {
-        a[i] = _mm512_load_si512(c0 + i * 16);
-        b[i] = _mm512_load_si512(c1 + i * 16);
-    }
-    transpose16(a);
-    transpose16(b);
+    load_transposed(c0, c1, a, b);
     __m512 ba = load_bias16(bias ? bias + na : NULL, 0xffff);
     __m512 bb = load_bias16(bias ? bias + nb : NULL, 0xffff);
     if (nb == na + 16 && ((uintptr_t)(y + (long)m0 * N + na) & 63) == 0 && (N & 31) == 0) {
@@ -300,7 +307,8 @@ static inline void panel_product(const Panel *p, const uint32_t *x0, const uint3
 }
 
 /* exp8 of cpu_kernels.c on sixteen lanes: the same steps and constants (so the same
- * results), the same clamps (a NaN passes through: max/min return their second operand). */
+ * results: the fused SiLU must round as the AVX2 one does), the same clamps (a NaN passes
+ * through: max/min return their second operand). A copy by design, not by accident. */
 static inline __m512 exp16(__m512 x) {
     __mmask16 overflow = _mm512_cmp_ps_mask(x, _mm512_set1_ps(88.72f), _CMP_GT_OQ);
     x = _mm512_min_ps(_mm512_set1_ps(88.3f), _mm512_max_ps(_mm512_set1_ps(-87.3f), x));
@@ -330,12 +338,7 @@ static inline __m512 round_bf16x16(__m512 f) {
 static void store_glu(const float *cg, const float *cu, int n, int N, uint16_t *y, int m0,
                       int mt, const uint16_t *bias) {
     __m512i g[16], u[16];
-    for (int i = 0; i < 16; i++) {
-        g[i] = _mm512_load_si512(cg + i * 16);
-        u[i] = _mm512_load_si512(cu + i * 16);
-    }
-    transpose16(g);
-    transpose16(u);
+    load_transposed(cg, cu, g, u);
     __m512 bg = load_bias16(bias ? bias + n : NULL, 0xffff);
     __m512 bu = load_bias16(bias ? bias + N + n : NULL, 0xffff);
     for (int t = 0; t < mt; t++) {
@@ -506,12 +509,7 @@ void pw_amx_share(const uint32_t *xp, int M, const uint16_t *w, int K, int N, fl
         _tile_stored(0, c[0], 64);
         _tile_stored(1, c[1], 64);
         __m512i a[16], b[16];
-        for (int j = 0; j < 16; j++) {
-            a[j] = _mm512_load_si512(c[0] + j * 16);
-            b[j] = _mm512_load_si512(c[1] + j * 16);
-        }
-        transpose16(a);
-        transpose16(b);
+        load_transposed(c[0], c[1], a, b);
         for (int m = 0; m < M; m++) {
             _mm512_storeu_si512(res + (long)m * N + p.na, a[m]);
             _mm512_storeu_si512(res + (long)m * N + p.nb, b[m]);

@@ -20,13 +20,15 @@ to three seconds on the reference checkpoint) and keeps a plan: the kernel up to
 count (or at every count, when it wins at the largest one timed), the fastest of the others
 above it. Every method accumulates in fp32, so they differ only in rounding order. Where
 ``amx`` is a candidate its products are bf16 x bf16 (exact in fp32), like torch's bf16 path.
+A projection shape with another input width (the down projection's) may get its own method
+for prompt chunks (``prompt_by_k``, ``calibrate_prompt_shape``), of the same arithmetic.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +39,8 @@ LinearFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Ten
 LARGE_METHODS = ("torch", "upcast", "gemm", "amx")
 ALL_ROWS = 2**31 - 1  # kernel_max_rows meaning "the kernel at every row count"
 SMALL_ROWS = 64  # calibration: below this many rows a timing streams every weight given
+AMX_MARGIN = 1.1  # calibration: how much faster than AMX the kernel must be to keep 1 row
+PROMPT_ROWS = 256  # a projection shape's own method (prompt_by_k) applies from this many rows
 
 
 def torch_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
@@ -68,6 +72,32 @@ def _large_fn(method: str) -> LinearFn:
     return torch_linear
 
 
+def _arithmetic(method: str) -> str:
+    """Whose arithmetic a method runs in: bf16 products for torch's bf16 path and the AMX
+    tiles; fp32 for the kernel, the upcast and the packed GEMM."""
+    return "bf16" if method in ("torch", "amx") else "fp32"
+
+
+def _available_methods(weight: torch.Tensor) -> list[str]:
+    """LARGE_METHODS that can run here on ``weight`` ([N, K] bf16, CPU)."""
+    have_kernels = cpu_kernels.load() is not None
+    have_amx = cpu_kernels.amx_available() and weight.shape[0] >= 16
+    return [m for m in LARGE_METHODS
+            if (m != "gemm" or have_kernels) and (m != "amx" or have_amx)]
+
+
+def _seconds(fn: LinearFn, x: torch.Tensor, weights: list[torch.Tensor]) -> float:
+    """Best of two passes of ``fn`` over every weight, after a warm-up call."""
+    fn(x, weights[0], None)
+    best = float("inf")
+    for _ in range(2):
+        t = time.perf_counter()
+        for w in weights:
+            fn(x, w, None)
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
 @dataclass
 class LinearDispatch:
     """Callable ``(x, w, b) -> y`` that picks a method by the number of activation rows."""
@@ -75,18 +105,30 @@ class LinearDispatch:
     kernel_max_rows: int  # use the kernel for row counts up to this (0: never)
     large: str  # one of LARGE_METHODS, for more rows
     timings: dict[str, dict[int, float]] | None = None  # calibration seconds, for reports
+    # Inputs of K features at PROMPT_ROWS rows or more (prompt chunks) -> the method that
+    # times fastest for that projection shape there, where it is not ``large``; always one
+    # of the same arithmetic as ``large`` (so compute_dtype holds for every shape).
+    prompt_by_k: dict[int, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.large not in LARGE_METHODS:
-            raise ValueError(f"large must be one of {', '.join(LARGE_METHODS)}; "
-                             f"got {self.large!r}")
+        for m in (self.large, *self.prompt_by_k.values()):
+            if m not in LARGE_METHODS:
+                raise ValueError(f"large must be one of {', '.join(LARGE_METHODS)}; "
+                                 f"got {m!r}")
+            if _arithmetic(m) != _arithmetic(self.large):
+                raise ValueError(f"a prompt shape's method must compute as {self.large} "
+                                 f"does ({_arithmetic(self.large)}); got {m!r}")
         self._large = _large_fn(self.large)
+        self._prompt = {k: _large_fn(m) for k, m in self.prompt_by_k.items()}
 
     def __call__(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None
                  ) -> torch.Tensor:
-        rows = x.numel() // x.shape[-1]
+        k = x.shape[-1]
+        rows = x.numel() // k
         if rows <= self.kernel_max_rows:
             return cpu_kernels.linear_bf16(x, w, b)
+        if rows >= PROMPT_ROWS and k in self._prompt:
+            return self._prompt[k](x, w, b)
         return self._large(x, w, b)
 
     def method(self, rows: int) -> str:
@@ -97,14 +139,40 @@ class LinearDispatch:
         """Whose arithmetic ``rows`` activation rows run in: ``bf16`` for torch's own bf16
         ``F.linear`` and the AMX tiles (bf16 products), ``fp32`` for the kernel, the upcast
         and the packed GEMM."""
-        return "bf16" if self.method(rows) in ("torch", "amx") else "fp32"
+        return _arithmetic(self.method(rows))
 
     def describe(self) -> str:
         if self.kernel_max_rows >= ALL_ROWS:
             return "kernel for all row counts"
         if self.kernel_max_rows:
-            return (f"kernel for <= {self.kernel_max_rows} rows, {self.large} above")
-        return f"{self.large} for all row counts"
+            text = f"kernel for <= {self.kernel_max_rows} rows, {self.large} above"
+        else:
+            text = f"{self.large} for all row counts"
+        return text + "".join(f"; {m} for inputs of {k} at >= {PROMPT_ROWS} rows"
+                              for k, m in sorted(self.prompt_by_k.items()))
+
+    def calibrate_prompt_shape(self, weights: list[torch.Tensor], rows: int = 512) -> None:
+        """Time ``large`` and the other methods of its arithmetic on one projection shape
+        (``weights``: that shape, e.g. several layers' down projections, each timing passing
+        over all of them) at ``rows`` rows, and keep the fastest for its K at PROMPT_ROWS rows
+        or more (a 4864 -> 896 projection of 512 rows ran at 0.7x torch's on AMX tiles,
+        whose token blocks are short there, re-reading the weights)."""
+        k = weights[0].shape[1]
+        candidates = [m for m in _available_methods(weights[0])
+                      if _arithmetic(m) == _arithmetic(self.large)]
+        if len(candidates) < 2 or self.kernel_max_rows >= rows:
+            return
+        gen = torch.Generator().manual_seed(1)
+        x = torch.randn(rows, k, generator=gen).to(weights[0].dtype)
+        times = {}
+        for m in candidates:
+            times[m] = _seconds(_large_fn(m), x, weights)
+            if self.timings is not None:
+                self.timings.setdefault(f"{m} K={k}", {})[rows] = times[m]
+        best = min(candidates, key=times.__getitem__)
+        if best != self.large:
+            self.prompt_by_k[k] = best
+            self._prompt[k] = _large_fn(best)
 
     @classmethod
     def calibrate(cls, weight: torch.Tensor | list[torch.Tensor], large_rows: int = 256,
@@ -126,20 +194,10 @@ class LinearDispatch:
 
         def seconds(fn: LinearFn, rows: int) -> float:
             ws = weights if rows < SMALL_ROWS else weights[:2]
-            x = torch.randn(rows, k, generator=gen).to(ws[0].dtype)
-            fn(x, ws[0], None)  # warm-up
-            best = float("inf")
-            for _ in range(2):
-                t = time.perf_counter()
-                for w in ws:
-                    fn(x, w, None)
-                best = min(best, time.perf_counter() - t)
-            return best
+            return _seconds(fn, torch.randn(rows, k, generator=gen).to(ws[0].dtype), ws)
 
         have_kernels = cpu_kernels.load() is not None
-        have_amx = cpu_kernels.amx_available() and weights[0].shape[0] >= 16
-        candidates = [m for m in LARGE_METHODS
-                      if (m != "gemm" or have_kernels) and (m != "amx" or have_amx)]
+        candidates = _available_methods(weights[0])
         timings: dict[str, dict[int, float]] = {m: {} for m in (*candidates, "kernel")}
         for m in candidates:
             timings[m][large_rows] = seconds(_large_fn(m), large_rows)
@@ -147,7 +205,12 @@ class LinearDispatch:
         large_fn = _large_fn(large)
         kernel_max = 0
         if have_kernels:
-            if seconds(cpu_kernels.linear_bf16, 1) <= seconds(large_fn, 1):
+            # Against AMX the kernel must win clearly: one call each is nearly a tie at one
+            # row, but the fused decode layer on AMX tiles balances its two threads better
+            # (2-core AMX Xeon, batch-1 steps of the reference checkpoint: 47 ms against
+            # 55 ms, 7 of them the faster thread waiting at barriers on the AVX2 streams).
+            margin = AMX_MARGIN if large == "amx" else 1.0
+            if seconds(cpu_kernels.linear_bf16, 1) * margin <= seconds(large_fn, 1):
                 kernel_max = 1
                 for rows in kernel_rows:
                     timings["kernel"][rows] = seconds(cpu_kernels.linear_bf16, rows)
