@@ -255,6 +255,8 @@ def test_a_projection_shape_can_have_its_own_prompt_method(monkeypatch):
     assert set(d3.prompt_by_k.values()) <= {"amx"}  # the only other bf16 method
     if cpu_kernels.amx_available():
         assert d3.timings["amx K=96"][64] > 0 and d3.timings["torch K=96"][64] > 0
+    else:  # nothing timed where AMX is not among the candidates
+        assert d3.timings == {} and d3.prompt_by_k == {}
 
 
 # -- the fused element-wise kernels against the torch reference ops ---------------------------
@@ -492,6 +494,20 @@ def test_a_library_built_from_a_disagreeing_source_is_refused(tmp_path, monkeypa
     assert kl.load() is None and kl.lib is None
     assert "disagree" in kl.reason and "DecodeLayer.cos" in kl.reason
     assert kl.decode_layer_max_rows == 0  # nothing of a refused library is used
+
+
+@needs_kernels
+def test_an_amx_file_that_does_not_compile_leaves_the_avx2_kernels(tmp_path, monkeypatch):
+    """A compiler that cannot build cpu_amx.c (too old for AMX) still gets the AVX2 library;
+    the AMX kernels are off with the compiler's reason."""
+    monkeypatch.setenv("PHASEWISE_CACHE_DIR", str(tmp_path / "cache"))
+    broken = tmp_path / "cpu_amx.c"
+    broken.write_text("this is not C;\n")
+    kl = cpu_kernels.KernelLibrary(cpu_kernels.SOURCE, broken)
+    assert kl.load() is not None and kl.decode_layer_max_rows >= 1
+    assert not kl.amx and "cpu_amx.c failed" in kl.amx_reason
+    # the fused layer asks for AMX only through the weak symbols, absent here
+    assert not hasattr(kl.lib, "pw_linear_amx") or kl.lib.pw_linear_amx is None
 
 
 def test_the_library_is_tried_once_and_keeps_its_reason(monkeypatch):
