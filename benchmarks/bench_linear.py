@@ -16,8 +16,8 @@ For each projection of the reference checkpoint's shape (qkv 896->1152, o 896->8
 Each method's calls cycle through enough copies of the weight (>= 96 MiB) that weights come
 from memory, as in a model's forward pass, not from the last-level cache; the methods run
 interleaved, round after round, and the median round counts, so the shared machine's drift
-hits them alike. It prints GFLOP/s, each method's ratio to the faster of ``torch-bf16`` and ``torch-fp32``,
-and the plan the engine's calibration would pick here.
+hits them alike. It prints GFLOP/s, each method's ratio to the faster of ``torch-bf16`` and
+``torch-fp32``, and the plan the engine's calibration would pick here.
 
     .venv/bin/python benchmarks/bench_linear.py [--rows 1 8 32 128 512] [--rounds 4]
                                                 [--shapes qkv o gate_up down lm_head]

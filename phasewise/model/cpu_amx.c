@@ -323,7 +323,8 @@ static inline __m512 exp16(__m512 x) {
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
     p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    __m512i e = _mm512_slli_epi32(
+        _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
     return _mm512_mask_blend_ps(overflow, _mm512_mul_ps(p, _mm512_castsi512_ps(e)),
                                 _mm512_set1_ps(INFINITY));
 }
@@ -567,12 +568,13 @@ static void pack_vt(const uint16_t *v_cache, const int64_t *table, int bs, int n
         __m512i r[16];
         for (int c = 0; c < 16; c++) {  /* key pair c: keys 2c, 2c + 1 */
             long j0 = (long)kb32 * 32 + 2 * c, j1 = j0 + 1;
-            __m512i va = j0 < L ? _mm512_castsi256_si512(_mm256_loadu_si256(
-                                      (const __m256i *)(kv_row(v_cache, table, bs, n_kv, hd, g, j0) + d)))
-                                : _mm512_setzero_si512();
-            __m512i vb = j1 < L ? _mm512_castsi256_si512(_mm256_loadu_si256(
-                                      (const __m256i *)(kv_row(v_cache, table, bs, n_kv, hd, g, j1) + d)))
-                                : _mm512_setzero_si512();
+            __m512i va = _mm512_setzero_si512(), vb = _mm512_setzero_si512();
+            if (j0 < L)
+                va = _mm512_castsi256_si512(_mm256_loadu_si256(
+                    (const __m256i *)(kv_row(v_cache, table, bs, n_kv, hd, g, j0) + d)));
+            if (j1 < L)
+                vb = _mm512_castsi256_si512(_mm256_loadu_si256(
+                    (const __m256i *)(kv_row(v_cache, table, bs, n_kv, hd, g, j1) + d)));
             r[c] = _mm512_permutex2var_epi16(va, idx, vb);  /* [dim][pair] as dwords */
         }
         transpose16(r);  /* -> [dim][key pair] */
@@ -616,7 +618,8 @@ static inline void softmax_step(const float *st, long k0, __m512 qpos, __m512 sc
     for (int j = 0; j < 32; j++) {
         /* key k0 + j is seen by the queries at or after it */
         seen[j] = _mm512_cmp_ps_mask(_mm512_set1_ps((float)(k0 + j)), qpos, _CMP_LE_OQ);
-        s[j] = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), seen[j], _mm512_load_ps(st + 16 * j), sc);
+        s[j] = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), seen[j],
+                                  _mm512_load_ps(st + 16 * j), sc);
         m_new = _mm512_max_ps(m_new, s[j]);
     }
     /* Lazy rescaling: the reference max moves only when a score passes it by more than
@@ -725,7 +728,8 @@ static void attend_block(const uint16_t *q, long q_stride, const uint16_t *kp,
         for (int d = 0; d < hd; d += 16) {
             __m512i r[16];
             for (int i = 0; i < 16; i++)
-                r[i] = _mm512_castps_si512(_mm512_mul_ps(_mm512_load_ps(ot[half] + 16 * (d + i)), inv));
+                r[i] = _mm512_castps_si512(
+                    _mm512_mul_ps(_mm512_load_ps(ot[half] + 16 * (d + i)), inv));
             transpose16(r);  /* -> [query][16 dims] */
             for (int i = 0; i < rows; i++)
                 _mm256_storeu_si256((__m256i *)(out + (long)(q0 + 16 * half + i) * out_stride

@@ -1441,7 +1441,8 @@ int pw_decode_layer_bf16(const DecodeLayer *L) {
                 for (int h = 0; h < n_heads; h++) head_norm(row + (long)h * hd, L->w_q_norm, hd, L->eps);
                 for (int h = 0; h < n_kv; h++) head_norm(row + Q + (long)h * hd, L->w_k_norm, hd, L->eps);
             }
-            pw_rope_bf16(row, QKV, L->cos + (long)m * hd, L->sin + (long)m * hd, 1, n_heads + n_kv, hd, 1);
+            pw_rope_bf16(row, QKV, L->cos + (long)m * hd, L->sin + (long)m * hd, 1,
+                         n_heads + n_kv, hd, 1);
             long slot = L->slots[m];
             memcpy(L->k_cache + slot * KV, row + Q, sizeof(uint16_t) * KV);
             memcpy(L->v_cache + slot * KV, row + Q + KV, sizeof(uint16_t) * KV);

@@ -6,8 +6,9 @@ library in a cache folder and loaded with ctypes; no torch headers are needed, s
 takes a few seconds, once. On a machine without a compiler or without AVX2/FMA, ``load()``
 returns None and callers fall back to torch. The AMX kernels run only where the CPU has
 AMX-BF16 and AVX512_BF16 and Linux grants the process its tile state (``amx_available()``);
-a compiler too old for AMX builds the AVX2 kernels alone. The state (the library, whether loading was tried, why it failed, the limits the
-C side reports) lives in one ``KernelLibrary``, the module's ``KERNELS``.
+a compiler too old for AMX builds the AVX2 kernels alone. The state (the library, whether
+loading was tried, why it failed, the limits the C side reports) lives in one
+``KernelLibrary``, the module's ``KERNELS``.
 
 Numbers both sides need (the fused decode layer's row limit and head size, the layout of its
 argument struct) are defined in the C file only; ``pw_abi`` reports them and loading checks the
@@ -36,7 +37,8 @@ import torch
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
 AMX_SOURCE = Path(__file__).with_name("cpu_amx.c")
-AMX_FLAGS = {"amx_tile", "amx_bf16", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"}
+AMX_FLAGS = {"amx_tile", "amx_bf16", "avx512f", "avx512bw", "avx512vl", "avx512dq",
+             "avx512_bf16"}
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
 LIBS = ["-lm"]
 
@@ -270,14 +272,15 @@ def __getattr__(name: str) -> Any:
 
 
 def _call(name: str, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
-          scale: torch.Tensor | None = None) -> torch.Tensor:
+          scale: torch.Tensor | None = None, n: int | None = None) -> torch.Tensor:
     """A linear kernel's call: ``name(x, w[, scale], bias, y, M, N, K, threads)`` over x's
-    rows, y [..., N] bf16 (``scale``: int8 weights' per-row scales)."""
+    rows, y [..., N] bf16 (``scale``: int8 weights' per-row scales; ``n``: the output width
+    N when it is not w's row count)."""
     lib = load()
     if lib is None:
         raise RuntimeError(f"CPU kernels unavailable: {KERNELS.reason}")
     k = x.shape[-1]
-    n = w.shape[0]
+    n = w.shape[0] if n is None else n
     x2 = x.reshape(-1, k).contiguous()
     m = x2.shape[0]
     y = torch.empty(m, n, dtype=torch.bfloat16)
@@ -323,10 +326,13 @@ def linear_amx(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = Non
     must hold). The weight is read in place; fewer than 16 output features go to torch."""
     if w.shape[0] < 16:
         return torch.nn.functional.linear(x, w, bias)
-    if not amx_available():
-        raise RuntimeError(f"AMX kernels unavailable: {KERNELS.amx_reason or KERNELS.reason}")
+    _need_amx()
     return _call("pw_linear_amx", x, w, bias)
 
+
+def _need_amx() -> None:
+    if not amx_available():
+        raise RuntimeError(f"AMX kernels unavailable: {KERNELS.amx_reason or KERNELS.reason}")
 
 
 def glu_amx(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None
@@ -337,19 +343,8 @@ def glu_amx(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None
     inter = w.shape[0] // 2
     if w.shape[0] % 2 or inter < 16:
         raise ValueError(f"glu_amx: w must have an even number >= 32 of rows; got {w.shape[0]}")
-    if not amx_available():
-        raise RuntimeError(f"AMX kernels unavailable: {KERNELS.amx_reason or KERNELS.reason}")
-    k = x.shape[-1]
-    x2 = x.reshape(-1, k).contiguous()
-    y = torch.empty(x2.shape[0], inter, dtype=torch.bfloat16)
-    if x2.shape[0]:
-        rc = KERNELS.lib.pw_linear_glu_amx(x2.data_ptr(), w.data_ptr(),
-                                           bias.data_ptr() if bias is not None else None,
-                                           y.data_ptr(), x2.shape[0], inter, k,
-                                           torch.get_num_threads())
-        if rc != 0:
-            raise MemoryError("pw_linear_glu_amx could not allocate scratch memory")
-    return y.view(*x.shape[:-1], inter)
+    _need_amx()
+    return _call("pw_linear_glu_amx", x, w, bias, n=inter)
 
 
 def linear_int8(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
