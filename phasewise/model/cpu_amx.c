@@ -334,21 +334,31 @@ static inline __m512 round_bf16x16(__m512 f) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-/* The epilogue of a gate/up tile pair: act = bf16(bf16(silu(g)) * u) with g and u the
- * rounded projections (+ their biases), as the unfused path computes them. */
-static void store_glu(const float *cg, const float *cu, int n, int N, uint16_t *y, int m0,
-                      int mt, const uint16_t *bias) {
+/* act = bf16(bf16(silu(g)) * u) for 16 channels of a token, with g and u its rounded
+ * projections (+ their biases), as the unfused path computes them; as fp32. */
+static inline __m512 glu16(__m512i g, __m512i u, __m512 bg, __m512 bu) {
+    __m512 gv = round_bf16x16(_mm512_add_ps(_mm512_castsi512_ps(g), bg));
+    __m512 uv = round_bf16x16(_mm512_add_ps(_mm512_castsi512_ps(u), bu));
+    __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv));
+    __m512 silu = round_bf16x16(_mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f), e)));
+    return round_bf16x16(_mm512_mul_ps(silu, uv));
+}
+
+/* The epilogue of a gate/up tile pair (channels [n, n + 16) of gate and of up): tokens
+ * [m0, m0 + mt) of act into y, bf16 (or fp32 into yf when y is NULL, for the fused layer). */
+static void store_glu(const float *cg, const float *cu, int n, int N, uint16_t *y, float *yf,
+                      int m0, int mt, const uint16_t *bias) {
     __m512i g[16], u[16];
     load_transposed(cg, cu, g, u);
     __m512 bg = load_bias16(bias ? bias + n : NULL, 0xffff);
     __m512 bu = load_bias16(bias ? bias + N + n : NULL, 0xffff);
     for (int t = 0; t < mt; t++) {
-        __m512 gv = round_bf16x16(_mm512_add_ps(_mm512_castsi512_ps(g[t]), bg));
-        __m512 uv = round_bf16x16(_mm512_add_ps(_mm512_castsi512_ps(u[t]), bu));
-        __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv));
-        __m512 silu = round_bf16x16(_mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f), e)));
-        _mm256_storeu_si256((__m256i *)(y + (long)(m0 + t) * N + n),
-                            (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(silu, uv)));
+        __m512 a = glu16(g[t], u[t], bg, bu);
+        if (y)
+            _mm256_storeu_si256((__m256i *)(y + (long)(m0 + t) * N + n),
+                                (__m256i)_mm512_cvtneps_pbh(a));  /* exact: bf16-valued */
+        else
+            _mm512_storeu_ps(yf + (long)(m0 + t) * N + n, a);
     }
 }
 
@@ -452,7 +462,7 @@ static int amx_linear(const uint16_t *x, const uint16_t *w, const uint16_t *bias
                         for (int half = 0; half <= two; half++) {
                             int m0 = (tb + half) * 16, mt = M - m0 < 16 ? M - m0 : 16;
                             if (glu)
-                                store_glu(c[2 * half], c[2 * half + 1], p.na, N, y, m0, mt,
+                                store_glu(c[2 * half], c[2 * half + 1], p.na, N, y, NULL, m0, mt,
                                           bias);
                             else
                                 store_pair(c[2 * half], c[2 * half + 1], p.na, p.nb, y, N, m0,
@@ -484,36 +494,81 @@ int pw_linear_glu_amx(const uint16_t *x, const uint16_t *w, const uint16_t *bias
     return amx_linear(x, w, bias, y, M, I, K, nthreads, 1);
 }
 
-/* For the fused decode layer (cpu_kernels.c): M <= 16 fp32 activation rows (bf16-valued),
- * packed once by one thread into xp (KB tiles), then every thread of the region computes its
- * share of res[m * N + n] = dot(x[m], w[n]) in fp32 (no bias, no rounding: the caller adds
- * and rounds). N >= 16. No barrier at the end, like proj_share. */
+/* For the fused decode layer (cpu_kernels.c): M <= 32 fp32 activation rows (bf16-valued),
+ * packed once by one thread into xp (KB tiles for tokens 0-15, then KB for tokens 16-31 when
+ * M > 16), then every thread of the region computes its share of res[m * N + n] =
+ * dot(x[m], w[n]) in fp32 (no bias, no rounding: the caller adds and rounds). N >= 16. No
+ * barrier at the end, like proj_share. */
 void pw_amx_pack_f32(const float *x, int M, int K, uint32_t *xp) {
     int KB = (K + 31) / 32;
-    for (int kb = 0; kb < KB; kb++)
-        pack_tile_f32(x + kb * 32, K, M, K - kb * 32, xp + (long)kb * 256);
+    for (int m0 = 0; m0 < M; m0 += 16) {
+        int rows = M - m0 < 16 ? M - m0 : 16;
+        for (int kb = 0; kb < KB; kb++)
+            pack_tile_f32(x + (long)m0 * K + kb * 32, K, rows, K - kb * 32,
+                          xp + ((long)(m0 / 16) * KB + kb) * 256);
+    }
 }
 
 void pw_amx_share(const uint32_t *xp, int M, const uint16_t *w, int K, int N, float *res) {
-    int npanels = (N + 31) / 32;
+    int npanels = (N + 31) / 32, two = M > 16;
     int t = omp_get_thread_num(), T = omp_get_num_threads();
     int lo = (int)((long)npanels * t / T), hi = (int)((long)npanels * (t + 1) / T);
     if (lo >= hi) return;
     _tile_loadconfig(&TILES);
-    float c[2][256] __attribute__((aligned(64)));
+    float c[4][256] __attribute__((aligned(64)));
+    const uint32_t *x1 = xp + (long)((K + 31) / 32) * 256;
     Panel p;
     Prefetch pf[2];
     for (int i = lo; i < hi; i++) {
         panel_at(&p, w, i, N, K, 0);
         prefetch_panel(pf, w, i + 1 < hi ? i + 1 : npanels, npanels, N, K, 0, K / 32);
-        panel_product(&p, xp, xp, 0, K, pf);
+        panel_product(&p, xp, x1, two, K, pf);
+        _tile_stored(0, c[0], 64);  /* tile numbers must be constants */
+        _tile_stored(1, c[1], 64);
+        if (two) {
+            _tile_stored(2, c[2], 64);
+            _tile_stored(3, c[3], 64);
+        }
+        for (int half = 0; half <= two; half++) {
+            __m512i a[16], b[16];
+            load_transposed(c[2 * half], c[2 * half + 1], a, b);
+            int m0 = 16 * half, mt = M - m0 < 16 ? M - m0 : 16;
+            for (int m = 0; m < mt; m++) {
+                _mm512_storeu_si512(res + (long)(m0 + m) * N + p.na, a[m]);
+                _mm512_storeu_si512(res + (long)(m0 + m) * N + p.nb, b[m]);
+            }
+        }
+    }
+    _tile_release();
+}
+
+/* The fused layer's gate/up projection with its SiLU-and-multiply (w [2I, K] = [gate | up],
+ * bias [2I] or NULL): act[m * I + n] = the bf16-valued fp32 of glu_amx's output, every
+ * thread its share of 16-channel panels, from xp as pw_amx_pack_f32 left it. I >= 16. */
+void pw_amx_share_glu(const uint32_t *xp, int M, const uint16_t *w, const uint16_t *bias,
+                      int K, int I, float *act) {
+    int npanels = (I + 15) / 16, two = M > 16;
+    int t = omp_get_thread_num(), T = omp_get_num_threads();
+    int lo = (int)((long)npanels * t / T), hi = (int)((long)npanels * (t + 1) / T);
+    if (lo >= hi) return;
+    _tile_loadconfig(&TILES);
+    float c[4][256] __attribute__((aligned(64)));
+    const uint32_t *x1 = xp + (long)((K + 31) / 32) * 256;
+    Panel p;
+    Prefetch pf[2];
+    for (int i = lo; i < hi; i++) {
+        panel_at(&p, w, i, I, K, 1);
+        prefetch_panel(pf, w, i + 1 < hi ? i + 1 : npanels, npanels, I, K, 1, K / 32);
+        panel_product(&p, xp, x1, two, K, pf);
         _tile_stored(0, c[0], 64);
         _tile_stored(1, c[1], 64);
-        __m512i a[16], b[16];
-        load_transposed(c[0], c[1], a, b);
-        for (int m = 0; m < M; m++) {
-            _mm512_storeu_si512(res + (long)m * N + p.na, a[m]);
-            _mm512_storeu_si512(res + (long)m * N + p.nb, b[m]);
+        if (two) {
+            _tile_stored(2, c[2], 64);
+            _tile_stored(3, c[3], 64);
+        }
+        for (int half = 0; half <= two; half++) {
+            int m0 = 16 * half, mt = M - m0 < 16 ? M - m0 : 16;
+            store_glu(c[2 * half], c[2 * half + 1], p.na, I, NULL, act, m0, mt, bias);
         }
     }
     _tile_release();
@@ -840,6 +895,129 @@ double pw_amx_tile_flops(long iters, int nthreads) {
         flops += 4.0 * iters * 16 * 16 * 32 * 2;
     }
     return flops;
+}
+
+
+/* ---------------------------------------------------------------------------------------
+ * Decode attention with AVX-512 BF16: one request's new token, the G <= 8 query heads that
+ * share KV head kvh, against its len keys in the paged cache ([blocks][bs][n_kv][hd]).
+ * Sixteen keys a step, every head at once:
+ *   K^T: the 16 keys' rows, 32 values at a time, transposed as 32-bit pairs (transpose16),
+ *        so row r of the result holds the pair (2r, 2r + 1) of all 16 keys;
+ *   scores: s[g] += dpbf16(pair r of q[g], row r): exact products of bf16 values summed in
+ *        fp32, one instruction per pair and head, all G heads' chains side by side (the
+ *        AVX2 kernel widened K to fp32 and reduced each head's dot product across lanes);
+ *   online softmax per head (running max and denominator; exp16, the AVX2 exp's bits);
+ *   P V: each key's V row widened to fp32 once, met by the G heads' probabilities (fp32).
+ * q: [G][hd] bf16, unscaled (scale multiplies the scores); out: [G][hd] fp32. hd a multiple
+ * of 32, at most 256; any block size. A NaN in a key or a query makes its heads' outputs NaN,
+ * as the AVX2 kernel does. */
+#define DEC_MAX_HD 256
+
+static inline __attribute__((always_inline)) void attend16(
+        const uint32_t *qp, const int G, float scale, const uint16_t *const kr[16],
+        const uint16_t *const vr[16], int n, int hd, float *mx, float *den, float *out) {
+    uint32_t kt[DEC_MAX_HD / 2 * 16] __attribute__((aligned(64)));
+    float p[8][16] __attribute__((aligned(64)));
+    int HP = hd / 2;
+    for (int c = 0; c < hd; c += 32) {
+        __m512i r[16];
+        for (int j = 0; j < 16; j++)
+            r[j] = j < n ? _mm512_loadu_si512(kr[j] + c) : _mm512_setzero_si512();
+        transpose16(r);
+        for (int i = 0; i < 16; i++) _mm512_store_si512(kt + (c / 2 + i) * 16, r[i]);
+    }
+    __m512 s[8];
+    for (int g = 0; g < G; g++) s[g] = _mm512_setzero_ps();
+    for (int i = 0; i < HP; i++) {
+        __m512bh kv = (__m512bh)_mm512_load_si512(kt + i * 16);
+        for (int g = 0; g < G; g++)
+            s[g] = _mm512_dpbf16_ps(s[g], (__m512bh)_mm512_set1_epi32((int)qp[g * HP + i]), kv);
+    }
+    __mmask16 valid = n >= 16 ? 0xffff : (__mmask16)((1u << n) - 1u);
+    for (int g = 0; g < G; g++) {
+        __m512 sc = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid,
+                                       _mm512_mul_ps(s[g], _mm512_set1_ps(scale)));
+        float cm = _mm512_reduce_max_ps(sc);
+        if (cm > mx[g]) {
+            float rs = mx[g] == -INFINITY ? 0.0f : expf(mx[g] - cm);
+            den[g] *= rs;
+            __m512 rv = _mm512_set1_ps(rs);
+            for (int i = 0; i < hd; i += 16)
+                _mm512_storeu_ps(out + g * hd + i, _mm512_mul_ps(rv, _mm512_loadu_ps(out + g * hd + i)));
+            mx[g] = cm;
+        }
+        __m512 e = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(sc, _mm512_set1_ps(mx[g]))));
+        den[g] += _mm512_reduce_add_ps(e);
+        _mm512_store_ps(p[g], e);
+    }
+    for (int c = 0; c < hd; c += 32) {
+        __m512 a[8][2];
+        for (int g = 0; g < G; g++) {
+            a[g][0] = _mm512_loadu_ps(out + g * hd + c);
+            a[g][1] = _mm512_loadu_ps(out + g * hd + c + 16);
+        }
+        for (int j = 0; j < n; j++) {
+            __m512i w = _mm512_loadu_si512(vr[j] + c);
+            __m512 v0 = _mm512_castsi512_ps(_mm512_slli_epi32(
+                _mm512_cvtepu16_epi32(_mm512_castsi512_si256(w)), 16));
+            __m512 v1 = _mm512_castsi512_ps(_mm512_slli_epi32(
+                _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(w, 1)), 16));
+            for (int g = 0; g < G; g++) {
+                __m512 pj = _mm512_set1_ps(p[g][j]);
+                a[g][0] = _mm512_fmadd_ps(pj, v0, a[g][0]);
+                a[g][1] = _mm512_fmadd_ps(pj, v1, a[g][1]);
+            }
+        }
+        for (int g = 0; g < G; g++) {
+            _mm512_storeu_ps(out + g * hd + c, a[g][0]);
+            _mm512_storeu_ps(out + g * hd + c + 16, a[g][1]);
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void attend_keys(
+        const uint16_t *q, const int G, float scale, const uint16_t *k_cache,
+        const uint16_t *v_cache, const int64_t *table, int len, int bs, int n_kv, int kvh,
+        int hd, float *out) {
+    unsigned csr = _mm_getcsr();
+    _mm_setcsr(csr | 0x8040);  /* flush denormal results and inputs to zero (FTZ, DAZ) */
+    float mx[8], den[8];
+    for (int g = 0; g < G; g++) {
+        mx[g] = -INFINITY;
+        den[g] = 0.0f;
+    }
+    memset(out, 0, sizeof(float) * (size_t)G * hd);
+    for (int t0 = 0; t0 < len; t0 += 16) {
+        int n = len - t0 < 16 ? len - t0 : 16;
+        const uint16_t *kr[16], *vr[16];
+        for (int j = 0; j < n; j++) {
+            int t = t0 + j;
+            long row = ((table[t / bs] * bs + t % bs) * n_kv + kvh) * (long)hd;
+            kr[j] = k_cache + row;
+            vr[j] = v_cache + row;
+        }
+        attend16((const uint32_t *)q, G, scale, kr, vr, n, hd, mx, den, out);
+    }
+    for (int g = 0; g < G; g++) {
+        float inv = den[g] > 0.0f ? 1.0f / den[g] : 0.0f;
+        for (int i = 0; i < hd; i++) out[g * hd + i] *= inv;
+    }
+    _mm_setcsr(csr);
+}
+
+/* Returns 0, or -1 (nothing done) for G or hd it does not take. */
+int pw_attend_group_avx512(const uint16_t *q, int G, float scale, const uint16_t *k_cache,
+                           const uint16_t *v_cache, const int64_t *table, int len, int bs,
+                           int n_kv, int kvh, int hd, float *out) {
+    if (hd % 32 || hd < 32 || hd > DEC_MAX_HD) return -1;
+    switch (G) {  /* the heads' count a constant: their accumulators stay in registers */
+#define CASE(g) case g: attend_keys(q, g, scale, k_cache, v_cache, table, len, bs, n_kv, kvh, \
+                                    hd, out); return 0;
+        CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
+#undef CASE
+    default: return -1;
+    }
 }
 
 #pragma GCC pop_options

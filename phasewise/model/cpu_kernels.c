@@ -100,6 +100,7 @@ DEFINE_ROWS(4)
 DEFINE_ROWS(5)
 DEFINE_ROWS(6)
 #define ROW_STREAM_MAX 6 /* the most activation rows dot_rows (and the fused layer) take */
+#define AMX_LAYER_MAX 32 /* the most rows the fused layer takes with its projections on AMX */
 #define INT8_ROWS_MAX ROW_STREAM_MAX /* the most activation rows the int8 streams take */
 #ifndef INT8_TILE_ROWS_MAX
 #define INT8_TILE_ROWS_MAX 128 /* int8 tiles up to this many rows, the packed GEMM above */
@@ -927,6 +928,12 @@ static long attention_task_floats(int group, int hd) {
     return 2L * group * hd + att_scratch_floats(group, hd);
 }
 
+/* cpu_amx.c's decode attention (weak: absent when that file is not compiled in), taken once
+ * pw_enable_avx512 has said the CPU has AVX-512 BF16. */
+int pw_attend_group_avx512(const uint16_t *q, int G, float scale, const uint16_t *k_cache,
+                           const uint16_t *v_cache, const int64_t *table, int len, int bs,
+                           int n_kv, int kvh, int hd, float *out) __attribute__((weak));
+
 /* One task of decode attention: request b = task / (n_kv * parts), KV head, and its share of
  * that head's query group. q: rows of stride q_stride holding n_heads heads of hd (bf16);
  * `mine`: this thread's scratch (attention_task_floats(group, hd) floats).
@@ -941,12 +948,20 @@ static void attention_task(int task, int parts, int group, int n_heads, int n_kv
     int b = task / (n_kv * parts), kvh = task / parts % n_kv, part = task % parts;
     int g0 = group * part / parts, g1 = group * (part + 1) / parts, G = g1 - g0;
     float *qf = mine, *acc = qf + (long)group * hd, *work = acc + (long)group * hd;
-    for (int g = 0; g < G; g++) {
+    const uint16_t *qg = q + (long)b * q_stride + (long)(kvh * group + g0) * hd;
+    int done = use_avx512 && pw_attend_group_avx512;
+    for (int g = 0; done && g < G; g += 8)  /* eight heads at a time */
+        done = pw_attend_group_avx512(qg + (long)g * hd, G - g < 8 ? G - g : 8, scale, k_cache,
+                                      v_cache, block_tables + (long)b * max_blocks,
+                                      (int)seq_lens[b], bs, n_kv, kvh, hd,
+                                      acc + (long)g * hd) == 0;
+    for (int g = 0; !done && g < G; g++) {
         const uint16_t *qh = q + (long)b * q_stride + (long)(kvh * group + g0 + g) * hd;
         for (int i = 0; i < hd; i++) qf[(long)g * hd + i] = bf16_to_f32(qh[i]) * scale;
     }
-    attend_group(qf, G, k_cache, v_cache, block_tables + (long)b * max_blocks, (int)seq_lens[b],
-                 bs, n_kv, kvh, hd, work, acc);
+    if (!done)
+        attend_group(qf, G, k_cache, v_cache, block_tables + (long)b * max_blocks,
+                     (int)seq_lens[b], bs, n_kv, kvh, hd, work, acc);
     for (int g = 0; g < G; g++) {
         long o = ((long)b * n_heads + kvh * group + g0 + g) * hd;
         for (int i = 0; i < hd; i++) {
@@ -1345,7 +1360,8 @@ typedef struct {
  * against these, field by field, so the two layouts cannot drift apart unnoticed. */
 long pw_abi(const char *what) {
     static const struct { const char *name; long value; } table[] = {
-        {"row_stream_max", ROW_STREAM_MAX}, {"max_head_dim", MAX_HEAD_DIM},
+        {"row_stream_max", ROW_STREAM_MAX}, {"amx_layer_max", AMX_LAYER_MAX},
+        {"max_head_dim", MAX_HEAD_DIM},
         {"int8_rows_max", INT8_ROWS_MAX},
         {"sizeof DecodeLayer", (long)sizeof(DecodeLayer)},
 #define FIELD(f) {#f, (long)offsetof(DecodeLayer, f)}
@@ -1381,6 +1397,8 @@ static void head_norm(uint16_t *v, const uint16_t *w, int hd, float eps) {
 void pw_amx_pack_f32(const float *x, int M, int K, uint32_t *xp) __attribute__((weak));
 void pw_amx_share(const uint32_t *xp, int M, const uint16_t *w, int K, int N, float *res)
     __attribute__((weak));
+void pw_amx_share_glu(const uint32_t *xp, int M, const uint16_t *w, const uint16_t *bias,
+                      int K, int I, float *act) __attribute__((weak));
 
 /* A fused layer's projection, called by every thread of its region: on AMX tiles when the
  * layer asks for them and the weights are bf16 (one thread packs the activations; the
@@ -1399,7 +1417,12 @@ static void layer_proj(const DecodeLayer *L, const float *x, int M, const void *
 int pw_decode_layer_bf16(const DecodeLayer *L) {
     int M = L->M, H = L->H, Q = L->Q, KV = L->KV, I = L->I, hd = L->hd;
     int n_heads = L->n_heads, n_kv = L->n_kv, group = n_heads / n_kv, QKV = Q + 2 * KV;
-    if (M < 1 || M > ROW_STREAM_MAX || hd > MAX_HEAD_DIM) return -2;
+    /* More rows than the streams take only when every projection runs on the tiles. */
+    int all_amx = L->amx && pw_amx_share && pw_amx_pack_f32 && !L->s_qkv && !L->s_o
+                  && !L->s_gate_up && !L->s_down && H >= 16 && QKV >= 16 && I >= 8;
+    if (M < 1 || M > (all_amx ? AMX_LAYER_MAX : ROW_STREAM_MAX) || hd > MAX_HEAD_DIM)
+        return -2;
+    int amx_glu = L->amx && !L->s_gate_up && pw_amx_share_glu && pw_amx_pack_f32 && I >= 16;
     int parts = group_parts(M, n_kv, group, L->nthreads);
     long per_task = attention_task_floats(group, hd);
     int widest = QKV > 2 * I ? QKV : 2 * I;
@@ -1410,8 +1433,9 @@ int pw_decode_layer_bf16(const DecodeLayer *L) {
     uint16_t *qkv = (uint16_t *)malloc(sizeof(uint16_t) * (size_t)M * QKV);
     uint16_t *o = (uint16_t *)malloc(sizeof(uint16_t) * (size_t)M * H);
     int widest_k = H > Q ? (H > I ? H : I) : (Q > I ? Q : I);
-    /* AMX: the packed activations, 1 KiB per 32 values of K (16 tokens of them) */
-    uint32_t *xp = L->amx ? (uint32_t *)aligned_alloc(64, (size_t)(widest_k + 31) / 32 * 1024)
+    /* AMX: the packed activations, 1 KiB per 32 values of K and 16 tokens */
+    uint32_t *xp = L->amx ? (uint32_t *)aligned_alloc(64, (size_t)(widest_k + 31) / 32 * 1024
+                                                              * ((M + 15) / 16))
                           : NULL;
     if (!buf || !qkv || !o || (L->amx && !xp)) {
         free(buf); free(qkv); free(o); free(xp);
@@ -1428,11 +1452,11 @@ int pw_decode_layer_bf16(const DecodeLayer *L) {
 
         layer_proj(L, xn, M, L->w_qkv, L->s_qkv, H, QKV, xp, res);
 #pragma omp barrier
-#pragma omp for schedule(static)
-        for (int n = 0; n < QKV; n++) {
-            float b = L->b_qkv ? bf16_to_f32(L->b_qkv[n]) : 0.0f;
-            for (int m = 0; m < M; m++) qkv[(long)m * QKV + n] = f32_to_bf16(res[(long)m * QKV + n] + b);
-        }
+#pragma omp for collapse(2) schedule(static)
+        for (int m = 0; m < M; m++)
+            for (int n = 0; n < QKV; n++)
+                qkv[(long)m * QKV + n] = f32_to_bf16(res[(long)m * QKV + n]
+                                                     + (L->b_qkv ? bf16_to_f32(L->b_qkv[n]) : 0.0f));
 
 #pragma omp single
         for (int m = 0; m < M; m++) {
@@ -1457,21 +1481,29 @@ int pw_decode_layer_bf16(const DecodeLayer *L) {
 
         layer_proj(L, attn, M, L->w_o, L->s_o, Q, H, xp, res);
 #pragma omp barrier
-#pragma omp for schedule(static)
-        for (int n = 0; n < H; n++) {
-            float b = L->b_o ? bf16_to_f32(L->b_o[n]) : 0.0f;
-            for (int m = 0; m < M; m++) o[(long)m * H + n] = f32_to_bf16(res[(long)m * H + n] + b);
-        }
+#pragma omp for collapse(2) schedule(static)
+        for (int m = 0; m < M; m++)
+            for (int n = 0; n < H; n++)
+                o[(long)m * H + n] = f32_to_bf16(res[(long)m * H + n]
+                                                 + (L->b_o ? bf16_to_f32(L->b_o[n]) : 0.0f));
 
 #pragma omp single
         add_norm_rows(L->hidden, o, L->w_post_norm, xn, M, H, L->eps);
 
-        layer_proj(L, xn, M, L->w_gate_up, L->s_gate_up, H, 2 * I, xp, res);
+        if (amx_glu) {  /* on the tiles, with the SiLU in their epilogue: act directly */
+#pragma omp single
+            pw_amx_pack_f32(xn, M, H, xp);
+            pw_amx_share_glu(xp, M, (const uint16_t *)L->w_gate_up, L->b_gate_up, H, I, act);
+        } else {
+            layer_proj(L, xn, M, L->w_gate_up, L->s_gate_up, H, 2 * I, xp, res);
+        }
 #pragma omp barrier
-#pragma omp for schedule(static)
-        for (int i = 0; i < I; i += 8) {  /* 8 at a time, the last group scalar if I % 8 */
-            int n8 = I - i < 8 ? I - i : 8;
-            for (int m = 0; m < M; m++) {
+        /* Row by row (rows of 2I floats lie tens of KiB apart, often a multiple of 4 KiB:
+         * walking down the rows first thrashed L1's sets: 8 ms a step at 32 rows). */
+#pragma omp for collapse(2) schedule(static)
+        for (int m = 0; m < (amx_glu ? 0 : M); m++) {
+            for (int i = 0; i < I; i += 8) {  /* 8 at a time, the last group scalar if I % 8 */
+                int n8 = I - i < 8 ? I - i : 8;
                 const float *gr = res + (long)m * 2 * I, *ur = gr + I;
                 float *ar = act + (long)m * I;
                 if (n8 == 8) {
@@ -1495,11 +1527,11 @@ int pw_decode_layer_bf16(const DecodeLayer *L) {
 
         layer_proj(L, act, M, L->w_down, L->s_down, I, H, xp, res);
 #pragma omp barrier
-#pragma omp for schedule(static)
-        for (int n = 0; n < H; n++) {
-            float b = L->b_down ? bf16_to_f32(L->b_down[n]) : 0.0f;
-            for (int m = 0; m < M; m++) L->out[(long)m * H + n] = f32_to_bf16(res[(long)m * H + n] + b);
-        }
+#pragma omp for collapse(2) schedule(static)
+        for (int m = 0; m < M; m++)
+            for (int n = 0; n < H; n++)
+                L->out[(long)m * H + n] = f32_to_bf16(res[(long)m * H + n]
+                                                      + (L->b_down ? bf16_to_f32(L->b_down[n]) : 0.0f));
     }
     free(buf);
     free(qkv);

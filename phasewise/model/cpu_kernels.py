@@ -165,7 +165,8 @@ class _Unavailable(Exception):
 class KernelLibrary:
     """The compiled kernels, loaded once on first use: ``lib`` (None until loaded, and when
     they cannot be had), ``reason`` (why not), and the limits the C side reports
-    (``decode_layer_max_rows``: rows the fused decode layer takes; ``max_head_dim``), and
+    (``decode_layer_max_rows``: rows the fused decode layer takes; ``amx_layer_max_rows``:
+    rows it takes when its projections all run on AMX tiles; ``max_head_dim``), and
     whether the AMX kernels may run (``amx``; ``amx_reason``: why not)."""
 
     def __init__(self, source: Path = SOURCE, amx_source: Path = AMX_SOURCE) -> None:
@@ -175,6 +176,7 @@ class KernelLibrary:
         self.reason: str | None = None
         self.tried = False
         self.decode_layer_max_rows = 0
+        self.amx_layer_max_rows = 0
         self.max_head_dim = 0
         self.amx = False
         self.amx_reason: str | None = "the kernels are not loaded"
@@ -230,6 +232,7 @@ class KernelLibrary:
             raise _Unavailable(f"{self.source.name} and {Path(__file__).name} disagree: "
                                + "; ".join(bad))
         self.decode_layer_max_rows = abi("row_stream_max")
+        self.amx_layer_max_rows = abi("amx_layer_max")
         self.max_head_dim = abi("max_head_dim")
         if self.amx_reason is None:
             self._enable_amx(lib)

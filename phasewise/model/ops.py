@@ -238,6 +238,8 @@ class CpuKernelOps(TorchOps):
             if args is None:
                 return None
             self._layer_args[id(layer)] = args
+        if self._streams_only(hidden.shape[0], args):
+            return None
         out = torch.empty_like(hidden)
         self._set_step_fields(args, hidden, rope, meta, k_cache.shape[1])
         args.amx = self._amx_rows(hidden.shape[0])
@@ -259,6 +261,8 @@ class CpuKernelOps(TorchOps):
         if stack is None:
             return None
         args, k_ptrs, v_ptrs = stack
+        if self._streams_only(hidden.shape[0], *args):
+            return None
         self._set_step_fields(args[0], hidden, rope, meta, kv_caches[0][0].shape[1])
         args[0].amx = self._amx_rows(hidden.shape[0])
         args[0].delta = None  # the first layer has no previous output to add
@@ -275,13 +279,26 @@ class CpuKernelOps(TorchOps):
         then does too), else 0."""
         return int(self.dispatch.method(rows) == "amx" and cpu_kernels.amx_available())
 
+    def _fused_max_rows(self, rows: int) -> int:
+        """The most rows a fused step may take: the streams' limit, or more where the plan
+        runs these rows on AMX tiles (then every projection must be bf16: ``_streams_only``)."""
+        if self._amx_rows(rows):
+            return max(self.kernels.amx_layer_max_rows, self.kernels.decode_layer_max_rows)
+        return self.kernels.decode_layer_max_rows
+
+    def _streams_only(self, rows: int, *args: cpu_kernels.DecodeLayerArgs) -> bool:
+        """More rows than the streams take, but a layer has an int8 projection (streamed, as
+        no AMX kernel takes int8 weights): such a step runs op by op."""
+        return rows > self.kernels.decode_layer_max_rows and any(
+            a.s_qkv or a.s_o or a.s_gate_up or a.s_down for a in args)
+
     def _fusable_step(self, hidden: torch.Tensor, rope: RopeTables,
                       meta: AttentionMetadata) -> bool:
         """Whether this step can run as fused decode layers: decode tokens only, few enough
         rows, fp32 RoPE tables, the decode metadata built, bf16 hidden states."""
         t = hidden.shape[0]
         return (self.fused_decode and meta.num_decode_tokens == t
-                and t <= self.kernels.decode_layer_max_rows and rope[0].dtype == torch.float32
+                and t <= self._fused_max_rows(t) and rope[0].dtype == torch.float32
                 and meta.decode_block_tables is not None and meta.decode_seq_lens is not None
                 and self._ok(hidden))
 
