@@ -899,125 +899,228 @@ double pw_amx_tile_flops(long iters, int nthreads) {
 
 
 /* ---------------------------------------------------------------------------------------
- * Decode attention with AVX-512 BF16: one request's new token, the G <= 8 query heads that
- * share KV head kvh, against its len keys in the paged cache ([blocks][bs][n_kv][hd]).
- * Sixteen keys a step, every head at once:
- *   K^T: the 16 keys' rows, 32 values at a time, transposed as 32-bit pairs (transpose16),
- *        so row r of the result holds the pair (2r, 2r + 1) of all 16 keys;
- *   scores: s[g] += dpbf16(pair r of q[g], row r): exact products of bf16 values summed in
- *        fp32, one instruction per pair and head, all G heads' chains side by side (the
- *        AVX2 kernel widened K to fp32 and reduced each head's dot product across lanes);
- *   online softmax per head (running max and denominator; exp16, the AVX2 exp's bits);
- *   P V: each key's V row widened to fp32 once, met by the G heads' probabilities (fp32).
+ * Decode attention on AMX tiles: one request's new token, the G <= 16 query heads that share
+ * KV head kvh, against its len keys in the paged cache ([blocks][bs][n_kv][hd]), 32 keys a
+ * step, every head at once:
+ *   S^T [keys][heads] = K Q^T: the keys' rows are the left tiles, loaded straight from the
+ *       cache (16 consecutive slots of a block, stride n_kv * hd) when the block size is a
+ *       multiple of 16, else copied; Q^T in pair order is packed once (pack_tile);
+ *   online softmax down the keys with the heads as vector lanes (running max and sum per
+ *       lane; exp16, the AVX2 exp's bits); probabilities rounded to bf16 (the sum adds the
+ *       rounded values), interleaved by key pairs;
+ *   O += P V with AVX-512 BF16: each key pair's V rows interleaved (unpack: a permuted order
+ *       of the head dimension, undone at the end), one dpbf16 per pair, head and 16 values.
  * q: [G][hd] bf16, unscaled (scale multiplies the scores); out: [G][hd] fp32. hd a multiple
  * of 32, at most 256; any block size. A NaN in a key or a query makes its heads' outputs NaN,
- * as the AVX2 kernel does. */
+ * as the AVX2 kernel does. The caller has loaded the tile configuration (TILES). */
 #define DEC_MAX_HD 256
+#define DEC_KEYS 32
 
-static inline __attribute__((always_inline)) void attend16(
-        const uint32_t *qp, const int G, float scale, const uint16_t *const kr[16],
-        const uint16_t *const vr[16], int n, int hd, float *mx, float *den, float *out) {
-    uint32_t kt[DEC_MAX_HD / 2 * 16] __attribute__((aligned(64)));
-    float p[8][16] __attribute__((aligned(64)));
-    int HP = hd / 2;
-    for (int c = 0; c < hd; c += 32) {
-        __m512i r[16];
-        for (int j = 0; j < 16; j++)
-            r[j] = j < n ? _mm512_loadu_si512(kr[j] + c) : _mm512_setzero_si512();
-        transpose16(r);
-        for (int i = 0; i < 16; i++) _mm512_store_si512(kt + (c / 2 + i) * 16, r[i]);
+/* The left tile of 16 keys' rows x values [c, c + 32), off[j] the element offset of key j's
+ * row (n of them): straight from the cache when they are consecutive slots of one block
+ * (returned with its stride), else copied into buf (zero rows past n). */
+static inline const uint16_t *key_rows(const uint16_t *cache, const long *off, int n,
+                                       int consecutive, int n_kv, int hd, int c, uint16_t *buf,
+                                       long *stride) {
+    if (consecutive) {
+        *stride = (long)n_kv * hd * 2;
+        return cache + off[0] + c;
     }
-    __m512 s[8];
-    for (int g = 0; g < G; g++) s[g] = _mm512_setzero_ps();
-    for (int i = 0; i < HP; i++) {
-        __m512bh kv = (__m512bh)_mm512_load_si512(kt + i * 16);
-        for (int g = 0; g < G; g++)
-            s[g] = _mm512_dpbf16_ps(s[g], (__m512bh)_mm512_set1_epi32((int)qp[g * HP + i]), kv);
+    for (int j = 0; j < 16; j++) {
+        if (j < n)
+            memcpy(buf + j * 32, cache + off[j] + c, 64);
+        else
+            memset(buf + j * 32, 0, 64);
     }
-    __mmask16 valid = n >= 16 ? 0xffff : (__mmask16)((1u << n) - 1u);
-    for (int g = 0; g < G; g++) {
-        __m512 sc = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid,
-                                       _mm512_mul_ps(s[g], _mm512_set1_ps(scale)));
-        float cm = _mm512_reduce_max_ps(sc);
-        if (cm > mx[g]) {
-            float rs = mx[g] == -INFINITY ? 0.0f : expf(mx[g] - cm);
-            den[g] *= rs;
-            __m512 rv = _mm512_set1_ps(rs);
-            for (int i = 0; i < hd; i += 16)
-                _mm512_storeu_ps(out + g * hd + i, _mm512_mul_ps(rv, _mm512_loadu_ps(out + g * hd + i)));
-            mx[g] = cm;
+    *stride = 64;
+    return buf;
+}
+
+/* The element offsets of keys [t, t + DEC_KEYS)'s rows (those before len; one division),
+ * and with `prefetch`, their K and V rows fetched into L1. Returns how many. */
+static inline int key_offsets(const uint16_t *k_cache, const uint16_t *v_cache,
+                              const int64_t *table, int t, int len, int bs, int n_kv, int kvh,
+                              int hd, long *off, int prefetch) {
+    int n = len - t < DEC_KEYS ? len - t : DEC_KEYS;
+    if (n <= 0) return 0;
+    long blk = t / bs, o = t % bs;
+    for (int j = 0; j < n; j++) {
+        off[j] = ((table[blk] * bs + o) * n_kv + kvh) * (long)hd;
+        if (++o == bs) {
+            o = 0;
+            blk++;
         }
-        __m512 e = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(sc, _mm512_set1_ps(mx[g]))));
-        den[g] += _mm512_reduce_add_ps(e);
-        _mm512_store_ps(p[g], e);
-    }
-    for (int c = 0; c < hd; c += 32) {
-        __m512 a[8][2];
-        for (int g = 0; g < G; g++) {
-            a[g][0] = _mm512_loadu_ps(out + g * hd + c);
-            a[g][1] = _mm512_loadu_ps(out + g * hd + c + 16);
-        }
-        for (int j = 0; j < n; j++) {
-            __m512i w = _mm512_loadu_si512(vr[j] + c);
-            __m512 v0 = _mm512_castsi512_ps(_mm512_slli_epi32(
-                _mm512_cvtepu16_epi32(_mm512_castsi512_si256(w)), 16));
-            __m512 v1 = _mm512_castsi512_ps(_mm512_slli_epi32(
-                _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(w, 1)), 16));
-            for (int g = 0; g < G; g++) {
-                __m512 pj = _mm512_set1_ps(p[g][j]);
-                a[g][0] = _mm512_fmadd_ps(pj, v0, a[g][0]);
-                a[g][1] = _mm512_fmadd_ps(pj, v1, a[g][1]);
+        if (prefetch)
+            for (int c = 0; c < hd; c += 32) {
+                _mm_prefetch((const char *)(k_cache + off[j] + c), _MM_HINT_T0);
+                _mm_prefetch((const char *)(v_cache + off[j] + c), _MM_HINT_T0);
             }
-        }
-        for (int g = 0; g < G; g++) {
-            _mm512_storeu_ps(out + g * hd + c, a[g][0]);
-            _mm512_storeu_ps(out + g * hd + c + 16, a[g][1]);
-        }
     }
+    return n;
 }
 
 static inline __attribute__((always_inline)) void attend_keys(
         const uint16_t *q, const int G, float scale, const uint16_t *k_cache,
         const uint16_t *v_cache, const int64_t *table, int len, int bs, int n_kv, int kvh,
         int hd, float *out) {
-    unsigned csr = _mm_getcsr();
-    _mm_setcsr(csr | 0x8040);  /* flush denormal results and inputs to zero (FTZ, DAZ) */
-    float mx[8], den[8];
-    for (int g = 0; g < G; g++) {
-        mx[g] = -INFINITY;
-        den[g] = 0.0f;
-    }
-    memset(out, 0, sizeof(float) * (size_t)G * hd);
-    for (int t0 = 0; t0 < len; t0 += 16) {
-        int n = len - t0 < 16 ? len - t0 : 16;
-        const uint16_t *kr[16], *vr[16];
-        for (int j = 0; j < n; j++) {
-            int t = t0 + j;
-            long row = ((table[t / bs] * bs + t % bs) * n_kv + kvh) * (long)hd;
-            kr[j] = k_cache + row;
-            vr[j] = v_cache + row;
+    uint32_t qt[DEC_MAX_HD / 32][256] __attribute__((aligned(64)));  /* Q^T, per 32 values */
+    float st[DEC_KEYS][16] __attribute__((aligned(64)));    /* S^T */
+    /* O: [16 heads][16 values] tiles, two per 32 values of the head dimension (its values in
+     * the pair order of V's interleave: the low tile holds 8L..8L+3, the high 8L+4..8L+7) */
+    float ot[DEC_MAX_HD / 16][256] __attribute__((aligned(64)));
+    __m512i pt[16];                                          /* P^T by key pairs, then P */
+    uint32_t pa[256] __attribute__((aligned(64)));           /* P: the left tile */
+    uint32_t vb[2][256] __attribute__((aligned(64)));        /* V by key pairs: right tiles */
+    uint16_t kbuf[2][512] __attribute__((aligned(64)));
+    for (int c = 0; c < hd; c += 32) pack_tile(q + c, hd, G, 32, qt[c / 32]);
+    memset(ot, 0, sizeof(float) * 256 * (hd / 16));
+    __m512 mx = _mm512_set1_ps(-INFINITY), den = _mm512_setzero_ps();
+    const __m512 sv = _mm512_set1_ps(scale);
+    /* pair interleave: 32-bit lane g = (bf16 of row 2j lane g, of row 2j+1 lane g) */
+    const __m512i pair_idx = _mm512_set_epi16(
+        31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+        23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    long offs[2][DEC_KEYS];
+    int consecutive = bs % 16 == 0;  /* 16 keys from a multiple of 16 lie in one block */
+    key_offsets(k_cache, v_cache, table, 0, len, bs, n_kv, kvh, hd, offs[0], 1);
+    for (int t0 = 0, step = 0; t0 < len; t0 += DEC_KEYS, step ^= 1) {
+        int n = len - t0 < DEC_KEYS ? len - t0 : DEC_KEYS;
+        const long *off = offs[step];
+        /* the next step's keys and values, from scattered blocks that the hardware
+         * prefetchers do not foresee */
+        key_offsets(k_cache, v_cache, table, t0 + DEC_KEYS, len, bs, n_kv, kvh, hd,
+                    offs[step ^ 1], 1);
+        _tile_zero(0);
+        _tile_zero(1);
+        for (int c = 0; c < hd; c += 32) {
+            long ld;
+            _tile_loadd(3, qt[c / 32], 64);
+            const uint16_t *k0 = key_rows(k_cache, off, n, consecutive && n >= 16, n_kv, hd, c,
+                                          kbuf[0], &ld);
+            _tile_loadd(2, k0, ld);
+            _tile_dpbf16ps(0, 2, 3);
+            if (n > 16) {
+                const uint16_t *k1 = key_rows(k_cache, off + 16, n - 16, consecutive && n >= 32,
+                                              n_kv, hd, c, kbuf[1], &ld);
+                _tile_loadd(4, k1, ld);
+                _tile_dpbf16ps(1, 4, 3);
+            }
         }
-        attend16((const uint32_t *)q, G, scale, kr, vr, n, hd, mx, den, out);
+        _tile_stored(0, st[0], 64);
+        _tile_stored(1, st[16], 64);
+        /* the softmax, the heads as lanes; up to 8 heads fold two keys' rows into one
+         * vector (keys j and j + 16), halving the exps */
+        const int fold = G <= 8, vecs = fold ? (n < 16 ? n : 16) : n;
+        __m512 cm = _mm512_set1_ps(-INFINITY);
+        __mmask16 valid[DEC_KEYS];
+        for (int j = 0; j < vecs; j++) {
+            __m512 x = _mm512_load_ps(st[j]);
+            valid[j] = 0xffff;
+            if (fold) {
+                x = _mm512_insertf32x8(x, _mm256_load_ps(st[j + 16]), 1);
+                valid[j] = j + 16 < n ? 0xffff : 0x00ff;
+            }
+            x = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid[j], _mm512_mul_ps(x, sv));
+            _mm512_store_ps(st[j], x);
+            cm = _mm512_max_ps(x, cm);  /* a NaN score passes through below */
+        }
+        if (fold)  /* both halves: the heads' maxima */
+            cm = _mm512_max_ps(cm, _mm512_shuffle_f32x4(cm, cm, 0x4e));
+        __mmask16 grew = _mm512_cmp_ps_mask(cm, mx, _CMP_GT_OQ);
+        if (grew) {
+            __m512 nm = _mm512_mask_mov_ps(mx, grew, cm);
+            __mmask16 first = _mm512_cmp_ps_mask(mx, _mm512_set1_ps(-INFINITY), _CMP_EQ_OQ);
+            __m512 rs = _mm512_maskz_mov_ps(~first, exp16(_mm512_sub_ps(mx, nm)));
+            rs = _mm512_mask_mov_ps(_mm512_set1_ps(1.0f), grew, rs);
+            den = _mm512_mul_ps(den, rs);
+            float r[16] __attribute__((aligned(64)));
+            _mm512_store_ps(r, rs);
+            for (int g = 0; g < G; g++) {
+                if (!((grew >> g) & 1)) continue;
+                __m512 rg = _mm512_set1_ps(r[g]);
+                for (int t = 0; t < hd / 16; t++)
+                    _mm512_store_ps(ot[t] + g * 16, _mm512_mul_ps(rg, _mm512_load_ps(ot[t] + g * 16)));
+            }
+            mx = nm;
+        }
+        for (int r = 0; r < 16; r++) pt[r] = _mm512_setzero_si512();
+        for (int j = 0; j < vecs; j += 2) {
+            __m512 p0 = _mm512_maskz_mov_ps(valid[j], exp16(_mm512_sub_ps(_mm512_load_ps(st[j]), mx)));
+            __m512 p1 = _mm512_setzero_ps();
+            if (j + 1 < vecs)
+                p1 = _mm512_maskz_mov_ps(valid[j + 1],
+                                         exp16(_mm512_sub_ps(_mm512_load_ps(st[j + 1]), mx)));
+            p0 = round_bf16x16(p0);
+            p1 = round_bf16x16(p1);
+            den = _mm512_add_ps(den, _mm512_add_ps(p0, p1));
+            __m512i u = _mm512_permutexvar_epi16(pair_idx, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+            if (fold) {  /* lanes 0-7: pair j / 2 of keys; 8-15: pair j / 2 + 8 */
+                pt[j / 2] = _mm512_zextsi256_si512(_mm512_castsi512_si256(u));
+                pt[j / 2 + 8] = _mm512_zextsi256_si512(_mm512_extracti64x4_epi64(u, 1));
+            } else {
+                pt[j / 2] = u;
+            }
+        }
+        /* O += P V on the tiles: P [heads][32 keys] is P^T's pairs transposed; V's rows
+         * interleaved by key pairs, 32 values of the head dimension at a time */
+        transpose16(pt);
+        for (int i = 0; i < 16; i++) _mm512_store_si512(pa + i * 16, pt[i]);
+        _tile_loadd(5, pa, 64);
+        for (int c = 0; c < hd; c += 32) {
+            for (int r = 0; r < 16; r++) {
+                __m512i v0 = _mm512_setzero_si512(), v1 = v0;
+                if (2 * r < n) v0 = _mm512_loadu_si512(v_cache + off[2 * r] + c);
+                if (2 * r + 1 < n) v1 = _mm512_loadu_si512(v_cache + off[2 * r + 1] + c);
+                _mm512_store_si512(vb[0] + r * 16, _mm512_unpacklo_epi16(v0, v1));
+                _mm512_store_si512(vb[1] + r * 16, _mm512_unpackhi_epi16(v0, v1));
+            }
+            float *o0 = ot[c / 16], *o1 = ot[c / 16 + 1];
+            _tile_loadd(6, o0, 64);
+            _tile_loadd(7, vb[0], 64);
+            _tile_dpbf16ps(6, 5, 7);
+            _tile_stored(6, o0, 64);
+            _tile_loadd(4, o1, 64);
+            _tile_loadd(7, vb[1], 64);
+            _tile_dpbf16ps(4, 5, 7);
+            _tile_stored(4, o1, 64);
+        }
     }
+    /* undo the pair order: lanes 4L..4L+3 of the low tile's row are values 8L..8L+3 of the
+     * 32, of the high tile's 8L+4..8L+7 */
+    const __m512i lo_idx = _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
+    const __m512i hi_idx = _mm512_set_epi32(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, 11, 10,
+                                            9, 8);
+    if (G <= 8)  /* the two halves' sums of each head */
+        den = _mm512_add_ps(den, _mm512_shuffle_f32x4(den, den, 0x4e));
+    float d[16] __attribute__((aligned(64)));
+    _mm512_store_ps(d, den);
     for (int g = 0; g < G; g++) {
-        float inv = den[g] > 0.0f ? 1.0f / den[g] : 0.0f;
-        for (int i = 0; i < hd; i++) out[g * hd + i] *= inv;
+        __m512 inv = _mm512_set1_ps(d[g] > 0.0f ? 1.0f / d[g] : 0.0f);
+        if (d[g] != d[g]) inv = _mm512_set1_ps(d[g]);  /* a NaN sum: NaN outputs */
+        for (int c = 0; c < hd; c += 32) {
+            __m512 l = _mm512_load_ps(ot[c / 16] + g * 16), h = _mm512_load_ps(ot[c / 16 + 1] + g * 16);
+            _mm512_storeu_ps(out + g * hd + c, _mm512_mul_ps(inv, _mm512_permutex2var_ps(l, lo_idx, h)));
+            _mm512_storeu_ps(out + g * hd + c + 16,
+                             _mm512_mul_ps(inv, _mm512_permutex2var_ps(l, hi_idx, h)));
+        }
     }
-    _mm_setcsr(csr);
 }
 
 /* Returns 0, or -1 (nothing done) for G or hd it does not take. */
-int pw_attend_group_avx512(const uint16_t *q, int G, float scale, const uint16_t *k_cache,
-                           const uint16_t *v_cache, const int64_t *table, int len, int bs,
-                           int n_kv, int kvh, int hd, float *out) {
-    if (hd % 32 || hd < 32 || hd > DEC_MAX_HD) return -1;
+int pw_attend_group_amx(const uint16_t *q, int G, float scale, const uint16_t *k_cache,
+                        const uint16_t *v_cache, const int64_t *table, int len, int bs,
+                        int n_kv, int kvh, int hd, float *out) {
+    if (hd % 32 || hd < 32 || hd > DEC_MAX_HD || G < 1 || G > 16) return -1;
+    _tile_loadconfig(&TILES);
     switch (G) {  /* the heads' count a constant: their accumulators stay in registers */
 #define CASE(g) case g: attend_keys(q, g, scale, k_cache, v_cache, table, len, bs, n_kv, kvh, \
-                                    hd, out); return 0;
+                                    hd, out); break;
         CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
+        CASE(9) CASE(10) CASE(11) CASE(12) CASE(13) CASE(14) CASE(15) CASE(16)
 #undef CASE
-    default: return -1;
     }
+    _tile_release();
+    return 0;
 }
 
 #pragma GCC pop_options

@@ -928,9 +928,9 @@ static long attention_task_floats(int group, int hd) {
     return 2L * group * hd + att_scratch_floats(group, hd);
 }
 
-/* cpu_amx.c's decode attention (weak: absent when that file is not compiled in), taken once
- * pw_enable_avx512 has said the CPU has AVX-512 BF16. */
-int pw_attend_group_avx512(const uint16_t *q, int G, float scale, const uint16_t *k_cache,
+/* cpu_amx.c's decode attention on AMX tiles (weak: absent when that file is not compiled
+ * in), taken once pw_enable_avx512 has said the CPU has AMX and AVX-512 BF16. */
+int pw_attend_group_amx(const uint16_t *q, int G, float scale, const uint16_t *k_cache,
                            const uint16_t *v_cache, const int64_t *table, int len, int bs,
                            int n_kv, int kvh, int hd, float *out) __attribute__((weak));
 
@@ -949,12 +949,12 @@ static void attention_task(int task, int parts, int group, int n_heads, int n_kv
     int g0 = group * part / parts, g1 = group * (part + 1) / parts, G = g1 - g0;
     float *qf = mine, *acc = qf + (long)group * hd, *work = acc + (long)group * hd;
     const uint16_t *qg = q + (long)b * q_stride + (long)(kvh * group + g0) * hd;
-    int done = use_avx512 && pw_attend_group_avx512;
-    for (int g = 0; done && g < G; g += 8)  /* eight heads at a time */
-        done = pw_attend_group_avx512(qg + (long)g * hd, G - g < 8 ? G - g : 8, scale, k_cache,
-                                      v_cache, block_tables + (long)b * max_blocks,
-                                      (int)seq_lens[b], bs, n_kv, kvh, hd,
-                                      acc + (long)g * hd) == 0;
+    int done = use_avx512 && pw_attend_group_amx;
+    for (int g = 0; done && g < G; g += 16)  /* sixteen heads at a time */
+        done = pw_attend_group_amx(qg + (long)g * hd, G - g < 16 ? G - g : 16, scale, k_cache,
+                                   v_cache, block_tables + (long)b * max_blocks,
+                                   (int)seq_lens[b], bs, n_kv, kvh, hd,
+                                   acc + (long)g * hd) == 0;
     for (int g = 0; !done && g < G; g++) {
         const uint16_t *qh = q + (long)b * q_stride + (long)(kvh * group + g0 + g) * hd;
         for (int i = 0; i < hd; i++) qf[(long)g * hd + i] = bf16_to_f32(qh[i]) * scale;
