@@ -141,7 +141,10 @@ def run_phasewise(model: str, reps: int) -> dict[str, float]:
 def decode_roofline_fraction(llm, segments: int = 8, steps: int = 12) -> float:
     """Median, over segments of batch-1 decode steps, of (roofline step time / measured step
     time), with the read bandwidth measured right before each segment: the shared machine's
-    bandwidth drifts by 10-20% within minutes, so the two are taken side by side."""
+    bandwidth drifts by 10-20% within minutes, so the two are taken side by side. One step
+    runs untimed between the probe and the segment: the first step after the 1 GiB probe
+    took 2-5 ms longer (its caches and TLBs flushed by the probe), which back-to-back decode
+    steps never see."""
     from phasewise import SamplingParams
 
     engine = llm.engine
@@ -149,13 +152,14 @@ def decode_roofline_fraction(llm, segments: int = 8, steps: int = 12) -> float:
     weight_bytes = cfg.num_params * 2
     kv_per_token = cfg.kv_bytes_per_token(2)
     rid = engine.add_request(prompts(1, 128, 77)[0],
-                             SamplingParams(temperature=0, max_tokens=segments * steps + 2,
+                             SamplingParams(temperature=0, max_tokens=segments * (steps + 1) + 2,
                                             ignore_eos=True))
     engine.step()  # the prefill
     req = engine.requests[rid]
     fractions = []
     for _ in range(segments):
         bw = read_gbps(reps=2) * 1e9
+        engine.step()  # untimed: the probe's aftermath
         ctx = req.num_tokens
         t = time.perf_counter()
         for _ in range(steps):

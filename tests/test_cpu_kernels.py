@@ -224,8 +224,8 @@ def test_calibration_yields_a_valid_plan():
 
 
 def test_a_projection_shape_can_have_its_own_prompt_method(monkeypatch):
-    """prompt_by_k: inputs of that width at PROMPT_ROWS rows or more take that method; fewer
-    rows and other widths keep the plan's; a method of another arithmetic is refused (the
+    """prompt_by_shape: a weight of that shape at PROMPT_ROWS rows or more takes that method;
+    fewer rows and other shapes keep the plan's; a method of another arithmetic is refused (the
     roofline rates every shape at the plan's); calibrate_prompt_shape records a valid one."""
     from phasewise.model import linear
 
@@ -233,31 +233,34 @@ def test_a_projection_shape_can_have_its_own_prompt_method(monkeypatch):
     monkeypatch.setattr(linear, "torch_linear",
                         lambda x, w, b: calls.append(("torch", x.shape))
                         or torch.nn.functional.linear(x, w, b))
-    d = LinearDispatch(kernel_max_rows=0, large="upcast", prompt_by_k={64: "gemm"}
+    d = LinearDispatch(kernel_max_rows=0, large="upcast", prompt_by_shape={(40, 64): "gemm"}
                        if cpu_kernels.load() is not None else {})
     assert d.compute_dtype(1) == d.compute_dtype(4096) == "fp32"
     d2 = LinearDispatch(kernel_max_rows=0, large="amx" if cpu_kernels.amx_available()
-                        else "torch", prompt_by_k={32: "torch"})
-    assert "torch for inputs of 32 at >= 256 rows" in d2.describe()
+                        else "torch", prompt_by_shape={(40, 32): "torch"})
+    assert "torch for 32 -> 40 at >= 256 rows" in d2.describe()
     w32, w48 = torch.randn(40, 32).bfloat16(), torch.randn(40, 48).bfloat16()
+    w32b = torch.randn(24, 32).bfloat16()  # the same input width, another shape
     calls.clear()
     d2(torch.randn(linear.PROMPT_ROWS, 32).bfloat16(), w32)
     assert calls == [("torch", (linear.PROMPT_ROWS, 32))]
     calls.clear()
     d2(torch.randn(linear.PROMPT_ROWS - 1, 32).bfloat16(), w32)
     d2(torch.randn(linear.PROMPT_ROWS, 48).bfloat16(), w48)
+    d2(torch.randn(linear.PROMPT_ROWS, 32).bfloat16(), w32b)
     assert calls == ([] if d2.large == "amx" else [("torch", (linear.PROMPT_ROWS - 1, 32)),
-                                                    ("torch", (linear.PROMPT_ROWS, 48))])
+                                                    ("torch", (linear.PROMPT_ROWS, 48)),
+                                                    ("torch", (linear.PROMPT_ROWS, 32))])
     with pytest.raises(ValueError, match="must compute as upcast does"):
-        LinearDispatch(kernel_max_rows=0, large="upcast", prompt_by_k={64: "torch"})
+        LinearDispatch(kernel_max_rows=0, large="upcast", prompt_by_shape={(40, 64): "torch"})
     d3 = LinearDispatch(kernel_max_rows=0, large="torch", timings={})
     d3.calibrate_prompt_shape([torch.randn(64, 96).bfloat16() for _ in range(2)], rows=64)
-    assert set(d3.prompt_by_k) <= {96}
-    assert set(d3.prompt_by_k.values()) <= {"amx"}  # the only other bf16 method
+    assert set(d3.prompt_by_shape) <= {(64, 96)}
+    assert set(d3.prompt_by_shape.values()) <= {"amx"}  # the only other bf16 method
     if cpu_kernels.amx_available():
-        assert d3.timings["amx K=96"][64] > 0 and d3.timings["torch K=96"][64] > 0
+        assert d3.timings["amx 96->64"][64] > 0 and d3.timings["torch 96->64"][64] > 0
     else:  # nothing timed where AMX is not among the candidates
-        assert d3.timings == {} and d3.prompt_by_k == {}
+        assert d3.timings == {} and d3.prompt_by_shape == {}
 
 
 # -- the fused element-wise kernels against the torch reference ops ---------------------------

@@ -114,14 +114,14 @@ class LLMEngine:
                 ws = [layer.gate_up_proj.weight for layer in self.model.layers]
             self.linear_plan = LinearDispatch.calibrate(ws)
             del ws
-            # The projections with other input widths (the down projection's is the MLP's),
-            # at prompt-chunk rows, over 8 layers' weights (read from memory, as a prompt
-            # reads them), bf16 weights only.
+            # The other projections' shapes at prompt-chunk rows, each its own method, over
+            # 8 layers' weights (read from memory, as a prompt reads them), bf16 weights only
+            # (the gate/up projection's rows take the plan's, fused with the SiLU on AMX).
             layers = self.model.layers
-            for name in ("o_proj", "down_proj"):
+            for name in ("qkv_proj", "o_proj", "down_proj"):
                 w = getattr(layers[0], name).weight
-                if (w.dtype == self.dtype and w.shape[1] != gate_up.weight.shape[1]
-                        and w.shape[1] not in self.linear_plan.prompt_by_k):
+                if (w.dtype == self.dtype
+                        and tuple(w.shape) not in self.linear_plan.prompt_by_shape):
                     self.linear_plan.calibrate_prompt_shape(
                         [getattr(layer, name).weight for layer in layers[:8]])
             self.model.ops = CpuKernelOps(self.linear_plan)

@@ -21,7 +21,7 @@ count (or at every count, when it wins at the largest one timed), the fastest of
 above it. Every method accumulates in fp32, so they differ only in rounding order. Where
 ``amx`` is a candidate its products are bf16 x bf16 (exact in fp32), like torch's bf16 path.
 A projection shape with another input width (the down projection's) may get its own method
-for prompt chunks (``prompt_by_k``, ``calibrate_prompt_shape``), of the same arithmetic.
+for prompt chunks (``prompt_by_shape``, ``calibrate_prompt_shape``), of the same arithmetic.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ LARGE_METHODS = ("torch", "upcast", "gemm", "amx")
 ALL_ROWS = 2**31 - 1  # kernel_max_rows meaning "the kernel at every row count"
 SMALL_ROWS = 64  # calibration: below this many rows a timing streams every weight given
 AMX_MARGIN = 1.1  # calibration: how much faster than AMX the kernel must be to keep 1 row
-PROMPT_ROWS = 256  # a projection shape's own method (prompt_by_k) applies from this many rows
+PROMPT_ROWS = 256  # a projection shape's own method (prompt_by_shape) applies from this many rows
 
 
 def torch_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
@@ -105,13 +105,13 @@ class LinearDispatch:
     kernel_max_rows: int  # use the kernel for row counts up to this (0: never)
     large: str  # one of LARGE_METHODS, for more rows
     timings: dict[str, dict[int, float]] | None = None  # calibration seconds, for reports
-    # Inputs of K features at PROMPT_ROWS rows or more (prompt chunks) -> the method that
-    # times fastest for that projection shape there, where it is not ``large``; always one
-    # of the same arithmetic as ``large`` (so compute_dtype holds for every shape).
-    prompt_by_k: dict[int, str] = field(default_factory=dict)
+    # A weight shape (N, K) at PROMPT_ROWS rows or more (prompt chunks) -> the method that
+    # times fastest for that projection there, where it is not ``large``; always one of the
+    # same arithmetic as ``large`` (so compute_dtype holds for every shape).
+    prompt_by_shape: dict[tuple[int, int], str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        for m in (self.large, *self.prompt_by_k.values()):
+        for m in (self.large, *self.prompt_by_shape.values()):
             if m not in LARGE_METHODS:
                 raise ValueError(f"large must be one of {', '.join(LARGE_METHODS)}; "
                                  f"got {m!r}")
@@ -119,7 +119,7 @@ class LinearDispatch:
                 raise ValueError(f"a prompt shape's method must compute as {self.large} "
                                  f"does ({_arithmetic(self.large)}); got {m!r}")
         self._large = _large_fn(self.large)
-        self._prompt = {k: _large_fn(m) for k, m in self.prompt_by_k.items()}
+        self._prompt = {nk: _large_fn(m) for nk, m in self.prompt_by_shape.items()}
 
     def __call__(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None
                  ) -> torch.Tensor:
@@ -127,8 +127,10 @@ class LinearDispatch:
         rows = x.numel() // k
         if rows <= self.kernel_max_rows:
             return cpu_kernels.linear_bf16(x, w, b)
-        if rows >= PROMPT_ROWS and k in self._prompt:
-            return self._prompt[k](x, w, b)
+        if rows >= PROMPT_ROWS and self._prompt:
+            fn = self._prompt.get(tuple(w.shape))
+            if fn is not None:
+                return fn(x, w, b)
         return self._large(x, w, b)
 
     def method(self, rows: int) -> str:
@@ -148,16 +150,18 @@ class LinearDispatch:
             text = f"kernel for <= {self.kernel_max_rows} rows, {self.large} above"
         else:
             text = f"{self.large} for all row counts"
-        return text + "".join(f"; {m} for inputs of {k} at >= {PROMPT_ROWS} rows"
-                              for k, m in sorted(self.prompt_by_k.items()))
+        return text + "".join(f"; {m} for {k} -> {n} at >= {PROMPT_ROWS} rows"
+                              for (n, k), m in sorted(self.prompt_by_shape.items()))
 
     def calibrate_prompt_shape(self, weights: list[torch.Tensor], rows: int = 512) -> None:
         """Time ``large`` and the other methods of its arithmetic on one projection shape
         (``weights``: that shape, e.g. several layers' down projections, each timing passing
-        over all of them) at ``rows`` rows, and keep the fastest for its K at PROMPT_ROWS rows
-        or more (a 4864 -> 896 projection of 512 rows ran at 0.7x torch's on AMX tiles,
-        whose token blocks are short there, re-reading the weights)."""
-        k = weights[0].shape[1]
+        over all of them) at ``rows`` rows, and keep the fastest for that shape at PROMPT_ROWS
+        rows or more (on a 2-core AMX Xeon, 512 rows: torch's oneDNN GEMM took 0.8x the AMX
+        tiles' time for the 896 -> 1152 and 896 -> 896 projections and the 4864 -> 896 one,
+        whose token blocks are short, re-reading the weights; the AMX tiles 0.6x torch's for
+        896 -> 9728)."""
+        n, k = weights[0].shape
         candidates = [m for m in _available_methods(weights[0])
                       if _arithmetic(m) == _arithmetic(self.large)]
         # Only where AMX is among them: the one case measured (elsewhere the extra start-up
@@ -170,11 +174,11 @@ class LinearDispatch:
         for m in candidates:
             times[m] = _seconds(_large_fn(m), x, weights)
             if self.timings is not None:
-                self.timings.setdefault(f"{m} K={k}", {})[rows] = times[m]
+                self.timings.setdefault(f"{m} {k}->{n}", {})[rows] = times[m]
         best = min(candidates, key=times.__getitem__)
         if best != self.large:
-            self.prompt_by_k[k] = best
-            self._prompt[k] = _large_fn(best)
+            self.prompt_by_shape[(n, k)] = best
+            self._prompt[(n, k)] = _large_fn(best)
 
     @classmethod
     def calibrate(cls, weight: torch.Tensor | list[torch.Tensor], large_rows: int = 256,
