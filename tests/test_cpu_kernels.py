@@ -565,3 +565,29 @@ def test_int8_kernel_keeps_a_nan_in_its_row(m):
     w = torch.randint(-127, 128, (16, 64), dtype=torch.int8)
     y = cpu_kernels.linear_int8(x, w, torch.full((16,), 0.01))
     assert y[0].isnan().all() and not y[1:].isnan().any()
+
+
+def test_torch_gemm_sees_prompt_row_counts_in_buckets(monkeypatch):
+    """torch_linear pads prompt-sized inputs to a multiple of TORCH_ROW_BUCKET rows (oneDNN
+    keeps a primitive per row count: unbounded row counts grew a server's memory), and the
+    rows it returns are the unpadded product's."""
+    from phasewise.model import linear
+
+    seen = []
+    real = torch.nn.functional.linear
+    monkeypatch.setattr(linear.F, "linear", lambda x, w, b=None: seen.append(x.shape[0])
+                        or real(x, w, b))
+    g = torch.Generator().manual_seed(0)
+    w, b = torch.randn(24, 40, generator=g).bfloat16(), torch.randn(24, generator=g).bfloat16()
+    bucket = linear.TORCH_ROW_BUCKET
+    for rows in (linear.PROMPT_ROWS - 1, linear.PROMPT_ROWS + 1, 3 * bucket * 4, 517):
+        x = torch.randn(rows, 40, generator=g).bfloat16()
+        seen.clear()
+        y = linear.torch_linear(x, w, b)
+        assert y.shape == (rows, 24) and y.is_contiguous()
+        want = rows if rows < linear.PROMPT_ROWS else -(-rows // bucket) * bucket
+        assert seen == [want]
+        torch.testing.assert_close(y.float(), real(x.float(), w.float(), b.float()),
+                                   rtol=2**-6, atol=2**-6)
+    x3 = torch.randn(2, 300, 40, generator=g).bfloat16()  # leading dims kept
+    assert linear.torch_linear(x3, w, None).shape == (2, 300, 24)
