@@ -509,8 +509,12 @@ void pw_amx_pack_f32(const float *x, int M, int K, uint32_t *xp) {
     }
 }
 
-void pw_amx_share(const uint32_t *xp, int M, const uint16_t *w, int K, int N, float *res) {
-    int npanels = (N + 31) / 32, two = M > 16;
+/* The fused layer's projection share: this thread's panels (plain, 32 channels: res [M][N]
+ * fp32; or glu, 16 gate beside 16 up channels: act [M][N = I], SiLU-and-multiplied) for the
+ * packed rows, one or two 16-token tiles. */
+static void share_panels(const uint32_t *xp, int M, const uint16_t *w, const uint16_t *bias,
+                         int K, int N, int glu, float *out) {
+    int npanels = glu ? (N + 15) / 16 : (N + 31) / 32, two = M > 16;
     int t = omp_get_thread_num(), T = omp_get_num_threads();
     int lo = (int)((long)npanels * t / T), hi = (int)((long)npanels * (t + 1) / T);
     if (lo >= hi) return;
@@ -520,8 +524,8 @@ void pw_amx_share(const uint32_t *xp, int M, const uint16_t *w, int K, int N, fl
     Panel p;
     Prefetch pf[2];
     for (int i = lo; i < hi; i++) {
-        panel_at(&p, w, i, N, K, 0);
-        prefetch_panel(pf, w, i + 1 < hi ? i + 1 : npanels, npanels, N, K, 0, K / 32);
+        panel_at(&p, w, i, N, K, glu);
+        prefetch_panel(pf, w, i + 1 < hi ? i + 1 : npanels, npanels, N, K, glu, K / 32);
         panel_product(&p, xp, x1, two, K, pf);
         _tile_stored(0, c[0], 64);  /* tile numbers must be constants */
         _tile_stored(1, c[1], 64);
@@ -530,16 +534,24 @@ void pw_amx_share(const uint32_t *xp, int M, const uint16_t *w, int K, int N, fl
             _tile_stored(3, c[3], 64);
         }
         for (int half = 0; half <= two; half++) {
+            int m0 = 16 * half, mt = M - m0 < 16 ? M - m0 : 16;
+            if (glu) {
+                store_glu(c[2 * half], c[2 * half + 1], p.na, N, NULL, out, m0, mt, bias);
+                continue;
+            }
             __m512i a[16], b[16];
             load_transposed(c[2 * half], c[2 * half + 1], a, b);
-            int m0 = 16 * half, mt = M - m0 < 16 ? M - m0 : 16;
             for (int m = 0; m < mt; m++) {
-                _mm512_storeu_si512(res + (long)(m0 + m) * N + p.na, a[m]);
-                _mm512_storeu_si512(res + (long)(m0 + m) * N + p.nb, b[m]);
+                _mm512_storeu_si512(out + (long)(m0 + m) * N + p.na, a[m]);
+                _mm512_storeu_si512(out + (long)(m0 + m) * N + p.nb, b[m]);
             }
         }
     }
     _tile_release();
+}
+
+void pw_amx_share(const uint32_t *xp, int M, const uint16_t *w, int K, int N, float *res) {
+    share_panels(xp, M, w, NULL, K, N, 0, res);
 }
 
 /* The fused layer's gate/up projection with its SiLU-and-multiply (w [2I, K] = [gate | up],
@@ -547,31 +559,7 @@ void pw_amx_share(const uint32_t *xp, int M, const uint16_t *w, int K, int N, fl
  * thread its share of 16-channel panels, from xp as pw_amx_pack_f32 left it. I >= 16. */
 void pw_amx_share_glu(const uint32_t *xp, int M, const uint16_t *w, const uint16_t *bias,
                       int K, int I, float *act) {
-    int npanels = (I + 15) / 16, two = M > 16;
-    int t = omp_get_thread_num(), T = omp_get_num_threads();
-    int lo = (int)((long)npanels * t / T), hi = (int)((long)npanels * (t + 1) / T);
-    if (lo >= hi) return;
-    _tile_loadconfig(&TILES);
-    float c[4][256] __attribute__((aligned(64)));
-    const uint32_t *x1 = xp + (long)((K + 31) / 32) * 256;
-    Panel p;
-    Prefetch pf[2];
-    for (int i = lo; i < hi; i++) {
-        panel_at(&p, w, i, I, K, 1);
-        prefetch_panel(pf, w, i + 1 < hi ? i + 1 : npanels, npanels, I, K, 1, K / 32);
-        panel_product(&p, xp, x1, two, K, pf);
-        _tile_stored(0, c[0], 64);
-        _tile_stored(1, c[1], 64);
-        if (two) {
-            _tile_stored(2, c[2], 64);
-            _tile_stored(3, c[3], 64);
-        }
-        for (int half = 0; half <= two; half++) {
-            int m0 = 16 * half, mt = M - m0 < 16 ? M - m0 : 16;
-            store_glu(c[2 * half], c[2 * half + 1], p.na, I, NULL, act, m0, mt, bias);
-        }
-    }
-    _tile_release();
+    share_panels(xp, M, w, bias, K, I, 1, act);
 }
 
 /* ---------------------------------------------------------------------------------------
