@@ -591,3 +591,24 @@ def test_torch_gemm_sees_prompt_row_counts_in_buckets(monkeypatch):
                                    rtol=2**-6, atol=2**-6)
     x3 = torch.randn(2, 300, 40, generator=g).bfloat16()  # leading dims kept
     assert linear.torch_linear(x3, w, None).shape == (2, 300, 24)
+
+
+@needs_kernels
+def test_a_step_the_amx_layer_cannot_take_whole_runs_op_by_op():
+    """More rows than the streams take go to the fused layer only where every projection
+    can run on AMX tiles: the same conditions the C layer checks (it refuses the rest)."""
+    ops = CpuKernelOps(LinearDispatch(0, "amx"))
+    most = cpu_kernels.KERNELS.decode_layer_max_rows
+
+    def args(**kw):
+        shape = dict(H=64, Q=64, KV=16, I=128)
+        shape.update(kw)
+        return cpu_kernels.DecodeLayerArgs(**shape)
+
+    assert not ops._streams_only(most + 1, args(), args())
+    assert not ops._streams_only(most, args(H=8))  # the streams take it: fused
+    for bad in (dict(H=8), dict(Q=4, KV=2), dict(I=4)):
+        assert ops._streams_only(most + 1, args(), args(**bad))
+    int8 = args()
+    int8.s_down = 1234  # an int8 projection's scale pointer
+    assert ops._streams_only(most + 1, int8)

@@ -287,10 +287,13 @@ class CpuKernelOps(TorchOps):
         return self.kernels.decode_layer_max_rows
 
     def _streams_only(self, rows: int, *args: cpu_kernels.DecodeLayerArgs) -> bool:
-        """More rows than the streams take, but a layer has an int8 projection (streamed, as
-        no AMX kernel takes int8 weights): such a step runs op by op."""
+        """More rows than the streams take, but a layer the AMX tiles cannot take whole: an
+        int8 projection (streamed: no AMX kernel takes int8 weights), or fewer than 16
+        output channels (hidden or q + 2 kv) or 8 intermediate ones. The C layer refuses
+        such a step (as it checks the same), so it runs op by op."""
         return rows > self.kernels.decode_layer_max_rows and any(
-            a.s_qkv or a.s_o or a.s_gate_up or a.s_down for a in args)
+            a.s_qkv or a.s_o or a.s_gate_up or a.s_down or a.H < 16 or a.Q + 2 * a.KV < 16
+            or a.I < 8 for a in args)
 
     def _fusable_step(self, hidden: torch.Tensor, rope: RopeTables,
                       meta: AttentionMetadata) -> bool:
