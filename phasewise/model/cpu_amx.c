@@ -1,7 +1,7 @@
 /*
  * phasewise CPU kernels for Intel AMX (AMX-BF16 tiles, with AVX-512 BF16): bf16 linear
  * layers (plain, and a SwiGLU gate/up projection fused with its SiLU), the fused decode
- * layer's projections, prefill attention, and the RMSNorm rows of cpu_kernels.c.
+ * layer's projections, prefill and decode attention, and the RMSNorm rows of cpu_kernels.c.
  *
  * Why hand-written: torch's bf16 F.linear on an AMX CPU goes through oneDNN, which reorders
  * the weight into its blocked layout on every call. At a decode step's few rows that
