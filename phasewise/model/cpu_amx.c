@@ -947,6 +947,11 @@ static inline int key_offsets(const uint16_t *k_cache, const uint16_t *v_cache,
     return n;
 }
 
+/* One row of probabilities: exp(s - mx) where valid (0 elsewhere), rounded to bf16. */
+static inline __m512 probs16(const float *s, __m512 mx, __mmask16 valid) {
+    return round_bf16x16(_mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(_mm512_load_ps(s), mx))));
+}
+
 static inline __attribute__((always_inline)) void attend_keys(
         const uint16_t *q, const int G, float scale, const uint16_t *k_cache,
         const uint16_t *v_cache, const int64_t *table, int len, int bs, int n_kv, int kvh,
@@ -1027,19 +1032,15 @@ static inline __attribute__((always_inline)) void attend_keys(
                 if (!((grew >> g) & 1)) continue;
                 __m512 rg = _mm512_set1_ps(r[g]);
                 for (int t = 0; t < hd / 16; t++)
-                    _mm512_store_ps(ot[t] + g * 16, _mm512_mul_ps(rg, _mm512_load_ps(ot[t] + g * 16)));
+                    _mm512_store_ps(ot[t] + g * 16,
+                                    _mm512_mul_ps(rg, _mm512_load_ps(ot[t] + g * 16)));
             }
             mx = nm;
         }
         for (int r = 0; r < 16; r++) pt[r] = _mm512_setzero_si512();
         for (int j = 0; j < vecs; j += 2) {
-            __m512 p0 = _mm512_maskz_mov_ps(valid[j], exp16(_mm512_sub_ps(_mm512_load_ps(st[j]), mx)));
-            __m512 p1 = _mm512_setzero_ps();
-            if (j + 1 < vecs)
-                p1 = _mm512_maskz_mov_ps(valid[j + 1],
-                                         exp16(_mm512_sub_ps(_mm512_load_ps(st[j + 1]), mx)));
-            p0 = round_bf16x16(p0);
-            p1 = round_bf16x16(p1);
+            __m512 p0 = probs16(st[j], mx, valid[j]);
+            __m512 p1 = j + 1 < vecs ? probs16(st[j + 1], mx, valid[j + 1]) : _mm512_setzero_ps();
             den = _mm512_add_ps(den, _mm512_add_ps(p0, p1));
             __m512i u = _mm512_permutexvar_epi16(pair_idx, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
             if (fold) {  /* lanes 0-7: pair j / 2 of keys; 8-15: pair j / 2 + 8 */
@@ -1086,8 +1087,10 @@ static inline __attribute__((always_inline)) void attend_keys(
         __m512 inv = _mm512_set1_ps(d[g] > 0.0f ? 1.0f / d[g] : 0.0f);
         if (d[g] != d[g]) inv = _mm512_set1_ps(d[g]);  /* a NaN sum: NaN outputs */
         for (int c = 0; c < hd; c += 32) {
-            __m512 l = _mm512_load_ps(ot[c / 16] + g * 16), h = _mm512_load_ps(ot[c / 16 + 1] + g * 16);
-            _mm512_storeu_ps(out + g * hd + c, _mm512_mul_ps(inv, _mm512_permutex2var_ps(l, lo_idx, h)));
+            __m512 l = _mm512_load_ps(ot[c / 16] + g * 16);
+            __m512 h = _mm512_load_ps(ot[c / 16 + 1] + g * 16);
+            _mm512_storeu_ps(out + g * hd + c,
+                             _mm512_mul_ps(inv, _mm512_permutex2var_ps(l, lo_idx, h)));
             _mm512_storeu_ps(out + g * hd + c + 16,
                              _mm512_mul_ps(inv, _mm512_permutex2var_ps(l, hi_idx, h)));
         }

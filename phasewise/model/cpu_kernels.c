@@ -931,8 +931,8 @@ static long attention_task_floats(int group, int hd) {
 /* cpu_amx.c's decode attention on AMX tiles (weak: absent when that file is not compiled
  * in), taken once pw_enable_avx512 has said the CPU has AMX and AVX-512 BF16. */
 int pw_attend_group_amx(const uint16_t *q, int G, float scale, const uint16_t *k_cache,
-                           const uint16_t *v_cache, const int64_t *table, int len, int bs,
-                           int n_kv, int kvh, int hd, float *out) __attribute__((weak));
+                        const uint16_t *v_cache, const int64_t *table, int len, int bs,
+                        int n_kv, int kvh, int hd, float *out) __attribute__((weak));
 
 /* One task of decode attention: request b = task / (n_kv * parts), KV head, and its share of
  * that head's query group. q: rows of stride q_stride holding n_heads heads of hd (bf16);
@@ -1400,6 +1400,18 @@ void pw_amx_share(const uint32_t *xp, int M, const uint16_t *w, int K, int N, fl
 void pw_amx_share_glu(const uint32_t *xp, int M, const uint16_t *w, const uint16_t *bias,
                       int K, int I, float *act) __attribute__((weak));
 
+/* out = bf16(res + bias) for M rows of N, shared by the threads of the calling region (an
+ * orphaned omp for, with its barrier), row by row: walking down the rows first, rows of
+ * thousands of floats apart, thrashed L1's sets. */
+static void bias_round_rows(const float *res, const uint16_t *bias, int M, int N,
+                            uint16_t *out) {
+#pragma omp for collapse(2) schedule(static)
+    for (int m = 0; m < M; m++)
+        for (int n = 0; n < N; n++)
+            out[(long)m * N + n] = f32_to_bf16(res[(long)m * N + n]
+                                               + (bias ? bf16_to_f32(bias[n]) : 0.0f));
+}
+
 /* A fused layer's projection, called by every thread of its region: on AMX tiles when the
  * layer asks for them and the weights are bf16 (one thread packs the activations; the
  * single's barrier makes them visible), else proj_share. No barrier at the end. */
@@ -1452,11 +1464,7 @@ int pw_decode_layer_bf16(const DecodeLayer *L) {
 
         layer_proj(L, xn, M, L->w_qkv, L->s_qkv, H, QKV, xp, res);
 #pragma omp barrier
-#pragma omp for collapse(2) schedule(static)
-        for (int m = 0; m < M; m++)
-            for (int n = 0; n < QKV; n++)
-                qkv[(long)m * QKV + n] = f32_to_bf16(res[(long)m * QKV + n]
-                                                     + (L->b_qkv ? bf16_to_f32(L->b_qkv[n]) : 0.0f));
+        bias_round_rows(res, L->b_qkv, M, QKV, qkv);
 
 #pragma omp single
         for (int m = 0; m < M; m++) {
@@ -1481,11 +1489,7 @@ int pw_decode_layer_bf16(const DecodeLayer *L) {
 
         layer_proj(L, attn, M, L->w_o, L->s_o, Q, H, xp, res);
 #pragma omp barrier
-#pragma omp for collapse(2) schedule(static)
-        for (int m = 0; m < M; m++)
-            for (int n = 0; n < H; n++)
-                o[(long)m * H + n] = f32_to_bf16(res[(long)m * H + n]
-                                                 + (L->b_o ? bf16_to_f32(L->b_o[n]) : 0.0f));
+        bias_round_rows(res, L->b_o, M, H, o);
 
 #pragma omp single
         add_norm_rows(L->hidden, o, L->w_post_norm, xn, M, H, L->eps);
@@ -1499,39 +1503,38 @@ int pw_decode_layer_bf16(const DecodeLayer *L) {
         }
 #pragma omp barrier
         /* Row by row (rows of 2I floats lie tens of KiB apart, often a multiple of 4 KiB:
-         * walking down the rows first thrashed L1's sets: 8 ms a step at 32 rows). */
+         * walking down the rows first thrashed L1's sets: 8 ms a step at 32 rows). Skipped
+         * alike by every thread where the tiles' epilogue wrote act. */
+        if (!amx_glu) {
 #pragma omp for collapse(2) schedule(static)
-        for (int m = 0; m < (amx_glu ? 0 : M); m++) {
-            for (int i = 0; i < I; i += 8) {  /* 8 at a time, the last group scalar if I % 8 */
-                int n8 = I - i < 8 ? I - i : 8;
-                const float *gr = res + (long)m * 2 * I, *ur = gr + I;
-                float *ar = act + (long)m * I;
-                if (n8 == 8) {
-                    __m256 bg = _mm256_setzero_ps(), bu = bg;
-                    if (L->b_gate_up) {
-                        bg = load_bf16x8(L->b_gate_up + i);
-                        bu = load_bf16x8(L->b_gate_up + I + i);
+            for (int m = 0; m < M; m++) {
+                for (int i = 0; i < I; i += 8) {  /* 8 at a time, the last group scalar if I % 8 */
+                    int n8 = I - i < 8 ? I - i : 8;
+                    const float *gr = res + (long)m * 2 * I, *ur = gr + I;
+                    float *ar = act + (long)m * I;
+                    if (n8 == 8) {
+                        __m256 bg = _mm256_setzero_ps(), bu = bg;
+                        if (L->b_gate_up) {
+                            bg = load_bf16x8(L->b_gate_up + i);
+                            bu = load_bf16x8(L->b_gate_up + I + i);
+                        }
+                        __m256 gv = round_bf16x8(_mm256_add_ps(_mm256_loadu_ps(gr + i), bg));
+                        __m256 uv = round_bf16x8(_mm256_add_ps(_mm256_loadu_ps(ur + i), bu));
+                        _mm256_storeu_ps(ar + i, silu_mul_rounded8(gv, uv));
+                        continue;
                     }
-                    __m256 gv = round_bf16x8(_mm256_add_ps(_mm256_loadu_ps(gr + i), bg));
-                    __m256 uv = round_bf16x8(_mm256_add_ps(_mm256_loadu_ps(ur + i), bu));
-                    _mm256_storeu_ps(ar + i, silu_mul_rounded8(gv, uv));
-                    continue;
-                }
-                for (int j = i; j < i + n8; j++) {
-                    float bg = L->b_gate_up ? bf16_to_f32(L->b_gate_up[j]) : 0.0f;
-                    float bu = L->b_gate_up ? bf16_to_f32(L->b_gate_up[I + j]) : 0.0f;
-                    ar[j] = silu_mul_rounded(round_bf16(gr[j] + bg), round_bf16(ur[j] + bu));
+                    for (int j = i; j < i + n8; j++) {
+                        float bg = L->b_gate_up ? bf16_to_f32(L->b_gate_up[j]) : 0.0f;
+                        float bu = L->b_gate_up ? bf16_to_f32(L->b_gate_up[I + j]) : 0.0f;
+                        ar[j] = silu_mul_rounded(round_bf16(gr[j] + bg), round_bf16(ur[j] + bu));
+                    }
                 }
             }
         }
 
         layer_proj(L, act, M, L->w_down, L->s_down, I, H, xp, res);
 #pragma omp barrier
-#pragma omp for collapse(2) schedule(static)
-        for (int m = 0; m < M; m++)
-            for (int n = 0; n < H; n++)
-                L->out[(long)m * H + n] = f32_to_bf16(res[(long)m * H + n]
-                                                      + (L->b_down ? bf16_to_f32(L->b_down[n]) : 0.0f));
+        bias_round_rows(res, L->b_down, M, H, L->out);
     }
     free(buf);
     free(qkv);

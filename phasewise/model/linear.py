@@ -20,8 +20,8 @@ to three seconds on the reference checkpoint) and keeps a plan: the kernel up to
 count (or at every count, when it wins at the largest one timed), the fastest of the others
 above it. Every method accumulates in fp32, so they differ only in rounding order. Where
 ``amx`` is a candidate its products are bf16 x bf16 (exact in fp32), like torch's bf16 path.
-A projection shape with another input width (the down projection's) may get its own method
-for prompt chunks (``prompt_by_shape``, ``calibrate_prompt_shape``), of the same arithmetic.
+Each other projection shape (qkv, o, down) may get its own method for prompt chunks
+(``prompt_by_shape``, ``calibrate_prompt_shape``), of the same arithmetic.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ LARGE_METHODS = ("torch", "upcast", "gemm", "amx")
 ALL_ROWS = 2**31 - 1  # kernel_max_rows meaning "the kernel at every row count"
 SMALL_ROWS = 64  # calibration: below this many rows a timing streams every weight given
 AMX_MARGIN = 1.1  # calibration: how much faster than AMX the kernel must be to keep 1 row
-PROMPT_ROWS = 256  # a projection shape's own method (prompt_by_shape) applies from this many rows
+PROMPT_ROWS = 256  # a shape's own method (prompt_by_shape) applies from this many rows
 
 
 TORCH_ROW_BUCKET = 32  # torch's GEMM sees prompt-sized row counts in multiples of this
