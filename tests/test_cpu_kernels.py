@@ -77,6 +77,28 @@ def test_amx_linear_blocks_long_prompts_and_streams_large_outputs():
 
 
 @needs_amx
+def test_amx_linear_k_outer_blocking():
+    """Prompts whose token blocks over all of K would not fit in L2 run K-outer: K in chunks
+    whose C tiles wait between them per panel and token pair, tokens in blocks of 256. The
+    chunk ends: a K tail that joins the chunk before it (K = 3088: 96 full blocks + 16), a
+    tail inside a chunk (K = 4900), several token blocks with a short last one (600 rows);
+    the SiLU epilogue; against the fp32 reference and against the same call in
+    pieces of rows small enough to run over all of K at once (the same bits: every C tile
+    takes its K blocks in order)."""
+    g = torch.Generator().manual_seed(5)
+    for m, n, k in ((600, 48, 3088), (520, 96, 4900), (300, 200, 2400)):
+        x = torch.randn(m, k, generator=g).bfloat16()
+        w = (torch.randn(n, k, generator=g) * 0.05).bfloat16()
+        b = torch.randn(n, generator=g).bfloat16()
+        y = cpu_kernels.linear_amx(x, w, b)
+        torch.testing.assert_close(y.float(), reference(x, w, b), rtol=2**-7, atol=1e-4 * k)
+        pieces = torch.cat([cpu_kernels.linear_amx(x[i:i + 32], w, b) for i in range(0, m, 32)])
+        assert torch.equal(y, pieces)
+        ops = CpuKernelOps(LinearDispatch(kernel_max_rows=0, large="torch"))
+        assert torch.equal(cpu_kernels.glu_amx(x, w, b), ops.silu_mul(y))
+
+
+@needs_amx
 def test_amx_linear_is_safe_from_several_threads_at_once():
     """Two threads (two engines in one process) calling the kernel together, each with its
     own shapes: each gets its own scratch, so each gets its own right answer."""
