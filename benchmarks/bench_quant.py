@@ -11,7 +11,9 @@ the read bandwidth (a shared machine's drifts by 10-20% within minutes):
   bytes of the step) / bandwidth / measured step time, with each engine's own bytes (int8:
   half the weights);
 * decode steps at batch 8 and 32: median step time against the roofline step time, the larger
-  of bytes / bandwidth and FLOPs / (fp32 matmul peak, the arithmetic both run in here);
+  of bytes / bandwidth and FLOPs / (the matmul peak of the arithmetic the step runs in, as
+  the engine's cost model says: fp32 for the AVX2 paths, bf16 for AMX tiles, on which int8
+  weights of more than 6 rows are widened to bf16);
 * prefill of 512 tokens.
 
 It prints each figure, int8 / bf16 ratios and the roofline's predicted ratio. With
@@ -99,9 +101,9 @@ def decode_b1_paired(llms: dict, segments: int, steps: int, salt: int,
     return out
 
 
-def decode_batch(llm, batch: int, salt: int) -> tuple[float, float, float]:
-    """(median decode-only step seconds, its roofline bytes, FLOPs) at ``batch`` requests of
-    128 prompt + 32 output tokens."""
+def decode_batch(llm, batch: int, salt: int) -> tuple[float, float, float, str]:
+    """(median decode-only step seconds, its roofline bytes, FLOPs, the dtype whose peak its
+    arithmetic runs at) at ``batch`` requests of 128 prompt + 32 output tokens."""
     from phasewise import SamplingParams
 
     n0 = len(llm.step_stats)
@@ -110,7 +112,8 @@ def decode_batch(llm, batch: int, salt: int) -> tuple[float, float, float]:
     steps = [s for s in list(llm.step_stats)[n0:]
              if s.num_decode_tokens == batch and not s.num_prefill_tokens]
     pred = llm.engine.cost_model.predict([], [128 + 16] * batch)
-    return statistics.median(s.duration_s for s in steps), pred.bytes, pred.flops
+    return (statistics.median(s.duration_s for s in steps), pred.bytes, pred.flops,
+            pred.compute_dtype)
 
 
 def prefill512(llm, salt: int) -> float:
@@ -177,9 +180,11 @@ def main() -> None:
     for r in range(args.rounds):
         for name, llm in (llms.items() if r % 2 == 0 else reversed(llms.items())):
             bw = read_gbps(reps=2) * 1e9
-            peak = matmul_gflops(torch.float32) * 1e9
+            peaks = {"fp32": matmul_gflops(torch.float32) * 1e9,
+                     "bf16": matmul_gflops(torch.bfloat16) * 1e9}
             for b in (8, 32):
-                s, nb, fl = decode_batch(llm, b, salt=20 + r + b)
+                s, nb, fl, arith = decode_batch(llm, b, salt=20 + r + b)
+                peak = peaks.get(arith, peaks["fp32"])
                 add(name, f"b{b}_step_s", s)
                 add(name, f"b{b}_roofline", max(nb / bw, fl / peak) / s)
                 add(name, f"b{b}_bound", float(fl / peak > nb / bw))

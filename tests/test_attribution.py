@@ -169,9 +169,15 @@ def test_each_step_is_rated_at_the_arithmetic_its_rows_run_in():
     gpu = engine_compute_dtype(SimpleNamespace(dtype="torch.float16", device=cuda,
                                                linear_plan=None))
     assert gpu(1000) == "fp16"
-    # int8 weights are widened to fp32 by every CPU path, whatever the bf16 plan says
+    # int8 weights are widened to fp32 by the AVX2 paths, whatever the bf16 plan says; on a
+    # CPU with AMX, more rows than the int8 streams take widen to bf16 for the tiles
+    from phasewise.model import cpu_kernels
+
     int8 = SimpleNamespace(dtype="torch.bfloat16", device=cpu, linear_plan=Plan(),
                            config=SimpleNamespace(quantization="int8"))
     assert engine_weight_dtype(int8) == "int8"
     assert engine_weight_dtype(SimpleNamespace(dtype="torch.float16", device=cuda)) == "fp16"
-    assert {engine_compute_dtype(int8)(r) for r in (1, 16, 17, 4096)} == {"fp32"}
+    above = "bf16" if cpu_kernels.amx_available() else "fp32"
+    rows = cpu_kernels.INT8_ROWS_MAX
+    assert [engine_compute_dtype(int8)(r) for r in (1, rows, rows + 1, 4096)] == [
+        "fp32", "fp32", above, above]

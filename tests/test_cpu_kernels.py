@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from phasewise.model import cpu_kernels
 from phasewise.model.linear import ALL_ROWS, LinearDispatch, Upcast
 from phasewise.model.ops import CpuKernelOps, TorchOps
+from phasewise.model.quant import dequantize_rows, quantize_rows_int8
 
 needs_kernels = pytest.mark.skipif(cpu_kernels.load() is None,
                                    reason=f"CPU kernels unavailable: {cpu_kernels.KERNELS.reason}")
@@ -96,6 +97,39 @@ def test_amx_linear_k_outer_blocking():
         assert torch.equal(y, pieces)
         ops = CpuKernelOps(LinearDispatch(kernel_max_rows=0, large="torch"))
         assert torch.equal(cpu_kernels.glu_amx(x, w, b), ops.silu_mul(y))
+
+
+@needs_amx
+@settings(max_examples=30, deadline=None)
+@given(m=st.integers(1, 70), n=st.integers(16, 200), k=st.integers(1, 300), bias=st.booleans(),
+       seed=st.integers(0, 2**31 - 1))
+def test_amx_int8_weights_widen_exactly(m, n, k, bias, seed):
+    """int8 weights on the tiles: each panel widened to bf16 (exact), the row scales applied
+    to the fp32 sums: the dequantized product within one rounding; the SiLU pass the unfused
+    one bit for bit; linear_int8 takes the tiles above the streams' rows."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g).bfloat16()
+    q, scale = quantize_rows_int8(torch.randn(n, k, generator=g) * 0.1)
+    b = torch.randn(n, generator=g).bfloat16() if bias else None
+    y = cpu_kernels.linear_int8_amx(x, q, scale, b)
+    ref = x.float() @ dequantize_rows(q, scale).T + (b.float() if bias else 0)
+    torch.testing.assert_close(y.float(), ref, rtol=2**-7, atol=1e-4 * k)
+    if m > cpu_kernels.INT8_ROWS_MAX:
+        assert torch.equal(cpu_kernels.linear_int8(x, q, scale, b), y)
+    if n % 2 == 0 and n >= 32:
+        ops = CpuKernelOps(LinearDispatch(kernel_max_rows=0, large="torch"))
+        assert torch.equal(cpu_kernels.glu_int8_amx(x, q, scale, b), ops.silu_mul(y))
+
+
+@needs_amx
+def test_amx_int8_weights_in_k_chunks():
+    """int8 weights through the K-outer blocking: each chunk's columns widened as it comes."""
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(520, 4900, generator=g).bfloat16()
+    q, scale = quantize_rows_int8(torch.randn(96, 4900, generator=g) * 0.1)
+    y = cpu_kernels.linear_int8_amx(x, q, scale)
+    ref = x.float() @ dequantize_rows(q, scale).T
+    torch.testing.assert_close(y.float(), ref, rtol=2**-7, atol=1e-4 * 4900)
 
 
 @needs_amx

@@ -112,6 +112,19 @@ def test_int8_keeps_the_next_token_distribution_close_to_bf16(engines):
     assert all(math.isfinite(d) for d in diffs)
 
 
+def test_int8_steps_are_rated_at_the_arithmetic_they_run_in(engines):
+    """The roofline's peak for an int8 step: fp32 for the streams (up to 6 rows) and, on a
+    CPU with AMX, bf16 above them (the panels widened to bf16 for the tiles)."""
+    from phasewise.model import cpu_kernels
+    from phasewise.perf.attribution import engine_compute_dtype
+
+    rate = engine_compute_dtype(engines["int8"].engine)
+    assert rate(1) == "fp32"
+    assert rate(cpu_kernels.INT8_ROWS_MAX + 1) == ("bf16" if cpu_kernels.amx_available()
+                                                  else "fp32")
+    assert engine_compute_dtype(engines["int8-torch"].engine)(512) == "fp32"
+
+
 def test_the_int8_kernel_computes_what_the_dequantized_torch_path_does(engines):
     a, b = first_token_logprobs(engines["int8"]), first_token_logprobs(engines["int8-torch"])
     for r, g in zip(a, b):

@@ -152,14 +152,25 @@ static inline void load_transposed(const float *c0, const float *c1, __m512i a[1
     transpose16(b);
 }
 
+/* Int8 weights: the 16 channels of each token's row a[t] times their scales s[0..15] (the
+ * products ran on the integers; NULL: bf16 weights, nothing to do). */
+static inline void scale_rows(__m512i a[16], const float *s) {
+    if (!s) return;
+    __m512 v = _mm512_loadu_ps(s);
+    for (int t = 0; t < 16; t++)
+        a[t] = _mm512_castps_si512(_mm512_mul_ps(_mm512_castsi512_ps(a[t]), v));
+}
+
 /* The epilogue of a tile pair: c0 holds channels [na, na + 16), c1 [nb, nb + 16), each
- * [16 channels][16 tokens] fp32; tokens [m0, m0 + mt) go to y (bf16, + bias). When the two
+ * [16 channels][16 tokens] fp32; tokens [m0, m0 + mt) go to y (bf16, x scale, + bias). When the two
  * tiles are adjacent and their 64 bytes of y are aligned, one 64-byte store per token
  * (streaming past the caches for large outputs: `nt`). */
 static void store_pair(const float *c0, const float *c1, int na, int nb, uint16_t *y, int N,
-                       int m0, int mt, const uint16_t *bias, int nt) {
+                       int m0, int mt, const uint16_t *bias, const float *scale, int nt) {
     __m512i a[16], b[16];
     load_transposed(c0, c1, a, b);
+    scale_rows(a, scale ? scale + na : NULL);
+    scale_rows(b, scale ? scale + nb : NULL);
     __m512 ba = load_bias16(bias ? bias + na : NULL, 0xffff);
     __m512 bb = load_bias16(bias ? bias + nb : NULL, 0xffff);
     if (nb == na + 16 && ((uintptr_t)(y + (long)m0 * N + na) & 63) == 0 && (N & 31) == 0) {
@@ -208,19 +219,57 @@ static void panel_rows(Panel *p, const uint16_t *w, int na, int nb, int K) {
     }
 }
 
-/* Panel i of a layer: plain (glu = 0, 32 rows of N) or gate/up (glu = 1, 16 of N = I). */
-static void panel_at(Panel *p, const uint16_t *w, int i, int N, int K, int glu) {
+/* The rows of panel i of a layer: plain (glu = 0, 32 rows of N) or gate/up (glu = 1, 16 of
+ * N = I, and the matching up rows). */
+static inline void panel_pos(int i, int N, int glu, int *na, int *nb) {
     if (glu) {
-        int na = i * 16 + 16 > N ? N - 16 : i * 16;
-        panel_rows(p, w, na, N + na, K);
+        *na = i * 16 + 16 > N ? N - 16 : i * 16;
+        *nb = N + *na;
         return;
     }
     int n0 = i * 32;
-    panel_rows(p, w, n0 + 16 > N ? N - 16 : n0, n0 + 32 > N ? N - 16 : n0 + 16, K);
+    *na = n0 + 16 > N ? N - 16 : n0;
+    *nb = n0 + 32 > N ? N - 16 : n0 + 16;
 }
 
-/* Prefetch cursor: columns [c0, c1) of the rows [n, n + rows) of w (of K values each),
- * spread evenly over `steps` calls of prefetch_step; whole rows are one contiguous span. */
+static void panel_at(Panel *p, const uint16_t *w, int i, int N, int K, int glu) {
+    int na, nb;
+    panel_pos(i, N, glu, &na, &nb);
+    panel_rows(p, w, na, nb, K);
+}
+
+/* 16 int8 rows (row stride K bytes), columns [c0, c1), as bf16 into dst (row stride K
+ * values): exact, since every integer of -127..127 is a bf16. */
+static void widen_rows(const int8_t *q, int K, int c0, int c1, uint16_t *dst) {
+    for (int r = 0; r < 16; r++) {
+        const int8_t *src = q + (long)r * K;
+        uint16_t *out = dst + (long)r * K;
+        for (int c = c0; c < c1; c += 32) {
+            __mmask32 m = c1 - c >= 32 ? 0xffffffffu : (1u << (c1 - c)) - 1u;
+            __m256i b = _mm256_maskz_loadu_epi8(m, src + c);
+            __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(b)));
+            __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(b, 1)));
+            _mm512_mask_storeu_epi16(out + c, m, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+        }
+    }
+}
+
+/* Panel i of an int8 layer for K columns [c0, c1): its two 16-row tiles widened into wbuf
+ * (32 rows of K values: the a rows, then the b rows), so that the tiles read bf16. */
+static void panel_at_int8(Panel *p, const int8_t *q, int i, int N, int K, int glu, int c0,
+                          int c1, uint16_t *wbuf) {
+    int na, nb;
+    panel_pos(i, N, glu, &na, &nb);
+    widen_rows(q + (long)na * K, K, c0, c1, wbuf);
+    widen_rows(q + (long)nb * K, K, c0, c1, wbuf + 16L * K);
+    panel_rows(p, wbuf, 0, 16, K);
+    p->na = na;
+    p->nb = nb;
+}
+
+/* Prefetch cursor: columns [c0, c1) of the rows [n, n + rows) of w (of K values of eb
+ * bytes each), spread evenly over `steps` calls of prefetch_step; whole rows are one
+ * contiguous span. */
 typedef struct {
     const char *p, *row_end;  /* the next line; the end of the current row's window */
     long span, stride;        /* a row window's bytes; the bytes from one row to the next */
@@ -228,15 +277,15 @@ typedef struct {
     long per_step;
 } Prefetch;
 
-static void prefetch_window(Prefetch *pf, const uint16_t *w, int n, int rows, int K, int c0,
-                            int c1, long steps) {
-    long span = (long)(c1 - c0) * 2;
+static void prefetch_window(Prefetch *pf, const void *w, int eb, int n, int rows, int K,
+                            int c0, int c1, long steps) {
+    long span = (long)(c1 - c0) * eb;
     if (rows <= 0) rows = 0, span = 0;
     if (c0 == 0 && c1 == K && rows > 0) span *= rows, rows = 1;  /* contiguous */
-    pf->p = (const char *)(w + (long)n * K + c0);
+    pf->p = (const char *)w + ((long)n * K + c0) * eb;
     pf->row_end = pf->p + span;
     pf->span = span;
-    pf->stride = (long)K * 2;
+    pf->stride = (long)K * eb;
     pf->rows = rows > 0 ? rows - 1 : 0;
     long lines = (long)(rows > 0 ? rows : 0) * ((span + 63) / 64);
     pf->per_step = steps > 0 ? (lines + steps - 1) / steps : lines;
@@ -256,13 +305,13 @@ static inline void prefetch_step(Prefetch *pf) {
 
 /* Queue columns [c0, c1) of panel i's weights (none if i is past the last panel): pf[0] its
  * first rows, pf[1] (glu) the up rows. */
-static void prefetch_panel(Prefetch pf[2], const uint16_t *w, int i, int npanels, int N, int K,
-                           int glu, int c0, int c1, long steps) {
+static void prefetch_panel(Prefetch pf[2], const void *w, int eb, int i, int npanels, int N,
+                           int K, int glu, int c0, int c1, long steps) {
     int width = glu ? 16 : 32;
     int n = i < npanels ? i * width : N;
     int rows = n + width < N ? width : N - n;
-    prefetch_window(&pf[0], w, n, rows, K, c0, c1, steps);
-    prefetch_window(&pf[1], w, glu ? N + n : n, glu ? rows : 0, K, c0, c1, steps);
+    prefetch_window(&pf[0], w, eb, n, rows, K, c0, c1, steps);
+    prefetch_window(&pf[1], w, eb, glu ? N + n : n, glu ? rows : 0, K, c0, c1, steps);
 }
 
 /* C tiles 0..3 += the panel's weights x the packed token blocks x0 (and x1 if two) over the
@@ -357,9 +406,11 @@ static inline __m512 glu16(__m512i g, __m512i u, __m512 bg, __m512 bu) {
 /* The epilogue of a gate/up tile pair (channels [n, n + 16) of gate and of up): tokens
  * [m0, m0 + mt) of act into y, bf16 (or fp32 into yf when y is NULL, for the fused layer). */
 static void store_glu(const float *cg, const float *cu, int n, int N, uint16_t *y, float *yf,
-                      int m0, int mt, const uint16_t *bias) {
+                      int m0, int mt, const uint16_t *bias, const float *scale) {
     __m512i g[16], u[16];
     load_transposed(cg, cu, g, u);
+    scale_rows(g, scale ? scale + n : NULL);
+    scale_rows(u, scale ? scale + N + n : NULL);
     __m512 bg = load_bias16(bias ? bias + n : NULL, 0xffff);
     __m512 bu = load_bias16(bias ? bias + N + n : NULL, 0xffff);
     for (int t = 0; t < mt; t++) {
@@ -389,7 +440,7 @@ static void *packed_scratch(size_t bytes) {
 /* The C tiles of a finished token pair (tiles tb and tb + 1 if two) through the plain or
  * SiLU epilogue into y. */
 static inline void pair_epilogue(const Panel *p, int tb, int two, int M, int N, int glu,
-                                 uint16_t *y, const uint16_t *bias, int nt) {
+                                 uint16_t *y, const uint16_t *bias, const float *scale, int nt) {
     float c[4][256] __attribute__((aligned(64)));
     _tile_stored(0, c[0], 64);  /* tile numbers must be constants */
     _tile_stored(1, c[1], 64);
@@ -400,9 +451,10 @@ static inline void pair_epilogue(const Panel *p, int tb, int two, int M, int N, 
     for (int half = 0; half <= two; half++) {
         int m0 = (tb + half) * 16, mt = M - m0 < 16 ? M - m0 : 16;
         if (glu)
-            store_glu(c[2 * half], c[2 * half + 1], p->na, N, y, NULL, m0, mt, bias);
+            store_glu(c[2 * half], c[2 * half + 1], p->na, N, y, NULL, m0, mt, bias, scale);
         else
-            store_pair(c[2 * half], c[2 * half + 1], p->na, p->nb, y, N, m0, mt, bias, nt);
+            store_pair(c[2 * half], c[2 * half + 1], p->na, p->nb, y, N, m0, mt, bias, scale,
+                       nt);
     }
 }
 
@@ -439,27 +491,33 @@ static inline int chunk_end(int c0, int kcb, int KB, int KF) {
  * copy, half each, cost 0.5 ms of a 2.1 ms 512 x 4864 -> 896 call on a 2-core AMX Xeon,
  * 1/4 of that once private). Every C tile takes its K blocks in order, whatever the
  * chunking: the same bits. */
-static int amx_blocks(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y,
-                      int M, int N, int K, int nthreads, int glu, int tb_block, int kcb, int kc,
-                      int panels) {
+static int amx_blocks(const uint16_t *x, const uint16_t *w, const int8_t *wq,
+                      const float *scale, const uint16_t *bias, uint16_t *y, int M, int N, int K,
+                      int nthreads, int glu, int tb_block, int kcb, int kc, int panels) {
     int KB = (K + 31) / 32, KF = K / 32, TB = (M + 15) / 16;
     int npanels = glu ? (N + 15) / 16 : (N + 31) / 32;
     int span = kcb < KB;  /* the C tiles wait per panel across chunks */
     long spill_bytes = (long)(span ? panels : 1) * (tb_block / 2) * 4 * TILE_BYTES;
     long xbytes = (long)tb_block * (kcb + 1) * TILE_BYTES;  /* + 1: a K tail joins a chunk */
-    uint32_t *xp = (uint32_t *)packed_scratch((size_t)nthreads * (xbytes + spill_bytes));
+    long wbytes = wq ? ((32L * K * 2) + 63) / 64 * 64 : 0;   /* int8: a widened panel */
+    long per = xbytes + spill_bytes + wbytes;
+    uint32_t *xp = (uint32_t *)packed_scratch((size_t)nthreads * per);
     if (!xp) return -1;
     int nt = !glu && (long)M * N * 2 >= NT_STORE_BYTES;
 #pragma omp parallel num_threads(nthreads)
     {
         int t = omp_get_thread_num(), T = omp_get_num_threads();
         int lo = (int)((long)npanels * t / T), hi = (int)((long)npanels * (t + 1) / T);
-        uint32_t *xt = (uint32_t *)((char *)xp + (size_t)t * (xbytes + spill_bytes));
+        uint32_t *xt = (uint32_t *)((char *)xp + (size_t)t * per);
         float *cs = (float *)((char *)xt + xbytes);
+        uint16_t *wbuf = (uint16_t *)((char *)cs + spill_bytes);
+        const void *wsrc = wq ? (const void *)wq : (const void *)w;
+        int eb = wq ? 1 : 2;
         Prefetch pf[2];
         /* this thread's first panel's first chunk, on its way while the tokens are packed */
         int c1 = chunk_end(0, kcb, KB, KF) * 32;
-        prefetch_panel(pf, w, lo < hi ? lo : npanels, npanels, N, K, glu, 0, c1 < K ? c1 : K, 1);
+        prefetch_panel(pf, wsrc, eb, lo < hi ? lo : npanels, npanels, N, K, glu, 0,
+                       c1 < K ? c1 : K, 1);
         prefetch_step(&pf[0]);
         prefetch_step(&pf[1]);
         _tile_loadconfig(&TILES);
@@ -477,12 +535,16 @@ static int amx_blocks(const uint16_t *x, const uint16_t *w, const uint16_t *bias
                                   xt + ((long)(tb - tb0) * width + kb - kc0) * 256);
                     }
                 for (int i = lo; i < hi; i++) {
-                    panel_at(&p, w, i, N, K, glu);
+                    if (wq)
+                        panel_at_int8(&p, wq, i, N, K, glu, kc0 * 32, kc1 * 32 < K ? kc1 * 32 : K,
+                                      wbuf);
+                    else
+                        panel_at(&p, w, i, N, K, glu);
                     /* the next panel's chunk, or the first panel's next chunk or block */
                     int next = i + 1 < hi ? i + 1 : lo, nc0 = i + 1 < hi ? kc0 : kc1;
                     if (nc0 >= KB) nc0 = 0, next = tb1 < TB ? lo : npanels;
                     int nc1 = chunk_end(nc0, kcb, KB, KF);
-                    prefetch_panel(pf, w, next, npanels, N, K, glu, nc0 * 32,
+                    prefetch_panel(pf, wsrc, eb, next, npanels, N, K, glu, nc0 * 32,
                                    nc1 * 32 < K ? nc1 * 32 : K, (long)pairs * width);
                     float *spill_i = cs + (long)(span ? i - lo : 0) * pairs * 1024;
                     for (int kb0 = kc0; kb0 < kend || kb0 == kc0; kb0 += kc) {
@@ -499,7 +561,7 @@ static int amx_blocks(const uint16_t *x, const uint16_t *w, const uint16_t *bias
                                 reload_c(spill);
                             panel_steps(&p, x0, x1, two, K, kb0, kb1, kc0, pf);
                             if (last)
-                                pair_epilogue(&p, tb, two, M, N, glu, y, bias, nt);
+                                pair_epilogue(&p, tb, two, M, N, glu, y, bias, scale, nt);
                             else
                                 spill_c(spill);
                         }
@@ -515,8 +577,9 @@ static int amx_blocks(const uint16_t *x, const uint16_t *w, const uint16_t *bias
 }
 
 /* The blocking for an M x K x N call, then amx_blocks. */
-static int amx_linear(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y,
-                      int M, int N, int K, int nthreads, int glu) {
+static int amx_linear(const uint16_t *x, const uint16_t *w, const int8_t *wq,
+                      const float *scale, const uint16_t *bias, uint16_t *y, int M, int N, int K,
+                      int nthreads, int glu) {
     if (N < 16) return -2;
     if (M <= 0) return 0;
     int KB = (K + 31) / 32, KF = K / 32, TB = (M + 15) / 16;
@@ -535,7 +598,8 @@ static int amx_linear(const uint16_t *x, const uint16_t *w, const uint16_t *bias
         int kcb = (int)(KO_XBLOCK_BYTES / ((long)tbk * TILE_BYTES)) / KC * KC;
         if (kcb < KC) kcb = KC;
         if ((long)per_thread * (tbk / 2) * 4 * TILE_BYTES <= KO_SPILL_MAX_BYTES)
-            return amx_blocks(x, w, bias, y, M, N, K, nthreads, glu, tbk, kcb, KC, per_thread);
+            return amx_blocks(x, w, wq, scale, bias, y, M, N, K, nthreads, glu, tbk, kcb, KC,
+                              per_thread);
     }
     /* K in chunks of KC blocks (from L1) when at least KC_MIN_PAIRS token pairs share each
      * (else the spills cost more than the L1 hits gain: measured on a 2-core AMX Xeon, 512
@@ -543,14 +607,14 @@ static int amx_linear(const uint16_t *x, const uint16_t *w, const uint16_t *bias
      * -> 896, whose token blocks held 3 pairs) */
     int kc = tb_block / 2 >= KC_MIN_PAIRS && TB >= 2 * KC_MIN_PAIRS ? KC : (KF > 0 ? KF : 1);
     if (tb_block > TB) tb_block = (TB + 1) / 2 * 2;
-    return amx_blocks(x, w, bias, y, M, N, K, nthreads, glu, tb_block, KB, kc, 1);
+    return amx_blocks(x, w, wq, scale, bias, y, M, N, K, nthreads, glu, tb_block, KB, kc, 1);
 }
 
 /* y = x @ w^T (+ bias). Returns 0, -1 if scratch memory could not be allocated, -2 if
  * N < 16. */
 int pw_linear_amx(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y,
                   int M, int N, int K, int nthreads) {
-    return amx_linear(x, w, bias, y, M, N, K, nthreads, 0);
+    return amx_linear(x, w, NULL, NULL, bias, y, M, N, K, nthreads, 0);
 }
 
 /* A SwiGLU MLP's first half in one pass: w [2I, K] is [gate | up] (gate_up_proj), bias [2I]
@@ -558,7 +622,21 @@ int pw_linear_amx(const uint16_t *x, const uint16_t *w, const uint16_t *bias, ui
  * unfused path's values, without writing and re-reading [M, 2I]). Same returns; I >= 16. */
 int pw_linear_glu_amx(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y,
                       int M, int I, int K, int nthreads) {
-    return amx_linear(x, w, bias, y, M, I, K, nthreads, 1);
+    return amx_linear(x, w, NULL, NULL, bias, y, M, I, K, nthreads, 1);
+}
+
+/* Weight-only int8 (w int8 [N, K] or [2I, K], scale fp32 per row): pw_linear_amx and
+ * pw_linear_glu_amx with each panel's rows widened to bf16 (exact) as they come in, and the
+ * scales applied to the fp32 sums before the bias and the rounding. Same returns. */
+int pw_linear_int8_amx(const uint16_t *x, const int8_t *w, const float *scale,
+                       const uint16_t *bias, uint16_t *y, int M, int N, int K, int nthreads) {
+    return amx_linear(x, NULL, w, scale, bias, y, M, N, K, nthreads, 0);
+}
+
+int pw_linear_glu_int8_amx(const uint16_t *x, const int8_t *w, const float *scale,
+                           const uint16_t *bias, uint16_t *y, int M, int I, int K,
+                           int nthreads) {
+    return amx_linear(x, NULL, w, scale, bias, y, M, I, K, nthreads, 1);
 }
 
 /* For the fused decode layer (cpu_kernels.c): M <= 32 fp32 activation rows (bf16-valued),
@@ -592,7 +670,7 @@ static void share_panels(const uint32_t *xp, int M, const uint16_t *w, const uin
     Prefetch pf[2];
     for (int i = lo; i < hi; i++) {
         panel_at(&p, w, i, N, K, glu);
-        prefetch_panel(pf, w, i + 1 < hi ? i + 1 : npanels, npanels, N, K, glu, 0, K, K / 32);
+        prefetch_panel(pf, w, 2, i + 1 < hi ? i + 1 : npanels, npanels, N, K, glu, 0, K, K / 32);
         panel_product(&p, xp, x1, two, K, pf);
         _tile_stored(0, c[0], 64);  /* tile numbers must be constants */
         _tile_stored(1, c[1], 64);
@@ -603,7 +681,7 @@ static void share_panels(const uint32_t *xp, int M, const uint16_t *w, const uin
         for (int half = 0; half <= two; half++) {
             int m0 = 16 * half, mt = M - m0 < 16 ? M - m0 : 16;
             if (glu) {
-                store_glu(c[2 * half], c[2 * half + 1], p.na, N, NULL, out, m0, mt, bias);
+                store_glu(c[2 * half], c[2 * half + 1], p.na, N, NULL, out, m0, mt, bias, NULL);
                 continue;
             }
             __m512i a[16], b[16];

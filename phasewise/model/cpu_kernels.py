@@ -131,6 +131,8 @@ AMX_SIGNATURES = {
     "pw_amx_init": (ctypes.c_int, []),
     "pw_linear_amx": (ctypes.c_int, [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4),
     "pw_linear_glu_amx": (ctypes.c_int, [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4),
+    "pw_linear_int8_amx": (ctypes.c_int, [ctypes.c_void_p] * 5 + [ctypes.c_int] * 4),
+    "pw_linear_glu_int8_amx": (ctypes.c_int, [ctypes.c_void_p] * 5 + [ctypes.c_int] * 4),
     "pw_amx_tile_flops": (ctypes.c_double, [ctypes.c_long, ctypes.c_int]),
     # q, q_stride, k_cache, v_cache, table, bs, ctx, n, out, out_stride, heads, kv, hd,
     # scale, threads
@@ -354,18 +356,53 @@ def linear_int8(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
                 bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, scale[:, None] * w, bias)`` for weight-only int8: x [..., K] bf16, w [N,
     K] int8 contiguous, scale [N] fp32, bias [N] bf16 or None -> [..., N] bf16. Up to
-    ``INT8_ROWS_MAX`` rows each weight byte is read once, at memory speed; more rows run the
-    packed GEMM, which widens the int8 weights block by block (no full-size copy)."""
+    ``INT8_ROWS_MAX`` rows each weight byte is read once, at memory speed. More rows run on
+    AMX tiles where the CPU has them (``linear_int8_amx``), else the packed GEMM, which
+    widens the int8 weights block by block (no full-size copy)."""
+    _check_int8("linear_int8", x, w, scale, bias)
+    rows = x.numel() // max(x.shape[-1], 1)
+    if rows > INT8_ROWS_MAX and w.shape[0] >= 16 and amx_available():
+        return _call("pw_linear_int8_amx", x, w.contiguous(), bias, scale.contiguous())
+    return _call("pw_linear_int8", x, w.contiguous(), bias, scale.contiguous())
+
+
+def _check_int8(name: str, x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
+                bias: torch.Tensor | None) -> None:
     k, n = x.shape[-1], w.shape[0]
     if (w.dtype != torch.int8 or scale.dtype != torch.float32 or x.dtype != torch.bfloat16
             or (bias is not None and bias.dtype != torch.bfloat16)):
-        raise TypeError(f"linear_int8 needs bf16 x, int8 w, fp32 scale and a bf16 bias; got "
+        raise TypeError(f"{name} needs bf16 x, int8 w, fp32 scale and a bf16 bias; got "
                         f"{x.dtype}, {w.dtype}, {scale.dtype}, "
                         f"{None if bias is None else bias.dtype}")
     if w.shape[1] != k or scale.shape != (n,) or (bias is not None and bias.shape != (n,)):
-        raise ValueError(f"linear_int8: x [..., {k}] against w {tuple(w.shape)}, scale "
+        raise ValueError(f"{name}: x [..., {k}] against w {tuple(w.shape)}, scale "
                          f"{tuple(scale.shape)}")
-    return _call("pw_linear_int8", x, w.contiguous(), bias, scale.contiguous())
+
+
+def linear_int8_amx(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
+                    bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``linear_int8`` on AMX tiles for any row count: each weight panel widened to bf16
+    (exact: -127..127 are bf16 integers) as it comes in, the scales applied to the fp32 sums
+    before the bias and the one rounding. Needs ``amx_available()`` and >= 16 rows of w."""
+    _check_int8("linear_int8_amx", x, w, scale, bias)
+    if w.shape[0] < 16:
+        raise ValueError(f"linear_int8_amx: w must have >= 16 rows; got {w.shape[0]}")
+    _need_amx()
+    return _call("pw_linear_int8_amx", x, w.contiguous(), bias, scale.contiguous())
+
+
+def glu_int8_amx(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``glu_amx`` for an int8 gate/up weight [2I, K] with per-row scales [2I]: the values
+    ``silu_mul(linear_int8_amx(x, w, scale, bias))`` gives."""
+    _check_int8("glu_int8_amx", x, w, scale, bias)
+    inter = w.shape[0] // 2
+    if w.shape[0] % 2 or inter < 16:
+        raise ValueError(f"glu_int8_amx: w must have an even number >= 32 of rows; got "
+                         f"{w.shape[0]}")
+    _need_amx()
+    return _call("pw_linear_glu_int8_amx", x, w.contiguous(), bias, scale.contiguous(),
+                 n=inter)
 
 
 def amx_tile_gflops(seconds: float = 0.2) -> float | None:

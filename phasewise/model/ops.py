@@ -141,11 +141,18 @@ class CpuKernelOps(TorchOps):
 
     def gate_up_silu(self, x: torch.Tensor, lin: nn.Linear) -> torch.Tensor:
         """On AMX, when the plan runs these rows there: the projection and SiLU-and-multiply
-        in one pass (``cpu_kernels.glu_amx``), never writing the [rows, 2I] projection."""
+        in one pass (``cpu_kernels.glu_amx``), never writing the [rows, 2I] projection; with
+        int8 weights, above the int8 streams' rows (``cpu_kernels.glu_int8_amx``)."""
         w, b = lin.weight, lin.bias
         rows = x.numel() // x.shape[-1]
-        if (self._amx_rows(rows) and getattr(lin, "weight_scale", None) is None
-                and self._ok(x, w) and (b is None or self._ok(b)) and w.shape[0] >= 32):
+        scale = getattr(lin, "weight_scale", None)
+        if scale is not None:  # int8: the streams up to INT8_ROWS_MAX rows, AMX above
+            if (rows > cpu_kernels.INT8_ROWS_MAX and cpu_kernels.amx_available()
+                    and self._ok(x) and (b is None or self._ok(b)) and w.shape[0] >= 32
+                    and w.dtype == torch.int8 and scale.dtype == torch.float32):
+                return cpu_kernels.glu_int8_amx(x, w, scale, b)
+        elif (self._amx_rows(rows) and self._ok(x, w) and (b is None or self._ok(b))
+                and w.shape[0] >= 32):
             return cpu_kernels.glu_amx(x, w, b)
         return super().gate_up_silu(x, lin)
 
@@ -288,7 +295,8 @@ class CpuKernelOps(TorchOps):
 
     def _streams_only(self, rows: int, *args: cpu_kernels.DecodeLayerArgs) -> bool:
         """More rows than the streams take, but a layer the AMX tiles cannot take whole: an
-        int8 projection (streamed: no AMX kernel takes int8 weights), or fewer than 16
+        int8 projection (the fused layer's AMX projections read bf16; op by op, an int8
+        projection of more rows runs on the tiles, widened as it comes), or fewer than 16
         output channels (hidden or q + 2 kv) or 8 intermediate ones. The C layer refuses
         such a step (as it checks the same), so it runs op by op."""
         return rows > self.kernels.decode_layer_max_rows and any(

@@ -46,11 +46,17 @@ def engine_weight_dtype(engine: Any) -> str:
 def engine_compute_dtype(engine: Any) -> Callable[[int], str]:
     """For an ``LLMEngine``: the dtype whose peak a step of ``rows`` tokens runs at. On CPU
     the calibrated bf16 plan decides per row count (kernel or upcast: fp32; torch: bf16),
-    int8 weights are widened to fp32 by every path that runs them, and fp16 (an emulation
-    there, with no measured peak) is rated against fp32; elsewhere the weights' dtype."""
+    int8 weights are widened to fp32 by the paths that run them, except more rows than the
+    int8 streams take on a CPU with AMX, which widens them to bf16 for the tiles; fp16 (an
+    emulation there, with no measured peak) is rated against fp32; elsewhere the weights'
+    dtype."""
     dtype = norm_dtype(str(engine.dtype).removeprefix("torch."))
     if engine.device.type == "cpu":
         if engine_weight_dtype(engine) == "int8":
+            from phasewise.model import cpu_kernels
+
+            if getattr(engine, "linear_plan", None) is not None and cpu_kernels.amx_available():
+                return lambda rows: "bf16" if rows > cpu_kernels.INT8_ROWS_MAX else "fp32"
             return lambda rows: "fp32"
         plan = getattr(engine, "linear_plan", None)
         if plan is not None:
