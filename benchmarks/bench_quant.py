@@ -129,14 +129,22 @@ def quantiles(xs: list[float]) -> list[float]:
 
 
 def run_llama(python: str, model: str, quick: bool) -> dict | None:
+    """llama.cpp's figures; a run killed by a signal is retried once without its extra
+    buffer types (weight repacking, the AMX backend), which crashed on an AMX Xeon; the
+    result then says so (``extra_bufts: False``)."""
     script = HERE / "peers" / "llamacpp_decode.py"
     cmd = [python, str(script), model] + (["--quick"] if quick else [])
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT "):])
-    print(f"  llama.cpp run failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}",
-          file=sys.stderr)
+    for extra in ([], ["--no-extra-bufts"]):
+        proc = subprocess.run(cmd + extra, capture_output=True, text=True, timeout=3600)
+        for line in proc.stdout.splitlines():
+            if line.startswith("RESULT "):
+                out = json.loads(line[len("RESULT "):])
+                out["extra_bufts"] = not extra
+                return out
+        print(f"  llama.cpp run{' ' + extra[0] if extra else ''} failed (exit "
+              f"{proc.returncode}):\n{proc.stderr[-2000:]}", file=sys.stderr)
+        if proc.returncode >= 0:
+            break
     return None
 
 
@@ -217,7 +225,9 @@ def main() -> None:
         peer = run_llama(args.llama_python, model, args.quick)
         if peer:
             print("\nllama.cpp through llama-cpp-python, built from its sdist (the same "
-                  "checkpoint converted to GGUF, 2 threads):")
+                  "checkpoint converted to GGUF, 2 threads"
+                  + ("" if peer.pop("extra_bufts") else "; without its extra buffer types, "
+                     "which crashed here") + "):")
             for kind, mine in (("q8_0", "int8"), ("bf16", "bf16")):
                 p = peer.get(kind)
                 if not p:

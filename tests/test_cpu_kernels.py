@@ -455,7 +455,7 @@ PLANS = {"avx2": (8, "torch"), "amx": (0, "amx")}
     (17, None, "amx"), (32, None, "amx"),  # AMX: up to 32 rows, two token tiles
     (32, None, "avx2"),  # too many rows for the streams: op by op
     (3, "int8", "amx"),  # AMX rows, int8 weights: fused, the int8 ones streamed
-    (8, "int8", "amx")])  # the same with more rows than the streams take: op by op
+    (8, "int8", "amx"), (32, "int8", "amx")])  # more: fused, int8 panels widened on the tiles
 def test_fused_decode_layer_matches_op_by_op(tmp_path, arch, rows, quantization, plan):
     """The one-call decode layer computes what the op-by-op kernel path computes (biases,
     q/k norms and GQA included, bf16 or int8 projections, the AVX2 streams or the AMX
@@ -493,7 +493,7 @@ def test_fused_decode_layer_matches_op_by_op(tmp_path, arch, rows, quantization,
         def decode_stack(self, *args, **kwargs):
             return None
 
-    fused = rows <= 6 or (plan == "amx" and quantization is None)
+    fused = rows <= 6 or plan == "amx"
     outs = {}
     for name, ops in (("stack", CpuKernelOps(dispatch)), ("layers", LayerByLayer(dispatch)),
                       ("ops", CpuKernelOps(dispatch, fused_decode=False))):
@@ -516,8 +516,9 @@ def test_fused_decode_layer_matches_op_by_op(tmp_path, arch, rows, quantization,
     # One call or one per layer, the same kernel: the same bits; also with an odd number of
     # layers (the stack's output buffers alternate).
     assert torch.equal(outs["stack"][0], outs["layers"][0])
-    if not fused or (plan == "amx" and quantization is None):  # op by op, or the AMX
-        # products and GLU epilogue: exactly the op-by-op results
+    if not fused or (plan == "amx" and (quantization is None or rows > 6)):  # op by op, or
+        # the AMX products and GLU epilogue (int8: the same widened panels and scales):
+        # exactly the op-by-op results
         assert torch.equal(outs["stack"][0], outs["ops"][0])
     model.layers = torch.nn.ModuleList(list(model.layers)[:1])
     odd = {}
@@ -666,5 +667,5 @@ def test_a_step_the_amx_layer_cannot_take_whole_runs_op_by_op():
     for bad in (dict(H=8), dict(Q=4, KV=2), dict(I=4)):
         assert ops._streams_only(most + 1, args(), args(**bad))
     int8 = args()
-    int8.s_down = 1234  # an int8 projection's scale pointer
-    assert ops._streams_only(most + 1, int8)
+    int8.s_down = 1234  # an int8 projection's scale pointer: the tiles widen it
+    assert not ops._streams_only(most + 1, int8)

@@ -128,10 +128,26 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="one repetition")
     ap.add_argument("--converter", type=Path, help="path of convert_hf_to_gguf.py")
+    ap.add_argument("--no-extra-bufts", action="store_true",
+                    help="load without llama.cpp's extra buffer types (its weight repacking and "
+                    "AMX backend): on a 2-core AMX Xeon the 0.3.36 build crashed (SIGSEGV) at "
+                    "the first eval of the reference checkpoint with them")
     args = ap.parse_args()
     reps = 1 if args.quick else args.reps
 
     import llama_cpp
+
+    if args.no_extra_bufts:  # Llama() takes its model params from the bindings' function
+        bindings = llama_cpp.llama_cpp
+        default_params = bindings.llama_model_default_params
+
+        def without_extra_bufts():
+            params = default_params()
+            params.use_extra_bufts = False
+            return params
+
+        bindings.llama_model_default_params = without_extra_bufts
+        print("extra buffer types: off")
 
     print(f"llama_cpp {llama_cpp.__version__}")
     print(llama_cpp.llama_print_system_info().decode())

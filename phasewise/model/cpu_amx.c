@@ -198,75 +198,6 @@ static void tail_tile(const uint16_t *w, int K, uint16_t *dst) {
     for (int i = 0; i < 16; i++) memcpy(dst + i * 32, w + (long)i * K + k0, (size_t)(K - k0) * 2);
 }
 
-/* A panel: the two 16-row tiles of weights that share the activations, at rows na and nb, K
- * values each, with their zero-padded K tails when K % 32 != 0. For a plain linear layer
- * they are 32 consecutive rows (nb = na + 16, unless the panel overhangs N); for the fused
- * gate/up + SiLU they are gate rows and the matching up rows (nb = I + na). */
-typedef struct {
-    const uint16_t *wa, *wb;
-    int na, nb;
-    uint16_t tail[2][TILE_BYTES / 2] __attribute__((aligned(64)));
-} Panel;
-
-static void panel_rows(Panel *p, const uint16_t *w, int na, int nb, int K) {
-    p->na = na;
-    p->nb = nb;
-    p->wa = w + (long)na * K;
-    p->wb = w + (long)nb * K;
-    if (K % 32) {
-        tail_tile(p->wa, K, p->tail[0]);
-        tail_tile(p->wb, K, p->tail[1]);
-    }
-}
-
-/* The rows of panel i of a layer: plain (glu = 0, 32 rows of N) or gate/up (glu = 1, 16 of
- * N = I, and the matching up rows). */
-static inline void panel_pos(int i, int N, int glu, int *na, int *nb) {
-    if (glu) {
-        *na = i * 16 + 16 > N ? N - 16 : i * 16;
-        *nb = N + *na;
-        return;
-    }
-    int n0 = i * 32;
-    *na = n0 + 16 > N ? N - 16 : n0;
-    *nb = n0 + 32 > N ? N - 16 : n0 + 16;
-}
-
-static void panel_at(Panel *p, const uint16_t *w, int i, int N, int K, int glu) {
-    int na, nb;
-    panel_pos(i, N, glu, &na, &nb);
-    panel_rows(p, w, na, nb, K);
-}
-
-/* 16 int8 rows (row stride K bytes), columns [c0, c1), as bf16 into dst (row stride K
- * values): exact, since every integer of -127..127 is a bf16. */
-static void widen_rows(const int8_t *q, int K, int c0, int c1, uint16_t *dst) {
-    for (int r = 0; r < 16; r++) {
-        const int8_t *src = q + (long)r * K;
-        uint16_t *out = dst + (long)r * K;
-        for (int c = c0; c < c1; c += 32) {
-            __mmask32 m = c1 - c >= 32 ? 0xffffffffu : (1u << (c1 - c)) - 1u;
-            __m256i b = _mm256_maskz_loadu_epi8(m, src + c);
-            __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(b)));
-            __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(b, 1)));
-            _mm512_mask_storeu_epi16(out + c, m, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
-        }
-    }
-}
-
-/* Panel i of an int8 layer for K columns [c0, c1): its two 16-row tiles widened into wbuf
- * (32 rows of K values: the a rows, then the b rows), so that the tiles read bf16. */
-static void panel_at_int8(Panel *p, const int8_t *q, int i, int N, int K, int glu, int c0,
-                          int c1, uint16_t *wbuf) {
-    int na, nb;
-    panel_pos(i, N, glu, &na, &nb);
-    widen_rows(q + (long)na * K, K, c0, c1, wbuf);
-    widen_rows(q + (long)nb * K, K, c0, c1, wbuf + 16L * K);
-    panel_rows(p, wbuf, 0, 16, K);
-    p->na = na;
-    p->nb = nb;
-}
-
 /* Prefetch cursor: columns [c0, c1) of the rows [n, n + rows) of w (of K values of eb
  * bytes each), spread evenly over `steps` calls of prefetch_step; whole rows are one
  * contiguous span. */
@@ -312,6 +243,92 @@ static void prefetch_panel(Prefetch pf[2], const void *w, int eb, int i, int npa
     int rows = n + width < N ? width : N - n;
     prefetch_window(&pf[0], w, eb, n, rows, K, c0, c1, steps);
     prefetch_window(&pf[1], w, eb, glu ? N + n : n, glu ? rows : 0, K, c0, c1, steps);
+}
+
+/* A panel: the two 16-row tiles of weights that share the activations, at rows na and nb, K
+ * values each, with their zero-padded K tails when K % 32 != 0. For a plain linear layer
+ * they are 32 consecutive rows (nb = na + 16, unless the panel overhangs N); for the fused
+ * gate/up + SiLU they are gate rows and the matching up rows (nb = I + na). */
+typedef struct {
+    const uint16_t *wa, *wb;
+    int na, nb;
+    uint16_t tail[2][TILE_BYTES / 2] __attribute__((aligned(64)));
+} Panel;
+
+static void panel_rows(Panel *p, const uint16_t *w, int na, int nb, int K) {
+    p->na = na;
+    p->nb = nb;
+    p->wa = w + (long)na * K;
+    p->wb = w + (long)nb * K;
+    if (K % 32) {
+        tail_tile(p->wa, K, p->tail[0]);
+        tail_tile(p->wb, K, p->tail[1]);
+    }
+}
+
+/* The rows of panel i of a layer: plain (glu = 0, 32 rows of N) or gate/up (glu = 1, 16 of
+ * N = I, and the matching up rows). */
+static inline void panel_pos(int i, int N, int glu, int *na, int *nb) {
+    if (glu) {
+        *na = i * 16 + 16 > N ? N - 16 : i * 16;
+        *nb = N + *na;
+        return;
+    }
+    int n0 = i * 32;
+    *na = n0 + 16 > N ? N - 16 : n0;
+    *nb = n0 + 32 > N ? N - 16 : n0 + 16;
+}
+
+static void panel_at(Panel *p, const uint16_t *w, int i, int N, int K, int glu) {
+    int na, nb;
+    panel_pos(i, N, glu, &na, &nb);
+    panel_rows(p, w, na, nb, K);
+}
+
+/* 16 int8 rows (row stride K bytes), columns [c0, c1), as bf16 into dst (row stride K
+ * values): exact, since every integer of -127..127 is a bf16. */
+static void widen_rows(const int8_t *q, int K, int c0, int c1, uint16_t *dst, Prefetch *pf) {
+    for (int r = 0; r < 16; r++) {
+        prefetch_step(&pf[0]);  /* the next panel's rows keep coming meanwhile */
+        prefetch_step(&pf[1]);
+        const int8_t *src = q + (long)r * K;
+        uint16_t *out = dst + (long)r * K;
+        int c = c0;
+        for (; c + 64 <= c1; c += 64) {  /* whole lines: four 16-lane widenings */
+            __m512 f0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
+                (const __m128i *)(src + c))));
+            __m512 f1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
+                (const __m128i *)(src + c + 16))));
+            __m512 f2 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
+                (const __m128i *)(src + c + 32))));
+            __m512 f3 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
+                (const __m128i *)(src + c + 48))));
+            _mm512_storeu_si512(out + c, (__m512i)_mm512_cvtne2ps_pbh(f1, f0));
+            _mm512_storeu_si512(out + c + 32, (__m512i)_mm512_cvtne2ps_pbh(f3, f2));
+        }
+        for (; c < c1; c += 32) {
+            __mmask32 m = c1 - c >= 32 ? 0xffffffffu : (1u << (c1 - c)) - 1u;
+            __m256i b = _mm256_maskz_loadu_epi8(m, src + c);
+            __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(b)));
+            __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(b, 1)));
+            _mm512_mask_storeu_epi16(out + c, m, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+        }
+    }
+}
+
+/* Panel i of an int8 layer for K columns [c0, c1): its two 16-row tiles widened into wbuf
+ * (32 rows of K values: the a rows, then the b rows), so that the tiles read bf16; pf (the
+ * next panel's prefetch) takes WIDEN_STEPS steps meanwhile. */
+#define WIDEN_STEPS 32
+static void panel_at_int8(Panel *p, const int8_t *q, int i, int N, int K, int glu, int c0,
+                          int c1, uint16_t *wbuf, Prefetch *pf) {
+    int na, nb;
+    panel_pos(i, N, glu, &na, &nb);
+    widen_rows(q + (long)na * K, K, c0, c1, wbuf, pf);
+    widen_rows(q + (long)nb * K, K, c0, c1, wbuf + 16L * K, pf);
+    panel_rows(p, wbuf, 0, 16, K);
+    p->na = na;
+    p->nb = nb;
 }
 
 /* C tiles 0..3 += the panel's weights x the packed token blocks x0 (and x1 if two) over the
@@ -535,17 +552,18 @@ static int amx_blocks(const uint16_t *x, const uint16_t *w, const int8_t *wq,
                                   xt + ((long)(tb - tb0) * width + kb - kc0) * 256);
                     }
                 for (int i = lo; i < hi; i++) {
-                    if (wq)
-                        panel_at_int8(&p, wq, i, N, K, glu, kc0 * 32, kc1 * 32 < K ? kc1 * 32 : K,
-                                      wbuf);
-                    else
-                        panel_at(&p, w, i, N, K, glu);
                     /* the next panel's chunk, or the first panel's next chunk or block */
                     int next = i + 1 < hi ? i + 1 : lo, nc0 = i + 1 < hi ? kc0 : kc1;
                     if (nc0 >= KB) nc0 = 0, next = tb1 < TB ? lo : npanels;
                     int nc1 = chunk_end(nc0, kcb, KB, KF);
                     prefetch_panel(pf, wsrc, eb, next, npanels, N, K, glu, nc0 * 32,
-                                   nc1 * 32 < K ? nc1 * 32 : K, (long)pairs * width);
+                                   nc1 * 32 < K ? nc1 * 32 : K,
+                                   (long)pairs * width + (wq ? WIDEN_STEPS : 0));
+                    if (wq)
+                        panel_at_int8(&p, wq, i, N, K, glu, kc0 * 32, kc1 * 32 < K ? kc1 * 32 : K,
+                                      wbuf, pf);
+                    else
+                        panel_at(&p, w, i, N, K, glu);
                     float *spill_i = cs + (long)(span ? i - lo : 0) * pairs * 1024;
                     for (int kb0 = kc0; kb0 < kend || kb0 == kc0; kb0 += kc) {
                         int kb1 = kb0 + kc < kend ? kb0 + kc : kend;
@@ -657,8 +675,9 @@ void pw_amx_pack_f32(const float *x, int M, int K, uint32_t *xp) {
 /* The fused layer's projection share: this thread's panels (plain, 32 channels: res [M][N]
  * fp32; or glu, 16 gate beside 16 up channels: act [M][N = I], SiLU-and-multiplied) for the
  * packed rows, one or two 16-token tiles. */
-static void share_panels(const uint32_t *xp, int M, const uint16_t *w, const uint16_t *bias,
-                         int K, int N, int glu, float *out) {
+static void share_panels(const uint32_t *xp, int M, const uint16_t *w, const int8_t *wq,
+                         const float *scale, uint16_t *wide, const uint16_t *bias, int K, int N,
+                         int glu, float *out) {
     int npanels = glu ? (N + 15) / 16 : (N + 31) / 32, two = M > 16;
     int t = omp_get_thread_num(), T = omp_get_num_threads();
     int lo = (int)((long)npanels * t / T), hi = (int)((long)npanels * (t + 1) / T);
@@ -666,11 +685,16 @@ static void share_panels(const uint32_t *xp, int M, const uint16_t *w, const uin
     _tile_loadconfig(&TILES);
     float c[4][256] __attribute__((aligned(64)));
     const uint32_t *x1 = xp + (long)((K + 31) / 32) * 256;
+    const void *wsrc = wq ? (const void *)wq : (const void *)w;
     Panel p;
     Prefetch pf[2];
     for (int i = lo; i < hi; i++) {
-        panel_at(&p, w, i, N, K, glu);
-        prefetch_panel(pf, w, 2, i + 1 < hi ? i + 1 : npanels, npanels, N, K, glu, 0, K, K / 32);
+        prefetch_panel(pf, wsrc, wq ? 1 : 2, i + 1 < hi ? i + 1 : npanels, npanels, N, K, glu,
+                       0, K, K / 32 + (wq ? WIDEN_STEPS : 0));
+        if (wq)
+            panel_at_int8(&p, wq, i, N, K, glu, 0, K, wide, pf);
+        else
+            panel_at(&p, w, i, N, K, glu);
         panel_product(&p, xp, x1, two, K, pf);
         _tile_stored(0, c[0], 64);  /* tile numbers must be constants */
         _tile_stored(1, c[1], 64);
@@ -681,11 +705,13 @@ static void share_panels(const uint32_t *xp, int M, const uint16_t *w, const uin
         for (int half = 0; half <= two; half++) {
             int m0 = 16 * half, mt = M - m0 < 16 ? M - m0 : 16;
             if (glu) {
-                store_glu(c[2 * half], c[2 * half + 1], p.na, N, NULL, out, m0, mt, bias, NULL);
+                store_glu(c[2 * half], c[2 * half + 1], p.na, N, NULL, out, m0, mt, bias, scale);
                 continue;
             }
             __m512i a[16], b[16];
             load_transposed(c[2 * half], c[2 * half + 1], a, b);
+            scale_rows(a, scale ? scale + p.na : NULL);
+            scale_rows(b, scale ? scale + p.nb : NULL);
             for (int m = 0; m < mt; m++) {
                 _mm512_storeu_si512(out + (long)(m0 + m) * N + p.na, a[m]);
                 _mm512_storeu_si512(out + (long)(m0 + m) * N + p.nb, b[m]);
@@ -696,7 +722,15 @@ static void share_panels(const uint32_t *xp, int M, const uint16_t *w, const uin
 }
 
 void pw_amx_share(const uint32_t *xp, int M, const uint16_t *w, int K, int N, float *res) {
-    share_panels(xp, M, w, NULL, K, N, 0, res);
+    share_panels(xp, M, w, NULL, NULL, NULL, NULL, K, N, 0, res);
+}
+
+/* The same for int8 weights with per-row scales: each panel widened to bf16 as it comes in
+ * (into `wide`, the calling thread's 32 x K values), res = the scaled sums (what the int8
+ * streams compute, up to the order of the sums). */
+void pw_amx_share_int8(const uint32_t *xp, int M, const int8_t *w, const float *scale,
+                       uint16_t *wide, int K, int N, float *res) {
+    share_panels(xp, M, NULL, w, scale, wide, NULL, K, N, 0, res);
 }
 
 /* The fused layer's gate/up projection with its SiLU-and-multiply (w [2I, K] = [gate | up],
@@ -704,7 +738,12 @@ void pw_amx_share(const uint32_t *xp, int M, const uint16_t *w, int K, int N, fl
  * thread its share of 16-channel panels, from xp as pw_amx_pack_f32 left it. I >= 16. */
 void pw_amx_share_glu(const uint32_t *xp, int M, const uint16_t *w, const uint16_t *bias,
                       int K, int I, float *act) {
-    share_panels(xp, M, w, bias, K, I, 1, act);
+    share_panels(xp, M, w, NULL, NULL, NULL, bias, K, I, 1, act);
+}
+
+void pw_amx_share_glu_int8(const uint32_t *xp, int M, const int8_t *w, const float *scale,
+                           uint16_t *wide, const uint16_t *bias, int K, int I, float *act) {
+    share_panels(xp, M, NULL, w, scale, wide, bias, K, I, 1, act);
 }
 
 /* ---------------------------------------------------------------------------------------

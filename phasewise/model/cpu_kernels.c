@@ -1399,6 +1399,11 @@ void pw_amx_share(const uint32_t *xp, int M, const uint16_t *w, int K, int N, fl
     __attribute__((weak));
 void pw_amx_share_glu(const uint32_t *xp, int M, const uint16_t *w, const uint16_t *bias,
                       int K, int I, float *act) __attribute__((weak));
+void pw_amx_share_int8(const uint32_t *xp, int M, const int8_t *w, const float *scale,
+                       uint16_t *wide, int K, int N, float *res) __attribute__((weak));
+void pw_amx_share_glu_int8(const uint32_t *xp, int M, const int8_t *w, const float *scale,
+                           uint16_t *wide, const uint16_t *bias, int K, int I, float *act)
+    __attribute__((weak));
 
 /* out = bf16(res + bias) for M rows of N, shared by the threads of the calling region (an
  * orphaned omp for, with its barrier), row by row: walking down the rows first, rows of
@@ -1412,15 +1417,29 @@ static void bias_round_rows(const float *res, const uint16_t *bias, int M, int N
                                                + (bias ? bf16_to_f32(bias[n]) : 0.0f));
 }
 
-/* A fused layer's projection, called by every thread of its region: on AMX tiles when the
- * layer asks for them and the weights are bf16 (one thread packs the activations; the
- * single's barrier makes them visible), else proj_share. No barrier at the end. */
+/* Whether a fused layer's projection runs on AMX tiles: the layer asks for them, and the
+ * weights are bf16, or int8 (with scales) for more rows than the int8 streams take (up to
+ * that, the streams read each int8 byte once at memory speed; the tiles would widen them). */
+static int amx_proj(const DecodeLayer *L, const float *scale, int N) {
+    if (!L->amx || N < 16 || !pw_amx_pack_f32) return 0;
+    return scale ? L->M > ROW_STREAM_MAX && pw_amx_share_int8 != NULL : pw_amx_share != NULL;
+}
+
+/* A fused layer's projection, called by every thread of its region: on AMX tiles where
+ * amx_proj says (one thread packs the activations; the single's barrier makes them
+ * visible; int8 panels widened into the thread's slice of `wide`, 32 x K values), else
+ * proj_share. No barrier at the end. */
 static void layer_proj(const DecodeLayer *L, const float *x, int M, const void *w,
-                       const float *scale, int K, int N, uint32_t *xp, float *res) {
-    if (L->amx && !scale && N >= 16 && pw_amx_share && pw_amx_pack_f32) {
+                       const float *scale, int K, int N, uint32_t *xp, uint16_t *wide,
+                       long wide_per_thread, float *res) {
+    if (amx_proj(L, scale, N)) {
 #pragma omp single
         pw_amx_pack_f32(x, M, K, xp);
-        pw_amx_share(xp, M, (const uint16_t *)w, K, N, res);
+        if (scale)
+            pw_amx_share_int8(xp, M, (const int8_t *)w, scale,
+                              wide + wide_per_thread * omp_get_thread_num(), K, N, res);
+        else
+            pw_amx_share(xp, M, (const uint16_t *)w, K, N, res);
         return;
     }
     proj_share(x, M, w, scale, K, N, res);
@@ -1430,11 +1449,13 @@ int pw_decode_layer_bf16(const DecodeLayer *L) {
     int M = L->M, H = L->H, Q = L->Q, KV = L->KV, I = L->I, hd = L->hd;
     int n_heads = L->n_heads, n_kv = L->n_kv, group = n_heads / n_kv, QKV = Q + 2 * KV;
     /* More rows than the streams take only when every projection runs on the tiles. */
-    int all_amx = L->amx && pw_amx_share && pw_amx_pack_f32 && !L->s_qkv && !L->s_o
-                  && !L->s_gate_up && !L->s_down && H >= 16 && QKV >= 16 && I >= 8;
+    int all_amx = amx_proj(L, L->s_qkv, QKV) && amx_proj(L, L->s_o, H)
+                  && amx_proj(L, L->s_gate_up, 2 * I) && amx_proj(L, L->s_down, H) && H >= 16
+                  && I >= 8;
     if (M < 1 || M > (all_amx ? AMX_LAYER_MAX : ROW_STREAM_MAX) || hd > MAX_HEAD_DIM)
         return -2;
-    int amx_glu = L->amx && !L->s_gate_up && pw_amx_share_glu && pw_amx_pack_f32 && I >= 16;
+    int amx_glu = amx_proj(L, L->s_gate_up, 2 * I) && I >= 16
+                  && (L->s_gate_up ? pw_amx_share_glu_int8 != NULL : pw_amx_share_glu != NULL);
     int parts = group_parts(M, n_kv, group, L->nthreads);
     long per_task = attention_task_floats(group, hd);
     int widest = QKV > 2 * I ? QKV : 2 * I;
@@ -1449,8 +1470,16 @@ int pw_decode_layer_bf16(const DecodeLayer *L) {
     uint32_t *xp = L->amx ? (uint32_t *)aligned_alloc(64, (size_t)(widest_k + 31) / 32 * 1024
                                                               * ((M + 15) / 16))
                           : NULL;
-    if (!buf || !qkv || !o || (L->amx && !xp)) {
-        free(buf); free(qkv); free(o); free(xp);
+    /* int8 panels on the tiles: each thread's widened panel, 32 rows of the widest K */
+    int any_int8 = L->s_qkv || L->s_o || L->s_gate_up || L->s_down;
+    long wide_per_thread = 32L * widest_k;
+    uint16_t *wide = L->amx && any_int8 && M > ROW_STREAM_MAX
+        ? (uint16_t *)aligned_alloc(64, ((size_t)wide_per_thread * 2 * L->nthreads + 63) / 64
+                                            * 64)
+        : NULL;
+    if (!buf || !qkv || !o || (L->amx && !xp) || (L->amx && any_int8 && M > ROW_STREAM_MAX
+                                                  && !wide)) {
+        free(buf); free(qkv); free(o); free(xp); free(wide);
         return -1;
     }
     float *xn = buf, *attn = xn + (long)M * H, *act = attn + (long)M * Q;
@@ -1462,7 +1491,7 @@ int pw_decode_layer_bf16(const DecodeLayer *L) {
 #pragma omp single
         add_norm_rows(L->hidden, L->delta, L->w_in_norm, xn, M, H, L->eps);
 
-        layer_proj(L, xn, M, L->w_qkv, L->s_qkv, H, QKV, xp, res);
+        layer_proj(L, xn, M, L->w_qkv, L->s_qkv, H, QKV, xp, wide, wide_per_thread, res);
 #pragma omp barrier
         bias_round_rows(res, L->b_qkv, M, QKV, qkv);
 
@@ -1487,7 +1516,7 @@ int pw_decode_layer_bf16(const DecodeLayer *L) {
                            L->seq_lens, L->bs, att + per_task * omp_get_thread_num(), NULL,
                            attn);
 
-        layer_proj(L, attn, M, L->w_o, L->s_o, Q, H, xp, res);
+        layer_proj(L, attn, M, L->w_o, L->s_o, Q, H, xp, wide, wide_per_thread, res);
 #pragma omp barrier
         bias_round_rows(res, L->b_o, M, H, o);
 
@@ -1497,9 +1526,16 @@ int pw_decode_layer_bf16(const DecodeLayer *L) {
         if (amx_glu) {  /* on the tiles, with the SiLU in their epilogue: act directly */
 #pragma omp single
             pw_amx_pack_f32(xn, M, H, xp);
-            pw_amx_share_glu(xp, M, (const uint16_t *)L->w_gate_up, L->b_gate_up, H, I, act);
+            if (L->s_gate_up)
+                pw_amx_share_glu_int8(xp, M, (const int8_t *)L->w_gate_up, L->s_gate_up,
+                                      wide + wide_per_thread * omp_get_thread_num(),
+                                      L->b_gate_up, H, I, act);
+            else
+                pw_amx_share_glu(xp, M, (const uint16_t *)L->w_gate_up, L->b_gate_up, H, I,
+                                 act);
         } else {
-            layer_proj(L, xn, M, L->w_gate_up, L->s_gate_up, H, 2 * I, xp, res);
+            layer_proj(L, xn, M, L->w_gate_up, L->s_gate_up, H, 2 * I, xp, wide,
+                       wide_per_thread, res);
         }
 #pragma omp barrier
         /* Row by row (rows of 2I floats lie tens of KiB apart, often a multiple of 4 KiB:
@@ -1532,7 +1568,7 @@ int pw_decode_layer_bf16(const DecodeLayer *L) {
             }
         }
 
-        layer_proj(L, act, M, L->w_down, L->s_down, I, H, xp, res);
+        layer_proj(L, act, M, L->w_down, L->s_down, I, H, xp, wide, wide_per_thread, res);
 #pragma omp barrier
         bias_round_rows(res, L->b_down, M, H, L->out);
     }
@@ -1540,6 +1576,7 @@ int pw_decode_layer_bf16(const DecodeLayer *L) {
     free(qkv);
     free(o);
     free(xp);
+    free(wide);
     return 0;
 }
 

@@ -288,20 +288,18 @@ class CpuKernelOps(TorchOps):
 
     def _fused_max_rows(self, rows: int) -> int:
         """The most rows a fused step may take: the streams' limit, or more where the plan
-        runs these rows on AMX tiles (then every projection must be bf16: ``_streams_only``)."""
+        runs these rows on AMX tiles (then every projection does, int8 ones widened to bf16
+        as they come; some shapes cannot: ``_streams_only``)."""
         if self._amx_rows(rows):
             return max(self.kernels.amx_layer_max_rows, self.kernels.decode_layer_max_rows)
         return self.kernels.decode_layer_max_rows
 
     def _streams_only(self, rows: int, *args: cpu_kernels.DecodeLayerArgs) -> bool:
-        """More rows than the streams take, but a layer the AMX tiles cannot take whole: an
-        int8 projection (the fused layer's AMX projections read bf16; op by op, an int8
-        projection of more rows runs on the tiles, widened as it comes), or fewer than 16
-        output channels (hidden or q + 2 kv) or 8 intermediate ones. The C layer refuses
-        such a step (as it checks the same), so it runs op by op."""
+        """More rows than the streams take, but a layer the AMX tiles cannot take whole:
+        fewer than 16 output channels (hidden or q + 2 kv) or 8 intermediate ones. The C
+        layer refuses such a step (as it checks the same), so it runs op by op."""
         return rows > self.kernels.decode_layer_max_rows and any(
-            a.s_qkv or a.s_o or a.s_gate_up or a.s_down or a.H < 16 or a.Q + 2 * a.KV < 16
-            or a.I < 8 for a in args)
+            a.H < 16 or a.Q + 2 * a.KV < 16 or a.I < 8 for a in args)
 
     def _fusable_step(self, hidden: torch.Tensor, rope: RopeTables,
                       meta: AttentionMetadata) -> bool:
