@@ -133,6 +133,42 @@ def test_amx_int8_weights_in_k_chunks():
 
 
 @needs_amx
+@settings(max_examples=20, deadline=None)
+@given(m=st.integers(1, 300), inter=st.sampled_from([32, 64, 160, 4864]),
+       hidden=st.integers(16, 96), bias=st.booleans(), seed=st.integers(0, 2**31 - 1))
+def test_amx_mlp_hands_packed_activations_to_the_down_pass(m, inter, hidden, bias, seed):
+    """The fused MLP (gate/up + SiLU writing the down projection's packed tiles, the down
+    pass reading them in place) is the two AMX calls bit for bit, K-outer blocking (I =
+    4864) included; ops.mlp takes it only where the plan runs both on the tiles."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, hidden, generator=g).bfloat16()
+    wg = (torch.randn(2 * inter, hidden, generator=g) * 0.1).bfloat16()
+    wd = (torch.randn(hidden, inter, generator=g) * 0.1).bfloat16()
+    bg = torch.randn(2 * inter, generator=g).bfloat16() if bias else None
+    bd = torch.randn(hidden, generator=g).bfloat16() if bias else None
+    two = cpu_kernels.linear_amx(cpu_kernels.glu_amx(x, wg, bg), wd, bd)
+    assert torch.equal(cpu_kernels.mlp_amx(x, wg, bg, wd, bd), two)
+    gate_up, down = torch.nn.Linear(hidden, 2 * inter), torch.nn.Linear(inter, hidden)
+    gate_up.weight.data, gate_up.bias = wg, (None if bg is None else torch.nn.Parameter(bg))
+    down.weight.data, down.bias = wd, (None if bd is None else torch.nn.Parameter(bd))
+    for plan in ((0, "amx"), (0, "torch")):
+        ops = CpuKernelOps(LinearDispatch(*plan))
+        with torch.no_grad():
+            got = ops.mlp(x, gate_up, down)
+        if plan[1] == "amx":
+            assert torch.equal(got, two)
+        torch.testing.assert_close(got.float(), two.float(), rtol=0.02, atol=0.02)
+
+
+@needs_amx
+def test_amx_mlp_refuses_shapes_it_cannot_pack():
+    x = torch.randn(4, 32).bfloat16()
+    with pytest.raises(ValueError, match="multiple of 32"):
+        cpu_kernels.mlp_amx(x, torch.randn(96, 32).bfloat16(), None,
+                            torch.randn(32, 48).bfloat16(), None)
+
+
+@needs_amx
 def test_amx_linear_is_safe_from_several_threads_at_once():
     """Two threads (two engines in one process) calling the kernel together, each with its
     own shapes: each gets its own scratch, so each gets its own right answer."""

@@ -130,6 +130,11 @@ static inline void pack_tile_f32(const float *src, long ld, int rows, int kt, ui
     for (int i = 0; i < 16; i++) _mm512_store_si512(dst + i * 16, r[i]);
 }
 
+static inline float bf16_to_f32_amx(uint16_t h) {
+    union { uint32_t u; float f; } v = {(uint32_t)h << 16};
+    return v.f;
+}
+
 static inline __m512 load_bias16(const uint16_t *bias, __mmask16 nm) {
     if (!bias) return _mm512_setzero_ps();
     __m256i h = _mm256_maskz_loadu_epi16(nm, bias);
@@ -440,6 +445,34 @@ static void store_glu(const float *cg, const float *cu, int n, int N, uint16_t *
     }
 }
 
+/* store_glu's values for a fused MLP: channels [n, n + 16) of tokens [16 tile, 16 tile + 16)
+ * written as the next projection's packed B tiles (ypack: [tile][K block of 32 channels][16
+ * pair rows][16 tokens] 32-bit pairs, kbo K blocks a tile), straight from the untransposed C
+ * tiles (rows = channels, the bias a scalar per row): the same elementwise values, no
+ * transpose here and no packing there. n % 16 == 0 (the channels of a pair row are one
+ * panel's). */
+static void store_glu_packed(const float *cg, const float *cu, int n, int N, int tile, int kbo,
+                             uint32_t *ypack, const uint16_t *bias) {
+    static const uint16_t pairs[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                       8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30,
+                                       15, 31};
+    __m512i idx = _mm512_loadu_si512(pairs);
+    uint32_t *dst = ypack + (((long)tile * kbo + n / 32) * 16 + (n % 32) / 2) * 16;
+    for (int r = 0; r < 8; r++) {
+        __m512 a[2];
+        for (int j = 0; j < 2; j++) {
+            int ch = 2 * r + j;
+            __m512 bg = bias ? _mm512_set1_ps(bf16_to_f32_amx(bias[n + ch])) : _mm512_setzero_ps();
+            __m512 bu = bias ? _mm512_set1_ps(bf16_to_f32_amx(bias[N + n + ch]))
+                             : _mm512_setzero_ps();
+            a[j] = glu16(_mm512_load_si512(cg + ch * 16), _mm512_load_si512(cu + ch * 16), bg,
+                         bu);
+        }
+        __m512i v = (__m512i)_mm512_cvtne2ps_pbh(a[1], a[0]);  /* exact: bf16-valued */
+        _mm512_store_si512(dst + r * 16, _mm512_permutexvar_epi16(idx, v));
+    }
+}
+
 /* Scratch for the packed activations of one token block and the threads' spilled C tiles,
  * grown as needed and kept (no page faults per call); one per calling thread, so engines
  * running in different threads of one process never share it. */
@@ -457,7 +490,8 @@ static void *packed_scratch(size_t bytes) {
 /* The C tiles of a finished token pair (tiles tb and tb + 1 if two) through the plain or
  * SiLU epilogue into y. */
 static inline void pair_epilogue(const Panel *p, int tb, int two, int M, int N, int glu,
-                                 uint16_t *y, const uint16_t *bias, const float *scale, int nt) {
+                                 uint16_t *y, uint32_t *ypack, const uint16_t *bias,
+                                 const float *scale, int nt) {
     float c[4][256] __attribute__((aligned(64)));
     _tile_stored(0, c[0], 64);  /* tile numbers must be constants */
     _tile_stored(1, c[1], 64);
@@ -467,7 +501,10 @@ static inline void pair_epilogue(const Panel *p, int tb, int two, int M, int N, 
     }
     for (int half = 0; half <= two; half++) {
         int m0 = (tb + half) * 16, mt = M - m0 < 16 ? M - m0 : 16;
-        if (glu)
+        if (ypack)
+            store_glu_packed(c[2 * half], c[2 * half + 1], p->na, N, tb + half, N / 32, ypack,
+                             bias);
+        else if (glu)
             store_glu(c[2 * half], c[2 * half + 1], p->na, N, y, NULL, m0, mt, bias, scale);
         else
             store_pair(c[2 * half], c[2 * half + 1], p->na, p->nb, y, N, m0, mt, bias, scale,
@@ -510,7 +547,8 @@ static inline int chunk_end(int c0, int kcb, int KB, int KF) {
  * chunking: the same bits. */
 static int amx_blocks(const uint16_t *x, const uint16_t *w, const int8_t *wq,
                       const float *scale, const uint16_t *bias, uint16_t *y, int M, int N, int K,
-                      int nthreads, int glu, int tb_block, int kcb, int kc, int panels) {
+                      int nthreads, int glu, int tb_block, int kcb, int kc, int panels,
+                      const uint32_t *xpre, uint32_t *ypack) {
     int KB = (K + 31) / 32, KF = K / 32, TB = (M + 15) / 16;
     int npanels = glu ? (N + 15) / 16 : (N + 31) / 32;
     int span = kcb < KB;  /* the C tiles wait per panel across chunks */
@@ -545,7 +583,7 @@ static int amx_blocks(const uint16_t *x, const uint16_t *w, const int8_t *wq,
                 kc1 = chunk_end(kc0, kcb, KB, KF);
                 int width = kc1 - kc0;
                 int kend = kc1 < KF ? kc1 : KF;  /* full K blocks of the chunk end here */
-                for (int tb = tb0; tb < tb1; tb++)
+                for (int tb = tb0; tb < tb1 && !xpre; tb++)
                     for (int kb = kc0; kb < kc1; kb++) {
                         int m0 = tb * 16, rows = M - m0 < 16 ? M - m0 : 16;
                         pack_tile(x + (long)m0 * K + kb * 32, K, rows, K - kb * 32,
@@ -570,8 +608,9 @@ static int amx_blocks(const uint16_t *x, const uint16_t *w, const int8_t *wq,
                         int last = kb1 == KF && kc1 == KB;
                         for (int tb = tb0; tb < tb1; tb += 2) {
                             int two = tb + 1 < tb1;
-                            const uint32_t *x0 = xt + (long)(tb - tb0) * width * 256;
-                            const uint32_t *x1 = x0 + (long)width * 256;
+                            const uint32_t *x0 = xpre ? xpre + ((long)tb * KB + kc0) * 256
+                                                      : xt + (long)(tb - tb0) * width * 256;
+                            const uint32_t *x1 = x0 + (long)(xpre ? KB : width) * 256;
                             float *spill = spill_i + (long)(tb - tb0) / 2 * 1024;
                             if (kb0 == 0)
                                 zero_c();
@@ -579,7 +618,8 @@ static int amx_blocks(const uint16_t *x, const uint16_t *w, const int8_t *wq,
                                 reload_c(spill);
                             panel_steps(&p, x0, x1, two, K, kb0, kb1, kc0, pf);
                             if (last)
-                                pair_epilogue(&p, tb, two, M, N, glu, y, bias, scale, nt);
+                                pair_epilogue(&p, tb, two, M, N, glu, y, ypack, bias, scale,
+                                              nt);
                             else
                                 spill_c(spill);
                         }
@@ -597,7 +637,7 @@ static int amx_blocks(const uint16_t *x, const uint16_t *w, const int8_t *wq,
 /* The blocking for an M x K x N call, then amx_blocks. */
 static int amx_linear(const uint16_t *x, const uint16_t *w, const int8_t *wq,
                       const float *scale, const uint16_t *bias, uint16_t *y, int M, int N, int K,
-                      int nthreads, int glu) {
+                      int nthreads, int glu, const uint32_t *xpre, uint32_t *ypack) {
     if (N < 16) return -2;
     if (M <= 0) return 0;
     int KB = (K + 31) / 32, KF = K / 32, TB = (M + 15) / 16;
@@ -617,7 +657,7 @@ static int amx_linear(const uint16_t *x, const uint16_t *w, const int8_t *wq,
         if (kcb < KC) kcb = KC;
         if ((long)per_thread * (tbk / 2) * 4 * TILE_BYTES <= KO_SPILL_MAX_BYTES)
             return amx_blocks(x, w, wq, scale, bias, y, M, N, K, nthreads, glu, tbk, kcb, KC,
-                              per_thread);
+                              per_thread, xpre, ypack);
     }
     /* K in chunks of KC blocks (from L1) when at least KC_MIN_PAIRS token pairs share each
      * (else the spills cost more than the L1 hits gain: measured on a 2-core AMX Xeon, 512
@@ -625,14 +665,15 @@ static int amx_linear(const uint16_t *x, const uint16_t *w, const int8_t *wq,
      * -> 896, whose token blocks held 3 pairs) */
     int kc = tb_block / 2 >= KC_MIN_PAIRS && TB >= 2 * KC_MIN_PAIRS ? KC : (KF > 0 ? KF : 1);
     if (tb_block > TB) tb_block = (TB + 1) / 2 * 2;
-    return amx_blocks(x, w, wq, scale, bias, y, M, N, K, nthreads, glu, tb_block, KB, kc, 1);
+    return amx_blocks(x, w, wq, scale, bias, y, M, N, K, nthreads, glu, tb_block, KB, kc, 1,
+                      xpre, ypack);
 }
 
 /* y = x @ w^T (+ bias). Returns 0, -1 if scratch memory could not be allocated, -2 if
  * N < 16. */
 int pw_linear_amx(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y,
                   int M, int N, int K, int nthreads) {
-    return amx_linear(x, w, NULL, NULL, bias, y, M, N, K, nthreads, 0);
+    return amx_linear(x, w, NULL, NULL, bias, y, M, N, K, nthreads, 0, NULL, NULL);
 }
 
 /* A SwiGLU MLP's first half in one pass: w [2I, K] is [gate | up] (gate_up_proj), bias [2I]
@@ -640,7 +681,7 @@ int pw_linear_amx(const uint16_t *x, const uint16_t *w, const uint16_t *bias, ui
  * unfused path's values, without writing and re-reading [M, 2I]). Same returns; I >= 16. */
 int pw_linear_glu_amx(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y,
                       int M, int I, int K, int nthreads) {
-    return amx_linear(x, w, NULL, NULL, bias, y, M, I, K, nthreads, 1);
+    return amx_linear(x, w, NULL, NULL, bias, y, M, I, K, nthreads, 1, NULL, NULL);
 }
 
 /* Weight-only int8 (w int8 [N, K] or [2I, K], scale fp32 per row): pw_linear_amx and
@@ -648,13 +689,37 @@ int pw_linear_glu_amx(const uint16_t *x, const uint16_t *w, const uint16_t *bias
  * scales applied to the fp32 sums before the bias and the rounding. Same returns. */
 int pw_linear_int8_amx(const uint16_t *x, const int8_t *w, const float *scale,
                        const uint16_t *bias, uint16_t *y, int M, int N, int K, int nthreads) {
-    return amx_linear(x, NULL, w, scale, bias, y, M, N, K, nthreads, 0);
+    return amx_linear(x, NULL, w, scale, bias, y, M, N, K, nthreads, 0, NULL, NULL);
+}
+
+/* A SwiGLU MLP in two AMX passes, y [M, H] = down(bf16(silu(g)) * u) + bias, for bf16 weights
+ * wgu [2I, H] (gate rows, then up rows; bias bgu [2I] or NULL) and wd [H, I] (bias bd or NULL):
+ * the gate/up pass writes its activations straight into the down projection's packed tiles
+ * (store_glu_packed), which the down pass reads in place, with no packing of its own: the same
+ * values and sums as pw_linear_glu_amx then pw_linear_amx, so the same bits. I % 32 == 0,
+ * H >= 16. Returns 0, -1 (no scratch), -2 (shapes). */
+static __thread uint32_t *mlp_buf;
+static __thread size_t mlp_size;
+int pw_mlp_amx(const uint16_t *x, const uint16_t *wgu, const uint16_t *bgu, const uint16_t *wd,
+               const uint16_t *bd, uint16_t *y, int M, int I, int H, int nthreads) {
+    if (I % 32 || I < 32 || H < 16) return -2;
+    if (M <= 0) return 0;
+    size_t bytes = (size_t)((M + 15) / 16) * (I / 32) * TILE_BYTES;
+    if (mlp_size < bytes) {
+        free(mlp_buf);
+        mlp_buf = (uint32_t *)aligned_alloc(64, (bytes + 4095) / 4096 * 4096);
+        mlp_size = mlp_buf ? bytes : 0;
+        if (!mlp_buf) return -1;
+    }
+    int rc = amx_linear(x, wgu, NULL, NULL, bgu, NULL, M, I, H, nthreads, 1, NULL, mlp_buf);
+    if (rc) return rc;
+    return amx_linear(NULL, wd, NULL, NULL, bd, y, M, H, I, nthreads, 0, mlp_buf, NULL);
 }
 
 int pw_linear_glu_int8_amx(const uint16_t *x, const int8_t *w, const float *scale,
                            const uint16_t *bias, uint16_t *y, int M, int I, int K,
                            int nthreads) {
-    return amx_linear(x, NULL, w, scale, bias, y, M, I, K, nthreads, 1);
+    return amx_linear(x, NULL, w, scale, bias, y, M, I, K, nthreads, 1, NULL, NULL);
 }
 
 /* For the fused decode layer (cpu_kernels.c): M <= 32 fp32 activation rows (bf16-valued),

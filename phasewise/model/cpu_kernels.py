@@ -132,6 +132,7 @@ AMX_SIGNATURES = {
     "pw_linear_amx": (ctypes.c_int, [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4),
     "pw_linear_glu_amx": (ctypes.c_int, [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4),
     "pw_linear_int8_amx": (ctypes.c_int, [ctypes.c_void_p] * 5 + [ctypes.c_int] * 4),
+    "pw_mlp_amx": (ctypes.c_int, [ctypes.c_void_p] * 6 + [ctypes.c_int] * 4),
     "pw_linear_glu_int8_amx": (ctypes.c_int, [ctypes.c_void_p] * 5 + [ctypes.c_int] * 4),
     "pw_amx_tile_flops": (ctypes.c_double, [ctypes.c_long, ctypes.c_int]),
     # q, q_stride, k_cache, v_cache, table, bs, ctx, n, out, out_stride, heads, kv, hd,
@@ -377,6 +378,35 @@ def _check_int8(name: str, x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor
     if w.shape[1] != k or scale.shape != (n,) or (bias is not None and bias.shape != (n,)):
         raise ValueError(f"{name}: x [..., {k}] against w {tuple(w.shape)}, scale "
                          f"{tuple(scale.shape)}")
+
+
+def mlp_amx(x: torch.Tensor, w_gate_up: torch.Tensor, b_gate_up: torch.Tensor | None,
+            w_down: torch.Tensor, b_down: torch.Tensor | None) -> torch.Tensor:
+    """A SwiGLU MLP on AMX tiles, bf16: ``linear_amx(glu_amx(x, w_gate_up, b_gate_up),
+    w_down, b_down)`` bit for bit, the activations handed from the first pass to the second
+    already in the tiles' packed order (no [rows, I] tensor, no packing). w_gate_up [2I, H],
+    w_down [H, I] with I % 32 == 0 and H >= 16; needs ``amx_available()``."""
+    inter, hidden = w_gate_up.shape[0] // 2, x.shape[-1]
+    if (w_gate_up.shape != (2 * inter, hidden) or w_down.shape != (hidden, inter)
+            or inter % 32 or hidden < 16):
+        raise ValueError(f"mlp_amx: gate/up {tuple(w_gate_up.shape)} and down "
+                         f"{tuple(w_down.shape)} for x [..., {hidden}]: need [2I, H] and "
+                         f"[H, I], I a multiple of 32, H >= 16")
+    for t in (x, w_gate_up, w_down, b_gate_up, b_down):
+        if t is not None and t.dtype != torch.bfloat16:
+            raise TypeError(f"mlp_amx takes bf16 tensors; got {t.dtype}")
+    _need_amx()
+    x2 = x.reshape(-1, hidden).contiguous()
+    y = torch.empty(x2.shape[0], hidden, dtype=torch.bfloat16)
+    if x2.shape[0]:
+        ptr = [None if t is None else t.contiguous().data_ptr()
+               for t in (b_gate_up, b_down)]
+        rc = KERNELS.lib.pw_mlp_amx(x2.data_ptr(), w_gate_up.contiguous().data_ptr(), ptr[0],
+                                    w_down.contiguous().data_ptr(), ptr[1], y.data_ptr(),
+                                    x2.shape[0], inter, hidden, torch.get_num_threads())
+        if rc != 0:
+            raise MemoryError("pw_mlp_amx could not allocate scratch memory")
+    return y.view(*x.shape[:-1], hidden)
 
 
 def linear_int8_amx(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,

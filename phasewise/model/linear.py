@@ -148,6 +148,15 @@ class LinearDispatch:
                 return fn(x, w, b)
         return self._large(x, w, b)
 
+    def method_for(self, rows: int, shape: tuple[int, int]) -> str:
+        """The method ``rows`` rows of a weight of ``shape`` (N, K) run, as ``__call__``
+        picks it."""
+        if rows <= self.kernel_max_rows:
+            return "kernel"
+        if rows >= PROMPT_ROWS:
+            return self.prompt_by_shape.get(shape, self.large)
+        return self.large
+
     def method(self, rows: int) -> str:
         """The method ``rows`` activation rows run: ``kernel`` or one of LARGE_METHODS."""
         return "kernel" if rows <= self.kernel_max_rows else self.large

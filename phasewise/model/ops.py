@@ -72,6 +72,11 @@ class TorchOps:
         gate/up projection ([gate | up] rows). Implementations may fuse the two."""
         return self.silu_mul(self.proj(x, lin))
 
+    def mlp(self, x: torch.Tensor, gate_up: nn.Linear, down: nn.Linear) -> torch.Tensor:
+        """A SwiGLU MLP: ``proj(gate_up_silu(x, gate_up), down)``. Implementations may
+        fuse the two."""
+        return self.proj(self.gate_up_silu(x, gate_up), down)
+
     def rope_tables(self, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
                     dtype: torch.dtype) -> RopeTables:
         """Rows of the fp32 cos/sin tables for this step's positions, shared by all layers."""
@@ -155,6 +160,24 @@ class CpuKernelOps(TorchOps):
                 and w.shape[0] >= 32):
             return cpu_kernels.glu_amx(x, w, b)
         return super().gate_up_silu(x, lin)
+
+    def mlp(self, x: torch.Tensor, gate_up: nn.Linear, down: nn.Linear) -> torch.Tensor:
+        """Where both projections' rows run on AMX tiles with bf16 weights (and I % 32 ==
+        0): one call (``cpu_kernels.mlp_amx``), the gate/up pass writing its activations in
+        the tiles' packed order for the down pass, the same bits as the two calls."""
+        rows = x.numel() // x.shape[-1]
+        wg, wd = gate_up.weight, down.weight
+        if (rows > self.kernels.decode_layer_max_rows and cpu_kernels.amx_available()
+                and self.dispatch.method_for(rows, tuple(wg.shape)) == "amx"
+                and self.dispatch.method_for(rows, tuple(wd.shape)) == "amx"
+                and getattr(gate_up, "weight_scale", None) is None
+                and getattr(down, "weight_scale", None) is None
+                and self._ok(x, wg, wd) and all(b is None or self._ok(b)
+                                                for b in (gate_up.bias, down.bias))
+                and wd.shape[1] % 32 == 0 and wd.shape[0] >= 16
+                and tuple(wg.shape) == (2 * wd.shape[1], wd.shape[0])):
+            return cpu_kernels.mlp_amx(x, wg, gate_up.bias, wd, down.bias)
+        return super().mlp(x, gate_up, down)
 
     def add_rms_norm(self, delta: torch.Tensor | None, hidden: torch.Tensor,
                      weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:

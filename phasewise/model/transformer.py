@@ -72,8 +72,7 @@ class DecoderLayer(nn.Module):
 
         x, hidden = ops.add_rms_norm(attn_out, hidden, self.post_attention_layernorm.weight,
                                      eps)
-        act = ops.gate_up_silu(x, self.gate_up_proj)  # [T, intermediate]
-        mlp_out = ops.proj(act, self.down_proj)
+        mlp_out = ops.mlp(x, self.gate_up_proj, self.down_proj)  # gate/up, SiLU, down
         return mlp_out, hidden
 
 
