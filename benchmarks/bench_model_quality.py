@@ -11,7 +11,8 @@ The held-out files are the ones ``scripts/train_default_model.py`` keeps out of 
   tokens, and nats per byte (the same bytes) is the figure to compare;
 * **function heads**: the first ``--heads`` functions of the held-out files (top-level
   functions and methods, in file order, that have a docstring), each cut to its signature
-  and its docstring's first line (methods dedented). Each is completed at the checkpoint's
+  and its docstring's first line (methods dedented), and completed from there (the model
+  closes the docstring or goes on with it) at the checkpoint's
   own default sampling (``generation_config.json``; seeded), cut where the function ends (the
   first non-empty line back at the ``def``'s indentation, or the end of the text), and
   counted as parsing if ``ast.parse`` takes head + completion;
@@ -163,15 +164,15 @@ def longest_repeat(text: str) -> int:
 
 
 def completions(llm, heads: list[str], params, room: int) -> list[str]:
-    """Each head (+ a newline) completed alone, its token budget cut to the context."""
+    """Each head completed alone, from the end of its docstring's first line (the model
+    closes the docstring or continues it), its token budget cut to the context."""
     import dataclasses
 
     tok = llm.tokenizer
     out = []
     for h in heads:
-        budget = max(1, min(params.max_tokens, room - len(tok.encode(h + "\n")) - 1))
-        out.append("\n" + llm.generate([h + "\n"],
-                                       dataclasses.replace(params, max_tokens=budget))[0].text)
+        budget = max(1, min(params.max_tokens, room - len(tok.encode(h)) - 1))
+        out.append(llm.generate([h], dataclasses.replace(params, max_tokens=budget))[0].text)
     return out
 
 
@@ -223,7 +224,7 @@ def main() -> None:
                                                            temperature=0.0)
         greedy = completions(llm, heads, greedy_params, room)
         rep = max(longest_repeat(cut_function(h, c)) for h, c in zip(heads, greedy))
-        tok_s, roof = decode_b1(llm, heads[0] + "\n")
+        tok_s, roof = decode_b1(llm, heads[0])
         params = sum(p.numel() for p in llm.engine.model.parameters())
         rows[name] = {"per_token": per_token, "per_byte": per_byte, "parse": ok / len(heads),
                       "repeat": rep, "tok_s": tok_s, "roof": roof, "params": params,
