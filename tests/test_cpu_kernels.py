@@ -169,6 +169,38 @@ def test_amx_mlp_refuses_shapes_it_cannot_pack():
 
 
 @needs_amx
+def test_amx_linear_with_a_smaller_team_than_asked_for():
+    """A team smaller than the threads asked for (OMP_THREAD_LIMIT here; nested regions do
+    the same): each thread takes several of the slices whose spill areas were sized, so a
+    K-outer call (4864 -> 896 at 512 rows) still gives the one-thread result. Sized by the
+    threads asked for but split by the team, it overwrote another thread's data (51 686
+    wrong outputs)."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import torch\n"
+        "from phasewise.model import cpu_kernels\n"
+        "lib = cpu_kernels.load()\n"
+        "g = torch.Generator().manual_seed(1)\n"
+        "m, n, k = 512, 896, 4864\n"
+        "x = torch.randn(m, k, generator=g).bfloat16()\n"
+        "w = (torch.randn(n, k, generator=g) * 0.05).bfloat16()\n"
+        "ys = []\n"
+        "for th in (1, 4):\n"
+        "    y = torch.empty(m, n, dtype=torch.bfloat16)\n"
+        "    assert lib.pw_linear_amx(x.data_ptr(), w.data_ptr(), None, y.data_ptr(), m, n, k,"
+        " th) == 0\n"
+        "    ys.append(y)\n"
+        "print('mismatches', int((ys[0] != ys[1]).sum()))\n")
+    env = {**os.environ, "OMP_THREAD_LIMIT": "3"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         timeout=300, check=True).stdout
+    assert "mismatches 0" in out, out
+
+
+@needs_amx
 def test_amx_linear_is_safe_from_several_threads_at_once():
     """Two threads (two engines in one process) calling the kernel together, each with its
     own shapes: each gets its own scratch, so each gets its own right answer."""

@@ -561,23 +561,26 @@ static int amx_blocks(const uint16_t *x, const uint16_t *w, const int8_t *wq,
     int nt = !glu && (long)M * N * 2 >= NT_STORE_BYTES;
 #pragma omp parallel num_threads(nthreads)
     {
+        /* The panels are cut into nthreads slices, each with its own spill area (sized for
+         * a slice's panels); a thread takes slices t, t + T, ... so that a team smaller than
+         * asked for (OMP_THREAD_LIMIT, nested regions) still fits them. */
         int t = omp_get_thread_num(), T = omp_get_num_threads();
-        int lo = (int)((long)npanels * t / T), hi = (int)((long)npanels * (t + 1) / T);
+        int first = (int)((long)npanels * t / nthreads), end = first;  /* this thread's span */
+        for (int v = t; v < nthreads; v += T) end = (int)((long)npanels * (v + 1) / nthreads);
         uint32_t *xt = (uint32_t *)((char *)xp + (size_t)t * per);
-        float *cs = (float *)((char *)xt + xbytes);
-        uint16_t *wbuf = (uint16_t *)((char *)cs + spill_bytes);
+        uint16_t *wbuf = (uint16_t *)((char *)xt + xbytes + spill_bytes);
         const void *wsrc = wq ? (const void *)wq : (const void *)w;
         int eb = wq ? 1 : 2;
         Prefetch pf[2];
         /* this thread's first panel's first chunk, on its way while the tokens are packed */
         int c1 = chunk_end(0, kcb, KB, KF) * 32;
-        prefetch_panel(pf, wsrc, eb, lo < hi ? lo : npanels, npanels, N, K, glu, 0,
+        prefetch_panel(pf, wsrc, eb, first < end ? first : npanels, npanels, N, K, glu, 0,
                        c1 < K ? c1 : K, 1);
         prefetch_step(&pf[0]);
         prefetch_step(&pf[1]);
         _tile_loadconfig(&TILES);
         Panel p;
-        for (int tb0 = 0; tb0 < TB && lo < hi; tb0 += tb_block) {
+        for (int tb0 = 0; tb0 < TB && first < end; tb0 += tb_block) {
             int tb1 = tb0 + tb_block < TB ? tb0 + tb_block : TB, pairs = (tb1 - tb0 + 1) / 2;
             for (int kc0 = 0, kc1; kc0 < KB; kc0 = kc1) {
                 kc1 = chunk_end(kc0, kcb, KB, KF);
@@ -589,6 +592,10 @@ static int amx_blocks(const uint16_t *x, const uint16_t *w, const int8_t *wq,
                         pack_tile(x + (long)m0 * K + kb * 32, K, rows, K - kb * 32,
                                   xt + ((long)(tb - tb0) * width + kb - kc0) * 256);
                     }
+                for (int v = t; v < nthreads; v += T) {
+                int lo = (int)((long)npanels * v / nthreads);
+                int hi = (int)((long)npanels * (v + 1) / nthreads);
+                float *cs = (float *)((char *)xp + (size_t)v * per + xbytes);
                 for (int i = lo; i < hi; i++) {
                     /* the next panel's chunk, or the first panel's next chunk or block */
                     int next = i + 1 < hi ? i + 1 : lo, nc0 = i + 1 < hi ? kc0 : kc1;
@@ -625,6 +632,7 @@ static int amx_blocks(const uint16_t *x, const uint16_t *w, const int8_t *wq,
                         }
                         if (kb1 >= kend) break;
                     }
+                }
                 }
             }
         }
