@@ -487,18 +487,24 @@ static void *packed_scratch(size_t bytes) {
     return xp_buf;
 }
 
+/* C tiles 0 and 1 (and 2 and 3 if two) to c, 256 floats each, one after the other: for an
+ * epilogue, a spill between K chunks, or a softmax. */
+static inline void store_c(float *c, int two) {
+    _tile_stored(0, c, 64);  /* tile numbers must be constants */
+    _tile_stored(1, c + 256, 64);
+    if (two) {
+        _tile_stored(2, c + 512, 64);
+        _tile_stored(3, c + 768, 64);
+    }
+}
+
 /* The C tiles of a finished token pair (tiles tb and tb + 1 if two) through the plain or
  * SiLU epilogue into y. */
 static inline void pair_epilogue(const Panel *p, int tb, int two, int M, int N, int glu,
                                  uint16_t *y, uint32_t *ypack, const uint16_t *bias,
                                  const float *scale, int nt) {
     float c[4][256] __attribute__((aligned(64)));
-    _tile_stored(0, c[0], 64);  /* tile numbers must be constants */
-    _tile_stored(1, c[1], 64);
-    if (two) {
-        _tile_stored(2, c[2], 64);
-        _tile_stored(3, c[3], 64);
-    }
+    store_c(c[0], two);
     for (int half = 0; half <= two; half++) {
         int m0 = (tb + half) * 16, mt = M - m0 < 16 ? M - m0 : 16;
         if (ypack)
@@ -510,13 +516,6 @@ static inline void pair_epilogue(const Panel *p, int tb, int two, int M, int N, 
             store_pair(c[2 * half], c[2 * half + 1], p->na, p->nb, y, N, m0, mt, bias, scale,
                        nt);
     }
-}
-
-static inline void spill_c(float *spill) {
-    _tile_stored(0, spill, 64);
-    _tile_stored(1, spill + 256, 64);
-    _tile_stored(2, spill + 512, 64);
-    _tile_stored(3, spill + 768, 64);
 }
 
 static inline void reload_c(const float *spill) {
@@ -628,7 +627,7 @@ static int amx_blocks(const uint16_t *x, const uint16_t *w, const int8_t *wq,
                                 pair_epilogue(&p, tb, two, M, N, glu, y, ypack, bias, scale,
                                               nt);
                             else
-                                spill_c(spill);
+                                store_c(spill, 1);
                         }
                         if (kb1 >= kend) break;
                     }
@@ -769,12 +768,7 @@ static void share_panels(const uint32_t *xp, int M, const uint16_t *w, const int
         else
             panel_at(&p, w, i, N, K, glu);
         panel_product(&p, xp, x1, two, K, pf);
-        _tile_stored(0, c[0], 64);  /* tile numbers must be constants */
-        _tile_stored(1, c[1], 64);
-        if (two) {
-            _tile_stored(2, c[2], 64);
-            _tile_stored(3, c[3], 64);
-        }
+        store_c(c[0], two);
         for (int half = 0; half <= two; half++) {
             int m0 = 16 * half, mt = M - m0 < 16 ? M - m0 : 16;
             if (glu) {
@@ -994,10 +988,7 @@ static void attend_block(const uint16_t *q, long q_stride, const uint16_t *kp,
             _tile_dpbf16ps(2, 4, 7);
             _tile_dpbf16ps(3, 5, 7);
         }
-        _tile_stored(0, st, 64);
-        _tile_stored(1, st + 256, 64);
-        _tile_stored(2, st + 512, 64);
-        _tile_stored(3, st + 768, 64);
+        store_c(st, 1);
         softmax_step(st, k0, qpos[0], sc, &mx[0], &sum[0], ot[0], hd, pt[0]);
         softmax_step(st + 512, k0, qpos[1], sc, &mx[1], &sum[1], ot[1], hd, pt[1]);
         /* O^T += V^T P^T: per 16 dims, both halves */
