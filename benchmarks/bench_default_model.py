@@ -1,4 +1,4 @@
-"""The bundled model (stdlib-coder, 4.2 M parameters) on phasewise and on HF transformers.
+"""The bundled model (stdlib-coder) on phasewise and on HF transformers.
 
 Same weights, same machine, same run, greedy, EOS ignored. Workloads:
 

@@ -13,9 +13,12 @@ The held-out files are the ones ``scripts/train_default_model.py`` keeps out of 
   functions and methods, in file order, that have a docstring), each cut to its signature
   and its docstring's first line (methods dedented), and completed from there (the model
   closes the docstring or goes on with it) at the checkpoint's
-  own default sampling (``generation_config.json``; seeded), cut where the function ends (the
-  first non-empty line back at the ``def``'s indentation, or the end of the text), and
-  counted as parsing if ``ast.parse`` takes head + completion;
+  own default sampling (``generation_config.json``; seeded), with all the tokens the context
+  leaves (``--max-tokens``, 1024 at most: many stdlib functions run past 200 tokens, and a
+  completion cut off by its budget seldom parses), cut where the function ends (the first
+  non-empty line back at the ``def``'s indentation, or the end of the text), and counted as
+  parsing if ``ast.parse`` takes head + completion; the table also counts the completions
+  still inside their function when their budget ran out (unfinished);
 * **greedy repetition**: the same heads completed greedily; the longest run of one non-empty
   line repeated back to back, over all heads (the issue: never more than 3 in a row);
 * **decode at batch 1**: tok/s of a greedy 128-token decode after a held-out prompt, beside
@@ -23,7 +26,7 @@ The held-out files are the ones ``scripts/train_default_model.py`` keeps out of 
   just before): a larger model is more bandwidth-bound.
 
     .venv/bin/python benchmarks/bench_model_quality.py [--model DIR] [--baseline DIR]
-        [--heads 30] [--max-tokens 200] [--seed 0]
+        [--heads 30] [--max-tokens 1024] [--seed 0]
 
 ``--model`` defaults to the bundled model; ``--baseline`` to
 ``benchmarks/.checkpoints/stdlib-coder-4m``, the 4.2 M-parameter model this work replaces,
@@ -163,17 +166,24 @@ def longest_repeat(text: str) -> int:
     return best
 
 
-def completions(llm, heads: list[str], params, room: int) -> list[str]:
-    """Each head completed alone, from the end of its docstring's first line (the model
-    closes the docstring or continues it), its token budget cut to the context."""
+def completions(llm, heads: list[str], params, room: int) -> list:
+    """Every head completed from the end of its docstring's first line (the model closes the
+    docstring or continues it), all in one continuously batched run, each with the token
+    budget its context leaves (at most ``params.max_tokens``): a stdlib function runs to
+    hundreds of tokens, and one cut off by the budget before its end seldom parses."""
     import dataclasses
 
     tok = llm.tokenizer
-    out = []
-    for h in heads:
-        budget = max(1, min(params.max_tokens, room - len(tok.encode(h)) - 1))
-        out.append(llm.generate([h], dataclasses.replace(params, max_tokens=budget))[0].text)
-    return out
+    each = [dataclasses.replace(
+        params, max_tokens=max(1, min(params.max_tokens, room - len(tok.encode(h)) - 1)))
+        for h in heads]
+    return llm.generate(heads, each)
+
+
+def unfinished(head: str, out) -> bool:
+    """Cut off by its token budget before the function ended."""
+    text = head + out.text
+    return out.finish_reason == "length" and cut_function(head, out.text) == text
 
 
 def decode_b1(llm, prompt: str) -> tuple[float, float]:
@@ -196,7 +206,8 @@ def main() -> None:
     ap.add_argument("--model", help="checkpoint folder (default: the bundled model)")
     ap.add_argument("--baseline", default=str(BASELINE))
     ap.add_argument("--heads", type=int, default=30)
-    ap.add_argument("--max-tokens", type=int, default=200)
+    ap.add_argument("--max-tokens", type=int, default=1024,
+                    help="most tokens per completion (also cut to what the context leaves)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     from phasewise import LLM
@@ -218,15 +229,18 @@ def main() -> None:
         room = llm.engine.max_model_len
         sampled_params = llm.engine.default_sampling_params(max_tokens=args.max_tokens,
                                                             seed=args.seed)
-        sampled = completions(llm, heads, sampled_params, room)
+        outs = completions(llm, heads, sampled_params, room)
+        sampled = [o.text for o in outs]
         ok = sum(parses(cut_function(h, c)) for h, c in zip(heads, sampled))
+        cut_off = sum(unfinished(h, o) for h, o in zip(heads, outs))
         greedy_params = llm.engine.default_sampling_params(max_tokens=args.max_tokens,
                                                            temperature=0.0)
-        greedy = completions(llm, heads, greedy_params, room)
+        greedy = [o.text for o in completions(llm, heads, greedy_params, room)]
         rep = max(longest_repeat(cut_function(h, c)) for h, c in zip(heads, greedy))
         tok_s, roof = decode_b1(llm, heads[0])
         params = sum(p.numel() for p in llm.engine.model.parameters())
         rows[name] = {"per_token": per_token, "per_byte": per_byte, "parse": ok / len(heads),
+                      "unfinished": cut_off,
                       "repeat": rep, "tok_s": tok_s, "roof": roof, "params": params,
                       "ctx": room, "sample": cut_function(heads[0], sampled[0])}
         print(f"  {name}: {path} ({params / 1e6:.1f} M parameters, context {room})",
@@ -234,10 +248,10 @@ def main() -> None:
         del llm
     b, m = rows["baseline"], rows["model"]
     print(f"\n{'':9} | {'loss/token':>10} | {'loss/byte':>9} | {'parses':>6} | "
-          f"{'greedy repeat':>13} | {'decode b1':>10} | {'of roofline':>11}")
+          f"{'unfinished':>10} | {'greedy repeat':>13} | {'decode b1':>10} | {'of roofline':>11}")
     for name, r in rows.items():
         print(f"{name:9} | {r['per_token']:10.3f} | {r['per_byte']:9.3f} | {r['parse']:6.0%} | "
-              f"{r['repeat']:13d} | {r['tok_s']:6.1f} t/s | {r['tok_s'] / r['roof']:11.0%}")
+              f"{r['unfinished']:10d} | {r['repeat']:13d} | {r['tok_s']:6.1f} t/s | {r['tok_s'] / r['roof']:11.0%}")
     print(f"model / baseline held-out loss: x{m['per_token'] / b['per_token']:.3f} per token, "
           f"x{m['per_byte'] / b['per_byte']:.3f} per byte (target <= x0.75); parse rate "
           f"{m['parse']:.0%} (target >= 50%); longest greedy repeat {m['repeat']} "

@@ -9,9 +9,11 @@ The training text is Python source found on every machine that has phasewise ins
   files, and the tokenizer is trained on the rest;
 - **stdlib tests**: the standard library's own test suite (``test/``, PSF licence);
 - **packages**: the pure-Python source of torch's own dependencies (sympy, mpmath, networkx,
-  jinja2, markupsafe, fsspec, filelock), each checked against the permissive licence its
-  metadata states (``PACKAGES``); a package that is absent or whose metadata names another
-  licence is skipped, and the card lists what was used.
+  jinja2, markupsafe, fsspec, filelock), phasewise's (numpy, fastapi, starlette, pydantic,
+  uvicorn, httpx, anyio, click, prometheus_client, pyzmq) and the train extra's
+  (transformers, huggingface_hub), each checked against the permissive licence its metadata
+  states (``PACKAGES``); a package that is absent or whose metadata names another licence is
+  skipped, and the card lists what was used.
 
 Training windows are drawn from the three groups by fixed shares (``MIX``). The script
 
@@ -34,11 +36,16 @@ continues from there, bit for bit as if never stopped. ``--fresh`` discards a sa
 The state is removed once the model is saved.
 
 Everything is seeded: two runs with the same Python (hence the same stdlib), torch,
-transformers and tokenizers versions, CPU and thread count write byte-identical files.
+transformers and tokenizers versions, installed packages (the data), C++ compiler (the
+compiled step's code), CPU and thread count write byte-identical files.
 Another thread count or CPU changes the order of floating-point sums, so the weights differ
 in their last bits and drift from there; the model's quality does not. Arithmetic is fp32,
 or bf16 autocast where the CPU has AMX or AVX-512 bf16 (``--dtype auto``), where it runs
-several times faster.
+several times faster. The training step is compiled with ``torch.compile`` (``--no-compile``
+runs it eagerly), which fuses the pointwise work around the matmuls: twice the steps per
+second on a 2-core AMX Xeon. A run resumed after the switch to long windows compiles the
+short windows' step again first, so that its long-window step is compiled as an
+uninterrupted run's was (with dynamic sizes) and computes the same bits.
 
 Needs the ``train`` extra: ``pip install -e '.[train]'`` (transformers).
 """
@@ -66,12 +73,20 @@ DEFAULT_OUT = REPO / "phasewise" / "assets" / "stdlib-coder"
 EXCLUDED_DIRS = {"test", "tests", "idlelib", "lib2to3", "turtledemo", "site-packages",
                  "encodings", "pydoc_data", "ensurepip", "__pycache__"}
 HOLDOUT_EVERY = 50
-# Installed packages whose source is trained on (all are torch's own dependencies, so present
-# wherever phasewise is), with the licence their metadata must name.
+# Installed packages whose source is trained on, with the licence their metadata must name:
+# torch's own dependencies, phasewise's, and the train extra's (transformers), so all are
+# present wherever this script runs. (pip and setuptools are left out: they vendor packages
+# under other licences.)
 PACKAGES = {"sympy": "BSD", "mpmath": "BSD", "networkx": "BSD", "jinja2": "BSD",
-            "markupsafe": "BSD", "fsspec": "BSD", "filelock": "MIT"}
+            "markupsafe": "BSD", "fsspec": "BSD", "filelock": "MIT",
+            "numpy": "BSD", "fastapi": "MIT", "starlette": "BSD", "pydantic": "MIT",
+            "uvicorn": "BSD", "httpx": "BSD", "anyio": "MIT", "click": "BSD",
+            "prometheus_client": "Apache", "zmq": "BSD",
+            "transformers": "Apache", "huggingface_hub": "Apache"}
+# Distributions whose import name differs (for their metadata).
+DIST_NAMES = {"zmq": "pyzmq"}
 # Shares of the training windows drawn from each group (renormalised over the groups present).
-MIX = {"core": 0.5, "stdlib-tests": 0.2, "packages": 0.3}
+MIX = {"core": 0.4, "stdlib-tests": 0.2, "packages": 0.4}
 SAMPLE_PROMPT = "def fibonacci(n):"
 # Sampling defaults that phasewise (and transformers) read from generation_config.json:
 # greedy decoding of so small a model soon repeats a phrase; a cooled, nucleus-trimmed sample
@@ -125,23 +140,24 @@ def package_files() -> tuple[list[Path], list[dict]]:
 
     files, used = [], []
     for name, licence in PACKAGES.items():
+        dist = DIST_NAMES.get(name, name)
         try:
             spec = importlib.util.find_spec(name)
-            stated = package_licence(name)
+            stated = package_licence(dist)
         except Exception:  # noqa: BLE001 - absent or without metadata: skipped
             log(f"      package {name}: not installed, skipped")
             continue
         if spec is None or not spec.submodule_search_locations:
             log(f"      package {name}: not installed as a package, skipped")
             continue
-        if licence.lower() not in stated.lower():
+        if licence.lower() not in stated.lower() or "gpl" in stated.lower():
             log(f"      package {name}: its metadata says {stated!r}, not {licence}; skipped")
             continue
         root = Path(list(spec.submodule_search_locations)[0])
         found = [p for p in sorted(root.rglob("*.py")) if "__pycache__" not in p.parts]
         from importlib import metadata
 
-        used.append({"name": name, "version": metadata.version(name), "licence": stated,
+        used.append({"name": dist, "version": metadata.version(dist), "licence": stated,
                      "files": len(found)})
         files += found
     return files, used
@@ -194,12 +210,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--short-frac", type=float, default=0.75)
     p.add_argument("--batch-size", type=int, default=4,
                    help="--seq-len windows per step")
-    p.add_argument("--tokens", type=float, default=10e6, help="training tokens in all")
+    p.add_argument("--tokens", type=float, default=36e6, help="training tokens in all")
     p.add_argument("--no-extra-data", action="store_true",
                    help="train on the core (stdlib) files only; --corpus implies it")
     p.add_argument("--dtype", choices=["auto", "fp32", "bf16"], default="auto",
                    help="arithmetic: bf16 autocast or fp32; auto takes bf16 where the CPU "
                    "has AMX or AVX-512 bf16")
+    p.add_argument("--no-compile", action="store_true",
+                   help="run the training step eagerly; by default it is compiled with "
+                   "torch.compile (about a minute per window length at the start; x2 the "
+                   "steps per second on a 2-core AMX Xeon), falling back to eager where "
+                   "compiling fails")
     p.add_argument("--work-dir", default=None,
                    help="where the resumable state goes (default: under phasewise's cache, "
                    "named by the run's settings)")
@@ -254,8 +275,9 @@ def cpu_has_bf16() -> bool:
     return " amx_bf16" in flags or " avx512_bf16" in flags
 
 
-def state_dir(a: argparse.Namespace) -> Path:
-    """Where this run's resumable state lives: named by every setting that shapes the run."""
+def state_dir(a: argparse.Namespace, sources: list[dict]) -> Path:
+    """Where this run's resumable state lives: named by every setting that shapes the run,
+    and by the data (the packages' versions and file counts)."""
     if a.work_dir:
         return Path(a.work_dir)
     from phasewise.model.cpu_kernels import cache_dir
@@ -264,11 +286,12 @@ def state_dir(a: argparse.Namespace) -> Path:
             if k not in ("work_dir", "save_every", "fresh", "stop_after", "log_every",
                          "rewrite_card")}
     keep["out"] = str(Path(a.out).resolve())
+    keep["data"] = [[src["what"], src.get("files")] for src in sources]
     tag = hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()[:12]
     return cache_dir() / "train" / f"stdlib-coder-{tag}"
 
 
-class Stop(Exception):
+class Stop(BaseException):
     """SIGTERM: save the state and exit, as Ctrl-C does."""
 
 
@@ -398,6 +421,44 @@ def train(a: argparse.Namespace) -> int:
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
                                batch[:, 1:].reshape(-1))
 
+    def learn(f, batch: torch.Tensor) -> torch.Tensor:
+        """One step's forward and backward through the loss function f (grads left set)."""
+        opt.zero_grad(set_to_none=True)
+        loss = f(batch)
+        loss.backward()
+        return loss
+
+    # The training step compiled (forward and backward), one graph per window shape; the
+    # first call of each shape runs inside a try, so a machine where compiling fails (no C++
+    # compiler, an unsupported op) trains on eagerly from that very step. Shapes follow
+    # torch's defaults: the second one (the long windows) compiles with dynamic sizes.
+    compiled_shapes: set[tuple[int, ...]] = set()
+    compile_state = {"on": not a.no_compile, "fn": None}
+
+    def forward_backward(batch: torch.Tensor) -> torch.Tensor:
+        if not compile_state["on"]:
+            return learn(loss_of, batch)
+        shape = tuple(batch.shape)
+        if shape in compiled_shapes:
+            return learn(compile_state["fn"], batch)
+        log(f"      compiling the training step for {shape[0]} x {shape[1] - 1}-token "
+            "windows (torch.compile; about a minute)")
+        t = time.monotonic()
+        try:
+            if compile_state["fn"] is None:
+                compile_state["fn"] = torch.compile(loss_of)
+            loss = learn(compile_state["fn"], batch)
+        except Stop:
+            raise
+        except Exception as e:  # noqa: BLE001 - no C++ compiler, unsupported op, ...
+            log(f"      compiling failed ({type(e).__name__}: {str(e)[:200]}); "
+                "training eagerly")
+            compile_state["on"] = False
+            return learn(loss_of, batch)
+        compiled_shapes.add(shape)
+        log(f"      compiled in {time.monotonic() - t:.0f} s")
+        return loss
+
     val_batch = windows_of(val_ids, a.eval_windows, a.seq_len,
                            torch.Generator().manual_seed(a.seed + 1))
 
@@ -410,7 +471,7 @@ def train(a: argparse.Namespace) -> int:
         return total / len(val_batch)
 
     # resumable state
-    sdir = state_dir(a)
+    sdir = state_dir(a, sources)
     state_path = sdir / "state.pt"
     # trained_s: wall seconds of the training steps (a machine shared with other work, or a
     # paused process, stretches it); cpu_s: the CPU seconds they used (all threads), the
@@ -454,12 +515,16 @@ def train(a: argparse.Namespace) -> int:
     t_log = t_save = t_run
     first = step
     try:
+        if compile_state["on"] and short_steps and short_steps <= step < steps:
+            # An uninterrupted run compiled the short windows' shape first, then the long
+            # ones with dynamic sizes: so does this resumed one (on a batch of zeros whose
+            # gradients are dropped), to compute exactly what that run computed.
+            forward_backward(torch.zeros(tokens_per_step // short, short + 1, dtype=torch.long))
+            opt.zero_grad(set_to_none=True)
         while step < steps:
             for group in opt.param_groups:
                 group["lr"] = lr_at(step)
-            loss = loss_of(train_batch(step))
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
+            loss = forward_backward(train_batch(step))
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             value = loss.item()
@@ -536,6 +601,7 @@ def train(a: argparse.Namespace) -> int:
         "train_seconds": round(train_s), "total_seconds": round(train_s + setup_s),
         "train_cpu_seconds": round(cpu_s),
         "sources": sources, "mix": mix, "arithmetic": "bf16 autocast" if bf16 else "fp32",
+        "compiled": compile_state["on"],
         "short_steps": short_steps, "short_seq": short,
         "train_loss": round(ema, 4), "held_out_loss_fp32": round(final_val, 4),
         "held_out_loss": round(shipped_val, 4),
@@ -598,6 +664,20 @@ def sources_line(i: dict) -> str:
     return "; also " + "; ".join(parts) + f". Windows drawn by shares: {shares}"
 
 
+def quality_row(i: dict) -> str:
+    """The card's quality row, from training.json's "quality" (written from
+    benchmarks/bench_model_quality.py's figures, when measured)."""
+    q = i.get("quality")
+    if not q:
+        return ""
+    return (f"\n| quality | {q['parse_rate']:.0%} of {q['heads']} held-out function heads, "
+            f"completed at the default sampling, parse ({q['unfinished']} still unfinished at "
+            f"the end of the context); greedy completions repeat one line up to "
+            f"{q['greedy_longest_repeat']} times in a row; held-out loss x"
+            f"{q['loss_vs_baseline']:.3f} that of {q['baseline']} "
+            f"(`benchmarks/bench_model_quality.py`, {q['cpu']}) |")
+
+
 def short_line(i: dict, a: argparse.Namespace) -> str:
     if not i.get("short_steps"):
         return f" ({a.batch_size} x {a.seq_len}-token windows drawn at random)"
@@ -645,8 +725,8 @@ Python {i['python']} standard library, so anyone can rebuild it from what is on 
 | tokenizer | byte-level BPE, {i['vocab_size']} tokens, `<|bos|>` before and `<|eos|>` after every file |
 | model | {a.layers} layers, hidden {a.hidden_size}, {a.heads} heads / {a.kv_heads} KV heads (head dim {a.hidden_size // a.heads}), SwiGLU MLP {a.intermediate_size}, RoPE, tied embeddings: {i['parameters']:,} parameters |
 | training | {i['steps']} steps of {a.batch_size * a.seq_len} tokens{short_line(i, a)} ({i['tokens_seen']:,} tokens, {i['tokens_seen'] / i['train_tokens_in_corpus']:.2f} times the {i['train_tokens_in_corpus']:,}-token core stream); AdamW (0.9, 0.95), peak LR {a.lr}, {a.warmup:.0%} warm-up, cosine to 10%, weight decay {a.weight_decay}, gradient clip 1.0, {i.get('arithmetic', 'fp32')}, seed {a.seed} |
-| loss (nats/token) | train {i['train_loss']:.3f} (last steps, smoothed); held out {i['held_out_loss']:.3f} with the shipped bf16 weights ({i['held_out_loss_fp32']:.3f} before the cast from fp32); a uniform guess scores {math.log(i['vocab_size']):.2f} |
-| trained on | {i['cpu']}, {i['threads']} threads; Python {i['python']}, torch {i['torch']}, transformers {i['transformers']}, tokenizers {i['tokenizers']}: {i['total_seconds'] // 60} min {i['total_seconds'] % 60} s in all, of which training used {i.get('train_cpu_seconds', 0) / 3600:.1f} CPU-hours |
+| loss (nats/token) | train {i['train_loss']:.3f} (last steps, smoothed); held out {i['held_out_loss']:.3f} with the shipped bf16 weights ({i['held_out_loss_fp32']:.3f} before the cast from fp32); a uniform guess scores {math.log(i['vocab_size']):.2f} |{quality_row(i)}
+| trained on | {i['cpu']}, {i['threads']} threads; Python {i['python']}, torch {i['torch']}, transformers {i['transformers']}, tokenizers {i['tokenizers']}: {i['total_seconds'] // 60} min {i['total_seconds'] % 60} s in all, of which training used {i.get('train_cpu_seconds', 0) / 3600:.1f} CPU-hours{' (its step compiled by torch.compile)' if i.get('compiled') else ''} |
 
 Reproduce (the run's settings are in `training.json`):
 
@@ -654,7 +734,8 @@ Reproduce (the run's settings are in `training.json`):
 pip install -e '.[train]' && python scripts/train_default_model.py --threads {i['threads']}
 ```
 
-The same Python, library versions, CPU and thread count give byte-identical files; others
+The same Python, library versions, installed packages, C++ compiler, CPU and thread count give
+byte-identical files; others
 give a different model of the same quality.
 
 ## Sampling defaults

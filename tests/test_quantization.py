@@ -130,5 +130,8 @@ def test_the_int8_kernel_computes_what_the_dequantized_torch_path_does(engines):
     for r, g in zip(a, b):
         shared = [t for t in r if t in g]
         assert len(shared) >= 6
-        # the same int8 weights, accumulated in fp32 by both: only rounding order differs
-        assert max(abs(r[t] - g[t]) for t in shared) < 0.05
+        # the same int8 weights, accumulated in fp32 by both: only where bf16 rounding falls
+        # differs (torch's path rounds the dequantized weights and each product to bf16).
+        # 0.05 held for the 4.2 M-parameter bundled model; the 15 M one's sharper
+        # distributions measured up to 0.063, against 0.5 allowed between int8 and bf16
+        assert max(abs(r[t] - g[t]) for t in shared) < 0.1
