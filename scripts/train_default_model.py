@@ -448,9 +448,8 @@ def train(a: argparse.Namespace) -> int:
             if compile_state["fn"] is None:
                 compile_state["fn"] = torch.compile(loss_of)
             loss = learn(compile_state["fn"], batch)
-        except Stop:
-            raise
-        except Exception as e:  # noqa: BLE001 - no C++ compiler, unsupported op, ...
+        except Exception as e:  # noqa: BLE001 - no C++ compiler, unsupported op, ... (Stop
+            # and Ctrl-C are BaseExceptions: they pass)
             log(f"      compiling failed ({type(e).__name__}: {str(e)[:200]}); "
                 "training eagerly")
             compile_state["on"] = False

@@ -592,46 +592,46 @@ static int amx_blocks(const uint16_t *x, const uint16_t *w, const int8_t *wq,
                                   xt + ((long)(tb - tb0) * width + kb - kc0) * 256);
                     }
                 for (int v = t; v < nthreads; v += T) {
-                int lo = (int)((long)npanels * v / nthreads);
-                int hi = (int)((long)npanels * (v + 1) / nthreads);
-                float *cs = (float *)((char *)xp + (size_t)v * per + xbytes);
-                for (int i = lo; i < hi; i++) {
-                    /* the next panel's chunk, or the first panel's next chunk or block */
-                    int next = i + 1 < hi ? i + 1 : lo, nc0 = i + 1 < hi ? kc0 : kc1;
-                    if (nc0 >= KB) nc0 = 0, next = tb1 < TB ? lo : npanels;
-                    int nc1 = chunk_end(nc0, kcb, KB, KF);
-                    prefetch_panel(pf, wsrc, eb, next, npanels, N, K, glu, nc0 * 32,
-                                   nc1 * 32 < K ? nc1 * 32 : K,
-                                   (long)pairs * width + (wq ? WIDEN_STEPS : 0));
-                    if (wq)
-                        panel_at_int8(&p, wq, i, N, K, glu, kc0 * 32, kc1 * 32 < K ? kc1 * 32 : K,
-                                      wbuf, pf);
-                    else
-                        panel_at(&p, w, i, N, K, glu);
-                    float *spill_i = cs + (long)(span ? i - lo : 0) * pairs * 1024;
-                    for (int kb0 = kc0; kb0 < kend || kb0 == kc0; kb0 += kc) {
-                        int kb1 = kb0 + kc < kend ? kb0 + kc : kend;
-                        int last = kb1 == KF && kc1 == KB;
-                        for (int tb = tb0; tb < tb1; tb += 2) {
-                            int two = tb + 1 < tb1;
-                            const uint32_t *x0 = xpre ? xpre + ((long)tb * KB + kc0) * 256
-                                                      : xt + (long)(tb - tb0) * width * 256;
-                            const uint32_t *x1 = x0 + (long)(xpre ? KB : width) * 256;
-                            float *spill = spill_i + (long)(tb - tb0) / 2 * 1024;
-                            if (kb0 == 0)
-                                zero_c();
-                            else
-                                reload_c(spill);
-                            panel_steps(&p, x0, x1, two, K, kb0, kb1, kc0, pf);
-                            if (last)
-                                pair_epilogue(&p, tb, two, M, N, glu, y, ypack, bias, scale,
-                                              nt);
-                            else
-                                store_c(spill, 1);
+                    int lo = (int)((long)npanels * v / nthreads);
+                    int hi = (int)((long)npanels * (v + 1) / nthreads);
+                    float *cs = (float *)((char *)xp + (size_t)v * per + xbytes);
+                    for (int i = lo; i < hi; i++) {
+                        /* the next panel's chunk, or the first panel's next chunk or block */
+                        int next = i + 1 < hi ? i + 1 : lo, nc0 = i + 1 < hi ? kc0 : kc1;
+                        if (nc0 >= KB) nc0 = 0, next = tb1 < TB ? lo : npanels;
+                        int nc1 = chunk_end(nc0, kcb, KB, KF);
+                        prefetch_panel(pf, wsrc, eb, next, npanels, N, K, glu, nc0 * 32,
+                                       nc1 * 32 < K ? nc1 * 32 : K,
+                                       (long)pairs * width + (wq ? WIDEN_STEPS : 0));
+                        if (wq)
+                            panel_at_int8(&p, wq, i, N, K, glu, kc0 * 32,
+                                          kc1 * 32 < K ? kc1 * 32 : K, wbuf, pf);
+                        else
+                            panel_at(&p, w, i, N, K, glu);
+                        float *spill_i = cs + (long)(span ? i - lo : 0) * pairs * 1024;
+                        for (int kb0 = kc0; kb0 < kend || kb0 == kc0; kb0 += kc) {
+                            int kb1 = kb0 + kc < kend ? kb0 + kc : kend;
+                            int last = kb1 == KF && kc1 == KB;
+                            for (int tb = tb0; tb < tb1; tb += 2) {
+                                int two = tb + 1 < tb1;
+                                const uint32_t *x0 = xpre ? xpre + ((long)tb * KB + kc0) * 256
+                                                          : xt + (long)(tb - tb0) * width * 256;
+                                const uint32_t *x1 = x0 + (long)(xpre ? KB : width) * 256;
+                                float *spill = spill_i + (long)(tb - tb0) / 2 * 1024;
+                                if (kb0 == 0)
+                                    zero_c();
+                                else
+                                    reload_c(spill);
+                                panel_steps(&p, x0, x1, two, K, kb0, kb1, kc0, pf);
+                                if (last)
+                                    pair_epilogue(&p, tb, two, M, N, glu, y, ypack, bias, scale,
+                                                  nt);
+                                else
+                                    store_c(spill, 1);
+                            }
+                            if (kb1 >= kend) break;
                         }
-                        if (kb1 >= kend) break;
                     }
-                }
                 }
             }
         }
