@@ -84,6 +84,8 @@ def run(model: str, engine_kwargs: dict[str, Any], opts: GenerateOptions,
               f"finish: {final.finish_reason}", file=err)
         if eng.proposer is not None:
             verifies = speculation_lines(run_steps, n_out - 1, err)
+            if eng.draft_policy is not None:
+                print(f"[speculative] {eng.draft_policy.describe()}", file=err)
     else:
         print(f"[decode]   no decode step: the only token came with the prefill; finish: "
               f"{final.finish_reason}", file=err)

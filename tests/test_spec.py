@@ -17,7 +17,7 @@ from phasewise import LLM, SamplingParams
 from phasewise.config import EngineConfig
 from phasewise.engine.request import Request
 from phasewise.engine.sampler import Sampler
-from phasewise.engine.spec import NgramProposer, verify_greedy, verify_sampled
+from phasewise.engine.spec import DraftPolicy, NgramProposer, verify_greedy, verify_sampled
 
 N_NEW = 32
 GREEDY = SamplingParams(temperature=0.0, max_tokens=N_NEW, ignore_eos=True)
@@ -144,39 +144,83 @@ def repetitive_prompts(vocab: int, n: int, seed: int) -> list[list[int]]:
 
 
 def spec_llm(path, **kw) -> LLM:
-    """Speculation with every draft the proposer finds (no roofline cap on the rows: it
-    depends on this machine's stored peaks, and these tests want drafts in every step)."""
+    """Speculation with every draft the proposer finds (no draft policy: it prices drafts by
+    this machine's measured step times, and these tests want drafts in every step)."""
     llm = LLM(str(path), speculative="ngram", num_speculative_tokens=4, **kw)
-    llm.engine.spec_row_cap = None
+    llm.engine.draft_policy = None
     return llm
 
 
-def test_drafts_stay_under_the_rows_where_decode_turns_compute_bound(hf_checkpoints):
+# -- the draft policy: drafts only at batch sizes where they have paid ----------------------
+
+def run_policy(pol: DraftPolicy, steps: int, rate: dict[int, tuple[float, float]]) -> list[bool]:
+    """Drive ``pol`` for ``steps`` steps whose batch size cycles through ``rate``'s keys;
+    at size S a step delivers rate[S][drafting] tokens per second. Returns its choices."""
+    sizes, out = list(rate), []
+    for i in range(steps):
+        size = sizes[i % len(sizes)]
+        drafting = pol.begin_step(size)
+        out.append(drafting)
+        pol.observe_step(drafting, size, size / rate[size][drafting])
+    return out
+
+
+def test_draft_policy_drafts_where_drafting_delivered_more():
+    pol = DraftPolicy(warmup=3, check_every=8)
+    assert pol.delivered(4) == (None, None)
+    # batch 1: drafts double the rate; batch 32: they cost a tenth of it
+    rates = {1: (100.0, 200.0), 32: (1000.0, 900.0)}
+    choices = run_policy(pol, 400, rates)
+    assert pol.delivered(1) == pytest.approx(rates[1])
+    assert pol.delivered(32) == pytest.approx(rates[32])
+    assert pol.delivered(40) == pol.delivered(32)  # one bucket per power of two
+    assert pol.describe() == ("drafting / plain tok/s by decoding batch: 1: x2.00, drafts; "
+                              "32-63: x0.90, no drafts")
+    small, large = choices[0::2], choices[1::2]
+    settled_small, settled_large = small[20:], large[20:]
+    # mostly the better way, the other only in the one-step-in-check_every checks
+    assert sum(settled_small) / len(settled_small) > 0.8
+    assert 0 < sum(settled_large) / len(settled_large) < 0.2
+    # a change is noticed: at batch 32 drafting now pays
+    rates[32] = (1000.0, 2000.0)
+    later = run_policy(pol, 600, rates)[1::2]
+    assert sum(later[-100:]) / 100 > 0.8
+
+
+def test_draft_policy_warms_up_both_ways_and_refuses_bad_settings():
+    pol = DraftPolicy(warmup=2)
+    seen = []
+    for _ in range(4):  # alternates until each way has been seen twice, drafting first
+        d = pol.begin_step(8)
+        seen.append(d)
+        pol.observe_step(d, 8, 0.01)
+    assert seen == [True, False, True, False]
+    for bad in ({"decay": 0.0}, {"warmup": 0}, {"check_every": 1}):
+        with pytest.raises(ValueError, match="need"):
+            DraftPolicy(**bad)
+
+
+def test_the_engine_drafts_as_its_policy_says(hf_checkpoints):
     path, hf = hf_checkpoints["LlamaForCausalLM"]
     prompts = repetitive_prompts(hf.config.vocab_size, 3, seed=7)
-    llm = spec_llm(path)
-    for cap in (3, 6):  # 3 requests decoding: no room for drafts, then room for 3
-        llm.engine.spec_row_cap = cap
+    llm = LLM(str(path), speculative="ngram", num_speculative_tokens=4)
+    eng = llm.engine
+    assert isinstance(eng.draft_policy, DraftPolicy)
+    for drafts_pay in (False, True):
+        pol = DraftPolicy(check_every=10**9)
+        for size in range(1, 4):  # it has seen drafting cost (or pay) at sizes 1-3
+            for drafting in (False, True) * 3:
+                pol.begin_step(size)
+                pol.observe_step(drafting, 10 if drafting == drafts_pay else 1, 1.0)
+        eng.draft_policy = pol
         n0 = len(llm.step_stats)
         outs = llm.generate(prompts, GREEDY)
         steps = [s for s in list(llm.step_stats)[n0:] if s.num_decode_tokens]
-        assert all(s.num_decode_tokens <= max(cap, 3) for s in steps)
-        assert any(s.num_spec_proposed for s in steps) == (cap > 3)
+        assert any(s.num_spec_proposed for s in steps) == drafts_pay
         for prompt, out in zip(prompts, outs):
             assert out.token_ids == hf_greedy(hf, prompt, N_NEW)
-    # the cap comes from the roofline: the batch at which decode turns compute-bound
-    from phasewise.perf.hardware import Accelerator
-
-    eng = llm.engine
-    for flops, cap in ((1e6, 1), (3e9, None)):  # slow math: compute-bound from 1 row
-        eng.cost_model.accel = Accelerator("cpu-local", "t", {"fp32": flops, "bf16": flops},
-                                           8e9, 10e9, None, "t")
-        eng.cost_model._roofs.clear()
-        roof, timed = eng.cost_model.roofline(eng.cost_model.compute_dtype(1))
-        batch = roof.critical_batch(eng.max_model_len // 2)
-        assert timed and eng._spec_row_cap() == (None if batch is None else max(1, int(batch)))
-        if cap is not None:
-            assert eng._spec_row_cap() == cap
+    # it measured those steps: what drafting delivered at batch 3 moved from the 10 it was fed
+    assert pol.delivered(3)[1] != pytest.approx(10.0)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -305,6 +349,9 @@ def test_generate_reports_acceptance_and_tokens_per_weight_read(llama_dir, capsy
     assert "draft tokens proposed" in line and "tokens per weight read" in line
     per_read = float(line.split(":")[-1].split()[0])
     assert 1.0 <= per_read <= 4.0
+    policy = [ln for ln in err.splitlines() if ln.startswith("[speculative] ")
+              and ("by decoding batch" in ln or "no decode-only step" in ln)]
+    assert len(policy) == 1
     assert main(["generate", "--model", str(llama_dir), "x", "--num-speculative-tokens",
                  "3"]) == 2
     assert "num_speculative_tokens needs speculative" in capsys.readouterr().err

@@ -28,7 +28,7 @@ from phasewise.engine.request import Request, RequestStatus
 from phasewise.engine.sampler import Sampler
 from phasewise.engine.sampling_params import SamplingParams
 from phasewise.engine.scheduler import Scheduler, SchedulerConfig
-from phasewise.engine.spec import NgramProposer, SpecStats
+from phasewise.engine.spec import DraftPolicy, NgramProposer, SpecStats
 from phasewise.engine.structured import GrammarCompiler
 from phasewise.engine.validation import check_token_ids
 from phasewise.model.config import ModelConfig
@@ -163,10 +163,10 @@ class LLMEngine:
         # Roofline cost of each step at the peaks `phasewise measure` stored (never measured
         # here: without stored peaks, steps get FLOPs and bytes but no predicted time).
         self.cost_model = StepCostModel.for_engine(self)
-        # Speculative decoding spends compute that a memory-bound step leaves idle: a step's
-        # decode rows (drafts included) stay under the batch at which this machine's
-        # roofline turns decode compute-bound. None (no stored peaks): no cap.
-        self.spec_row_cap = self._spec_row_cap() if self.proposer is not None else None
+        # Speculative decoding spends rows: the policy lets a step draft only at batch sizes
+        # where drafting has delivered more tokens per second on this engine. None: every
+        # step drafts.
+        self.draft_policy = DraftPolicy() if self.proposer is not None else None
 
     # -- set-up helpers --------------------------------------------------------------------
     def _fit_context(self, num_blocks: int, max_len: int) -> int:
@@ -428,8 +428,14 @@ class LLMEngine:
                 accepted += spec[1]
                 self.spec_stats.add(spec[0], spec[1], len(out.delta_token_ids))
         self._step_index += 1
+        duration = time.monotonic() - start
+        if self.draft_policy is not None:
+            if batch.num_decode_tokens and not batch.num_prefill_tokens:
+                self.draft_policy.observe_step(
+                    bool(verified), len(batch.requests)
+                    + sum(kept for _, kept in verified.values()), duration)
         self.step_stats.append(StepStats(
-            index=self._step_index, start_time=start, duration_s=time.monotonic() - start,
+            index=self._step_index, start_time=start, duration_s=duration,
             num_prefill_tokens=batch.num_prefill_tokens,
             num_decode_tokens=batch.num_decode_tokens, num_requests=len(batch.requests),
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
@@ -444,38 +450,25 @@ class LLMEngine:
         """Give each decoding request drafts to verify in this step: at most
         ``num_speculative_tokens``, no more than its context and ``max_tokens`` leave room
         for, none for a request whose sampling needs the history token by token
-        (penalties, ``min_tokens`` still masking its stop tokens, a grammar), and together no more
-        than ``spec_row_cap`` rows with the decodes (earliest requests first)."""
+        (penalties, ``min_tokens`` still masking its stop tokens, a grammar), and none at all
+        in a step that ``draft_policy`` finds drafting does not pay in."""
         k = self.config.num_speculative_tokens or 0
         max_len = self.scheduler.max_len
         decoding = [r for r in self.scheduler.running
                     if r.num_output_tokens and r.num_computed_tokens == r.num_tokens - 1]
-        spare = (self.spec_row_cap - len(decoding) if self.spec_row_cap is not None
-                 else len(decoding) * k)
+        if self.draft_policy is not None and not self.draft_policy.begin_step(len(decoding)):
+            return
         for req in decoding:
             p = req.params
-            if spare <= 0:
-                break
             if (p.needs_penalties or req.num_output_tokens < p.min_tokens
                     or req.grammar is not None):
                 continue
-            room = min(k, max_len - req.num_tokens, spare)
+            room = min(k, max_len - req.num_tokens)
             if p.max_tokens is not None:
                 room = min(room, p.max_tokens - req.num_output_tokens - 1)
             if room >= 1:
                 req.spec_token_ids = self.proposer.propose(req.request_id, req.all_token_ids,
                                                            room)
-                spare -= len(req.spec_token_ids)
-
-    def _spec_row_cap(self) -> int | None:
-        """The decode rows a step may hold before this machine's roofline says decode turns
-        compute-bound (at half the context), or None without stored peaks or when it never
-        does: drafts beyond it would cost their full compute."""
-        roof, timed = self.cost_model.roofline(self.cost_model.compute_dtype(1))
-        if not timed:
-            return None
-        batch = roof.critical_batch(max(1, self.max_model_len // 2))
-        return None if batch is None else max(1, int(batch))
 
     def _verify(self, ran: Any, tokens: dict[str, list[int]],
                 failed: list[tuple[Request, str]]) -> dict[str, tuple[int, int]]:

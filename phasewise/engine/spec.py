@@ -96,6 +96,89 @@ class NgramProposer:
         return []
 
 
+class DraftPolicy:
+    """Whether the decoding requests draft in a step: only at batch sizes where steps with
+    drafts have delivered more tokens per second than steps without them, on this engine.
+
+    Whether a draft pays depends on the machine and the model, not on the phase's name. While
+    a step is bound by reading the weights, an extra row is nearly free and every kept draft
+    is a token gained. Once rows cost real time (compute, attention, per-row Python, a kernel
+    path that changes at some row count: the fused AMX layer stops at 32 rows), the rejected
+    drafts slow every request in the batch. The roofline alone cannot see most of that, so
+    the policy measures it:
+
+    * per batch size (decoding requests, in powers of two), the tokens that decode-only steps
+      emitted (each request's token plus the drafts kept) over their duration, kept apart for
+      steps with drafts and steps without, older steps decaying by ``decay`` per step;
+    * until both kinds have been seen ``warmup`` times at a size, its steps alternate, the
+      less seen kind first;
+    * then a step drafts when drafting delivered more, and one step in ``check_every`` (of
+      that size) does the other, so that a change (longer contexts, other prompts) is
+      noticed.
+
+    Within a drafting step every request gets what the proposer finds, up to ``k``.
+    """
+
+    def __init__(self, decay: float = 0.97, warmup: int = 3, check_every: int = 32) -> None:
+        if not 0 < decay <= 1 or warmup < 1 or check_every < 2:
+            raise ValueError(f"need 0 < decay <= 1, warmup >= 1, check_every >= 2; got "
+                             f"{decay}, {warmup}, {check_every}")
+        self.decay, self.warmup, self.check_every = decay, warmup, check_every
+        # per size bucket, [without, with] drafts: [steps seen, decayed tokens, seconds]
+        self._rates: dict[int, list[list[float]]] = {}
+        self._steps: dict[int, int] = {}  # per size bucket: steps begun
+        self._bucket, self.drafting = 0, True
+
+    def delivered(self, decoding: int) -> tuple[float | None, float | None]:
+        """Tokens per second that decode-only steps of about ``decoding`` requests delivered
+        (without drafts, with them); None where no such step was seen."""
+        arms = self._rates.get(decoding.bit_length())
+        if arms is None:
+            return None, None
+        plain, spec = ((tok / sec if sec > 0 else None) for _, tok, sec in arms)
+        return plain, spec
+
+    def describe(self) -> str:
+        """One line: per batch size seen, drafting's measured tokens/s over plain decoding's,
+        and whether steps of that size draft."""
+        parts = []
+        for b in sorted(self._rates):
+            if b == 0:
+                continue
+            lo, hi = 1 << (b - 1), (1 << b) - 1
+            size = str(lo) if lo == hi else f"{lo}-{hi}"
+            plain, spec = self.delivered(lo)
+            if plain is None or spec is None or min(a[0] for a in self._rates[b]) < self.warmup:
+                parts.append(f"{size}: measuring")
+            else:
+                parts.append(f"{size}: x{spec / plain:.2f}, "
+                             f"{'drafts' if spec > plain else 'no drafts'}")
+        return ("drafting / plain tok/s by decoding batch: " + "; ".join(parts)) if parts \
+            else "no decode-only step measured yet"
+
+    def begin_step(self, decoding: int) -> bool:
+        """A step of ``decoding`` decoding requests begins: whether its requests draft."""
+        self._bucket = b = decoding.bit_length()
+        self._steps[b] = n = self._steps.get(b, 0) + 1
+        arms = self._rates.get(b)
+        if arms is None or min(arms[0][0], arms[1][0]) < self.warmup:
+            self.drafting = arms is None or arms[1][0] <= arms[0][0]
+            return self.drafting
+        plain, spec = self.delivered(decoding)
+        better = spec is not None and plain is not None and spec > plain
+        self.drafting = better if n % self.check_every else not better
+        return self.drafting
+
+    def observe_step(self, drafted: bool, tokens: int, seconds: float) -> None:
+        """The decode-only step begun last (with drafts or not) emitted ``tokens`` in
+        ``seconds``."""
+        if seconds <= 0:
+            return
+        arms = self._rates.setdefault(self._bucket, [[0.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
+        arm, d = arms[1 if drafted else 0], self.decay
+        arm[0], arm[1], arm[2] = arm[0] + 1, arm[1] * d + tokens, arm[2] * d + seconds
+
+
 @dataclass
 class SpecStats:
     """Counters over the engine's life (``/metrics``, ``generate``'s report)."""
