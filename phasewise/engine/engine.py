@@ -429,11 +429,11 @@ class LLMEngine:
                 self.spec_stats.add(spec[0], spec[1], len(out.delta_token_ids))
         self._step_index += 1
         duration = time.monotonic() - start
-        if self.draft_policy is not None:
-            if batch.num_decode_tokens and not batch.num_prefill_tokens:
-                self.draft_policy.observe_step(
-                    bool(verified), len(batch.requests)
-                    + sum(kept for _, kept in verified.values()), duration)
+        if (self.draft_policy is not None and batch.num_decode_tokens
+                and not batch.num_prefill_tokens):
+            self.draft_policy.observe_step(
+                bool(verified), len(batch.requests)
+                + sum(kept for _, kept in verified.values()), duration)
         self.step_stats.append(StepStats(
             index=self._step_index, start_time=start, duration_s=duration,
             num_prefill_tokens=batch.num_prefill_tokens,
