@@ -11,7 +11,7 @@ Two workloads, greedy, at batch 1, 8 and 32:
 For each, the two engines (``--speculative ngram --num-speculative-tokens K`` and the default)
 are loaded side by side and run in interleaved rounds on the same prompts (at least 16
 requests, two batches, a round). The speculative engine's draft policy measures, per batch
-size, whether steps with drafts deliver more tokens per second than steps without, and
+size, whether steps with drafts emit tokens faster than plain steps of the same batch, and
 drafts only where they do: at a batch where they do not, it drafts in its trial steps only
 (the tokens-per-read column shows how much it drafted). It prints decode
 tok/s (output tokens after the first, over the time from the first token to the last), the

@@ -153,38 +153,55 @@ def spec_llm(path, **kw) -> LLM:
 
 # -- the draft policy: drafts only at batch sizes where they have paid ----------------------
 
-def run_policy(pol: DraftPolicy, steps: int, rate: dict[int, tuple[float, float]]) -> list[bool]:
-    """Drive ``pol`` for ``steps`` steps whose batch size cycles through ``rate``'s keys;
-    at size S a step delivers rate[S][drafting] tokens per second. Returns its choices."""
-    sizes, out = list(rate), []
+def run_policy(pol: DraftPolicy, steps: int, speed: dict[int, float],
+               seconds=lambda n: 1e-3 + 1e-4 * n) -> list[bool]:
+    """Drive ``pol`` for ``steps`` steps whose batch size cycles through ``speed``'s keys;
+    a plain step of n requests takes seconds(n), and a drafting one the same time for
+    speed[n] times its tokens. Returns its choices."""
+    sizes, out = list(speed), []
     for i in range(steps):
-        size = sizes[i % len(sizes)]
-        drafting = pol.begin_step(size)
+        n = sizes[i % len(sizes)]
+        drafting = pol.begin_step(n)
         out.append(drafting)
-        pol.observe_step(drafting, size, size / rate[size][drafting])
+        pol.observe_step(drafting, n, round(n * speed[n]) if drafting else n, seconds(n))
     return out
 
 
-def test_draft_policy_drafts_where_drafting_delivered_more():
+def test_draft_policy_drafts_where_drafting_was_measured_faster():
     pol = DraftPolicy(warmup=3, check_every=8)
-    assert pol.delivered(4) == (None, None)
-    # batch 1: drafts double the rate; batch 32: they cost a tenth of it
-    rates = {1: (100.0, 200.0), 32: (1000.0, 900.0)}
-    choices = run_policy(pol, 400, rates)
-    assert pol.delivered(1) == pytest.approx(rates[1])
-    assert pol.delivered(32) == pytest.approx(rates[32])
-    assert pol.delivered(40) == pol.delivered(32)  # one bucket per power of two
-    assert pol.describe() == ("drafting / plain tok/s by decoding batch: 1: x2.00, drafts; "
-                              "32-63: x0.90, no drafts")
-    small, large = choices[0::2], choices[1::2]
-    settled_small, settled_large = small[20:], large[20:]
+    assert pol.speedup(4) is None and pol.plain_seconds(4) is None
+    speed = {1: 2.0, 32: 0.9}  # drafts double batch 1's speed and cost batch 32 a tenth
+    choices = run_policy(pol, 400, speed)
+    assert pol.speedup(1) == pytest.approx(2.0)
+    assert pol.speedup(32) == pytest.approx(round(32 * 0.9) / 32)
+    assert pol.speedup(40) == pol.speedup(32)  # one bucket per power of two
+    assert pol.plain_seconds(32) == pytest.approx(1e-3 + 32e-4)
+    assert pol.plain_seconds(30) == pol.plain_seconds(32)  # the nearest size measured
+    assert pol.describe() == ("drafting / plain speed by decoding batch: 1: x2.00, drafts; "
+                              "32-63: x0.91, no drafts")
+    small, large = choices[0::2][20:], choices[1::2][20:]
     # mostly the better way, the other only in the one-step-in-check_every checks
-    assert sum(settled_small) / len(settled_small) > 0.8
-    assert 0 < sum(settled_large) / len(settled_large) < 0.2
+    assert sum(small) / len(small) > 0.8
+    assert 0 < sum(large) / len(large) < 0.2
     # a change is noticed: at batch 32 drafting now pays
-    rates[32] = (1000.0, 2000.0)
-    later = run_policy(pol, 600, rates)[1::2]
+    speed[32] = 2.0
+    later = run_policy(pol, 600, speed)[1::2]
     assert sum(later[-100:]) / 100 > 0.8
+
+
+def test_draft_policy_compares_drafting_with_plain_steps_of_the_same_batch():
+    """Plain steps seen at 32-63 requests, drafting ones only at 32: a step's time grows
+    with its batch, so only a plain step of 32 says what drafting at 32 saved. Drafting that
+    emits 10% more per step in the same time is x1.1, and pays."""
+    pol = DraftPolicy(warmup=1, check_every=10**9)
+    for n in range(32, 64):
+        pol.begin_step(n)
+        pol.observe_step(False, n, n, 1e-3 + 1e-4 * n)
+    for _ in range(5):
+        pol.begin_step(32)
+        pol.observe_step(True, 32, 35, 1e-3 + 1e-4 * 32)  # 35 tokens where plain gives 32
+    assert pol.speedup(32) == pytest.approx(35 / 32)
+    assert pol.begin_step(50)  # drafts: its tokens per second are below plain 63's, no matter
 
 
 def test_draft_policy_warms_up_both_ways_and_refuses_bad_settings():
@@ -193,7 +210,7 @@ def test_draft_policy_warms_up_both_ways_and_refuses_bad_settings():
     for _ in range(4):  # alternates until each way has been seen twice, drafting first
         d = pol.begin_step(8)
         seen.append(d)
-        pol.observe_step(d, 8, 0.01)
+        pol.observe_step(d, 8, 8, 0.01)
     assert seen == [True, False, True, False]
     for bad in ({"decay": 0.0}, {"warmup": 0}, {"check_every": 1}):
         with pytest.raises(ValueError, match="need"):
@@ -208,10 +225,11 @@ def test_the_engine_drafts_as_its_policy_says(hf_checkpoints):
     assert isinstance(eng.draft_policy, DraftPolicy)
     for drafts_pay in (False, True):
         pol = DraftPolicy(check_every=10**9)
-        for size in range(1, 4):  # it has seen drafting cost (or pay) at sizes 1-3
+        for n in range(1, 4):  # it has seen drafting cost (or pay) x10 at sizes 1-3
             for drafting in (False, True) * 3:
-                pol.begin_step(size)
-                pol.observe_step(drafting, 10 if drafting == drafts_pay else 1, 1.0)
+                pol.begin_step(n)
+                pol.observe_step(drafting, n, n * (10 if drafts_pay else 1), 1.0 if
+                                 drafting == drafts_pay else 10.0)
         eng.draft_policy = pol
         n0 = len(llm.step_stats)
         outs = llm.generate(prompts, GREEDY)
@@ -219,8 +237,8 @@ def test_the_engine_drafts_as_its_policy_says(hf_checkpoints):
         assert any(s.num_spec_proposed for s in steps) == drafts_pay
         for prompt, out in zip(prompts, outs):
             assert out.token_ids == hf_greedy(hf, prompt, N_NEW)
-    # it measured those steps: what drafting delivered at batch 3 moved from the 10 it was fed
-    assert pol.delivered(3)[1] != pytest.approx(10.0)
+    # it measured those steps: plain steps of 3 now take milliseconds, not the 10 s it was fed
+    assert pol.plain_seconds(3) < 9.0
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -152,6 +152,7 @@ class LLMEngine:
         # Speculative decoding (phasewise.engine.spec): who proposes drafts, and the counts.
         self.proposer = NgramProposer() if config.speculative == "ngram" else None
         self.spec_stats = SpecStats()
+        self._untimed_s = 0.0
         self.requests: dict[str, Request] = {}
         self._text: dict[str, TextState] = {}
         self._ids = itertools.count()
@@ -384,6 +385,7 @@ class LLMEngine:
     # -- the step --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         start = time.monotonic()
+        self._untimed_s = 0.0  # spent in this step but not by it (the draft policy's view)
         if self.proposer is not None:
             self._propose()
         batch = self.scheduler.schedule()
@@ -431,9 +433,9 @@ class LLMEngine:
         duration = time.monotonic() - start
         if (self.draft_policy is not None and batch.num_decode_tokens
                 and not batch.num_prefill_tokens):
-            self.draft_policy.observe_step(
-                bool(verified), len(batch.requests)
-                + sum(kept for _, kept in verified.values()), duration)
+            self.draft_policy.observe_step(bool(verified), len(batch.requests),
+                                           sum(kept for _, kept in got),
+                                           duration - self._untimed_s)
         self.step_stats.append(StepStats(
             index=self._step_index, start_time=start, duration_s=duration,
             num_prefill_tokens=batch.num_prefill_tokens,
@@ -456,8 +458,19 @@ class LLMEngine:
         max_len = self.scheduler.max_len
         decoding = [r for r in self.scheduler.running
                     if r.num_output_tokens and r.num_computed_tokens == r.num_tokens - 1]
-        if self.draft_policy is not None and not self.draft_policy.begin_step(len(decoding)):
-            return
+        policy = self.draft_policy
+        if policy is not None:
+            drafted_before = policy.drafting
+            if not policy.begin_step(len(decoding)):
+                return
+            catch_up = getattr(self.proposer, "catch_up", None)
+            if not drafted_before and catch_up is not None:
+                # steps that did not draft left the proposer's index behind: bringing it up
+                # to date is not what drafting costs a step, so it stays out of the timing
+                t = time.monotonic()
+                for req in decoding:
+                    catch_up(req.request_id, req.all_token_ids)
+                self._untimed_s = time.monotonic() - t
         for req in decoding:
             p = req.params
             if (p.needs_penalties or req.num_output_tokens < p.min_tokens

@@ -82,6 +82,12 @@ class NgramProposer:
         self._index[request_id] = (index, len(tokens), tokens[-1] if tokens else -1)
         return index
 
+    def catch_up(self, request_id: str, tokens: list[int]) -> None:
+        """Index the request's tokens up to ``tokens`` now (``propose`` does it anyway): the
+        engine calls it before timing a step that drafts after steps that did not."""
+        if tokens:
+            self._indexed(request_id, tokens)
+
     def propose(self, request_id: str, tokens: list[int], k: int) -> list[int]:
         if k < 1 or not tokens:
             return []
@@ -98,85 +104,101 @@ class NgramProposer:
 
 class DraftPolicy:
     """Whether the decoding requests draft in a step: only at batch sizes where steps with
-    drafts have delivered more tokens per second than steps without them, on this engine.
+    drafts have been measured faster, per token, than plain steps of the same batch.
 
     Whether a draft pays depends on the machine and the model, not on the phase's name. While
     a step is bound by reading the weights, an extra row is nearly free and every kept draft
     is a token gained. Once rows cost real time (compute, attention, per-row Python, a kernel
     path that changes at some row count: the fused AMX layer stops at 32 rows), the rejected
     drafts slow every request in the batch. The roofline alone cannot see most of that, so
-    the policy measures it:
+    the policy measures it, on decode-only steps:
 
-    * per batch size (decoding requests, in powers of two), the tokens that decode-only steps
-      emitted (each request's token plus the drafts kept) over their duration, kept apart for
-      steps with drafts and steps without, older steps decaying by ``decay`` per step;
-    * until both kinds have been seen ``warmup`` times at a size, its steps alternate, the
-      less seen kind first;
-    * then a step drafts when drafting delivered more, and one step in ``check_every`` (of
-      that size) does the other, so that a change (longer contexts, other prompts) is
+    * a plain step's time per exact batch size (a moving average: contexts grow);
+    * per batch-size bucket (powers of two), the **speedup** of drafting steps: the time
+      plain steps of the same batch would have taken to emit what each drafting step emitted
+      (its tokens per request times the plain step's time), over the time it took; recent
+      steps weigh most (each older one by ``decay`` more);
+    * until both kinds have been seen ``warmup`` times in a bucket, its steps alternate
+      between them, drafting first;
+    * then a step drafts when the speedup is above 1, and one step in ``check_every`` of
+      that bucket does the other, so that a change (longer contexts, other prompts) is
       noticed.
 
     Within a drafting step every request gets what the proposer finds, up to ``k``.
     """
 
-    def __init__(self, decay: float = 0.97, warmup: int = 3, check_every: int = 32) -> None:
+    def __init__(self, decay: float = 0.8, warmup: int = 3, check_every: int = 32) -> None:
         if not 0 < decay <= 1 or warmup < 1 or check_every < 2:
             raise ValueError(f"need 0 < decay <= 1, warmup >= 1, check_every >= 2; got "
                              f"{decay}, {warmup}, {check_every}")
         self.decay, self.warmup, self.check_every = decay, warmup, check_every
-        # per size bucket, [without, with] drafts: [steps seen, decayed tokens, seconds]
-        self._rates: dict[int, list[list[float]]] = {}
-        self._steps: dict[int, int] = {}  # per size bucket: steps begun
-        self._bucket, self.drafting = 0, True
+        self._plain: dict[int, float] = {}  # batch size -> a plain step's seconds
+        # per bucket: [drafting steps seen, plain steps seen, decayed plain-equivalent
+        # seconds of the drafting steps, decayed seconds they took]
+        self._buckets: dict[int, list[float]] = {}
+        self._steps: dict[int, int] = {}  # per bucket: steps begun
+        self.drafting = True
 
-    def delivered(self, decoding: int) -> tuple[float | None, float | None]:
-        """Tokens per second that decode-only steps of about ``decoding`` requests delivered
-        (without drafts, with them); None where no such step was seen."""
-        arms = self._rates.get(decoding.bit_length())
-        if arms is None:
-            return None, None
-        plain, spec = ((tok / sec if sec > 0 else None) for _, tok, sec in arms)
-        return plain, spec
+    def plain_seconds(self, decoding: int) -> float | None:
+        """A plain decode-only step's time at ``decoding`` requests (from the nearest batch
+        size measured), or None before any."""
+        if decoding in self._plain:
+            return self._plain[decoding]
+        if not self._plain:
+            return None
+        return self._plain[min(self._plain, key=lambda n: (abs(n - decoding), n))]
+
+    def speedup(self, decoding: int) -> float | None:
+        """Drafting steps' measured speedup over plain ones at about ``decoding`` requests,
+        or None where none was measured."""
+        b = self._buckets.get(decoding.bit_length())
+        return b[2] / b[3] if b is not None and b[3] > 0 else None
 
     def describe(self) -> str:
-        """One line: per batch size seen, drafting's measured tokens/s over plain decoding's,
+        """One line: per batch size seen, drafting's measured speedup over plain decoding,
         and whether steps of that size draft."""
         parts = []
-        for b in sorted(self._rates):
-            if b == 0:
-                continue
-            lo, hi = 1 << (b - 1), (1 << b) - 1
+        for key in sorted(self._buckets):
+            lo, hi = 1 << (key - 1), (1 << key) - 1
             size = str(lo) if lo == hi else f"{lo}-{hi}"
-            plain, spec = self.delivered(lo)
-            if plain is None or spec is None or min(a[0] for a in self._rates[b]) < self.warmup:
+            b, speed = self._buckets[key], self.speedup(lo)
+            if speed is None or min(b[0], b[1]) < self.warmup:
                 parts.append(f"{size}: measuring")
             else:
-                parts.append(f"{size}: x{spec / plain:.2f}, "
-                             f"{'drafts' if spec > plain else 'no drafts'}")
-        return ("drafting / plain tok/s by decoding batch: " + "; ".join(parts)) if parts \
+                parts.append(f"{size}: x{speed:.2f}, {'drafts' if speed > 1 else 'no drafts'}")
+        return ("drafting / plain speed by decoding batch: " + "; ".join(parts)) if parts \
             else "no decode-only step measured yet"
 
     def begin_step(self, decoding: int) -> bool:
-        """A step of ``decoding`` decoding requests begins: whether its requests draft."""
-        self._bucket = b = decoding.bit_length()
-        self._steps[b] = n = self._steps.get(b, 0) + 1
-        arms = self._rates.get(b)
-        if arms is None or min(arms[0][0], arms[1][0]) < self.warmup:
-            self.drafting = arms is None or arms[1][0] <= arms[0][0]
+        """A step of about ``decoding`` decoding requests begins: whether its requests draft."""
+        key = decoding.bit_length()
+        self._steps[key] = n = self._steps.get(key, 0) + 1
+        b = self._buckets.get(key)
+        if b is None or min(b[0], b[1]) < self.warmup:
+            self.drafting = b is None or b[0] <= b[1]
             return self.drafting
-        plain, spec = self.delivered(decoding)
-        better = spec is not None and plain is not None and spec > plain
+        speed = self.speedup(decoding)
+        better = speed is not None and speed > 1
         self.drafting = better if n % self.check_every else not better
         return self.drafting
 
-    def observe_step(self, drafted: bool, tokens: int, seconds: float) -> None:
-        """The decode-only step begun last (with drafts or not) emitted ``tokens`` in
+    def observe_step(self, drafted: bool, decoding: int, tokens: int, seconds: float) -> None:
+        """A decode-only step of ``decoding`` requests (drafting or not) emitted ``tokens`` in
         ``seconds``."""
-        if seconds <= 0:
+        if seconds <= 0 or decoding < 1:
             return
-        arms = self._rates.setdefault(self._bucket, [[0.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
-        arm, d = arms[1 if drafted else 0], self.decay
-        arm[0], arm[1], arm[2] = arm[0] + 1, arm[1] * d + tokens, arm[2] * d + seconds
+        b = self._buckets.setdefault(decoding.bit_length(), [0, 0, 0.0, 0.0])
+        if not drafted:
+            b[1] += 1
+            prev = self._plain.get(decoding)
+            self._plain[decoding] = seconds if prev is None else 0.8 * prev + 0.2 * seconds
+            return
+        b[0] += 1
+        plain = self.plain_seconds(decoding)
+        if plain is None:
+            return
+        b[2] = b[2] * self.decay + tokens / decoding * plain
+        b[3] = b[3] * self.decay + seconds
 
 
 @dataclass
