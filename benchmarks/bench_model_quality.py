@@ -20,13 +20,17 @@ The held-out files are the ones ``scripts/train_default_model.py`` keeps out of 
   parsing if ``ast.parse`` takes head + completion; the table also counts the completions
   still inside their function when their budget ran out (unfinished);
 * **greedy repetition**: the same heads completed greedily; the longest run of one non-empty
-  line repeated back to back, over all heads (the issue: never more than 3 in a row);
+  line repeated back to back, over all heads (the issue: never more than 3 in a row), and
+  how many heads repeat a line more than 3 times (looping);
 * **decode at batch 1**: tok/s of a greedy 128-token decode after a held-out prompt, beside
   the bandwidth roofline of its steps (weights + K/V bytes over the read bandwidth measured
   just before): a larger model is more bandwidth-bound.
 
     .venv/bin/python benchmarks/bench_model_quality.py [--model DIR] [--baseline DIR]
-        [--heads 30] [--max-tokens 1024] [--seed 0]
+        [--heads 30] [--max-tokens 1024] [--seed 0] [--record]
+
+``--record`` writes the model's figures into its ``training.json`` ("quality") and rewrites
+its model card from it (``scripts/train_default_model.py --rewrite-card``).
 
 ``--model`` defaults to the bundled model; ``--baseline`` to
 ``benchmarks/.checkpoints/stdlib-coder-4m``, the 4.2 M-parameter model this work replaces,
@@ -44,7 +48,6 @@ import statistics
 import subprocess
 import sys
 import sysconfig
-import textwrap
 from pathlib import Path
 
 import torch
@@ -109,29 +112,6 @@ def held_out_loss(model: Path, texts: list[str], window: int) -> tuple[float, fl
             total, count = total + float(nll), count + len(chunk) - 1
     n_bytes = sum(len(t.encode()) for t in texts)
     return total / count, total / n_bytes
-
-
-def function_heads(files: list[Path], n: int) -> list[str]:
-    """Signature + the docstring's first line of the first n documented functions."""
-    heads = []
-    for path in files:
-        src = path.read_text(encoding="utf-8")
-        lines = src.splitlines()
-        for node in ast.walk(ast.parse(src)):
-            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                continue
-            if not node.body or ast.get_docstring(node) is None or node.decorator_list:
-                continue
-            doc = node.body[0]
-            head = "\n".join(lines[node.lineno - 1:doc.lineno])  # through the doc's 1st line
-            head = textwrap.dedent(head)
-            if len(head) > 600:
-                continue
-            heads.append(head)
-        if len(heads) >= n:
-            break
-    heads = sorted(set(heads), key=heads.index)[:n]
-    return heads
 
 
 def cut_function(head: str, completion: str) -> str:
@@ -209,6 +189,9 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=1024,
                     help="most tokens per completion (also cut to what the context leaves)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--record", action="store_true",
+                    help="write the model's figures into its training.json (\"quality\") "
+                    "and rewrite its model card from it")
     args = ap.parse_args()
     from phasewise import LLM
     from phasewise.config import BUNDLED_MODEL
@@ -219,6 +202,8 @@ def main() -> None:
     files = held_out_files()
     texts = [f.read_text(encoding="utf-8") for f in files]
     window = min(context_of(m) for m in models.values())
+    from train_default_model import function_heads
+
     heads = function_heads(files, args.heads)
     print(f"{len(files)} held-out files ({sum(len(t.encode()) for t in texts) / 1e6:.2f} MB), "
           f"loss windows of {window} tokens; {len(heads)} function heads")
@@ -236,29 +221,51 @@ def main() -> None:
         greedy_params = llm.engine.default_sampling_params(max_tokens=args.max_tokens,
                                                            temperature=0.0)
         greedy = [o.text for o in completions(llm, heads, greedy_params, room)]
-        rep = max(longest_repeat(cut_function(h, c)) for h, c in zip(heads, greedy))
+        repeats = [longest_repeat(cut_function(h, c)) for h, c in zip(heads, greedy)]
+        rep, looping = max(repeats), sum(r > 3 for r in repeats)
         tok_s, roof = decode_b1(llm, heads[0])
         params = sum(p.numel() for p in llm.engine.model.parameters())
         rows[name] = {"per_token": per_token, "per_byte": per_byte, "parse": ok / len(heads),
                       "unfinished": cut_off,
-                      "repeat": rep, "tok_s": tok_s, "roof": roof, "params": params,
+                      "repeat": rep, "looping": looping, "tok_s": tok_s, "roof": roof,
+                      "params": params,
                       "ctx": room, "sample": cut_function(heads[0], sampled[0])}
         print(f"  {name}: {path} ({params / 1e6:.1f} M parameters, context {room})",
               flush=True)
         del llm
     b, m = rows["baseline"], rows["model"]
     print(f"\n{'':9} | {'loss/token':>10} | {'loss/byte':>9} | {'parses':>6} | "
-          f"{'unfinished':>10} | {'greedy repeat':>13} | {'decode b1':>10} | {'of roofline':>11}")
+          f"{'unfinished':>10} | {'greedy repeat':>13} | {'looping':>7} | {'decode b1':>10} | "
+          f"{'of roofline':>11}")
     for name, r in rows.items():
         print(f"{name:9} | {r['per_token']:10.3f} | {r['per_byte']:9.3f} | {r['parse']:6.0%} | "
-              f"{r['unfinished']:10d} | {r['repeat']:13d} | {r['tok_s']:6.1f} t/s | {r['tok_s'] / r['roof']:11.0%}")
+              f"{r['unfinished']:10d} | {r['repeat']:13d} | {r['looping']:7d} | "
+              f"{r['tok_s']:6.1f} t/s | {r['tok_s'] / r['roof']:11.0%}")
     print(f"model / baseline held-out loss: x{m['per_token'] / b['per_token']:.3f} per token, "
           f"x{m['per_byte'] / b['per_byte']:.3f} per byte (target <= x0.75); parse rate "
           f"{m['parse']:.0%} (target >= 50%); longest greedy repeat {m['repeat']} "
-          f"(target <= 3)")
+          f"(target <= 3), {m['looping']} of {len(heads)} heads repeat a line more than 3 times")
     vocab = json.loads((models["model"] / "config.json").read_text())["vocab_size"]
     print(f"uniform guess: {math.log(vocab):.2f} nats/token")
     print(f"\nfirst head, sampled ({models['model'].name}):\n{m['sample']}")
+    if args.record:
+        record(models["model"], m, b, len(heads))
+
+
+def record(model: Path, m: dict, b: dict, heads: int) -> None:
+    """Store the model's figures as its training.json's "quality" and rewrite its card."""
+    from train_default_model import cpu_name, rewrite_card
+
+    path = model / "training.json"
+    info = json.loads(path.read_text())
+    info["quality"] = {"parse_rate": m["parse"], "heads": heads, "unfinished": m["unfinished"],
+                       "greedy_longest_repeat": m["repeat"], "greedy_looping": m["looping"],
+                       "loss_vs_baseline": round(m["per_token"] / b["per_token"], 3),
+                       "baseline": f"the {b['params'] / 1e6:.1f} M-parameter model it replaced",
+                       "cpu": cpu_name()}
+    path.write_text(json.dumps(info, indent=1) + "\n")
+    rewrite_card(model)
+    print(f"recorded in {path} and its README.md")
 
 
 if __name__ == "__main__":

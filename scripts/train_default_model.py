@@ -24,7 +24,12 @@ Training windows are drawn from the three groups by fixed shares (``MIX``). The 
    windows, with AdamW and a cosine schedule; the first ``--short-frac`` of the steps use
    ``--short-seq``-token windows (cheaper attention), the rest the full ``--seq-len``, which
    becomes the model's context;
-4. saves it in the standard layout (``config.json``, ``model.safetensors`` in bf16,
+4. runs the repetition phase (``--repetition-steps``, ``repetition_phase``): from the
+   bf16-rounded weights, sequence-level unlikelihood training against the loops that greedy
+   decoding of so small a model falls into (a line repeated over and over), beside the usual
+   next-token loss; ``--main-from DIR`` takes a checkpoint this script saved as step 3's
+   result and runs only this phase;
+5. saves it in the standard layout (``config.json``, ``model.safetensors`` in bf16,
    ``generation_config.json``, ``tokenizer.json``, ``tokenizer_config.json`` with a chat
    template) and writes the model card (``README.md``) with the data, the losses, a sample
    and the machine it was trained on.
@@ -32,7 +37,8 @@ Training windows are drawn from the three groups by fixed shares (``MIX``). The 
 **Resumable.** Every ``--save-every`` seconds, and on Ctrl-C or SIGTERM, the model, the
 optimizer, the step and the random generator's state go to ``--work-dir`` (default: a folder
 under phasewise's cache, named by the run's settings); running the same command again
-continues from there, bit for bit as if never stopped. ``--fresh`` discards a saved state.
+continues from there, bit for bit as if never stopped. The repetition phase keeps its own
+state there (``repetition.pt``) beside the main training's end. ``--fresh`` discards a saved state.
 The state is removed once the model is saved.
 
 Everything is seeded: two runs with the same Python (hence the same stdlib), torch,
@@ -53,14 +59,17 @@ Needs the ``train`` extra: ``pip install -e '.[train]'`` (transformers).
 from __future__ import annotations
 
 import argparse
+import ast
 import hashlib
 import os
 import signal
 import json
 import math
 import platform
+import random
 import sys
 import sysconfig
+import textwrap
 import time
 from pathlib import Path
 
@@ -88,6 +97,10 @@ DIST_NAMES = {"zmq": "pyzmq"}
 # Shares of the training windows drawn from each group (renormalised over the groups present).
 MIX = {"core": 0.4, "stdlib-tests": 0.2, "packages": 0.4}
 SAMPLE_PROMPT = "def fibonacci(n):"
+# The repetition phase's prompts: at most this many function heads of the training files;
+# and the windows of the training mix whose next-token loss each of its steps keeps.
+REPETITION_HEADS = 4000
+REPETITION_WINDOWS = 2
 # Sampling defaults that phasewise (and transformers) read from generation_config.json:
 # greedy decoding of so small a model soon repeats a phrase; a cooled, nucleus-trimmed sample
 # reads more like the corpus.
@@ -123,6 +136,60 @@ def corpus_files(root: Path) -> list[Path]:
 def stdlib_test_files(root: Path, held: set[Path]) -> list[Path]:
     return [p for p in sorted((root / "test").rglob("*.py"))
             if "__pycache__" not in p.parts and p not in held]
+
+
+def function_heads(files: list[Path], n: int) -> list[str]:
+    """Signature + the docstring's first line of the first ``n`` documented functions (top
+    level and methods, undecorated, dedented, in file order; no duplicates)."""
+    heads: list[str] = []
+    for path in files:
+        try:
+            src = path.read_text(encoding="utf-8")
+            tree = ast.parse(src)
+        except (OSError, UnicodeDecodeError, SyntaxError, ValueError):
+            continue
+        lines = src.splitlines()
+        for node in ast.walk(tree):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            if not node.body or ast.get_docstring(node) is None or node.decorator_list:
+                continue
+            doc = node.body[0]
+            head = textwrap.dedent("\n".join(lines[node.lineno - 1:doc.lineno]))
+            if len(head) <= 600:
+                heads.append(head)
+        if len(heads) >= n:
+            break
+    return sorted(set(heads), key=heads.index)[:n]
+
+
+def repeated_lines(rows: list[list[int]], newline: set[int], blank: set[int],
+                   stop: set[int]) -> list[list[int]]:
+    """For each row of generated token ids: 1 at every token of a line that repeats the line
+    right before it token for token, 0 elsewhere. A line ends with a token that holds a
+    newline (byte-level BPE puts the next line's indentation in it too); a line of blank
+    tokens only is not counted; a row ends at its first ``stop`` token (end of text,
+    padding). Only the line's first token that is not blank is marked: that is where the
+    model chose to start the line again, and the rest of the line follows from it. (Pushing
+    down the newline and indentation tokens teaches the model to run lines on; pushing down
+    every token of the line, to escape into broken ones.)"""
+    out = []
+    for row in rows:
+        mask = [0] * len(row)
+        end = next((j for j, t in enumerate(row) if t in stop), len(row))
+        prev: tuple[int, int] | None = None
+        start = 0
+        for j in range(end):
+            if row[j] not in newline:
+                continue
+            line = row[start:j + 1]
+            if (prev is not None and line == row[prev[0]:prev[1]]
+                    and any(t not in blank for t in line)):
+                first = next(k for k in range(start, j + 1) if row[k] not in blank)
+                mask[first] = 1
+            prev, start = (start, j + 1), j + 1
+        out.append(mask)
+    return out
 
 
 def package_licence(name: str) -> str:
@@ -233,6 +300,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=2e-3, help="peak learning rate")
     p.add_argument("--warmup", type=float, default=0.05, help="warm-up share of the steps")
     p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--repetition-steps", type=int, default=300,
+                   help="steps of the repetition phase after the main training (0: none)")
+    p.add_argument("--repetition-lr", type=float, default=1e-4)
+    p.add_argument("--repetition-batch", type=int, default=8,
+                   help="function heads completed greedily a repetition step")
+    p.add_argument("--repetition-tokens", type=int, default=160,
+                   help="tokens each of those completions runs to")
+    p.add_argument("--repetition-weight", type=float, default=0.25,
+                   help="the unlikelihood loss's weight beside the next-token loss")
+    p.add_argument("--main-from", default=None,
+                   help="a checkpoint this script saved (with its training.json) to take as "
+                   "the main training's result: only the repetition phase runs")
     p.add_argument("--eval-windows", type=int, default=32,
                    help="held-out windows for the validation loss")
     p.add_argument("--seed", type=int, default=0)
@@ -338,7 +417,7 @@ def train(a: argparse.Namespace) -> int:
                                 "licence": u["licence"], "files": u["files"]})
             sources.append({"group": "packages", "what": "all packages", "licence": "",
                             "files": len(texts), "bytes": sum(len(t.encode()) for t in texts)})
-    log(f"[1/4] data: {len(train_texts)} core training files ({corpus_bytes / 1e6:.1f} MB) and "
+    log(f"[1/5] data: {len(train_texts)} core training files ({corpus_bytes / 1e6:.1f} MB) and "
         f"{len(val_texts)} held out, from {root}; "
         + ", ".join(f"{g} {len(t)} files" for g, t in groups.items()))
 
@@ -361,7 +440,7 @@ def train(a: argparse.Namespace) -> int:
     for src in sources:
         if src["what"] in ("all packages",) or src["group"] != "packages":
             src["tokens"] = len(streams[src["group"]])
-    log(f"[2/4] tokenizer: {vocab} tokens (byte-level BPE); core stream "
+    log(f"[2/5] tokenizer: {vocab} tokens (byte-level BPE); core stream "
         f"{len(train_ids):,} tokens ({corpus_bytes / len(train_ids):.2f} bytes/token), "
         + "".join(f"{g} {len(s):,}, " for g, s in streams.items() if g != "core")
         + f"held out {len(val_ids):,} ({time.monotonic() - t0:.0f} s)")
@@ -372,6 +451,24 @@ def train(a: argparse.Namespace) -> int:
     mix = {g: MIX[g] for g in streams}
     total = sum(mix.values())
     mix = {g: w / total for g, w in mix.items()}
+    # the repetition phase's prompts: function heads of the core's training files, the
+    # files in a seeded order (never the held-out ones)
+    order = list(train_files)
+    random.Random(a.seed).shuffle(order)
+    rep_heads = function_heads(order, REPETITION_HEADS) if a.repetition_steps > 0 else []
+    base = None  # --main-from: the training.json of the main training taken as done
+    if a.main_from:
+        src = Path(a.main_from)
+        try:
+            base = json.loads((src / "training.json").read_text())
+            same_tok = (src / "tokenizer.json").read_bytes() == (out / "tokenizer.json").read_bytes()
+        except (OSError, ValueError) as e:
+            log(f"error: --main-from {src}: not a checkpoint this script saved ({e})")
+            return 2
+        if not same_tok:
+            log(f"error: --main-from {src}: its tokenizer is not the one this data and these "
+                "settings train")
+            return 2
 
     # 3. model and training
     torch.manual_seed(a.seed)
@@ -488,6 +585,11 @@ def train(a: argparse.Namespace) -> int:
         log(f"      resuming from {state_path}: step {step}/{steps}, "
             f"{fmt_s(trained_s)} trained so far")
 
+    if base is not None:
+        main = LlamaForCausalLM.from_pretrained(a.main_from, torch_dtype=torch.float32)
+        model.load_state_dict(main.state_dict())
+        step, ema, history = steps, base["train_loss"], base["loss_history"]
+        log(f"      the main training's result taken from {a.main_from}")
     trained_before = trained_s
 
     def save_state() -> None:
@@ -498,7 +600,7 @@ def train(a: argparse.Namespace) -> int:
                     "trained_s": trained_s, "cpu_s": cpu_s}, tmp)
         os.replace(tmp, state_path)
 
-    log(f"[3/4] model: Llama, {n_params / 1e6:.2f} M parameters ({a.layers} layers, hidden "
+    log(f"[3/5] model: Llama, {n_params / 1e6:.2f} M parameters ({a.layers} layers, hidden "
         f"{a.hidden_size}, {a.heads} heads / {a.kv_heads} KV heads, MLP {a.intermediate_size}, "
         f"tied embeddings); {steps} steps x {tokens_per_step} tokens"
         + (f" ({short_steps} of them in {short}-token windows)" if short_steps else "")
@@ -560,15 +662,32 @@ def train(a: argparse.Namespace) -> int:
     train_s = trained_s + time.monotonic() - t_run
     cpu_s += time.process_time() - cpu_run
     setup_s = time.monotonic() - t_start - (train_s - trained_before)
-    final_val = val_loss()
-    log(f"      done in {fmt_s(train_s)}: train loss {ema:.3f}, held-out loss {final_val:.3f} "
-        f"(uniform guess: {math.log(vocab):.2f})")
+    if base is None:
+        trained_s, t_run, cpu_run = train_s, time.monotonic(), time.process_time()
+        if a.repetition_steps > 0 and not (sdir / "repetition.pt").exists():
+            save_state()  # the main training's end, for a repetition phase that is stopped
+        final_val = val_loss()
+        log(f"      done in {fmt_s(train_s)}: train loss {ema:.3f}, held-out loss "
+            f"{final_val:.3f} (uniform guess: {math.log(vocab):.2f})")
+    else:
+        final_val = base["held_out_loss_fp32"]
 
-    # 4. save: what ships is bf16, so the held-out loss and the sample are taken again on the
-    # bf16-rounded weights (computed in fp32, as transformers does on CPU).
+    # 4. what ships is bf16: the repetition phase starts from the bf16-rounded weights, and
+    # the held-out loss and the sample are taken again on its bf16-rounded result (computed
+    # in fp32, as transformers does on CPU).
     model.eval()
     model.to(torch.bfloat16).float()
-    shipped_val = val_loss()
+    main_val = val_loss()
+    rep = None
+    if a.repetition_steps > 0:
+        rep = repetition_phase(model, tok, rep_heads, a, sdir / "repetition.pt", {
+            "streams": streams, "names": names, "weights": weights, "windows_of": windows_of,
+            "pad": pad, "eos": eos, "vocab": vocab})
+        if rep is None:
+            return 3
+        model.eval()
+        model.to(torch.bfloat16).float()
+    shipped_val = val_loss() if rep else main_val
     model.eval()
     with torch.no_grad():
         ids = tok.encode(SAMPLE_PROMPT).ids  # the post-processor puts BOS in front
@@ -603,16 +722,164 @@ def train(a: argparse.Namespace) -> int:
         "compiled": compile_state["on"],
         "short_steps": short_steps, "short_seq": short,
         "train_loss": round(ema, 4), "held_out_loss_fp32": round(final_val, 4),
-        "held_out_loss": round(shipped_val, 4),
+        "held_out_loss_main": round(main_val, 4), "held_out_loss": round(shipped_val, 4),
         "loss_history": history, "sample_prompt": SAMPLE_PROMPT, "sample": sample,
-        "args": vars(a) | {"out": None},
+        "args": vars(a) | {"out": None, "main_from": None},
     }
+    if base is not None:  # the main training's figures are the ones it recorded
+        keep = ("python", "torch", "transformers", "tokenizers", "threads", "cpu", "steps",
+                "tokens_seen", "train_seconds", "total_seconds", "train_cpu_seconds",
+                "arithmetic", "compiled", "short_steps", "short_seq", "train_loss",
+                "held_out_loss_fp32", "loss_history")  # not its "quality": measured again
+        info |= {k: base[k] for k in keep if k in base}
+        info["main_from"] = {"cpu": base.get("cpu"), "threads": base.get("threads")}
+    if rep is not None:
+        info["repetition"] = rep
+        info["total_seconds"] += round(rep["seconds"])
+        info["train_cpu_seconds"] += round(rep["cpu_seconds"])
     (out / "training.json").write_text(json.dumps(info, indent=1) + "\n")
     (out / "README.md").write_text(model_card(info, a, size))
     state_path.unlink(missing_ok=True)
-    log(f"[4/4] saved to {out} ({size / 1e6:.1f} MB) in {fmt_s(time.monotonic() - t_start)} "
+    (sdir / "repetition.pt").unlink(missing_ok=True)
+    log(f"[5/5] saved to {out} ({size / 1e6:.1f} MB) in {fmt_s(time.monotonic() - t_start)} "
         f"in all. Greedy sample:\n{sample}")
     return 0
+
+
+def repetition_phase(model, tok, heads: list[str], a: argparse.Namespace, path: Path,
+                     data: dict) -> dict | None:
+    """Teach the model not to repeat a line (sequence-level unlikelihood training, Welleck et
+    al. 2019, "Neural text generation with unlikelihood training"): greedy decoding of a
+    small model falls into loops that its next-token loss never sees, since they are its own
+    outputs and not the corpus. Each step completes ``--repetition-batch`` training function
+    heads greedily (``--repetition-tokens`` each), and for every token of a line that repeats
+    the line before it adds -log(1 - p(token)), pushing that continuation down where the
+    model itself chose it; the usual next-token loss on one window of the training mix keeps
+    the rest of what it learnt. Seeded, resumable (``path``), progress on stderr. Returns the
+    phase's figures, or None when stopped (its state saved)."""
+    import torch
+    import torch.nn.functional as F
+
+    vocab, pad, eos = data["vocab"], data["pad"], data["eos"]
+    texts = [tok.decode([i]) for i in range(vocab)]
+    newline = {i for i, t in enumerate(texts) if "\n" in t}
+    blank = {i for i, t in enumerate(texts) if not t.strip()}
+    prompts = [tok.encode(h).ids for h in heads]  # the post-processor puts BOS in front
+    if not prompts:
+        log("      no function head in the training files: the repetition phase is skipped")
+        return {"steps": 0, "seconds": 0.0, "cpu_seconds": 0.0, "heads": 0}
+    seq = min(a.seq_len, 512)
+    gen = torch.Generator().manual_seed(a.seed + 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=a.repetition_lr, weight_decay=0.0)
+    step, seconds, cpu, shares, ul_ema = 0, 0.0, 0.0, [], None
+    if path.exists():
+        st = torch.load(path, weights_only=False)  # our own file, written below
+        model.load_state_dict(st["model"])
+        opt.load_state_dict(st["opt"])
+        gen.set_state(st["gen"])
+        step, seconds, cpu, shares = st["step"], st["seconds"], st["cpu"], st["shares"]
+        log(f"      resuming the repetition phase from {path}: step {step}/"
+            f"{a.repetition_steps}")
+
+    def save() -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        torch.save({"model": model.state_dict(), "opt": opt.state_dict(),
+                    "gen": gen.get_state(), "step": step, "seconds": seconds, "cpu": cpu,
+                    "shares": shares}, tmp)
+        os.replace(tmp, path)
+
+    def greedy(batch: list[list[int]]) -> tuple:
+        """The prompts left-padded, their mask, and their greedy continuations."""
+        width = max(map(len, batch))
+        x = torch.full((len(batch), width), pad, dtype=torch.long)
+        m = torch.zeros_like(x)
+        for i, ids in enumerate(batch):
+            x[i, width - len(ids):] = torch.tensor(ids)
+            m[i, width - len(ids):] = 1
+        model.eval()
+        with torch.no_grad():
+            out = model.generate(input_ids=x, attention_mask=m, do_sample=False,
+                                 max_new_tokens=a.repetition_tokens, pad_token_id=pad,
+                                 eos_token_id=eos)
+        return x, m, out[:, width:]
+
+    log(f"[4/5] repetition: {a.repetition_steps} steps; each completes {a.repetition_batch} of "
+        f"{len(prompts)} training function heads greedily ({a.repetition_tokens} tokens) and "
+        "pushes down the first token of each line that repeats the line before it "
+        f"(unlikelihood, weight {a.repetition_weight}), "
+        f"beside the next-token loss on {REPETITION_WINDOWS} {seq}-token windows; state saved "
+        f"to {path}")
+
+    def on_term(signum, frame):  # noqa: ARG001
+        raise Stop
+
+    old_term = signal.signal(signal.SIGTERM, on_term) if hasattr(signal, "SIGTERM") else None
+    t_run, cpu_run = time.monotonic(), time.process_time()
+    t_log = t_save = t_run
+    first = step
+    try:
+        while step < a.repetition_steps:
+            picks = torch.randint(len(prompts), (a.repetition_batch,), generator=gen).tolist()
+            x, m, g = greedy([prompts[i] for i in picks])
+            mask = torch.tensor(repeated_lines(g.tolist(), newline, blank, {pad, eos}),
+                                dtype=torch.float32)
+            model.train()
+            logits = model(input_ids=torch.cat([x, g], 1),
+                           attention_mask=torch.cat([m, (g != pad).long()], 1)).logits
+            p = logits[:, x.shape[1] - 1:-1].float().softmax(-1).gather(-1, g[..., None])[..., 0]
+            ul = -(torch.log((1 - p).clamp_min(1e-5)) * mask).sum() / mask.sum().clamp_min(1)
+            picks = torch.multinomial(data["weights"], REPETITION_WINDOWS, replacement=True,
+                                      generator=gen).tolist()
+            w = torch.cat([data["windows_of"](data["streams"][data["names"][i]], 1, seq, gen)
+                           for i in picks])
+            logits = model(input_ids=w[:, :-1]).logits
+            mle = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
+                                  w[:, 1:].reshape(-1))
+            opt.zero_grad(set_to_none=True)
+            (mle + a.repetition_weight * ul).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            step += 1
+            shares.append(round(float(mask.mean()), 4))
+            ul_ema = ul.item() if ul_ema is None else 0.9 * ul_ema + 0.1 * ul.item()
+            now = time.monotonic()
+            if now - t_log >= a.log_every or step == a.repetition_steps:
+                t_log = now
+                recent = shares[-20:]
+                eta = (a.repetition_steps - step) * (now - t_run) / max(step - first, 1)
+                log(f"      repetition step {step}/{a.repetition_steps}  next-token loss "
+                    f"{mle.item():.3f}  unlikelihood {ul_ema:.3f}  tokens in repeated lines "
+                    f"{sum(recent) / len(recent):.1%}  eta {fmt_s(eta)}")
+            if step < a.repetition_steps and now - t_save >= a.save_every:
+                seconds += now - t_run
+                cpu += time.process_time() - cpu_run
+                t_run = t_save = now
+                cpu_run = time.process_time()
+                first = step
+                save()
+            if (a.stop_after is not None and step - first >= a.stop_after
+                    and step < a.repetition_steps):
+                raise Stop
+    except (KeyboardInterrupt, Stop):
+        seconds += time.monotonic() - t_run
+        cpu += time.process_time() - cpu_run
+        save()
+        log(f"      stopped at repetition step {step}/{a.repetition_steps}; state saved to "
+            f"{path}: run the same command again to continue")
+        return None
+    finally:
+        if old_term is not None:
+            signal.signal(signal.SIGTERM, old_term)
+    seconds += time.monotonic() - t_run
+    cpu += time.process_time() - cpu_run
+    head, tail = shares[:20], shares[-20:]
+    return {"steps": step, "seconds": round(seconds, 1), "cpu_seconds": round(cpu, 1),
+            "heads": len(prompts), "batch": a.repetition_batch, "tokens": a.repetition_tokens,
+            "lr": a.repetition_lr, "window": seq, "windows": REPETITION_WINDOWS,
+            "weight": a.repetition_weight,
+            "repeated_share_first": round(sum(head) / max(len(head), 1), 4),
+            "repeated_share_last": round(sum(tail) / max(len(tail), 1), 4)}
 
 
 def checkpoint_bytes(out: Path) -> int:
@@ -669,12 +936,42 @@ def quality_row(i: dict) -> str:
     q = i.get("quality")
     if not q:
         return ""
+    looping = (f" ({q['greedy_looping']} of the {q['heads']} more than 3 times)"
+               if "greedy_looping" in q else "")
     return (f"\n| quality | {q['parse_rate']:.0%} of {q['heads']} held-out function heads, "
             f"completed at the default sampling, parse ({q['unfinished']} still unfinished at "
             f"the end of the context); greedy completions repeat one line up to "
-            f"{q['greedy_longest_repeat']} times in a row; held-out loss x"
+            f"{q['greedy_longest_repeat']} times in a row{looping}; held-out loss x"
             f"{q['loss_vs_baseline']:.3f} that of {q['baseline']} "
             f"(`benchmarks/bench_model_quality.py`, {q['cpu']}) |")
+
+
+def repetition_row(i: dict) -> str:
+    """The card's row for the repetition phase, when it ran."""
+    r = i.get("repetition")
+    if not r or not r.get("steps"):
+        return ""
+    before = i.get("held_out_loss_main")
+    loss = (f"; held-out loss {before:.3f} before it, {i['held_out_loss']:.3f} after"
+            if before is not None else "")
+    return (f"\n| repetition phase | {r['steps']} steps after the main training (sequence-level "
+            f"unlikelihood, `repetition_phase`): each completed {r['batch']} of {r['heads']} "
+            f"training function heads greedily ({r['tokens']} tokens) and pushed down the "
+            f"first token of each line that repeats the line before it (weight "
+            f"{r.get('weight', 0.25)}), beside the next-token loss on {r.get('windows', 1)} "
+            f"{r['window']}-token windows; AdamW, LR {r['lr']}, fp32. Tokens in repeated lines: "
+            f"{r['repeated_share_first']:.1%} in its first 20 steps, "
+            f"{r['repeated_share_last']:.1%} in its last 20{loss}; {r['seconds'] / 60:.0f} min |")
+
+
+def main_from_line(i: dict) -> str:
+    """The card's note when the main training was taken from an earlier run (--main-from)."""
+    if not i.get("main_from"):
+        return ""
+    return ("\n\nThese weights were made in two runs: the main training's result was taken "
+            "from an earlier run of this script with the same settings (`--main-from`), and "
+            "the repetition phase ran on it; a fresh run does both in one go, to the same "
+            "bytes (the tests check that for small runs).")
 
 
 def short_line(i: dict, a: argparse.Namespace) -> str:
@@ -724,7 +1021,7 @@ Python {i['python']} standard library, so anyone can rebuild it from what is on 
 | tokenizer | byte-level BPE, {i['vocab_size']} tokens, `<|bos|>` before and `<|eos|>` after every file |
 | model | {a.layers} layers, hidden {a.hidden_size}, {a.heads} heads / {a.kv_heads} KV heads (head dim {a.hidden_size // a.heads}), SwiGLU MLP {a.intermediate_size}, RoPE, tied embeddings: {i['parameters']:,} parameters |
 | training | {i['steps']} steps of {a.batch_size * a.seq_len} tokens{short_line(i, a)} ({i['tokens_seen']:,} tokens, {i['tokens_seen'] / i['train_tokens_in_corpus']:.2f} times the {i['train_tokens_in_corpus']:,}-token core stream); AdamW (0.9, 0.95), peak LR {a.lr}, {a.warmup:.0%} warm-up, cosine to 10%, weight decay {a.weight_decay}, gradient clip 1.0, {i.get('arithmetic', 'fp32')}, seed {a.seed} |
-| loss (nats/token) | train {i['train_loss']:.3f} (last steps, smoothed); held out {i['held_out_loss']:.3f} with the shipped bf16 weights ({i['held_out_loss_fp32']:.3f} before the cast from fp32); a uniform guess scores {math.log(i['vocab_size']):.2f} |{quality_row(i)}
+| loss (nats/token) | train {i['train_loss']:.3f} (last steps, smoothed); held out {i['held_out_loss']:.3f} with the shipped bf16 weights ({i['held_out_loss_fp32']:.3f} before the cast from fp32); a uniform guess scores {math.log(i['vocab_size']):.2f} |{repetition_row(i)}{quality_row(i)}
 | trained on | {i['cpu']}, {i['threads']} threads; Python {i['python']}, torch {i['torch']}, transformers {i['transformers']}, tokenizers {i['tokenizers']}: {i['total_seconds'] // 60} min {i['total_seconds'] % 60} s in all, of which training used {i.get('train_cpu_seconds', 0) / 3600:.1f} CPU-hours{' (its step compiled by torch.compile)' if i.get('compiled') else ''} |
 
 Reproduce (the run's settings are in `training.json`):
@@ -735,13 +1032,14 @@ pip install -e '.[train]' && python scripts/train_default_model.py --threads {i[
 
 The same Python, library versions, installed packages, C++ compiler, CPU and thread count give
 byte-identical files; others
-give a different model of the same quality.
+give a different model of the same quality.{main_from_line(i)}
 
 ## Sampling defaults
 
 `generation_config.json` sets {", ".join(f"`{k}` {v}" for k, v in SAMPLING_DEFAULTS.items())}:
 phasewise and `transformers` use them when a request does not say. Greedy decoding of so
-small a model soon repeats a phrase, as the sample below shows.
+small a model tends to fall into a loop, one line over and over; the repetition phase
+(above) is there to make that rare.
 
 ## Sample
 

@@ -44,7 +44,8 @@ def corpus(tmp_path_factory, script):
 ARGS = ["--vocab-size", "320", "--hidden-size", "32", "--intermediate-size", "64",
         "--layers", "1", "--heads", "2", "--kv-heads", "1", "--seq-len", "64",
         "--batch-size", "4", "--tokens", "1024", "--eval-windows", "4", "--threads", "1",
-        "--log-every", "0", "--no-compile"]
+        "--log-every", "0", "--no-compile", "--repetition-steps", "3",
+        "--repetition-batch", "2", "--repetition-tokens", "24"]
 
 
 @pytest.fixture(scope="module")
@@ -164,3 +165,63 @@ def test_a_failed_compile_falls_back_to_eager_training(script, corpus, runs, tmp
     assert "compiling failed (RuntimeError: no C++ compiler); training eagerly" in err
     # from then on it is the eager run, step for step
     assert (out / "model.safetensors").read_bytes() == (runs[0] / "model.safetensors").read_bytes()
+
+
+def test_repeated_lines_marks_where_a_line_that_repeats_the_one_before_starts(script):
+    NL, SP, EOS, PAD = 10, 11, 1, 2  # 10 holds a newline, 11 is blank
+    rows = [
+        [5, 6, NL, 5, 6, NL, 5, 6, NL, 7, NL],  # a line twice more, then another
+        [SP, 5, NL, SP, 5, NL],  # the first token that is not blank
+        [5, 6, NL, 7, NL, 5, 6, NL],  # the same line again, but not right after itself
+        [SP, SP, NL, SP, SP, NL, 8, NL, 8, NL],  # blank lines do not count; others do
+        [5, 6, NL, 5, 6, NL, EOS, 5, 6, NL, PAD],  # nothing after the end of text
+    ]
+    got = script.repeated_lines(rows, {NL}, {SP, NL}, {EOS, PAD})
+    assert got == [
+        [0, 0, 0, 1, 0, 0, 1, 0, 0, 0, 0],  # each repeat's first token
+        [0, 0, 0, 0, 1, 0],
+        [0] * 8,
+        [0, 0, 0, 0, 0, 0, 0, 0, 1, 0],
+        [0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0],
+    ]
+
+
+def test_the_repetition_phase_runs_and_resumes_to_the_same_weights(script, corpus, runs,
+                                                                   tmp_path, capsys):
+    info = json.loads((runs[0] / "training.json").read_text())
+    rep = info["repetition"]
+    assert rep["steps"] == 3 and rep["heads"] > 0 and rep["batch"] == 2
+    assert "repetition phase" in (runs[0] / "README.md").read_text()
+    # stopped inside the phase (after the main training), then run again: the same files
+    out, work = tmp_path / "m", tmp_path / "state"
+    argv = ["--out", str(out), "--corpus", str(corpus), "--work-dir", str(work), *ARGS,
+            "--stop-after", "2"]
+    assert script.main(argv) == 3  # in the main training (4 steps)
+    assert script.main(argv) == 3  # its last 2 steps, then 2 of the phase's 3
+    err = capsys.readouterr().err
+    assert "stopped at repetition step 2/3" in err and (work / "repetition.pt").is_file()
+    assert script.main(argv) == 0
+    assert "resuming the repetition phase" in capsys.readouterr().err
+    assert not (work / "repetition.pt").exists() and not (work / "state.pt").exists()
+    assert (out / "model.safetensors").read_bytes() == (runs[0] / "model.safetensors").read_bytes()
+
+
+def test_main_from_runs_the_phase_on_a_saved_main_training(script, corpus, runs, tmp_path,
+                                                           capsys):
+    """The main training alone, saved, then --main-from it: the files of one run."""
+    main_only, final = tmp_path / "main", tmp_path / "final"
+    args = [a for a in ARGS]
+    args[args.index("--repetition-steps") + 1] = "0"
+    assert script.main(["--out", str(main_only), "--corpus", str(corpus), *args]) == 0
+    assert "repetition" not in json.loads((main_only / "training.json").read_text())
+    assert script.main(["--out", str(final), "--corpus", str(corpus), *ARGS,
+                        "--main-from", str(main_only)]) == 0
+    assert "taken from" in capsys.readouterr().err
+    for name in ("model.safetensors", "tokenizer.json"):
+        assert (final / name).read_bytes() == (runs[0] / name).read_bytes(), name
+    info = json.loads((final / "training.json").read_text())
+    assert info["steps"] == 4 and info["repetition"]["steps"] == 3
+    # a folder that is not such a checkpoint is refused
+    assert script.main(["--out", str(tmp_path / "x"), "--corpus", str(corpus), *ARGS,
+                        "--main-from", str(tmp_path)]) == 2
+    assert "not a checkpoint this script saved" in capsys.readouterr().err
