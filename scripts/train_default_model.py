@@ -374,6 +374,33 @@ class Stop(BaseException):
     """SIGTERM: save the state and exit, as Ctrl-C does."""
 
 
+def raise_stop(signum, frame):  # noqa: ARG001 - a signal handler's signature
+    raise Stop
+
+
+def save_training_state(path: Path, model, opt, gen, **fields) -> None:
+    """Model, optimizer and random generator with ``fields``, written atomically to ``path``."""
+    import torch
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "gen": gen.get_state(),
+                **fields}, tmp)
+    os.replace(tmp, path)
+
+
+def load_training_state(path: Path, model, opt, gen) -> dict:
+    """Restore what ``save_training_state`` wrote into model, optimizer and generator; returns
+    the file's other fields."""
+    import torch
+
+    st = torch.load(path, weights_only=False)  # our own file
+    model.load_state_dict(st.pop("model"))
+    opt.load_state_dict(st.pop("opt"))
+    gen.set_state(st.pop("gen"))
+    return st
+
+
 def train(a: argparse.Namespace) -> int:
     import torch
     import torch.nn.functional as F
@@ -569,6 +596,7 @@ def train(a: argparse.Namespace) -> int:
     # resumable state
     sdir = state_dir(a, sources)
     state_path = sdir / "state.pt"
+    rep_path = sdir / "repetition.pt"  # the repetition phase's own state
     # trained_s: wall seconds of the training steps (a machine shared with other work, or a
     # paused process, stretches it); cpu_s: the CPU seconds they used (all threads), the
     # compute the card states
@@ -576,10 +604,7 @@ def train(a: argparse.Namespace) -> int:
     if a.fresh and state_path.exists():
         state_path.unlink()
     if state_path.exists():
-        st = torch.load(state_path, weights_only=False)  # our own file, written below
-        model.load_state_dict(st["model"])
-        opt.load_state_dict(st["opt"])
-        gen.set_state(st["gen"])
+        st = load_training_state(state_path, model, opt, gen)
         step, ema, history, trained_s = st["step"], st["ema"], st["history"], st["trained_s"]
         cpu_s = st.get("cpu_s", 0.0)
         log(f"      resuming from {state_path}: step {step}/{steps}, "
@@ -593,12 +618,8 @@ def train(a: argparse.Namespace) -> int:
     trained_before = trained_s
 
     def save_state() -> None:
-        sdir.mkdir(parents=True, exist_ok=True)
-        tmp = state_path.with_suffix(".tmp")
-        torch.save({"model": model.state_dict(), "opt": opt.state_dict(),
-                    "gen": gen.get_state(), "step": step, "ema": ema, "history": history,
-                    "trained_s": trained_s, "cpu_s": cpu_s}, tmp)
-        os.replace(tmp, state_path)
+        save_training_state(state_path, model, opt, gen, step=step, ema=ema, history=history,
+                            trained_s=trained_s, cpu_s=cpu_s)
 
     log(f"[3/5] model: Llama, {n_params / 1e6:.2f} M parameters ({a.layers} layers, hidden "
         f"{a.hidden_size}, {a.heads} heads / {a.kv_heads} KV heads, MLP {a.intermediate_size}, "
@@ -607,10 +628,7 @@ def train(a: argparse.Namespace) -> int:
         + f", {'bf16 autocast' if bf16 else 'fp32'}, {torch.get_num_threads()} threads; "
         f"state saved to {sdir} every {a.save_every:.0f} s")
 
-    def on_term(signum, frame):  # noqa: ARG001
-        raise Stop
-
-    old_term = signal.signal(signal.SIGTERM, on_term) if hasattr(signal, "SIGTERM") else None
+    old_term = signal.signal(signal.SIGTERM, raise_stop) if hasattr(signal, "SIGTERM") else None
     model.train()
     t_run, cpu_run = time.monotonic(), time.process_time()
     t_log = t_save = t_run
@@ -664,7 +682,7 @@ def train(a: argparse.Namespace) -> int:
     setup_s = time.monotonic() - t_start - (train_s - trained_before)
     if base is None:
         trained_s, t_run, cpu_run = train_s, time.monotonic(), time.process_time()
-        if a.repetition_steps > 0 and not (sdir / "repetition.pt").exists():
+        if a.repetition_steps > 0 and not rep_path.exists():
             save_state()  # the main training's end, for a repetition phase that is stopped
         final_val = val_loss()
         log(f"      done in {fmt_s(train_s)}: train loss {ema:.3f}, held-out loss "
@@ -680,7 +698,7 @@ def train(a: argparse.Namespace) -> int:
     main_val = val_loss()
     rep = None
     if a.repetition_steps > 0:
-        rep = repetition_phase(model, tok, rep_heads, a, sdir / "repetition.pt", {
+        rep = repetition_phase(model, tok, rep_heads, a, rep_path, {
             "streams": streams, "names": names, "weights": weights, "windows_of": windows_of,
             "pad": pad, "eos": eos, "vocab": vocab})
         if rep is None:
@@ -740,7 +758,7 @@ def train(a: argparse.Namespace) -> int:
     (out / "training.json").write_text(json.dumps(info, indent=1) + "\n")
     (out / "README.md").write_text(model_card(info, a, size))
     state_path.unlink(missing_ok=True)
-    (sdir / "repetition.pt").unlink(missing_ok=True)
+    rep_path.unlink(missing_ok=True)
     log(f"[5/5] saved to {out} ({size / 1e6:.1f} MB) in {fmt_s(time.monotonic() - t_start)} "
         f"in all. Greedy sample:\n{sample}")
     return 0
@@ -773,21 +791,14 @@ def repetition_phase(model, tok, heads: list[str], a: argparse.Namespace, path: 
     opt = torch.optim.AdamW(model.parameters(), lr=a.repetition_lr, weight_decay=0.0)
     step, seconds, cpu, shares, ul_ema = 0, 0.0, 0.0, [], None
     if path.exists():
-        st = torch.load(path, weights_only=False)  # our own file, written below
-        model.load_state_dict(st["model"])
-        opt.load_state_dict(st["opt"])
-        gen.set_state(st["gen"])
+        st = load_training_state(path, model, opt, gen)
         step, seconds, cpu, shares = st["step"], st["seconds"], st["cpu"], st["shares"]
         log(f"      resuming the repetition phase from {path}: step {step}/"
             f"{a.repetition_steps}")
 
     def save() -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        torch.save({"model": model.state_dict(), "opt": opt.state_dict(),
-                    "gen": gen.get_state(), "step": step, "seconds": seconds, "cpu": cpu,
-                    "shares": shares}, tmp)
-        os.replace(tmp, path)
+        save_training_state(path, model, opt, gen, step=step, seconds=seconds, cpu=cpu,
+                            shares=shares)
 
     def greedy(batch: list[list[int]]) -> tuple:
         """The prompts left-padded, their mask, and their greedy continuations."""
@@ -811,10 +822,7 @@ def repetition_phase(model, tok, heads: list[str], a: argparse.Namespace, path: 
         f"beside the next-token loss on {REPETITION_WINDOWS} {seq}-token windows; state saved "
         f"to {path}")
 
-    def on_term(signum, frame):  # noqa: ARG001
-        raise Stop
-
-    old_term = signal.signal(signal.SIGTERM, on_term) if hasattr(signal, "SIGTERM") else None
+    old_term = signal.signal(signal.SIGTERM, raise_stop) if hasattr(signal, "SIGTERM") else None
     t_run, cpu_run = time.monotonic(), time.process_time()
     t_log = t_save = t_run
     first = step
