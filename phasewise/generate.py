@@ -42,6 +42,13 @@ def run(model: str, engine_kwargs: dict[str, Any], opts: GenerateOptions,
     print(f"loaded {eng.model_config.architecture} ({eng.model_config.num_params / 1e6:.1f} M "
           f"parameters, {str(eng.dtype).removeprefix('torch.')}{quant}, {eng.device}) in "
           f"{time.monotonic() - t0:.1f} s", file=err)
+    if eng.linear_plan is not None:
+        from phasewise.model import cpu_kernels
+
+        k = cpu_kernels.KERNELS
+        amx = "AMX tiles" if k.amx else f"no AMX ({k.amx_reason})"
+        print(f"[kernels]  {eng.linear_plan.describe()}; {amx}; weight streams prefetch "
+              f"{k.stream_prefetch} bytes ahead ({k.stream_prefetch_reason})", file=err)
     overrides: dict[str, Any] = {"max_tokens": opts.max_tokens}
     if opts.temperature is not None:
         overrides["temperature"] = opts.temperature

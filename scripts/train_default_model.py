@@ -172,7 +172,10 @@ def repeated_lines(rows: list[list[int]], newline: set[int], blank: set[int],
     padding). Only the line's first token that is not blank is marked: that is where the
     model chose to start the line again, and the rest of the line follows from it. (Pushing
     down the newline and indentation tokens teaches the model to run lines on; pushing down
-    every token of the line, to escape into broken ones.)"""
+    every token of the line, to escape into broken ones. Pushing down repeated 6-grams of
+    the docstring a completion starts in, for prose loops that do not line up with lines,
+    broke the model as well: every token of them, into broken bytes; the first token of
+    each run, into docstrings that never close. Both parsed 0% of the held-out heads.)"""
     out = []
     for row in rows:
         mask = [0] * len(row)

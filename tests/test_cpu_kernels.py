@@ -338,8 +338,12 @@ def test_calibration_yields_a_valid_plan():
                                  kernel_rows=(4, 8))
     amx = ("amx",) if cpu_kernels.amx_available() else ()
     assert d.large in ("torch", "upcast", "gemm", *amx)
-    # up to a timed row count, or every row count if it never lost
-    assert d.kernel_max_rows in (0, 1, 4, 8, ALL_ROWS)
+    # up to a timed row count (with AMX, each the fused decode layer streams), or every row
+    # count if it never lost
+    few = range(1, cpu_kernels.KERNELS.decode_layer_max_rows + 1) if d.large == "amx" else ()
+    assert d.kernel_max_rows in (0, 1, *few, 4, 8, ALL_ROWS)
+    assert all(r in d.timings["kernel"] for r in range(1, min(d.kernel_max_rows, 8) + 1)
+               if r in (1, *few, 4, 8))
     assert (d.describe() == "kernel for all row counts") == (d.kernel_max_rows == ALL_ROWS)
     assert d.timings and d.timings["torch"][32] > 0
     with pytest.raises(ValueError, match="large must be one of torch, upcast, gemm"):
@@ -737,3 +741,76 @@ def test_a_step_the_amx_layer_cannot_take_whole_runs_op_by_op():
     int8 = args()
     int8.s_down = 1234  # an int8 projection's scale pointer: the tiles widen it
     assert not ops._streams_only(most + 1, int8)
+
+
+@needs_kernels
+@pytest.mark.parametrize("m", [1, 2, 3, 5])
+def test_the_streams_prefetch_distance_changes_no_result(m):
+    # how far ahead the few-row streams prefetch is a speed choice only: every distance
+    # gives the same bits (a row's end prefetches past the weight, which must not fault)
+    lib = cpu_kernels.load()
+    gen = torch.Generator().manual_seed(m)
+    w = torch.randn(300, 1000, generator=gen).to(torch.bfloat16)
+    x = torch.randn(m, 1000, generator=gen).to(torch.bfloat16)
+    before = lib.pw_stream_prefetch()
+    try:
+        outs = []
+        for d in (0, 64, 256, 2048, cpu_kernels.STREAM_PREFETCH_MAX):
+            lib.pw_set_stream_prefetch(d)
+            assert lib.pw_stream_prefetch() == d
+            outs.append(cpu_kernels.linear_bf16(x, w))
+        lib.pw_set_stream_prefetch(100)  # rounded down to whole lines
+        assert lib.pw_stream_prefetch() == 64
+    finally:
+        lib.pw_set_stream_prefetch(before)
+    for y in outs[1:]:
+        assert torch.equal(y, outs[0])
+    ref = (x.float() @ w.float().T).to(torch.bfloat16)
+    assert (outs[0].float() - ref.float()).abs().max() <= 0.05 * ref.float().abs().max()
+
+
+def test_the_stream_prefetch_distance_follows_the_cpu_and_the_environment(monkeypatch):
+    monkeypatch.delenv(cpu_kernels.STREAM_PREFETCH_ENV, raising=False)
+    monkeypatch.setattr(cpu_kernels, "cpu_vendor", lambda: "GenuineIntel")
+    assert cpu_kernels.stream_prefetch_bytes() == (cpu_kernels.STREAM_PREFETCH_INTEL, "Intel")
+    monkeypatch.setattr(cpu_kernels, "cpu_vendor", lambda: "AuthenticAMD")
+    assert cpu_kernels.stream_prefetch_bytes()[0] == cpu_kernels.STREAM_PREFETCH_OTHER
+    monkeypatch.setenv(cpu_kernels.STREAM_PREFETCH_ENV, "1024")
+    assert cpu_kernels.stream_prefetch_bytes() == (1024, cpu_kernels.STREAM_PREFETCH_ENV)
+    for bad in ("100", "-64", "lots", "99999"):
+        monkeypatch.setenv(cpu_kernels.STREAM_PREFETCH_ENV, bad)
+        with pytest.raises(ValueError, match="multiple of 64") as e:
+            cpu_kernels.stream_prefetch_bytes()
+        assert repr(bad) in str(e.value)
+    # a fresh library refuses to load with a bad setting, and says so again on the next try
+    lib = cpu_kernels.KernelLibrary()
+    for _ in range(2):
+        with pytest.raises(ValueError, match=cpu_kernels.STREAM_PREFETCH_ENV):
+            lib.load()
+
+
+@needs_amx
+def test_calibration_times_the_fused_layers_rows_over_the_whole_decode_stream(monkeypatch):
+    from phasewise.model import linear
+
+    monkeypatch.setattr(linear, "_available_methods", lambda w: ["amx"])
+    seen: dict[int, set] = {}
+    real = cpu_kernels.linear_bf16
+
+    def spy(x, w, b=None):
+        seen.setdefault(x.shape[0], set()).add(tuple(w.shape))
+        return real(x, w, b)
+
+    monkeypatch.setattr(cpu_kernels, "linear_bf16", spy)
+    gate_up = [torch.randn(64, 32).bfloat16() for _ in range(2)]
+    stream = [torch.randn(48, 32).bfloat16(), torch.randn(32, 96).bfloat16(), *gate_up]
+    d = LinearDispatch.calibrate(gate_up, large_rows=32, kernel_rows=(16,), stream=stream)
+    assert d.large == "amx"
+    # every row count the kernel was timed at up to the fused layer's most ran over every
+    # shape of the stream; past them, over the gate/up weights alone
+    for rows, shapes in seen.items():
+        if rows <= cpu_kernels.KERNELS.decode_layer_max_rows:
+            assert shapes == {(48, 32), (32, 96), (64, 32)}
+        else:
+            assert shapes == {(64, 32)}
+    assert 1 in seen

@@ -112,8 +112,12 @@ class LLMEngine:
                 ws = [dequantize_rows(gate_up.weight, gate_up.weight_scale).to(self.dtype)]
             else:  # every layer's, so that few rows time a stream from memory, as decode runs
                 ws = [layer.gate_up_proj.weight for layer in self.model.layers]
-            self.linear_plan = LinearDispatch.calibrate(ws)
-            del ws
+            # what a decode step streams, for the fused layer's few rows against AMX
+            stream = [getattr(layer, name).weight for layer in self.model.layers
+                      for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")]
+            stream = [w for w in stream if w.dtype == self.dtype]
+            self.linear_plan = LinearDispatch.calibrate(ws, stream=stream)
+            del ws, stream
             # The other projections' shapes at prompt-chunk rows, each its own method, over
             # 8 layers' weights (read from memory, as a prompt reads them), bf16 weights only
             # (the gate/up projection's rows take the plan's, fused with the SiLU on AMX).

@@ -52,9 +52,14 @@ static inline uint16_t f32_to_bf16(float f) {
 /* Row streaming for very few activation rows: one weight row at a time, read once, with a
  * software prefetch ahead of the stream (measured +15-35% weight bandwidth on a 2-core
  * Zen 3 against no prefetch and against the tiles below, at 1-4 rows). */
-#ifndef PREFETCH_BYTES
-#define PREFETCH_BYTES 256
-#endif
+/* How far ahead (bytes) the bf16 streams prefetch: set at load by pw_set_stream_prefetch
+ * for the CPU at hand (cpu_kernels.py says which distance where). */
+static long stream_prefetch = 256;
+void pw_set_stream_prefetch(int bytes) {
+    stream_prefetch = bytes < 0 ? 0 : bytes > 16384 ? 16384 : bytes / 64 * 64;
+}
+int pw_stream_prefetch(void) { return (int)stream_prefetch; }
+#define PREFETCH_BYTES stream_prefetch
 #ifndef PREFETCH_HINT
 #define PREFETCH_HINT _MM_HINT_T0
 #endif

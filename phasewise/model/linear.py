@@ -39,7 +39,7 @@ LinearFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Ten
 LARGE_METHODS = ("torch", "upcast", "gemm", "amx")
 ALL_ROWS = 2**31 - 1  # kernel_max_rows meaning "the kernel at every row count"
 SMALL_ROWS = 64  # calibration: below this many rows a timing streams every weight given
-AMX_MARGIN = 1.1  # calibration: how much faster than AMX the kernel must be to keep 1 row
+AMX_MARGIN = 1.05  # calibration: how much faster than AMX the kernel must be to keep a row count
 PROMPT_ROWS = 256  # a shape's own method (prompt_by_shape) applies from this many rows
 
 
@@ -101,14 +101,19 @@ def _available_methods(weight: torch.Tensor) -> list[str]:
             if (m != "gemm" or have_kernels) and (m != "amx" or have_amx)]
 
 
-def _seconds(fn: LinearFn, x: torch.Tensor, weights: list[torch.Tensor]) -> float:
-    """Best of two passes of ``fn`` over every weight, after a warm-up call."""
-    fn(x, weights[0], None)
+def _seconds(fn: LinearFn, x: torch.Tensor | dict[int, torch.Tensor],
+             weights: list[torch.Tensor]) -> float:
+    """Best of two passes of ``fn`` over every weight, after a warm-up call; ``x``: the
+    input, or one per input width K (weights of several shapes)."""
+    def x_for(w: torch.Tensor) -> torch.Tensor:
+        return x[w.shape[1]] if isinstance(x, dict) else x
+
+    fn(x_for(weights[0]), weights[0], None)
     best = float("inf")
     for _ in range(2):
         t = time.perf_counter()
         for w in weights:
-            fn(x, w, None)
+            fn(x_for(w), w, None)
         best = min(best, time.perf_counter() - t)
     return best
 
@@ -206,8 +211,8 @@ class LinearDispatch:
 
     @classmethod
     def calibrate(cls, weight: torch.Tensor | list[torch.Tensor], large_rows: int = 256,
-                  kernel_rows: tuple[int, ...] = (16, 32, 64, 128, 256, 512)
-                  ) -> LinearDispatch:
+                  kernel_rows: tuple[int, ...] = (16, 32, 64, 128, 256, 512),
+                  stream: list[torch.Tensor] | None = None) -> LinearDispatch:
         """Time the methods on ``weight`` ([N, K] bf16, CPU; or a list of such weights of
         one shape, e.g. every layer's) and build a plan: the kernel while it is at least as
         fast as the best other method at each of ``kernel_rows`` (ascending); if it never
@@ -217,14 +222,21 @@ class LinearDispatch:
         passes over every weight given: with several layers' weights that is the memory
         stream of a decode step, not one weight sitting in the cache (which ranked the
         methods wrongly on a 2-core AMX Xeon). Larger row counts, compute-bound, time the
-        first two."""
+        first two.
+
+        Where AMX is the method above the kernel, the kernel's rows that the fused decode
+        layer streams (1 to its most) are timed over ``stream`` when given: every weight a
+        decode step reads (every projection of every layer), in their several shapes, since
+        the two methods rank differently by shape (2-core AMX Xeon, one row: the kernel x1.04
+        AMX's speed on the gate/up projections alone, x1.14 over all four)."""
         weights = [weight] if isinstance(weight, torch.Tensor) else list(weight)
-        k = weights[0].shape[1]
         gen = torch.Generator().manual_seed(0)
 
-        def seconds(fn: LinearFn, rows: int) -> float:
-            ws = weights if rows < SMALL_ROWS else weights[:2]
-            return _seconds(fn, torch.randn(rows, k, generator=gen).to(ws[0].dtype), ws)
+        def seconds(fn: LinearFn, rows: int, ws: list[torch.Tensor] | None = None) -> float:
+            ws = ws or (weights if rows < SMALL_ROWS else weights[:2])
+            xs = {k: torch.randn(rows, k, generator=gen).to(ws[0].dtype)
+                  for k in sorted({w.shape[1] for w in ws})}
+            return _seconds(fn, xs, ws)
 
         have_kernels = cpu_kernels.load() is not None
         candidates = _available_methods(weights[0])
@@ -235,20 +247,23 @@ class LinearDispatch:
         large_fn = _large_fn(large)
         kernel_max = 0
         if have_kernels:
-            # Against AMX the kernel must win clearly: one call each is nearly a tie at one
-            # row, but the fused decode layer on AMX tiles balances its two threads better
-            # (2-core AMX Xeon, batch-1 steps of the reference checkpoint: 47 ms against
-            # 55 ms, 7 of them the faster thread waiting at barriers on the AVX2 streams).
+            # Against AMX the kernel must win clearly, and at each row count the fused decode
+            # layer streams (1 to decode_layer_max_rows): one call each understates what the
+            # fused layer on AMX tiles gains from its better balanced threads (2-core AMX
+            # Xeon, reference checkpoint, the streams prefetching 2 KiB ahead: one call at 1
+            # row x1.14 AMX's speed, a batch-1 step x1.10, a batch-2 step x1.09; at 4 rows
+            # the streams' widening costs more than AMX's tiles: x0.80).
             margin = AMX_MARGIN if large == "amx" else 1.0
-            if seconds(cpu_kernels.linear_bf16, 1) * margin <= seconds(large_fn, 1):
-                kernel_max = 1
-                for rows in kernel_rows:
-                    timings["kernel"][rows] = seconds(cpu_kernels.linear_bf16, rows)
-                    if rows not in timings[large]:
-                        timings[large][rows] = seconds(large_fn, rows)
-                    if timings["kernel"][rows] > timings[large][rows]:
-                        break
-                    kernel_max = rows
-                else:
-                    kernel_max = ALL_ROWS
+            few = (range(1, cpu_kernels.KERNELS.decode_layer_max_rows + 1) if large == "amx"
+                   else (1,))
+            for rows in sorted({*few, *kernel_rows}):
+                ws = stream if stream and large == "amx" and rows in few else None
+                timings["kernel"][rows] = seconds(cpu_kernels.linear_bf16, rows, ws)
+                if rows not in timings[large]:
+                    timings[large][rows] = seconds(large_fn, rows, ws)
+                if timings["kernel"][rows] * margin > timings[large][rows]:
+                    break
+                kernel_max = rows
+            else:
+                kernel_max = ALL_ROWS
         return cls(kernel_max_rows=kernel_max, large=large, timings=timings)
