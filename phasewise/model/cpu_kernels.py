@@ -44,10 +44,11 @@ LIBS = ["-lm"]
 
 
 # How far ahead (bytes) the bf16 weight streams of few-row decode prefetch. On a 2-core
-# Intel Xeon (AMX) a batch-1 decode step of the reference checkpoint took 29.8 ms at 256
-# bytes and 26.8 ms at 2048 (one process, the distance switched between rounds): Intel's
-# cores keep more lines in flight than a short distance asks for. 256 was measured on a
-# 2-core AMD EPYC (Zen 3), +15-35% over none, and stays the choice there and elsewhere.
+# Intel Xeon (AMX) a batch-1 decode step of the reference checkpoint on the streams took
+# 29.4 ms at 256 bytes and 26.2 ms at 2048 (28.8 ms on the AMX tiles; one process, the
+# distance and the method switched between rounds): Intel's cores keep more lines in
+# flight than a short distance asks for. 256 was measured on a 2-core AMD EPYC (Zen 3),
+# +15-35% over none, and stays the choice there and elsewhere.
 STREAM_PREFETCH_INTEL = 2048
 STREAM_PREFETCH_OTHER = 256
 STREAM_PREFETCH_MAX = 16384
