@@ -244,14 +244,9 @@ def read_texts(files: list[Path]) -> list[str]:
 
 
 def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    from phasewise.model.cpu_kernels import cpuinfo_field
+
+    return cpuinfo_field("model name") or platform.processor() or platform.machine()
 
 
 def fmt_s(s: float) -> str:

@@ -82,31 +82,31 @@ def cache_dir() -> Path:
     return (Path(xdg) if xdg else Path.home() / ".cache") / "phasewise"
 
 
+def cpuinfo_field(key: str) -> str | None:
+    """The first value of ``key`` (``flags``, ``vendor_id``, ``model name``) in
+    /proc/cpuinfo, or None without it."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                name, sep, value = line.partition(":")
+                if sep and name.strip() == key:
+                    return value.strip()
+    except OSError:
+        pass
+    return None
+
+
 def cpu_flags() -> set[str]:
     """This CPU's feature flags from /proc/cpuinfo (empty off x86-64 or without it)."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return set()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
+    return set((cpuinfo_field("flags") or "").split())
 
 
 def cpu_vendor() -> str:
     """This CPU's vendor id from /proc/cpuinfo (``GenuineIntel``, ``AuthenticAMD``; empty
     when unknown)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("vendor_id"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
+    return cpuinfo_field("vendor_id") or ""
 
 
 def stream_prefetch_bytes() -> tuple[int, str]:
