@@ -769,6 +769,27 @@ def test_the_streams_prefetch_distance_changes_no_result(m):
     assert (outs[0].float() - ref.float()).abs().max() <= 0.05 * ref.float().abs().max()
 
 
+@needs_kernels
+@pytest.mark.parametrize("m", [1, 2, 3])
+def test_streams_started_apart_on_a_page_put_every_row_in_its_place(m):
+    # 9,728 rows of 896: each thread's four blocks of rows lie a multiple of 4 KiB apart, so
+    # the streams start at different rows of their blocks and wrap (stream_skew). Reversing
+    # the weight's rows must reverse the output exactly (no row's dot product depends on
+    # where its stream began), and both match the fp32 reference; bf16 and int8 alike.
+    g = torch.Generator().manual_seed(m)
+    x = torch.randn(m, 896, generator=g).bfloat16()
+    w = (torch.randn(9728, 896, generator=g) * 0.05).bfloat16()
+    y = cpu_kernels.linear_bf16(x, w)
+    assert torch.equal(cpu_kernels.linear_bf16(x, w.flip(0)), y.flip(-1))
+    torch.testing.assert_close(y.float(), reference(x, w, None), rtol=2**-7, atol=1e-2)
+    q = torch.randint(-127, 128, (9728, 896), generator=g, dtype=torch.int8)
+    scale = torch.rand(9728, generator=g) * 0.02 + 1e-4
+    y8 = cpu_kernels.linear_int8(x, q, scale)
+    assert torch.equal(cpu_kernels.linear_int8(x, q.flip(0), scale.flip(0)), y8.flip(-1))
+    torch.testing.assert_close(y8.float(), reference(x, q.float() * scale[:, None], None),
+                               rtol=2**-7, atol=2e-5 * 896)
+
+
 def test_the_stream_prefetch_distance_follows_the_cpu_and_the_environment(monkeypatch):
     monkeypatch.delenv(cpu_kernels.STREAM_PREFETCH_ENV, raising=False)
     monkeypatch.setattr(cpu_kernels, "cpu_vendor", lambda: "GenuineIntel")
