@@ -124,7 +124,7 @@ def run_phasewise(model: str, reps: int) -> dict[str, float]:
     out = llm.generate(prompts(1, 128, 99), SamplingParams(temperature=0, max_tokens=128,
                                                            ignore_eos=True))[0]
     res["b1_tpot_s"] = out.metrics.tpot
-    res["b1_roofline_fraction"] = decode_roofline_fraction(llm)
+    res["b1_roofline_fraction"], res["b1_weight_memory_fraction"] = decode_roofline_fraction(llm)
     res["b8_total_s"] = timed("b8_total_s")
     # The peak of the b32 steps' arithmetic and the read bandwidth, measured right before
     # them: a shared machine's peaks drift by 10-20% between the start and the end of a run.
@@ -140,13 +140,29 @@ def run_phasewise(model: str, reps: int) -> dict[str, float]:
     return {**res, "arith": arith}
 
 
-def decode_roofline_fraction(llm, segments: int = 8, steps: int = 12) -> float:
+def weight_memory_gbps(llm, reps: int = 2) -> float | None:
+    """The kernels' streaming read over the engine's own weight memory (the huge-page arena
+    every parameter lives in): the read rate of the very bytes a decode step streams. On
+    the 2-core AMX Xeon a fresh huge-page GiB read 1-8% faster than the arena in the same
+    process, and by as much more or less from one allocation to the next (where the host
+    placed the pages), so the two are printed side by side."""
+    from phasewise.model import cpu_kernels
+
+    storage = next(llm.engine.model.parameters()).untyped_storage()
+    arena = torch.empty(0, dtype=torch.uint8).set_(storage)
+    return cpu_kernels.stream_read_gbps(arena[:arena.numel() // 2 * 2].view(torch.bfloat16),
+                                        reps)
+
+
+def decode_roofline_fraction(llm, segments: int = 8, steps: int = 12
+                             ) -> tuple[float, float | None]:
     """Median, over segments of batch-1 decode steps, of (roofline step time / measured step
     time), with the read bandwidth measured right before each segment: the shared machine's
     bandwidth drifts by 10-20% within minutes, so the two are taken side by side. One step
     runs untimed between the probe and the segment: the first step after the 1 GiB probe
     took 2-5 ms longer (its caches and TLBs flushed by the probe), which back-to-back decode
-    steps never see."""
+    steps never see. Returns the fraction against ``read_gbps`` and against the engine's
+    own weight memory (``weight_memory_gbps``; None without the kernels)."""
     from phasewise import SamplingParams
 
     engine = llm.engine
@@ -158,19 +174,22 @@ def decode_roofline_fraction(llm, segments: int = 8, steps: int = 12) -> float:
                                             ignore_eos=True))
     engine.step()  # the prefill
     req = engine.requests[rid]
-    fractions = []
+    fractions, own = [], []
     for _ in range(segments):
         bw = read_gbps(reps=2) * 1e9
+        arena = weight_memory_gbps(llm)
         engine.step()  # untimed: the probe's aftermath
         ctx = req.num_tokens
         t = time.perf_counter()
         for _ in range(steps):
             engine.step()
         step_s = (time.perf_counter() - t) / steps
-        roof_s = (weight_bytes + (ctx + steps / 2) * kv_per_token) / bw
-        fractions.append(roof_s / step_s)
+        step_bytes = weight_bytes + (ctx + steps / 2) * kv_per_token
+        fractions.append(step_bytes / bw / step_s)
+        if arena:
+            own.append(step_bytes / (arena * 1e9) / step_s)
     engine.abort_request(rid)
-    return statistics.median(fractions)
+    return statistics.median(fractions), statistics.median(own) if own else None
 
 
 def run_hf(model: str, reps: int) -> dict[str, float]:
@@ -331,7 +350,10 @@ def main() -> None:
           f" {pw['b1_decode_tok_s'] / roof['b1_decode_tok_s']:.0%} "
           f"({tpot_rate / roof['b1_decode_tok_s']:.0%} by TPOT); with the bandwidth measured "
           f"beside each run of decode steps: "
-          f"{results['phasewise']['b1_roofline_fraction']:.0%} of the roofline")
+          f"{results['phasewise']['b1_roofline_fraction']:.0%} of the roofline"
+          + (f"; with the read rate of the engine's own weight memory measured beside: "
+             f"{own:.0%}" if (own := results['phasewise'].get('b1_weight_memory_fraction'))
+             else ""))
     flops = roof["prefill512_tflop"] * 1e12
     achieved = flops / pw["prefill512_s"] / 1e9
     print(f"prefill 512: {roof['prefill512_tflop']:.3f} TFLOP in {pw['prefill512_s']:.2f} s = "
