@@ -6,10 +6,12 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from phasewise import LLM, SamplingParams
 from phasewise.engine.request import Request
-from phasewise.engine.sampler import Sampler
+from phasewise.engine.sampler import Sampler, greedy_tokens
 
 
 @pytest.fixture(scope="module")
@@ -171,3 +173,25 @@ def test_stop_token_ids_and_eos(llm):
     assert stopped.token_ids == toks[:toks.index(target) + 1]
     assert stopped.finish_reason == "stop"
     assert ignored.token_ids == toks and ignored.finish_reason == "length"
+
+
+@settings(max_examples=200, deadline=None)
+@given(rows=st.integers(1, 6), vocab=st.integers(1, 300), seed=st.integers(0, 2**31 - 1),
+       special=st.sampled_from(["none", "nan", "inf", "-inf", "all -inf", "many nan"]))
+def test_greedy_tokens_is_argmax_with_ties_nans_and_infinities(rows, vocab, seed, special):
+    # the sampler's greedy rows take torch.max(dim).indices (faster than argmax on a CPU):
+    # it must pick what argmax picks: the first maximum, a NaN counting as the maximum
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(-2, 3, (rows, vocab), generator=g).float()  # many ties
+    pick = torch.rand(rows, vocab, generator=g)
+    if special == "nan":
+        x[pick < 0.02] = float("nan")
+    elif special == "inf":
+        x[pick < 0.02] = float("inf")
+    elif special == "-inf":
+        x[pick < 0.02] = float("-inf")
+    elif special == "all -inf":
+        x[:] = float("-inf")
+    elif special == "many nan":
+        x[pick < 0.4] = float("nan")
+    assert torch.equal(greedy_tokens(x), x.argmax(dim=-1))
