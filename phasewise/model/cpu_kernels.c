@@ -1469,15 +1469,14 @@ static int amx_proj(const DecodeLayer *L, const float *scale, int N) {
 }
 
 /* A fused layer's projection, called by every thread of its region: on AMX tiles where
- * amx_proj says (one thread packs the activations; the single's barrier makes them
- * visible; int8 panels widened into the thread's slice of `wide`, 32 x K values), else
+ * amx_proj says (the threads pack the activations' tiles between them; the omp for's
+ * barrier makes them visible; int8 panels widened into the thread's slice of `wide`, 32 x K values), else
  * proj_share. No barrier at the end. */
 static void layer_proj(const DecodeLayer *L, const float *x, int M, const void *w,
                        const float *scale, int K, int N, uint32_t *xp, uint16_t *wide,
                        long wide_per_thread, float *res) {
     if (amx_proj(L, scale, N)) {
-#pragma omp single
-        pw_amx_pack_f32(x, M, K, xp);
+        pw_amx_pack_f32(x, M, K, xp);  /* shared by the threads, with a barrier */
         if (scale)
             pw_amx_share_int8(xp, M, (const int8_t *)w, scale,
                               wide + wide_per_thread * omp_get_thread_num(), K, N, res);
@@ -1566,8 +1565,7 @@ int pw_decode_layer_bf16(const DecodeLayer *L) {
         add_norm_rows(L->hidden, o, L->w_post_norm, xn, M, H, L->eps);
 
         if (amx_glu) {  /* on the tiles, with the SiLU in their epilogue: act directly */
-#pragma omp single
-            pw_amx_pack_f32(xn, M, H, xp);
+            pw_amx_pack_f32(xn, M, H, xp);  /* shared by the threads, with a barrier */
             if (L->s_gate_up)
                 pw_amx_share_glu_int8(xp, M, (const int8_t *)L->w_gate_up, L->s_gate_up,
                                       wide + wide_per_thread * omp_get_thread_num(),
