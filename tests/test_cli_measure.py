@@ -94,3 +94,20 @@ def test_generate_s_quick_figures_are_marked_in_a_full_entry(fake_device, tmp_pa
     text = measure_mod.format_entry("cpu-local", entry)
     assert "bf16 matmul 22.5 GFLOP/s [22.5-22.5 over 2 runs, 0% spread] (quick)" in text
     assert "fp32 matmul 105.0 GFLOP/s [94.5-105.0 over 10 runs, 10% spread];" in text
+
+
+def test_the_cpu_probe_reads_twice_the_largest_cache(tmp_path):
+    from phasewise.perf.measure import cpu_read_bytes, largest_cache_bytes
+
+    assert largest_cache_bytes(tmp_path) is None
+    assert cpu_read_bytes(tmp_path) == 1 << 30  # caches not reported: 1 GiB
+    for i, size in enumerate(["48K", "2048K", "491520K", "garbage"]):
+        (tmp_path / f"index{i}").mkdir()
+        (tmp_path / f"index{i}" / "size").write_text(size + "\n")
+    assert largest_cache_bytes(tmp_path) == 491520 << 10
+    assert cpu_read_bytes(tmp_path) == 960 << 20  # twice a 480 MiB L3
+    (tmp_path / "index3" / "size").write_text("4G\n")
+    assert cpu_read_bytes(tmp_path) == 2 << 30  # at most 2 GiB
+    for i in range(4):
+        (tmp_path / f"index{i}" / "size").write_text("8M\n")
+    assert cpu_read_bytes(tmp_path) == 256 << 20  # at least 256 MiB

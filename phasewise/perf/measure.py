@@ -22,6 +22,35 @@ from typing import Any, Callable
 from phasewise.perf.hardware import Accelerator, accelerator_from_entry, machine_file
 
 
+CPU_CACHE_DIR = Path("/sys/devices/system/cpu/cpu0/cache")
+
+
+def largest_cache_bytes(root: Path = CPU_CACHE_DIR) -> int | None:
+    """The largest cache the first CPU reports in sysfs (``index*/size``, e.g. ``491520K``),
+    in bytes; None where it reports none."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    best = None
+    for f in root.glob("index*/size"):
+        text = f.read_text().strip()
+        try:
+            size = int(text[:-1]) * units[text[-1]] if text[-1:] in units else int(text)
+        except (ValueError, KeyError):
+            continue
+        best = size if best is None else max(best, size)
+    return best
+
+
+def cpu_read_bytes(root: Path = CPU_CACHE_DIR) -> int:
+    """How much a CPU read-bandwidth probe reads: twice the largest cache (so that the
+    reads come from memory; a 2-core Xeon VM reports a 480 MiB L3, and its quick probe over
+    128 MiB read ~50 GB/s against ~40 over 1 GiB), at least 256 MiB and at most 2 GiB, in
+    whole MiB; 1 GiB where the caches are not reported."""
+    cache = largest_cache_bytes(root)
+    if cache is None:
+        return 1 << 30
+    return min(max(2 * cache, 256 << 20), 2 << 30) // (1 << 20) * (1 << 20)
+
+
 def _times(fn: Callable[[], Any], sync: Callable[[], None], reps: int, budget_s: float
            ) -> list[float]:
     """Seconds per call of ``fn`` over up to ``reps`` calls after one warm-up (fewer once
@@ -77,7 +106,7 @@ def measure_device(device: str, progress: Callable[[str], None], quick: bool = F
     sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
     reps = 3 if quick else 10
     # Read bandwidth: sum a tensor far larger than the caches.
-    n_bytes = (2 << 30) if dev.type == "cuda" else ((128 if quick else 1024) << 20)
+    n_bytes = (2 << 30) if dev.type == "cuda" else cpu_read_bytes()
     bandwidth = None
     spread: dict[str, list[float]] = {}  # figure -> [slowest, fastest] over its runs
     runs: dict[str, int] = {}
