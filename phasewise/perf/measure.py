@@ -21,7 +21,6 @@ from typing import Any, Callable
 
 from phasewise.perf.hardware import Accelerator, accelerator_from_entry, machine_file
 
-
 CPU_CACHE_DIR = Path("/sys/devices/system/cpu/cpu0/cache")
 
 
