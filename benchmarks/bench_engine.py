@@ -51,18 +51,14 @@ def best_time(fn, reps: int = 5) -> float:
 
 
 def read_gbps(reps: int = 5) -> float:
-    """Large-tensor read bandwidth: the best of torch's sum over 1 GiB of fp32 and
-    phasewise's own streaming read (four streams per core, the GEMV's access pattern) over
-    1 GiB of bf16, in huge-page memory as the weights are (``huge_page_empty``). Taking the
-    faster reader keeps the roofline honest: the kernels must not look good only because
-    the probe reads slowly."""
-    from phasewise.model import cpu_kernels
-    from phasewise.model.loader import huge_page_empty
+    """Large-tensor read bandwidth over 1 GiB of huge-page memory, as the weights are kept:
+    the faster of torch's sum and phasewise's own streaming read (four streams per core,
+    the GEMV's access pattern), best of ``reps`` (``measure.cpu_read_times``, as
+    ``phasewise measure`` reads it)."""
+    from phasewise.perf.measure import cpu_read_times
 
-    x = huge_page_empty(1 << 30).view(torch.float32).fill_(1.0)
-    torch_gbps = x.numel() * 4 / best_time(x.sum, reps) / 1e9
-    own = cpu_kernels.stream_read_gbps(x.view(torch.bfloat16), reps)
-    return max(torch_gbps, own or 0.0)
+    times, _ = cpu_read_times(1 << 30, reps)
+    return (1 << 30) / min(times) / 1e9
 
 
 def matmul_gflops(dtype: torch.dtype) -> float:
