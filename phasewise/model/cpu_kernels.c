@@ -1479,15 +1479,24 @@ void pw_amx_share_glu_int8(const uint32_t *xp, int M, const int8_t *w, const flo
     __attribute__((weak));
 
 /* out = bf16(res + bias) for M rows of N, shared by the threads of the calling region (an
- * orphaned omp for, with its barrier), row by row: walking down the rows first, rows of
- * thousands of floats apart, thrashed L1's sets. */
+ * orphaned omp for, with its barrier), row by row (walking down the rows first, rows of
+ * thousands of floats apart, thrashed L1's sets), eight values at a time. Scalar, over a
+ * collapsed loop (a division per value), this took 2.2 ms of a batch-32 step of the
+ * reference checkpoint on a 2-core AMX Xeon. */
 static void bias_round_rows(const float *res, const uint16_t *bias, int M, int N,
                             uint16_t *out) {
-#pragma omp for collapse(2) schedule(static)
-    for (int m = 0; m < M; m++)
-        for (int n = 0; n < N; n++)
-            out[(long)m * N + n] = f32_to_bf16(res[(long)m * N + n]
-                                               + (bias ? bf16_to_f32(bias[n]) : 0.0f));
+#pragma omp for schedule(static)
+    for (int m = 0; m < M; m++) {
+        const float *r = res + (long)m * N;
+        uint16_t *o = out + (long)m * N;
+        int n = 0;
+        for (; n + 8 <= N; n += 8) {
+            /* + 0 without a bias, as below: -0 becomes +0 alike */
+            __m256 b = bias ? load_bf16x8(bias + n) : _mm256_setzero_ps();
+            store_bf16x8(o + n, _mm256_add_ps(_mm256_loadu_ps(r + n), b));
+        }
+        for (; n < N; n++) o[n] = f32_to_bf16(r[n] + (bias ? bf16_to_f32(bias[n]) : 0.0f));
+    }
 }
 
 /* Whether a fused layer's projection runs on AMX tiles: the layer asks for them, and the
