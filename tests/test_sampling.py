@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from phasewise import LLM, SamplingParams
 from phasewise.engine.request import Request
 from phasewise.engine.sampler import Sampler, greedy_tokens
+from phasewise.model import cpu_kernels
 
 
 @pytest.fixture(scope="module")
@@ -179,8 +180,9 @@ def test_stop_token_ids_and_eos(llm):
 @given(rows=st.integers(1, 6), vocab=st.integers(1, 300), seed=st.integers(0, 2**31 - 1),
        special=st.sampled_from(["none", "nan", "inf", "-inf", "all -inf", "many nan"]))
 def test_greedy_tokens_is_argmax_with_ties_nans_and_infinities(rows, vocab, seed, special):
-    # the sampler's greedy rows take torch.max(dim).indices (faster than argmax on a CPU):
-    # it must pick what argmax picks: the first maximum, a NaN counting as the maximum
+    # the sampler's greedy rows take the kernels' argmax on a CPU (torch.max(dim).indices
+    # without them): each must pick what argmax picks, the first maximum, a NaN counting as
+    # the maximum; widths 1-300 cover the kernel's 8-lane body, its tail and short rows
     g = torch.Generator().manual_seed(seed)
     x = torch.randint(-2, 3, (rows, vocab), generator=g).float()  # many ties
     pick = torch.rand(rows, vocab, generator=g)
@@ -194,4 +196,13 @@ def test_greedy_tokens_is_argmax_with_ties_nans_and_infinities(rows, vocab, seed
         x[:] = float("-inf")
     elif special == "many nan":
         x[pick < 0.4] = float("nan")
-    assert torch.equal(greedy_tokens(x), x.argmax(dim=-1))
+    want = x.argmax(dim=-1)
+    assert torch.equal(greedy_tokens(x), want)
+    assert torch.equal(torch.max(x, dim=-1).indices, want)  # the fallback
+    if cpu_kernels.load() is not None:
+        assert torch.equal(cpu_kernels.argmax_rows(x), want)
+        # rows of a wider tensor are not contiguous (but for one row): greedy_tokens falls
+        # back to torch, same picks
+        wide = torch.cat([x, x], dim=1)[:, :vocab]
+        assert (cpu_kernels.argmax_rows(wide) is None) == (rows > 1)
+        assert torch.equal(greedy_tokens(wide), want)

@@ -169,6 +169,7 @@ def _signatures() -> dict[str, tuple[Any, list[Any]]]:
         "pw_set_stream_prefetch": (None, [I]),
         "pw_stream_prefetch": (I, []),
         "pw_mask_logits": (None, [P, I, P, I]),
+        "pw_argmax_f32": (None, [P, I, I, P, I]),
         "pw_enable_avx512": (None, [I]),
         "pw_abi": (L, [ctypes.c_char_p]),
     }
@@ -362,6 +363,21 @@ def mask_logits(row: torch.Tensor, bits: torch.Tensor) -> bool:
         return False
     lib.pw_mask_logits(row.data_ptr(), row.numel(), bits.data_ptr(), bits.numel())
     return True
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor | None:
+    """Each row's argmax (int64) of a 2-D fp32 CPU tensor, as ``Tensor.argmax(-1)`` takes
+    it (the first maximum; the first NaN where a row has one), or None when the kernels are
+    unavailable or the tensor is not of that kind."""
+    lib = load()
+    if (lib is None or logits.dim() != 2 or logits.dtype != torch.float32
+            or logits.device.type != "cpu" or not logits.is_contiguous()
+            or 0 in logits.shape):
+        return None
+    out = torch.empty(logits.shape[0], dtype=torch.int64)
+    lib.pw_argmax_f32(logits.data_ptr(), logits.shape[0], logits.shape[1], out.data_ptr(),
+                      torch.get_num_threads())
+    return out
 
 
 def linear_bf16(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None
