@@ -178,7 +178,10 @@ def repeated_lines(rows: list[list[int]], newline: set[int], blank: set[int],
     each run, into docstrings that never close. Both parsed 0% of the held-out heads.
     Taking up to 4 of a step's 8 heads again while their last completion repeated a line
     also made it worse: parse 17% against 70%, 6 of 30 heads looping against 2, the sample
-    head a three-line cycle that this rule does not see.)"""
+    head a three-line cycle that this rule does not see. So did running this phase for 600
+    steps rather than 300: its share of tokens in repeated lines, 0.2-0.3% from about step
+    100 to 350, rose to 1.1-1.3% by the end, and on the held-out heads 30% parsed and 11
+    looped, a line repeated 89 times.)"""
     out = []
     for row in rows:
         mask = [0] * len(row)
@@ -304,7 +307,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repetition-steps", type=int, default=300,
                    help="steps of the repetition phase after the main training (0: none)")
     p.add_argument("--repetition-lr", type=float, default=1e-4)
-    p.add_argument("--repetition-batch", type=int, default=8,
+    p.add_argument("--repetition-batch", type=int, default=16,
                    help="function heads completed greedily a repetition step")
     p.add_argument("--repetition-tokens", type=int, default=160,
                    help="tokens each of those completions runs to")
