@@ -182,7 +182,8 @@ def test_stop_token_ids_and_eos(llm):
 def test_greedy_tokens_is_argmax_with_ties_nans_and_infinities(rows, vocab, seed, special):
     # the sampler's greedy rows take the kernels' argmax on a CPU (torch.max(dim).indices
     # without them): each must pick what argmax picks, the first maximum, a NaN counting as
-    # the maximum; widths 1-300 cover the kernel's 8-lane body, its tail and short rows
+    # the maximum; widths 1-300 cover the kernel's four 8-lane accumulators, the whole
+    # vectors and the values left after them, and rows shorter than 32
     g = torch.Generator().manual_seed(seed)
     x = torch.randint(-2, 3, (rows, vocab), generator=g).float()  # many ties
     pick = torch.rand(rows, vocab, generator=g)

@@ -975,18 +975,17 @@ int pw_attend_group_amx(const uint16_t *q, int G, float scale, const uint16_t *k
                         const uint16_t *v_cache, const int64_t *table, int len, int bs,
                         int n_kv, int kvh, int hd, float *out) __attribute__((weak));
 
-/* One task of decode attention: request b = task / (n_kv * parts), KV head, and its share of
- * that head's query group. q: rows of stride q_stride holding n_heads heads of hd (bf16);
+/* Decode attention of request b, KV head kvh, and share `part` (of `parts`) of that head's
+ * query group. q: rows of stride q_stride holding n_heads heads of hd (bf16);
  * `mine`: this thread's scratch (attention_task_floats(group, hd) floats).
  * Writes the heads' outputs at (b * n_heads + head) * hd: bf16 into out_bf16, or the
  * bf16-rounded fp32 value into out_f32. */
-static void attention_task(int task, int parts, int group, int n_heads, int n_kv, int hd,
-                           const uint16_t *q, long q_stride, float scale,
+static void attention_task(int b, int kvh, int part, int parts, int group, int n_heads,
+                           int n_kv, int hd, const uint16_t *q, long q_stride, float scale,
                            const uint16_t *k_cache, const uint16_t *v_cache,
                            const int64_t *block_tables, int max_blocks,
                            const int64_t *seq_lens, int bs, float *mine, uint16_t *out_bf16,
                            float *out_f32) {
-    int b = task / (n_kv * parts), kvh = task / parts % n_kv, part = task % parts;
     int g0 = group * part / parts, g1 = group * (part + 1) / parts, G = g1 - g0;
     float *qf = mine, *acc = qf + (long)group * hd, *work = acc + (long)group * hd;
     const uint16_t *qg = q + (long)b * q_stride + (long)(kvh * group + g0) * hd;
@@ -1012,8 +1011,8 @@ static void attention_task(int task, int parts, int group, int n_heads, int n_kv
             else _mm256_storeu_ps(out_f32 + o + i, round_bf16x8(_mm256_loadu_ps(a + i)));
         }
         for (; i < hd; i++) {
-            if (out_bf16) out_bf16[o + i] = f32_to_bf16(acc[(long)g * hd + i]);
-            else out_f32[o + i] = round_bf16(acc[(long)g * hd + i]);
+            if (out_bf16) out_bf16[o + i] = f32_to_bf16(a[i]);
+            else out_f32[o + i] = round_bf16(a[i]);
         }
     }
 }
@@ -1032,9 +1031,8 @@ static void attention_request(int task, int parts, int group, int n_heads, int n
                               const int64_t *block_tables, int max_blocks,
                               const int64_t *seq_lens, int bs, float *mine,
                               uint16_t *out_bf16, float *out_f32) {
-    int b = task / parts, part = task % parts;
     for (int kvh = 0; kvh < n_kv; kvh++)
-        attention_task((b * n_kv + kvh) * parts + part, parts, group, n_heads, n_kv, hd, q,
+        attention_task(task / parts, kvh, task % parts, parts, group, n_heads, n_kv, hd, q,
                        q_stride, scale, k_cache, v_cache, block_tables, max_blocks, seq_lens,
                        bs, mine, out_bf16, out_f32);
 }
