@@ -8,6 +8,8 @@ For each projection of the reference checkpoint's shape (qkv 896->1152, o 896->8
 * ``gemm``: phasewise's packed GEMM (weights widened to fp32 while packed, per call);
 * ``upcast``: the weight widened to fp32 in a scratch buffer, then torch's fp32 GEMM;
 * ``amx``: phasewise's AMX kernel (where the CPU has AMX-BF16), bf16 weights in place;
+* ``dp``: phasewise's AVX512_BF16 kernel (where the CPU has AVX512_BF16), bf16 weights in
+  place;
 * ``torch-bf16``: ``F.linear`` on the bf16 weight (fast only where the CPU has bf16 dot
   products: AVX512_BF16 / AMX);
 * ``torch-fp32``: ``F.linear`` on an fp32 copy of the weight (twice the bytes), the
@@ -51,6 +53,8 @@ def methods() -> dict:
         out["gemm"] = cpu_kernels.gemm_bf16
     if cpu_kernels.amx_available():
         out["amx"] = cpu_kernels.linear_amx
+    if cpu_kernels.dp_available():
+        out["dp"] = cpu_kernels.linear_dp
     out["upcast"] = Upcast()
     out["torch-bf16"] = lambda x, w, b: F.linear(x, w, b)
     out["torch-fp32"] = None  # fp32 copies of the weights; see run()

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from phasewise.model import cpu_kernels
+from phasewise.model import cpu_kernels, linear
 from phasewise.model.linear import ALL_ROWS, LinearDispatch, Upcast
 from phasewise.model.ops import CpuKernelOps, TorchOps
 from phasewise.model.quant import dequantize_rows, quantize_rows_int8
@@ -40,6 +40,47 @@ def test_kernels_match_fp32_reference(m, n, k, bias, seed, fn):
     # Exact fp32 accumulation then one bf16 rounding: within one bf16 ulp of the reference,
     # give or take fp32 summation order.
     torch.testing.assert_close(y.float(), ref, rtol=2**-7, atol=1e-4 * k)
+
+
+needs_dp = pytest.mark.skipif(
+    not cpu_kernels.dp_available(),
+    reason=f"AVX512_BF16 kernels unavailable: {cpu_kernels.KERNELS.dp_reason}")
+
+
+@needs_dp
+@settings(max_examples=40, deadline=None)
+@given(m=st.integers(1, 40), n=st.integers(1, 70), k=st.integers(1, 300), bias=st.booleans(),
+       seed=st.integers(0, 2**31 - 1))
+def test_avx512bf16_linear_matches_fp32_reference(m, n, k, bias, seed):
+    """linear_dp: every tile shape (1-6 tokens, 4 weight rows and the N % 4 left over), K
+    not a multiple of 32 (the masked tail), with and without a bias."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g).bfloat16()
+    w = torch.randn(n, k, generator=g).bfloat16()
+    b = torch.randn(n, generator=g).bfloat16() if bias else None
+    y = cpu_kernels.linear_dp(x, w, b)
+    assert y.dtype == torch.bfloat16 and y.shape == (m, n)
+    torch.testing.assert_close(y.float(), reference(x, w, b), rtol=2**-7, atol=1e-4 * k)
+
+
+@needs_dp
+def test_avx512bf16_linear_rounds_once_and_keeps_nans():
+    """Past a block of tokens (512 KiB of bf16 rows: 436 rows of 600) the results hold; the
+    one rounding is to nearest even (as torch's), and a NaN in a token's row makes that
+    row's outputs NaN and no other's."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(501, 600, generator=g).bfloat16()
+    w = torch.randn(530, 600, generator=g).bfloat16()
+    b = torch.randn(530, generator=g).bfloat16()
+    y = cpu_kernels.linear_dp(x, w, b)
+    torch.testing.assert_close(y.float(), reference(x, w, b), rtol=2**-7, atol=0.03)
+    # one value a row: the products are exact in fp32, so the rounding alone sets the bits
+    xs = torch.randn(64, 1, generator=g).bfloat16()
+    ws = torch.randn(37, 1, generator=g).bfloat16()
+    assert torch.equal(cpu_kernels.linear_dp(xs, ws), (xs.float() @ ws.float().T).bfloat16())
+    x[7, 100] = float("nan")
+    out = cpu_kernels.linear_dp(x[:12], w)
+    assert out[7].isnan().all() and not out[torch.arange(12) != 7].isnan().any()
 
 
 @needs_amx
@@ -337,7 +378,8 @@ def test_calibration_yields_a_valid_plan():
     d = LinearDispatch.calibrate(torch.randn(256, 128).bfloat16(), large_rows=32,
                                  kernel_rows=(4, 8))
     amx = ("amx",) if cpu_kernels.amx_available() else ()
-    assert d.large in ("torch", "upcast", "gemm", *amx)
+    dp = ("dp",) if cpu_kernels.dp_available() else ()
+    assert d.large in ("torch", "upcast", "gemm", *amx, *dp)
     # up to a timed row count (with AMX, each the fused decode layer streams), or every row
     # count if it never lost
     few = range(1, cpu_kernels.KERNELS.decode_layer_max_rows + 1) if d.large == "amx" else ()
@@ -346,6 +388,17 @@ def test_calibration_yields_a_valid_plan():
                if r in (1, *few, 4, 8))
     assert (d.describe() == "kernel for all row counts") == (d.kernel_max_rows == ALL_ROWS)
     assert d.timings and d.timings["torch"][32] > 0
+    # the AVX512_BF16 tier: only where that kernel runs, between the streams and `large`, and
+    # only up to a count where it timed faster than the plan's method there
+    if d.mid is not None:
+        assert dp and d.mid == "dp" and d.kernel_max_rows < d.mid_max_rows < 32
+        assert d.mid_max_rows in linear.MID_ROWS
+        other = d.timings[d.large].get(d.mid_max_rows, d.timings["kernel"].get(d.mid_max_rows))
+        assert d.timings["dp"][d.mid_max_rows] < other
+        assert d.method(d.mid_max_rows) == "dp" and d.method(d.mid_max_rows + 1) == d.large
+        assert f"dp for {d.kernel_max_rows + 1}" in d.describe()
+    else:
+        assert d.mid_max_rows == 0 and (d.large == "dp" or "dp" not in d.describe())
     with pytest.raises(ValueError, match="large must be one of torch, upcast, gemm"):
         LinearDispatch(kernel_max_rows=0, large="magic")
 
@@ -517,7 +570,8 @@ def test_decode_attention_keeps_a_nan(ops, length, hd):
     assert out[0].isnan().all() and out[1, 1].isnan().all() and not out[1, 0].isnan().any()
 
 
-PLANS = {"avx2": (8, "torch"), "amx": (0, "amx")}
+PLANS = {"avx2": (8, "torch"), "amx": (0, "amx"),
+         "dp": (0, "torch", None, {}, "dp", 32)}  # the AVX512_BF16 tier up to 32 rows
 
 
 @needs_kernels
@@ -527,13 +581,18 @@ PLANS = {"avx2": (8, "torch"), "amx": (0, "amx")}
     (17, None, "amx"), (32, None, "amx"),  # AMX: up to 32 rows, two token tiles
     (32, None, "avx2"),  # too many rows for the streams: op by op
     (3, "int8", "amx"),  # AMX rows, int8 weights: fused, the int8 ones streamed
-    (8, "int8", "amx"), (32, "int8", "amx")])  # more: fused, int8 panels widened on the tiles
+    (8, "int8", "amx"), (32, "int8", "amx"),  # more: fused, int8 panels widened on the tiles
+    *((r, None, "dp") for r in (1, 3, 6, 17, 32)),  # AVX512_BF16: up to 32 rows
+    (3, "int8", "dp"),  # fused, the int8 projections streamed
+    (8, "int8", "dp")])  # int8 beyond the streams' rows: op by op
 def test_fused_decode_layer_matches_op_by_op(tmp_path, arch, rows, quantization, plan):
     """The one-call decode layer computes what the op-by-op kernel path computes (biases,
     q/k norms and GQA included, bf16 or int8 projections, the AVX2 streams or the AMX
     tiles), writing the same K/V into the cache; a step it cannot take runs op by op."""
     if plan == "amx" and not cpu_kernels.amx_available():
         pytest.skip(f"AMX kernels unavailable: {cpu_kernels.KERNELS.amx_reason}")
+    if plan == "dp" and not cpu_kernels.dp_available():
+        pytest.skip(f"AVX512_BF16 kernels unavailable: {cpu_kernels.KERNELS.dp_reason}")
     dispatch = LinearDispatch(*PLANS[plan])
     from conftest import build_hf_checkpoint
     from phasewise.model.attention import AttentionMetadata
@@ -565,7 +624,7 @@ def test_fused_decode_layer_matches_op_by_op(tmp_path, arch, rows, quantization,
         def decode_stack(self, *args, **kwargs):
             return None
 
-    fused = rows <= 6 or plan == "amx"
+    fused = rows <= 6 or plan == "amx" or (plan == "dp" and quantization is None)
     outs = {}
     for name, ops in (("stack", CpuKernelOps(dispatch)), ("layers", LayerByLayer(dispatch)),
                       ("ops", CpuKernelOps(dispatch, fused_decode=False))):
@@ -588,9 +647,10 @@ def test_fused_decode_layer_matches_op_by_op(tmp_path, arch, rows, quantization,
     # One call or one per layer, the same kernel: the same bits; also with an odd number of
     # layers (the stack's output buffers alternate).
     assert torch.equal(outs["stack"][0], outs["layers"][0])
-    if not fused or (plan == "amx" and (quantization is None or rows > 6)):  # op by op, or
-        # the AMX products and GLU epilogue (int8: the same widened panels and scales):
-        # exactly the op-by-op results
+    if not fused or (plan == "amx" and (quantization is None or rows > 6)) or (
+            plan == "dp" and quantization is None):  # op by op, or the AMX products and GLU
+        # epilogue (int8: the same widened panels and scales), or the same AVX512_BF16
+        # tiles as linear_dp: exactly the op-by-op results
         assert torch.equal(outs["stack"][0], outs["ops"][0])
     model.layers = torch.nn.ModuleList(list(model.layers)[:1])
     odd = {}

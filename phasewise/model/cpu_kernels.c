@@ -1422,7 +1422,8 @@ typedef struct {
     /* Weight-only int8 (NULL: that projection is bf16): the fp32 per-row scales of w_qkv,
      * w_o, w_gate_up and w_down, whose pointers then point at int8 weights. */
     const float *s_qkv, *s_o, *s_gate_up, *s_down;
-    int amx; /* 1: the bf16 projections run on AMX tiles (cpu_amx.c), where the CPU has them */
+    int amx; /* 1: the bf16 projections run on AMX tiles (cpu_amx.c), where the CPU has them;
+              * 2: on AVX512_BF16 dot products (cpu_avx512bf16.c), bf16 weights only */
 } DecodeLayer;
 
 #define MAX_HEAD_DIM 512 /* the largest head the kernels take (a bound on scratch sizes) */
@@ -1480,6 +1481,10 @@ void pw_amx_share_int8(const uint32_t *xp, int M, const int8_t *w, const float *
 void pw_amx_share_glu_int8(const uint32_t *xp, int M, const int8_t *w, const float *scale,
                            uint16_t *wide, const uint16_t *bias, int K, int I, float *act)
     __attribute__((weak));
+/* cpu_avx512bf16.c's (weak: absent when it was not compiled in) */
+void pw_dp_pack_f32(const float *x, int M, int K, uint16_t *xb) __attribute__((weak));
+void pw_dp_share(const uint16_t *xb, int M, const uint16_t *w, int K, int N, float *res)
+    __attribute__((weak));
 
 /* out = bf16(res + bias) for M rows of N, shared by the threads of the calling region (an
  * orphaned omp for, with its barrier), row by row (walking down the rows first, rows of
@@ -1504,9 +1509,12 @@ static void bias_round_rows(const float *res, const uint16_t *bias, int M, int N
 
 /* Whether a fused layer's projection runs on AMX tiles: the layer asks for them, and the
  * weights are bf16, or int8 (with scales) for more rows than the int8 streams take (up to
- * that, the streams read each int8 byte once at memory speed; the tiles would widen them). */
+ * that, the streams read each int8 byte once at memory speed; the tiles would widen them).
+ * Or, where the layer asks for AVX512_BF16 dot products (amx == 2), on those: bf16 weights
+ * only (int8 ones stream, up to their rows). */
 static int amx_proj(const DecodeLayer *L, const float *scale, int N) {
-    if (!L->amx || N < 16 || !pw_amx_pack_f32) return 0;
+    if (L->amx == 2) return !scale && N >= 16 && pw_dp_share != NULL && pw_dp_pack_f32 != NULL;
+    if (L->amx != 1 || N < 16 || !pw_amx_pack_f32) return 0;
     return scale ? L->M > ROW_STREAM_MAX && pw_amx_share_int8 != NULL : pw_amx_share != NULL;
 }
 
@@ -1517,6 +1525,11 @@ static int amx_proj(const DecodeLayer *L, const float *scale, int N) {
 static void layer_proj(const DecodeLayer *L, const float *x, int M, const void *w,
                        const float *scale, int K, int N, uint32_t *xp, uint16_t *wide,
                        long wide_per_thread, float *res) {
+    if (amx_proj(L, scale, N) && L->amx == 2) {  /* AVX512_BF16: bf16 rows, then the share */
+        pw_dp_pack_f32(x, M, K, (uint16_t *)xp);  /* shared by the threads, with a barrier */
+        pw_dp_share((const uint16_t *)xp, M, (const uint16_t *)w, K, N, res);
+        return;
+    }
     if (amx_proj(L, scale, N)) {
         pw_amx_pack_f32(x, M, K, xp);  /* shared by the threads, with a barrier */
         if (scale)
@@ -1538,7 +1551,7 @@ int pw_decode_layer_bf16(const DecodeLayer *L) {
                   && I >= 8;
     if (M < 1 || M > (all_amx ? AMX_LAYER_MAX : ROW_STREAM_MAX) || hd > MAX_HEAD_DIM)
         return -2;
-    int amx_glu = amx_proj(L, L->s_gate_up, 2 * I) && I >= 16
+    int amx_glu = L->amx == 1 && amx_proj(L, L->s_gate_up, 2 * I) && I >= 16
                   && (L->s_gate_up ? pw_amx_share_glu_int8 != NULL : pw_amx_share_glu != NULL);
     int parts = group_parts(M, n_kv, group, L->nthreads);
     long per_task = attention_task_floats(group, hd);
@@ -1550,19 +1563,20 @@ int pw_decode_layer_bf16(const DecodeLayer *L) {
     uint16_t *qkv = (uint16_t *)malloc(sizeof(uint16_t) * (size_t)M * QKV);
     uint16_t *o = (uint16_t *)malloc(sizeof(uint16_t) * (size_t)M * H);
     int widest_k = H > Q ? (H > I ? H : I) : (Q > I ? Q : I);
-    /* AMX: the packed activations, 1 KiB per 32 values of K and 16 tokens */
+    /* AMX: the packed activations, 1 KiB per 32 values of K and 16 tokens (AVX512_BF16: the
+     * bf16 rows, 2 bytes a value, no more) */
     uint32_t *xp = L->amx ? (uint32_t *)aligned_alloc(64, (size_t)(widest_k + 31) / 32 * 1024
                                                               * ((M + 15) / 16))
                           : NULL;
     /* int8 panels on the tiles: each thread's widened panel, 32 rows of the widest K */
     int any_int8 = L->s_qkv || L->s_o || L->s_gate_up || L->s_down;
     long wide_per_thread = 32L * widest_k;
-    uint16_t *wide = L->amx && any_int8 && M > ROW_STREAM_MAX
+    uint16_t *wide = L->amx == 1 && any_int8 && M > ROW_STREAM_MAX
         ? (uint16_t *)aligned_alloc(64, ((size_t)wide_per_thread * 2 * L->nthreads + 63) / 64
                                             * 64)
         : NULL;
-    if (!buf || !qkv || !o || (L->amx && !xp) || (L->amx && any_int8 && M > ROW_STREAM_MAX
-                                                  && !wide)) {
+    if (!buf || !qkv || !o || (L->amx && !xp) || (L->amx == 1 && any_int8
+                                                  && M > ROW_STREAM_MAX && !wide)) {
         free(buf); free(qkv); free(o); free(xp); free(wide);
         return -1;
     }

@@ -1,12 +1,14 @@
-"""Build, load and call the hand-written CPU kernels in ``cpu_kernels.c`` (AVX2) and
-``cpu_amx.c`` (Intel AMX).
+"""Build, load and call the hand-written CPU kernels in ``cpu_kernels.c`` (AVX2),
+``cpu_amx.c`` (Intel AMX) and ``cpu_avx512bf16.c`` (AVX512_BF16 dot products, for CPUs
+that have them without AMX: AMD Zen 4 and 5).
 
 The C files are compiled on first use with the system's C compiler (gcc or cc) into one
 library in a cache folder and loaded with ctypes; no torch headers are needed, so the build
 takes a few seconds, once. On a machine without a compiler or without AVX2/FMA, ``load()``
 returns None and callers fall back to torch. The AMX kernels run only where the CPU has
 AMX-BF16 and AVX512_BF16 and Linux grants the process its tile state (``amx_available()``);
-a compiler too old for AMX builds the AVX2 kernels alone. The state (the library, whether
+a compiler too old for AMX builds the others without them. The AVX512_BF16 kernels run
+where the CPU has AVX512_BF16 with AVX-512 F/BW/VL/DQ (``dp_available()``). The state (the library, whether
 loading was tried, why it failed, the limits the C side reports) lives in one
 ``KernelLibrary``, the module's ``KERNELS``.
 
@@ -37,6 +39,8 @@ import torch
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
 AMX_SOURCE = Path(__file__).with_name("cpu_amx.c")
+DP_SOURCE = Path(__file__).with_name("cpu_avx512bf16.c")
+DP_FLAGS = {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"}
 AMX_FLAGS = {"amx_tile", "amx_bf16", "avx512f", "avx512bw", "avx512vl", "avx512dq",
              "avx512_bf16"}
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
@@ -175,6 +179,11 @@ def _signatures() -> dict[str, tuple[Any, list[Any]]]:
     }
 
 
+DP_SIGNATURES = {
+    "pw_linear_dp": (ctypes.c_int, [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4),
+}
+
+
 AMX_SIGNATURES = {
     "pw_amx_init": (ctypes.c_int, []),
     "pw_linear_amx": (ctypes.c_int, [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4),
@@ -218,12 +227,15 @@ class KernelLibrary:
     they cannot be had), ``reason`` (why not), and the limits the C side reports
     (``decode_layer_max_rows``: rows the fused decode layer takes; ``amx_layer_max_rows``:
     rows it takes when its projections all run on AMX tiles; ``max_head_dim``), and
-    whether the AMX kernels may run (``amx``; ``amx_reason``: why not); how far ahead the
-    bf16 weight streams prefetch (``stream_prefetch`` bytes; ``stream_prefetch_reason``)."""
+    whether the AMX kernels may run (``amx``; ``amx_reason``: why not), and the AVX512_BF16
+    ones (``dp``; ``dp_reason``); how far ahead the bf16 weight streams prefetch
+    (``stream_prefetch`` bytes; ``stream_prefetch_reason``)."""
 
-    def __init__(self, source: Path = SOURCE, amx_source: Path = AMX_SOURCE) -> None:
+    def __init__(self, source: Path = SOURCE, amx_source: Path = AMX_SOURCE,
+                 dp_source: Path = DP_SOURCE) -> None:
         self.source = source
         self.amx_source = amx_source
+        self.dp_source = dp_source
         self.lib: ctypes.CDLL | None = None
         self.reason: str | None = None
         self.tried = False
@@ -232,6 +244,8 @@ class KernelLibrary:
         self.max_head_dim = 0
         self.amx = False
         self.amx_reason: str | None = "the kernels are not loaded"
+        self.dp = False
+        self.dp_reason: str | None = "the kernels are not loaded"
         self.stream_prefetch = 0
         self.stream_prefetch_reason = "the kernels are not loaded"
 
@@ -260,21 +274,27 @@ class KernelLibrary:
     def _open(self) -> ctypes.CDLL:
         if not _cpu_has_avx2_fma():
             raise _Unavailable("this CPU lacks AVX2/FMA")
-        lib = None
-        if self.amx_source.exists():
+        # The extra sources, all of them if they compile, else each alone, else none (e.g. a
+        # compiler that predates AMX: the AVX512_BF16 kernels and AVX2 ones without it).
+        extras = {"amx": self.amx_source, "dp": self.dp_source}
+        reasons = {k: f"{p.name} is missing" for k, p in extras.items() if not p.exists()}
+        present = {k: p for k, p in extras.items() if p.exists()}
+        lib, errors = None, {}
+        for combo in ([*present], *([k] for k in present if len(present) > 1), []):
             try:
-                lib = self._compiled([self.source, self.amx_source])
-                self.amx_reason = None
-            except RuntimeError as e:  # e.g. a compiler that predates AMX: AVX2 alone
-                self.amx_reason = str(e)
+                lib = self._compiled([self.source, *(present[k] for k in combo)])
+            except RuntimeError as e:
+                errors[tuple(combo)] = str(e)
+                continue
             except OSError as e:
                 raise _Unavailable(str(e)) from e
-        else:
-            self.amx_reason = f"{self.amx_source.name} is missing"
-        try:
-            lib = lib or self._compiled([self.source])
-        except (RuntimeError, OSError) as e:
-            raise _Unavailable(str(e)) from e
+            for k in present:
+                if k not in combo:
+                    reasons[k] = errors.get((k,), next(iter(errors.values()), "not compiled"))
+            break
+        if lib is None:
+            raise _Unavailable(errors.get((), "compiling the kernels failed"))
+        self.amx_reason, self.dp_reason = reasons.get("amx"), reasons.get("dp")
         for name, (restype, argtypes) in _signatures().items():
             fn = getattr(lib, name)
             fn.restype = restype
@@ -293,7 +313,20 @@ class KernelLibrary:
         lib.pw_set_stream_prefetch(self.stream_prefetch)
         if self.amx_reason is None:
             self._enable_amx(lib)
+        if self.dp_reason is None:
+            self._enable_dp(lib)
         return lib
+
+    def _enable_dp(self, lib: ctypes.CDLL) -> None:
+        missing = DP_FLAGS - cpu_flags()
+        if missing:
+            self.dp_reason = "this CPU lacks " + ", ".join(sorted(missing))
+            return
+        for name, (restype, argtypes) in DP_SIGNATURES.items():
+            fn = getattr(lib, name)
+            fn.restype = restype
+            fn.argtypes = argtypes
+        self.dp = True
 
     def _enable_amx(self, lib: ctypes.CDLL) -> None:
         missing = AMX_FLAGS - cpu_flags()
@@ -323,6 +356,11 @@ def amx_available() -> bool:
     """Whether the AMX kernels can run here (the library loaded, the CPU and the kernel
     allow it)."""
     return KERNELS.load() is not None and KERNELS.amx
+
+
+def dp_available() -> bool:
+    """Whether the AVX512_BF16 kernels (``cpu_avx512bf16.c``) can run here."""
+    return KERNELS.load() is not None and KERNELS.dp
 
 
 def __getattr__(name: str) -> Any:
@@ -403,6 +441,17 @@ def linear_amx(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = Non
         return torch.nn.functional.linear(x, w, bias)
     _need_amx()
     return _call("pw_linear_amx", x, w, bias)
+
+
+def linear_dp(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None
+              ) -> torch.Tensor:
+    """Same contract as ``linear_bf16``, on AVX512_BF16 dot products (any row count;
+    ``dp_available()`` must hold): the weight read in place, 4 of its rows against up to 6
+    tokens a register tile, products of bf16 pairs summed in fp32, one rounding."""
+    if not dp_available():
+        raise RuntimeError("AVX512_BF16 kernels unavailable: "
+                           f"{KERNELS.dp_reason or KERNELS.reason}")
+    return _call("pw_linear_dp", x, w, bias)
 
 
 def _need_amx() -> None:

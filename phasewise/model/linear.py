@@ -1,11 +1,15 @@
 """How each linear layer is computed, chosen by measuring this machine.
 
-For bf16 weights on a CPU, five ways compute the same function:
+For bf16 weights on a CPU, six ways compute the same function:
 
 * ``torch``: ``F.linear`` in bf16 (fast where the CPU has native bf16 dot products);
 * ``amx``: phasewise's AMX kernel (``cpu_amx.c``), on CPUs with AMX-BF16: bf16 tile
   products into fp32, the weights read in place at any row count (torch's oneDNN path
   reorders them on every call, which dominates a decode step's few rows);
+* ``dp``: phasewise's AVX512_BF16 kernel (``cpu_avx512bf16.c``), on CPUs with AVX512_BF16
+  (AMD Zen 4 and 5, without AMX): VDPBF16PS register tiles, 4 weight rows read in place x up
+  to 6 tokens, into fp32; it takes the rows between the streams and torch's GEMM (the
+  plan's ``mid`` tier), and the fused decode layer's projections for those rows;
 * ``kernel``: phasewise's AVX2 kernel (``cpu_kernels.c``): for the few rows of a decode step it
   streams each weight once at close to memory speed; for more rows it runs register tiles
   that widen bf16 weights in registers, read in place (near torch's fp32 GEMM speed on an
@@ -18,7 +22,8 @@ For bf16 weights on a CPU, five ways compute the same function:
 projection, so that a few rows stream from memory as in a decode step) at engine start (one
 to three seconds on the reference checkpoint) and keeps a plan: the kernel up to a row
 count (or at every count, when it wins at the largest one timed), the fastest of the others
-above it. Every method accumulates in fp32, so they differ only in rounding order. Where
+above it; where the AVX512_BF16 kernel is at hand and is not that fastest, it takes the row
+counts where it beats both (a ``mid`` tier between them). Every method accumulates in fp32, so they differ only in rounding order. Where
 ``amx`` is a candidate its products are bf16 x bf16 (exact in fp32), like torch's bf16 path.
 Each other projection shape (qkv, o, down) may get its own method for prompt chunks
 (``prompt_by_shape``, ``calibrate_prompt_shape``), of the same arithmetic.
@@ -36,9 +41,10 @@ import torch.nn.functional as F
 from phasewise.model import cpu_kernels
 
 LinearFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
-LARGE_METHODS = ("torch", "upcast", "gemm", "amx")
+LARGE_METHODS = ("torch", "upcast", "gemm", "amx", "dp")
 ALL_ROWS = 2**31 - 1  # kernel_max_rows meaning "the kernel at every row count"
 SMALL_ROWS = 64  # calibration: below this many rows a timing streams every weight given
+MID_ROWS = (1, 2, 3, 4, 5, 6, 8, 16, 32, 64, 128)  # calibration: the dp tier's timed counts
 AMX_MARGIN = 1.05  # calibration: how much faster than AMX the kernel must be to keep a row count
 PROMPT_ROWS = 256  # a shape's own method (prompt_by_shape) applies from this many rows
 
@@ -84,21 +90,26 @@ def _large_fn(method: str) -> LinearFn:
         return cpu_kernels.gemm_bf16
     if method == "amx":
         return cpu_kernels.linear_amx
+    if method == "dp":
+        return cpu_kernels.linear_dp
     return torch_linear
 
 
 def _arithmetic(method: str) -> str:
-    """Whose arithmetic a method runs in: bf16 products for torch's bf16 path and the AMX
-    tiles; fp32 for the kernel, the upcast and the packed GEMM."""
-    return "bf16" if method in ("torch", "amx") else "fp32"
+    """Whose arithmetic a method runs in: bf16 products for torch's bf16 path, the AMX
+    tiles and the AVX512_BF16 dot products; fp32 for the kernel, the upcast and the packed
+    GEMM."""
+    return "bf16" if method in ("torch", "amx", "dp") else "fp32"
 
 
 def _available_methods(weight: torch.Tensor) -> list[str]:
     """LARGE_METHODS that can run here on ``weight`` ([N, K] bf16, CPU)."""
     have_kernels = cpu_kernels.load() is not None
     have_amx = cpu_kernels.amx_available() and weight.shape[0] >= 16
+    have_dp = cpu_kernels.dp_available()
     return [m for m in LARGE_METHODS
-            if (m != "gemm" or have_kernels) and (m != "amx" or have_amx)]
+            if (m != "gemm" or have_kernels) and (m != "amx" or have_amx)
+            and (m != "dp" or have_dp)]
 
 
 def _seconds(fn: LinearFn, x: torch.Tensor | dict[int, torch.Tensor],
@@ -129,8 +140,15 @@ class LinearDispatch:
     # times fastest for that projection there, where it is not ``large``; always one of the
     # same arithmetic as ``large`` (so compute_dtype holds for every shape).
     prompt_by_shape: dict[tuple[int, int], str] = field(default_factory=dict)
+    # The AVX512_BF16 kernel's tier: rows above kernel_max_rows up to mid_max_rows run
+    # ``mid`` ("dp"), where calibration found it faster than both neighbours.
+    mid: str | None = None
+    mid_max_rows: int = 0
 
     def __post_init__(self) -> None:
+        if self.mid is not None and (self.mid != "dp" or _arithmetic(self.large) != "bf16"):
+            raise ValueError(f"mid must be 'dp', beside a large method of bf16 arithmetic; got "
+                             f"{self.mid!r} beside {self.large!r}")
         for m in (self.large, *self.prompt_by_shape.values()):
             if m not in LARGE_METHODS:
                 raise ValueError(f"large must be one of {', '.join(LARGE_METHODS)}; "
@@ -139,6 +157,7 @@ class LinearDispatch:
                 raise ValueError(f"a prompt shape's method must compute as {self.large} "
                                  f"does ({_arithmetic(self.large)}); got {m!r}")
         self._large = _large_fn(self.large)
+        self._mid = _large_fn(self.mid) if self.mid else None
         self._prompt = {nk: _large_fn(m) for nk, m in self.prompt_by_shape.items()}
 
     def __call__(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None
@@ -147,6 +166,8 @@ class LinearDispatch:
         rows = x.numel() // k
         if rows <= self.kernel_max_rows:
             return cpu_kernels.linear_bf16(x, w, b)
+        if self._mid is not None and rows <= self.mid_max_rows:
+            return self._mid(x, w, b)
         if rows >= PROMPT_ROWS and self._prompt:
             fn = self._prompt.get(tuple(w.shape))
             if fn is not None:
@@ -158,25 +179,38 @@ class LinearDispatch:
         picks it."""
         if rows <= self.kernel_max_rows:
             return "kernel"
+        if self.mid is not None and rows <= self.mid_max_rows:
+            return self.mid
         if rows >= PROMPT_ROWS:
             return self.prompt_by_shape.get(shape, self.large)
         return self.large
 
     def method(self, rows: int) -> str:
         """The method ``rows`` activation rows run: ``kernel`` or one of LARGE_METHODS."""
-        return "kernel" if rows <= self.kernel_max_rows else self.large
+        if rows <= self.kernel_max_rows:
+            return "kernel"
+        if self.mid is not None and rows <= self.mid_max_rows:
+            return self.mid
+        return self.large
 
     def compute_dtype(self, rows: int) -> str:
         """Whose arithmetic ``rows`` activation rows run in: ``bf16`` for torch's own bf16
-        ``F.linear`` and the AMX tiles (bf16 products), ``fp32`` for the kernel, the upcast
-        and the packed GEMM."""
+        ``F.linear``, the AMX tiles and the AVX512_BF16 kernel (bf16 products), ``fp32`` for
+        the kernel, the upcast and the packed GEMM."""
         return _arithmetic(self.method(rows))
 
     def describe(self) -> str:
         if self.kernel_max_rows >= ALL_ROWS:
             return "kernel for all row counts"
+        mid = ""
+        if self.mid is not None and self.mid_max_rows > self.kernel_max_rows:
+            lo = self.kernel_max_rows + 1
+            span = f"{lo}-{self.mid_max_rows}" if self.mid_max_rows > lo else f"{lo}"
+            mid = f"{self.mid} for {span} rows, "
         if self.kernel_max_rows:
-            text = f"kernel for <= {self.kernel_max_rows} rows, {self.large} above"
+            text = f"kernel for <= {self.kernel_max_rows} rows, {mid}{self.large} above"
+        elif mid:
+            text = f"{mid}{self.large} above"
         else:
             text = f"{self.large} for all row counts"
         return text + "".join(f"; {m} for {k} -> {n} at >= {PROMPT_ROWS} rows"
@@ -266,4 +300,38 @@ class LinearDispatch:
                 kernel_max = rows
             else:
                 kernel_max = ALL_ROWS
-        return cls(kernel_max_rows=kernel_max, large=large, timings=timings)
+        mid, mid_max = None, 0
+        if "dp" in candidates and large != "dp" and kernel_max < ALL_ROWS:
+            kernel_max, mid_max = cls._calibrate_mid(seconds, timings, kernel_max, large,
+                                                     large_rows, stream)
+            mid = "dp" if mid_max else None
+        return cls(kernel_max_rows=kernel_max, large=large, timings=timings, mid=mid,
+                   mid_max_rows=mid_max)
+
+    @staticmethod
+    def _calibrate_mid(seconds: Callable[..., float], timings: dict[str, dict[int, float]],
+                       kernel_max: int, large: str, large_rows: int,
+                       stream: list[torch.Tensor] | None) -> tuple[int, int]:
+        """The AVX512_BF16 kernel's tier: at each of MID_ROWS below ``large_rows``, it
+        against the method the plan has there (the streams up to ``kernel_max``, else
+        ``large``), over ``stream`` for the rows the fused decode layer takes (it runs its
+        projections as these calls do); the tier is the first run of counts where it wins.
+        Returns (the streams' new most rows, the tier's most rows: 0 if it never wins)."""
+        few = cpu_kernels.KERNELS.decode_layer_max_rows
+        large_fn = _large_fn(large)
+        lo = hi = 0
+        for rows in MID_ROWS:
+            if rows >= large_rows:
+                break
+            ws = stream if stream and rows <= few else None
+            timings["dp"][rows] = seconds(cpu_kernels.linear_dp, rows, ws)
+            name, fn = (("kernel", cpu_kernels.linear_bf16) if rows <= kernel_max
+                        else (large, large_fn))
+            timings[name][rows] = seconds(fn, rows, ws)
+            if timings["dp"][rows] < timings[name][rows]:
+                lo, hi = lo or rows, rows
+            elif lo:
+                break
+        if not lo or hi < kernel_max:  # none, or inside the streams' rows: keep them
+            return kernel_max, 0
+        return min(kernel_max, lo - 1), hi

@@ -272,7 +272,7 @@ class CpuKernelOps(TorchOps):
             return None
         out = torch.empty_like(hidden)
         self._set_step_fields(args, hidden, rope, meta, k_cache.shape[1])
-        args.amx = self._amx_rows(hidden.shape[0])
+        args.amx = self._tile_mode(hidden.shape[0])
         args.out = out.data_ptr()
         args.delta = delta.data_ptr() if delta is not None else None
         args.k_cache, args.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
@@ -294,7 +294,7 @@ class CpuKernelOps(TorchOps):
         if self._streams_only(hidden.shape[0], *args):
             return None
         self._set_step_fields(args[0], hidden, rope, meta, kv_caches[0][0].shape[1])
-        args[0].amx = self._amx_rows(hidden.shape[0])
+        args[0].amx = self._tile_mode(hidden.shape[0])
         args[0].delta = None  # the first layer has no previous output to add
         bufs = torch.empty(2, *hidden.shape, dtype=hidden.dtype)
         rc = self.lib.pw_decode_stack_bf16(args, len(layers), ctypes.addressof(k_ptrs),
@@ -309,20 +309,32 @@ class CpuKernelOps(TorchOps):
         then does too), else 0."""
         return int(self.dispatch.method(rows) == "amx" and cpu_kernels.amx_available())
 
+    def _tile_mode(self, rows: int) -> int:
+        """How the fused layer runs ``rows`` rows' projections (its ``amx`` field): 1 on AMX
+        tiles, 2 on AVX512_BF16 dot products (bf16 weights; int8 ones stream), as the plan
+        runs these rows; 0 on the streams."""
+        if self._amx_rows(rows):
+            return 1
+        return 2 if self.dispatch.method(rows) == "dp" and cpu_kernels.dp_available() else 0
+
     def _fused_max_rows(self, rows: int) -> int:
         """The most rows a fused step may take: the streams' limit, or more where the plan
-        runs these rows on AMX tiles (then every projection does, int8 ones widened to bf16
-        as they come; some shapes cannot: ``_streams_only``)."""
-        if self._amx_rows(rows):
+        runs these rows on AMX tiles or AVX512_BF16 dot products (then every projection
+        does; on AMX int8 ones widened to bf16 as they come; some layers cannot:
+        ``_streams_only``)."""
+        if self._tile_mode(rows):
             return max(self.kernels.amx_layer_max_rows, self.kernels.decode_layer_max_rows)
         return self.kernels.decode_layer_max_rows
 
     def _streams_only(self, rows: int, *args: cpu_kernels.DecodeLayerArgs) -> bool:
-        """More rows than the streams take, but a layer the AMX tiles cannot take whole:
-        fewer than 16 output channels (hidden or q + 2 kv) or 8 intermediate ones. The C
-        layer refuses such a step (as it checks the same), so it runs op by op."""
+        """More rows than the streams take, but a layer the tiles cannot take whole: fewer
+        than 16 output channels (hidden or q + 2 kv) or 8 intermediate ones, or, on
+        AVX512_BF16, an int8 projection. The C layer refuses such a step (as it checks the
+        same), so it runs op by op."""
+        dp = self._tile_mode(rows) == 2
         return rows > self.kernels.decode_layer_max_rows and any(
-            a.H < 16 or a.Q + 2 * a.KV < 16 or a.I < 8 for a in args)
+            a.H < 16 or a.Q + 2 * a.KV < 16 or a.I < 8
+            or (dp and any((a.s_qkv, a.s_o, a.s_gate_up, a.s_down))) for a in args)
 
     def _fusable_step(self, hidden: torch.Tensor, rope: RopeTables,
                       meta: AttentionMetadata) -> bool:
