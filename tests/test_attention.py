@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -102,8 +104,7 @@ def test_decode_group_must_lead_the_batch():
     assert [(p.start, p.end, p.context_len) for p in meta.prefills] == [(2, 7, 2), (7, 8, 4)]
 
 
-@pytest.mark.skipif(not cpu_kernels.amx_available(),
-                    reason=f"AMX kernels unavailable: {cpu_kernels.KERNELS.amx_reason}")
+@pytest.mark.parametrize("kernel", ["amx", "dp"])
 @settings(max_examples=30, deadline=None)
 @given(
     data=st.data(),
@@ -111,14 +112,24 @@ def test_decode_group_must_lead_the_batch():
     n=st.sampled_from([2, 5, 16, 17, 33, 64, 100]),  # 1 token: a decode, not a prefill
     block_size=st.sampled_from([4, 16]),
     heads=st.sampled_from([(4, 4), (4, 2), (14, 2), (6, 1)]),
-    hd=st.sampled_from([32, 64, 128]),
+    hd=st.sampled_from([32, 64, 128, 256]),
 )
-def test_amx_prefill_attention_matches_sdpa(data, ctx, n, block_size, heads, hd):
-    """The AMX flash attention (K/V from the paged cache, causal, GQA, a context before the
-    chunk, the 32-query tasks' tails) against SDPA in fp32 on the same bf16 inputs: within
-    bf16 rounding of the weights and the output."""
+def test_prefill_attention_kernels_match_sdpa(kernel, data, ctx, n, block_size, heads, hd):
+    """The AMX flash attention and the AVX512_BF16 one (K/V from the paged cache, causal,
+    GQA, a context before the chunk, the tasks' tails) against SDPA in fp32 on the same bf16
+    inputs: within bf16 rounding of the weights and the output. AMX takes head sizes up to
+    128, the AVX512_BF16 kernel up to 256."""
+    from unittest import mock
+
     from phasewise.model.linear import LinearDispatch
     from phasewise.model.ops import CpuKernelOps
+
+    if kernel == "amx" and not cpu_kernels.amx_available():
+        pytest.skip(f"AMX kernels unavailable: {cpu_kernels.KERNELS.amx_reason}")
+    if kernel == "dp" and not cpu_kernels.dp_available():
+        pytest.skip(f"AVX512_BF16 kernels unavailable: {cpu_kernels.KERNELS.dp_reason}")
+    if kernel == "amx" and hd > 128:
+        hd = 128
 
     n_heads, n_kv = heads
     g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31 - 1)))
@@ -139,7 +150,7 @@ def test_amx_prefill_attention_matches_sdpa(data, ctx, n, block_size, heads, hd)
     wide = torch.zeros(n, n_heads + 3, hd).bfloat16()
     wide[:, 1:1 + n_heads] = q[ctx:]
     write_kv(k[ctx:], v[ctx:], k_cache, v_cache, meta.slot_mapping)
-    ops = CpuKernelOps(LinearDispatch(kernel_max_rows=0, large="amx"))
+    ops = CpuKernelOps(LinearDispatch(kernel_max_rows=0, large="torch"))
     taken = []
 
     def prefill_fn(*args):
@@ -147,8 +158,11 @@ def test_amx_prefill_attention_matches_sdpa(data, ctx, n, block_size, heads, hd)
         return taken[-1]
 
     scale = hd**-0.5
-    out = paged_attention(wide[:, 1:1 + n_heads], k[ctx:], v[ctx:], k_cache, v_cache, meta,
-                          scale, prefill_fn=prefill_fn)
+    # the AVX512_BF16 kernel where the CPU also has AMX: as if it had not
+    no_amx = mock.patch.object(cpu_kernels, "amx_available", lambda: False)
+    with no_amx if kernel == "dp" else contextlib.nullcontext():
+        out = paged_attention(wide[:, 1:1 + n_heads], k[ctx:], v[ctx:], k_cache, v_cache, meta,
+                              scale, prefill_fn=prefill_fn)
     assert taken == [True]
     ref = reference(q.float(), k.float(), v.float(), ctx, n, scale)
     torch.testing.assert_close(out.float(), ref, atol=0.03, rtol=0.03)

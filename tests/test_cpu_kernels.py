@@ -478,6 +478,30 @@ def test_silu_mul_matches_torch(ops, inter):
                                **BF16)
 
 
+@pytest.mark.skipif(not cpu_kernels.dp_available(),
+                    reason=f"AVX512_BF16 kernels unavailable: {cpu_kernels.KERNELS.dp_reason}")
+@pytest.mark.parametrize("inter", [4864, 40, 43, 24, 21, 16, 5])
+def test_silu_mul_on_16_lanes_keeps_the_8_lane_bits(inter):
+    """pw_silu_mul_dp (AVX-512, what ops.silu_mul takes there) and pw_silu_mul_bf16 (the
+    fused decode layer's arithmetic): the same bits, over whole vectors of 16, a last 8 and
+    the scalar tail, with values past exp's range, infinities and NaN."""
+    lib = cpu_kernels.load()
+    g = torch.Generator().manual_seed(inter)
+    gu = (torch.randn(5, 2 * inter, generator=g) * 8).bfloat16()
+    ends = torch.tensor([-100.0, 100.0, -88.5, 0.0, float("inf"), -float("inf"),
+                         float("nan"), 1e30])
+    gu[0, :min(8, inter)] = ends[:min(8, inter)].bfloat16()
+    gu[1, inter:inter + min(8, inter)] = ends[:min(8, inter)].bfloat16()
+    outs = []
+    for fn in (lib.pw_silu_mul_dp, lib.pw_silu_mul_bf16):
+        out = torch.empty(5, inter, dtype=torch.bfloat16)
+        fn(gu.data_ptr(), out.data_ptr(), 5, inter, 2)
+        outs.append(out)
+    assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16))
+    torch.testing.assert_close(outs[0].float(), TorchOps().silu_mul(gu).float(),
+                               rtol=2**-7, atol=1e-3, equal_nan=True)
+
+
 def test_silu_mul_at_the_ends_of_fp32(ops):
     """Where e^-g overflows the gate's SiLU is -0 (times any finite u), whatever u's size;
     NaN and infinities come out as torch's do. Whole vectors of 8 and the scalar tail."""

@@ -31,6 +31,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <omp.h>
+#include <math.h>
 
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")
@@ -231,6 +232,265 @@ void pw_dp_pack_f32(const float *x, int M, int K, uint16_t *xb) {
 void pw_dp_share(const uint16_t *xb, int M, const uint16_t *w, int K, int N, float *res) {
     DpOut out = {res, NULL, NULL, N};
     dp_share(xb, M, w, K, N, &out);
+}
+
+/* ---------------------------------------------------------------------------------------
+ * Prefill attention on AVX512_BF16: one request's chunk of n queries (positions ctx ..
+ * ctx + n - 1) against its ctx + n keys in the paged cache (this chunk's already written),
+ * causally, flash-style and transposed, as cpu_amx.c's tile version, so the softmax never
+ * reduces across a vector: per 16 queries of one head (the lanes) and 32 keys a step,
+ *   S^T [32 keys] = K Q^T: Q^T in pair order (a vector of 16 queries' dims 2p, 2p + 1 per
+ *       pair p), each key's pair of values broadcast from its cache row: hd/2 VDPBF16PS a
+ *       key;
+ *   online softmax down the keys (running max and sum per lane; the max moves only when
+ *       passed by more than 8, so O^T is rarely rescaled), weights rounded to bf16 and
+ *       interleaved by key pairs (P^T);
+ *   O^T [hd][16] += V^T P^T: V^T in pair order (two keys' values of a dim in one 32-bit
+ *       word), put so once per call per KV head, broadcast against P^T's 16 key pairs;
+ * and at the end O = (O^T)^T / sum, rounded to bf16. head_dim: a multiple of 32, at most
+ * 256. */
+#define DPA_QB 16   /* queries a task: the lanes */
+#define DPA_KB 32   /* keys a step */
+#define DPA_MAX_HD 256
+#define DPA_RESCALE_MARGIN 8.0f
+
+static inline const uint16_t *dpa_kv_row(const uint16_t *cache, const int64_t *table, int bs,
+                                         int n_kv, int hd, int g, long j) {
+    return cache + ((table[j / bs] * bs + j % bs) * n_kv + g) * (long)hd;
+}
+
+/* e^x, as cpu_amx.c's exp16_fast: 2^(x log2 e) as 2^n 2^f, a degree-5 polynomial for 2^f,
+ * x below -87 as -87 (a denormal result costs a microcode assist); NaN stays NaN. */
+static inline __m512 dpa_exp16(__m512 x) {
+    x = _mm512_max_ps(_mm512_set1_ps(-87.0f), x);
+    __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504089f));
+    __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 f = _mm512_sub_ps(t, n);
+    __m512 p = _mm512_set1_ps(1.3333558e-3f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* V^T of KV head g for keys [32 kb, 32 kb + 32): vt[d][pair] = V[2 pair][d] | V[2 pair + 1][d]
+ * << 16 (pairs counted from key 0; npairs words a dim); keys at or past L are zero. */
+static void dpa_pack_vt(const uint16_t *v_cache, const int64_t *table, int bs, int n_kv, int hd,
+                        int g, long L, int kb, long npairs, uint32_t *vt) {
+    for (int c = 0; c < DPA_KB / 2; c++) {
+        long j0 = (long)kb * DPA_KB + 2 * c, j1 = j0 + 1, pair = j0 / 2;
+        const uint16_t *a = j0 < L ? dpa_kv_row(v_cache, table, bs, n_kv, hd, g, j0) : NULL;
+        const uint16_t *b = j1 < L ? dpa_kv_row(v_cache, table, bs, n_kv, hd, g, j1) : NULL;
+        for (int d = 0; d < hd; d++)
+            vt[(long)d * npairs + pair] = (a ? a[d] : 0u) | (uint32_t)(b ? b[d] : 0u) << 16;
+    }
+}
+
+/* One task: queries [q0, q0 + nq) (nq <= 16) of head h (KV head g) against keys [0, ctx +
+ * q0 + nq). */
+static void dpa_block(const uint16_t *q, long q_stride, const uint16_t *k_cache,
+                      const int64_t *table, int bs, int n_kv, int g, const uint32_t *vt,
+                      long npairs, int hd, int h, long ctx, int q0, int nq, float scale,
+                      uint16_t *out, long out_stride) {
+    __m512i qp[DPA_MAX_HD / 2];                           /* Q^T, pair p: dims 2p, 2p + 1 */
+    float ot[DPA_MAX_HD * 16] __attribute__((aligned(64)));  /* O^T: [hd][16 queries] */
+    uint32_t pt[DPA_KB / 2 * 16] __attribute__((aligned(64)));  /* P^T: [key pair][16] */
+    const int HP = hd / 2;
+    const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    __mmask16 qm = (__mmask16)((1u << nq) - 1u);
+    for (int p = 0; p < HP; p++)  /* lane i: query q0 + i's dims 2p, 2p + 1 (0 past nq) */
+        qp[p] = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), qm,
+                                            _mm512_mullo_epi32(lane, _mm512_set1_epi32(
+                                                (int)q_stride)),
+                                            q + (long)q0 * q_stride + (long)h * hd + 2 * p, 2);
+    memset(ot, 0, sizeof(float) * 16 * hd);
+    /* query i sits at ctx + q0 + i; lanes past nq copy the last query's position */
+    __m512 qpos = _mm512_cvtepi32_ps(_mm512_min_epi32(
+        _mm512_add_epi32(_mm512_set1_epi32((int)(ctx + q0)), lane),
+        _mm512_set1_epi32((int)(ctx + q0 + nq - 1))));
+    __m512 mx = _mm512_set1_ps(-INFINITY), sum = _mm512_setzero_ps();
+    const __m512 sc = _mm512_set1_ps(scale);
+    /* 16-bit lanes of two vectors' bf16 interleaved: (p_2c[i], p_2c+1[i]) per lane i */
+    const __m512i inter = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25,
+                                           9, 24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2,
+                                           17, 1, 16, 0);
+    long end = ctx + q0 + nq;  /* keys the last query sees */
+    for (long k0 = 0; k0 < end; k0 += DPA_KB) {
+        int kn = end - k0 < DPA_KB ? (int)(end - k0) : DPA_KB;
+        __m512 s[DPA_KB];
+        for (int j0 = 0; j0 < DPA_KB; j0 += 16) {  /* S^T, 16 keys at a time */
+            const uint32_t *kr[16];
+            __m512 acc[16];
+            for (int j = 0; j < 16; j++) {
+                long key = k0 + j0 + j;
+                kr[j] = (const uint32_t *)dpa_kv_row(k_cache, table, bs, n_kv, hd, g,
+                                                     j0 + j < kn ? key : k0);
+                acc[j] = _mm512_setzero_ps();
+            }
+            for (int p = 0; p < HP; p++)
+                for (int j = 0; j < 16; j++)
+                    acc[j] = _mm512_dpbf16_ps(acc[j], (__m512bh)qp[p],
+                                              (__m512bh)_mm512_set1_epi32((int)kr[j][p]));
+            for (int j = 0; j < 16; j++) s[j0 + j] = acc[j];
+        }
+        __mmask16 seen[DPA_KB];
+        __m512 m_new = mx;
+        for (int j = 0; j < DPA_KB; j++) {  /* key k0 + j: seen by the queries at or after it */
+            seen[j] = j < kn ? _mm512_cmp_ps_mask(_mm512_set1_ps((float)(k0 + j)), qpos,
+                                                  _CMP_LE_OQ)
+                             : 0;
+            s[j] = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), seen[j], s[j], sc);
+            m_new = _mm512_max_ps(m_new, s[j]);
+        }
+        __mmask16 grew = _mm512_cmp_ps_mask(
+            m_new, _mm512_add_ps(mx, _mm512_set1_ps(DPA_RESCALE_MARGIN)), _CMP_GT_OQ);
+        if (grew) {
+            __m512 ref = _mm512_mask_mov_ps(mx, grew, m_new);
+            __m512 alpha = dpa_exp16(_mm512_sub_ps(mx, ref));  /* 0 where nothing was seen */
+            alpha = _mm512_mask_mov_ps(_mm512_set1_ps(1.0f), grew, alpha);
+            sum = _mm512_mul_ps(sum, alpha);
+            for (int d = 0; d < hd; d++)
+                _mm512_store_ps(ot + 16 * d, _mm512_mul_ps(_mm512_load_ps(ot + 16 * d), alpha));
+            mx = ref;
+        }
+        __m512i pv[DPA_KB / 2];
+        for (int c = 0; c < DPA_KB / 2; c++) {
+            __m512 p0 = _mm512_maskz_mov_ps(seen[2 * c], dpa_exp16(_mm512_sub_ps(s[2 * c], mx)));
+            __m512 p1 = _mm512_maskz_mov_ps(seen[2 * c + 1],
+                                            dpa_exp16(_mm512_sub_ps(s[2 * c + 1], mx)));
+            sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
+            __m512i pb = (__m512i)_mm512_cvtne2ps_pbh(p1, p0);  /* [p0 | p1] as bf16 */
+            pv[c] = _mm512_permutexvar_epi16(inter, pb);
+        }
+        (void)pt;
+        /* O^T += V^T P^T, 8 dims at a time (8 independent accumulators) */
+        const uint32_t *vb = vt + k0 / 2;
+        for (int d = 0; d < hd; d += 8) {
+            __m512 o[8];
+            for (int i = 0; i < 8; i++) o[i] = _mm512_load_ps(ot + 16 * (d + i));
+            for (int c = 0; c < DPA_KB / 2; c++)
+                for (int i = 0; i < 8; i++)
+                    o[i] = _mm512_dpbf16_ps(o[i], (__m512bh)pv[c], (__m512bh)_mm512_set1_epi32(
+                                                (int)vb[(long)(d + i) * npairs + c]));
+            for (int i = 0; i < 8; i++) _mm512_store_ps(ot + 16 * (d + i), o[i]);
+        }
+    }
+    __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.0f), sum);
+    for (int d = 0; d < hd; d++)
+        _mm512_store_ps(ot + 16 * d, _mm512_mul_ps(_mm512_load_ps(ot + 16 * d), inv));
+    const __m512i col = _mm512_mullo_epi32(lane, _mm512_set1_epi32(16));
+    for (int i = 0; i < nq; i++) {  /* query i's row: ot[d][i] for every d, 16 dims a time */
+        uint16_t *dst = out + (long)(q0 + i) * out_stride + (long)h * hd;
+        for (int d = 0; d < hd; d += 16) {
+            __m512 v = _mm512_i32gather_ps(col, ot + 16 * d + i, 4);
+            _mm256_storeu_si256((__m256i *)(dst + d), (__m256i)_mm512_cvtneps_pbh(v));
+        }
+    }
+}
+
+/* The same contract as cpu_amx.c's pw_prefill_attention_amx: q [n][.. n_heads x hd ..] (row
+ * stride q_stride), caches [blocks][bs][n_kv][hd], table: the request's blocks; out
+ * [n][n_heads][hd] (row stride out_stride). Returns 0, -1 without scratch memory, -2 for a
+ * head size it does not take (hd % 32 or hd > 256). */
+int pw_prefill_attention_dp(const uint16_t *q, long q_stride, const uint16_t *k_cache,
+                            const uint16_t *v_cache, const int64_t *table, int bs, long ctx,
+                            int n, uint16_t *out, long out_stride, int n_heads, int n_kv,
+                            int hd, float scale, int nthreads) {
+    if (hd % 32 || hd > DPA_MAX_HD || n_heads % n_kv) return -2;
+    if (n <= 0) return 0;
+    long L = ctx + n;
+    int KB = (int)((L + DPA_KB - 1) / DPA_KB);
+    long npairs = (long)KB * DPA_KB / 2;
+    size_t per_head = (size_t)hd * npairs;
+    uint32_t *vt = (uint32_t *)aligned_alloc(64, ((size_t)n_kv * per_head * 4 + 63) / 64 * 64);
+    if (!vt) return -1;
+    int group = n_heads / n_kv, QB = (n + DPA_QB - 1) / DPA_QB;
+#pragma omp parallel num_threads(nthreads)
+    {
+#pragma omp for schedule(static) collapse(2)
+        for (int g = 0; g < n_kv; g++)
+            for (int kb = 0; kb < KB; kb++)
+                dpa_pack_vt(v_cache, table, bs, n_kv, hd, g, L, kb, npairs,
+                            vt + (size_t)g * per_head);
+        /* the longest tasks (the last query blocks see the most keys) first */
+#pragma omp for schedule(dynamic)
+        for (int task = 0; task < n_heads * QB; task++) {
+            int qb = QB - 1 - task / n_heads, h = task % n_heads, g = h / group;
+            int q0 = qb * DPA_QB, nq = n - q0 < DPA_QB ? n - q0 : DPA_QB;
+            dpa_block(q, q_stride, k_cache, table, bs, n_kv, g, vt + (size_t)g * per_head,
+                      npairs, hd, h, ctx, q0, nq, scale, out, out_stride);
+        }
+    }
+    free(vt);
+    return 0;
+}
+
+/* ---------------------------------------------------------------------------------------
+ * SiLU-and-multiply of a prompt's gate/up projection on 16 lanes: cpu_kernels.c's
+ * pw_silu_mul_bf16 (exp8, the division, the two roundings; its scalar tail past the last 8)
+ * step for step, so the same bits
+ * (the fused decode layer computes it with the 8-lane version; the two paths must agree).
+ * Its 8 lanes took 38 ms of a 512-token prefill of the reference checkpoint on a 2-core
+ * AMD EPYC with AVX512_BF16. */
+static inline __m512 dp_exp16(__m512 x) {  /* exp8 of cpu_kernels.c, its steps and constants */
+    __mmask16 overflow = _mm512_cmp_ps_mask(x, _mm512_set1_ps(88.72f), _CMP_GT_OQ);
+    x = _mm512_min_ps(_mm512_set1_ps(88.3f), _mm512_max_ps(_mm512_set1_ps(-87.3f), x));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504089f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    __m512i e = _mm512_slli_epi32(
+        _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_mask_blend_ps(overflow, _mm512_mul_ps(p, _mm512_castsi512_ps(e)),
+                                _mm512_set1_ps(INFINITY));
+}
+
+/* f32_to_bf16 on 16 lanes (to nearest even; NaN made quiet), as the fp32 bit pattern. */
+static inline __m512i dp_bf16_bits16(__m512 f) {
+    __m512i u = _mm512_castps_si512(f);
+    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(
+        _mm512_set1_epi32(0x7fff), _mm512_and_si512(_mm512_srli_epi32(u, 16),
+                                                    _mm512_set1_epi32(1))));
+    __mmask16 nan = _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q);
+    r = _mm512_mask_or_epi32(r, nan, u, _mm512_set1_epi32(0x400000));
+    return _mm512_and_si512(r, _mm512_set1_epi32((int)0xffff0000u));
+}
+
+static inline __m512 dp_load_bf16x16(const uint16_t *p, __mmask16 m) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+}
+
+void pw_silu_mul_dp(const uint16_t *gate_up, uint16_t *out, int rows, int inter,
+                    int nthreads) {
+#pragma omp parallel for num_threads(rows > 1 ? nthreads : 1) schedule(static)
+    for (int r = 0; r < rows; r++) {
+        const uint16_t *g = gate_up + (long)r * 2 * inter, *u = g + inter;
+        int vec = inter / 8 * 8;  /* the 8-lane version's vectors; its tail is scalar */
+        for (int i = 0; i < vec; i += 16) {
+            __mmask16 m = vec - i >= 16 ? 0xffff : 0xff;
+            __m512 gv = dp_load_bf16x16(g + i, m), uv = dp_load_bf16x16(u + i, m);
+            __m512 e = dp_exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv));
+            __m512 silu = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+            __m512 a = _mm512_mul_ps(_mm512_castsi512_ps(dp_bf16_bits16(silu)), uv);
+            __m256i h = _mm512_cvtepi32_epi16(_mm512_srli_epi32(dp_bf16_bits16(a), 16));
+            _mm256_mask_storeu_epi16(out + (long)r * inter + i, m, h);
+        }
+        for (int i = vec; i < inter; i++) {  /* silu_mul_rounded of cpu_kernels.c */
+            float gv = dp_bf16_to_f32(g[i]), uv = dp_bf16_to_f32(u[i]);
+            float silu = dp_bf16_to_f32(dp_f32_to_bf16(gv / (1.0f + expf(-gv))));
+            out[(long)r * inter + i] = dp_f32_to_bf16(silu * uv);
+        }
+    }
 }
 
 #pragma GCC pop_options

@@ -181,6 +181,12 @@ def _signatures() -> dict[str, tuple[Any, list[Any]]]:
 
 DP_SIGNATURES = {
     "pw_linear_dp": (ctypes.c_int, [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4),
+    "pw_silu_mul_dp": (None, [ctypes.c_void_p] * 2 + [ctypes.c_int] * 3),
+    # as pw_prefill_attention_amx's (AMX_SIGNATURES)
+    "pw_prefill_attention_dp": (ctypes.c_int, [
+        ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+        ctypes.c_int, ctypes.c_long, ctypes.c_int, ctypes.c_void_p, ctypes.c_long,
+        ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_int]),
 }
 
 

@@ -198,8 +198,9 @@ class CpuKernelOps(TorchOps):
         inter = gate_up.shape[-1] // 2
         rows = gate_up.numel() // gate_up.shape[-1]
         out = torch.empty(*gate_up.shape[:-1], inter, dtype=gate_up.dtype)
-        self.lib.pw_silu_mul_bf16(gate_up.data_ptr(), out.data_ptr(), rows, inter,
-                                  torch.get_num_threads())
+        # 16 lanes where the CPU has AVX-512 (the same bits as the 8 of pw_silu_mul_bf16)
+        fn = self.lib.pw_silu_mul_dp if cpu_kernels.dp_available() else self.lib.pw_silu_mul_bf16
+        fn(gate_up.data_ptr(), out.data_ptr(), rows, inter, torch.get_num_threads())
         return out
 
     def rope_tables(self, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
@@ -238,22 +239,26 @@ class CpuKernelOps(TorchOps):
 
     def prefill_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           span: PrefillSpan, scale: float, out: torch.Tensor) -> bool:
-        """On AMX (``cpu_kernels.prefill_attention_amx``): flash attention on the tiles,
-        reading K/V from the paged cache; head sizes that are multiples of 32 up to 128."""
+        """On AMX (``pw_prefill_attention_amx``): flash attention on the tiles, reading K/V
+        from the paged cache, head sizes that are multiples of 32 up to 128; without AMX, on
+        AVX512_BF16 (``pw_prefill_attention_dp``), the same scheme on dot products, up to
+        256."""
         hd = q.shape[2]
-        if (not cpu_kernels.amx_available() or not self._ok(k_cache, v_cache)
+        amx = cpu_kernels.amx_available() and hd <= 128
+        if (not (amx or cpu_kernels.dp_available()) or not self._ok(k_cache, v_cache)
                 or q.dtype != torch.bfloat16 or q.stride(2) != 1 or q.stride(1) != hd
-                or hd % 32 or hd > 128 or not out.is_contiguous()):
+                or hd % 32 or hd > 256 or not out.is_contiguous()):
             return False
+        name = "pw_prefill_attention_amx" if amx else "pw_prefill_attention_dp"
         dst = out[span.start:span.end]
         table = span.block_table.contiguous()
-        rc = self.lib.pw_prefill_attention_amx(
+        rc = getattr(self.lib, name)(
             q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
             table.data_ptr(), k_cache.shape[1], span.context_len, q.shape[0], dst.data_ptr(),
             dst.stride(0), q.shape[1], k_cache.shape[2], hd, float(scale),
             torch.get_num_threads())
         if rc == -1:
-            raise MemoryError("pw_prefill_attention_amx could not allocate scratch memory")
+            raise MemoryError(f"{name} could not allocate scratch memory")
         return rc == 0
 
     def decode_layer(self, layer: nn.Module, delta: torch.Tensor | None, hidden: torch.Tensor,
