@@ -557,19 +557,20 @@ def test_decode_attention_matches_torch(ops, heads, hd, context, bs):
     q = q_full[:, :n_heads]  # strided, as in the model
     # The reference in fp32 from the same bf16 inputs (torch's bf16 path rounds scores and
     # probabilities to bf16 on the way; the AVX2 kernel keeps them in fp32 and rounds once;
-    # the AMX kernel, as torch, multiplies V by probabilities rounded to bf16, each off by
-    # at most 2^-9 of itself: measured up to 0.0026 on the outputs here, so 2^-8).
+    # the AMX kernel and the AVX512_BF16 one, as torch, multiply V by probabilities rounded
+    # to bf16, each off by at most 2^-9 of itself: measured up to 0.0026 on the outputs
+    # here, so 2^-8).
     ref = TorchOps().decode_attention(q.float(), k_cache.float(), v_cache.float(), meta,
                                       hd**-0.5)
     out = ops.decode_attention(q, k_cache, v_cache, meta, hd**-0.5)
     assert out.dtype == torch.bfloat16
-    amx = cpu_kernels.amx_available() and hd % 32 == 0
-    torch.testing.assert_close(out.float(), ref, rtol=2**-7, atol=2**-8 if amx else 1e-3)
+    bf16_probs = (cpu_kernels.amx_available() or cpu_kernels.dp_available()) and hd % 32 == 0
+    torch.testing.assert_close(out.float(), ref, rtol=2**-7, atol=2**-8 if bf16_probs else 1e-3)
 
 
 @needs_kernels
 @pytest.mark.parametrize("length", [8, 63, 64])  # whole vectors of 8 keys, or a scalar tail
-@pytest.mark.parametrize("hd", [16, 32])  # the AVX2 kernel; the AMX one where it runs
+@pytest.mark.parametrize("hd", [16, 32])  # the AVX2 kernel; AMX's or AVX512_BF16's where they run
 def test_decode_attention_keeps_a_nan(ops, length, hd):
     """A NaN in a key or a query makes its heads' output NaN, as in torch (the kernel's
     vectorised exp and running max must not drop it)."""

@@ -296,7 +296,6 @@ static void dpa_block(const uint16_t *q, long q_stride, const uint16_t *k_cache,
                       uint16_t *out, long out_stride) {
     __m512i qp[DPA_MAX_HD / 2];                           /* Q^T, pair p: dims 2p, 2p + 1 */
     float ot[DPA_MAX_HD * 16] __attribute__((aligned(64)));  /* O^T: [hd][16 queries] */
-    uint32_t pt[DPA_KB / 2 * 16] __attribute__((aligned(64)));  /* P^T: [key pair][16] */
     const int HP = hd / 2;
     const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
     __mmask16 qm = (__mmask16)((1u << nq) - 1u);
@@ -364,7 +363,6 @@ static void dpa_block(const uint16_t *q, long q_stride, const uint16_t *k_cache,
             __m512i pb = (__m512i)_mm512_cvtne2ps_pbh(p1, p0);  /* [p0 | p1] as bf16 */
             pv[c] = _mm512_permutexvar_epi16(inter, pb);
         }
-        (void)pt;
         /* O^T += V^T P^T, 8 dims at a time (8 independent accumulators) */
         const uint32_t *vb = vt + k0 / 2;
         for (int d = 0; d < hd; d += 8) {
@@ -491,6 +489,130 @@ void pw_silu_mul_dp(const uint16_t *gate_up, uint16_t *out, int rows, int inter,
             out[(long)r * inter + i] = dp_f32_to_bf16(silu * uv);
         }
     }
+}
+
+/* ---------------------------------------------------------------------------------------
+ * Decode attention on AVX512_BF16: one request's new token, the G <= 16 query heads that
+ * share KV head kvh (the lanes), against its len keys in the paged cache, 32 keys a step:
+ *   S^T [keys] = K Q^T: Q^T in pair order (gathered once), each key's pairs of values
+ *       broadcast from its cache row (the rows of the next step prefetched: a request's
+ *       blocks are scattered where the hardware prefetchers do not look);
+ *   the online softmax of the prefill kernel down the keys (lazy max, weights as bf16 pairs);
+ *   O^T [hd] += V^T P^T, two keys' rows interleaved into pairs (one permute per 16 values)
+ *       and broadcast against the weights, 8 dims at a time.
+ * q: [G][hd] bf16, unscaled (scale multiplies the scores); out: [G][hd] fp32 (the caller
+ * rounds). Returns 0, or -1 for a shape it does not take (hd % 32, hd > 256, G > 16), which
+ * the caller then computes itself. The same contract as cpu_amx.c's pw_attend_group_amx. */
+static inline long dpa_row_off(const int64_t *table, int bs, int n_kv, int hd, int kvh, long j) {
+    return ((table[j / bs] * bs + j % bs) * n_kv + kvh) * (long)hd;
+}
+
+int pw_attend_group_dp(const uint16_t *q, int G, float scale, const uint16_t *k_cache,
+                       const uint16_t *v_cache, const int64_t *table, int len, int bs,
+                       int n_kv, int kvh, int hd, float *out) {
+    if (hd % 32 || hd < 32 || hd > DPA_MAX_HD || G < 1 || G > 16) return -1;
+    __m512i qp[DPA_MAX_HD / 2];
+    float ot[DPA_MAX_HD * 16] __attribute__((aligned(64)));       /* O^T: [hd][16 heads] */
+    uint32_t vp[DPA_KB / 2 * DPA_MAX_HD] __attribute__((aligned(64)));  /* [pair][hd] */
+    const int HP = hd / 2;
+    const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    __mmask16 gm = (__mmask16)((1u << G) - 1u);
+    for (int p = 0; p < HP; p++)
+        qp[p] = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), gm,
+                                            _mm512_mullo_epi32(lane, _mm512_set1_epi32(hd)),
+                                            q + 2 * p, 2);
+    memset(ot, 0, sizeof(float) * 16 * hd);
+    __m512 mx = _mm512_set1_ps(-INFINITY), sum = _mm512_setzero_ps();
+    const __m512 sc = _mm512_set1_ps(scale);
+    const __m512i inter = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25,
+                                           9, 24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2,
+                                           17, 1, 16, 0);
+    /* two rows' 16-bit lanes interleaved, from the first (idx_lo) or second 16 of 32 */
+    const __m512i idx_lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10,
+                                            41, 9, 40, 8, 39, 7, 38, 6, 37, 5, 36, 4, 35, 3,
+                                            34, 2, 33, 1, 32, 0);
+    const __m512i idx_hi = _mm512_add_epi16(idx_lo, _mm512_set1_epi16(16));
+    long off[2][DPA_KB];
+    for (int j = 0; j < DPA_KB && j < len; j++)
+        off[0][j] = dpa_row_off(table, bs, n_kv, hd, kvh, j);
+    for (int t0 = 0, step = 0; t0 < len; t0 += DPA_KB, step ^= 1) {
+        int n = len - t0 < DPA_KB ? len - t0 : DPA_KB;
+        const long *o = off[step];
+        for (int j = 0; j < DPA_KB && t0 + DPA_KB + j < len; j++) {  /* the next step's rows */
+            long r = dpa_row_off(table, bs, n_kv, hd, kvh, t0 + DPA_KB + j);
+            off[step ^ 1][j] = r;
+            for (int c = 0; c < hd; c += 32) {
+                _mm_prefetch((const char *)(k_cache + r + c), _MM_HINT_T0);
+                _mm_prefetch((const char *)(v_cache + r + c), _MM_HINT_T0);
+            }
+        }
+        __m512 s[DPA_KB];
+        for (int j0 = 0; j0 < n; j0 += 16) {  /* S^T, 16 keys at a time */
+            const uint32_t *kr[16];
+            __m512 acc[16];
+            for (int j = 0; j < 16; j++) {
+                kr[j] = (const uint32_t *)(k_cache + o[j0 + j < n ? j0 + j : 0]);
+                acc[j] = _mm512_setzero_ps();
+            }
+            for (int p = 0; p < HP; p++)
+                for (int j = 0; j < 16; j++)
+                    acc[j] = _mm512_dpbf16_ps(acc[j], (__m512bh)qp[p],
+                                              (__m512bh)_mm512_set1_epi32((int)kr[j][p]));
+            for (int j = 0; j < 16; j++) s[j0 + j] = acc[j];
+        }
+        __m512 m_new = mx;
+        for (int j = 0; j < DPA_KB; j++) {
+            s[j] = j < n ? _mm512_mul_ps(s[j], sc) : _mm512_set1_ps(-INFINITY);
+            m_new = _mm512_max_ps(m_new, s[j]);  /* a NaN score passes through */
+        }
+        __mmask16 grew = _mm512_cmp_ps_mask(
+            m_new, _mm512_add_ps(mx, _mm512_set1_ps(DPA_RESCALE_MARGIN)), _CMP_GT_OQ);
+        if (grew) {
+            __m512 ref = _mm512_mask_mov_ps(mx, grew, m_new);
+            __m512 alpha = dpa_exp16(_mm512_sub_ps(mx, ref));  /* 0 where nothing was seen */
+            alpha = _mm512_mask_mov_ps(_mm512_set1_ps(1.0f), grew, alpha);
+            sum = _mm512_mul_ps(sum, alpha);
+            for (int d = 0; d < hd; d++)
+                _mm512_store_ps(ot + 16 * d, _mm512_mul_ps(_mm512_load_ps(ot + 16 * d), alpha));
+            mx = ref;
+        }
+        __m512i pv[DPA_KB / 2];
+        int pairs = (n + 1) / 2;
+        for (int c = 0; c < pairs; c++) {
+            __m512 p0 = dpa_exp16(_mm512_sub_ps(s[2 * c], mx));
+            __m512 p1 = 2 * c + 1 < n ? dpa_exp16(_mm512_sub_ps(s[2 * c + 1], mx))
+                                      : _mm512_setzero_ps();
+            sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
+            pv[c] = _mm512_permutexvar_epi16(inter, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+            /* V: keys 2c, 2c + 1 as pairs of their values, [pair][hd] (a key past n: 0) */
+            const uint16_t *a = v_cache + o[2 * c];
+            const uint16_t *b = 2 * c + 1 < n ? v_cache + o[2 * c + 1] : NULL;
+            for (int d = 0; d < hd; d += 32) {
+                __m512i va = _mm512_loadu_si512(a + d);
+                __m512i vb = b ? _mm512_loadu_si512(b + d) : _mm512_setzero_si512();
+                _mm512_store_si512(vp + (long)c * hd + d, _mm512_permutex2var_epi16(va, idx_lo, vb));
+                _mm512_store_si512(vp + (long)c * hd + d + 16,
+                                   _mm512_permutex2var_epi16(va, idx_hi, vb));
+            }
+        }
+        for (int d = 0; d < hd; d += 8) {  /* O^T += V^T P^T, 8 dims at a time */
+            __m512 acc[8];
+            for (int i = 0; i < 8; i++) acc[i] = _mm512_load_ps(ot + 16 * (d + i));
+            for (int c = 0; c < pairs; c++)
+                for (int i = 0; i < 8; i++)
+                    acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)pv[c], (__m512bh)_mm512_set1_epi32(
+                                                  (int)vp[(long)c * hd + d + i]));
+            for (int i = 0; i < 8; i++) _mm512_store_ps(ot + 16 * (d + i), acc[i]);
+        }
+    }
+    float den[16] __attribute__((aligned(64)));
+    _mm512_store_ps(den, sum);
+    for (int g = 0; g < G; g++) {
+        float inv = den[g] > 0.0f ? 1.0f / den[g] : 0.0f;
+        if (den[g] != den[g]) inv = den[g];  /* NaN: the head's output NaN */
+        for (int d = 0; d < hd; d++) out[(long)g * hd + d] = ot[16 * d + g] * inv;
+    }
+    return 0;
 }
 
 #pragma GCC pop_options

@@ -974,6 +974,13 @@ static long attention_task_floats(int group, int hd) {
 int pw_attend_group_amx(const uint16_t *q, int G, float scale, const uint16_t *k_cache,
                         const uint16_t *v_cache, const int64_t *table, int len, int bs,
                         int n_kv, int kvh, int hd, float *out) __attribute__((weak));
+/* cpu_avx512bf16.c's, the same contract (weak: absent when that file is not compiled in),
+ * taken once pw_enable_dp_attention has said the CPU has AVX512_BF16, where AMX's is not. */
+int pw_attend_group_dp(const uint16_t *q, int G, float scale, const uint16_t *k_cache,
+                       const uint16_t *v_cache, const int64_t *table, int len, int bs,
+                       int n_kv, int kvh, int hd, float *out) __attribute__((weak));
+static int use_dp_attention = 0;
+void pw_enable_dp_attention(int on) { use_dp_attention = on && pw_attend_group_dp != NULL; }
 
 /* Decode attention of request b, KV head kvh, and share `part` (of `parts`) of that head's
  * query group. q: rows of stride q_stride holding n_heads heads of hd (bf16);
@@ -989,12 +996,12 @@ static void attention_task(int b, int kvh, int part, int parts, int group, int n
     int g0 = group * part / parts, g1 = group * (part + 1) / parts, G = g1 - g0;
     float *qf = mine, *acc = qf + (long)group * hd, *work = acc + (long)group * hd;
     const uint16_t *qg = q + (long)b * q_stride + (long)(kvh * group + g0) * hd;
-    int done = use_avx512 && pw_attend_group_amx;
+    int amx = use_avx512 && pw_attend_group_amx, done = amx || use_dp_attention;
     for (int g = 0; done && g < G; g += 16)  /* sixteen heads at a time */
-        done = pw_attend_group_amx(qg + (long)g * hd, G - g < 16 ? G - g : 16, scale, k_cache,
-                                   v_cache, block_tables + (long)b * max_blocks,
-                                   (int)seq_lens[b], bs, n_kv, kvh, hd,
-                                   acc + (long)g * hd) == 0;
+        done = (amx ? pw_attend_group_amx : pw_attend_group_dp)(
+                   qg + (long)g * hd, G - g < 16 ? G - g : 16, scale, k_cache, v_cache,
+                   block_tables + (long)b * max_blocks, (int)seq_lens[b], bs, n_kv, kvh, hd,
+                   acc + (long)g * hd) == 0;
     for (int g = 0; !done && g < G; g++) {
         const uint16_t *qh = q + (long)b * q_stride + (long)(kvh * group + g0 + g) * hd;
         for (int i = 0; i < hd; i++) qf[(long)g * hd + i] = bf16_to_f32(qh[i]) * scale;

@@ -175,6 +175,7 @@ def _signatures() -> dict[str, tuple[Any, list[Any]]]:
         "pw_mask_logits": (None, [P, I, P, I]),
         "pw_argmax_f32": (None, [P, I, I, P, I]),
         "pw_enable_avx512": (None, [I]),
+        "pw_enable_dp_attention": (None, [I]),
         "pw_abi": (L, [ctypes.c_char_p]),
     }
 
@@ -333,6 +334,8 @@ class KernelLibrary:
             fn.restype = restype
             fn.argtypes = argtypes
         self.dp = True
+        if not self.amx:  # decode attention on AVX512_BF16 where AMX's does not run
+            lib.pw_enable_dp_attention(1)
 
     def _enable_amx(self, lib: ctypes.CDLL) -> None:
         missing = AMX_FLAGS - cpu_flags()
