@@ -920,3 +920,29 @@ def test_calibration_times_the_fused_layers_rows_over_the_whole_decode_stream(mo
         else:
             assert shapes == {(64, 32)}
     assert 1 in seen
+
+
+@needs_kernels
+def test_a_long_prompts_mlp_runs_in_chunks_of_rows(monkeypatch):
+    """Past MLP_CHUNK_ROWS rows (not on AMX) the MLP runs chunk by chunk into one output: the
+    values of the whole MLP (a last partial chunk, a [batch, tokens, hidden] input), with each
+    chunk seen by the projections at most MLP_CHUNK_ROWS rows at a time."""
+    from phasewise.model import ops as ops_module
+
+    monkeypatch.setattr(cpu_kernels, "amx_available", lambda: False)
+    g = torch.Generator().manual_seed(4)
+    gate_up, down = torch.nn.Linear(64, 192).bfloat16(), torch.nn.Linear(96, 64).bfloat16()
+    x = torch.randn(2, 550, 64, generator=g).bfloat16()
+    seen = []
+    ops = CpuKernelOps(LinearDispatch(kernel_max_rows=0, large="torch"))
+    real_linear = ops.linear
+    monkeypatch.setattr(ops, "linear", lambda a, w, b: seen.append(a.numel() // a.shape[-1])
+                        or real_linear(a, w, b))
+    with torch.no_grad():
+        y = ops.mlp(x, gate_up, down)
+        h = x.float() @ gate_up.weight.float().T + gate_up.bias.float()
+        ref = (torch.nn.functional.silu(h[..., :96]) * h[..., 96:]) @ down.weight.float().T
+        ref = ref + down.bias.float()
+    assert y.shape == (2, 550, 64) and y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.float(), ref, rtol=0.02, atol=0.02)
+    assert max(seen) == ops_module.MLP_CHUNK_ROWS and sum(seen) == 2 * 1100

@@ -115,6 +115,13 @@ class TorchOps:
         return None
 
 
+# A prompt's MLP runs in chunks of this many rows on the CPU paths other than AMX's (which
+# blocks its own): on a 2-core AMD EPYC with AVX512_BF16, 32 prompts of 128 tokens in one
+# step spent 452 ms of 4.6 s in the SiLU-and-multiply over [4096, 2 x 4864] (21 ms a layer
+# with a fresh output, 9.5 reused, 6.2 in chunks of 512 rows).
+MLP_CHUNK_ROWS = 512
+
+
 class CpuKernelOps(TorchOps):
     def __init__(self, linear: LinearDispatch, fused_decode: bool = True) -> None:
         # Without the compiled library only the linear dispatch (torch / fp32 upcast) applies.
@@ -177,7 +184,17 @@ class CpuKernelOps(TorchOps):
                 and wd.shape[1] % 32 == 0 and wd.shape[0] >= 16
                 and tuple(wg.shape) == (2 * wd.shape[1], wd.shape[0])):
             return cpu_kernels.mlp_amx(x, wg, gate_up.bias, wd, down.bias)
-        return super().mlp(x, gate_up, down)
+        if rows <= MLP_CHUNK_ROWS:
+            return super().mlp(x, gate_up, down)
+        # A long prompt's MLP in chunks of rows: its [rows, 2I] projection and [rows, I]
+        # activations are each allocated and first touched per layer (past glibc's mmap
+        # threshold, fresh pages every time) and leave the last-level cache between the
+        # passes; chunks of MLP_CHUNK_ROWS stay there and are reused from the heap.
+        x2 = x.reshape(rows, x.shape[-1])
+        out = torch.empty(rows, down.weight.shape[0], dtype=x.dtype)
+        for r0 in range(0, rows, MLP_CHUNK_ROWS):
+            out[r0:r0 + MLP_CHUNK_ROWS] = super().mlp(x2[r0:r0 + MLP_CHUNK_ROWS], gate_up, down)
+        return out.view(*x.shape[:-1], down.weight.shape[0])
 
     def add_rms_norm(self, delta: torch.Tensor | None, hidden: torch.Tensor,
                      weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
