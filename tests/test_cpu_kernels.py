@@ -607,7 +607,7 @@ PLANS = {"avx2": (8, "torch"), "amx": (0, "amx"),
     (32, None, "avx2"),  # too many rows for the streams: op by op
     (3, "int8", "amx"),  # AMX rows, int8 weights: fused, the int8 ones streamed
     (8, "int8", "amx"), (32, "int8", "amx"),  # more: fused, int8 panels widened on the tiles
-    *((r, None, "dp") for r in (1, 3, 6, 17, 32)),  # AVX512_BF16: up to 32 rows
+    *((r, None, "dp") for r in (1, 3, 6, 8, 17, 32)),  # AVX512_BF16: up to 32 rows
     (3, "int8", "dp"),  # fused, the int8 projections streamed
     (8, "int8", "dp")])  # int8 beyond the streams' rows: op by op
 def test_fused_decode_layer_matches_op_by_op(tmp_path, arch, rows, quantization, plan):

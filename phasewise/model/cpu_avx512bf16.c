@@ -36,8 +36,8 @@
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")
 
-#define DP_R 4          /* weight rows a tile */
-#define DP_MT 6         /* the most tokens a tile */
+#define DP_R 4          /* weight rows a tile (3 for 7-8 tokens) */
+#define DP_MT 8         /* the most tokens a tile (6 of 4 rows, 8 of 3) */
 #define DP_XBLOCK_BYTES (512L * 1024) /* a block of tokens' bf16 rows, kept in L2 */
 
 static inline float dp_bf16_to_f32(uint16_t h) {
@@ -64,6 +64,15 @@ static inline void dp_store4_bf16(uint16_t *y, __m128 f) {
     r = _mm_mask_or_epi32(r, nan, u, _mm_set1_epi32(0x400000));
     __m128i h = _mm_cvtepi32_epi16(_mm_srli_epi32(r, 16));
     _mm_storel_epi64((__m128i *)y, h);
+}
+
+/* dp_store4_bf16 of the first three values. */
+static inline void dp_store3_bf16(uint16_t *y, __m128 f) {
+    uint16_t t[4];
+    dp_store4_bf16(t, f);
+    y[0] = t[0];
+    y[1] = t[1];
+    y[2] = t[2];
 }
 
 /* The sums of four 16-lane vectors: {sum a, sum b, sum c, sum d}. */
@@ -117,18 +126,22 @@ static inline __attribute__((always_inline)) void dp_tile(
             for (int r = 0; r < R; r++) acc[m][r] = _mm512_dpbf16_ps(acc[m][r], xv, wv[r]);
         }
     }
-    if (R == 4) {
+    if (R >= 3) {
         __m128 b = _mm_setzero_ps();
+        __mmask8 nm = R == 4 ? 0xf : 0x7;
         if (out->y && out->bias) {
-            __m128i h = _mm_cvtepu16_epi32(_mm_loadl_epi64((const __m128i *)(out->bias + n0)));
+            __m128i h = _mm_cvtepu16_epi32(_mm_maskz_loadu_epi16(nm, out->bias + n0));
             b = _mm_castsi128_ps(_mm_slli_epi32(h, 16));
         }
         for (int m = 0; m < MT; m++) {
-            __m128 s = dp_hsum4(acc[m][0], acc[m][1], acc[m][2], acc[m][3]);
-            if (out->y)
+            __m128 s = dp_hsum4(acc[m][0], acc[m][1], acc[m][2],
+                                R == 4 ? acc[m][3] : _mm512_setzero_ps());
+            if (out->y && R == 4)
                 dp_store4_bf16(out->y + (long)m * out->ldr + n0, _mm_add_ps(s, b));
+            else if (out->y)
+                dp_store3_bf16(out->y + (long)m * out->ldr + n0, _mm_add_ps(s, b));
             else
-                _mm_storeu_ps(out->res + (long)m * out->ldr + n0, s);
+                _mm_mask_storeu_ps(out->res + (long)m * out->ldr + n0, nm, s);
         }
     } else {
         float b = out->y && out->bias ? dp_bf16_to_f32(out->bias[n0]) : 0.0f;
@@ -143,6 +156,11 @@ static inline __attribute__((always_inline)) void dp_tile(
 }
 
 #define DP_CASE(R, MT) case MT: dp_tile(R, MT, x, ldx, w, K, n0, pf, out); break;
+static void dp_tile3(int mt, const uint16_t *x, long ldx, const uint16_t *w, int K, int n0,
+                     const uint16_t *pf, const DpOut *out) {
+    switch (mt) { DP_CASE(3, 1) DP_CASE(3, 2) DP_CASE(3, 3) DP_CASE(3, 4) DP_CASE(3, 5)
+                  DP_CASE(3, 6) DP_CASE(3, 7) default: dp_tile(3, 8, x, ldx, w, K, n0, pf, out); }
+}
 static void dp_tile4(int mt, const uint16_t *x, long ldx, const uint16_t *w, int K, int n0,
                      const uint16_t *pf, const DpOut *out) {
     switch (mt) { DP_CASE(4, 1) DP_CASE(4, 2) DP_CASE(4, 3) DP_CASE(4, 4) DP_CASE(4, 5)
@@ -152,7 +170,7 @@ static void dp_tile1(int mt, const uint16_t *x, long ldx, const uint16_t *w, int
                      const DpOut *out) {
     const uint16_t *pf = NULL;
     switch (mt) { DP_CASE(1, 1) DP_CASE(1, 2) DP_CASE(1, 3) DP_CASE(1, 4) DP_CASE(1, 5)
-                  default: dp_tile(1, 6, x, ldx, w, K, n0, pf, out); }
+                  DP_CASE(1, 6) DP_CASE(1, 7) default: dp_tile(1, 8, x, ldx, w, K, n0, pf, out); }
 }
 #undef DP_CASE
 
@@ -165,24 +183,30 @@ static void dp_tile1(int mt, const uint16_t *x, long ldx, const uint16_t *w, int
 static void dp_share(const uint16_t *x, int M, const uint16_t *w, int K, int N,
                      const DpOut *out) {
     int t = omp_get_thread_num(), T = omp_get_num_threads();
-    int groups = N / 4;
+    /* 7 or 8 tokens: 3 weight rows x all of them, one pass over the weights (4 x 4 + 4 x
+     * 4 read each group twice); else 4 rows x up to 6 */
+    const int R = M == 7 || M == 8 ? 3 : 4, MTMAX = R == 3 ? 8 : 6;
+    int groups = N / R;
     int g_lo = (int)((long)groups * t / T), g_hi = (int)((long)groups * (t + 1) / T);
-    int tail = t == T - 1 ? N - 4 * groups : 0;
+    int tail = t == T - 1 ? N - R * groups : 0;
     long row_bytes = 2L * K;
     int block = (int)(DP_XBLOCK_BYTES / row_bytes);
-    if (block < DP_MT) block = DP_MT;
+    if (block < MTMAX) block = MTMAX;
     for (int m0 = 0; m0 < M; m0 += block) {
         int mb = M - m0 < block ? M - m0 : block;
-        int nsub = (mb + DP_MT - 1) / DP_MT;
+        int nsub = (mb + MTMAX - 1) / MTMAX;
         for (int g = g_lo; g < g_hi; g++) {
-            const uint16_t *wg = w + (long)g * 4 * K;
-            const uint16_t *pf = g + 1 < g_hi ? wg + 4L * K : NULL;
+            const uint16_t *wg = w + (long)g * R * K;
+            const uint16_t *pf = g + 1 < g_hi ? wg + (long)R * K : NULL;
             int ms = m0;
-            for (int s = 0; s < nsub; s++) {  /* sub-blocks of balanced sizes, at most 6 */
+            for (int s = 0; s < nsub; s++) {  /* sub-blocks of balanced sizes */
                 int mt = mb / nsub + (s < mb % nsub);
                 DpOut o = *out;
                 if (o.y) o.y += (long)ms * o.ldr; else o.res += (long)ms * o.ldr;
-                dp_tile4(mt, x + (long)ms * K, K, wg, K, 4 * g, s == 0 ? pf : NULL, &o);
+                if (R == 3)
+                    dp_tile3(mt, x + (long)ms * K, K, wg, K, R * g, s == 0 ? pf : NULL, &o);
+                else
+                    dp_tile4(mt, x + (long)ms * K, K, wg, K, R * g, s == 0 ? pf : NULL, &o);
                 ms += mt;
             }
         }
