@@ -639,4 +639,41 @@ int pw_attend_group_dp(const uint16_t *q, int G, float scale, const uint16_t *k_
     return 0;
 }
 
+/* The fused decode layer's SiLU pass on 16 lanes (its amx field 2): act[m][i] =
+ * bf16(bf16(silu(g)) * u), g = bf16(res[m][i] + bias[i]), u = bf16(res[m][I + i] + bias[I +
+ * i]), as fp32; the 8-lane loop of cpu_kernels.c step for step (its vectors of 8, its scalar
+ * tail past the last 8), so the same bits. Rows and 16-wide groups shared by the threads of
+ * the calling region (an orphaned omp for, with its barrier). */
+void pw_dp_glu_rows(const float *res, const uint16_t *bias, int M, int I, float *act) {
+    int vec = I / 8 * 8, groups = (I + 15) / 16;
+#pragma omp for collapse(2) schedule(static)
+    for (int m = 0; m < M; m++)
+        for (int q = 0; q < groups; q++) {
+            int i = 16 * q;
+            const float *gr = res + (long)m * 2 * I, *ur = gr + I;
+            float *ar = act + (long)m * I;
+            if (i < vec) {
+                __mmask16 k = vec - i >= 16 ? 0xffff : 0xff;
+                __m512 bg = bias ? dp_load_bf16x16(bias + i, k) : _mm512_setzero_ps();
+                __m512 bu = bias ? dp_load_bf16x16(bias + I + i, k) : _mm512_setzero_ps();
+                __m512 gv = _mm512_castsi512_ps(dp_bf16_bits16(
+                    _mm512_add_ps(_mm512_maskz_loadu_ps(k, gr + i), bg)));
+                __m512 uv = _mm512_castsi512_ps(dp_bf16_bits16(
+                    _mm512_add_ps(_mm512_maskz_loadu_ps(k, ur + i), bu)));
+                __m512 e = dp_exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv));
+                __m512 silu = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+                __m512 a = _mm512_mul_ps(_mm512_castsi512_ps(dp_bf16_bits16(silu)), uv);
+                _mm512_mask_storeu_ps(ar + i, k, _mm512_castsi512_ps(dp_bf16_bits16(a)));
+            }
+            for (int j = i > vec ? i : vec; j < i + 16 && j < I; j++) {  /* the scalar tail */
+                float bg = bias ? dp_bf16_to_f32(bias[j]) : 0.0f;
+                float bu = bias ? dp_bf16_to_f32(bias[I + j]) : 0.0f;
+                float gv = dp_bf16_to_f32(dp_f32_to_bf16(gr[j] + bg));
+                float uv = dp_bf16_to_f32(dp_f32_to_bf16(ur[j] + bu));
+                float sl = dp_bf16_to_f32(dp_f32_to_bf16(gv / (1.0f + expf(-gv))));
+                ar[j] = dp_bf16_to_f32(dp_f32_to_bf16(sl * uv));
+            }
+        }
+}
+
 #pragma GCC pop_options

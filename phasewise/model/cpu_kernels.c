@@ -1492,6 +1492,8 @@ void pw_amx_share_glu_int8(const uint32_t *xp, int M, const int8_t *w, const flo
 void pw_dp_pack_f32(const float *x, int M, int K, uint16_t *xb) __attribute__((weak));
 void pw_dp_share(const uint16_t *xb, int M, const uint16_t *w, int K, int N, float *res)
     __attribute__((weak));
+void pw_dp_glu_rows(const float *res, const uint16_t *bias, int M, int I, float *act)
+    __attribute__((weak));
 
 /* out = bf16(res + bias) for M rows of N, shared by the threads of the calling region (an
  * orphaned omp for, with its barrier), row by row (walking down the rows first, rows of
@@ -1645,7 +1647,9 @@ int pw_decode_layer_bf16(const DecodeLayer *L) {
         /* Row by row (rows of 2I floats lie tens of KiB apart, often a multiple of 4 KiB:
          * walking down the rows first thrashed L1's sets: 8 ms a step at 32 rows). Skipped
          * alike by every thread where the tiles' epilogue wrote act. */
-        if (!amx_glu) {
+        if (!amx_glu && L->amx == 2 && pw_dp_glu_rows) {  /* 16 lanes, the same bits */
+            pw_dp_glu_rows(res, L->b_gate_up, M, I, act);
+        } else if (!amx_glu) {
 #pragma omp for collapse(2) schedule(static)
             for (int m = 0; m < M; m++) {
                 for (int i = 0; i < I; i += 8) {  /* 8 at a time, the last group scalar if I % 8 */
