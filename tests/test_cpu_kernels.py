@@ -782,9 +782,10 @@ def test_int8_kernel_keeps_a_nan_in_its_row(m):
 
 
 def test_torch_gemm_sees_prompt_row_counts_in_buckets(monkeypatch):
-    """torch_linear pads prompt-sized inputs to a multiple of TORCH_ROW_BUCKET rows (oneDNN
-    keeps a primitive per row count: unbounded row counts grew a server's memory), and the
-    rows it returns are the unpadded product's."""
+    """torch_linear pads prompt-sized inputs to a multiple of TORCH_ROW_BUCKET rows and those
+    between TORCH_EXACT_ROWS and them to a multiple of TORCH_SMALL_BUCKET (oneDNN keeps a
+    primitive per row count: unbounded row counts grew a server's memory), and the rows it
+    returns are the unpadded product's."""
     from phasewise.model import linear
 
     seen = []
@@ -794,12 +795,19 @@ def test_torch_gemm_sees_prompt_row_counts_in_buckets(monkeypatch):
     g = torch.Generator().manual_seed(0)
     w, b = torch.randn(24, 40, generator=g).bfloat16(), torch.randn(24, generator=g).bfloat16()
     bucket = linear.TORCH_ROW_BUCKET
-    for rows in (linear.PROMPT_ROWS - 1, linear.PROMPT_ROWS + 1, 3 * bucket * 4, 517):
+    small = linear.TORCH_SMALL_BUCKET
+    for rows in (1, linear.TORCH_EXACT_ROWS, linear.TORCH_EXACT_ROWS + 1, 3 * small,
+                 linear.PROMPT_ROWS - 1, linear.PROMPT_ROWS + 1, 3 * bucket * 4, 517):
         x = torch.randn(rows, 40, generator=g).bfloat16()
         seen.clear()
         y = linear.torch_linear(x, w, b)
         assert y.shape == (rows, 24) and y.is_contiguous()
-        want = rows if rows < linear.PROMPT_ROWS else -(-rows // bucket) * bucket
+        if rows <= linear.TORCH_EXACT_ROWS:
+            want = rows
+        elif rows < linear.PROMPT_ROWS:
+            want = -(-rows // small) * small
+        else:
+            want = -(-rows // bucket) * bucket
         assert seen == [want]
         torch.testing.assert_close(y.float(), real(x.float(), w.float(), b.float()),
                                    rtol=2**-6, atol=2**-6)

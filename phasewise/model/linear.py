@@ -50,19 +50,36 @@ PROMPT_ROWS = 256  # a shape's own method (prompt_by_shape) applies from this ma
 
 
 TORCH_ROW_BUCKET = 32  # torch's GEMM sees prompt-sized row counts in multiples of this
+TORCH_SMALL_BUCKET = 16  # and counts from TORCH_EXACT_ROWS + 1 to PROMPT_ROWS in these
+TORCH_EXACT_ROWS = 32  # up to this many rows, torch's GEMM sees the rows as they are
+
+
+def torch_bucket(rows: int) -> int:
+    """The row count torch's GEMM sees for ``rows`` rows on a CPU: rows itself up to
+    TORCH_EXACT_ROWS, else rounded up to a multiple of TORCH_SMALL_BUCKET below PROMPT_ROWS
+    and of TORCH_ROW_BUCKET from there."""
+    if rows <= TORCH_EXACT_ROWS:
+        return rows
+    bucket = TORCH_ROW_BUCKET if rows >= PROMPT_ROWS else TORCH_SMALL_BUCKET
+    return -(-rows // bucket) * bucket
 
 
 def torch_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-    """torch's ``F.linear``; inputs of PROMPT_ROWS rows or more padded with zero rows to a
-    multiple of TORCH_ROW_BUCKET. On CPUs torch's bf16 GEMM is oneDNN's, which builds and
-    keeps one primitive per row count (up to 1024 of them), and a server's prompt chunks
-    come in every count from 256 to the step budget: a server's resident memory grew by
-    ~10 MB per 48 requests, for hundreds of requests, until the counts were bucketed."""
+    """torch's ``F.linear``; on CPUs, inputs of more than TORCH_EXACT_ROWS rows padded with
+    zero rows to the count ``torch_bucket`` gives. On CPUs torch's bf16 GEMM is oneDNN's,
+    which builds and keeps one primitive per row count (up to 1024 of them, ~1-2 MB each for
+    the reference checkpoint's shapes), and a server's steps come in every count up to the
+    step budget: a server's resident memory grew by ~10 MB per 48 requests, for hundreds of
+    requests, until prompt-sized counts were bucketed (AMX Xeon); where the AVX512_BF16
+    kernel takes decode batches, torch got the counts between it and the prompts' (33 to
+    255: on a 2-core AMD EPYC, 246 -> 799 MB of RSS over those counts for the gate/up and
+    down shapes; a served sweep peaked at x1.33 its weights + KV pool)."""
     k = x.shape[-1]
     rows = x.numel() // k
-    if rows < PROMPT_ROWS or rows % TORCH_ROW_BUCKET == 0 or x.device.type != "cpu":
+    want = torch_bucket(rows)
+    if want == rows or x.device.type != "cpu":
         return F.linear(x, w, b)
-    padded = x.new_empty(-(-rows // TORCH_ROW_BUCKET) * TORCH_ROW_BUCKET, k)
+    padded = x.new_empty(want, k)
     padded[:rows].copy_(x.reshape(rows, k))
     padded[rows:].zero_()
     return F.linear(padded, w, b)[:rows].reshape(*x.shape[:-1], w.shape[0])
