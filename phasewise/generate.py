@@ -123,14 +123,17 @@ def speculation_lines(steps: list[Any], decoded: int, err: TextIO) -> list[tuple
 def warm_up(llm: Any) -> None:
     """One greedy 2-token request, so that one-time costs (buffers, first kernel calls) stay
     out of the figures that follow; they are the steady state a server shows. Its prompt is
-    one token repeated, one row past the kernel's reach in the linear plan (65 rows when the
-    kernel takes every row count), so the prefill path a real prompt takes is warm too (and
-    no real prompt shares its prefix)."""
+    one token repeated, one row past the reach of the kernel and of the AVX512_BF16 tier in
+    the linear plan (65 rows when the kernel takes every row count), so the prefill path a
+    real prompt takes is warm too (and no real prompt shares its prefix)."""
     from phasewise import SamplingParams
     from phasewise.model.linear import ALL_ROWS
 
     eng = llm.engine
-    kernel_max = eng.linear_plan.kernel_max_rows if eng.linear_plan is not None else 0
+    plan = eng.linear_plan
+    kernel_max = plan.kernel_max_rows if plan is not None else 0
+    if plan is not None and plan.mid is not None:  # past the AVX512_BF16 tier too
+        kernel_max = max(kernel_max, plan.mid_max_rows)
     # Past the fused decode layer's few rows the kernel's tiles take over: 65 rows warm them.
     rows = 65 if kernel_max >= ALL_ROWS else kernel_max + 1
     rows = max(2, min(rows, eng.max_model_len - 2))

@@ -365,6 +365,21 @@ def test_every_dispatch_plan_computes_the_same_function(kernel_max, large):
         torch.testing.assert_close(d(x, w, b).float(), reference(x, w, b), rtol=2**-7, atol=5e-3)
 
 
+def test_the_dot_product_tier_keeps_the_rows_it_lost_at_off_it():
+    """A mid tier that starts past the streams' rows (it lost at the counts between) leaves
+    those to the large method; fp32 large methods take no mid tier."""
+    d = LinearDispatch(kernel_max_rows=1, large="torch", mid="dp", mid_min_rows=4,
+                       mid_max_rows=32)
+    assert [d.method(r) for r in (1, 2, 3, 4, 32, 33)] == [
+        "kernel", "torch", "torch", "dp", "dp", "torch"]
+    assert d.describe() == "kernel for <= 1 rows, torch for 2-3 rows, dp for 4-32 rows, torch above"
+    d0 = LinearDispatch(kernel_max_rows=0, large="torch", mid="dp", mid_max_rows=8)
+    assert d0.method(1) == "dp" and d0.describe() == "dp for 1-8 rows, torch above"
+    assert d0.compute_dtype(8) == "bf16"
+    with pytest.raises(ValueError, match="mid must be 'dp'"):
+        LinearDispatch(kernel_max_rows=0, large="gemm", mid="dp", mid_max_rows=8)
+
+
 def test_upcast_reuses_its_scratch():
     up = Upcast()
     w_big, w_small = torch.randn(16, 8).bfloat16(), torch.randn(4, 8).bfloat16()
@@ -391,12 +406,13 @@ def test_calibration_yields_a_valid_plan():
     # the AVX512_BF16 tier: only where that kernel runs, between the streams and `large`, and
     # only up to a count where it timed faster than the plan's method there
     if d.mid is not None:
-        assert dp and d.mid == "dp" and d.kernel_max_rows < d.mid_max_rows < 32
+        lo = max(d.mid_min_rows, d.kernel_max_rows + 1)
+        assert dp and d.mid == "dp" and d.kernel_max_rows < lo <= d.mid_max_rows < 32
         assert d.mid_max_rows in linear.MID_ROWS
         other = d.timings[d.large].get(d.mid_max_rows, d.timings["kernel"].get(d.mid_max_rows))
         assert d.timings["dp"][d.mid_max_rows] < other
         assert d.method(d.mid_max_rows) == "dp" and d.method(d.mid_max_rows + 1) == d.large
-        assert f"dp for {d.kernel_max_rows + 1}" in d.describe()
+        assert f"dp for {lo}" in d.describe()
     else:
         assert d.mid_max_rows == 0 and (d.large == "dp" or "dp" not in d.describe())
     with pytest.raises(ValueError, match="large must be one of torch, upcast, gemm"):
@@ -953,4 +969,6 @@ def test_a_long_prompts_mlp_runs_in_chunks_of_rows(monkeypatch):
         ref = ref + down.bias.float()
     assert y.shape == (2, 550, 64) and y.dtype == torch.bfloat16
     torch.testing.assert_close(y.float(), ref, rtol=0.02, atol=0.02)
-    assert max(seen) == ops_module.MLP_CHUNK_ROWS and sum(seen) == 2 * 1100
+    # three balanced chunks (367, 367, 366 rows), not 512 + 512 + 76
+    assert max(seen) <= ops_module.MLP_CHUNK_ROWS and sum(seen) == 2 * 1100
+    assert len(seen) == 2 * 3 and min(seen) == 366

@@ -157,10 +157,11 @@ class LinearDispatch:
     # times fastest for that projection there, where it is not ``large``; always one of the
     # same arithmetic as ``large`` (so compute_dtype holds for every shape).
     prompt_by_shape: dict[tuple[int, int], str] = field(default_factory=dict)
-    # The AVX512_BF16 kernel's tier: rows above kernel_max_rows up to mid_max_rows run
+    # The AVX512_BF16 kernel's tier: rows from mid_min_rows (0: kernel_max_rows + 1) up to
     # ``mid`` ("dp"), where calibration found it faster than both neighbours.
     mid: str | None = None
     mid_max_rows: int = 0
+    mid_min_rows: int = 0
 
     def __post_init__(self) -> None:
         if self.mid is not None and (self.mid != "dp" or _arithmetic(self.large) != "bf16"):
@@ -175,6 +176,7 @@ class LinearDispatch:
                                  f"does ({_arithmetic(self.large)}); got {m!r}")
         self._large = _large_fn(self.large)
         self._mid = _large_fn(self.mid) if self.mid else None
+        self._mid_lo = max(self.mid_min_rows, self.kernel_max_rows + 1)
         self._prompt = {nk: _large_fn(m) for nk, m in self.prompt_by_shape.items()}
 
     def __call__(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None
@@ -183,7 +185,7 @@ class LinearDispatch:
         rows = x.numel() // k
         if rows <= self.kernel_max_rows:
             return cpu_kernels.linear_bf16(x, w, b)
-        if self._mid is not None and rows <= self.mid_max_rows:
+        if self._mid is not None and self._mid_lo <= rows <= self.mid_max_rows:
             return self._mid(x, w, b)
         if rows >= PROMPT_ROWS and self._prompt:
             fn = self._prompt.get(tuple(w.shape))
@@ -196,7 +198,7 @@ class LinearDispatch:
         picks it."""
         if rows <= self.kernel_max_rows:
             return "kernel"
-        if self.mid is not None and rows <= self.mid_max_rows:
+        if self.mid is not None and self._mid_lo <= rows <= self.mid_max_rows:
             return self.mid
         if rows >= PROMPT_ROWS:
             return self.prompt_by_shape.get(shape, self.large)
@@ -206,7 +208,7 @@ class LinearDispatch:
         """The method ``rows`` activation rows run: ``kernel`` or one of LARGE_METHODS."""
         if rows <= self.kernel_max_rows:
             return "kernel"
-        if self.mid is not None and rows <= self.mid_max_rows:
+        if self.mid is not None and self._mid_lo <= rows <= self.mid_max_rows:
             return self.mid
         return self.large
 
@@ -220,14 +222,16 @@ class LinearDispatch:
         if self.kernel_max_rows >= ALL_ROWS:
             return "kernel for all row counts"
         mid = ""
-        if self.mid is not None and self.mid_max_rows > self.kernel_max_rows:
-            lo = self.kernel_max_rows + 1
+        if self.mid is not None and self.mid_max_rows >= self._mid_lo:
+            lo = self._mid_lo
             span = f"{lo}-{self.mid_max_rows}" if self.mid_max_rows > lo else f"{lo}"
             mid = f"{self.mid} for {span} rows, "
+        gap = (f"{self.large} for {self.kernel_max_rows + 1}-{self._mid_lo - 1} rows, "
+               if mid and self._mid_lo > self.kernel_max_rows + 1 else "")
         if self.kernel_max_rows:
-            text = f"kernel for <= {self.kernel_max_rows} rows, {mid}{self.large} above"
+            text = f"kernel for <= {self.kernel_max_rows} rows, {gap}{mid}{self.large} above"
         elif mid:
-            text = f"{mid}{self.large} above"
+            text = f"{gap}{mid}{self.large} above"
         else:
             text = f"{self.large} for all row counts"
         return text + "".join(f"; {m} for {k} -> {n} at >= {PROMPT_ROWS} rows"
@@ -323,25 +327,29 @@ class LinearDispatch:
             else:
                 kernel_max = ALL_ROWS
         mid, mid_max = None, 0
-        if "dp" in candidates and large != "dp" and kernel_max < ALL_ROWS:
-            kernel_max, mid_max = cls._calibrate_mid(seconds, timings, kernel_max, large,
-                                                     large_rows, stream)
+        mid_min = 0
+        if ("dp" in candidates and large != "dp" and _arithmetic(large) == "bf16"
+                and kernel_max < ALL_ROWS):
+            kernel_max, mid_min, mid_max = cls._calibrate_mid(seconds, timings, kernel_max,
+                                                              large, large_rows, stream)
             mid = "dp" if mid_max else None
         return cls(kernel_max_rows=kernel_max, large=large, timings=timings, mid=mid,
-                   mid_max_rows=mid_max)
+                   mid_max_rows=mid_max, mid_min_rows=mid_min)
 
     @staticmethod
     def _calibrate_mid(seconds: Callable[..., float], timings: dict[str, dict[int, float]],
                        kernel_max: int, large: str, large_rows: int,
-                       stream: list[torch.Tensor] | None) -> tuple[int, int]:
+                       stream: list[torch.Tensor] | None) -> tuple[int, int, int]:
         """The AVX512_BF16 kernel's tier: at each of MID_ROWS below ``large_rows``, it
         against the method the plan has there (the streams up to ``kernel_max``, else
         ``large``), over ``stream`` for the rows the fused decode layer takes (it runs its
-        projections as these calls do); the tier is the first run of counts where it wins.
-        Returns (the streams' new most rows, the tier's most rows: 0 if it never wins)."""
+        projections as these calls do); the tier is the first run of counts where it wins,
+        from the count after the last one timed before it (rows it lost at keep their method).
+        Returns (the streams' new most rows, the tier's fewest and most rows: 0, 0 if it never
+        wins)."""
         few = cpu_kernels.KERNELS.decode_layer_max_rows
         large_fn = _large_fn(large)
-        lo = hi = 0
+        lo = hi = before = 0
         for rows in MID_ROWS:
             if rows >= large_rows:
                 break
@@ -356,9 +364,10 @@ class LinearDispatch:
                 # end it at 2 rows on the 2-core AVX512_BF16 EPYC, x2.4 slower there)
             timings["dp"][rows], timings[name][rows] = t_dp, t_other
             if timings["dp"][rows] < timings[name][rows]:
-                lo, hi = lo or rows, rows
+                lo, hi = lo or before + 1, rows
             elif lo:
                 break
+            before = rows
         if not lo or hi < kernel_max:  # none, or inside the streams' rows: keep them
-            return kernel_max, 0
-        return min(kernel_max, lo - 1), hi
+            return kernel_max, 0, 0
+        return min(kernel_max, lo - 1), lo, hi

@@ -190,10 +190,13 @@ class CpuKernelOps(TorchOps):
         # activations are each allocated and first touched per layer (past glibc's mmap
         # threshold, fresh pages every time) and leave the last-level cache between the
         # passes; chunks of MLP_CHUNK_ROWS stay there and are reused from the heap.
+        # in chunks of equal size (513 rows: 257 + 256, not 512 + a row that would stream
+        # every MLP weight once more, on another method)
         x2 = x.reshape(rows, x.shape[-1])
         out = torch.empty(rows, down.weight.shape[0], dtype=x.dtype)
-        for r0 in range(0, rows, MLP_CHUNK_ROWS):
-            out[r0:r0 + MLP_CHUNK_ROWS] = super().mlp(x2[r0:r0 + MLP_CHUNK_ROWS], gate_up, down)
+        chunk = -(-rows // -(-rows // MLP_CHUNK_ROWS))
+        for r0 in range(0, rows, chunk):
+            out[r0:r0 + chunk] = super().mlp(x2[r0:r0 + chunk], gate_up, down)
         return out.view(*x.shape[:-1], down.weight.shape[0])
 
     def add_rms_norm(self, delta: torch.Tensor | None, hidden: torch.Tensor,
