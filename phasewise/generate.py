@@ -47,6 +47,9 @@ def run(model: str, engine_kwargs: dict[str, Any], opts: GenerateOptions,
 
         k = cpu_kernels.KERNELS
         amx = "AMX tiles" if k.amx else f"no AMX ({k.amx_reason})"
+        if not k.amx:  # the dot-product kernels stand in for the tiles where they can run
+            amx += ("; AVX512_BF16 dot products" if k.dp
+                    else f"; no AVX512_BF16 kernels ({k.dp_reason})")
         print(f"[kernels]  {eng.linear_plan.describe()}; {amx}; weight streams prefetch "
               f"{k.stream_prefetch} bytes ahead ({k.stream_prefetch_reason})", file=err)
     overrides: dict[str, Any] = {"max_tokens": opts.max_tokens}
