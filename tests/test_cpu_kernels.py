@@ -398,8 +398,8 @@ def test_calibration_yields_a_valid_plan():
     # up to a timed row count (with AMX, each the fused decode layer streams), or every row
     # count if it never lost
     few = range(1, cpu_kernels.KERNELS.decode_layer_max_rows + 1) if d.large == "amx" else ()
-    # (a dot-product tier ends the streams' rows at the last count timed before it)
-    tier = linear.MID_ROWS if d.mid is not None else ()
+    # (where the dot-product kernel runs, the streams' rows end at a count its tier timed)
+    tier = linear.MID_ROWS if dp else ()
     assert d.kernel_max_rows in (0, 1, *few, 4, 8, *tier, ALL_ROWS)
     assert all(r in d.timings["kernel"] for r in range(1, min(d.kernel_max_rows, 8) + 1)
                if r in (1, *few, 4, 8))

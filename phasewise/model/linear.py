@@ -45,6 +45,12 @@ LARGE_METHODS = ("torch", "upcast", "gemm", "amx", "dp")
 ALL_ROWS = 2**31 - 1  # kernel_max_rows meaning "the kernel at every row count"
 SMALL_ROWS = 64  # calibration: below this many rows a timing streams every weight given
 MID_ROWS = (1, 2, 3, 4, 5, 6, 8, 16, 32, 64, 128)  # calibration: the dp tier's timed counts
+# Against the streams (the fused decode layer's few rows), the dp tier must win by this much:
+# one call each understates the fused layer's difference (2-core AVX512_BF16 EPYC, every
+# projection of the reference checkpoint: the streams x1.10, x1.13, x1.04 faster at 1-3 rows,
+# a batch-1 step 16.1 against 18.2 ms, batch 2 17.0 against 19.5; dp from 4 rows: 21.5
+# against 28.7 ms)
+DP_STREAM_MARGIN = 1.05
 AMX_MARGIN = 1.05  # calibration: how much faster than AMX the kernel must be to keep a row count
 PROMPT_ROWS = 256  # a shape's own method (prompt_by_shape) applies from this many rows
 
@@ -117,6 +123,12 @@ def _arithmetic(method: str) -> str:
     tiles and the AVX512_BF16 dot products; fp32 for the kernel, the upcast and the packed
     GEMM."""
     return "bf16" if method in ("torch", "amx", "dp") else "fp32"
+
+
+def _dp_wins(t: dict[str, float], others: list[str]) -> bool:
+    """Whether the dot-product kernel's time in ``t`` beats each of ``others``' (the streams'
+    by DP_STREAM_MARGIN)."""
+    return all(t["dp"] * (DP_STREAM_MARGIN if m == "kernel" else 1.0) < t[m] for m in others)
 
 
 def _available_methods(weight: torch.Tensor) -> list[str]:
@@ -341,32 +353,39 @@ class LinearDispatch:
                        kernel_max: int, large: str, large_rows: int,
                        stream: list[torch.Tensor] | None) -> tuple[int, int, int]:
         """The AVX512_BF16 kernel's tier: at each of MID_ROWS below ``large_rows``, it
-        against the method the plan has there (the streams up to ``kernel_max``, else
-        ``large``), over ``stream`` for the rows the fused decode layer takes (it runs its
-        projections as these calls do); the tier is the first run of counts where it wins,
-        from the count after the last one timed before it (rows it lost at keep their method).
-        Returns (the streams' new most rows, the tier's fewest and most rows: 0, 0 if it never
-        wins)."""
+        against the methods the plan may have there (the streams up to ``kernel_max`` or the
+        fused decode layer's rows, ``large`` above ``kernel_max``), over ``stream`` for the
+        rows the fused layer takes (it runs its projections as these calls do); against the
+        streams it must win by DP_STREAM_MARGIN. The streams keep the counts they win from
+        ``kernel_max`` on; the tier is the first run of counts where it wins, from the count
+        after the last one timed before it (rows it lost at keep their method). Returns (the
+        streams' new most rows, the tier's fewest and most rows: 0, 0 if it never wins)."""
         few = cpu_kernels.KERNELS.decode_layer_max_rows
-        large_fn = _large_fn(large)
+        fns = {"kernel": cpu_kernels.linear_bf16, large: _large_fn(large),
+               "dp": cpu_kernels.linear_dp}
         lo = hi = before = 0
         for rows in MID_ROWS:
             if rows >= large_rows:
                 break
             ws = stream if stream and rows <= few else None
-            name, fn = (("kernel", cpu_kernels.linear_bf16) if rows <= kernel_max
-                        else (large, large_fn))
-            t_dp = seconds(cpu_kernels.linear_dp, rows, ws)
-            t_other = seconds(fn, rows, ws)
-            if t_dp >= t_other:  # a loss ends the tier: time both again, keeping each best
-                t_other = min(t_other, seconds(fn, rows, ws))  # (one timing each had let a
-                t_dp = min(t_dp, seconds(cpu_kernels.linear_dp, rows, ws))  # moment's drift
-                # end it at 2 rows on the 2-core AVX512_BF16 EPYC, x2.4 slower there)
-            timings["dp"][rows], timings[name][rows] = t_dp, t_other
-            if timings["dp"][rows] < timings[name][rows]:
+            others = ([*(("kernel",) if rows <= max(kernel_max, few) else ()),
+                       *((large,) if rows > kernel_max else ())])
+            t = {m: seconds(fns[m], rows, ws) for m in ("dp", *others)}
+            if not _dp_wins(t, others):  # a loss ends the tier: time them again, keeping
+                # each best (one timing each had let a moment's drift end it at 2 rows on the
+                # 2-core AVX512_BF16 EPYC, x2.4 slower there)
+                t = {m: min(v, seconds(fns[m], rows, ws)) for m, v in t.items()}
+            for m, v in t.items():
+                timings[m][rows] = v
+            if _dp_wins(t, others):
                 lo, hi = lo or before + 1, rows
             elif lo:
                 break
+            elif (rows == kernel_max + 1 and "kernel" in others and large != "amx"
+                  and t["kernel"] <= min(t[m] for m in others)):
+                # the streams win the next count too (against AMX, the calibration has
+                # settled the fused layer's rows with its own margin)
+                kernel_max = rows
             before = rows
         if not lo or hi < kernel_max:  # none, or inside the streams' rows: keep them
             return kernel_max, 0, 0
