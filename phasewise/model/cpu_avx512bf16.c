@@ -614,7 +614,8 @@ int pw_attend_group_dp(const uint16_t *q, int G, float scale, const uint16_t *k_
             for (int d = 0; d < hd; d += 32) {
                 __m512i va = _mm512_loadu_si512(a + d);
                 __m512i vb = b ? _mm512_loadu_si512(b + d) : _mm512_setzero_si512();
-                _mm512_store_si512(vp + (long)c * hd + d, _mm512_permutex2var_epi16(va, idx_lo, vb));
+                _mm512_store_si512(vp + (long)c * hd + d,
+                                   _mm512_permutex2var_epi16(va, idx_lo, vb));
                 _mm512_store_si512(vp + (long)c * hd + d + 16,
                                    _mm512_permutex2var_epi16(va, idx_hi, vb));
             }

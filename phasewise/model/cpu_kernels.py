@@ -8,9 +8,9 @@ takes a few seconds, once. On a machine without a compiler or without AVX2/FMA, 
 returns None and callers fall back to torch. The AMX kernels run only where the CPU has
 AMX-BF16 and AVX512_BF16 and Linux grants the process its tile state (``amx_available()``);
 a compiler too old for AMX builds the others without them. The AVX512_BF16 kernels run
-where the CPU has AVX512_BF16 with AVX-512 F/BW/VL/DQ (``dp_available()``). The state (the library, whether
-loading was tried, why it failed, the limits the C side reports) lives in one
-``KernelLibrary``, the module's ``KERNELS``.
+where the CPU has AVX512_BF16 with AVX-512 F/BW/VL/DQ (``dp_available()``). The state (the
+library, whether loading was tried, why it failed, the limits the C side reports) lives in
+one ``KernelLibrary``, the module's ``KERNELS``.
 
 Numbers both sides need (the fused decode layer's row limit and head size, the layout of its
 argument struct) are defined in the C file only; ``pw_abi`` reports them and loading checks the

@@ -23,8 +23,9 @@ projection, so that a few rows stream from memory as in a decode step) at engine
 to three seconds on the reference checkpoint) and keeps a plan: the kernel up to a row
 count (or at every count, when it wins at the largest one timed), the fastest of the others
 above it; where the AVX512_BF16 kernel is at hand and is not that fastest, it takes the row
-counts where it beats both (a ``mid`` tier between them). Every method accumulates in fp32, so they differ only in rounding order. Where
-``amx`` is a candidate its products are bf16 x bf16 (exact in fp32), like torch's bf16 path.
+counts where it beats both (a ``mid`` tier between them). Every method accumulates in fp32,
+so they differ only in rounding order. Where ``amx`` or ``dp`` is a candidate its products
+are bf16 x bf16 (exact in fp32), like torch's bf16 path.
 Each other projection shape (qkv, o, down) may get its own method for prompt chunks
 (``prompt_by_shape``, ``calibrate_prompt_shape``), of the same arithmetic.
 """
