@@ -36,6 +36,8 @@
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")
 
+#include "cpu_avx512.h"  /* exp16, exp16_fast, lazy_rescale, softmax_step: shared with cpu_amx.c */
+
 #define DP_R 4          /* weight rows a tile (3 for 7-8 tokens) */
 #define DP_MT 8         /* the most tokens a tile (6 of 4 rows, 8 of 3) */
 #define DP_XBLOCK_BYTES (512L * 1024) /* a block of tokens' bf16 rows, kept in L2 */
@@ -276,27 +278,23 @@ void pw_dp_share(const uint16_t *xb, int M, const uint16_t *w, int K, int N, flo
 #define DPA_QB 16   /* queries a task: the lanes */
 #define DPA_KB 32   /* keys a step */
 #define DPA_MAX_HD 256
-#define DPA_RESCALE_MARGIN 8.0f
 
 static inline const uint16_t *dpa_kv_row(const uint16_t *cache, const int64_t *table, int bs,
                                          int n_kv, int hd, int g, long j) {
     return cache + ((table[j / bs] * bs + j % bs) * n_kv + g) * (long)hd;
 }
 
-/* e^x, as cpu_amx.c's exp16_fast: 2^(x log2 e) as 2^n 2^f, a degree-5 polynomial for 2^f,
- * x below -87 as -87 (a denormal result costs a microcode assist); NaN stays NaN. */
-static inline __m512 dpa_exp16(__m512 x) {
-    x = _mm512_max_ps(_mm512_set1_ps(-87.0f), x);
-    __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504089f));
-    __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 f = _mm512_sub_ps(t, n);
-    __m512 p = _mm512_set1_ps(1.3333558e-3f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
+/* S^T for 16 keys (lanes: the queries or heads of qp, Q^T in pair order, HP pairs) from the
+ * keys' rows kr (HP bf16 pairs each) into s[0..15]. */
+static inline void dpa_scores16(const uint32_t *const kr[16], const __m512i *qp, int HP,
+                                __m512 *s) {
+    __m512 acc[16];
+    for (int j = 0; j < 16; j++) acc[j] = _mm512_setzero_ps();
+    for (int p = 0; p < HP; p++)
+        for (int j = 0; j < 16; j++)
+            acc[j] = _mm512_dpbf16_ps(acc[j], (__m512bh)qp[p],
+                                      (__m512bh)_mm512_set1_epi32((int)kr[j][p]));
+    for (int j = 0; j < 16; j++) s[j] = acc[j];
 }
 
 /* V^T of KV head g for keys [32 kb, 32 kb + 32): vt[d][pair] = V[2 pair][d] | V[2 pair + 1][d]
@@ -335,58 +333,24 @@ static void dpa_block(const uint16_t *q, long q_stride, const uint16_t *k_cache,
         _mm512_set1_epi32((int)(ctx + q0 + nq - 1))));
     __m512 mx = _mm512_set1_ps(-INFINITY), sum = _mm512_setzero_ps();
     const __m512 sc = _mm512_set1_ps(scale);
-    /* 16-bit lanes of two vectors' bf16 interleaved: (p_2c[i], p_2c+1[i]) per lane i */
-    const __m512i inter = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25,
-                                           9, 24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2,
-                                           17, 1, 16, 0);
+    float st[DPA_KB * 16] __attribute__((aligned(64)));        /* S^T: [key][16 queries] */
+    uint32_t pt[DPA_KB / 2 * 16] __attribute__((aligned(64)));  /* P^T: [key pair][16] */
     long end = ctx + q0 + nq;  /* keys the last query sees */
     for (long k0 = 0; k0 < end; k0 += DPA_KB) {
         int kn = end - k0 < DPA_KB ? (int)(end - k0) : DPA_KB;
-        __m512 s[DPA_KB];
         for (int j0 = 0; j0 < DPA_KB; j0 += 16) {  /* S^T, 16 keys at a time */
             const uint32_t *kr[16];
-            __m512 acc[16];
-            for (int j = 0; j < 16; j++) {
-                long key = k0 + j0 + j;
+            __m512 s[16];
+            for (int j = 0; j < 16; j++)  /* keys past the last one read key k0's row */
                 kr[j] = (const uint32_t *)dpa_kv_row(k_cache, table, bs, n_kv, hd, g,
-                                                     j0 + j < kn ? key : k0);
-                acc[j] = _mm512_setzero_ps();
-            }
-            for (int p = 0; p < HP; p++)
-                for (int j = 0; j < 16; j++)
-                    acc[j] = _mm512_dpbf16_ps(acc[j], (__m512bh)qp[p],
-                                              (__m512bh)_mm512_set1_epi32((int)kr[j][p]));
-            for (int j = 0; j < 16; j++) s[j0 + j] = acc[j];
+                                                     j0 + j < kn ? k0 + j0 + j : k0);
+            dpa_scores16(kr, qp, HP, s);
+            for (int j = 0; j < 16; j++) _mm512_store_ps(st + 16 * (j0 + j), s[j]);
         }
-        __mmask16 seen[DPA_KB];
-        __m512 m_new = mx;
-        for (int j = 0; j < DPA_KB; j++) {  /* key k0 + j: seen by the queries at or after it */
-            seen[j] = j < kn ? _mm512_cmp_ps_mask(_mm512_set1_ps((float)(k0 + j)), qpos,
-                                                  _CMP_LE_OQ)
-                             : 0;
-            s[j] = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), seen[j], s[j], sc);
-            m_new = _mm512_max_ps(m_new, s[j]);
-        }
-        __mmask16 grew = _mm512_cmp_ps_mask(
-            m_new, _mm512_add_ps(mx, _mm512_set1_ps(DPA_RESCALE_MARGIN)), _CMP_GT_OQ);
-        if (grew) {
-            __m512 ref = _mm512_mask_mov_ps(mx, grew, m_new);
-            __m512 alpha = dpa_exp16(_mm512_sub_ps(mx, ref));  /* 0 where nothing was seen */
-            alpha = _mm512_mask_mov_ps(_mm512_set1_ps(1.0f), grew, alpha);
-            sum = _mm512_mul_ps(sum, alpha);
-            for (int d = 0; d < hd; d++)
-                _mm512_store_ps(ot + 16 * d, _mm512_mul_ps(_mm512_load_ps(ot + 16 * d), alpha));
-            mx = ref;
-        }
+        /* cpu_amx.c's step: keys past a query's position (those past kn among them) unseen */
+        softmax_step(st, k0, qpos, sc, &mx, &sum, ot, hd, pt);
         __m512i pv[DPA_KB / 2];
-        for (int c = 0; c < DPA_KB / 2; c++) {
-            __m512 p0 = _mm512_maskz_mov_ps(seen[2 * c], dpa_exp16(_mm512_sub_ps(s[2 * c], mx)));
-            __m512 p1 = _mm512_maskz_mov_ps(seen[2 * c + 1],
-                                            dpa_exp16(_mm512_sub_ps(s[2 * c + 1], mx)));
-            sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
-            __m512i pb = (__m512i)_mm512_cvtne2ps_pbh(p1, p0);  /* [p0 | p1] as bf16 */
-            pv[c] = _mm512_permutexvar_epi16(inter, pb);
-        }
+        for (int c = 0; c < DPA_KB / 2; c++) pv[c] = _mm512_load_si512(pt + 16 * c);
         /* O^T += V^T P^T, 8 dims at a time (8 independent accumulators) */
         const uint32_t *vb = vt + k0 / 2;
         for (int d = 0; d < hd; d += 8) {
@@ -451,31 +415,10 @@ int pw_prefill_attention_dp(const uint16_t *q, long q_stride, const uint16_t *k_
 
 /* ---------------------------------------------------------------------------------------
  * SiLU-and-multiply of a prompt's gate/up projection on 16 lanes: cpu_kernels.c's
- * pw_silu_mul_bf16 (exp8, the division, the two roundings; its scalar tail past the last 8)
- * step for step, so the same bits
- * (the fused decode layer computes it with the 8-lane version; the two paths must agree).
- * Its 8 lanes took 38 ms of a 512-token prefill of the reference checkpoint on a 2-core
- * AMD EPYC with AVX512_BF16. */
-static inline __m512 dp_exp16(__m512 x) {  /* exp8 of cpu_kernels.c, its steps and constants */
-    __mmask16 overflow = _mm512_cmp_ps_mask(x, _mm512_set1_ps(88.72f), _CMP_GT_OQ);
-    x = _mm512_min_ps(_mm512_set1_ps(88.3f), _mm512_max_ps(_mm512_set1_ps(-87.3f), x));
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504089f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    __m512i e = _mm512_slli_epi32(
-        _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-    return _mm512_mask_blend_ps(overflow, _mm512_mul_ps(p, _mm512_castsi512_ps(e)),
-                                _mm512_set1_ps(INFINITY));
-}
-
+ * pw_silu_mul_bf16 (exp8, here cpu_avx512.h's exp16; the division, the two roundings; its
+ * scalar tail past the last 8) step for step, so the same bits (the fused decode layer
+ * computes it with the 8-lane version; the two paths must agree). Its 8 lanes took 38 ms of
+ * a 512-token prefill of the reference checkpoint on a 2-core AMD EPYC with AVX512_BF16. */
 /* f32_to_bf16 on 16 lanes (to nearest even; NaN made quiet), as the fp32 bit pattern. */
 static inline __m512i dp_bf16_bits16(__m512 f) {
     __m512i u = _mm512_castps_si512(f);
@@ -501,7 +444,7 @@ void pw_silu_mul_dp(const uint16_t *gate_up, uint16_t *out, int rows, int inter,
         for (int i = 0; i < vec; i += 16) {
             __mmask16 m = vec - i >= 16 ? 0xffff : 0xff;
             __m512 gv = dp_load_bf16x16(g + i, m), uv = dp_load_bf16x16(u + i, m);
-            __m512 e = dp_exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv));
+            __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv));
             __m512 silu = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
             __m512 a = _mm512_mul_ps(_mm512_castsi512_ps(dp_bf16_bits16(silu)), uv);
             __m256i h = _mm512_cvtepi32_epi16(_mm512_srli_epi32(dp_bf16_bits16(a), 16));
@@ -573,38 +516,21 @@ int pw_attend_group_dp(const uint16_t *q, int G, float scale, const uint16_t *k_
         __m512 s[DPA_KB];
         for (int j0 = 0; j0 < n; j0 += 16) {  /* S^T, 16 keys at a time */
             const uint32_t *kr[16];
-            __m512 acc[16];
-            for (int j = 0; j < 16; j++) {
+            for (int j = 0; j < 16; j++)  /* keys past n read the first key's row */
                 kr[j] = (const uint32_t *)(k_cache + o[j0 + j < n ? j0 + j : 0]);
-                acc[j] = _mm512_setzero_ps();
-            }
-            for (int p = 0; p < HP; p++)
-                for (int j = 0; j < 16; j++)
-                    acc[j] = _mm512_dpbf16_ps(acc[j], (__m512bh)qp[p],
-                                              (__m512bh)_mm512_set1_epi32((int)kr[j][p]));
-            for (int j = 0; j < 16; j++) s[j0 + j] = acc[j];
+            dpa_scores16(kr, qp, HP, s + j0);
         }
         __m512 m_new = mx;
         for (int j = 0; j < DPA_KB; j++) {
             s[j] = j < n ? _mm512_mul_ps(s[j], sc) : _mm512_set1_ps(-INFINITY);
             m_new = _mm512_max_ps(m_new, s[j]);  /* a NaN score passes through */
         }
-        __mmask16 grew = _mm512_cmp_ps_mask(
-            m_new, _mm512_add_ps(mx, _mm512_set1_ps(DPA_RESCALE_MARGIN)), _CMP_GT_OQ);
-        if (grew) {
-            __m512 ref = _mm512_mask_mov_ps(mx, grew, m_new);
-            __m512 alpha = dpa_exp16(_mm512_sub_ps(mx, ref));  /* 0 where nothing was seen */
-            alpha = _mm512_mask_mov_ps(_mm512_set1_ps(1.0f), grew, alpha);
-            sum = _mm512_mul_ps(sum, alpha);
-            for (int d = 0; d < hd; d++)
-                _mm512_store_ps(ot + 16 * d, _mm512_mul_ps(_mm512_load_ps(ot + 16 * d), alpha));
-            mx = ref;
-        }
+        lazy_rescale(m_new, &mx, &sum, ot, hd);
         __m512i pv[DPA_KB / 2];
         int pairs = (n + 1) / 2;
         for (int c = 0; c < pairs; c++) {
-            __m512 p0 = dpa_exp16(_mm512_sub_ps(s[2 * c], mx));
-            __m512 p1 = 2 * c + 1 < n ? dpa_exp16(_mm512_sub_ps(s[2 * c + 1], mx))
+            __m512 p0 = exp16_fast(_mm512_sub_ps(s[2 * c], mx));
+            __m512 p1 = 2 * c + 1 < n ? exp16_fast(_mm512_sub_ps(s[2 * c + 1], mx))
                                       : _mm512_setzero_ps();
             sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
             pv[c] = _mm512_permutexvar_epi16(inter, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
@@ -661,7 +587,7 @@ void pw_dp_glu_rows(const float *res, const uint16_t *bias, int M, int I, float 
                     _mm512_add_ps(_mm512_maskz_loadu_ps(k, gr + i), bg)));
                 __m512 uv = _mm512_castsi512_ps(dp_bf16_bits16(
                     _mm512_add_ps(_mm512_maskz_loadu_ps(k, ur + i), bu)));
-                __m512 e = dp_exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv));
+                __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv));
                 __m512 silu = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
                 __m512 a = _mm512_mul_ps(_mm512_castsi512_ps(dp_bf16_bits16(silu)), uv);
                 _mm512_mask_storeu_ps(ar + i, k, _mm512_castsi512_ps(dp_bf16_bits16(a)));

@@ -41,6 +41,8 @@ SOURCE = Path(__file__).with_name("cpu_kernels.c")
 AMX_SOURCE = Path(__file__).with_name("cpu_amx.c")
 DP_SOURCE = Path(__file__).with_name("cpu_avx512bf16.c")
 DP_FLAGS = {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"}
+# What cpu_amx.c and cpu_avx512bf16.c both include (part of the build's cache key)
+HEADERS = [Path(__file__).with_name("cpu_avx512.h")]
 AMX_FLAGS = {"amx_tile", "amx_bf16", "avx512f", "avx512bw", "avx512vl", "avx512dq",
              "avx512_bf16"}
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
@@ -208,6 +210,14 @@ AMX_SIGNATURES = {
 }
 
 
+def _bind(lib: ctypes.CDLL, signatures: dict[str, tuple[Any, list[Any]]]) -> None:
+    """Give each of ``signatures``' functions in ``lib`` its result and argument types."""
+    for name, (restype, argtypes) in signatures.items():
+        fn = getattr(lib, name)
+        fn.restype = restype
+        fn.argtypes = argtypes
+
+
 def abi_mismatches(abi: Callable[[str], int]) -> list[str]:
     """Where ``DecodeLayerArgs`` disagrees with the C side's layout, as reported by ``abi``
     (``pw_abi``: a name -> a number); empty when they agree."""
@@ -269,7 +279,8 @@ class KernelLibrary:
         return self.lib
 
     def _compiled(self, sources: list[Path]) -> ctypes.CDLL:
-        key = hashlib.sha256(b"".join(s.read_bytes() for s in sources)
+        headers = [h for h in HEADERS if h.exists()]
+        key = hashlib.sha256(b"".join(s.read_bytes() for s in [*sources, *headers])
                              + " ".join(CFLAGS).encode()).hexdigest()[:16]
         path = cache_dir() / "kernels" / f"cpu_kernels-{key}.so"
         if not path.exists():
@@ -302,10 +313,7 @@ class KernelLibrary:
         if lib is None:
             raise _Unavailable(errors.get((), "compiling the kernels failed"))
         self.amx_reason, self.dp_reason = reasons.get("amx"), reasons.get("dp")
-        for name, (restype, argtypes) in _signatures().items():
-            fn = getattr(lib, name)
-            fn.restype = restype
-            fn.argtypes = argtypes
+        _bind(lib, _signatures())
 
         def abi(what: str) -> int:
             return int(lib.pw_abi(what.encode()))
@@ -329,10 +337,7 @@ class KernelLibrary:
         if missing:
             self.dp_reason = "this CPU lacks " + ", ".join(sorted(missing))
             return
-        for name, (restype, argtypes) in DP_SIGNATURES.items():
-            fn = getattr(lib, name)
-            fn.restype = restype
-            fn.argtypes = argtypes
+        _bind(lib, DP_SIGNATURES)
         self.dp = True
         if not self.amx:  # decode attention on AVX512_BF16 where AMX's does not run
             lib.pw_enable_dp_attention(1)
@@ -342,10 +347,7 @@ class KernelLibrary:
         if missing:
             self.amx_reason = "this CPU lacks " + ", ".join(sorted(missing))
             return
-        for name, (restype, argtypes) in AMX_SIGNATURES.items():
-            fn = getattr(lib, name)
-            fn.restype = restype
-            fn.argtypes = argtypes
+        _bind(lib, AMX_SIGNATURES)
         if lib.pw_amx_init() != 0:
             self.amx_reason = "Linux refused the AMX tile state (arch_prctl)"
             return

@@ -209,13 +209,10 @@ class LinearDispatch:
     def method_for(self, rows: int, shape: tuple[int, int]) -> str:
         """The method ``rows`` rows of a weight of ``shape`` (N, K) run, as ``__call__``
         picks it."""
-        if rows <= self.kernel_max_rows:
-            return "kernel"
-        if self.mid is not None and self._mid_lo <= rows <= self.mid_max_rows:
-            return self.mid
-        if rows >= PROMPT_ROWS:
+        method = self.method(rows)
+        if method == self.large and rows >= PROMPT_ROWS:
             return self.prompt_by_shape.get(shape, self.large)
-        return self.large
+        return method
 
     def method(self, rows: int) -> str:
         """The method ``rows`` activation rows run: ``kernel`` or one of LARGE_METHODS."""
