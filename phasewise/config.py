@@ -13,6 +13,9 @@ DEVICES = ("auto", "cpu", "cuda")  # and "cuda:N"
 # checks the two agree). Kept here, torch-free, so that the CLI's parser can offer them.
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 KERNEL_CHOICES = ("auto", "torch")
+# How weights are filled: from the folder's safetensors, or random ("dummy": config.json and a
+# tokenizer suffice; for speed work on a model's shape, as vLLM's --load-format dummy).
+LOAD_FORMATS = ("safetensors", "dummy")
 # Speculative decoding (phasewise.engine.spec): proposers, and --num-speculative-tokens.
 SPECULATIVE_CHOICES = ("ngram",)
 DEFAULT_SPECULATIVE_TOKENS = 4
@@ -122,6 +125,12 @@ class EngineConfig:
     ``kernels``: ``auto`` uses phasewise's CPU kernels for bf16 models on CPU (linear layers
     are timed against torch at start-up and the faster is used per batch size); ``torch``
     uses torch operations only.
+    ``load_format``: ``safetensors`` reads the checkpoint's weights; ``dummy`` fills them
+    with seeded random values instead (the folder needs only config.json and a tokenizer),
+    for speed work on a model's shape without its weight files.
+    ``enforce_eager``: on CUDA, decode-only steps of up to ``CUDA_GRAPH_MAX_BATCH`` rows
+    replay captured CUDA graphs (``phasewise.engine.cuda_graphs``) unless this is True;
+    every step then launches its kernels one by one, as on CPU.
     """
 
     model: str
@@ -140,6 +149,8 @@ class EngineConfig:
     quantization: str | None = None
     speculative: str | None = None
     num_speculative_tokens: int | None = None
+    load_format: str = "safetensors"
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         from phasewise.engine.scheduler import POLICIES
@@ -162,6 +173,11 @@ class EngineConfig:
         if self.kernels not in KERNEL_CHOICES:
             raise ValueError(f"kernels must be one of {', '.join(KERNEL_CHOICES)}; "
                              f"got {self.kernels!r}")
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}; "
+                             f"got {self.load_format!r}")
+        if not isinstance(self.enforce_eager, bool):
+            raise ValueError(f"enforce_eager must be True or False, got {self.enforce_eager!r}")
         if self.quantization is not None and self.quantization not in ("int8",):
             raise ValueError(f"quantization must be int8 or None (the checkpoint's own "
                              f"weights); got {self.quantization!r}")

@@ -104,7 +104,8 @@ class LLMEngine:
                              f"device {self.device}")
         self.model = load_model(model_dir, mc, dtype=self.dtype, device=self.device,
                                 max_positions=max_len, progress=load_progress,
-                                quantization=config.quantization)
+                                quantization=config.quantization,
+                                load_format=config.load_format, seed=config.seed)
         self.linear_plan: LinearDispatch | None = None
         if config.kernels == "auto" and self.device.type == "cpu" and self.dtype == torch.bfloat16:
             gate_up = self.model.layers[0].gate_up_proj
@@ -149,8 +150,11 @@ class LLMEngine:
                             policy=config.policy),
             self.kv, self.clock,
         )
+        graphs = ("cuda" if self.device.type == "cuda" and not config.enforce_eager
+                  else None)
         self.runner = ModelRunner(self.model, mc, num_blocks=num_blocks, block_size=bs,
-                                  dtype=self.dtype, device=self.device)
+                                  dtype=self.dtype, device=self.device, decode_graphs=graphs,
+                                  max_model_len=max_len)
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(config.seed))
         self._grammars: GrammarCompiler | None = None  # built on the first constrained request
         # Speculative decoding (phasewise.engine.spec): who proposes drafts, and the counts.

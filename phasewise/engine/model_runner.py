@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from phasewise.engine.cuda_graphs import DecodeGraphs
 from phasewise.engine.request import Request
 from phasewise.engine.scheduler import ScheduledBatch, is_decode
 from phasewise.model.attention import AttentionMetadata
@@ -34,19 +35,35 @@ class RunnerOutput:
 
 class ModelRunner:
     def __init__(self, model: CausalLM, cfg: ModelConfig, *, num_blocks: int, block_size: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
+                 dtype: torch.dtype, device: torch.device, decode_graphs: str | None = None,
+                 max_model_len: int | None = None) -> None:
+        """``decode_graphs``: ``"cuda"`` replays decode-only steps from captured CUDA graphs
+        (``phasewise.engine.cuda_graphs``); ``"padded"`` runs those steps through the same
+        padded static buffers without capture (any device; tests check the padding with
+        it); None runs every step eagerly. Either needs ``max_model_len``."""
         self.model = model
         self.cfg = cfg
         self.block_size = block_size
         self.device = device
         # One allocation for the whole cache: [layers, 2 (k, v), blocks, block_size, kv, hd].
-        # Zeroed so that padded (masked) reads never meet NaN garbage.
+        # Zeroed so that padded (masked) reads never meet NaN garbage. With decode graphs, one
+        # block more than the KV manager's: their padded rows' scratch block.
+        scratch = 1 if decode_graphs else 0
         self.kv_cache = torch.zeros(
-            cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
-            dtype=dtype, device=device,
+            cfg.num_layers, 2, num_blocks + scratch, block_size, cfg.num_kv_heads,
+            cfg.head_dim, dtype=dtype, device=device,
         )
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1])
                           for i in range(cfg.num_layers)]
+        self.graphs: DecodeGraphs | None = None
+        if decode_graphs is not None:
+            if decode_graphs not in ("cuda", "padded") or max_model_len is None:
+                raise ValueError(f"decode_graphs must be 'cuda' or 'padded' with a "
+                                 f"max_model_len, or None; got {decode_graphs!r}")
+            self.graphs = DecodeGraphs(
+                model, self.kv_caches, block_size=block_size,
+                max_blocks=-(-max_model_len // block_size), scratch_block=num_blocks,
+                device=device, capture=decode_graphs == "cuda")
 
     def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
         """A copy of these blocks' K/V: [layers, 2, len(block_ids), block_size, kv, hd]."""
@@ -113,6 +130,14 @@ class ModelRunner:
                 sample_rows.append(len(input_ids) - 1)
                 sample_reqs.append(req)
                 rows_per_req.append(1)
+        if (self.graphs is not None and not scored and len(sample_rows) == len(input_ids)
+                and all(n == 1 for n in chunk_lens)):
+            # Decode-only, every row sampled (so rows are in sampling order): a graph's step.
+            bs = self.block_size
+            slots = [tables[i][p // bs] * bs + p % bs for i, p in enumerate(positions)]
+            logits = self.graphs.step(input_ids, positions, slots, tables)
+            if logits is not None:
+                return RunnerOutput(sample_reqs, logits, rows_per_req)
         dev = self.device
         meta = AttentionMetadata.build(
             chunk_lens=chunk_lens, context_lens=context_lens, block_tables=tables,

@@ -28,6 +28,8 @@ DTYPE_CHOICES = ("auto", *DTYPES)
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
 # Checkpoints above this size report loading progress by default.
 PROGRESS_MIN_BYTES = 256 * 1024 * 1024
+# load_format "dummy": matrices and biases ~ N(0, DUMMY_STD); norm weights 1 + N(0, 0.1 * it).
+DUMMY_STD = 0.02
 
 ProgressFn = Callable[[int, int], None]  # (bytes loaded so far, total bytes)
 
@@ -124,6 +126,8 @@ def load_model(
     max_positions: int,
     progress: ProgressFn | None | bool = None,
     quantization: str | None = None,
+    load_format: str = "safetensors",
+    seed: int = 0,
 ) -> CausalLM:
     """Build ``CausalLM`` for ``cfg`` and fill it from the folder's safetensors files.
 
@@ -132,10 +136,20 @@ def load_model(
     weights ``phasewise.model.quant`` names are quantized as each tensor is read (after a
     cast to ``dtype``, so the result is that of quantizing the ``dtype`` model), and only
     their int8 copies are kept.
+
+    ``load_format="dummy"`` reads no weight file: each tensor the checkpoint would hold is
+    drawn at random instead (``DUMMY_STD``; a generator seeded with ``seed``, on ``device``),
+    through the same path, so the model's shapes, fusions and int8 quantization are those a
+    real checkpoint gets.
     """
     model_dir = Path(model_dir)
-    files = weight_files(model_dir)
     targets = _targets(cfg)
+    if load_format == "dummy":
+        files = {name: model_dir / "(random)" for name in targets}
+    elif load_format == "safetensors":
+        files = weight_files(model_dir)
+    else:
+        raise ValueError(f"load_format must be safetensors or dummy; got {load_format!r}")
     if cfg.tie_word_embeddings:
         files.pop("lm_head.weight", None)  # tied checkpoints sometimes carry a copy
     unexpected = sorted(n for n in files if n not in targets and not _IGNORED.match(n))
@@ -173,13 +187,15 @@ def load_model(
     if progress is None:
         progress = _stderr_progress() if total >= PROGRESS_MIN_BYTES else False
     done = 0
+    dummy = _DummyWeights(device, seed) if load_format == "dummy" else None
     with torch.no_grad():
         for path, names in by_file.items():
-            with safe_open(str(path), framework="pt", device="cpu") as f:
+            with (dummy or safe_open(str(path), framework="pt", device="cpu")) as f:
                 for name in names:
                     pname, row, rows = targets[name]
                     dst = params[pname].narrow(0, row, rows)
-                    src = f.get_tensor(name)
+                    src = (f.get_tensor(name) if dummy is None
+                           else dummy.tensor(name, tuple(dst.shape), dtype))
                     if tuple(src.shape) != tuple(dst.shape):
                         raise ValueError(
                             f"tensor {name} in {path.name} has shape {tuple(src.shape)}, "
@@ -198,6 +214,27 @@ def load_model(
                         progress(done, total)
     model.eval()
     return model
+
+
+class _DummyWeights:
+    """Random stand-ins for a checkpoint's tensors (``load_format="dummy"``), in the order
+    asked, from one seeded generator on the target device (no host copy of a GPU model)."""
+
+    def __init__(self, device: torch.device, seed: int) -> None:
+        self.device = device
+        self.generator = torch.Generator(device=device).manual_seed(seed)
+
+    def __enter__(self) -> _DummyWeights:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def tensor(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        x = torch.randn(shape, generator=self.generator, device=self.device)
+        if name.endswith("norm.weight"):  # RMSNorm gains near 1, as trained models have
+            return (1.0 + 0.1 * x).to(dtype)
+        return (DUMMY_STD * x).to(dtype)
 
 
 HUGE_PAGE = 2 * 1024 * 1024
