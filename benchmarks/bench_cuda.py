@@ -39,10 +39,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from phasewise import LLM, SamplingParams  # noqa: E402
-from phasewise.perf.hardware import ACCELERATORS  # noqa: E402
-from phasewise.perf.models import ModelShape  # noqa: E402
-from phasewise.perf.roofline import Roofline  # noqa: E402
+from phasewise import LLM, SamplingParams
+from phasewise.perf.hardware import ACCELERATORS
+from phasewise.perf.models import ModelShape
+from phasewise.perf.roofline import Roofline
 
 SHAPES = {
     # meta-llama/Llama-3.1-8B's config.json, less its weights
@@ -144,11 +144,13 @@ def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]
     return torch.randint(2, vocab, (n, length), generator=g).tolist()
 
 
-def engine_kwargs(args, device: str, eager: bool) -> dict:
-    return dict(device=device, dtype="bfloat16", load_format="dummy",
-                max_model_len=args.max_model_len, kv_cache_memory=args.kv_cache_memory,
-                max_num_batched_tokens=max(args.prefill), max_num_seqs=max(args.batches),
-                enable_prefix_caching=False, enforce_eager=eager)
+def engine_kwargs(args, device: str, **over) -> dict:
+    kw = dict(device=device, dtype="bfloat16", load_format="dummy",
+              max_model_len=args.max_model_len, kv_cache_memory=args.kv_cache_memory,
+              max_num_batched_tokens=max(args.prefill), max_num_seqs=max(args.batches),
+              enable_prefix_caching=False)
+    kw.update(over)
+    return kw
 
 
 def run_prefill(llm: LLM, lengths: list[int], vocab: int, roof: Roofline, peaks: dict,
@@ -233,24 +235,102 @@ def run_hf(folder: Path, cfg: dict, lengths: list[int], batches: list[int], prom
     return out
 
 
-def check_graphs(tmp: Path, device: str) -> dict:
-    """Greedy tokens of the tiny shape in fp32 through captured graphs and eagerly, for
-    batches that pad and contexts that cross a table-width bucket: they should agree."""
+CHECKS = {"graphs": dict(), "eager": dict(enforce_eager=True),
+          "torch-ops": dict(kernels="torch", enforce_eager=True)}
+
+
+def check_paths(tmp: Path, device: str) -> dict:
+    """Greedy tokens of the tiny shape in fp32 through captured graphs, eagerly, and eagerly
+    with torch's operations only (the reference), for batches that pad and contexts that
+    cross a table-width bucket: each should give the reference's tokens."""
     folder = write_folder(tmp / "check", SHAPES["tiny"])
     params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
     outs = {}
-    for eager in (False, True):
+    for name, kw in CHECKS.items():
         llm = LLM(str(folder), device=device, dtype="float32", load_format="dummy",
-                  max_model_len=1024, kv_cache_memory="256MiB", enforce_eager=eager)
+                  max_model_len=1024, kv_cache_memory="256MiB", **kw)
         got = []
         for b, length in ((1, 20), (3, 230), (8, 40)):
             prompts = random_prompts(b, length, SHAPES["tiny"]["vocab_size"], seed=b)
             got += [o.token_ids for o in llm.generate(prompts, params)]
         graphs = llm.engine.runner.graphs
-        outs[eager] = (got, None if graphs is None else graphs.replays)
+        outs[name] = (got, None if graphs is None else graphs.replays,
+                      getattr(llm.engine, "gpu_kernels", "?"))
         del llm
-    same = sum(a == b for a, b in zip(outs[False][0], outs[True][0]))
-    return {"sequences": len(outs[True][0]), "identical": same, "replays": outs[False][1]}
+    ref = outs["torch-ops"][0]
+    return {name: {"identical": sum(a == b for a, b in zip(got, ref)), "sequences": len(ref),
+                   "replays": replays, "kernels": kernels}
+            for name, (got, replays, kernels) in outs.items()}
+
+
+# (name, engine options, whether it runs the prefill figures)
+MODES = [("triton+graphs", dict(), True), ("torch+graphs", dict(kernels="torch"), True),
+         ("triton eager", dict(enforce_eager=True), False)]
+
+
+def step_anatomy(llm: LLM, dev: torch.device, prompt_len: int, vocab: int) -> dict:
+    """Where a batch-1 decode step's time goes: the captured graph's replay alone (CUDA
+    events, the GPU's time for the whole forward pass), the runner's ``execute`` (inputs, the
+    replay, logits), and the rest of the engine's step (scheduling, sampling, text, stats);
+    and the top of a profile of those steps."""
+    import cProfile
+    import io
+    import pstats
+
+    eng = llm.engine
+    spent = {"execute": 0.0}
+    inner = eng.runner.execute
+
+    def timed(*a, **k):
+        t0 = time.perf_counter()
+        out = inner(*a, **k)
+        spent["execute"] += time.perf_counter() - t0
+        return out
+
+    eng.runner.execute = timed
+    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    llm.generate(random_prompts(1, prompt_len, vocab, seed=7), params)  # warm
+    eng.step_stats.clear()
+    spent["execute"] = 0.0
+    prof = cProfile.Profile()
+    prof.enable()
+    llm.generate(random_prompts(1, prompt_len, vocab, seed=8), params)
+    prof.disable()
+    eng.runner.execute = inner
+    n = len(eng.step_stats)
+    out = {"step_ms": 1e3 * sum(s.duration_s for s in eng.step_stats) / n,
+           "execute_ms": 1e3 * spent["execute"] / n}
+    graphs = eng.runner.graphs
+    if graphs is not None and dev.type == "cuda" and graphs.graphs:
+        key = min(graphs.graphs)
+        graph = graphs.graphs[key][0]
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        graph.replay()
+        start.record()
+        for _ in range(50):
+            graph.replay()
+        end.record()
+        torch.cuda.synchronize(dev)
+        out["replay_ms"] = start.elapsed_time(end) / 50
+        out["replay_bucket"] = key
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(18)
+    out["profile"] = text.getvalue()
+    if dev.type == "cuda":  # the GPU's kernels of eager batch-1 steps (the graph's, one by one)
+        from torch.profiler import ProfilerActivity, profile
+
+        saved, eng.runner.graphs = eng.runner.graphs, None
+        try:
+            params = SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True)
+            prompt = random_prompts(1, prompt_len, vocab, seed=9)
+            llm.generate(prompt, params)
+            with profile(activities=[ProfilerActivity.CUDA]) as gpu_prof:
+                llm.generate(prompt, params)
+            out["kernels"] = gpu_prof.key_averages().table(
+                sort_by="cuda_time_total", row_limit=22, max_name_column_width=60)
+        finally:
+            eng.runner.graphs = saved
+    return out
 
 
 def main() -> int:
@@ -265,7 +345,8 @@ def main() -> int:
     p.add_argument("--max-model-len", type=int, default=8192)
     p.add_argument("--kv-cache-memory", default="16GiB")
     p.add_argument("--skip-hf", action="store_true")
-    p.add_argument("--skip-eager", action="store_true")
+    p.add_argument("--skip-eager", action="store_true",
+                   help="leave out the eager engine (enforce_eager) of the comparison")
     p.add_argument("--out", default=None, help="write the figures here as JSON")
     args = p.parse_args()
     dev = torch.device(args.device)
@@ -287,40 +368,51 @@ def main() -> int:
 
     with tempfile.TemporaryDirectory() as tmp:
         try:
-            res["check"] = check = check_graphs(Path(tmp), args.device)
-            say(f"graphs against eager, tiny fp32: {check['identical']}/{check['sequences']} "
-                f"greedy sequences identical ({check['replays']} graph replays)")
+            res["check"] = check = check_paths(Path(tmp), args.device)
+            for name, c in check.items():
+                say(f"check, tiny fp32, {name} ({c['kernels']}, {c['replays']} graph "
+                    f"replays): {c['identical']}/{c['sequences']} greedy sequences as torch's")
         except Exception:
             res["errors"].append(f"check: {traceback.format_exc()}")
             say(traceback.format_exc())
         folder = write_folder(Path(tmp) / args.shape, SHAPES[args.shape])
         roof = Roofline(ModelShape.from_path(folder), accel, "bf16")
         cfg = SHAPES[args.shape]
-        for mode in ("graphs", "eager"):
-            if mode == "eager" and args.skip_eager:
+        for mode, over, with_prefill in MODES:
+            if mode.endswith("eager") and args.skip_eager:
                 continue
             try:
                 t0 = time.perf_counter()
-                llm = LLM(str(folder), **engine_kwargs(args, args.device, mode == "eager"))
-                say(f"[{mode}] engine ready in {time.perf_counter() - t0:.1f}s")
-                if mode == "graphs":
-                    res["prefill"] = run_prefill(llm, args.prefill, cfg["vocab_size"], roof,
-                                                 peaks, dev)
-                    for r in res["prefill"]:
-                        say(f"prefill {r['tokens']:5d}: {r['ttft_s'] * 1e3:8.2f} ms, "
+                llm = LLM(str(folder), **engine_kwargs(args, args.device, **over))
+                say(f"[{mode}] engine ready in {time.perf_counter() - t0:.1f}s "
+                    f"(kernels: {getattr(llm.engine, 'gpu_kernels', 'cpu')})")
+                if with_prefill:
+                    res[f"prefill {mode}"] = rows = run_prefill(
+                        llm, args.prefill, cfg["vocab_size"], roof, peaks, dev)
+                    for r in rows:
+                        say(f"[{mode}] prefill {r['tokens']:5d}: {r['ttft_s'] * 1e3:8.2f} ms, "
                             f"MFU {r['mfu_datasheet']:.0%} of {accel.key}'s datasheet "
                             f"({r['mfu_measured']:.0%} of measured), roofline "
                             f"{r['roofline_s'] * 1e3:.2f} ms ({r['bound']})")
-                res[f"decode_{mode}"] = run_decode(llm, args.batches, args.prompt_len,
-                                                   args.new_tokens, cfg["vocab_size"], roof,
-                                                   peaks)
-                for r in res[f"decode_{mode}"]:
+                res[f"decode {mode}"] = rows = run_decode(
+                    llm, args.batches, args.prompt_len, args.new_tokens, cfg["vocab_size"],
+                    roof, peaks)
+                for r in rows:
                     say(f"[{mode}] decode b{r['batch']:<3d}: step {r['step_s'] * 1e3:7.2f} ms, "
                         f"{r['tok_s']:8.1f} tok/s, MBU {r['mbu_datasheet']:.0%} of datasheet "
                         f"({r['mbu_read']:.0%} of measured read), roofline "
                         f"{r['roofline_s'] * 1e3:.2f} ms ({r['bound']})")
+                if mode == "triton+graphs":
+                    res["anatomy"] = a = step_anatomy(llm, dev, args.prompt_len,
+                                                      cfg["vocab_size"])
+                    say(f"[{mode}] b1 step anatomy: step {a['step_ms']:.2f} ms, execute "
+                        f"{a['execute_ms']:.2f} ms, graph replay alone "
+                        f"{a.get('replay_ms', float('nan')):.2f} ms "
+                        f"(bucket {a.get('replay_bucket')})")
+                    say(a["profile"])
+                    say(a.get("kernels", ""))
                 graphs = llm.engine.runner.graphs
-                res[f"graphs_{mode}"] = (None if graphs is None else
+                res[f"graphs {mode}"] = (None if graphs is None else
                                          {"captured": sorted(graphs.graphs),
                                           "replays": graphs.replays})
                 del llm
@@ -330,17 +422,21 @@ def main() -> int:
             gc.collect()
             if dev.type == "cuda":
                 torch.cuda.empty_cache()
-        if "decode_graphs" in res and "decode_eager" in res:
-            for g, e in zip(res["decode_graphs"], res["decode_eager"]):
-                say(f"graphs / eager, b{g['batch']}: x{e['step_s'] / g['step_s']:.2f}")
+        best = res.get("decode triton+graphs", [])
+        for other in ("torch+graphs", "triton eager"):
+            for g, e in zip(best, res.get(f"decode {other}", [])):
+                say(f"triton+graphs / {other}, decode b{g['batch']}: "
+                    f"x{e['step_s'] / g['step_s']:.2f}")
+        for g, e in zip(res.get("prefill triton+graphs", []), res.get("prefill torch+graphs", [])):
+            say(f"triton / torch ops, prefill {g['tokens']}: x{e['ttft_s'] / g['ttft_s']:.2f}")
         if not args.skip_hf:
             try:
                 hf = res["hf"] = run_hf(folder, cfg, args.prefill, args.batches,
                                         args.prompt_len, args.new_tokens, dev)
-                for ours, theirs in zip(res.get("prefill", []), hf["prefill"]):
+                for ours, theirs in zip(res.get("prefill triton+graphs", []), hf["prefill"]):
                     say(f"prefill {ours['tokens']:5d}: HF {theirs['s'] * 1e3:8.2f} ms; "
                         f"phasewise x{theirs['s'] / ours['ttft_s']:.2f}")
-                for ours, theirs in zip(res.get("decode_graphs", []), hf["decode"]):
+                for ours, theirs in zip(res.get("decode triton+graphs", []), hf["decode"]):
                     say(f"decode b{ours['batch']:<3d}: HF {theirs['tok_s']:8.1f} tok/s; "
                         f"phasewise x{ours['tok_s'] / theirs['tok_s']:.2f}")
             except Exception:

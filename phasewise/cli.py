@@ -35,8 +35,15 @@ def _engine_defaults() -> dict:
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    from phasewise.config import (DEFAULT_SPECULATIVE_TOKENS, DEVICES, DTYPE_CHOICES,
-                                  KERNEL_CHOICES, MAX_SPECULATIVE_TOKENS, SPECULATIVE_CHOICES)
+    from phasewise.config import (
+        DEFAULT_SPECULATIVE_TOKENS,
+        DEVICES,
+        DTYPE_CHOICES,
+        KERNEL_CHOICES,
+        LOAD_FORMATS,
+        MAX_SPECULATIVE_TOKENS,
+        SPECULATIVE_CHOICES,
+    )
     from phasewise.engine.scheduler import POLICIES
 
     d = _engine_defaults()
@@ -56,7 +63,14 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--seed", type=int, default=d["seed"])
     p.add_argument("--kernels", default=d["kernels"], choices=KERNEL_CHOICES,
-                   help="auto: phasewise's CPU kernels for bf16 models on CPU; torch: none")
+                   help="auto: phasewise's CPU kernels for bf16 models on CPU, its fused Triton "
+                   "kernels on CUDA; torch: none")
+    p.add_argument("--load-format", default=d["load_format"], choices=LOAD_FORMATS,
+                   help="safetensors: the checkpoint's weights; dummy: seeded random weights "
+                   "of its shape (the folder needs only config.json and a tokenizer)")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="CUDA: launch every step's kernels one by one instead of replaying "
+                   "captured CUDA graphs for decode steps")
     p.add_argument("--quantization", default=d["quantization"], choices=["int8"],
                    help="int8: the decoder's projections and the LM head in int8, one scale "
                    "per output channel (CPU; halves the bytes a decode step reads)")
@@ -74,7 +88,8 @@ def _engine_kwargs(a: argparse.Namespace) -> dict:
                 max_num_batched_tokens=a.max_num_batched_tokens, max_num_seqs=a.max_num_seqs,
                 policy=a.policy, enable_prefix_caching=not a.no_prefix_caching, seed=a.seed,
                 kernels=a.kernels, quantization=a.quantization, speculative=a.speculative,
-                num_speculative_tokens=a.num_speculative_tokens)
+                num_speculative_tokens=a.num_speculative_tokens, load_format=a.load_format,
+                enforce_eager=a.enforce_eager)
 
 
 def _model_arg(a: argparse.Namespace) -> str:

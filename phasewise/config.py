@@ -123,8 +123,9 @@ class EngineConfig:
     ``num_speculative_tokens`` tokens (default 4, at most 16) proposed from the request's own
     prompt and outputs; greedy output is unchanged, sampled output keeps its distribution.
     ``kernels``: ``auto`` uses phasewise's CPU kernels for bf16 models on CPU (linear layers
-    are timed against torch at start-up and the faster is used per batch size); ``torch``
-    uses torch operations only.
+    are timed against torch at start-up and the faster is used per batch size), and on CUDA
+    its fused Triton kernels between the matrix products (``phasewise.model.triton_ops``);
+    ``torch`` uses torch operations only.
     ``load_format``: ``safetensors`` reads the checkpoint's weights; ``dummy`` fills them
     with seeded random values instead (the folder needs only config.json and a tokenizer),
     for speed work on a model's shape without its weight files.

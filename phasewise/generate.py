@@ -52,6 +52,11 @@ def run(model: str, engine_kwargs: dict[str, Any], opts: GenerateOptions,
                     else f"; no AVX512_BF16 kernels ({k.dp_reason})")
         print(f"[kernels]  {eng.linear_plan.describe()}; {amx}; weight streams prefetch "
               f"{k.stream_prefetch} bytes ahead ({k.stream_prefetch_reason})", file=err)
+    if eng.device.type == "cuda":
+        graphs = ("CUDA graphs for decode steps of up to "
+                  f"{eng.runner.graphs.max_batch} rows" if eng.runner.graphs is not None
+                  else "eager steps (enforce_eager)")
+        print(f"[kernels]  {eng.gpu_kernels}; {graphs}", file=err)
     overrides: dict[str, Any] = {"max_tokens": opts.max_tokens}
     if opts.temperature is not None:
         overrides["temperature"] = opts.temperature

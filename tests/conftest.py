@@ -7,6 +7,12 @@ reference implementation.
 
 from __future__ import annotations
 
+import os
+
+# Triton kernels (phasewise.model.triton_ops) run on CPU through Triton's interpreter, which
+# must be chosen before triton is first imported.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from pathlib import Path
 from typing import Any
 

@@ -16,8 +16,13 @@ import torch
 
 from phasewise import LLM, SamplingParams
 from phasewise.config import EngineConfig
-from phasewise.engine.cuda_graphs import (BATCH_BUCKETS, MAX_GRAPH_KEYS, MIN_TABLE_BLOCKS,
-                                          batch_bucket, table_bucket)
+from phasewise.engine.cuda_graphs import (
+    BATCH_BUCKETS,
+    MAX_GRAPH_KEYS,
+    MIN_TABLE_BLOCKS,
+    batch_bucket,
+    table_bucket,
+)
 from phasewise.engine.model_runner import ModelRunner
 
 

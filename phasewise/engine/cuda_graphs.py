@@ -72,13 +72,13 @@ class DecodeGraphs:
         self.scratch_block = scratch_block
         self.device = device
         self.capture = capture
-        b = CUDA_GRAPH_MAX_BATCH
-        self.input_ids = torch.zeros(b, dtype=torch.long, device=device)
-        self.positions = torch.zeros(b, dtype=torch.long, device=device)
-        self.slot_mapping = torch.zeros(b, dtype=torch.long, device=device)
-        self.seq_lens = torch.ones(b, dtype=torch.long, device=device)
-        self.block_tables = torch.full((b, self.max_width), scratch_block, dtype=torch.long,
-                                       device=device)
+        self.max_batch = b = CUDA_GRAPH_MAX_BATCH
+        # Every input in one buffer, so a step's inputs cross to the device in one copy:
+        # [ids | positions | slots | seq_lens] (b each), then the block table of the step's
+        # (rows, width) bucket as a contiguous [rows, width] (each graph holds its own view).
+        self.packed = torch.zeros(4 * b + b * self.max_width, dtype=torch.long, device=device)
+        self.input_ids, self.positions, self.slot_mapping, self.seq_lens = (
+            self.packed[i * b:(i + 1) * b] for i in range(4))
         self.key_pos = torch.arange(self.max_width * block_size, device=device)
         self.graphs: dict[tuple[int, int], tuple[Any, torch.Tensor]] = {}
         self.pool = torch.cuda.graph_pool_handle() if capture else None
@@ -113,21 +113,15 @@ class DecodeGraphs:
         n = len(input_ids)
         scratch = self.scratch_block
         pad = b - n
-        flat: list[int] = []
+        big = self.max_batch
+        flat = (input_ids + [0] * (big - n) + positions + [0] * (big - n)
+                + slots + [scratch * bs] * (big - n) + seq_lens + [1] * (big - n))
         for t, s in zip(tables, seq_lens):
             used = -(-s // bs)
             flat += t[:used]
             flat += [scratch] * (width - used)
         flat += [scratch] * (width * pad)
-        host_tables = torch.tensor(flat, dtype=torch.long).view(b, width)
-        host = torch.tensor([input_ids + [0] * pad, positions + [0] * pad,
-                             slots + [scratch * bs] * pad, seq_lens + [1] * pad],
-                            dtype=torch.long)  # [4, b]
-        self.input_ids[:b].copy_(host[0], non_blocking=True)
-        self.positions[:b].copy_(host[1], non_blocking=True)
-        self.slot_mapping[:b].copy_(host[2], non_blocking=True)
-        self.seq_lens[:b].copy_(host[3], non_blocking=True)
-        self.block_tables[:b, :width].copy_(host_tables, non_blocking=True)
+        self.packed[:len(flat)].copy_(torch.tensor(flat, dtype=torch.long), non_blocking=True)
         self.replays += 1
         if not self.capture:
             return self._forward(b, width)[:n]
@@ -142,9 +136,10 @@ class DecodeGraphs:
         """One padded step on the static buffers: logits [b, vocab] fp32."""
         seq_lens = self.seq_lens[:b]
         keys = self.key_pos[:width * self.block_size]
+        tables = self.packed[4 * self.max_batch:4 * self.max_batch + b * width].view(b, width)
         meta = AttentionMetadata(
             slot_mapping=self.slot_mapping[:b], num_decode_tokens=b,
-            decode_block_tables=self.block_tables[:b, :width],
+            decode_block_tables=tables,
             decode_mask=(keys[None, :] < seq_lens[:, None])[:, None, None, :],
             decode_seq_lens=seq_lens, prefills=[])
         hidden = self.model(self.input_ids[:b], self.positions[:b], self.kv_caches, meta)

@@ -130,6 +130,15 @@ class LLMEngine:
                     self.linear_plan.calibrate_prompt_shape(
                         [getattr(layer, name).weight for layer in layers[:8]])
             self.model.ops = CpuKernelOps(self.linear_plan)
+        self.gpu_kernels = "torch operations"  # on CUDA: what runs (generate reports it)
+        if config.kernels == "auto" and self.device.type == "cuda":
+            try:  # fused norm, RoPE, SiLU and paged decode attention (Triton ships with torch)
+                from phasewise.model.triton_ops import TritonOps
+            except ImportError as e:
+                self.gpu_kernels = f"torch operations (no Triton: {e})"
+            else:
+                self.model.ops = TritonOps()
+                self.gpu_kernels = "Triton kernels between the matrix products, cuBLAS GEMMs"
         if num_blocks is None:
             free, _ = torch.cuda.mem_get_info(self.device)
             num_blocks = min(blocks_for_all, int(free * 0.9) // block_bytes)

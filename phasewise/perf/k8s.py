@@ -62,7 +62,7 @@ from typing import Any
 
 import yaml
 
-from phasewise.config import DEVICES, DTYPE_CHOICES, KERNEL_CHOICES, LOG_LEVELS
+from phasewise.config import DEVICES, DTYPE_CHOICES, KERNEL_CHOICES, LOAD_FORMATS, LOG_LEVELS
 from phasewise.engine.scheduler import POLICIES
 
 MODES = ("colocated", "pd")
@@ -91,6 +91,8 @@ ENGINE_FLAGS: dict[str, Any] = {
     "--no-prefix-caching": SWITCH,
     "--seed": int,
     "--kernels": KERNEL_CHOICES,
+    "--load-format": LOAD_FORMATS,
+    "--enforce-eager": SWITCH,
     "--quantization": ("int8",),
     "--speculative": ("ngram",),
     "--num-speculative-tokens": int,

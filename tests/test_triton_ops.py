@@ -1,0 +1,119 @@
+"""The CUDA path's fused Triton kernels (``phasewise.model.triton_ops``) against ``TorchOps``,
+run on CPU through Triton's interpreter, and a whole model generating through them.
+
+RoPE and the residual sum round where torch rounds, so in fp32 they must match torch's bits;
+in bf16 within one unit in the last place, because Triton's interpreter truncates its casts to
+bf16 where the GPU (and torch) round to nearest even. The norm and SiLU may differ by a unit
+or two in the last place (fp32 reduction order, exp implementations); attention keeps fp32
+scores and probabilities, so against torch's fp32 path it agrees to fp32 rounding.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+
+# conftest.py sets TRITON_INTERPRET=1 before anything imports triton: the kernels run on CPU
+pytest.importorskip("triton")
+if os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("Triton's interpreter is off (TRITON_INTERPRET)", allow_module_level=True)
+
+from phasewise import LLM, SamplingParams
+from phasewise.model import triton_ops
+from phasewise.model.attention import AttentionMetadata, decode_attention_torch
+from phasewise.model.ops import TorchOps
+
+TORCH, TRITON = TorchOps(), triton_ops.TritonOps()
+
+
+def ulp_close(a: torch.Tensor, b: torch.Tensor, ulps: int = 1) -> bool:
+    """Within ``ulps`` units in the last place of ``a``'s dtype (relative), or tiny; in
+    bf16, two more per cast the interpreter truncates along the way (at most two)."""
+    eps = torch.finfo(a.dtype).eps
+    if a.dtype == torch.bfloat16:
+        ulps += 2
+    diff = (a.float() - b.float()).abs()
+    return bool((diff <= ulps * eps * torch.maximum(a.float().abs(), b.float().abs())
+                 + 1e-6).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("cols", [64, 96, 896])
+@pytest.mark.parametrize("with_delta", [False, True])
+def test_add_rms_norm(dtype, cols, with_delta):
+    g = torch.Generator().manual_seed(cols)
+    hidden = torch.randn(5, cols, generator=g).to(dtype) * 3
+    delta = torch.randn(5, cols, generator=g).to(dtype) if with_delta else None
+    weight = (1 + 0.1 * torch.randn(cols, generator=g)).to(dtype)
+    want_n, want_h = TORCH.add_rms_norm(delta, hidden, weight, 1e-6)
+    got_n, got_h = TRITON.add_rms_norm(delta, hidden, weight, 1e-6)
+    if dtype == torch.float32:
+        assert torch.equal(got_h, want_h)  # the residual stream: torch's rounding
+    assert ulp_close(got_h, want_h)
+    assert got_n.dtype == dtype and ulp_close(got_n, want_n, ulps=2)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("heads,hd", [(6, 16), (3, 64), (20, 128)])
+def test_rope(dtype, heads, hd):
+    g = torch.Generator().manual_seed(heads)
+    t = 7
+    # a strided view, as the layer passes q and k: columns of the fused qkv output
+    qkv = torch.randn(t, (heads + 2) * hd, generator=g).to(dtype)
+    x = qkv[:, :heads * hd].view(t, heads, hd)
+    pos = torch.tensor([0, 1, 5, 9, 100, 3, 40])
+    inv = 1.0 / (10000 ** (torch.arange(0, hd, 2).float() / hd))
+    ang = torch.arange(128).float()[:, None] * inv[None, :]
+    cos, sin = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)
+    tables = TORCH.rope_tables(cos, sin, pos, dtype)
+    got, want = TRITON.rope(x, tables), TORCH.rope(x, tables)
+    assert got.shape == want.shape
+    if dtype == torch.float32:
+        assert torch.equal(got, want)
+    else:  # a sum of two rounded products: its error scales with the terms, not the sum
+        tol = 4 * torch.finfo(dtype).eps * x.float().abs().max()
+        assert ((got.float() - want.float()).abs() <= tol).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("inter", [96, 1000, 2500])
+def test_silu_mul(dtype, inter):
+    g = torch.Generator().manual_seed(inter)
+    gate_up = (torch.randn(3, 2 * inter, generator=g) * 4).to(dtype)
+    want, got = TORCH.silu_mul(gate_up), TRITON.silu_mul(gate_up)
+    assert got.shape == want.shape and ulp_close(got, want, ulps=2)
+
+
+@pytest.mark.parametrize("n_heads,n_kv,hd", [(4, 4, 16), (4, 2, 32), (14, 2, 64), (8, 1, 16)])
+def test_paged_decode_attention(n_heads, n_kv, hd):
+    rng = random.Random(n_heads * 100 + n_kv)
+    g = torch.Generator().manual_seed(n_heads)
+    bs, num_blocks = 16, 40
+    k_cache = torch.randn(num_blocks, bs, n_kv, hd, generator=g)
+    v_cache = torch.randn(num_blocks, bs, n_kv, hd, generator=g)
+    lens = [1, 16, 17, 100, 5, 64]  # with the new token; block edges both sides
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    tables = [[free.pop() for _ in range(-(-n // bs))] for n in lens]
+    meta = AttentionMetadata.build(chunk_lens=[1] * len(lens), context_lens=[n - 1 for n in lens],
+                                   block_tables=tables, block_size=bs,
+                                   device=torch.device("cpu"))
+    q = torch.randn(len(lens), n_heads + n_kv, hd, generator=g)[:, :n_heads]  # strided
+    scale = hd ** -0.5
+    want = decode_attention_torch(q, k_cache, v_cache, meta, scale)
+    got = TRITON.decode_attention(q, k_cache, v_cache, meta, scale)
+    assert torch.allclose(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_a_model_generates_the_same_tokens_through_the_kernels(llama_dir):
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    prompts = [[5, 9, 13, 2, 7] * 4, [3, 4, 5], [11] * 30]
+    want = LLM(str(llama_dir), dtype="float32", kernels="torch").generate(prompts, params)
+    llm = LLM(str(llama_dir), dtype="float32", kernels="torch")
+    llm.engine.model.ops = TRITON
+    got = llm.generate(prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+
