@@ -20,6 +20,7 @@ from phasewise.engine.cuda_graphs import (
     BATCH_BUCKETS,
     MAX_GRAPH_KEYS,
     MIN_TABLE_BLOCKS,
+    DecodeGraphs,
     batch_bucket,
     table_bucket,
 )
@@ -99,9 +100,17 @@ def test_steps_past_the_buckets_run_eagerly(llama_dir):
     assert graphs.bucket(1, graphs.max_width + 1) is None  # past max_model_len's blocks
     b, w = graphs.bucket(3, 17)
     assert (b, w) == (4, 32)
-    big = MAX_GRAPH_KEYS // (graphs.max_width * graphs.block_size) + 1
-    if batch_bucket(big) is not None:
-        assert graphs.bucket(big, graphs.max_width) is None  # too many padded keys
+    # Too many padded keys, where the decode attention copies each row's padded context:
+    # 48 rows of 512-block tables. A kernel that walks the tables (the Triton one) says so,
+    # and keeps the graph.
+    wide = DecodeGraphs(llm.engine.model, llm.engine.runner.kv_caches, block_size=16,
+                        max_blocks=512, scratch_block=0, device=torch.device("cpu"),
+                        capture=False)
+    assert 48 * 512 * 16 > MAX_GRAPH_KEYS >= 32 * 512 * 16
+    assert wide.bucket(32, 512) == (32, 512)
+    assert wide.bucket(40, 512) is None
+    llm.engine.model.ops.decode_attention_gathers = False
+    assert wide.bucket(40, 512) == (48, 512)
 
 
 def dummy_folder(tmp_path, llama_dir, **over):

@@ -38,8 +38,9 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64)
 CUDA_GRAPH_MAX_BATCH = BATCH_BUCKETS[-1]
 MIN_TABLE_BLOCKS = 16
 # Padded keys a graph's attention may gather in all (batch bucket x table width x block
-# size): the torch decode attention copies each row's padded context, so beyond this a graph
-# would move more K/V than the step's real context warrants; such steps run eagerly.
+# size) where the decode attention copies each row's padded context (torch's; not the Triton
+# kernel's, which walks the block tables): beyond this a graph would move more K/V than the
+# step's real context warrants, so such steps run eagerly.
 MAX_GRAPH_KEYS = 1 << 18
 
 
@@ -91,7 +92,8 @@ class DecodeGraphs:
         if b is None or blocks > self.max_width:
             return None
         width = table_bucket(blocks)
-        if b * width * self.block_size > MAX_GRAPH_KEYS:
+        gathers = getattr(self.model.ops, "decode_attention_gathers", True)
+        if gathers and b * width * self.block_size > MAX_GRAPH_KEYS:
             return None
         return b, width
 

@@ -75,6 +75,9 @@ class LLMEngine:
         self.tokenizer = Tokenizer(model_dir)
         self.generation_config = load_generation_config(model_dir)
         self.device = resolve_device(config.device)
+        if self.device.type == "cuda" and self.device.index is not None:
+            # Triton launches and graph capture follow the current device, not the tensors'
+            torch.cuda.set_device(self.device)
         self.dtype = resolve_dtype(config.dtype, mc)
 
         # Context length: the user's, or the checkpoint's, lowered to fit the pool below.

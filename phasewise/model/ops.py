@@ -27,6 +27,10 @@ INT8_DEQUANT_FLOATS = 1 << 22  # TorchOps.linear_int8's dequantized block (16 Mi
 
 
 class TorchOps:
+    # decode_attention copies each row's context, padded to the batch's longest (CUDA graphs
+    # bound how much of that they capture: phasewise.engine.cuda_graphs.MAX_GRAPH_KEYS)
+    decode_attention_gathers = True
+
     def linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
         return F.linear(x, w, b)
 

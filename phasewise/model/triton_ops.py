@@ -40,7 +40,7 @@ from phasewise.model.ops import RopeTables, TorchOps
 def _add_rms_norm_kernel(delta_ptr, hidden_ptr, weight_ptr, normed_ptr, sum_ptr, n_cols,
                          stride_d, stride_h, stride_n, stride_s, eps,
                          HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)  # row * stride can pass 2**31 in a long prompt
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
     h = tl.load(hidden_ptr + row * stride_h + cols, mask=mask, other=0.0).to(tl.float32)
@@ -60,7 +60,7 @@ def _add_rms_norm_kernel(delta_ptr, hidden_ptr, weight_ptr, normed_ptr, sum_ptr,
 @triton.jit
 def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, n_heads, stride_xt, stride_xh, stride_ct,
                  stride_st, HALF: tl.constexpr, BLOCK_H: tl.constexpr):
-    t = tl.program_id(0)
+    t = tl.program_id(0).to(tl.int64)
     heads = tl.arange(0, BLOCK_H)
     hm = heads[:, None] < n_heads
     d = tl.arange(0, HALF)[None, :]
@@ -82,7 +82,7 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, n_heads, stride_xt, stride_xh
 
 @triton.jit
 def _silu_mul_kernel(gate_up_ptr, out_ptr, inter, stride_g, stride_o, BLOCK: tl.constexpr):
-    t = tl.program_id(0)
+    t = tl.program_id(0).to(tl.int64)  # t * stride_g passes 2**31 past ~75k rows of an 8B
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
     g = tl.load(gate_up_ptr + t * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
@@ -97,7 +97,7 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, seq_lens_ptr,
                          stride_qt, stride_qh, stride_kb, stride_ks, stride_kh,
                          stride_vb, stride_vs, stride_vh, stride_bt, scale, group,
                          GROUP_P: tl.constexpr, HD: tl.constexpr, BS: tl.constexpr):
-    r = tl.program_id(0)  # decode row
+    r = tl.program_id(0).to(tl.int64)  # decode row
     kvh = tl.program_id(1)  # KV head
     n_heads = tl.num_programs(1) * group
     g = tl.arange(0, GROUP_P)
@@ -138,6 +138,8 @@ class TritonOps(TorchOps):
     """``TorchOps`` with the steps between matrix products as single Triton kernels (see the
     module's docstring). Shapes a kernel does not take (a head size or block size that is
     not a power of two) fall back to torch's operations."""
+
+    decode_attention_gathers = False  # it walks the block tables: no padded context copied
 
     def add_rms_norm(self, delta: torch.Tensor | None, hidden: torch.Tensor,
                      weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
