@@ -128,7 +128,7 @@ def dummy_folder(tmp_path, llama_dir, **over):
 
 def test_dummy_weights_need_no_weight_files_and_follow_the_seed(tmp_path, llama_dir):
     folder = dummy_folder(tmp_path, llama_dir)
-    with pytest.raises(FileNotFoundError, match="safetensors"):
+    with pytest.raises(FileNotFoundError, match="safetensors.*--load-format dummy"):
         LLM(str(folder), dtype="float32")
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     runs = {}

@@ -62,7 +62,9 @@ def weight_files(model_dir: Path) -> dict[str, Path]:
         extra = ""
         if any(model_dir.glob("*.bin")) or any(model_dir.glob("*.pt")):
             extra = " (only PyTorch .bin/.pt weights found; convert them to safetensors)"
-        raise FileNotFoundError(f"no *.safetensors weights in {model_dir}{extra}")
+        raise FileNotFoundError(f"no *.safetensors weights in {model_dir}{extra}; "
+                                "load_format 'dummy' (--load-format dummy) fills the model "
+                                "with random weights of its shape instead")
     out: dict[str, Path] = {}
     for path in files:
         with safe_open(str(path), framework="pt") as f:
