@@ -158,6 +158,8 @@ class DecodeGraphs:
                 self._forward(b, width)
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        # thread_local: the server's other threads (P/D transport, the event loop) may touch
+        # CUDA while this engine thread captures; only this thread's calls must be capturable
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             logits = self._forward(b, width)
         return graph, logits
