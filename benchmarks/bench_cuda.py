@@ -196,7 +196,7 @@ def run_decode(llm: LLM, batches: list[int], prompt_len: int, new: int, vocab: i
     return rows
 
 
-def run_hf(folder: Path, cfg: dict, lengths: list[int], batches: list[int], prompt_len: int,
+def run_hf(cfg: dict, lengths: list[int], batches: list[int], prompt_len: int,
            new: int, dev: torch.device) -> dict:
     import transformers
 
@@ -255,7 +255,7 @@ def check_paths(tmp: Path, device: str) -> dict:
             got += [o.token_ids for o in llm.generate(prompts, params)]
         graphs = llm.engine.runner.graphs
         outs[name] = (got, None if graphs is None else graphs.replays,
-                      getattr(llm.engine, "gpu_kernels", "?"))
+                      llm.engine.gpu_kernels)
         del llm
     ref = outs["torch-ops"][0]
     return {name: {"identical": sum(a == b for a, b in zip(got, ref)), "sequences": len(ref),
@@ -385,7 +385,7 @@ def main() -> int:
                 t0 = time.perf_counter()
                 llm = LLM(str(folder), **engine_kwargs(args, args.device, **over))
                 say(f"[{mode}] engine ready in {time.perf_counter() - t0:.1f}s "
-                    f"(kernels: {getattr(llm.engine, 'gpu_kernels', 'cpu')})")
+                    f"(kernels: {llm.engine.gpu_kernels})")
                 if with_prefill:
                     res[f"prefill {mode}"] = rows = run_prefill(
                         llm, args.prefill, cfg["vocab_size"], roof, peaks, dev)
@@ -431,7 +431,7 @@ def main() -> int:
             say(f"triton / torch ops, prefill {g['tokens']}: x{e['ttft_s'] / g['ttft_s']:.2f}")
         if not args.skip_hf:
             try:
-                hf = res["hf"] = run_hf(folder, cfg, args.prefill, args.batches,
+                hf = res["hf"] = run_hf(cfg, args.prefill, args.batches,
                                         args.prompt_len, args.new_tokens, dev)
                 for ours, theirs in zip(res.get("prefill triton+graphs", []), hf["prefill"]):
                     say(f"prefill {ours['tokens']:5d}: HF {theirs['s'] * 1e3:8.2f} ms; "

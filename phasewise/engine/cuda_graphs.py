@@ -92,8 +92,8 @@ class DecodeGraphs:
         if b is None or blocks > self.max_width:
             return None
         width = table_bucket(blocks)
-        gathers = getattr(self.model.ops, "decode_attention_gathers", True)
-        if gathers and b * width * self.block_size > MAX_GRAPH_KEYS:
+        padded_keys = b * width * self.block_size
+        if self.model.ops.decode_attention_gathers and padded_keys > MAX_GRAPH_KEYS:
             return None
         return b, width
 
