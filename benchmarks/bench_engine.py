@@ -64,19 +64,23 @@ def read_gbps(reps: int = 5) -> float:
 def matmul_gflops(dtype: torch.dtype) -> float:
     """The best matmul throughput this machine shows at the reference checkpoint's two
     largest shapes and 512 rows: torch's, and for bf16 where the CPU has AMX also
-    phasewise's own AMX kernel (a peak must not look low only because torch's GEMM is slow
-    here; as read_gbps takes the faster reader)."""
+    phasewise's own AMX kernel, where it has AVX512_BF16 its panels kernel (a peak must not
+    look low only because torch's GEMM is slow here; as read_gbps takes the faster
+    reader)."""
     from phasewise.model import cpu_kernels
 
     fns = [torch.nn.functional.linear]
     if dtype == torch.bfloat16 and cpu_kernels.amx_available():
         fns.append(cpu_kernels.linear_amx)
+    if dtype == torch.bfloat16 and cpu_kernels.dp_available():  # AVX512_BF16 dot products over the panels layout (the engine's path there)
+        fns.append(cpu_kernels.linear_pk)
     best = 0.0
     for n, k in ((9728, 896), (896, 4864)):
         a = torch.randn(512, k).to(dtype)
         w = torch.randn(n, k).to(dtype)
         for fn in fns:
-            t = best_time(lambda: fn(a, w), reps=3)
+            wf = cpu_kernels.pack_panels(w) if fn is cpu_kernels.linear_pk else w
+            t = best_time(lambda: fn(a, wf), reps=3)
             best = max(best, 2 * 512 * n * k / t / 1e9)
     return best
 

@@ -10,6 +10,9 @@ For each projection of the reference checkpoint's shape (qkv 896->1152, o 896->8
 * ``amx``: phasewise's AMX kernel (where the CPU has AMX-BF16), bf16 weights in place;
 * ``dp``: phasewise's AVX512_BF16 kernel (where the CPU has AVX512_BF16), bf16 weights in
   place;
+* ``panels``: phasewise's AVX512_BF16 kernel on weights packed into panels (where the CPU
+  has AVX512_BF16: the engine packs its decoder projections so there, unless it has AMX),
+  16 output channels a vector, no reduction across lanes;
 * ``torch-bf16``: ``F.linear`` on the bf16 weight (fast only where the CPU has bf16 dot
   products: AVX512_BF16 / AMX);
 * ``torch-fp32``: ``F.linear`` on an fp32 copy of the weight (twice the bytes), the
@@ -55,6 +58,7 @@ def methods() -> dict:
         out["amx"] = cpu_kernels.linear_amx
     if cpu_kernels.dp_available():
         out["dp"] = cpu_kernels.linear_dp
+        out["panels"] = cpu_kernels.linear_pk  # over packed copies; see run()
     out["upcast"] = Upcast()
     out["torch-bf16"] = lambda x, w, b: F.linear(x, w, b)
     out["torch-fp32"] = None  # fp32 copies of the weights; see run()
@@ -71,6 +75,7 @@ def run(rows: list[int], rounds: int, shapes: list[str]) -> None:
         copies = max(2, (96 << 20) // (n * k * 2))
         ws = [torch.randn(n, k).bfloat16() for _ in range(copies)]
         ws32 = [w.float() for w in ws[: max(2, copies // 2)]]  # the same bytes in fp32
+        wps = [cpu_kernels.pack_panels(w) for w in ws] if "panels" in fns else []
         for m in rows:
             x = torch.randn(m, k).bfloat16()
             x32 = x.float()
@@ -80,6 +85,8 @@ def run(rows: list[int], rounds: int, shapes: list[str]) -> None:
                     fn, weights, xin = fns[name], ws, x
                     if name == "torch-fp32":
                         fn, weights, xin = (lambda a, w, b: F.linear(a, w, b)), ws32, x32
+                    elif name == "panels":
+                        weights = wps
                     fn(xin, weights[0], None)  # warm
                     t = time.perf_counter()
                     for w in weights:
@@ -90,7 +97,7 @@ def run(rows: list[int], rounds: int, shapes: list[str]) -> None:
             cells = "".join(f"{rate[name]:>7.1f} x{rate[name] / ref:<3.1f}"[:12].rjust(12)
                             for name in names)
             print(f"{shape:<8}{m:>6}{cells}", flush=True)
-        del ws, ws32
+        del ws, ws32, wps
     # as the engine calibrates: the 24 layers' gate_up weights of the reference checkpoint
     plan = LinearDispatch.calibrate([torch.randn(*SHAPES["gate_up"]).bfloat16()
                                      for _ in range(24)])

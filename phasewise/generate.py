@@ -50,8 +50,12 @@ def run(model: str, engine_kwargs: dict[str, Any], opts: GenerateOptions,
         if not k.amx:  # the dot-product kernels stand in for the tiles where they can run
             amx += ("; AVX512_BF16 dot products" if k.dp
                     else f"; no AVX512_BF16 kernels ({k.dp_reason})")
-        print(f"[kernels]  {eng.linear_plan.describe()}; {amx}; weight streams prefetch "
-              f"{k.stream_prefetch} bytes ahead ({k.stream_prefetch_reason})", file=err)
+        panels = ("decoder projections packed into panels (AVX512_BF16 dot products at "
+                  "every row count); the LM head: " if not eng.panels_reason
+                  else "")
+        print(f"[kernels]  {panels}{eng.linear_plan.describe()}; {amx}; weight streams "
+              f"prefetch {k.stream_prefetch} bytes ahead ({k.stream_prefetch_reason})",
+              file=err)
     if eng.device.type == "cuda":
         graphs = ("CUDA graphs for decode steps of up to "
                   f"{eng.runner.graphs.max_batch} rows" if eng.runner.graphs is not None

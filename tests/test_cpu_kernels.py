@@ -71,6 +71,107 @@ def test_avx512bf16_linear_rounds_once_and_keeps_nans():
     assert out[7].isnan().all() and not out[torch.arange(12) != 7].isnan().any()
 
 
+@needs_dp
+@settings(max_examples=60, deadline=None)
+@given(m=st.integers(1, 230), blocks=st.integers(1, 12), pairs=st.integers(1, 1100),
+       bias=st.booleans(), seed=st.integers(0, 2**31 - 1))
+def test_panels_linear_matches_fp32_reference_and_each_row_alone(m, blocks, pairs, bias, seed):
+    """The panels layout (pack_panels) holds the weight's bytes (unpack gives them back),
+    and linear_pk over it computes x w^T + b within one bf16 rounding: every tile (panels of
+    4 blocks for <= 4 tokens, 2 for more, a block left over alone; 1-12 tokens a tile; more
+    than one token block past 96; K in more than one chunk past 1024 values). A token's
+    result does not depend on the tokens beside it: the same bits alone."""
+    n, k = 16 * blocks, 2 * pairs
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g).bfloat16()
+    w = torch.randn(n, k, generator=g).bfloat16()
+    b = torch.randn(n, generator=g).bfloat16() if bias else None
+    wp = cpu_kernels.pack_panels(w)
+    assert wp.shape == (blocks, pairs, 16) and wp.dtype == torch.int32
+    assert torch.equal(cpu_kernels.unpack_panels(wp), w)
+    # lane c of pair p of block 0: channel c's values 2p (low half) and 2p + 1 (high half)
+    lo = (wp[0, :, 3] & 0xFFFF).to(torch.int32)
+    assert torch.equal(lo.to(torch.int16), w[3, 0::2].view(torch.int16))
+    y = cpu_kernels.linear_pk(x, wp, b)
+    assert y.dtype == torch.bfloat16 and y.shape == (m, n)
+    torch.testing.assert_close(y.float(), reference(x, w, b), rtol=2**-7, atol=1e-4 * k)
+    for r in {0, m // 2, m - 1}:
+        assert torch.equal(cpu_kernels.linear_pk(x[r:r + 1], wp, b)[0], y[r])
+
+
+@needs_dp
+def test_panels_linear_rounds_once_keeps_nans_and_refuses_what_it_cannot_take():
+    g = torch.Generator().manual_seed(4)
+    # one pair a row, the second value 0: each sum is one exact product, so the rounding
+    # alone sets the bits (to nearest even, as torch's)
+    xs = torch.zeros(40, 2).bfloat16()
+    xs[:, 0] = torch.randn(40, generator=g).bfloat16()
+    ws = torch.zeros(48, 2).bfloat16()
+    ws[:, 0] = torch.randn(48, generator=g).bfloat16()
+    assert torch.equal(cpu_kernels.linear_pk(xs, cpu_kernels.pack_panels(ws)),
+                       (xs.float() @ ws.float().T).bfloat16())
+    x = torch.randn(12, 64, generator=g).bfloat16()
+    w = torch.randn(32, 64, generator=g).bfloat16()
+    x[7, 10] = float("nan")
+    out = cpu_kernels.linear_pk(x, cpu_kernels.pack_panels(w))
+    assert out[7].isnan().all() and not out[torch.arange(12) != 7].isnan().any()
+    for bad in (torch.randn(24, 64).bfloat16(), torch.randn(32, 63).bfloat16(),
+                torch.randn(32, 64)):
+        assert not cpu_kernels.can_pack_panels(bad)
+        with pytest.raises(ValueError, match="N % 16"):
+            cpu_kernels.pack_panels(bad)
+    with pytest.raises(ValueError, match="width 62"):
+        cpu_kernels.linear_pk(torch.randn(3, 62).bfloat16(), cpu_kernels.pack_panels(w))
+
+
+@needs_dp
+def test_panels_are_packed_in_place_and_only_where_they_are_the_path(tmp_path, monkeypatch):
+    """pack_panels packs every decoder projection in the same bytes (no second copy), leaves
+    the LM head in rows, and runs the projections there; int8 weights or
+    PHASEWISE_PANELS=0 leave every weight as it was."""
+    from conftest import build_hf_checkpoint
+    from phasewise.model.config import ModelConfig
+    from phasewise.model.loader import load_model
+    from phasewise.model.quant import quantize_model_int8
+
+    build_hf_checkpoint(tmp_path, "Qwen2ForCausalLM", dtype=torch.bfloat16, seed=2)
+    cfg = ModelConfig.from_file(tmp_path)
+
+    def fresh():
+        return load_model(tmp_path, cfg, dtype=torch.bfloat16, device=torch.device("cpu"),
+                          max_positions=64)
+
+    model = fresh()
+    rows = {n: p.detach().clone() for n, p in model.named_parameters()}
+    ptrs = {n: p.data_ptr() for n, p in model.named_parameters()}
+    ops = CpuKernelOps(LinearDispatch(0, "torch"))
+    why = ops.pack_panels(model)
+    if cpu_kernels.amx_available():
+        assert why == "AMX tiles read the rows" and not ops.panels
+        return
+    assert why == "" and ops.panels
+    for name, p in model.named_parameters():
+        assert p.data_ptr() == ptrs[name]  # the same memory
+        if name.split(".")[-2] in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj") \
+                and name.endswith("weight"):
+            assert cpu_kernels.is_panels(p)
+            assert torch.equal(cpu_kernels.unpack_panels(p), rows[name])
+        else:
+            assert torch.equal(p, rows[name])
+    x = torch.randn(5, cfg.hidden_size).bfloat16()
+    lin = model.layers[0].o_proj
+    assert torch.equal(ops.proj(x[:, :cfg.q_size] if cfg.q_size != cfg.hidden_size else x, lin),
+                       cpu_kernels.linear_pk(x[:, :cfg.q_size] if cfg.q_size != cfg.hidden_size
+                                             else x, lin.weight, lin.bias))
+    model = fresh()
+    quantize_model_int8(model)
+    assert CpuKernelOps(LinearDispatch(0, "torch")).pack_panels(model) == "int8 weights"
+    monkeypatch.setenv("PHASEWISE_PANELS", "0")
+    model = fresh()
+    assert CpuKernelOps(LinearDispatch(0, "torch")).pack_panels(model) == "PHASEWISE_PANELS=0"
+    assert model.layers[0].qkv_proj.weight.dtype == torch.bfloat16
+
+
 @needs_amx
 @settings(max_examples=40, deadline=None)
 @given(m=st.integers(1, 70), n=st.integers(16, 200), k=st.integers(1, 300), bias=st.booleans(),
@@ -614,6 +715,7 @@ PLANS = {"avx2": (8, "torch"), "amx": (0, "amx"),
     (3, "int8", "amx"),  # AMX rows, int8 weights: fused, the int8 ones streamed
     (8, "int8", "amx"), (32, "int8", "amx"),  # more: fused, int8 panels widened on the tiles
     *((r, None, "dp") for r in (1, 3, 6, 8, 17, 32)),  # AVX512_BF16: up to 32 rows
+    *((r, None, "panels") for r in (1, 2, 5, 13, 32)),  # AVX512_BF16 on panels: any rows
     (3, "int8", "dp"),  # fused, the int8 projections streamed
     (8, "int8", "dp")])  # int8 beyond the streams' rows: op by op
 def test_fused_decode_layer_matches_op_by_op(tmp_path, arch, rows, quantization, plan):
@@ -622,9 +724,9 @@ def test_fused_decode_layer_matches_op_by_op(tmp_path, arch, rows, quantization,
     tiles), writing the same K/V into the cache; a step it cannot take runs op by op."""
     if plan == "amx" and not cpu_kernels.amx_available():
         pytest.skip(f"AMX kernels unavailable: {cpu_kernels.KERNELS.amx_reason}")
-    if plan == "dp" and not cpu_kernels.dp_available():
+    if plan in ("dp", "panels") and not cpu_kernels.dp_available():
         pytest.skip(f"AVX512_BF16 kernels unavailable: {cpu_kernels.KERNELS.dp_reason}")
-    dispatch = LinearDispatch(*PLANS[plan])
+    dispatch = LinearDispatch(*PLANS["dp" if plan == "panels" else plan])
     from conftest import build_hf_checkpoint
     from phasewise.model.attention import AttentionMetadata
     from phasewise.model.config import ModelConfig
@@ -655,10 +757,14 @@ def test_fused_decode_layer_matches_op_by_op(tmp_path, arch, rows, quantization,
         def decode_stack(self, *args, **kwargs):
             return None
 
-    fused = rows <= 6 or plan == "amx" or (plan == "dp" and quantization is None)
+    if plan == "panels":  # every projection packed, in place, once; every ops reads them
+        assert CpuKernelOps(dispatch).pack_panels(model) == ""
+        assert cpu_kernels.is_panels(model.layers[0].qkv_proj.weight)
+    fused = rows <= 6 or plan in ("amx", "panels") or (plan == "dp" and quantization is None)
     outs = {}
     for name, ops in (("stack", CpuKernelOps(dispatch)), ("layers", LayerByLayer(dispatch)),
                       ("ops", CpuKernelOps(dispatch, fused_decode=False))):
+        ops.panels = plan == "panels"
         model.ops = ops
         kv = [(k.clone(), v.clone()) for k, v in caches]
         with torch.no_grad():
@@ -679,13 +785,14 @@ def test_fused_decode_layer_matches_op_by_op(tmp_path, arch, rows, quantization,
     # layers (the stack's output buffers alternate).
     assert torch.equal(outs["stack"][0], outs["layers"][0])
     if not fused or (plan == "amx" and (quantization is None or rows > 6)) or (
-            plan == "dp" and quantization is None):  # op by op, or the AMX products and GLU
-        # epilogue (int8: the same widened panels and scales), or the same AVX512_BF16
-        # tiles as linear_dp: exactly the op-by-op results
+            plan in ("dp", "panels") and quantization is None):  # op by op, or the AMX
+        # products and GLU epilogue (int8: the same widened panels and scales), or the same
+        # AVX512_BF16 tiles as linear_dp (or linear_pk): exactly the op-by-op results
         assert torch.equal(outs["stack"][0], outs["ops"][0])
     model.layers = torch.nn.ModuleList(list(model.layers)[:1])
     odd = {}
     for name, ops in (("stack", CpuKernelOps(dispatch)), ("layers", LayerByLayer(dispatch))):
+        ops.panels = plan == "panels"
         model.ops = ops
         with torch.no_grad():
             odd[name] = model(ids, pos, [(k.clone(), v.clone()) for k, v in caches[:1]], meta)

@@ -110,6 +110,8 @@ class LLMEngine:
                                 quantization=config.quantization,
                                 load_format=config.load_format, seed=config.seed)
         self.linear_plan: LinearDispatch | None = None
+        # why the decoder projections stay in rows ("" where they are packed into panels)
+        self.panels_reason = "not the CPU kernels"
         if config.kernels == "auto" and self.device.type == "cpu" and self.dtype == torch.bfloat16:
             gate_up = self.model.layers[0].gate_up_proj
             if gate_up.weight.dtype == torch.int8:  # the plan times bf16 weights of that shape
@@ -132,7 +134,9 @@ class LLMEngine:
                         and tuple(w.shape) not in self.linear_plan.prompt_by_shape):
                     self.linear_plan.calibrate_prompt_shape(
                         [getattr(layer, name).weight for layer in layers[:8]])
-            self.model.ops = CpuKernelOps(self.linear_plan)
+            ops = CpuKernelOps(self.linear_plan)
+            self.panels_reason = ops.pack_panels(self.model)  # "" once packed
+            self.model.ops = ops
         self.gpu_kernels = "torch operations"  # on CUDA: what runs (generate reports it)
         if config.kernels == "auto" and self.device.type == "cuda":
             try:  # fused norm, RoPE, SiLU and paged decode attention (Triton ships with torch)

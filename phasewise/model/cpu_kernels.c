@@ -1430,7 +1430,9 @@ typedef struct {
      * w_o, w_gate_up and w_down, whose pointers then point at int8 weights. */
     const float *s_qkv, *s_o, *s_gate_up, *s_down;
     int amx; /* 1: the bf16 projections run on AMX tiles (cpu_amx.c), where the CPU has them;
-              * 2: on AVX512_BF16 dot products (cpu_avx512bf16.c), bf16 weights only */
+              * 2: on AVX512_BF16 dot products (cpu_avx512bf16.c), bf16 weights only;
+              * 3: the same on weights packed into panels (pw_pk_pack: every projection,
+              *    at any row count; no int8) */
 } DecodeLayer;
 
 #define MAX_HEAD_DIM 512 /* the largest head the kernels take (a bound on scratch sizes) */
@@ -1494,6 +1496,8 @@ void pw_dp_share(const uint16_t *xb, int M, const uint16_t *w, int K, int N, flo
     __attribute__((weak));
 void pw_dp_glu_rows(const float *res, const uint16_t *bias, int M, int I, float *act)
     __attribute__((weak));
+void pw_pk_share(const uint16_t *xb, int M, const uint32_t *wp, int K, int N, float *res)
+    __attribute__((weak));
 
 /* out = bf16(res + bias) for M rows of N, shared by the threads of the calling region (an
  * orphaned omp for, with its barrier), row by row (walking down the rows first, rows of
@@ -1522,6 +1526,8 @@ static void bias_round_rows(const float *res, const uint16_t *bias, int M, int N
  * Or, where the layer asks for AVX512_BF16 dot products (amx == 2), on those: bf16 weights
  * only (int8 ones stream, up to their rows). */
 static int amx_proj(const DecodeLayer *L, const float *scale, int N) {
+    if (L->amx == 3)
+        return !scale && N % 16 == 0 && pw_pk_share != NULL && pw_dp_pack_f32 != NULL;
     if (L->amx == 2) return !scale && N >= 16 && pw_dp_share != NULL && pw_dp_pack_f32 != NULL;
     if (L->amx != 1 || N < 16 || !pw_amx_pack_f32) return 0;
     return scale ? L->M > ROW_STREAM_MAX && pw_amx_share_int8 != NULL : pw_amx_share != NULL;
@@ -1534,9 +1540,12 @@ static int amx_proj(const DecodeLayer *L, const float *scale, int N) {
 static void layer_proj(const DecodeLayer *L, const float *x, int M, const void *w,
                        const float *scale, int K, int N, uint32_t *xp, uint16_t *wide,
                        long wide_per_thread, float *res) {
-    if (amx_proj(L, scale, N) && L->amx == 2) {  /* AVX512_BF16: bf16 rows, then the share */
+    if (amx_proj(L, scale, N) && L->amx >= 2) {  /* AVX512_BF16: bf16 rows, then the share */
         pw_dp_pack_f32(x, M, K, (uint16_t *)xp);  /* shared by the threads, with a barrier */
-        pw_dp_share((const uint16_t *)xp, M, (const uint16_t *)w, K, N, res);
+        if (L->amx == 3)
+            pw_pk_share((const uint16_t *)xp, M, (const uint32_t *)w, K, N, res);
+        else
+            pw_dp_share((const uint16_t *)xp, M, (const uint16_t *)w, K, N, res);
         return;
     }
     if (amx_proj(L, scale, N)) {
@@ -1559,6 +1568,8 @@ int pw_decode_layer_bf16(const DecodeLayer *L) {
                   && amx_proj(L, L->s_gate_up, 2 * I) && amx_proj(L, L->s_down, H) && H >= 16
                   && I >= 8;
     if (M < 1 || M > (all_amx ? AMX_LAYER_MAX : ROW_STREAM_MAX) || hd > MAX_HEAD_DIM)
+        return -2;
+    if (L->amx == 3 && !all_amx)  /* panels are no rows: nothing else may read them */
         return -2;
     int amx_glu = L->amx == 1 && amx_proj(L, L->s_gate_up, 2 * I) && I >= 16
                   && (L->s_gate_up ? pw_amx_share_glu_int8 != NULL : pw_amx_share_glu != NULL);
@@ -1647,7 +1658,7 @@ int pw_decode_layer_bf16(const DecodeLayer *L) {
         /* Row by row (rows of 2I floats lie tens of KiB apart, often a multiple of 4 KiB:
          * walking down the rows first thrashed L1's sets: 8 ms a step at 32 rows). Skipped
          * alike by every thread where the tiles' epilogue wrote act. */
-        if (!amx_glu && L->amx == 2 && pw_dp_glu_rows) {  /* 16 lanes, the same bits */
+        if (!amx_glu && L->amx >= 2 && pw_dp_glu_rows) {  /* 16 lanes, the same bits */
             pw_dp_glu_rows(res, L->b_gate_up, M, I, act);
         } else if (!amx_glu) {
 #pragma omp for collapse(2) schedule(static)

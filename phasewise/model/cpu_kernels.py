@@ -185,6 +185,10 @@ def _signatures() -> dict[str, tuple[Any, list[Any]]]:
 DP_SIGNATURES = {
     "pw_linear_dp": (ctypes.c_int, [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4),
     "pw_silu_mul_dp": (None, [ctypes.c_void_p] * 2 + [ctypes.c_int] * 3),
+    "pw_linear_pk": (ctypes.c_int, [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4),
+    "pw_pk_pack": (None, [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
+                          ctypes.c_int]),
+    "pw_pk_unpack": (None, [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]),
     # as pw_prefill_attention_amx's (AMX_SIGNATURES)
     "pw_prefill_attention_dp": (ctypes.c_int, [
         ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
@@ -463,6 +467,59 @@ def linear_dp(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None
         raise RuntimeError("AVX512_BF16 kernels unavailable: "
                            f"{KERNELS.dp_reason or KERNELS.reason}")
     return _call("pw_linear_dp", x, w, bias)
+
+
+def is_panels(w: torch.Tensor) -> bool:
+    """Whether ``w`` is a weight in the panels layout (``pack_panels``): int32 [N / 16,
+    K / 2, 16] on a CPU."""
+    return w.dtype == torch.int32 and w.dim() == 3 and w.shape[2] == 16 and w.device.type == "cpu"
+
+
+def can_pack_panels(w: torch.Tensor) -> bool:
+    """Whether ``w`` ([N, K] bf16, CPU) can take the panels layout: N % 16 == 0, K even,
+    and the AVX512_BF16 kernels run here."""
+    return (dp_available() and w.dim() == 2 and w.dtype == torch.bfloat16
+            and w.device.type == "cpu" and w.shape[0] % 16 == 0 and w.shape[1] % 2 == 0
+            and w.shape[0] > 0 and w.shape[1] > 0)
+
+
+def pack_panels(w: torch.Tensor) -> torch.Tensor:
+    """``w`` ([N, K] bf16; ``can_pack_panels``) in the panels layout of ``pw_linear_pk``:
+    int32 [N / 16, K / 2, 16], element [b, p, c] holding w[16 b + c, 2p] (low half) and
+    w[16 b + c, 2p + 1] (high half). Same bytes as ``w``; a new tensor."""
+    if not can_pack_panels(w):
+        raise ValueError(f"cannot pack a {tuple(w.shape)} {w.dtype} weight into panels (N % 16, "
+                         "K % 2 and the AVX512_BF16 kernels are needed)")
+    n, k = w.shape
+    wc = w.contiguous()
+    out = torch.empty(n // 16, k // 2, 16, dtype=torch.int32)
+    load().pw_pk_pack(wc.data_ptr(), n, k, out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+def unpack_panels(wp: torch.Tensor) -> torch.Tensor:
+    """The [N, K] bf16 weight that ``pack_panels`` packed into ``wp``."""
+    if not is_panels(wp) or not dp_available():
+        raise ValueError("not a weight in the panels layout, or no AVX512_BF16 kernels here")
+    n, k = wp.shape[0] * 16, wp.shape[1] * 2
+    out = torch.empty(n, k, dtype=torch.bfloat16)
+    load().pw_pk_unpack(wp.contiguous().data_ptr(), n, k, out.data_ptr())
+    return out
+
+
+def linear_pk(x: torch.Tensor, wp: torch.Tensor, bias: torch.Tensor | None = None
+              ) -> torch.Tensor:
+    """Same contract as ``linear_bf16``, with the weight in the panels layout
+    (``pack_panels``; N = 16 wp.shape[0]): AVX512_BF16 dot products, 16 output channels a
+    vector, each token's pairs broadcast, products of bf16 pairs summed in fp32 pair by
+    pair, one rounding."""
+    if not dp_available():
+        raise RuntimeError("AVX512_BF16 kernels unavailable: "
+                           f"{KERNELS.dp_reason or KERNELS.reason}")
+    if not is_panels(wp) or x.shape[-1] != 2 * wp.shape[1]:
+        raise ValueError(f"linear_pk: weight {tuple(wp.shape)} {wp.dtype} is not panels of "
+                         f"the input's width {x.shape[-1]}")
+    return _call("pw_linear_pk", x.to(torch.bfloat16), wp, bias, n=16 * wp.shape[0])
 
 
 def _need_amx() -> None:

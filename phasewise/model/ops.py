@@ -13,6 +13,7 @@ not cover falls back to ``TorchOps``.
 from __future__ import annotations
 
 import ctypes
+import os
 
 import torch
 import torch.nn.functional as F
@@ -135,6 +136,10 @@ class CpuKernelOps(TorchOps):
         self.fused_decode = fused_decode and self.lib is not None
         self._layer_args: dict[int, cpu_kernels.DecodeLayerArgs] = {}
         self._stack: tuple | None = None  # (layers, cache pointers, (args, k, v)) of decode_stack
+        # Whether the model's projections are packed into panels (pack_panels_model): then
+        # every projection, at every row count, runs cpu_kernels.linear_pk or the fused
+        # layer's panels mode (amx field 3), and nothing reads those weights as rows.
+        self.panels = False
 
     def _ok(self, *ts: torch.Tensor) -> bool:
         return self.lib is not None and all(
@@ -142,6 +147,8 @@ class CpuKernelOps(TorchOps):
             for t in ts)
 
     def linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        if cpu_kernels.is_panels(w):
+            return cpu_kernels.linear_pk(x, w, b)
         if w.dtype != torch.bfloat16 or w.device.type != "cpu":
             return F.linear(x, w, b)
         return self.dispatch(x, w, b)
@@ -202,6 +209,43 @@ class CpuKernelOps(TorchOps):
         for r0 in range(0, rows, chunk):
             out[r0:r0 + chunk] = super().mlp(x2[r0:r0 + chunk], gate_up, down)
         return out.view(*x.shape[:-1], down.weight.shape[0])
+
+    def pack_panels(self, model: nn.Module) -> str:
+        """Where the CPU has AVX512_BF16 and no AMX, pack every decoder projection of
+        ``model`` into the panels layout (``cpu_kernels.pack_panels``) in place (the same
+        huge-page bytes, no second copy), and run them there from now on: the linear layer
+        and the fused decode layer at every row count, instead of the streams, the in-place
+        dot-product tiles and torch's GEMM by turns. The LM head (often the embedding table
+        too) stays in rows. All or nothing: int8 weights, or a shape the panels do not take
+        (N % 16, K % 2), leave every weight as it is. Returns why not, or "" once packed.
+        ``PHASEWISE_PANELS=0`` keeps the rows (for comparisons)."""
+        if os.environ.get("PHASEWISE_PANELS", "1") == "0":
+            return "PHASEWISE_PANELS=0"
+        if not cpu_kernels.dp_available() or cpu_kernels.amx_available():
+            return ("AMX tiles read the rows" if cpu_kernels.amx_available()
+                    else "no AVX512_BF16 kernels")
+        lins = [getattr(layer, name) for layer in model.layers
+                for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")]
+        if not lins:
+            return "no decoder projections"
+        for lin in lins:
+            if getattr(lin, "weight_scale", None) is not None:
+                return "int8 weights"
+            if not cpu_kernels.can_pack_panels(lin.weight):
+                return f"a {tuple(lin.weight.shape)} {lin.weight.dtype} weight"
+        with torch.no_grad():
+            for lin in lins:
+                w = lin.weight
+                packed = cpu_kernels.pack_panels(w)
+                if w.is_contiguous() and w.data_ptr() % 4 == 0:  # in place, same bytes
+                    dst = w.detach().view(torch.int32).view(-1)
+                    dst.copy_(packed.view(-1))
+                    packed = dst.view(packed.shape)
+                lin.weight = nn.Parameter(packed, requires_grad=False)
+        self.panels = True
+        self._layer_args.clear()
+        self._stack = None
+        return ""
 
     def add_rms_norm(self, delta: torch.Tensor | None, hidden: torch.Tensor,
                      weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -339,9 +383,12 @@ class CpuKernelOps(TorchOps):
         return int(self.dispatch.method(rows) == "amx" and cpu_kernels.amx_available())
 
     def _tile_mode(self, rows: int) -> int:
-        """How the fused layer runs ``rows`` rows' projections (its ``amx`` field): 1 on AMX
-        tiles, 2 on AVX512_BF16 dot products (bf16 weights; int8 ones stream), as the plan
-        runs these rows; 0 on the streams."""
+        """How the fused layer runs ``rows`` rows' projections (its ``amx`` field): 3 on
+        AVX512_BF16 dot products over panels where the weights are packed so (any row
+        count); else 1 on AMX tiles, 2 on AVX512_BF16 dot products (bf16 weights; int8 ones
+        stream), as the plan runs these rows; 0 on the streams."""
+        if self.panels:
+            return 3
         if self._amx_rows(rows):
             return 1
         return 2 if self.dispatch.method(rows) == "dp" and cpu_kernels.dp_available() else 0
@@ -360,7 +407,7 @@ class CpuKernelOps(TorchOps):
         than 16 output channels (hidden or q + 2 kv) or 8 intermediate ones, or, on
         AVX512_BF16, an int8 projection. The C layer refuses such a step (as it checks the
         same), so it runs op by op."""
-        dp = self._tile_mode(rows) == 2
+        dp = self._tile_mode(rows) >= 2
         return rows > self.kernels.decode_layer_max_rows and any(
             a.H < 16 or a.Q + 2 * a.KV < 16 or a.I < 8
             or (dp and any((a.s_qkv, a.s_o, a.s_gate_up, a.s_down))) for a in args)
@@ -422,9 +469,15 @@ class CpuKernelOps(TorchOps):
             weights["w_q_norm"] = layer.q_norm.weight
             weights["w_k_norm"] = layer.k_norm.weight
         int8: dict[str, torch.Tensor] = {}  # int8 projections' scales, by their field
+        panels: dict[str, torch.Tensor] = {}  # projections packed into panels
         for field, lin in (("qkv", layer.qkv_proj), ("o", layer.o_proj),
                            ("gate_up", layer.gate_up_proj), ("down", layer.down_proj)):
             scale = getattr(lin, "weight_scale", None)
+            if cpu_kernels.is_panels(lin.weight):
+                if not (self.panels and lin.weight.is_contiguous()):
+                    return None
+                panels["w_" + field] = lin.weight
+                continue
             if scale is None:
                 weights["w_" + field] = lin.weight
                 continue
@@ -436,7 +489,10 @@ class CpuKernelOps(TorchOps):
         present = [w for w in weights.values() if w is not None]
         if cfg.head_dim > self.kernels.max_head_dim or not self._ok(*present):
             return None
+        if (panels or self.panels) and len(panels) != 4:  # panels: every projection or none
+            return None
         weights.update(int8)
+        weights.update(panels)
         args = cpu_kernels.DecodeLayerArgs(
             H=cfg.hidden_size, Q=cfg.q_size, KV=cfg.kv_size, I=cfg.intermediate_size,
             n_heads=cfg.num_heads, n_kv=cfg.num_kv_heads, hd=cfg.head_dim,

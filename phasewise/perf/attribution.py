@@ -45,7 +45,8 @@ def engine_weight_dtype(engine: Any) -> str:
 
 def engine_compute_dtype(engine: Any) -> Callable[[int], str]:
     """For an ``LLMEngine``: the dtype whose peak a step of ``rows`` tokens runs at. On CPU
-    the calibrated bf16 plan decides per row count (kernel or upcast: fp32; torch: bf16),
+    the calibrated bf16 plan decides per row count (kernel or upcast: fp32; torch: bf16;
+    every count bf16 where the projections are packed into panels),
     int8 weights are widened to fp32 by the paths that run them, except more rows than the
     int8 streams take on a CPU with AMX, which widens them to bf16 for the tiles; fp16 (an
     emulation there, with no measured peak) is rated against fp32; elsewhere the weights'
@@ -59,6 +60,8 @@ def engine_compute_dtype(engine: Any) -> Callable[[int], str]:
                 return lambda rows: "bf16" if rows > cpu_kernels.INT8_ROWS_MAX else "fp32"
             return lambda rows: "fp32"
         plan = getattr(engine, "linear_plan", None)
+        if plan is not None and getattr(engine, "panels_reason", None) == "":
+            return lambda rows: "bf16"  # the projections' panels: dot products at any rows
         if plan is not None:
             return plan.compute_dtype
         if dtype == "fp16":
