@@ -130,6 +130,8 @@ def test_panels_are_packed_in_place_and_only_where_they_are_the_path(tmp_path, m
     the LM head in rows, and runs the projections there; int8 weights or
     PHASEWISE_PANELS=0 leave every weight as it was."""
     from conftest import build_hf_checkpoint
+
+    from phasewise.model import ops as ops_mod
     from phasewise.model.config import ModelConfig
     from phasewise.model.loader import load_model
     from phasewise.model.quant import quantize_model_int8
@@ -163,6 +165,12 @@ def test_panels_are_packed_in_place_and_only_where_they_are_the_path(tmp_path, m
     assert torch.equal(ops.proj(x[:, :cfg.q_size] if cfg.q_size != cfg.hidden_size else x, lin),
                        cpu_kernels.linear_pk(x[:, :cfg.q_size] if cfg.q_size != cfg.hidden_size
                                              else x, lin.weight, lin.bias))
+    # a prompt's MLP past MLP_CHUNK_ROWS runs in chunks: each row as alone
+    layer = model.layers[0]
+    xs = torch.randn(ops_mod.MLP_CHUNK_ROWS + 77, cfg.hidden_size).bfloat16()
+    y = ops.mlp(xs, layer.gate_up_proj, layer.down_proj)
+    assert y.shape == xs.shape
+    assert torch.equal(y[-3:], ops.mlp(xs[-3:], layer.gate_up_proj, layer.down_proj))
     model = fresh()
     quantize_model_int8(model)
     assert CpuKernelOps(LinearDispatch(0, "torch")).pack_panels(model) == "int8 weights"

@@ -127,6 +127,11 @@ class TorchOps:
 MLP_CHUNK_ROWS = 512
 
 
+def out_features(w: torch.Tensor) -> int:
+    """A projection weight's output width: its rows, or 16 a block of panels."""
+    return 16 * w.shape[0] if cpu_kernels.is_panels(w) else w.shape[0]
+
+
 class CpuKernelOps(TorchOps):
     def __init__(self, linear: LinearDispatch, fused_decode: bool = True) -> None:
         # Without the compiled library only the linear dispatch (torch / fp32 upcast) applies.
@@ -204,11 +209,12 @@ class CpuKernelOps(TorchOps):
         # in chunks of equal size (513 rows: 257 + 256, not 512 + a row that would stream
         # every MLP weight once more, on another method)
         x2 = x.reshape(rows, x.shape[-1])
-        out = torch.empty(rows, down.weight.shape[0], dtype=x.dtype)
+        width = out_features(down.weight)
+        out = torch.empty(rows, width, dtype=x.dtype)
         chunk = -(-rows // -(-rows // MLP_CHUNK_ROWS))
         for r0 in range(0, rows, chunk):
             out[r0:r0 + chunk] = super().mlp(x2[r0:r0 + chunk], gate_up, down)
-        return out.view(*x.shape[:-1], down.weight.shape[0])
+        return out.view(*x.shape[:-1], width)
 
     def pack_panels(self, model: nn.Module) -> str:
         """Where the CPU has AVX512_BF16 and no AMX, pack every decoder projection of
