@@ -162,13 +162,23 @@ def measure_device(device: str, progress: Callable[[str], None], quick: bool = F
             # Where phasewise's AMX kernel runs the engine's bf16 matmuls, its speed is this
             # machine's bf16 peak too: the faster of the two counts (as the engine picks).
             from phasewise.model import cpu_kernels
+            # Likewise its panels kernel where the CPU has AVX512_BF16 (and no AMX: there the
+            # engine packs its projections into panels).
+            own_fn = None
             if cpu_kernels.amx_available():
                 bt = b.t().contiguous()  # [N, K]: the kernel's weight layout
-                own = _times(lambda: cpu_kernels.linear_amx(a, bt), sync, reps, 20)
+                own_fn, own_name = (lambda: cpu_kernels.linear_amx(a, bt),
+                                    "phasewise's AMX kernel")
+            elif cpu_kernels.dp_available() and n % 16 == 0:
+                bp = cpu_kernels.pack_panels(b.t().contiguous())
+                own_fn, own_name = (lambda: cpu_kernels.linear_pk(a, bp),
+                                    "phasewise's AVX512_BF16 panels kernel")
+            if own_fn is not None:
+                own = _times(own_fn, sync, reps, 20)
                 rate, own_spread = _rates(2 * n ** 3, own)
                 if rate > peaks[name]:
                     peaks[name], spread[name], times = rate, own_spread, own
-                    by["bf16"] = "phasewise's AMX kernel"
+                    by["bf16"] = own_name
         runs[name] = len(times)
         sizes[name] = n
         progress(f"{device}: {name} matmul {peaks[name] / 1e9:.1f} GFLOP/s "
