@@ -72,7 +72,8 @@ def matmul_gflops(dtype: torch.dtype) -> float:
     fns = [torch.nn.functional.linear]
     if dtype == torch.bfloat16 and cpu_kernels.amx_available():
         fns.append(cpu_kernels.linear_amx)
-    if dtype == torch.bfloat16 and cpu_kernels.dp_available():  # AVX512_BF16 dot products over the panels layout (the engine's path there)
+    # AVX512_BF16 dot products over the panels layout (the engine's path there)
+    if dtype == torch.bfloat16 and cpu_kernels.dp_available():
         fns.append(cpu_kernels.linear_pk)
     best = 0.0
     for n, k in ((9728, 896), (896, 4864)):

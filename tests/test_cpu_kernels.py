@@ -89,6 +89,9 @@ def test_panels_linear_matches_fp32_reference_and_each_row_alone(m, blocks, pair
     wp = cpu_kernels.pack_panels(w)
     assert wp.shape == (blocks, pairs, 16) and wp.dtype == torch.int32
     assert torch.equal(cpu_kernels.unpack_panels(wp), w)
+    w2 = w.clone()
+    wp2 = cpu_kernels.pack_panels(w2, in_place=True)  # block by block, in w2's own bytes
+    assert wp2.data_ptr() == w2.data_ptr() and torch.equal(wp2, wp)
     # lane c of pair p of block 0: channel c's values 2p (low half) and 2p + 1 (high half)
     lo = (wp[0, :, 3] & 0xFFFF).to(torch.int32)
     assert torch.equal(lo.to(torch.int16), w[3, 0::2].view(torch.int16))
@@ -766,7 +769,7 @@ def test_fused_decode_layer_matches_op_by_op(tmp_path, arch, rows, quantization,
             return None
 
     if plan == "panels":  # every projection packed, in place, once; every ops reads them
-        assert CpuKernelOps(dispatch).pack_panels(model) == ""
+        assert CpuKernelOps(dispatch).pack_panels(model, force=True) == ""  # AMX too
         assert cpu_kernels.is_panels(model.layers[0].qkv_proj.weight)
     fused = rows <= 6 or plan in ("amx", "panels") or (plan == "dp" and quantization is None)
     outs = {}

@@ -632,16 +632,37 @@ void pw_dp_glu_rows(const float *res, const uint16_t *bias, int M, int I, float 
 #define PK_MT 12     /* the most tokens a tile (2 blocks) */
 
 /* w [N, K] bf16 row-major -> wp (N * K / 2 words), N % 16 == 0, K % 2 == 0; the blocks
- * shared by the threads. */
-void pw_pk_pack(const uint16_t *w, int N, int K, uint32_t *wp, int nthreads) {
+ * shared by the threads. wp may be w itself: block b's panel takes the bytes of rows 16 b ..
+ * 16 b + 15, so each block is copied aside (one block a thread, 32 K bytes) and packed back
+ * in place, and no second copy of the weight is ever made. Returns 0, or -1 without the
+ * block's scratch memory. */
+int pw_pk_pack(const uint16_t *w, int N, int K, uint32_t *wp, int nthreads) {
     long KP = K / 2;
-#pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int b = 0; b < N / 16; b++) {
-        const uint32_t *rows = (const uint32_t *)(w + (long)b * 16 * K);
-        uint32_t *dst = wp + (long)b * KP * 16;
-        for (long p = 0; p < KP; p++)
-            for (int c = 0; c < 16; c++) dst[p * 16 + c] = rows[(long)c * KP + p];
+    int in_place = (const void *)w == (const void *)wp, failed = 0;
+#pragma omp parallel num_threads(nthreads)
+    {
+        uint32_t *tmp = in_place ? (uint32_t *)malloc(sizeof(uint32_t) * KP * 16) : NULL;
+        if (in_place && !tmp) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp barrier
+        if (!failed) {
+#pragma omp for schedule(static)
+            for (int b = 0; b < N / 16; b++) {
+                const uint32_t *rows = (const uint32_t *)(w + (long)b * 16 * K);
+                uint32_t *dst = wp + (long)b * KP * 16;
+                if (in_place) {
+                    memcpy(tmp, rows, sizeof(uint32_t) * KP * 16);
+                    rows = tmp;
+                }
+                for (long p = 0; p < KP; p++)
+                    for (int c = 0; c < 16; c++) dst[p * 16 + c] = rows[(long)c * KP + p];
+            }
+        }
+        free(tmp);
     }
+    return failed ? -1 : 0;
 }
 
 /* The inverse of pw_pk_pack (for tests and for handing a row-major copy back). */

@@ -186,8 +186,8 @@ DP_SIGNATURES = {
     "pw_linear_dp": (ctypes.c_int, [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4),
     "pw_silu_mul_dp": (None, [ctypes.c_void_p] * 2 + [ctypes.c_int] * 3),
     "pw_linear_pk": (ctypes.c_int, [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4),
-    "pw_pk_pack": (None, [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
-                          ctypes.c_int]),
+    "pw_pk_pack": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
+                                  ctypes.c_void_p, ctypes.c_int]),
     "pw_pk_unpack": (None, [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]),
     # as pw_prefill_attention_amx's (AMX_SIGNATURES)
     "pw_prefill_attention_dp": (ctypes.c_int, [
@@ -483,17 +483,26 @@ def can_pack_panels(w: torch.Tensor) -> bool:
             and w.shape[0] > 0 and w.shape[1] > 0)
 
 
-def pack_panels(w: torch.Tensor) -> torch.Tensor:
+def pack_panels(w: torch.Tensor, in_place: bool = False) -> torch.Tensor:
     """``w`` ([N, K] bf16; ``can_pack_panels``) in the panels layout of ``pw_linear_pk``:
     int32 [N / 16, K / 2, 16], element [b, p, c] holding w[16 b + c, 2p] (low half) and
-    w[16 b + c, 2p + 1] (high half). Same bytes as ``w``; a new tensor."""
+    w[16 b + c, 2p + 1] (high half). Same byte count as ``w``; a new tensor, or with
+    ``in_place`` (``w`` contiguous, 4-byte aligned) a view of ``w``'s own bytes, repacked a
+    block of 16 rows at a time (``w`` no longer holds rows then)."""
     if not can_pack_panels(w):
         raise ValueError(f"cannot pack a {tuple(w.shape)} {w.dtype} weight into panels (N % 16, "
                          "K % 2 and the AVX512_BF16 kernels are needed)")
     n, k = w.shape
-    wc = w.contiguous()
-    out = torch.empty(n // 16, k // 2, 16, dtype=torch.int32)
-    load().pw_pk_pack(wc.data_ptr(), n, k, out.data_ptr(), torch.get_num_threads())
+    if in_place:
+        if not w.is_contiguous() or w.data_ptr() % 4:
+            raise ValueError("pack_panels in place needs a contiguous, 4-byte aligned weight")
+        src = w.detach()
+        out = src.view(torch.int32).view(n // 16, k // 2, 16)
+    else:
+        src = w.contiguous()
+        out = torch.empty(n // 16, k // 2, 16, dtype=torch.int32)
+    if load().pw_pk_pack(src.data_ptr(), n, k, out.data_ptr(), torch.get_num_threads()):
+        raise MemoryError("pw_pk_pack could not allocate a block's scratch memory")
     return out
 
 

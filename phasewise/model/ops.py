@@ -216,7 +216,7 @@ class CpuKernelOps(TorchOps):
             out[r0:r0 + chunk] = super().mlp(x2[r0:r0 + chunk], gate_up, down)
         return out.view(*x.shape[:-1], width)
 
-    def pack_panels(self, model: nn.Module) -> str:
+    def pack_panels(self, model: nn.Module, force: bool = False) -> str:
         """Where the CPU has AVX512_BF16 and no AMX, pack every decoder projection of
         ``model`` into the panels layout (``cpu_kernels.pack_panels``) in place (the same
         huge-page bytes, no second copy), and run them there from now on: the linear layer
@@ -224,10 +224,11 @@ class CpuKernelOps(TorchOps):
         dot-product tiles and torch's GEMM by turns. The LM head (often the embedding table
         too) stays in rows. All or nothing: int8 weights, or a shape the panels do not take
         (N % 16, K % 2), leave every weight as it is. Returns why not, or "" once packed.
-        ``PHASEWISE_PANELS=0`` keeps the rows (for comparisons)."""
-        if os.environ.get("PHASEWISE_PANELS", "1") == "0":
+        ``PHASEWISE_PANELS=0`` keeps the rows (for comparisons). ``force``: pack wherever
+        the AVX512_BF16 kernels run, AMX or not, whatever the variable says (tests)."""
+        if os.environ.get("PHASEWISE_PANELS", "1") == "0" and not force:
             return "PHASEWISE_PANELS=0"
-        if not cpu_kernels.dp_available() or cpu_kernels.amx_available():
+        if not cpu_kernels.dp_available() or (cpu_kernels.amx_available() and not force):
             return ("AMX tiles read the rows" if cpu_kernels.amx_available()
                     else "no AVX512_BF16 kernels")
         lins = [getattr(layer, name) for layer in model.layers
@@ -240,14 +241,11 @@ class CpuKernelOps(TorchOps):
             if not cpu_kernels.can_pack_panels(lin.weight):
                 return f"a {tuple(lin.weight.shape)} {lin.weight.dtype} weight"
         with torch.no_grad():
-            for lin in lins:
+            for lin in lins:  # in place where it can (the arena's weights always can)
                 w = lin.weight
-                packed = cpu_kernels.pack_panels(w)
-                if w.is_contiguous() and w.data_ptr() % 4 == 0:  # in place, same bytes
-                    dst = w.detach().view(torch.int32).view(-1)
-                    dst.copy_(packed.view(-1))
-                    packed = dst.view(packed.shape)
-                lin.weight = nn.Parameter(packed, requires_grad=False)
+                in_place = w.is_contiguous() and w.data_ptr() % 4 == 0
+                lin.weight = nn.Parameter(cpu_kernels.pack_panels(w, in_place=in_place),
+                                          requires_grad=False)
         self.panels = True
         self._layer_args.clear()
         self._stack = None
