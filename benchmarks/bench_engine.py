@@ -107,11 +107,16 @@ def run_phasewise(model: str, reps: int) -> dict[str, float]:
     # figure is the engine's raw prefill speed, as the peers measure theirs.
     llm = LLM(model, dtype="bfloat16", enable_prefix_caching=False, max_num_seqs=64,
               max_num_batched_tokens=4096)
+    from phasewise.perf.attribution import engine_compute_dtype
+
     plan = llm.engine.linear_plan
-    print(f"  phasewise linear plan: {plan.describe() if plan else 'torch'}", file=sys.stderr)
+    panels = ("decoder projections in panels; the LM head: "
+              if llm.engine.panels_reason == "" else "")
+    print(f"  phasewise linear plan: {panels}{plan.describe() if plan else 'torch'}",
+          file=sys.stderr)
     # Whose arithmetic each phase runs in on this CPU (the roofline takes that one's peak).
-    arith = {"prefill512": plan.compute_dtype(512) if plan else "bf16",
-             "b32_decode": plan.compute_dtype(32) if plan else "bf16"}
+    compute = engine_compute_dtype(llm.engine)
+    arith = {"prefill512": compute(512), "b32_decode": compute(32)}
 
     def generate(ps: list[list[int]], out: int) -> None:
         llm.generate(ps, SamplingParams(temperature=0.0, max_tokens=out, ignore_eos=True))

@@ -224,7 +224,8 @@ def main() -> None:
         repeats = [longest_repeat(cut_function(h, c)) for h, c in zip(heads, greedy)]
         rep, looping = max(repeats), sum(r > 3 for r in repeats)
         tok_s, roof = decode_b1(llm, heads[0])
-        params = sum(p.numel() for p in llm.engine.model.parameters())
+        # from the config: a packed weight (panels, int32) holds two values an element
+        params = llm.engine.model_config.num_params
         rows[name] = {"per_token": per_token, "per_byte": per_byte, "parse": ok / len(heads),
                       "unfinished": cut_off,
                       "repeat": rep, "looping": looping, "tok_s": tok_s, "roof": roof,

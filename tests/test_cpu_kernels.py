@@ -123,8 +123,14 @@ def test_panels_linear_rounds_once_keeps_nans_and_refuses_what_it_cannot_take():
         assert not cpu_kernels.can_pack_panels(bad)
         with pytest.raises(ValueError, match="N % 16"):
             cpu_kernels.pack_panels(bad)
+    wp = cpu_kernels.pack_panels(w)
     with pytest.raises(ValueError, match="width 62"):
-        cpu_kernels.linear_pk(torch.randn(3, 62).bfloat16(), cpu_kernels.pack_panels(w))
+        cpu_kernels.linear_pk(torch.randn(3, 62).bfloat16(), wp)
+    with pytest.raises(ValueError, match="contiguous panels"):
+        cpu_kernels.linear_pk(x, wp.transpose(0, 1).contiguous().transpose(0, 1))
+    for bias in (torch.randn(32), torch.randn(16).bfloat16(), torch.randn(64).bfloat16()[::2]):
+        with pytest.raises(ValueError, match="32 values"):
+            cpu_kernels.linear_pk(x, wp, bias)
 
 
 @needs_dp
@@ -139,6 +145,7 @@ def test_panels_are_packed_in_place_and_only_where_they_are_the_path(tmp_path, m
     from phasewise.model.loader import load_model
     from phasewise.model.quant import quantize_model_int8
 
+    monkeypatch.delenv("PHASEWISE_PANELS", raising=False)
     build_hf_checkpoint(tmp_path, "Qwen2ForCausalLM", dtype=torch.bfloat16, seed=2)
     cfg = ModelConfig.from_file(tmp_path)
 
@@ -174,6 +181,11 @@ def test_panels_are_packed_in_place_and_only_where_they_are_the_path(tmp_path, m
     y = ops.mlp(xs, layer.gate_up_proj, layer.down_proj)
     assert y.shape == xs.shape
     assert torch.equal(y[-3:], ops.mlp(xs[-3:], layer.gate_up_proj, layer.down_proj))
+    again = CpuKernelOps(LinearDispatch(0, "torch"))  # a packed model, packed again: as is
+    assert again.pack_panels(model) == "" and again.panels
+    assert torch.equal(cpu_kernels.unpack_panels(lin.weight), rows["layers.0.o_proj.weight"])
+    with pytest.raises(ValueError, match="packed into panels"):
+        quantize_model_int8(model)
     model = fresh()
     quantize_model_int8(model)
     assert CpuKernelOps(LinearDispatch(0, "torch")).pack_panels(model) == "int8 weights"
@@ -480,6 +492,31 @@ def test_the_dot_product_tier_keeps_the_rows_it_lost_at_off_it():
         LinearDispatch(kernel_max_rows=0, large="gemm", mid="dp", mid_max_rows=8)
 
 
+def test_a_one_count_tier_below_the_streams_win_gives_them_its_count(monkeypatch):
+    """Timings as the LM head gave them on the 2-core AVX512_BF16 EPYC: dp a little faster
+    than the streams at 1 row, a hair slower at 2, faster from 3; torch 3x slower throughout.
+    The streams take 1-2 rows and the tier 3 on (not: dp for 1 row and torch from 2 on)."""
+    monkeypatch.setattr(cpu_kernels.KERNELS, "decode_layer_max_rows", 6)
+    torch_fn = linear._large_fn("torch")
+    per_row = {cpu_kernels.linear_bf16: {1: 0.72, 2: 0.79, 3: 0.9, 4: 1.0, 5: 1.1, 6: 1.2},
+               cpu_kernels.linear_dp: {1: 0.67, 2: 0.80, 3: 0.82}}
+
+    def seconds(fn, rows, ws=None):
+        if fn is cpu_kernels.linear_dp:
+            return per_row[fn].get(rows, 0.5 + 0.05 * rows)
+        if fn is cpu_kernels.linear_bf16:
+            return per_row[fn].get(rows, 0.6 + 0.3 * rows)
+        assert fn.__class__ is torch_fn.__class__
+        return 2.4 + 0.07 * rows
+
+    timings = {m: {} for m in ("kernel", "dp", "torch")}
+    kernel_max, lo, hi = LinearDispatch._calibrate_mid(seconds, timings, 1, "torch", 256, None)
+    assert (kernel_max, lo, hi) == (2, 3, 128)
+    d = LinearDispatch(kernel_max_rows=kernel_max, large="torch", mid="dp", mid_min_rows=lo,
+                       mid_max_rows=hi)
+    assert [d.method(r) for r in (1, 2, 3, 32, 129)] == ["kernel", "kernel", "dp", "dp", "torch"]
+
+
 def test_upcast_reuses_its_scratch():
     up = Upcast()
     w_big, w_small = torch.randn(16, 8).bfloat16(), torch.randn(4, 8).bfloat16()
@@ -713,6 +750,8 @@ def test_decode_attention_keeps_a_nan(ops, length, hd):
     assert out[0].isnan().all() and out[1, 1].isnan().all() and not out[1, 0].isnan().any()
 
 
+ODD = {"hidden_size": 80, "intermediate_size": 1040, "num_attention_heads": 5,
+       "num_key_value_heads": 1, "head_dim": 16}
 PLANS = {"avx2": (8, "torch"), "amx": (0, "amx"),
          "dp": (0, "torch", None, {}, "dp", 32)}  # the AVX512_BF16 tier up to 32 rows
 
@@ -727,6 +766,9 @@ PLANS = {"avx2": (8, "torch"), "amx": (0, "amx"),
     (8, "int8", "amx"), (32, "int8", "amx"),  # more: fused, int8 panels widened on the tiles
     *((r, None, "dp") for r in (1, 3, 6, 8, 17, 32)),  # AVX512_BF16: up to 32 rows
     *((r, None, "panels") for r in (1, 2, 5, 13, 32)),  # AVX512_BF16 on panels: any rows
+    # panels of an odd model (ODD): blocks left over past the 4- and 2-block panels, and
+    # the down projection's K (1040) in two chunks
+    *((r, None, "panels-odd") for r in (1, 5, 32)),
     (3, "int8", "dp"),  # fused, the int8 projections streamed
     (8, "int8", "dp")])  # int8 beyond the streams' rows: op by op
 def test_fused_decode_layer_matches_op_by_op(tmp_path, arch, rows, quantization, plan):
@@ -735,6 +777,8 @@ def test_fused_decode_layer_matches_op_by_op(tmp_path, arch, rows, quantization,
     tiles), writing the same K/V into the cache; a step it cannot take runs op by op."""
     if plan == "amx" and not cpu_kernels.amx_available():
         pytest.skip(f"AMX kernels unavailable: {cpu_kernels.KERNELS.amx_reason}")
+    odd_model = plan == "panels-odd"
+    plan = "panels" if odd_model else plan
     if plan in ("dp", "panels") and not cpu_kernels.dp_available():
         pytest.skip(f"AVX512_BF16 kernels unavailable: {cpu_kernels.KERNELS.dp_reason}")
     dispatch = LinearDispatch(*PLANS["dp" if plan == "panels" else plan])
@@ -743,10 +787,13 @@ def test_fused_decode_layer_matches_op_by_op(tmp_path, arch, rows, quantization,
     from phasewise.model.config import ModelConfig
     from phasewise.model.loader import load_model
 
-    build_hf_checkpoint(tmp_path, arch, dtype=torch.bfloat16, seed=5)
+    build_hf_checkpoint(tmp_path, arch, dtype=torch.bfloat16, seed=5,
+                        **(ODD if odd_model else {}))
     cfg = ModelConfig.from_file(tmp_path)
     model = load_model(tmp_path, cfg, dtype=torch.bfloat16, device=torch.device("cpu"),
                        max_positions=128)
+    if odd_model:
+        assert (cfg.q_size + 2 * cfg.kv_size) // 16 % 2 and cfg.intermediate_size > 1024
     if quantization == "int8":
         from phasewise.model.quant import quantize_model_int8
         quantize_model_int8(model)

@@ -7,6 +7,8 @@ Logits must agree within a stated tolerance per dtype.
 
 from __future__ import annotations
 
+import os
+
 import random
 
 import pytest
@@ -211,6 +213,10 @@ def test_bf16_engine_with_cpu_kernels_tracks_hf(tmp_path):
     llm = LLM(str(tmp_path), max_num_batched_tokens=16, device="cpu")  # the CPU kernels
     if cpu_kernels.load() is not None:
         assert isinstance(llm.engine.model.ops, CpuKernelOps)
+    if (cpu_kernels.dp_available() and not cpu_kernels.amx_available()
+            and os.environ.get("PHASEWISE_PANELS", "1") != "0"):  # the projections in panels
+        assert llm.engine.panels_reason == "" and llm.engine.model.ops.panels
+        assert cpu_kernels.is_panels(llm.engine.model.layers[0].down_proj.weight)
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=3)
     for prompt, out in zip(prompts, llm.generate(prompts, params)):
         full = torch.tensor([prompt + out.token_ids])

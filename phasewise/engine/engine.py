@@ -114,26 +114,16 @@ class LLMEngine:
         self.panels_reason = "not the CPU kernels"
         if config.kernels == "auto" and self.device.type == "cpu" and self.dtype == torch.bfloat16:
             gate_up = self.model.layers[0].gate_up_proj
-            if gate_up.weight.dtype == torch.int8:  # the plan times bf16 weights of that shape
-                ws = [dequantize_rows(gate_up.weight, gate_up.weight_scale).to(self.dtype)]
-            else:  # every layer's, so that few rows time a stream from memory, as decode runs
-                ws = [layer.gate_up_proj.weight for layer in self.model.layers]
-            # what a decode step streams, for the fused layer's few rows against AMX
-            stream = [getattr(layer, name).weight for layer in self.model.layers
-                      for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")]
-            stream = [w for w in stream if w.dtype == self.dtype]
-            self.linear_plan = LinearDispatch.calibrate(ws, stream=stream)
-            del ws, stream
-            # The other projections' shapes at prompt-chunk rows, each its own method, over
-            # 8 layers' weights (read from memory, as a prompt reads them), bf16 weights only
-            # (the gate/up projection's rows take the plan's, fused with the SiLU on AMX).
-            layers = self.model.layers
-            for name in ("qkv_proj", "o_proj", "down_proj"):
-                w = getattr(layers[0], name).weight
-                if (w.dtype == self.dtype
-                        and tuple(w.shape) not in self.linear_plan.prompt_by_shape):
-                    self.linear_plan.calibrate_prompt_shape(
-                        [getattr(layer, name).weight for layer in layers[:8]])
+            head = self.model.lm_head_weight
+            panels = CpuKernelOps.panels_refused(self.model) == ""
+            if panels and head.dtype == self.dtype:  # the plan is left the LM head alone
+                self.linear_plan = LinearDispatch.calibrate([head])
+            else:
+                if gate_up.weight.dtype == torch.int8:  # the plan times bf16 of that shape
+                    ws = [dequantize_rows(gate_up.weight, gate_up.weight_scale).to(self.dtype)]
+                else:  # every layer's, so that few rows time a stream from memory, as decode
+                    ws = [layer.gate_up_proj.weight for layer in self.model.layers]
+                self.linear_plan = self._calibrate_rows(ws)
             ops = CpuKernelOps(self.linear_plan)
             self.panels_reason = ops.pack_panels(self.model)  # "" once packed
             self.model.ops = ops
@@ -194,6 +184,25 @@ class LLMEngine:
         self.draft_policy = DraftPolicy() if self.proposer is not None else None
 
     # -- set-up helpers --------------------------------------------------------------------
+    def _calibrate_rows(self, ws: list[torch.Tensor]) -> LinearDispatch:
+        """The linear plan where the projections stay in rows: timed on ``ws`` (gate/up
+        weights), the fused layer's few rows over a decode step's whole stream, and each other
+        projection shape at prompt-chunk rows."""
+        # what a decode step streams, for the fused layer's few rows against AMX
+        stream = [getattr(layer, name).weight for layer in self.model.layers
+                  for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")]
+        stream = [w for w in stream if w.dtype == self.dtype]
+        plan = LinearDispatch.calibrate(ws, stream=stream)
+        # The other projections' shapes at prompt-chunk rows, each its own method, over
+        # 8 layers' weights (read from memory, as a prompt reads them), bf16 weights only
+        # (the gate/up projection's rows take the plan's, fused with the SiLU on AMX).
+        layers = self.model.layers
+        for name in ("qkv_proj", "o_proj", "down_proj"):
+            w = getattr(layers[0], name).weight
+            if w.dtype == self.dtype and tuple(w.shape) not in plan.prompt_by_shape:
+                plan.calibrate_prompt_shape([getattr(layer, name).weight for layer in layers[:8]])
+        return plan
+
     def _fit_context(self, num_blocks: int, max_len: int) -> int:
         """Check the pool against the context length (lowering a default one to fit) and
         the checkpoint's sliding window against the result; returns max_model_len."""

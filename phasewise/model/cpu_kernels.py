@@ -525,10 +525,15 @@ def linear_pk(x: torch.Tensor, wp: torch.Tensor, bias: torch.Tensor | None = Non
     if not dp_available():
         raise RuntimeError("AVX512_BF16 kernels unavailable: "
                            f"{KERNELS.dp_reason or KERNELS.reason}")
-    if not is_panels(wp) or x.shape[-1] != 2 * wp.shape[1]:
-        raise ValueError(f"linear_pk: weight {tuple(wp.shape)} {wp.dtype} is not panels of "
-                         f"the input's width {x.shape[-1]}")
-    return _call("pw_linear_pk", x.to(torch.bfloat16), wp, bias, n=16 * wp.shape[0])
+    if not is_panels(wp) or x.shape[-1] != 2 * wp.shape[1] or not wp.is_contiguous():
+        raise ValueError(f"linear_pk: weight {tuple(wp.shape)} {wp.dtype} is not contiguous "
+                         f"panels of the input's width {x.shape[-1]}")
+    n = 16 * wp.shape[0]
+    if bias is not None and (bias.dtype != torch.bfloat16 or bias.shape != (n,)
+                             or not bias.is_contiguous() or bias.device.type != "cpu"):
+        raise ValueError(f"linear_pk: bias must be a contiguous bf16 CPU tensor of {n} values; "
+                         f"got {tuple(bias.shape)} {bias.dtype}")
+    return _call("pw_linear_pk", x.to(torch.bfloat16), wp, bias, n=n)
 
 
 def _need_amx() -> None:

@@ -375,15 +375,20 @@ class LinearDispatch:
                 t = {m: min(v, seconds(fns[m], rows, ws)) for m, v in t.items()}
             for m, v in t.items():
                 timings[m][rows] = v
+            streams_win = ("kernel" in others and large != "amx"
+                           and t["kernel"] <= min(t[m] for m in others))
             if _dp_wins(t, others):
                 lo, hi = lo or before + 1, rows
+            elif streams_win and rows == max(kernel_max, hi) + 1 and hi <= kernel_max + 1:
+                # the streams win the next count too (against AMX, the calibration has
+                # settled the fused layer's rows with its own margin); a tier of one count
+                # begun just below gives it back to them (a tier ended here would leave the
+                # counts after it to the large method: 2-core AVX512_BF16 EPYC, the LM head
+                # alone, dp x1.07 the streams at 1 row, x0.99 at 2, torch x3 slower at 2,
+                # left torch every count from 2 to 255)
+                kernel_max, lo, hi = rows, 0, 0
             elif lo:
                 break
-            elif (rows == kernel_max + 1 and "kernel" in others and large != "amx"
-                  and t["kernel"] <= min(t[m] for m in others)):
-                # the streams win the next count too (against AMX, the calibration has
-                # settled the fused layer's rows with its own margin)
-                kernel_max = rows
             before = rows
         if not lo or hi < kernel_max:  # none, or inside the streams' rows: keep them
             return kernel_max, 0, 0

@@ -127,6 +127,12 @@ class TorchOps:
 MLP_CHUNK_ROWS = 512
 
 
+def _projections(model: nn.Module) -> list[nn.Module]:
+    """Every decoder layer's four projections, in forward order."""
+    return [getattr(layer, name) for layer in model.layers
+            for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")]
+
+
 def out_features(w: torch.Tensor) -> int:
     """A projection weight's output width: its rows, or 16 a block of panels."""
     return 16 * w.shape[0] if cpu_kernels.is_panels(w) else w.shape[0]
@@ -226,29 +232,42 @@ class CpuKernelOps(TorchOps):
         (N % 16, K % 2), leave every weight as it is. Returns why not, or "" once packed.
         ``PHASEWISE_PANELS=0`` keeps the rows (for comparisons). ``force``: pack wherever
         the AVX512_BF16 kernels run, AMX or not, whatever the variable says (tests)."""
-        if os.environ.get("PHASEWISE_PANELS", "1") == "0" and not force:
-            return "PHASEWISE_PANELS=0"
-        if not cpu_kernels.dp_available() or (cpu_kernels.amx_available() and not force):
-            return ("AMX tiles read the rows" if cpu_kernels.amx_available()
-                    else "no AVX512_BF16 kernels")
-        lins = [getattr(layer, name) for layer in model.layers
-                for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")]
-        if not lins:
-            return "no decoder projections"
-        for lin in lins:
-            if getattr(lin, "weight_scale", None) is not None:
-                return "int8 weights"
-            if not cpu_kernels.can_pack_panels(lin.weight):
-                return f"a {tuple(lin.weight.shape)} {lin.weight.dtype} weight"
+        why = self.panels_refused(model, force)
+        if why:
+            return why
+        lins = _projections(model)
+        self.panels = True
+        self._layer_args.clear()
+        self._stack = None
+        if all(cpu_kernels.is_panels(lin.weight) for lin in lins):  # packed before
+            return ""
         with torch.no_grad():
             for lin in lins:  # in place where it can (the arena's weights always can)
                 w = lin.weight
                 in_place = w.is_contiguous() and w.data_ptr() % 4 == 0
                 lin.weight = nn.Parameter(cpu_kernels.pack_panels(w, in_place=in_place),
                                           requires_grad=False)
-        self.panels = True
-        self._layer_args.clear()
-        self._stack = None
+        return ""
+
+    @staticmethod
+    def panels_refused(model: nn.Module, force: bool = False) -> str:
+        """Why ``pack_panels`` would leave ``model``'s projections in rows, or "" where it
+        packs them (or they are packed already)."""
+        if os.environ.get("PHASEWISE_PANELS", "1") == "0" and not force:
+            return "PHASEWISE_PANELS=0"
+        if not cpu_kernels.dp_available() or (cpu_kernels.amx_available() and not force):
+            return ("AMX tiles read the rows" if cpu_kernels.amx_available()
+                    else "no AVX512_BF16 kernels")
+        lins = _projections(model)
+        if not lins:
+            return "no decoder projections"
+        if all(cpu_kernels.is_panels(lin.weight) for lin in lins):
+            return ""
+        for lin in lins:
+            if getattr(lin, "weight_scale", None) is not None:
+                return "int8 weights"
+            if not cpu_kernels.can_pack_panels(lin.weight):
+                return f"a {tuple(lin.weight.shape)} {lin.weight.dtype} weight"
         return ""
 
     def add_rms_norm(self, delta: torch.Tensor | None, hidden: torch.Tensor,

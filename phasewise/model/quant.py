@@ -86,6 +86,9 @@ def quantize_model_int8(model: nn.Module) -> int:
     saved = 0
     for mod in list(int8_modules(model).values()):
         w = mod.weight
+        if w.dtype == torch.int32:  # packed into panels (CpuKernelOps.pack_panels): no rows
+            raise ValueError("quantize_model_int8: the model's weights are packed into panels; "
+                             "quantize before the engine packs them (load with quantization)")
         q, scale = quantize_rows_int8(w)
         saved += w.numel() * w.element_size() - q.numel() - 4 * scale.numel()
         if isinstance(mod, nn.Embedding):  # tied: the shared table becomes int8

@@ -163,7 +163,8 @@ def measure_device(device: str, progress: Callable[[str], None], quick: bool = F
             # machine's bf16 peak too: the faster of the two counts (as the engine picks).
             from phasewise.model import cpu_kernels
             # Likewise its panels kernel where the CPU has AVX512_BF16 (and no AMX: there the
-            # engine packs its projections into panels).
+            # engine packs its projections into panels; a peak of the machine, as the AMX
+            # kernel's, also where an engine keeps its rows: PHASEWISE_PANELS=0, int8).
             own_fn = None
             if cpu_kernels.amx_available():
                 bt = b.t().contiguous()  # [N, K]: the kernel's weight layout
