@@ -116,7 +116,7 @@ class LLMEngine:
             gate_up = self.model.layers[0].gate_up_proj
             head = self.model.lm_head_weight
             panels = CpuKernelOps.panels_refused(self.model) == ""
-            if panels and head.dtype == self.dtype:  # the plan is left the LM head alone
+            if panels and head.dtype == self.dtype:  # the plan serves the LM head alone: time it
                 self.linear_plan = LinearDispatch.calibrate([head])
             else:
                 if gate_up.weight.dtype == torch.int8:  # the plan times bf16 of that shape

@@ -147,7 +147,7 @@ class CpuKernelOps(TorchOps):
         self.fused_decode = fused_decode and self.lib is not None
         self._layer_args: dict[int, cpu_kernels.DecodeLayerArgs] = {}
         self._stack: tuple | None = None  # (layers, cache pointers, (args, k, v)) of decode_stack
-        # Whether the model's projections are packed into panels (pack_panels_model): then
+        # Whether the model's projections are packed into panels (pack_panels): then
         # every projection, at every row count, runs cpu_kernels.linear_pk or the fused
         # layer's panels mode (amx field 3), and nothing reads those weights as rows.
         self.panels = False
