@@ -676,24 +676,16 @@ void pw_pk_unpack(const uint32_t *wp, int N, int K, uint16_t *w) {
     }
 }
 
-/* Where a chunk's sums go: `part` (this thread's scratch, PK_MB x 16 NB floats) unless it
- * is the last chunk; then fp32 into res (ldr floats a token) or bf16(sum + bias) into y. */
-typedef struct {
-    float *res;
-    uint16_t *y;
-    const uint16_t *bias;
-    long ldr;
-} PkOut;
-
 /* One tile: NB blocks (from block b0) x MT tokens (x: the first token's row, K values a
- * row), pairs [p0, p0 + pc). first: start from zero, else from part; last: write the
- * output, else part. pf: the next chunk's first block (its other blocks KP * 16 words on)
+ * row), pairs [p0, p0 + pc). first: start from zero, else from part (this thread's scratch,
+ * PK_MB x 16 NB floats); last: write the output (out, as dp_tile's: fp32 sums into res, or
+ * bf16(sum + bias) into y), else part. pf: the next chunk's first block (its other blocks KP * 16 words on)
  * to prefetch, one line a block a pair, or NULL. m0: the tile's first token within the
  * token block (its row in part); mg: its first token overall (its row in the output). */
 static inline __attribute__((always_inline)) void pk_tile(
         const int NB, const int MT, const uint16_t *x, int K, const uint32_t *wp, long KP,
         int b0, long p0, int pc, int first, int last, const uint32_t *pf, float *part,
-        int m0, long mg, const PkOut *out) {
+        int m0, long mg, const DpOut *out) {
     __m512 acc[PK_MT][4];
     const int ldp = 16 * NB;
     for (int m = 0; m < MT; m++)
@@ -741,20 +733,20 @@ static inline __attribute__((always_inline)) void pk_tile(
 #define PK_CASE(NB, MT) case MT: pk_tile(NB, MT, PK_ARGS); break;
 static void pk_tile4(int mt, const uint16_t *x, int K, const uint32_t *wp, long KP, int b0,
                      long p0, int pc, int first, int last, const uint32_t *pf, float *part,
-                     int m0, long mg, const PkOut *out) {
+                     int m0, long mg, const DpOut *out) {
     switch (mt) { PK_CASE(4, 1) PK_CASE(4, 2) PK_CASE(4, 3) PK_CASE(4, 4) PK_CASE(4, 5)
                   default: pk_tile(4, 6, PK_ARGS); }
 }
 static void pk_tile2(int mt, const uint16_t *x, int K, const uint32_t *wp, long KP, int b0,
                      long p0, int pc, int first, int last, const uint32_t *pf, float *part,
-                     int m0, long mg, const PkOut *out) {
+                     int m0, long mg, const DpOut *out) {
     switch (mt) { PK_CASE(2, 1) PK_CASE(2, 2) PK_CASE(2, 3) PK_CASE(2, 4) PK_CASE(2, 5)
                   PK_CASE(2, 6) PK_CASE(2, 7) PK_CASE(2, 8) PK_CASE(2, 9) PK_CASE(2, 10)
                   PK_CASE(2, 11) default: pk_tile(2, 12, PK_ARGS); }
 }
 static void pk_tile1(int mt, const uint16_t *x, int K, const uint32_t *wp, long KP, int b0,
                      long p0, int pc, int first, int last, const uint32_t *pf, float *part,
-                     int m0, long mg, const PkOut *out) {
+                     int m0, long mg, const DpOut *out) {
     switch (mt) { PK_CASE(1, 1) PK_CASE(1, 2) PK_CASE(1, 3) PK_CASE(1, 4) PK_CASE(1, 5)
                   PK_CASE(1, 6) PK_CASE(1, 7) PK_CASE(1, 8) PK_CASE(1, 9) PK_CASE(1, 10)
                   PK_CASE(1, 11) default: pk_tile(1, 12, PK_ARGS); }
@@ -768,7 +760,7 @@ static void pk_tile1(int mt, const uint16_t *x, int K, const uint32_t *wp, long 
  * left over (N / 16 not a multiple of the panel's) are panels of one block, the last ones.
  * Called by every thread of a parallel region; no barrier. */
 static void pk_share(const uint16_t *x, int M, const uint32_t *wp, int K, int N,
-                     const PkOut *out) {
+                     const DpOut *out) {
     int t = omp_get_thread_num(), T = omp_get_num_threads();
     const long KP = K / 2;
     const int NB = M <= 4 ? 4 : 2, MTMAX = NB == 4 ? 6 : PK_MT;
@@ -788,9 +780,8 @@ static void pk_share(const uint16_t *x, int M, const uint32_t *wp, int K, int N,
                 const uint32_t *pf = NULL;  /* the next chunk's, within this thread's share */
                 if (!last)
                     pf = wp + ((long)b0 * KP + p0 + kc) * 16;
-                else if (pn + 1 < hi)
-                    pf = wp + (long)(pn + 1 < wide ? (pn + 1) * NB : wide * NB + (pn + 1 - wide))
-                                  * KP * 16;
+                else if (pn + 1 < hi)  /* panels are consecutive blocks */
+                    pf = wp + (long)(b0 + nb) * KP * 16;
                 int m0 = 0;
                 for (int s = 0; s < ntile; s++) {  /* tiles of balanced sizes */
                     int mt = mbn / ntile + (s < mbn % ntile);
@@ -816,7 +807,7 @@ static void pk_share(const uint16_t *x, int M, const uint32_t *wp, int K, int N,
  * y [M, N] bf16; N % 16 == 0, K % 2 == 0. Returns 0. */
 int pw_linear_pk(const uint16_t *x, const uint32_t *wp, const uint16_t *bias, uint16_t *y,
                  int M, int N, int K, int nthreads) {
-    PkOut out = {NULL, y, bias, N};
+    DpOut out = {NULL, y, bias, N};
 #pragma omp parallel num_threads(nthreads)
     pk_share(x, M, wp, K, N, &out);
     return 0;
@@ -825,7 +816,7 @@ int pw_linear_pk(const uint16_t *x, const uint32_t *wp, const uint16_t *bias, ui
 /* The fused decode layer's projection share on packed weights: res [M, N] fp32 = xb w^T
  * for this thread's panels. No barrier. */
 void pw_pk_share(const uint16_t *xb, int M, const uint32_t *wp, int K, int N, float *res) {
-    PkOut out = {res, NULL, NULL, N};
+    DpOut out = {res, NULL, NULL, N};
     pk_share(xb, M, wp, K, N, &out);
 }
 

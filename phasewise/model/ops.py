@@ -235,15 +235,14 @@ class CpuKernelOps(TorchOps):
         why = self.panels_refused(model, force)
         if why:
             return why
-        lins = _projections(model)
         self.panels = True
         self._layer_args.clear()
         self._stack = None
-        if all(cpu_kernels.is_panels(lin.weight) for lin in lins):  # packed before
-            return ""
         with torch.no_grad():
-            for lin in lins:  # in place where it can (the arena's weights always can)
+            for lin in _projections(model):  # in place where it can (the arena's always can)
                 w = lin.weight
+                if cpu_kernels.is_panels(w):  # packed before (then all of them are)
+                    continue
                 in_place = w.is_contiguous() and w.data_ptr() % 4 == 0
                 lin.weight = nn.Parameter(cpu_kernels.pack_panels(w, in_place=in_place),
                                           requires_grad=False)
