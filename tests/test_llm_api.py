@@ -158,3 +158,44 @@ def test_one_sequence_pool_holds_a_full_length_request(llama_dir):
     assert llm.engine.kv.num_blocks * 16 >= 64 + 1
     out = llm.generate([5] * 60, SamplingParams(max_tokens=None, ignore_eos=True))[0]
     assert len(out.token_ids) == 4 and out.finish_reason == "length"
+
+
+def test_release_freed_heap_hands_retained_pages_back(tmp_path):
+    """The engine trims the C heap after its start-up calibration. In a child process (its
+    malloc thresholds are changed on purpose): a large block freed while a block above it
+    holds the heap stays resident, until release_freed_heap hands its pages back."""
+    import subprocess
+    import sys
+
+    script = """
+import ctypes, sys
+from phasewise.engine.engine import release_freed_heap
+libc = ctypes.CDLL(None)
+if not hasattr(libc, "mallopt"):
+    print("no-glibc"); sys.exit(0)
+libc.malloc.restype = ctypes.c_void_p
+libc.malloc.argtypes = [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+libc.mallopt(-3, 1 << 30)  # M_MMAP_THRESHOLD: large blocks from the heap
+libc.mallopt(-1, 1 << 30)  # M_TRIM_THRESHOLD: free() keeps them
+def anon():
+    for line in open("/proc/self/smaps_rollup"):
+        if line.startswith("Anonymous:"):
+            return int(line.split()[1]) // 1024
+big = libc.malloc(64 << 20)
+above = libc.malloc(1 << 20)
+ctypes.memset(big, 1, 64 << 20)
+before = anon()
+libc.free(big)
+kept = anon()
+ok = release_freed_heap()
+print(before, kept, anon(), ok)
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=60, check=True).stdout.split()
+    if out == ["no-glibc"]:
+        pytest.skip("the C library has no mallopt/malloc_trim (not glibc)")
+    before, kept, after, ok = int(out[0]), int(out[1]), int(out[2]), out[3]
+    assert ok == "True"
+    assert kept > before - 16  # free() alone kept the 64 MiB resident
+    assert after < kept - 48  # the trim gave (nearly all of) it back
