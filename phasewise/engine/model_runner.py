@@ -146,8 +146,11 @@ class ModelRunner:
         ids_t = torch.tensor(input_ids, dtype=torch.long, device=dev)
         pos_t = torch.tensor(positions, dtype=torch.long, device=dev)
         hidden = self.model(ids_t, pos_t, self.kv_caches, meta)  # [T, hidden]
-        rows = torch.tensor(sample_rows, dtype=torch.long, device=dev)
-        logits = self.model.compute_logits(hidden[rows])  # [S, vocab]
+        if len(sample_rows) == hidden.shape[0]:  # every row, in order (a decode-only step)
+            logits = self.model.compute_logits(hidden)  # [S, vocab]
+        else:
+            rows = torch.tensor(sample_rows, dtype=torch.long, device=dev)
+            logits = self.model.compute_logits(hidden[rows])  # [S, vocab]
         for req, row, pos, n in scored:
             self._prompt_logprobs(req, hidden[row:row + n], pos)
         return RunnerOutput(sample_reqs, logits, rows_per_req)

@@ -43,7 +43,10 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] int64
     num_decode_tokens: int
     decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks] int64
-    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] bool
+    # [num_decodes, 1, 1, max_blocks * block_size] bool: which keys each decode attends to;
+    # None until torch's decode attention first asks (decode_key_mask): the fused CPU layers
+    # and the Triton kernels read decode_seq_lens instead
+    decode_mask: torch.Tensor | None
     decode_seq_lens: torch.Tensor | None  # [num_decodes] int64: keys each decode attends to
     prefills: list[PrefillSpan]
 
@@ -72,7 +75,7 @@ class AttentionMetadata:
                 slots.append(table[pos // block_size] * block_size + pos % block_size)
         slot_mapping = torch.tensor(slots, dtype=torch.int64, device=device)
 
-        decode_tables = decode_mask = seq_lens = None
+        decode_tables = seq_lens = None
         if num_decodes:
             max_blocks = max(len(block_tables[r]) for r in range(num_decodes))
             padded = [block_tables[r] + [0] * (max_blocks - len(block_tables[r]))
@@ -80,8 +83,6 @@ class AttentionMetadata:
             decode_tables = torch.tensor(padded, dtype=torch.int64, device=device)
             seq_lens = torch.tensor([context_lens[r] + 1 for r in range(num_decodes)],
                                     dtype=torch.int64, device=device)
-            key_pos = torch.arange(max_blocks * block_size, device=device)
-            decode_mask = (key_pos[None, :] < seq_lens[:, None])[:, None, None, :]
 
         prefills = []
         start = num_decodes
@@ -96,7 +97,17 @@ class AttentionMetadata:
                 mask = k_pos[None, :] <= q_pos[:, None]
             prefills.append(PrefillSpan(start, start + n, ctx, table, mask))
             start += n
-        return cls(slot_mapping, num_decodes, decode_tables, decode_mask, seq_lens, prefills)
+        return cls(slot_mapping, num_decodes, decode_tables, None, seq_lens, prefills)
+
+    def decode_key_mask(self, block_size: int) -> torch.Tensor:
+        """``decode_mask``, built on the first call of the step (every layer shares it)."""
+        if self.decode_mask is None:
+            assert self.decode_block_tables is not None and self.decode_seq_lens is not None
+            seq_lens = self.decode_seq_lens
+            keys = torch.arange(self.decode_block_tables.shape[1] * block_size,
+                                device=seq_lens.device)
+            self.decode_mask = (keys[None, :] < seq_lens[:, None])[:, None, None, :]
+        return self.decode_mask
 
 
 def write_kv(
@@ -112,7 +123,8 @@ def write_kv(
 def decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """Attention of the decode group: q [num_decodes, n_heads, hd] -> same shape."""
-    assert meta.decode_block_tables is not None and meta.decode_mask is not None
+    assert meta.decode_block_tables is not None
+    mask = meta.decode_key_mask(k_cache.shape[1])
     nd, n_heads, hd = q.shape
     n_kv = k_cache.shape[2]
     bt = meta.decode_block_tables  # [B, nb]
@@ -122,7 +134,7 @@ def decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     vc = v_cache[bt].view(nd, length, n_kv, hd).transpose(1, 2)
     qd = q.reshape(nd, n_kv, n_heads // n_kv, hd)  # [B, n_kv, group, hd]
     scores = torch.matmul(qd, kc.transpose(-1, -2)).float() * scale  # [B, n_kv, group, L]
-    scores.masked_fill_(~meta.decode_mask, float("-inf"))
+    scores.masked_fill_(~mask, float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(q.dtype)
     return torch.matmul(probs, vc).view(nd, n_heads, hd)
 
