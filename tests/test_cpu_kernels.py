@@ -724,6 +724,49 @@ def test_decode_attention_matches_torch(ops, heads, hd, context, bs):
 
 
 @needs_kernels
+@pytest.mark.parametrize("heads", [(14, 2), (8, 4), (6, 6)])
+def test_decode_attention_of_one_request_split_by_kv_heads(ops, heads):
+    """With fewer requests than threads and a KV head for every thread, the threads take a KV
+    head each (group_parts' 0 parts) instead of a share of every head's queries: the output
+    matches torch's, and a request's heads come out with the same bits as beside others
+    (where the tasks split by queries)."""
+    from phasewise.model.attention import AttentionMetadata
+
+    n_heads, n_kv = heads
+    hd, bs, context = 64, 16, [150, 37, 90]
+    tables, next_block = [], 0
+    for c in context:
+        n = c // bs + 1
+        tables.append(list(range(next_block, next_block + n))[::-1])
+        next_block += n
+    g = torch.Generator().manual_seed(5)
+    k_cache = torch.randn(next_block, bs, n_kv, hd, generator=g).bfloat16()
+    v_cache = torch.randn(next_block, bs, n_kv, hd, generator=g).bfloat16()
+    q = torch.randn(len(context), n_heads, hd, generator=g).bfloat16() * 3
+
+    def run(rows):
+        meta = AttentionMetadata.build(chunk_lens=[1] * len(rows),
+                                       context_lens=[context[r] for r in rows],
+                                       block_tables=[tables[r] for r in rows], block_size=bs,
+                                       device=torch.device("cpu"))
+        return meta, ops.decode_attention(q[rows].contiguous(), k_cache, v_cache, meta,
+                                          hd**-0.5)
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # one request, two threads: the split by KV heads
+    try:
+        meta, alone = run([0])
+        _, batched = run([0, 1, 2])  # three requests: the split by queries
+    finally:
+        torch.set_num_threads(threads)
+    ref = TorchOps().decode_attention(q[:1].float(), k_cache.float(), v_cache.float(), meta,
+                                      hd**-0.5)
+    bf16_probs = cpu_kernels.amx_available() or cpu_kernels.dp_available()
+    torch.testing.assert_close(alone.float(), ref, rtol=2**-7, atol=2**-8 if bf16_probs else 1e-3)
+    assert torch.equal(alone[0], batched[0])
+
+
+@needs_kernels
 @pytest.mark.parametrize("length", [8, 63, 64])  # whole vectors of 8 keys, or a scalar tail
 @pytest.mark.parametrize("hd", [16, 32])  # the AVX2 kernel; AMX's or AVX512_BF16's where they run
 def test_decode_attention_keeps_a_nan(ops, length, hd):
