@@ -663,19 +663,24 @@ static inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
 static inline __m256 round_bf16x8(__m256 f);
 static inline void store_bf16x8(uint16_t *p, __m256 f);
 
-/* cpu_amx.c's AVX-512 RMSNorm row (weak: absent when that file is not compiled in), used by
- * every norm below once pw_enable_avx512 says the CPU has AVX-512 BF16. */
+/* cpu_avx512bf16.c's AVX-512 RMSNorm row (weak: absent when that file is not compiled in),
+ * used by every norm below once pw_enable_avx512_norm says the CPU has AVX512_BF16. */
 void pw_norm_row_avx512(uint16_t *h, const uint16_t *delta, const uint16_t *w, int dim,
                         float eps, uint16_t *out_bf16, float *out_f32) __attribute__((weak));
-static int use_avx512;
-void pw_enable_avx512(int on) { use_avx512 = on && pw_norm_row_avx512 != NULL; }
+static int use_avx512, use_avx512_norm;
+void pw_enable_avx512_norm(int on) { use_avx512_norm = on && pw_norm_row_avx512 != NULL; }
+/* AMX and AVX-512 BF16 (cpu_amx.c's decode attention), and the norms. */
+void pw_enable_avx512(int on) {
+    use_avx512 = on;
+    pw_enable_avx512_norm(on);
+}
 
 /* One row: if delta, h = bf16(h + delta) in place; then out[i] = bf16(w * bf16(h * rs)) with
  * rs = rsqrt(mean(h^2) + eps), written as bf16 (out_bf16) and/or fp32 (out_f32). Eight lanes
  * at a time (the sum of squares in eight partial sums, then their tree), the tail scalar. */
 static void add_norm_row(uint16_t *h, const uint16_t *delta, const uint16_t *w, int dim,
                          float eps, uint16_t *out_bf16, float *out_f32) {
-    if (use_avx512) {
+    if (use_avx512_norm) {
         pw_norm_row_avx512(h, delta, w, dim, eps, out_bf16, out_f32);
         return;
     }

@@ -177,6 +177,7 @@ def _signatures() -> dict[str, tuple[Any, list[Any]]]:
         "pw_mask_logits": (None, [P, I, P, I]),
         "pw_argmax_f32": (None, [P, I, I, P, I]),
         "pw_enable_avx512": (None, [I]),
+        "pw_enable_avx512_norm": (None, [I]),
         "pw_enable_dp_attention": (None, [I]),
         "pw_abi": (L, [ctypes.c_char_p]),
     }
@@ -343,6 +344,7 @@ class KernelLibrary:
             return
         _bind(lib, DP_SIGNATURES)
         self.dp = True
+        lib.pw_enable_avx512_norm(1)  # the RMSNorms on 16 lanes, rounding in one instruction
         if not self.amx:  # decode attention on AVX512_BF16 where AMX's does not run
             lib.pw_enable_dp_attention(1)
 
