@@ -611,13 +611,24 @@ def ops():
 BF16 = dict(rtol=2**-7, atol=2**-7)
 
 
+@pytest.fixture
+def two_threads():
+    """Two threads, whatever the machine: the fused layer's decode attention then splits by
+    KV head at one row and by queries at more, as on the 2-core CI machines."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(threads)
+
+
 @needs_kernels
 @pytest.mark.parametrize("with_delta", [False, True])
-def test_add_rms_norm_matches_torch(ops, with_delta):
+@pytest.mark.parametrize("dim", [96, 100, 17])  # whole vectors; a tail of 4 (or 12 of 16)
+def test_add_rms_norm_matches_torch(ops, with_delta, dim):
     g = torch.Generator().manual_seed(1)
-    hidden = torch.randn(5, 96, generator=g).bfloat16()
-    delta = torch.randn(5, 96, generator=g).bfloat16() if with_delta else None
-    w = (1 + 0.1 * torch.randn(96, generator=g)).bfloat16()
+    hidden = torch.randn(5, dim, generator=g).bfloat16()
+    delta = torch.randn(5, dim, generator=g).bfloat16() if with_delta else None
+    w = (1 + 0.1 * torch.randn(dim, generator=g)).bfloat16()
     ref_out, ref_hidden = TorchOps().add_rms_norm(delta, hidden.clone(), w, 1e-6)
     out, new_hidden = ops.add_rms_norm(delta, hidden.clone(), w, 1e-6)
     assert torch.equal(new_hidden, ref_hidden)  # the bf16 add rounds identically
@@ -814,7 +825,8 @@ PLANS = {"avx2": (8, "torch"), "amx": (0, "amx"),
     *((r, None, "panels-odd") for r in (1, 5, 32)),
     (3, "int8", "dp"),  # fused, the int8 projections streamed
     (8, "int8", "dp")])  # int8 beyond the streams' rows: op by op
-def test_fused_decode_layer_matches_op_by_op(tmp_path, arch, rows, quantization, plan):
+def test_fused_decode_layer_matches_op_by_op(tmp_path, two_threads, arch, rows, quantization,
+                                            plan):
     """The one-call decode layer computes what the op-by-op kernel path computes (biases,
     q/k norms and GQA included, bf16 or int8 projections, the AVX2 streams or the AMX
     tiles), writing the same K/V into the cache; a step it cannot take runs op by op."""

@@ -65,9 +65,9 @@ def release_freed_heap() -> bool:
     2-core CPU, all of it then counted in the served process's peak RSS. True where the C
     library has ``malloc_trim`` (glibc), else False (nothing done)."""
     try:
-        libc = ctypes.CDLL(None)
+        libc = ctypes.CDLL(None)  # TypeError on Windows, which has no such library handle
         trim = libc.malloc_trim
-    except (OSError, AttributeError):
+    except (OSError, AttributeError, TypeError):
         return False
     trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
     trim(0)

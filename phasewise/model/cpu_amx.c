@@ -1,7 +1,8 @@
 /*
  * phasewise CPU kernels for Intel AMX (AMX-BF16 tiles, with AVX-512 BF16): bf16 linear
  * layers (plain, and a SwiGLU gate/up projection fused with its SiLU), the fused decode
- * layer's projections, prefill and decode attention, and the RMSNorm rows of cpu_kernels.c.
+ * layer's projections, prefill and decode attention (the RMSNorm rows of cpu_kernels.c
+ * began here and are now cpu_avx512bf16.c's).
  *
  * Why hand-written: torch's bf16 F.linear on an AMX CPU goes through oneDNN, which reorders
  * the weight into its blocked layout on every call. At a decode step's few rows that
@@ -387,11 +388,6 @@ static inline void panel_product(const Panel *p, const uint32_t *x0, const uint3
                                  int two, int K, Prefetch *pf) {
     zero_c();
     panel_steps(p, x0, x1, two, K, 0, K / 32, 0, pf);
-}
-
-static inline __m512 round_bf16x16(__m512 f) {
-    __m256i h = (__m256i)_mm512_cvtneps_pbh(f);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
 /* act = bf16(bf16(silu(g)) * u) for 16 channels of a token, with g and u its rounded

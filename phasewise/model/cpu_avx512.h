@@ -36,6 +36,13 @@ static inline __m512 exp16(__m512 x) {
                                 _mm512_set1_ps(INFINITY));
 }
 
+/* bf16 rounding (to nearest even, in one instruction; denormal inputs count as zero, as
+ * VCVTNEPS2BF16 always does) as fp32 */
+static inline __m512 round_bf16x16(__m512 f) {
+    __m256i h = (__m256i)_mm512_cvtneps_pbh(f);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
 /* e^x for attention weights (rounded to bf16 afterwards): 2^(x log2 e) as 2^n 2^f, f in
  * [-1/2, 1/2], a degree-5 polynomial for 2^f (relative error ~2e-7) and vscalefps; x below
  * -87 counts as -87 (e^-87 ~ 1.6e-38: nothing next to the weight of the max, e^0, and still

@@ -1,7 +1,9 @@
 /*
  * phasewise CPU kernels for AVX512_BF16 without AMX (AMD Zen 4 and 5, Intel Cooper Lake): a
  * bf16 linear layer on VDPBF16PS, for the fused decode layer's projections and for the
- * linear dispatch's rows between the weight streams and torch's GEMM.
+ * linear dispatch's rows between the weight streams and torch's GEMM; the panels layout and
+ * its kernel; prefill and decode attention, SiLU-and-multiply and the RMSNorm rows of
+ * cpu_kernels.c on 16 lanes (these last also on AMX machines, which compile this file too).
  *
  * Why hand-written: on these CPUs cpu_kernels.c's AVX2 paths widen each bf16 weight to fp32
  * and multiply in fp32, a fifth of the bf16 dot-product rate (2-core AMD EPYC with
@@ -820,12 +822,6 @@ void pw_pk_share(const uint16_t *xb, int M, const uint32_t *wp, int K, int N, fl
     pk_share(xb, M, wp, K, N, &out);
 }
 
-/* bf16 rounding (to nearest even, in one instruction; denormals count as zero) as fp32 */
-static inline __m512 dp_round16(__m512 f) {
-    __m256i h = (__m256i)_mm512_cvtneps_pbh(f);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
 /* add_norm_row of cpu_kernels.c with AVX-512 (bf16 rounding in one instruction, sixteen
  * lanes): if delta, h = bf16(h + delta) in place; out = bf16(w * bf16(h * rs)), rs =
  * rsqrt(mean(h^2) + eps), as bf16 (out_bf16) and/or fp32 (out_f32); out_bf16 may be h.
@@ -858,7 +854,7 @@ void pw_norm_row_avx512(uint16_t *h, const uint16_t *delta, const uint16_t *w, i
             _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, h + i)), 16));
         __m512 wv = _mm512_castsi512_ps(_mm512_slli_epi32(
             _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, w + i)), 16));
-        __m512 o = _mm512_mul_ps(dp_round16(_mm512_mul_ps(v, rsv)), wv);
+        __m512 o = _mm512_mul_ps(round_bf16x16(_mm512_mul_ps(v, rsv)), wv);
         __m256i r = (__m256i)_mm512_cvtneps_pbh(o);
         if (out_bf16) _mm256_mask_storeu_epi16(out_bf16 + i, m, r);
         if (out_f32)

@@ -663,8 +663,10 @@ static inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
 static inline __m256 round_bf16x8(__m256 f);
 static inline void store_bf16x8(uint16_t *p, __m256 f);
 
-/* cpu_avx512bf16.c's AVX-512 RMSNorm row (weak: absent when that file is not compiled in),
- * used by every norm below once pw_enable_avx512_norm says the CPU has AVX512_BF16. */
+/* cpu_avx512bf16.c's AVX-512 RMSNorm row (weak: absent when that file is not compiled in,
+ * then every CPU takes the 8-lane norm below, AMX ones too: a compiler that builds cpu_amx.c
+ * builds that file as well), used by every norm below once pw_enable_avx512_norm says the
+ * CPU has AVX512_BF16. */
 void pw_norm_row_avx512(uint16_t *h, const uint16_t *delta, const uint16_t *w, int dim,
                         float eps, uint16_t *out_bf16, float *out_f32) __attribute__((weak));
 static int use_avx512, use_avx512_norm;
