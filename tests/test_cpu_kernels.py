@@ -696,6 +696,20 @@ def test_rope_matches_torch_on_a_strided_view(ops):
     assert torch.equal(qkv[:, 5 * 16:], v_before)
 
 
+def paged_caches(context: list[int], bs: int, n_kv: int, hd: int, seed: int):
+    """Block tables (each context's own blocks, in a shuffled order) and random bf16 K/V
+    caches holding them; the generator goes on to draw the queries."""
+    tables, next_block = [], 0
+    for c in context:
+        n = c // bs + 1
+        tables.append(list(range(next_block, next_block + n))[::-1])
+        next_block += n
+    g = torch.Generator().manual_seed(seed)
+    k_cache = torch.randn(next_block, bs, n_kv, hd, generator=g).bfloat16()
+    v_cache = torch.randn(next_block, bs, n_kv, hd, generator=g).bfloat16()
+    return tables, k_cache, v_cache, g
+
+
 @needs_kernels
 @pytest.mark.parametrize("heads", [(4, 4), (14, 2), (6, 1), (24, 2), (40, 2)])  # groups 1-20
 @pytest.mark.parametrize("hd,context", [(32, [0, 6, 13]),  # short contexts, head of 32
@@ -708,14 +722,7 @@ def test_decode_attention_matches_torch(ops, heads, hd, context, bs):
     from phasewise.model.attention import AttentionMetadata
 
     n_heads, n_kv = heads
-    tables, next_block = [], 0
-    for c in context:  # distinct blocks, in a shuffled order
-        n = c // bs + 1
-        tables.append(list(range(next_block, next_block + n))[::-1])
-        next_block += n
-    g = torch.Generator().manual_seed(2)
-    k_cache = torch.randn(next_block, bs, n_kv, hd, generator=g).bfloat16()
-    v_cache = torch.randn(next_block, bs, n_kv, hd, generator=g).bfloat16()
+    tables, k_cache, v_cache, g = paged_caches(context, bs, n_kv, hd, seed=2)
     meta = AttentionMetadata.build(chunk_lens=[1] * len(context), context_lens=context,
                                    block_tables=tables, block_size=bs,
                                    device=torch.device("cpu"))
@@ -736,7 +743,7 @@ def test_decode_attention_matches_torch(ops, heads, hd, context, bs):
 
 @needs_kernels
 @pytest.mark.parametrize("heads", [(14, 2), (8, 4), (6, 6)])
-def test_decode_attention_of_one_request_split_by_kv_heads(ops, heads):
+def test_decode_attention_of_one_request_split_by_kv_heads(ops, two_threads, heads):
     """With fewer requests than threads and a KV head for every thread, the threads take a KV
     head each (group_parts' 0 parts) instead of a share of every head's queries: the output
     matches torch's, and a request's heads come out with the same bits as beside others
@@ -745,14 +752,7 @@ def test_decode_attention_of_one_request_split_by_kv_heads(ops, heads):
 
     n_heads, n_kv = heads
     hd, bs, context = 64, 16, [150, 37, 90]
-    tables, next_block = [], 0
-    for c in context:
-        n = c // bs + 1
-        tables.append(list(range(next_block, next_block + n))[::-1])
-        next_block += n
-    g = torch.Generator().manual_seed(5)
-    k_cache = torch.randn(next_block, bs, n_kv, hd, generator=g).bfloat16()
-    v_cache = torch.randn(next_block, bs, n_kv, hd, generator=g).bfloat16()
+    tables, k_cache, v_cache, g = paged_caches(context, bs, n_kv, hd, seed=5)
     q = torch.randn(len(context), n_heads, hd, generator=g).bfloat16() * 3
 
     def run(rows):
@@ -763,13 +763,8 @@ def test_decode_attention_of_one_request_split_by_kv_heads(ops, heads):
         return meta, ops.decode_attention(q[rows].contiguous(), k_cache, v_cache, meta,
                                           hd**-0.5)
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)  # one request, two threads: the split by KV heads
-    try:
-        meta, alone = run([0])
-        _, batched = run([0, 1, 2])  # three requests: the split by queries
-    finally:
-        torch.set_num_threads(threads)
+    meta, alone = run([0])  # one request, two threads: the split by KV heads
+    _, batched = run([0, 1, 2])  # three requests: the split by queries
     ref = TorchOps().decode_attention(q[:1].float(), k_cache.float(), v_cache.float(), meta,
                                       hd**-0.5)
     bf16_probs = cpu_kernels.amx_available() or cpu_kernels.dp_available()
