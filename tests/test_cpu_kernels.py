@@ -103,6 +103,32 @@ def test_panels_linear_matches_fp32_reference_and_each_row_alone(m, blocks, pair
 
 
 @needs_dp
+@settings(max_examples=40, deadline=None)
+@given(m=st.integers(1, 200), units=st.integers(1, 7), pairs=st.integers(1, 1100),
+       bias=st.booleans(), seed=st.integers(0, 2**31 - 1))
+def test_panels_glu_is_the_projection_then_silu_mul_bit_for_bit(m, units, pairs, bias, seed):
+    """glu_pk (the gate/up projection on panels with the SiLU-and-multiply in its tiles'
+    epilogue) gives the bits of linear_pk then silu_mul's AVX-512 kernel: each tile takes
+    gate blocks and their up blocks I / 16 blocks on (2 gate blocks a panel for <= 4 tokens,
+    1 for more; an odd gate block left over; K in chunks past 1024 values; token blocks past
+    96). The fused decode layer's epilogue is the same code."""
+    inter, k = 16 * units, 2 * pairs
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g).bfloat16()
+    w = (torch.randn(2 * inter, k, generator=g) * k**-0.5).bfloat16()
+    b = torch.randn(2 * inter, generator=g).bfloat16() if bias else None
+    wp = cpu_kernels.pack_panels(w)
+    y = cpu_kernels.glu_pk(x, wp, b)
+    assert y.dtype == torch.bfloat16 and y.shape == (m, inter)
+    proj = cpu_kernels.linear_pk(x, wp, b)
+    assert torch.equal(y, CpuKernelOps(LinearDispatch(0, "torch")).silu_mul(proj))
+    ref = torch.nn.functional.silu(proj[:, :inter].float()) * proj[:, inter:].float()
+    torch.testing.assert_close(y.float(), ref, rtol=2**-6, atol=1e-3)
+    with pytest.raises(ValueError, match="even number"):
+        cpu_kernels.glu_pk(x, cpu_kernels.pack_panels(w[:16 * (2 * units - 1)]))
+
+
+@needs_dp
 def test_panels_linear_rounds_once_keeps_nans_and_refuses_what_it_cannot_take():
     g = torch.Generator().manual_seed(4)
     # one pair a row, the second value 0: each sum is one exact product, so the rounding

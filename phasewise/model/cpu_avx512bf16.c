@@ -96,6 +96,7 @@ typedef struct {
     uint16_t *y;
     const uint16_t *bias;
     long ldr;
+    int glu;  /* panels only (pk_share): the SiLU-and-multiply epilogue; ldr = I then */
 } DpOut;
 
 /* One tile: R (4 or 1) weight rows from w (row n0 of the layer: K values a row) against MT
@@ -678,16 +679,21 @@ void pw_pk_unpack(const uint32_t *wp, int N, int K, uint16_t *w) {
     }
 }
 
-/* One tile: NB blocks (from block b0) x MT tokens (x: the first token's row, K values a
- * row), pairs [p0, p0 + pc). first: start from zero, else from part (this thread's scratch,
- * PK_MB x 16 NB floats); last: write the output (out, as dp_tile's: fp32 sums into res, or
- * bf16(sum + bias) into y), else part. pf: the next chunk's first block (its other blocks KP * 16 words on)
- * to prefetch, one line a block a pair, or NULL. m0: the tile's first token within the
- * token block (its row in part); mg: its first token overall (its row in the output). */
+/* One tile: NB blocks x MT tokens (x: the first token's row, K values a row), pairs [p0,
+ * p0 + pc). The blocks are b0 .. b0 + NB - 1, or with ustep (a SwiGLU's gate/up weight,
+ * glu_pk) NB / 2 gate blocks from b0 and the up blocks ustep + NB / 2 blocks after each:
+ * block b at b0 + b, plus ustep where b >= NB / 2. first: start from zero, else from part
+ * (this thread's scratch, PK_MB x 16 NB floats); last: write the output (out, as
+ * dp_tile's: fp32 sums into res, or bf16(sum + bias) into y; with out->glu, each gate
+ * block's bf16(bf16(silu(g)) * u), g and u its sums + bias rounded to bf16, the bits of
+ * pw_dp_glu_rows and pw_silu_mul_dp), else part. pf: the next chunk's block 0 (its other
+ * blocks where the tile's are, relative to it) to prefetch, one line a block a pair, or
+ * NULL. m0: the tile's first token within the token block (its row in part); mg: its first
+ * token overall (its row in the output). */
 static inline __attribute__((always_inline)) void pk_tile(
         const int NB, const int MT, const uint16_t *x, int K, const uint32_t *wp, long KP,
-        int b0, long p0, int pc, int first, int last, const uint32_t *pf, float *part,
-        int m0, long mg, const DpOut *out) {
+        int b0, long ustep, long p0, int pc, int first, int last, const uint32_t *pf,
+        float *part, int m0, long mg, const DpOut *out) {
     __m512 acc[PK_MT][4];
     const int ldp = 16 * NB;
     for (int m = 0; m < MT; m++)
@@ -695,15 +701,16 @@ static inline __attribute__((always_inline)) void pk_tile(
             acc[m][b] = first ? _mm512_setzero_ps()
                               : _mm512_loadu_ps(part + (long)(m0 + m) * ldp + 16 * b);
     const uint32_t *xr = (const uint32_t *)x + p0;
+    long boff[4];  /* block b's panel, in words from block b0's */
+    for (int b = 0; b < NB; b++) boff[b] = (b + (2 * b >= NB ? ustep : 0)) * KP * 16;
     const uint32_t *wb = wp + ((long)b0 * KP + p0) * 16;
     for (int p = 0; p < pc; p++) {
         __m512bh wv[4];
         for (int b = 0; b < NB; b++)
-            wv[b] = (__m512bh)_mm512_loadu_si512(wb + (long)b * KP * 16 + (long)p * 16);
+            wv[b] = (__m512bh)_mm512_loadu_si512(wb + boff[b] + (long)p * 16);
         if (pf)
             for (int b = 0; b < NB; b++)
-                _mm_prefetch((const char *)(pf + (long)b * KP * 16 + (long)p * 16),
-                             _MM_HINT_T0);
+                _mm_prefetch((const char *)(pf + boff[b] + (long)p * 16), _MM_HINT_T0);
         for (int m = 0; m < MT; m++) {
             __m512bh xv = (__m512bh)_mm512_set1_epi32((int)xr[(long)m * (K / 2) + p]);
             for (int b = 0; b < NB; b++) acc[m][b] = _mm512_dpbf16_ps(acc[m][b], xv, wv[b]);
@@ -713,6 +720,31 @@ static inline __attribute__((always_inline)) void pk_tile(
         for (int m = 0; m < MT; m++)
             for (int b = 0; b < NB; b++)
                 _mm512_storeu_ps(part + (long)(m0 + m) * ldp + 16 * b, acc[m][b]);
+        return;
+    }
+    if (out->glu) {
+        for (int b = 0; 2 * b < NB; b++) {
+            long n = 16L * (b0 + b);  /* the gate block's first channel: act's column */
+            __m512 bg = out->bias ? dp_load_bf16x16(out->bias + n, 0xffff)
+                                  : _mm512_setzero_ps();
+            __m512 bu = out->bias ? dp_load_bf16x16(out->bias + out->ldr + n, 0xffff)
+                                  : _mm512_setzero_ps();
+            for (int m = 0; m < MT; m++) {
+                __m512 gv = _mm512_castsi512_ps(dp_bf16_bits16(_mm512_add_ps(acc[m][b], bg)));
+                __m512 uv = _mm512_castsi512_ps(
+                    dp_bf16_bits16(_mm512_add_ps(acc[m][b + NB / 2], bu)));
+                __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv));
+                __m512 silu = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+                __m512i a = dp_bf16_bits16(
+                    _mm512_mul_ps(_mm512_castsi512_ps(dp_bf16_bits16(silu)), uv));
+                if (out->y)
+                    _mm256_storeu_si256((__m256i *)(out->y + (mg + m) * out->ldr + n),
+                                        _mm512_cvtepi32_epi16(_mm512_srli_epi32(a, 16)));
+                else
+                    _mm512_storeu_ps(out->res + (mg + m) * out->ldr + n,
+                                     _mm512_castsi512_ps(a));
+            }
+        }
         return;
     }
     for (int b = 0; b < NB; b++) {
@@ -731,24 +763,24 @@ static inline __attribute__((always_inline)) void pk_tile(
     }
 }
 
-#define PK_ARGS x, K, wp, KP, b0, p0, pc, first, last, pf, part, m0, mg, out
+#define PK_ARGS x, K, wp, KP, b0, ustep, p0, pc, first, last, pf, part, m0, mg, out
 #define PK_CASE(NB, MT) case MT: pk_tile(NB, MT, PK_ARGS); break;
 static void pk_tile4(int mt, const uint16_t *x, int K, const uint32_t *wp, long KP, int b0,
-                     long p0, int pc, int first, int last, const uint32_t *pf, float *part,
-                     int m0, long mg, const DpOut *out) {
+                     long ustep, long p0, int pc, int first, int last, const uint32_t *pf,
+                     float *part, int m0, long mg, const DpOut *out) {
     switch (mt) { PK_CASE(4, 1) PK_CASE(4, 2) PK_CASE(4, 3) PK_CASE(4, 4) PK_CASE(4, 5)
                   default: pk_tile(4, 6, PK_ARGS); }
 }
 static void pk_tile2(int mt, const uint16_t *x, int K, const uint32_t *wp, long KP, int b0,
-                     long p0, int pc, int first, int last, const uint32_t *pf, float *part,
-                     int m0, long mg, const DpOut *out) {
+                     long ustep, long p0, int pc, int first, int last, const uint32_t *pf,
+                     float *part, int m0, long mg, const DpOut *out) {
     switch (mt) { PK_CASE(2, 1) PK_CASE(2, 2) PK_CASE(2, 3) PK_CASE(2, 4) PK_CASE(2, 5)
                   PK_CASE(2, 6) PK_CASE(2, 7) PK_CASE(2, 8) PK_CASE(2, 9) PK_CASE(2, 10)
                   PK_CASE(2, 11) default: pk_tile(2, 12, PK_ARGS); }
 }
 static void pk_tile1(int mt, const uint16_t *x, int K, const uint32_t *wp, long KP, int b0,
-                     long p0, int pc, int first, int last, const uint32_t *pf, float *part,
-                     int m0, long mg, const DpOut *out) {
+                     long ustep, long p0, int pc, int first, int last, const uint32_t *pf,
+                     float *part, int m0, long mg, const DpOut *out) {
     switch (mt) { PK_CASE(1, 1) PK_CASE(1, 2) PK_CASE(1, 3) PK_CASE(1, 4) PK_CASE(1, 5)
                   PK_CASE(1, 6) PK_CASE(1, 7) PK_CASE(1, 8) PK_CASE(1, 9) PK_CASE(1, 10)
                   PK_CASE(1, 11) default: pk_tile(1, 12, PK_ARGS); }
@@ -760,13 +792,19 @@ static void pk_tile1(int mt, const uint16_t *x, int K, const uint32_t *wp, long 
  * tokens, panels of 4 blocks (4 x M accumulators: enough independent sums while the
  * weights stream); more, panels of 2 blocks x up to 12 tokens (24 accumulators). Blocks
  * left over (N / 16 not a multiple of the panel's) are panels of one block, the last ones.
+ * With out->glu (N = 2I, I % 16 == 0: gate blocks, then as many up blocks), a panel is NB /
+ * 2 gate blocks and their up blocks (so one tile holds both halves of its channels), and
+ * gate blocks left over go as panels of one gate block and its up block.
  * Called by every thread of a parallel region; no barrier. */
 static void pk_share(const uint16_t *x, int M, const uint32_t *wp, int K, int N,
                      const DpOut *out) {
     int t = omp_get_thread_num(), T = omp_get_num_threads();
     const long KP = K / 2;
     const int NB = M <= 4 ? 4 : 2, MTMAX = NB == 4 ? 6 : PK_MT;
-    int blocks = N / 16, wide = blocks / NB, panels = wide + blocks % NB;
+    /* units: blocks, or under glu gate blocks (each with its up block) */
+    const int per = out->glu ? 2 : 1, units = N / 16 / per, upp = NB / per;
+    int wide = units / upp, panels = wide + units % upp;
+    long ustep = 0;
     int lo = (int)((long)panels * t / T), hi = (int)((long)panels * (t + 1) / T);
     int nch = (int)((KP + PK_KC - 1) / PK_KC), kc = (int)((KP + nch - 1) / nch);
     float part[PK_MB * 64] __attribute__((aligned(64)));
@@ -774,30 +812,31 @@ static void pk_share(const uint16_t *x, int M, const uint32_t *wp, int K, int N,
         int mbn = M - mb < PK_MB ? M - mb : PK_MB;
         int ntile = (mbn + MTMAX - 1) / MTMAX;
         for (int pn = lo; pn < hi; pn++) {
-            int nb = pn < wide ? NB : 1;
-            int b0 = pn < wide ? pn * NB : wide * NB + (pn - wide);
+            int nu = pn < wide ? upp : 1, nb = nu * per;  /* units and blocks */
+            int b0 = pn < wide ? pn * upp : wide * upp + (pn - wide);
+            if (out->glu) ustep = units - nu;  /* up block: gate block + units */
             for (long p0 = 0; p0 < KP; p0 += kc) {
                 int pc = KP - p0 < kc ? (int)(KP - p0) : kc;
                 int first = p0 == 0, last = p0 + pc >= KP;
                 const uint32_t *pf = NULL;  /* the next chunk's, within this thread's share */
                 if (!last)
                     pf = wp + ((long)b0 * KP + p0 + kc) * 16;
-                else if (pn + 1 < hi)  /* panels are consecutive blocks */
-                    pf = wp + (long)(b0 + nb) * KP * 16;
+                else if (pn + 1 < hi)  /* panels are consecutive units */
+                    pf = wp + (long)(b0 + nu) * KP * 16;
                 int m0 = 0;
                 for (int s = 0; s < ntile; s++) {  /* tiles of balanced sizes */
                     int mt = mbn / ntile + (s < mbn % ntile);
                     const uint16_t *xs = x + (long)(mb + m0) * K;
                     const uint32_t *tpf = s == 0 ? pf : NULL;
                     if (nb == 4)
-                        pk_tile4(mt, xs, K, wp, KP, b0, p0, pc, first, last, tpf, part, m0,
-                                 mb + m0, out);
+                        pk_tile4(mt, xs, K, wp, KP, b0, ustep, p0, pc, first, last, tpf, part,
+                                 m0, mb + m0, out);
                     else if (nb == 2)
-                        pk_tile2(mt, xs, K, wp, KP, b0, p0, pc, first, last, tpf, part, m0,
-                                 mb + m0, out);
+                        pk_tile2(mt, xs, K, wp, KP, b0, ustep, p0, pc, first, last, tpf, part,
+                                 m0, mb + m0, out);
                     else
-                        pk_tile1(mt, xs, K, wp, KP, b0, p0, pc, first, last, tpf, part, m0,
-                                 mb + m0, out);
+                        pk_tile1(mt, xs, K, wp, KP, b0, ustep, p0, pc, first, last, tpf, part,
+                                 m0, mb + m0, out);
                     m0 += mt;
                 }
             }
@@ -820,6 +859,28 @@ int pw_linear_pk(const uint16_t *x, const uint32_t *wp, const uint16_t *bias, ui
 void pw_pk_share(const uint16_t *xb, int M, const uint32_t *wp, int K, int N, float *res) {
     DpOut out = {res, NULL, NULL, N};
     pk_share(xb, M, wp, K, N, &out);
+}
+
+/* A SwiGLU MLP's first half on packed weights: y [M, I] bf16 = bf16(bf16(silu(g)) * u), g
+ * and u the gate and up halves of bf16(x w^T + bias), w [2I, K] packed (gate rows, then up
+ * rows), bias [2I] bf16 or NULL; I % 16 == 0. The bits of pw_linear_pk then pw_silu_mul_dp,
+ * without writing or reading back the [M, 2I] projection. Returns 0, or -2 for I % 16. */
+int pw_linear_pk_glu(const uint16_t *x, const uint32_t *wp, const uint16_t *bias, uint16_t *y,
+                     int M, int I, int K, int nthreads) {
+    if (I % 16) return -2;
+    DpOut out = {NULL, y, bias, I, 1};
+#pragma omp parallel num_threads(nthreads)
+    pk_share(x, M, wp, K, 2 * I, &out);
+    return 0;
+}
+
+/* The fused decode layer's gate/up share with the SiLU in the epilogue: act [M, I] bf16 as
+ * pw_linear_pk_glu's y, for this thread's gate blocks (and their up blocks); I % 16 == 0.
+ * No barrier. */
+void pw_pk_share_glu(const uint16_t *xb, int M, const uint32_t *wp, const uint16_t *bias,
+                     int K, int I, uint16_t *act) {
+    DpOut out = {NULL, act, bias, I, 1};
+    pk_share(xb, M, wp, K, 2 * I, &out);
 }
 
 /* add_norm_row of cpu_kernels.c with AVX-512 (bf16 rounding in one instruction, sixteen

@@ -1521,6 +1521,8 @@ void pw_dp_glu_rows(const float *res, const uint16_t *bias, int M, int I, float 
     __attribute__((weak));
 void pw_pk_share(const uint16_t *xb, int M, const uint32_t *wp, int K, int N, float *res)
     __attribute__((weak));
+void pw_pk_share_glu(const uint16_t *xb, int M, const uint32_t *wp, const uint16_t *bias,
+                     int K, int I, uint16_t *act) __attribute__((weak));
 
 /* out = bf16(res + bias) for M rows of N, shared by the threads of the calling region (an
  * orphaned omp for, with its barrier), row by row (walking down the rows first, rows of
@@ -1596,6 +1598,11 @@ int pw_decode_layer_bf16(const DecodeLayer *L) {
         return -2;
     int amx_glu = L->amx == 1 && amx_proj(L, L->s_gate_up, 2 * I) && I >= 16
                   && (L->s_gate_up ? pw_amx_share_glu_int8 != NULL : pw_amx_share_glu != NULL);
+    /* On panels (I % 16 == 0): the SiLU in the gate/up tiles' epilogue too, writing act as
+     * the bf16 rows the down projection reads (no [M, 2I] results, no separate pass, no
+     * packing of act; the same bits) */
+    int pk_glu = L->amx == 3 && I % 16 == 0 && amx_proj(L, L->s_gate_up, 2 * I)
+                 && pw_pk_share_glu != NULL;
     int parts = group_parts(M, n_kv, group, L->nthreads);
     int n_tasks = parts ? M * parts : M * n_kv;
     long per_task = attention_task_floats(group, hd);
@@ -1674,6 +1681,10 @@ int pw_decode_layer_bf16(const DecodeLayer *L) {
             else
                 pw_amx_share_glu(xp, M, (const uint16_t *)L->w_gate_up, L->b_gate_up, H, I,
                                  act);
+        } else if (pk_glu) {
+            pw_dp_pack_f32(xn, M, H, (uint16_t *)xp);  /* shared, with a barrier */
+            pw_pk_share_glu((const uint16_t *)xp, M, (const uint32_t *)L->w_gate_up,
+                            L->b_gate_up, H, I, (uint16_t *)act);
         } else {
             layer_proj(L, xn, M, L->w_gate_up, L->s_gate_up, H, 2 * I, xp, wide,
                        wide_per_thread, res);
@@ -1682,7 +1693,9 @@ int pw_decode_layer_bf16(const DecodeLayer *L) {
         /* Row by row (rows of 2I floats lie tens of KiB apart, often a multiple of 4 KiB:
          * walking down the rows first thrashed L1's sets: 8 ms a step at 32 rows). Skipped
          * alike by every thread where the tiles' epilogue wrote act. */
-        if (!amx_glu && L->amx >= 2 && pw_dp_glu_rows) {  /* 16 lanes, the same bits */
+        if (pk_glu) {
+            /* act holds bf16 rows already */
+        } else if (!amx_glu && L->amx >= 2 && pw_dp_glu_rows) {  /* 16 lanes, the same bits */
             pw_dp_glu_rows(res, L->b_gate_up, M, I, act);
         } else if (!amx_glu) {
 #pragma omp for collapse(2) schedule(static)
@@ -1711,7 +1724,10 @@ int pw_decode_layer_bf16(const DecodeLayer *L) {
             }
         }
 
-        layer_proj(L, act, M, L->w_down, L->s_down, I, H, xp, wide, wide_per_thread, res);
+        if (pk_glu)  /* packed for it already (amx_proj(w_down) holds: all_amx) */
+            pw_pk_share((const uint16_t *)act, M, (const uint32_t *)L->w_down, I, H, res);
+        else
+            layer_proj(L, act, M, L->w_down, L->s_down, I, H, xp, wide, wide_per_thread, res);
 #pragma omp barrier
         bias_round_rows(res, L->b_down, M, H, L->out);
     }

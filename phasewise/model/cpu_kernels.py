@@ -187,6 +187,7 @@ DP_SIGNATURES = {
     "pw_linear_dp": (ctypes.c_int, [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4),
     "pw_silu_mul_dp": (None, [ctypes.c_void_p] * 2 + [ctypes.c_int] * 3),
     "pw_linear_pk": (ctypes.c_int, [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4),
+    "pw_linear_pk_glu": (ctypes.c_int, [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4),
     "pw_pk_pack": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
                                   ctypes.c_void_p, ctypes.c_int]),
     "pw_pk_unpack": (None, [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]),
@@ -524,18 +525,37 @@ def linear_pk(x: torch.Tensor, wp: torch.Tensor, bias: torch.Tensor | None = Non
     (``pack_panels``; N = 16 wp.shape[0]): AVX512_BF16 dot products, 16 output channels a
     vector, each token's pairs broadcast, products of bf16 pairs summed in fp32 pair by
     pair, one rounding."""
+    return _pk_call("pw_linear_pk", x, wp, bias, n=16 * wp.shape[0])
+
+
+def _pk_call(name: str, x: torch.Tensor, wp: torch.Tensor, bias: torch.Tensor | None,
+             n: int) -> torch.Tensor:
+    """``linear_pk``'s and ``glu_pk``'s checks, then their kernel's call (output width
+    ``n``)."""
     if not dp_available():
         raise RuntimeError("AVX512_BF16 kernels unavailable: "
                            f"{KERNELS.dp_reason or KERNELS.reason}")
     if not is_panels(wp) or x.shape[-1] != 2 * wp.shape[1] or not wp.is_contiguous():
-        raise ValueError(f"linear_pk: weight {tuple(wp.shape)} {wp.dtype} is not contiguous "
+        raise ValueError(f"{name}: weight {tuple(wp.shape)} {wp.dtype} is not contiguous "
                          f"panels of the input's width {x.shape[-1]}")
-    n = 16 * wp.shape[0]
-    if bias is not None and (bias.dtype != torch.bfloat16 or bias.shape != (n,)
+    width = 16 * wp.shape[0]
+    if bias is not None and (bias.dtype != torch.bfloat16 or bias.shape != (width,)
                              or not bias.is_contiguous() or bias.device.type != "cpu"):
-        raise ValueError(f"linear_pk: bias must be a contiguous bf16 CPU tensor of {n} values; "
-                         f"got {tuple(bias.shape)} {bias.dtype}")
-    return _call("pw_linear_pk", x.to(torch.bfloat16), wp, bias, n=n)
+        raise ValueError(f"{name}: bias must be a contiguous bf16 CPU tensor of {width} "
+                         f"values; got {tuple(bias.shape)} {bias.dtype}")
+    return _call(name, x.to(torch.bfloat16), wp, bias, n=n)
+
+
+def glu_pk(x: torch.Tensor, wp: torch.Tensor, bias: torch.Tensor | None = None
+           ) -> torch.Tensor:
+    """A SwiGLU MLP's gate/up projection and SiLU-and-multiply in one pass over panels:
+    ``wp`` a [2I, K] weight (gate rows, then up rows) in the panels layout, I % 16 == 0
+    (``wp.shape[0]`` even), bias [2I] or None -> [..., I] = bf16(bf16(silu(g)) * u), the
+    bits of ``silu_mul`` after ``linear_pk``, without the [..., 2I] projection."""
+    if not is_panels(wp) or wp.shape[0] % 2:
+        raise ValueError(f"glu_pk: weight {tuple(wp.shape)} {wp.dtype} is not panels of an "
+                         "even number of 16-row blocks (I % 16 == 0)")
+    return _pk_call("pw_linear_pk_glu", x, wp, bias, n=8 * wp.shape[0])
 
 
 def _need_amx() -> None:
