@@ -6,7 +6,7 @@ import ctypes
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from phasewise.model import cpu_kernels, linear
@@ -106,6 +106,11 @@ def test_panels_linear_matches_fp32_reference_and_each_row_alone(m, blocks, pair
 @settings(max_examples=40, deadline=None)
 @given(m=st.integers(1, 200), units=st.integers(1, 7), pairs=st.integers(1, 1100),
        bias=st.booleans(), seed=st.integers(0, 2**31 - 1))
+# pinned: <= 4 tokens with a gate block left over and K in two chunks; a second token block;
+# one gate block, more than 4 tokens, K just past a chunk
+@example(m=3, units=3, pairs=600, bias=True, seed=1)
+@example(m=97, units=2, pairs=1100, bias=False, seed=2)
+@example(m=5, units=1, pairs=513, bias=True, seed=3)
 def test_panels_glu_is_the_projection_then_silu_mul_bit_for_bit(m, units, pairs, bias, seed):
     """glu_pk (the gate/up projection on panels with the SiLU-and-multiply in its tiles'
     epilogue) gives the bits of linear_pk then silu_mul's AVX-512 kernel: each tile takes
@@ -844,6 +849,9 @@ PLANS = {"avx2": (8, "torch"), "amx": (0, "amx"),
     # panels of an odd model (ODD): blocks left over past the 4- and 2-block panels, and
     # the down projection's K (1040) in two chunks
     *((r, None, "panels-odd") for r in (1, 5, 32)),
+    # and I % 16 == 8: gate/up in panels (2I % 16 == 0) whose SiLU cannot ride the tiles'
+    # epilogue (a gate block would hold up channels): the separate SiLU pass
+    *((r, None, "panels-i8") for r in (1, 5)),
     (3, "int8", "dp"),  # fused, the int8 projections streamed
     (8, "int8", "dp")])  # int8 beyond the streams' rows: op by op
 def test_fused_decode_layer_matches_op_by_op(tmp_path, two_threads, arch, rows, quantization,
@@ -853,7 +861,8 @@ def test_fused_decode_layer_matches_op_by_op(tmp_path, two_threads, arch, rows, 
     tiles), writing the same K/V into the cache; a step it cannot take runs op by op."""
     if plan == "amx" and not cpu_kernels.amx_available():
         pytest.skip(f"AMX kernels unavailable: {cpu_kernels.KERNELS.amx_reason}")
-    odd_model = plan == "panels-odd"
+    odd_model = plan in ("panels-odd", "panels-i8")
+    shape = {**ODD, "intermediate_size": 1032} if plan == "panels-i8" else ODD
     plan = "panels" if odd_model else plan
     if plan in ("dp", "panels") and not cpu_kernels.dp_available():
         pytest.skip(f"AVX512_BF16 kernels unavailable: {cpu_kernels.KERNELS.dp_reason}")
@@ -864,7 +873,7 @@ def test_fused_decode_layer_matches_op_by_op(tmp_path, two_threads, arch, rows, 
     from phasewise.model.loader import load_model
 
     build_hf_checkpoint(tmp_path, arch, dtype=torch.bfloat16, seed=5,
-                        **(ODD if odd_model else {}))
+                        **(shape if odd_model else {}))
     cfg = ModelConfig.from_file(tmp_path)
     model = load_model(tmp_path, cfg, dtype=torch.bfloat16, device=torch.device("cpu"),
                        max_positions=128)
@@ -894,6 +903,9 @@ def test_fused_decode_layer_matches_op_by_op(tmp_path, two_threads, arch, rows, 
     if plan == "panels":  # every projection packed, in place, once; every ops reads them
         assert CpuKernelOps(dispatch).pack_panels(model, force=True) == ""  # AMX too
         assert cpu_kernels.is_panels(model.layers[0].qkv_proj.weight)
+        # gate/up blocks: an even count takes the SiLU in the epilogue, an odd one not
+        blocks = model.layers[0].gate_up_proj.weight.shape[0]
+        assert blocks % 2 == (cfg.intermediate_size % 16 == 8)
     fused = rows <= 6 or plan in ("amx", "panels") or (plan == "dp" and quantization is None)
     outs = {}
     for name, ops in (("stack", CpuKernelOps(dispatch)), ("layers", LayerByLayer(dispatch)),

@@ -687,8 +687,9 @@ void pw_pk_unpack(const uint32_t *wp, int N, int K, uint16_t *w) {
  * dp_tile's: fp32 sums into res, or bf16(sum + bias) into y; with out->glu, each gate
  * block's bf16(bf16(silu(g)) * u), g and u its sums + bias rounded to bf16, the bits of
  * pw_dp_glu_rows and pw_silu_mul_dp), else part. pf: the next chunk's block 0 (its other
- * blocks where the tile's are, relative to it) to prefetch, one line a block a pair, or
- * NULL. m0: the tile's first token within the token block (its row in part); mg: its first
+ * blocks where the tile's are, relative to it; where the next panel is a leftover one of
+ * fewer blocks, two of the lines are not its own: a hint, never read) to prefetch, one line
+ * a block a pair, or NULL. m0: the tile's first token within the token block (its row in part); mg: its first
  * token overall (its row in the output). */
 static inline __attribute__((always_inline)) void pk_tile(
         const int NB, const int MT, const uint16_t *x, int K, const uint32_t *wp, long KP,

@@ -525,13 +525,13 @@ def linear_pk(x: torch.Tensor, wp: torch.Tensor, bias: torch.Tensor | None = Non
     (``pack_panels``; N = 16 wp.shape[0]): AVX512_BF16 dot products, 16 output channels a
     vector, each token's pairs broadcast, products of bf16 pairs summed in fp32 pair by
     pair, one rounding."""
-    return _pk_call("pw_linear_pk", x, wp, bias, n=16 * wp.shape[0])
+    return _pk_call("linear_pk", "pw_linear_pk", x, wp, bias, n=16 * wp.shape[0])
 
 
-def _pk_call(name: str, x: torch.Tensor, wp: torch.Tensor, bias: torch.Tensor | None,
-             n: int) -> torch.Tensor:
-    """``linear_pk``'s and ``glu_pk``'s checks, then their kernel's call (output width
-    ``n``)."""
+def _pk_call(name: str, kernel: str, x: torch.Tensor, wp: torch.Tensor,
+             bias: torch.Tensor | None, n: int) -> torch.Tensor:
+    """``linear_pk``'s and ``glu_pk``'s checks (``name`` in their messages), then their
+    C ``kernel``'s call (output width ``n``)."""
     if not dp_available():
         raise RuntimeError("AVX512_BF16 kernels unavailable: "
                            f"{KERNELS.dp_reason or KERNELS.reason}")
@@ -543,7 +543,7 @@ def _pk_call(name: str, x: torch.Tensor, wp: torch.Tensor, bias: torch.Tensor | 
                              or not bias.is_contiguous() or bias.device.type != "cpu"):
         raise ValueError(f"{name}: bias must be a contiguous bf16 CPU tensor of {width} "
                          f"values; got {tuple(bias.shape)} {bias.dtype}")
-    return _call(name, x.to(torch.bfloat16), wp, bias, n=n)
+    return _call(kernel, x.to(torch.bfloat16), wp, bias, n=n)
 
 
 def glu_pk(x: torch.Tensor, wp: torch.Tensor, bias: torch.Tensor | None = None
@@ -555,7 +555,7 @@ def glu_pk(x: torch.Tensor, wp: torch.Tensor, bias: torch.Tensor | None = None
     if not is_panels(wp) or wp.shape[0] % 2:
         raise ValueError(f"glu_pk: weight {tuple(wp.shape)} {wp.dtype} is not panels of an "
                          "even number of 16-row blocks (I % 16 == 0)")
-    return _pk_call("pw_linear_pk_glu", x, wp, bias, n=8 * wp.shape[0])
+    return _pk_call("glu_pk", "pw_linear_pk_glu", x, wp, bias, n=8 * wp.shape[0])
 
 
 def _need_amx() -> None:

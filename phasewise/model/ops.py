@@ -148,8 +148,9 @@ class CpuKernelOps(TorchOps):
         self._layer_args: dict[int, cpu_kernels.DecodeLayerArgs] = {}
         self._stack: tuple | None = None  # (layers, cache pointers, (args, k, v)) of decode_stack
         # Whether the model's projections are packed into panels (pack_panels): then
-        # every projection, at every row count, runs cpu_kernels.linear_pk or the fused
-        # layer's panels mode (amx field 3), and nothing reads those weights as rows.
+        # every projection, at every row count, runs cpu_kernels.linear_pk (glu_pk for a
+        # SwiGLU's gate/up where I % 16 == 0) or the fused layer's panels mode (amx field
+        # 3), and nothing reads those weights as rows.
         self.panels = False
 
     def _ok(self, *ts: torch.Tensor) -> bool:
