@@ -92,9 +92,13 @@ def test_panels_linear_matches_fp32_reference_and_each_row_alone(m, blocks, pair
     w2 = w.clone()
     wp2 = cpu_kernels.pack_panels(w2, in_place=True)  # block by block, in w2's own bytes
     assert wp2.data_ptr() == w2.data_ptr() and torch.equal(wp2, wp)
-    # lane c of pair p of block 0: channel c's values 2p (low half) and 2p + 1 (high half)
-    lo = (wp[0, :, 3] & 0xFFFF).to(torch.int32)
-    assert torch.equal(lo.to(torch.int16), w[3, 0::2].view(torch.int16))
+    # the word of (row, pair): the row's values 2p (low half) and 2p + 1 (high half)
+    flat = wp.flatten()
+    for row in {0, 3, 16 * (blocks - 1) + 5, n // 2 + 1}:
+        for pair in {0, pairs // 2, pairs - 1}:
+            word = int(flat[cpu_kernels.panels_word(n, k, row, pair)])
+            assert word & 0xFFFF == w[row, 2 * pair].view(torch.int16).item() & 0xFFFF
+            assert (word >> 16) & 0xFFFF == w[row, 2 * pair + 1].view(torch.int16).item() & 0xFFFF
     y = cpu_kernels.linear_pk(x, wp, b)
     assert y.dtype == torch.bfloat16 and y.shape == (m, n)
     torch.testing.assert_close(y.float(), reference(x, w, b), rtol=2**-7, atol=1e-4 * k)
@@ -122,15 +126,20 @@ def test_panels_glu_is_the_projection_then_silu_mul_bit_for_bit(m, units, pairs,
     x = torch.randn(m, k, generator=g).bfloat16()
     w = (torch.randn(2 * inter, k, generator=g) * k**-0.5).bfloat16()
     b = torch.randn(2 * inter, generator=g).bfloat16() if bias else None
-    wp = cpu_kernels.pack_panels(w)
+    wp = cpu_kernels.pack_panels(w, glu=True)
+    assert torch.equal(cpu_kernels.unpack_panels(wp, glu=True), w)
+    w2 = w.clone()
+    assert torch.equal(cpu_kernels.pack_panels(w2, in_place=True, glu=True), wp)
     y = cpu_kernels.glu_pk(x, wp, b)
     assert y.dtype == torch.bfloat16 and y.shape == (m, inter)
-    proj = cpu_kernels.linear_pk(x, wp, b)
+    proj = cpu_kernels.linear_pk(x, cpu_kernels.pack_panels(w), b)
     assert torch.equal(y, CpuKernelOps(LinearDispatch(0, "torch")).silu_mul(proj))
     ref = torch.nn.functional.silu(proj[:, :inter].float()) * proj[:, inter:].float()
     torch.testing.assert_close(y.float(), ref, rtol=2**-6, atol=1e-3)
     with pytest.raises(ValueError, match="even number"):
         cpu_kernels.glu_pk(x, cpu_kernels.pack_panels(w[:16 * (2 * units - 1)]))
+    with pytest.raises(ValueError, match="I % 16"):
+        cpu_kernels.pack_panels(w[:16 * (2 * units - 1)], glu=True)
 
 
 @needs_dp
@@ -198,7 +207,9 @@ def test_panels_are_packed_in_place_and_only_where_they_are_the_path(tmp_path, m
         if name.split(".")[-2] in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj") \
                 and name.endswith("weight"):
             assert cpu_kernels.is_panels(p)
-            assert torch.equal(cpu_kernels.unpack_panels(p), rows[name])
+            glu = name.split(".")[-2] == "gate_up_proj"  # units of gate and up blocks
+            assert ops_mod.glu_packed(model.get_submodule(name.rsplit(".", 1)[0])) == glu
+            assert torch.equal(cpu_kernels.unpack_panels(p, glu=glu), rows[name])
         else:
             assert torch.equal(p, rows[name])
     x = torch.randn(5, cfg.hidden_size).bfloat16()

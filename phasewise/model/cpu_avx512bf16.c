@@ -610,18 +610,23 @@ void pw_dp_glu_rows(const float *res, const uint16_t *bias, int M, int I, float 
 /* ---------------------------------------------------------------------------------------
  * The linear layer on weights packed once, at load, into panels (the "panels" layout): for
  * each block of 16 output channels, K/2 vectors of 16 lanes, lane c holding channel c's
- * pair of values (2p, 2p + 1) as one 32-bit word:
- *     wp[(b * K/2 + p) * 16 + c] = w[16 b + c][2p] | w[16 b + c][2p + 1] << 16.
+ * pair of values (2p, 2p + 1) as one 32-bit word, the blocks in groups of PK_GS (the last
+ * group perhaps fewer, gb) whose vectors take turns pair by pair:
+ *     wp[g0 * K/2 * 16 + (p * gb + b - g0) * 16 + c]
+ *         = w[16 b + c][2p] | w[16 b + c][2p + 1] << 16
+ * (g0 the group's first block; pk_addr). A tile over one group reads one stream.
  * A product then needs no reduction across lanes: VDPBF16PS of a weight vector (16
  * channels' pair p) with a token's pair p broadcast to every lane adds that pair's two
- * products to each channel's sum. A register tile holds NB blocks (16 NB channels) x MT
- * tokens; per pair it loads NB weight vectors and broadcasts MT words, NB x MT products.
+ * products to each channel's sum. A register tile holds NB blocks (16 NB channels: a group)
+ * x MT tokens; per pair it loads NB weight vectors and broadcasts MT words, NB x MT
+ * products. (Blocks laid end to end, a tile's 2-4 blocks 2-4 streams, read up to 8% slower
+ * at 1-8 tokens: README, "One stream a tile".)
  * Against the in-place kernel above (4 rows x 6 tokens, a lane reduction at the end of each
  * tile), 2-core AMD EPYC with AVX512_BF16, weights from memory, the reference checkpoint's
  * four projections: 712-777 GFLOP/s against 459-521 at 32 tokens, 370-439 against 233-328
  * at 8, and 867-910 against torch's 737-808 (oneDNN) at 512.
  *
- * Blocking: a thread takes a contiguous share of the panels (NB blocks each); a panel meets
+ * Blocking: a thread takes a contiguous share of the panels (groups); a panel meets
  * the tokens in blocks of PK_MB, K in chunks of at most PK_KC pairs (the panel's chunk stays
  * in L1/L2 while every token tile of the block passes over it), and while the first tile of
  * a chunk runs, the next chunk (or the next panel's first) is prefetched, one line of each
@@ -632,19 +637,31 @@ void pw_dp_glu_rows(const float *res, const uint16_t *bias, int M, int I, float 
  */
 #define PK_KC 512    /* pairs of K a chunk */
 #define PK_MB 96     /* tokens a block */
-#define PK_MT 12     /* the most tokens a tile (2 blocks) */
+#define PK_MT 12     /* the most tokens a tile (a group of 2 blocks) */
+#define PK_GS 2      /* blocks a group, interleaved pair by pair */
 
-/* w [N, K] bf16 row-major -> wp (N * K / 2 words), N % 16 == 0, K % 2 == 0; the blocks
- * shared by the threads. wp may be w itself: block b's panel takes the bytes of rows 16 b ..
- * 16 b + 15, so each block is copied aside (one block a thread, 32 K bytes) and packed back
- * in place, and no second copy of the weight is ever made. Returns 0, or -1 without the
- * block's scratch memory. */
+/* Where block b's vector of pair p lies (in words from wp), and how far its next pair's is:
+ * blocks come in groups of PK_GS (the last group of a weight perhaps fewer: gb), a group's
+ * blocks interleaved pair by pair, so a tile over a group's blocks reads one stream. */
+static inline long pk_addr(int blocks, long KP, int b, long p, long *stride) {
+    int g0 = b / PK_GS * PK_GS, gb = blocks - g0 < PK_GS ? blocks - g0 : PK_GS;
+    *stride = 16L * gb;
+    return (long)g0 * KP * 16 + (p * gb + (b - g0)) * 16;
+}
+
+/* w [N, K] bf16 row-major -> wp (N * K / 2 words), N % 16 == 0, K % 2 == 0; the groups
+ * shared by the threads. wp may be w itself: a group's panel takes the bytes of its rows, so
+ * each group is copied aside (one group a thread, 64 K bytes) and packed back in place, and
+ * no second copy of the weight is ever made. Returns 0, or -1 without the group's scratch
+ * memory. */
 int pw_pk_pack(const uint16_t *w, int N, int K, uint32_t *wp, int nthreads) {
     long KP = K / 2;
+    int blocks = N / 16, groups = (blocks + PK_GS - 1) / PK_GS;
     int in_place = (const void *)w == (const void *)wp, failed = 0;
 #pragma omp parallel num_threads(nthreads)
     {
-        uint32_t *tmp = in_place ? (uint32_t *)malloc(sizeof(uint32_t) * KP * 16) : NULL;
+        uint32_t *tmp = in_place ? (uint32_t *)malloc(sizeof(uint32_t) * KP * 16 * PK_GS)
+                                 : NULL;
         if (in_place && !tmp) {
 #pragma omp atomic write
             failed = 1;
@@ -652,15 +669,18 @@ int pw_pk_pack(const uint16_t *w, int N, int K, uint32_t *wp, int nthreads) {
 #pragma omp barrier
         if (!failed) {
 #pragma omp for schedule(static)
-            for (int b = 0; b < N / 16; b++) {
-                const uint32_t *rows = (const uint32_t *)(w + (long)b * 16 * K);
-                uint32_t *dst = wp + (long)b * KP * 16;
+            for (int g = 0; g < groups; g++) {
+                int b0 = g * PK_GS, gb = blocks - b0 < PK_GS ? blocks - b0 : PK_GS;
+                const uint32_t *rows = (const uint32_t *)(w + (long)b0 * 16 * K);
+                uint32_t *dst = wp + (long)b0 * KP * 16;
                 if (in_place) {
-                    memcpy(tmp, rows, sizeof(uint32_t) * KP * 16);
+                    memcpy(tmp, rows, sizeof(uint32_t) * KP * 16 * gb);
                     rows = tmp;
                 }
                 for (long p = 0; p < KP; p++)
-                    for (int c = 0; c < 16; c++) dst[p * 16 + c] = rows[(long)c * KP + p];
+                    for (int bi = 0; bi < gb; bi++)
+                        for (int c = 0; c < 16; c++)
+                            dst[(p * gb + bi) * 16 + c] = rows[(long)(16 * bi + c) * KP + p];
             }
         }
         free(tmp);
@@ -670,30 +690,30 @@ int pw_pk_pack(const uint16_t *w, int N, int K, uint32_t *wp, int nthreads) {
 
 /* The inverse of pw_pk_pack (for tests and for handing a row-major copy back). */
 void pw_pk_unpack(const uint32_t *wp, int N, int K, uint16_t *w) {
-    long KP = K / 2;
-    for (int b = 0; b < N / 16; b++) {
+    long KP = K / 2, stride;
+    int blocks = N / 16;
+    for (int b = 0; b < blocks; b++) {
         uint32_t *rows = (uint32_t *)(w + (long)b * 16 * K);
-        const uint32_t *src = wp + (long)b * KP * 16;
-        for (long p = 0; p < KP; p++)
-            for (int c = 0; c < 16; c++) rows[(long)c * KP + p] = src[p * 16 + c];
+        for (long p = 0; p < KP; p++) {
+            const uint32_t *src = wp + pk_addr(blocks, KP, b, p, &stride);
+            for (int c = 0; c < 16; c++) rows[(long)c * KP + p] = src[c];
+        }
     }
 }
 
-/* One tile: NB blocks x MT tokens (x: the first token's row, K values a row), pairs [p0,
- * p0 + pc). The blocks are b0 .. b0 + NB - 1, or with ustep (a SwiGLU's gate/up weight,
- * glu_pk) NB / 2 gate blocks from b0 and the up blocks ustep + NB / 2 blocks after each:
- * block b at b0 + b, plus ustep where b >= NB / 2. first: start from zero, else from part
- * (this thread's scratch, PK_MB x 16 NB floats); last: write the output (out, as
- * dp_tile's: fp32 sums into res, or bf16(sum + bias) into y; with out->glu, each gate
- * block's bf16(bf16(silu(g)) * u), g and u its sums + bias rounded to bf16, the bits of
- * pw_dp_glu_rows and pw_silu_mul_dp), else part. pf: the next chunk's block 0 (its other
- * blocks where the tile's are, relative to it; where the next panel is a leftover one of
- * fewer blocks, two of the lines are not its own: a hint, never read) to prefetch, one line
- * a block a pair, or NULL. m0: the tile's first token within the token block (its row in part); mg: its first
- * token overall (its row in the output). */
+/* One tile: NB blocks b0 .. b0 + NB - 1 (of `blocks`) x MT tokens (x: the first token's row,
+ * K values a row), pairs [p0, p0 + pc). first: start from zero, else from part (this
+ * thread's scratch, PK_MB x 16 NB floats); last: write the output (out, as dp_tile's: fp32
+ * sums into res, or bf16(sum + bias) into y; with out->glu, NB == 2 and the weight packed in
+ * units (gate block b0 / 2, then its up block: glu_pk), bf16(bf16(silu(g)) * u), g and u
+ * the two blocks' sums + bias rounded to bf16, the bits of pw_dp_glu_rows and
+ * pw_silu_mul_dp), else part. pfb, pfp: the next chunk's first block and pair, whose NB
+ * blocks' vectors are prefetched one line a block a pair (pfb < 0: none; a block past the
+ * weight's last: block b0's instead, a hint). m0: the tile's first token within the token
+ * block (its row in part); mg: its first token overall (its row in the output). */
 static inline __attribute__((always_inline)) void pk_tile(
         const int NB, const int MT, const uint16_t *x, int K, const uint32_t *wp, long KP,
-        int b0, long ustep, long p0, int pc, int first, int last, const uint32_t *pf,
+        int blocks, int b0, long p0, int pc, int first, int last, int pfb, long pfp,
         float *part, int m0, long mg, const DpOut *out) {
     __m512 acc[PK_MT][4];
     const int ldp = 16 * NB;
@@ -702,16 +722,21 @@ static inline __attribute__((always_inline)) void pk_tile(
             acc[m][b] = first ? _mm512_setzero_ps()
                               : _mm512_loadu_ps(part + (long)(m0 + m) * ldp + 16 * b);
     const uint32_t *xr = (const uint32_t *)x + p0;
-    long boff[4];  /* block b's panel, in words from block b0's */
-    for (int b = 0; b < NB; b++) boff[b] = (b + (2 * b >= NB ? ustep : 0)) * KP * 16;
-    const uint32_t *wb = wp + ((long)b0 * KP + p0) * 16;
+    const uint32_t *wb[4], *pf[4];  /* block b's vector of pair p0 (and of the next chunk) */
+    long st[4], pst[4];              /* and the words from one pair's to the next's */
+    for (int b = 0; b < NB; b++) {
+        wb[b] = wp + pk_addr(blocks, KP, b0 + b, p0, &st[b]);
+        int nb = pfb + b;  /* the next chunk's block (a hint: any block will do) */
+        pf[b] = pfb >= 0 ? wp + pk_addr(blocks, KP, nb < blocks ? nb : b0, pfp, &pst[b]) : NULL;
+        if (pfb < 0) pst[b] = 0;
+    }
     for (int p = 0; p < pc; p++) {
         __m512bh wv[4];
         for (int b = 0; b < NB; b++)
-            wv[b] = (__m512bh)_mm512_loadu_si512(wb + boff[b] + (long)p * 16);
-        if (pf)
+            wv[b] = (__m512bh)_mm512_loadu_si512(wb[b] + (long)p * st[b]);
+        if (pfb >= 0)
             for (int b = 0; b < NB; b++)
-                _mm_prefetch((const char *)(pf + boff[b] + (long)p * 16), _MM_HINT_T0);
+                _mm_prefetch((const char *)(pf[b] + (long)p * pst[b]), _MM_HINT_T0);
         for (int m = 0; m < MT; m++) {
             __m512bh xv = (__m512bh)_mm512_set1_epi32((int)xr[(long)m * (K / 2) + p]);
             for (int b = 0; b < NB; b++) acc[m][b] = _mm512_dpbf16_ps(acc[m][b], xv, wv[b]);
@@ -723,9 +748,9 @@ static inline __attribute__((always_inline)) void pk_tile(
                 _mm512_storeu_ps(part + (long)(m0 + m) * ldp + 16 * b, acc[m][b]);
         return;
     }
-    if (out->glu) {
+    if (out->glu) {  /* NB == 2: gate block b0 (unit b0 / 2), up block b0 + 1 */
         for (int b = 0; 2 * b < NB; b++) {
-            long n = 16L * (b0 + b);  /* the gate block's first channel: act's column */
+            long n = 16L * (b0 / 2);  /* the unit's first channel: act's column */
             __m512 bg = out->bias ? dp_load_bf16x16(out->bias + n, 0xffff)
                                   : _mm512_setzero_ps();
             __m512 bu = out->bias ? dp_load_bf16x16(out->bias + out->ldr + n, 0xffff)
@@ -733,7 +758,7 @@ static inline __attribute__((always_inline)) void pk_tile(
             for (int m = 0; m < MT; m++) {
                 __m512 gv = _mm512_castsi512_ps(dp_bf16_bits16(_mm512_add_ps(acc[m][b], bg)));
                 __m512 uv = _mm512_castsi512_ps(
-                    dp_bf16_bits16(_mm512_add_ps(acc[m][b + NB / 2], bu)));
+                    dp_bf16_bits16(_mm512_add_ps(acc[m][b + 1], bu)));
                 __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv));
                 __m512 silu = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
                 __m512i a = dp_bf16_bits16(
@@ -764,24 +789,18 @@ static inline __attribute__((always_inline)) void pk_tile(
     }
 }
 
-#define PK_ARGS x, K, wp, KP, b0, ustep, p0, pc, first, last, pf, part, m0, mg, out
+#define PK_ARGS x, K, wp, KP, blocks, b0, p0, pc, first, last, pfb, pfp, part, m0, mg, out
 #define PK_CASE(NB, MT) case MT: pk_tile(NB, MT, PK_ARGS); break;
-static void pk_tile4(int mt, const uint16_t *x, int K, const uint32_t *wp, long KP, int b0,
-                     long ustep, long p0, int pc, int first, int last, const uint32_t *pf,
-                     float *part, int m0, long mg, const DpOut *out) {
-    switch (mt) { PK_CASE(4, 1) PK_CASE(4, 2) PK_CASE(4, 3) PK_CASE(4, 4) PK_CASE(4, 5)
-                  default: pk_tile(4, 6, PK_ARGS); }
-}
-static void pk_tile2(int mt, const uint16_t *x, int K, const uint32_t *wp, long KP, int b0,
-                     long ustep, long p0, int pc, int first, int last, const uint32_t *pf,
-                     float *part, int m0, long mg, const DpOut *out) {
+static void pk_tile2(int mt, const uint16_t *x, int K, const uint32_t *wp, long KP,
+                     int blocks, int b0, long p0, int pc, int first, int last, int pfb,
+                     long pfp, float *part, int m0, long mg, const DpOut *out) {
     switch (mt) { PK_CASE(2, 1) PK_CASE(2, 2) PK_CASE(2, 3) PK_CASE(2, 4) PK_CASE(2, 5)
                   PK_CASE(2, 6) PK_CASE(2, 7) PK_CASE(2, 8) PK_CASE(2, 9) PK_CASE(2, 10)
                   PK_CASE(2, 11) default: pk_tile(2, 12, PK_ARGS); }
 }
-static void pk_tile1(int mt, const uint16_t *x, int K, const uint32_t *wp, long KP, int b0,
-                     long ustep, long p0, int pc, int first, int last, const uint32_t *pf,
-                     float *part, int m0, long mg, const DpOut *out) {
+static void pk_tile1(int mt, const uint16_t *x, int K, const uint32_t *wp, long KP,
+                     int blocks, int b0, long p0, int pc, int first, int last, int pfb,
+                     long pfp, float *part, int m0, long mg, const DpOut *out) {
     switch (mt) { PK_CASE(1, 1) PK_CASE(1, 2) PK_CASE(1, 3) PK_CASE(1, 4) PK_CASE(1, 5)
                   PK_CASE(1, 6) PK_CASE(1, 7) PK_CASE(1, 8) PK_CASE(1, 9) PK_CASE(1, 10)
                   PK_CASE(1, 11) default: pk_tile(1, 12, PK_ARGS); }
@@ -789,55 +808,47 @@ static void pk_tile1(int mt, const uint16_t *x, int K, const uint32_t *wp, long 
 #undef PK_CASE
 #undef PK_ARGS
 
-/* This thread's share of the panels against the M tokens of x (bf16 [M, K]). Up to 4
- * tokens, panels of 4 blocks (4 x M accumulators: enough independent sums while the
- * weights stream); more, panels of 2 blocks x up to 12 tokens (24 accumulators). Blocks
- * left over (N / 16 not a multiple of the panel's) are panels of one block, the last ones.
- * With out->glu (N = 2I, I % 16 == 0: gate blocks, then as many up blocks), a panel is NB /
- * 2 gate blocks and their up blocks (so one tile holds both halves of its channels), and
- * gate blocks left over go as panels of one gate block and its up block.
- * Called by every thread of a parallel region; no barrier. */
+/* This thread's share of the panels against the M tokens of x (bf16 [M, K]): panels of 2
+ * blocks (one group of the layout: one stream of weights a tile) x up to 12 tokens (24
+ * accumulators); a block left over (N / 16 odd) is a panel of its own, the last. With
+ * out->glu (a SwiGLU's gate/up weight packed with glu: units of a gate block and its up
+ * block), each panel is a unit and its tiles write the activations. Called by every thread
+ * of a parallel region; no barrier. */
 static void pk_share(const uint16_t *x, int M, const uint32_t *wp, int K, int N,
                      const DpOut *out) {
     int t = omp_get_thread_num(), T = omp_get_num_threads();
     const long KP = K / 2;
-    const int NB = M <= 4 ? 4 : 2, MTMAX = NB == 4 ? 6 : PK_MT;
-    /* units: blocks, or under glu gate blocks (each with its up block) */
-    const int per = out->glu ? 2 : 1, units = N / 16 / per, upp = NB / per;
-    int wide = units / upp, panels = wide + units % upp;
-    long ustep = 0;
+    const int blocks = N / 16, wide = blocks / 2, panels = wide + blocks % 2;
     int lo = (int)((long)panels * t / T), hi = (int)((long)panels * (t + 1) / T);
     int nch = (int)((KP + PK_KC - 1) / PK_KC), kc = (int)((KP + nch - 1) / nch);
-    float part[PK_MB * 64] __attribute__((aligned(64)));
+    float part[PK_MB * 32] __attribute__((aligned(64)));
     for (int mb = 0; mb < M; mb += PK_MB) {
         int mbn = M - mb < PK_MB ? M - mb : PK_MB;
-        int ntile = (mbn + MTMAX - 1) / MTMAX;
+        int ntile = (mbn + PK_MT - 1) / PK_MT;
         for (int pn = lo; pn < hi; pn++) {
-            int nu = pn < wide ? upp : 1, nb = nu * per;  /* units and blocks */
-            int b0 = pn < wide ? pn * upp : wide * upp + (pn - wide);
-            if (out->glu) ustep = units - nu;  /* up block: gate block + units */
+            int b0 = 2 * pn, nb = pn < wide ? 2 : 1;
             for (long p0 = 0; p0 < KP; p0 += kc) {
                 int pc = KP - p0 < kc ? (int)(KP - p0) : kc;
                 int first = p0 == 0, last = p0 + pc >= KP;
-                const uint32_t *pf = NULL;  /* the next chunk's, within this thread's share */
-                if (!last)
-                    pf = wp + ((long)b0 * KP + p0 + kc) * 16;
-                else if (pn + 1 < hi)  /* panels are consecutive units */
-                    pf = wp + (long)(b0 + nu) * KP * 16;
+                int pfb = -1;  /* the next chunk's first block and pair, within this share */
+                long pfp = 0;
+                if (!last) {
+                    pfb = b0;
+                    pfp = p0 + kc;
+                } else if (pn + 1 < hi) {  /* panels are consecutive blocks */
+                    pfb = b0 + nb;
+                }
                 int m0 = 0;
                 for (int s = 0; s < ntile; s++) {  /* tiles of balanced sizes */
                     int mt = mbn / ntile + (s < mbn % ntile);
                     const uint16_t *xs = x + (long)(mb + m0) * K;
-                    const uint32_t *tpf = s == 0 ? pf : NULL;
-                    if (nb == 4)
-                        pk_tile4(mt, xs, K, wp, KP, b0, ustep, p0, pc, first, last, tpf, part,
-                                 m0, mb + m0, out);
-                    else if (nb == 2)
-                        pk_tile2(mt, xs, K, wp, KP, b0, ustep, p0, pc, first, last, tpf, part,
-                                 m0, mb + m0, out);
+                    int tpf = s == 0 ? pfb : -1;
+                    if (nb == 2)
+                        pk_tile2(mt, xs, K, wp, KP, blocks, b0, p0, pc, first, last, tpf, pfp,
+                                 part, m0, mb + m0, out);
                     else
-                        pk_tile1(mt, xs, K, wp, KP, b0, ustep, p0, pc, first, last, tpf, part,
-                                 m0, mb + m0, out);
+                        pk_tile1(mt, xs, K, wp, KP, blocks, b0, p0, pc, first, last, tpf, pfp,
+                                 part, m0, mb + m0, out);
                     m0 += mt;
                 }
             }
@@ -863,8 +874,10 @@ void pw_pk_share(const uint16_t *xb, int M, const uint32_t *wp, int K, int N, fl
 }
 
 /* A SwiGLU MLP's first half on packed weights: y [M, I] bf16 = bf16(bf16(silu(g)) * u), g
- * and u the gate and up halves of bf16(x w^T + bias), w [2I, K] packed (gate rows, then up
- * rows), bias [2I] bf16 or NULL; I % 16 == 0. The bits of pw_linear_pk then pw_silu_mul_dp,
+ * and u the gate and up halves of bf16(x w^T + bias), w [2I, K] (gate rows, then up rows)
+ * packed in units (its 16-row blocks reordered gate 0, up 0, gate 1, up 1, ... before
+ * pw_pk_pack: cpu_kernels.pack_panels(glu=True)), bias [2I] bf16 or NULL; I % 16 == 0.
+ * The bits of pw_linear_pk (over the rows packed plainly) then pw_silu_mul_dp,
  * without writing or reading back the [M, 2I] projection. Returns 0, or -2 for I % 16. */
 int pw_linear_pk_glu(const uint16_t *x, const uint32_t *wp, const uint16_t *bias, uint16_t *y,
                      int M, int I, int K, int nthreads) {

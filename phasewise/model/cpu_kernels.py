@@ -486,36 +486,67 @@ def can_pack_panels(w: torch.Tensor) -> bool:
             and w.shape[0] > 0 and w.shape[1] > 0)
 
 
-def pack_panels(w: torch.Tensor, in_place: bool = False) -> torch.Tensor:
+def pack_panels(w: torch.Tensor, in_place: bool = False, glu: bool = False) -> torch.Tensor:
     """``w`` ([N, K] bf16; ``can_pack_panels``) in the panels layout of ``pw_linear_pk``:
-    int32 [N / 16, K / 2, 16], element [b, p, c] holding w[16 b + c, 2p] (low half) and
-    w[16 b + c, 2p + 1] (high half). Same byte count as ``w``; a new tensor, or with
-    ``in_place`` (``w`` contiguous, 4-byte aligned) a view of ``w``'s own bytes, repacked a
-    block of 16 rows at a time (``w`` no longer holds rows then)."""
+    int32 [N / 16, K / 2, 16] (a view of the same bytes). Channel c of block b (row 16 b +
+    c) has a 32-bit word per pair p, w[16 b + c, 2p] (low half) | w[16 b + c, 2p + 1] (high
+    half); blocks come in groups of two (the last perhaps alone), and a group's two blocks
+    take turns pair by pair, so its 2 x 16 words of pair p lie side by side: flat word
+    (16 (2g) K/2 + (2p + j) 16 + c) for block 2g + j (``panels_word``). A tile then reads one
+    stream. ``glu``: a SwiGLU's [2I, K] gate/up weight (I % 16 == 0) with its blocks
+    reordered first, gate block i then up block i, so each group is one unit of the
+    activations (``glu_pk`` reads it; ``linear_pk`` would give the channels in that order).
+    Same byte count as ``w``; a new tensor, or with ``in_place`` (``w`` contiguous, 4-byte
+    aligned) ``w``'s own bytes, repacked a group of 32 rows at a time (``w`` no longer holds
+    rows then; with ``glu`` a transient copy reorders its blocks first)."""
     if not can_pack_panels(w):
         raise ValueError(f"cannot pack a {tuple(w.shape)} {w.dtype} weight into panels (N % 16, "
                          "K % 2 and the AVX512_BF16 kernels are needed)")
     n, k = w.shape
+    if glu and n % 32:
+        raise ValueError(f"pack_panels(glu=True) needs a [2I, K] gate/up weight with I % 16 == 0;"
+                         f" got {tuple(w.shape)}")
     if in_place:
         if not w.is_contiguous() or w.data_ptr() % 4:
             raise ValueError("pack_panels in place needs a contiguous, 4-byte aligned weight")
         src = w.detach()
         out = src.view(torch.int32).view(n // 16, k // 2, 16)
+        if glu:  # blocks reordered (through a transient copy), then packed in place
+            src.copy_(_glu_order(src))
     else:
-        src = w.contiguous()
+        src = _glu_order(w) if glu else w.contiguous()
         out = torch.empty(n // 16, k // 2, 16, dtype=torch.int32)
     if load().pw_pk_pack(src.data_ptr(), n, k, out.data_ptr(), torch.get_num_threads()):
         raise MemoryError("pw_pk_pack could not allocate a block's scratch memory")
     return out
 
 
-def unpack_panels(wp: torch.Tensor) -> torch.Tensor:
-    """The [N, K] bf16 weight that ``pack_panels`` packed into ``wp``."""
+def panels_word(n: int, k: int, row: int, pair: int) -> int:
+    """The flat index, in ``pack_panels``' int32 output for an [n, k] weight, of the word
+    holding row ``row``'s values 2 ``pair`` and 2 ``pair`` + 1 (see ``pack_panels``)."""
+    b, c, kp = row // 16, row % 16, k // 2
+    g0 = b - b % 2
+    width = min(2, n // 16 - g0)  # blocks in the group
+    return 16 * g0 * kp + (pair * width + b - g0) * 16 + c
+
+
+def _glu_order(w: torch.Tensor) -> torch.Tensor:
+    """A [2I, K] gate/up weight's 16-row blocks reordered as units: gate block i, then up
+    block i (a new tensor)."""
+    n, k = w.shape
+    return w.reshape(2, n // 32, 16, k).transpose(0, 1).reshape(n, k).contiguous()
+
+
+def unpack_panels(wp: torch.Tensor, glu: bool = False) -> torch.Tensor:
+    """The [N, K] bf16 weight that ``pack_panels`` packed into ``wp`` (with ``glu`` as it
+    was packed)."""
     if not is_panels(wp) or not dp_available():
         raise ValueError("not a weight in the panels layout, or no AVX512_BF16 kernels here")
     n, k = wp.shape[0] * 16, wp.shape[1] * 2
     out = torch.empty(n, k, dtype=torch.bfloat16)
     load().pw_pk_unpack(wp.contiguous().data_ptr(), n, k, out.data_ptr())
+    if glu:
+        out = out.reshape(n // 32, 2, 16, k).transpose(0, 1).reshape(n, k).contiguous()
     return out
 
 
@@ -549,9 +580,10 @@ def _pk_call(name: str, kernel: str, x: torch.Tensor, wp: torch.Tensor,
 def glu_pk(x: torch.Tensor, wp: torch.Tensor, bias: torch.Tensor | None = None
            ) -> torch.Tensor:
     """A SwiGLU MLP's gate/up projection and SiLU-and-multiply in one pass over panels:
-    ``wp`` a [2I, K] weight (gate rows, then up rows) in the panels layout, I % 16 == 0
-    (``wp.shape[0]`` even), bias [2I] or None -> [..., I] = bf16(bf16(silu(g)) * u), the
-    bits of ``silu_mul`` after ``linear_pk``, without the [..., 2I] projection."""
+    ``wp`` a [2I, K] weight (gate rows, then up rows) packed with ``pack_panels(w,
+    glu=True)`` (I % 16 == 0), bias [2I] (gate, then up) or None -> [..., I] =
+    bf16(bf16(silu(g)) * u), the bits of ``silu_mul`` after ``linear_pk`` over the rows
+    packed plainly, without the [..., 2I] projection."""
     if not is_panels(wp) or wp.shape[0] % 2:
         raise ValueError(f"glu_pk: weight {tuple(wp.shape)} {wp.dtype} is not panels of an "
                          "even number of 16-row blocks (I % 16 == 0)")

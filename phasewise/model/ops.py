@@ -133,6 +133,12 @@ def _projections(model: nn.Module) -> list[nn.Module]:
             for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")]
 
 
+def glu_packed(lin: nn.Module) -> bool:
+    """Whether ``lin`` (a gate/up projection) is packed into panels as glu units
+    (``pack_panels(..., glu=True)``): only ``glu_pk`` and the fused layer read it then."""
+    return bool(getattr(lin, "panels_glu", False)) and cpu_kernels.is_panels(lin.weight)
+
+
 def out_features(w: torch.Tensor) -> int:
     """A projection weight's output width: its rows, or 16 a block of panels."""
     return 16 * w.shape[0] if cpu_kernels.is_panels(w) else w.shape[0]
@@ -190,11 +196,10 @@ class CpuKernelOps(TorchOps):
         elif (self._amx_rows(rows) and self._ok(x, w) and (b is None or self._ok(b))
                 and w.shape[0] >= 32):
             return cpu_kernels.glu_amx(x, w, b)
-        elif (cpu_kernels.is_panels(w) and w.shape[0] % 2 == 0 and self._ok(x)
-                and (b is None or self._ok(b))):
-            # Panels (I % 16 == 0): the SiLU in the tiles' epilogue, as the fused decode
-            # layer does; a 1,024-token prefill's separate pass had taken 61 of 950 ms
-            # (2-core AVX512_BF16 EPYC).
+        elif glu_packed(lin) and self._ok(x) and (b is None or self._ok(b)):
+            # Panels packed as glu units (I % 16 == 0): the SiLU in the tiles' epilogue, as
+            # the fused decode layer does; a 1,024-token prefill's separate pass had taken
+            # 61 of 950 ms (2-core AVX512_BF16 EPYC).
             return cpu_kernels.glu_pk(x, w, b)
         return super().gate_up_silu(x, lin)
 
@@ -247,13 +252,20 @@ class CpuKernelOps(TorchOps):
         self._layer_args.clear()
         self._stack = None
         with torch.no_grad():
-            for lin in _projections(model):  # in place where it can (the arena's always can)
-                w = lin.weight
-                if cpu_kernels.is_panels(w):  # packed before (then all of them are)
-                    continue
-                in_place = w.is_contiguous() and w.data_ptr() % 4 == 0
-                lin.weight = nn.Parameter(cpu_kernels.pack_panels(w, in_place=in_place),
-                                          requires_grad=False)
+            for layer in model.layers:  # in place where it can (the arena's always can)
+                for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
+                    lin = getattr(layer, name)
+                    w = lin.weight
+                    if cpu_kernels.is_panels(w):  # packed before (then all of them are)
+                        continue
+                    # a SwiGLU's gate/up as units of a gate block and its up block, the
+                    # SiLU then in the tiles' epilogue (glu_pk), where I % 16 == 0
+                    glu = name == "gate_up_proj" and w.shape[0] % 32 == 0
+                    in_place = w.is_contiguous() and w.data_ptr() % 4 == 0
+                    lin.weight = nn.Parameter(
+                        cpu_kernels.pack_panels(w, in_place=in_place, glu=glu),
+                        requires_grad=False)
+                    lin.panels_glu = glu
         return ""
 
     @staticmethod
@@ -520,6 +532,9 @@ class CpuKernelOps(TorchOps):
         if cfg.head_dim > self.kernels.max_head_dim or not self._ok(*present):
             return None
         if (panels or self.panels) and len(panels) != 4:  # panels: every projection or none
+            return None
+        # on panels the C layer reads gate/up as glu units exactly where I % 16 == 0
+        if panels and (cfg.intermediate_size % 16 == 0) != glu_packed(layer.gate_up_proj):
             return None
         weights.update(int8)
         weights.update(panels)
