@@ -77,9 +77,9 @@ def test_avx512bf16_linear_rounds_once_and_keeps_nans():
        bias=st.booleans(), seed=st.integers(0, 2**31 - 1))
 def test_panels_linear_matches_fp32_reference_and_each_row_alone(m, blocks, pairs, bias, seed):
     """The panels layout (pack_panels) holds the weight's bytes (unpack gives them back),
-    and linear_pk over it computes x w^T + b within one bf16 rounding: every tile (panels of
-    4 blocks for <= 4 tokens, 2 for more, a block left over alone; 1-12 tokens a tile; more
-    than one token block past 96; K in more than one chunk past 1024 values). A token's
+    and linear_pk over it computes x w^T + b within one bf16 rounding: every tile (a group
+    of 2 blocks, a block left over alone; 1-12 tokens a tile; more than one token block past
+    96; K in more than one chunk past 1024 values). A token's
     result does not depend on the tokens beside it: the same bits alone."""
     n, k = 16 * blocks, 2 * pairs
     g = torch.Generator().manual_seed(seed)
@@ -90,7 +90,7 @@ def test_panels_linear_matches_fp32_reference_and_each_row_alone(m, blocks, pair
     assert wp.shape == (blocks, pairs, 16) and wp.dtype == torch.int32
     assert torch.equal(cpu_kernels.unpack_panels(wp), w)
     w2 = w.clone()
-    wp2 = cpu_kernels.pack_panels(w2, in_place=True)  # block by block, in w2's own bytes
+    wp2 = cpu_kernels.pack_panels(w2, in_place=True)  # group by group, in w2's own bytes
     assert wp2.data_ptr() == w2.data_ptr() and torch.equal(wp2, wp)
     # the word of (row, pair): the row's values 2p (low half) and 2p + 1 (high half)
     flat = wp.flatten()
@@ -110,17 +110,17 @@ def test_panels_linear_matches_fp32_reference_and_each_row_alone(m, blocks, pair
 @settings(max_examples=40, deadline=None)
 @given(m=st.integers(1, 200), units=st.integers(1, 7), pairs=st.integers(1, 1100),
        bias=st.booleans(), seed=st.integers(0, 2**31 - 1))
-# pinned: <= 4 tokens with a gate block left over and K in two chunks; a second token block;
-# one gate block, more than 4 tokens, K just past a chunk
+# pinned: an odd number of units and K in two chunks; a second token block; one unit, K just
+# past a chunk
 @example(m=3, units=3, pairs=600, bias=True, seed=1)
 @example(m=97, units=2, pairs=1100, bias=False, seed=2)
 @example(m=5, units=1, pairs=513, bias=True, seed=3)
 def test_panels_glu_is_the_projection_then_silu_mul_bit_for_bit(m, units, pairs, bias, seed):
-    """glu_pk (the gate/up projection on panels with the SiLU-and-multiply in its tiles'
-    epilogue) gives the bits of linear_pk then silu_mul's AVX-512 kernel: each tile takes
-    gate blocks and their up blocks I / 16 blocks on (2 gate blocks a panel for <= 4 tokens,
-    1 for more; an odd gate block left over; K in chunks past 1024 values; token blocks past
-    96). The fused decode layer's epilogue is the same code."""
+    """glu_pk (the gate/up projection on panels packed in units, gate block i with up block
+    i, the SiLU-and-multiply in its tiles' epilogue) gives the bits of linear_pk over the
+    plainly packed rows then silu_mul's AVX-512 kernel: any number of units, 1-12 tokens a
+    tile, K in chunks past 1024 values, token blocks past 96. The fused decode layer's
+    epilogue is the same code."""
     inter, k = 16 * units, 2 * pairs
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(m, k, generator=g).bfloat16()
@@ -223,6 +223,18 @@ def test_panels_are_packed_in_place_and_only_where_they_are_the_path(tmp_path, m
     y = ops.mlp(xs, layer.gate_up_proj, layer.down_proj)
     assert y.shape == xs.shape
     assert torch.equal(y[-3:], ops.mlp(xs[-3:], layer.gate_up_proj, layer.down_proj))
+    # the fused layer reads gate/up as units wherever I % 16 == 0: a gate/up packed
+    # plainly there (not by pack_panels(model)) is refused, and runs op by op, correctly
+    assert cfg.intermediate_size % 16 == 0 and ops._static_args(layer) is not None
+    gu = layer.gate_up_proj
+    plain = cpu_kernels.pack_panels(cpu_kernels.unpack_panels(gu.weight, glu=True))
+    glu_weight, gu.weight = gu.weight, torch.nn.Parameter(plain, requires_grad=False)
+    gu.panels_glu = False
+    assert ops._static_args(layer) is None
+    x8 = torch.randn(3, cfg.hidden_size).bfloat16()
+    assert torch.equal(ops.gate_up_silu(x8, gu), ops.silu_mul(cpu_kernels.linear_pk(x8, plain)))
+    gu.weight, gu.panels_glu = glu_weight, True
+    assert torch.equal(ops.gate_up_silu(x8, gu), ops.silu_mul(cpu_kernels.linear_pk(x8, plain)))
     again = CpuKernelOps(LinearDispatch(0, "torch"))  # a packed model, packed again: as is
     assert again.pack_panels(model) == "" and again.panels
     assert torch.equal(cpu_kernels.unpack_panels(lin.weight), rows["layers.0.o_proj.weight"])
@@ -857,7 +869,7 @@ PLANS = {"avx2": (8, "torch"), "amx": (0, "amx"),
     (8, "int8", "amx"), (32, "int8", "amx"),  # more: fused, int8 panels widened on the tiles
     *((r, None, "dp") for r in (1, 3, 6, 8, 17, 32)),  # AVX512_BF16: up to 32 rows
     *((r, None, "panels") for r in (1, 2, 5, 13, 32)),  # AVX512_BF16 on panels: any rows
-    # panels of an odd model (ODD): blocks left over past the 4- and 2-block panels, and
+    # panels of an odd model (ODD): blocks left over past the 2-block groups, and
     # the down projection's K (1040) in two chunks
     *((r, None, "panels-odd") for r in (1, 5, 32)),
     # and I % 16 == 8: gate/up in panels (2I % 16 == 0) whose SiLU cannot ride the tiles'

@@ -492,8 +492,9 @@ def pack_panels(w: torch.Tensor, in_place: bool = False, glu: bool = False) -> t
     c) has a 32-bit word per pair p, w[16 b + c, 2p] (low half) | w[16 b + c, 2p + 1] (high
     half); blocks come in groups of two (the last perhaps alone), and a group's two blocks
     take turns pair by pair, so its 2 x 16 words of pair p lie side by side: flat word
-    (16 (2g) K/2 + (2p + j) 16 + c) for block 2g + j (``panels_word``). A tile then reads one
-    stream. ``glu``: a SwiGLU's [2I, K] gate/up weight (I % 16 == 0) with its blocks
+    (16 (2g) K/2 + (2p + j) 16 + c) for block 2g + j of a full group (``panels_word`` for
+    any). A tile then reads one stream. (The int32 view's axes are no longer block, pair
+    and lane; nothing indexes them.) ``glu``: a SwiGLU's [2I, K] gate/up weight (I % 16 == 0) with its blocks
     reordered first, gate block i then up block i, so each group is one unit of the
     activations (``glu_pk`` reads it; ``linear_pk`` would give the channels in that order).
     Same byte count as ``w``; a new tensor, or with ``in_place`` (``w`` contiguous, 4-byte
@@ -517,7 +518,7 @@ def pack_panels(w: torch.Tensor, in_place: bool = False, glu: bool = False) -> t
         src = _glu_order(w) if glu else w.contiguous()
         out = torch.empty(n // 16, k // 2, 16, dtype=torch.int32)
     if load().pw_pk_pack(src.data_ptr(), n, k, out.data_ptr(), torch.get_num_threads()):
-        raise MemoryError("pw_pk_pack could not allocate a block's scratch memory")
+        raise MemoryError("pw_pk_pack could not allocate a group's scratch memory")
     return out
 
 

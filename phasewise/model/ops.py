@@ -196,10 +196,11 @@ class CpuKernelOps(TorchOps):
         elif (self._amx_rows(rows) and self._ok(x, w) and (b is None or self._ok(b))
                 and w.shape[0] >= 32):
             return cpu_kernels.glu_amx(x, w, b)
-        elif glu_packed(lin) and self._ok(x) and (b is None or self._ok(b)):
-            # Panels packed as glu units (I % 16 == 0): the SiLU in the tiles' epilogue, as
+        elif glu_packed(lin):
+            # Panels packed as glu units (I % 16 == 0; nothing else reads them: linear_pk
+            # would give the channels in unit order): the SiLU in the tiles' epilogue, as
             # the fused decode layer does; a 1,024-token prefill's separate pass had taken
-            # 61 of 950 ms (2-core AVX512_BF16 EPYC).
+            # 61 of 950 ms (2-core AVX512_BF16 EPYC). glu_pk takes x as bf16 rows.
             return cpu_kernels.glu_pk(x, w, b)
         return super().gate_up_silu(x, lin)
 
@@ -238,7 +239,8 @@ class CpuKernelOps(TorchOps):
     def pack_panels(self, model: nn.Module, force: bool = False) -> str:
         """Where the CPU has AVX512_BF16 and no AMX, pack every decoder projection of
         ``model`` into the panels layout (``cpu_kernels.pack_panels``) in place (the same
-        huge-page bytes, no second copy), and run them there from now on: the linear layer
+        huge-page bytes, no second copy; a gate/up weight's blocks are reordered through a
+        transient copy first), and run them there from now on: the linear layer
         and the fused decode layer at every row count, instead of the streams, the in-place
         dot-product tiles and torch's GEMM by turns. The LM head (often the embedding table
         too) stays in rows. All or nothing: int8 weights, or a shape the panels do not take
