@@ -1600,9 +1600,8 @@ int pw_decode_layer_bf16(const DecodeLayer *L) {
                   && (L->s_gate_up ? pw_amx_share_glu_int8 != NULL : pw_amx_share_glu != NULL);
     /* On panels (I % 16 == 0, where CpuKernelOps.pack_panels packs gate/up in units,
      * pack_panels(glu=True), and _static_args refuses a layer otherwise): the SiLU in the
-     * gate/up tiles' epilogue too, writing act as
-     * the bf16 rows the down projection reads (no [M, 2I] results, no separate pass, no
-     * packing of act; the same bits) */
+     * gate/up tiles' epilogue too, writing act as the bf16 rows the down projection reads
+     * (no [M, 2I] results, no separate pass, no packing of act; the same bits) */
     int pk_glu = L->amx == 3 && I % 16 == 0 && amx_proj(L, L->s_gate_up, 2 * I)
                  && pw_pk_share_glu != NULL;
     int parts = group_parts(M, n_kv, group, L->nthreads);
