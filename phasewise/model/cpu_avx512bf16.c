@@ -438,6 +438,15 @@ static inline __m512 dp_load_bf16x16(const uint16_t *p, __mmask16 m) {
         _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
 }
 
+/* bf16(bf16(silu(g)) * u) on 16 lanes, g and u bf16 values (as fp32), as the fp32 bit
+ * pattern (dp_bf16_bits16): the one SiLU-and-multiply of every 16-lane path (a prompt's
+ * pass, the fused layer's pass, the panels' epilogue), so all of them give the same bits. */
+static inline __m512i dp_silu_mul16(__m512 gv, __m512 uv) {
+    __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv));
+    __m512 silu = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+    return dp_bf16_bits16(_mm512_mul_ps(_mm512_castsi512_ps(dp_bf16_bits16(silu)), uv));
+}
+
 void pw_silu_mul_dp(const uint16_t *gate_up, uint16_t *out, int rows, int inter,
                     int nthreads) {
 #pragma omp parallel for num_threads(rows > 1 ? nthreads : 1) schedule(static)
@@ -446,11 +455,8 @@ void pw_silu_mul_dp(const uint16_t *gate_up, uint16_t *out, int rows, int inter,
         int vec = inter / 8 * 8;  /* the 8-lane version's vectors; its tail is scalar */
         for (int i = 0; i < vec; i += 16) {
             __mmask16 m = vec - i >= 16 ? 0xffff : 0xff;
-            __m512 gv = dp_load_bf16x16(g + i, m), uv = dp_load_bf16x16(u + i, m);
-            __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv));
-            __m512 silu = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
-            __m512 a = _mm512_mul_ps(_mm512_castsi512_ps(dp_bf16_bits16(silu)), uv);
-            __m256i h = _mm512_cvtepi32_epi16(_mm512_srli_epi32(dp_bf16_bits16(a), 16));
+            __m512i a = dp_silu_mul16(dp_load_bf16x16(g + i, m), dp_load_bf16x16(u + i, m));
+            __m256i h = _mm512_cvtepi32_epi16(_mm512_srli_epi32(a, 16));
             _mm256_mask_storeu_epi16(out + (long)r * inter + i, m, h);
         }
         for (int i = vec; i < inter; i++) {  /* silu_mul_rounded of cpu_kernels.c */
@@ -590,10 +596,7 @@ void pw_dp_glu_rows(const float *res, const uint16_t *bias, int M, int I, float 
                     _mm512_add_ps(_mm512_maskz_loadu_ps(k, gr + i), bg)));
                 __m512 uv = _mm512_castsi512_ps(dp_bf16_bits16(
                     _mm512_add_ps(_mm512_maskz_loadu_ps(k, ur + i), bu)));
-                __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv));
-                __m512 silu = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
-                __m512 a = _mm512_mul_ps(_mm512_castsi512_ps(dp_bf16_bits16(silu)), uv);
-                _mm512_mask_storeu_ps(ar + i, k, _mm512_castsi512_ps(dp_bf16_bits16(a)));
+                _mm512_mask_storeu_ps(ar + i, k, _mm512_castsi512_ps(dp_silu_mul16(gv, uv)));
             }
             for (int j = i > vec ? i : vec; j < i + 16 && j < I; j++) {  /* the scalar tail */
                 float bg = bias ? dp_bf16_to_f32(bias[j]) : 0.0f;
@@ -749,27 +752,19 @@ static inline __attribute__((always_inline)) void pk_tile(
         return;
     }
     if (out->glu) {  /* NB == 2: gate block b0 (unit b0 / 2), up block b0 + 1 */
-        for (int b = 0; 2 * b < NB; b++) {
-            long n = 16L * (b0 / 2);  /* the unit's first channel: act's column */
-            __m512 bg = out->bias ? dp_load_bf16x16(out->bias + n, 0xffff)
-                                  : _mm512_setzero_ps();
-            __m512 bu = out->bias ? dp_load_bf16x16(out->bias + out->ldr + n, 0xffff)
-                                  : _mm512_setzero_ps();
-            for (int m = 0; m < MT; m++) {
-                __m512 gv = _mm512_castsi512_ps(dp_bf16_bits16(_mm512_add_ps(acc[m][b], bg)));
-                __m512 uv = _mm512_castsi512_ps(
-                    dp_bf16_bits16(_mm512_add_ps(acc[m][b + 1], bu)));
-                __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv));
-                __m512 silu = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
-                __m512i a = dp_bf16_bits16(
-                    _mm512_mul_ps(_mm512_castsi512_ps(dp_bf16_bits16(silu)), uv));
-                if (out->y)
-                    _mm256_storeu_si256((__m256i *)(out->y + (mg + m) * out->ldr + n),
-                                        _mm512_cvtepi32_epi16(_mm512_srli_epi32(a, 16)));
-                else
-                    _mm512_storeu_ps(out->res + (mg + m) * out->ldr + n,
-                                     _mm512_castsi512_ps(a));
-            }
+        long n = 16L * (b0 / 2);  /* the unit's first channel: act's column */
+        __m512 bg = out->bias ? dp_load_bf16x16(out->bias + n, 0xffff) : _mm512_setzero_ps();
+        __m512 bu = out->bias ? dp_load_bf16x16(out->bias + out->ldr + n, 0xffff)
+                              : _mm512_setzero_ps();
+        for (int m = 0; m < MT; m++) {
+            __m512 gv = _mm512_castsi512_ps(dp_bf16_bits16(_mm512_add_ps(acc[m][0], bg)));
+            __m512 uv = _mm512_castsi512_ps(dp_bf16_bits16(_mm512_add_ps(acc[m][1], bu)));
+            __m512i a = dp_silu_mul16(gv, uv);
+            if (out->y)
+                _mm256_storeu_si256((__m256i *)(out->y + (mg + m) * out->ldr + n),
+                                    _mm512_cvtepi32_epi16(_mm512_srli_epi32(a, 16)));
+            else
+                _mm512_storeu_ps(out->res + (mg + m) * out->ldr + n, _mm512_castsi512_ps(a));
         }
         return;
     }
@@ -889,8 +884,8 @@ int pw_linear_pk_glu(const uint16_t *x, const uint32_t *wp, const uint16_t *bias
 }
 
 /* The fused decode layer's gate/up share with the SiLU in the epilogue: act [M, I] bf16 as
- * pw_linear_pk_glu's y, for this thread's gate blocks (and their up blocks); I % 16 == 0.
- * No barrier. */
+ * pw_linear_pk_glu's y (the weight packed in units as there), for this thread's units;
+ * I % 16 == 0. No barrier. */
 void pw_pk_share_glu(const uint16_t *xb, int M, const uint32_t *wp, const uint16_t *bias,
                      int K, int I, uint16_t *act) {
     DpOut out = {NULL, act, bias, I, 1};

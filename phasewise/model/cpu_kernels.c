@@ -1693,12 +1693,11 @@ int pw_decode_layer_bf16(const DecodeLayer *L) {
 #pragma omp barrier
         /* Row by row (rows of 2I floats lie tens of KiB apart, often a multiple of 4 KiB:
          * walking down the rows first thrashed L1's sets: 8 ms a step at 32 rows). Skipped
-         * alike by every thread where the tiles' epilogue wrote act. */
-        if (pk_glu) {
-            /* act holds bf16 rows already */
-        } else if (!amx_glu && L->amx >= 2 && pw_dp_glu_rows) {  /* 16 lanes, the same bits */
+         * alike by every thread where the tiles' epilogue wrote act (fp32 on AMX, bf16 rows
+         * on panels). */
+        if (!amx_glu && !pk_glu && L->amx >= 2 && pw_dp_glu_rows) {  /* 16 lanes, same bits */
             pw_dp_glu_rows(res, L->b_gate_up, M, I, act);
-        } else if (!amx_glu) {
+        } else if (!amx_glu && !pk_glu) {
 #pragma omp for collapse(2) schedule(static)
             for (int m = 0; m < M; m++) {
                 for (int i = 0; i < I; i += 8) {  /* 8 at a time, the last group scalar if I % 8 */

@@ -488,15 +488,16 @@ def can_pack_panels(w: torch.Tensor) -> bool:
 
 def pack_panels(w: torch.Tensor, in_place: bool = False, glu: bool = False) -> torch.Tensor:
     """``w`` ([N, K] bf16; ``can_pack_panels``) in the panels layout of ``pw_linear_pk``:
-    int32 [N / 16, K / 2, 16] (a view of the same bytes). Channel c of block b (row 16 b +
+    int32 [N / 16, K / 2, 16]. Channel c of block b (row 16 b +
     c) has a 32-bit word per pair p, w[16 b + c, 2p] (low half) | w[16 b + c, 2p + 1] (high
     half); blocks come in groups of two (the last perhaps alone), and a group's two blocks
     take turns pair by pair, so its 2 x 16 words of pair p lie side by side: flat word
     (16 (2g) K/2 + (2p + j) 16 + c) for block 2g + j of a full group (``panels_word`` for
     any). A tile then reads one stream. (The int32 view's axes are no longer block, pair
-    and lane; nothing indexes them.) ``glu``: a SwiGLU's [2I, K] gate/up weight (I % 16 == 0) with its blocks
-    reordered first, gate block i then up block i, so each group is one unit of the
-    activations (``glu_pk`` reads it; ``linear_pk`` would give the channels in that order).
+    and lane; nothing indexes them.) ``glu``: a SwiGLU's [2I, K] gate/up weight (I % 16 ==
+    0) with its blocks reordered first, gate block i then up block i, so each group is one
+    unit of the activations (``glu_pk`` reads it; ``linear_pk`` would give the channels in
+    that order).
     Same byte count as ``w``; a new tensor, or with ``in_place`` (``w`` contiguous, 4-byte
     aligned) ``w``'s own bytes, repacked a group of 32 rows at a time (``w`` no longer holds
     rows then; with ``glu`` a transient copy reorders its blocks first)."""
@@ -531,11 +532,12 @@ def panels_word(n: int, k: int, row: int, pair: int) -> int:
     return 16 * g0 * kp + (pair * width + b - g0) * 16 + c
 
 
-def _glu_order(w: torch.Tensor) -> torch.Tensor:
+def _glu_order(w: torch.Tensor, undo: bool = False) -> torch.Tensor:
     """A [2I, K] gate/up weight's 16-row blocks reordered as units: gate block i, then up
-    block i (a new tensor)."""
+    block i (a new tensor); ``undo``: back from units to gate rows, then up rows."""
     n, k = w.shape
-    return w.reshape(2, n // 32, 16, k).transpose(0, 1).reshape(n, k).contiguous()
+    halves = (n // 32, 2) if undo else (2, n // 32)
+    return w.reshape(*halves, 16, k).transpose(0, 1).reshape(n, k).contiguous()
 
 
 def unpack_panels(wp: torch.Tensor, glu: bool = False) -> torch.Tensor:
@@ -546,9 +548,7 @@ def unpack_panels(wp: torch.Tensor, glu: bool = False) -> torch.Tensor:
     n, k = wp.shape[0] * 16, wp.shape[1] * 2
     out = torch.empty(n, k, dtype=torch.bfloat16)
     load().pw_pk_unpack(wp.contiguous().data_ptr(), n, k, out.data_ptr())
-    if glu:
-        out = out.reshape(n // 32, 2, 16, k).transpose(0, 1).reshape(n, k).contiguous()
-    return out
+    return _glu_order(out, undo=True) if glu else out
 
 
 def linear_pk(x: torch.Tensor, wp: torch.Tensor, bias: torch.Tensor | None = None
