@@ -770,7 +770,10 @@ def paged_caches(context: list[int], bs: int, n_kv: int, hd: int, seed: int):
                                         # several 64-key chunks and a partial block of 8 keys;
                                         # heads with a tail past their 8-wide vectors, or two
                                         # 64-wide output blocks
-                                        (36, [0, 69, 200]), (128, [130, 7, 64]), (64, [47, 16])])
+                                        (36, [0, 69, 200]), (128, [130, 7, 64]), (64, [47, 16]),
+                                        # six 16-dim vectors: the AVX512_BF16 kernel's P V
+                                        # in a block of 4 and one of 2
+                                        (96, [3, 40])])
 @pytest.mark.parametrize("bs", [4, 16])  # AMX: keys copied into a tile, or loaded from a block
 def test_decode_attention_matches_torch(ops, heads, hd, context, bs):
     from phasewise.model.attention import AttentionMetadata

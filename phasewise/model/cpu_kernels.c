@@ -1585,6 +1585,60 @@ static void layer_proj(const DecodeLayer *L, const float *x, int M, const void *
     proj_share(x, M, w, scale, K, N, res);
 }
 
+/* This thread's share of a fused layer's attention tasks (attention_request's numbering,
+ * n_tasks of them): a contiguous range [lo, hi), the team's ranges balanced by keys (each
+ * task goes to the thread whose equal share of all the keys holds the task's middle key),
+ * so every thread computes the same split and knows which task it takes next (for
+ * attention_prefetch). Before, a dynamic schedule handed out tasks one at a time: no thread
+ * knew its next task, and each began on keys not yet in its caches. */
+static void task_range(int n_tasks, int parts, int n_kv, const int64_t *seq_lens, int *lo,
+                       int *hi) {
+    int t = omp_get_thread_num(), T = omp_get_num_threads();
+    long total = 0, before = 0;
+    for (int k = 0; k < n_tasks; k++) total += seq_lens[parts ? k / parts : k / n_kv];
+    *lo = *hi = n_tasks;
+    int found = 0;
+    for (int k = 0; k < n_tasks; k++) {
+        long len = seq_lens[parts ? k / parts : k / n_kv];
+        int owner = (int)((2 * before + len) * T / (2 * total));  /* its middle key's */
+        if (owner == t && !found) {
+            *lo = k;
+            found = 1;
+        }
+        if (owner > t) {
+            *hi = k;
+            break;
+        }
+        before += len;
+    }
+    if (!found) *lo = *hi;
+}
+
+/* Prefetches task `task`'s first DPA_FIRST_KEYS keys (their K and V rows, of the KV heads
+ * it covers) unless task >= end: called with each task for the next (and, before the
+ * first, for the first), so that a task does not begin on keys the weights' stream has
+ * evicted. The kernels prefetch the keys after those themselves, one step ahead. On the
+ * 2-core AMD EPYC with AVX512_BF16, the reference checkpoint's decode steps (in one
+ * process, alternating with the dynamic schedule): the 24 layers' attention -12% at
+ * batch 8 (1.74 -> 1.53 ms a step), -21% at batch 32 (4.00 -> 3.16 ms). */
+#define DPA_FIRST_KEYS 32
+static void attention_prefetch(int task, int end, int parts, int n_kv, int hd,
+                               const DecodeLayer *L) {
+    if (task >= end) return;
+    int b = parts ? task / parts : task / n_kv;
+    int k0 = parts ? 0 : task % n_kv, k1 = parts ? n_kv : k0 + 1;
+    const int64_t *table = L->block_tables + (long)b * L->max_blocks;
+    long len = L->seq_lens[b] - 1;  /* the last key is this step's, just written */
+    if (len > DPA_FIRST_KEYS) len = DPA_FIRST_KEYS;
+    for (long j = 0; j < len; j++) {
+        long row = ((table[j / L->bs] * L->bs + j % L->bs) * n_kv + k0) * (long)hd;
+        for (long c = 0; c < (long)(k1 - k0) * hd; c += 32) {  /* a line: 32 values */
+            _mm_prefetch((const char *)(L->k_cache + row + c), _MM_HINT_T0);
+            _mm_prefetch((const char *)(L->v_cache + row + c), _MM_HINT_T0);
+        }
+    }
+}
+
 int pw_decode_layer_bf16(const DecodeLayer *L) {
     int M = L->M, H = L->H, Q = L->Q, KV = L->KV, I = L->I, hd = L->hd;
     int n_heads = L->n_heads, n_kv = L->n_kv, group = n_heads / n_kv, QKV = Q + 2 * KV;
@@ -1660,12 +1714,19 @@ int pw_decode_layer_bf16(const DecodeLayer *L) {
             memcpy(L->v_cache + slot * KV, row + Q + KV, sizeof(uint16_t) * KV);
         }
 
-#pragma omp for schedule(dynamic)
-        for (int task = 0; task < n_tasks; task++)  /* attn[m][head][hd]: Q = heads * hd */
-            attention_request(task, parts, group, n_heads, n_kv, hd, qkv, QKV, L->scale,
-                              L->k_cache, L->v_cache, L->block_tables, L->max_blocks,
-                              L->seq_lens, L->bs, att + per_task * omp_get_thread_num(), NULL,
-                              attn);
+        {  /* attn[m][head][hd]: Q = heads * hd; this thread's tasks (task_range) */
+            int lo, hi;
+            task_range(n_tasks, parts, n_kv, L->seq_lens, &lo, &hi);
+            attention_prefetch(lo, hi, parts, n_kv, hd, L);
+            for (int task = lo; task < hi; task++) {
+                attention_prefetch(task + 1, hi, parts, n_kv, hd, L);
+                attention_request(task, parts, group, n_heads, n_kv, hd, qkv, QKV, L->scale,
+                                  L->k_cache, L->v_cache, L->block_tables, L->max_blocks,
+                                  L->seq_lens, L->bs, att + per_task * omp_get_thread_num(),
+                                  NULL, attn);
+            }
+        }
+#pragma omp barrier
 
         layer_proj(L, attn, M, L->w_o, L->s_o, Q, H, xp, wide, wide_per_thread, res);
 #pragma omp barrier
