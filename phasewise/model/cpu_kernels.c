@@ -1600,7 +1600,8 @@ static void task_range(int n_tasks, int parts, int n_kv, const int64_t *seq_lens
     int found = 0;
     for (int k = 0; k < n_tasks; k++) {
         long len = seq_lens[parts ? k / parts : k / n_kv];
-        int owner = (int)((2 * before + len) * T / (2 * total));  /* its middle key's */
+        int owner = total > 0 ? (int)((2 * before + len) * T / (2 * total)) : 0;
+        if (owner > T - 1) owner = T - 1;  /* its middle key's (an empty last task's: T) */
         if (owner == t && !found) {
             *lo = k;
             found = 1;
@@ -1614,22 +1615,25 @@ static void task_range(int n_tasks, int parts, int n_kv, const int64_t *seq_lens
     if (!found) *lo = *hi;
 }
 
-/* Prefetches task `task`'s first DPA_FIRST_KEYS keys (their K and V rows, of the KV heads
- * it covers) unless task >= end: called with each task for the next (and, before the
- * first, for the first), so that a task does not begin on keys the weights' stream has
- * evicted. The kernels prefetch the keys after those themselves, one step ahead. On the
- * 2-core AMD EPYC with AVX512_BF16, the reference checkpoint's decode steps (in one
- * process, alternating with the dynamic schedule): the 24 layers' attention -12% at
- * batch 8 (1.74 -> 1.53 ms a step), -21% at batch 32 (4.00 -> 3.16 ms). */
+/* Prefetches task `task`'s first keys (their K and V rows, of the KV heads it covers; up to
+ * DPA_FIRST_KEYS, and 16 KiB, less the step's own key, just written) unless task >= end or
+ * it goes on the request of task `cur` (parts > 1: those keys are read now): called with
+ * each task for the next (and, before the first, for the first), so that a task does not
+ * begin on keys the weights' stream has evicted. The kernels prefetch the keys after those
+ * themselves, one step ahead. With task_range, against the dynamic schedule, on the 2-core
+ * AMD EPYC with AVX512_BF16, the reference checkpoint's decode steps (in one process,
+ * alternating): the 24 layers' attention -12% at batch 8 (1.74 -> 1.53 ms a step), -21% at
+ * batch 32 (4.00 -> 3.16 ms). */
 #define DPA_FIRST_KEYS 32
-static void attention_prefetch(int task, int end, int parts, int n_kv, int hd,
+static void attention_prefetch(int task, int cur, int end, int parts, int n_kv, int hd,
                                const DecodeLayer *L) {
-    if (task >= end) return;
+    if (task >= end || (parts > 1 && cur >= 0 && task / parts == cur / parts)) return;
     int b = parts ? task / parts : task / n_kv;
     int k0 = parts ? 0 : task % n_kv, k1 = parts ? n_kv : k0 + 1;
     const int64_t *table = L->block_tables + (long)b * L->max_blocks;
-    long len = L->seq_lens[b] - 1;  /* the last key is this step's, just written */
+    long len = L->seq_lens[b] - 1, per_key = 4L * (k1 - k0) * hd;  /* K and V bytes */
     if (len > DPA_FIRST_KEYS) len = DPA_FIRST_KEYS;
+    if (len > 16384 / per_key) len = 16384 / per_key;
     for (long j = 0; j < len; j++) {
         long row = ((table[j / L->bs] * L->bs + j % L->bs) * n_kv + k0) * (long)hd;
         for (long c = 0; c < (long)(k1 - k0) * hd; c += 32) {  /* a line: 32 values */
@@ -1717,9 +1721,9 @@ int pw_decode_layer_bf16(const DecodeLayer *L) {
         {  /* attn[m][head][hd]: Q = heads * hd; this thread's tasks (task_range) */
             int lo, hi;
             task_range(n_tasks, parts, n_kv, L->seq_lens, &lo, &hi);
-            attention_prefetch(lo, hi, parts, n_kv, hd, L);
+            attention_prefetch(lo, -1, hi, parts, n_kv, hd, L);
             for (int task = lo; task < hi; task++) {
-                attention_prefetch(task + 1, hi, parts, n_kv, hd, L);
+                attention_prefetch(task + 1, task, hi, parts, n_kv, hd, L);
                 attention_request(task, parts, group, n_heads, n_kv, hd, qkv, QKV, L->scale,
                                   L->k_cache, L->v_cache, L->block_tables, L->max_blocks,
                                   L->seq_lens, L->bs, att + per_task * omp_get_thread_num(),
