@@ -62,7 +62,8 @@ def build_hf_checkpoint(out: Path, arch: str, dtype: torch.dtype = torch.float32
     import transformers
 
     vocab = train_tokenizer(out, _CORPUS, vocab_size=300)
-    cfg = hf_config(arch, vocab, **over)
+    # over["vocab_size"]: the model's table, wider than the tokenizer's (its ids stay below)
+    cfg = hf_config(arch, over.pop("vocab_size", vocab), **over)
     torch.manual_seed(seed)
     model_cls = getattr(transformers, arch)
     model = model_cls(cfg).eval()

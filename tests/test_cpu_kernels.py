@@ -174,10 +174,31 @@ def test_panels_linear_rounds_once_keeps_nans_and_refuses_what_it_cannot_take():
 
 
 @needs_dp
-def test_panels_are_packed_in_place_and_only_where_they_are_the_path(tmp_path, monkeypatch):
-    """pack_panels packs every decoder projection in the same bytes (no second copy), leaves
-    the LM head in rows, and runs the projections there; int8 weights or
-    PHASEWISE_PANELS=0 leave every weight as it was."""
+def test_panels_rows_are_the_rows():
+    """A lookup in a table packed into panels reads the rows' own values, for any shape of
+    ids (the odd last block, the threads' path for 64 ids and more), and refuses an id
+    outside the table as an embedding does."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(48, 10, generator=g).bfloat16()  # 3 blocks: a group of 2 and 1 alone
+    wp = cpu_kernels.pack_panels(w)
+    ids = torch.tensor([[0, 47, 16], [17, 31, 5]])
+    assert torch.equal(cpu_kernels.panels_rows(wp, ids), w[ids])
+    many = torch.randint(0, 48, (100,), generator=g)
+    assert torch.equal(cpu_kernels.panels_rows(wp, many), w[many])
+    assert cpu_kernels.panels_rows(wp, torch.tensor([], dtype=torch.long)).shape == (0, 10)
+    for bad in (48, -1):
+        with pytest.raises(IndexError, match=r"out of range \[0, 48\)"):
+            cpu_kernels.panels_rows(wp, torch.tensor([3, bad]))
+
+
+@needs_dp
+@pytest.mark.parametrize("vocab,tie", [(None, False), (320, False), (320, True)])
+def test_panels_are_packed_in_place_and_only_where_they_are_the_path(tmp_path, monkeypatch,
+                                                                     vocab, tie):
+    """pack_panels packs every decoder projection in the same bytes (no second copy), and
+    the LM head where its vocabulary is a multiple of 16 (the bundled tokenizer's ~300
+    tokens are not: it stays in rows), a tied table then looked up from the panels; and runs
+    them there; int8 weights or PHASEWISE_PANELS=0 leave every weight as it was."""
     from conftest import build_hf_checkpoint
 
     from phasewise.model import ops as ops_mod
@@ -186,8 +207,12 @@ def test_panels_are_packed_in_place_and_only_where_they_are_the_path(tmp_path, m
     from phasewise.model.quant import quantize_model_int8
 
     monkeypatch.delenv("PHASEWISE_PANELS", raising=False)
-    build_hf_checkpoint(tmp_path, "Qwen2ForCausalLM", dtype=torch.bfloat16, seed=2)
+    build_hf_checkpoint(tmp_path, "Qwen2ForCausalLM", dtype=torch.bfloat16, seed=2,
+                        tie_word_embeddings=tie, **({"vocab_size": vocab} if vocab else {}))
     cfg = ModelConfig.from_file(tmp_path)
+    head_name = "embed_tokens.weight" if tie else "lm_head.weight"
+    packs_head = cfg.vocab_size % 16 == 0
+    assert packs_head == (vocab is not None)
 
     def fresh():
         return load_model(tmp_path, cfg, dtype=torch.bfloat16, device=torch.device("cpu"),
@@ -210,8 +235,22 @@ def test_panels_are_packed_in_place_and_only_where_they_are_the_path(tmp_path, m
             glu = name.split(".")[-2] == "gate_up_proj"  # units of gate and up blocks
             assert ops_mod.glu_packed(model.get_submodule(name.rsplit(".", 1)[0])) == glu
             assert torch.equal(cpu_kernels.unpack_panels(p, glu=glu), rows[name])
+        elif name == head_name and packs_head:
+            assert cpu_kernels.is_panels(p)
+            assert torch.equal(cpu_kernels.unpack_panels(p), rows[name])
         else:
             assert torch.equal(p, rows[name])
+    assert isinstance(model.embed_tokens, ops_mod.PanelsEmbedding) == (packs_head and tie)
+    ids = torch.tensor([[1, cfg.vocab_size - 1], [7, 0]])
+    assert torch.equal(model.embed_tokens(ids),
+                       torch.nn.functional.embedding(ids, rows["embed_tokens.weight"]))
+    h = torch.randn(3, cfg.hidden_size).bfloat16()
+    logits = ops.proj(h, model.lm_head_module)
+    if packs_head:  # one kernel, whatever the rows
+        assert torch.equal(logits, cpu_kernels.linear_pk(h, model.lm_head_weight))
+        assert torch.equal(ops.proj(h[1:2], model.lm_head_module), logits[1:2])
+    torch.testing.assert_close(logits.float(), (h.float() @ rows[head_name].float().T),
+                               rtol=0.02, atol=0.02)
     x = torch.randn(5, cfg.hidden_size).bfloat16()
     lin = model.layers[0].o_proj
     assert torch.equal(ops.proj(x[:, :cfg.q_size] if cfg.q_size != cfg.hidden_size else x, lin),

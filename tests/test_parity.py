@@ -205,10 +205,14 @@ def test_logprobs_along_a_mixed_batch_match_hf(hf_checkpoints):
             assert set(row.topk(5).indices.tolist()) <= set(entry)
 
 
-def test_bf16_engine_with_cpu_kernels_tracks_hf(tmp_path):
+@pytest.mark.parametrize("over", [{}, {"vocab_size": 320, "tie_word_embeddings": True}])
+def test_bf16_engine_with_cpu_kernels_tracks_hf(tmp_path, over):
     """A bf16 engine on the kernel ops (decode attention, fused norms, calibrated linears),
-    through chunked prefill and decode, reports logprobs within the bf16 tolerance of HF."""
-    hf = build_hf_checkpoint(tmp_path, "Qwen2ForCausalLM", dtype=torch.bfloat16, seed=21)
+    through chunked prefill and decode, reports logprobs within the bf16 tolerance of HF;
+    also with a tied table the LM head's panels take (a vocabulary % 16: lookups from the
+    panels)."""
+    hf = build_hf_checkpoint(tmp_path, "Qwen2ForCausalLM", dtype=torch.bfloat16, seed=21,
+                             **over)
     prompts = random_prompts(hf.config.vocab_size, [5, 30, 12], seed=12)
     llm = LLM(str(tmp_path), max_num_batched_tokens=16, device="cpu")  # the CPU kernels
     if cpu_kernels.load() is not None:
@@ -217,6 +221,7 @@ def test_bf16_engine_with_cpu_kernels_tracks_hf(tmp_path):
             and os.environ.get("PHASEWISE_PANELS", "1") != "0"):  # the projections in panels
         assert llm.engine.panels_reason == "" and llm.engine.model.ops.panels
         assert cpu_kernels.is_panels(llm.engine.model.layers[0].down_proj.weight)
+        assert cpu_kernels.is_panels(llm.engine.model.lm_head_weight) == bool(over)
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=3)
     for prompt, out in zip(prompts, llm.generate(prompts, params)):
         full = torch.tensor([prompt + out.token_ids])

@@ -767,6 +767,26 @@ void pw_pk_unpack(const uint32_t *wp, int N, int K, uint16_t *w) {
     }
 }
 
+/* Rows of a weight packed into panels, as bf16 rows: out [n][K] = rows ids[0 .. n) of the
+ * [N, K] weight in wp (an embedding table that is also the LM head: a lookup reads a word
+ * per pair, 16 (or 32) words apart). Returns 0, or -1 (nothing written) for an id outside
+ * [0, N). */
+int pw_pk_rows(const uint32_t *wp, int N, int K, const int64_t *ids, long n, uint16_t *out,
+               int nthreads) {
+    for (long i = 0; i < n; i++)
+        if (ids[i] < 0 || ids[i] >= N) return -1;
+    const long KP = K / 2;
+    const int blocks = N / 16;
+#pragma omp parallel for num_threads(n >= 64 ? nthreads : 1) schedule(static)
+    for (long i = 0; i < n; i++) {
+        int b = (int)(ids[i] / 16), c = (int)(ids[i] % 16);
+        long stride, a = pk_addr(blocks, KP, b, 0, &stride) + c;
+        uint32_t *o = (uint32_t *)(out + i * K);
+        for (long p = 0; p < KP; p++) o[p] = wp[a + p * stride];
+    }
+    return 0;
+}
+
 /* One tile: NB blocks b0 .. b0 + NB - 1 (of `blocks`) x MT tokens (x: the first token's row,
  * K values a row), pairs [p0, p0 + pc). first: start from zero, else from part (this
  * thread's scratch, PK_MB x 16 NB floats); last: write the output (out, as dp_tile's: fp32

@@ -191,6 +191,8 @@ DP_SIGNATURES = {
     "pw_pk_pack": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
                                   ctypes.c_void_p, ctypes.c_int]),
     "pw_pk_unpack": (None, [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]),
+    "pw_pk_rows": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
+                                  ctypes.c_long, ctypes.c_void_p, ctypes.c_int]),
     # as pw_prefill_attention_amx's (AMX_SIGNATURES)
     "pw_prefill_attention_dp": (ctypes.c_int, [
         ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
@@ -549,6 +551,22 @@ def unpack_panels(wp: torch.Tensor, glu: bool = False) -> torch.Tensor:
     out = torch.empty(n, k, dtype=torch.bfloat16)
     load().pw_pk_unpack(wp.contiguous().data_ptr(), n, k, out.data_ptr())
     return _glu_order(out, undo=True) if glu else out
+
+
+def panels_rows(wp: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Rows ``ids`` (int64, any shape) of the [N, K] bf16 weight packed into ``wp``
+    (``pack_panels``, not glu) -> [*ids.shape, K] bf16: the embedding lookup of a table
+    that is packed as the LM head. IndexError for an id outside [0, N), as ``F.embedding``."""
+    if not is_panels(wp) or not wp.is_contiguous() or not dp_available():
+        raise ValueError("panels_rows: not contiguous panels, or no AVX512_BF16 kernels here")
+    n, k = 16 * wp.shape[0], 2 * wp.shape[1]
+    flat = ids.reshape(-1).to(torch.int64).contiguous()
+    out = torch.empty(*ids.shape, k, dtype=torch.bfloat16)
+    if load().pw_pk_rows(wp.data_ptr(), n, k, flat.data_ptr(), flat.numel(), out.data_ptr(),
+                         torch.get_num_threads()):
+        raise IndexError(f"panels_rows: token id out of range [0, {n}): "
+                         f"{int(flat.min())}..{int(flat.max())}")
+    return out
 
 
 def linear_pk(x: torch.Tensor, wp: torch.Tensor, bias: torch.Tensor | None = None

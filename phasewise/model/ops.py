@@ -139,6 +139,19 @@ def glu_packed(lin: nn.Module) -> bool:
     return bool(getattr(lin, "panels_glu", False)) and cpu_kernels.is_panels(lin.weight)
 
 
+class PanelsEmbedding(nn.Module):
+    """A tied embedding table packed into panels as the LM head (``CpuKernelOps.pack_panels``):
+    the LM head reads ``weight`` as panels (``linear_pk``, any row count), and a lookup
+    unpacks the rows it needs (``cpu_kernels.panels_rows``: the same values as the rows)."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return cpu_kernels.panels_rows(self.weight, ids)
+
+
 def out_features(w: torch.Tensor) -> int:
     """A projection weight's output width: its rows, or 16 a block of panels."""
     return 16 * w.shape[0] if cpu_kernels.is_panels(w) else w.shape[0]
@@ -242,9 +255,12 @@ class CpuKernelOps(TorchOps):
         huge-page bytes, no second copy; a gate/up weight's blocks are reordered through a
         transient copy first), and run them there from now on: the linear layer
         and the fused decode layer at every row count, instead of the streams, the in-place
-        dot-product tiles and torch's GEMM by turns. The LM head (often the embedding table
-        too) stays in rows. All or nothing: int8 weights, or a shape the panels do not take
-        (N % 16, K % 2), leave every weight as it is. Returns why not, or "" once packed.
+        dot-product tiles and torch's GEMM by turns. All or nothing: int8 weights, or a shape
+        the panels do not take (N % 16, K % 2), leave every weight as it is. Returns why not,
+        or "" once packed. Then the LM head too where its vocabulary is a multiple of 16 (a
+        tied embedding table becomes a ``PanelsEmbedding``, whose lookups unpack rows): one
+        kernel at every row count, as the projections (the streams, the in-place dot
+        products and torch's GEMM by turns read it 1.5x slower at 32 rows, the same at 1).
         ``PHASEWISE_PANELS=0`` keeps the rows (for comparisons). ``force``: pack wherever
         the AVX512_BF16 kernels run, AMX or not, whatever the variable says (tests)."""
         why = self.panels_refused(model, force)
@@ -268,7 +284,23 @@ class CpuKernelOps(TorchOps):
                         cpu_kernels.pack_panels(w, in_place=in_place, glu=glu),
                         requires_grad=False)
                     lin.panels_glu = glu
+            self._pack_head(model)
         return ""
+
+    @staticmethod
+    def _pack_head(model: nn.Module) -> None:
+        """The LM head into panels, in place, where it can take them (bf16, vocabulary % 16);
+        a tied embedding table then becomes a ``PanelsEmbedding``."""
+        head = model.lm_head_module
+        w = head.weight
+        if cpu_kernels.is_panels(w) or not cpu_kernels.can_pack_panels(w):
+            return
+        in_place = w.is_contiguous() and w.data_ptr() % 4 == 0
+        wp = cpu_kernels.pack_panels(w, in_place=in_place)
+        if head is model.embed_tokens:
+            model.embed_tokens = PanelsEmbedding(wp)
+        else:
+            head.weight = nn.Parameter(wp, requires_grad=False)
 
     @staticmethod
     def panels_refused(model: nn.Module, force: bool = False) -> str:
