@@ -186,13 +186,18 @@ def test_panels_rows_are_the_rows():
     many = torch.randint(0, 48, (100,), generator=g)
     assert torch.equal(cpu_kernels.panels_rows(wp, many), w[many])
     assert cpu_kernels.panels_rows(wp, torch.tensor([], dtype=torch.long)).shape == (0, 10)
+    strided = many.view(10, 10)[:, ::3]  # not contiguous, int32: the same rows
+    assert torch.equal(cpu_kernels.panels_rows(wp, strided.to(torch.int32)), w[strided])
+    with pytest.raises(TypeError, match="int32 or int64"):
+        cpu_kernels.panels_rows(wp, torch.tensor([3.7]))
     for bad in (48, -1):
         with pytest.raises(IndexError, match=r"out of range \[0, 48\)"):
             cpu_kernels.panels_rows(wp, torch.tensor([3, bad]))
 
 
 @needs_dp
-@pytest.mark.parametrize("vocab,tie", [(None, False), (320, False), (320, True)])
+@pytest.mark.parametrize("vocab,tie", [(None, False), (None, True), (320, False),
+                                       (320, True)])
 def test_panels_are_packed_in_place_and_only_where_they_are_the_path(tmp_path, monkeypatch,
                                                                      vocab, tie):
     """pack_panels packs every decoder projection in the same bytes (no second copy), and
@@ -279,6 +284,11 @@ def test_panels_are_packed_in_place_and_only_where_they_are_the_path(tmp_path, m
     assert torch.equal(cpu_kernels.unpack_panels(lin.weight), rows["layers.0.o_proj.weight"])
     with pytest.raises(ValueError, match="packed into panels"):
         quantize_model_int8(model)
+    if packs_head and not tie:  # an untied head on the table's own bytes: left in rows
+        model = fresh()
+        model.lm_head.weight = model.embed_tokens.weight
+        assert CpuKernelOps(LinearDispatch(0, "torch")).pack_panels(model) == ""
+        assert torch.equal(model.lm_head.weight, rows["embed_tokens.weight"])
     model = fresh()
     quantize_model_int8(model)
     assert CpuKernelOps(LinearDispatch(0, "torch")).pack_panels(model) == "int8 weights"

@@ -31,6 +31,7 @@ from phasewise.engine.sampling_params import SamplingParams
 from phasewise.engine.scheduler import Scheduler, SchedulerConfig
 from phasewise.engine.spec import DraftPolicy, NgramProposer, SpecStats
 from phasewise.engine.structured import GrammarCompiler
+from phasewise.model import cpu_kernels
 from phasewise.engine.validation import check_token_ids
 from phasewise.model.config import ModelConfig
 from phasewise.model.linear import LinearDispatch
@@ -134,7 +135,9 @@ class LLMEngine:
             gate_up = self.model.layers[0].gate_up_proj
             head = self.model.lm_head_weight
             panels = CpuKernelOps.panels_refused(self.model) == ""
-            if panels and head.dtype == self.dtype:  # the plan serves the LM head alone: time it
+            if panels and cpu_kernels.can_pack_panels(head):  # the head to the panels too:
+                self.linear_plan = LinearDispatch(0, "torch")  # nothing left to time
+            elif panels and head.dtype == self.dtype:  # the plan serves the LM head alone
                 self.linear_plan = LinearDispatch.calibrate([head])
             else:
                 if gate_up.weight.dtype == torch.int8:  # the plan times bf16 of that shape

@@ -559,6 +559,9 @@ def panels_rows(wp: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     that is packed as the LM head. IndexError for an id outside [0, N), as ``F.embedding``."""
     if not is_panels(wp) or not wp.is_contiguous() or not dp_available():
         raise ValueError("panels_rows: not contiguous panels, or no AVX512_BF16 kernels here")
+    if ids.dtype not in (torch.int32, torch.int64) or ids.device.type != "cpu":
+        raise TypeError(f"panels_rows: ids must be int32 or int64 on the CPU; got {ids.dtype} "
+                        f"on {ids.device}")
     n, k = 16 * wp.shape[0], 2 * wp.shape[1]
     flat = ids.reshape(-1).to(torch.int64).contiguous()
     out = torch.empty(*ids.shape, k, dtype=torch.bfloat16)

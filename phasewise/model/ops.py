@@ -295,6 +295,11 @@ class CpuKernelOps(TorchOps):
         w = head.weight
         if cpu_kernels.is_panels(w) or not cpu_kernels.can_pack_panels(w):
             return
+        if head is not model.embed_tokens:  # untied, but perhaps the table's bytes all the
+            e = model.embed_tokens.weight   # same (packing them would garble the lookups)
+            lo, hi = w.data_ptr(), w.data_ptr() + w.numel() * w.element_size()
+            if lo < e.data_ptr() + e.numel() * e.element_size() and e.data_ptr() < hi:
+                return
         in_place = w.is_contiguous() and w.data_ptr() % 4 == 0
         wp = cpu_kernels.pack_panels(w, in_place=in_place)
         if head is model.embed_tokens:
