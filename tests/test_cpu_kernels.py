@@ -1020,6 +1020,63 @@ def test_fused_decode_layer_matches_op_by_op(tmp_path, two_threads, arch, rows, 
     assert torch.equal(odd["stack"], odd["layers"])
 
 
+@needs_dp
+@pytest.mark.parametrize("rows", [1, 5])
+def test_decode_logits_fold_the_head_into_the_stack_bit_for_bit(tmp_path, two_threads, rows):
+    """A decode step's logits from one C call (the fused stack, the final norm and the LM head
+    in panels: decode_logits) are compute_logits(forward(...))'s, bit for bit, and write the
+    same K/V; where the head is not in panels the ops decline (None) and forward_logits
+    takes the two calls."""
+    from conftest import build_hf_checkpoint
+    from phasewise.model.attention import AttentionMetadata
+    from phasewise.model.config import ModelConfig
+    from phasewise.model.loader import load_model
+
+    build_hf_checkpoint(tmp_path, "Qwen2ForCausalLM", dtype=torch.bfloat16, seed=4,
+                        vocab_size=320, tie_word_embeddings=True)
+    cfg = ModelConfig.from_file(tmp_path)
+    model = load_model(tmp_path, cfg, dtype=torch.bfloat16, device=torch.device("cpu"),
+                       max_positions=128)
+    ops = CpuKernelOps(LinearDispatch(*PLANS["dp"]))
+    model.ops = ops
+    g = torch.Generator().manual_seed(rows)
+    bs, n_blocks = 4, 6 * rows + 4
+    caches = [(torch.randn(n_blocks, bs, cfg.num_kv_heads, cfg.head_dim, generator=g).bfloat16(),
+               torch.randn(n_blocks, bs, cfg.num_kv_heads, cfg.head_dim, generator=g).bfloat16())
+              for _ in range(cfg.num_layers)]
+    ctx = [5 + 7 * r % 17 for r in range(rows)]
+    perm = torch.randperm(n_blocks, generator=g).tolist()
+    meta = AttentionMetadata.build(chunk_lens=[1] * rows, context_lens=ctx,
+                                   block_tables=[perm[6 * r:6 * r + 6] for r in range(rows)],
+                                   block_size=bs, device=torch.device("cpu"))
+    ids = torch.randint(3, cfg.vocab_size, (rows,), generator=g)
+    pos = torch.tensor(ctx)
+
+    def run(fn):
+        kv = [(k.clone(), v.clone()) for k, v in caches]
+        with torch.no_grad():
+            return fn(kv), kv
+
+    rows_logits, _ = run(lambda kv: model.compute_logits(model(ids, pos, kv, meta)))
+    assert ops.pack_panels(model, force=True) == ""
+    assert cpu_kernels.is_panels(model.lm_head_weight)
+    two, kv_two = run(lambda kv: model.compute_logits(model(ids, pos, kv, meta)))
+    one, kv_one = run(lambda kv: model.forward_logits(ids, pos, kv, meta))
+    assert one.dtype == torch.float32 and one.shape == (rows, cfg.vocab_size)
+    assert torch.equal(one, two)
+    for (k1, v1), (k2, v2) in zip(kv_one, kv_two):
+        assert torch.equal(k1, k2) and torch.equal(v1, v2)
+    torch.testing.assert_close(one, rows_logits, rtol=0.05, atol=0.05)  # the rows' head
+    with torch.no_grad():  # the fold was taken; without the head in panels it declines
+        hidden = model.embed_tokens(ids)
+        rope = ops.rope_tables(model.rope.cos, model.rope.sin, pos, hidden.dtype)
+        kv = [(k.clone(), v.clone()) for k, v in caches]
+        args = (model.layers, hidden, rope, kv, meta, model.norm.weight, cfg.rms_norm_eps)
+        assert ops.decode_logits(*args, model.lm_head_module) is not None
+        rows_head = torch.nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False).bfloat16()
+        assert ops.decode_logits(*args, rows_head) is None
+
+
 # -- the library's state and the numbers C and Python share ----------------------------------
 
 @needs_kernels

@@ -145,6 +145,9 @@ class ModelRunner:
         )
         ids_t = torch.tensor(input_ids, dtype=torch.long, device=dev)
         pos_t = torch.tensor(positions, dtype=torch.long, device=dev)
+        if not scored and len(sample_rows) == len(input_ids):  # every row, in order
+            logits = self.model.forward_logits(ids_t, pos_t, self.kv_caches, meta)
+            return RunnerOutput(sample_reqs, logits, rows_per_req)
         hidden = self.model(ids_t, pos_t, self.kv_caches, meta)  # [T, hidden]
         if len(sample_rows) == hidden.shape[0]:  # every row, in order (a decode-only step)
             logits = self.model.compute_logits(hidden)  # [S, vocab]

@@ -171,6 +171,8 @@ def _signatures() -> dict[str, tuple[Any, list[Any]]]:
         "pw_decode_attention_bf16": (I, [P, L, P, P, P, I, P, P, I, I, I, I, I, F, I]),
         "pw_decode_layer_bf16": (I, [ctypes.POINTER(DecodeLayerArgs)]),
         "pw_decode_stack_bf16": (I, [ctypes.POINTER(DecodeLayerArgs), I, P, P, P, P]),
+        "pw_decode_stack_head_bf16": (I, [ctypes.POINTER(DecodeLayerArgs), I, P, P, P, P, P, F,
+                                          P, P, I, P]),
         "pw_stream_read_bf16": (F, [P, L, I]),
         "pw_set_stream_prefetch": (None, [I]),
         "pw_stream_prefetch": (I, []),

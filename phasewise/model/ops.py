@@ -119,6 +119,15 @@ class TorchOps:
         by one. Returns (last layer's MLP output, residual stream before adding it)."""
         return None
 
+    def decode_logits(self, layers: nn.ModuleList, hidden: torch.Tensor, rope: RopeTables,
+                      kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                      meta: AttentionMetadata, norm_weight: torch.Tensor, eps: float,
+                      head: nn.Module) -> torch.Tensor | None:
+        """``decode_stack``, the final norm and the LM head (``head``) in one call: the
+        logits ([rows, vocab], the LM head's dtype) of a decode-only step, or None (nothing
+        run) where the implementation cannot take it whole."""
+        return None
+
 
 # A prompt's MLP runs in chunks of this many rows on the CPU paths other than AMX's (which
 # blocks its own): on a 2-core AMD EPYC with AVX512_BF16, 32 prompts of 128 tokens in one
@@ -435,9 +444,40 @@ class CpuKernelOps(TorchOps):
             raise RuntimeError(f"pw_decode_layer_bf16 failed ({rc})")
         return out, hidden
 
-    def decode_stack(self, layers: nn.ModuleList, hidden: torch.Tensor, rope: RopeTables,
+    def decode_logits(self, layers: nn.ModuleList, hidden: torch.Tensor, rope: RopeTables,
+                      kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                      meta: AttentionMetadata, norm_weight: torch.Tensor, eps: float,
+                      head: nn.Module) -> torch.Tensor | None:
+        """The fused stack, then the final norm and the LM head in panels in the same C call
+        (``pw_decode_stack_head_bf16``): no return to Python between the last layer and the
+        head's stream. The bits of ``decode_stack``, ``add_rms_norm`` and ``proj``. Where
+        the head is not in panels (or has a bias, or int8 scales), None."""
+        w = head.weight
+        if (not cpu_kernels.is_panels(w) or not w.is_contiguous() or not self._ok(norm_weight)
+                or getattr(head, "bias", None) is not None
+                or getattr(head, "weight_scale", None) is not None
+                or 2 * w.shape[1] != hidden.shape[-1]):
+            return None
+        ready = self._stack_ready(layers, hidden, rope, kv_caches, meta)
+        if ready is None:
+            return None
+        args, k_ptrs, v_ptrs, bufs = ready
+        xn = torch.empty_like(hidden)
+        vocab = 16 * w.shape[0]
+        logits = torch.empty(hidden.shape[0], vocab, dtype=torch.bfloat16)
+        rc = self.lib.pw_decode_stack_head_bf16(
+            args, len(layers), ctypes.addressof(k_ptrs), ctypes.addressof(v_ptrs),
+            bufs[0].data_ptr(), bufs[1].data_ptr(), norm_weight.data_ptr(), float(eps),
+            xn.data_ptr(), w.data_ptr(), vocab, logits.data_ptr())
+        if rc != 0:
+            raise RuntimeError(f"pw_decode_stack_head_bf16 failed ({rc})")
+        return logits
+
+    def _stack_ready(self, layers: nn.ModuleList, hidden: torch.Tensor, rope: RopeTables,
                      kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                     meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor] | None:
+                     meta: AttentionMetadata) -> tuple | None:
+        """The fused stack's arguments for this step, with its two output buffers, or None
+        where the step cannot be fused (nothing changed then)."""
         if (not layers or len(kv_caches) != len(layers)
                 or not self._fusable_step(hidden, rope, meta)):
             return None
@@ -451,6 +491,15 @@ class CpuKernelOps(TorchOps):
         args[0].amx = self._tile_mode(hidden.shape[0])
         args[0].delta = None  # the first layer has no previous output to add
         bufs = torch.empty(2, *hidden.shape, dtype=hidden.dtype)
+        return args, k_ptrs, v_ptrs, bufs
+
+    def decode_stack(self, layers: nn.ModuleList, hidden: torch.Tensor, rope: RopeTables,
+                     kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                     meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor] | None:
+        ready = self._stack_ready(layers, hidden, rope, kv_caches, meta)
+        if ready is None:
+            return None
+        args, k_ptrs, v_ptrs, bufs = ready
         rc = self.lib.pw_decode_stack_bf16(args, len(layers), ctypes.addressof(k_ptrs),
                                            ctypes.addressof(v_ptrs), bufs[0].data_ptr(),
                                            bufs[1].data_ptr())

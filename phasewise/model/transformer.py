@@ -108,9 +108,34 @@ class CausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """Run the flat batch through the decoder; returns final hidden states [T, hidden]."""
-        ops = self.ops
         hidden = self.embed_tokens(input_ids)
-        rope = ops.rope_tables(self.rope.cos, self.rope.sin, positions, hidden.dtype)
+        rope = self.ops.rope_tables(self.rope.cos, self.rope.sin, positions, hidden.dtype)
+        return self._decoder(hidden, rope, kv_caches, meta)
+
+    def forward_logits(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Logits ([T, vocab], fp32) of every row: ``compute_logits(forward(...))``, in one
+        call of the ops where they take the whole step (``decode_logits``: a decode step's
+        fused stack with the final norm and the LM head, no return to Python between)."""
+        hidden = self.embed_tokens(input_ids)
+        rope = self.ops.rope_tables(self.rope.cos, self.rope.sin, positions, hidden.dtype)
+        logits = self.ops.decode_logits(self.layers, hidden, rope, kv_caches, meta,
+                                        self.norm.weight, self.cfg.rms_norm_eps,
+                                        self.lm_head_module)
+        if logits is not None:
+            return logits.float()
+        return self.compute_logits(self._decoder(hidden, rope, kv_caches, meta))
+
+    def _decoder(self, hidden: torch.Tensor, rope: RopeTables,
+                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                 meta: AttentionMetadata) -> torch.Tensor:
+        """The decoder layers and the final norm over the embedded rows."""
+        ops = self.ops
         stacked = ops.decode_stack(self.layers, hidden, rope, kv_caches, meta)
         if stacked is not None:  # the whole decoder in one call (decode-only steps, CPU)
             delta, hidden = stacked
