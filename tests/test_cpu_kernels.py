@@ -1067,14 +1067,43 @@ def test_decode_logits_fold_the_head_into_the_stack_bit_for_bit(tmp_path, two_th
     for (k1, v1), (k2, v2) in zip(kv_one, kv_two):
         assert torch.equal(k1, k2) and torch.equal(v1, v2)
     torch.testing.assert_close(one, rows_logits, rtol=0.05, atol=0.05)  # the rows' head
-    with torch.no_grad():  # the fold was taken; without the head in panels it declines
-        hidden = model.embed_tokens(ids)
-        rope = ops.rope_tables(model.rope.cos, model.rope.sin, pos, hidden.dtype)
-        kv = [(k.clone(), v.clone()) for k, v in caches]
-        args = (model.layers, hidden, rope, kv, meta, model.norm.weight, cfg.rms_norm_eps)
-        assert ops.decode_logits(*args, model.lm_head_module) is not None
-        rows_head = torch.nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False).bfloat16()
-        assert ops.decode_logits(*args, rows_head) is None
+
+    def fold(layers, kv, head):
+        with torch.no_grad():
+            hidden = model.embed_tokens(ids)
+            rope = ops.rope_tables(model.rope.cos, model.rope.sin, pos, hidden.dtype)
+            before = hidden.clone()
+            out = ops.decode_logits(layers, hidden, rope, kv, meta, model.norm.weight,
+                                    cfg.rms_norm_eps, head)
+            return out, torch.equal(hidden, before)
+
+    # the one call itself (not forward_logits' fallback) gives those logits and K/V
+    kv = [(k.clone(), v.clone()) for k, v in caches]
+    folded, _ = fold(model.layers, kv, model.lm_head_module)
+    assert folded is not None and torch.equal(folded.float(), two)
+    for (k1, v1), (k2, v2) in zip(kv, kv_two):
+        assert torch.equal(k1, k2) and torch.equal(v1, v2)
+    # a head in rows: declined before anything runs (hidden and K/V untouched)
+    kv = [(k.clone(), v.clone()) for k, v in caches]
+    rows_head = torch.nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False).bfloat16()
+    declined, untouched = fold(model.layers, kv, rows_head)
+    assert declined is None and untouched
+    assert all(torch.equal(k, k0) and torch.equal(v, v0) for (k, v), (k0, v0) in zip(kv, caches))
+    # one layer (the stack's output in its first buffer), and a step the stack does not
+    # take (fused decode off): forward_logits' two calls, the same bits
+    model.layers = torch.nn.ModuleList(list(model.layers)[:1])
+    one1, _ = run(lambda kv: model.forward_logits(ids, pos, kv[:1], meta))
+    two1, _ = run(lambda kv: model.compute_logits(model(ids, pos, kv[:1], meta)))
+    folded1, _ = fold(model.layers, [(k.clone(), v.clone()) for k, v in caches[:1]],
+                      model.lm_head_module)
+    assert torch.equal(one1, two1) and torch.equal(folded1.float(), two1)
+    model.ops = CpuKernelOps(LinearDispatch(*PLANS["dp"]), fused_decode=False)
+    assert model.ops.decode_logits(model.layers, model.embed_tokens(ids), model.ops.rope_tables(
+        model.rope.cos, model.rope.sin, pos, torch.bfloat16), [(k.clone(), v.clone()) for k, v
+                                                           in caches[:1]], meta,
+        model.norm.weight, cfg.rms_norm_eps, model.lm_head_module) is None
+    off, _ = run(lambda kv: model.forward_logits(ids, pos, kv[:1], meta))
+    torch.testing.assert_close(off, one1, rtol=0.02, atol=0.02)
 
 
 # -- the library's state and the numbers C and Python share ----------------------------------

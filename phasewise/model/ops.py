@@ -124,8 +124,8 @@ class TorchOps:
                       meta: AttentionMetadata, norm_weight: torch.Tensor, eps: float,
                       head: nn.Module) -> torch.Tensor | None:
         """``decode_stack``, the final norm and the LM head (``head``) in one call: the
-        logits ([rows, vocab], the LM head's dtype) of a decode-only step, or None (nothing
-        run) where the implementation cannot take it whole."""
+        logits ([rows, vocab], bf16) of a decode-only step, or None (nothing run) where the
+        implementation cannot take it whole."""
         return None
 
 
@@ -453,7 +453,8 @@ class CpuKernelOps(TorchOps):
         head's stream. The bits of ``decode_stack``, ``add_rms_norm`` and ``proj``. Where
         the head is not in panels (or has a bias, or int8 scales), None."""
         w = head.weight
-        if (not cpu_kernels.is_panels(w) or not w.is_contiguous() or not self._ok(norm_weight)
+        if (not cpu_kernels.dp_available() or not cpu_kernels.is_panels(w)
+                or not w.is_contiguous() or not self._ok(norm_weight)
                 or getattr(head, "bias", None) is not None
                 or getattr(head, "weight_scale", None) is not None
                 or 2 * w.shape[1] != hidden.shape[-1]):
