@@ -31,8 +31,8 @@ from phasewise.engine.sampling_params import SamplingParams
 from phasewise.engine.scheduler import Scheduler, SchedulerConfig
 from phasewise.engine.spec import DraftPolicy, NgramProposer, SpecStats
 from phasewise.engine.structured import GrammarCompiler
-from phasewise.model import cpu_kernels
 from phasewise.engine.validation import check_token_ids
+from phasewise.model import cpu_kernels
 from phasewise.model.config import ModelConfig
 from phasewise.model.linear import LinearDispatch
 from phasewise.model.ops import CpuKernelOps
