@@ -65,19 +65,28 @@ static inline __m512 exp16_fast(__m512 x) {
 /* Lazy rescaling of an online softmax whose lanes are queries (or heads): the reference max
  * mx moves only where this step's max m_new passes it by more than RESCALE_MARGIN (e^8 ~
  * 3e3: the weights and sums stay far inside fp32 and bf16), so the rescale of the running
- * sum and of O^T (ot, [hd][16]) is rare after the first keys. */
-static inline void lazy_rescale(__m512 m_new, __m512 *mx, __m512 *sum, float *ot, int hd) {
+ * sum and of the outputs is rare after the first keys. lazy_alpha moves mx and rescales sum
+ * where it grew, and gives alpha (1 in the other lanes) for the outputs; returns the lanes
+ * that grew (none: nothing to rescale). */
+static inline __mmask16 lazy_alpha(__m512 m_new, __m512 *mx, __m512 *sum, __m512 *alpha) {
     __mmask16 grew = _mm512_cmp_ps_mask(m_new, _mm512_add_ps(*mx, _mm512_set1_ps(RESCALE_MARGIN)),
                                         _CMP_GT_OQ);
     if (grew) {
         __m512 ref = _mm512_mask_mov_ps(*mx, grew, m_new);
-        __m512 alpha = exp16_fast(_mm512_sub_ps(*mx, ref));  /* 0 where nothing was seen */
-        alpha = _mm512_mask_mov_ps(_mm512_set1_ps(1.0f), grew, alpha);
-        *sum = _mm512_mul_ps(*sum, alpha);
-        for (int d = 0; d < hd; d++)
-            _mm512_store_ps(ot + 16 * d, _mm512_mul_ps(_mm512_load_ps(ot + 16 * d), alpha));
+        __m512 a = exp16_fast(_mm512_sub_ps(*mx, ref));  /* 0 where nothing was seen */
+        *alpha = _mm512_mask_mov_ps(_mm512_set1_ps(1.0f), grew, a);
+        *sum = _mm512_mul_ps(*sum, *alpha);
         *mx = ref;
     }
+    return grew;
+}
+
+/* lazy_alpha, then O^T (ot, [hd][16 lanes]) rescaled. */
+static inline void lazy_rescale(__m512 m_new, __m512 *mx, __m512 *sum, float *ot, int hd) {
+    __m512 alpha;
+    if (!lazy_alpha(m_new, mx, sum, &alpha)) return;
+    for (int d = 0; d < hd; d++)
+        _mm512_store_ps(ot + 16 * d, _mm512_mul_ps(_mm512_load_ps(ot + 16 * d), alpha));
 }
 
 /* The softmax of one step for one half (16 queries): the scores S^T (32 keys, a vector of

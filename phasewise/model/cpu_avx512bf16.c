@@ -38,7 +38,7 @@
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")
 
-#include "cpu_avx512.h"  /* exp16, exp16_fast, lazy_rescale, softmax_step: shared with cpu_amx.c */
+#include "cpu_avx512.h"  /* exp16, exp16_fast, lazy_alpha, softmax_step: shared with cpu_amx.c */
 
 #define DP_R 4          /* weight rows a tile (3 for 7-8 tokens) */
 #define DP_MT 8         /* the most tokens a tile (6 of 4 rows, 8 of 3) */
@@ -526,27 +526,23 @@ static void dpa_pv_all(float *oh, int G, int hd, const uint32_t *vp, const uint3
 }
 #undef DPA_PV
 
-/* lazy_rescale (cpu_avx512.h) for O in rows of heads (oh [G][hd]): the heads whose max grew
- * by more than the margin have their row and sum multiplied by alpha (the others by 1 there:
- * left as they are). */
+/* lazy_rescale (cpu_avx512.h) for O in rows of heads (oh [G][hd]): lazy_alpha, then the
+ * rows of the heads whose max grew multiplied by their alpha (the others' alpha is 1: left
+ * as they are). */
 static inline void dpa_rescale(__m512 m_new, __m512 *mx, __m512 *sum, float *oh, int G,
                                int hd) {
-    __mmask16 grew = _mm512_cmp_ps_mask(m_new, _mm512_add_ps(*mx, _mm512_set1_ps(RESCALE_MARGIN)),
-                                        _CMP_GT_OQ);
+    __m512 alpha;
+    __mmask16 grew = lazy_alpha(m_new, mx, sum, &alpha);
     if (!grew) return;
-    __m512 ref = _mm512_mask_mov_ps(*mx, grew, m_new);
-    __m512 alpha = exp16_fast(_mm512_sub_ps(*mx, ref));  /* 0 where nothing was seen */
-    alpha = _mm512_mask_mov_ps(_mm512_set1_ps(1.0f), grew, alpha);
-    *sum = _mm512_mul_ps(*sum, alpha);
     float al[16] __attribute__((aligned(64)));
     _mm512_store_ps(al, alpha);
     for (int g = 0; g < G; g++) {
         if (!(grew >> g & 1)) continue;
         __m512 a = _mm512_set1_ps(al[g]);
+        float *row = oh + (long)g * hd;
         for (int d = 0; d < hd; d += 16)
-            _mm512_store_ps(oh + (long)g * hd + d, _mm512_mul_ps(_mm512_load_ps(oh + (long)g * hd + d), a));
+            _mm512_store_ps(row + d, _mm512_mul_ps(_mm512_load_ps(row + d), a));
     }
-    *mx = ref;
 }
 
 static inline long dpa_row_off(const int64_t *table, int bs, int n_kv, int hd, int kvh, long j) {
