@@ -96,7 +96,8 @@ typedef struct {
     uint16_t *y;
     const uint16_t *bias;
     long ldr;
-    int glu;  /* panels only (pk_share): the SiLU-and-multiply epilogue; ldr = I then */
+    int glu;    /* panels only (pk_share): the SiLU-and-multiply epilogue; ldr = I then */
+    int widen;  /* panels only, y NULL: bf16(sum + bias) as fp32 into res (y's values) */
 } DpOut;
 
 /* One tile: R (4 or 1) weight rows from w (row n0 of the layer: K values a row) against MT
@@ -860,12 +861,18 @@ static inline __attribute__((always_inline)) void pk_tile(
     }
     for (int b = 0; b < NB; b++) {
         long n = 16L * (b0 + b);
-        if (!out->y) {
+        if (!out->y && !out->widen) {
             for (int m = 0; m < MT; m++)
                 _mm512_storeu_ps(out->res + (mg + m) * out->ldr + n, acc[m][b]);
             continue;
         }
         __m512 bias = out->bias ? dp_load_bf16x16(out->bias + n, 0xffff) : _mm512_setzero_ps();
+        if (!out->y) {  /* widen */
+            for (int m = 0; m < MT; m++)
+                _mm512_storeu_si512(out->res + (mg + m) * out->ldr + n,
+                                    dp_bf16_bits16(_mm512_add_ps(acc[m][b], bias)));
+            continue;
+        }
         for (int m = 0; m < MT; m++) {
             __m512i r = _mm512_srli_epi32(dp_bf16_bits16(_mm512_add_ps(acc[m][b], bias)), 16);
             _mm256_storeu_si256((__m256i *)(out->y + (mg + m) * out->ldr + n),
@@ -946,6 +953,17 @@ static void pk_share(const uint16_t *x, int M, const uint32_t *wp, int K, int N,
 int pw_linear_pk(const uint16_t *x, const uint32_t *wp, const uint16_t *bias, uint16_t *y,
                  int M, int N, int K, int nthreads) {
     DpOut out = {NULL, y, bias, N};
+#pragma omp parallel num_threads(nthreads)
+    pk_share(x, M, wp, K, N, &out);
+    return 0;
+}
+
+/* pw_linear_pk's values as fp32: y [M, N] fp32 = bf16(x w^T + bias), exactly (a bf16 value
+ * widens without rounding), in one pass (a decode step's logits, which sampling reads as
+ * fp32, without a bf16 copy to widen afterwards). Returns 0. */
+int pw_linear_pk_f32(const uint16_t *x, const uint32_t *wp, const uint16_t *bias, float *y,
+                     int M, int N, int K, int nthreads) {
+    DpOut out = {y, NULL, bias, N, 0, 1};
 #pragma omp parallel num_threads(nthreads)
     pk_share(x, M, wp, K, N, &out);
     return 0;

@@ -1830,23 +1830,23 @@ int pw_decode_stack_bf16(DecodeLayer *L, int n, uint16_t *const *k_caches,
     return 0;
 }
 
-int pw_linear_pk(const uint16_t *x, const uint32_t *wp, const uint16_t *bias, uint16_t *y,
-                 int M, int N, int K, int nthreads) __attribute__((weak));
+int pw_linear_pk_f32(const uint16_t *x, const uint32_t *wp, const uint16_t *bias, float *y,
+                     int M, int N, int K, int nthreads) __attribute__((weak));
 
 /* pw_decode_stack_bf16, then the final norm and the LM head (on panels) in the same call,
  * with no return to Python between them: hidden += the last layer's output, normed into xn
- * (bf16 [M, H]: pw_add_rmsnorm_bf16, its bits), logits (bf16 [M, V]) = pw_linear_pk(xn,
- * head) (linear_pk's bits). Returns as pw_decode_stack_bf16, or -2 without the panels
- * kernel (cpu_avx512bf16.c not compiled in). */
+ * (bf16 [M, H]: pw_add_rmsnorm_bf16, its bits), logits (fp32 [M, V]) = pw_linear_pk(xn,
+ * head)'s bf16 values, widened as they are written (pw_linear_pk_f32). Returns as
+ * pw_decode_stack_bf16, or -2 without the panels kernel (cpu_avx512bf16.c not compiled in). */
 int pw_decode_stack_head_bf16(DecodeLayer *L, int n, uint16_t *const *k_caches,
                               uint16_t *const *v_caches, uint16_t *buf_a, uint16_t *buf_b,
                               const uint16_t *norm_w, float eps, uint16_t *xn,
-                              const uint32_t *head, int V, uint16_t *logits) {
-    if (!pw_linear_pk || n < 1) return -2;
+                              const uint32_t *head, int V, float *logits) {
+    if (!pw_linear_pk_f32 || n < 1) return -2;
     int rc = pw_decode_stack_bf16(L, n, k_caches, v_caches, buf_a, buf_b);
     if (rc != 0) return rc;
     pw_add_rmsnorm_bf16(L[n - 1].out, L->hidden, norm_w, xn, L->M, L->H, eps, L->nthreads);
-    return pw_linear_pk(xn, head, NULL, logits, L->M, V, L->H, L->nthreads);
+    return pw_linear_pk_f32(xn, head, NULL, logits, L->M, V, L->H, L->nthreads);
 }
 
 /* Read bandwidth probe: sums `n` bf16 words as fp32 with four streams per thread, the same

@@ -124,8 +124,8 @@ class TorchOps:
                       meta: AttentionMetadata, norm_weight: torch.Tensor, eps: float,
                       head: nn.Module) -> torch.Tensor | None:
         """``decode_stack``, the final norm and the LM head (``head``) in one call: the
-        logits ([rows, vocab], bf16) of a decode-only step, or None (nothing run) where the
-        implementation cannot take it whole."""
+        logits ([rows, vocab]: the head's bf16 values, as fp32) of a decode-only step, or
+        None (nothing run) where the implementation cannot take it whole."""
         return None
 
 
@@ -450,8 +450,9 @@ class CpuKernelOps(TorchOps):
                       head: nn.Module) -> torch.Tensor | None:
         """The fused stack, then the final norm and the LM head in panels in the same C call
         (``pw_decode_stack_head_bf16``): no return to Python between the last layer and the
-        head's stream. The bits of ``decode_stack``, ``add_rms_norm`` and ``proj``. Where
-        the head is not in panels (or has a bias, or int8 scales), None."""
+        head's stream. The bits of ``decode_stack``, ``add_rms_norm`` and ``proj``, the
+        logits written as fp32 (widened in the head's epilogue, not by a pass over a bf16
+        copy). Where the head is not in panels (or has a bias, or int8 scales), None."""
         w = head.weight
         if (not cpu_kernels.dp_available() or not cpu_kernels.is_panels(w)
                 or not w.is_contiguous() or not self._ok(norm_weight)
@@ -465,7 +466,7 @@ class CpuKernelOps(TorchOps):
         args, k_ptrs, v_ptrs, bufs = ready
         xn = torch.empty_like(hidden)
         vocab = 16 * w.shape[0]
-        logits = torch.empty(hidden.shape[0], vocab, dtype=torch.bfloat16)
+        logits = torch.empty(hidden.shape[0], vocab, dtype=torch.float32)
         rc = self.lib.pw_decode_stack_head_bf16(
             args, len(layers), ctypes.addressof(k_ptrs), ctypes.addressof(v_ptrs),
             bufs[0].data_ptr(), bufs[1].data_ptr(), norm_weight.data_ptr(), float(eps),
