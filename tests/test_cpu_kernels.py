@@ -104,6 +104,9 @@ def test_panels_linear_matches_fp32_reference_and_each_row_alone(m, blocks, pair
     torch.testing.assert_close(y.float(), reference(x, w, b), rtol=2**-7, atol=1e-4 * k)
     for r in {0, m // 2, m - 1}:
         assert torch.equal(cpu_kernels.linear_pk(x[r:r + 1], wp, b)[0], y[r])
+    # widened as written (the decode step's logits): the same values, as fp32
+    yf = cpu_kernels.linear_pk(x, wp, b, out_dtype=torch.float32)
+    assert yf.dtype == torch.float32 and torch.equal(yf, y.float())
 
 
 @needs_dp
@@ -158,6 +161,10 @@ def test_panels_linear_rounds_once_keeps_nans_and_refuses_what_it_cannot_take():
     x[7, 10] = float("nan")
     out = cpu_kernels.linear_pk(x, cpu_kernels.pack_panels(w))
     assert out[7].isnan().all() and not out[torch.arange(12) != 7].isnan().any()
+    wide = cpu_kernels.linear_pk(x, cpu_kernels.pack_panels(w), out_dtype=torch.float32)
+    assert wide[7].isnan().all() and torch.equal(wide[:7], out[:7].float())
+    with pytest.raises(ValueError, match="out_dtype must be torch.bfloat16 or torch.float32"):
+        cpu_kernels.linear_pk(x, cpu_kernels.pack_panels(w), out_dtype=torch.float16)
     for bad in (torch.randn(24, 64).bfloat16(), torch.randn(32, 63).bfloat16(),
                 torch.randn(32, 64)):
         assert not cpu_kernels.can_pack_panels(bad)

@@ -189,6 +189,7 @@ DP_SIGNATURES = {
     "pw_linear_dp": (ctypes.c_int, [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4),
     "pw_silu_mul_dp": (None, [ctypes.c_void_p] * 2 + [ctypes.c_int] * 3),
     "pw_linear_pk": (ctypes.c_int, [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4),
+    "pw_linear_pk_f32": (ctypes.c_int, [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4),
     "pw_linear_pk_glu": (ctypes.c_int, [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4),
     "pw_pk_pack": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
                                   ctypes.c_void_p, ctypes.c_int]),
@@ -392,10 +393,11 @@ def __getattr__(name: str) -> Any:
 
 
 def _call(name: str, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
-          scale: torch.Tensor | None = None, n: int | None = None) -> torch.Tensor:
+          scale: torch.Tensor | None = None, n: int | None = None,
+          out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """A linear kernel's call: ``name(x, w[, scale], bias, y, M, N, K, threads)`` over x's
-    rows, y [..., N] bf16 (``scale``: int8 weights' per-row scales; ``n``: the output width
-    N when it is not w's row count)."""
+    rows, y [..., N] bf16 (or ``out_dtype``, the kernel's; ``scale``: int8 weights' per-row
+    scales; ``n``: the output width N when it is not w's row count)."""
     lib = load()
     if lib is None:
         raise RuntimeError(f"CPU kernels unavailable: {KERNELS.reason}")
@@ -403,7 +405,7 @@ def _call(name: str, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None
     n = w.shape[0] if n is None else n
     x2 = x.reshape(-1, k).contiguous()
     m = x2.shape[0]
-    y = torch.empty(m, n, dtype=torch.bfloat16)
+    y = torch.empty(m, n, dtype=out_dtype)
     if m:
         scales = [] if scale is None else [scale.data_ptr()]
         rc = getattr(lib, name)(x2.data_ptr(), w.data_ptr(), *scales,
@@ -574,19 +576,25 @@ def panels_rows(wp: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def linear_pk(x: torch.Tensor, wp: torch.Tensor, bias: torch.Tensor | None = None
-              ) -> torch.Tensor:
+def linear_pk(x: torch.Tensor, wp: torch.Tensor, bias: torch.Tensor | None = None,
+              out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """Same contract as ``linear_bf16``, with the weight in the panels layout
     (``pack_panels``; N = 16 wp.shape[0]): AVX512_BF16 dot products, 16 output channels a
     vector, each token's pairs broadcast, products of bf16 pairs summed in fp32 pair by
-    pair, one rounding."""
-    return _pk_call("linear_pk", "pw_linear_pk", x, wp, bias, n=16 * wp.shape[0])
+    pair, one rounding. ``out_dtype`` torch.float32: the same bf16 values, written widened
+    to fp32 (``pw_linear_pk_f32``: the decode step's logits)."""
+    if out_dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"linear_pk: out_dtype must be torch.bfloat16 or torch.float32; "
+                         f"got {out_dtype}")
+    kernel = "pw_linear_pk" if out_dtype == torch.bfloat16 else "pw_linear_pk_f32"
+    return _pk_call("linear_pk", kernel, x, wp, bias, n=16 * wp.shape[0], out_dtype=out_dtype)
 
 
 def _pk_call(name: str, kernel: str, x: torch.Tensor, wp: torch.Tensor,
-             bias: torch.Tensor | None, n: int) -> torch.Tensor:
+             bias: torch.Tensor | None, n: int,
+             out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """``linear_pk``'s and ``glu_pk``'s checks (``name`` in their messages), then their
-    C ``kernel``'s call (output width ``n``)."""
+    C ``kernel``'s call (output width ``n``, values of ``out_dtype``)."""
     if not dp_available():
         raise RuntimeError("AVX512_BF16 kernels unavailable: "
                            f"{KERNELS.dp_reason or KERNELS.reason}")
@@ -598,7 +606,7 @@ def _pk_call(name: str, kernel: str, x: torch.Tensor, wp: torch.Tensor,
                              or not bias.is_contiguous() or bias.device.type != "cpu"):
         raise ValueError(f"{name}: bias must be a contiguous bf16 CPU tensor of {width} "
                          f"values; got {tuple(bias.shape)} {bias.dtype}")
-    return _call(kernel, x.to(torch.bfloat16), wp, bias, n=n)
+    return _call(kernel, x.to(torch.bfloat16), wp, bias, n=n, out_dtype=out_dtype)
 
 
 def glu_pk(x: torch.Tensor, wp: torch.Tensor, bias: torch.Tensor | None = None
