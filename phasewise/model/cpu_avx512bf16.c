@@ -550,8 +550,23 @@ static inline void dpa_prefetch_row(const uint16_t *row, int hd) {
     for (int c = 0; c < hd; c += 32) _mm_prefetch((const char *)(row + c), _MM_HINT_T0);
 }
 
-static inline long dpa_row_off(const int64_t *table, int bs, int n_kv, int hd, int kvh, long j) {
-    return ((table[j / bs] * bs + j % bs) * n_kv + kvh) * (long)hd;
+/* Where keys j0 .. j0 + n - 1 of KV head kvh lie in the paged cache (in values from its
+ * start: the row of slot table[j / bs] * bs + j % bs) into off: one division, then the slot
+ * counted up block by block. A division a key was ~8% of a task's time on keys in the
+ * caches; counted, the layers' attention took 4% less at batch 8 (the step x1.005) and the
+ * step x1.004 at batch 32 (2-core AVX512_BF16 EPYC, alternating decode steps in one
+ * process). */
+static inline void dpa_row_offs(const int64_t *table, int bs, int n_kv, int hd, int kvh,
+                                long j0, int n, long *off) {
+    long b = j0 / bs;
+    int w = (int)(j0 - b * bs);
+    for (int j = 0; j < n; j++) {
+        off[j] = ((table[b] * bs + w) * n_kv + kvh) * (long)hd;
+        if (++w == bs) {
+            w = 0;
+            b++;
+        }
+    }
 }
 
 int pw_attend_group_dp(const uint16_t *q, int G, float scale, const uint16_t *k_cache,
@@ -580,8 +595,7 @@ int pw_attend_group_dp(const uint16_t *q, int G, float scale, const uint16_t *k_
                                             34, 2, 33, 1, 32, 0);
     const __m512i idx_hi = _mm512_add_epi16(idx_lo, _mm512_set1_epi16(16));
     long off[2][DPA_KB];
-    for (int j = 0; j < DPA_KB && j < len; j++)
-        off[0][j] = dpa_row_off(table, bs, n_kv, hd, kvh, j);
+    dpa_row_offs(table, bs, n_kv, hd, kvh, 0, len < DPA_KB ? len : DPA_KB, off[0]);
     for (int t0 = 0, step = 0; t0 < len; t0 += DPA_KB, step ^= 1) {
         int n = len - t0 < DPA_KB ? len - t0 : DPA_KB;
         const long *o = off[step];
@@ -594,8 +608,7 @@ int pw_attend_group_dp(const uint16_t *q, int G, float scale, const uint16_t *k_
         long *nx = off[step ^ 1];
         int next = len - t0 - DPA_KB;  /* the next step's keys (some only if this one has 32) */
         next = next < 0 ? 0 : next < DPA_KB ? next : DPA_KB;
-        for (int j = 0; j < next; j++)
-            nx[j] = dpa_row_off(table, bs, n_kv, hd, kvh, t0 + DPA_KB + j);
+        dpa_row_offs(table, bs, n_kv, hd, kvh, t0 + DPA_KB, next, nx);
         __m512 s[DPA_KB];
         for (int j0 = 0; j0 < n; j0 += 16) {  /* S^T, 16 keys at a time */
             const uint32_t *kr[16];
