@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from phasewise import LLM, SamplingParams
 from phasewise.engine.request import Request
-from phasewise.engine.sampler import Sampler, greedy_tokens
+from phasewise.engine.sampler import Sampler, greedy_token_list, greedy_tokens
 from phasewise.model import cpu_kernels
 
 
@@ -199,11 +199,15 @@ def test_greedy_tokens_is_argmax_with_ties_nans_and_infinities(rows, vocab, seed
         x[pick < 0.4] = float("nan")
     want = x.argmax(dim=-1)
     assert torch.equal(greedy_tokens(x), want)
+    assert greedy_token_list(x) == want.tolist()  # the sampler's all-greedy batches
     assert torch.equal(torch.max(x, dim=-1).indices, want)  # the fallback
     if cpu_kernels.load() is not None:
         assert torch.equal(cpu_kernels.argmax_rows(x), want)
+        assert cpu_kernels.argmax_list(x) == want.tolist()
         # rows of a wider tensor are not contiguous (but for one row): greedy_tokens falls
         # back to torch, same picks
         wide = torch.cat([x, x], dim=1)[:, :vocab]
         assert (cpu_kernels.argmax_rows(wide) is None) == (rows > 1)
+        assert (cpu_kernels.argmax_list(wide) is None) == (rows > 1)
         assert torch.equal(greedy_tokens(wide), want)
+        assert greedy_token_list(wide) == want.tolist()

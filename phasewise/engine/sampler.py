@@ -40,6 +40,20 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     return torch.max(logits, dim=-1).indices
 
 
+def greedy_token_list(logits: torch.Tensor) -> list[int]:
+    """``greedy_tokens(logits).tolist()``; on CPU straight from the kernels' argmax into a
+    list (``cpu_kernels.argmax_list``), no tensor between: a decode step's host work runs
+    on caches the weights' stream has just flushed, where each torch call costs tens of
+    microseconds."""
+    if logits.device.type == "cpu":
+        from phasewise.model.cpu_kernels import argmax_list
+
+        picked = argmax_list(logits)
+        if picked is not None:
+            return picked
+    return greedy_tokens(logits).tolist()
+
+
 @dataclass
 class SamplerOutput:
     token_ids: list[int]
@@ -81,19 +95,19 @@ class Sampler:
         penalized = self._apply_penalties(logits, requests)
         logits = self._apply_grammars(penalized, requests, copied=penalized is not logits)
 
-        tokens = torch.empty(len(requests), dtype=torch.long, device=logits.device)
         greedy = [i for i, r in enumerate(requests) if r.params.greedy]
         rand = [i for i, r in enumerate(requests) if not r.params.greedy]
         if len(greedy) == len(requests):  # all greedy: no gather of the rows (4 MB at b32)
-            tokens = greedy_tokens(logits)
-        elif greedy:
-            idx = torch.tensor(greedy, device=logits.device)
-            tokens[idx] = greedy_tokens(logits[idx])
-        if rand:
+            token_list = greedy_token_list(logits)
+        else:
+            tokens = torch.empty(len(requests), dtype=torch.long, device=logits.device)
+            if greedy:
+                idx = torch.tensor(greedy, device=logits.device)
+                tokens[idx] = greedy_tokens(logits[idx])
             idx = torch.tensor(rand, device=logits.device)
             probs = self._probs([requests[i] for i in rand], logits[idx])
             tokens[idx] = self._draw(probs, [requests[i] for i in rand])
-        token_list = tokens.tolist()
+            token_list = tokens.tolist()
 
         logprobs: list[dict[int, float] | None] = [None] * len(requests)
         if raw_logprobs is not None:

@@ -23,6 +23,7 @@ Cache folder: ``$PHASEWISE_CACHE_DIR`` or ``$XDG_CACHE_HOME/phasewise`` or
 
 from __future__ import annotations
 
+import array
 import ctypes
 import hashlib
 import os
@@ -440,6 +441,21 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor | None:
     lib.pw_argmax_f32(logits.data_ptr(), logits.shape[0], logits.shape[1], out.data_ptr(),
                       torch.get_num_threads())
     return out
+
+
+def argmax_list(logits: torch.Tensor) -> list[int] | None:
+    """``argmax_rows(logits).tolist()`` without the tensor: the kernel writes into an
+    ``array`` (None where ``argmax_rows`` would be)."""
+    lib = load()
+    if (lib is None or logits.dim() != 2 or logits.dtype != torch.float32
+            or logits.device.type != "cpu" or not logits.is_contiguous()
+            or 0 in logits.shape):
+        return None
+    rows = logits.shape[0]
+    out = array.array("q", bytes(8 * rows))
+    lib.pw_argmax_f32(logits.data_ptr(), rows, logits.shape[1], out.buffer_info()[0],
+                      torch.get_num_threads())
+    return out.tolist()
 
 
 def linear_bf16(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None

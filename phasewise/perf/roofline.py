@@ -235,21 +235,30 @@ class Roofline:
         else ``mixed``."""
         if not chunks and not decodes:
             raise ValueError("a step needs at least one chunk or decode")
-        if any(c.tokens < 1 or c.context < 0 for c in chunks) or any(d < 0 for d in decodes):
+        if any(c.tokens < 1 or c.context < 0 for c in chunks) or (decodes and min(decodes) < 0):
             raise ValueError("chunks need tokens >= 1 and context >= 0; decodes need >= 0")
+        # The model's per-token constants, once: the engine asks this for every step, and
+        # on a CPU whose caches the weights' stream has just flushed each property it
+        # walks costs a few microseconds more.
+        consts = self.__dict__.get("_mixed_consts")
+        if consts is None:
+            consts = self._mixed_consts = (
+                self._linear_flops_per_token(), self._attn_flops(1), self._lm_head_flops(),
+                self.kv_bytes_per_token or 0.0, self._act_bytes(1), self.weight_bytes)
+        linear, attn, head, kvpt, act1, weights = consts
         tokens = sum(c.tokens for c in chunks) + len(decodes)
         # Query positions (1-based) summed: the chunks', and each decode's context.
         positions = chunk_positions(chunks) + sum(decodes)
         samples = sum(1 for c in chunks if c.samples) + len(decodes)
-        flops = (tokens * self._linear_flops_per_token() + self._attn_flops(positions)
-                 + samples * self._lm_head_flops())
-        kvpt = self.kv_bytes_per_token or 0.0
-        kv_read = (sum(c.context for c in chunks) + sum(max(d - 1, 0) for d in decodes)) * kvpt
-        kv_write = (sum(c.tokens for c in chunks) + sum(1 for d in decodes if d > 0)) * kvpt
-        act = self._act_bytes(tokens)
-        total = self.weight_bytes + kv_read + kv_write + act
+        flops = tokens * linear + attn * positions + samples * head
+        # each decode reads its context less the new token (none for an empty one)
+        fresh = len(decodes) - decodes.count(0) if decodes else 0
+        kv_read = (sum(c.context for c in chunks) + sum(decodes) - fresh) * kvpt
+        kv_write = (sum(c.tokens for c in chunks) + fresh) * kvpt
+        act = tokens * act1
+        total = weights + kv_read + kv_write + act
         kind = "mixed" if chunks and decodes else ("prefill" if chunks else "decode")
-        return StepCost(kind, tokens, flops, total, self.weight_bytes, kv_read, kv_write, act,
+        return StepCost(kind, tokens, flops, total, weights, kv_read, kv_write, act,
                         self.peak_flops, self.bandwidth)
 
     # -- derived ---------------------------------------------------------------------------
