@@ -880,16 +880,13 @@ static inline __attribute__((always_inline)) void pk_tile(
             continue;
         }
         __m512 bias = out->bias ? dp_load_bf16x16(out->bias + n, 0xffff) : _mm512_setzero_ps();
-        if (!out->y) {  /* widen */
-            for (int m = 0; m < MT; m++)
-                _mm512_storeu_si512(out->res + (mg + m) * out->ldr + n,
-                                    dp_bf16_bits16(_mm512_add_ps(acc[m][b], bias)));
-            continue;
-        }
         for (int m = 0; m < MT; m++) {
-            __m512i r = _mm512_srli_epi32(dp_bf16_bits16(_mm512_add_ps(acc[m][b], bias)), 16);
-            _mm256_storeu_si256((__m256i *)(out->y + (mg + m) * out->ldr + n),
-                                _mm512_cvtepi32_epi16(r));
+            __m512i r = dp_bf16_bits16(_mm512_add_ps(acc[m][b], bias));
+            if (out->y)
+                _mm256_storeu_si256((__m256i *)(out->y + (mg + m) * out->ldr + n),
+                                    _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16)));
+            else  /* widen: the bf16 value as fp32 */
+                _mm512_storeu_si512(out->res + (mg + m) * out->ldr + n, r);
         }
     }
 }

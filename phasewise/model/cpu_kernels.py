@@ -428,34 +428,34 @@ def mask_logits(row: torch.Tensor, bits: torch.Tensor) -> bool:
     return True
 
 
-def argmax_rows(logits: torch.Tensor) -> torch.Tensor | None:
-    """Each row's argmax (int64) of a 2-D fp32 CPU tensor, as ``Tensor.argmax(-1)`` takes
-    it (the first maximum; the first NaN where a row has one), or None when the kernels are
-    unavailable or the tensor is not of that kind."""
+def _argmax_into(logits: torch.Tensor, make_out: Callable[[int], Any]) -> Any:
+    """``pw_argmax_f32`` over ``logits`` into ``make_out(rows)`` (a buffer of int64s: its
+    address from ``data_ptr()`` or ``buffer_info()``), or None when the kernels are
+    unavailable or the tensor is not a non-empty contiguous 2-D fp32 CPU one."""
     lib = load()
     if (lib is None or logits.dim() != 2 or logits.dtype != torch.float32
             or logits.device.type != "cpu" or not logits.is_contiguous()
             or 0 in logits.shape):
         return None
-    out = torch.empty(logits.shape[0], dtype=torch.int64)
-    lib.pw_argmax_f32(logits.data_ptr(), logits.shape[0], logits.shape[1], out.data_ptr(),
+    out = make_out(logits.shape[0])
+    addr = out.data_ptr() if isinstance(out, torch.Tensor) else out.buffer_info()[0]
+    lib.pw_argmax_f32(logits.data_ptr(), logits.shape[0], logits.shape[1], addr,
                       torch.get_num_threads())
     return out
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor | None:
+    """Each row's argmax (int64) of a 2-D fp32 CPU tensor, as ``Tensor.argmax(-1)`` takes
+    it (the first maximum; the first NaN where a row has one), or None when the kernels are
+    unavailable or the tensor is not of that kind."""
+    return _argmax_into(logits, lambda rows: torch.empty(rows, dtype=torch.int64))
 
 
 def argmax_list(logits: torch.Tensor) -> list[int] | None:
     """``argmax_rows(logits).tolist()`` without the tensor: the kernel writes into an
     ``array`` (None where ``argmax_rows`` would be)."""
-    lib = load()
-    if (lib is None or logits.dim() != 2 or logits.dtype != torch.float32
-            or logits.device.type != "cpu" or not logits.is_contiguous()
-            or 0 in logits.shape):
-        return None
-    rows = logits.shape[0]
-    out = array.array("q", bytes(8 * rows))
-    lib.pw_argmax_f32(logits.data_ptr(), rows, logits.shape[1], out.buffer_info()[0],
-                      torch.get_num_threads())
-    return out.tolist()
+    out = _argmax_into(logits, lambda rows: array.array("q", bytes(8 * rows)))
+    return None if out is None else out.tolist()
 
 
 def linear_bf16(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None

@@ -127,8 +127,8 @@ class CausalLM(nn.Module):
         logits = self.ops.decode_logits(self.layers, hidden, rope, kv_caches, meta,
                                         self.norm.weight, self.cfg.rms_norm_eps,
                                         self.lm_head_module)
-        if logits is not None:
-            return logits.float()
+        if logits is not None:  # fp32 already (the ops' contract)
+            return logits
         return self.compute_logits(self._decoder(hidden, rope, kv_caches, meta))
 
     def _decoder(self, hidden: torch.Tensor, rope: RopeTables,
