@@ -717,11 +717,30 @@ void pw_dp_glu_rows(const float *res, const uint16_t *bias, int M, int I, float 
  * the tokens in blocks of PK_MB, K in chunks of at most PK_KC pairs (the panel's chunk stays
  * in L1/L2 while every token tile of the block passes over it), and while the first tile of
  * a chunk runs, the next chunk (or the next panel's first) is prefetched, one line of each
- * block per pair. Sums over K run pair by pair, chunk after chunk, for every token alike:
+ * block per pair (up to 6 tokens: the tile's own stream a few pairs ahead, pk_near_pairs). Sums over K run pair by pair, chunk after chunk, for every token alike:
  * a token's result does not depend on how many tokens share the call, nor on the threads.
  * Sums across chunks wait in a per-thread fp32 scratch; the last chunk writes fp32 sums
  * (the fused layer's results) or bf16(sum + bias) (a plain linear layer).
  */
+/* A decode call's weights on few tokens, prefetched non-temporally a short way ahead of
+ * the tile (PREFETCHNTA, pk_near_pairs pairs ahead in the tile's own stream) instead of
+ * with T0 a chunk ahead: the 0.78 GB a step streams then no longer evicts everything else
+ * from L2 and L3 (the layers' activations, norms and KV rows, the host's Python and torch
+ * code and data between the calls). One core reading 800 MB then running a small torch
+ * call: 41 us for that call after plain loads, 20 after NTA prefetches 2 KiB ahead (35 at
+ * 512 bytes, 34 at 8 KiB: too near it stalls, too far the lines are gone before use). The
+ * reference checkpoint's decode steps, 2-core AMD EPYC with AVX512_BF16, in one process, in
+ * blocks of steps by turns with the T0 prefetch: batch 1 x1.06-1.10 at 16 pairs (the host's
+ * share of a step 0.52 -> 0.17-0.50 ms, the C call 5-7% faster), batches 2-6 x1.05-1.16 at
+ * 32, but batch 8 x0.86 at 32 pairs and x0.98-0.99 at 64 and 128, batch 12 x0.82-1.04: so
+ * from 7 tokens on, the T0 prefetch a chunk ahead as before. pw_pk_near: 0 turns it off
+ * (comparisons; a prefetch changes no value). */
+#define PK_NEAR (-2)
+int pw_pk_near = 1;
+static inline long pk_near_pairs(int tokens) {
+    return !pw_pk_near || tokens > 6 ? 0 : tokens == 1 ? 16 : 32;
+}
+
 #define PK_KC 512    /* pairs of K a chunk */
 #define PK_MB 96     /* tokens a block */
 #define PK_MT 12     /* the most tokens a tile (a group of 2 blocks) */
@@ -815,7 +834,9 @@ int pw_pk_rows(const uint32_t *wp, int N, int K, const int64_t *ids, long n, uin
  * units (gate block b0 / 2, then its up block: glu_pk), bf16(bf16(silu(g)) * u), g and u
  * the two blocks' sums + bias rounded to bf16, the bits of pw_dp_glu_rows and
  * pw_silu_mul_dp), else part. pfb, pfp: the next chunk's first block and pair, whose NB
- * blocks' vectors are prefetched one line a block a pair (pfb < 0: none; a block past the
+ * blocks' vectors are prefetched one line a block a pair (pfb == PK_NEAR: instead, the
+ * tile's own blocks pfp pairs ahead, non-temporally: pk_near_pairs; other pfb < 0: none; a
+ * block past the
  * weight's last: block b0's instead, a hint). m0: the tile's first token within the token
  * block (its row in part); mg: its first token overall (its row in the output). */
 static inline __attribute__((always_inline)) void pk_tile(
@@ -841,7 +862,10 @@ static inline __attribute__((always_inline)) void pk_tile(
         __m512bh wv[4];
         for (int b = 0; b < NB; b++)
             wv[b] = (__m512bh)_mm512_loadu_si512(wb[b] + (long)p * st[b]);
-        if (pfb >= 0)
+        if (pfb == PK_NEAR)  /* past the chunk's end: the next chunk or panel's (a hint) */
+            for (int b = 0; b < NB; b++)
+                _mm_prefetch((const char *)(wb[b] + (p + pfp) * st[b]), _MM_HINT_NTA);
+        else if (pfb >= 0)
             for (int b = 0; b < NB; b++)
                 _mm_prefetch((const char *)(pf[b] + (long)p * pst[b]), _MM_HINT_T0);
         for (int m = 0; m < MT; m++) {
@@ -927,6 +951,7 @@ static void pk_share(const uint16_t *x, int M, const uint32_t *wp, int K, int N,
     for (int mb = 0; mb < M; mb += PK_MB) {
         int mbn = M - mb < PK_MB ? M - mb : PK_MB;
         int ntile = (mbn + PK_MT - 1) / PK_MT;
+        long near = pk_near_pairs(mbn);  /* one tile a chunk then (mbn <= PK_MT) */
         for (int pn = lo; pn < hi; pn++) {
             int b0 = 2 * pn, nb = pn < wide ? 2 : 1;
             for (long p0 = 0; p0 < KP; p0 += kc) {
@@ -934,7 +959,10 @@ static void pk_share(const uint16_t *x, int M, const uint32_t *wp, int K, int N,
                 int first = p0 == 0, last = p0 + pc >= KP;
                 int pfb = -1;  /* the next chunk's first block and pair, within this share */
                 long pfp = 0;
-                if (!last) {
+                if (near) {
+                    pfb = PK_NEAR;
+                    pfp = near;
+                } else if (!last) {
                     pfb = b0;
                     pfp = p0 + kc;
                 } else if (pn + 1 < hi) {  /* panels are consecutive blocks */
