@@ -109,16 +109,8 @@ def run_phasewise(model: str, reps: int) -> dict[str, float]:
               max_num_batched_tokens=4096)
     from phasewise.perf.attribution import engine_compute_dtype
 
-    from phasewise.model import cpu_kernels
-
-    plan = llm.engine.linear_plan
-    if cpu_kernels.is_panels(llm.engine.model.lm_head_weight):
-        text = "decoder projections and the LM head in panels"
-    else:
-        panels = ("decoder projections in panels; the LM head: "
-                  if llm.engine.panels_reason == "" else "")
-        text = f"{panels}{plan.describe() if plan else 'torch'}"
-    print(f"  phasewise linear plan: {text}", file=sys.stderr)
+    print(f"  phasewise linear plan: {llm.engine.linear_plan_text() or 'torch'}",
+          file=sys.stderr)
     # Whose arithmetic each phase runs in on this CPU (the roofline takes that one's peak).
     compute = engine_compute_dtype(llm.engine)
     arith = {"prefill512": compute(512), "b32_decode": compute(32)}

@@ -50,15 +50,7 @@ def run(model: str, engine_kwargs: dict[str, Any], opts: GenerateOptions,
         if not k.amx:  # the dot-product kernels stand in for the tiles where they can run
             amx += ("; AVX512_BF16 dot products" if k.dp
                     else f"; no AVX512_BF16 kernels ({k.dp_reason})")
-        if cpu_kernels.is_panels(eng.model.lm_head_weight):
-            plan = ("decoder projections and the LM head packed into panels (AVX512_BF16 "
-                    "dot products at every row count)")
-        elif not eng.panels_reason:
-            plan = ("decoder projections packed into panels (AVX512_BF16 dot products at "
-                    f"every row count); the LM head: {eng.linear_plan.describe()}")
-        else:
-            plan = eng.linear_plan.describe()
-        print(f"[kernels]  {plan}; {amx}; weight streams "
+        print(f"[kernels]  {eng.linear_plan_text()}; {amx}; weight streams "
               f"prefetch {k.stream_prefetch} bytes ahead ({k.stream_prefetch_reason})",
               file=err)
     if eng.device.type == "cuda":

@@ -222,6 +222,10 @@ def test_bf16_engine_with_cpu_kernels_tracks_hf(tmp_path, over):
         assert llm.engine.panels_reason == "" and llm.engine.model.ops.panels
         assert cpu_kernels.is_panels(llm.engine.model.layers[0].down_proj.weight)
         assert cpu_kernels.is_panels(llm.engine.model.lm_head_weight) == bool(over)
+        # generate's [kernels] line and bench_engine's report say where the head runs
+        plan = llm.engine.linear_plan_text()
+        assert ("the LM head packed into panels" in plan) == bool(over)
+        assert ("the LM head: " in plan) == (not over)
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=3)
     for prompt, out in zip(prompts, llm.generate(prompts, params)):
         full = torch.tensor([prompt + out.token_ids])

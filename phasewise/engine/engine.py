@@ -206,6 +206,19 @@ class LLMEngine:
         self.draft_policy = DraftPolicy() if self.proposer is not None else None
 
     # -- set-up helpers --------------------------------------------------------------------
+    def linear_plan_text(self) -> str | None:
+        """How the CPU kernels run the linear layers, in words (``generate``'s ``[kernels]``
+        line and ``bench_engine``'s report); None where they do not run them."""
+        if self.linear_plan is None:
+            return None
+        if cpu_kernels.is_panels(self.model.lm_head_weight):
+            return ("decoder projections and the LM head packed into panels (AVX512_BF16 dot "
+                    "products at every row count)")
+        if not self.panels_reason:
+            return ("decoder projections packed into panels (AVX512_BF16 dot products at "
+                    f"every row count); the LM head: {self.linear_plan.describe()}")
+        return self.linear_plan.describe()
+
     def _calibrate_rows(self, ws: list[torch.Tensor]) -> LinearDispatch:
         """The linear plan where the projections stay in rows: timed on ``ws`` (gate/up
         weights), the fused layer's few rows over a decode step's whole stream, and each other

@@ -56,6 +56,7 @@ int pw_amx_init(void) {
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,amx-tile,amx-bf16")
 
 #include "cpu_avx512.h"  /* exp16, exp16_fast, softmax_step: shared with cpu_avx512bf16.c */
+#include "cpu_paged.h"   /* paged_kv_row: the paged cache's rows */
 
 typedef struct {
     uint8_t palette, start_row, reserved[14];
@@ -807,12 +808,6 @@ void pw_amx_share_glu_int8(const uint32_t *xp, int M, const int8_t *w, const flo
 #define ATT_QB 32  /* queries a task: two halves of 16, the columns of the tiles */
 #define ATT_KB 32  /* keys a step */
 
-/* Pointer to key/value row j (of KV head g) in a paged cache [blocks][bs][n_kv][hd]. */
-static inline const uint16_t *kv_row(const uint16_t *cache, const int64_t *table, int bs,
-                                     int n_kv, int hd, int g, long j) {
-    return cache + ((table[j / bs] * bs + j % bs) * n_kv + g) * (long)hd;
-}
-
 /* K of KV head g as left tiles: for 16 keys and 32 dims, the 16 key rows (64 bytes each);
  * keys at or past L are zero. */
 static void pack_k(const uint16_t *k_cache, const int64_t *table, int bs, int n_kv, int hd,
@@ -821,8 +816,9 @@ static void pack_k(const uint16_t *k_cache, const int64_t *table, int bs, int n_
         uint16_t *out = dst + ((long)kb16 * (hd / 32) + d / 32) * 512;
         for (int t = 0; t < 16; t++) {
             long j = (long)kb16 * 16 + t;
-            __m512i v = j < L ? _mm512_loadu_si512(kv_row(k_cache, table, bs, n_kv, hd, g, j) + d)
-                              : _mm512_setzero_si512();
+            __m512i v = j < L
+                ? _mm512_loadu_si512(paged_kv_row(k_cache, table, bs, n_kv, hd, g, j) + d)
+                : _mm512_setzero_si512();
             _mm512_store_si512(out + t * 32, v);
         }
     }
@@ -843,10 +839,10 @@ static void pack_vt(const uint16_t *v_cache, const int64_t *table, int bs, int n
             __m512i va = _mm512_setzero_si512(), vb = _mm512_setzero_si512();
             if (j0 < L)
                 va = _mm512_castsi256_si512(_mm256_loadu_si256(
-                    (const __m256i *)(kv_row(v_cache, table, bs, n_kv, hd, g, j0) + d)));
+                    (const __m256i *)(paged_kv_row(v_cache, table, bs, n_kv, hd, g, j0) + d)));
             if (j1 < L)
                 vb = _mm512_castsi256_si512(_mm256_loadu_si256(
-                    (const __m256i *)(kv_row(v_cache, table, bs, n_kv, hd, g, j1) + d)));
+                    (const __m256i *)(paged_kv_row(v_cache, table, bs, n_kv, hd, g, j1) + d)));
             r[c] = _mm512_permutex2var_epi16(va, idx, vb);  /* [dim][pair] as dwords */
         }
         transpose16(r);  /* -> [dim][key pair] */

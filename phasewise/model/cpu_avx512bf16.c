@@ -39,6 +39,7 @@
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")
 
 #include "cpu_avx512.h"  /* exp16, exp16_fast, lazy_alpha, softmax_step: shared with cpu_amx.c */
+#include "cpu_paged.h"   /* paged_kv_row, paged_row_offs: the paged cache's rows */
 
 #define DP_R 4          /* weight rows a tile (3 for 7-8 tokens) */
 #define DP_MT 8         /* the most tokens a tile (6 of 4 rows, 8 of 3) */
@@ -283,10 +284,6 @@ void pw_dp_share(const uint16_t *xb, int M, const uint16_t *w, int K, int N, flo
 #define DPA_KB 32   /* keys a step */
 #define DPA_MAX_HD 256
 
-static inline const uint16_t *dpa_kv_row(const uint16_t *cache, const int64_t *table, int bs,
-                                         int n_kv, int hd, int g, long j) {
-    return cache + ((table[j / bs] * bs + j % bs) * n_kv + g) * (long)hd;
-}
 
 /* S^T for 16 keys (lanes: the queries or heads of qp, Q^T in pair order, HP pairs) from the
  * keys' rows kr (HP bf16 pairs each) into s[0..15]. */
@@ -307,8 +304,8 @@ static void dpa_pack_vt(const uint16_t *v_cache, const int64_t *table, int bs, i
                         int g, long L, int kb, long npairs, uint32_t *vt) {
     for (int c = 0; c < DPA_KB / 2; c++) {
         long j0 = (long)kb * DPA_KB + 2 * c, j1 = j0 + 1, pair = j0 / 2;
-        const uint16_t *a = j0 < L ? dpa_kv_row(v_cache, table, bs, n_kv, hd, g, j0) : NULL;
-        const uint16_t *b = j1 < L ? dpa_kv_row(v_cache, table, bs, n_kv, hd, g, j1) : NULL;
+        const uint16_t *a = j0 < L ? paged_kv_row(v_cache, table, bs, n_kv, hd, g, j0) : NULL;
+        const uint16_t *b = j1 < L ? paged_kv_row(v_cache, table, bs, n_kv, hd, g, j1) : NULL;
         for (int d = 0; d < hd; d++)
             vt[(long)d * npairs + pair] = (a ? a[d] : 0u) | (uint32_t)(b ? b[d] : 0u) << 16;
     }
@@ -346,8 +343,8 @@ static void dpa_block(const uint16_t *q, long q_stride, const uint16_t *k_cache,
             const uint32_t *kr[16];
             __m512 s[16];
             for (int j = 0; j < 16; j++)  /* keys past the last one read key k0's row */
-                kr[j] = (const uint32_t *)dpa_kv_row(k_cache, table, bs, n_kv, hd, g,
-                                                     j0 + j < kn ? k0 + j0 + j : k0);
+                kr[j] = (const uint32_t *)paged_kv_row(k_cache, table, bs, n_kv, hd, g,
+                                                       j0 + j < kn ? k0 + j0 + j : k0);
             dpa_scores16(kr, qp, HP, s);
             for (int j = 0; j < 16; j++) _mm512_store_ps(st + 16 * (j0 + j), s[j]);
         }
@@ -550,25 +547,6 @@ static inline void dpa_prefetch_row(const uint16_t *row, int hd) {
     for (int c = 0; c < hd; c += 32) _mm_prefetch((const char *)(row + c), _MM_HINT_T0);
 }
 
-/* Where keys j0 .. j0 + n - 1 of KV head kvh lie in the paged cache (in values from its
- * start: the row of slot table[j / bs] * bs + j % bs) into off: one division, then the slot
- * counted up block by block. A division a key was ~8% of a task's time on keys in the
- * caches; counted, the layers' attention took 4% less at batch 8 (the step x1.005) and the
- * step x1.004 at batch 32 (2-core AVX512_BF16 EPYC, alternating decode steps in one
- * process). */
-static inline void dpa_row_offs(const int64_t *table, int bs, int n_kv, int hd, int kvh,
-                                long j0, int n, long *off) {
-    long b = j0 / bs;
-    int w = (int)(j0 - b * bs);
-    for (int j = 0; j < n; j++) {
-        off[j] = ((table[b] * bs + w) * n_kv + kvh) * (long)hd;
-        if (++w == bs) {
-            w = 0;
-            b++;
-        }
-    }
-}
-
 int pw_attend_group_dp(const uint16_t *q, int G, float scale, const uint16_t *k_cache,
                        const uint16_t *v_cache, const int64_t *table, int len, int bs,
                        int n_kv, int kvh, int hd, float *out) {
@@ -595,7 +573,7 @@ int pw_attend_group_dp(const uint16_t *q, int G, float scale, const uint16_t *k_
                                             34, 2, 33, 1, 32, 0);
     const __m512i idx_hi = _mm512_add_epi16(idx_lo, _mm512_set1_epi16(16));
     long off[2][DPA_KB];
-    dpa_row_offs(table, bs, n_kv, hd, kvh, 0, len < DPA_KB ? len : DPA_KB, off[0]);
+    paged_row_offs(table, bs, n_kv, hd, kvh, 0, len < DPA_KB ? len : DPA_KB, off[0]);
     for (int t0 = 0, step = 0; t0 < len; t0 += DPA_KB, step ^= 1) {
         int n = len - t0 < DPA_KB ? len - t0 : DPA_KB;
         const long *o = off[step];
@@ -608,7 +586,7 @@ int pw_attend_group_dp(const uint16_t *q, int G, float scale, const uint16_t *k_
         long *nx = off[step ^ 1];
         int next = len - t0 - DPA_KB;  /* the next step's keys (some only if this one has 32) */
         next = next < 0 ? 0 : next < DPA_KB ? next : DPA_KB;
-        dpa_row_offs(table, bs, n_kv, hd, kvh, t0 + DPA_KB, next, nx);
+        paged_row_offs(table, bs, n_kv, hd, kvh, t0 + DPA_KB, next, nx);
         __m512 s[DPA_KB];
         for (int j0 = 0; j0 < n; j0 += 16) {  /* S^T, 16 keys at a time */
             const uint32_t *kr[16];
@@ -717,8 +695,9 @@ void pw_dp_glu_rows(const float *res, const uint16_t *bias, int M, int I, float 
  * the tokens in blocks of PK_MB, K in chunks of at most PK_KC pairs (the panel's chunk stays
  * in L1/L2 while every token tile of the block passes over it), and while the first tile of
  * a chunk runs, the next chunk (or the next panel's first) is prefetched, one line of each
- * block per pair (up to 6 tokens: the tile's own stream a few pairs ahead, pk_near_pairs). Sums over K run pair by pair, chunk after chunk, for every token alike:
- * a token's result does not depend on how many tokens share the call, nor on the threads.
+ * block per pair (up to 6 tokens: the tile's own stream a few pairs ahead, pk_near_pairs).
+ * Sums over K run pair by pair, chunk after chunk, for every token alike: a token's result
+ * does not depend on how many tokens share the call, nor on the threads.
  * Sums across chunks wait in a per-thread fp32 scratch; the last chunk writes fp32 sums
  * (the fused layer's results) or bf16(sum + bias) (a plain linear layer).
  */
@@ -986,14 +965,20 @@ static void pk_share(const uint16_t *x, int M, const uint32_t *wp, int K, int N,
     }
 }
 
+/* The entry points' one call: every thread's share of the panels, written as out says. */
+static int pk_run(const uint16_t *x, int M, const uint32_t *wp, int K, int N,
+                  const DpOut *out, int nthreads) {
+#pragma omp parallel num_threads(nthreads)
+    pk_share(x, M, wp, K, N, out);
+    return 0;
+}
+
 /* y = bf16(x w^T + bias) with w packed (pw_pk_pack): x [M, K] bf16, bias [N] bf16 or NULL,
  * y [M, N] bf16; N % 16 == 0, K % 2 == 0. Returns 0. */
 int pw_linear_pk(const uint16_t *x, const uint32_t *wp, const uint16_t *bias, uint16_t *y,
                  int M, int N, int K, int nthreads) {
     DpOut out = {NULL, y, bias, N};
-#pragma omp parallel num_threads(nthreads)
-    pk_share(x, M, wp, K, N, &out);
-    return 0;
+    return pk_run(x, M, wp, K, N, &out, nthreads);
 }
 
 /* pw_linear_pk's values as fp32: y [M, N] fp32 = bf16(x w^T + bias), exactly (a bf16 value
@@ -1002,9 +987,7 @@ int pw_linear_pk(const uint16_t *x, const uint32_t *wp, const uint16_t *bias, ui
 int pw_linear_pk_f32(const uint16_t *x, const uint32_t *wp, const uint16_t *bias, float *y,
                      int M, int N, int K, int nthreads) {
     DpOut out = {y, NULL, bias, N, 0, 1};
-#pragma omp parallel num_threads(nthreads)
-    pk_share(x, M, wp, K, N, &out);
-    return 0;
+    return pk_run(x, M, wp, K, N, &out, nthreads);
 }
 
 /* The fused decode layer's projection share on packed weights: res [M, N] fp32 = xb w^T
@@ -1024,9 +1007,7 @@ int pw_linear_pk_glu(const uint16_t *x, const uint32_t *wp, const uint16_t *bias
                      int M, int I, int K, int nthreads) {
     if (I % 16) return -2;
     DpOut out = {NULL, y, bias, I, 1};
-#pragma omp parallel num_threads(nthreads)
-    pk_share(x, M, wp, K, 2 * I, &out);
-    return 0;
+    return pk_run(x, M, wp, K, 2 * I, &out, nthreads);
 }
 
 /* The fused decode layer's gate/up share with the SiLU in the epilogue: act [M, I] bf16 as

@@ -21,6 +21,8 @@
 #include <omp.h>
 #include <math.h>
 
+#include "cpu_paged.h"  /* paged_row, paged_row_offs: the paged cache's rows */
+
 static inline __m256 load_bf16x8(const uint16_t *p) {
     __m128i h = _mm_loadu_si128((const __m128i *)p);
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
@@ -873,7 +875,7 @@ static void attend_group(const float *q, int G, const uint16_t *k_cache, const u
     for (int t0 = 0; t0 < len; t0 += ATT_CHUNK) {
         int n = len - t0 < ATT_CHUNK ? len - t0 : ATT_CHUNK;
         for (int t = 0; t < n; t++) {
-            long row = ((table[(t0 + t) / bs] * bs + (t0 + t) % bs) * n_kv + kvh) * (long)hd;
+            long row = paged_row(table, bs, n_kv, hd, kvh, t0 + t);
             const uint16_t *kr = k_cache + row, *vr = v_cache + row;
             float *kd = kf + (long)t * hd, *vd = vf + (long)t * hd;
             int i = 0;
@@ -1634,13 +1636,13 @@ static void attention_prefetch(int task, int cur, int end, int parts, int n_kv, 
     long len = L->seq_lens[b] - 1, per_key = 4L * (k1 - k0) * hd;  /* K and V bytes */
     if (len > DPA_FIRST_KEYS) len = DPA_FIRST_KEYS;
     if (len > 16384 / per_key) len = 16384 / per_key;
-    for (long j = 0; j < len; j++) {
-        long row = ((table[j / L->bs] * L->bs + j % L->bs) * n_kv + k0) * (long)hd;
+    long off[DPA_FIRST_KEYS];
+    paged_row_offs(table, L->bs, n_kv, hd, k0, 0, (int)len, off);
+    for (long j = 0; j < len; j++)
         for (long c = 0; c < (long)(k1 - k0) * hd; c += 32) {  /* a line: 32 values */
-            _mm_prefetch((const char *)(L->k_cache + row + c), _MM_HINT_T0);
-            _mm_prefetch((const char *)(L->v_cache + row + c), _MM_HINT_T0);
+            _mm_prefetch((const char *)(L->k_cache + off[j] + c), _MM_HINT_T0);
+            _mm_prefetch((const char *)(L->v_cache + off[j] + c), _MM_HINT_T0);
         }
-    }
 }
 
 int pw_decode_layer_bf16(const DecodeLayer *L) {

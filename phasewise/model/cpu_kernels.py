@@ -42,8 +42,9 @@ SOURCE = Path(__file__).with_name("cpu_kernels.c")
 AMX_SOURCE = Path(__file__).with_name("cpu_amx.c")
 DP_SOURCE = Path(__file__).with_name("cpu_avx512bf16.c")
 DP_FLAGS = {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"}
-# What cpu_amx.c and cpu_avx512bf16.c both include (part of the build's cache key)
-HEADERS = [Path(__file__).with_name("cpu_avx512.h")]
+# What the sources include (part of the build's cache key): cpu_avx512.h in cpu_amx.c and
+# cpu_avx512bf16.c, cpu_paged.h in all three
+HEADERS = [Path(__file__).with_name(h) for h in ("cpu_avx512.h", "cpu_paged.h")]
 AMX_FLAGS = {"amx_tile", "amx_bf16", "avx512f", "avx512bw", "avx512vl", "avx512dq",
              "avx512_bf16"}
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
@@ -149,8 +150,10 @@ def _build(sources: list[Path], out: Path) -> None:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        subprocess.run([cc, *CFLAGS, *map(str, sources), "-o", tmp, *LIBS], check=True,
-                       capture_output=True, text=True)
+        # the headers from the package, wherever a source lies (tests build edited copies)
+        include = ["-I", str(Path(__file__).parent)]
+        subprocess.run([cc, *CFLAGS, *include, *map(str, sources), "-o", tmp, *LIBS],
+                       check=True, capture_output=True, text=True)
         os.replace(tmp, out)  # atomic: concurrent builders never see a half-written file
     except subprocess.CalledProcessError as e:
         names = " and ".join(s.name for s in sources)
