@@ -104,16 +104,16 @@ def test_panels_linear_matches_fp32_reference_and_each_row_alone(m, blocks, pair
     torch.testing.assert_close(y.float(), reference(x, w, b), rtol=2**-7, atol=1e-4 * k)
     for r in {0, m // 2, m - 1}:
         assert torch.equal(cpu_kernels.linear_pk(x[r:r + 1], wp, b)[0], y[r])
-    # up to 6 tokens the weights are prefetched non-temporally a few pairs ahead (pw_pk_near)
-    # instead of a chunk ahead: the same bits either way
-    near = ctypes.c_int.in_dll(cpu_kernels.load(), "pw_pk_near")
-    few = x[:6]
-    on = cpu_kernels.linear_pk(few, wp, b)
-    near.value = 0
-    try:
-        assert torch.equal(cpu_kernels.linear_pk(few, wp, b), on)
-    finally:
-        near.value = 1
+    # up to 12 tokens the weights are prefetched non-temporally (pw_pk_nta; up to 6 a few
+    # pairs ahead, from 7 in shorter chunks): the same bits as without
+    nta = ctypes.c_int.in_dll(cpu_kernels.load(), "pw_pk_nta")
+    for few in (x[:6], x[:12]):
+        on = cpu_kernels.linear_pk(few, wp, b)
+        nta.value = 0
+        try:
+            assert torch.equal(cpu_kernels.linear_pk(few, wp, b), on)
+        finally:
+            nta.value = 1
     # widened as written (the decode step's logits): the same values, as fp32
     yf = cpu_kernels.linear_pk(x, wp, b, out_dtype=torch.float32)
     assert yf.dtype == torch.float32 and torch.equal(yf, y.float())

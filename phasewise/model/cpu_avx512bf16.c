@@ -695,32 +695,47 @@ void pw_dp_glu_rows(const float *res, const uint16_t *bias, int M, int I, float 
  * the tokens in blocks of PK_MB, K in chunks of at most PK_KC pairs (the panel's chunk stays
  * in L1/L2 while every token tile of the block passes over it), and while the first tile of
  * a chunk runs, the next chunk (or the next panel's first) is prefetched, one line of each
- * block per pair (up to 6 tokens: the tile's own stream a few pairs ahead, pk_near_pairs).
+ * block per pair (on few tokens non-temporally, and up to 6 the tile's own stream a few pairs
+ * ahead instead: pk_prefetch).
  * Sums over K run pair by pair, chunk after chunk, for every token alike: a token's result
  * does not depend on how many tokens share the call, nor on the threads.
  * Sums across chunks wait in a per-thread fp32 scratch; the last chunk writes fp32 sums
  * (the fused layer's results) or bf16(sum + bias) (a plain linear layer).
  */
-/* A decode call's weights on few tokens, prefetched non-temporally a short way ahead of
- * the tile (PREFETCHNTA, pk_near_pairs pairs ahead in the tile's own stream) instead of
- * with T0 a chunk ahead: the 0.78 GB a step streams then no longer evicts everything else
- * from L2 and L3 (the layers' activations, norms and KV rows, the host's Python and torch
- * code and data between the calls). One core reading 800 MB then running a small torch
- * call: 41 us for that call after plain loads, 20 after NTA prefetches 2 KiB ahead (35 at
- * 512 bytes, 34 at 8 KiB: too near it stalls, too far the lines are gone before use). The
- * reference checkpoint's decode steps, 2-core AMD EPYC with AVX512_BF16, in one process, in
- * blocks of steps by turns with the T0 prefetch: batch 1 x1.06-1.10 at 16 pairs (the host's
- * share of a step 0.52 -> 0.17-0.50 ms, the C call 5-7% faster), batches 2-6 x1.05-1.16 at
- * 32, but batch 8 x0.86 at 32 pairs and x0.98-0.99 at 64 and 128, batch 12 x0.82-1.04: so
- * from 7 tokens on, the T0 prefetch a chunk ahead as before. pw_pk_near: 0 turns it off
- * (comparisons; a prefetch changes no value). */
+/* A decode call's weights on few tokens are prefetched non-temporally (PREFETCHNTA), so
+ * that the 0.78 GB a step streams no longer passes through L2 into L3, evicting everything
+ * else there (the layers' activations, norms and KV rows, the host's Python and torch code
+ * and data between the calls). One core reading 800 MB then running a small torch call: 41
+ * us for that call after plain loads, 20 after NTA prefetches 2 KiB ahead (35 at 512 bytes,
+ * 34 at 8 KiB: too near and the loads catch up, too far and the lines are gone before use).
+ * How, by the tokens of a block (measured on the reference checkpoint's decode steps, 2-core
+ * AMD EPYC with AVX512_BF16, one process, blocks of steps by turns against the T0 prefetch of
+ * the next chunk of up to PK_KC pairs):
+ *   1-6 tokens: the tile's own stream 16 pairs ahead (one token) or 32 (PK_NEAR): batch 1
+ *     x1.005-1.10 (the host's share of a step 0.52 -> 0.17-0.53 ms, the C call 3-7%
+ *     faster), batches 2-6 x1.03-1.16. At 8 tokens that lost (x0.86; a T0 prefetch as near
+ *     x0.90: a pair's eight tokens of work leave too little time before its lines are due).
+ *   7-12 tokens (one tile a chunk): the next chunk, as before, but chunks of at most
+ *     PK_KC_NTA pairs (12 KiB of a 2-block panel, in L1 when the tile comes to it): batch 8
+ *     x1.03-1.08 (the host 0.62-0.70 -> 0.35-0.52 ms; x1.00 with such chunks and T0; 64 pairs
+ *     x1.02-1.06, 128 x1.02-1.03), batch 12 x1.00-1.02.
+ *   more (two tiles a chunk or more): T0 a chunk ahead; non-temporal chunks of 96 or 192
+ *     pairs lost at batches 16 (x0.96-0.98) and 32 (x0.95).
+ * pw_pk_nta: 0 turns both off (comparisons; a prefetch changes no value). */
+#define PK_KC 512    /* pairs of K a chunk */
 #define PK_NEAR (-2)
-int pw_pk_near = 1;
-static inline long pk_near_pairs(int tokens) {
-    return !pw_pk_near || tokens > 6 ? 0 : tokens == 1 ? 16 : 32;
+#define PK_KC_NTA 96 /* pairs of K a chunk where a block's one tile prefetches non-temporally */
+int pw_pk_nta = 1;
+
+/* How a token block of `tokens` (ntile tiles) prefetches: *near pairs ahead in its own
+ * stream (0: the next chunk instead), *nta whether non-temporally; returns the most pairs a
+ * chunk. */
+static inline int pk_prefetch(int tokens, int ntile, long *near, int *nta) {
+    *near = !pw_pk_nta || tokens > 6 ? 0 : tokens == 1 ? 16 : 32;
+    *nta = pw_pk_nta && ntile == 1;
+    return *nta && !*near ? PK_KC_NTA : PK_KC;
 }
 
-#define PK_KC 512    /* pairs of K a chunk */
 #define PK_MB 96     /* tokens a block */
 #define PK_MT 12     /* the most tokens a tile (a group of 2 blocks) */
 #define PK_GS 2      /* blocks a group, interleaved pair by pair */
@@ -813,14 +828,14 @@ int pw_pk_rows(const uint32_t *wp, int N, int K, const int64_t *ids, long n, uin
  * units (gate block b0 / 2, then its up block: glu_pk), bf16(bf16(silu(g)) * u), g and u
  * the two blocks' sums + bias rounded to bf16, the bits of pw_dp_glu_rows and
  * pw_silu_mul_dp), else part. pfb, pfp: the next chunk's first block and pair, whose NB
- * blocks' vectors are prefetched one line a block a pair (pfb == PK_NEAR: instead, the
- * tile's own blocks pfp pairs ahead, non-temporally: pk_near_pairs; other pfb < 0: none; a
- * block past the
- * weight's last: block b0's instead, a hint). m0: the tile's first token within the token
- * block (its row in part); mg: its first token overall (its row in the output). */
+ * blocks' vectors are prefetched one line a block a pair, non-temporally if nta (pfb ==
+ * PK_NEAR: instead, the tile's own blocks pfp pairs ahead, non-temporally: pk_prefetch;
+ * other pfb < 0: none; a block past the weight's last: block b0's instead, a hint). m0:
+ * the tile's first token within the token block (its row in part); mg: its first token
+ * overall (its row in the output). */
 static inline __attribute__((always_inline)) void pk_tile(
         const int NB, const int MT, const uint16_t *x, int K, const uint32_t *wp, long KP,
-        int blocks, int b0, long p0, int pc, int first, int last, int pfb, long pfp,
+        int blocks, int b0, long p0, int pc, int first, int last, int pfb, long pfp, int nta,
         float *part, int m0, long mg, const DpOut *out) {
     __m512 acc[PK_MT][4];
     const int ldp = 16 * NB;
@@ -844,6 +859,9 @@ static inline __attribute__((always_inline)) void pk_tile(
         if (pfb == PK_NEAR)  /* past the chunk's end: the next chunk or panel's (a hint) */
             for (int b = 0; b < NB; b++)
                 _mm_prefetch((const char *)(wb[b] + (p + pfp) * st[b]), _MM_HINT_NTA);
+        else if (pfb >= 0 && nta)
+            for (int b = 0; b < NB; b++)
+                _mm_prefetch((const char *)(pf[b] + (long)p * pst[b]), _MM_HINT_NTA);
         else if (pfb >= 0)
             for (int b = 0; b < NB; b++)
                 _mm_prefetch((const char *)(pf[b] + (long)p * pst[b]), _MM_HINT_T0);
@@ -894,18 +912,18 @@ static inline __attribute__((always_inline)) void pk_tile(
     }
 }
 
-#define PK_ARGS x, K, wp, KP, blocks, b0, p0, pc, first, last, pfb, pfp, part, m0, mg, out
+#define PK_ARGS x, K, wp, KP, blocks, b0, p0, pc, first, last, pfb, pfp, nta, part, m0, mg, out
 #define PK_CASE(NB, MT) case MT: pk_tile(NB, MT, PK_ARGS); break;
 static void pk_tile2(int mt, const uint16_t *x, int K, const uint32_t *wp, long KP,
                      int blocks, int b0, long p0, int pc, int first, int last, int pfb,
-                     long pfp, float *part, int m0, long mg, const DpOut *out) {
+                     long pfp, int nta, float *part, int m0, long mg, const DpOut *out) {
     switch (mt) { PK_CASE(2, 1) PK_CASE(2, 2) PK_CASE(2, 3) PK_CASE(2, 4) PK_CASE(2, 5)
                   PK_CASE(2, 6) PK_CASE(2, 7) PK_CASE(2, 8) PK_CASE(2, 9) PK_CASE(2, 10)
                   PK_CASE(2, 11) default: pk_tile(2, 12, PK_ARGS); }
 }
 static void pk_tile1(int mt, const uint16_t *x, int K, const uint32_t *wp, long KP,
                      int blocks, int b0, long p0, int pc, int first, int last, int pfb,
-                     long pfp, float *part, int m0, long mg, const DpOut *out) {
+                     long pfp, int nta, float *part, int m0, long mg, const DpOut *out) {
     switch (mt) { PK_CASE(1, 1) PK_CASE(1, 2) PK_CASE(1, 3) PK_CASE(1, 4) PK_CASE(1, 5)
                   PK_CASE(1, 6) PK_CASE(1, 7) PK_CASE(1, 8) PK_CASE(1, 9) PK_CASE(1, 10)
                   PK_CASE(1, 11) default: pk_tile(1, 12, PK_ARGS); }
@@ -925,12 +943,13 @@ static void pk_share(const uint16_t *x, int M, const uint32_t *wp, int K, int N,
     const long KP = K / 2;
     const int blocks = N / 16, wide = blocks / 2, panels = wide + blocks % 2;
     int lo = (int)((long)panels * t / T), hi = (int)((long)panels * (t + 1) / T);
-    int nch = (int)((KP + PK_KC - 1) / PK_KC), kc = (int)((KP + nch - 1) / nch);
     float part[PK_MB * 32] __attribute__((aligned(64)));
     for (int mb = 0; mb < M; mb += PK_MB) {
         int mbn = M - mb < PK_MB ? M - mb : PK_MB;
         int ntile = (mbn + PK_MT - 1) / PK_MT;
-        long near = pk_near_pairs(mbn);  /* one tile a chunk then (mbn <= PK_MT) */
+        long near;
+        int nta, cmax = pk_prefetch(mbn, ntile, &near, &nta);
+        int nch = (int)((KP + cmax - 1) / cmax), kc = (int)((KP + nch - 1) / nch);
         for (int pn = lo; pn < hi; pn++) {
             int b0 = 2 * pn, nb = pn < wide ? 2 : 1;
             for (long p0 = 0; p0 < KP; p0 += kc) {
@@ -954,10 +973,10 @@ static void pk_share(const uint16_t *x, int M, const uint32_t *wp, int K, int N,
                     int tpf = s == 0 ? pfb : -1;
                     if (nb == 2)
                         pk_tile2(mt, xs, K, wp, KP, blocks, b0, p0, pc, first, last, tpf, pfp,
-                                 part, m0, mb + m0, out);
+                                 nta, part, m0, mb + m0, out);
                     else
                         pk_tile1(mt, xs, K, wp, KP, blocks, b0, p0, pc, first, last, tpf, pfp,
-                                 part, m0, mb + m0, out);
+                                 nta, part, m0, mb + m0, out);
                     m0 += mt;
                 }
             }
