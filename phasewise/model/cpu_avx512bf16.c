@@ -284,7 +284,6 @@ void pw_dp_share(const uint16_t *xb, int M, const uint16_t *w, int K, int N, flo
 #define DPA_KB 32   /* keys a step */
 #define DPA_MAX_HD 256
 
-
 /* S^T for 16 keys (lanes: the queries or heads of qp, Q^T in pair order, HP pairs) from the
  * keys' rows kr (HP bf16 pairs each) into s[0..15]. */
 static inline void dpa_scores16(const uint32_t *const kr[16], const __m512i *qp, int HP,
