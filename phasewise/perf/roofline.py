@@ -33,6 +33,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from functools import cached_property
 
 from phasewise.perf.hardware import Accelerator, Link
 from phasewise.perf.models import GenericModel, ModelShape
@@ -185,6 +186,14 @@ class Roofline:
             return 0.0
         return tokens * m.num_layers * m.act_elems_per_token() * self.act_bytes_per_el
 
+    @cached_property
+    def _mixed_consts(self) -> tuple[float, float, float, float, float, float]:
+        """``mixed``'s per-token constants, computed once: the engine asks for every step's
+        cost, and on a CPU whose caches the weights' stream has just flushed each property
+        walked costs a few microseconds more."""
+        return (self._linear_flops_per_token(), self._attn_flops(1), self._lm_head_flops(),
+                self.kv_bytes_per_token or 0.0, self._act_bytes(1), self.weight_bytes)
+
     # -- steps -----------------------------------------------------------------------------
     def prefill(self, prompt_len: int, prefix_len: int = 0, batch: int = 1) -> StepCost:
         """``batch`` prompts of ``prompt_len`` new tokens each, after ``prefix_len`` cached
@@ -237,22 +246,14 @@ class Roofline:
             raise ValueError("a step needs at least one chunk or decode")
         if any(c.tokens < 1 or c.context < 0 for c in chunks) or (decodes and min(decodes) < 0):
             raise ValueError("chunks need tokens >= 1 and context >= 0; decodes need >= 0")
-        # The model's per-token constants, once: the engine asks this for every step, and
-        # on a CPU whose caches the weights' stream has just flushed each property it
-        # walks costs a few microseconds more.
-        consts = self.__dict__.get("_mixed_consts")
-        if consts is None:
-            consts = self._mixed_consts = (
-                self._linear_flops_per_token(), self._attn_flops(1), self._lm_head_flops(),
-                self.kv_bytes_per_token or 0.0, self._act_bytes(1), self.weight_bytes)
-        linear, attn, head, kvpt, act1, weights = consts
+        linear, attn, head, kvpt, act1, weights = self._mixed_consts
         tokens = sum(c.tokens for c in chunks) + len(decodes)
         # Query positions (1-based) summed: the chunks', and each decode's context.
         positions = chunk_positions(chunks) + sum(decodes)
         samples = sum(1 for c in chunks if c.samples) + len(decodes)
         flops = tokens * linear + attn * positions + samples * head
         # each decode reads its context less the new token (none for an empty one)
-        fresh = len(decodes) - decodes.count(0) if decodes else 0
+        fresh = len(decodes) - decodes.count(0)
         kv_read = (sum(c.context for c in chunks) + sum(decodes) - fresh) * kvpt
         kv_write = (sum(c.tokens for c in chunks) + fresh) * kvpt
         act = tokens * act1
