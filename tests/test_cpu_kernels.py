@@ -922,6 +922,53 @@ def test_decode_attention_keeps_a_nan(ops, length, hd):
     assert out[0].isnan().all() and out[1, 1].isnan().all() and not out[1, 0].isnan().any()
 
 
+
+@needs_dp
+@pytest.mark.parametrize("G", range(1, 10))  # 9: past the keys-in-lanes kernel's 8
+@pytest.mark.parametrize("hd,length,bs", [(32, 5, 4), (64, 190, 16), (128, 33, 7),
+                                          (256, 16, 16), (96, 64, 3), (64, 1, 16)])
+def test_dp_decode_attention_keys_in_lanes(G, hd, length, bs):
+    """Up to 8 heads the AVX512_BF16 decode attention puts the keys in its lanes (pw_dpa_kl;
+    0 sends every group to the heads-in-lanes kernel): the same scores, maxes and weights,
+    so the same outputs up to the order of each head's weights' sum, on every step shape
+    (one key, a partial group of 16, a partial pair, several steps), with the rescale of a
+    growing max (large queries), and a NaN key making its heads' outputs NaN in both."""
+    import ctypes
+
+    lib = cpu_kernels.load()
+    n_kv, kvh = 2, 1  # the second KV head: its rows sit between the first's
+    tables, k_cache, v_cache, g = paged_caches([length - 1], bs, n_kv, hd, seed=G * hd)
+    table = torch.tensor(tables[0], dtype=torch.int64)
+    q = torch.randn(G, hd, generator=g).bfloat16() * 4
+    q[0] *= 10  # one head's scores far apart: its max grows step by step
+
+    def run(kl, k=k_cache):
+        out = torch.empty(G, hd)
+        flag = ctypes.c_int.in_dll(lib, "pw_dpa_kl")
+        flag.value = kl
+        try:
+            rc = lib.pw_attend_group_dp(
+                ctypes.c_void_p(q.data_ptr()), G, ctypes.c_float(hd**-0.5),
+                ctypes.c_void_p(k.data_ptr()), ctypes.c_void_p(v_cache.data_ptr()),
+                ctypes.c_void_p(table.data_ptr()), length, bs, n_kv, kvh, hd,
+                ctypes.c_void_p(out.data_ptr()))
+        finally:
+            flag.value = 1
+        assert rc == 0
+        return out
+
+    lanes, heads = run(1), run(0)
+    torch.testing.assert_close(lanes, heads, rtol=1e-5, atol=0)
+    # against fp32 attention of the same bf16 inputs (weights rounded to bf16, as both do)
+    keys = torch.stack([k_cache[b, w, kvh] for b in tables[0] for w in range(bs)])[:length]
+    vals = torch.stack([v_cache[b, w, kvh] for b in tables[0] for w in range(bs)])[:length]
+    p = torch.softmax(q.float() @ keys.float().T * hd**-0.5, dim=-1)
+    torch.testing.assert_close(lanes, p @ vals.float(), rtol=2**-7, atol=2**-8)
+    if length > 3:
+        nan_k = k_cache.clone()
+        nan_k[tables[0][length // 2 // bs], length // 2 % bs, kvh, hd // 2] = float("nan")
+        assert run(1, nan_k).isnan().all() and run(0, nan_k).isnan().all()
+
 ODD = {"hidden_size": 80, "intermediate_size": 1040, "num_attention_heads": 5,
        "num_key_value_heads": 1, "head_dim": 16}
 PLANS = {"avx2": (8, "torch"), "amx": (0, "amx"),

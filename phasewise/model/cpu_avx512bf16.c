@@ -476,17 +476,21 @@ void pw_silu_mul_dp(const uint16_t *gate_up, uint16_t *out, int rows, int inter,
  *       work, where O^T [hd][16 lanes of heads] took 16 lanes' whatever G; the same
  *       products in the same order, so the same bits: the layers' attention x0.90 at batch 8
  *       and x0.86 at batch 32 of the reference checkpoint (G = 7) on the 2-core AMD EPYC).
+ * That is the kernel for 9-16 heads; up to 8 take attend_group_kl (below: the keys in the
+ * lanes, where the heads would leave lanes idle).
  * q: [G][hd] bf16, unscaled (scale multiplies the scores); out: [G][hd] fp32 (the caller
  * rounds). Returns 0, or -1 for a shape it does not take (hd % 32, hd > 256, G > 16), which
  * the caller then computes itself. The same contract as cpu_amx.c's pw_attend_group_amx. */
 /* O[g0 .. g0 + HB) += P V over `pairs` pairs of keys, the lanes 16 dims (vectors dv0 .. dv0 +
  * DB of the hd / 16): oh [G][hd] fp32; vp [pair][hd] words (a dim's values of the pair's two
- * keys); pw [pair][16] words (a head's weights of the two keys, lane g of the softmax's
- * vector). HB x DB accumulators, the pairs in order. */
+ * keys); pw words (head g's weights of pair c's two keys at pw[cs c + hs g]: [pair][16],
+ * lane g of the softmax's vector, cs = 16, hs = 1; or [head][16 pairs], cs = 1, hs = 16).
+ * HB x DB accumulators, the pairs in order. */
 static inline __attribute__((always_inline)) void dpa_pv(const int HB, const int DB, float *oh,
                                                          int hd, int g0, int dv0,
                                                          const uint32_t *vp,
-                                                         const uint32_t *pw, int pairs) {
+                                                         const uint32_t *pw, int pairs,
+                                                         int cs, int hs) {
     __m512 acc[4][4];
     for (int h = 0; h < HB; h++)
         for (int b = 0; b < DB; b++)
@@ -496,7 +500,7 @@ static inline __attribute__((always_inline)) void dpa_pv(const int HB, const int
         for (int b = 0; b < DB; b++)
             v[b] = (__m512bh)_mm512_load_si512(vp + (long)c * hd + 16 * (dv0 + b));
         for (int h = 0; h < HB; h++) {
-            __m512bh w = (__m512bh)_mm512_set1_epi32((int)pw[16 * c + g0 + h]);
+            __m512bh w = (__m512bh)_mm512_set1_epi32((int)pw[cs * c + hs * (g0 + h)]);
             for (int b = 0; b < DB; b++) acc[h][b] = _mm512_dpbf16_ps(acc[h][b], v[b], w);
         }
     }
@@ -507,9 +511,9 @@ static inline __attribute__((always_inline)) void dpa_pv(const int HB, const int
 
 /* O += P V for all G heads and hd dims (hd % 32 == 0), in blocks of up to 4 heads x 4 dim
  * vectors. */
-#define DPA_PV(HB, DB) dpa_pv(HB, DB, oh, hd, g0, dv0, vp, pw, pairs)
+#define DPA_PV(HB, DB) dpa_pv(HB, DB, oh, hd, g0, dv0, vp, pw, pairs, cs, hs)
 static void dpa_pv_all(float *oh, int G, int hd, const uint32_t *vp, const uint32_t *pw,
-                       int pairs) {
+                       int pairs, int cs, int hs) {
     for (int g0 = 0; g0 < G; g0 += 4)
         for (int dv0 = 0; dv0 < hd / 16; dv0 += 4) {  /* hd % 32 == 0: 2 or 4 vectors */
             int four = hd / 16 - dv0 >= 4;
@@ -546,10 +550,237 @@ static inline void dpa_prefetch_row(const uint16_t *row, int hd) {
     for (int c = 0; c < hd; c += 32) _mm_prefetch((const char *)(row + c), _MM_HINT_T0);
 }
 
+/* V of a step's n keys (rows at v_cache + o[j]) as pairs of keys, vp [pair][hd] words (a
+ * dim's values of keys 2c, 2c + 1; a key past n: 0), one permute per 16 values; the next
+ * step's V rows (v_cache + nx[j], j < next) prefetched beside the pairs they pair with. */
+static inline void dpa_pair_v(const uint16_t *v_cache, const long *o, int n, const long *nx,
+                              int next, int hd, uint32_t *vp) {
+    /* two rows' 16-bit lanes interleaved, from the first (idx_lo) or second 16 of 32 */
+    const __m512i idx_lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10,
+                                            41, 9, 40, 8, 39, 7, 38, 6, 37, 5, 36, 4, 35, 3,
+                                            34, 2, 33, 1, 32, 0);
+    const __m512i idx_hi = _mm512_add_epi16(idx_lo, _mm512_set1_epi16(16));
+    for (int c = 0; c < (n + 1) / 2; c++) {
+        for (int j = 2 * c; j < 2 * c + 2 && j < next; j++)
+            dpa_prefetch_row(v_cache + nx[j], hd);
+        const uint16_t *a = v_cache + o[2 * c];
+        const uint16_t *b = 2 * c + 1 < n ? v_cache + o[2 * c + 1] : NULL;
+        for (int d = 0; d < hd; d += 32) {
+            __m512i va = _mm512_loadu_si512(a + d);
+            __m512i vb = b ? _mm512_loadu_si512(b + d) : _mm512_setzero_si512();
+            _mm512_store_si512(vp + (long)c * hd + d, _mm512_permutex2var_epi16(va, idx_lo, vb));
+            _mm512_store_si512(vp + (long)c * hd + d + 16,
+                               _mm512_permutex2var_epi16(va, idx_hi, vb));
+        }
+    }
+}
+
+/* out [G][hd] = O / den per head (den 0: 0; NaN: the head's output NaN) */
+static inline void dpa_normalise(const float *ot, const float *den, int G, int hd, float *out) {
+    for (int g = 0; g < G; g++) {
+        float inv = den[g] > 0.0f ? 1.0f / den[g] : 0.0f;
+        if (den[g] != den[g]) inv = den[g];
+        for (int d = 0; d < hd; d++) out[(long)g * hd + d] = ot[(long)g * hd + d] * inv;
+    }
+}
+
+/* ---------------------------------------------------------------------------------------
+ * The same decode attention for G <= 8 heads with the keys in the lanes: with the heads in
+ * the lanes, G = 7 (Qwen2-0.5B) left 9 of 16 idle in every score product, G = 1 (no
+ * grouping) 15, and each step's exponentials ran on 32 vectors whatever G. Here:
+ *   S [head][32 keys]: each 16 keys' rows transposed in registers (dpa_transpose16: 64
+ *       shuffles a 16 x 16 block of pairs) into K^T [pair][16 keys], against a head's pair
+ *       broadcast from q (dpa_scores_kl: G x 2 accumulators, two groups of 16 keys);
+ *   the heads' maxes by one reduction across rows (dpa_hmax8), the same lazy running max
+ *       and exponentials per head (G x 2 vectors a step), their sums kept lane by lane (one
+ *       reduction a head at the end);
+ *   a head's 32 weights as bf16 pairs in one conversion (cvtne2ps: the pair order of V), and
+ *       P V as the heads-in-lanes kernel's (dpa_pv: its products in its order).
+ * The same scores, maxes and weights, so the same outputs up to the sums' order (the
+ * denominators; the test's tolerance). On the 2-core AVX512_BF16 EPYC, a call on keys in the
+ * caches (8 requests of 190 keys): x1.22-1.24 at G = 7 (hd 64), x1.30-1.34 at G = 4 (hd 128),
+ * x1.40-1.52 at G = 1, x1.04-1.21 at G = 8, x0.90-1.00 at G = 10-16 (so those keep the kernel
+ * above); the reference checkpoint's decode steps x1.005-1.01 at batch 8 (blocks of steps by
+ * turns; in the engine the keys' arrival sets most of the attention's time).
+ * pw_dpa_kl = 0 sends every G to the kernel above (comparisons). */
+int pw_dpa_kl = 1;
+
+/* r[0..15] (16 rows of 16 words) transposed in place: r[c] lane j = row j's word c */
+static inline void dpa_transpose16(__m512i *r) {
+    __m512i t[16], u[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) {
+        u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+        u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+        u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    for (int k = 0; k < 4; k++) {
+        __m512i a = _mm512_shuffle_i32x4(u[k], u[4 + k], 0x44);
+        __m512i b = _mm512_shuffle_i32x4(u[k], u[4 + k], 0xEE);
+        __m512i c = _mm512_shuffle_i32x4(u[8 + k], u[12 + k], 0x44);
+        __m512i d = _mm512_shuffle_i32x4(u[8 + k], u[12 + k], 0xEE);
+        r[k] = _mm512_shuffle_i32x4(a, c, 0x88);
+        r[4 + k] = _mm512_shuffle_i32x4(a, c, 0xDD);
+        r[8 + k] = _mm512_shuffle_i32x4(b, d, 0x88);
+        r[12 + k] = _mm512_shuffle_i32x4(b, d, 0xDD);
+    }
+}
+
+/* S of heads 0 .. HB for KG groups of 16 keys (kt: [KG][HP] vectors, lane j a key's pair p),
+ * queries qw ([HB][HP] pairs): s[2 g + k] lane j = head g's score of key 16 k + j. */
+static inline __attribute__((always_inline)) void dpa_scores_kl(
+        const int HB, const int KG, const __m512i *kt, const uint32_t *qw, int HP,
+        __m512 *s) {
+    __m512 a[2][8];
+    for (int k = 0; k < KG; k++)
+        for (int h = 0; h < HB; h++) a[k][h] = _mm512_setzero_ps();
+    for (int p = 0; p < HP; p++) {
+        __m512bh kv[2];
+        for (int k = 0; k < KG; k++) kv[k] = (__m512bh)kt[(long)k * HP + p];
+        for (int h = 0; h < HB; h++) {
+            __m512bh w = (__m512bh)_mm512_set1_epi32((int)qw[(long)h * HP + p]);
+            for (int k = 0; k < KG; k++) a[k][h] = _mm512_dpbf16_ps(a[k][h], kv[k], w);
+        }
+    }
+    for (int h = 0; h < HB; h++)
+        for (int k = 0; k < KG; k++) s[2 * h + k] = a[k][h];
+}
+
+#define DPA_SKL(HB) do { if (KG2) dpa_scores_kl(HB, 2, kt, qw, HP, s); \
+                         else dpa_scores_kl(HB, 1, kt, qw, HP, s); } while (0)
+static void dpa_scores_kl_all(int G, int KG2, const __m512i *kt, const uint32_t *qw, int HP,
+                              __m512 *s) {  /* G <= 8 */
+    switch (G) {
+        case 1: DPA_SKL(1); break;
+        case 2: DPA_SKL(2); break;
+        case 3: DPA_SKL(3); break;
+        case 4: DPA_SKL(4); break;
+        case 5: DPA_SKL(5); break;
+        case 6: DPA_SKL(6); break;
+        case 7: DPA_SKL(7); break;
+        default: DPA_SKL(8); break;
+    }
+}
+#undef DPA_SKL
+
+/* Lane g (< G <= 8) of the result: the largest lane of t[g] (-inf past G); t's NaNs count as
+ * -inf. Pairs of rows halved lane-block-wise, then four rows' blocks folded in place. */
+static inline __m512 dpa_hmax8(const __m512 *t, int G) {
+    const __m512 ninf = _mm512_set1_ps(-INFINITY);
+    __m512 x[4], z[2];
+    for (int i = 0; i < 4; i++) {
+        __m512 a = 2 * i < G ? t[2 * i] : ninf, b = 2 * i + 1 < G ? t[2 * i + 1] : ninf;
+        a = _mm512_mask_mov_ps(a, _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q), ninf);
+        b = _mm512_mask_mov_ps(b, _mm512_cmp_ps_mask(b, b, _CMP_UNORD_Q), ninf);
+        /* [a0 a1 b0 b1] max [a2 a3 b2 b3] (128-bit blocks) */
+        x[i] = _mm512_max_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+    }
+    for (int i = 0; i < 2; i++) {
+        /* blocks: row 4i, 4i + 1, 4i + 2, 4i + 3, each four values */
+        __m512 y = _mm512_max_ps(_mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], 0x88),
+                                 _mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], 0xDD));
+        y = _mm512_max_ps(y, _mm512_permute_ps(y, 0x4E));
+        z[i] = _mm512_max_ps(y, _mm512_permute_ps(y, 0xB1));
+    }
+    const __m512i idx = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 28, 24, 20, 16, 12, 8, 4, 0);
+    return _mm512_mask_mov_ps(ninf, (__mmask16)((1u << G) - 1u),
+                              _mm512_permutex2var_ps(z[0], idx, z[1]));
+}
+
+static int attend_group_kl(const uint16_t *q, int G, float scale, const uint16_t *k_cache,
+                           const uint16_t *v_cache, const int64_t *table, int len, int bs,
+                           int n_kv, int kvh, int hd, float *out) {
+    const int HP = hd / 2;
+    const uint32_t *qw = (const uint32_t *)q;  /* head g's pair p: qw[g HP + p] */
+    __m512i kt[2 * DPA_MAX_HD / 2];  /* K^T of a step's two groups of 16 keys */
+    float ot[DPA_MAX_HD * 16] __attribute__((aligned(64)));  /* O: [G][hd] */
+    uint32_t vp[DPA_KB / 2 * DPA_MAX_HD] __attribute__((aligned(64)));  /* [pair][hd] */
+    uint32_t pw[16 * DPA_KB / 2] __attribute__((aligned(64)));  /* [head][pair] */
+    __m512 sums[8];  /* head g's weights summed lane by lane (keys 16 apart in a lane) */
+    for (int g = 0; g < 8; g++) sums[g] = _mm512_setzero_ps();
+    memset(ot, 0, sizeof(float) * G * hd);
+    /* the heads' running maxes, lane g (sum: lazy_alpha's, unused) */
+    __m512 mx = _mm512_set1_ps(-INFINITY), sum = _mm512_setzero_ps();
+    const __m512 sc = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
+    long off[2][DPA_KB];
+    paged_row_offs(table, bs, n_kv, hd, kvh, 0, len < DPA_KB ? len : DPA_KB, off[0]);
+    for (int t0 = 0, step = 0; t0 < len; t0 += DPA_KB, step ^= 1) {
+        int n = len - t0 < DPA_KB ? len - t0 : DPA_KB;
+        const long *o = off[step];
+        long *nx = off[step ^ 1];
+        int next = len - t0 - DPA_KB;
+        next = next < 0 ? 0 : next < DPA_KB ? next : DPA_KB;
+        paged_row_offs(table, bs, n_kv, hd, kvh, t0 + DPA_KB, next, nx);
+        int KG = n > 16 ? 2 : 1;
+        for (int k = 0; k < KG; k++) {
+            for (int j = 16 * k; j < 16 * k + 16 && j < next; j++)
+                dpa_prefetch_row(k_cache + nx[j], hd);
+            for (int p0 = 0; p0 < HP; p0 += 16) {
+                __m512i r[16];
+                for (int j = 0; j < 16; j++) {  /* keys past n read the first key's row */
+                    int jj = 16 * k + j < n ? 16 * k + j : 0;
+                    r[j] = _mm512_loadu_si512((const uint32_t *)(k_cache + o[jj]) + p0);
+                }
+                dpa_transpose16(r);
+                for (int i = 0; i < 16; i++) kt[(long)k * HP + p0 + i] = r[i];
+            }
+        }
+        __m512 s[32];
+        dpa_scores_kl_all(G, KG == 2, kt, qw, HP, s);
+        __mmask16 v0 = n >= 16 ? 0xFFFF : (__mmask16)((1u << n) - 1u);
+        __mmask16 v1 = n >= 32 ? 0xFFFF : n > 16 ? (__mmask16)((1u << (n - 16)) - 1u) : 0;
+        __m512 t[8];
+        for (int g = 0; g < G; g++) {
+            s[2 * g] = _mm512_mask_mul_ps(ninf, v0, s[2 * g], sc);
+            s[2 * g + 1] = KG == 2 ? _mm512_mask_mul_ps(ninf, v1, s[2 * g + 1], sc) : ninf;
+            t[g] = _mm512_max_ps(s[2 * g], s[2 * g + 1]);
+        }
+        /* a NaN score leaves the max (its head's weights carry it instead) */
+        __m512 m_new = _mm512_max_ps(mx, dpa_hmax8(t, G));
+        __m512 alpha;
+        __mmask16 grew = lazy_alpha(m_new, &mx, &sum, &alpha);
+        if (grew) {
+            float al[16] __attribute__((aligned(64)));
+            _mm512_store_ps(al, alpha);
+            for (int g = 0; g < G; g++) {
+                if (!(grew >> g & 1)) continue;
+                __m512 a = _mm512_set1_ps(al[g]);
+                sums[g] = _mm512_mul_ps(sums[g], a);
+                float *row = ot + (long)g * hd;
+                for (int d = 0; d < hd; d += 16)
+                    _mm512_store_ps(row + d, _mm512_mul_ps(_mm512_load_ps(row + d), a));
+            }
+        }
+        float mxs[16] __attribute__((aligned(64)));
+        _mm512_store_ps(mxs, mx);
+        for (int g = 0; g < G; g++) {
+            __m512 m = _mm512_set1_ps(mxs[g]);
+            __m512 p0 = _mm512_maskz_mov_ps(v0, exp16_fast(_mm512_sub_ps(s[2 * g], m)));
+            __m512 p1 = KG == 2 ? _mm512_maskz_mov_ps(v1, exp16_fast(_mm512_sub_ps(s[2 * g + 1], m)))
+                                : _mm512_setzero_ps();
+            sums[g] = _mm512_add_ps(sums[g], _mm512_add_ps(p0, p1));
+            _mm512_store_si512(pw + 16 * g, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+        }
+        dpa_pair_v(v_cache, o, n, nx, next, hd, vp);
+        dpa_pv_all(ot, G, hd, vp, pw, (n + 1) / 2, 1, 16);  /* O += P V */
+    }
+    float den[8];
+    for (int g = 0; g < G; g++) den[g] = _mm512_reduce_add_ps(sums[g]);
+    dpa_normalise(ot, den, G, hd, out);
+    return 0;
+}
+
 int pw_attend_group_dp(const uint16_t *q, int G, float scale, const uint16_t *k_cache,
                        const uint16_t *v_cache, const int64_t *table, int len, int bs,
                        int n_kv, int kvh, int hd, float *out) {
     if (hd % 32 || hd < 32 || hd > DPA_MAX_HD || G < 1 || G > 16) return -1;
+    if (pw_dpa_kl && G <= 8)
+        return attend_group_kl(q, G, scale, k_cache, v_cache, table, len, bs, n_kv, kvh, hd,
+                               out);
     __m512i qp[DPA_MAX_HD / 2];
     float ot[DPA_MAX_HD * 16] __attribute__((aligned(64)));  /* O: [G][hd], a head a row */
     uint32_t vp[DPA_KB / 2 * DPA_MAX_HD] __attribute__((aligned(64)));  /* [pair][hd] */
@@ -566,11 +797,6 @@ int pw_attend_group_dp(const uint16_t *q, int G, float scale, const uint16_t *k_
     const __m512i inter = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25,
                                            9, 24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2,
                                            17, 1, 16, 0);
-    /* two rows' 16-bit lanes interleaved, from the first (idx_lo) or second 16 of 32 */
-    const __m512i idx_lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10,
-                                            41, 9, 40, 8, 39, 7, 38, 6, 37, 5, 36, 4, 35, 3,
-                                            34, 2, 33, 1, 32, 0);
-    const __m512i idx_hi = _mm512_add_epi16(idx_lo, _mm512_set1_epi16(16));
     long off[2][DPA_KB];
     paged_row_offs(table, bs, n_kv, hd, kvh, 0, len < DPA_KB ? len : DPA_KB, off[0]);
     for (int t0 = 0, step = 0; t0 < len; t0 += DPA_KB, step ^= 1) {
@@ -610,29 +836,13 @@ int pw_attend_group_dp(const uint16_t *q, int G, float scale, const uint16_t *k_
             sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
             __m512i pv = _mm512_permutexvar_epi16(inter, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
             _mm512_store_si512(pw + 16 * c, pv);
-            for (int j = 2 * c; j < 2 * c + 2 && j < next; j++)
-                dpa_prefetch_row(v_cache + nx[j], hd);
-            /* V: keys 2c, 2c + 1 as pairs of their values, [pair][hd] (a key past n: 0) */
-            const uint16_t *a = v_cache + o[2 * c];
-            const uint16_t *b = 2 * c + 1 < n ? v_cache + o[2 * c + 1] : NULL;
-            for (int d = 0; d < hd; d += 32) {
-                __m512i va = _mm512_loadu_si512(a + d);
-                __m512i vb = b ? _mm512_loadu_si512(b + d) : _mm512_setzero_si512();
-                _mm512_store_si512(vp + (long)c * hd + d,
-                                   _mm512_permutex2var_epi16(va, idx_lo, vb));
-                _mm512_store_si512(vp + (long)c * hd + d + 16,
-                                   _mm512_permutex2var_epi16(va, idx_hi, vb));
-            }
         }
-        dpa_pv_all(ot, G, hd, vp, pw, pairs);  /* O += P V */
+        dpa_pair_v(v_cache, o, n, nx, next, hd, vp);
+        dpa_pv_all(ot, G, hd, vp, pw, pairs, 16, 1);  /* O += P V */
     }
     float den[16] __attribute__((aligned(64)));
     _mm512_store_ps(den, sum);
-    for (int g = 0; g < G; g++) {
-        float inv = den[g] > 0.0f ? 1.0f / den[g] : 0.0f;
-        if (den[g] != den[g]) inv = den[g];  /* NaN: the head's output NaN */
-        for (int d = 0; d < hd; d++) out[(long)g * hd + d] = ot[(long)g * hd + d] * inv;
-    }
+    dpa_normalise(ot, den, G, hd, out);
     return 0;
 }
 
