@@ -874,8 +874,12 @@ static void attend_group(const float *q, int G, const uint16_t *k_cache, const u
     }
     for (int t0 = 0; t0 < len; t0 += ATT_CHUNK) {
         int n = len - t0 < ATT_CHUNK ? len - t0 : ATT_CHUNK;
+        /* the chunk's rows counted (a division a key: x0.97-0.98 on cached keys, the 2-core
+         * AVX512_BF16 EPYC running this kernel) */
+        long offs[ATT_CHUNK];
+        paged_row_offs(table, bs, n_kv, hd, kvh, t0, n, offs);
         for (int t = 0; t < n; t++) {
-            long row = paged_row(table, bs, n_kv, hd, kvh, t0 + t);
+            long row = offs[t];
             const uint16_t *kr = k_cache + row, *vr = v_cache + row;
             float *kd = kf + (long)t * hd, *vd = vf + (long)t * hd;
             int i = 0;
