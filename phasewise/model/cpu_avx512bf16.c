@@ -39,7 +39,7 @@
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")
 
 #include "cpu_avx512.h"  /* exp16, exp16_fast, lazy_alpha, softmax_step: shared with cpu_amx.c */
-#include "cpu_paged.h"   /* paged_kv_row, paged_row_offs: the paged cache's rows */
+#include "cpu_paged.h"   /* paged_row_offs: the paged cache's rows */
 
 #define DP_R 4          /* weight rows a tile (3 for 7-8 tokens) */
 #define DP_MT 8         /* the most tokens a tile (6 of 4 rows, 8 of 3) */
@@ -284,6 +284,31 @@ void pw_dp_share(const uint16_t *xb, int M, const uint16_t *w, int K, int N, flo
 #define DPA_KB 32   /* keys a step */
 #define DPA_MAX_HD 256
 
+/* r[0..15] (16 rows of 16 words) transposed in place: r[c] lane j = row j's word c */
+static inline void dpa_transpose16(__m512i *r) {
+    __m512i t[16], u[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) {
+        u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+        u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+        u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    for (int k = 0; k < 4; k++) {
+        __m512i a = _mm512_shuffle_i32x4(u[k], u[4 + k], 0x44);
+        __m512i b = _mm512_shuffle_i32x4(u[k], u[4 + k], 0xEE);
+        __m512i c = _mm512_shuffle_i32x4(u[8 + k], u[12 + k], 0x44);
+        __m512i d = _mm512_shuffle_i32x4(u[8 + k], u[12 + k], 0xEE);
+        r[k] = _mm512_shuffle_i32x4(a, c, 0x88);
+        r[4 + k] = _mm512_shuffle_i32x4(a, c, 0xDD);
+        r[8 + k] = _mm512_shuffle_i32x4(b, d, 0x88);
+        r[12 + k] = _mm512_shuffle_i32x4(b, d, 0xDD);
+    }
+}
+
 /* S^T for 16 keys (lanes: the queries or heads of qp, Q^T in pair order, HP pairs) from the
  * keys' rows kr (HP bf16 pairs each) into s[0..15]. */
 static inline void dpa_scores16(const uint32_t *const kr[16], const __m512i *qp, int HP,
@@ -297,16 +322,53 @@ static inline void dpa_scores16(const uint32_t *const kr[16], const __m512i *qp,
     for (int j = 0; j < 16; j++) s[j] = acc[j];
 }
 
+static inline void dpa_prefetch_row(const uint16_t *row, int hd) {
+    for (int c = 0; c < hd; c += 32) _mm_prefetch((const char *)(row + c), _MM_HINT_T0);
+}
+
+/* V of a step's n keys (rows at v_cache + o[j]) as pairs of keys, vp [pair][hd] words (a
+ * dim's values of keys 2c, 2c + 1; a key past n: 0), one permute per 16 values; the next
+ * step's V rows (v_cache + nx[j], j < next) prefetched beside the pairs they pair with. */
+static inline void dpa_pair_v(const uint16_t *v_cache, const long *o, int n, const long *nx,
+                              int next, int hd, uint32_t *vp) {
+    /* two rows' 16-bit lanes interleaved, from the first (idx_lo) or second 16 of 32 */
+    const __m512i idx_lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10,
+                                            41, 9, 40, 8, 39, 7, 38, 6, 37, 5, 36, 4, 35, 3,
+                                            34, 2, 33, 1, 32, 0);
+    const __m512i idx_hi = _mm512_add_epi16(idx_lo, _mm512_set1_epi16(16));
+    for (int c = 0; c < (n + 1) / 2; c++) {
+        for (int j = 2 * c; j < 2 * c + 2 && j < next; j++)
+            dpa_prefetch_row(v_cache + nx[j], hd);
+        const uint16_t *a = v_cache + o[2 * c];
+        const uint16_t *b = 2 * c + 1 < n ? v_cache + o[2 * c + 1] : NULL;
+        for (int d = 0; d < hd; d += 32) {
+            __m512i va = _mm512_loadu_si512(a + d);
+            __m512i vb = b ? _mm512_loadu_si512(b + d) : _mm512_setzero_si512();
+            _mm512_store_si512(vp + (long)c * hd + d, _mm512_permutex2var_epi16(va, idx_lo, vb));
+            _mm512_store_si512(vp + (long)c * hd + d + 16,
+                               _mm512_permutex2var_epi16(va, idx_hi, vb));
+        }
+    }
+}
+
 /* V^T of KV head g for keys [32 kb, 32 kb + 32): vt[d][pair] = V[2 pair][d] | V[2 pair + 1][d]
- * << 16 (pairs counted from key 0; npairs words a dim); keys at or past L are zero. */
+ * << 16 (pairs counted from key 0; npairs words a dim); keys at or past L are zero. The
+ * keys paired (dpa_pair_v), then 16 x 16 blocks of [pair][dim] words transposed (a word at a
+ * time, this took 6% of a 512-token prompt's attention). */
 static void dpa_pack_vt(const uint16_t *v_cache, const int64_t *table, int bs, int n_kv, int hd,
                         int g, long L, int kb, long npairs, uint32_t *vt) {
-    for (int c = 0; c < DPA_KB / 2; c++) {
-        long j0 = (long)kb * DPA_KB + 2 * c, j1 = j0 + 1, pair = j0 / 2;
-        const uint16_t *a = j0 < L ? paged_kv_row(v_cache, table, bs, n_kv, hd, g, j0) : NULL;
-        const uint16_t *b = j1 < L ? paged_kv_row(v_cache, table, bs, n_kv, hd, g, j1) : NULL;
-        for (int d = 0; d < hd; d++)
-            vt[(long)d * npairs + pair] = (a ? a[d] : 0u) | (uint32_t)(b ? b[d] : 0u) << 16;
+    uint32_t vp[DPA_KB / 2 * DPA_MAX_HD] __attribute__((aligned(64)));  /* [pair][hd] */
+    long k0 = (long)kb * DPA_KB, off[DPA_KB];
+    int n = L - k0 < DPA_KB ? (int)(L - k0) : DPA_KB, pairs = (n + 1) / 2;
+    paged_row_offs(table, bs, n_kv, hd, g, k0, n, off);
+    dpa_pair_v(v_cache, off, n, off, 0, hd, vp);
+    for (int d0 = 0; d0 < hd; d0 += 16) {
+        __m512i r[16];
+        for (int c = 0; c < 16; c++)
+            r[c] = c < pairs ? _mm512_load_si512(vp + (long)c * hd + d0) : _mm512_setzero_si512();
+        dpa_transpose16(r);
+        for (int i = 0; i < 16; i++)
+            _mm512_store_si512(vt + (long)(d0 + i) * npairs + (long)kb * DPA_KB / 2, r[i]);
     }
 }
 
@@ -338,12 +400,13 @@ static void dpa_block(const uint16_t *q, long q_stride, const uint16_t *k_cache,
     long end = ctx + q0 + nq;  /* keys the last query sees */
     for (long k0 = 0; k0 < end; k0 += DPA_KB) {
         int kn = end - k0 < DPA_KB ? (int)(end - k0) : DPA_KB;
+        long off[DPA_KB];
+        paged_row_offs(table, bs, n_kv, hd, g, k0, kn, off);
         for (int j0 = 0; j0 < DPA_KB; j0 += 16) {  /* S^T, 16 keys at a time */
             const uint32_t *kr[16];
             __m512 s[16];
             for (int j = 0; j < 16; j++)  /* keys past the last one read key k0's row */
-                kr[j] = (const uint32_t *)paged_kv_row(k_cache, table, bs, n_kv, hd, g,
-                                                       j0 + j < kn ? k0 + j0 + j : k0);
+                kr[j] = (const uint32_t *)(k_cache + off[j0 + j < kn ? j0 + j : 0]);
             dpa_scores16(kr, qp, HP, s);
             for (int j = 0; j < 16; j++) _mm512_store_ps(st + 16 * (j0 + j), s[j]);
         }
@@ -351,28 +414,30 @@ static void dpa_block(const uint16_t *q, long q_stride, const uint16_t *k_cache,
         softmax_step(st, k0, qpos, sc, &mx, &sum, ot, hd, pt);
         __m512i pv[DPA_KB / 2];
         for (int c = 0; c < DPA_KB / 2; c++) pv[c] = _mm512_load_si512(pt + 16 * c);
-        /* O^T += V^T P^T, 8 dims at a time (8 independent accumulators) */
+        /* O^T += V^T P^T, 16 dims at a time (16 independent accumulators; with 8, each
+         * product waited on the one before it: 512-token attention x0.96) */
         const uint32_t *vb = vt + k0 / 2;
-        for (int d = 0; d < hd; d += 8) {
-            __m512 o[8];
-            for (int i = 0; i < 8; i++) o[i] = _mm512_load_ps(ot + 16 * (d + i));
+        for (int d = 0; d < hd; d += 16) {
+            __m512 o[16];
+            for (int i = 0; i < 16; i++) o[i] = _mm512_load_ps(ot + 16 * (d + i));
             for (int c = 0; c < DPA_KB / 2; c++)
-                for (int i = 0; i < 8; i++)
+                for (int i = 0; i < 16; i++)
                     o[i] = _mm512_dpbf16_ps(o[i], (__m512bh)pv[c], (__m512bh)_mm512_set1_epi32(
                                                 (int)vb[(long)(d + i) * npairs + c]));
-            for (int i = 0; i < 8; i++) _mm512_store_ps(ot + 16 * (d + i), o[i]);
+            for (int i = 0; i < 16; i++) _mm512_store_ps(ot + 16 * (d + i), o[i]);
         }
     }
     __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.0f), sum);
-    for (int d = 0; d < hd; d++)
-        _mm512_store_ps(ot + 16 * d, _mm512_mul_ps(_mm512_load_ps(ot + 16 * d), inv));
-    const __m512i col = _mm512_mullo_epi32(lane, _mm512_set1_epi32(16));
-    for (int i = 0; i < nq; i++) {  /* query i's row: ot[d][i] for every d, 16 dims a time */
-        uint16_t *dst = out + (long)(q0 + i) * out_stride + (long)h * hd;
-        for (int d = 0; d < hd; d += 16) {
-            __m512 v = _mm512_i32gather_ps(col, ot + 16 * d + i, 4);
-            _mm256_storeu_si256((__m256i *)(dst + d), (__m256i)_mm512_cvtneps_pbh(v));
-        }
+    /* O^T's 16 x 16 blocks transposed into the queries' rows (a gather a query and 16 dims
+     * took 9% of a 512-token prompt's attention) */
+    for (int d = 0; d < hd; d += 16) {
+        __m512i r[16];
+        for (int i = 0; i < 16; i++)
+            r[i] = _mm512_castps_si512(_mm512_mul_ps(_mm512_load_ps(ot + 16 * (d + i)), inv));
+        dpa_transpose16(r);
+        for (int i = 0; i < nq; i++)
+            _mm256_storeu_si256((__m256i *)(out + (long)(q0 + i) * out_stride + (long)h * hd + d),
+                                (__m256i)_mm512_cvtneps_pbh(_mm512_castsi512_ps(r[i])));
     }
 }
 
@@ -388,7 +453,9 @@ int pw_prefill_attention_dp(const uint16_t *q, long q_stride, const uint16_t *k_
     if (n <= 0) return 0;
     long L = ctx + n;
     int KB = (int)((L + DPA_KB - 1) / DPA_KB);
-    long npairs = (long)KB * DPA_KB / 2;
+    /* V^T's row stride: its pairs and 16 words more, so that P V's 16 rows a step never sit a
+     * multiple of 4 KiB apart (2048 keys: all 16 in one set of L1, evicting each other) */
+    long npairs = (long)KB * DPA_KB / 2 + 16;
     size_t per_head = (size_t)hd * npairs;
     uint32_t *vt = (uint32_t *)aligned_alloc(64, ((size_t)n_kv * per_head * 4 + 63) / 64 * 64);
     if (!vt) return -1;
@@ -546,35 +613,6 @@ static inline void dpa_rescale(__m512 m_new, __m512 *mx, __m512 *sum, float *oh,
     }
 }
 
-static inline void dpa_prefetch_row(const uint16_t *row, int hd) {
-    for (int c = 0; c < hd; c += 32) _mm_prefetch((const char *)(row + c), _MM_HINT_T0);
-}
-
-/* V of a step's n keys (rows at v_cache + o[j]) as pairs of keys, vp [pair][hd] words (a
- * dim's values of keys 2c, 2c + 1; a key past n: 0), one permute per 16 values; the next
- * step's V rows (v_cache + nx[j], j < next) prefetched beside the pairs they pair with. */
-static inline void dpa_pair_v(const uint16_t *v_cache, const long *o, int n, const long *nx,
-                              int next, int hd, uint32_t *vp) {
-    /* two rows' 16-bit lanes interleaved, from the first (idx_lo) or second 16 of 32 */
-    const __m512i idx_lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10,
-                                            41, 9, 40, 8, 39, 7, 38, 6, 37, 5, 36, 4, 35, 3,
-                                            34, 2, 33, 1, 32, 0);
-    const __m512i idx_hi = _mm512_add_epi16(idx_lo, _mm512_set1_epi16(16));
-    for (int c = 0; c < (n + 1) / 2; c++) {
-        for (int j = 2 * c; j < 2 * c + 2 && j < next; j++)
-            dpa_prefetch_row(v_cache + nx[j], hd);
-        const uint16_t *a = v_cache + o[2 * c];
-        const uint16_t *b = 2 * c + 1 < n ? v_cache + o[2 * c + 1] : NULL;
-        for (int d = 0; d < hd; d += 32) {
-            __m512i va = _mm512_loadu_si512(a + d);
-            __m512i vb = b ? _mm512_loadu_si512(b + d) : _mm512_setzero_si512();
-            _mm512_store_si512(vp + (long)c * hd + d, _mm512_permutex2var_epi16(va, idx_lo, vb));
-            _mm512_store_si512(vp + (long)c * hd + d + 16,
-                               _mm512_permutex2var_epi16(va, idx_hi, vb));
-        }
-    }
-}
-
 /* out [G][hd] = O / den per head (den 0: 0; NaN: the head's output NaN) */
 static inline void dpa_normalise(const float *ot, const float *den, int G, int hd, float *out) {
     for (int g = 0; g < G; g++) {
@@ -604,31 +642,6 @@ static inline void dpa_normalise(const float *ot, const float *den, int G, int h
  * turns; in the engine the keys' arrival sets most of the attention's time).
  * pw_dpa_kl = 0 sends every G to the kernel above (comparisons). */
 int pw_dpa_kl = 1;
-
-/* r[0..15] (16 rows of 16 words) transposed in place: r[c] lane j = row j's word c */
-static inline void dpa_transpose16(__m512i *r) {
-    __m512i t[16], u[16];
-    for (int i = 0; i < 8; i++) {
-        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-    }
-    for (int i = 0; i < 4; i++) {
-        u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
-        u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
-        u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
-        u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
-    }
-    for (int k = 0; k < 4; k++) {
-        __m512i a = _mm512_shuffle_i32x4(u[k], u[4 + k], 0x44);
-        __m512i b = _mm512_shuffle_i32x4(u[k], u[4 + k], 0xEE);
-        __m512i c = _mm512_shuffle_i32x4(u[8 + k], u[12 + k], 0x44);
-        __m512i d = _mm512_shuffle_i32x4(u[8 + k], u[12 + k], 0xEE);
-        r[k] = _mm512_shuffle_i32x4(a, c, 0x88);
-        r[4 + k] = _mm512_shuffle_i32x4(a, c, 0xDD);
-        r[8 + k] = _mm512_shuffle_i32x4(b, d, 0x88);
-        r[12 + k] = _mm512_shuffle_i32x4(b, d, 0xDD);
-    }
-}
 
 /* S of heads 0 .. HB for KG groups of 16 keys (kt: [KG][HP] vectors, lane j a key's pair p),
  * queries qw ([HB][HP] pairs): s[2 g + k] lane j = head g's score of key 16 k + j. */
