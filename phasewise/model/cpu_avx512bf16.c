@@ -453,9 +453,11 @@ int pw_prefill_attention_dp(const uint16_t *q, long q_stride, const uint16_t *k_
     if (n <= 0) return 0;
     long L = ctx + n;
     int KB = (int)((L + DPA_KB - 1) / DPA_KB);
-    /* V^T's row stride: its pairs and 16 words more, so that P V's 16 rows a step never sit a
-     * multiple of 4 KiB apart (2048 keys: all 16 in one set of L1, evicting each other) */
+    /* V^T's row stride: its pairs and 16 words more (32 where that makes 4 KiB's multiple),
+     * so that P V's 16 rows a step never sit a multiple of 4 KiB apart (a 4 KiB stride at
+     * 2048 keys put all 16 in one set of L1, evicting each other: x0.76) */
     long npairs = (long)KB * DPA_KB / 2 + 16;
+    if (npairs % 1024 == 0) npairs += 16;
     size_t per_head = (size_t)hd * npairs;
     uint32_t *vt = (uint32_t *)aligned_alloc(64, ((size_t)n_kv * per_head * 4 + 63) / 64 * 64);
     if (!vt) return -1;
