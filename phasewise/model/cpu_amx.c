@@ -943,12 +943,12 @@ static void attend_block(const uint16_t *q, long q_stride, const uint16_t *kp,
 
 /* q [n][.. n_heads x hd ..] (row stride q_stride), caches [blocks][bs][n_kv][hd], table: the
  * request's blocks; out [n][n_heads][hd] (row stride out_stride). Returns 0, -1 without
- * scratch memory, -2 for a head size it does not take (hd % 32 or hd > 128). */
+ * scratch memory, -2 for a head size it does not take (hd % 32, hd < 32 or hd > 128). */
 int pw_prefill_attention_amx(const uint16_t *q, long q_stride, const uint16_t *k_cache,
                              const uint16_t *v_cache, const int64_t *table, int bs, long ctx,
                              int n, uint16_t *out, long out_stride, int n_heads, int n_kv,
                              int hd, float scale, int nthreads) {
-    if (hd % 32 || hd > 128 || n_heads % n_kv) return -2;
+    if (hd % 32 || hd < 32 || hd > 128 || n_heads % n_kv) return -2;
     if (n <= 0) return 0;
     long L = ctx + n;
     int KB32 = (int)((L + 31) / 32);
