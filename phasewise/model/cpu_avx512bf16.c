@@ -775,8 +775,9 @@ static int attend_group_kl(const uint16_t *q, int G, float scale, const uint16_t
         for (int g = 0; g < G; g++) {
             __m512 m = _mm512_set1_ps(mxs[g]);
             __m512 p0 = _mm512_maskz_mov_ps(v0, exp16_fast(_mm512_sub_ps(s[2 * g], m)));
-            __m512 p1 = KG == 2 ? _mm512_maskz_mov_ps(v1, exp16_fast(_mm512_sub_ps(s[2 * g + 1], m)))
-                                : _mm512_setzero_ps();
+            __m512 p1 = KG == 2
+                ? _mm512_maskz_mov_ps(v1, exp16_fast(_mm512_sub_ps(s[2 * g + 1], m)))
+                : _mm512_setzero_ps();
             sums[g] = _mm512_add_ps(sums[g], _mm512_add_ps(p0, p1));
             _mm512_store_si512(pw + 16 * g, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
         }
