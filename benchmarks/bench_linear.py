@@ -22,7 +22,8 @@ Each method's calls cycle through enough copies of the weight (>= 96 MiB) that w
 from memory, as in a model's forward pass, not from the last-level cache; the methods run
 interleaved, round after round, and the median round counts, so the shared machine's drift
 hits them alike. It prints GFLOP/s, each method's ratio to the faster of ``torch-bf16`` and
-``torch-fp32``, and the plan the engine's calibration would pick here.
+``torch-fp32``, and the plan the engine's calibration would pick here (where the engine packs
+its projections into panels instead, it says so).
 
     .venv/bin/python benchmarks/bench_linear.py [--rows 1 8 32 128 512] [--rounds 4]
                                                 [--shapes qkv o gate_up down lm_head]
@@ -31,6 +32,7 @@ hits them alike. It prints GFLOP/s, each method's ratio to the faster of ``torch
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -101,7 +103,16 @@ def run(rows: list[int], rounds: int, shapes: list[str]) -> None:
     # as the engine calibrates: the 24 layers' gate_up weights of the reference checkpoint
     plan = LinearDispatch.calibrate([torch.randn(*SHAPES["gate_up"]).bfloat16()
                                      for _ in range(24)])
-    print(f"\nthe engine's calibration on this machine (24 gate_up weights): {plan.describe()}")
+    packs = (cpu_kernels.dp_available() and not cpu_kernels.amx_available()
+             and os.environ.get("PHASEWISE_PANELS", "1") != "0")
+    if packs:  # CpuKernelOps.panels_refused's machine conditions
+        print("\nthe engine packs a bf16 model's decoder projections (and an LM head of whole "
+              "16-row blocks) into panels on this machine: the `panels` column at every row "
+              "count; for weights it keeps in rows, its calibration (24 gate_up weights) picks: "
+              f"{plan.describe()}")
+    else:
+        print(f"\nthe engine's calibration on this machine (24 gate_up weights): "
+              f"{plan.describe()}")
 
 
 def main() -> None:
