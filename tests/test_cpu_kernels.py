@@ -114,6 +114,15 @@ def test_panels_linear_matches_fp32_reference_and_each_row_alone(m, blocks, pair
             assert torch.equal(cpu_kernels.linear_pk(few, wp, b), on)
         finally:
             nta.value = 1
+    # 13-72 tokens: a chunk's tiles share its next chunk's prefetch (pw_pk_spread): the same
+    # bits as the first tile's alone
+    spread = ctypes.c_int.in_dll(cpu_kernels.load(), "pw_pk_spread")
+    on = cpu_kernels.linear_pk(x, wp, b)
+    spread.value = 0
+    try:
+        assert torch.equal(cpu_kernels.linear_pk(x, wp, b), on)
+    finally:
+        spread.value = 1
     # widened as written (the decode step's logits): the same values, as fp32
     yf = cpu_kernels.linear_pk(x, wp, b, out_dtype=torch.float32)
     assert yf.dtype == torch.float32 and torch.equal(yf, y.float())

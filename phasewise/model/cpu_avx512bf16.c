@@ -945,12 +945,20 @@ void pw_dp_glu_rows(const float *res, const uint16_t *bias, int M, int I, float 
  *     x1.03-1.08 (the host 0.62-0.70 -> 0.35-0.52 ms; x1.00 with such chunks and T0; 64 pairs
  *     x1.02-1.06, 128 x1.02-1.03), batch 12 x1.00-1.02.
  *   more (two tiles a chunk or more): T0 a chunk ahead; non-temporal chunks of 96 or 192
- *     pairs lost at batches 16 (x0.96-0.98) and 32 (x0.95).
- * pw_pk_nta: 0 turns both off (comparisons; a prefetch changes no value). */
+ *     pairs lost at batches 16 (x0.96-0.98) and 32 (x0.95). With 2-PK_SPREAD_TILES tiles
+ *     (13-72 tokens) every tile prefetches its share of the next chunk (tile s: pairs s, s +
+ *     ntile, ...), where the first tile alone fetched all of it in a third of the chunk's
+ *     time at 32 tokens, faster than a core's misses go: batch 16 x1.017, 24 x1.018, 32
+ *     x1.028-1.031, 48 x1.025, 64 x1.044; a prompt's blocks of 96 tokens (8 tiles) lost so
+ *     (x0.99) and keep the first tile's prefetch.
+ * pw_pk_nta: 0 turns the near and non-temporal modes off, pw_pk_spread the spread
+ * (comparisons; a prefetch changes no value). */
 #define PK_KC 512    /* pairs of K a chunk */
 #define PK_NEAR (-2)
 #define PK_KC_NTA 96 /* pairs of K a chunk where a block's one tile prefetches non-temporally */
+#define PK_SPREAD_TILES 6  /* the most tiles a chunk that share its prefetch */
 int pw_pk_nta = 1;
+int pw_pk_spread = 1;
 
 /* How a token block of `tokens` (ntile tiles) prefetches: *near pairs ahead in its own
  * stream (0: the next chunk instead), *nta whether non-temporally; returns the most pairs a
@@ -1055,13 +1063,14 @@ int pw_pk_rows(const uint32_t *wp, int N, int K, const int64_t *ids, long n, uin
  * pw_silu_mul_dp), else part. pfb, pfp: the next chunk's first block and pair, whose NB
  * blocks' vectors are prefetched one line a block a pair, non-temporally if nta (pfb ==
  * PK_NEAR: instead, the tile's own blocks pfp pairs ahead, non-temporally: pk_prefetch;
- * other pfb < 0: none; a block past the weight's last: block b0's instead, a hint). m0:
- * the tile's first token within the token block (its row in part); mg: its first token
- * overall (its row in the output). */
+ * other pfb < 0: none; a block past the weight's last: block b0's instead, a hint); the T0
+ * prefetch only at pairs pfs, pfs + pfn, ... (1, 0: every pair; the tiles of a chunk share
+ * it so). m0: the tile's first token within the token block (its row in part); mg: its
+ * first token overall (its row in the output). */
 static inline __attribute__((always_inline)) void pk_tile(
         const int NB, const int MT, const uint16_t *x, int K, const uint32_t *wp, long KP,
         int blocks, int b0, long p0, int pc, int first, int last, int pfb, long pfp, int nta,
-        float *part, int m0, long mg, const DpOut *out) {
+        int pfn, int pfs, float *part, int m0, long mg, const DpOut *out) {
     __m512 acc[PK_MT][4];
     const int ldp = 16 * NB;
     for (int m = 0; m < MT; m++)
@@ -1087,9 +1096,11 @@ static inline __attribute__((always_inline)) void pk_tile(
         else if (pfb >= 0 && nta)
             for (int b = 0; b < NB; b++)
                 _mm_prefetch((const char *)(pf[b] + (long)p * pst[b]), _MM_HINT_NTA);
-        else if (pfb >= 0)
+        else if (pfb >= 0 && p == pfs) {
+            pfs += pfn;
             for (int b = 0; b < NB; b++)
                 _mm_prefetch((const char *)(pf[b] + (long)p * pst[b]), _MM_HINT_T0);
+        }
         for (int m = 0; m < MT; m++) {
             __m512bh xv = (__m512bh)_mm512_set1_epi32((int)xr[(long)m * (K / 2) + p]);
             for (int b = 0; b < NB; b++) acc[m][b] = _mm512_dpbf16_ps(acc[m][b], xv, wv[b]);
@@ -1137,18 +1148,21 @@ static inline __attribute__((always_inline)) void pk_tile(
     }
 }
 
-#define PK_ARGS x, K, wp, KP, blocks, b0, p0, pc, first, last, pfb, pfp, nta, part, m0, mg, out
+#define PK_ARGS x, K, wp, KP, blocks, b0, p0, pc, first, last, pfb, pfp, nta, pfn, pfs, part, m0, \
+                mg, out
 #define PK_CASE(NB, MT) case MT: pk_tile(NB, MT, PK_ARGS); break;
 static void pk_tile2(int mt, const uint16_t *x, int K, const uint32_t *wp, long KP,
                      int blocks, int b0, long p0, int pc, int first, int last, int pfb,
-                     long pfp, int nta, float *part, int m0, long mg, const DpOut *out) {
+                     long pfp, int nta, int pfn, int pfs, float *part, int m0, long mg,
+                     const DpOut *out) {
     switch (mt) { PK_CASE(2, 1) PK_CASE(2, 2) PK_CASE(2, 3) PK_CASE(2, 4) PK_CASE(2, 5)
                   PK_CASE(2, 6) PK_CASE(2, 7) PK_CASE(2, 8) PK_CASE(2, 9) PK_CASE(2, 10)
                   PK_CASE(2, 11) default: pk_tile(2, 12, PK_ARGS); }
 }
 static void pk_tile1(int mt, const uint16_t *x, int K, const uint32_t *wp, long KP,
                      int blocks, int b0, long p0, int pc, int first, int last, int pfb,
-                     long pfp, int nta, float *part, int m0, long mg, const DpOut *out) {
+                     long pfp, int nta, int pfn, int pfs, float *part, int m0, long mg,
+                     const DpOut *out) {
     switch (mt) { PK_CASE(1, 1) PK_CASE(1, 2) PK_CASE(1, 3) PK_CASE(1, 4) PK_CASE(1, 5)
                   PK_CASE(1, 6) PK_CASE(1, 7) PK_CASE(1, 8) PK_CASE(1, 9) PK_CASE(1, 10)
                   PK_CASE(1, 11) default: pk_tile(1, 12, PK_ARGS); }
@@ -1195,13 +1209,17 @@ static void pk_share(const uint16_t *x, int M, const uint32_t *wp, int K, int N,
                 for (int s = 0; s < ntile; s++) {  /* tiles of balanced sizes */
                     int mt = mbn / ntile + (s < mbn % ntile);
                     const uint16_t *xs = x + (long)(mb + m0) * K;
-                    int tpf = s == 0 ? pfb : -1;
+                    /* the next chunk's T0 prefetch: the first tile's, or shared */
+                    int spread = pw_pk_spread && pfb >= 0 && !near && !nta
+                                 && ntile <= PK_SPREAD_TILES;
+                    int tpf = s == 0 || spread ? pfb : -1;
+                    int pfn = spread ? ntile : 1, pfs = spread ? s : 0;
                     if (nb == 2)
                         pk_tile2(mt, xs, K, wp, KP, blocks, b0, p0, pc, first, last, tpf, pfp,
-                                 nta, part, m0, mb + m0, out);
+                                 nta, pfn, pfs, part, m0, mb + m0, out);
                     else
                         pk_tile1(mt, xs, K, wp, KP, blocks, b0, p0, pc, first, last, tpf, pfp,
-                                 nta, part, m0, mb + m0, out);
+                                 nta, pfn, pfs, part, m0, mb + m0, out);
                     m0 += mt;
                 }
             }
