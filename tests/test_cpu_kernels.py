@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 
 import pytest
@@ -13,6 +14,19 @@ from phasewise.model import cpu_kernels, linear
 from phasewise.model.linear import ALL_ROWS, LinearDispatch, Upcast
 from phasewise.model.ops import CpuKernelOps, TorchOps
 from phasewise.model.quant import dequantize_rows, quantize_rows_int8
+
+
+@contextlib.contextmanager
+def kernel_global(name: str, value: int):
+    """A C global int of the kernel library (a comparisons switch: pw_pk_nta, pw_pk_spread,
+    pw_dpa_kl, each 1 by default) set to ``value`` for the block, then put back to 1."""
+    flag = ctypes.c_int.in_dll(cpu_kernels.load(), name)
+    flag.value = value
+    try:
+        yield
+    finally:
+        flag.value = 1
+
 
 needs_kernels = pytest.mark.skipif(cpu_kernels.load() is None,
                                    reason=f"CPU kernels unavailable: {cpu_kernels.KERNELS.reason}")
@@ -106,23 +120,15 @@ def test_panels_linear_matches_fp32_reference_and_each_row_alone(m, blocks, pair
         assert torch.equal(cpu_kernels.linear_pk(x[r:r + 1], wp, b)[0], y[r])
     # up to 12 tokens the weights are prefetched non-temporally (pw_pk_nta; up to 6 a few
     # pairs ahead, from 7 in shorter chunks): the same bits as without
-    nta = ctypes.c_int.in_dll(cpu_kernels.load(), "pw_pk_nta")
     for few in (x[:6], x[:12]):
         on = cpu_kernels.linear_pk(few, wp, b)
-        nta.value = 0
-        try:
+        with kernel_global("pw_pk_nta", 0):
             assert torch.equal(cpu_kernels.linear_pk(few, wp, b), on)
-        finally:
-            nta.value = 1
     # 13-72 tokens: a chunk's tiles share its next chunk's prefetch (pw_pk_spread): the same
     # bits as the first tile's alone
-    spread = ctypes.c_int.in_dll(cpu_kernels.load(), "pw_pk_spread")
     on = cpu_kernels.linear_pk(x, wp, b)
-    spread.value = 0
-    try:
+    with kernel_global("pw_pk_spread", 0):
         assert torch.equal(cpu_kernels.linear_pk(x, wp, b), on)
-    finally:
-        spread.value = 1
     # widened as written (the decode step's logits): the same values, as fp32
     yf = cpu_kernels.linear_pk(x, wp, b, out_dtype=torch.float32)
     assert yf.dtype == torch.float32 and torch.equal(yf, y.float())
@@ -953,16 +959,12 @@ def test_dp_decode_attention_keys_in_lanes(G, hd, length, bs):
 
     def run(kl, k=k_cache):
         out = torch.empty(G, hd)
-        flag = ctypes.c_int.in_dll(lib, "pw_dpa_kl")
-        flag.value = kl
-        try:
+        with kernel_global("pw_dpa_kl", kl):
             rc = lib.pw_attend_group_dp(
                 ctypes.c_void_p(q.data_ptr()), G, ctypes.c_float(hd**-0.5),
                 ctypes.c_void_p(k.data_ptr()), ctypes.c_void_p(v_cache.data_ptr()),
                 ctypes.c_void_p(table.data_ptr()), length, bs, n_kv, kvh, hd,
                 ctypes.c_void_p(out.data_ptr()))
-        finally:
-            flag.value = 1
         assert rc == 0
         return out
 

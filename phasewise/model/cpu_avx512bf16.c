@@ -326,6 +326,21 @@ static inline void dpa_prefetch_row(const uint16_t *row, int hd) {
     for (int c = 0; c < hd; c += 32) _mm_prefetch((const char *)(row + c), _MM_HINT_T0);
 }
 
+/* The decode kernels' step of DPA_KB keys from key t0 (of len): the next step's keys' rows
+ * (KV head g) into nx, for the prefetch a few at a time through this step (its K rows before
+ * each 16 keys' scores, its V rows beside the pairs of V they pair with): the step's 128
+ * lines in one burst held up this step's own loads behind them; spread, the layers'
+ * attention took 6% less at batch 8 and 32 of the reference checkpoint on the 2-core
+ * AVX512_BF16 EPYC, and prefetching two steps ahead 12% more (alternating decode steps in
+ * one process). Returns the next step's keys (some only if this one has DPA_KB). */
+static inline int dpa_next_rows(const int64_t *table, int bs, int n_kv, int hd, int g,
+                                int len, int t0, long *nx) {
+    int next = len - t0 - DPA_KB;
+    next = next < 0 ? 0 : next < DPA_KB ? next : DPA_KB;
+    paged_row_offs(table, bs, n_kv, hd, g, t0 + DPA_KB, next, nx);
+    return next;
+}
+
 /* V of a step's n keys (rows at v_cache + o[j]) as pairs of keys, vp [pair][hd] words (a
  * dim's values of keys 2c, 2c + 1; a key past n: 0), one permute per 16 values; the next
  * step's V rows (v_cache + nx[j], j < next) prefetched beside the pairs they pair with. */
@@ -727,9 +742,7 @@ static int attend_group_kl(const uint16_t *q, int G, float scale, const uint16_t
         int n = len - t0 < DPA_KB ? len - t0 : DPA_KB;
         const long *o = off[step];
         long *nx = off[step ^ 1];
-        int next = len - t0 - DPA_KB;
-        next = next < 0 ? 0 : next < DPA_KB ? next : DPA_KB;
-        paged_row_offs(table, bs, n_kv, hd, kvh, t0 + DPA_KB, next, nx);
+        int next = dpa_next_rows(table, bs, n_kv, hd, kvh, len, t0, nx);
         int KG = n > 16 ? 2 : 1;
         for (int k = 0; k < KG; k++) {
             for (int j = 16 * k; j < 16 * k + 16 && j < next; j++)
@@ -818,16 +831,8 @@ int pw_attend_group_dp(const uint16_t *q, int G, float scale, const uint16_t *k_
     for (int t0 = 0, step = 0; t0 < len; t0 += DPA_KB, step ^= 1) {
         int n = len - t0 < DPA_KB ? len - t0 : DPA_KB;
         const long *o = off[step];
-        /* The next step's rows, prefetched a few at a time through this step (its K rows
-         * before each 16 keys' scores, its V rows beside the pairs of V they pair with):
-         * the step's 128 lines in one burst held up this step's own loads behind them;
-         * spread, the layers' attention took 6% less at batch 8 and 32 of the reference
-         * checkpoint on the 2-core AVX512_BF16 EPYC, and prefetching two steps ahead 12%
-         * more (alternating decode steps in one process). */
-        long *nx = off[step ^ 1];
-        int next = len - t0 - DPA_KB;  /* the next step's keys (some only if this one has 32) */
-        next = next < 0 ? 0 : next < DPA_KB ? next : DPA_KB;
-        paged_row_offs(table, bs, n_kv, hd, kvh, t0 + DPA_KB, next, nx);
+        long *nx = off[step ^ 1];  /* the next step's rows (dpa_next_rows) */
+        int next = dpa_next_rows(table, bs, n_kv, hd, kvh, len, t0, nx);
         __m512 s[DPA_KB];
         for (int j0 = 0; j0 < n; j0 += 16) {  /* S^T, 16 keys at a time */
             const uint32_t *kr[16];
