@@ -21,7 +21,7 @@
 #include <omp.h>
 #include <math.h>
 
-#include "cpu_paged.h"  /* paged_row, paged_row_offs: the paged cache's rows */
+#include "cpu_paged.h"  /* paged_row_offs: the paged cache's rows */
 
 static inline __m256 load_bf16x8(const uint16_t *p) {
     __m128i h = _mm_loadu_si128((const __m128i *)p);
