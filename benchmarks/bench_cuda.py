@@ -263,9 +263,72 @@ def check_paths(tmp: Path, device: str) -> dict:
             for name, (got, replays, kernels) in outs.items()}
 
 
-# (name, engine options, whether it runs the prefill figures)
-MODES = [("triton+graphs", dict(), True), ("torch+graphs", dict(kernels="torch"), True),
-         ("triton eager", dict(enforce_eager=True), False)]
+def unsplit(llm: LLM) -> None:
+    """Decode attention one program a (row, KV head), as before the split kernels: set before
+    the first decode step, so every graph captures it."""
+    llm.engine.model.ops.decode_programs = 0
+
+
+# (name, engine options, whether it runs the prefill figures, a change after it loads)
+MODES = [("triton+graphs", dict(), True, None), ("torch+graphs", dict(kernels="torch"), True, None),
+         ("triton+graphs, unsplit attention", dict(), False, unsplit),
+         ("triton eager", dict(enforce_eager=True), False, None)]
+
+
+def attention_kernels(dev: torch.device, cfg: dict, batches: list[int],
+                      contexts: list[int]) -> list[dict]:
+    """One layer's paged decode attention alone, on the model's heads: the Triton kernel with
+    rows' blocks split across programs (``decode_splits``, the engine's default on a GPU),
+    one program a (row, KV head), and torch's gather path, each timed with CUDA events over
+    repeated calls on shuffled block tables, with the largest difference from torch's."""
+    n_heads, n_kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    hd = cfg.get("head_dim") or cfg["hidden_size"] // n_heads
+    rows = []
+    for ctx in contexts:
+        for b in batches:
+            if b * ctx * n_kv * hd * 2 * 2 <= (8 << 30):  # K and V within 8 GiB
+                rows.append(attention_case(dev, b, ctx, n_heads, n_kv, hd))
+    return rows
+
+
+def attention_case(dev: torch.device, b: int, ctx: int, n_heads: int, n_kv: int, hd: int,
+                   bs: int = 16, reps: int = 50) -> dict:
+    from phasewise.model.attention import AttentionMetadata, decode_attention_torch
+    from phasewise.model.triton_ops import TritonOps, decode_splits
+
+    split, whole = TritonOps(), TritonOps(decode_programs=0)
+    per_row = -(-ctx // bs)
+    g = torch.Generator().manual_seed(ctx + b)
+    k = torch.randn(b * per_row + 1, bs, n_kv, hd, device=dev, dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    order = (torch.randperm(b * per_row, generator=g) + 1).view(b, per_row).tolist()
+    meta = AttentionMetadata.build(chunk_lens=[1] * b, context_lens=[ctx - 1] * b,
+                                   block_tables=order, block_size=bs, device=dev)
+    q = torch.randn(b, n_heads, hd, device=dev, dtype=torch.bfloat16)
+    scale = hd ** -0.5
+    methods = {"split": split.decode_attention, "one program a head": whole.decode_attention}
+    ref = None
+    if b * ctx <= 64 * 4096:  # torch's gathers copy every row's padded context
+        methods["torch"] = decode_attention_torch
+        ref = decode_attention_torch(q, k, v, meta, scale).float()
+    row = {"batch": b, "context": ctx,
+           "splits": decode_splits(b, n_kv, per_row, split._programs(dev))}
+    for name, fn in methods.items():
+        out = fn(q, k, v, meta, scale)
+        if ref is not None:
+            row[f"{name} max diff"] = float((out.float() - ref).abs().max())
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        best = float("inf")
+        for _ in range(3):
+            start.record()
+            for _ in range(reps):
+                fn(q, k, v, meta, scale)
+            end.record()
+            torch.cuda.synchronize(dev)
+            best = min(best, start.elapsed_time(end) * 1e3 / reps)
+        row[f"{name} us"] = best
+    return row
 
 
 def step_anatomy(llm: LLM, dev: torch.device, prompt_len: int, vocab: int) -> dict:
@@ -344,6 +407,9 @@ def main() -> int:
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--max-model-len", type=int, default=8192)
     p.add_argument("--kv-cache-memory", default="16GiB")
+    p.add_argument("--attention-contexts", type=int, nargs="+",
+                   default=[192, 1024, 4096, 16384],
+                   help="keys a row for the attention kernels alone (CUDA only)")
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--skip-eager", action="store_true",
                    help="leave out the eager engine (enforce_eager) of the comparison")
@@ -378,12 +444,32 @@ def main() -> int:
         folder = write_folder(Path(tmp) / args.shape, SHAPES[args.shape])
         roof = Roofline(ModelShape.from_path(folder), accel, "bf16")
         cfg = SHAPES[args.shape]
-        for mode, over, with_prefill in MODES:
+        if dev.type == "cuda":
+            try:
+                res["attention"] = rows = attention_kernels(dev, cfg, args.batches,
+                                                            args.attention_contexts)
+                for r in rows:
+                    times = ", ".join(f"{k[:-3]} {v:.1f} us" for k, v in r.items()
+                                      if k.endswith(" us"))
+                    diffs = ", ".join(f"{k[:-9]} {v:.1e}" for k, v in r.items()
+                                      if k.endswith(" max diff"))
+                    ratio = r["one program a head us"] / r["split us"]
+                    say(f"attention b{r['batch']:<3d} x {r['context']:6d} keys ({r['splits']} "
+                        f"splits): {times}; split x{ratio:.2f} one program a head; "
+                        f"largest difference from torch: {diffs or 'not run'}")
+            except Exception:
+                res["errors"].append(f"attention: {traceback.format_exc()}")
+                say(traceback.format_exc())
+        for mode, over, with_prefill, change in MODES:
             if mode.endswith("eager") and args.skip_eager:
                 continue
+            if change is not None and dev.type != "cuda":
+                continue  # the Triton kernels run on CUDA alone
             try:
                 t0 = time.perf_counter()
                 llm = LLM(str(folder), **engine_kwargs(args, args.device, **over))
+                if change is not None:
+                    change(llm)
                 say(f"[{mode}] engine ready in {time.perf_counter() - t0:.1f}s "
                     f"(kernels: {llm.engine.gpu_kernels})")
                 if with_prefill:
@@ -423,7 +509,7 @@ def main() -> int:
             if dev.type == "cuda":
                 torch.cuda.empty_cache()
         best = res.get("decode triton+graphs", [])
-        for other in ("torch+graphs", "triton eager"):
+        for other in ("torch+graphs", "triton+graphs, unsplit attention", "triton eager"):
             for g, e in zip(best, res.get(f"decode {other}", [])):
                 say(f"triton+graphs / {other}, decode b{g['batch']}: "
                     f"x{e['step_s'] / g['step_s']:.2f}")

@@ -87,33 +87,121 @@ def test_silu_mul(dtype, inter):
     assert got.shape == want.shape and ulp_close(got, want, ulps=2)
 
 
-@pytest.mark.parametrize("n_heads,n_kv,hd", [(4, 4, 16), (4, 2, 32), (14, 2, 64), (8, 1, 16)])
-def test_paged_decode_attention(n_heads, n_kv, hd):
-    rng = random.Random(n_heads * 100 + n_kv)
-    g = torch.Generator().manual_seed(n_heads)
-    bs, num_blocks = 16, 40
+def paged_case(n_heads: int, n_kv: int, hd: int, lens: list[int], bs: int = 16,
+               num_blocks: int = 40, pad_to: int = 0):
+    """A paged cache, shuffled block tables for rows of ``lens`` keys (each padded to
+    ``pad_to`` blocks with block 0, as a captured graph pads them), and a strided q."""
+    rng = random.Random(n_heads * 100 + n_kv + sum(lens))
+    g = torch.Generator().manual_seed(n_heads + hd)
     k_cache = torch.randn(num_blocks, bs, n_kv, hd, generator=g)
     v_cache = torch.randn(num_blocks, bs, n_kv, hd, generator=g)
-    lens = [1, 16, 17, 100, 5, 64]  # with the new token; block edges both sides
-    free = list(range(num_blocks))
+    free = list(range(1, num_blocks))
     rng.shuffle(free)
     tables = [[free.pop() for _ in range(-(-n // bs))] for n in lens]
     meta = AttentionMetadata.build(chunk_lens=[1] * len(lens), context_lens=[n - 1 for n in lens],
                                    block_tables=tables, block_size=bs,
                                    device=torch.device("cpu"))
+    if pad_to:
+        wide = torch.zeros(len(lens), pad_to, dtype=meta.decode_block_tables.dtype)
+        wide[:, :meta.decode_block_tables.shape[1]] = meta.decode_block_tables
+        meta.decode_block_tables = wide
     q = torch.randn(len(lens), n_heads + n_kv, hd, generator=g)[:, :n_heads]  # strided
-    scale = hd ** -0.5
+    return q, k_cache, v_cache, meta, hd ** -0.5
+
+
+LENS = [1, 16, 17, 100, 5, 64]  # with the new token; block edges both sides
+
+
+@pytest.mark.parametrize("n_heads,n_kv,hd", [(4, 4, 16), (4, 2, 32), (14, 2, 64), (8, 1, 16)])
+def test_paged_decode_attention(n_heads, n_kv, hd):
+    q, k_cache, v_cache, meta, scale = paged_case(n_heads, n_kv, hd, LENS)
     want = decode_attention_torch(q, k_cache, v_cache, meta, scale)
     got = TRITON.decode_attention(q, k_cache, v_cache, meta, scale)
     assert torch.allclose(got, want, atol=1e-5, rtol=1e-5)
 
 
-def test_a_model_generates_the_same_tokens_through_the_kernels(llama_dir):
+@pytest.mark.parametrize("programs", [30, 100, 10 ** 6])
+@pytest.mark.parametrize("n_heads,n_kv,hd,pad_to", [(4, 2, 32, 0), (14, 2, 64, 16),
+                                                    (8, 1, 16, 32)])
+def test_paged_decode_attention_split_across_programs(programs, n_heads, n_kv, hd, pad_to):
+    """Rows' blocks shared among several programs, then combined: torch's attention, whether
+    a split holds several blocks, one, or none (more splits than the row has blocks, as a
+    short row in a wide captured table gets)."""
+    ops = triton_ops.TritonOps(decode_programs=programs)
+    q, k_cache, v_cache, meta, scale = paged_case(n_heads, n_kv, hd, LENS, pad_to=pad_to)
+    splits = triton_ops.decode_splits(len(LENS), n_kv, meta.decode_block_tables.shape[1],
+                                      programs)
+    assert splits > 1
+    want = decode_attention_torch(q, k_cache, v_cache, meta, scale)
+    got = ops.decode_attention(q, k_cache, v_cache, meta, scale)
+    assert torch.allclose(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_paged_decode_attention_split_keeps_extreme_scores():
+    """A split whose keys all score far below another's (exp underflows to 0 in its own
+    scale) must still weigh in at its true, tiny weight, and one far above must dominate:
+    the combine rescales every split to the common max."""
+    ops = triton_ops.TritonOps(decode_programs=10 ** 6)
+    q, k_cache, v_cache, meta, scale = paged_case(4, 1, 32, [80], num_blocks=8)
+    blocks = meta.decode_block_tables[0].tolist()
+    k_cache[blocks[0]] *= 40  # scores in the hundreds in the first split...
+    k_cache[blocks[3]] *= -40  # ...and far below in another
+    want = decode_attention_torch(q, k_cache, v_cache, meta, scale)
+    got = ops.decode_attention(q, k_cache, v_cache, meta, scale)
+    assert torch.isfinite(got).all()
+    assert torch.allclose(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_decode_splits():
+    # a wave's worth of (row, KV head) pairs already: one program each
+    assert triton_ops.decode_splits(32, 8, 16, programs=264) == 1
+    assert triton_ops.decode_splits(1, 8, 16, programs=0) == 1
+    # batch 1 of 8 KV heads on 132 multiprocessors: 33 splits wanted, the table's 16 blocks
+    assert triton_ops.decode_splits(1, 8, 16, programs=264) == 16
+    assert triton_ops.decode_splits(2, 8, 1024, programs=264) == 17
+    assert triton_ops.decode_splits(1, 8, 1024, programs=264) == triton_ops.MAX_DECODE_SPLITS
+    assert triton_ops.decode_splits(8, 8, 64, programs=264) == 5
+    for rows in range(1, 70):
+        for width in (1, 16, 64, 4096):
+            n = triton_ops.decode_splits(rows, 8, width, programs=264)
+            assert 1 <= n <= min(width, triton_ops.MAX_DECODE_SPLITS)
+            assert n == 1 or rows * 8 * 2 < 264
+
+
+@pytest.mark.parametrize("programs", [0, 10 ** 6])
+def test_a_model_generates_the_same_tokens_through_the_kernels(llama_dir, programs):
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     prompts = [[5, 9, 13, 2, 7] * 4, [3, 4, 5], [11] * 30]
     want = LLM(str(llama_dir), dtype="float32", kernels="torch").generate(prompts, params)
     llm = LLM(str(llama_dir), dtype="float32", kernels="torch")
-    llm.engine.model.ops = TRITON
+    llm.engine.model.ops = triton_ops.TritonOps(decode_programs=programs)
     got = llm.generate(prompts, params)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
 
+
+
+def test_padded_graph_steps_split_rows_as_the_eager_kernel_walks_them(llama_dir):
+    """The CUDA-graph runner's padded static buffers (run eagerly on CPU), whose tables are
+    padded to a power-of-two width with the scratch block and whose padded rows attend to
+    one key: with every row's blocks split across programs, the greedy tokens are those of
+    the unsplit kernel on the unpadded path."""
+    from phasewise.engine.model_runner import ModelRunner
+
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    prompts = [[5, 9, 13, 2, 7] * 8, [3, 4, 5], [11] * 30]  # 3 rows: a bucket of 4
+    kw = {"dtype": "float32", "kernels": "torch", "max_model_len": 512, "block_size": 16}
+    eager = LLM(str(llama_dir), **kw)
+    eager.engine.model.ops = triton_ops.TritonOps(decode_programs=0)
+    want = [o.token_ids for o in eager.generate(prompts, params)]
+    llm = LLM(str(llama_dir), **kw)
+    eng = llm.engine
+    old = eng.runner
+    eng.runner = ModelRunner(eng.model, eng.model_config, num_blocks=old.kv_cache.shape[2],
+                             block_size=old.block_size, dtype=old.kv_cache.dtype,
+                             device=old.device, decode_graphs="padded",
+                             max_model_len=eng.max_model_len)
+    eng.connector.io = eng.runner
+    eng.model.ops = triton_ops.TritonOps(decode_programs=10 ** 6)
+    got = [o.token_ids for o in llm.generate(prompts, params)]
+    assert got == want
+    assert eng.runner.graphs.replays >= 8

@@ -13,7 +13,12 @@ batch-8 step from 8.0 to 6.3 ms (batch 1: 6.4 to 6.0 ms, where the matrix produc
 * ``rope``: q and k heads rotated in one pass over any strides;
 * ``silu_mul``: the SwiGLU gate;
 * ``decode_attention``: each decode row and KV head walks its own block table in the paged
-  cache (no gather copy), the KV head's query heads together, with an online softmax.
+  cache (no gather copy), the KV head's query heads together, with an online softmax. Where
+  the rows and KV heads make fewer programs than a wave of the GPU's multiprocessors (batch 1
+  of an 8B model: 8 programs on an H200's 132), each row's blocks are split among several
+  programs (``decode_splits``), and a second kernel combines their partial sums (the
+  flash-decoding scheme): one program walking a row's blocks one after another waits on each
+  block's loads in turn.
 
 Where torch rounds to the model's dtype between operations (the residual sum, the normalised
 row before its gain, RoPE's two products and sum, SiLU before the product) these kernels round
@@ -130,6 +135,93 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, seq_lens_ptr,
              mask=gm)
 
 
+@triton.jit
+def _paged_decode_split_kernel(q_ptr, k_ptr, v_ptr, acc_ptr, ml_ptr, tables_ptr, seq_lens_ptr,
+                               stride_qt, stride_qh, stride_kb, stride_ks, stride_kh,
+                               stride_vb, stride_vs, stride_vh, stride_bt, scale, group,
+                               GROUP_P: tl.constexpr, HD: tl.constexpr, BS: tl.constexpr):
+    """One split of a row's blocks for one KV head: ``_paged_decode_kernel``'s loop over
+    blocks ``[s * per, (s + 1) * per)`` of the row's ``ceil(seq_len / BS)``, with ``per`` the
+    even share of the ``num_programs(2)`` splits, read from the row's length on the device
+    (so a captured graph's splits follow each replay's lengths). It writes the split's
+    unnormalised sums ``acc`` [rows, heads, splits, HD] and its max and weight total ``ml``
+    [rows, heads, splits, 2]; a split past the row's blocks writes -inf and 0."""
+    r = tl.program_id(0).to(tl.int64)  # decode row
+    kvh = tl.program_id(1)  # KV head
+    s = tl.program_id(2)  # split
+    n_split = tl.num_programs(2)
+    n_heads = tl.num_programs(1) * group
+    g = tl.arange(0, GROUP_P)
+    gm = g[:, None] < group
+    d = tl.arange(0, HD)[None, :]
+    heads = kvh * group + g[:, None]
+    q = tl.load(q_ptr + r * stride_qt + heads * stride_qh + d, mask=gm, other=0.0)
+    q = q.to(tl.float32) * scale  # [GROUP_P, HD]
+    seq_len = tl.load(seq_lens_ptr + r)
+    n_blk = (seq_len + BS - 1) // BS
+    per = (n_blk + n_split - 1) // n_split
+    j = s * per
+    stop = tl.minimum(j + per, n_blk)
+    offs = tl.arange(0, BS)
+    m = tl.full([GROUP_P], float("-inf"), tl.float32)
+    total = tl.zeros([GROUP_P], tl.float32)
+    acc = tl.zeros([GROUP_P, HD], tl.float32)
+    while j < stop:
+        blk = tl.load(tables_ptr + r * stride_bt + j)
+        k = tl.load(k_ptr + blk * stride_kb + offs[:, None] * stride_ks + kvh * stride_kh + d)
+        scores = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)  # [GROUP_P, BS]
+        scores = tl.where((j * BS + offs)[None, :] < seq_len, scores, float("-inf"))
+        m_new = tl.maximum(m, tl.max(scores, axis=1))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(scores - m_new[:, None])
+        total = total * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_ptr + blk * stride_vb + offs[:, None] * stride_vs + kvh * stride_vh + d)
+        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
+        m = m_new
+        j += 1
+    part = (r * n_heads + heads) * n_split + s  # [GROUP_P, 1]
+    tl.store(acc_ptr + part * HD + d, acc, mask=gm)
+    hm = g < group
+    row = (r * n_heads + kvh * group + g) * n_split + s
+    tl.store(ml_ptr + row * 2, m, mask=hm)
+    tl.store(ml_ptr + row * 2 + 1, total, mask=hm)
+
+
+@triton.jit
+def _paged_decode_combine_kernel(acc_ptr, ml_ptr, out_ptr, n_split,
+                                 SPLIT_P: tl.constexpr, HD: tl.constexpr):
+    """One (row, head): the splits' sums rescaled to their common max and divided by the
+    rescaled weight total, as one online softmax over all the row's keys would have left them.
+    Split 0 always holds the row's first key, so the common max is finite."""
+    rh = tl.program_id(0).to(tl.int64)  # row * heads + head
+    sp = tl.arange(0, SPLIT_P)
+    sm = sp < n_split
+    m = tl.load(ml_ptr + (rh * n_split + sp) * 2, mask=sm, other=float("-inf"))
+    total = tl.load(ml_ptr + (rh * n_split + sp) * 2 + 1, mask=sm, other=0.0)
+    m_all = tl.max(m, axis=0)
+    w = tl.where(sm & (m > float("-inf")), tl.exp(m - m_all), 0.0)  # [SPLIT_P]
+    d = tl.arange(0, HD)[None, :]
+    acc = tl.load(acc_ptr + (rh * n_split + sp[:, None]) * HD + d, mask=sm[:, None], other=0.0)
+    out = tl.sum(acc * w[:, None], axis=0) / tl.sum(total * w, axis=0)
+    tl.store(out_ptr + rh * HD + tl.arange(0, HD), out.to(out_ptr.dtype.element_ty))
+
+
+# Splits of a row's blocks are at most this many (the partial sums' buffer grows with them).
+MAX_DECODE_SPLITS = 32
+
+
+def decode_splits(rows: int, kv_heads: int, table_width: int, programs: int) -> int:
+    """How many programs share each (row, KV head)'s blocks: 1 (one program walks them all)
+    where ``rows * kv_heads`` programs already make ``programs // 2`` (a wave of the GPU's
+    multiprocessors), else enough splits to make ``programs`` in all, at most one a block of
+    the table's width and at most ``MAX_DECODE_SPLITS``. The table width is fixed for a
+    captured graph, so a graph's split count is too."""
+    pairs = rows * kv_heads
+    if programs <= 0 or 2 * pairs >= programs:
+        return 1
+    return max(1, min(-(-programs // pairs), table_width, MAX_DECODE_SPLITS))
+
+
 def _pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
@@ -140,6 +232,12 @@ class TritonOps(TorchOps):
     not a power of two) fall back to torch's operations."""
 
     decode_attention_gathers = False  # it walks the block tables: no padded context copied
+
+    def __init__(self, decode_programs: int | None = None) -> None:
+        """``decode_programs``: the programs decode attention aims for when it splits rows'
+        blocks (``decode_splits``); None takes twice the multiprocessors of the GPU it runs
+        on (no splitting on other devices), 0 never splits."""
+        self.decode_programs = decode_programs
 
     def add_rms_norm(self, delta: torch.Tensor | None, hidden: torch.Tensor,
                      weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -192,9 +290,28 @@ class TritonOps(TorchOps):
             return super().decode_attention(q, k_cache, v_cache, meta, scale)
         group = n_heads // n_kv
         out = torch.empty((nd, n_heads, hd), dtype=q.dtype, device=q.device)
-        _paged_decode_kernel[(nd, n_kv)](
-            q, k_cache, v_cache, out, tables, seq_lens, q.stride(0), q.stride(1),
-            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0),
-            v_cache.stride(1), v_cache.stride(2), tables.stride(0), scale, group,
-            GROUP_P=triton.next_power_of_2(group), HD=hd, BS=bs)
+        if not nd:
+            return out
+        strides = (q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+                   k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+                   tables.stride(0), scale, group)
+        consts = dict(GROUP_P=triton.next_power_of_2(group), HD=hd, BS=bs)
+        splits = decode_splits(nd, n_kv, tables.shape[1], self._programs(q.device))
+        if splits == 1:
+            _paged_decode_kernel[(nd, n_kv)](q, k_cache, v_cache, out, tables, seq_lens,
+                                             *strides, **consts)
+            return out
+        acc = torch.empty((nd, n_heads, splits, hd), dtype=torch.float32, device=q.device)
+        ml = torch.empty((nd, n_heads, splits, 2), dtype=torch.float32, device=q.device)
+        _paged_decode_split_kernel[(nd, n_kv, splits)](q, k_cache, v_cache, acc, ml, tables,
+                                                       seq_lens, *strides, **consts)
+        _paged_decode_combine_kernel[(nd * n_heads,)](
+            acc, ml, out, splits, SPLIT_P=triton.next_power_of_2(splits), HD=hd)
         return out
+
+    def _programs(self, device: torch.device) -> int:
+        if self.decode_programs is not None:
+            return self.decode_programs
+        if device.type != "cuda":
+            return 0
+        return 2 * torch.cuda.get_device_properties(device).multi_processor_count
