@@ -529,12 +529,19 @@ def test_responses_create_streams_the_same_text_with_openais_events(server):
     assert [e.sequence_number for e in events] == list(range(len(events)))
     deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     assert deltas == whole.output_text == events[-1].response.output_text
-    # ended by a stop string: completed, and the SDK's stream helper gets its final response
-    with client.responses.stream(model="tiny", input="x", max_output_tokens=64,
-                                 extra_body={"stop": ["e"], "seed": 1}) as stream:
+    # ended by a stop string: completed, and the SDK's stream helper gets its final response.
+    # The stop string is a character of the greedy text, so the stream meets it for sure.
+    free = client.responses.create(model="tiny", input="x", max_output_tokens=64,
+                                   temperature=0).output_text
+    printable = [c for c in free[1:] if c.isascii() and c.isprintable()]
+    assert printable, free
+    stop = printable[len(printable) // 2]
+    with client.responses.stream(model="tiny", input="x", max_output_tokens=64, temperature=0,
+                                 extra_body={"stop": [stop]}) as stream:
         list(stream)
         final = stream.get_final_response()
-    assert final.status == "completed" and "e" not in final.output_text
+    assert final.status == "completed" and stop not in final.output_text
+    assert free.startswith(final.output_text)
 
 
 def test_responses_text_format_and_what_is_refused(server):

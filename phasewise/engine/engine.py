@@ -405,7 +405,7 @@ class LLMEngine:
         self.connector.end_load(request_id)
         if req.logprobs is not None and logprobs is not None:
             req.logprobs.append(dict(logprobs))
-        self.sampler.skip_draw(req, self.model_config.vocab_size, self.device)
+        self.sampler.skip_draw(req, self.device)
         self.scheduler.remote_prefill_done(req, token)
         return self._emit(req)
 

@@ -256,6 +256,20 @@ def verify_sampled(probs: torch.Tensor, drafts: list[int], generator: torch.Gene
 
 
 def _draw(p: torch.Tensor, generator: torch.Generator | None) -> int:
-    """One draw from the (unnormalised) weights ``p``: argmax(p / E), E ~ Exp(1)."""
-    noise = torch.empty_like(p).exponential_(generator=generator)
-    return int((p / noise).argmax())
+    """One draw from the (unnormalised) weights ``p``, from one uniform number (as the
+    sampler's draws)."""
+    u = torch.rand(1, generator=generator, device=p.device)
+    return int(inverse_cdf(p[None].float(), u)[0])
+
+
+def inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Per row of ``weights`` ([n, K], non-negative, not all zero), the first position whose
+    running sum passes ``u`` (in [0, 1)) times the row's total: a draw from the row's weights.
+    Never a position of weight zero: the first sum past a value rises there, and a ``u`` of 1
+    (past the total) picks the position where the sum reaches the total, the last with
+    weight."""
+    cum = weights.cumsum(dim=-1)
+    total = cum[:, -1:].contiguous()
+    pos = torch.searchsorted(cum, u[:, None].to(cum.dtype) * total, right=True)
+    last = torch.searchsorted(cum, total, right=False)
+    return torch.minimum(pos, last)[:, 0]

@@ -1,0 +1,100 @@
+"""The sampler's cost for temperature, top-k and top-p, against the sort it replaced, here.
+
+For each vocabulary x batch x sampling setting it times one step's draw for every row:
+
+* ``topk``: phasewise's sampler (``Sampler._sample_rows``): the largest logits from
+  ``torch.topk`` (64, widened while a row's nucleus is wider), the filtered distribution over
+  them, and one uniform number a row through the inverse of its running sum;
+* ``sort``: the previous sampler, kept here as the yardstick: the whole vocabulary sorted
+  (``Sampler._probs``, which speculative verification still uses), then argmax(p / E) with
+  E ~ Exp(1), one exponential per token.
+
+Both run interleaved, round after round (~0.2 s each a round), and the median round counts.
+Logits are random normals times ``--scale`` (3 gives a nucleus of tens to hundreds of tokens
+at top_p 0.95 and temperature 0.7; 0.1 gives a flat distribution whose nucleus is most of the
+vocabulary, the wide case). It prints milliseconds a step and the ratio (higher is faster).
+
+    .venv/bin/python benchmarks/bench_sampler.py [--rounds 3] [--scale 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from functools import partial
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from phasewise import SamplingParams
+from phasewise.engine.request import Request
+from phasewise.engine.sampler import Sampler
+
+SETTINGS = {
+    "temperature 0.7": {"temperature": 0.7},
+    "top_p 0.95, t 0.7": {"temperature": 0.7, "top_p": 0.95},
+    "top_k 50, t 0.7": {"temperature": 0.7, "top_k": 50},
+    "top_k 40, top_p 0.9, min_p 0.05": {"temperature": 0.8, "top_k": 40, "top_p": 0.9,
+                                        "min_p": 0.05},
+}
+
+
+def sort_and_exponentials(sampler: Sampler, reqs: list[Request],
+                          logits: torch.Tensor) -> torch.Tensor:
+    probs = sampler._probs(reqs, logits)
+    noise = torch.empty_like(probs)
+    for i in range(len(reqs)):
+        noise[i].exponential_(generator=sampler.generator)
+    return (probs / noise).argmax(dim=-1)
+
+
+def per_call_ms(fn, seconds: float) -> float:
+    fn()
+    n, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        fn()
+        n += 1
+    return (time.perf_counter() - t0) / n * 1e3
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--vocabs", type=int, nargs="+", default=[32000, 151936])
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    p.add_argument("--scale", type=float, default=3.0)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--seconds", type=float, default=0.2, help="a method's time a round")
+    args = p.parse_args()
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; logits N(0, 1) x "
+          f"{args.scale}")
+    sampler = Sampler(torch.Generator().manual_seed(0))
+    print(f"{'vocab':>7} {'batch':>5}  {'setting':33} {'sort ms':>9} {'topk ms':>9} "
+          f"{'x':>6} {'kept':>6}")
+    for vocab in args.vocabs:
+        for b in args.batches:
+            logits = torch.randn(b, vocab, generator=torch.Generator().manual_seed(b)) \
+                * args.scale
+            for name, kw in SETTINGS.items():
+                params = SamplingParams(**kw)
+                reqs = [Request(f"r{i}", [1, 2], params, eos_token_ids=(0,), arrival_time=0.0)
+                        for i in range(b)]
+                methods = {"sort": partial(sort_and_exponentials, sampler, reqs, logits),
+                           "topk": partial(sampler._sample_rows, reqs, logits)}
+                times: dict[str, list[float]] = {m: [] for m in methods}
+                for _ in range(args.rounds):
+                    for m, fn in methods.items():
+                        times[m].append(per_call_ms(fn, args.seconds))
+                sort_ms, topk_ms = (statistics.median(times[m]) for m in ("sort", "topk"))
+                _, probs = sampler._candidates(reqs, logits)
+                kept = (probs > 0).sum(dim=-1).float().mean().item()
+                print(f"{vocab:7d} {b:5d}  {name:33} {sort_ms:9.3f} {topk_ms:9.3f} "
+                      f"{sort_ms / topk_ms:6.1f} {kept:6.0f}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
