@@ -1,18 +1,22 @@
-"""The sampler's cost for temperature, top-k and top-p, against the sort it replaced, here.
+"""The sampler's cost for temperature, top-k, top-p and min-p, against the sort it replaced.
 
 For each vocabulary x batch x sampling setting it times one step's draw for every row:
 
-* ``topk``: phasewise's sampler (``Sampler._sample_rows``): the largest logits from
-  ``torch.topk`` (64, widened while a row's nucleus is wider), the filtered distribution over
-  them, and one uniform number a row through the inverse of its running sum;
-* ``sort``: the previous sampler, kept here as the yardstick: the whole vocabulary sorted
-  (``Sampler._probs``, which speculative verification still uses), then argmax(p / E) with
-  E ~ Exp(1), one exponential per token.
+* ``kernel``: phasewise's sampler on CPU (``Sampler._sample_rows`` -> the kernels'
+  ``sample_list``): each row's filters by radix selection on its weights' bits, no sort, and
+  one draw from one uniform number (where the kernels load; else this column repeats
+  ``topk``);
+* ``topk``: the same filter and draw in torch's operations (``Sampler._sample_torch``, the
+  GPU's path and the CPU's fallback): the largest logits from ``torch.topk`` (64, widened
+  while a row's nucleus is wider), the inverse of each row's running sum;
+* ``sort``: the sampler before these, kept here as the yardstick: the whole vocabulary
+  sorted (``Sampler._probs``), then argmax(p / E) with E ~ Exp(1), one exponential a token.
 
-Both run interleaved, round after round (~0.2 s each a round), and the median round counts.
-Logits are random normals times ``--scale`` (3 gives a nucleus of tens to hundreds of tokens
-at top_p 0.95 and temperature 0.7; 0.1 gives a flat distribution whose nucleus is most of the
-vocabulary, the wide case). It prints milliseconds a step and the ratio (higher is faster).
+The three run interleaved, round after round (~0.2 s each a round), and the median round
+counts. Logits are random normals times ``--scale`` (3 gives a nucleus of tens to hundreds
+of tokens at top_p 0.95 and temperature 0.7; 0.1 a flat distribution whose nucleus is most
+of the vocabulary, as a random-weight checkpoint gives). It prints milliseconds a step and
+the ratios to ``sort`` (higher is faster).
 
     .venv/bin/python benchmarks/bench_sampler.py [--rounds 3] [--scale 3]
 """
@@ -73,7 +77,7 @@ def main() -> int:
           f"{args.scale}")
     sampler = Sampler(torch.Generator().manual_seed(0))
     print(f"{'vocab':>7} {'batch':>5}  {'setting':33} {'sort ms':>9} {'topk ms':>9} "
-          f"{'x':>6} {'kept':>6}")
+          f"{'x':>6} {'kernel ms':>9} {'x':>6} {'kept':>6}")
     for vocab in args.vocabs:
         for b in args.batches:
             logits = torch.randn(b, vocab, generator=torch.Generator().manual_seed(b)) \
@@ -82,17 +86,20 @@ def main() -> int:
                 params = SamplingParams(**kw)
                 reqs = [Request(f"r{i}", [1, 2], params, eos_token_ids=(0,), arrival_time=0.0)
                         for i in range(b)]
+                u = sampler._uniforms(reqs, logits.device)
                 methods = {"sort": partial(sort_and_exponentials, sampler, reqs, logits),
-                           "topk": partial(sampler._sample_rows, reqs, logits)}
+                           "topk": partial(sampler._sample_torch, reqs, logits, u),
+                           "kernel": partial(sampler._sample_rows, reqs, logits)}
                 times: dict[str, list[float]] = {m: [] for m in methods}
                 for _ in range(args.rounds):
                     for m, fn in methods.items():
                         times[m].append(per_call_ms(fn, args.seconds))
-                sort_ms, topk_ms = (statistics.median(times[m]) for m in ("sort", "topk"))
+                sort_ms, topk_ms, kernel_ms = (statistics.median(times[m]) for m in methods)
                 _, probs = sampler._candidates(reqs, logits)
                 kept = (probs > 0).sum(dim=-1).float().mean().item()
                 print(f"{vocab:7d} {b:5d}  {name:33} {sort_ms:9.3f} {topk_ms:9.3f} "
-                      f"{sort_ms / topk_ms:6.1f} {kept:6.0f}", flush=True)
+                      f"{sort_ms / topk_ms:6.1f} {kernel_ms:9.3f} {sort_ms / kernel_ms:6.1f} "
+                      f"{kept:6.0f}", flush=True)
     return 0
 
 

@@ -102,14 +102,14 @@ def test_a_request_whose_sampling_fails_fails_alone(llama_dir):
     want = [o.token_ids for o in LLM(str(llama_dir)).generate(ids, GREEDY)]
     engine = LLMEngine(EngineConfig(model=str(llama_dir), max_num_seqs=2))
     poison = SamplingParams(temperature=0.7, top_k=7, max_tokens=6, ignore_eos=True)
-    real_candidates = engine.sampler._candidates
+    real_sample_rows = engine.sampler._sample_rows
 
-    def candidates(requests, logits):
+    def sample_rows(requests, logits):
         if any(r.params.top_k == 7 for r in requests):
             raise RuntimeError("this request's settings break the sampler")
-        return real_candidates(requests, logits)
+        return real_sample_rows(requests, logits)
 
-    engine.sampler._candidates = candidates
+    engine.sampler._sample_rows = sample_rows
     ae = AsyncEngine(engine)
 
     async def main():

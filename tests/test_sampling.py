@@ -124,6 +124,50 @@ def test_candidates_are_the_sorted_filter(vocab, rows, seed, scale, top_k, top_p
     assert torch.allclose(got.sum(-1), torch.ones(rows), atol=1e-5)
 
 
+needs_kernels = pytest.mark.skipif(cpu_kernels.load() is None,
+                                   reason="phasewise's CPU kernels are unavailable")
+
+
+@needs_kernels
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(vocab=st.sampled_from([5, 9, 300, 1500]), seed=st.integers(0, 2**16),
+       scale=st.sampled_from([0.01, 0.5, 3.0, 30.0]), top_k=st.sampled_from([0, 1, 3, 40, 1000]),
+       top_p=st.sampled_from([1.0, 0.999, 0.9, 0.3]), min_p=st.sampled_from([0.0, 0.02, 0.5]),
+       temperature=st.sampled_from([0.2, 1.0, 3.0]), masked=st.booleans())
+def test_kernel_draws_follow_the_sorted_filter(vocab, seed, scale, top_k, top_p, min_p,
+                                               temperature, masked):
+    """The CPU kernel's draws (radix selection, no sort) at 2,000 evenly spread uniform
+    numbers: each token's share is the sorted filter's probability to within one draw, so
+    the support and every probability match (a grammar's -inf logits in some rows)."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(vocab, generator=g) * scale
+    if masked:
+        logits[torch.randperm(vocab, generator=g)[:vocab // 2]] = float("-inf")
+    req = _req(SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p))
+    want = Sampler._probs([req], logits[None])[0]
+    n = 2000
+    u = ((torch.arange(n, dtype=torch.float64) + 0.5) / n).tolist()
+    got = cpu_kernels.sample_list(logits[None].expand(n, -1).contiguous(), [temperature] * n,
+                                  [top_k if top_k < vocab else 0] * n,
+                                  [top_p if top_p < 1 else float("inf")] * n, [min_p] * n, u)
+    counts = torch.bincount(torch.tensor(got), minlength=vocab).double()
+    assert ((counts - n * want.double()).abs() <= 1.01 + n * 1e-5).all()
+    assert (counts[want == 0] == 0).all()
+
+
+@needs_kernels
+def test_kernel_refuses_rows_with_nothing_to_draw():
+    ok = torch.tensor([[0.0, 1.0, 2.0]])
+    for bad in (torch.full((1, 3), float("-inf")), torch.tensor([[0.0, float("inf"), 1.0]])):
+        assert cpu_kernels.sample_list(torch.cat([ok, bad]), [1.0] * 2, [0] * 2,
+                                       [float("inf")] * 2, [0.0] * 2, [0.5] * 2) is None
+    # NaN logits weigh nothing; u at the top of [0, 1) still draws a kept token
+    row = torch.tensor([[float("nan"), 1.0, 3.0, float("-inf"), 2.0]])
+    assert cpu_kernels.sample_list(row, [1.0], [0], [float("inf")], [0.0],
+                                   [1.0 - 2.0 ** -24]) == [4]
+    assert cpu_kernels.sample_list(row, [1.0], [2], [float("inf")], [0.0], [0.0]) == [2]
+
+
 def test_wide_nuclei_widen_the_candidates():
     """A nucleus past the first 64 candidates, and one past 1024, still comes out whole."""
     g = torch.Generator().manual_seed(1)
@@ -151,16 +195,22 @@ def test_inverse_cdf_draws_only_weighted_positions():
         assert inverse_cdf(w, u[None]).item() == 9
 
 
-def test_draws_follow_the_distribution():
+@pytest.mark.parametrize("path", ["torch", "rows"])
+def test_draws_follow_the_distribution(path):
     """20,000 draws of one seeded sampler against the filtered distribution: each token's
-    share within 0.015 of its probability, and nothing outside the support."""
+    share within 0.015 of its probability, and nothing outside the support; in torch's
+    operations and by ``_sample_rows`` (on CPU, the kernels where they load)."""
     logits = torch.log(torch.tensor([0.35, 0.25, 0.2, 0.1, 0.06, 0.04]))[None]
     sampler = Sampler(torch.Generator().manual_seed(5))
     for params in (SamplingParams(), SamplingParams(top_p=0.75, temperature=0.8),
                    SamplingParams(top_k=3, min_p=0.5)):
         reqs = [_req(params)] * 20000
-        toks = sampler._sample_rows(reqs, logits.expand(20000, -1))
-        share = torch.bincount(toks, minlength=6).float() / 20000
+        rows = logits.expand(20000, -1).contiguous()
+        if path == "torch":
+            toks = sampler._sample_torch(reqs, rows, sampler._uniforms(reqs, rows.device))
+        else:
+            toks = sampler._sample_rows(reqs, rows)
+        share = torch.bincount(torch.tensor(toks), minlength=6).float() / 20000
         want = Sampler._probs([reqs[0]], logits)[0]
         assert ((share - want).abs() <= 0.015).all()
         assert (share[want == 0] == 0).all()

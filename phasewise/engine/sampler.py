@@ -9,7 +9,11 @@ temperature -> top-k -> top-p -> min-p -> a draw. A request with a seed draws fr
 the request, so its tokens do not depend on what else is batched, and survive preemption
 (except under speculative decoding: a verify draws once per draft it checks, and how many
 drafts a step leaves it depends on the batch).
-Requests without a seed share the engine's generator.
+Requests without a seed share the engine's generator. Each sampled row takes one uniform
+number and draws by the inverse of its filtered distribution's running sum: on CPU in the
+kernels (``cpu_kernels.sample_list``: each filter a threshold found by radix selection, no
+sort), else in torch's operations (``_sample_torch``: ``torch.topk`` for the filters). Neither
+sorts the vocabulary; ``_probs``, which does, is the reference the tests hold them to.
 """
 
 from __future__ import annotations
@@ -99,13 +103,15 @@ class Sampler:
         if len(greedy) == len(requests):  # all greedy: no gather of the rows (4 MB at b32)
             token_list = greedy_token_list(logits)
         else:
-            tokens = torch.empty(len(requests), dtype=torch.long, device=logits.device)
+            token_list = [0] * len(requests)
+            dev = logits.device
             if greedy:
-                idx = torch.tensor(greedy, device=logits.device)
-                tokens[idx] = greedy_tokens(logits[idx])
-            idx = torch.tensor(rand, device=logits.device)
-            tokens[idx] = self._sample_rows([requests[i] for i in rand], logits[idx])
-            token_list = tokens.tolist()
+                picked = greedy_token_list(logits[torch.tensor(greedy, device=dev)])
+                for i, t in zip(greedy, picked):
+                    token_list[i] = t
+            rows = logits if not greedy else logits[torch.tensor(rand, device=dev)]
+            for i, t in zip(rand, self._sample_rows([requests[i] for i in rand], rows)):
+                token_list[i] = t
 
         logprobs: list[dict[int, float] | None] = [None] * len(requests)
         if raw_logprobs is not None:
@@ -177,23 +183,48 @@ class Sampler:
             requests[i].grammar.apply(logits[i])
         return logits
 
-    def _sample_rows(self, requests: list[Request], logits: torch.Tensor) -> torch.Tensor:
-        """One draw per row from its filtered distribution (the one ``_probs`` gives), by
-        the inverse of its cumulative sum at one uniform number a row: from each row's own
-        generator where it has a seed (so its draws do not depend on the batch), else from
-        the shared one in one call."""
-        cand, probs = self._candidates(requests, logits)
-        dev = logits.device
-        u = torch.empty(len(requests), device=dev)
+    def _sample_rows(self, requests: list[Request], logits: torch.Tensor) -> list[int]:
+        """One draw per row from its filtered distribution (the one ``_probs`` gives) at one
+        uniform number a row (``_uniforms``): on CPU by the kernels' ``sample_list`` (radix
+        selection: no sort, no ``topk``), else, or where the kernels decline a row, by
+        ``_sample_torch``."""
+        u = self._uniforms(requests, logits.device)
+        if logits.device.type == "cpu":
+            from phasewise.model.cpu_kernels import sample_list
+
+            vocab = logits.shape[-1]
+            picked = sample_list(
+                logits, [r.params.temperature for r in requests],
+                [r.params.top_k if 0 < r.params.top_k < vocab else 0 for r in requests],
+                _nucleus([r.params.top_p for r in requests]),
+                [r.params.min_p for r in requests], u.tolist())
+            if picked is not None:
+                return picked
+        return self._sample_torch(requests, logits, u)
+
+    def _uniforms(self, requests: list[Request], device: torch.device) -> torch.Tensor:
+        """One uniform number in [0, 1) a row, on ``device``: from each row's own generator
+        where it has a seed (so its draws do not depend on the batch), else from the shared
+        one in one call."""
         shared = [i for i, r in enumerate(requests) if r.params.seed is None]
+        if len(shared) == len(requests):
+            return torch.rand(len(shared), device=device, generator=self.generator)
+        u = torch.empty(len(requests), device=device)
         if shared:
-            u[torch.tensor(shared, device=dev)] = torch.rand(len(shared), device=dev,
-                                                             generator=self.generator)
+            u[torch.tensor(shared, device=device)] = torch.rand(
+                len(shared), device=device, generator=self.generator)
         for i, r in enumerate(requests):
             if r.params.seed is not None:
-                u[i] = torch.rand(1, device=dev, generator=self._generator(r, dev))[0]
+                u[i] = torch.rand(1, device=device, generator=self._generator(r, device))[0]
+        return u
+
+    def _sample_torch(self, requests: list[Request], logits: torch.Tensor,
+                      u: torch.Tensor) -> list[int]:
+        """``_sample_rows`` in torch's operations: the filter of ``_candidates``, then the
+        inverse of each row's running sum at its ``u``."""
+        cand, probs = self._candidates(requests, logits)
         pos = inverse_cdf(probs, u)
-        return pos if cand is None else cand.gather(1, pos[:, None])[:, 0]
+        return (pos if cand is None else cand.gather(1, pos[:, None])[:, 0]).tolist()
 
     @staticmethod
     def _candidates(requests: list[Request], logits: torch.Tensor

@@ -1977,3 +1977,238 @@ void pw_argmax_f32(const float *logits, int rows, int cols, int64_t *out, int nt
 #pragma omp parallel for num_threads(rows > 1 ? nthreads : 1) schedule(static)
     for (int r = 0; r < rows; r++) out[r] = argmax_row(logits + (long)r * cols, cols);
 }
+
+/* ---- Sampling: temperature, top-k, top-p and min-p, then one draw, per row ----
+ *
+ * A row's weights are w_i = exp((x_i - max) / T), so the largest is 1 (e^-87 and less, and
+ * NaN logits, weigh 0). A token is kept when its weight is at least the largest of:
+ *  - top-k: the k-th largest weight;
+ *  - top-p: the nucleus's last weight, the one at which the weights from the largest down
+ *    (those top-k kept) first hold top_p of their mass: the weights strictly above it hold
+ *    less, those at least it at least top_p;
+ *  - min-p: min_p (of the largest weight, 1).
+ * Ties at a threshold are all kept. Both selections are radix selections (sample_select):
+ * a pass over the row counts (top-k) or sums (top-p) it into 2,048 bins of the top 11 bits,
+ * then the picked bin's values alone go through the next 11 bits and the last 10. Top-p
+ * selects on the weights' bits (non-negative floats order as their bits do). A row with
+ * top-k selects on its logits' bits (logit_key) and computes weights for the tokens it
+ * keeps alone (sample_row_topk). No sort: a row of 151,936 logits costs a few passes, where
+ * torch's sort took ~9 ms. Then the draw: the first token in vocabulary order whose running
+ * sum of kept weights passes u times their total (sample_draw). */
+
+/* A thread's room for a row: weights (or keys), a selection's bin, candidates' indices. */
+static __thread float *samp_w;
+static __thread int64_t samp_cap;
+
+static float *sample_buffer(int64_t n) {
+    if (n > samp_cap) {
+        free(samp_w);
+        samp_w = malloc(3 * (size_t)n * sizeof(float));
+        samp_cap = samp_w ? n : 0;
+    }
+    return samp_w;
+}
+
+/* The weights into w and their sum; 0 where no logit is finite and below +inf. */
+static double sample_weights(const float *x, int64_t n, float invt, float *w) {
+    __m256 mx = _mm256_set1_ps(-INFINITY);
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) mx = _mm256_max_ps(_mm256_loadu_ps(x + j), mx);  /* NaN: skipped */
+    float mv[8];
+    _mm256_storeu_ps(mv, mx);
+    float m = -INFINITY;
+    for (int l = 0; l < 8; l++) m = mv[l] > m ? mv[l] : m;
+    for (int64_t t = j; t < n; t++) m = x[t] > m ? x[t] : m;
+    if (!(m > -INFINITY) || m == INFINITY) return 0.0;
+    __m256 vm = _mm256_set1_ps(m), vt = _mm256_set1_ps(invt), lo = _mm256_set1_ps(-87.0f);
+    double sum = 0.0;
+    for (j = 0; j + 8 <= n; j += 8) {
+        __m256 a = _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(x + j), vm), vt);
+        __m256 zero = _mm256_cmp_ps(a, lo, _CMP_NGE_UQ);  /* below e^-87, or NaN */
+        __m256 e = _mm256_andnot_ps(zero, exp8(a));
+        _mm256_storeu_ps(w + j, e);
+        _mm256_storeu_ps(mv, e);
+        sum += (double)((mv[0] + mv[1]) + (mv[2] + mv[3])) + (double)((mv[4] + mv[5]) + (mv[6] + mv[7]));
+    }
+    for (; j < n; j++) {
+        float a = (x[j] - m) * invt;
+        w[j] = a >= -87.0f ? expf(a) : 0.0f;
+        sum += w[j];
+    }
+    return sum;
+}
+
+static inline uint32_t f32_bits(float f) {
+    uint32_t b;
+    memcpy(&b, &f, 4);
+    return b;
+}
+
+static inline float bits_f32(uint32_t b) {
+    float f;
+    memcpy(&f, &b, 4);
+    return f;
+}
+
+/* The weight v (its bits) among those >= floor at which the running total from the largest
+ * weight down, of their count (by_mass 0) or their mass (1), first reaches target: the
+ * weights above v total less than target, those at least v at least target. 0 (keep them
+ * all) where the whole total falls short of target. The first level reads the whole row;
+ * the weights of the bin it picks are gathered into sel (room for n), and the two finer
+ * levels read those alone. */
+static uint32_t sample_select(const float *w, int64_t n, uint32_t floor, double target,
+                              int by_mass, float *sel) {
+    static const int shift[3] = {21, 10, 0}, bins[3] = {2048, 2048, 1024};
+    double hist[2048];
+    uint32_t prefix = 0, fixed = 0;
+    double above = 0.0;  /* the total of the weights above the bits fixed so far */
+    const float *src = w;
+    int64_t len = n;
+    for (int l = 0; l < 3; l++) {
+        memset(hist, 0, sizeof(double) * (size_t)bins[l]);
+        if (by_mass) {
+            for (int64_t j = 0; j < len; j++) {
+                uint32_t b = f32_bits(src[j]);
+                if (b < floor || (b & fixed) != prefix) continue;
+                hist[(b >> shift[l]) & (uint32_t)(bins[l] - 1)] += (double)src[j];
+            }
+        } else {  /* counts in integers: no chain of dependent floating-point adds */
+            uint32_t count[2048];
+            memset(count, 0, sizeof(uint32_t) * (size_t)bins[l]);
+            for (int64_t j = 0; j < len; j++) {
+                uint32_t b = f32_bits(src[j]);
+                if (b < floor || (b & fixed) != prefix) continue;
+                count[(b >> shift[l]) & (uint32_t)(bins[l] - 1)]++;
+            }
+            for (int i = 0; i < bins[l]; i++) hist[i] = (double)count[i];
+        }
+        int bin = bins[l] - 1, lowest = -1;
+        for (; bin >= 0; bin--) {
+            if (hist[bin] > 0.0) lowest = bin;
+            if (above + hist[bin] >= target) break;
+            above += hist[bin];
+        }
+        if (bin < 0) {
+            if (l == 0 || lowest < 0) return 0;
+            /* the level above reached target, this one's sums fall short by rounding: the
+             * smallest weight of the bin */
+            bin = lowest;
+            above -= hist[bin];
+        }
+        prefix |= (uint32_t)bin << shift[l];
+        fixed |= (uint32_t)(bins[l] - 1) << shift[l];
+        if (l == 0) {  /* gather the bin's weights: the finer levels read only those */
+            int64_t m = 0;
+            for (int64_t j = 0; j < n; j++) {
+                uint32_t b = f32_bits(w[j]);
+                if (b >= floor && (b & fixed) == prefix) memcpy(sel + m++, w + j, 4);
+            }
+            src = sel;
+            len = m;
+        }
+    }
+    return prefix;
+}
+
+/* Sum of the weights >= tau in w[j .. j + 8). */
+static inline double kept8(const float *w, __m256 tau) {
+    __m256 v = _mm256_loadu_ps(w);
+    v = _mm256_and_ps(v, _mm256_cmp_ps(v, tau, _CMP_GE_OQ));
+    float s[8];
+    _mm256_storeu_ps(s, v);
+    return (double)((s[0] + s[1]) + (s[2] + s[3])) + (double)((s[4] + s[5]) + (s[6] + s[7]));
+}
+
+/* The draw among n weights w (of the tokens idx, or 0 .. n - 1 where idx is NULL, in
+ * ascending order) at least tau: the first whose running sum passes u times their total. */
+static int64_t sample_draw(const float *w, const int32_t *idx, int64_t n, float tau, float u) {
+    __m256 vt = _mm256_set1_ps(tau);
+    int64_t j = 0;
+    double kept = 0.0;  /* in the order the walk below adds it */
+    for (; j + 8 <= n; j += 8) kept += kept8(w + j, vt);
+    for (int64_t t = j; t < n; t++) kept += w[t] >= tau ? w[t] : 0.0f;
+    double target = (double)u * kept, acc = 0.0;
+    int64_t pick = -1;
+    for (j = 0; j + 8 <= n && pick < 0; j += 8) {
+        double block = kept8(w + j, vt);
+        if (acc + block > target) {
+            double a = acc;
+            for (int t = 0; t < 8 && pick < 0; t++)
+                if (w[j + t] >= tau && w[j + t] > 0.0f && (a += w[j + t]) > target) pick = j + t;
+        }
+        acc += block;
+    }
+    for (; j < n && pick < 0; j++)
+        if (w[j] >= tau && w[j] > 0.0f && (acc += w[j]) > target) pick = j;
+    for (j = n - 1; j >= 0 && pick < 0; j--)  /* u * kept rounded past the sum: the last */
+        if (w[j] >= tau && w[j] > 0.0f) pick = j;
+    return pick < 0 ? -1 : idx ? idx[pick] : pick;
+}
+
+/* A logit's bits in an order that follows its value; NaN the lowest. */
+static inline uint32_t logit_key(float f) {
+    uint32_t b = f32_bits(f);
+    if (f != f) return 0;
+    return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+
+/* A row with top-k: the k-th largest logit by radix selection on the logits' keys (no
+ * weights for the whole vocabulary), the tokens at least it gathered (in vocabulary order),
+ * and the weights, top-p, min-p and the draw over those alone. */
+static int64_t sample_row_topk(const float *x, int64_t n, float invt, int top_k, float top_p,
+                               float min_p, float u, float *buf) {
+    float *keys = buf, *sel = buf + n;
+    int32_t *idx = (int32_t *)(buf + 2 * n);
+    for (int64_t j = 0; j < n; j++) {
+        uint32_t k = logit_key(x[j]);
+        memcpy(keys + j, &k, 4);
+    }
+    uint32_t kt = sample_select(keys, n, 0, (double)top_k, 0, sel);
+    float *cx = keys;  /* the candidates' logits, over the keys already read */
+    int64_t m = 0;
+    for (int64_t j = 0; j < n; j++)
+        if (x[j] == x[j] && logit_key(x[j]) >= kt) {
+            cx[m] = x[j];
+            idx[m++] = (int32_t)j;
+        }
+    double total = sample_weights(cx, m, invt, sel);
+    if (!(total > 0.0) || total == INFINITY) return -1;
+    uint32_t floor = 0;
+    if (top_p < 1.0f) floor = sample_select(sel, m, 0, (double)top_p * total, 1, cx);
+    float tau = bits_f32(floor);
+    if (min_p > tau) tau = min_p;
+    return sample_draw(sel, idx, m, tau, u);
+}
+
+static int64_t sample_row(const float *x, int64_t n, float temp, int top_k, float top_p,
+                          float min_p, float u) {
+    float *w = sample_buffer(n);
+    if (!w || !(temp > 0.0f) || n > INT32_MAX) return -1;
+    if (top_k > 0 && top_k < n) return sample_row_topk(x, n, 1.0f / temp, top_k, top_p, min_p,
+                                                       u, w);
+    float *sel = w + n;
+    double total = sample_weights(x, n, 1.0f / temp, w);
+    if (!(total > 0.0) || total == INFINITY) return -1;
+    uint32_t floor = 0;
+    if (top_p < 1.0f) floor = sample_select(w, n, 0, (double)top_p * total, 1, sel);
+    float tau = bits_f32(floor);
+    if (min_p > tau) tau = min_p;
+    return sample_draw(w, NULL, n, tau, u);
+}
+
+/* One token a row of logits [rows, cols] (fp32, contiguous) with each row's temperature (>
+ * 0), top_k (0: off), top_p (>= 1: off), min_p (0: off) and uniform number u in [0, 1).
+ * Returns 0, or 1 where some row's logits left nothing to draw (no finite logit, +inf, a
+ * temperature of 0): its out is -1 and the caller takes another way. */
+int pw_sample_f32(const float *logits, int rows, int cols, const float *temps,
+                  const int *top_ks, const float *top_ps, const float *min_ps, const float *u,
+                  int64_t *out, int nthreads) {
+    int failed = 0;
+#pragma omp parallel for num_threads(rows > 1 ? nthreads : 1) schedule(dynamic) reduction(| : failed)
+    for (int r = 0; r < rows; r++) {
+        out[r] = sample_row(logits + (long)r * cols, cols, temps[r], top_ks[r], top_ps[r],
+                            min_ps[r], u[r]);
+        if (out[r] < 0) failed = 1;
+    }
+    return failed;
+}

@@ -182,6 +182,7 @@ def _signatures() -> dict[str, tuple[Any, list[Any]]]:
         "pw_stream_prefetch": (I, []),
         "pw_mask_logits": (None, [P, I, P, I]),
         "pw_argmax_f32": (None, [P, I, I, P, I]),
+        "pw_sample_f32": (I, [P, I, I, P, P, P, P, P, P, I]),
         "pw_enable_avx512": (None, [I]),
         "pw_enable_avx512_norm": (None, [I]),
         "pw_enable_dp_attention": (None, [I]),
@@ -459,6 +460,28 @@ def argmax_list(logits: torch.Tensor) -> list[int] | None:
     ``array`` (None where ``argmax_rows`` would be)."""
     out = _argmax_into(logits, lambda rows: array.array("q", bytes(8 * rows)))
     return None if out is None else out.tolist()
+
+
+def sample_list(logits: torch.Tensor, temps: list[float], top_ks: list[int],
+                top_ps: list[float], min_ps: list[float], u: list[float]) -> list[int] | None:
+    """One token a row of a 2-D fp32 CPU tensor of logits (``pw_sample_f32``: the
+    temperature, top-k, top-p and min-p filters by radix selection, no sort, then a draw at
+    ``u``), with each row's settings (top_k 0 and top_p >= 1 mean off; temperatures > 0).
+    None where the kernels are unavailable, the tensor is not of that kind, or a row had
+    nothing to draw (no finite logit)."""
+    lib = load()
+    if (lib is None or logits.dim() != 2 or logits.dtype != torch.float32
+            or logits.device.type != "cpu" or not logits.is_contiguous()
+            or 0 in logits.shape):
+        return None
+    rows = logits.shape[0]
+    bufs = [array.array("f", temps), array.array("i", top_ks), array.array("f", top_ps),
+            array.array("f", min_ps), array.array("f", u)]
+    out = array.array("q", bytes(8 * rows))
+    failed = lib.pw_sample_f32(logits.data_ptr(), rows, logits.shape[1],
+                               *(b.buffer_info()[0] for b in bufs), out.buffer_info()[0],
+                               torch.get_num_threads())
+    return None if failed else out.tolist()
 
 
 def linear_bf16(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None
