@@ -12,7 +12,12 @@ For each vocabulary x batch x sampling setting it times one step's draw for ever
 * ``sort``: the sampler before these, kept here as the yardstick: the whole vocabulary
   sorted (``Sampler._probs``), then argmax(p / E) with E ~ Exp(1), one exponential a token.
 
-The three run interleaved, round after round (~0.2 s each a round), and the median round
+Then the penalties (repetition 1.1, presence 0.5, frequency 0.5) over each row's context
+of random tokens (``--contexts``, half prompt and half outputs): ``Sampler._apply_penalties``
+in torch's operations (a sort of each row's distinct tokens, a gather, a bincount over the
+vocabulary) against the kernels' (``apply_penalties``: a token at a time).
+
+The methods run interleaved, round after round (~0.2 s each a round), and the median round
 counts. Logits are random normals times ``--scale`` (3 gives a nucleus of tens to hundreds
 of tokens at top_p 0.95 and temperature 0.7; 0.1 a flat distribution whose nucleus is most
 of the vocabulary, as a random-weight checkpoint gives). It prints milliseconds a step and
@@ -70,6 +75,8 @@ def main() -> int:
     p.add_argument("--vocabs", type=int, nargs="+", default=[32000, 151936])
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--scale", type=float, default=3.0)
+    p.add_argument("--contexts", type=int, nargs="+", default=[128, 2000],
+                   help="tokens a row for the penalties")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--seconds", type=float, default=0.2, help="a method's time a round")
     args = p.parse_args()
@@ -100,6 +107,32 @@ def main() -> int:
                 print(f"{vocab:7d} {b:5d}  {name:33} {sort_ms:9.3f} {topk_ms:9.3f} "
                       f"{sort_ms / topk_ms:6.1f} {kernel_ms:9.3f} {sort_ms / kernel_ms:6.1f} "
                       f"{kept:6.0f}", flush=True)
+    print(f"\n{'vocab':>7} {'batch':>5} {'context':>7}  penalties: {'torch ms':>9} "
+          f"{'kernel ms':>9} {'x':>6}")
+    pen = SamplingParams(repetition_penalty=1.1, presence_penalty=0.5, frequency_penalty=0.5)
+    for vocab in args.vocabs:
+        for b in args.batches:
+            logits = torch.randn(b, vocab, generator=torch.Generator().manual_seed(b))
+            for ctx in args.contexts:
+                g = torch.Generator().manual_seed(ctx)
+                reqs = []
+                for i in range(b):
+                    ids = torch.randint(0, vocab, (ctx,), generator=g).tolist()
+                    r = Request(f"r{i}", ids[:ctx // 2], pen, eos_token_ids=(0,),
+                                arrival_time=0.0)
+                    for t in ids[ctx // 2:]:
+                        r.append_output(t)
+                    reqs.append(r)
+                methods = {"torch": partial(Sampler._apply_penalties, logits, reqs,
+                                            kernels=False),
+                           "kernel": partial(Sampler._apply_penalties, logits, reqs)}
+                times = {m: [] for m in methods}
+                for _ in range(args.rounds):
+                    for m, fn in methods.items():
+                        times[m].append(per_call_ms(fn, args.seconds))
+                torch_ms, kernel_ms = (statistics.median(times[m]) for m in methods)
+                print(f"{vocab:7d} {b:5d} {ctx:7d}  {'':10} {torch_ms:9.3f} {kernel_ms:9.3f} "
+                      f"{torch_ms / kernel_ms:6.1f}", flush=True)
     return 0
 
 

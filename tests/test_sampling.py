@@ -14,6 +14,9 @@ from phasewise.engine.request import Request
 from phasewise.engine.sampler import Sampler, greedy_token_list, greedy_tokens, inverse_cdf
 from phasewise.model import cpu_kernels
 
+needs_kernels = pytest.mark.skipif(cpu_kernels.load() is None,
+                                   reason="phasewise's CPU kernels are unavailable")
+
 
 @pytest.fixture(scope="module")
 def llm(llama_dir):
@@ -124,10 +127,6 @@ def test_candidates_are_the_sorted_filter(vocab, rows, seed, scale, top_k, top_p
     assert torch.allclose(got.sum(-1), torch.ones(rows), atol=1e-5)
 
 
-needs_kernels = pytest.mark.skipif(cpu_kernels.load() is None,
-                                   reason="phasewise's CPU kernels are unavailable")
-
-
 @needs_kernels
 @settings(max_examples=40, deadline=None, derandomize=True)
 @given(vocab=st.sampled_from([5, 9, 300, 1500]), seed=st.integers(0, 2**16),
@@ -159,8 +158,11 @@ def test_kernel_draws_follow_the_sorted_filter(vocab, seed, scale, top_k, top_p,
 def test_kernel_refuses_rows_with_nothing_to_draw():
     ok = torch.tensor([[0.0, 1.0, 2.0]])
     for bad in (torch.full((1, 3), float("-inf")), torch.tensor([[0.0, float("inf"), 1.0]])):
-        assert cpu_kernels.sample_list(torch.cat([ok, bad]), [1.0] * 2, [0] * 2,
-                                       [float("inf")] * 2, [0.0] * 2, [0.5] * 2) is None
+        got = cpu_kernels.sample_list(torch.cat([ok, bad]), [1.0] * 2, [0] * 2,
+                                      [float("inf")] * 2, [0.0] * 2, [0.5] * 2)
+        assert got[1] == -1 and got[0] in (0, 1, 2)
+    # a top_p that rounds to 0 in fp32 keeps the largest, as the sort does
+    assert cpu_kernels.sample_list(ok, [1.0], [0], [1e-50], [0.0], [0.99]) == [2]
     # NaN logits weigh nothing; u at the top of [0, 1) still draws a kept token
     row = torch.tensor([[float("nan"), 1.0, 3.0, float("-inf"), 2.0]])
     assert cpu_kernels.sample_list(row, [1.0], [0], [float("inf")], [0.0],
@@ -216,6 +218,53 @@ def test_draws_follow_the_distribution(path):
         assert (share[want == 0] == 0).all()
 
 
+@pytest.mark.parametrize("path", ["torch", "rows"])
+@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(top_k=2),
+                                    SamplingParams(top_p=0.5, min_p=0.1)])
+def test_rows_with_nothing_to_draw_take_their_argmax(path, params):
+    """Logits all -inf (a grammar that allows nothing) or with +inf: no distribution to draw
+    from, so the row takes its argmax (the first -inf, the +inf), and the rows beside it
+    draw as usual."""
+    logits = torch.tensor([[0.0, 1.0, 2.0, 3.0],
+                           [float("-inf")] * 4,
+                           [0.0, float("inf"), 1.0, float("inf")]])
+    sampler = Sampler(torch.Generator().manual_seed(0))
+    reqs = [_req(params)] * 3
+    if path == "torch":
+        toks = sampler._sample_torch(reqs, logits, sampler._uniforms(reqs, logits.device))
+    else:
+        toks = sampler._sample_rows(reqs, logits)
+    assert toks[1:] == [0, 1] and 0 <= toks[0] < 4
+
+
+@pytest.mark.parametrize("path", ["torch", "rows"])
+def test_a_seeded_rows_token_does_not_depend_on_its_neighbours(path):
+    """The same seeded row beside neighbours that filter differently (or cannot be drawn
+    from) draws the same tokens: every path draws in vocabulary order."""
+    g = torch.Generator().manual_seed(3)
+    row = torch.randn(1, 300, generator=g) * 2
+    seeded = SamplingParams(temperature=0.9, seed=123)
+    got = []
+    for other in (SamplingParams(top_k=50), SamplingParams(top_p=1e-50), SamplingParams(),
+                  None):
+        sampler = Sampler(torch.Generator().manual_seed(0))
+        r = _req(seeded)
+        toks = []
+        for _ in range(5):
+            reqs, logits = [r], row
+            if other is not None:
+                reqs = [r, _req(other)]
+                nothing = torch.full((1, 300), float("-inf"))
+                logits = torch.cat([row, nothing if other.top_p < 1e-40 else row])
+            if path == "torch":
+                toks.append(sampler._sample_torch(reqs, logits,
+                                                  sampler._uniforms(reqs, logits.device))[0])
+            else:
+                toks.append(sampler._sample_rows(reqs, logits)[0])
+        got.append(toks)
+    assert all(t == got[0] for t in got)
+
+
 def test_temperature_sharpens_the_distribution():
     sampler = Sampler(torch.Generator().manual_seed(0))
     logits = torch.log(torch.tensor([0.5, 0.3, 0.2]))
@@ -236,6 +285,37 @@ def test_penalties_change_logits_as_defined():
     out = Sampler._apply_penalties(logits, [pf])
     assert out[0].tolist() == [2.0, -2.0, 1.0 - 0.5 - 0.5, 0.5 - 0.5 - 0.25]
     assert logits[0].tolist() == [2.0, -2.0, 1.0, 0.5]  # the input is left alone
+
+
+@needs_kernels
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(vocab=st.sampled_from([3, 50, 700]), seed=st.integers(0, 2**16),
+       rows=st.integers(1, 5), repetition=st.sampled_from([1.0, 0.5, 1.3, 10.0]),
+       presence=st.sampled_from([0.0, 0.7, -2.0]), frequency=st.sampled_from([0.0, 0.25, -1.5]),
+       min_tokens=st.sampled_from([0, 100]))
+def test_penalties_kernel_gives_the_torch_bits(vocab, seed, rows, repetition, presence,
+                                               frequency, min_tokens):
+    """The kernels' penalties against torch's, bit for bit: repeated tokens in prompt and
+    outputs, ids past the vocabulary, outputs empty or not, rows without penalties between
+    rows with them, the min_tokens mask on top."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(rows, vocab, generator=g) * 3
+    logits[0, 0] = 0.0  # neither divided nor multiplied into anything but itself
+    reqs = []
+    for i in range(rows):
+        prompt = torch.randint(0, vocab + 3, (int(torch.randint(1, 40, (1,), generator=g)),),
+                               generator=g).tolist()
+        outputs = torch.randint(0, vocab + 3, (int(torch.randint(0, 30, (1,), generator=g)),),
+                                generator=g).tolist()
+        plain = i % 3 == 1  # no penalties: the kernel must leave its row alone
+        params = SamplingParams(repetition_penalty=1.0 if plain else repetition,
+                                presence_penalty=0.0 if plain else presence,
+                                frequency_penalty=0.0 if plain else frequency,
+                                min_tokens=min_tokens if i % 2 else 0, max_tokens=200)
+        reqs.append(_req(params, prompt=prompt, outputs=outputs))
+    want = Sampler._apply_penalties(logits, reqs, kernels=False)
+    got = Sampler._apply_penalties(logits, reqs)
+    assert torch.equal(got, want)
 
 
 def test_min_tokens_masks_eos_and_stop_ids():

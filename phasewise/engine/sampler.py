@@ -142,7 +142,11 @@ class Sampler:
         return SamplerOutput(tokens, logprobs), accepted
 
     @staticmethod
-    def _apply_penalties(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    def _apply_penalties(logits: torch.Tensor, requests: list[Request], *,
+                         kernels: bool = True) -> torch.Tensor:
+        """Repetition, presence and frequency penalties and the ``min_tokens`` mask, on a
+        copy of ``logits``: the penalties on CPU in the kernels (``apply_penalties``: a
+        token at a time), where they load and ``kernels`` is left on, else in torch."""
         needs = [i for i, r in enumerate(requests)
                  if r.params.needs_penalties or r.num_output_tokens < r.params.min_tokens]
         if not needs:
@@ -150,16 +154,26 @@ class Sampler:
         logits = logits.clone()
         vocab = logits.shape[-1]
         dev = logits.device
+        pen = [i for i in needs if requests[i].params.needs_penalties]
+        done = False
+        if pen and kernels and dev.type == "cpu":
+            from phasewise.model.cpu_kernels import apply_penalties
+
+            rs = [requests[i] for i in pen]
+            done = apply_penalties(
+                logits, pen, [r.all_token_ids for r in rs], [r.num_prompt_tokens for r in rs],
+                [r.params.repetition_penalty for r in rs], [r.params.presence_penalty for r in rs],
+                [r.params.frequency_penalty for r in rs])
         for i in needs:
             r, p = requests[i], requests[i].params
             row = logits[i]
-            if p.repetition_penalty != 1.0:
+            if not done and p.repetition_penalty != 1.0:
                 seen = torch.tensor(sorted(set(r.all_token_ids)), dtype=torch.long, device=dev)
                 seen = seen[seen < vocab]
                 vals = row[seen]
                 row[seen] = torch.where(vals > 0, vals / p.repetition_penalty,
                                         vals * p.repetition_penalty)
-            if (p.presence_penalty or p.frequency_penalty) and r.output_token_ids:
+            if not done and (p.presence_penalty or p.frequency_penalty) and r.output_token_ids:
                 out = torch.tensor(r.output_token_ids, dtype=torch.long, device=dev)
                 counts = torch.bincount(out[out < vocab], minlength=vocab).to(row.dtype)
                 row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
@@ -199,6 +213,12 @@ class Sampler:
                 _nucleus([r.params.top_p for r in requests]),
                 [r.params.min_p for r in requests], u.tolist())
             if picked is not None:
+                left = [i for i, t in enumerate(picked) if t < 0]  # nothing to draw there
+                if left:
+                    idx = torch.tensor(left)
+                    redo = self._sample_torch([requests[i] for i in left], logits[idx], u[idx])
+                    for i, t in zip(left, redo):
+                        picked[i] = t
                 return picked
         return self._sample_torch(requests, logits, u)
 
@@ -221,10 +241,19 @@ class Sampler:
     def _sample_torch(self, requests: list[Request], logits: torch.Tensor,
                       u: torch.Tensor) -> list[int]:
         """``_sample_rows`` in torch's operations: the filter of ``_candidates``, then the
-        inverse of each row's running sum at its ``u``."""
+        inverse of each row's running sum at its ``u``, in vocabulary order as the kernel
+        draws (so a row's token at a given ``u`` depends neither on the path nor on whether
+        other rows of the batch filter). A row with nothing to draw (its logits all -inf, or
+        +inf: no finite distribution) takes its argmax."""
         cand, probs = self._candidates(requests, logits)
-        pos = inverse_cdf(probs, u)
-        return (pos if cand is None else cand.gather(1, pos[:, None])[:, 0]).tolist()
+        if cand is not None:
+            probs = torch.zeros_like(logits, dtype=probs.dtype).scatter_(1, cand, probs)
+        total = probs.sum(dim=-1)
+        ok = torch.isfinite(total) & (total > 0)
+        if bool(ok.all()):
+            return inverse_cdf(probs, u).tolist()
+        picked = inverse_cdf(torch.where(ok[:, None], probs, 1.0), u)
+        return torch.where(ok, picked, greedy_tokens(logits)).tolist()
 
     @staticmethod
     def _candidates(requests: list[Request], logits: torch.Tensor

@@ -20,6 +20,7 @@
 #include <string.h>
 #include <omp.h>
 #include <math.h>
+#include <float.h>
 
 #include "cpu_paged.h"  /* paged_row_offs: the paged cache's rows */
 
@@ -2068,7 +2069,8 @@ static uint32_t sample_select(const float *w, int64_t n, uint32_t floor, double 
         memset(hist, 0, sizeof(double) * (size_t)bins[l]);
         if (by_mass) {
             for (int64_t j = 0; j < len; j++) {
-                uint32_t b = f32_bits(src[j]);
+                uint32_t b;
+                memcpy(&b, src + j, 4);
                 if (b < floor || (b & fixed) != prefix) continue;
                 hist[(b >> shift[l]) & (uint32_t)(bins[l] - 1)] += (double)src[j];
             }
@@ -2076,7 +2078,8 @@ static uint32_t sample_select(const float *w, int64_t n, uint32_t floor, double 
             uint32_t count[2048];
             memset(count, 0, sizeof(uint32_t) * (size_t)bins[l]);
             for (int64_t j = 0; j < len; j++) {
-                uint32_t b = f32_bits(src[j]);
+                uint32_t b;
+                memcpy(&b, src + j, 4);
                 if (b < floor || (b & fixed) != prefix) continue;
                 count[(b >> shift[l]) & (uint32_t)(bins[l] - 1)]++;
             }
@@ -2100,7 +2103,8 @@ static uint32_t sample_select(const float *w, int64_t n, uint32_t floor, double 
         if (l == 0) {  /* gather the bin's weights: the finer levels read only those */
             int64_t m = 0;
             for (int64_t j = 0; j < n; j++) {
-                uint32_t b = f32_bits(w[j]);
+                uint32_t b;
+                memcpy(&b, w + j, 4);
                 if (b >= floor && (b & fixed) == prefix) memcpy(sel + m++, w + j, 4);
             }
             src = sel;
@@ -2145,10 +2149,17 @@ static int64_t sample_draw(const float *w, const int32_t *idx, int64_t n, float 
     return pick < 0 ? -1 : idx ? idx[pick] : pick;
 }
 
-/* A logit's bits in an order that follows its value; NaN the lowest. */
+/* The mass a nucleus must reach: top_p of total, at least the smallest positive double
+ * (a top_p that rounds to 0 in fp32 keeps the largest weight, as the sort's top_p does). */
+static inline double nucleus_mass(float top_p, double total) {
+    double t = (double)top_p * total;
+    return t > DBL_MIN ? t : DBL_MIN;
+}
+
+/* A logit's bits in an order that follows its value; NaN the lowest, -0 as +0. */
 static inline uint32_t logit_key(float f) {
-    uint32_t b = f32_bits(f);
     if (f != f) return 0;
+    uint32_t b = f == 0.0f ? 0u : f32_bits(f);
     return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
 }
 
@@ -2174,7 +2185,7 @@ static int64_t sample_row_topk(const float *x, int64_t n, float invt, int top_k,
     double total = sample_weights(cx, m, invt, sel);
     if (!(total > 0.0) || total == INFINITY) return -1;
     uint32_t floor = 0;
-    if (top_p < 1.0f) floor = sample_select(sel, m, 0, (double)top_p * total, 1, cx);
+    if (top_p < 1.0f) floor = sample_select(sel, m, 0, nucleus_mass(top_p, total), 1, cx);
     float tau = bits_f32(floor);
     if (min_p > tau) tau = min_p;
     return sample_draw(sel, idx, m, tau, u);
@@ -2190,7 +2201,7 @@ static int64_t sample_row(const float *x, int64_t n, float temp, int top_k, floa
     double total = sample_weights(x, n, 1.0f / temp, w);
     if (!(total > 0.0) || total == INFINITY) return -1;
     uint32_t floor = 0;
-    if (top_p < 1.0f) floor = sample_select(w, n, 0, (double)top_p * total, 1, sel);
+    if (top_p < 1.0f) floor = sample_select(w, n, 0, nucleus_mass(top_p, total), 1, sel);
     float tau = bits_f32(floor);
     if (min_p > tau) tau = min_p;
     return sample_draw(w, NULL, n, tau, u);
@@ -2209,6 +2220,69 @@ int pw_sample_f32(const float *logits, int rows, int cols, const float *temps,
         out[r] = sample_row(logits + (long)r * cols, cols, temps[r], top_ks[r], top_ps[r],
                             min_ps[r], u[r]);
         if (out[r] < 0) failed = 1;
+    }
+    return failed;
+}
+
+/* ---- Penalties: repetition (over prompt and outputs), presence and frequency (outputs) ----
+ *
+ * For each listed row of logits [.., cols] (fp32, contiguous, changed in place): every
+ * distinct token among its ids (prompt then outputs; ids outside [0, cols) skipped) has its
+ * logit divided by rep where positive, multiplied where not; then every distinct token among
+ * the outputs (ids from nprompt on) loses freq * its count + pres. The torch path's order and
+ * arithmetic, a token at a time instead of a gather, a sort and a bincount over the
+ * vocabulary. A thread's count table (cols words, the top bit marking a token seen) is left
+ * zeroed by clearing the entries the row touched. */
+
+#define PEN_SEEN 0x80000000u
+
+static __thread uint32_t *pen_count;
+static __thread int64_t pen_cap;
+
+static uint32_t *penalty_table(int64_t cols) {
+    if (cols > pen_cap) {
+        free(pen_count);
+        pen_count = calloc((size_t)cols, sizeof(uint32_t));
+        pen_cap = pen_count ? cols : 0;
+    }
+    return pen_count;
+}
+
+int pw_penalties_f32(float *logits, int cols, const int32_t *rows, int nrows,
+                     const int32_t *ids, const int64_t *offs, const int64_t *nprompt,
+                     const float *rep, const float *pres, const float *freq, int nthreads) {
+    int failed = 0;
+#pragma omp parallel for num_threads(nrows > 1 ? nthreads : 1) schedule(dynamic) reduction(| : failed)
+    for (int k = 0; k < nrows; k++) {
+        uint32_t *count = penalty_table(cols);
+        if (!count) {
+            failed = 1;
+            continue;
+        }
+        float *x = logits + (long)rows[k] * cols;
+        const int32_t *t = ids + offs[k];
+        int64_t n = offs[k + 1] - offs[k], np = nprompt[k];
+        if (rep[k] != 1.0f)
+            for (int64_t i = 0; i < n; i++) {
+                int32_t id = t[i];
+                if (id < 0 || id >= cols || (count[id] & PEN_SEEN)) continue;
+                count[id] |= PEN_SEEN;
+                x[id] = x[id] > 0.0f ? x[id] / rep[k] : x[id] * rep[k];
+            }
+        if (pres[k] != 0.0f || freq[k] != 0.0f) {
+            for (int64_t i = np; i < n; i++)
+                if (t[i] >= 0 && t[i] < cols) count[t[i]]++;
+            for (int64_t i = np; i < n; i++) {
+                int32_t id = t[i];
+                if (id < 0 || id >= cols) continue;
+                uint32_t c = count[id] & ~PEN_SEEN;
+                if (!c) continue;  /* applied already */
+                x[id] -= freq[k] * (float)c + pres[k];
+                count[id] &= PEN_SEEN;
+            }
+        }
+        for (int64_t i = 0; i < n; i++)
+            if (t[i] >= 0 && t[i] < cols) count[t[i]] = 0;
     }
     return failed;
 }

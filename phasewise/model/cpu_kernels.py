@@ -183,6 +183,7 @@ def _signatures() -> dict[str, tuple[Any, list[Any]]]:
         "pw_mask_logits": (None, [P, I, P, I]),
         "pw_argmax_f32": (None, [P, I, I, P, I]),
         "pw_sample_f32": (I, [P, I, I, P, P, P, P, P, P, I]),
+        "pw_penalties_f32": (I, [P, I, P, I, P, P, P, P, P, P, I]),
         "pw_enable_avx512": (None, [I]),
         "pw_enable_avx512_norm": (None, [I]),
         "pw_enable_dp_attention": (None, [I]),
@@ -467,8 +468,8 @@ def sample_list(logits: torch.Tensor, temps: list[float], top_ks: list[int],
     """One token a row of a 2-D fp32 CPU tensor of logits (``pw_sample_f32``: the
     temperature, top-k, top-p and min-p filters by radix selection, no sort, then a draw at
     ``u``), with each row's settings (top_k 0 and top_p >= 1 mean off; temperatures > 0).
-    None where the kernels are unavailable, the tensor is not of that kind, or a row had
-    nothing to draw (no finite logit)."""
+    None where the kernels are unavailable or the tensor is not of that kind; -1 for a row
+    with nothing to draw (no finite logit, or +inf), which the caller draws another way."""
     lib = load()
     if (lib is None or logits.dim() != 2 or logits.dtype != torch.float32
             or logits.device.type != "cpu" or not logits.is_contiguous()
@@ -478,10 +479,38 @@ def sample_list(logits: torch.Tensor, temps: list[float], top_ks: list[int],
     bufs = [array.array("f", temps), array.array("i", top_ks), array.array("f", top_ps),
             array.array("f", min_ps), array.array("f", u)]
     out = array.array("q", bytes(8 * rows))
-    failed = lib.pw_sample_f32(logits.data_ptr(), rows, logits.shape[1],
-                               *(b.buffer_info()[0] for b in bufs), out.buffer_info()[0],
-                               torch.get_num_threads())
-    return None if failed else out.tolist()
+    lib.pw_sample_f32(logits.data_ptr(), rows, logits.shape[1],
+                      *(b.buffer_info()[0] for b in bufs), out.buffer_info()[0],
+                      torch.get_num_threads())
+    return out.tolist()
+
+
+def apply_penalties(logits: torch.Tensor, rows: list[int], token_ids: list[list[int]],
+                    num_prompt: list[int], repetition: list[float], presence: list[float],
+                    frequency: list[float]) -> bool:
+    """In place on ``rows`` of a 2-D fp32 CPU tensor (``pw_penalties_f32``): each row's
+    repetition penalty over its ``token_ids`` (prompt then outputs), then presence and
+    frequency over the outputs (``token_ids[num_prompt:]``), as ``Sampler``'s torch path
+    does them. Returns False, touching nothing, where the kernels are unavailable or the
+    tensor is not of that kind."""
+    lib = load()
+    if (lib is None or logits.dim() != 2 or logits.dtype != torch.float32
+            or logits.device.type != "cpu" or not logits.is_contiguous() or not rows):
+        return False
+    ids = array.array("i")
+    offs = array.array("q", [0])
+    for t in token_ids:
+        ids.extend(t)
+        offs.append(len(ids))
+    if not ids:
+        ids.append(0)  # an address to pass; no row reads it
+    bufs = [array.array("i", rows), ids, offs, array.array("q", num_prompt),
+            array.array("f", repetition), array.array("f", presence),
+            array.array("f", frequency)]
+    addr = [b.buffer_info()[0] for b in bufs]
+    failed = lib.pw_penalties_f32(logits.data_ptr(), logits.shape[1], addr[0], len(rows),
+                                  *addr[1:], torch.get_num_threads())
+    return not failed
 
 
 def linear_bf16(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None
