@@ -17,6 +17,10 @@ of random tokens (``--contexts``, half prompt and half outputs): ``Sampler._appl
 in torch's operations (a sort of each row's distinct tokens, a gather, a bincount over the
 vocabulary) against the kernels' (``apply_penalties``: a token at a time).
 
+Last, logprobs (the sampled token's and the top 5): ``Sampler._logprobs`` by torch's
+log-softmax of the batch and a ``topk`` a row, against the kernels' (``logprob_entries``: an
+exp pass and an insertion pass a row).
+
 The methods run interleaved, round after round (~0.2 s each a round), and the median round
 counts. Logits are random normals times ``--scale`` (3 gives a nucleus of tens to hundreds
 of tokens at top_p 0.95 and temperature 0.7; 0.1 a flat distribution whose nucleus is most
@@ -133,6 +137,24 @@ def main() -> int:
                 torch_ms, kernel_ms = (statistics.median(times[m]) for m in methods)
                 print(f"{vocab:7d} {b:5d} {ctx:7d}  {'':10} {torch_ms:9.3f} {kernel_ms:9.3f} "
                       f"{torch_ms / kernel_ms:6.1f}", flush=True)
+    print(f"\n{'vocab':>7} {'batch':>5}  logprobs (top 5): {'torch ms':>9} {'kernel ms':>9} "
+          f"{'x':>6}")
+    lp = SamplingParams(temperature=0, logprobs=5)
+    for vocab in args.vocabs:
+        for b in args.batches:
+            logits = torch.randn(b, vocab, generator=torch.Generator().manual_seed(b)) * 3
+            reqs = [Request(f"r{i}", [1], lp, eos_token_ids=(0,), arrival_time=0.0)
+                    for i in range(b)]
+            tokens = logits.argmax(dim=-1).tolist()
+            methods = {"torch": partial(Sampler._logprobs, logits, reqs, tokens, kernels=False),
+                       "kernel": partial(Sampler._logprobs, logits, reqs, tokens)}
+            times = {m: [] for m in methods}
+            for _ in range(args.rounds):
+                for m, fn in methods.items():
+                    times[m].append(per_call_ms(fn, args.seconds))
+            torch_ms, kernel_ms = (statistics.median(times[m]) for m in methods)
+            print(f"{vocab:7d} {b:5d}  {'':17} {torch_ms:9.3f} {kernel_ms:9.3f} "
+                  f"{torch_ms / kernel_ms:6.1f}", flush=True)
     return 0
 
 

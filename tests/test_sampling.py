@@ -318,6 +318,36 @@ def test_penalties_kernel_gives_the_torch_bits(vocab, seed, rows, repetition, pr
     assert torch.equal(got, want)
 
 
+@needs_kernels
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(vocab=st.sampled_from([1, 7, 300, 5000]), seed=st.integers(0, 2**16),
+       rows=st.integers(1, 4), n=st.sampled_from([0, 1, 5, 20]), masked=st.booleans(),
+       scale=st.sampled_from([0.1, 3.0, 60.0]))
+def test_logprobs_kernel_gives_torchs_entries(vocab, seed, rows, n, masked, scale):
+    """The kernels' logprobs against torch's log-softmax and topk: the same token ids (the
+    sampled one and the top n, fewer where the vocabulary is smaller; among -inf ones, as
+    many, whichever they are) and log-probs within fp32 rounding; rows that ask for none
+    left out."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(rows, vocab, generator=g) * scale
+    if masked and vocab > 1:
+        logits[:, torch.randperm(vocab, generator=g)[:vocab // 2]] = float("-inf")
+    reqs = [_req(SamplingParams(logprobs=None if i % 3 == 2 else min(n, 20)))
+            for i in range(rows)]
+    tokens = [int(torch.randint(0, vocab, (1,), generator=g)) for _ in range(rows)]
+    want = Sampler._logprobs(logits, reqs, tokens, kernels=False)
+    got = Sampler._logprobs(logits, reqs, tokens)
+    for w, o, r, tok in zip(want, got, reqs, tokens):
+        assert (w is None) == (o is None)
+        if w is None:
+            continue
+        assert tok in o and min(r.params.logprobs, vocab) <= len(o) <= r.params.logprobs + 1
+        finite = {t: v for t, v in w.items() if v > float("-inf")}
+        assert {t for t, v in o.items() if v > float("-inf")} == set(finite)
+        for t, v in finite.items():
+            assert o[t] == pytest.approx(v, rel=1e-5, abs=1e-5)
+
+
 def test_min_tokens_masks_eos_and_stop_ids():
     logits = torch.tensor([[5.0, 0.0, 4.0, 1.0]])
     r = _req(SamplingParams(min_tokens=2, stop_token_ids=[2], temperature=0), eos=(0,))

@@ -92,9 +92,7 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
         """logits: [num_requests, vocab] fp32, one row per request, in order."""
-        raw_logprobs = None
-        if any(r.params.logprobs is not None for r in requests):
-            raw_logprobs = torch.log_softmax(logits, dim=-1)
+        raw = logits  # logprobs are those of the model's logits, before any penalty
         penalized = self._apply_penalties(logits, requests)
         logits = self._apply_grammars(penalized, requests, copied=penalized is not logits)
 
@@ -113,12 +111,31 @@ class Sampler:
             for i, t in zip(rand, self._sample_rows([requests[i] for i in rand], rows)):
                 token_list[i] = t
 
-        logprobs: list[dict[int, float] | None] = [None] * len(requests)
-        if raw_logprobs is not None:
-            for i, r in enumerate(requests):
-                if r.params.logprobs is not None:
-                    logprobs[i] = _logprob_entry(raw_logprobs[i], token_list[i], r.params.logprobs)
-        return SamplerOutput(token_list, logprobs)
+        return SamplerOutput(token_list, self._logprobs(raw, requests, token_list))
+
+    @staticmethod
+    def _logprobs(logits: torch.Tensor, requests: list[Request], tokens: list[int], *,
+                  kernels: bool = True) -> list[dict[int, float] | None]:
+        """Each asking row's {token: log-prob} for its sampled token and its top N: on CPU
+        in the kernels (``logprob_entries``: one exp pass and one insertion pass a row),
+        where they load and ``kernels`` is left on, else by torch's log-softmax."""
+        out: list[dict[int, float] | None] = [None] * len(requests)
+        rows = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
+        if not rows:
+            return out
+        if kernels and logits.device.type == "cpu":
+            from phasewise.model.cpu_kernels import logprob_entries
+
+            got = logprob_entries(logits, rows, [tokens[i] for i in rows],
+                                  [requests[i].params.logprobs for i in rows])
+            if got is not None:
+                for i, entry in zip(rows, got):
+                    out[i] = entry
+                return out
+        raw = torch.log_softmax(logits, dim=-1)
+        for i in rows:
+            out[i] = _logprob_entry(raw[i], tokens[i], requests[i].params.logprobs)
+        return out
 
     def verify(self, logits: torch.Tensor, req: Request) -> tuple[SamplerOutput, int]:
         """Speculative decoding: ``logits`` ([1 + drafts, vocab] fp32) are the rows of a
@@ -268,9 +285,10 @@ class Sampler:
         nucleus is wider, four times a lower bound on its size (at least 1024): the tokens
         past the first K each hold at most the K-th's probability, so at least (top_p - mass
         of the K) / (the K-th's probability) more are needed; past an eighth of the
-        vocabulary, a sort of the row (a flat distribution: as slow as the sort it replaced). ``topk`` runs on the raw logits (a temperature keeps
-        their order), only the chosen ones are divided by it, and the whole row's normaliser
-        is computed only for rows without top-k. Probabilities are those of ``_probs`` up to
+        vocabulary, a sort of the row (a flat distribution: as slow as the sort it
+        replaced). ``topk`` runs on the raw logits (a temperature keeps their order), only
+        the chosen ones are divided by it, and the whole row's normaliser is computed only
+        for rows without top-k. Probabilities are those of ``_probs`` up to
         fp32 rounding."""
         dev = logits.device
         n, vocab = logits.shape
@@ -382,6 +400,6 @@ def _logprob_entry(row: torch.Tensor, token: int, n: int) -> dict[int, float]:
     """{token_id: logprob} for the sampled token and the row's top ``n``."""
     entry = {token: float(row[token])}
     if n:
-        top = torch.topk(row, n)
+        top = torch.topk(row, min(n, row.shape[-1]))  # a vocabulary smaller than n: all
         entry.update(zip(top.indices.tolist(), top.values.tolist()))
     return entry

@@ -2286,3 +2286,81 @@ int pw_penalties_f32(float *logits, int cols, const int32_t *rows, int nrows,
     }
     return failed;
 }
+
+/* ---- Logprobs: the sampled token's and the top n's, per row ----
+ *
+ * For each listed row of logits [.., cols] (fp32, contiguous): log-softmax's normaliser
+ * max + log(sum e^(x - max)) in one exp pass (exp8, double sums), the sampled token's
+ * log-probability, and the n (<= 20) largest logits with their log-probabilities, kept by
+ * insertion in one pass (ties: the lower id first). Where torch took a log-softmax of the
+ * whole batch and a topk a row. A row with a NaN or no finite logit fails (1): the caller
+ * takes torch's way. */
+
+#define LOGPROBS_MAX 20
+
+int pw_logprobs_f32(const float *logits, int cols, const int32_t *rows, int nrows,
+                    const int64_t *tokens, const int32_t *ns, float *token_lp, float *top_lp,
+                    int64_t *top_ids, int nthreads) {
+    int failed = 0;
+#pragma omp parallel for num_threads(nrows > 1 ? nthreads : 1) schedule(dynamic) reduction(| : failed)
+    for (int k = 0; k < nrows; k++) {
+        const float *x = logits + (long)rows[k] * cols;
+        int n = ns[k] < LOGPROBS_MAX ? ns[k] : LOGPROBS_MAX;
+        __m256 mx = _mm256_set1_ps(-INFINITY);
+        int nan = 0;
+        int64_t j = 0;
+        for (; j + 8 <= cols; j += 8) {
+            __m256 v = _mm256_loadu_ps(x + j);
+            nan |= _mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+            mx = _mm256_max_ps(v, mx);
+        }
+        float mv[8];
+        _mm256_storeu_ps(mv, mx);
+        float m = -INFINITY;
+        for (int l = 0; l < 8; l++) m = mv[l] > m ? mv[l] : m;
+        for (int64_t t = j; t < cols; t++) {
+            nan |= x[t] != x[t];
+            m = x[t] > m ? x[t] : m;
+        }
+        if (nan || !(m > -INFINITY) || m == INFINITY) {
+            failed = 1;
+            continue;
+        }
+        __m256 vm = _mm256_set1_ps(m), lo = _mm256_set1_ps(-87.0f);
+        double sum = 0.0;
+        for (j = 0; j + 8 <= cols; j += 8) {
+            __m256 a = _mm256_sub_ps(_mm256_loadu_ps(x + j), vm);
+            __m256 e = _mm256_andnot_ps(_mm256_cmp_ps(a, lo, _CMP_NGE_UQ), exp8(a));
+            _mm256_storeu_ps(mv, e);
+            sum += (double)((mv[0] + mv[1]) + (mv[2] + mv[3])) +
+                   (double)((mv[4] + mv[5]) + (mv[6] + mv[7]));
+        }
+        for (; j < cols; j++) {
+            float a = x[j] - m;
+            sum += a >= -87.0f ? expf(a) : 0.0f;
+        }
+        float lse = m + (float)log(sum);
+        int64_t tok = tokens[k];
+        token_lp[k] = tok >= 0 && tok < cols ? x[tok] - lse : -INFINITY;
+        float best[LOGPROBS_MAX];
+        int64_t ids[LOGPROBS_MAX];
+        int have = 0;
+        for (j = 0; j < cols && n > 0; j++) {
+            float v = x[j];
+            if (have == n && !(v > best[n - 1])) continue;
+            int at = have < n ? have++ : n - 1;
+            while (at > 0 && v > best[at - 1]) {  /* a later equal value stays behind */
+                best[at] = best[at - 1];
+                ids[at] = ids[at - 1];
+                at--;
+            }
+            best[at] = v;
+            ids[at] = j;
+        }
+        for (int t = 0; t < n; t++) {
+            top_lp[(long)k * LOGPROBS_MAX + t] = t < have ? best[t] - lse : -INFINITY;
+            top_ids[(long)k * LOGPROBS_MAX + t] = t < have ? ids[t] : -1;
+        }
+    }
+    return failed;
+}

@@ -184,6 +184,7 @@ def _signatures() -> dict[str, tuple[Any, list[Any]]]:
         "pw_argmax_f32": (None, [P, I, I, P, I]),
         "pw_sample_f32": (I, [P, I, I, P, P, P, P, P, P, I]),
         "pw_penalties_f32": (I, [P, I, P, I, P, P, P, P, P, P, I]),
+        "pw_logprobs_f32": (I, [P, I, P, I, P, P, P, P, P, I]),
         "pw_enable_avx512": (None, [I]),
         "pw_enable_avx512_norm": (None, [I]),
         "pw_enable_dp_attention": (None, [I]),
@@ -511,6 +512,36 @@ def apply_penalties(logits: torch.Tensor, rows: list[int], token_ids: list[list[
     failed = lib.pw_penalties_f32(logits.data_ptr(), logits.shape[1], addr[0], len(rows),
                                   *addr[1:], torch.get_num_threads())
     return not failed
+
+
+def logprob_entries(logits: torch.Tensor, rows: list[int], tokens: list[int],
+                    ns: list[int]) -> list[dict[int, float]] | None:
+    """For ``rows`` of a 2-D fp32 CPU tensor (``pw_logprobs_f32``): {token id: log-prob}
+    of each row's ``tokens`` entry and its ``ns`` (<= 20) most likely tokens, as
+    ``torch.log_softmax`` and ``topk`` give them. None where the kernels are unavailable,
+    the tensor is not of that kind, or a row has a NaN or no finite logit."""
+    lib = load()
+    if (lib is None or logits.dim() != 2 or logits.dtype != torch.float32
+            or logits.device.type != "cpu" or not logits.is_contiguous() or not rows):
+        return None
+    k = len(rows)
+    tok_lp = array.array("f", bytes(4 * k))
+    top_lp = array.array("f", bytes(4 * 20 * k))
+    top_ids = array.array("q", bytes(8 * 20 * k))
+    bufs = [array.array("i", rows), array.array("q", tokens), array.array("i", ns),
+            tok_lp, top_lp, top_ids]
+    addr = [b.buffer_info()[0] for b in bufs]
+    if lib.pw_logprobs_f32(logits.data_ptr(), logits.shape[1], addr[0], k, *addr[1:],
+                           torch.get_num_threads()):
+        return None
+    out = []
+    for i in range(k):
+        entry = {tokens[i]: tok_lp[i]}
+        n = min(ns[i], 20)
+        entry.update((t, v) for t, v in zip(top_ids[20 * i:20 * i + n], top_lp[20 * i:20 * i + n])
+                     if t >= 0)  # -1: past a vocabulary smaller than n
+        out.append(entry)
+    return out
 
 
 def linear_bf16(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None
