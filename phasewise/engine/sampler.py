@@ -12,8 +12,9 @@ drafts a step leaves it depends on the batch).
 Requests without a seed share the engine's generator. Each sampled row takes one uniform
 number and draws by the inverse of its filtered distribution's running sum: on CPU in the
 kernels (``cpu_kernels.sample_list``: each filter a threshold found by radix selection, no
-sort), else in torch's operations (``_sample_torch``: ``torch.topk`` for the filters). Neither
-sorts the vocabulary; ``_probs``, which does, is the reference the tests hold them to.
+sort), else in torch's operations (``_sample_torch``: ``torch.topk`` for the filters, a sort
+only of rows whose nucleus spans more than an eighth of the vocabulary). ``_probs``, which
+sorts every filtering row, is the reference the tests hold both to.
 """
 
 from __future__ import annotations
@@ -147,9 +148,7 @@ class Sampler:
         if req.params.greedy:
             tokens, accepted = verify_greedy(logits, drafts)
         else:
-            cand, probs = self._candidates([req] * logits.shape[0], logits)
-            if cand is not None:  # the filtered distribution over the whole vocabulary
-                probs = torch.zeros_like(logits).scatter_(1, cand, probs)
+            probs = self._vocab_probs([req] * logits.shape[0], logits)
             tokens, accepted = verify_sampled(probs, drafts, self._generator(req, logits.device))
         logprobs: list[dict[int, float] | None] = [None] * len(tokens)
         n = req.params.logprobs
@@ -262,15 +261,37 @@ class Sampler:
         draws (so a row's token at a given ``u`` depends neither on the path nor on whether
         other rows of the batch filter). A row with nothing to draw (its logits all -inf, or
         +inf: no finite distribution) takes its argmax."""
-        cand, probs = self._candidates(requests, logits)
-        if cand is not None:
-            probs = torch.zeros_like(logits, dtype=probs.dtype).scatter_(1, cand, probs)
+        probs = self._vocab_probs(requests, logits)
         total = probs.sum(dim=-1)
         ok = torch.isfinite(total) & (total > 0)
         if bool(ok.all()):
             return inverse_cdf(probs, u).tolist()
         picked = inverse_cdf(torch.where(ok[:, None], probs, 1.0), u)
         return torch.where(ok, picked, greedy_tokens(logits)).tolist()
+
+    @classmethod
+    def _vocab_probs(cls, requests: list[Request], logits: torch.Tensor) -> torch.Tensor:
+        """``_candidates``' distribution in its places over the whole vocabulary, [n,
+        vocab]. Added, not written: a row that finished in an earlier, narrower pass is
+        padded with id 0 at probability 0, which a plain scatter could write over token 0's
+        own probability (on CUDA in any order). Rows that filter by rank and rows that do
+        not go separately: beside filtering rows, an unfiltered one would widen to a sort of
+        its whole row."""
+        vocab = logits.shape[-1]
+        plain = [i for i, r in enumerate(requests)
+                 if not 0 < r.params.top_k < vocab and r.params.top_p >= 1.0]
+        if 0 < len(plain) < len(requests):
+            out = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
+            ranked = sorted(set(range(len(requests))) - set(plain))
+            for part in (plain, ranked):
+                idx = torch.tensor(part, device=logits.device)
+                out[idx] = cls._vocab_probs([requests[i] for i in part], logits[idx])
+            return out
+        cand, probs = cls._candidates(requests, logits)
+        if cand is None:
+            return probs
+        return torch.zeros(logits.shape, dtype=probs.dtype,
+                           device=logits.device).scatter_add_(1, cand, probs)
 
     @staticmethod
     def _candidates(requests: list[Request], logits: torch.Tensor

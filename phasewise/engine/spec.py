@@ -268,8 +268,8 @@ def inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     Never a position of weight zero: the first sum past a value rises there, and a ``u`` of 1
     (past the total) picks the position where the sum reaches the total, the last with
     weight."""
-    cum = weights.cumsum(dim=-1)
+    cum = weights.double().cumsum(dim=-1)  # the kernel's running sums are doubles too
     total = cum[:, -1:].contiguous()
-    pos = torch.searchsorted(cum, u[:, None].to(cum.dtype) * total, right=True)
+    pos = torch.searchsorted(cum, u[:, None].double() * total, right=True)
     last = torch.searchsorted(cum, total, right=False)
     return torch.minimum(pos, last)[:, 0]

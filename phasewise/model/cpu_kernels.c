@@ -2277,7 +2277,9 @@ int pw_penalties_f32(float *logits, int cols, const int32_t *rows, int nrows,
                 if (id < 0 || id >= cols) continue;
                 uint32_t c = count[id] & ~PEN_SEEN;
                 if (!c) continue;  /* applied already */
-                x[id] -= freq[k] * (float)c + pres[k];
+                float fc = freq[k] * (float)c;
+                __asm__("" : "+x"(fc));  /* rounded here, as torch does: no fused multiply-add */
+                x[id] -= fc + pres[k];
                 count[id] &= PEN_SEEN;
             }
         }

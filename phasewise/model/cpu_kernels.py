@@ -493,7 +493,8 @@ def apply_penalties(logits: torch.Tensor, rows: list[int], token_ids: list[list[
     repetition penalty over its ``token_ids`` (prompt then outputs), then presence and
     frequency over the outputs (``token_ids[num_prompt:]``), as ``Sampler``'s torch path
     does them. Returns False, touching nothing, where the kernels are unavailable or the
-    tensor is not of that kind."""
+    tensor is not of that kind; raises MemoryError where a thread's count table cannot be
+    allocated (some rows may then be done already: no other way may redo them)."""
     lib = load()
     if (lib is None or logits.dim() != 2 or logits.dtype != torch.float32
             or logits.device.type != "cpu" or not logits.is_contiguous() or not rows):
@@ -509,9 +510,11 @@ def apply_penalties(logits: torch.Tensor, rows: list[int], token_ids: list[list[
             array.array("f", repetition), array.array("f", presence),
             array.array("f", frequency)]
     addr = [b.buffer_info()[0] for b in bufs]
-    failed = lib.pw_penalties_f32(logits.data_ptr(), logits.shape[1], addr[0], len(rows),
-                                  *addr[1:], torch.get_num_threads())
-    return not failed
+    if lib.pw_penalties_f32(logits.data_ptr(), logits.shape[1], addr[0], len(rows),
+                            *addr[1:], torch.get_num_threads()):
+        raise MemoryError(f"no memory for a count table of {logits.shape[1]} tokens "
+                          "(the penalties kernel)")
+    return True
 
 
 def logprob_entries(logits: torch.Tensor, rows: list[int], tokens: list[int],
