@@ -74,6 +74,15 @@ def per_call_ms(fn, seconds: float) -> float:
     return (time.perf_counter() - t0) / n * 1e3
 
 
+def interleaved_medians(methods: dict, rounds: int, seconds: float) -> list[float]:
+    """Each method's median ms a call over ``rounds`` rounds, the methods by turns."""
+    times: dict[str, list[float]] = {m: [] for m in methods}
+    for _ in range(rounds):
+        for m, fn in methods.items():
+            times[m].append(per_call_ms(fn, seconds))
+    return [statistics.median(times[m]) for m in methods]
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--vocabs", type=int, nargs="+", default=[32000, 151936])
@@ -101,11 +110,8 @@ def main() -> int:
                 methods = {"sort": partial(sort_and_exponentials, sampler, reqs, logits),
                            "topk": partial(sampler._sample_torch, reqs, logits, u),
                            "kernel": partial(sampler._sample_rows, reqs, logits)}
-                times: dict[str, list[float]] = {m: [] for m in methods}
-                for _ in range(args.rounds):
-                    for m, fn in methods.items():
-                        times[m].append(per_call_ms(fn, args.seconds))
-                sort_ms, topk_ms, kernel_ms = (statistics.median(times[m]) for m in methods)
+                sort_ms, topk_ms, kernel_ms = interleaved_medians(methods, args.rounds,
+                                                                  args.seconds)
                 _, probs = sampler._candidates(reqs, logits)
                 kept = (probs > 0).sum(dim=-1).float().mean().item()
                 print(f"{vocab:7d} {b:5d}  {name:33} {sort_ms:9.3f} {topk_ms:9.3f} "
@@ -130,11 +136,7 @@ def main() -> int:
                 methods = {"torch": partial(Sampler._apply_penalties, logits, reqs,
                                             kernels=False),
                            "kernel": partial(Sampler._apply_penalties, logits, reqs)}
-                times = {m: [] for m in methods}
-                for _ in range(args.rounds):
-                    for m, fn in methods.items():
-                        times[m].append(per_call_ms(fn, args.seconds))
-                torch_ms, kernel_ms = (statistics.median(times[m]) for m in methods)
+                torch_ms, kernel_ms = interleaved_medians(methods, args.rounds, args.seconds)
                 print(f"{vocab:7d} {b:5d} {ctx:7d}  {'':10} {torch_ms:9.3f} {kernel_ms:9.3f} "
                       f"{torch_ms / kernel_ms:6.1f}", flush=True)
     print(f"\n{'vocab':>7} {'batch':>5}  logprobs (top 5): {'torch ms':>9} {'kernel ms':>9} "
@@ -148,11 +150,7 @@ def main() -> int:
             tokens = logits.argmax(dim=-1).tolist()
             methods = {"torch": partial(Sampler._logprobs, logits, reqs, tokens, kernels=False),
                        "kernel": partial(Sampler._logprobs, logits, reqs, tokens)}
-            times = {m: [] for m in methods}
-            for _ in range(args.rounds):
-                for m, fn in methods.items():
-                    times[m].append(per_call_ms(fn, args.seconds))
-            torch_ms, kernel_ms = (statistics.median(times[m]) for m in methods)
+            torch_ms, kernel_ms = interleaved_medians(methods, args.rounds, args.seconds)
             print(f"{vocab:7d} {b:5d}  {'':17} {torch_ms:9.3f} {kernel_ms:9.3f} "
                   f"{torch_ms / kernel_ms:6.1f}", flush=True)
     return 0

@@ -99,6 +99,22 @@ def llama_dir(hf_checkpoints) -> Path:
     return hf_checkpoints["LlamaForCausalLM"][0]
 
 
+def padded(llm):
+    """``llm`` with its runner replaced by one whose decode-only steps take the CUDA graphs'
+    padded static buffers, run eagerly on CPU (before any step, so the KV cache holds
+    nothing yet)."""
+    from phasewise.engine.model_runner import ModelRunner
+
+    eng = llm.engine
+    old = eng.runner
+    eng.runner = ModelRunner(eng.model, eng.model_config, num_blocks=old.kv_cache.shape[2],
+                             block_size=old.block_size, dtype=old.kv_cache.dtype,
+                             device=old.device, decode_graphs="padded",
+                             max_model_len=eng.max_model_len)
+    eng.connector.io = eng.runner
+    return llm
+
+
 def hf_greedy(model, prompt_ids: list[int], n: int) -> list[int]:
     """Reference greedy continuation of ``n`` tokens that ignores end-of-sequence."""
     ids = torch.tensor([prompt_ids])

@@ -13,6 +13,7 @@ import json
 
 import pytest
 import torch
+from conftest import padded
 
 from phasewise import LLM, SamplingParams
 from phasewise.config import EngineConfig
@@ -24,7 +25,6 @@ from phasewise.engine.cuda_graphs import (
     batch_bucket,
     table_bucket,
 )
-from phasewise.engine.model_runner import ModelRunner
 
 
 def test_buckets_hold_their_rows_and_blocks():
@@ -37,19 +37,6 @@ def test_buckets_hold_their_rows_and_blocks():
         w = table_bucket(blocks)
         assert w >= max(blocks, MIN_TABLE_BLOCKS)
         assert w == MIN_TABLE_BLOCKS or w < 2 * blocks  # the next power of two, no wider
-
-
-def padded(llm: LLM) -> LLM:
-    """``llm`` with its runner replaced by one whose decode-only steps take the graphs'
-    padded static buffers (before any step, so the KV cache holds nothing yet)."""
-    eng = llm.engine
-    old = eng.runner
-    eng.runner = ModelRunner(eng.model, eng.model_config, num_blocks=old.kv_cache.shape[2],
-                             block_size=old.block_size, dtype=old.kv_cache.dtype,
-                             device=old.device, decode_graphs="padded",
-                             max_model_len=eng.max_model_len)
-    eng.connector.io = eng.runner
-    return llm
 
 
 def prompts(llm: LLM, lengths: list[int]) -> list[list[int]]:

@@ -185,7 +185,7 @@ def test_padded_graph_steps_split_rows_as_the_eager_kernel_walks_them(llama_dir)
     padded to a power-of-two width with the scratch block and whose padded rows attend to
     one key: with every row's blocks split across programs, the greedy tokens are those of
     the unsplit kernel on the unpadded path."""
-    from phasewise.engine.model_runner import ModelRunner
+    from conftest import padded
 
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     prompts = [[5, 9, 13, 2, 7] * 8, [3, 4, 5], [11] * 30]  # 3 rows: a bucket of 4
@@ -193,14 +193,8 @@ def test_padded_graph_steps_split_rows_as_the_eager_kernel_walks_them(llama_dir)
     eager = LLM(str(llama_dir), **kw)
     eager.engine.model.ops = triton_ops.TritonOps(decode_programs=0)
     want = [o.token_ids for o in eager.generate(prompts, params)]
-    llm = LLM(str(llama_dir), **kw)
+    llm = padded(LLM(str(llama_dir), **kw))
     eng = llm.engine
-    old = eng.runner
-    eng.runner = ModelRunner(eng.model, eng.model_config, num_blocks=old.kv_cache.shape[2],
-                             block_size=old.block_size, dtype=old.kv_cache.dtype,
-                             device=old.device, decode_graphs="padded",
-                             max_model_len=eng.max_model_len)
-    eng.connector.io = eng.runner
     eng.model.ops = triton_ops.TritonOps(decode_programs=10 ** 6)
     got = [o.token_ids for o in llm.generate(prompts, params)]
     assert got == want

@@ -37,16 +37,23 @@ static inline float hsum8(__m256 v) {
     return _mm_cvtss_f32(_mm_add_ss(lo, sh));
 }
 
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
+/* A float's bits and back (memcpy: no aliasing of one type through the other). */
+static inline uint32_t f32_bits(float f) {
+    uint32_t b;
+    memcpy(&b, &f, 4);
+    return b;
+}
+
+static inline float bits_f32(uint32_t b) {
     float f;
-    memcpy(&f, &u, 4);
+    memcpy(&f, &b, 4);
     return f;
 }
 
+static inline float bf16_to_f32(uint16_t h) { return bits_f32((uint32_t)h << 16); }
+
 static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
+    uint32_t u = f32_bits(f);
     if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* NaN stays NaN */
     u += 0x7fffu + ((u >> 16) & 1u);
     return (uint16_t)(u >> 16);
@@ -2037,18 +2044,6 @@ static double sample_weights(const float *x, int64_t n, float invt, float *w) {
         sum += w[j];
     }
     return sum;
-}
-
-static inline uint32_t f32_bits(float f) {
-    uint32_t b;
-    memcpy(&b, &f, 4);
-    return b;
-}
-
-static inline float bits_f32(uint32_t b) {
-    float f;
-    memcpy(&f, &b, 4);
-    return f;
 }
 
 /* The weight v (its bits) among those >= floor at which the running total from the largest

@@ -98,26 +98,32 @@ def _silu_mul_kernel(gate_up_ptr, out_ptr, inter, stride_g, stride_o, BLOCK: tl.
 
 
 @triton.jit
-def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, seq_lens_ptr,
-                         stride_qt, stride_qh, stride_kb, stride_ks, stride_kh,
-                         stride_vb, stride_vs, stride_vh, stride_bt, scale, group,
-                         GROUP_P: tl.constexpr, HD: tl.constexpr, BS: tl.constexpr):
-    r = tl.program_id(0).to(tl.int64)  # decode row
-    kvh = tl.program_id(1)  # KV head
-    n_heads = tl.num_programs(1) * group
+def _group_query(q_ptr, r, kvh, group, stride_qt, stride_qh, scale,
+                 GROUP_P: tl.constexpr, HD: tl.constexpr):
+    """Decode row ``r``'s query heads that share KV head ``kvh``, scaled, in fp32 ([GROUP_P,
+    HD], rows past ``group`` zero), with the index tensors the caller stores by: the group's
+    lanes ``g``, their mask ``gm``, the dims ``d`` and the heads' ids ``heads``."""
     g = tl.arange(0, GROUP_P)
     gm = g[:, None] < group
     d = tl.arange(0, HD)[None, :]
     heads = kvh * group + g[:, None]
     q = tl.load(q_ptr + r * stride_qt + heads * stride_qh + d, mask=gm, other=0.0)
-    q = q.to(tl.float32) * scale  # [GROUP_P, HD]
-    seq_len = tl.load(seq_lens_ptr + r)
+    return g, gm, d, heads, q.to(tl.float32) * scale
+
+
+@triton.jit
+def _attend_blocks(q, k_ptr, v_ptr, tables_ptr, r, kvh, d, seq_len, j, stop,
+                   stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+                   GROUP_P: tl.constexpr, HD: tl.constexpr, BS: tl.constexpr):
+    """Row ``r``'s blocks ``[j, stop)`` of its table for KV head ``kvh`` against the
+    KV head's query heads ``q`` ([GROUP_P, HD], scaled): the online softmax's running max,
+    weight total and unnormalised sum ([GROUP_P], [GROUP_P], [GROUP_P, HD]); keys at or past
+    ``seq_len`` masked. -inf, 0 and 0 where the range is empty."""
     offs = tl.arange(0, BS)
     m = tl.full([GROUP_P], float("-inf"), tl.float32)
     total = tl.zeros([GROUP_P], tl.float32)
     acc = tl.zeros([GROUP_P, HD], tl.float32)
-    j = 0
-    while j * BS < seq_len:  # a while loop: Triton's interpreter takes no tensor range bound
+    while j < stop:  # a while loop: Triton's interpreter takes no tensor range bound
         blk = tl.load(tables_ptr + r * stride_bt + j)
         k = tl.load(k_ptr + blk * stride_kb + offs[:, None] * stride_ks + kvh * stride_kh + d)
         scores = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)  # [GROUP_P, BS]
@@ -130,6 +136,24 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, seq_lens_ptr,
         acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
         m = m_new
         j += 1
+    return m, total, acc
+
+
+@triton.jit
+def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, seq_lens_ptr,
+                         stride_qt, stride_qh, stride_kb, stride_ks, stride_kh,
+                         stride_vb, stride_vs, stride_vh, stride_bt, scale, group,
+                         GROUP_P: tl.constexpr, HD: tl.constexpr, BS: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64)  # decode row
+    kvh = tl.program_id(1)  # KV head
+    n_heads = tl.num_programs(1) * group
+    _, gm, d, heads, q = _group_query(q_ptr, r, kvh, group, stride_qt, stride_qh, scale,
+                                      GROUP_P, HD)
+    seq_len = tl.load(seq_lens_ptr + r)
+    first = seq_len - seq_len  # block 0 as an int64 tensor, the loop counter's type in both
+    _, total, acc = _attend_blocks(q, k_ptr, v_ptr, tables_ptr, r, kvh, d, seq_len, first,
+                                   (seq_len + BS - 1) // BS, stride_kb, stride_ks, stride_kh,
+                                   stride_vb, stride_vs, stride_vh, stride_bt, GROUP_P, HD, BS)
     out = acc / total[:, None]
     tl.store(out_ptr + (r * n_heads + heads) * HD + d, out.to(out_ptr.dtype.element_ty),
              mask=gm)
@@ -140,8 +164,8 @@ def _paged_decode_split_kernel(q_ptr, k_ptr, v_ptr, acc_ptr, ml_ptr, tables_ptr,
                                stride_qt, stride_qh, stride_kb, stride_ks, stride_kh,
                                stride_vb, stride_vs, stride_vh, stride_bt, scale, group,
                                GROUP_P: tl.constexpr, HD: tl.constexpr, BS: tl.constexpr):
-    """One split of a row's blocks for one KV head: ``_paged_decode_kernel``'s loop over
-    blocks ``[s * per, (s + 1) * per)`` of the row's ``ceil(seq_len / BS)``, with ``per`` the
+    """One split of a row's blocks for one KV head: ``_attend_blocks`` over blocks
+    ``[s * per, (s + 1) * per)`` of the row's ``ceil(seq_len / BS)``, with ``per`` the
     even share of the ``num_programs(2)`` splits, read from the row's length on the device
     (so a captured graph's splits follow each replay's lengths). It writes the split's
     unnormalised sums ``acc`` [rows, heads, splits, HD] and its max and weight total ``ml``
@@ -151,34 +175,16 @@ def _paged_decode_split_kernel(q_ptr, k_ptr, v_ptr, acc_ptr, ml_ptr, tables_ptr,
     s = tl.program_id(2)  # split
     n_split = tl.num_programs(2)
     n_heads = tl.num_programs(1) * group
-    g = tl.arange(0, GROUP_P)
-    gm = g[:, None] < group
-    d = tl.arange(0, HD)[None, :]
-    heads = kvh * group + g[:, None]
-    q = tl.load(q_ptr + r * stride_qt + heads * stride_qh + d, mask=gm, other=0.0)
-    q = q.to(tl.float32) * scale  # [GROUP_P, HD]
+    g, gm, d, heads, q = _group_query(q_ptr, r, kvh, group, stride_qt, stride_qh, scale,
+                                      GROUP_P, HD)
     seq_len = tl.load(seq_lens_ptr + r)
     n_blk = (seq_len + BS - 1) // BS
     per = (n_blk + n_split - 1) // n_split
-    j = s * per
-    stop = tl.minimum(j + per, n_blk)
-    offs = tl.arange(0, BS)
-    m = tl.full([GROUP_P], float("-inf"), tl.float32)
-    total = tl.zeros([GROUP_P], tl.float32)
-    acc = tl.zeros([GROUP_P, HD], tl.float32)
-    while j < stop:
-        blk = tl.load(tables_ptr + r * stride_bt + j)
-        k = tl.load(k_ptr + blk * stride_kb + offs[:, None] * stride_ks + kvh * stride_kh + d)
-        scores = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)  # [GROUP_P, BS]
-        scores = tl.where((j * BS + offs)[None, :] < seq_len, scores, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, axis=1))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(scores - m_new[:, None])
-        total = total * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_ptr + blk * stride_vb + offs[:, None] * stride_vs + kvh * stride_vh + d)
-        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
-        m = m_new
-        j += 1
+    start = s * per
+    m, total, acc = _attend_blocks(q, k_ptr, v_ptr, tables_ptr, r, kvh, d, seq_len, start,
+                                   tl.minimum(start + per, n_blk), stride_kb, stride_ks,
+                                   stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+                                   GROUP_P, HD, BS)
     part = (r * n_heads + heads) * n_split + s  # [GROUP_P, 1]
     tl.store(acc_ptr + part * HD + d, acc, mask=gm)
     hm = g < group
