@@ -983,6 +983,7 @@ def test_dp_decode_attention_keys_in_lanes(G, hd, length, bs):
 ODD = {"hidden_size": 80, "intermediate_size": 1040, "num_attention_heads": 5,
        "num_key_value_heads": 1, "head_dim": 16}
 PLANS = {"avx2": (8, "torch"), "amx": (0, "amx"),
+         "avx2-tiles": (256, "gemm"),  # the AVX2 kernel up to 256 rows (a 2-core AVX2 EPYC's)
          "dp": (0, "torch", None, {}, "dp", 32)}  # the AVX512_BF16 tier up to 32 rows
 
 
@@ -991,7 +992,11 @@ PLANS = {"avx2": (8, "torch"), "amx": (0, "amx"),
 @pytest.mark.parametrize("rows,quantization,plan", [
     *((r, q, p) for r in (1, 3, 6) for q, p in ((None, "avx2"), ("int8", "avx2"), (None, "amx"))),
     (17, None, "amx"), (32, None, "amx"),  # AMX: up to 32 rows, two token tiles
-    (32, None, "avx2"),  # too many rows for the streams: op by op
+    (32, None, "avx2"),  # too many rows for the streams, and torch's: op by op
+    (8, None, "avx2"),  # the AVX2 kernel's rows past the streams': fused, on its tiles
+    *((r, None, "avx2-tiles") for r in (7, 13, 32)),  # the tiles up to 32 rows
+    (33, None, "avx2-tiles"),  # more: op by op
+    (8, "int8", "avx2-tiles"),  # int8 beyond the streams' rows: op by op
     (3, "int8", "amx"),  # AMX rows, int8 weights: fused, the int8 ones streamed
     (8, "int8", "amx"), (32, "int8", "amx"),  # more: fused, int8 panels widened on the tiles
     *((r, None, "dp") for r in (1, 3, 6, 8, 17, 32)),  # AVX512_BF16: up to 32 rows
@@ -1056,7 +1061,11 @@ def test_fused_decode_layer_matches_op_by_op(tmp_path, two_threads, arch, rows, 
         # gate/up blocks: an even count takes the SiLU in the epilogue, an odd one not
         blocks = model.layers[0].gate_up_proj.weight.shape[0]
         assert blocks % 2 == (cfg.intermediate_size % 16 == 8)
-    fused = rows <= 6 or plan in ("amx", "panels") or (plan == "dp" and quantization is None)
+    # the AVX2 tiles: bf16 weights, rows the plan runs on the kernel, up to 32
+    avx2_tiles = (plan.startswith("avx2") and quantization is None
+                  and rows <= min(dispatch.kernel_max_rows, 32))
+    fused = (rows <= 6 or plan in ("amx", "panels") or (plan == "dp" and quantization is None)
+             or avx2_tiles)
     outs = {}
     for name, ops in (("stack", CpuKernelOps(dispatch)), ("layers", LayerByLayer(dispatch)),
                       ("ops", CpuKernelOps(dispatch, fused_decode=False))):
@@ -1081,9 +1090,11 @@ def test_fused_decode_layer_matches_op_by_op(tmp_path, two_threads, arch, rows, 
     # layers (the stack's output buffers alternate).
     assert torch.equal(outs["stack"][0], outs["layers"][0])
     if not fused or (plan == "amx" and (quantization is None or rows > 6)) or (
-            plan in ("dp", "panels") and quantization is None):  # op by op, or the AMX
-        # products and GLU epilogue (int8: the same widened panels and scales), or the same
-        # AVX512_BF16 tiles as linear_dp (or linear_pk): exactly the op-by-op results
+            plan in ("dp", "panels") and quantization is None) or (
+            avx2_tiles and rows > 6):  # op by op, or the AMX products and GLU epilogue
+        # (int8: the same widened panels and scales), or the same AVX512_BF16 tiles as
+        # linear_dp (or linear_pk), or the same AVX2 tiles as linear_bf16: exactly the
+        # op-by-op results
         assert torch.equal(outs["stack"][0], outs["ops"][0])
     model.layers = torch.nn.ModuleList(list(model.layers)[:1])
     odd = {}

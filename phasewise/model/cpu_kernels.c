@@ -312,31 +312,42 @@ static int linear_rows(const float *x, const void *w, const float *scale, const 
 #define PREFETCH_EVERY_PASS_ROWS 16
 
 /* The permuted fp32 copy of one activation row (K16: K rounded down to 16; the tail after it
- * keeps its order). */
-static void permute_row(const uint16_t *src, float *dst, int K, int K16) {
+ * keeps its order), from bf16 (src) or from fp32 (srcf: the fused decode layer's rows). */
+static void permute_row_any(const uint16_t *src, const float *srcf, float *dst, int K, int K16) {
+#define PW_PERM_AT(i) (srcf ? srcf[i] : bf16_to_f32(src[i]))
     for (int k = 0; k < K16; k += 16)
         for (int q = 0; q < 4; q++) {
-            dst[k + q] = bf16_to_f32(src[k + q]);
-            dst[k + 4 + q] = bf16_to_f32(src[k + 8 + q]);
-            dst[k + 8 + q] = bf16_to_f32(src[k + 4 + q]);
-            dst[k + 12 + q] = bf16_to_f32(src[k + 12 + q]);
+            dst[k + q] = PW_PERM_AT(k + q);
+            dst[k + 4 + q] = PW_PERM_AT(k + 8 + q);
+            dst[k + 8 + q] = PW_PERM_AT(k + 4 + q);
+            dst[k + 12 + q] = PW_PERM_AT(k + 12 + q);
         }
-    for (int k = K16; k < K; k++) dst[k] = bf16_to_f32(src[k]);
+    for (int k = K16; k < K; k++) dst[k] = PW_PERM_AT(k);
+#undef PW_PERM_AT
+}
+static void permute_row(const uint16_t *src, float *dst, int K, int K16) {
+    permute_row_any(src, NULL, dst, K, K16);
 }
 
-/* The end of every tile: add the K tail, the bias, round, store. acc[i][j] holds 8 partial
- * sums of x row i . w row j. */
+/* The end of every tile: add the K tail, then either store the fp32 sum (yf: the fused
+ * decode layer's results, whose bias and rounding come later, bias_round_rows: the same
+ * bits) or add the bias, round and store (yij). acc holds 8 partial sums of x row i . w row
+ * j. */
 static inline void tile_store(__m256 acc, const float *xi, const uint16_t *wj, int K16, int K,
-                              const uint16_t *bias_j, uint16_t *yij) {
+                              const uint16_t *bias_j, uint16_t *yij, float *yf) {
     float s = hsum8(acc);
     for (int k = K16; k < K; k++) s += xi[k] * bf16_to_f32(wj[k]);
-    *yij = f32_to_bf16(s + (bias_j ? bf16_to_f32(*bias_j) : 0.0f));
+    if (yf)
+        *yf = s;
+    else
+        *yij = f32_to_bf16(s + (bias_j ? bf16_to_f32(*bias_j) : 0.0f));
 }
 
-/* Edge tiles (R <= TILE_M rows, C <= TILE_N weight rows), in intrinsics. */
+/* Edge tiles (R <= TILE_M rows, C <= TILE_N weight rows), in intrinsics; the outputs as
+ * tile_2x6's. */
 #define DEFINE_EDGE(R, C)                                                                   \
 static void edge_##R##_##C(const float *x, long ldx, const uint16_t *w, long ldw, int K16,   \
-                           int K, uint16_t *y, long ldy, const uint16_t *bias) {            \
+                           int K, uint16_t *y, float *yf, long ldy, const uint16_t *bias) { \
     __m256 acc[R][C];                                                                       \
     for (int i = 0; i < R; i++) for (int j = 0; j < C; j++) acc[i][j] = _mm256_setzero_ps(); \
     const __m256i z = _mm256_setzero_si256();                                               \
@@ -353,14 +364,14 @@ static void edge_##R##_##C(const float *x, long ldx, const uint16_t *w, long ldw
     for (int i = 0; i < R; i++)                                                             \
         for (int j = 0; j < C; j++)                                                         \
             tile_store(acc[i][j], x + i * ldx, w + j * ldw, K16, K, bias ? bias + j : NULL, \
-                       y + i * ldy + j);                                                    \
+                       y + i * ldy + j, yf ? yf + i * ldy + j : NULL);                      \
 }
 #define DEFINE_EDGES(R) DEFINE_EDGE(R, 1) DEFINE_EDGE(R, 2) DEFINE_EDGE(R, 3) DEFINE_EDGE(R, 4) \
     DEFINE_EDGE(R, 5) DEFINE_EDGE(R, 6)
 DEFINE_EDGES(1)
 DEFINE_EDGES(2)
-typedef void (*edge_fn)(const float *, long, const uint16_t *, long, int, int, uint16_t *, long,
-                        const uint16_t *);
+typedef void (*edge_fn)(const float *, long, const uint16_t *, long, int, int, uint16_t *,
+                        float *, long, const uint16_t *);
 static const edge_fn EDGE[TILE_M][TILE_N] = {
     {edge_1_1, edge_1_2, edge_1_3, edge_1_4, edge_1_5, edge_1_6},
     {edge_2_1, edge_2_2, edge_2_3, edge_2_4, edge_2_5, edge_2_6}};
@@ -412,9 +423,12 @@ static const edge_fn EDGE[TILE_M][TILE_N] = {
     TILE_HALF("vpunpcklwd", "0") TILE_HALF("vpunpckhwd", "32")                              \
     "add $32, %[p0]\n\t" "add $32, %[p3]\n\t" "add $64, %[xp]\n\t"
 
-/* The full 2x6 tile; pf: the next tile's first weight row to prefetch alongside, or NULL. */
+/* The full 2x6 tile; pf: the next tile's first weight row to prefetch alongside, or NULL.
+ * Its outputs: bf16 y (bias added, rounded), or where yf is given fp32 sums there (both
+ * with row stride ldy). */
 static void tile_2x6(const float *x, long ldx, const uint16_t *w, long ldw, int K16, int K,
-                     uint16_t *y, long ldy, const uint16_t *bias, const uint16_t *pf) {
+                     uint16_t *y, float *yf, long ldy, const uint16_t *bias,
+                     const uint16_t *pf) {
     float acc[TILE_M * TILE_N][8] __attribute__((aligned(32)));
     const uint16_t *p0 = w, *p3 = w + 3 * ldw;
     const float *xp = x;
@@ -449,7 +463,7 @@ static void tile_2x6(const float *x, long ldx, const uint16_t *w, long ldw, int 
     for (int i = 0; i < TILE_M; i++)
         for (int j = 0; j < TILE_N; j++)
             tile_store(_mm256_load_ps(acc[i * TILE_N + j]), x + i * ldx, w + j * ldw, K16, K,
-                       bias ? bias + j : NULL, y + i * ldy + j);
+                       bias ? bias + j : NULL, y + i * ldy + j, yf ? yf + i * ldy + j : NULL);
 }
 
 typedef void (*tile_i8_fn)(const float *, long, const int8_t *, long, int, const float *,
@@ -460,18 +474,66 @@ static void tile_i8_2x6(const float *x, long ldx, const int8_t *w, long ldw, int
 static void edge_i8(int R, int C, const float *x, long ldx, const int8_t *w, long ldw, int K,
                     const float *scale, uint16_t *y, long ldy, const uint16_t *bias);
 
-/* The tiles' driver, for bf16 weights, or (with `scale`) int8 ones whose tiles are
- * tile_i8_2x6 and edge_i8 (below, with the int8 kernels; their activations keep their
- * order). */
-static int linear_tiles(const uint16_t *xb, const void *w, const float *scale,
-                        const uint16_t *bias, uint16_t *y, int M, int N, int K, int nthreads) {
-    float *x = (float *)malloc(sizeof(float) * (size_t)M * K);
-    if (!x) return -1;
+/* The tiles' share of one thread of a parallel region (no barrier): its contiguous range
+ * of the N weight rows' tiles, over x's M fp32 rows (permuted by permute_row for bf16
+ * weights; in order for int8 ones, with `scale`, whose tiles are tile_i8_2x6 and edge_i8,
+ * below with the int8 kernels). Outputs as tile_2x6's: bf16 y with the bias, or (bf16
+ * weights only) fp32 sums in yf, row stride N either way. Each tile meets every row of a
+ * block (XBLOCK_BYTES of x) before the next tile starts. */
+static void tiles_share(const float *x, const void *w, const float *scale, const uint16_t *bias,
+                        uint16_t *y, float *yf, int M, int N, int K) {
     int K16 = K / 16 * 16;
     long block_rows = XBLOCK_BYTES / (4L * K) / TILE_M * TILE_M;
     if (block_rows < TILE_M) block_rows = TILE_M;
     int nblocks = (int)((M + block_rows - 1) / block_rows);
     int ntiles = (N + TILE_N - 1) / TILE_N;
+    int t = omp_get_thread_num(), T = omp_get_num_threads();
+    int lo = (int)((long)ntiles * t / T) * TILE_N;
+    int hi = (int)((long)ntiles * (t + 1) / T) * TILE_N;
+    if (hi > N) hi = N;
+    for (int b = 0; b < nblocks; b++) {
+        int m0 = (int)((long)M * b / nblocks), m1 = (int)((long)M * (b + 1) / nblocks);
+        /* With few rows a tile's passes are short, and the next tile's prefetches from the
+         * first pass alone did not arrive in time: every pass repeats them (prefetches of
+         * lines on their way cost little). +15-28% at 8 rows, measured. */
+        int few = m1 - m0 <= PREFETCH_EVERY_PASS_ROWS;
+        for (int n = lo; n < hi; n += TILE_N) {
+            int c = hi - n < TILE_N ? hi - n : TILE_N;
+            const uint16_t *bn = bias ? bias + n : NULL;
+            for (int m = m0; m < m1; m += TILE_M) {
+                int r = m1 - m < TILE_M ? m1 - m : TILE_M;
+                const float *xm = x + (long)m * K;
+                uint16_t *ym = y ? y + (long)m * N + n : NULL;
+                float *fm = yf ? yf + (long)m * N + n : NULL;
+                int full = r == TILE_M && c == TILE_N;
+                int prefetch = (m == m0 || few) && n + TILE_N < hi;
+                if (scale) {
+                    const int8_t *wn = (const int8_t *)w + (long)n * K;
+                    if (full)
+                        tile_i8_2x6(xm, K, wn, K, K, scale + n, ym, N, bn,
+                                    prefetch ? wn + (long)TILE_N * K : NULL);
+                    else
+                        edge_i8(r, c, xm, K, wn, K, K, scale + n, ym, N, bn);
+                    continue;
+                }
+                const uint16_t *wn = (const uint16_t *)w + (long)n * K;
+                if (full)
+                    tile_2x6(xm, K, wn, K, K16, K, ym, fm, N, bn,
+                             prefetch ? wn + (long)TILE_N * K : NULL);
+                else
+                    EDGE[r - 1][c - 1](xm, K, wn, K, K16, K, ym, fm, N, bn);
+            }
+        }
+    }
+}
+
+/* The tiles' driver, for bf16 weights, or (with `scale`) int8 ones (their activations keep
+ * their order). */
+static int linear_tiles(const uint16_t *xb, const void *w, const float *scale,
+                        const uint16_t *bias, uint16_t *y, int M, int N, int K, int nthreads) {
+    float *x = (float *)malloc(sizeof(float) * (size_t)M * K);
+    if (!x) return -1;
+    int K16 = K / 16 * 16;
 #pragma omp parallel num_threads(nthreads)
     {
 #pragma omp for schedule(static)
@@ -482,43 +544,7 @@ static int linear_tiles(const uint16_t *xb, const void *w, const float *scale,
                 permute_row(xb + (long)m * K, x + (long)m * K, K, K16);
         }
         /* the implicit barrier: every row is converted before any tile reads it */
-        int t = omp_get_thread_num(), T = omp_get_num_threads();
-        int lo = (int)((long)ntiles * t / T) * TILE_N;
-        int hi = (int)((long)ntiles * (t + 1) / T) * TILE_N;
-        if (hi > N) hi = N;
-        for (int b = 0; b < nblocks; b++) {
-            int m0 = (int)((long)M * b / nblocks), m1 = (int)((long)M * (b + 1) / nblocks);
-            /* With few rows a tile's passes are short, and the next tile's prefetches from
-             * the first pass alone did not arrive in time: every pass repeats them (prefetches
-             * of lines on their way cost little). +15-28% at 8 rows, measured. */
-            int few = m1 - m0 <= PREFETCH_EVERY_PASS_ROWS;
-            for (int n = lo; n < hi; n += TILE_N) {
-                int c = hi - n < TILE_N ? hi - n : TILE_N;
-                const uint16_t *bn = bias ? bias + n : NULL;
-                for (int m = m0; m < m1; m += TILE_M) {
-                    int r = m1 - m < TILE_M ? m1 - m : TILE_M;
-                    const float *xm = x + (long)m * K;
-                    uint16_t *ym = y + (long)m * N + n;
-                    int full = r == TILE_M && c == TILE_N;
-                    int prefetch = (m == m0 || few) && n + TILE_N < hi;
-                    if (scale) {
-                        const int8_t *wn = (const int8_t *)w + (long)n * K;
-                        if (full)
-                            tile_i8_2x6(xm, K, wn, K, K, scale + n, ym, N, bn,
-                                        prefetch ? wn + (long)TILE_N * K : NULL);
-                        else
-                            edge_i8(r, c, xm, K, wn, K, K, scale + n, ym, N, bn);
-                        continue;
-                    }
-                    const uint16_t *wn = (const uint16_t *)w + (long)n * K;
-                    if (full)
-                        tile_2x6(xm, K, wn, K, K16, K, ym, N, bn,
-                                 prefetch ? wn + (long)TILE_N * K : NULL);
-                    else
-                        EDGE[r - 1][c - 1](xm, K, wn, K, K16, K, ym, N, bn);
-                }
-            }
-        }
+        tiles_share(x, w, scale, bias, y, NULL, M, N, K);
     }
     free(x);
     return 0;
@@ -1469,7 +1495,10 @@ typedef struct {
     int amx; /* 1: the bf16 projections run on AMX tiles (cpu_amx.c), where the CPU has them;
               * 2: on AVX512_BF16 dot products (cpu_avx512bf16.c), bf16 weights only;
               * 3: the same on weights packed into panels (pw_pk_pack: every projection,
-              *    at any row count; no int8) */
+              *    at any row count; no int8);
+              * 4: as pw_linear_bf16 runs them on AVX2: the streams up to ROW_STREAM_MAX
+              *    rows, the 2 x 6 register tiles above (up to AMX_LAYER_MAX rows; bf16
+              *    weights only) */
 } DecodeLayer;
 
 #define MAX_HEAD_DIM 512 /* the largest head the kernels take (a bound on scratch sizes) */
@@ -1565,6 +1594,7 @@ static void bias_round_rows(const float *res, const uint16_t *bias, int M, int N
  * Or, where the layer asks for AVX512_BF16 dot products (amx == 2), on those: bf16 weights
  * only (int8 ones stream, up to their rows). */
 static int amx_proj(const DecodeLayer *L, const float *scale, int N) {
+    if (L->amx == 4) return !scale && N >= 16;
     if (L->amx == 3)
         return !scale && N % 16 == 0 && pw_pk_share != NULL && pw_dp_pack_f32 != NULL;
     if (L->amx == 2) return !scale && N >= 16 && pw_dp_share != NULL && pw_dp_pack_f32 != NULL;
@@ -1579,7 +1609,19 @@ static int amx_proj(const DecodeLayer *L, const float *scale, int N) {
 static void layer_proj(const DecodeLayer *L, const float *x, int M, const void *w,
                        const float *scale, int K, int N, uint32_t *xp, uint16_t *wide,
                        long wide_per_thread, float *res) {
-    if (amx_proj(L, scale, N) && L->amx >= 2) {  /* AVX512_BF16: bf16 rows, then the share */
+    if (L->amx == 4 && amx_proj(L, scale, N) && M > ROW_STREAM_MAX) {
+        /* the AVX2 tiles, as pw_linear_bf16 runs these rows (up to ROW_STREAM_MAX, the
+         * streams below, as it does too): x's rows permuted into xp (fp32) between the
+         * threads, with the omp for's barrier, then this thread's tiles */
+        float *xf = (float *)xp;
+#pragma omp for schedule(static)
+        for (int m = 0; m < M; m++)
+            permute_row_any(NULL, x + (long)m * K, xf + (long)m * K, K, K / 16 * 16);
+        tiles_share(xf, w, NULL, NULL, NULL, res, M, N, K);
+        return;
+    }
+    if (amx_proj(L, scale, N) && (L->amx == 2 || L->amx == 3)) {
+        /* AVX512_BF16: bf16 rows, then the share */
         pw_dp_pack_f32(x, M, K, (uint16_t *)xp);  /* shared by the threads, with a barrier */
         if (L->amx == 3)
             pw_pk_share((const uint16_t *)xp, M, (const uint32_t *)w, K, N, res);
@@ -1587,7 +1629,7 @@ static void layer_proj(const DecodeLayer *L, const float *x, int M, const void *
             pw_dp_share((const uint16_t *)xp, M, (const uint16_t *)w, K, N, res);
         return;
     }
-    if (amx_proj(L, scale, N)) {
+    if (L->amx == 1 && amx_proj(L, scale, N)) {
         pw_amx_pack_f32(x, M, K, xp);  /* shared by the threads, with a barrier */
         if (scale)
             pw_amx_share_int8(xp, M, (const int8_t *)w, scale,
@@ -1688,10 +1730,10 @@ int pw_decode_layer_bf16(const DecodeLayer *L) {
     uint16_t *o = (uint16_t *)malloc(sizeof(uint16_t) * (size_t)M * H);
     int widest_k = H > Q ? (H > I ? H : I) : (Q > I ? Q : I);
     /* AMX: the packed activations, 1 KiB per 32 values of K and 16 tokens (AVX512_BF16: the
-     * bf16 rows, 2 bytes a value, no more) */
-    uint32_t *xp = L->amx ? (uint32_t *)aligned_alloc(64, (size_t)(widest_k + 31) / 32 * 1024
-                                                              * ((M + 15) / 16))
-                          : NULL;
+     * bf16 rows, 2 bytes a value, no more; the AVX2 tiles: the permuted fp32 rows) */
+    size_t xp_bytes = L->amx == 4 ? ((size_t)M * widest_k * sizeof(float) + 63) / 64 * 64
+                                  : (size_t)(widest_k + 31) / 32 * 1024 * ((M + 15) / 16);
+    uint32_t *xp = L->amx ? (uint32_t *)aligned_alloc(64, xp_bytes) : NULL;
     /* int8 panels on the tiles: each thread's widened panel, 32 rows of the widest K */
     int any_int8 = L->s_qkv || L->s_o || L->s_gate_up || L->s_down;
     long wide_per_thread = 32L * widest_k;
@@ -1774,7 +1816,8 @@ int pw_decode_layer_bf16(const DecodeLayer *L) {
          * walking down the rows first thrashed L1's sets: 8 ms a step at 32 rows). Skipped
          * alike by every thread where the tiles' epilogue wrote act (fp32 on AMX, bf16 rows
          * on panels). */
-        if (!amx_glu && !pk_glu && L->amx >= 2 && pw_dp_glu_rows) {  /* 16 lanes, same bits */
+        if (!amx_glu && !pk_glu && (L->amx == 2 || L->amx == 3) && pw_dp_glu_rows) {
+            /* 16 lanes, same bits */
             pw_dp_glu_rows(res, L->b_gate_up, M, I, act);
         } else if (!amx_glu && !pk_glu) {
 #pragma omp for collapse(2) schedule(static)

@@ -518,18 +518,23 @@ class CpuKernelOps(TorchOps):
         """How the fused layer runs ``rows`` rows' projections (its ``amx`` field): 3 on
         AVX512_BF16 dot products over panels where the weights are packed so (any row
         count); else 1 on AMX tiles, 2 on AVX512_BF16 dot products (bf16 weights; int8 ones
-        stream), as the plan runs these rows; 0 on the streams."""
+        stream), 4 on the AVX2 kernel's 2 x 6 register tiles for more rows than the
+        streams take (bf16 weights; as ``cpu_kernels.linear_bf16`` runs them), as the plan
+        runs these rows; 0 on the streams."""
         if self.panels:
             return 3
         if self._amx_rows(rows):
             return 1
-        return 2 if self.dispatch.method(rows) == "dp" and cpu_kernels.dp_available() else 0
+        method = self.dispatch.method(rows)
+        if method == "dp" and cpu_kernels.dp_available():
+            return 2
+        return 4 if method == "kernel" and rows > self.kernels.decode_layer_max_rows else 0
 
     def _fused_max_rows(self, rows: int) -> int:
         """The most rows a fused step may take: the streams' limit, or more where the plan
-        runs these rows on AMX tiles or AVX512_BF16 dot products (then every projection
-        does; on AMX int8 ones widened to bf16 as they come; some layers cannot:
-        ``_streams_only``)."""
+        runs these rows on AMX tiles, AVX512_BF16 dot products or the AVX2 kernel's tiles
+        (then every projection does; on AMX int8 ones widened to bf16 as they come; some
+        layers cannot: ``_streams_only``)."""
         if self._tile_mode(rows):
             return max(self.kernels.amx_layer_max_rows, self.kernels.decode_layer_max_rows)
         return self.kernels.decode_layer_max_rows
@@ -537,8 +542,8 @@ class CpuKernelOps(TorchOps):
     def _streams_only(self, rows: int, *args: cpu_kernels.DecodeLayerArgs) -> bool:
         """More rows than the streams take, but a layer the tiles cannot take whole: fewer
         than 16 output channels (hidden or q + 2 kv) or 8 intermediate ones, or, on
-        AVX512_BF16, an int8 projection. The C layer refuses such a step (as it checks the
-        same), so it runs op by op."""
+        AVX512_BF16 or the AVX2 tiles, an int8 projection. The C layer refuses such a step
+        (as it checks the same), so it runs op by op."""
         dp = self._tile_mode(rows) >= 2
         return rows > self.kernels.decode_layer_max_rows and any(
             a.H < 16 or a.Q + 2 * a.KV < 16 or a.I < 8
