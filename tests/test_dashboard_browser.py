@@ -237,5 +237,10 @@ def test_with_an_api_key_the_page_asks_for_it_then_works(model_dir, browser, tmp
             assert p.page.locator("#pg-out .tok").count() == 4
             errors = [e for e in p.errors if "401" not in e]  # the wrong key's page, above
             assert errors == []
+            # the header's logout ends the session: the dashboard asks for the key again
+            p.page.click("#logout button")
+            p.page.wait_for_url("**/dashboard/login")
+            p.page.goto(s.url + "/dashboard")
+            assert p.page.url.endswith("/dashboard/login")
     finally:
         s.stop()

@@ -13,7 +13,11 @@ router).
 * ``GET /dashboard/api/status``: whether the server is draining, how many pages watch (of
   how many allowed) and, behind a router, each worker's relay;
 * ``GET|POST /dashboard/login``: with ``--api-key``, a browser logs in with the key and gets
-  a session cookie good for ``/dashboard*`` only (``guard``).
+  a session cookie good for ``/dashboard*`` only, for ``guard.SESSION_S`` (12 h;
+  ``guard.Sessions``); a wrong key counts against the address like a wrong bearer key
+  (``guard.FailureLimiter``);
+* ``POST /dashboard/logout``: ends the cookie's session on the server and clears the cookie
+  (a form post is sent on to the login page, a request that accepts JSON gets JSON).
 """
 
 from __future__ import annotations
@@ -31,14 +35,14 @@ from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Resp
 from phasewise.server.dashboard.feed import PLAYGROUND_PREFIX, DashboardFeed, peaks_of
 from phasewise.server.dashboard.hub import Hub
 from phasewise.server.errors import ApiError
-from phasewise.server.guard import DASHBOARD_COOKIE, dashboard_token
+from phasewise.server.guard import (DASHBOARD_COOKIE, GUARD_STATE, SESSION_STATE, Guard,
+                                    client_address, cookies_named, retry_after)
 from phasewise.server.protocol import CompletionRequest
 from phasewise.server.sse import SSEResponse
 
 __all__ = ["DashboardFeed", "Hub", "add_dashboard_routes", "peaks_of"]
 
 _STATIC = resources.files("phasewise.server.dashboard") / "static"
-SESSION_S = 12 * 3600  # a login lasts this long
 _MAX_STATIC = 1 << 20
 _LOGIN = """<!doctype html><html lang="en"><head><meta charset="utf-8">
 <title>phasewise dashboard: log in</title><style>
@@ -51,6 +55,21 @@ button{{padding:8px 16px}}.err{{color:#ff7b72}}</style></head><body>
 <p>This server runs with <code>--api-key</code>: enter it to watch the dashboard.</p>
 {error}<input type="password" name="key" autofocus placeholder="API key" id="key">
 <button type="submit" id="login">Log in</button></form></body></html>"""
+
+
+def _login_page(status: int, error: str = "", headers: dict[str, str] | None = None) -> Response:
+    body = f'<p class="err" id="error">{error}</p>' if error else ""
+    return HTMLResponse(_LOGIN.format(error=body), status_code=status, headers=headers)
+
+
+def _guard(request: Request) -> Guard:
+    """The Guard in front of this app (it puts itself in the scope of /dashboard*): it holds
+    the failure counts and the sessions."""
+    guard = request.scope.get("state", {}).get(GUARD_STATE)
+    if guard is None:
+        raise ApiError(500, "the dashboard's login needs the guard in front of the app",
+                       type="server_error")
+    return guard
 
 
 def _static(name: str) -> Response:
@@ -103,19 +122,43 @@ def add_dashboard_routes(app: FastAPI, hub: Hub, routes: Any, *, api_key: str | 
     async def login(request: Request) -> Response:
         if api_key is None:
             return RedirectResponse("/dashboard", status_code=303)
+        guard = _guard(request)
+        address = client_address(request.scope)
         raw = await request.body()
+        # Looked up after the body's await, with none between it and the comparison below:
+        # posts sent together cannot all pass the check before the first failure counts.
+        wait = guard.limiter.wait_s(address)
+        if wait > 0:  # not compared: while it waits, an address learns nothing
+            return _login_page(429, "Too many wrong keys from this address: try again in "
+                               f"{retry_after(wait)} s.",
+                               headers={"Retry-After": retry_after(wait)})
         if len(raw) > 4096:
-            return HTMLResponse(_LOGIN.format(
-                error='<p class="err" id="error">That form is larger than 4 KiB: send only '
-                      'the key.</p>'), status_code=400)
+            return _login_page(400, "That form is larger than 4 KiB: send only the key.")
         given = urllib.parse.parse_qs(raw.decode("utf-8", "replace")).get("key", [""])[0]
         if not hmac.compare_digest(given.encode(), api_key.encode()):
-            return HTMLResponse(_LOGIN.format(
-                error='<p class="err" id="error">That is not this server\'s API key.</p>'),
-                status_code=401)
+            guard.limiter.failed(address)
+            return _login_page(401, "That is not this server's API key.")
+        guard.limiter.succeeded(address)
         resp = RedirectResponse("/dashboard", status_code=303)
-        resp.set_cookie(DASHBOARD_COOKIE, dashboard_token(api_key), path="/dashboard",
-                        httponly=True, samesite="strict", max_age=SESSION_S)
+        resp.set_cookie(DASHBOARD_COOKIE, guard.sessions.issue(), path="/dashboard",
+                        httponly=True, samesite="strict", max_age=int(guard.sessions.ttl_s))
+        return resp
+
+    @app.post("/dashboard/logout", include_in_schema=False)
+    async def logout(request: Request) -> Response:
+        """Open to all (the guard lets it through): it only ends the session whose token it
+        is sent, which needs the token; a stale or forged cookie is cleared all the same."""
+        if api_key is not None:
+            sessions = _guard(request).sessions
+            for token in cookies_named({"cookie": request.headers.get("cookie", "")},
+                                       DASHBOARD_COOKIE)[:8]:
+                sessions.revoke(token)
+        if "application/json" in request.headers.get("accept", ""):
+            resp: Response = JSONResponse({"logged_out": True})
+        else:
+            resp = RedirectResponse("/dashboard/login", status_code=303)
+        resp.delete_cookie(DASHBOARD_COOKIE, path="/dashboard", httponly=True,
+                           samesite="strict")
         return resp
 
     @app.get("/dashboard/events", include_in_schema=False)
@@ -150,10 +193,12 @@ def add_dashboard_routes(app: FastAPI, hub: Hub, routes: Any, *, api_key: str | 
         return await routes.completions(body, request, id_prefix=PLAYGROUND_PREFIX)
 
     @app.get("/dashboard/api/status", include_in_schema=False)
-    async def status() -> dict[str, Any]:
+    async def status(request: Request) -> dict[str, Any]:
         """What a page asks when its stream was refused or broke: is it the key, a full
-        house, or the server going away?"""
-        return hub.status()
+        house, or the server going away? ``session``: the page holds a login (so it offers
+        a logout)."""
+        return {**hub.status(),
+                "session": bool(request.scope.get("state", {}).get(SESSION_STATE))}
 
 
 class PageStream(SSEResponse):

@@ -531,5 +531,8 @@ makeCharts();
 $("source").addEventListener("change", (e) => { S.current = e.target.value; S.dirty = true; });
 $("pg-form").addEventListener("submit", runPlayground);
 $("pg-stop").addEventListener("click", () => PG.controller && PG.controller.abort());
+// a page on a login (not a bearer key, not an open server) offers to end it
+fetch("/dashboard/api/status").then((r) => (r.ok ? r.json() : null))
+  .then((st) => { if (st && st.session) $("logout").hidden = false; }).catch(() => {});
 connect();
 requestAnimationFrame(draw);
