@@ -246,6 +246,7 @@ def serve(path, prompts, *, faults, prefill_kw=None, decode_kw=None):
 FRAMES = "phasewise:kv_frames_total"
 OUTCOMES = "phasewise:remote_prefills_total"
 REFUSED = "phasewise:kv_peers_refused_total"
+STRANGERS = "phasewise:kv_unauthenticated_messages_total"
 
 
 # --------------------------------------------------------------------------------------------
@@ -435,6 +436,8 @@ def test_rogue_peers_are_refused_and_leave_the_request_untouched(llama_dir):
                     m = exported(s.decode)
                     assert m[(REFUSED, "auth")] == 2 and m[(FRAMES, "foreign")] == 3
                     assert m[(FRAMES, "unauthenticated")] == sent_unauth > 0
+                    assert sum(v for (name, _), v in m.items()
+                               if name == STRANGERS) == sent_unauth  # by reason
                     # the victim is still waiting for the real worker, which is still alive
                     assert s.decode.num_attempts == 1 and "victim" in de.scheduler.remote
                     assert s.d.remote_outcomes == {}

@@ -7,6 +7,7 @@ generous, and no assertion is about how long anything took.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import threading
@@ -273,7 +274,7 @@ def test_client_refuses_a_server_that_cannot_prove_the_key(ctx):
     th.start()
     assert fake.poll(int(WAIT * 1000))
     rid, _open = fake.recv_multipart()
-    ch = w.make_challenge("impostor", LAYOUT)
+    ch = w.make_challenge("impostor")
     fake.send_multipart([rid, w.encode_message(ch)])
     assert fake.poll(int(WAIT * 1000))
     rid, data = fake.recv_multipart()
@@ -479,3 +480,171 @@ def test_the_server_answers_heartbeats_so_a_client_sees_it_go_silent():
             assert c.silent_for >= before + 0.25  # nobody answers any more
     finally:
         srv.close()
+
+
+# ---- what a peer that has not completed the handshake can cost
+
+
+def _status_mb(field):
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    raise AssertionError(f"no {field} in /proc/self/status")
+
+
+class _Peak:
+    """This process's peak resident memory while the ``with`` block runs, in MB above the
+    resident memory at its start: the kernel's high-water mark, reset on entry, or (where
+    that cannot be reset) a sampler thread's highest reading."""
+
+    def __enter__(self):
+        self.base = _status_mb("VmRSS")
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            self._sampler = None
+        except OSError:
+            self._stop = threading.Event()
+            self._highest = self.base
+            self._sampler = threading.Thread(target=self._sample, daemon=True)
+            self._sampler.start()
+        return self
+
+    def _sample(self):
+        while not self._stop.is_set():
+            self._highest = max(self._highest, _status_mb("VmRSS"))
+            self._stop.wait(0.001)
+
+    def __exit__(self, *exc):
+        if self._sampler is None:
+            self.peak = _status_mb("VmHWM") - self.base
+        else:
+            self._stop.set()
+            self._sampler.join()
+            self.peak = self._highest - self.base
+        self.after = _status_mb("VmRSS") - self.base
+
+
+# A stranger in a process of its own (so its own buffers are not counted here): one frame
+# over the K/V port's frame limit, one under it but over the pre-authentication limit, then
+# an open; it prints the challenge it gets.
+_STRANGER = r"""
+import sys, zmq
+ctx = zmq.Context()
+s = ctx.socket(zmq.DEALER)
+s.setsockopt(zmq.LINGER, 0)
+s.connect(sys.argv[1])
+s.send(b"x" * int(sys.argv[2]), copy=False)
+s.send(b"y" * int(sys.argv[3]), copy=False)
+s.send(b'{"kind":"open","identity":"stranger"}')
+assert s.poll(30000), "no challenge"
+sys.stdout.write(s.recv().decode())
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads /proc")
+def test_a_strangers_big_messages_cost_the_port_no_memory_and_are_counted(server):
+    import subprocess
+    import sys
+
+    big, mid = 100 << 20, 2 << 20
+    assert big > server.max_frame_bytes > mid > w.PREAUTH_MAX_BYTES
+    with _Peak() as mem:
+        out = subprocess.run([sys.executable, "-c", _STRANGER, server.endpoint, str(big),
+                              str(mid)], capture_output=True, timeout=60, text=True)
+        assert out.returncode == 0, out.stderr
+    assert isinstance(w.decode_message(out.stdout.encode()), w.Challenge)
+    # the big one was cut off by its size before anything was allocated for it; the middle
+    # one arrived and was dropped unread (never copied, never parsed) and released
+    assert mem.peak < 40 and mem.after < 40, (mem.peak, mem.after)
+    c = server.counters()
+    assert c["unauthenticated.oversized"] == 1 and c["unauthenticated"] == 1
+    assert c.get("internal_errors", 0) == 0
+    with _client(server) as ok:  # the port still works
+        _accepted(server, ok)
+
+
+def test_a_strangers_malformed_json_logs_no_traceback_and_the_port_still_works(
+        server, ctx, caplog):
+    caplog.set_level(logging.DEBUG)
+    s = _raw(ctx, server.endpoint)
+    nested = b'{"kind":"open","identity":' + b"[" * 3000 + b"]" * 3000 + b"}"
+    assert len(nested) <= w.PREAUTH_MAX_BYTES
+    s.send(nested)
+    s.send(b"{" * 4000)
+    s.send(w.encode_message(w.Open(identity="x" * w.PREAUTH_MAX_BYTES)))  # too big to read
+    s.send_multipart([b"{}", b"{}"])
+    s.send(w.encode_message(w.FirstToken(request_id="r1", epoch=1, token_id=5)))
+    s.send(w.encode_message(w.Open(identity="stranger")))
+    assert isinstance(_recv(s), w.Challenge)  # all of the above were handled, in order
+    c = server.counters()
+    assert (c["unauthenticated.malformed"], c["unauthenticated.oversized"],
+            c["unauthenticated.unexpected"], c["unauthenticated"]) == (2, 1, 2, 5)
+    assert c.get("internal_errors", 0) == 0
+    for r in caplog.records:
+        text = r.getMessage()
+        assert r.exc_info is None and "Traceback" not in text and "Recursion" not in text
+    # at most one warning line for the lot (rate-limited), naming no stranger's bytes
+    warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) <= 1 and all(len(r.getMessage()) < 400 for r in warnings)
+    with _client(server) as ok:
+        _accepted(server, ok)
+
+
+def test_a_stranger_learns_no_layout_and_only_a_key_holder_hears_of_a_mismatch(server, ctx):
+    told = b""  # every byte the server sends a peer without the key
+    s = _raw(ctx, server.endpoint)
+    s.send(w.encode_message(w.Open(identity="stranger")))
+    assert s.poll(int(WAIT * 1000))
+    raw = s.recv()
+    told += raw
+    ch = w.decode_message(raw)
+    assert set(json.loads(raw)) == {"kind", "server_identity", "nonce", "version"}
+    # a wrong key and another layout: refused for the key, nothing else said
+    theirs = dataclasses.replace(LAYOUT, **OTHER)
+    s.send(w.encode_message(w.make_hello(ch, secret=os.urandom(32), identity="stranger",
+                                         role="prefill", layout=theirs)))
+    assert s.poll(int(WAIT * 1000))
+    raw = s.recv()
+    told += raw
+    refused = w.decode_message(raw)
+    assert isinstance(refused, w.Refuse) and refused.field == "auth"
+    for value in (LAYOUT.model_id, LAYOUT.compat_hash(), LAYOUT.cache_layout,
+                  LAYOUT.block_hash_scheme, LAYOUT.dtype):
+        assert value.encode() not in told
+    assert b"layout" not in told and b"num_layers" not in told
+    # the key and another layout: refused at connect time naming the field and both values
+    with pytest.raises(w.HandshakeError) as e:
+        _client(server, layout=dataclasses.replace(LAYOUT, num_layers=3))
+    assert e.value.field == "layout.num_layers" and "2" in e.value.reason \
+        and "3" in e.value.reason
+    assert server.counters()["refused.auth"] == 1
+    assert server.counters()["refused.layout.num_layers"] == 1
+
+
+def test_frames_are_limited_to_what_the_server_announced(ctx):
+    with t.KVServer(secret=SECRET, layout=LAYOUT, max_frame_bytes=3 * BLOCK) as srv:
+        with _client(srv) as c:
+            assert c.max_frame_bytes == srv.max_frame_bytes == 3 * BLOCK
+            srv.request_prefill(c.identity, _request(num_blocks=4))
+            with pytest.raises(ValueError, match="max_frame_bytes"):
+                c.send_kv("r1", 1, first_block=0, num_blocks=4, first_token=0,
+                          num_tokens=16, layer_start=0, layer_end=2,
+                          payload=os.urandom(4 * BLOCK))
+            c.send_kv("r1", 1, first_block=0, num_blocks=3, first_token=0, num_tokens=12,
+                      layer_start=0, layer_end=2, payload=os.urandom(3 * BLOCK))
+            _send_block(c, 3)
+            c.send_done("r1", 1)
+            _events_until(srv, _is_done)
+        assert srv.gate.complete("r1")
+    # never below one block of every layer: the smallest frame there is
+    with t.KVServer(secret=SECRET, layout=LAYOUT, max_frame_bytes=1) as srv:
+        assert srv.max_frame_bytes == BLOCK
+
+
+def test_an_oversized_hello_is_refused_by_the_client_itself(server):
+    with pytest.raises(w.HandshakeError) as e:
+        _client(server, name="n" * w.PREAUTH_MAX_BYTES)
+    assert e.value.field == "size"
+    assert server.counters().get("unauthenticated", 0) == 0

@@ -84,7 +84,7 @@ def test_frame_shape_follows_the_cache_layout():
 
 
 def _hello(secret=SECRET, layout=LAYOUT, version=w.PROTOCOL_VERSION, role="prefill"):
-    ch = w.make_challenge("server-1", LAYOUT)
+    ch = w.make_challenge("server-1")
     return ch, w.make_hello(ch, secret=secret, identity="client-1", name="prefill-0",
                             role=role, layout=layout, version=version)
 
@@ -93,7 +93,7 @@ def test_a_good_handshake_verifies_both_ways():
     ch, hello = _hello()
     wire_hello = w.decode_message(w.encode_message(hello))
     assert wire_hello == hello
-    w.verify_hello(wire_hello, ch, secret=SECRET)
+    w.verify_hello(wire_hello, ch, secret=SECRET, layout=LAYOUT)
     acc = w.decode_message(w.encode_message(w.make_accept(hello, ch, secret=SECRET)))
     w.verify_accept(acc, hello, ch, secret=SECRET)
 
@@ -101,7 +101,7 @@ def test_a_good_handshake_verifies_both_ways():
 def test_wrong_secret_is_auth():
     ch, hello = _hello(secret=os.urandom(32))
     with pytest.raises(w.HandshakeError) as e:
-        w.verify_hello(hello, ch, secret=SECRET)
+        w.verify_hello(hello, ch, secret=SECRET, layout=LAYOUT)
     assert e.value.field == "auth"
 
 
@@ -113,7 +113,7 @@ def test_a_server_without_the_key_is_caught_by_the_client():
     assert e.value.field == "auth"
     # nor can the client's own mac be reflected back as the server's
     reflected = w.Accept(server_identity=ch.server_identity, identity=hello.identity,
-                         mac=hello.mac)
+                         mac=hello.mac, max_frame_bytes=w.DEFAULT_MAX_FRAME_BYTES)
     with pytest.raises(w.HandshakeError):
         w.verify_accept(reflected, hello, ch, secret=SECRET)
 
@@ -123,29 +123,30 @@ def test_tampering_with_any_signed_field_breaks_the_mac():
     for change in ({"identity": "client-2"}, {"name": "prefill-9"}, {"role": "router"},
                    {"client_nonce": w.new_nonce()}):
         with pytest.raises(w.HandshakeError) as e:
-            w.verify_hello(dataclasses.replace(hello, **change), ch, secret=SECRET)
+            w.verify_hello(dataclasses.replace(hello, **change), ch, secret=SECRET,
+                           layout=LAYOUT)
         assert e.value.field == "auth", change
 
 
 def test_a_replayed_hello_is_refused():
-    book = w.ChallengeBook("server-1", LAYOUT)
+    book = w.ChallengeBook("server-1")
     ch = book.issue(b"conn-1")
     hello = w.make_hello(ch, secret=SECRET, identity="c", role="prefill", layout=LAYOUT)
     taken = book.take(b"conn-1")
     assert taken is not None
-    w.verify_hello(hello, taken, secret=SECRET)
+    w.verify_hello(hello, taken, secret=SECRET, layout=LAYOUT)
     # the same bytes again: the challenge was used up
     assert book.take(b"conn-1") is None
     # or on another connection, which was issued a fresh nonce
     fresh = book.issue(b"conn-2")
     with pytest.raises(w.HandshakeError) as e:
-        w.verify_hello(hello, fresh, secret=SECRET)
+        w.verify_hello(hello, fresh, secret=SECRET, layout=LAYOUT)
     assert e.value.field == "nonce"
 
 
 def test_challenges_expire_and_are_bounded():
     now = [0.0]
-    book = w.ChallengeBook("s", LAYOUT, capacity=2, ttl=10.0, clock=lambda: now[0])
+    book = w.ChallengeBook("s", capacity=2, ttl=10.0, clock=lambda: now[0])
     book.issue(b"a")
     now[0] = 11.0
     assert book.take(b"a") is None
@@ -157,14 +158,14 @@ def test_challenges_expire_and_are_bounded():
 def test_version_mismatch_is_refused():
     ch, hello = _hello(version=w.PROTOCOL_VERSION + 1)
     with pytest.raises(w.HandshakeError) as e:
-        w.verify_hello(hello, ch, secret=SECRET)
+        w.verify_hello(hello, ch, secret=SECRET, layout=LAYOUT)
     assert e.value.field == "version"
 
 
 def test_unknown_role_is_refused():
     ch, hello = _hello(role="janitor")
     with pytest.raises(w.HandshakeError) as e:
-        w.verify_hello(hello, ch, secret=SECRET)
+        w.verify_hello(hello, ch, secret=SECRET, layout=LAYOUT)
     assert e.value.field == "role" and "prefill" in e.value.reason
 
 
@@ -172,7 +173,7 @@ def test_unknown_role_is_refused():
 def test_layout_mismatch_is_refused_at_handshake_naming_the_field(name):
     ch, hello = _hello(layout=dataclasses.replace(LAYOUT, **{name: OTHER[name]}))
     with pytest.raises(w.HandshakeError) as e:
-        w.verify_hello(hello, ch, secret=SECRET)
+        w.verify_hello(hello, ch, secret=SECRET, layout=LAYOUT)
     assert e.value.field == f"layout.{name}"
     assert repr(OTHER[name]) in e.value.reason
 
@@ -180,6 +181,27 @@ def test_layout_mismatch_is_refused_at_handshake_naming_the_field(name):
 def test_short_secret_is_refused():
     with pytest.raises(ValueError, match="secret"):
         w.check_secret(b"short")
+
+
+
+def test_a_challenge_names_nothing_of_the_layout():
+    """A challenge goes to anyone who asks; the server compares layouts itself, once the
+    hello's MAC shows the peer holds the key."""
+    assert {f.name for f in dataclasses.fields(w.Challenge)} == {
+        "server_identity", "nonce", "version"}
+    data = w.encode_message(w.ChallengeBook("server-1").issue(b"conn"))
+    for value in (LAYOUT.model_id, LAYOUT.compat_hash(), LAYOUT.dtype, LAYOUT.cache_layout):
+        assert value.encode() not in data
+
+
+def test_the_accept_mac_covers_the_frame_limit():
+    ch, hello = _hello()
+    acc = w.make_accept(hello, ch, secret=SECRET, max_frame_bytes=1 << 20)
+    w.verify_accept(acc, hello, ch, secret=SECRET)
+    with pytest.raises(w.HandshakeError) as e:
+        w.verify_accept(dataclasses.replace(acc, max_frame_bytes=1 << 30), hello, ch,
+                        secret=SECRET)
+    assert e.value.field == "auth"
 
 
 # ---- control messages
@@ -266,6 +288,35 @@ def test_decode_message_refuses_nested_and_optional_type_errors():
 def test_decode_message_refuses_non_messages(data):
     with pytest.raises(w.MessageError):
         w.decode_message(data)
+
+
+
+def test_decode_message_bounds_nesting_without_a_recursion_error():
+    deep = b'{"kind":"open","identity":' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    with pytest.raises(w.MessageError, match="nest"):
+        w.decode_message(deep)
+    with pytest.raises(w.MessageError, match="nest"):
+        w.decode_message(b"{" * 5000)
+    ok = w.PrefillRequest(request_id="r", epoch=1, token_ids=(1,), num_blocks=1,
+                          params={"a": json.loads("[" * (w.MAX_NESTING - 2) + "]" *
+                                                  (w.MAX_NESTING - 2))})
+    assert w.decode_message(w.encode_message(ok)) == ok
+    too_deep = dataclasses.replace(ok, params={"a": json.loads("[" * w.MAX_NESTING +
+                                                                "]" * w.MAX_NESTING)})
+    with pytest.raises(w.MessageError, match="nest"):
+        w.decode_message(w.encode_message(too_deep))
+    # brackets inside strings are text, not nesting
+    brackets = dataclasses.replace(ok, params={"stop": ["[{" * 1000, "\\\"[[["]})
+    assert w.decode_message(w.encode_message(brackets)) == brackets
+
+
+def test_decode_message_refuses_a_message_over_its_limit_unread():
+    data = w.encode_message(w.Open(identity="x" * 100))
+    assert w.decode_message(data, max_bytes=len(data)) == w.Open(identity="x" * 100)
+    with pytest.raises(w.MessageError, match="exceeds"):
+        w.decode_message(data, max_bytes=len(data) - 1)
+    with pytest.raises(w.MessageError, match="exceeds"):
+        w.decode_message(memoryview(b"{" * (w.MAX_MESSAGE_BYTES + 1)))
 
 
 def test_encode_message_refuses_non_messages():

@@ -66,14 +66,15 @@ async def connected(path):
 
 
 def serve_through(path, prompts, *, prefill_kw=None, decode_kw=None, faults=None,
-                  before=None):
+                  before=None, side_kw=None):
     """Start both sides, send ``prompts``, return (token ids per prompt, decode side's
     counters, the decode engine)."""
     decode_engine = async_engine(path, **(decode_kw or {}))
 
     async def main():
         decode_engine.start()
-        decode = DecodeSide(decode_engine, secret=SECRET, heartbeat_deadline=2.0)
+        decode = DecodeSide(decode_engine, secret=SECRET, heartbeat_deadline=2.0,
+                            **(side_kw or {}))
         prefill = PrefillSide(async_engine(path, **(prefill_kw or {})), decode.endpoint,
                               secret=SECRET, faults=faults, heartbeat_interval=0.2)
         prefill.start()  # on a loop of its own, on a thread
@@ -121,6 +122,17 @@ def test_chunks_of_concurrent_prompts_each_land_once(llama_dir):
     assert 3 <= counters["frames.ok"] <= 9  # 9 blocks, one or more to a frame
     assert counters["remote.done"] == 3  # all decoded on from remote K/V: no fallback
     assert eng.kv.usage == 0
+
+
+def test_a_chunk_over_the_frame_limit_goes_as_frames_of_whole_blocks(llama_dir):
+    """The decode side takes frames of one block at most (its limit never goes lower): the
+    prefill worker splits each whole-prompt chunk, and the output is co-located serving's."""
+    prompts = [PROMPT, list(reversed(PROMPT))]
+    outs, counters, eng = serve_through(llama_dir, prompts, side_kw={"max_frame_bytes": 1})
+    for got, prompt in zip(outs, prompts):
+        assert got == colocated(llama_dir, prompt)
+    assert counters["frames.ok"] == 6  # 3 blocks a prompt, one to a frame
+    assert counters["remote.done"] == 2 and eng.kv.usage == 0
 
 
 def test_a_dropped_or_corrupted_frame_is_recomputed_on_the_decode_side(llama_dir):

@@ -9,6 +9,8 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from phasewise.disagg.transport import PREAUTH_DROP_REASONS
+
 PREFIX = "phasewise:"
 
 
@@ -38,6 +40,16 @@ class DisaggCollector:
             elif head == "refused" and rest:
                 refused.add_metric([self.model_name, rest], value)
         frames.add_metric([self.model_name, "unauthenticated"], counts.get("unauthenticated", 0))
+        strangers = CounterMetricFamily(
+            PREFIX + "kv_unauthenticated_messages", "Messages the K/V port dropped from peers "
+            "that had not completed the handshake, by reason: oversized (over the few KiB a "
+            "handshake message needs: dropped unread), malformed (not a well-formed open or "
+            "hello: bad UTF-8 or JSON, nested too deeply), unexpected (several parts, or a "
+            "message other than an open or a hello). Their sum is "
+            "kv_frames{outcome=\"unauthenticated\"}.", labels=["model_name", "reason"])
+        for reason in PREAUTH_DROP_REASONS:
+            strangers.add_metric([self.model_name, reason],
+                                 counts.get(f"unauthenticated.{reason}", 0))
         tallies = self.side.tallies()
         frames.add_metric([self.model_name, "missing"], tallies.missing_frames)
         outcomes = CounterMetricFamily(
@@ -79,7 +91,8 @@ class DisaggCollector:
             labels=["model_name", "kind"])
         for kind, value in tallies.failures.items():
             kinds.add_metric([self.model_name, kind], value)
-        yield from (frames, refused, outcomes, in_flight, peers, local, queues, kinds)
+        yield from (frames, strangers, refused, outcomes, in_flight, peers, local, queues,
+                    kinds)
 
 
 _SECONDS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)

@@ -7,8 +7,41 @@ through an inproc pipe. Every endpoint has its own zmq context, closes its socke
 linger 0 and joins its thread in ``close()`` (also a context manager).
 
 Server side, per connection: until the handshake (see :mod:`phasewise.disagg.wire`) succeeds,
-anything but ``Open``/``Hello`` is counted as ``unauthenticated`` and dropped unparsed: no frame
-of a peer without the key reaches the :class:`~phasewise.disagg.wire.FrameGate`. After it:
+a message is judged by its shape before a byte of it is read: anything but one part of at most
+:data:`~phasewise.disagg.wire.PREAUTH_MAX_BYTES` is dropped unread (``unauthenticated.oversized``
+or ``.unexpected``), a part that is not a well-formed ``Open``/``Hello`` (bad UTF-8 or JSON,
+nested deeper than :data:`~phasewise.disagg.wire.MAX_NESTING`) is dropped as
+``unauthenticated.malformed``, any other message as ``unauthenticated.unexpected``; each also
+counts in ``unauthenticated``. Such drops log one warning line a minute at most, with counts
+and never the peer's bytes. So no frame of a peer without the key reaches the
+:class:`~phasewise.disagg.wire.FrameGate`, and nothing a stranger sends is copied or parsed
+beyond a few KiB. The challenge names nothing of the layout; only a peer whose hello carries
+a valid MAC is told which layout field differs.
+
+What a stranger can make the process hold. libzmq reads a frame into memory of the size its
+header declares before the application sees it, and ``ZMQ_MAXMSGSIZE`` (checked against that
+header, so an over-limit frame costs nothing: the connection is dropped) is fixed per
+listening socket when it binds, the same for every peer; zmq has no per-peer limit and no
+hook before a frame is buffered. A pre-authentication limit of a few KiB at that level would
+therefore need the authenticated K/V traffic on another listener, which a stranger can reach
+just the same. So the port's zmq limit is the largest K/V frame it takes (``max_frame_bytes``,
+64 MiB by default, announced in the ``Accept``; a prefill worker splits a bigger chunk into
+frames of whole blocks): a stranger's 1 GB frame is refused by its header, one under the
+limit is held by libzmq only until the I/O thread drops it, unread (the I/O thread keeps no
+reference to a message once handled, and a frame that size is returned to the OS when
+freed). What zmq does not bound: it buffers a multipart message whole before delivering it,
+whatever its number of parts, so a stranger's message of many parts under the frame limit is
+held in full before it can be dropped. Closing that needs zmq itself to authenticate a peer
+before it takes any message from it (the CURVE mechanism with a ZAP handler, and frames split
+below a small ``ZMQ_MAXMSGSIZE``, since zmq reads even a handshake command up to that size);
+until then run the K/V port on a private network, as the handshake's lack of encryption
+already requires.
+
+After authentication control messages are parsed on the I/O thread, bounded rather than moved:
+``json.loads`` holds the GIL, so parsing on another thread would stall the engine just the
+same, and everything a prefill worker sends the decode side is small, so the server parses at
+most :data:`~phasewise.disagg.wire.MAX_CONTROL_BYTES` of a message or frame header
+(``messages.malformed`` / ``frame_errors.malformed`` beyond it). After it:
 
 - a KV frame is checked (:func:`~phasewise.disagg.wire.decode_kv_frame`) then judged by the
   server's ``gate``; for an ``ok`` frame the ``on_frame(peer, header, payload)`` callback runs
@@ -30,6 +63,7 @@ of a peer without the key reaches the :class:`~phasewise.disagg.wire.FrameGate`.
 
 from __future__ import annotations
 
+import json
 import logging
 import queue
 import random
@@ -43,6 +77,9 @@ from typing import Any, Literal
 import zmq
 
 from phasewise.disagg.wire import (
+    DEFAULT_MAX_FRAME_BYTES,
+    MAX_CONTROL_BYTES,
+    PREAUTH_MAX_BYTES,
     PROTOCOL_VERSION,
     Abort,
     Accept,
@@ -78,6 +115,14 @@ from phasewise.disagg.wire import (
 log = logging.getLogger(__name__)
 
 PeerState = Literal["alive", "lost", "replaced", "closed"]
+
+PREAUTH_DROP_REASONS = ("oversized", "malformed", "unexpected")
+"""Why a message from a peer that has not completed the handshake was dropped (counted as
+``unauthenticated.<reason>``)."""
+
+PREAUTH_LOG_INTERVAL = 60.0
+"""Seconds between two warning lines about such drops, or about refusals for a wrong key or
+nonce (the counters count every one)."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -168,6 +213,19 @@ def _bind_address(bind: str) -> str:
 
 def _new_identity() -> str:
     return uuid.uuid4().hex
+
+
+def _claimed_version(data: bytes) -> int | None:
+    """The ``version`` a small JSON object names, if any: how a client tells a server of
+    another protocol version from a broken one when its challenge does not decode."""
+    if len(data) > PREAUTH_MAX_BYTES:
+        return None
+    try:
+        obj = json.loads(data)
+    except (ValueError, RecursionError):
+        return None
+    v = obj.get("version") if isinstance(obj, dict) else None
+    return v if isinstance(v, int) and not isinstance(v, bool) else None
 
 
 # --------------------------------------------------------------------------------------------
@@ -324,39 +382,51 @@ class KVServer(_Endpoint):
     """The decode worker's KV port.
 
     ``KVServer(bind="tcp://127.0.0.1:0", *, secret, layout, identity=None, on_frame=None,
-    heartbeat_deadline=5.0)``; ``.endpoint`` is the bound address with its real port.
-    ``gate`` is the :class:`FrameGate` every frame passes; ``events`` a queue of
-    :class:`FrameEvent` / :class:`MessageEvent` / :class:`PeerEvent` (drain it, or
-    ``next_event()``). ``counters()`` is a flat dict for /metrics.
+    heartbeat_deadline=5.0, max_frame_bytes=None)``; ``.endpoint`` is the bound address with
+    its real port. ``max_frame_bytes`` is the largest K/V frame payload the port takes
+    (default :data:`~phasewise.disagg.wire.DEFAULT_MAX_FRAME_BYTES`, never less than one block
+    of every layer); any bigger frame, from anyone, drops its connection unread. ``gate`` is
+    the :class:`FrameGate` every frame passes; ``events`` a queue of :class:`FrameEvent` /
+    :class:`MessageEvent` / :class:`PeerEvent` (drain it, or ``next_event()``). ``counters()``
+    is a flat dict for /metrics.
     """
 
     def __init__(self, bind: str = "tcp://127.0.0.1:0", *, secret: bytes, layout: KVLayout,
                  identity: str | None = None,
                  on_frame: Callable[[str, KVFrameHeader, memoryview], None] | None = None,
-                 heartbeat_deadline: float = 5.0, max_frame_bytes: int = 1 << 30,
+                 heartbeat_deadline: float = 5.0, max_frame_bytes: int | None = None,
                  handshake_ttl: float = 30.0):
         if heartbeat_deadline <= 0:
             raise ValueError(f"heartbeat_deadline: must be > 0, got {heartbeat_deadline}")
         check_secret(secret)
         self.identity = identity or _new_identity()
         self.layout = layout
+        # A frame holds whole blocks of every layer it names, so one block of every layer is
+        # the smallest limit a sender can always meet.
+        self.max_frame_bytes = max(
+            DEFAULT_MAX_FRAME_BYTES if max_frame_bytes is None else max_frame_bytes,
+            layout.block_layer_bytes() * layout.num_layers)
         self.gate = FrameGate(layout)
         self.events: queue.Queue[Event] = queue.Queue()
         self._secret = secret
         self._on_frame = on_frame
         self._deadline = heartbeat_deadline
-        self._book = ChallengeBook(self.identity, layout, ttl=handshake_ttl)
+        self._book = ChallengeBook(self.identity, ttl=handshake_ttl)
         self._lock = threading.Lock()
         self._sessions: dict[bytes, _Session] = {}
         self._by_identity: dict[str, _Session] = {}
         self._by_name: dict[str, str] = {}
         self._counts: dict[str, int] = {}
+        self._quiet_until: dict[str, float] = {}  # topic -> no warning before (monotonic)
         self._ctx = zmq.Context()
         try:
             self._router = self._ctx.socket(zmq.ROUTER)
             self._router.setsockopt(zmq.LINGER, 0)
             self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)
-            self._router.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
+            # libzmq checks each frame's declared size against this before buffering it, for
+            # every peer alike (set before bind: a listener keeps the value it was bound with)
+            self._router.setsockopt(zmq.MAXMSGSIZE,
+                                    max(self.max_frame_bytes, MAX_CONTROL_BYTES))
             try:
                 self._router.bind(_bind_address(bind))
             except zmq.ZMQError as e:
@@ -423,8 +493,9 @@ class KVServer(_Endpoint):
 
     def counters(self) -> dict[str, int]:
         """``frames.<gate outcome>``, ``frames.apply_failed``, ``frame_errors.<kind>``,
-        ``refused.<field>``, ``unauthenticated``, ``messages.<outcome>``, ``peers.<state>``,
-        ``heartbeats``, ``send_failed``."""
+        ``refused.<field>``, ``unauthenticated`` (every message dropped before a handshake)
+        and ``unauthenticated.<reason>`` (``oversized``, ``malformed``, ``unexpected``),
+        ``messages.<outcome>``, ``peers.<state>``, ``heartbeats``, ``send_failed``."""
         with self._lock:
             out = dict(self._counts)
         out.update({f"frames.{k}": v for k, v in self.gate.counters().items()})
@@ -474,6 +545,9 @@ class KVServer(_Endpoint):
                         except Exception:  # never let one message kill the port
                             self._count("internal_errors")
                             log.exception("KV server failed handling a message")
+                        # no reference outlives the handling: a dropped message's memory
+                        # goes back now, not when the next message arrives
+                        del msg
                 self._check_liveness()
         finally:
             self._router.close(linger=0)
@@ -481,12 +555,12 @@ class KVServer(_Endpoint):
 
     def _on_message(self, msg: list[zmq.Frame]) -> None:
         rid = msg[0].bytes
-        parts = [f.buffer for f in msg[1:]]
         with self._lock:
             s = self._sessions.get(rid)
         if s is None:
-            self._handshake(rid, parts)
+            self._handshake(rid, msg[1:])
             return
+        parts = [f.buffer for f in msg[1:]]
         self._touch(s)
         if len(parts) == 2:
             self._on_frame_parts(s, parts)
@@ -497,31 +571,66 @@ class KVServer(_Endpoint):
             self._emit(FrameEvent(s.identity, None, "malformed",
                                   detail=f"{len(parts)} parts"))
 
-    def _handshake(self, rid: bytes, parts: list[memoryview]) -> None:
-        msg: Any = None
-        if len(parts) == 1:
-            try:
-                msg = decode_message(parts[0])
-            except MessageError:
-                msg = None
+    def _quiet(self, topic: str) -> bool:
+        """True at most once per PREAUTH_LOG_INTERVAL for ``topic``: whether to warn now."""
+        now = time.monotonic()
+        with self._lock:
+            if now < self._quiet_until.get(topic, 0.0):
+                return False
+            self._quiet_until[topic] = now + PREAUTH_LOG_INTERVAL
+            return True
+
+    def _drop_unauthenticated(self, rid: bytes, reason: str) -> None:
+        """Count a message from a peer without a session; warn at most once a minute (a
+        stranger decides how often this runs), with counts and nothing of its bytes."""
+        with self._lock:
+            for key in ("unauthenticated", f"unauthenticated.{reason}"):
+                self._counts[key] = self._counts.get(key, 0) + 1
+            so_far = ", ".join(f"{r} {self._counts.get(f'unauthenticated.{r}', 0)}"
+                               for r in PREAUTH_DROP_REASONS)
+        log.debug("dropped a %s message from K/V connection %s before its handshake", reason,
+                  rid.hex())
+        if self._quiet("dropped"):
+            log.warning("K/V port %s dropped messages from peers that have not completed the "
+                        "handshake (so far: %s; at most one such line per %.0fs)",
+                        self.endpoint, so_far, PREAUTH_LOG_INTERVAL)
+
+    def _handshake(self, rid: bytes, frames: list[zmq.Frame]) -> None:
+        # Judged by its shape first (zmq knows each part's size): nothing over a handshake
+        # message's size is copied or parsed.
+        if sum(len(f) for f in frames) > PREAUTH_MAX_BYTES:
+            self._drop_unauthenticated(rid, "oversized")
+            return
+        if len(frames) != 1:
+            self._drop_unauthenticated(rid, "unexpected")
+            return
+        try:
+            msg = decode_message(frames[0].buffer, max_bytes=PREAUTH_MAX_BYTES)
+        except MessageError:
+            self._drop_unauthenticated(rid, "malformed")
+            return
         if isinstance(msg, Open):
             ch = self._book.issue(rid)
             self._send_now(rid, [encode_message(ch)])
             return
         if not isinstance(msg, Hello):
-            self._count("unauthenticated")
+            self._drop_unauthenticated(rid, "unexpected")
             return
         challenge = self._book.take(rid)
         try:
             if challenge is None:
                 raise HandshakeError("no outstanding challenge for this connection (a replayed "
                                      "or unsolicited hello)", "nonce")
-            verify_hello(msg, challenge, secret=self._secret)
+            verify_hello(msg, challenge, secret=self._secret, layout=self.layout)
             self._accept(rid, msg, challenge)
         except HandshakeError as e:
             self._count(f"refused.{e.field}")
-            log.warning("refused KV peer (claimed identity %r, name %r, role %r): %s: %s",
-                        msg.identity, msg.name, msg.role, e.field, e.reason)
+            # auth and nonce refusals need no key, so a stranger sets their pace: rate-limited;
+            # the others (version, role, layout) come from a peer that holds the key
+            loud = e.field not in ("auth", "nonce") or self._quiet("refused")
+            log.log(logging.WARNING if loud else logging.DEBUG,
+                    "refused KV peer (claimed identity %.64r, name %.64r, role %.16r): %s: %s",
+                    msg.identity, msg.name, msg.role, e.field, e.reason)
             self._send_now(rid, [encode_message(Refuse(field=e.field, reason=e.reason))])
 
     def _accept(self, rid: bytes, hello: Hello, challenge: Challenge) -> None:
@@ -540,7 +649,8 @@ class KVServer(_Endpoint):
             self._by_identity[hello.identity] = s
             self._by_name[hello.name] = hello.identity
         self._count("peers.accepted")
-        self._send_now(rid, [encode_message(make_accept(hello, challenge, secret=self._secret))])
+        self._send_now(rid, [encode_message(make_accept(hello, challenge, secret=self._secret,
+                                                        max_frame_bytes=self.max_frame_bytes))])
         if replaced is not None:
             self._count("peers.replaced")
             log.warning("KV peer %r (name %r) replaced by %r; forgot attempts %s",
@@ -597,7 +707,7 @@ class KVServer(_Endpoint):
 
     def _on_control(self, s: _Session, data: memoryview) -> None:
         try:
-            msg = decode_message(data)
+            msg = decode_message(data, max_bytes=MAX_CONTROL_BYTES)
         except MessageError as e:
             self._count("messages.malformed")
             log.debug("malformed message from %r: %s", s.identity, e)
@@ -637,9 +747,13 @@ class KVClient(_Endpoint):
     ``KVClient(connect, *, secret, layout, role="prefill", identity=None, name=None,
     heartbeat_interval=1.0, handshake_timeout=10.0, faults=None)``. The handshake runs in the
     constructor, which raises :class:`HandshakeError` (naming the field) if refused, if the
-    server cannot prove it holds the key (``auth``), or if no answer comes (``timeout``).
+    server cannot prove it holds the key (``auth``), if no answer comes (``timeout``), if the
+    server speaks another protocol version (``version``), or if this side's hello is over
+    :data:`~phasewise.disagg.wire.PREAUTH_MAX_BYTES` (``size``: a server would drop it unread).
     ``identity`` is this incarnation (a fresh uuid by default); ``name`` is the stable worker
     name (default: the identity) by which a restart replaces its predecessor.
+    ``max_frame_bytes`` is the largest K/V frame payload the server takes (from its accept);
+    ``send_kv`` refuses a bigger one.
     """
 
     def __init__(self, connect: str, *, secret: bytes, layout: KVLayout, role: str = "prefill",
@@ -656,6 +770,7 @@ class KVClient(_Endpoint):
         self.layout = layout
         self.faults = faults
         self.server_identity = ""
+        self.max_frame_bytes = 0  # set by the handshake
         self._inbox: queue.Queue[Any] = queue.Queue()
         self._interval = heartbeat_interval
         self._last_heard = time.monotonic()
@@ -678,13 +793,18 @@ class KVClient(_Endpoint):
                                         name=f"phasewise-kv-client-{self.identity[:8]}")
         self._thread.start()
 
-    def _reply(self, timeout: float, waiting_for: str) -> Any:
+    def _reply(self, timeout: float, waiting_for: str, version: int) -> Any:
         if not self._dealer.poll(int(timeout * 1000)):
             raise HandshakeError(f"no {waiting_for} from the server within {timeout}s",
                                  "timeout")
+        data = self._dealer.recv()
         try:
-            msg = decode_message(self._dealer.recv())
+            msg = decode_message(data, max_bytes=MAX_CONTROL_BYTES)
         except MessageError as e:
+            theirs = _claimed_version(data)
+            if theirs is not None and theirs != version:  # e.g. a challenge of another shape
+                raise HandshakeError(f"server speaks protocol version {theirs}, this worker "
+                                     f"{version}", "version") from None
             raise HandshakeError(f"bad {waiting_for}: {e}", "protocol") from None
         if isinstance(msg, Refuse):
             raise HandshakeError(msg.reason, msg.field)
@@ -692,30 +812,47 @@ class KVClient(_Endpoint):
 
     def _handshake(self, secret: bytes, timeout: float, version: int) -> None:
         self._dealer.send(encode_message(Open(identity=self.identity)))
-        ch = self._reply(timeout, "challenge")
+        ch = self._reply(timeout, "challenge", version)
         if not isinstance(ch, Challenge):
             raise HandshakeError(f"expected a challenge, got {ch.KIND!r}", "protocol")
         hello = make_hello(ch, secret=secret, identity=self.identity, name=self.name,
                            role=self.role, layout=self.layout, version=version)
-        self._dealer.send(encode_message(hello))
-        acc = self._reply(timeout, "accept")
+        data = encode_message(hello)
+        if len(data) > PREAUTH_MAX_BYTES:
+            raise HandshakeError(f"this worker's hello is {len(data)} bytes; a K/V port reads "
+                                 f"at most {PREAUTH_MAX_BYTES} before the handshake (shorten "
+                                 "its name, identity or model id)", "size")
+        self._dealer.send(data)
+        acc = self._reply(timeout, "accept", version)
         if not isinstance(acc, Accept):
             raise HandshakeError(f"expected accept, got {acc.KIND!r}", "protocol")
         verify_accept(acc, hello, ch, secret=secret)
         self.server_identity = ch.server_identity
+        self.max_frame_bytes = acc.max_frame_bytes
         self._last_heard = time.monotonic()
 
     # ---- public API (any thread)
 
     def send(self, message: Any) -> None:
-        """Queue a control message (``FirstToken``, ``Error``, ``Done``...) to the server."""
-        self._pipe.push([b"send", encode_message(message)])
+        """Queue a control message (``FirstToken``, ``Error``, ``Done``...) to the server.
+        Raises ValueError over :data:`~phasewise.disagg.wire.MAX_CONTROL_BYTES` (the server
+        would drop it)."""
+        data = encode_message(message)
+        if len(data) > MAX_CONTROL_BYTES:
+            raise ValueError(f"{type(message).__name__} of {len(data)} bytes exceeds the "
+                             f"{MAX_CONTROL_BYTES} a K/V port parses")
+        self._pipe.push([b"send", data])
 
     def send_kv(self, request_id: str, epoch: int, *, first_block: int, num_blocks: int,
                 first_token: int, num_tokens: int, layer_start: int, layer_end: int,
                 payload: Buffer) -> int:
         """Queue one KV frame; returns its seq (0, 1, ... per attempt). The payload must stay
-        unchanged until sent (it is not copied)."""
+        unchanged until sent (it is not copied). Raises ValueError over ``max_frame_bytes``
+        (the server would drop the connection): split such a chunk by blocks."""
+        nbytes = memoryview(payload).nbytes
+        if nbytes > self.max_frame_bytes:
+            raise ValueError(f"a K/V frame of {nbytes} bytes exceeds the server's "
+                             f"max_frame_bytes {self.max_frame_bytes}")
         with self._seq_lock:
             seq = self._seqs.get((request_id, epoch), 0)
             self._seqs[(request_id, epoch)] = seq + 1

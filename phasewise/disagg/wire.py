@@ -5,16 +5,22 @@ Pure: no sockets, no torch. ``transport.py`` moves these bytes over pyzmq.
 Three kinds of traffic share one connection:
 
 - **Handshake** (``Open`` -> ``Challenge`` -> ``Hello`` -> ``Accept`` | ``Refuse``). The server
-  (the decode worker's KV port) sends a fresh single-use nonce; the client answers with its
-  identity, role, protocol version, :class:`KVLayout` and an HMAC-SHA256 over both nonces and
-  those fields, keyed by a shared secret. The server refuses a wrong key (``auth``), an unknown
-  or already used nonce (``nonce``: a replayed hello), a version (``version``) or any layout
-  field (``layout.<field>``) that differs. Its ``Accept`` carries its own HMAC, so the client
-  knows the server holds the key too. This authenticates peers at connect time; it does not
-  encrypt or sign every later message (run the KV network privately, or add CurveZMQ).
+  (the decode worker's KV port) sends a fresh single-use nonce, its identity and the protocol
+  version, and nothing of its :class:`KVLayout` (anyone may ask for a challenge); the client
+  answers with its identity, role, protocol version, layout and an HMAC-SHA256 over both
+  nonces and those fields, keyed by a shared secret. The server refuses a wrong key
+  (``auth``), an unknown or already used nonce (``nonce``: a replayed hello), and only then,
+  to a peer that proved it holds the key, a version (``version``) or any layout field
+  (``layout.<field>``, naming both values) that differs from its own. Its ``Accept`` carries
+  its own HMAC, so the client knows the server holds the key too, and the largest K/V frame
+  it takes (``max_frame_bytes``, under that HMAC). This authenticates peers at connect time;
+  it does not encrypt or sign every later message (run the KV network privately, or add
+  CurveZMQ). Handshake messages are small: a server reads at most :data:`PREAUTH_MAX_BYTES`
+  of a peer that has not completed it.
 - **Control messages**: frozen dataclasses encoded as compact JSON with sorted keys and a
-  ``kind`` tag. :func:`decode_message` never evaluates anything: it refuses unknown kinds,
-  unknown or missing fields and wrong types, naming the field.
+  ``kind`` tag. :func:`decode_message` never evaluates anything: it refuses a message over
+  its byte limit before reading it, JSON nested deeper than :data:`MAX_NESTING`, unknown
+  kinds, unknown or missing fields and wrong types, naming the field.
 - **KV frames**: a two-part message, a JSON :class:`KVFrameHeader` plus the raw payload bytes.
   The header names request, attempt epoch, per-attempt sequence number, block/token/layer
   range, dtype, byte count and a checksum (``blake2b-128`` by default: 128 bits, so a random
@@ -30,6 +36,7 @@ import hashlib
 import hmac
 import json
 import math
+import re
 import secrets
 import threading
 import types
@@ -40,9 +47,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 """Bumped on any change to a message's fields or meaning; peers must match exactly. 2: a
-heartbeat carries the sender's queue, and the server answers each one."""
+heartbeat carries the sender's queue, and the server answers each one. 3: the challenge
+carries no layout (the server compares layouts after checking the hello's MAC), the accept
+carries ``max_frame_bytes``, and handshake and control messages have byte limits."""
 
 ROLES = ("prefill", "decode", "router")
 """Roles a client may claim in its hello."""
@@ -57,7 +66,26 @@ CHECKSUMS = ("blake2b-128", "crc32")
 """Payload checksum algorithms; a header's ``checksum`` reads ``"<algorithm>:<hex digest>"``."""
 
 MAX_MESSAGE_BYTES = 64 << 20
-"""Largest control message or frame header :func:`decode_message` will parse."""
+"""Largest message :func:`decode_message` parses by default (a ``PrefillRequest`` carries a
+whole prompt's token ids)."""
+
+PREAUTH_MAX_BYTES = 8 << 10
+"""Largest message a K/V port reads from a peer that has not completed the handshake: an
+``Open`` or a ``Hello`` (under 1 KiB with a typical layout; the client checks its own)."""
+
+MAX_CONTROL_BYTES = 64 << 10
+"""Largest control message or frame header a K/V port parses from an authenticated peer:
+everything a prefill worker sends is small (the largest, a ``FirstToken``, holds at most 21
+log-probabilities; an ``Error``'s detail is cut to 500 characters)."""
+
+MAX_NESTING = 32
+"""Deepest JSON nesting :func:`decode_message` accepts (a ``Hello`` needs 2; a prefill
+request's sampling parameters a few more). Checked before parsing, so a deep message costs
+a scan, never a ``RecursionError``."""
+
+DEFAULT_MAX_FRAME_BYTES = 64 << 20
+"""Default largest K/V frame payload a K/V port takes (never less than one block of every
+layer); a prefill worker splits a larger chunk into frames of whole blocks."""
 
 MIN_SECRET_BYTES = 16
 
@@ -332,12 +360,12 @@ class Open(_Record):
 @_message("challenge")
 @dataclass(frozen=True)
 class Challenge(_Record):
-    """Server -> client: a fresh single-use ``nonce`` (32 hex chars) and what the server is."""
+    """Server -> client: a fresh single-use ``nonce`` (32 hex chars), the server's identity and
+    protocol version. Sent to anyone who asks, so it names nothing of the layout."""
 
     server_identity: str
     nonce: str
     version: int
-    layout: KVLayout
 
     def _check(self) -> None:
         _check_nonce(self, "nonce")
@@ -369,11 +397,16 @@ class Hello(_Record):
 @_message("accept")
 @dataclass(frozen=True)
 class Accept(_Record):
-    """Server -> client: accepted; ``mac`` proves the server holds the secret too."""
+    """Server -> client: accepted; ``mac`` proves the server holds the secret too (and covers
+    ``max_frame_bytes``, the largest K/V frame payload the server takes)."""
 
     server_identity: str
     identity: str
     mac: str
+    max_frame_bytes: int
+
+    def _check(self) -> None:
+        _positive(self, "max_frame_bytes")
 
 
 @_message("refuse")
@@ -569,18 +602,59 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def decode_message(data: Buffer) -> Any:
+# The only characters that move JSON's nesting or string state.
+_NESTING_CHARS = re.compile(r'["\\\[\]{}]')
+
+
+def _check_nesting(text: str) -> None:
+    """Raise :class:`MessageError` if ``text`` nests deeper than MAX_NESTING (brackets inside
+    strings are text). The depth counted is never below the depth ``json`` would reach on the
+    same text; the cost is one regex scan plus a step per quote, backslash or bracket."""
+    if text.count("[") + text.count("{") <= MAX_NESTING:
+        return
+    depth = 0
+    in_string = False
+    escaped = -1  # the index of the character a backslash in a string escapes
+    for m in _NESTING_CHARS.finditer(text):
+        i = m.start()
+        if i == escaped:
+            continue
+        c = text[i]
+        if in_string:
+            if c == "\\":
+                escaped = i + 1
+            elif c == '"':
+                in_string = False
+        elif c == '"':
+            in_string = True
+        elif c in "[{":
+            depth += 1
+            if depth > MAX_NESTING:
+                raise MessageError(f"JSON nested deeper than {MAX_NESTING} levels", "")
+        elif c in "]}":
+            depth -= 1
+            if depth < 0:
+                raise MessageError("not JSON: a closing bracket with none open", "")
+
+
+def decode_message(data: Buffer, *, max_bytes: int = MAX_MESSAGE_BYTES) -> Any:
     """Parse and validate one control message. Raises :class:`MessageError` (naming the
-    field) for anything but a well-formed message of a known kind."""
-    raw = bytes(data)
-    if len(raw) > MAX_MESSAGE_BYTES:
-        raise MessageError(f"message of {len(raw)} bytes exceeds {MAX_MESSAGE_BYTES}", "")
+    field) for anything but a well-formed message of a known kind. A message over
+    ``max_bytes`` is refused by its length alone: nothing of it is copied or read."""
+    view = memoryview(data).cast("B")
+    if view.nbytes > max_bytes:
+        raise MessageError(f"message of {view.nbytes} bytes exceeds {max_bytes}", "")
     try:
-        obj = json.loads(raw.decode("utf-8"), parse_constant=_no_constant,
-                         object_pairs_hook=_no_duplicates)
+        text = str(view, "utf-8")
+    except UnicodeDecodeError as e:
+        raise MessageError(f"not JSON: {e}", "") from None
+    _check_nesting(text)
+    try:
+        obj = json.loads(text, parse_constant=_no_constant, object_pairs_hook=_no_duplicates)
     except MessageError:
         raise
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (json.JSONDecodeError, RecursionError) as e:  # RecursionError: only if the
+        # caller itself runs near the recursion limit (MAX_NESTING is far below it)
         raise MessageError(f"not JSON: {e}", "") from None
     if not isinstance(obj, dict):
         raise MessageError(f"expected a JSON object, got {type(obj).__name__}", "")
@@ -628,13 +702,15 @@ def encode_kv_frame(*, request_id: str, epoch: int, seq: int, first_block: int,
     return [encode_message(header), payload]
 
 
-def decode_kv_frame(parts: list[Buffer]) -> tuple[KVFrameHeader, memoryview]:
-    """Check a received frame: two parts, a valid header, ``nbytes`` and checksum matching the
-    payload. Returns the header and a byte view of the payload; raises :class:`FrameError`."""
+def decode_kv_frame(parts: list[Buffer], *, max_header_bytes: int = MAX_CONTROL_BYTES
+                    ) -> tuple[KVFrameHeader, memoryview]:
+    """Check a received frame: two parts, a valid header (at most ``max_header_bytes``),
+    ``nbytes`` and checksum matching the payload. Returns the header and a byte view of the
+    payload; raises :class:`FrameError`."""
     if len(parts) != 2:
         raise FrameError("malformed", f"expected 2 parts (header, payload), got {len(parts)}")
     try:
-        header = decode_message(parts[0])
+        header = decode_message(parts[0], max_bytes=max_header_bytes)
     except MessageError as e:
         raise FrameError("malformed", f"header: {e}") from None
     if not isinstance(header, KVFrameHeader):
@@ -665,16 +741,19 @@ def check_secret(secret: bytes) -> None:
         raise ValueError(f"secret: must be bytes of length >= {MIN_SECRET_BYTES}")
 
 
-def _mac(secret: bytes, purpose: str, challenge: Challenge, hello: Hello) -> str:
+def _mac(secret: bytes, purpose: str, challenge: Challenge, hello: Hello,
+         max_frame_bytes: int | None = None) -> str:
     """HMAC-SHA256 over a canonical encoding. ``purpose`` differs for the two directions, so a
-    client's mac can never be reflected back as the server's."""
-    body = {
+    client's mac can never be reflected back as the server's; the server's also covers the
+    frame limit it announces."""
+    body: dict[str, Any] = {
         "purpose": purpose, "version": hello.version,
         "server_identity": challenge.server_identity, "server_nonce": challenge.nonce,
-        "server_layout": challenge.layout.compat_hash(),
         "identity": hello.identity, "name": hello.name, "role": hello.role,
         "client_nonce": hello.client_nonce, "layout": hello.layout.compat_hash(),
     }
+    if max_frame_bytes is not None:
+        body["max_frame_bytes"] = max_frame_bytes
     return hmac.new(secret, _canonical(body), hashlib.sha256).hexdigest()
 
 
@@ -682,10 +761,8 @@ def new_nonce() -> str:
     return secrets.token_hex(16)
 
 
-def make_challenge(server_identity: str, layout: KVLayout, *,
-                   version: int = PROTOCOL_VERSION) -> Challenge:
-    return Challenge(server_identity=server_identity, nonce=new_nonce(), version=version,
-                     layout=layout)
+def make_challenge(server_identity: str, *, version: int = PROTOCOL_VERSION) -> Challenge:
+    return Challenge(server_identity=server_identity, nonce=new_nonce(), version=version)
 
 
 def make_hello(challenge: Challenge, *, secret: bytes, identity: str, role: str,
@@ -698,11 +775,13 @@ def make_hello(challenge: Challenge, *, secret: bytes, identity: str, role: str,
     return dataclasses.replace(unsigned, mac=_mac(secret, "hello", challenge, unsigned))
 
 
-def verify_hello(hello: Hello, challenge: Challenge, *, secret: bytes) -> None:
+def verify_hello(hello: Hello, challenge: Challenge, *, secret: bytes,
+                 layout: KVLayout) -> None:
     """Raise :class:`HandshakeError` unless ``hello`` answers ``challenge`` (the one the server
     issued to this peer and has not accepted an answer to before), is signed with ``secret``,
-    and matches the server's version and layout. Authentication is checked first, so a peer
-    without the key learns nothing beyond ``auth``."""
+    and matches the server's version and ``layout`` (the server's own). Authentication is
+    checked first, so a peer without the key learns nothing beyond ``auth``: only a peer that
+    holds it hears which layout field differs, and both values."""
     check_secret(secret)
     if hello.server_nonce != challenge.nonce:
         raise HandshakeError("hello answers a challenge this peer was not given, or one "
@@ -716,23 +795,25 @@ def verify_hello(hello: Hello, challenge: Challenge, *, secret: bytes) -> None:
                              f"{challenge.version}", "version")
     if hello.role not in ROLES:
         raise HandshakeError(f"role {hello.role!r} is not one of {', '.join(ROLES)}", "role")
-    diffs = challenge.layout.mismatched_fields(hello.layout)
+    diffs = layout.mismatched_fields(hello.layout)
     if diffs:
         raise HandshakeError("KV layout differs: " + "; ".join(
-            challenge.layout.mismatches(hello.layout)) + " (server != client)",
-            f"layout.{diffs[0]}")
+            layout.mismatches(hello.layout)) + " (server != client)", f"layout.{diffs[0]}")
 
 
-def make_accept(hello: Hello, challenge: Challenge, *, secret: bytes) -> Accept:
+def make_accept(hello: Hello, challenge: Challenge, *, secret: bytes,
+                max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> Accept:
     return Accept(server_identity=challenge.server_identity, identity=hello.identity,
-                  mac=_mac(secret, "accept", challenge, hello))
+                  mac=_mac(secret, "accept", challenge, hello, max_frame_bytes),
+                  max_frame_bytes=max_frame_bytes)
 
 
 def verify_accept(accept: Accept, hello: Hello, challenge: Challenge, *, secret: bytes) -> None:
     """The client's check that the server holds the key (and answered this very hello)."""
     if (accept.server_identity != challenge.server_identity
             or accept.identity != hello.identity
-            or not hmac.compare_digest(accept.mac, _mac(secret, "accept", challenge, hello))):
+            or not hmac.compare_digest(accept.mac, _mac(secret, "accept", challenge, hello,
+                                                        accept.max_frame_bytes))):
         raise HandshakeError("server's accept is not signed with the shared secret", "auth")
 
 
@@ -744,13 +825,11 @@ class ChallengeBook:
     are kept (oldest dropped), and each expires ``ttl`` seconds after issue on ``clock``.
     """
 
-    def __init__(self, server_identity: str, layout: KVLayout, *, capacity: int = 1024,
-                 ttl: float = 30.0, clock: Callable[[], float] | None = None,
-                 version: int = PROTOCOL_VERSION):
+    def __init__(self, server_identity: str, *, capacity: int = 1024, ttl: float = 30.0,
+                 clock: Callable[[], float] | None = None, version: int = PROTOCOL_VERSION):
         import time
 
         self._server_identity = server_identity
-        self._layout = layout
         self._version = version
         self._capacity = capacity
         self._ttl = ttl
@@ -758,7 +837,7 @@ class ChallengeBook:
         self._pending: OrderedDict[bytes, tuple[float, Challenge]] = OrderedDict()
 
     def issue(self, peer: bytes) -> Challenge:
-        ch = make_challenge(self._server_identity, self._layout, version=self._version)
+        ch = make_challenge(self._server_identity, version=self._version)
         self._pending.pop(peer, None)
         self._pending[peer] = (self._clock(), ch)
         while len(self._pending) > self._capacity:

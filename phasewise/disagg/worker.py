@@ -140,7 +140,8 @@ class DecodeSide(_Delegate):
 
     def __init__(self, backend: AsyncEngine, *, secret: bytes, bind: str = "tcp://127.0.0.1:0",
                  threshold: int = 0, queue_limit: int = 8,
-                 heartbeat_deadline: float = 2.0, request_timeout: float = 300.0) -> None:
+                 heartbeat_deadline: float = 2.0, request_timeout: float = 300.0,
+                 max_frame_bytes: int | None = None) -> None:
         if threshold < 0:
             raise ValueError(f"threshold must be >= 0, got {threshold}")
         if queue_limit < 1:
@@ -159,8 +160,11 @@ class DecodeSide(_Delegate):
         self.failures: dict[str, int] = dict.fromkeys(FAILURE_KINDS, 0)
         # Prompts prefilled here instead, by reason (see the module).
         self.local_prefills = dict.fromkeys(LOCAL_REASONS, 0)
+        # max_frame_bytes: the largest K/V frame the port takes (None: the transport's
+        # default); prefill workers split their chunks to fit
         self.server = KVServer(bind, secret=secret, layout=self.layout, on_frame=self._land,
-                               heartbeat_deadline=heartbeat_deadline)
+                               heartbeat_deadline=heartbeat_deadline,
+                               max_frame_bytes=max_frame_bytes)
         self._attempts: dict[str, tuple[str, int]] = {}  # request id -> (peer, epoch)
         self._transfers: dict[str, Transfer] = {}  # request id -> its remote prefill so far
         # Called (on this side's event thread) with each remote prefill that decoded on.
@@ -501,19 +505,31 @@ class PrefillSide(_Delegate):
         self._started.wait(30)
 
     def _ship(self, rid: str, first: int, end: int, data: Any) -> None:
-        """On the engine thread, right after a forward pass filled these blocks."""
+        """On the engine thread, right after a forward pass filled these blocks
+        (``data``: ``[layers, 2, blocks, block_size, kv_heads, head_dim]``, ``first`` on a
+        block boundary). A chunk over the server's ``max_frame_bytes`` goes as several frames
+        of whole blocks (the server's limit is never under one block)."""
         held = self._epochs.get(rid)
         if held is None:
             return
         link, epoch = held
         bs = self.layout.block_size
+        client = link.client
+        num_blocks = data.shape[2]
+        block_bytes = data.numel() // num_blocks * data.element_size()
+        step = max(1, client.max_frame_bytes // block_bytes)
         try:
-            link.client.send_kv(rid, epoch, first_block=first // bs,
-                                num_blocks=data.shape[2], first_token=first,
-                                num_tokens=end - first, layer_start=0,
-                                layer_end=data.shape[0], payload=kv_to_bytes(data))
-        except RuntimeError as e:  # its connection closed under it (a reconnect, a stop):
-            # this request's K/V is lost, never the engine step it rode on
+            for b in range(0, num_blocks, step):
+                n = min(step, num_blocks - b)
+                start = first + b * bs
+                part = data if n == num_blocks else data[:, :, b:b + n]
+                client.send_kv(rid, epoch, first_block=start // bs, num_blocks=n,
+                               first_token=start, num_tokens=min(end, start + n * bs) - start,
+                               layer_start=0, layer_end=data.shape[0],
+                               payload=kv_to_bytes(part))
+        except (RuntimeError, ValueError) as e:  # its connection closed under it (a
+            # reconnect, a stop), or a frame the server would refuse: this request's K/V is
+            # lost (the decode side computes it), never the engine step it rode on
             log.info("K/V of %s not sent: %s", rid, e)
 
     def _run(self) -> None:
