@@ -122,6 +122,14 @@ class SamplingParams:
         ):
             raise bad("prompt_logprobs", f"an integer in [0, {MAX_LOGPROBS}] or None",
                       self.prompt_logprobs)
+        # Flags are booleans, not truthy values: "no" is not False (a relayed request's
+        # parameters arrive as JSON, where any value may stand in a flag's place).
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise bad(name, "true or false", getattr(self, name))
+        if self.structured_output is not None and not isinstance(self.structured_output, str):
+            raise bad("structured_output", "the JSON text of a spec, or None",
+                      self.structured_output)
         if self.structured_output is not None:
             from phasewise.engine.structured import parse_spec
 

@@ -245,6 +245,19 @@ class OpenAIServer:
         async def responses(body: ResponsesRequest, request: Request) -> Response:
             return await responses_api.create(routes, body, request)
 
+        @app.post("/v1/embeddings", response_model=None, responses={
+            401: _POST_ERRORS[401],
+            404: {**_ERROR, "description": "not served: phasewise serves text generation "
+                  "only (error.code unsupported_endpoint)"}})
+        async def embeddings() -> Response:
+            """Not served: phasewise serves text generation only. Always a 404 whose
+            ``error.code`` is ``unsupported_endpoint`` (a client error, which OpenAI's SDKs
+            do not retry), never a server error."""
+            raise ApiError(404, "embeddings are not served: phasewise serves text generation "
+                           "only (/v1/completions, /v1/chat/completions, /v1/responses); use "
+                           "an embedding model's server for /v1/embeddings",
+                           code="unsupported_endpoint")
+
         if self.dashboard is not None:
             add_dashboard_routes(app, self.dashboard, routes, api_key=self.config.api_key,
                                  trace_lookup=self.trace_lookup)

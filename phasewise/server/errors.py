@@ -9,6 +9,7 @@ from the engine. It is never parsed out of a message's text.
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from fastapi.exceptions import RequestValidationError
@@ -35,8 +36,16 @@ class ApiError(Exception):
                           "code": self.code}}
 
 
+class _AsciiJSON(JSONResponse):
+    """JSON with every non-ASCII character escaped: an error body always encodes, whatever
+    text (a lone surrogate a client sent, in a path or a message) it quotes."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, separators=(",", ":")).encode("ascii")
+
+
 def error_response(err: ApiError) -> JSONResponse:
-    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+    return _AsciiJSON(err.body(), status_code=err.status, headers=err.headers)
 
 
 FIELD_ERROR = "phasewise_field"
@@ -48,6 +57,14 @@ def field_error(param: str | None, message: str,
     a rule across fields, its ``code``."""
     # pydantic fills only {param} and {code} placeholders; other braces stay as written.
     return PydanticCustomError(FIELD_ERROR, message, {"param": param, "code": code})
+
+
+def nested_field_error(param: str, message: str) -> PydanticCustomError:
+    """For a model validator: an error whose ``param`` is a path inside the model (its field,
+    then keys and indices), wherever the model sits in the request; the 400 names the whole
+    path, the model's own location first."""
+    return PydanticCustomError(FIELD_ERROR, message, {"param": param, "code": None,
+                                                      "nested": True})
 
 
 # Union types report one error per alternative; say once what the field may be instead.
@@ -76,6 +93,19 @@ def _form_only(e: Any, keys: tuple[str, ...]) -> bool:
                                                                   "extra_forbidden")
 
 
+def _element(x: Any) -> str:
+    """An error location's element as text that always encodes (a key holding a lone
+    surrogate shows it as ``\\ud800``)."""
+    return str(x).encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def _branch_model(part: str) -> str:
+    """``function-after[<validator>(), TokenizeChat]`` (a union branch whose model has a
+    validator) -> ``TokenizeChat``; any other part as it is."""
+    m = re.fullmatch(r"function-[a-z]+\[.*, (\w+)\]", part)
+    return m.group(1) if m else part
+
+
 def _is_type_tag(part: str) -> bool:
     """pydantic's union branch labels in an error location (``str``, ``list[int]``, ...)."""
     return part in ("str", "int", "float", "bool") or "[" in part or part.startswith(
@@ -101,13 +131,15 @@ def validation_error(exc: RequestValidationError) -> ApiError:
     """The first of pydantic's errors as a 400 naming the field."""
     errors = exc.errors()
     first = errors[0] if errors else {}
-    loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+    loc = [_element(x) for x in first.get("loc", ()) if x != "body"]
     kind = first.get("type", "")
     ctx = first.get("ctx") or {}
     if kind == "json_invalid":
         return ApiError(400, f"the request body is not valid JSON: "
                         f"{ctx.get('error', first.get('msg'))}")
     body_types = ("model_attributes_type", "dict_type", "model_type")
+    if loc:  # a union branch's label names its model (wrapped by the model's validators)
+        loc[0] = _branch_model(loc[0])
     if (kind in body_types and not loc) or (loc and loc[0] in BODY_UNIONS and len(loc) == 1
                                             and all(e.get("type") in body_types
                                                     for e in errors)):
@@ -122,10 +154,13 @@ def validation_error(exc: RequestValidationError) -> ApiError:
         if not rest:
             return ApiError(400, f"give exactly one of {' or '.join(keys)}")
         errors, first = rest, rest[0]
-        loc = [str(x) for x in first.get("loc", ())[2:]]
+        loc = [_element(x) for x in first.get("loc", ())[2:]]
         kind = first.get("type", "")
         ctx = first.get("ctx") or {}
     msg = _message(first)
+    if kind == FIELD_ERROR and ctx.get("nested"):
+        param = ".".join([x for x in loc if not _is_type_tag(x)] + [ctx["param"]])
+        return ApiError(400, f"{param}: {msg}", param=param)
     if kind == FIELD_ERROR:
         return ApiError(400, msg, param=ctx.get("param"), code=ctx.get("code"))
     if kind == "missing" and loc:

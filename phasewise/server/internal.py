@@ -10,7 +10,9 @@ OpenAPI document: it is phasewise's own, not OpenAI's.
 * ``POST /internal/v1/generate``: a group of already tokenized prompts with their sampling
   parameters; the reply streams one JSON line per output (``relay``). The same checks as
   ``/v1/*`` apply (token ids, context, every parameter); closing the connection aborts the
-  group.
+  group. The parameters are checked as ``SamplingParams`` checks them (a flag must be a JSON
+  boolean); a 400 names the parameter (``specs.0.params.ignore_eos``). A failure after the
+  reply began ends it with an ``{"error": ...}`` line.
 * ``POST /internal/v1/abort``: abort requests by id.
 """
 
@@ -30,9 +32,11 @@ from pydantic import BaseModel, ConfigDict, Field
 from pydantic import ValidationError as PydanticValidationError
 
 from phasewise.engine.backend import EngineError, EngineStopped, PromptSpec, ServingBackend
+from phasewise.engine.validation import ValidationError
 from phasewise.server.errors import ApiError, validation_error
 from phasewise.server.guard import access_record
 from phasewise.server.openai_format import timing
+from phasewise.server.protocol import Str, _Checked
 from phasewise.server.relay import (MEDIA_TYPE, encode_error, encode_output, param_defaults,
                                     params_from_wire)
 from phasewise.server.routes import Routes
@@ -42,7 +46,7 @@ from phasewise.server.sse import SSEResponse
 _ID_PATTERN = r"^[A-Za-z0-9._:-]+$"
 
 
-class RelaySpec(BaseModel):
+class RelaySpec(_Checked):
     """One request: its prompt's ``token_ids``, or ``same_as``: the index of an earlier spec
     whose prompt it shares (n samples of one prompt cross the wire once)."""
 
@@ -51,7 +55,7 @@ class RelaySpec(BaseModel):
     token_ids: list[int] | None = Field(default=None, min_length=1)
     same_as: int | None = Field(default=None, ge=0)
     params: dict[str, Any]
-    prompt: str | None = None
+    prompt: Str | None = None
 
 
 class RelayRequest(BaseModel):
@@ -127,7 +131,10 @@ def add_internal_routes(app: FastAPI, backend: ServingBackend, routes: Routes, *
             try:
                 params = params_from_wire(s.params)
             except (ValueError, TypeError) as e:
-                raise ApiError(400, f"{where}.params: {e}", param=f"{where}.params") from e
+                param = f"{where}.params"
+                if isinstance(e, ValidationError) and e.param:
+                    param = f"{param}.{e.param}"
+                raise ApiError(400, f"{param}: {e}", param=param) from e
             routes._budget(len(ids), params.max_tokens, f"{where}.token_ids",
                            f"{where}.params.max_tokens", min_max_tokens=0)
             specs.append(PromptSpec(ids, params, s.prompt))
@@ -167,4 +174,5 @@ def add_internal_routes(app: FastAPI, backend: ServingBackend, routes: Routes, *
             finally:
                 group.close()
 
-        return NDJSONResponse(lines(), group.close)
+        return NDJSONResponse(lines(), group.close, lambda e: encode_error(
+            "engine", f"internal error: {type(e).__name__}: {e}"))

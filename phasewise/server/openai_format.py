@@ -9,9 +9,26 @@ from typing import Any
 from phasewise.engine.outputs import RequestOutput
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+def usage(prompt_tokens: int, completion_tokens: int,
+          cached_tokens: int | None = None) -> dict[str, Any]:
+    """OpenAI's usage; with ``cached_tokens`` (the prompt tokens the prefix cache served),
+    ``prompt_tokens_details.cached_tokens`` too."""
+    out: dict[str, Any] = {"prompt_tokens": prompt_tokens,
+                           "completion_tokens": completion_tokens,
+                           "total_tokens": prompt_tokens + completion_tokens}
+    if cached_tokens is not None:
+        out["prompt_tokens_details"] = {"cached_tokens": min(cached_tokens, prompt_tokens)}
+    return out
+
+
+def cached_prompt_tokens(cached: list[int], n: int) -> int:
+    """The prompt tokens the prefix cache served, counted as ``prompt_tokens`` counts the
+    prompt: once per prompt however many samples it has. ``cached``: each request's
+    ``metrics.num_cached_tokens``, the ``n`` samples of a prompt next to each other; a
+    prompt counts what its samples had in common from before this request (the fewest: its
+    later samples may hit blocks the first one just wrote)."""
+    n = max(1, n)
+    return sum(min(cached[i:i + n]) for i in range(0, len(cached), n))
 
 
 def finish_reason(out: RequestOutput) -> str | None:

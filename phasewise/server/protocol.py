@@ -4,15 +4,21 @@ Types are strict (a boolean is not a number, a string is not an integer; an inte
 such as ``3793.0`` is an integer, as JSON Schema defines it). Every number has explicit
 bounds here, so that no value a request can carry reaches the engine unbounded, and a 400
 names the field. Strings must be valid Unicode (a lone surrogate such as ``"\\ud800"`` is
-refused). Unknown fields are ignored, as OpenAI clients and benchmark tools send extras.
+refused): typed strings by their own validator, and every key and string inside a free-form
+field (a tool's parameters, a schema, ``metadata``, ``chat_template_kwargs``: any field whose
+type admits ``Any`` or a ``dict``) by one walk of the field (``_Checked``), whose 400 names the
+path down to the key or item (``tools.0.function.parameters.properties.<key>``). Unknown
+fields are ignored, as OpenAI clients and benchmark tools send extras.
 Fields phasewise cannot honour are refused with a message that says so, rather than silently
 ignored.
 """
 
 from __future__ import annotations
 
+import functools
 import json
-from typing import Annotated, Any, Literal
+import types
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field,
                       PrivateAttr, Strict, WithJsonSchema, model_validator)
@@ -21,7 +27,7 @@ from phasewise.engine.sampling_params import (MAX_INT32, MAX_LOGPROBS, MAX_SEED,
                                               MAX_STOP_STRINGS, MIN_REPETITION_PENALTY,
                                               MIN_SEED)
 from phasewise.engine.structured import TooDeep, spec_json
-from phasewise.server.errors import ApiError, field_error
+from phasewise.server.errors import ApiError, field_error, nested_field_error
 
 MAX_N = 16  # choices per prompt
 
@@ -73,7 +79,93 @@ RULES_ACROSS_FIELDS = (COMBINATION, CONTEXT, TEMPLATE, GRAMMAR)
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 
 
-class _Body(BaseModel):
+def _admits_free_form(annotation: Any) -> bool:
+    """Whether a field's type lets a client send strings that no typed validator checks:
+    ``Any`` anywhere in it, or a ``dict`` (whose keys are plain strings)."""
+    stack = [annotation]
+    while stack:
+        t = stack.pop()
+        if t is Any or t is dict or get_origin(t) is dict:
+            return True
+        origin = get_origin(t)
+        if origin is Annotated:
+            stack.append(get_args(t)[0])
+        elif origin in (Union, types.UnionType, list, tuple, set, frozenset):
+            stack.extend(get_args(t))
+    return False
+
+
+@functools.cache
+def free_form_fields(cls: type[BaseModel]) -> tuple[tuple[str, str], ...]:
+    """(attribute, the name a client sends) of each field of a model class whose value
+    ``_Checked`` walks (computed once a class)."""
+    return tuple((name, f.alias or name) for name, f in cls.model_fields.items()
+                 if _admits_free_form(f.annotation))
+
+
+def _shown_key(key: str) -> str:
+    """A key as a path element that always encodes (a lone surrogate as ``\\ud800``)."""
+    return key.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def check_free_form(value: Any, name: str) -> None:
+    """Raise ``nested_field_error`` naming the path (from the field ``name``) of the first key
+    or string inside ``value`` that is not valid Unicode. Iterative, one visit per node: the
+    work is linear in the request body, which the server's body-size limit bounds."""
+    # (node, parent entry, its key or index): paths are only built for the one error
+    stack: list[tuple[Any, Any, Any]] = [(value, None, name)]
+
+    def path(entry: tuple[Any, Any, Any] | None) -> str:
+        parts = []
+        while entry is not None:
+            key = entry[2]
+            parts.append(_shown_key(key) if isinstance(key, str) else str(key))
+            entry = entry[1]
+        return ".".join(reversed(parts))
+
+    while stack:
+        entry = stack.pop()
+        node = entry[0]
+        if isinstance(node, str):
+            if not node.isascii():
+                try:
+                    node.encode("utf-8")
+                except UnicodeEncodeError as e:
+                    raise nested_field_error(path(entry), _surrogate("string", e)) from None
+        elif isinstance(node, dict):
+            for k, v in node.items():
+                if isinstance(k, str) and not k.isascii():
+                    try:
+                        k.encode("utf-8")
+                    except UnicodeEncodeError as e:
+                        raise nested_field_error(path((None, entry, k)),
+                                                 _surrogate("key", e)) from None
+                stack.append((v, entry, k))
+        elif isinstance(node, (list, tuple)):
+            stack.extend((v, entry, i) for i, v in enumerate(node))
+
+
+def _surrogate(what: str, e: UnicodeEncodeError) -> str:
+    return (f"the {what} holds an invalid Unicode character (a lone surrogate at position "
+            f"{e.start}); send valid UTF-8 text")
+
+
+class _Checked(BaseModel):
+    """Every request model: its free-form fields are walked for invalid Unicode once the
+    fields themselves validated (before any other model validator reads them: a parent's
+    after-validators run first), so that no such string reaches a tokenizer, a template or a
+    JSON encoder as a 500."""
+
+    @model_validator(mode="after")
+    def _check_free_form(self) -> Any:
+        for name, sent_as in free_form_fields(type(self)):
+            value = getattr(self, name)
+            if value is not None:
+                check_free_form(value, sent_as)
+        return self
+
+
+class _Body(_Checked):
     model_config = ConfigDict(extra="ignore")
 
 
@@ -426,7 +518,7 @@ class ChatCompletionRequest(_Sampling):
             else self.max_tokens
 
 
-class _TokenizeBase(BaseModel):
+class _TokenizeBase(_Checked):
     # Unknown fields are refused here: with both prompt and messages the request matches
     # neither form, as the documented schema says.
     model_config = ConfigDict(extra="forbid")

@@ -16,8 +16,13 @@ a ``sequence_number``: ``response.created``, ``response.in_progress``,
 ``response.output_item.added``, ``response.content_part.added``, one
 ``response.output_text.delta`` per text piece, ``response.output_text.done``,
 ``response.content_part.done``, ``response.output_item.done``, then ``response.completed``
-(or ``response.incomplete`` when ``max_output_tokens`` cut it, or ``error`` when the engine
-failed), with ``usage`` (``input_tokens``, ``output_tokens``, ``total_tokens``).
+(or ``response.incomplete`` when ``max_output_tokens`` cut it), with ``usage``
+(``input_tokens``, ``input_tokens_details.cached_tokens``, ``output_tokens``,
+``total_tokens``). A failure once the stream began (the engine failed or shut down, or any
+other error) ends it with an ``error`` event (``code``, ``message``) and a
+``response.failed`` event whose response has ``status: "failed"`` and ``error``; nothing
+follows them (a Responses stream has no ``[DONE]``). ``created_at`` and ``completed_at`` are
+integer Unix times, as OpenAI sends them.
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ from phasewise.server.errors import field_error
 from phasewise.server.guard import access_record
 from phasewise.server.protocol import (COMBINATION, Bool, Float, Int, JsonSchemaFormat, Str,
                                        Text1, _Body, _Sampling, constraint, refused)
-from phasewise.server.sse import SSEResponse
+from phasewise.server.sse import SSEResponse, stream_error
 
 # Fields of the Responses API that phasewise does not serve, and why.
 REFUSED = {
@@ -158,7 +163,7 @@ class ResponseBuilder:
         self.model = model
         self.id = f"resp_{uuid.uuid4().hex}"
         self.item_id = f"msg_{uuid.uuid4().hex}"
-        self.created = time.time()
+        self.created = int(time.time())
         self.seq = 0
 
     def response(self, status: str, text: str | None = None, out: RequestOutput | None = None,
@@ -185,7 +190,7 @@ class ResponseBuilder:
                           "output_tokens": n, "output_tokens_details": {"reasoning_tokens": 0},
                           "total_tokens": input_tokens + n}
             if status == "completed":
-                r["completed_at"] = time.time()
+                r["completed_at"] = int(time.time())
             else:
                 r["incomplete_details"] = {"reason": "max_output_tokens"}
         return r
@@ -198,17 +203,31 @@ class ResponseBuilder:
     def part(text: str) -> dict[str, Any]:
         return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
-    def event(self, kind: str, **fields: Any) -> str:
+    def event(self, kind: str, *, ascii_only: bool = False, **fields: Any) -> bytes:
+        """One event, encoded here: an event that does not encode raises before it takes a
+        sequence number, so the error event that ends the stream takes it instead."""
         payload = {"type": kind, "sequence_number": self.seq, **fields}
+        data = (f"event: {kind}\ndata: "
+                f"{json.dumps(payload, ensure_ascii=ascii_only)}\n\n").encode("utf-8")
         self.seq += 1
-        return f"event: {kind}\ndata: {json.dumps(payload, ensure_ascii=False)}\n\n"
+        return data
+
+    def failed(self, e: Exception) -> bytes:
+        """The stream's end after a failure: ``error``, then ``response.failed`` (ASCII JSON,
+        so that they always encode)."""
+        err = stream_error(e)
+        failed = self.response("failed")
+        failed["error"] = {"code": "server_error", "message": err.message}
+        return (self.event("error", ascii_only=True, code=err.code, message=err.message,
+                           param=None)
+                + self.event("response.failed", ascii_only=True, response=failed))
 
     @staticmethod
     def status_of(out: RequestOutput) -> str:
         return "incomplete" if out.finish_reason == "length" else "completed"
 
     async def events(self, group: RequestGroup, input_tokens: int,
-                     on_token: Callable[[RequestOutput], None]) -> AsyncIterator[str]:
+                     on_token: Callable[[RequestOutput], None]) -> AsyncIterator[bytes]:
         where = {"item_id": self.item_id, "output_index": 0, "content_index": 0}
         yield self.event("response.created", response=self.response("in_progress"))
         yield self.event("response.in_progress", response=self.response("in_progress"))
@@ -234,9 +253,7 @@ class ResponseBuilder:
                     yield self.event(kind, response=self.response(status, out.text, out,
                                                                   input_tokens))
         except (EngineError, EngineStopped) as e:
-            stopped = isinstance(e, EngineStopped)
-            yield self.event("error", code="shutting_down" if stopped else "engine_error",
-                             message=str(e), param=None)
+            yield self.failed(e)
         finally:
             group.close()
 
@@ -269,7 +286,8 @@ async def create(routes: Any, body: ResponsesRequest, request: Request) -> Respo
             rec.ttft_s = out.metrics.ttft
 
     if body.stream:
-        return SSEResponse(builder.events(group, len(ids), on_token), group.close)
+        return SSEResponse(builder.events(group, len(ids), on_token), group.close,
+                           builder.failed)
     (final,) = await routes._collect(request, group, on_token)
     status = builder.status_of(final)
     return Response(json.dumps(builder.response(status, final.text, final, len(ids)),

@@ -26,7 +26,8 @@ from phasewise.engine.validation import (ValidationError, check_context, check_s
                                          check_token_ids)
 from phasewise.server.errors import ApiError
 from phasewise.server.guard import access_record
-from phasewise.server.openai_format import ChatChoices, CompletionChoices, usage
+from phasewise.server.openai_format import (ChatChoices, CompletionChoices,
+                                            cached_prompt_tokens, usage)
 from phasewise.server.protocol import (COMBINATION, CONTEXT, GRAMMAR, TEMPLATE,
                                        ChatCompletionRequest,
                                        CompletionRequest,
@@ -432,6 +433,7 @@ class Routes:
                                 prompt_lens=prompt_lens, prompt_tokens=rec.prompt_tokens,
                                 include_usage=body.include_usage,
                                 continuous_usage=body.continuous_usage, render=choices.delta,
+                                n=body.n,
                                 on_token=on_token)
         created = int(time.time())
         finals = await self._collect(request, group, on_token)
@@ -440,7 +442,9 @@ class Routes:
             return json.dumps({
                 "id": rid, "object": choices.object, "created": created, "model": model,
                 "choices": [choices.whole(i, out) for i, out in enumerate(finals)],
-                "usage": usage(rec.prompt_tokens, sum(len(o.token_ids) for o in finals))},
+                "usage": usage(rec.prompt_tokens, sum(len(o.token_ids) for o in finals),
+                               cached_prompt_tokens([o.metrics.num_cached_tokens
+                                                     for o in finals], body.n))},
                 ensure_ascii=False).encode()
 
         return Response(await self._off_loop(render), media_type="application/json")

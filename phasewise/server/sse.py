@@ -15,7 +15,7 @@ from fastapi.responses import StreamingResponse
 from phasewise.engine.backend import EngineError, EngineStopped, RequestGroup
 from phasewise.engine.outputs import RequestOutput
 from phasewise.server.errors import ApiError
-from phasewise.server.openai_format import timing, usage
+from phasewise.server.openai_format import cached_prompt_tokens, timing, usage
 
 log = logging.getLogger("phasewise.server")
 
@@ -33,23 +33,61 @@ def sse(payload: dict[str, Any]) -> str:
 DONE = "data: [DONE]\n\n"
 
 
+def stream_error(e: Exception) -> ApiError:
+    """What a failure after the 200 began is called in the stream's error event."""
+    if isinstance(e, EngineStopped):
+        return ApiError(503, str(e), type="server_error", code="shutting_down")
+    if isinstance(e, EngineError):
+        return ApiError(500, str(e), type="server_error", code="engine_error")
+    return ApiError(500, f"internal error: {type(e).__name__}: {e}", type="server_error",
+                    code="internal_error")
+
+
 def error_event(e: Exception) -> str:
-    stopped = isinstance(e, EngineStopped)
-    err = ApiError(503 if stopped else 500, str(e), type="server_error",
-                   code="shutting_down" if stopped else "engine_error")
-    return sse(err.body())
+    # ASCII JSON: the error event itself always encodes, whatever text it quotes
+    return f"data: {json.dumps(stream_error(e).body())}\n\n"
+
+
+def error_then_done(e: Exception) -> str:
+    """How a stream of chunks (completions, chat) ends after a failure."""
+    return error_event(e) + DONE
+
+
+Ending = Callable[[Exception], "str | bytes"]
+
+
+async def _guarded(content: AsyncIterator[str | bytes], ending: Ending | None
+                   ) -> AsyncIterator[bytes]:
+    """``content`` encoded as UTF-8; any failure in it, or a chunk that does not encode,
+    ends the body with ``ending(error)`` (the stream's own error event and end marker), so a
+    stream whose 200 is already sent never ends empty or cut without saying why."""
+    try:
+        async for chunk in content:
+            yield chunk.encode("utf-8") if isinstance(chunk, str) else chunk
+    except Exception as e:  # noqa: BLE001 - reported in the stream and the log
+        log.error("stream failed: %s: %s", type(e).__name__, e,
+                  exc_info=not isinstance(e, (EngineError, EngineStopped)))
+        if ending is not None:
+            end = ending(e)
+            yield end.encode("utf-8", "backslashreplace") if isinstance(end, str) else end
+    finally:
+        aclose = getattr(content, "aclose", None)
+        if aclose is not None:
+            await aclose()  # a generator suspended at a chunk that did not encode
 
 
 class SSEResponse(StreamingResponse):
     """Server-sent events that stop (and abort their requests) as soon as the client goes:
-    the stream races a listener for ``http.disconnect``."""
+    the stream races a listener for ``http.disconnect``. ``ending`` renders how the stream
+    ends when its content fails (``_guarded``); None ends it without a word."""
 
     media_type = "text/event-stream"
 
-    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+    def __init__(self, content: AsyncIterator[str | bytes], on_close: Callable[[], None],
+                 ending: Ending | None = None) -> None:
         # No caching, and no buffering in proxies (nginx honours X-Accel-Buffering).
-        super().__init__(content, headers={"Cache-Control": "no-cache",
-                                           "X-Accel-Buffering": "no"})
+        super().__init__(_guarded(content, ending),
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         self.on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -74,12 +112,15 @@ class SSEResponse(StreamingResponse):
 def stream_group(*, group: RequestGroup, rid: str, obj: str, model: str,
                  prompt_lens: list[int], prompt_tokens: int, include_usage: bool, continuous_usage: bool,
                  render: Callable[[int, RequestOutput], Rendered],
-                 on_token: Callable[[RequestOutput], None] | None = None) -> SSEResponse:
+                 on_token: Callable[[RequestOutput], None] | None = None,
+                 n: int = 1) -> SSEResponse:
     """SSE for a group (``prompt_lens``: each request's; ``prompt_tokens``: the usage
-    total, each prompt counted once however many samples it has): the choices ``render`` makes of each output (those marked True carry
-    the choice's usage so far, with continuous_usage_stats), then, with include_usage, the
-    usage chunk with the engine's per-choice ``timings``, then ``[DONE]``. An engine failure,
-    or the end of a shutdown's grace period, ends the stream with an error event that says
+    total, each prompt counted once however many samples (``n``, next to each other) it
+    has): the choices ``render`` makes of each output (those marked True carry the choice's
+    usage so far, with continuous_usage_stats), then, with include_usage, the usage chunk
+    (``prompt_tokens_details.cached_tokens`` included) with the engine's per-choice
+    ``timings``, then ``[DONE]``. An engine failure, the end of a shutdown's grace period,
+    or any other failure once the 200 is sent ends the stream with an error event that says
     so, then ``[DONE]``."""
     created = int(time.time())
 
@@ -92,16 +133,18 @@ def stream_group(*, group: RequestGroup, rid: str, obj: str, model: str,
 
     async def events() -> AsyncIterator[str]:
         completion_tokens = 0
+        cached = [0] * len(prompt_lens)
         timings: dict[int, dict[str, Any]] = {}
         rendered_first: set[int] = set()
         try:
             async for idx, out in group:
                 if on_token is not None:
                     on_token(out)
+                cached[idx] = out.metrics.num_cached_tokens
                 if out.finished:
                     completion_tokens += len(out.token_ids)
                     timings[idx] = timing(idx, out)
-                running = (usage(prompt_lens[idx], len(out.token_ids))
+                running = (usage(prompt_lens[idx], len(out.token_ids), cached[idx])
                            if continuous_usage else None)
 
                 def lines(idx: int = idx, out: RequestOutput = out,
@@ -118,7 +161,8 @@ def stream_group(*, group: RequestGroup, rid: str, obj: str, model: str,
                     for line in lines():
                         yield line
             if include_usage:
-                yield sse(dict(chunk([], usage(prompt_tokens, completion_tokens)),
+                yield sse(dict(chunk([], usage(prompt_tokens, completion_tokens,
+                                               cached_prompt_tokens(cached, n))),
                                timings=[timings[i] for i in sorted(timings)]))
         except (EngineError, EngineStopped) as e:
             yield error_event(e)
@@ -126,4 +170,4 @@ def stream_group(*, group: RequestGroup, rid: str, obj: str, model: str,
             group.close()
         yield DONE
 
-    return SSEResponse(events(), group.close)
+    return SSEResponse(events(), group.close, error_then_done)

@@ -11,10 +11,15 @@ tool calls out of the output into OpenAI's ``tool_calls`` (whole, or streamed as
   call); the blocks become ``tool_calls``, the text outside them the message's ``content``.
 - ``required``: the output is constrained (structured output) to a JSON array of 1 or more
   calls, ``[{"name": <one of the tools>, "arguments": <its parameters' schema>}]`` (at most
-  16, or 1 with ``parallel_tool_calls: false``), so the calls always parse (unless
-  ``max_tokens`` cuts them short: then the text is the content, finish reason ``length``).
+  16, or 1 with ``parallel_tool_calls: false``), so the calls always parse.
 - a named function: the output is constrained to that function's parameters schema; it is the
   call's ``arguments``.
+- ``max_tokens`` cutting a forced call (``required`` or named) short: the call still comes
+  back as a call, with finish reason ``length`` and the arguments' JSON text as far as it got
+  (as OpenAI returns it), never as ``content``: a client loop must not take it for a final
+  answer. Under ``required``, every call whose name is known (written whole, begun and
+  matching one tool only, or the only tool there is) comes back; a call cut before its name
+  can be told is left out, and the text is the content only when no call can be told at all.
 - ``none``: the tools are neither rendered nor parsed.
 """
 
@@ -110,6 +115,99 @@ def parse_required(text: str) -> list[dict[str, str]] | None:
             for i in items if isinstance(i, dict) and "name" in i]
 
 
+def _members(text: str, start: int) -> tuple[list[tuple[str, int, int | None]], int | None]:
+    """The members of the JSON object that opens at ``text[start]`` (``{``), which may be
+    cut short: ([(key, value start, value end or None when cut)], the index after its
+    ``}`` or None when cut). One pass; a key cut short is left out."""
+    members: list[tuple[str, int, int | None]] = []
+    depth, i, n = 0, start, len(text)
+    key: str | None = None
+    key_start: int | None = None
+    value_start: int | None = None
+    in_string = escaped = False
+    while i < n:
+        c = text[i]
+        if in_string:
+            if escaped:
+                escaped = False
+            elif c == "\\":
+                escaped = True
+            elif c == '"':
+                in_string = False
+                if depth == 1 and key_start is not None:  # a key of this object ends
+                    try:
+                        key = json.loads(text[key_start:i + 1])
+                    except ValueError:
+                        key = None
+                    key_start = None
+        elif c == '"':
+            in_string = True
+            if depth == 1 and value_start is None:
+                key_start = i
+        elif c in "{[":
+            depth += 1
+        elif c in "}]":
+            depth -= 1
+            if depth == 0:
+                if key is not None and value_start is not None:
+                    members.append((key, value_start, i))
+                return members, i + 1
+        elif depth == 1 and c == ":" and key is not None:
+            value_start = i + 1
+        elif depth == 1 and c == "," and value_start is not None:
+            if key is not None:
+                members.append((key, value_start, i))
+            key = value_start = None
+        i += 1
+    if key is not None and value_start is not None:
+        members.append((key, value_start, None))
+    return members, None
+
+
+def _name_of(value: str, cut: bool, names: list[str]) -> str | None:
+    """A call's function name from its (maybe cut) JSON string: whole, or the one tool
+    whose name begins with what was written."""
+    value = value.strip()
+    try:
+        name = json.loads(value)
+    except ValueError:
+        name = None
+    if isinstance(name, str) or not cut:
+        return name if name in names else None
+    begun = [x for x in names if x.startswith(value.removeprefix('"'))]
+    return begun[0] if len(begun) == 1 else None
+
+
+def truncated_calls(text: str, names: list[str]) -> list[dict[str, str]]:
+    """The calls of a ``required`` output that ``max_tokens`` cut short (a prefix of a JSON
+    array of ``{"name", "arguments"}`` objects, in any key order): each call whose name is
+    known, with its arguments' JSON text as far as it got. One pass over the text."""
+    calls: list[dict[str, str]] = []
+    pos = text.find("[")
+    if pos == -1:
+        return calls
+    pos += 1
+    while pos < len(text):
+        start = text.find("{", pos)
+        if start == -1:
+            break
+        members, end = _members(text, start)
+        found = {k: (text[a:b] if b is not None else text[a:], b is None)
+                 for k, a, b in members}
+        name = None
+        if "name" in found:
+            name = _name_of(found["name"][0], found["name"][1], names)
+        elif end is None and len(names) == 1:  # its name is still to come: the only tool
+            name = names[0]
+        if name is not None:
+            args = found.get("arguments", ("", True))[0].strip()
+            calls.append({"name": name, "arguments": args})
+        if end is None:
+            break
+        pos = end
+    return calls
+
+
 def _held_back(text: str) -> int:
     """How many characters at the end of ``text`` could begin a ``<tool_call>`` marker."""
     for n in range(min(len(OPEN) - 1, len(text)), 0, -1):
@@ -138,8 +236,11 @@ class ToolChatChoices(ChatChoices):
         if self.mode == "auto":
             content, calls = parse_hermes(text, self.names)
             return content, calls or None
-        if out.finish_reason == "length":  # cut short: it may not parse
-            return text or None, None
+        if out.finish_reason == "length":  # cut short: the calls as far as they got
+            if self.mode == "named":
+                return None, [{"name": self.function, "arguments": text}]
+            calls = truncated_calls(text, sorted(self.names))
+            return (None, calls) if calls else (text or None, None)
         if self.mode == "named":
             try:  # a stop string can cut the constrained arguments short
                 json.loads(text)

@@ -1,0 +1,285 @@
+"""What real clients (the openai SDK, agent loops) and a hostile tester found wrong in the
+API's answers (issue 46), each pinned against a real ``phasewise serve``: lone surrogates
+inside free-form objects (tool parameters, schemas, metadata, template kwargs) are 400s that
+name their path, never 500s; the relay's flags are booleans; a forced tool call cut by
+``max_tokens`` is still a tool call; ``cached_tokens`` is filled; the Responses API's times
+are integers; ``/v1/embeddings`` says it is not served. In-process: a stream whose 200 began
+ends with its error event and end marker whatever fails."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from conftest import build_hf_checkpoint
+from serving import start_server
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "the weather in a city",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 40},
+        "unit": {"enum": ["c", "f"]}}, "required": ["city", "unit"],
+        "additionalProperties": False}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "properties": {
+        "zone": {"enum": ["utc", "cet"]}}, "required": ["zone"], "additionalProperties": False}}}
+LONE = '"\\ud800"'  # JSON text of a string holding one lone surrogate
+USER = '"messages": [{"role": "user", "content": "x"}]'
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    path = tmp_path_factory.mktemp("correct")
+    build_hf_checkpoint(path, "LlamaForCausalLM", seed=11, max_position_embeddings=1024)
+    s = start_server(path, tmp_path_factory.mktemp("logs") / "server.log",
+                     "--served-model-name", "tiny", "--log-interval", "0")
+    yield s
+    s.stop()
+
+
+def client(server):
+    import openai
+
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+
+
+def _post(server, path, raw: str, **kw):
+    return httpx.post(server.url + path, content=raw.encode("utf-8"), timeout=60,
+                      headers={"content-type": "application/json"}, **kw)
+
+
+# -- lone surrogates inside free-form objects -----------------------------------------------
+def _tools(params: str) -> str:
+    return ('{%s, "tools": [{"type": "function", "function": {"name": "f", "parameters": %s}}]'
+            % (USER, params))
+
+
+@pytest.mark.parametrize("path,raw,param", [
+    ("/v1/chat/completions", _tools('{"type": "object", "properties": {%s: {}}}' % LONE)
+     + "}", "tools.0.function.parameters.properties.\\ud800"),
+    ("/v1/chat/completions", _tools('{"type": "object", "properties": {"a": {"enum": '
+                                    '["ok", %s]}}}' % LONE) + ', "stream": true}',
+     "tools.0.function.parameters.properties.a.enum.1"),
+    ("/v1/chat/completions", '{%s, "chat_template_kwargs": {"k": [1, {"x": %s}]}}'
+     % (USER, LONE), "chat_template_kwargs.k.1.x"),
+    ("/v1/chat/completions", '{%s, "response_format": {"type": "json_schema", "json_schema": '
+     '{"name": "n", "schema": {"type": "object", "properties": {%s: {}}}}}}' % (USER, LONE),
+     "response_format.json_schema.schema.properties.\\ud800"),
+    ("/v1/responses", '{"input": "x", "metadata": {%s: "v"}}' % LONE, "metadata.\\ud800"),
+    ("/v1/responses", '{"input": "x", "metadata": {%s: "v"}, "stream": true}' % LONE,
+     "metadata.\\ud800"),
+    ("/v1/responses", '{"input": "x", "text": {"format": {"type": "json_schema", "name": "n", '
+     '"schema": {"type": "object", "properties": {%s: {"type": "string"}}}}}}' % LONE,
+     "text.format.schema.properties.\\ud800"),
+])
+def test_a_lone_surrogate_in_a_free_form_object_is_a_400_naming_its_path(server, path, raw,
+                                                                         param):
+    r = _post(server, path, raw)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and "surrogate" in err["message"], err
+    assert "Traceback" not in server.log()
+
+
+# -- the relay's flags ----------------------------------------------------------------------
+@pytest.mark.parametrize("name,value", [("ignore_eos", "no"), ("skip_special_tokens", "yes"),
+                                        ("include_stop_str_in_output", 1)])
+def test_the_relay_takes_only_booleans_as_flags_and_names_the_flag(server, name, value):
+    r = httpx.post(server.url + "/internal/v1/generate", timeout=60, json={
+        "request_id": "cmpl-flag", "specs": [
+            {"token_ids": [5, 6, 7], "params": {"max_tokens": 2, name: value}}]})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == f"specs.0.params.{name}"
+
+
+# -- a forced tool call cut by max_tokens --------------------------------------------------
+def test_a_named_tool_call_cut_by_max_tokens_is_a_call_with_truncated_arguments(server):
+    c = client(server)
+    args = dict(model="tiny", messages=[{"role": "user", "content": "weather in Oslo?"}],
+                tools=[WEATHER, TIME], max_tokens=6, seed=1,
+                tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    choice = c.chat.completions.create(**args).choices[0]
+    assert choice.finish_reason == "length" and not choice.message.content
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather" and call.id.startswith("call_")
+    assert call.function.arguments.startswith("{")
+    with pytest.raises(ValueError):
+        json.loads(call.function.arguments)  # cut short, as OpenAI returns it
+    # streamed: the same call, as deltas
+    calls: dict[int, dict] = {}
+    finish = None
+    for chunk in c.chat.completions.create(stream=True, **args):
+        for ch in chunk.choices:
+            finish = ch.finish_reason or finish
+            assert not ch.delta.content
+            for tc in ch.delta.tool_calls or []:
+                got = calls.setdefault(tc.index, {"name": None, "arguments": ""})
+                got["name"] = got["name"] or (tc.function.name if tc.function else None)
+                got["arguments"] += (tc.function.arguments or "") if tc.function else ""
+    assert finish == "length"
+    assert calls == {0: {"name": "get_weather", "arguments": call.function.arguments}}
+
+
+def test_a_required_tool_call_cut_by_max_tokens_is_a_call(server):
+    c = client(server)
+    r = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}],
+                                  tools=[WEATHER], tool_choice="required", max_tokens=8,
+                                  seed=2)
+    choice = r.choices[0]
+    assert choice.finish_reason == "length" and not choice.message.content
+    assert [t.function.name for t in choice.message.tool_calls] == ["get_weather"]
+
+
+def test_truncated_required_calls_keep_every_call_whose_name_is_known():
+    from phasewise.server.tools import truncated_calls
+
+    names = ["get_time", "get_weather"]
+    whole = '{"arguments":{"zone":"utc"},"name":"get_time"}'
+    assert truncated_calls(f'[{whole},{{"arguments":{{"city":"Os', names) == [
+        {"name": "get_time", "arguments": '{"zone":"utc"}'}]  # the second: no name yet
+    assert truncated_calls('[{"arguments":{"city":"a,}b","unit":"c"},"name":"get_w', names) \
+        == [{"name": "get_weather", "arguments": '{"city":"a,}b","unit":"c"}'}]
+    assert truncated_calls('[{"name": "get_time", "arguments": {"zo', names) == [
+        {"name": "get_time", "arguments": '{"zo'}]
+    assert truncated_calls('[{"arguments":{"zone":"utc"},"name":"get_', names) == []
+    assert truncated_calls('[{"arguments":{"zo', ["get_time"]) == [
+        {"name": "get_time", "arguments": '{"zo'}]  # the only tool
+    assert truncated_calls("[", names) == [] and truncated_calls("", names) == []
+
+
+# -- cached tokens --------------------------------------------------------------------------
+LONG = "The quick brown fox jumps over the lazy dog. " * 12  # several 16-token blocks
+
+
+def test_cached_tokens_are_filled_on_a_prefix_hit_streamed(server):
+    c = client(server)
+    for path in ("chat", "completions"):
+        usages = []
+        for _ in range(2):
+            if path == "chat":
+                stream = c.chat.completions.create(
+                    model="tiny", messages=[{"role": "user", "content": LONG}], max_tokens=2,
+                    stream=True, stream_options={"include_usage": True})
+            else:
+                stream = c.completions.create(model="tiny", prompt=LONG, max_tokens=2,
+                                              stream=True,
+                                              stream_options={"include_usage": True})
+            usages += [ch.usage for ch in stream if ch.usage is not None]
+        first, again = usages
+        assert again.prompt_tokens_details.cached_tokens >= 16, (path, again)
+        assert again.prompt_tokens_details.cached_tokens <= again.prompt_tokens
+        assert first.prompt_tokens_details.cached_tokens < again.prompt_tokens
+
+
+def test_cached_tokens_are_filled_on_a_prefix_hit_whole(server):
+    c = client(server)
+    c.completions.create(model="tiny", prompt=LONG + "!", max_tokens=1)
+    again = c.completions.create(model="tiny", prompt=LONG + "!", max_tokens=1).usage
+    assert again.prompt_tokens_details.cached_tokens >= 16
+
+
+# -- the Responses API's times ------------------------------------------------------------
+def test_responses_times_are_integers(server):
+    r = httpx.post(server.url + "/v1/responses", timeout=60,
+                   json={"input": "x", "max_output_tokens": 2, "stop": ["\u2603"]}).json()
+    assert type(r["created_at"]) is int
+    with httpx.stream("POST", server.url + "/v1/responses", timeout=60, json={
+            "input": "x", "max_output_tokens": 2, "stream": True}) as s:
+        events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: ")]
+    assert all(type(e["response"]["created_at"]) is int for e in events if "response" in e)
+
+
+# -- embeddings ---------------------------------------------------------------------------
+def test_embeddings_say_they_are_not_served(server):
+    import openai
+
+    with pytest.raises(openai.APIStatusError) as info:
+        client(server).embeddings.create(model="tiny", input="x")
+    err = info.value
+    assert err.status_code == 404 and err.code == "unsupported_endpoint"
+    assert "text generation" in err.message and "embeddings" in err.message
+    doc = httpx.get(server.url + "/openapi.json", timeout=30).json()
+    op = doc["paths"]["/v1/embeddings"]["post"]
+    assert "unsupported_endpoint" in op["responses"]["404"]["description"]
+
+
+def test_the_server_logged_no_error(server):
+    assert "Traceback" not in server.log()
+
+
+# -- in-process: a stream that fails after its 200 ---------------------------------------
+class _Failing:
+    """A request group that yields one output, then fails with ``error`` (or yields a chunk
+    whose text does not encode, with ``error`` None)."""
+
+    def __init__(self, error: Exception | None) -> None:
+        self.error = error
+        self.closed = False
+        self.sent = 0
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        from phasewise.engine.outputs import RequestOutput
+        from phasewise.engine.request import RequestMetrics
+
+        self.sent += 1
+        if self.sent == 2 and self.error is not None:
+            raise self.error
+        if self.sent > 2:
+            raise StopAsyncIteration
+        text = "ok" if self.sent == 1 else "\ud800"
+        return 0, RequestOutput("r", None, [1], text, [5], text, [5], False, None, None, None,
+                                RequestMetrics(0.0))
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def _body(response) -> str:
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    app = FastAPI()
+    app.get("/s")(lambda: response)
+    with TestClient(app) as tc:
+        return tc.get("/s").content.decode("utf-8")
+
+
+@pytest.mark.parametrize("error", [RuntimeError("a bug"), None])
+def test_a_chunk_stream_that_fails_after_its_200_ends_with_an_error_then_done(error):
+    from phasewise.server.openai_format import ChatChoices
+    from phasewise.server.sse import stream_group
+
+    group = _Failing(error)
+    choices = ChatChoices(str, 1, None)
+    body = _body(stream_group(group=group, rid="r", obj="chat.completion.chunk", model="m",
+                              prompt_lens=[1], prompt_tokens=1, include_usage=False,
+                              continuous_usage=False, render=choices.delta))
+    events = [line[6:] for line in body.splitlines() if line.startswith("data: ")]
+    assert json.loads(events[0])["choices"][0]["delta"]["role"] == "assistant"
+    assert events[-1] == "[DONE]"
+    err = json.loads(events[-2])["error"]
+    assert err["type"] == "server_error" and err["code"] == "internal_error"
+    assert group.closed
+
+
+@pytest.mark.parametrize("error", [ValueError("a bug"), None])
+def test_a_responses_stream_that_fails_after_its_200_ends_with_its_error_events(error):
+    from phasewise.server.responses import ResponseBuilder, ResponsesRequest
+    from phasewise.server.sse import SSEResponse
+
+    group = _Failing(error)
+    builder = ResponseBuilder(ResponsesRequest(input="x", stream=True), "m")
+    body = _body(SSEResponse(builder.events(group, 1, lambda out: None), group.close,
+                             builder.failed))
+    kinds = [line[7:] for line in body.splitlines() if line.startswith("event: ")]
+    data = [json.loads(line[6:]) for line in body.splitlines() if line.startswith("data: ")]
+    assert kinds[0] == "response.created" and kinds[-2:] == ["error", "response.failed"]
+    assert data[-2]["code"] == "internal_error" and data[-2]["message"]
+    assert data[-1]["response"]["status"] == "failed" and data[-1]["response"]["error"]
+    assert [d["sequence_number"] for d in data] == list(range(len(data)))
+    assert group.closed
