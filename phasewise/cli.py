@@ -24,6 +24,7 @@ import sys
 import time
 import traceback
 from dataclasses import fields
+from typing import Any
 
 USER_ERRORS = (ValueError, FileNotFoundError, ConnectionError)
 
@@ -121,6 +122,7 @@ def _serve(a: argparse.Namespace) -> int:
 
     model = _model_arg(a)
     check_port(a.host, a.port)  # before the minutes a large model can take to load
+    limits = _connection_limits(a)
     secret = read_secret(a.kv_secret_file, a.role) if a.role != "both" else None
     server = build_server(
         EngineConfig(model=model, **_engine_kwargs(a)),
@@ -133,10 +135,35 @@ def _serve(a: argparse.Namespace) -> int:
         remote_prefill_timeout=a.remote_prefill_timeout, kv_name=a.kv_name)
     try:
         run(server, host=a.host, port=a.port, shutdown_grace_s=a.shutdown_grace,
-            log_level=a.log_level, access_log=not a.no_access_log)
+            log_level=a.log_level, access_log=not a.no_access_log, limits=limits)
     except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C once it has drained and shut down
         pass
     return 0
+
+
+def _add_connection_args(p: argparse.ArgumentParser) -> None:
+    from phasewise.server.limits import ConnectionLimits
+
+    d = ConnectionLimits()
+    p.add_argument("--timeout-header", type=float, default=d.timeout_header_s,
+                   help="seconds a connection gets to send a request's headers, from its "
+                   "opening or its previous response (then 408 and closed)")
+    p.add_argument("--timeout-body", type=float, default=d.timeout_body_s,
+                   help="seconds a request gets to send its body after its headers")
+    p.add_argument("--max-connections", type=int, default=d.max_connections,
+                   help="connections open at once (lowered to fit the open-file limit); "
+                   "more are answered 503")
+    p.add_argument("--max-connections-per-address", type=int,
+                   default=d.max_connections_per_address,
+                   help="connections one address may hold with no request in progress "
+                   "(opening, sending a request, idle); more are answered 503")
+
+
+def _connection_limits(a: argparse.Namespace) -> Any:
+    from phasewise.server.limits import ConnectionLimits
+
+    return ConnectionLimits(a.timeout_header, a.timeout_body, a.max_connections,
+                            a.max_connections_per_address)
 
 
 def _logging(level: str) -> None:
@@ -153,13 +180,14 @@ def cmd_router(a: argparse.Namespace) -> int:
     _logging(a.log_level)
     model = _model_arg(a)
     check_port(a.host, a.port)
+    limits = _connection_limits(a)
     try:
         server = build_router(model, a.decode, a.prefill or [],
                               served_model_name=a.served_model_name, api_key=a.api_key,
                               wait_s=a.wait, max_waiting_requests=a.max_waiting_requests,
                               max_request_bytes=parse_memory(a.max_request_size))
         run(server, host=a.host, port=a.port, shutdown_grace_s=a.shutdown_grace,
-            log_level=a.log_level, access_log=not a.no_access_log)
+            log_level=a.log_level, access_log=not a.no_access_log, limits=limits)
     except KeyboardInterrupt:
         pass
     return 0
@@ -409,6 +437,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "replaces it, so give each prefill worker on one host its own")
     s.add_argument("--no-access-log", action="store_true",
                    help="no log line per request")
+    _add_connection_args(s)
 
     ro = command("router", "the OpenAI API in front of P/D workers (decode workers "
                  "decide what to prefill remotely)", cmd_router)
@@ -432,6 +461,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="seconds to wait for the workers at start-up")
     ro.add_argument("--log-level", default="info", choices=LOG_LEVELS)
     ro.add_argument("--no-access-log", action="store_true")
+    _add_connection_args(ro)
 
     pd = command("pd", "start 1 prefill worker, 1 decode worker and a router here "
                  "(Ctrl-C stops all three)", cmd_pd)

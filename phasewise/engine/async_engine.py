@@ -42,6 +42,7 @@ from phasewise.engine.commands import (AbortAll, AbortRequests, AddRequests, Com
                                        Stop, Verdict)
 from phasewise.engine.request import RemoteTiming, Request, RequestStatus
 from phasewise.engine.sampling_params import SamplingParams
+from phasewise.engine.structured import compile_thread
 from phasewise.engine.validation import check_sequences
 
 if TYPE_CHECKING:
@@ -123,8 +124,8 @@ class AsyncEngine:
             raise RuntimeError("the engine thread is already running")
         self._loop = loop or asyncio.get_running_loop()
         self._accepting = True
-        self._thread = threading.Thread(target=self._run, name="phasewise-engine", daemon=True)
-        self._thread.start()
+        # It compiles the grammars no server thread compiled first: a stack of known size.
+        self._thread = compile_thread(self._run, "phasewise-engine")
 
     def stop_accepting(self) -> None:
         """Refuse new requests (draining); running ones go on."""

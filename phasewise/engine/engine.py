@@ -605,6 +605,10 @@ class LLMEngine:
                 raise batch_error
         tokens = {}
         for req, tok, lp in rows:
+            slow = req.grammar.too_slow if req.grammar is not None else None
+            if slow is not None:
+                failed.append((req, slow))
+                continue
             if req.grammar is not None and not req.grammar.accept(tok):
                 failed.append((req, f"structured output refused token {tok}: "
                                     f"{req.grammar.error}"))

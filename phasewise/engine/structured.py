@@ -19,27 +19,49 @@ first token), and computes a mask in 30-45 us per token on a 4,096- or 32,000-to
 vocabulary (outlines-core: 9-48 us on the small one, 62-125 us on the large one); its wheel
 has no dependencies. xgrammar was not taken: its wheel pulls triton into a CPU install.
 
-Limits: compiling and each token's mask are bounded by parser limits tighter than
+Limits. ``grammar_bounds.check_bounds`` refuses, before llguidance sees it, a grammar whose
+native compile could overflow the stack (deep ``$ref`` or rule chains) or whose regexes unroll
+into huge lexers. Compiling and each token's mask are bounded by parser limits tighter than
 llguidance's defaults (``LIMITS``: a few milliseconds of lexer work at the start and per
-token, no precomputation of large lexemes, short errors), so one request's grammar cannot
-hold the engine thread for long; ``GrammarCompiler.check`` compiles and computes the first
-mask (where the lexer does its first work), which the server runs on a worker thread before
-admitting a request. Compiled grammars are kept (up to ``CACHE_GRAMMARS``) and each request
-gets a copy, so n samples of one request compile once. llguidance reads the tokenizer from
-``tokenizer.json`` (byte-level and other BPE vocabularies).
+token, no precomputation of large lexemes, short errors). A matcher records the CPU time of
+its last mask (``Matcher.last_fill_s``); the engine ends a request whose mask takes longer
+than ``STEP_LIMIT_S`` (``FIRST_MASK_LIMIT_S`` for its first), so one request's grammar delays
+the others' steps by at most that. A server checks each grammar in a separate process first
+(``phasewise.server.grammar_check``), so that a crash or a memory blow-up there is a 400,
+then compiles it here and computes its first mask on a worker thread (``warm``), so the
+engine's copy starts warm. Compiled grammars are kept while they fit ``CACHE_BYTES`` (each
+counted at what its compile and first masks cost in memory) and each request gets a copy,
+so n samples of one request compile once; an evicted one is freed and its memory handed back
+to the system. llguidance reads the tokenizer from ``tokenizer.json`` (byte-level and other
+BPE vocabularies).
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import threading
+import time
+from collections import OrderedDict
 from typing import Any
 
+from phasewise.engine.grammar_bounds import check_bounds
 from phasewise.engine.validation import ValidationError
 
 KINDS = ("json_schema", "json_object", "regex", "choice", "lark")
 MAX_CHOICES = 256
-CACHE_GRAMMARS = 64
+# Compiled grammars kept, in bytes of memory (each counted at least MIN_COST_BYTES).
+CACHE_BYTES = 256 * 2**20
+MIN_COST_BYTES = 64 * 2**10
+# One token's mask, in CPU seconds of the thread computing it (so a thread that waits for a
+# core is not charged): llguidance takes tens of microseconds for a typical grammar, and a
+# limit 1,000 times that ends only pathological ones. The first mask of a matcher does the
+# lexer's start-up work.
+STEP_LIMIT_S = 0.05
+FIRST_MASK_LIMIT_S = 1.0
+# Threads that compile grammars: llguidance recurses natively, and grammar_bounds keeps that
+# within 1 MiB of stack; these threads get 16 times as much, whatever the platform's default.
+COMPILE_STACK_BYTES = 16 * 2**20
 # llguidance's limits (its defaults: 1M initial and 200k per-step lexer fuel, 50k Earley items
 # a step, 250k lexer states, large lexemes precomputed, verbose errors)
 LIMITS = dict(initial_lexer_fuel=200_000, step_lexer_fuel=100_000, step_max_items=20_000,
@@ -64,7 +86,8 @@ def spec_json(kind: str, value: Any = None) -> str:
     elif kind == "lark":
         spec["grammar"] = value
     try:
-        return json.dumps(spec, sort_keys=True, ensure_ascii=False)
+        # keys in the order given: a schema's properties are written in that order
+        return json.dumps(spec, ensure_ascii=False)
     except RecursionError:
         raise TooDeep("the schema is nested too deeply") from None
 
@@ -134,6 +157,8 @@ class Matcher:
         self.vocab_size = vocab_size
         self._bits: Any = None  # int32 bitmask, allocated on first use
         self._done = bool(matcher.is_stopped())
+        self.fills = 0
+        self.last_fill_s = 0.0  # CPU time of the last mask
 
     def fill(self) -> Any:
         """The grammar's bitmask of the next token (int32 words; bit j of word i is token
@@ -144,8 +169,22 @@ class Matcher:
             self._bits = torch.full(((self.vocab_size + 31) // 32,), -1, dtype=torch.int32)
             self._ptr = self._bits.data_ptr()
             self._nbytes = self._bits.numel() * 4
+        t = time.thread_time()
         self._m.unsafe_compute_mask_ptr(self._ptr, self._nbytes)
+        self.last_fill_s = time.thread_time() - t
+        self.fills += 1
         return self._bits
+
+    @property
+    def too_slow(self) -> str | None:
+        """Why this request must end, if its last mask took longer than a grammar may hold
+        a step (``STEP_LIMIT_S``; ``FIRST_MASK_LIMIT_S`` for the first)."""
+        limit = FIRST_MASK_LIMIT_S if self.fills <= 1 else STEP_LIMIT_S
+        if self.last_fill_s <= limit:
+            return None
+        return (f"its structured output's grammar took {self.last_fill_s * 1e3:.0f} ms of CPU "
+                f"time to compute one token's mask, over the limit of {limit * 1e3:.0f} ms "
+                "(a grammar may not slow every other request's steps); simplify it")
 
     def apply(self, row: Any) -> None:
         """Set ``row`` (one request's fp32 logits) to -inf wherever the grammar does not
@@ -192,19 +231,55 @@ def _short(message: str) -> str:
     return message if len(message) <= MAX_ERROR_CHARS else message[:MAX_ERROR_CHARS] + "..."
 
 
+def _rss_bytes() -> int:
+    """This process's resident memory (0 where /proc is not there)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * 4096
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def _give_back_memory() -> None:
+    """Hand freed heap pages back to the system (glibc keeps them otherwise)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+_stack_lock = threading.Lock()
+
+
+def compile_thread(target: Any, name: str) -> threading.Thread:
+    """A (not yet started) thread with ``COMPILE_STACK_BYTES`` of stack: where grammars may
+    be compiled (llguidance recurses natively)."""
+    with _stack_lock:  # stack_size is process-wide: set it for this one thread's creation
+        old = threading.stack_size(COMPILE_STACK_BYTES)
+        try:
+            thread = threading.Thread(target=target, name=name, daemon=True)
+            thread.start()
+        finally:
+            threading.stack_size(old)
+    return thread
+
+
 class GrammarCompiler:
     """Compiles constraints against one tokenizer (``tokenizer_json``: the text of its
     ``tokenizer.json``) and vocabulary (the model's logits width, which may exceed the
-    tokenizer's)."""
+    tokenizer's). ``cache_bytes``: the memory compiled grammars may keep."""
 
     def __init__(self, tokenizer_json: str, eos_token_ids: tuple[int, ...],
-                 vocab_size: int) -> None:
+                 vocab_size: int, cache_bytes: int = CACHE_BYTES) -> None:
         self.tokenizer_json = tokenizer_json
         self.eos = list(eos_token_ids)
         self.vocab_size = vocab_size
+        self.cache_bytes = cache_bytes
         self._tok: Any = None
         self._limits: Any = None
-        self._compiled: dict[str, Any] = {}  # spec text -> a fresh matcher to copy from
+        # spec text -> (a fresh matcher to copy from, its cost in bytes), oldest use first
+        self._compiled: OrderedDict[str, tuple[Any, int]] = OrderedDict()
+        self.cached_bytes = 0
         # the engine thread and a server's worker thread may share one compiler
         self._lock = threading.Lock()
 
@@ -216,39 +291,70 @@ class GrammarCompiler:
                                         eos_token=self.eos or None)
         return self._tok
 
-    def compile(self, text: str, param: str = "structured_output") -> Matcher:
-        """A matcher for ``text`` (a ``structured_output``); raises ``ValidationError``
-        naming ``param`` for a constraint that does not parse or compile."""
+    def cached(self, text: str) -> bool:
         with self._lock:
-            template = self._compiled.get(text)
-        if template is None:
-            spec = parse_spec(text, param)
-            llg = _llguidance()
-            if self._limits is None:
-                self._limits = llg.LLParserLimits(**LIMITS)
-            try:
-                grammar = grammar_of(spec)
-            except (ValueError, TypeError, RecursionError) as e:
-                raise ValidationError(f"{param}: {_short(str(e) or type(e).__name__)}",
-                                      param) from None
-            template = llg.LLMatcher(self.tokenizer, grammar, log_level=0,
-                                     limits=self._limits)
-            if template.is_error():
-                raise ValidationError(f"{param}: the {spec['type'].replace('_', ' ')} does "
-                                      f"not compile: {_short(template.get_error())}", param)
-            with self._lock:
-                if len(self._compiled) >= CACHE_GRAMMARS:
-                    self._compiled.pop(next(iter(self._compiled)))
-                self._compiled[text] = template
+            return text in self._compiled
+
+    def compile(self, text: str, param: str = "structured_output",
+                cost_bytes: int | None = None) -> Matcher:
+        """A matcher for ``text`` (a ``structured_output``); raises ``ValidationError``
+        naming ``param`` for a constraint that does not parse, is over a bound
+        (``grammar_bounds``) or does not compile. ``cost_bytes``: the memory it is known
+        to take (a server's check measured it); else what the compile took here."""
+        with self._lock:
+            entry = self._compiled.get(text)
+            if entry is not None:
+                self._compiled.move_to_end(text)
+        if entry is not None:
+            return Matcher(entry[0].deep_copy(), self.vocab_size)
+        spec = parse_spec(text, param)
+        check_bounds(spec, param)
+        llg = _llguidance()
+        if self._limits is None:
+            self._limits = llg.LLParserLimits(**LIMITS)
+        try:
+            grammar = grammar_of(spec)
+        except (ValueError, TypeError, RecursionError) as e:
+            raise ValidationError(f"{param}: {_short(str(e) or type(e).__name__)}",
+                                  param) from None
+        before = _rss_bytes()
+        template = llg.LLMatcher(self.tokenizer, grammar, log_level=0, limits=self._limits)
+        if template.is_error():
+            raise ValidationError(f"{param}: the {spec['type'].replace('_', ' ')} does "
+                                  f"not compile: {_short(template.get_error())}", param)
+        if cost_bytes is None:
+            cost_bytes = _rss_bytes() - before
+        self._keep(text, template, max(MIN_COST_BYTES, cost_bytes))
         return Matcher(template.deep_copy(), self.vocab_size)
 
-    def check(self, text: str, param: str = "structured_output") -> None:
+    def _keep(self, text: str, template: Any, cost: int) -> None:
+        freed = 0
+        with self._lock:
+            old = self._compiled.pop(text, None)
+            if old is not None:
+                self.cached_bytes -= old[1]
+            self._compiled[text] = (template, cost)
+            self.cached_bytes += cost
+            while self.cached_bytes > self.cache_bytes and len(self._compiled) > 1:
+                _, (_, c) = self._compiled.popitem(last=False)
+                self.cached_bytes -= c
+                freed += c
+        if freed >= 16 * 2**20:
+            _give_back_memory()
+
+    def forget(self, text: str) -> None:
+        with self._lock:
+            old = self._compiled.pop(text, None)
+            if old is not None:
+                self.cached_bytes -= old[1]
+
+    def check(self, text: str, param: str = "structured_output",
+              cost_bytes: int | None = None) -> None:
         """Compile ``text`` and compute its first mask (the lexer's first work, which a
         pathological grammar makes expensive or fails), as the engine will; raises
         ``ValidationError`` naming ``param``."""
-        m = self.compile(text, param)
+        m = self.compile(text, param, cost_bytes)
         m.fill()  # errors land in m.error
         if m.error is not None:
-            with self._lock:
-                self._compiled.pop(text, None)
+            self.forget(text)
             raise ValidationError(f"{param}: the grammar cannot start: {m.error}", param)

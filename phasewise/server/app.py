@@ -36,6 +36,7 @@ from phasewise.server.dashboard import add_dashboard_routes
 from phasewise.server.dashboard.hub import Hub
 from phasewise.server.errors import ApiError, error_response, validation_error
 from phasewise.server.guard import AccessLog, Guard
+from phasewise.server.limits import ClientContext
 from phasewise.server.internal import add_internal_routes
 from phasewise.server.metrics import PrometheusMetrics
 from phasewise.server.protocol import (ChatCompletionRequest, CompletionRequest,
@@ -109,7 +110,7 @@ class OpenAIServer:
                         max_request_bytes=config.max_request_bytes,
                         is_draining=lambda: self.draining)
         self.access_log = AccessLog(guarded, enabled=config.access_log)
-        self.app: Any = self.access_log
+        self.app: Any = ClientContext(self.access_log)
 
     @property
     def max_model_len(self) -> int:

@@ -148,8 +148,10 @@ def add_internal_routes(app: FastAPI, backend: ServingBackend, routes: Routes, *
             if s.params.structured_output is not None and \
                     s.params.structured_output not in (x.params.structured_output
                                                        for x in specs[:i]):
+                # every relayed request comes from the router, which gave each client its
+                # share of the checks already
                 await routes._constrain({}, f"specs.{i}.params.structured_output",
-                                        s.params.structured_output)
+                                        s.params.structured_output, per_client=False)
         rec = access_record(request.scope)
         rec.request_id = body.request_id
         rec.prompt_tokens = sum(len(s.token_ids) for s in specs)

@@ -20,12 +20,14 @@ from phasewise.engine.backend import (EngineError, EngineOverloaded, EngineStopp
                                       ServingBackend)
 from phasewise.engine.outputs import RequestOutput
 from phasewise.engine.sampling_params import SamplingParams, wrap_seed
-from phasewise.engine.structured import GrammarCompiler, spec_json
+from phasewise.engine.structured import spec_json
 from phasewise.server import tools as tools_mod
 from phasewise.engine.validation import (ValidationError, check_context, check_sequences,
                                          check_token_ids)
 from phasewise.server.errors import ApiError
+from phasewise.server.grammar_check import GrammarChecker, Overloaded
 from phasewise.server.guard import access_record
+from phasewise.server.limits import CLIENT
 from phasewise.server.openai_format import (ChatChoices, CompletionChoices,
                                             cached_prompt_tokens, usage)
 from phasewise.server.protocol import (COMBINATION, CONTEXT, GRAMMAR, TEMPLATE,
@@ -35,7 +37,10 @@ from phasewise.server.protocol import (COMBINATION, CONTEXT, GRAMMAR, TEMPLATE,
 from phasewise.server.sse import stream_group
 
 T = TypeVar("T")
-GRAMMAR_CHECK_S = 5.0  # a structured output's compile and first mask, at most
+# /tokenize and /detokenize requests up to this many characters (a quarter as many token
+# ids) run in a pool apart from larger ones.
+TOKENIZE_SMALL_CHARS = 16_384
+GRAMMAR_CHECK_S = 5.0  # a structured output's check (compile, first masks), at most
 # A text longer than this many characters per context token cannot fit, whatever it holds:
 # a token covers at most ``max_token_chars`` characters. The factor 2 leaves room for
 # normalizers that compose characters (NFC/NFKC) before tokenizing.
@@ -92,21 +97,22 @@ class Routes:
         self.max_prompt_chars = (info.max_model_len * self.tokenizer.max_token_chars
                                  * _CHAR_MARGIN)
         # Tokenizing and chat templating run here, never on the event loop. /tokenize and
-        # /detokenize (not bounded by the context length) get a pool of their own, so a huge
-        # one cannot hold up the prompts of generation requests.
+        # /detokenize (not bounded by the context length) get pools of their own, so a huge
+        # one cannot hold up the prompts of generation requests; and a large one goes to a
+        # pool apart from small ones, so it holds up only other large ones.
         self.cpu = ThreadPoolExecutor(tokenizer_threads, thread_name_prefix="phasewise-tok")
         self.cpu_tools = ThreadPoolExecutor(1, thread_name_prefix="phasewise-tokenize")
-        # Structured output's checks: their own thread, so a slow grammar holds up no
-        # tokenizing
-        self.cpu_grammar = ThreadPoolExecutor(1, thread_name_prefix="phasewise-grammar")
+        self.cpu_tools_large = ThreadPoolExecutor(1, thread_name_prefix="phasewise-tokenize-l")
         self._texts: dict[int, str] = {}  # token id -> its text (bounded by the vocabulary)
-        self._grammars: GrammarCompiler | None = None  # structured output's, on first use
+        self._grammar_checker: GrammarChecker | None = None  # structured output's
         self.max_waiting = info.max_waiting
 
     def close(self) -> None:
         self.cpu.shutdown(wait=False, cancel_futures=True)
         self.cpu_tools.shutdown(wait=False, cancel_futures=True)
-        self.cpu_grammar.shutdown(wait=False, cancel_futures=True)
+        self.cpu_tools_large.shutdown(wait=False, cancel_futures=True)
+        if self._grammar_checker is not None:
+            self._grammar_checker.close()
 
     async def _off_loop(self, fn: Callable[..., T], *args: Any,
                         pool: ThreadPoolExecutor | None = None) -> T:
@@ -153,26 +159,24 @@ class Routes:
         except ValidationError as e:
             raise self._invalid(e, code=CONTEXT) from e
 
-    def _compiler(self) -> GrammarCompiler:
-        """The compiler, its tokenizer built (once, ~1 s: before any check is timed)."""
-        if self._grammars is None:
-            self._grammars = getattr(self.backend, "grammars", None)
-        if self._grammars is None:  # a router: its workers check again with their engine's
-            eos = self.tokenizer.eos_token_id
-            self._grammars = GrammarCompiler(self.tokenizer.to_json(),
-                                             () if eos is None else (eos,), self.vocab_size)
-        self._grammars.tokenizer  # noqa: B018 - builds it
-        return self._grammars
-
-    def _check_grammar(self, param: str, spec: str) -> None:
-        """On the grammar thread: compile a structured output and compute its first mask as
-        the engine will (with the engine's own compiler when it is in this process, so the
-        engine's copy starts warm), so that one that does not is a 400 naming the request's
-        field; a few ms for a typical schema."""
-        try:
-            self._compiler().check(spec, param)
-        except ValidationError as e:
-            raise self._invalid(e, param, code=GRAMMAR) from e
+    def _checker(self) -> GrammarChecker:
+        """Structured output's checks (``grammar_check``), built on first use. A grammar
+        that passes is compiled by the engine's compiler when the engine is in this process
+        (so the engine's copy starts warm); a router's workers check it again with theirs."""
+        if self._grammar_checker is None:
+            compiler = getattr(self.backend, "grammars", None)
+            if compiler is not None:
+                eos = tuple(compiler.eos)
+                warm = compiler.check
+                is_warm = compiler.cached
+            else:
+                eos_id = self.tokenizer.eos_token_id
+                eos = () if eos_id is None else (eos_id,)
+                warm = is_warm = None
+            self._grammar_checker = GrammarChecker(
+                self.tokenizer.to_json(), eos, self.vocab_size, timeout_s=GRAMMAR_CHECK_S,
+                warm=warm, is_warm=is_warm)
+        return self._grammar_checker
 
     async def _structured(self, body: Any, overrides: dict[str, Any]) -> None:
         """Put the request's structured output (if any) in ``overrides``, once it compiles."""
@@ -180,20 +184,21 @@ class Routes:
         if spec is not None:
             await self._constrain(overrides, *spec)
 
-    async def _constrain(self, overrides: dict[str, Any], param: str, spec: str) -> None:
-        """Check a structured output (``_check_grammar``) within ``GRAMMAR_CHECK_S`` and put
-        it in ``overrides``. A grammar that takes longer is refused: its first steps would
-        hold the engine thread as long (the check itself finishes on its own thread, which
-        only other grammar checks wait for)."""
-        if self._grammars is None or self._grammars._tok is None:  # untimed, once (a later
-            await self._off_loop(self._compiler, pool=self.cpu_grammar)  # one never waits)
-        work = self._off_loop(self._check_grammar, param, spec, pool=self.cpu_grammar)
+    async def _constrain(self, overrides: dict[str, Any], param: str, spec: str, *,
+                         per_client: bool = True) -> None:
+        """Check a structured output (``grammar_check``: in a child process, within
+        ``GRAMMAR_CHECK_S`` of its own time; a client's checks one at a time unless
+        ``per_client`` is False) and put it in ``overrides``; a 400 naming ``param`` if it
+        does not pass."""
+        client = CLIENT.get() if per_client else None
         try:
-            await asyncio.wait_for(work, GRAMMAR_CHECK_S)
-        except asyncio.TimeoutError:
-            raise ApiError(400, f"{param}: the grammar takes more than {GRAMMAR_CHECK_S:g} s "
-                           "to compile and start; simplify it (large repetition counts in a "
-                           "pattern are the usual cause)", param=param, code=GRAMMAR) from None
+            await self._checker().check(spec, param, client)
+        except ValidationError as e:
+            raise self._invalid(e, param, code=GRAMMAR) from e
+        except Overloaded as e:
+            raise ApiError(503, f"the server is overloaded: {e}", type="server_error",
+                           code="overloaded",
+                           headers={"Retry-After": str(self.retry_after_s)}) from e
         overrides["structured_output"] = spec
 
     def _params(self, overrides: dict[str, Any]) -> SamplingParams:
@@ -309,7 +314,10 @@ class Routes:
             return len(ids), json.dumps({"count": len(ids), "max_model_len": self.max_model_len,
                                          "tokens": ids}).encode()
 
-        count, reply = await self._off_loop(work, pool=self.cpu_tools)
+        size = (len(body.prompt) if msgs is None else
+                sum(len(m["content"]) for m in msgs))
+        pool = self.cpu_tools if size <= TOKENIZE_SMALL_CHARS else self.cpu_tools_large
+        count, reply = await self._off_loop(work, pool=pool)
         access_record(request.scope).prompt_tokens = count
         return Response(reply, media_type="application/json")
 
@@ -322,7 +330,9 @@ class Routes:
             text = self.tokenizer.decode(body.tokens, skip_special_tokens=False)
             return json.dumps({"prompt": text}, ensure_ascii=False).encode()
 
-        return Response(await self._off_loop(work, pool=self.cpu_tools),
+        pool = (self.cpu_tools if len(body.tokens) <= TOKENIZE_SMALL_CHARS // 4
+                else self.cpu_tools_large)
+        return Response(await self._off_loop(work, pool=pool),
                         media_type="application/json")
 
     async def completions(self, body: CompletionRequest, request: Request,

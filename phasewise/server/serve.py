@@ -22,6 +22,7 @@ from phasewise.engine.async_engine import AsyncEngine
 from phasewise.server.app import OpenAIServer, ServerConfig
 from phasewise.server.dashboard import DashboardFeed, Hub, peaks_of
 from phasewise.server.dashboard.hub import relays_for
+from phasewise.server.limits import ConnectionLimits, guarded_protocol
 from phasewise.server.metrics import PrometheusMetrics, StatLogger
 
 log = logging.getLogger("phasewise.server")
@@ -216,9 +217,12 @@ def build_router(model: str, decode: list[str], prefill: list[str], *,
 
 def run(server: OpenAIServer, *, host: str = "127.0.0.1", port: int = 8000,
         shutdown_grace_s: float = 30.0, log_level: str = "info",
-        access_log: bool | None = None) -> None:
+        access_log: bool | None = None, limits: ConnectionLimits | None = None) -> None:
     """Serve until SIGTERM/SIGINT. ``access_log``: one line per request (None: as the
-    server's config says; on by default)."""
+    server's config says; on by default). ``limits``: what a connection and an address may
+    hold (``phasewise.server.limits``; the defaults when None)."""
+    import resource
+
     import uvicorn
 
     if access_log is not None:
@@ -237,9 +241,14 @@ def run(server: OpenAIServer, *, host: str = "127.0.0.1", port: int = 8000,
                         shutdown_grace_s)
             super().handle_exit(sig, frame)
 
+    asked = limits or ConnectionLimits()
+    limits = asked.clamped(resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+    if limits.max_connections < asked.max_connections:
+        log.info("--max-connections %d lowered to %d to fit the open-file limit (ulimit -n)",
+                 asked.max_connections, limits.max_connections)
     config = uvicorn.Config(server.app, host=host, port=port, log_level=log_level,
                             timeout_graceful_shutdown=shutdown_grace_s + _BACKSTOP_S,
-                            access_log=False, lifespan="on")
+                            access_log=False, lifespan="on", http=guarded_protocol(limits))
     info = server.backend.info
     log.info("serving %s as %r on http://%s:%d (%s)", info.model_path,
              server.config.served_model_name, host, port, info.description)

@@ -1,0 +1,194 @@
+"""What one connection or one client may hold of a server, before any route runs.
+
+uvicorn on its own waits forever for a request's headers and body, and takes any number of
+connections: a client that opens connections and sends nothing, or a byte every few seconds
+(slowloris), holds sockets and file descriptors until the server can accept no one else.
+``guarded_protocol`` is uvicorn's h11 protocol with four limits (``ConnectionLimits``):
+
+* ``timeout_header_s``: a request's headers must be complete this long after the connection
+  opened or the previous response on it ended; otherwise the connection is answered 408 and
+  closed. Bytes that trickle in do not restart the clock.
+* ``timeout_body_s``: its body must be complete this long after its headers; otherwise the
+  connection closes (the route sees the client go).
+* ``max_connections``: connections open at once; one more is answered 503 and closed.
+* ``max_connections_per_address``: connections one address holds *without a request in
+  progress* (opening, sending a request, or idle between requests); one more is answered 503
+  and closed, and an idle one over the count is closed when its response ends. Connections
+  that carry a request do not count: the engine's own waiting limit bounds those, and a
+  router, which reaches its workers from one address, may hold hundreds of streams.
+
+``CLIENT`` tells code deeper in the request (the grammar checks' per-client share) which
+address it serves; ``ClientContext`` sets it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import Any
+
+# The address of the client whose request the current task serves (None: not known).
+CLIENT: ContextVar[str | None] = ContextVar("phasewise_client", default=None)
+
+
+class ClientContext:
+    """ASGI layer: ``CLIENT`` is the request's client address while the app serves it."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        client = scope.get("client")
+        token = CLIENT.set(client[0] if client else None)
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            CLIENT.reset(token)
+
+
+@dataclass(frozen=True)
+class ConnectionLimits:
+    timeout_header_s: float = 15.0
+    timeout_body_s: float = 60.0
+    max_connections: int = 2048
+    max_connections_per_address: int = 64
+
+    def __post_init__(self) -> None:
+        for name in ("timeout_header_s", "timeout_body_s"):
+            value = getattr(self, name)
+            if not 0 < value <= 3600:
+                raise ValueError(f"--{name[:-2].replace('_', '-')} must be in (0, 3600] "
+                                 f"seconds, got {value}")
+        if self.max_connections < 1:
+            raise ValueError(f"--max-connections must be >= 1, got {self.max_connections}")
+        if self.max_connections_per_address < 1:
+            raise ValueError("--max-connections-per-address must be >= 1, got "
+                             f"{self.max_connections_per_address}")
+
+    def clamped(self, open_files: int | None) -> ConnectionLimits:
+        """These limits with ``max_connections`` below the process's file limit (less a
+        margin for the model, logs and a router's own connections to its workers)."""
+        if open_files is None or open_files <= 0:
+            return self
+        room = max(16, (open_files - 64) // 2)
+        if self.max_connections <= room:
+            return self
+        return ConnectionLimits(self.timeout_header_s, self.timeout_body_s, room,
+                                min(self.max_connections_per_address, room))
+
+
+def _refusal(status: int, reason: str, message: str, code: str) -> bytes:
+    body = json.dumps({"error": {"message": message, "type": "invalid_request_error"
+                                 if status < 500 else "server_error", "param": None,
+                                 "code": code}}).encode()
+    return (f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\n"
+            f"connection: close\r\ncontent-length: {len(body)}\r\n\r\n").encode() + body
+
+
+def guarded_protocol(limits: ConnectionLimits) -> type:
+    """uvicorn's h11 protocol class under ``limits`` (one class, one count, per server)."""
+    import h11
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    waiting: dict[str, int] = {}  # address -> its connections without a request in progress
+    counts = {"refused": 0, "header_timeouts": 0, "body_timeouts": 0}
+
+    class GuardedH11Protocol(H11Protocol):
+        refusals = counts
+
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._addr = self.client[0] if self.client else ""
+            self._counted = False
+            self._header_timer: asyncio.TimerHandle | None = None
+            self._body_timer: asyncio.TimerHandle | None = None
+            if len(self.connections) > limits.max_connections:
+                self._refuse(503, "Service Unavailable", "the server holds "
+                             f"{limits.max_connections} connections, its limit; try again",
+                             "too_many_connections")
+                return
+            if waiting.get(self._addr, 0) >= limits.max_connections_per_address:
+                self._refuse(503, "Service Unavailable", "this address holds "
+                             f"{limits.max_connections_per_address} connections without a "
+                             "request in progress, the limit; reuse or close them",
+                             "too_many_connections")
+                return
+            self._count(True)
+            self._arm_header_timer()
+
+        def _refuse(self, status: int, reason: str, message: str, code: str) -> None:
+            counts["refused"] += 1
+            if not self.transport.is_closing():
+                self.transport.write(_refusal(status, reason, message, code))
+                self.transport.close()
+
+        def _count(self, on: bool) -> None:
+            if on == self._counted:
+                return
+            self._counted = on
+            n = waiting.get(self._addr, 0) + (1 if on else -1)
+            if n > 0:
+                waiting[self._addr] = n
+            else:
+                waiting.pop(self._addr, None)
+
+        def _cancel(self, name: str) -> None:
+            timer = getattr(self, name)
+            if timer is not None:
+                timer.cancel()
+                setattr(self, name, None)
+
+        def _arm_header_timer(self) -> None:
+            self._cancel("_header_timer")
+            self._header_timer = self.loop.call_later(limits.timeout_header_s,
+                                                      self._header_timeout)
+
+        def _header_timeout(self) -> None:
+            self._header_timer = None
+            counts["header_timeouts"] += 1
+            self._refuse(408, "Request Timeout", "the request's headers did not arrive "
+                         f"within {limits.timeout_header_s:g} s", "request_timeout")
+
+        def _body_timeout(self) -> None:
+            self._body_timer = None
+            counts["body_timeouts"] += 1
+            if not self.transport.is_closing():
+                self.transport.close()  # the route, if it waits for the body, sees it go
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            self._follow()
+
+        def _follow(self) -> None:
+            """After h11 parsed what arrived: start or stop the clocks."""
+            state = self.conn.their_state
+            if self._header_timer is not None and state is not h11.IDLE:
+                # the headers are in: a request is in progress from here
+                self._cancel("_header_timer")
+                self._count(False)
+                if state is h11.SEND_BODY:
+                    self._body_timer = self.loop.call_later(limits.timeout_body_s,
+                                                            self._body_timeout)
+            if self._body_timer is not None and state is not h11.SEND_BODY:
+                self._cancel("_body_timer")
+
+        def on_response_complete(self) -> None:
+            self._cancel("_body_timer")
+            if not self.transport.is_closing():
+                if waiting.get(self._addr, 0) >= limits.max_connections_per_address:
+                    self.transport.close()  # one idle connection too many: not kept
+                else:
+                    self._count(True)
+                    self._arm_header_timer()
+            super().on_response_complete()
+            self._follow()  # a pipelined request may have been parsed just now
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._cancel("_header_timer")
+            self._cancel("_body_timer")
+            self._count(False)
+            super().connection_lost(exc)
+
+    return GuardedH11Protocol

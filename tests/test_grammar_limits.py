@@ -1,0 +1,226 @@
+"""A structured output's grammar cannot take a server down or hold it: bounds checked before
+llguidance sees a grammar (deep ``$ref`` and rule chains, huge regex repetitions), the check
+in a child process that a crash, a memory blow-up or a slow compile ends alone, one check at
+a time per client, a compiled-grammar cache bounded in bytes, and a per-token limit on each
+request's mask in the engine."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from pathlib import Path
+
+import pytest
+
+import phasewise
+from phasewise import LLM, SamplingParams
+from phasewise.engine import grammar_bounds as gb
+from phasewise.engine import structured
+from phasewise.engine.structured import GrammarCompiler, spec_json
+from phasewise.engine.validation import ValidationError
+from phasewise.server.grammar_check import GrammarChecker
+
+TOKENIZER = (Path(phasewise.__file__).parent / "assets" / "stdlib-coder" /
+             "tokenizer.json").read_text()
+VOCAB = 4096
+
+
+def ref_chain(levels: int) -> dict:
+    """The hostile client's schema: ``levels`` objects, each one's property a $ref to the
+    next."""
+    defs = {f"d{i}": {"type": "object", "properties": {"a": {"$ref": f"#/$defs/d{i + 1}"}},
+                      "required": ["a"]} for i in range(levels)}
+    defs[f"d{levels}"] = {"type": "string"}
+    return {"$defs": defs, "$ref": "#/$defs/d0"}
+
+
+def rule_chain(rules: int) -> str:
+    return "\n".join(["start: r0"] + [f'r{i}: "t{i}" r{i + 1}?' for i in range(rules)]
+                     + [f'r{rules}: "end"'])
+
+
+def cycle(size: int) -> dict:
+    defs = {f"d{i}": {"anyOf": [{"$ref": f"#/$defs/d{(i + 1) % size}"}, {"type": "null"}]}
+            for i in range(size)}
+    return {"$defs": defs, "$ref": "#/$defs/d0"}
+
+
+def problem(kind: str, value) -> str | None:
+    return gb.bounds_problem(structured.parse_spec(spec_json(kind, value)))
+
+
+# -- the bounds -----------------------------------------------------------------------------
+def test_the_hostile_clients_grammars_are_over_a_bound():
+    assert "nests 2002 subschemas" in problem("json_schema", ref_chain(1000))
+    assert "2802 rules" in problem("lark", rule_chain(2800))
+    assert "unrolls to more than" in problem("regex", "(a{1000}){1000}")
+    assert "nests more than" in problem("regex", "(" * 70 + "a" + ")" * 70)
+    # a pattern inside a schema and a regex or schema inside a Lark grammar are bounded too
+    assert "the pattern" in problem("json_schema", {"type": "string",
+                                                    "pattern": "(a{1000}){1000}"})
+    assert "regex" in problem("lark", "start: /(a{100}){101}/")
+    assert "%json" in problem("lark", 'start: j\nj: %json ' + str(ref_chain(100))
+                              .replace("'", '"'))
+
+
+@pytest.mark.parametrize("kind, value", [
+    ("json_schema", ref_chain(63)),  # 128 subschemas deep, the limit
+    ("json_schema", {"$defs": {"node": {"type": "object", "properties": {
+        "children": {"type": "array", "items": {"$ref": "#/$defs/node"}}}}},
+        "$ref": "#/$defs/node"}),  # a recursive tree: its cycle counts once
+    ("json_schema", {"type": "object", "properties": {
+        f"f{i}": {"type": "string"} for i in range(5000)}}),  # wide is not deep
+    ("regex", "(a{100}){100}"),
+    ("regex", r"\d{3}-\d{4}|[A-Z][a-z]{0,30}"),
+    ("lark", rule_chain(126)),
+    ("lark", 'start: expr\nexpr: term ("+" term)*\nterm: NUMBER | "(" expr ")"\n'
+     'NUMBER: /[0-9]+/'),
+])
+def test_ordinary_and_at_the_limit_grammars_pass_the_bounds(kind, value):
+    assert problem(kind, value) is None
+
+
+def test_a_cycle_counts_each_subschema_on_it():
+    assert problem("json_schema", cycle(60)) is None
+    assert "nests" in problem("json_schema", cycle(70))
+
+
+@pytest.mark.parametrize("kind, value", [("json_schema", ref_chain(63)),
+                                         ("json_schema", cycle(63)),
+                                         ("lark", rule_chain(126))])
+def test_grammars_at_the_bounds_compile_on_a_1_mib_stack(kind, value):
+    """What the bounds let through compiles (and starts) on 1 MiB of stack: the server's
+    compiling threads have 16 times that, so the native recursion cannot overflow them."""
+    compiler = GrammarCompiler(TOKENIZER, (1,), VOCAB)
+    compiler.tokenizer  # noqa: B018 - built on this thread, not the small one
+    result: list = []
+
+    def run() -> None:
+        m = compiler.compile(spec_json(kind, value))
+        m.fill()
+        result.append(m.error)
+
+    old = threading.stack_size(2**20)
+    try:
+        t = threading.Thread(target=run)
+        t.start()
+    finally:
+        threading.stack_size(old)
+    t.join()
+    assert result == [None]
+
+
+def test_compiling_refuses_what_is_over_a_bound_before_llguidance_sees_it():
+    compiler = GrammarCompiler(TOKENIZER, (1,), VOCAB)
+    with pytest.raises(ValidationError) as e:
+        compiler.compile(spec_json("json_schema", ref_chain(1000)), "response_format")
+    assert e.value.param == "response_format" and "nests" in str(e.value)
+    assert compiler._tok is None  # not even the tokenizer was built
+
+
+# -- the cache --------------------------------------------------------------------------------
+def test_compiled_grammars_are_kept_within_a_byte_budget():
+    compiler = GrammarCompiler(TOKENIZER, (1,), VOCAB, cache_bytes=4 * 2**20)
+    specs = [spec_json("regex", f"[a-z]{{{n}}}x") for n in range(1, 13)]
+    for s in specs:
+        compiler.compile(s, cost_bytes=2**20)
+        assert compiler.cached_bytes <= compiler.cache_bytes
+    assert compiler.cached_bytes == 4 * 2**20
+    assert [s for s in specs if compiler.cached(s)] == specs[-4:]  # the oldest went first
+    compiler.compile(specs[-4])  # a use moves it to the back of the line
+    compiler.compile(spec_json("regex", "b+"), cost_bytes=2**20)
+    assert compiler.cached(specs[-4]) and not compiler.cached(specs[-3])
+
+
+# -- the engine: a per-token limit on each request's mask --------------------------------------
+def test_a_request_whose_mask_is_over_the_step_limit_ends_alone(hf_checkpoints, monkeypatch):
+    llm = LLM(str(hf_checkpoints["LlamaForCausalLM"][0]), dtype="float32")
+    monkeypatch.setattr(structured, "STEP_LIMIT_S", -1.0)  # every mask after the first is over
+    monkeypatch.setattr(structured, "FIRST_MASK_LIMIT_S", 10.0)
+    constrained, free = llm.generate(["x", "y"], [
+        SamplingParams(max_tokens=8, structured_output=spec_json("regex", "[a-z]{8}")),
+        SamplingParams(max_tokens=8, ignore_eos=True)])
+    assert constrained.error is not None and "mask" in constrained.error
+    assert len(constrained.token_ids) == 1  # the first mask was within its own limit
+    assert free.error is None and len(free.token_ids) == 8
+
+
+# -- the check in a child process --------------------------------------------------------------
+def _check(checker: GrammarChecker, text: str, client: str | None = "a") -> int | str:
+    async def go():
+        try:
+            return await checker.check(text, "guided_regex", client)
+        except ValidationError as e:
+            return str(e)
+    return asyncio.run(go())
+
+
+@pytest.fixture(scope="module")
+def unbounded():
+    """A checker whose child skips the bounds: how a grammar no bound foresaw behaves."""
+    checker = GrammarChecker(TOKENIZER, (1,), VOCAB, timeout_s=2.0, bounds=False,
+                             memory_bytes=256 * 2**20, processes=2)
+    yield checker
+    checker.close()
+
+
+def test_a_grammar_that_crashes_the_compiler_is_a_400_and_the_checker_goes_on(unbounded):
+    answer = _check(unbounded, spec_json("json_schema", ref_chain(400)))
+    assert "crashed its compiler (signal SIGSEGV)" in answer
+    assert isinstance(_check(unbounded, spec_json("json_object")), int)
+
+
+def test_a_grammar_over_the_memory_cap_is_a_400(unbounded):
+    answer = _check(unbounded, spec_json("regex", "(a{1000}){1000}"))
+    assert "memory" in answer, answer
+    assert isinstance(_check(unbounded, spec_json("regex", "[0-9]+")), int)
+
+
+def test_a_slow_check_holds_only_its_own_client():
+    """Client A sends a grammar whose check outlasts the limit, then another; client B
+    sends an ordinary one meanwhile: B's answer comes first and passes, A's are refused
+    (the slow one killed at its limit), and an invalid pattern is refused at once, not
+    after a wait."""
+    checker = GrammarChecker(TOKENIZER, (1,), VOCAB, timeout_s=0.5, bounds=False,
+                             memory_bytes=2**31, processes=2)
+    order: list[str] = []
+
+    async def one(name: str, text: str, client: str):
+        try:
+            await checker.check(text, "guided_regex", client)
+            order.append(f"{name} ok")
+        except ValidationError as e:
+            order.append(f"{name} refused: {e}")
+
+    async def main():
+        await one("warm-up", spec_json("regex", "x"), "c")  # both children started
+        await one("warm-up", spec_json("regex", "y"), "d")
+        await asyncio.gather(one("A1", spec_json("regex", "(b{1000}){1000}"), "A"),
+                             one("A2", spec_json("regex", "(c{1000}){1000}"), "A"),
+                             one("B", spec_json("json_object"), "B"),
+                             one("B-bad", spec_json("regex", r"(a)\1"), "B2"))
+
+    try:
+        asyncio.run(main())
+    finally:
+        checker.close()
+    done = [o.split(" ")[0] for o in order[2:]]
+    assert set(done[:2]) == {"B", "B-bad"}, order
+    assert order[2:][done.index("B")] == "B ok"
+    assert "backreferences" in order[2:][done.index("B-bad")]
+    for name in ("A1", "A2"):
+        text = order[2:][done.index(name)]
+        assert "more than 0.5 s" in text or "ms to compute" in text, text
+    assert checker.counts["timed_out"] + checker.counts["refused"] >= 2
+
+
+def test_a_grammar_that_passed_is_not_checked_again():
+    checker = GrammarChecker(TOKENIZER, (1,), VOCAB, processes=1)
+    try:
+        text = spec_json("regex", "[a-z]+@[a-z]+")
+        assert isinstance(_check(checker, text), int)
+        checker._children[0].proc.kill()  # a second check would need the child
+        assert isinstance(_check(checker, text), int)
+        assert checker.counts["passed"] == 1
+    finally:
+        checker.close()

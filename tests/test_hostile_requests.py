@@ -1,0 +1,153 @@
+"""What a hostile client found could take ``phasewise serve`` down or hold it, each pinned on a
+real server process: grammars that crashed the process (a schema's $ref chain, a Lark rule
+chain) or held every step (a regex's nested repetitions) or its memory, and connections that
+never finish their request (slowloris). Each answer is a 400 or a closed connection, and the
+server lives and serves the next request."""
+
+from __future__ import annotations
+
+import json
+import socket
+
+import httpx
+import pytest
+
+from conftest import build_hf_checkpoint
+from serving import start_server
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("hostile")
+    build_hf_checkpoint(path, "LlamaForCausalLM", seed=5)
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory):
+    s = start_server(model_dir, tmp_path_factory.mktemp("logs") / "server.log",
+                     "--log-interval", "0", "--timeout-header", "1", "--timeout-body", "1",
+                     "--max-connections-per-address", "6")
+    yield s
+    s.stop()
+
+
+def _alive(server) -> None:
+    assert server.proc.poll() is None, server.log()
+    with server.client() as c:
+        assert c.get("/health").status_code == 200
+        r = c.post("/v1/completions", json={"prompt": "hello", "max_tokens": 3})
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] is not None, r.text
+
+
+def _rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")
+
+
+def _ref_chain(levels: int) -> dict:
+    defs = {f"d{i}": {"type": "object", "properties": {"a": {"$ref": f"#/$defs/d{i + 1}"}},
+                      "required": ["a"]} for i in range(levels)}
+    defs[f"d{levels}"] = {"type": "string"}
+    return {"$defs": defs, "$ref": "#/$defs/d0"}
+
+
+def _rule_chain(rules: int) -> str:
+    return "\n".join(["start: r0"] + [f'r{i}: "t{i}" r{i + 1}?' for i in range(rules)]
+                     + [f'r{rules}: "end"'])
+
+
+@pytest.mark.parametrize("path, body, param", [
+    # finding 1: the process died with SIGSEGV (a 94 KB body)
+    ("/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+        "response_format": {"type": "json_schema", "json_schema": {
+            "name": "x", "schema": _ref_chain(1000)}}},
+     "response_format.json_schema.schema"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 4, "guided_grammar": _rule_chain(2800)},
+     "guided_grammar"),
+    # finding 2: accepted, then every engine step took seconds
+    ("/v1/completions", {"prompt": "x", "n": 16, "max_tokens": 30,
+                         "guided_regex": "(a{1000}){1000}"}, "guided_regex"),
+    # the same regex inside a schema's pattern and a Lark terminal
+    ("/v1/completions", {"prompt": "x", "max_tokens": 4, "guided_json": {
+        "type": "string", "pattern": "(a{1000}){1000}"}}, "guided_json"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 4,
+                         "guided_grammar": "start: A\nA: /(a{1000}){1000}/"}, "guided_grammar"),
+])
+def test_a_grammar_bomb_is_a_400_and_the_server_lives(server, path, body, param):
+    with server.client() as c:
+        r = c.post(path, json=body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["code"] == "invalid_grammar", err
+    _alive(server)
+
+
+def test_refused_grammars_leave_the_memory_as_it_was(server):
+    """Finding 4: ten such regexes took ~340 MB each and kept it."""
+    _alive(server)
+    before = _rss_mb(server.proc.pid)
+    with server.client() as c:
+        for n in range(1000, 990, -1):
+            r = c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2,
+                                                "guided_regex": f"(a{{1000}}){{{n}}}"})
+            assert r.status_code == 400, r.text
+        # and grammars that pass: each kept compiled, within the cache's byte budget
+        for n in range(1, 21):
+            r = c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2,
+                                                "guided_regex": f"[a-z]{{{n}}}"})
+            assert r.status_code == 200, r.text
+    assert _rss_mb(server.proc.pid) - before < 150
+    _alive(server)
+
+
+def _read_until_closed(sock: socket.socket) -> bytes:
+    sock.settimeout(30)  # generous: the server's limits here are 1 s
+    got = b""
+    while True:
+        try:
+            chunk = sock.recv(4096)
+        except (ConnectionResetError, socket.timeout):
+            return got
+        if not chunk:
+            return got
+        got += chunk
+
+
+def test_connections_that_send_no_request_are_refused_past_the_cap_then_closed(server):
+    """Finding 8: 1,000 idle or half-sent connections stayed open; now one address holds
+    at most --max-connections-per-address of them, and each gets --timeout-header."""
+    socks = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(10)]
+    socks[0].sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")  # headers, never ended
+    answers = [_read_until_closed(s) for s in socks]
+    for s in socks:
+        s.close()
+    refused = [a for a in answers if b" 503 " in a.split(b"\r\n")[0]]
+    timed_out = [a for a in answers if b" 408 " in a.split(b"\r\n")[0]]
+    assert len(refused) >= 4 and len(refused) + len(timed_out) == 10, answers
+    assert b"too_many_connections" in refused[0]
+    assert json.loads(timed_out[0].split(b"\r\n\r\n", 1)[1])["error"]["code"] == \
+        "request_timeout"
+    _alive(server)
+
+
+def test_a_body_that_never_ends_closes_its_connection(server):
+    with socket.create_connection(("127.0.0.1", server.port)) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                  b"Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{\"prompt\"")
+        _read_until_closed(s)  # returns once the server closed it
+    _alive(server)
+    assert "Traceback" not in server.log()
+
+
+def test_a_request_sent_in_good_time_after_an_idle_gap_is_served(server):
+    """A keep-alive connection that waits less than the limit, then sends, is served."""
+    with httpx.Client(base_url=server.url, timeout=30) as c:
+        assert c.post("/v1/completions", json={"prompt": "a", "max_tokens": 2}).status_code \
+            == 200
+        assert c.post("/v1/completions", json={"prompt": "b", "max_tokens": 2}).status_code \
+            == 200
