@@ -25,6 +25,8 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.encoders import jsonable_encoder
+from fastapi.openapi.models import OpenAPI
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -32,6 +34,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import phasewise
 from phasewise.engine.backend import ServingBackend
+from phasewise.server.bodies import component_schemas, request_body
 from phasewise.server.dashboard import add_dashboard_routes
 from phasewise.server.dashboard.hub import Hub
 from phasewise.server.errors import ApiError, error_response, validation_error
@@ -39,10 +42,8 @@ from phasewise.server.guard import AccessLog, Guard
 from phasewise.server.limits import ClientContext
 from phasewise.server.internal import add_internal_routes
 from phasewise.server.metrics import PrometheusMetrics
-from phasewise.server.protocol import (ChatCompletionRequest, CompletionRequest,
-                                       DetokenizeRequest, ErrorBody, TokenizeRequest)
+from phasewise.server.protocol import ErrorBody
 from phasewise.server import responses as responses_api
-from phasewise.server.responses import ResponsesRequest
 from phasewise.server.routes import Routes
 
 log = logging.getLogger("phasewise.server")
@@ -223,28 +224,42 @@ class OpenAIServer:
             (lm-eval's remote tokenizer reads it, then calls /tokenize and /detokenize)."""
             return routes.tokenizer_info()
 
-        @app.post("/tokenize", response_model=None, responses=_POST_ERRORS)
-        async def tokenize(body: TokenizeRequest, request: Request) -> Response:
-            return await routes.tokenize(body, request)
+        # Each body is parsed and validated by routes.body (``bodies``: a large one in a child
+        # process, never on the event loop); the OpenAPI document describes it as FastAPI
+        # would a body parameter.
+        @app.post("/tokenize", response_model=None, responses=_POST_ERRORS,
+                  openapi_extra=request_body("TokenizeRequest",
+                                             ["TokenizePrompt", "TokenizeChat"]))
+        async def tokenize(request: Request) -> Response:
+            return await routes.tokenize(await routes.body("TokenizeRequest", request),
+                                         request)
 
-        @app.post("/detokenize", response_model=None, responses=_POST_ERRORS)
-        async def detokenize(body: DetokenizeRequest, request: Request) -> Response:
-            return await routes.detokenize(body, request)
+        @app.post("/detokenize", response_model=None, responses=_POST_ERRORS,
+                  openapi_extra=request_body("DetokenizeRequest"))
+        async def detokenize(request: Request) -> Response:
+            return await routes.detokenize(await routes.body("DetokenizeRequest", request),
+                                           request)
 
         @app.post("/v1/completions", response_model=None,
-                  responses={200: _JSON_OR_SSE, **_POST_ERRORS})
-        async def completions(body: CompletionRequest, request: Request) -> Response:
-            return await routes.completions(body, request)
+                  responses={200: _JSON_OR_SSE, **_POST_ERRORS},
+                  openapi_extra=request_body("CompletionRequest"))
+        async def completions(request: Request) -> Response:
+            return await routes.completions(await routes.body("CompletionRequest", request),
+                                            request)
 
         @app.post("/v1/chat/completions", response_model=None,
-                  responses={200: _JSON_OR_SSE, **_POST_ERRORS})
-        async def chat(body: ChatCompletionRequest, request: Request) -> Response:
-            return await routes.chat(body, request)
+                  responses={200: _JSON_OR_SSE, **_POST_ERRORS},
+                  openapi_extra=request_body("ChatCompletionRequest"))
+        async def chat(request: Request) -> Response:
+            return await routes.chat(await routes.body("ChatCompletionRequest", request),
+                                     request)
 
         @app.post("/v1/responses", response_model=None,
-                  responses={200: _JSON_OR_SSE, **_POST_ERRORS})
-        async def responses(body: ResponsesRequest, request: Request) -> Response:
-            return await responses_api.create(routes, body, request)
+                  responses={200: _JSON_OR_SSE, **_POST_ERRORS},
+                  openapi_extra=request_body("ResponsesRequest"))
+        async def responses(request: Request) -> Response:
+            return await responses_api.create(
+                routes, await routes.body("ResponsesRequest", request), request)
 
         @app.post("/v1/embeddings", response_model=None, responses={
             401: _POST_ERRORS[401],
@@ -275,7 +290,12 @@ class OpenAIServer:
                 for ops in schema.get("paths", {}).values():
                     for op in ops.values():
                         op.get("responses", {}).pop("422", None)
-                comps = schema.get("components", {}).get("schemas", {})
+                comps = schema.setdefault("components", {}).setdefault("schemas", {})
+                for name, body in component_schemas().items():
+                    comps.setdefault(name, body)
+                # as get_openapi writes its own: through the OpenAPI model, nulls dropped
+                schema = jsonable_encoder(OpenAPI(**schema), by_alias=True, exclude_none=True)
+                comps = schema["components"]["schemas"]
                 comps.pop("HTTPValidationError", None)
                 comps.pop("ValidationError", None)
                 self._narrow_to_model(comps)

@@ -26,14 +26,12 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field
-from pydantic import ValidationError as PydanticValidationError
 
 from phasewise.engine.backend import EngineError, EngineStopped, PromptSpec, ServingBackend
 from phasewise.engine.validation import ValidationError
-from phasewise.server.errors import ApiError, validation_error
+from phasewise.server.errors import ApiError
 from phasewise.server.guard import access_record
 from phasewise.server.openai_format import timing
 from phasewise.server.protocol import Str, _Checked
@@ -108,12 +106,8 @@ def add_internal_routes(app: FastAPI, backend: ServingBackend, routes: Routes, *
         backend.abort(body.request_ids)
         return {"aborted": len(body.request_ids)}
 
-    def parse(raw: bytes) -> tuple[RelayRequest, list[PromptSpec]]:
+    def check(body: RelayRequest) -> list[PromptSpec]:
         """On a worker thread: a body of n long prompts is work the size of the request."""
-        try:
-            body = RelayRequest.model_validate_json(raw)
-        except PydanticValidationError as e:
-            raise validation_error(RequestValidationError(e.errors())) from e
         routes._check_sequences(len(body.specs), 1)
         specs: list[PromptSpec] = []
         for i, s in enumerate(body.specs):
@@ -138,12 +132,13 @@ def add_internal_routes(app: FastAPI, backend: ServingBackend, routes: Routes, *
             routes._budget(len(ids), params.max_tokens, f"{where}.token_ids",
                            f"{where}.params.max_tokens", min_max_tokens=0)
             specs.append(PromptSpec(ids, params, s.prompt))
-        return body, specs
+        return specs
 
     @app.post("/internal/v1/generate", include_in_schema=False, response_model=None)
     async def generate(request: Request) -> Response:
         arrival = time.monotonic()
-        body, specs = await routes._off_loop(parse, await request.body())
+        body = await routes.body("RelayRequest", request)
+        specs = await routes._off_loop(check, body)
         for i, s in enumerate(specs):  # checked as this worker's engine will run it
             if s.params.structured_output is not None and \
                     s.params.structured_output not in (x.params.structured_output

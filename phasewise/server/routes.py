@@ -24,6 +24,7 @@ from phasewise.engine.structured import spec_json
 from phasewise.server import tools as tools_mod
 from phasewise.engine.validation import (ValidationError, check_context, check_sequences,
                                          check_token_ids)
+from phasewise.server.bodies import BodyParser
 from phasewise.server.errors import ApiError
 from phasewise.server.grammar_check import GrammarChecker, Overloaded
 from phasewise.server.guard import access_record
@@ -105,7 +106,13 @@ class Routes:
         self.cpu_tools_large = ThreadPoolExecutor(1, thread_name_prefix="phasewise-tokenize-l")
         self._texts: dict[int, str] = {}  # token id -> its text (bounded by the vocabulary)
         self._grammar_checker: GrammarChecker | None = None  # structured output's
+        self.bodies = BodyParser()
         self.max_waiting = info.max_waiting
+
+    async def body(self, name: str, request: Request) -> Any:
+        """The request's body as the model ``name`` (``bodies.BodyParser``: validated off the
+        event loop when it is large)."""
+        return await self.bodies.parse(name, await request.body())
 
     def close(self) -> None:
         self.cpu.shutdown(wait=False, cancel_futures=True)
@@ -113,6 +120,7 @@ class Routes:
         self.cpu_tools_large.shutdown(wait=False, cancel_futures=True)
         if self._grammar_checker is not None:
             self._grammar_checker.close()
+        self.bodies.close()
 
     async def _off_loop(self, fn: Callable[..., T], *args: Any,
                         pool: ThreadPoolExecutor | None = None) -> T:

@@ -37,7 +37,6 @@ from phasewise.server.dashboard.hub import Hub
 from phasewise.server.errors import ApiError
 from phasewise.server.guard import (DASHBOARD_COOKIE, GUARD_STATE, SESSION_STATE, Guard,
                                     client_address, cookies_named, retry_after)
-from phasewise.server.protocol import CompletionRequest
 from phasewise.server.sse import SSEResponse
 
 __all__ = ["DashboardFeed", "Hub", "add_dashboard_routes", "peaks_of"]
@@ -189,8 +188,9 @@ def add_dashboard_routes(app: FastAPI, hub: Hub, routes: Any, *, api_key: str | 
         return JSONResponse(found)
 
     @app.post("/dashboard/api/completions", include_in_schema=False, response_model=None)
-    async def completions(body: CompletionRequest, request: Request) -> Response:
-        return await routes.completions(body, request, id_prefix=PLAYGROUND_PREFIX)
+    async def completions(request: Request) -> Response:
+        return await routes.completions(await routes.body("CompletionRequest", request),
+                                        request, id_prefix=PLAYGROUND_PREFIX)
 
     @app.get("/dashboard/api/status", include_in_schema=False)
     async def status(request: Request) -> dict[str, Any]:
