@@ -16,6 +16,15 @@ its K/V and its position in the sampling stream were there). Its prefill worker 
 touched: what it computed is ordinary evictable cache there.
 
 Every call carries ``--api-key`` as a bearer token, as any client's would.
+
+Connections: every relay gives its connection back, however it ends (finished, aborted by
+the client, refused by the worker, the worker gone). An asyncio cancel that lands while
+httpx/httpcore close a response (their clean-up is shielded from anyio's cancellation, not
+from ``Task.cancel``) leaves the pool's slot taken for good: a socket the router never
+closes, in CLOSE-WAIT once the worker's keep-alive ends it. So a relay reads its body
+without letting httpx close it at the end, is cancelled at most once (``_stop``), and its
+response is closed by a task of its own that nothing cancels (``_close_later``); a response
+that arrives to a waiter that gave up is closed the same way.
 """
 
 from __future__ import annotations
@@ -27,7 +36,7 @@ import json
 import logging
 import time
 import urllib.parse
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -94,6 +103,27 @@ def _client_param(param: str | None) -> str | None:
     return "prompt" if rest == "token_ids" else rest or None
 
 
+def _stop(task: asyncio.Task) -> None:
+    """Cancel a task that reads from a worker, once: a second cancel would land in the
+    clean-up the first one began."""
+    if not task.done() and not task.cancelling():
+        task.cancel()
+
+
+def _split(pending: list[bytes], chunk: bytes) -> list[bytes]:
+    """The whole lines ``chunk`` completes (``pending``: the unfinished line's pieces)."""
+    lines = []
+    start = 0
+    while (end := chunk.find(b"\n", start)) >= 0:
+        pending.append(chunk[start:end])
+        lines.append(b"".join(pending))
+        pending.clear()
+        start = end + 1
+    if start < len(chunk):
+        pending.append(chunk[start:])
+    return lines
+
+
 def _error_of(resp_body: bytes) -> tuple[str, str | None, str | None]:
     """(message, param, code) of a worker's error body."""
     try:
@@ -140,6 +170,9 @@ class Router:
         self._defaults: dict[str, Any] = {}
         self._observers: list[EngineObserver] = []
         self._groups: dict[str, tuple[RequestGroup, asyncio.Task, Worker]] = {}
+        # Every relay until its task ends (a closed group's may still read its end of
+        # stream): what shutdown and a silent worker's deadline stop.
+        self._relays: dict[asyncio.Task, tuple[RequestGroup, Worker]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._client: httpx.AsyncClient | None = None
         self._poller: asyncio.Task | None = None
@@ -238,10 +271,15 @@ class Router:
 
     def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
         self._loop = loop or asyncio.get_event_loop()
+        # An idle connection is dropped here before the worker's keep-alive (uvicorn's: 5 s)
+        # ends it from its side: a relay never starts on a socket the worker is closing,
+        # and none waits half-closed in the pool (one the worker closes early anyway is
+        # dropped at the next request, a poll within poll_interval).
         self._client = httpx.AsyncClient(
             headers=self.headers,
             timeout=httpx.Timeout(self.request_timeout, read=None),
-            limits=httpx.Limits(max_connections=4096, max_keepalive_connections=64))
+            limits=httpx.Limits(max_connections=4096, max_keepalive_connections=64,
+                                keepalive_expiry=2.0))
         self._poller = self._loop.create_task(self._poll())
 
     def stop_accepting(self) -> None:
@@ -305,13 +343,21 @@ class Router:
         content = (await asyncio.to_thread(json.dumps, body) if size > 2048
                    else json.dumps(body))
         resp, worker = await self._open(content)  # counted in its in_flight from here
-        group = RequestGroup(ids, self.abort, self._closed)
-        group.remote_hits = [None] * n
-        assembler = OutputAssembler(ids, [s.token_ids for s in specs],
-                                    [s.prompt for s in specs], arrival)
-        assembler.admitted()
-        task = asyncio.ensure_future(self._pump(group, assembler, resp, worker))
-        task.add_done_callback(lambda _: self._release(worker, resp))
+        # The body's chunks as they come; unlike aiter_raw/aiter_lines this does not close
+        # the response at its end, inside the relay's task (see the module).
+        chunks: AsyncIterator[bytes] = aiter(resp.stream)  # type: ignore[arg-type]
+        try:
+            group = RequestGroup(ids, self.abort, self._closed)
+            group.remote_hits = [None] * n
+            assembler = OutputAssembler(ids, [s.token_ids for s in specs],
+                                        [s.prompt for s in specs], arrival)
+            assembler.admitted()
+            task = asyncio.ensure_future(self._pump(group, assembler, chunks, worker))
+        except BaseException:
+            self._release(worker, resp, chunks)
+            raise
+        self._relays[task] = (group, worker)
+        task.add_done_callback(lambda t: self._release(worker, resp, chunks, t))
         for rid in ids:
             self._groups[rid] = (group, task, worker)
         return group
@@ -324,14 +370,15 @@ class Router:
         for w in self._candidates():
             w.in_flight += 1  # before the wait, so concurrent requests spread out
             try:
+                # identity: the body is read as raw NDJSON bytes (see add).
                 req = self._client.build_request(
                     "POST", w.url + "/internal/v1/generate", content=content,
-                    headers={"Content-Type": "application/json"})
-                resp = await asyncio.wait_for(self._client.send(req, stream=True),
-                                              self.admit_timeout)
-            except (httpx.HTTPError, asyncio.TimeoutError) as e:
+                    headers={"Content-Type": "application/json",
+                             "Accept-Encoding": "identity"})
+                resp = await self._send(req)
+            except (httpx.HTTPError, TimeoutError) as e:
                 w.in_flight -= 1
-                if isinstance(e, asyncio.TimeoutError):
+                if isinstance(e, TimeoutError):
                     tried.append(f"{w.url} (took no request in {self.admit_timeout:g} s)")
                     continue
                 w.down(_why(e))
@@ -343,8 +390,13 @@ class Router:
             if resp.status_code == 200:
                 return resp, w
             w.in_flight -= 1
-            raw = await resp.aread()
-            await resp.aclose()
+            # Read and closed by a task of its own, which ends even if this waiter is
+            # cancelled (the client left).
+            raw = await asyncio.shield(self._spawn(self._read_error(resp)))
+            if isinstance(raw, httpx.HTTPError):
+                w.down(_why(raw))
+                tried.append(f"{w.url} ({w.reason})")
+                continue
             message, param, code = _error_of(raw)
             if resp.status_code == 400:
                 # The relay's field names, as the client named them.
@@ -373,6 +425,39 @@ class Router:
         raise EngineUnavailable("no decode worker can take this request now: "
                                 + "; ".join(tried))
 
+    async def _send(self, req: httpx.Request) -> httpx.Response:
+        """``send(req, stream=True)``, given up after ``admit_timeout`` (``TimeoutError``) or
+        when this waiter is cancelled; a response that comes after that is closed, not
+        dropped with its connection."""
+        assert self._client is not None
+        send = asyncio.ensure_future(self._client.send(req, stream=True))
+        try:
+            done, _ = await asyncio.wait({send}, timeout=self.admit_timeout)
+        except BaseException:
+            self._abandon(send)
+            raise
+        if not done:
+            self._abandon(send)
+            raise TimeoutError
+        return send.result()
+
+    def _abandon(self, send: asyncio.Task) -> None:
+        def close(_: asyncio.Future) -> None:
+            if not send.cancelled() and send.exception() is None:
+                self._close_later(send.result())
+
+        _stop(send)
+        send.add_done_callback(close)
+
+    @staticmethod
+    async def _read_error(resp: httpx.Response) -> bytes | httpx.HTTPError:
+        try:
+            return await resp.aread()
+        except httpx.HTTPError as e:
+            return e
+        finally:
+            await resp.aclose()
+
     def _candidates(self) -> list[Worker]:
         """Decode workers that are up, the least loaded first (ties in turn)."""
         turn = next(self._turn)
@@ -382,28 +467,35 @@ class Router:
         return sorted(live, key=lambda w: (w.load, order[id(w)]))
 
     async def _pump(self, group: RequestGroup, assembler: OutputAssembler,
-                    resp: httpx.Response, worker: Worker) -> None:
-        """Worker lines -> the group's outputs (and the observers: the router's metrics)."""
+                    chunks: AsyncIterator[bytes], worker: Worker) -> None:
+        """Worker lines -> the group's outputs (and the observers: the router's metrics).
+        Its only awaits are the body's reads: a cancel (``_stop``) ends a read, which
+        httpcore cleans up; closing the response is ``_release``'s (see the module)."""
         last: dict[str, Any] = {}  # each request's latest output, until it finishes
+        pending: list[bytes] = []
         try:
-            async for line in resp.aiter_lines():
-                if not line:
-                    continue
-                if line.startswith('{"error"'):
-                    err = json.loads(line)["error"]
-                    if not isinstance(err, dict):
-                        raise RelayError(f"malformed error line: {line[:200]}")
-                    cls = EngineStopped if err.get("kind") == "stopped" else EngineError
-                    group._put(cls(f"decode worker {worker.url}: {err.get('message')}"))
-                    return
-                out = assembler.feed(line)
-                group._put(out)
-                ended = []
-                last[out.request_id] = out
-                if out.finished:
-                    del last[out.request_id]
-                    ended = [FinishedRequest.of(out, default="stop")]
-                self._notify([out], ended)
+            async for chunk in chunks:
+                for raw in _split(pending, chunk):
+                    line = raw.decode()
+                    if not line:
+                        continue
+                    if line.startswith('{"error"'):
+                        err = json.loads(line)["error"]
+                        if not isinstance(err, dict):
+                            raise RelayError(f"malformed error line: {line[:200]}")
+                        cls = EngineStopped if err.get("kind") == "stopped" else EngineError
+                        group._put(cls(f"decode worker {worker.url}: {err.get('message')}"))
+                        return
+                    out = assembler.feed(line)
+                    group._put(out)
+                    ended = []
+                    last[out.request_id] = out
+                    if out.finished:
+                        del last[out.request_id]
+                        ended = [FinishedRequest.of(out, default="stop")]
+                    self._notify([out], ended)
+            if pending:
+                raise RelayError(f"the stream ended inside a line: {pending[0][:200]!r}")
             if not all(assembler.finished):
                 raise EngineError(f"decode worker {worker.url} ended the stream before every "
                                   "request finished")
@@ -424,15 +516,42 @@ class Router:
             # line): the observers hear of it as an abort, as an engine's would.
             if last:
                 self._notify([], [FinishedRequest.of(o, "abort") for o in last.values()])
-            await resp.aclose()
 
-    def _release(self, worker: Worker, resp: httpx.Response) -> None:
-        """A relay ended (even one cancelled before it began): its count, its connection."""
+    def _release(self, worker: Worker, resp: httpx.Response, chunks: AsyncIterator[bytes],
+                 task: asyncio.Task | None = None) -> None:
+        """A relay ended (even one cancelled before it began): its count, its connection
+        (back to the pool if the stream ended, else closed: the worker sees the client go
+        and aborts what still runs)."""
         worker.in_flight -= 1
-        if not resp.is_closed and self._loop is not None and not self._loop.is_closed():
-            t = self._loop.create_task(resp.aclose())  # the worker sees the client go
-            self._background.add(t)
-            t.add_done_callback(self._background.discard)
+        if task is not None:
+            self._relays.pop(task, None)
+        self._close_later(resp, chunks)
+
+    def _spawn(self, coro: Any) -> asyncio.Task:
+        """A task the router keeps (until it ends) and never cancels."""
+        assert self._loop is not None
+        t = self._loop.create_task(coro)
+        self._background.add(t)
+        t.add_done_callback(self._background.discard)
+        return t
+
+    def _close_later(self, resp: httpx.Response,
+                     chunks: AsyncIterator[bytes] | None = None) -> None:
+        """Close ``resp`` (and the iterator over its body) in a task nothing cancels."""
+        if self._loop is None or self._loop.is_closed():
+            return
+
+        async def close() -> None:
+            try:
+                # (an async generator: a relay that returned early left it suspended on the
+                # stream)
+                if chunks is not None:
+                    await chunks.aclose()  # type: ignore[attr-defined]
+                await resp.aclose()
+            except (httpx.HTTPError, OSError) as e:
+                log.debug("closing a relay to %s: %s", resp.url, _why(e))
+
+        self._spawn(close())
 
     def _notify(self, outputs: list[Any], finished: list[FinishedRequest]) -> None:
         snap = self.snapshot
@@ -452,12 +571,12 @@ class Router:
                 g, t, w = entry
                 by_group.setdefault(id(g), (g, t, w, []))[3].append(rid)
         for group, task, worker, rids in by_group.values():
-            if set(rids) >= group._open or group.finished:
-                task.cancel()
+            if group.finished:
+                continue  # its stream is at its end: the relay reads it and gives it back
+            if set(rids) >= group._open:
+                _stop(task)
             elif self._loop is not None and self._client is not None:
-                t = self._loop.create_task(self._abort_remote(worker, rids))
-                self._background.add(t)
-                t.add_done_callback(self._background.discard)
+                self._spawn(self._abort_remote(worker, rids))
 
     async def _abort_remote(self, worker: Worker, rids: list[str]) -> None:
         assert self._client is not None
@@ -470,13 +589,15 @@ class Router:
     def _closed(self, request_ids: Sequence[str]) -> None:
         for rid in request_ids:
             entry = self._groups.pop(rid, None)
-            if entry is not None and not entry[1].done():
-                entry[1].cancel()
+            # A finished group's relay reads the worker's end of stream (it follows the last
+            # output), so its connection goes back to the pool, not closed.
+            if entry is not None and not entry[0].finished:
+                _stop(entry[1])
 
     def abort_all(self, reason: str) -> None:
         for group, task, _ in {id(g): (g, t, w) for g, t, w in self._groups.values()}.values():
             group._put(EngineStopped(reason))
-            task.cancel()
+            _stop(task)
 
     async def find_trace(self, request_id: str, found: dict[str, Any] | None
                          ) -> dict[str, Any] | None:
@@ -497,12 +618,12 @@ class Router:
             return data if isinstance(data, dict) else None
 
         up = [w for w in self.decode if w.up]
+        # Not cancelled with its caller: a cancel inside httpx's close of a reply would keep
+        # its connection (see the module). Each ask ends within its timeout.
         task = asyncio.ensure_future(asyncio.gather(*(ask(w) for w in up)))
         self._trace_lookups.add(task)
-        try:
-            answers = await task
-        finally:
-            self._trace_lookups.discard(task)
+        task.add_done_callback(self._trace_lookups.discard)
+        answers = await asyncio.shield(task)
         for w, data in zip(up, answers):
             if data is None:
                 continue
@@ -526,14 +647,15 @@ class Router:
         for w in self.decode:
             if w.up or w.down_since is None or now - w.down_since < self.stream_deadline:
                 continue
-            entries = {id(g): (g, t) for g, t, x in self._groups.values() if x is w}
-            for group, task in entries.values():
-                if not task.done():
+            for task, (group, x) in list(self._relays.items()):
+                if x is not w or task.done() or task.cancelling():
+                    continue
+                if not group.finished:
                     group._put(EngineError(
                         f"the decode worker {w.url} stopped answering ({w.reason}) for "
                         f"{now - w.down_since:.0f} s while streaming this response; the "
                         "response is incomplete"))
-                    task.cancel()
+                _stop(task)
 
     async def _poll_one(self, w: Worker) -> None:
         assert self._client is not None
@@ -565,11 +687,14 @@ class Router:
         async def close() -> None:
             if self._poller is not None:
                 self._poller.cancel()
-            tasks = [t for _, t, _ in self._groups.values()]
+            tasks = list(self._relays)
             for t in tasks:
-                t.cancel()
+                _stop(t)
             await asyncio.gather(*tasks, *(p for p in [self._poller] if p),
                                  return_exceptions=True)
+            # the relays' closes (and pending aborts) before the pool goes
+            if self._background:
+                await asyncio.wait(set(self._background), timeout=min(timeout / 2, 5.0))
             if self._client is not None:
                 await self._client.aclose()
 
