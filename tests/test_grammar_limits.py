@@ -158,8 +158,8 @@ def _check(checker: GrammarChecker, text: str, client: str | None = "a") -> int 
 @pytest.fixture(scope="module")
 def unbounded():
     """A checker whose child skips the bounds: how a grammar no bound foresaw behaves."""
-    checker = GrammarChecker(TOKENIZER, (1,), VOCAB, timeout_s=2.0, bounds=False,
-                             memory_bytes=256 * 2**20, processes=2)
+    checker = GrammarChecker(TOKENIZER, (1,), VOCAB, timeout_s=120.0, bounds=False,
+                             memory_bytes=128 * 2**20, processes=2)
     yield checker
     checker.close()
 

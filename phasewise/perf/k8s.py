@@ -103,6 +103,10 @@ ENGINE_FLAGS: dict[str, Any] = {
     "--prefill-queue-limit": int,
     "--remote-prefill-timeout": float,
     "--no-access-log": SWITCH,
+    "--timeout-header": float,
+    "--timeout-body": float,
+    "--max-connections": int,
+    "--max-connections-per-address": int,
 }
 # Flags of `phasewise serve` the manifests set themselves, with what sets them instead.
 MANAGED_FLAGS: dict[str, str] = {

@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from fastapi import Request
+from starlette.requests import ClientDisconnect
 from fastapi.responses import Response
 
 from phasewise.engine.backend import (EngineError, EngineOverloaded, EngineStopped,
@@ -112,7 +113,12 @@ class Routes:
     async def body(self, name: str, request: Request) -> Any:
         """The request's body as the model ``name`` (``bodies.BodyParser``: validated off the
         event loop when it is large)."""
-        return await self.bodies.parse(name, await request.body())
+        try:
+            raw = await request.body()
+        except ClientDisconnect:  # it left (or --timeout-body closed it) mid-body
+            raise ApiError(499, "the client disconnected before its body arrived",
+                           code="client_disconnected") from None
+        return await self.bodies.parse(name, raw)
 
     def close(self) -> None:
         self.cpu.shutdown(wait=False, cancel_futures=True)
