@@ -29,6 +29,7 @@ from typing import Any
 import pytest
 import torch
 import zmq
+from zmq.utils import z85
 
 from conftest import collect
 
@@ -37,7 +38,8 @@ from phasewise.disagg.kv import kv_to_bytes
 from phasewise.disagg.metrics import DisaggCollector
 from phasewise.disagg.transport import Fault, FaultInjector, KVClient
 from phasewise.disagg.wire import (Challenge, Error, FirstToken, KVLayout, Open, Refuse,
-                                   decode_message, encode_kv_frame, encode_message, make_hello)
+                                   curve_secret_key, decode_message, encode_kv_frame,
+                                   encode_message, make_hello)
 from phasewise.disagg.worker import DecodeSide, PrefillSide
 from phasewise.engine.async_engine import AsyncEngine, PromptSpec
 from phasewise.engine.engine import LLMEngine
@@ -338,9 +340,11 @@ def rogue_frames(layout: KVLayout, rid: str, epoch: int = 1) -> list[list[bytes]
 
 def test_rogue_peers_are_refused_and_leave_the_request_untouched(llama_dir):
     """While the victim's remote prefill is held after its first frame landed, peers try to
-    write its blocks: one without any handshake, one signing with a wrong key (with the right
-    layout), one with a wrong key and a wrong layout (told only "auth"), and one holding the
-    key whose frames are not bound to the attempt (foreign). Each is refused and counted;
+    write its blocks: one without CURVE and one with the CURVE keys of a wrong secret (both
+    refused by zmq's security handshake: no message of theirs is taken), two through CURVE
+    that sign their hello with a wrong key (one with the right layout, one with a wrong
+    layout, told only "auth"), and one holding the key whose frames are not bound to the
+    attempt (foreign). Each is refused and counted;
     the victim's blocks are byte-identical before and after, it decodes on from the real
     worker's K/V, and its prompt K/V and output equal the co-located engine's."""
     valve = Valve(hold_at=1)
@@ -367,9 +371,18 @@ def test_rogue_peers_are_refused_and_leave_the_request_untouched(llama_dir):
             ctx = zmq.Context()
             socks = []  # each stays referenced: a collected socket drops what it queued
             try:
-                def dealer():
+                def dealer(secret):
+                    """Through zmq's security handshake with the keys of ``secret`` (None: no
+                    CURVE); sends give up rather than wait for a connection zmq refused."""
                     sock = ctx.socket(zmq.DEALER)
                     sock.setsockopt(zmq.LINGER, 0)
+                    sock.setsockopt(zmq.SNDTIMEO, 1000)
+                    if secret is not None:
+                        sk = z85.encode(curve_secret_key(secret, "client"))
+                        server = z85.encode(curve_secret_key(secret, "server"))
+                        sock.setsockopt(zmq.CURVE_SERVERKEY, zmq.curve_public(server))
+                        sock.setsockopt(zmq.CURVE_PUBLICKEY, zmq.curve_public(sk))
+                        sock.setsockopt(zmq.CURVE_SECRETKEY, sk)
                     sock.connect(s.decode.endpoint)
                     socks.append(sock)
                     return sock
@@ -378,18 +391,21 @@ def test_rogue_peers_are_refused_and_leave_the_request_untouched(llama_dir):
                     assert sock.poll(int(WAIT * 1000)), "the decode worker did not answer"
                     return decode_message(sock.recv())
 
-                # (a) no handshake at all: frames and a first token, straight away
-                raw = dealer()
-                for f in frames:
-                    raw.send_multipart(f)
-                raw.send(encode_message(FirstToken("victim", 1, 5)))
-                sent_unauth = len(frames) + 1
+                # (a) no CURVE, and CURVE with a wrong secret's keys: frames and a first
+                # token, straight away; zmq takes none of them
+                for secret in (None, WRONG):
+                    raw = dealer(secret)
+                    with contextlib.suppress(zmq.Again):
+                        for f in frames:
+                            raw.send_multipart(f)
+                        raw.send(encode_message(FirstToken("victim", 1, 5)))
+                sent_unauth = 0
 
                 # (b) the right layout (so the right compatibility hash), a wrong key;
                 # (c) a wrong key and a wrong layout: refused for the key, nothing else said
                 other = dataclasses.replace(s.decode.layout, block_size=32)
                 for layout in (s.decode.layout, other):
-                    sock = dealer()
+                    sock = dealer(SECRET)
                     sock.send(encode_message(Open(identity="rogue" + "0" * 27)))
                     ch = reply(sock)
                     assert isinstance(ch, Challenge)
@@ -423,6 +439,7 @@ def test_rogue_peers_are_refused_and_leave_the_request_untouched(llama_dir):
                         return s.decode.server.counters().get(key, 0) - base.get(key, 0)
 
                     await until(lambda: delta("unauthenticated") == sent_unauth
+                                and delta("unauthenticated.curve") >= 2
                                 and delta("refused.auth") == 2
                                 and delta("frames.foreign") == 3
                                 and delta("messages.foreign") == 2,
@@ -436,8 +453,9 @@ def test_rogue_peers_are_refused_and_leave_the_request_untouched(llama_dir):
                     m = exported(s.decode)
                     assert m[(REFUSED, "auth")] == 2 and m[(FRAMES, "foreign")] == 3
                     assert m[(FRAMES, "unauthenticated")] == sent_unauth > 0
-                    assert sum(v for (name, _), v in m.items()
-                               if name == STRANGERS) == sent_unauth  # by reason
+                    assert sum(v for (name, r), v in m.items()
+                               if name == STRANGERS and r != "curve") == sent_unauth
+                    assert m[(STRANGERS, "curve")] >= 2  # connections, not messages
                     # the victim is still waiting for the real worker, which is still alive
                     assert s.decode.num_attempts == 1 and "victim" in de.scheduler.remote
                     assert s.d.remote_outcomes == {}

@@ -350,6 +350,36 @@ def test_kv_frames_round_trip_payload_bytes_intact(algorithm):
         ("r1", 2, 5, [3, 4, 5])
 
 
+def test_kv_frame_payloads_travel_in_parts_of_a_fixed_size():
+    payload = os.urandom(3 * 1000 + 7)
+    parts = w.encode_kv_frame(request_id="r1", epoch=1, seq=0, first_block=0, num_blocks=1,
+                              first_token=0, num_tokens=4, layer_start=0, layer_end=2,
+                              dtype="float32", payload=payload, part_bytes=1000)
+    assert [len(p) for p in parts[1:]] == [1000, 1000, 1000, 7]
+    header, got = w.decode_kv_frame([bytes(p) for p in parts])
+    assert bytes(got) == payload and header.nbytes == len(payload)
+    # the default: one part up to KV_PART_BYTES, then parts of that size
+    assert len(_frame(payload=bytes(w.KV_PART_BYTES))) == 2
+    assert [len(p) for p in _frame(payload=bytes(w.KV_PART_BYTES + 1))[1:]] == \
+        [w.KV_PART_BYTES, 1]
+    with pytest.raises(w.FrameError) as e:  # an empty part among several
+        w.decode_kv_frame([parts[0], b"", *parts[1:]])
+    assert e.value.kind == "malformed"
+    with pytest.raises(w.FrameError) as e:  # over the receiver's limit: nothing joined
+        w.decode_kv_frame(parts, max_payload_bytes=len(payload) - 1)
+    assert e.value.kind == "size" and e.value.header.seq == 0
+    assert w.decode_kv_frame(parts, max_payload_bytes=len(payload))[0].nbytes == len(payload)
+
+
+def test_curve_keys_are_derived_from_the_secret():
+    a = w.curve_secret_key(SECRET, "server")
+    assert a == w.curve_secret_key(SECRET, "server") and len(a) == 32
+    assert a != w.curve_secret_key(SECRET, "client")
+    assert a != w.curve_secret_key(os.urandom(32), "server")
+    with pytest.raises(ValueError, match="secret"):
+        w.curve_secret_key(b"short", "server")
+
+
 def test_kv_frame_accepts_any_buffer():
     import array
 

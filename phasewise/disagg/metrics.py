@@ -41,13 +41,16 @@ class DisaggCollector:
                 refused.add_metric([self.model_name, rest], value)
         frames.add_metric([self.model_name, "unauthenticated"], counts.get("unauthenticated", 0))
         strangers = CounterMetricFamily(
-            PREFIX + "kv_unauthenticated_messages", "Messages the K/V port dropped from peers "
-            "that had not completed the handshake, by reason: oversized (over the few KiB a "
-            "handshake message needs: dropped unread), malformed (not a well-formed open or "
-            "hello: bad UTF-8 or JSON, nested too deeply), unexpected (several parts, or a "
-            "message other than an open or a hello). Their sum is "
-            "kv_frames{outcome=\"unauthenticated\"}.", labels=["model_name", "reason"])
-        for reason in PREAUTH_DROP_REASONS:
+            PREFIX + "kv_unauthenticated_messages", "What the K/V port refused from peers "
+            "that had not completed the handshake, by reason: curve (connections that failed "
+            "zmq's security handshake: no CURVE, or keys not derived from this secret; zmq "
+            "took no message from them), and messages from peers past it, dropped: oversized "
+            "(over the few KiB a handshake message needs: dropped unread), malformed (not a "
+            "well-formed open or hello: bad UTF-8 or JSON, nested too deeply), unexpected "
+            "(several parts, or a message other than an open or a hello). The sum of the "
+            "message reasons is kv_frames{outcome=\"unauthenticated\"}.",
+            labels=["model_name", "reason"])
+        for reason in ("curve", *PREAUTH_DROP_REASONS):
             strangers.add_metric([self.model_name, reason],
                                  counts.get(f"unauthenticated.{reason}", 0))
         tallies = self.side.tallies()

@@ -2,6 +2,14 @@
 
 Pure: no sockets, no torch. ``transport.py`` moves these bytes over pyzmq.
 
+Two layers guard a connection. Below, the K/V port speaks CurveZMQ (zmq's CURVE mechanism):
+both key pairs are derived from the shared secret (:func:`curve_secret_key`), and the server
+accepts only the client key derived from it, so a peer without the secret cannot complete
+zmq's own security handshake and no message of its reaches the application; every later
+message is encrypted and authenticated by zmq. Above, this module's handshake binds the
+connection to a worker: protocol version, layout, name and identity, with nonces against
+replay.
+
 Three kinds of traffic share one connection:
 
 - **Handshake** (``Open`` -> ``Challenge`` -> ``Hello`` -> ``Accept`` | ``Refuse``). The server
@@ -13,17 +21,16 @@ Three kinds of traffic share one connection:
   to a peer that proved it holds the key, a version (``version``) or any layout field
   (``layout.<field>``, naming both values) that differs from its own. Its ``Accept`` carries
   its own HMAC, so the client knows the server holds the key too, and the largest K/V frame
-  it takes (``max_frame_bytes``, under that HMAC). This authenticates peers at connect time;
-  it does not encrypt or sign every later message (run the KV network privately, or add
-  CurveZMQ). Handshake messages are small: a server reads at most :data:`PREAUTH_MAX_BYTES`
-  of a peer that has not completed it.
+  it takes (``max_frame_bytes``, under that HMAC). Handshake messages are small: a server
+  reads at most :data:`PREAUTH_MAX_BYTES` of a peer that has not completed it.
 - **Control messages**: frozen dataclasses encoded as compact JSON with sorted keys and a
   ``kind`` tag. :func:`decode_message` never evaluates anything: it refuses a message over
   its byte limit before reading it, JSON nested deeper than :data:`MAX_NESTING`, unknown
   kinds, unknown or missing fields and wrong types, naming the field.
-- **KV frames**: a two-part message, a JSON :class:`KVFrameHeader` plus the raw payload bytes.
-  The header names request, attempt epoch, per-attempt sequence number, block/token/layer
-  range, dtype, byte count and a checksum (``blake2b-128`` by default: 128 bits, so a random
+- **KV frames**: a multipart message, a JSON :class:`KVFrameHeader` then the raw payload bytes
+  in parts of :data:`KV_PART_BYTES` (the last one shorter; one part at least). The header
+  names request, attempt epoch, per-attempt sequence number, block/token/layer range, dtype,
+  byte count and a checksum (``blake2b-128`` by default: 128 bits, so a random
   corruption is missed with probability 2**-128; ``crc32`` is the faster, weaker option).
 
 :class:`FrameGate` is the receiver's single place that decides whether a frame may land.
@@ -47,11 +54,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 """Bumped on any change to a message's fields or meaning; peers must match exactly. 2: a
 heartbeat carries the sender's queue, and the server answers each one. 3: the challenge
 carries no layout (the server compares layouts after checking the hello's MAC), the accept
-carries ``max_frame_bytes``, and handshake and control messages have byte limits."""
+carries ``max_frame_bytes``, and handshake and control messages have byte limits. 4: the
+K/V port requires CURVE with keys derived from the secret (:func:`curve_secret_key`), and a
+K/V frame's payload travels in parts of :data:`KV_PART_BYTES`. A peer of version 3 or
+older cannot complete zmq's security handshake with a version 4 one."""
 
 ROLES = ("prefill", "decode", "router")
 """Roles a client may claim in its hello."""
@@ -87,6 +97,12 @@ DEFAULT_MAX_FRAME_BYTES = 64 << 20
 """Default largest K/V frame payload a K/V port takes (never less than one block of every
 layer); a prefill worker splits a larger chunk into frames of whole blocks."""
 
+KV_PART_BYTES = 256 << 10
+"""A K/V frame's payload travels in zmq message parts of this size (the last one shorter).
+The K/V port's zmq frame limit is this (plus CURVE's framing), not a whole frame: zmq reads
+a frame into memory before anything is authenticated, even a security handshake command, so
+this bounds what one connection of a stranger can make the port hold."""
+
 MIN_SECRET_BYTES = 16
 
 Buffer = bytes | bytearray | memoryview
@@ -106,8 +122,10 @@ class MessageError(ValueError):
 
 
 class HandshakeError(Exception):
-    """A handshake was refused. ``field`` is one of ``auth``, ``nonce``, ``version``, ``role``,
-    ``layout.<name>``, ``protocol`` (an unexpected message) or ``timeout``."""
+    """A handshake was refused. ``field`` is one of ``security`` (zmq's CURVE handshake
+    failed: a different secret, or a peer of another protocol version), ``auth``, ``nonce``,
+    ``version``, ``role``, ``layout.<name>``, ``size`` (this side's hello is too big),
+    ``protocol`` (an unexpected message) or ``timeout``."""
 
     def __init__(self, reason: str, field: str):
         super().__init__(f"handshake refused ({field}): {reason}")
@@ -119,8 +137,9 @@ FrameErrorKind = Literal["malformed", "size", "checksum"]
 
 
 class FrameError(Exception):
-    """A KV frame cannot be trusted. ``kind``: ``malformed`` (not two parts, bad header JSON,
-    unknown checksum algorithm), ``size`` (payload length != header ``nbytes``) or ``checksum``.
+    """A KV frame cannot be trusted. ``kind``: ``malformed`` (no payload part, an empty part
+    among several, bad header JSON, unknown checksum algorithm), ``size`` (payload length !=
+    header ``nbytes``, or over the receiver's limit) or ``checksum``.
     ``header`` is the parsed header when there was one, so the error can be attributed."""
 
     KINDS: ClassVar[tuple[str, ...]] = ("malformed", "size", "checksum")
@@ -688,9 +707,13 @@ def checksum(payload: Buffer, algorithm: str = "blake2b-128") -> str:
 def encode_kv_frame(*, request_id: str, epoch: int, seq: int, first_block: int,
                     num_blocks: int, first_token: int, num_tokens: int, layer_start: int,
                     layer_end: int, dtype: str, payload: Buffer,
-                    algorithm: str = "blake2b-128") -> list[Buffer]:
-    """``[header JSON, payload]``; ``nbytes`` and ``checksum`` are computed here. The payload
-    is passed through uncopied (anything with the buffer protocol)."""
+                    algorithm: str = "blake2b-128",
+                    part_bytes: int = KV_PART_BYTES) -> list[Buffer]:
+    """``[header JSON, payload part, ...]``: the payload cut every ``part_bytes`` (one part
+    when it is no bigger, or empty); ``nbytes`` and ``checksum`` are computed here. The
+    payload is not copied: its parts are views of it (anything with the buffer protocol)."""
+    if part_bytes < 1:
+        raise ValueError(f"part_bytes: must be >= 1, got {part_bytes}")
     view = memoryview(payload)
     if view.ndim != 1 or view.format != "B":
         view = view.cast("B")
@@ -699,26 +722,39 @@ def encode_kv_frame(*, request_id: str, epoch: int, seq: int, first_block: int,
         num_blocks=num_blocks, first_token=first_token, num_tokens=num_tokens,
         layer_start=layer_start, layer_end=layer_end, dtype=dtype, nbytes=view.nbytes,
         checksum=checksum(view, algorithm))
-    return [encode_message(header), payload]
+    if view.nbytes <= part_bytes:
+        return [encode_message(header), payload]
+    return [encode_message(header),
+            *(view[i:i + part_bytes] for i in range(0, view.nbytes, part_bytes))]
 
 
-def decode_kv_frame(parts: list[Buffer], *, max_header_bytes: int = MAX_CONTROL_BYTES
-                    ) -> tuple[KVFrameHeader, memoryview]:
-    """Check a received frame: two parts, a valid header (at most ``max_header_bytes``),
-    ``nbytes`` and checksum matching the payload. Returns the header and a byte view of the
-    payload; raises :class:`FrameError`."""
-    if len(parts) != 2:
-        raise FrameError("malformed", f"expected 2 parts (header, payload), got {len(parts)}")
+def decode_kv_frame(parts: list[Buffer], *, max_header_bytes: int = MAX_CONTROL_BYTES,
+                    max_payload_bytes: int | None = None) -> tuple[KVFrameHeader, memoryview]:
+    """Check a received frame: a valid header (at most ``max_header_bytes``), then one or more
+    payload parts, none empty unless it is the only one, whose lengths add up to the header's
+    ``nbytes`` (and to at most ``max_payload_bytes``, checked before anything is copied), and
+    the checksum. Returns the header and a byte view of the payload (of the part itself when
+    there is one, else of the parts joined); raises :class:`FrameError`."""
+    if len(parts) < 2:
+        raise FrameError("malformed", f"expected a header and payload parts, got {len(parts)} "
+                         "part(s)")
     try:
         header = decode_message(parts[0], max_bytes=max_header_bytes)
     except MessageError as e:
         raise FrameError("malformed", f"header: {e}") from None
     if not isinstance(header, KVFrameHeader):
         raise FrameError("malformed", f"header kind is {header.KIND!r}, not 'kv_frame'")
-    payload = memoryview(parts[1]).cast("B")
-    if payload.nbytes != header.nbytes:
-        raise FrameError("size", f"payload is {payload.nbytes} bytes, header says "
-                         f"{header.nbytes}", header)
+    views = [memoryview(p).cast("B") for p in parts[1:]]
+    if len(views) > 1 and any(v.nbytes == 0 for v in views):
+        raise FrameError("malformed", "an empty payload part among several", header)
+    total = sum(v.nbytes for v in views)
+    if max_payload_bytes is not None and total > max_payload_bytes:
+        raise FrameError("size", f"payload is {total} bytes, over the receiver's limit of "
+                         f"{max_payload_bytes}", header)
+    if total != header.nbytes:
+        raise FrameError("size", f"payload is {total} bytes, header says {header.nbytes}",
+                         header)
+    payload = views[0] if len(views) == 1 else memoryview(b"".join(views))
     algo = header.checksum.partition(":")[0]
     if not hmac.compare_digest(checksum(payload, algo), header.checksum):
         raise FrameError("checksum", f"{algo} of the payload does not match the header", header)
@@ -739,6 +775,22 @@ def check_secret(secret: bytes) -> None:
     """Raise ValueError unless ``secret`` is bytes of at least MIN_SECRET_BYTES."""
     if not isinstance(secret, bytes) or len(secret) < MIN_SECRET_BYTES:
         raise ValueError(f"secret: must be bytes of length >= {MIN_SECRET_BYTES}")
+
+
+CURVE_KEY_LABELS = {"server": b"phasewise kv curve server",
+                    "client": b"phasewise kv curve client"}
+"""What :func:`curve_secret_key` signs for each side. No protocol version in them: peers of
+two CURVE-speaking versions still meet, and hear ``version`` from the handshake above."""
+
+
+def curve_secret_key(secret: bytes, side: Literal["server", "client"]) -> bytes:
+    """The 32-byte Curve25519 secret key of ``side`` (``server``: the K/V port; ``client``:
+    every prefill worker): HMAC-SHA256 of the shared secret over the side's label. So every
+    holder of the secret knows both key pairs and nobody else knows either, with nothing new
+    to configure; the public keys follow (``zmq.curve_public`` of the Z85 encoding). Any 32
+    bytes are a valid Curve25519 secret key (the curve's scalar multiplication clamps it)."""
+    check_secret(secret)
+    return hmac.new(secret, CURVE_KEY_LABELS[side], hashlib.sha256).digest()
 
 
 def _mac(secret: bytes, purpose: str, challenge: Challenge, hello: Hello,

@@ -286,9 +286,14 @@ class DecodeSide(_Delegate):
         return group
 
     def _land(self, peer: str, header: Any, payload: memoryview) -> None:
-        """An admitted frame (on the transport's thread): to the engine thread, as bytes."""
+        """An admitted frame (on the transport's thread): to the engine thread, as bytes. The
+        view is only valid during the call, so it is copied, unless it spans a whole ``bytes``
+        (a payload the transport joined from its parts): immutable, so that is passed on."""
+        whole = payload.obj
+        data = (whole if type(whole) is bytes and len(whole) == payload.nbytes
+                else bytes(payload))
         self.backend.load_remote_kv(header.request_id, header.first_token, header.dtype,
-                                    self.layout.frame_shape(header), bytes(payload))
+                                    self.layout.frame_shape(header), data)
         with self._lock:
             t = self._transfers.get(header.request_id)
             if t is not None:
