@@ -131,9 +131,9 @@ class SamplingParams:
             raise bad("structured_output", "the JSON text of a spec, or None",
                       self.structured_output)
         if self.structured_output is not None:
-            from phasewise.engine.structured import parse_spec
+            from phasewise.engine.structured import check_spec
 
-            parse_spec(self.structured_output)
+            check_spec(self.structured_output)
 
     @property
     def greedy(self) -> bool:

@@ -39,6 +39,7 @@ BPE vocabularies).
 from __future__ import annotations
 
 import ctypes
+import functools
 import json
 import threading
 import time
@@ -59,9 +60,11 @@ MIN_COST_BYTES = 64 * 2**10
 # lexer's start-up work.
 STEP_LIMIT_S = 0.05
 FIRST_MASK_LIMIT_S = 1.0
-# Threads that compile grammars: llguidance recurses natively, and grammar_bounds keeps that
-# within 1 MiB of stack; these threads get 16 times as much, whatever the platform's default.
-COMPILE_STACK_BYTES = 16 * 2**20
+# Threads that compile grammars: llguidance recurses natively (by nesting and by the number of
+# a schema's properties), and what grammar_bounds lets through compiles within the checker
+# child's 8 MiB (grammar_check.CHILD_STACK_BYTES); these threads get 8 times that, whatever
+# the platform's default (address space only: pages are touched as the recursion goes).
+COMPILE_STACK_BYTES = 64 * 2**20
 # llguidance's limits (its defaults: 1M initial and 200k per-step lexer fuel, 50k Earley items
 # a step, 250k lexer states, large lexemes precomputed, verbose errors)
 LIMITS = dict(initial_lexer_fuel=200_000, step_lexer_fuel=100_000, step_max_items=20_000,
@@ -90,6 +93,25 @@ def spec_json(kind: str, value: Any = None) -> str:
         return json.dumps(spec, ensure_ascii=False)
     except RecursionError:
         raise TooDeep("the schema is nested too deeply") from None
+
+
+@functools.lru_cache(maxsize=64)
+def _shape_checked(text: str) -> str | None:
+    """What is wrong with the shape of a ``structured_output`` text, or None: remembered,
+    since each of a request's n samples checks the same (possibly large) text."""
+    try:
+        parse_spec(text, "")
+    except ValidationError as e:
+        return str(e).removeprefix(": ")
+    return None
+
+
+def check_spec(text: str, param: str = "structured_output") -> None:
+    """``parse_spec``'s verdict on ``text`` without building the spec again for a text seen
+    lately; raises ``ValidationError`` naming ``param``."""
+    problem = _shape_checked(text)
+    if problem is not None:
+        raise ValidationError(f"{param}: {problem}", param)
 
 
 def parse_spec(text: str, param: str = "structured_output") -> dict[str, Any]:
@@ -300,7 +322,8 @@ class GrammarCompiler:
         """A matcher for ``text`` (a ``structured_output``); raises ``ValidationError``
         naming ``param`` for a constraint that does not parse, is over a bound
         (``grammar_bounds``) or does not compile. ``cost_bytes``: the memory it is known
-        to take (a server's check measured it); else what the compile took here."""
+        to take when a server's check measured it (that check applied the bounds, so they
+        are not walked again here, holding the GIL); else what the compile took here."""
         with self._lock:
             entry = self._compiled.get(text)
             if entry is not None:
@@ -308,7 +331,8 @@ class GrammarCompiler:
         if entry is not None:
             return Matcher(entry[0].deep_copy(), self.vocab_size)
         spec = parse_spec(text, param)
-        check_bounds(spec, param)
+        if cost_bytes is None:
+            check_bounds(spec, param)
         llg = _llguidance()
         if self._limits is None:
             self._limits = llg.LLParserLimits(**LIMITS)

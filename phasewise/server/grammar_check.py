@@ -3,8 +3,8 @@
 llguidance compiles grammars in native code. ``grammar_bounds`` refuses what is known to
 overflow its stack or blow up its lexer, but a process that runs a stranger's grammar must
 survive what no bound foresaw. So each check runs in a child process (``python -m
-phasewise.server.grammar_check``): it compiles the grammar on a 1 MiB stack (the server
-compiles on 16 MiB, ``structured.COMPILE_STACK_BYTES``, so what passes here cannot overflow
+phasewise.server.grammar_check``): it compiles the grammar on an 8 MiB stack (the server
+compiles on 64 MiB, ``structured.COMPILE_STACK_BYTES``, so what passes here cannot overflow
 there), computes its first mask, then walks ``WALK_STEPS`` tokens it allows, timing each
 mask, under a memory cap (``RLIMIT_AS``). What it reports decides the request:
 
@@ -44,7 +44,7 @@ from phasewise.server.child import Child, ChildDied, ChildTimeout, serve
 log = logging.getLogger("phasewise.server")
 
 WALK_STEPS = 16
-CHILD_STACK_BYTES = 2**20
+CHILD_STACK_BYTES = 8 * 2**20
 MAX_GRAMMAR_BYTES = 64 * 2**20
 
 
@@ -263,9 +263,6 @@ class GrammarChecker:
             if job.future.done():  # its client left
                 continue
             try:
-                if self.setup["bounds"]:  # here, not on the event loop: linear in its size
-                    structured.check_bounds(structured.parse_spec(job.text, job.param),
-                                            job.param)
                 answer = (["ok", job.passed] if job.passed is not None
                           else self._run(child, job.text))
                 if answer[0] == "ok" and self.warm is not None:
@@ -301,7 +298,7 @@ class GrammarChecker:
                 return ["bad", "the grammar's compiler ran out of the memory a request may "
                         f"use ({self.setup['memory'] / 2**20:.0f} MB) and stopped; simplify it"]
             return ["bad", f"the grammar crashed its compiler ({e}); simplify it (deep "
-                    "nesting is the usual cause)"]
+                    "nesting or a very large schema are the usual causes)"]
         answer = json.loads(frames[0])
         if answer[0] == "memory":
             child.kill()
