@@ -45,6 +45,14 @@ LARGE = [
          **({"name": "n"} if i % 7 == 0 else {})} for i in range(3000)],
         "max_tokens": 5, "tools": [{"type": "function", "function": {
             "name": f"f{i}", "parameters": {"type": "object"}}} for i in range(20)]}),
+    # items of different shapes, each pickled on its own (one unpickler's memo across them
+    # would mix their parts)
+    ("ChatCompletionRequest", {"messages": [
+        [{"role": "user", "content": [{"type": "text", "text": f"part {i}", "x": {"k": [i]}}]},
+         {"role": "assistant", "content": None, "tool_calls": [{"id": f"c{i}", "function": {
+             "name": "f", "arguments": "{}"}}]},
+         {"role": "tool", "tool_call_id": f"c{i}", "content": "ok", "extra": {"a": None}},
+         {"role": "system", "content": "s", "name": f"n{i}"}][i % 4] for i in range(1200)]}),
     ("CompletionRequest", {"prompt": [[(i * j) % 500 for i in range(900)] for j in range(40)],
                            "n": 2, "stop": ["a", "b"], "max_tokens": 3}),
     ("CompletionRequest", {"prompt": "x = 1\n" * 20_000, "guided_json": {
@@ -56,7 +64,8 @@ LARGE = [
 ]
 
 
-@pytest.mark.parametrize("name, body", LARGE, ids=[n for n, _ in LARGE])
+@pytest.mark.parametrize("name, body", LARGE, ids=[f"{n}-{i}" for i, (n, _) in
+                                                    enumerate(LARGE)])
 def test_a_large_body_comes_back_as_validation_on_the_loop_gives_it(parser, name, body):
     raw = json.dumps(body).encode()
     assert len(raw) > bodies.INLINE_BYTES
@@ -118,3 +127,39 @@ def test_the_event_loop_serves_other_work_while_a_large_body_validates(parser):
 
     asyncio.run(main())
     assert events == ["other work done", "large body validated"]
+
+
+def test_a_large_body_the_model_could_never_serve_is_refused_in_the_child():
+    """With the served model's limits the child refuses, with the route's own errors, what
+    the route would refuse only after walking or templating it (the server's process never
+    builds it); what fits comes back."""
+    from phasewise.server.admission import Limits
+    from phasewise.server.errors import ApiError
+
+    parser = BodyParser(Limits(max_model_len=1024, max_prompt_chars=20_000, max_waiting=64))
+
+    def refused(name, body):
+        raw = json.dumps(body).encode()
+        assert len(raw) > bodies.INLINE_BYTES
+        with pytest.raises(ApiError) as e:
+            asyncio.run(parser.parse(name, raw))
+        return e.value
+
+    try:
+        err = refused("ChatCompletionRequest",
+                      {"messages": [{"role": "user", "content": ""}] * 5000})
+        assert (err.status, err.param, err.code) == (400, "messages",
+                                                     "context_length_exceeded")
+        assert "5000 messages" in err.message
+        err = refused("CompletionRequest", {"prompt": [7] * 9000})
+        assert (err.param, err.code) == ("prompt", "context_length_exceeded")
+        err = refused("CompletionRequest", {"prompt": ["x" * 30_000]})
+        assert (err.param, err.code) == ("prompt", "context_length_exceeded")
+        err = refused("CompletionRequest", {"prompt": [[7] * 20] * 500, "n": 2})
+        assert err.code == "invalid_combination"
+        err = refused("ResponsesRequest", {"input": [{"role": "user", "content": "x"}] * 2000})
+        assert (err.param, err.code) == ("input", "context_length_exceeded")
+        fits = json.dumps({"messages": [{"role": "user", "content": "hi"}] * 900}).encode()
+        assert len(asyncio.run(parser.parse("ChatCompletionRequest", fits)).messages) == 900
+    finally:
+        parser.close()

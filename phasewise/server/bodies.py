@@ -14,7 +14,10 @@ chat messages took the loop for over a second, and every other stream stalled as
   longer (one message, one prompt's token ids: ``benchmarks/bench_event_loop.py``).
 
 An invalid body is answered by the child with pydantic's errors, which become the same 400
-as FastAPI's own validation gives (``errors.validation_error``). ``parse`` is what routes
+as FastAPI's own validation gives (``errors.validation_error``). A valid one the served model
+could never take (more messages than its context has tokens, a prompt longer than its
+context: ``admission.precheck``) is refused there too, with the route's own error, so the
+server's process never builds a huge body it would only refuse after walking it. ``parse`` is what routes
 call, in place of FastAPI's body parameters; ``request_body`` documents the body in the
 OpenAPI document as FastAPI would have.
 """
@@ -22,6 +25,7 @@ OpenAPI document as FastAPI would have.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import io
 import json
 import pickle
@@ -33,6 +37,7 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, TypeAdapter
 from pydantic import ValidationError as PydanticValidationError
 
+from phasewise.server.admission import Limits, precheck
 from phasewise.server.child import Child, ChildDied, ChildTimeout, serve
 from phasewise.server.errors import ApiError
 
@@ -141,6 +146,9 @@ def _handle(frame: bytes) -> list[bytes]:
     name, _, raw = frame.partition(b"\0")
     try:
         model = validate(name.decode(), raw)
+        limits = _state.get("limits")
+        if limits is not None:
+            precheck(name.decode(), model, limits)
     except RequestValidationError as e:
         errors = [{k: _trim(v) if k == "input" else v for k, v in err.items()
                    if k in ("type", "loc", "msg", "ctx", "input")} for err in e.errors()]
@@ -157,19 +165,29 @@ def _handle(frame: bytes) -> list[bytes]:
     return [json.dumps(layout).encode(), *pieces]
 
 
+_state: dict[str, Any] = {}
+
+
 def _setup(frame: bytes) -> None:
+    limits = json.loads(frame)
+    if limits:
+        _state["limits"] = Limits(**limits)
     _body_types()  # imported once, before the first body
 
 
 # -- the parent ------------------------------------------------------------------------------
 class BodyParser:
-    """See the module. ``processes``: children validating large bodies at once."""
+    """See the module. ``limits``: the served model's (``admission.precheck`` refuses in the
+    child a large body it could never serve); ``processes``: children validating large
+    bodies at once."""
 
-    def __init__(self, processes: int = 1, timeout_s: float = 60.0) -> None:
+    def __init__(self, limits: Limits | None = None, processes: int = 1,
+                 timeout_s: float = 60.0) -> None:
         self.timeout_s = timeout_s
         self._idle: queue.Queue[Child] = queue.Queue()
+        setup = json.dumps(dataclasses.asdict(limits) if limits else {}).encode()
         for _ in range(processes):
-            self._idle.put(Child("phasewise.server.bodies", b"{}"))
+            self._idle.put(Child("phasewise.server.bodies", setup))
         self._children = list(self._idle.queue)
         self._pool = ThreadPoolExecutor(processes, thread_name_prefix="phasewise-body")
         self._closed = False
@@ -224,12 +242,10 @@ def _assemble(frames: list[bytes]) -> Any:
     for name, count in layout["lists"]:
         items: list[Any] = []
         for frame in frames[i:i + count]:
-            loader = pickle.Unpickler(io.BytesIO(frame))  # noqa: S301 - as above
-            while True:
-                try:
-                    items.append(loader.load())
-                except EOFError:
-                    break
+            buf = io.BytesIO(frame)
+            while buf.tell() < len(frame):
+                # an unpickler an item: each was pickled on its own, its memo from 0
+                items.append(pickle.Unpickler(buf).load())  # noqa: S301 - as above
         i += count
         model.__dict__[name] = items  # the child validated the list as a whole
     return model

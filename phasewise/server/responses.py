@@ -40,6 +40,7 @@ from pydantic import Field, PrivateAttr, model_validator
 from phasewise.engine.backend import EngineError, EngineStopped, RequestGroup
 from phasewise.engine.outputs import RequestOutput
 from phasewise.engine.sampling_params import MAX_INT32
+from phasewise.server.admission import check_messages
 from phasewise.server.errors import field_error
 from phasewise.server.guard import access_record
 from phasewise.server.protocol import (COMBINATION, Bool, Float, Int, JsonSchemaFormat, Str,
@@ -262,6 +263,8 @@ async def create(routes: Any, body: ResponsesRequest, request: Request) -> Respo
     """The route's handler (``routes``: the server's ``Routes``)."""
     arrival = time.monotonic()
     routes.check_model(body.model)
+    if not isinstance(body.input, str):
+        check_messages(len(body.input), "input", routes.limits)
     msgs = body.messages()
     routes._check_chars(sum(len(m["content"]) for m in msgs), "input")
     text, ids = await routes._off_loop(routes._chat_ids, msgs, True, False, None)
