@@ -79,6 +79,9 @@ class ConnectionLimits:
                                 min(self.max_connections_per_address, room))
 
 
+_LINGER_S = 2.0
+
+
 def _refusal(status: int, reason: str, message: str, code: str) -> bytes:
     body = json.dumps({"error": {"message": message, "type": "invalid_request_error"
                                  if status < 500 else "server_error", "param": None,
@@ -102,6 +105,7 @@ def guarded_protocol(limits: ConnectionLimits) -> type:
             super().connection_made(transport)
             self._addr = self.client[0] if self.client else ""
             self._counted = False
+            self._refused = False
             self._header_timer: asyncio.TimerHandle | None = None
             self._body_timer: asyncio.TimerHandle | None = None
             if len(self.connections) > limits.max_connections:
@@ -119,10 +123,21 @@ def guarded_protocol(limits: ConnectionLimits) -> type:
             self._arm_header_timer()
 
         def _refuse(self, status: int, reason: str, message: str, code: str) -> None:
-            counts["refused"] += 1
-            if not self.transport.is_closing():
-                self.transport.write(_refusal(status, reason, message, code))
-                self.transport.close()
+            """Answer, then close. Closing with the client's bytes unread would make the
+            kernel send a reset, which can overtake the answer: so the write side is shut
+            and what still arrives is read and dropped, for at most ``_LINGER_S``."""
+            if status != 408:
+                counts["refused"] += 1
+            self._refused = True
+            transport = self.transport
+            if transport.is_closing():
+                return
+            transport.write(_refusal(status, reason, message, code))
+            if transport.can_write_eof():
+                transport.write_eof()
+                self.loop.call_later(_LINGER_S, transport.close)
+            else:
+                transport.close()
 
         def _count(self, on: bool) -> None:
             if on == self._counted:
@@ -158,6 +173,8 @@ def guarded_protocol(limits: ConnectionLimits) -> type:
                 self.transport.close()  # the route, if it waits for the body, sees it go
 
         def data_received(self, data: bytes) -> None:
+            if self._refused:  # answered already: read and dropped until the close
+                return
             super().data_received(data)
             self._follow()
 
