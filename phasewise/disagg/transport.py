@@ -23,18 +23,44 @@ keys), so what crosses the K/V network can be neither read nor altered nor injec
 anyone without the secret. It costs CPU: the sender encrypts and the receiver decrypts every
 K/V byte once, each on its endpoint's zmq I/O thread (so one connection's rate is bounded
 by one core's). Measured on 127.0.0.1 on a 2-core AMD EPYC (32 MiB frames, checksums and the
-decode side's copy included): about 0.37 GB/s with CURVE against 0.46 GB/s without, about
-1.2 CPU-seconds more per GiB for both sides together.
+decode side's copy included): about 0.36 GB/s with CURVE against 0.46 GB/s without, about
+1.2 CPU-seconds more per GiB for both sides together. zmq handles each message part on its
+own, so the part size (:data:`~phasewise.disagg.wire.KV_PART_BYTES`) is a trade: 64 KiB
+parts cost about 2-4% of that rate and 5% more CPU against 256 KiB ones (interleaved runs),
+32 or 48 KiB parts about 12%, and a part is what a stranger's connection can make the port
+hold (below).
 
 What a stranger can make the process hold. libzmq reads a frame into memory of the size its
 header declares (up to ``ZMQ_MAXMSGSIZE``, checked against that header; a bigger one drops
 the connection unread) before anything else happens to it, even during the security
-handshake. So the port's zmq limit is one message part:
-:data:`~phasewise.disagg.wire.KV_PART_BYTES` plus CURVE's framing (a K/V frame's payload
-travels in parts of that size; control messages are smaller still). A stranger's
-connection holds at most that much, until its handshake command is read and refused or
-zmq's handshake interval (30 s) ends it; zmq buffers a multipart message whole, whatever
-its number of parts, only after the security handshake, for a peer that holds the secret.
+handshake, and that limit is per socket, not per handshake state. So the port's zmq limit,
+:data:`PORT_FRAME_LIMIT`, is one message part: :data:`~phasewise.disagg.wire.KV_PART_BYTES`
+(64 KiB) plus CURVE's framing (a K/V frame's payload travels in parts of that size; control
+messages are no bigger). A connection that has not completed the security handshake holds
+at most one such frame plus libzmq's own state for a connection (about 14 KiB more,
+measured: its read buffer, the handshake's), about 80 KB in all, and for at most
+:data:`SECURITY_HANDSHAKE_S` seconds: zmq's handshake interval, after which zmq drops it (a
+real handshake takes milliseconds; its slowest step is the ZAP answer from this module's
+I/O thread). zmq caps neither how many connections a port accepts nor how many are in their
+handshake, and the port cannot do it without racing zmq: ``ZMQ_MAX_SOCKETS`` counts zmq
+sockets, not connections; the socket monitor names an accepted connection's descriptor but
+not which connection a handshake event is about, and shutting a descriptor down behind
+zmq's back could hit one the process has reused meanwhile. So the bound is (connections) x
+(about 80 KB), each for at most that interval: a stranger who keeps 1,000 connections open
+by reopening them makes the port hold about 80 MB, and what bounds their number is the
+process's descriptor limit and who can reach the port. zmq buffers a multipart message
+whole, whatever its number of parts, only after the security handshake, for a peer that
+holds the secret.
+
+Memory handed back. libzmq frees what a refused connection held, but glibc keeps freed heap
+pages in the process (and once its mmap threshold has risen, as a large process's big frees
+make it, even a frame's buffer comes from the heap), so a flood's peak would stay resident
+for good. So, once refused connections could have held :data:`HEAP_TRIM_AFTER_BYTES` in all,
+the server's I/O thread calls glibc's ``malloc_trim(0)``, a second after the first of them
+(libzmq has freed their buffers by then) and at most once every
+:data:`HEAP_TRIM_INTERVAL` seconds (it walks every arena: tens of milliseconds in a large
+process, with the GIL released); each such call is counted as ``heap_trims``. Without
+glibc nothing is done.
 
 Server side, per connection, for a peer past the security handshake: until this module's
 handshake (see :mod:`phasewise.disagg.wire`) succeeds, a message is judged by its shape before
@@ -77,9 +103,11 @@ most :data:`~phasewise.disagg.wire.MAX_CONTROL_BYTES` of a message or frame head
 
 from __future__ import annotations
 
+import ctypes
 import hmac
 import json
 import logging
+import os
 import queue
 import random
 import threading
@@ -151,6 +179,29 @@ _CURVE_FRAMING = 64
 flags byte and the MAC), rounded up: zmq checks ``ZMQ_MAXMSGSIZE`` against the encrypted
 part."""
 
+PORT_FRAME_LIMIT = max(KV_PART_BYTES, MAX_CONTROL_BYTES) + _CURVE_FRAMING
+"""The K/V port's ``ZMQ_MAXMSGSIZE``: the largest frame zmq reads from anyone, a security
+handshake command included, so what one stranger's connection can make the port hold."""
+
+SECURITY_HANDSHAKE_S = 5.0
+"""zmq's handshake interval on both ends (``ZMQ_HANDSHAKE_IVL``): a connection that has not
+completed the security handshake by then is dropped. A real one takes milliseconds (the
+ZAP answer comes from the server's I/O thread, which never waits on the engine); a
+stranger's holds up to :data:`PORT_FRAME_LIMIT` for this long. The client gives up as soon
+as the server would, so zmq reconnects rather than waits on a handshake that cannot
+succeed."""
+
+HEAP_TRIM_INTERVAL = 5.0
+"""Seconds at least between two hand-backs of freed heap after refused connections."""
+
+HEAP_TRIM_AFTER_BYTES = 4 << 20
+"""Hand freed heap back once refused connections could have held this much in all (each
+:data:`PORT_FRAME_LIMIT`): fewer cannot have left enough to be worth walking the heap."""
+
+_TRIM_SETTLE_S = 1.0
+"""Seconds from a refusal to the hand-back that covers it: zmq reports a failed handshake
+just before it frees that connection's buffers, on its own thread."""
+
 _SECURITY_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                     | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 """Monitor events for a connection that did not get through zmq's security handshake."""
@@ -167,6 +218,27 @@ def _security_failure(event: int, value: int) -> str:
             return "the client's handshake does not decrypt with the server's key"
         return f"ZMTP protocol error {value:#x}"
     return "the connection was closed during it"
+
+
+def _heap_trimmer() -> Callable[[], object] | None:
+    """glibc's ``malloc_trim(0)`` (hands the free pages of every arena back to the system),
+    or None where the C library has none."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim  # TypeError on Windows: no such library handle
+    except (OSError, AttributeError, TypeError):
+        return None
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return lambda: trim(0)
+
+
+def _rss_mb() -> float | None:
+    """This process's resident memory in MB (Linux), for a log line."""
+    try:
+        with open("/proc/self/statm") as f:
+            pages = int(f.read().split()[1])
+        return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
 
 
 def _curve_keys(secret: bytes) -> dict[str, tuple[bytes, bytes]]:
@@ -471,6 +543,12 @@ class KVServer(_Endpoint):
         self._by_name: dict[str, str] = {}
         self._counts: dict[str, int] = {}
         self._quiet_until: dict[str, float] = {}  # topic -> no warning before (monotonic)
+        # refused connections whose freed buffers no hand-back has covered yet, the first's
+        # time, and when the next hand-back may run (the I/O thread's own)
+        self._trim = _heap_trimmer()
+        self._untrimmed = 0
+        self._untrimmed_since = 0.0
+        self._next_trim = 0.0
         keys = _curve_keys(secret)
         self._client_key = z85.decode(keys["client"][0])
         self._ctx = zmq.Context()
@@ -489,10 +567,11 @@ class KVServer(_Endpoint):
             self._router.setsockopt(zmq.ZAP_DOMAIN, ZAP_DOMAIN)
             self._router.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
             # libzmq checks each frame's declared size against this before buffering it, for
-            # every peer alike and during the security handshake too (set before bind: a
-            # listener keeps the value it was bound with). One message part, not a K/V frame.
-            self._router.setsockopt(zmq.MAXMSGSIZE,
-                                    max(KV_PART_BYTES, MAX_CONTROL_BYTES) + _CURVE_FRAMING)
+            # every peer alike and during the security handshake too, and drops a connection
+            # whose handshake is not done in time (both set before bind: a listener keeps the
+            # values it was bound with). One message part, not a K/V frame.
+            self._router.setsockopt(zmq.MAXMSGSIZE, PORT_FRAME_LIMIT)
+            self._router.setsockopt(zmq.HANDSHAKE_IVL, int(SECURITY_HANDSHAKE_S * 1000))
             self._monitor = self._router.get_monitor_socket(_SECURITY_FAILED)
             try:
                 self._router.bind(_bind_address(bind))
@@ -564,7 +643,8 @@ class KVServer(_Endpoint):
         and ``unauthenticated.<reason>`` (``oversized``, ``malformed``, ``unexpected``),
         ``unauthenticated.curve`` (connections that failed zmq's security handshake: they
         sent no message, so they are not in ``unauthenticated``), ``messages.<outcome>``,
-        ``peers.<state>``, ``heartbeats``, ``send_failed``."""
+        ``peers.<state>``, ``heartbeats``, ``send_failed``, ``heap_trims`` (freed heap handed
+        back after refused connections)."""
         with self._lock:
             out = dict(self._counts)
         out.update({f"frames.{k}": v for k, v in self.gate.counters().items()})
@@ -624,6 +704,7 @@ class KVServer(_Endpoint):
                         # goes back now, not when the next message arrives
                         del msg
                 self._check_liveness()
+                self._give_back_heap()
         finally:
             # the port first: with the ZAP handler gone, an enforced domain refuses anyone,
             # but nothing should depend on that
@@ -667,6 +748,9 @@ class KVServer(_Endpoint):
             event, value = int(ev["event"]), int(ev["value"])
             if not event & _SECURITY_FAILED:
                 continue
+            if not self._untrimmed:
+                self._untrimmed_since = time.monotonic()
+            self._untrimmed += 1
             why = _security_failure(event, value)
             with self._lock:
                 n = self._counts["unauthenticated.curve"] = (
@@ -679,6 +763,26 @@ class KVServer(_Endpoint):
                             "this secret, or of another phasewise version; at most one "
                             "such line per %.0fs)", self.endpoint, n, why,
                             PREAUTH_LOG_INTERVAL)
+
+    def _give_back_heap(self) -> None:
+        """Hand the heap freed by refused connections back to the system (see the module's
+        "Memory handed back"): a flood still going is covered every HEAP_TRIM_INTERVAL, the
+        end of one within about a second."""
+        if self._trim is None or self._untrimmed * PORT_FRAME_LIMIT < HEAP_TRIM_AFTER_BYTES:
+            return
+        now = time.monotonic()
+        if now < self._next_trim or now - self._untrimmed_since < _TRIM_SETTLE_S:
+            return
+        refused, self._untrimmed = self._untrimmed, 0
+        self._next_trim = now + HEAP_TRIM_INTERVAL
+        before = _rss_mb()
+        self._trim()
+        self._count("heap_trims")
+        after = _rss_mb()
+        if before is not None and after is not None:
+            log.debug("K/V port %s: after %d refused connections, handed %.0f MB of freed "
+                      "heap back (resident %.0f -> %.0f MB)", self.endpoint, refused,
+                      before - after, before, after)
 
     def _on_message(self, msg: list[zmq.Frame]) -> None:
         rid = msg[0].bytes
@@ -917,6 +1021,7 @@ class KVClient(_Endpoint):
             self._dealer.setsockopt(zmq.CURVE_SERVERKEY, keys["server"][0])
             self._dealer.setsockopt(zmq.CURVE_PUBLICKEY, keys["client"][0])
             self._dealer.setsockopt(zmq.CURVE_SECRETKEY, keys["client"][1])
+            self._dealer.setsockopt(zmq.HANDSHAKE_IVL, int(SECURITY_HANDSHAKE_S * 1000))
             monitor = self._dealer.get_monitor_socket(
                 zmq.EVENT_HANDSHAKE_SUCCEEDED | _SECURITY_FAILED)
             try:
