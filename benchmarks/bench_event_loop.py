@@ -81,7 +81,7 @@ def run_case(url: str, send) -> tuple[float, float, float]:
 
 
 def post(url: str, path: str, body: object) -> None:
-    content = json.dumps(body).encode()
+    content = json.dumps(body, separators=(",", ":")).encode()  # compact: under 8 MiB
     r = httpx.post(url + path, content=content, timeout=300,
                    headers={"content-type": "application/json"})
     print(f"    {path} ({len(content) / 1e6:.1f} MB) -> {r.status_code}", file=sys.stderr)
@@ -99,12 +99,34 @@ CASES = {
     "n=16 x 8 prompts, 60 tokens, logprobs 20": lambda u: post(u, "/v1/completions", {
         "prompt": [[5, 6]] * 8, "n": 16, "max_tokens": 60, "ignore_eos": True,
         "temperature": 1, "logprobs": 20}),
+    # issue 46's hostile client
+    "7.7 MiB: 280,000 empty chat messages": lambda u: post(u, "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": ""}] * 280_000, "max_tokens": 4}),
+    "4 x 7.7 MiB of empty chat messages at once": lambda u: together(*[
+        lambda: post(u, "/v1/chat/completions", {
+            "messages": [{"role": "user", "content": ""}] * 280_000, "max_tokens": 4})] * 4),
+    "8 MB of token ids to /v1/completions": lambda u: post(u, "/v1/completions", {
+        "prompt": [7] * 4_000_000, "max_tokens": 1}),
+    "guided_regex (a{1000}){1000}, n=16": lambda u: post(u, "/v1/completions", {
+        "prompt": "x", "n": 16, "max_tokens": 30, "guided_regex": "(a{1000}){1000}"}),
+    "guided_regex (a{100}){100}, n=16": lambda u: post(u, "/v1/completions", {
+        "prompt": "x", "n": 16, "max_tokens": 30, "guided_regex": "(a{100}){100}"}),
 }
+
+
+def together(*sends) -> None:
+    threads = [threading.Thread(target=s) for s in sends]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="checkpoint folder (default: bundled)")
+    ap.add_argument("--cases", nargs="*", default=None,
+                    help="run only the cases whose names contain one of these strings")
     a = ap.parse_args()
     log = Path(tempfile.mkdtemp()) / "server.log"
     server = start_server(Path(a.model) if a.model else None, log, "--log-interval", "0",
@@ -117,6 +139,8 @@ def main() -> int:
         print(f"{'baseline (no hostile request)':44} {base_gap * 1e3:10.1f}ms {1.0:10.1f} "
               f"{base_lat * 1e3:14.1f}ms {1.0:10.1f}   (median gap {base_med * 1e3:.1f} ms)")
         for name, send in CASES.items():
+            if a.cases and not any(c in name for c in a.cases):
+                continue
             gap, _, lat = run_case(server.url, send)
             print(f"{name:44} {gap * 1e3:10.1f}ms {gap / base_gap:10.1f} "
                   f"{lat * 1e3:14.1f}ms {lat / base_lat:10.1f}")
