@@ -6,8 +6,9 @@ requests x keys x query heads / KV heads x head size, it times what runs here of
 * ``keys-lanes``: the AVX512_BF16 kernel with 16 keys in the vector lanes (``attend_group_kl``;
   the engine's choice for up to 8 query heads a KV head where the CPU has AVX512_BF16 and no
   AMX);
-* ``heads-lanes``: the same kernel with the query heads in the lanes (``pw_dpa_kl = 0``; the
-  engine's choice for 9-16 heads a KV head);
+* ``heads-lanes``: the same kernel with the query heads in the lanes
+  (``pw_avx512bf16_attn_kl = 0``, a switch of the benchmark build: ``kernels.use_bench_build``;
+  the engine's choice for 9-16 heads a KV head);
 * ``amx``: the AMX tile kernel (where the CPU has AMX: the engine's choice there);
 * ``avx2``: the 8-lane fp32 kernel of CPUs without either;
 * ``torch``: phasewise's torch path (the context's blocks gathered, then torch's attention in
@@ -17,7 +18,7 @@ Prefill (a prompt's causal attention, its K/V already in the paged cache), for e
 length and head shape:
 
 * ``kernel``: phasewise's kernel here (``pw_prefill_attention_amx`` with AMX, else
-  ``pw_prefill_attention_dp``);
+  ``pw_prefill_attention_avx512bf16``);
 * ``torch-sdpa``: ``F.scaled_dot_product_attention`` (causal, bf16) on contiguous K/V, no
   gather: torch's best case.
 
@@ -44,10 +45,11 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_disagg import machine_info, machine_line  # noqa: E402
 
-from phasewise.model import cpu_kernels  # noqa: E402
+from phasewise.model.cpu import kernels as cpu_kernels  # noqa: E402
 from phasewise.model.attention import AttentionMetadata, PrefillSpan  # noqa: E402
-from phasewise.model.linear import LinearDispatch  # noqa: E402
-from phasewise.model.ops import CpuKernelOps, TorchOps  # noqa: E402
+from phasewise.model.cpu.linear import LinearDispatch  # noqa: E402
+from phasewise.model.cpu.ops import CpuKernelOps
+from phasewise.model.ops import TorchOps  # noqa: E402
 
 BS = 16  # the engine's block size
 # requests, keys a request, query heads, KV heads, head size
@@ -84,20 +86,20 @@ class Switch:
 
     def __enter__(self) -> None:
         for name, value in self.settings.items():
-            if name == "dp_attention":
-                self.lib.pw_enable_dp_attention(value)
+            if name == "avx512bf16_attention":
+                self.lib.pw_enable_avx512bf16_attention(value)
             elif name == "avx512":
                 self.lib.pw_enable_avx512(value)
             else:
                 ctypes.c_int.in_dll(self.lib, name).value = value
 
     def __exit__(self, *exc) -> None:
-        amx, dp = cpu_kernels.amx_available(), cpu_kernels.dp_available()
+        amx, bf16dp = cpu_kernels.amx_available(), cpu_kernels.avx512bf16_available()
         if amx:
             self.lib.pw_enable_avx512(1)
-        if dp:
-            self.lib.pw_enable_dp_attention(0 if amx else 1)
-            ctypes.c_int.in_dll(self.lib, "pw_dpa_kl").value = 1
+        if bf16dp:
+            self.lib.pw_enable_avx512bf16_attention(0 if amx else 1)
+            ctypes.c_int.in_dll(self.lib, "pw_avx512bf16_attn_kl").value = 1
 
 
 def decode_methods(lib: ctypes.CDLL) -> dict[str, dict[str, int] | None]:
@@ -106,10 +108,10 @@ def decode_methods(lib: ctypes.CDLL) -> dict[str, dict[str, int] | None]:
     if cpu_kernels.amx_available():
         out["amx"] = {}
         out["avx2"] = {"avx512": 0}
-    elif cpu_kernels.dp_available():
-        out["keys-lanes"] = {"pw_dpa_kl": 1}
-        out["heads-lanes"] = {"pw_dpa_kl": 0}
-        out["avx2"] = {"dp_attention": 0}
+    elif cpu_kernels.avx512bf16_available():
+        out["keys-lanes"] = {"pw_avx512bf16_attn_kl": 1}
+        out["heads-lanes"] = {"pw_avx512bf16_attn_kl": 0}
+        out["avx2"] = {"avx512bf16_attention": 0}
     else:
         out["avx2"] = {}
     out["torch"] = None
@@ -171,7 +173,7 @@ def bench_decode(lib: ctypes.CDLL, cases: list, rounds: int) -> None:
 
 
 def bench_prefill(lib: ctypes.CDLL, cases: list, rounds: int) -> None:
-    if not (cpu_kernels.amx_available() or cpu_kernels.dp_available()):
+    if not (cpu_kernels.amx_available() or cpu_kernels.avx512bf16_available()):
         print("prefill attention: no AMX or AVX512_BF16 kernel on this CPU (torch's SDPA runs)")
         return
     ops = CpuKernelOps(LinearDispatch(kernel_max_rows=8, large="torch"))
@@ -216,6 +218,7 @@ def main() -> None:
     a = p.parse_args()
     if a.rounds < 1:
         p.error(f"--rounds must be at least 1; got {a.rounds}")
+    cpu_kernels.use_bench_build()  # the variants' switches (pw_avx512bf16_attn_kl) as globals
     lib = cpu_kernels.load()
     if lib is None:
         sys.exit(f"phasewise's CPU kernels are unavailable here: {cpu_kernels.KERNELS.reason}")

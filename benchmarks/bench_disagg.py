@@ -1,5 +1,5 @@
 """Prefill/decode disaggregation against one co-located engine: same client, workloads,
-machine and run (what ../shared/DISAGG.md, "What would show it honestly", asks for).
+machine and run (docs/pd.md says when P/D pays; benchmarks/RESULTS.md holds past runs).
 
 Arms, each started in turn on 127.0.0.1 and driven by the ``phasewise bench`` client
 (``phasewise.bench.run``, the code behind ``phasewise bench``) with the same workloads:
@@ -17,7 +17,7 @@ Arms, each started in turn on 127.0.0.1 and driven by the ``phasewise bench`` cl
   crosses that link; with ``tc qdisc ... netem delay D rate R`` on the prefill end (the K/V
   direction) where netem exists, else a ``tbf`` rate limit where that exists, else bare.
 
-Workloads (``phasewise.bench.workload``; prompts are token ids of exact length, outputs
+Workloads (``phasewise.perf.workload``; prompts are token ids of exact length, outputs
 ``ignore_eos``, Poisson arrivals): ``chat`` (200 in), ``long`` (1000 in), ``mix`` (200-token
 chats with 10% 2000-token intruders), each at a small sweep of request rates. Every
 (workload, rate) point has its own seed, the same in every arm, so no point's prompts share a
@@ -41,12 +41,12 @@ workload (``phasewise bench report``) go to ``--results-dir``.
 
 ``--quick`` is a smoke run (about 3 minutes): the bundled stdlib-coder (context 256), short
 lengths, few requests, thresholds 0 64 150 never. Without it the model is the reference
-checkpoint of ../shared/PEERS.md (benchmarks/make_reference_checkpoint.py makes it); the
-prompt lengths are DISAGG.md's, but the default counts, output lengths and rates are small,
-sized to finish in about half an hour on a 2-core AVX2 machine, where a 1000-token prefill
-took ~7 s on both cores and ~14 s on one (and a decode step ~60-150 ms on one core): few
-requests per point, so p99 is close to the maximum; raise --*-n and --*-out where time
-allows. The SLOs are per workload (--chat-slo, --long-slo, --mix-slo).
+checkpoint (docs/benchmarks.md; benchmarks/make_reference_checkpoint.py makes it); the
+prompt lengths are 200, 1000 and 2000 tokens, but the default counts, output lengths and
+rates are small, sized to finish in about half an hour on a 2-core AVX2 machine, where a
+1000-token prefill took ~7 s on both cores and ~14 s on one (and a decode step ~60-150 ms
+on one core): few requests per point, so p99 is close to the maximum; raise --*-n and
+--*-out where time allows. The SLOs are per workload (--chat-slo, --long-slo, --mix-slo).
 
 ``--router auto`` (default) uses ``phasewise router`` when that command exists and otherwise
 points the client at the decode worker directly (said in the "via" column and the JSON).
@@ -614,7 +614,7 @@ class Workload:
 
 
 def parse_slo_text(text: str) -> dict[str, float]:
-    from phasewise.bench.summary import parse_slo
+    from phasewise.perf.summary import parse_slo
 
     slo = parse_slo([text])
     if "ttft" not in slo or "tpot" not in slo:

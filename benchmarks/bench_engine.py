@@ -15,7 +15,8 @@ times drift on shared machines; the ratios and fractions are the point.
     .venv/bin/python benchmarks/bench_engine.py [--model DIR] [--vllm-python PATH]
                                                 [--skip-hf] [--quick]
 
-Without ``--model`` it builds (once) the reference checkpoint of ../shared/PEERS.md.
+Without ``--model`` it builds (once) the reference checkpoint (docs/benchmarks.md).
+Figures from past runs: benchmarks/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -67,13 +68,13 @@ def matmul_gflops(dtype: torch.dtype) -> float:
     phasewise's own AMX kernel, where it has AVX512_BF16 its panels kernel (a peak must not
     look low only because torch's GEMM is slow here; as read_gbps takes the faster
     reader)."""
-    from phasewise.model import cpu_kernels
+    from phasewise.model.cpu import kernels as cpu_kernels
 
     fns = [torch.nn.functional.linear]
     if dtype == torch.bfloat16 and cpu_kernels.amx_available():
         fns.append(cpu_kernels.linear_amx)
     # AVX512_BF16 dot products over the panels layout (the engine's path there)
-    if dtype == torch.bfloat16 and cpu_kernels.dp_available():
+    if dtype == torch.bfloat16 and cpu_kernels.avx512bf16_available():
         fns.append(cpu_kernels.linear_pk)
     best = 0.0
     for n, k in ((9728, 896), (896, 4864)):
@@ -87,7 +88,7 @@ def matmul_gflops(dtype: torch.dtype) -> float:
 
 
 def measure_machine() -> dict[str, float]:
-    from phasewise.model import cpu_kernels
+    from phasewise.model.cpu import kernels as cpu_kernels
 
     out: dict[str, float] = {"read_gbps": read_gbps()}
     for name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
@@ -109,7 +110,9 @@ def run_phasewise(model: str, reps: int) -> dict[str, float]:
               max_num_batched_tokens=4096)
     from phasewise.perf.attribution import engine_compute_dtype
 
-    print(f"  phasewise linear plan: {llm.engine.linear_plan_text() or 'torch'}",
+    backend = llm.engine.cpu_backend
+    print(f"  phasewise linear plan: {backend.describe() if backend else 'torch'}"
+          + (f"\n  phasewise plan from: {backend.plan_line()}" if backend else ""),
           file=sys.stderr)
     # Whose arithmetic each phase runs in on this CPU (the roofline takes that one's peak).
     compute = engine_compute_dtype(llm.engine)
@@ -149,7 +152,7 @@ def weight_memory_gbps(llm, reps: int = 2) -> float | None:
     the 2-core AMX Xeon a fresh huge-page GiB read 1-8% faster than the arena in the same
     process, and by as much more or less from one allocation to the next (where the host
     placed the pages), so the two are printed side by side."""
-    from phasewise.model import cpu_kernels
+    from phasewise.model.cpu import kernels as cpu_kernels
 
     storage = next(llm.engine.model.parameters()).untyped_storage()
     arena = torch.empty(0, dtype=torch.uint8).set_(storage)

@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_disagg import machine_info, machine_line  # noqa: E402
 
-from phasewise.model import cpu_kernels  # noqa: E402
+from phasewise.model.cpu import kernels as cpu_kernels  # noqa: E402
 
 SHAPES = {"qkv": (1152, 896), "o": (896, 896), "gate_up": (9728, 896), "down": (896, 4864)}
 CYCLE_BYTES = 96 * 2**20

@@ -8,7 +8,7 @@ For each projection of the reference checkpoint's shape (qkv 896->1152, o 896->8
 * ``gemm``: phasewise's packed GEMM (weights widened to fp32 while packed, per call);
 * ``upcast``: the weight widened to fp32 in a scratch buffer, then torch's fp32 GEMM;
 * ``amx``: phasewise's AMX kernel (where the CPU has AMX-BF16), bf16 weights in place;
-* ``dp``: phasewise's AVX512_BF16 kernel (where the CPU has AVX512_BF16), bf16 weights in
+* ``avx512bf16``: phasewise's AVX512_BF16 kernel (where the CPU has AVX512_BF16), bf16 weights in
   place;
 * ``panels``: phasewise's AVX512_BF16 kernel on weights packed into panels (where the CPU
   has AVX512_BF16: the engine packs its decoder projections so there, unless it has AMX),
@@ -32,7 +32,6 @@ its projections into panels instead, it says so).
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
@@ -44,8 +43,8 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_disagg import machine_info, machine_line  # noqa: E402
 
-from phasewise.model import cpu_kernels  # noqa: E402
-from phasewise.model.linear import LinearDispatch, Upcast  # noqa: E402
+from phasewise.model.cpu import kernels as cpu_kernels  # noqa: E402
+from phasewise.model.cpu.linear import LinearDispatch, Upcast  # noqa: E402
 
 SHAPES = {"qkv": (1152, 896), "o": (896, 896), "gate_up": (9728, 896), "down": (896, 4864),
           "lm_head": (32000, 896)}
@@ -58,8 +57,8 @@ def methods() -> dict:
         out["gemm"] = cpu_kernels.gemm_bf16
     if cpu_kernels.amx_available():
         out["amx"] = cpu_kernels.linear_amx
-    if cpu_kernels.dp_available():
-        out["dp"] = cpu_kernels.linear_dp
+    if cpu_kernels.avx512bf16_available():
+        out["avx512bf16"] = cpu_kernels.linear_avx512bf16
         out["panels"] = cpu_kernels.linear_pk  # over packed copies; see run()
     out["upcast"] = Upcast()
     out["torch-bf16"] = lambda x, w, b: F.linear(x, w, b)
@@ -100,18 +99,17 @@ def run(rows: list[int], rounds: int, shapes: list[str]) -> None:
                             for name in names)
             print(f"{shape:<8}{m:>6}{cells}", flush=True)
         del ws, ws32, wps
-    # as the engine calibrates: the 24 layers' gate_up weights of the reference checkpoint
+    # as phasewise tune calibrates: the 24 layers' gate_up weights of the reference checkpoint
     plan = LinearDispatch.calibrate([torch.randn(*SHAPES["gate_up"]).bfloat16()
                                      for _ in range(24)])
-    packs = (cpu_kernels.dp_available() and not cpu_kernels.amx_available()
-             and os.environ.get("PHASEWISE_PANELS", "1") != "0")
-    if packs:  # CpuKernelOps.panels_refused's machine conditions
-        print("\nthe engine packs a bf16 model's decoder projections (and an LM head of whole "
+    packs = cpu_kernels.avx512bf16_available() and not cpu_kernels.amx_available()
+    if packs:  # the kernel plan's rule packs panels here (phasewise.model.cpu.plan.rule)
+        print("\nthe rule packs a bf16 model's decoder projections (and an LM head of whole "
               "16-row blocks) into panels on this machine: the `panels` column at every row "
-              "count; for weights it keeps in rows, its calibration (24 gate_up weights) picks: "
-              f"{plan.describe()}")
+              "count; for weights left in rows, phasewise tune's calibration (24 gate_up "
+              f"weights) picks: {plan.describe()}")
     else:
-        print(f"\nthe engine's calibration on this machine (24 gate_up weights): "
+        print(f"\nphasewise tune's calibration on this machine (24 gate_up weights): "
               f"{plan.describe()}")
 
 

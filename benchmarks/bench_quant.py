@@ -24,7 +24,7 @@ llama.cpp on the same checkpoint converted to Q8_0 and bf16 GGUF
     .venv/bin/python benchmarks/bench_quant.py [--model DIR] [--rounds 3]
                                                [--llama-python /tmp/llamacpp-venv/bin/python]
 
-Without ``--model`` it builds (once) the reference checkpoint of ../shared/PEERS.md.
+Without ``--model`` it builds (once) the reference checkpoint (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ def decode_b1_paired(llms: dict, segments: int, steps: int, salt: int,
     bytes and those bytes, one entry per segment. Pairing the engines segment by segment
     keeps a shared machine's drift out of their ratio."""
     from phasewise import SamplingParams
-    from phasewise.model import cpu_kernels
+    from phasewise.model.cpu import kernels as cpu_kernels
 
     live = {}
     for name, llm in llms.items():

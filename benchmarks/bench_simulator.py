@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_disagg import machine_info, machine_line  # noqa: E402
 
-from phasewise.bench.workload import LengthDist, build_workload  # noqa: E402
+from phasewise.perf.workload import LengthDist, build_workload  # noqa: E402
 from phasewise.perf.costmodel import CostModel  # noqa: E402
 from phasewise.perf.hardware import LINKS, lookup_accelerator  # noqa: E402
 from phasewise.perf.models import lookup_model  # noqa: E402

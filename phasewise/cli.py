@@ -1,5 +1,5 @@
 """``phasewise``: one entry point. Argument parsing only; each command's work lives in its room
-(``phasewise.generate``, ``phasewise.server.serve``, ``phasewise.bench``, ``phasewise.perf``).
+(``phasewise.generate``, ``phasewise.launch``, ``phasewise.bench``, ``phasewise.perf``).
 
 The flags' choices and defaults come from the definitions they configure (``EngineConfig``
 and its choice tuples, the scheduler's policies, the model registry's architectures).
@@ -43,9 +43,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         KERNEL_CHOICES,
         LOAD_FORMATS,
         MAX_SPECULATIVE_TOKENS,
+        POLICIES,
         SPECULATIVE_CHOICES,
     )
-    from phasewise.engine.scheduler import POLICIES
 
     d = _engine_defaults()
     p.add_argument("--model", default=None,
@@ -81,22 +81,36 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-speculative-tokens", type=int, default=d["num_speculative_tokens"],
                    help=f"drafts verified per step with --speculative (1.."
                    f"{MAX_SPECULATIVE_TOKENS}; default {DEFAULT_SPECULATIVE_TOKENS})")
+    _add_kernel_plan_arg(p)
+
+
+def _add_kernel_plan_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--kernel-plan", default=None, metavar="FILE",
+                   help="CPU: follow this kernel plan file (phasewise tune writes them), "
+                   "pinned; default: the plan phasewise tune stored for this machine and "
+                   "model, else a rule from the CPU's flags (nothing is timed at start)")
 
 
 def _engine_kwargs(a: argparse.Namespace) -> dict:
+    if a.kernel_plan is not None:  # a malformed plan file is refused before any loading
+        from phasewise.model.cpu.plan import read_plan_file
+
+        read_plan_file(a.kernel_plan)
     return dict(dtype=a.dtype, device=a.device, max_model_len=a.max_model_len,
                 block_size=a.block_size, kv_cache_memory=a.kv_cache_memory,
                 max_num_batched_tokens=a.max_num_batched_tokens, max_num_seqs=a.max_num_seqs,
                 policy=a.policy, enable_prefix_caching=not a.no_prefix_caching, seed=a.seed,
                 kernels=a.kernels, quantization=a.quantization, speculative=a.speculative,
                 num_speculative_tokens=a.num_speculative_tokens, load_format=a.load_format,
-                enforce_eager=a.enforce_eager)
+                enforce_eager=a.enforce_eager, kernel_plan=a.kernel_plan)
 
 
 def _model_arg(a: argparse.Namespace) -> str:
     from phasewise.config import resolve_model
+    from phasewise.perf.models import catalog_name
 
-    return resolve_model(a.model, note=lambda line: print(line, file=sys.stderr))
+    return resolve_model(a.model, note=lambda line: print(line, file=sys.stderr),
+                         catalog=catalog_name)
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
@@ -118,7 +132,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
 
 def _serve(a: argparse.Namespace) -> int:
     from phasewise.config import EngineConfig, parse_memory
-    from phasewise.server.serve import build_server, check_port, read_secret, run
+    from phasewise.launch.serve import build_server, read_secret
+    from phasewise.server.serve import check_port, run
 
     model = _model_arg(a)
     check_port(a.host, a.port)  # before the minutes a large model can take to load
@@ -175,7 +190,8 @@ def _logging(level: str) -> None:
 
 def cmd_router(a: argparse.Namespace) -> int:
     from phasewise.config import parse_memory
-    from phasewise.server.serve import build_router, check_port, run
+    from phasewise.launch.serve import build_router
+    from phasewise.server.serve import check_port, run
 
     _logging(a.log_level)
     model = _model_arg(a)
@@ -194,14 +210,14 @@ def cmd_router(a: argparse.Namespace) -> int:
 
 
 def cmd_pd(a: argparse.Namespace) -> int:
-    from phasewise.disagg.launch import Launcher, PDConfig
+    from phasewise.launch.pd import Launcher, PDConfig
 
     _logging(a.log_level)
     engine = []
     for flag, value in (("--dtype", a.dtype), ("--max-model-len", a.max_model_len),
                         ("--kv-cache-memory", a.kv_cache_memory),
                         ("--max-num-batched-tokens", a.max_num_batched_tokens),
-                        ("--max-num-seqs", a.max_num_seqs)):
+                        ("--max-num-seqs", a.max_num_seqs), ("--kernel-plan", a.kernel_plan)):
         if value is not None:
             engine += [flag, str(value)]
     return Launcher(PDConfig(
@@ -219,7 +235,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
 
 def cmd_bench_report(a: argparse.Namespace) -> int:
     from phasewise.bench.report import render
-    from phasewise.bench.summary import parse_slo
+    from phasewise.perf.summary import parse_slo
 
     out = render(a.results, a.output, stall_factor=a.stall_factor,
                  slo=parse_slo(a.goodput) or None)
@@ -270,11 +286,38 @@ def cmd_calibrate(a: argparse.Namespace) -> int:
 
     kw = {k: v for k, v in (("dtype", a.dtype), ("device", a.device),
                             ("kernels", a.kernels), ("block_size", a.block_size),
-                            ("max_num_batched_tokens", a.max_num_batched_tokens)) if v is not None}
+                            ("max_num_batched_tokens", a.max_num_batched_tokens),
+                            ("kernel_plan", a.kernel_plan)) if v is not None}
     cm, path = calibrate(_model_arg(a), engine_kwargs=kw, quick=a.quick, reps=a.reps,
                          out=Path(a.out) if a.out else None, max_context=a.max_context)
     print("\n".join(cm.describe()))
     print(f"profile written to {path}")
+    return 0
+
+
+def cmd_tune(a: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    if a.threads is not None:
+        if a.threads < 1:
+            raise ValueError(f"--threads must be >= 1, got {a.threads}")
+        import torch
+
+        torch.set_num_threads(a.threads)
+    from phasewise.model.cpu.plan import KernelPlan, Runtime
+    from phasewise.model.cpu.tune import tune
+
+    stored, path = tune(_model_arg(a), dtype=a.dtype, quantization=a.quantization,
+                        load_format=a.load_format, rounds=a.rounds,
+                        out=Path(a.out) if a.out else None)
+    plan = KernelPlan(stored.key, stored.panels, stored.linear, stored.stream_prefetch,
+                      "stored", str(path), path)
+    print(plan.table(Runtime.here()))
+    m = stored.measured
+    if m.get("rounds"):
+        print(f"chosen by {m['agreement']} rounds: {m['chosen']} (the rule: {m['rule']})")
+    print(f"plan written to {path}; engines with this machine, model, dtype, quantization and "
+          f"{stored.key.threads} threads follow it (--kernel-plan {path} pins it elsewhere)")
     return 0
 
 
@@ -302,7 +345,7 @@ def _sim_model(a: argparse.Namespace) -> str:
 def _add_sim_args(p: argparse.ArgumentParser) -> None:
     """What ``simulate`` and ``plan`` model: the model, the machine, one engine's limits."""
     from phasewise.bench.options import add_workload_args
-    from phasewise.engine.scheduler import POLICIES
+    from phasewise.config import POLICIES
 
     d = _engine_defaults()
     p.add_argument("--model", default=None, help="catalog name (phasewise roofline --list) or "
@@ -368,7 +411,7 @@ def build_report_parser() -> argparse.ArgumentParser:
 
 def build_parser() -> argparse.ArgumentParser:
     from phasewise.bench.options import add_args as add_bench_args
-    from phasewise.config import LOG_LEVELS, SERVE_ROLES
+    from phasewise.config import DTYPE_CHOICES, LOAD_FORMATS, LOG_LEVELS, SERVE_ROLES
     from phasewise.model.config import SUPPORTED_ARCHITECTURES
     from phasewise.perf.roofline import DTYPE_BYTES
 
@@ -483,6 +526,7 @@ def build_parser() -> argparse.ArgumentParser:
     pd.add_argument("--kv-cache-memory", default=None)
     pd.add_argument("--max-num-batched-tokens", type=int, default=None)
     pd.add_argument("--max-num-seqs", type=int, default=None)
+    _add_kernel_plan_arg(pd)
     pd.add_argument("--log-level", default="info", choices=LOG_LEVELS)
 
     b = command("bench", "load-test any OpenAI-compatible server "
@@ -543,6 +587,24 @@ def build_parser() -> argparse.ArgumentParser:
     ca.add_argument("--quick", action="store_true", help="a small grid (a smoke test)")
     ca.add_argument("--out", default=None, help="profile file (default: the cache folder's "
                     "profiles/MODEL@MACHINE.json, which simulate and plan read)")
+    _add_kernel_plan_arg(ca)
+
+    tu = command("tune", "measure the CPU kernel plan for this machine and a model, once, "
+                 "and store it for every later start (serve and generate follow it)", cmd_tune)
+    tu.add_argument("--model", default=None,
+                    help="checkpoint folder (default: the bundled stdlib-coder)")
+    tu.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
+                    help="as the engines will load it (the CPU kernels run bfloat16)")
+    tu.add_argument("--quantization", default=None, choices=["int8"])
+    tu.add_argument("--load-format", default="safetensors", choices=LOAD_FORMATS)
+    tu.add_argument("--threads", type=int, default=None,
+                    help="torch threads to tune for (default: torch's; the plan is kept per "
+                    "thread count)")
+    tu.add_argument("--rounds", type=int, default=3,
+                    help="calibrations run; the plan most of them chose is kept (1-20)")
+    tu.add_argument("--out", default=None, metavar="FILE",
+                    help="plan file (default: the cache folder's kernel-plans/"
+                    "MODEL@MACHINE.json, which engines find by themselves)")
 
     si = command("simulate", "serve a workload in virtual time: the real scheduler, step "
                  "times from the cost model, the bench's summary", cmd_simulate)

@@ -20,6 +20,8 @@ LOAD_FORMATS = ("safetensors", "dummy")
 SPECULATIVE_CHOICES = ("ngram",)
 DEFAULT_SPECULATIVE_TOKENS = 4
 MAX_SPECULATIVE_TOKENS = 16  # the verify rows of one request in a step, at most 1 + this
+# The scheduler's policies (phasewise.engine.scheduler runs them; the CLI offers them).
+POLICIES = ("chunked", "prefill-first")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 SERVE_ROLES = ("both", "prefill", "decode")  # phasewise serve --role
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6,
@@ -31,14 +33,16 @@ _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb"
 BUNDLED_MODEL = Path(__file__).resolve().parent / "assets" / "stdlib-coder"
 
 
-def resolve_model(model: str | Path | None, note: Callable[[str], None] | None = None) -> str:
+def resolve_model(model: str | Path | None, note: Callable[[str], None] | None = None,
+                  catalog: Callable[[str], str | None] | None = None) -> str:
     """The checkpoint folder to load: ``model``, or the bundled default when it is None
     (then ``note``, if given, is told so).
 
     A file (such as the folder's ``config.json``) is refused with the folder it sits in, and
-    a name that is not a path here but is in the roofline's model catalog is refused as a
-    catalog name: both raise with what was found and what is expected. A path that does not
-    exist at all is returned as it is, for the engine to report.
+    a name that is not a path here but that ``catalog`` knows (it returns the catalog's name
+    for it, else None: ``phasewise.perf.models.catalog_name``, the roofline's model catalog)
+    is refused as a catalog name: both raise with what was found and what is expected. A path
+    that does not exist at all is returned as it is, for the engine to report.
     """
     if model is None:
         if not (BUNDLED_MODEL / "config.json").exists():
@@ -58,8 +62,8 @@ def resolve_model(model: str | Path | None, note: Callable[[str], None] | None =
                              f"holds config.json: {folder}")
         raise ValueError(f"{model} is a file; --model takes a checkpoint folder (config.json, "
                          f"*.safetensors, tokenizer.json), such as the one it is in: {folder}")
-    if not path.exists():
-        name = _catalog_name(str(model))
+    if not path.exists() and catalog is not None:
+        name = catalog(str(model))
         if name is not None:
             raise FileNotFoundError(
                 f"{model!r} is not a folder here but a roofline catalog name ({name}: "
@@ -67,19 +71,6 @@ def resolve_model(model: str | Path | None, note: Callable[[str], None] | None =
                 "checkpoint folder (config.json, *.safetensors, tokenizer.json); phasewise "
                 "downloads nothing")
     return str(model)
-
-
-def _catalog_name(model: str) -> str | None:
-    """The roofline catalog's name for ``model`` or for its last path part (a hub id
-    ``org/name``), matched exactly but for case; None if neither is there. The catalog is
-    configs only: importing it is cheap."""
-    from phasewise.perf.models import CATALOG
-
-    for candidate in (model, Path(model).name):
-        shape = CATALOG.get(candidate.lower())
-        if shape is not None:
-            return shape.name
-    return None
 
 
 def parse_memory(value: int | str) -> int:
@@ -116,16 +107,19 @@ class EngineConfig:
     throughput at 256 is within ~6% of the best chunk size measured there.
     ``quantization``: ``int8`` stores the decoder layers' projections and the LM head as
     int8 with one scale per output channel, quantized as the checkpoint is read
-    (``phasewise.model.quant``; CPU only), halving the bytes a decode step reads; None keeps
+    (``phasewise.model.cpu.quant``; CPU only), halving the bytes a decode step reads; None keeps
     the checkpoint's weights.
     ``speculative``: ``ngram`` turns on speculative decoding with prompt lookup
     (``phasewise.engine.spec``): each decode step also verifies up to
     ``num_speculative_tokens`` tokens (default 4, at most 16) proposed from the request's own
     prompt and outputs; greedy output is unchanged, sampled output keeps its distribution.
-    ``kernels``: ``auto`` uses phasewise's CPU kernels for bf16 models on CPU (linear layers
-    are timed against torch at start-up and the faster is used per batch size), and on CUDA
-    its fused Triton kernels between the matrix products (``phasewise.model.triton_ops``);
-    ``torch`` uses torch operations only.
+    ``kernels``: ``auto`` uses phasewise's CPU kernels for bf16 models on CPU (each linear
+    layer's method per batch size from the kernel plan: ``phasewise.model.cpu.plan``), and on
+    CUDA its fused Triton kernels between the matrix products
+    (``phasewise.model.triton_ops``); ``torch`` uses torch operations only.
+    ``kernel_plan``: a kernel plan file (``phasewise tune`` writes them) that the CPU kernels
+    follow, pinned; None: the plan ``phasewise tune`` stored for this machine and model, else
+    the rule from the CPU's flags. Nothing is timed at start either way.
     ``load_format``: ``safetensors`` reads the checkpoint's weights; ``dummy`` fills them
     with seeded random values instead (the folder needs only config.json and a tokenizer),
     for speed work on a model's shape without its weight files.
@@ -152,10 +146,9 @@ class EngineConfig:
     num_speculative_tokens: int | None = None
     load_format: str = "safetensors"
     enforce_eager: bool = False
+    kernel_plan: str | None = None
 
     def __post_init__(self) -> None:
-        from phasewise.engine.scheduler import POLICIES
-
         if self.dtype not in DTYPE_CHOICES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}; got {self.dtype!r}")
         if self.device not in DEVICES and not str(self.device).startswith("cuda:"):
@@ -199,3 +192,21 @@ class EngineConfig:
             parse_memory(self.kv_cache_memory)
         if not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if self.kernel_plan is not None:
+            self._check_kernel_plan()
+
+    def _check_kernel_plan(self) -> None:
+        """A pinned plan: the path of a file (its form, and its fit to this machine and model,
+        are checked when the engine starts: phasewise.model.cpu.plan; the CLI reads its form
+        before loading anything)."""
+        if not isinstance(self.kernel_plan, (str, os.PathLike)) or not str(self.kernel_plan):
+            raise ValueError(f"kernel_plan must be the path of a plan file phasewise tune wrote,"
+                             f" or None (the stored plan, else the rule); got "
+                             f"{self.kernel_plan!r}")
+        if self.kernels != "auto":
+            raise ValueError(f"kernel_plan applies to phasewise's CPU kernels: it needs kernels "
+                             f"'auto'; got kernels {self.kernels!r}")
+        object.__setattr__(self, "kernel_plan", os.fspath(self.kernel_plan))
+        if not Path(self.kernel_plan).is_file():
+            raise FileNotFoundError(f"kernel_plan {self.kernel_plan} does not exist (a file "
+                                    "phasewise tune wrote; phasewise tune --out FILE writes one)")

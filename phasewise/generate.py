@@ -42,17 +42,9 @@ def run(model: str, engine_kwargs: dict[str, Any], opts: GenerateOptions,
     print(f"loaded {eng.model_config.architecture} ({eng.model_config.num_params / 1e6:.1f} M "
           f"parameters, {str(eng.dtype).removeprefix('torch.')}{quant}, {eng.device}) in "
           f"{time.monotonic() - t0:.1f} s", file=err)
-    if eng.linear_plan is not None:
-        from phasewise.model import cpu_kernels
-
-        k = cpu_kernels.KERNELS
-        amx = "AMX tiles" if k.amx else f"no AMX ({k.amx_reason})"
-        if not k.amx:  # the dot-product kernels stand in for the tiles where they can run
-            amx += ("; AVX512_BF16 dot products" if k.dp
-                    else f"; no AVX512_BF16 kernels ({k.dp_reason})")
-        print(f"[kernels]  {eng.linear_plan_text()}; {amx}; weight streams "
-              f"prefetch {k.stream_prefetch} bytes ahead ({k.stream_prefetch_reason})",
-              file=err)
+    if eng.cpu_backend is not None:  # where the plan came from, then what it runs
+        print(f"[plan]     {eng.cpu_backend.plan_line()}", file=err)
+        print(f"[kernels]  {eng.cpu_backend.kernels_line()}", file=err)
     if eng.device.type == "cuda":
         graphs = ("CUDA graphs for decode steps of up to "
                   f"{eng.runner.graphs.max_batch} rows" if eng.runner.graphs is not None
@@ -136,7 +128,7 @@ def warm_up(llm: Any) -> None:
     the linear plan (65 rows when the kernel takes every row count), so the prefill path a
     real prompt takes is warm too (and no real prompt shares its prefix)."""
     from phasewise import SamplingParams
-    from phasewise.model.linear import ALL_ROWS
+    from phasewise.model.cpu.plan import ALL_ROWS
 
     eng = llm.engine
     plan = eng.linear_plan

@@ -11,6 +11,8 @@ from phasewise.config import EngineConfig, resolve_model
 from phasewise.engine.engine import LLMEngine
 from phasewise.engine.outputs import RequestOutput, StepStats
 from phasewise.engine.sampling_params import SamplingParams
+from phasewise.perf.attribution import StepCostModel
+from phasewise.perf.models import catalog_name
 
 Prompt = str | list[int]
 
@@ -20,11 +22,13 @@ class LLM:
     default model, ``stdlib-coder``).
 
     Keyword arguments are ``EngineConfig`` fields (``dtype``, ``max_model_len``,
-    ``kv_cache_memory``, ``max_num_batched_tokens``, ``policy``, ...).
+    ``kv_cache_memory``, ``max_num_batched_tokens``, ``policy``, ...). Every step is priced
+    on the roofline (``StepStats.predicted_*``, ``phasewise.perf.attribution``).
     """
 
     def __init__(self, model: str | None = None, **engine_kwargs: Any) -> None:
-        self.engine = LLMEngine(EngineConfig(model=resolve_model(model), **engine_kwargs))
+        config = EngineConfig(model=resolve_model(model, catalog=catalog_name), **engine_kwargs)
+        self.engine = LLMEngine(config, cost_model=StepCostModel.for_engine)
 
     @property
     def tokenizer(self):  # noqa: ANN201 - phasewise.model.tokenizer.Tokenizer

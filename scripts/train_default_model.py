@@ -250,9 +250,9 @@ def read_texts(files: list[Path]) -> list[str]:
 
 
 def cpu_name() -> str:
-    from phasewise.model.cpu_kernels import cpuinfo_field
+    from phasewise.model.cpu.capabilities import capabilities
 
-    return cpuinfo_field("model name") or platform.processor() or platform.machine()
+    return capabilities().model_name or platform.processor() or platform.machine()
 
 
 def fmt_s(s: float) -> str:
@@ -363,7 +363,7 @@ def state_dir(a: argparse.Namespace, sources: list[dict]) -> Path:
     and by the data (the packages' versions and file counts)."""
     if a.work_dir:
         return Path(a.work_dir)
-    from phasewise.model.cpu_kernels import cache_dir
+    from phasewise.model.cpu.kernels import cache_dir
 
     keep = {k: v for k, v in sorted(vars(a).items())
             if k not in ("work_dir", "save_every", "fresh", "stop_after", "log_every",

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from phasewise.model import cpu_kernels
+from phasewise.model.cpu import kernels as cpu_kernels
 from phasewise.model.attention import AttentionMetadata, paged_attention, write_kv
 
 
@@ -104,7 +104,7 @@ def test_decode_group_must_lead_the_batch():
     assert [(p.start, p.end, p.context_len) for p in meta.prefills] == [(2, 7, 2), (7, 8, 4)]
 
 
-@pytest.mark.parametrize("kernel", ["amx", "dp"])
+@pytest.mark.parametrize("kernel", ["amx", "avx512bf16"])
 @settings(max_examples=30, deadline=None)
 @given(
     data=st.data(),
@@ -121,13 +121,13 @@ def test_prefill_attention_kernels_match_sdpa(kernel, data, ctx, n, block_size, 
     128, the AVX512_BF16 kernel up to 256."""
     from unittest import mock
 
-    from phasewise.model.linear import LinearDispatch
-    from phasewise.model.ops import CpuKernelOps
+    from phasewise.model.cpu.linear import LinearDispatch
+    from phasewise.model.cpu.ops import CpuKernelOps
 
     if kernel == "amx" and not cpu_kernels.amx_available():
         pytest.skip(f"AMX kernels unavailable: {cpu_kernels.KERNELS.amx_reason}")
-    if kernel == "dp" and not cpu_kernels.dp_available():
-        pytest.skip(f"AVX512_BF16 kernels unavailable: {cpu_kernels.KERNELS.dp_reason}")
+    if kernel == "avx512bf16" and not cpu_kernels.avx512bf16_available():
+        pytest.skip(f"AVX512_BF16 kernels unavailable: {cpu_kernels.KERNELS.avx512bf16_reason}")
     if kernel == "amx" and hd > 128:
         hd = 128
 
@@ -160,7 +160,7 @@ def test_prefill_attention_kernels_match_sdpa(kernel, data, ctx, n, block_size, 
     scale = hd**-0.5
     # the AVX512_BF16 kernel where the CPU also has AMX: as if it had not
     no_amx = mock.patch.object(cpu_kernels, "amx_available", lambda: False)
-    with no_amx if kernel == "dp" else contextlib.nullcontext():
+    with no_amx if kernel == "avx512bf16" else contextlib.nullcontext():
         out = paged_attention(wide[:, 1:1 + n_heads], k[ctx:], v[ctx:], k_cache, v_cache, meta,
                               scale, prefill_fn=prefill_fn)
     assert taken == [True]

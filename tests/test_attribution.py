@@ -14,7 +14,8 @@ from phasewise.engine.outputs import StepStats
 from phasewise.perf.attribution import StepCostModel, stored_peaks
 from phasewise.perf.hardware import ACCELERATORS
 from phasewise.perf.models import ModelShape
-from phasewise.perf.roofline import Chunk, Roofline
+from phasewise.engine.step_cost import Chunk
+from phasewise.perf.roofline import Roofline
 
 PEAKS = {"name": "test machine", "peak_flops": {"fp32": 2.0e11, "bf16": 1.0e11},
          "mem_bytes": 8e9, "mem_bandwidth": 1.0e10}
@@ -171,7 +172,7 @@ def test_each_step_is_rated_at_the_arithmetic_its_rows_run_in():
     assert gpu(1000) == "fp16"
     # int8 weights are widened to fp32 by the AVX2 paths, whatever the bf16 plan says; on a
     # CPU with AMX, more rows than the int8 streams take widen to bf16 for the tiles
-    from phasewise.model import cpu_kernels
+    from phasewise.model.cpu import kernels as cpu_kernels
 
     int8 = SimpleNamespace(dtype="torch.bfloat16", device=cpu, linear_plan=Plan(),
                            config=SimpleNamespace(quantization="int8"))

@@ -14,13 +14,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fake_openai import FakeServer
-from phasewise.bench.client import ClientConfig, RequestResult, run_workload
+from phasewise.bench.client import ClientConfig, run_workload
 from phasewise.bench.prompts import make_prompts
 from phasewise.bench.report import render
-from phasewise.bench.summary import longest_stall, parse_slo, percentile, summarize
-from phasewise.bench.workload import (LengthDist, RequestSpec, arrival_times, build_workload,
-                                      load_trace)
 from phasewise.cli import main
+from phasewise.perf.summary import (RequestResult, longest_stall, parse_slo, percentile,
+                                    summarize)
+from phasewise.perf.workload import (LengthDist, RequestSpec, arrival_times, build_workload,
+                                     load_trace)
 
 
 # -- workloads -----------------------------------------------------------------------------
@@ -236,7 +237,7 @@ def test_cli_says_why_requests_failed_grouped_and_counted(fake, capsys):
 
 def test_failure_reasons_group_messages_that_differ_only_in_numbers():
     from phasewise.bench.client import error_message
-    from phasewise.bench.summary import failure_lines, failure_reasons
+    from phasewise.perf.summary import failure_lines, failure_reasons
 
     errors = ["", "HTTP 400: prompt has 1030 tokens", "HTTP 500: boom", None,
               "HTTP 400: prompt has 1041 tokens", "HTTP 400: prompt has 1030 tokens"]
@@ -334,7 +335,7 @@ def test_every_rate_of_a_sweep_gets_the_same_requests():
 
 
 def test_ttft_split_averages_the_servers_timings_and_the_remote_parts_over_remote_ones():
-    from phasewise.bench.summary import ttft_split
+    from phasewise.perf.summary import ttft_split
 
     timings = [
         {"queue_s": 0.010, "prefill_s": 0.100},  # prefilled locally

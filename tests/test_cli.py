@@ -113,11 +113,12 @@ class _FakeServing:
 
 @pytest.fixture
 def serving(monkeypatch):
+    from phasewise.launch import serve as launch
     from phasewise.server import serve
 
     fake = _FakeServing()
-    for name in ("check_port", "build_server", "run"):
-        monkeypatch.setattr(serve, name, getattr(fake, name))
+    for module, name in ((serve, "check_port"), (launch, "build_server"), (serve, "run")):
+        monkeypatch.setattr(module, name, getattr(fake, name))
     return fake
 
 

@@ -10,17 +10,45 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from phasewise.model import cpu_kernels, linear
-from phasewise.model.linear import ALL_ROWS, LinearDispatch, Upcast
-from phasewise.model.ops import CpuKernelOps, TorchOps
-from phasewise.model.quant import dequantize_rows, quantize_rows_int8
+from cpu_helpers import op_by_op
+
+from phasewise.model.cpu import kernels as cpu_kernels
+from phasewise.model.cpu import linear
+from phasewise.model.cpu.kernels import ProjMode
+from phasewise.model.cpu.linear import ALL_ROWS, LinearDispatch, Upcast
+from phasewise.model.cpu.ops import CpuKernelOps
+from phasewise.model.cpu.quant import dequantize_rows, quantize_rows_int8
+from phasewise.model.ops import TorchOps
+
+_BENCH: list[cpu_kernels.KernelLibrary] = []  # the benchmark build, compiled once
+
+
+def bench_library() -> cpu_kernels.KernelLibrary:
+    """The benchmark build, loaded (compiled once per test session)."""
+    if not _BENCH:
+        _BENCH.append(cpu_kernels.KernelLibrary(bench_knobs=True))
+    assert _BENCH[0].load() is not None, _BENCH[0].reason
+    return _BENCH[0]
 
 
 @contextlib.contextmanager
-def kernel_global(name: str, value: int):
-    """A C global int of the kernel library (a comparisons switch: pw_pk_nta, pw_pk_spread,
-    pw_dpa_kl, each 1 by default) set to ``value`` for the block, then put back to 1."""
-    flag = ctypes.c_int.in_dll(cpu_kernels.load(), name)
+def bench_build():
+    """The benchmark build of the library (-DPW_BENCH_KNOBS: the comparison switches as C
+    globals) as the module's library for the block: its kernels run through it there."""
+    lib, before = bench_library(), cpu_kernels.KERNELS
+    cpu_kernels.KERNELS = lib
+    try:
+        yield lib
+    finally:
+        cpu_kernels.KERNELS = before
+
+
+@contextlib.contextmanager
+def kernel_global(name: str, value: int, lib=None):
+    """A C global int of the benchmark build (a comparisons switch: pw_pk_nta, pw_pk_spread,
+    pw_avx512bf16_attn_kl, each 1 by default; ``bench_kernels``) set to ``value`` for the
+    block, then put back to 1."""
+    flag = ctypes.c_int.in_dll(lib or cpu_kernels.load(), name)
     flag.value = value
     try:
         yield
@@ -43,10 +71,10 @@ def reference(x, w, b):
 @settings(max_examples=80, deadline=None)
 @given(m=st.integers(1, 40), n=st.integers(1, 300), k=st.integers(1, 600), bias=st.booleans(),
        seed=st.integers(0, 2**31 - 1),
-       # linear_dp where the AVX512_BF16 kernels run: every tile shape (1-6 tokens of 4
+       # linear_avx512bf16 where the AVX512_BF16 kernels run: every tile shape (1-6 tokens of 4
        # weight rows, 7-8 of 3, the N % 4 or N % 3 rows left over), K not a multiple of 32
        fn=st.sampled_from(["linear_bf16", "gemm_bf16",
-                           *(["linear_dp"] if cpu_kernels.dp_available() else [])]))
+                           *(["linear_avx512bf16"] if cpu_kernels.avx512bf16_available() else [])]))
 def test_kernels_match_fp32_reference(m, n, k, bias, seed, fn):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(m, k, generator=g).bfloat16()
@@ -60,12 +88,12 @@ def test_kernels_match_fp32_reference(m, n, k, bias, seed, fn):
     torch.testing.assert_close(y.float(), ref, rtol=2**-7, atol=1e-4 * k)
 
 
-needs_dp = pytest.mark.skipif(
-    not cpu_kernels.dp_available(),
-    reason=f"AVX512_BF16 kernels unavailable: {cpu_kernels.KERNELS.dp_reason}")
+needs_avx512bf16 = pytest.mark.skipif(
+    not cpu_kernels.avx512bf16_available(),
+    reason=f"AVX512_BF16 kernels unavailable: {cpu_kernels.KERNELS.avx512bf16_reason}")
 
 
-@needs_dp
+@needs_avx512bf16
 def test_avx512bf16_linear_rounds_once_and_keeps_nans():
     """Past a block of tokens (512 KiB of bf16 rows: 436 rows of 600) the results hold; the
     one rounding is to nearest even (as torch's), and a NaN in a token's row makes that
@@ -74,18 +102,19 @@ def test_avx512bf16_linear_rounds_once_and_keeps_nans():
     x = torch.randn(501, 600, generator=g).bfloat16()
     w = torch.randn(530, 600, generator=g).bfloat16()
     b = torch.randn(530, generator=g).bfloat16()
-    y = cpu_kernels.linear_dp(x, w, b)
+    y = cpu_kernels.linear_avx512bf16(x, w, b)
     torch.testing.assert_close(y.float(), reference(x, w, b), rtol=2**-7, atol=0.03)
     # one value a row: the products are exact in fp32, so the rounding alone sets the bits
     xs = torch.randn(64, 1, generator=g).bfloat16()
     ws = torch.randn(37, 1, generator=g).bfloat16()
-    assert torch.equal(cpu_kernels.linear_dp(xs, ws), (xs.float() @ ws.float().T).bfloat16())
+    assert torch.equal(cpu_kernels.linear_avx512bf16(xs, ws),
+                       (xs.float() @ ws.float().T).bfloat16())
     x[7, 100] = float("nan")
-    out = cpu_kernels.linear_dp(x[:12], w)
+    out = cpu_kernels.linear_avx512bf16(x[:12], w)
     assert out[7].isnan().all() and not out[torch.arange(12) != 7].isnan().any()
 
 
-@needs_dp
+@needs_avx512bf16
 @settings(max_examples=60, deadline=None)
 @given(m=st.integers(1, 230), blocks=st.integers(1, 12), pairs=st.integers(1, 1100),
        bias=st.booleans(), seed=st.integers(0, 2**31 - 1))
@@ -118,23 +147,27 @@ def test_panels_linear_matches_fp32_reference_and_each_row_alone(m, blocks, pair
     torch.testing.assert_close(y.float(), reference(x, w, b), rtol=2**-7, atol=1e-4 * k)
     for r in {0, m // 2, m - 1}:
         assert torch.equal(cpu_kernels.linear_pk(x[r:r + 1], wp, b)[0], y[r])
-    # up to 12 tokens the weights are prefetched non-temporally (pw_pk_nta; up to 6 a few
-    # pairs ahead, from 7 in shorter chunks): the same bits as without
-    for few in (x[:6], x[:12]):
-        on = cpu_kernels.linear_pk(few, wp, b)
-        with kernel_global("pw_pk_nta", 0):
-            assert torch.equal(cpu_kernels.linear_pk(few, wp, b), on)
-    # 13-72 tokens: a chunk's tiles share its next chunk's prefetch (pw_pk_spread): the same
-    # bits as the first tile's alone
-    on = cpu_kernels.linear_pk(x, wp, b)
-    with kernel_global("pw_pk_spread", 0):
-        assert torch.equal(cpu_kernels.linear_pk(x, wp, b), on)
+    # (the benchmark build, whose switches are globals, computes the production bits)
+    with bench_build():
+        # up to 12 tokens the weights are prefetched non-temporally (pw_pk_nta; up to 6 a
+        # few pairs ahead, from 7 in shorter chunks): the same bits as without
+        for few in (x[:6], x[:12]):
+            on = cpu_kernels.linear_pk(few, wp, b)
+            assert torch.equal(on, y[:few.shape[0]])
+            with kernel_global("pw_pk_nta", 0):
+                assert torch.equal(cpu_kernels.linear_pk(few, wp, b), on)
+        # 13-72 tokens: a chunk's tiles share its next chunk's prefetch (pw_pk_spread): the
+        # same bits as the first tile's alone
+        on = cpu_kernels.linear_pk(x, wp, b)
+        assert torch.equal(on, y)
+        with kernel_global("pw_pk_spread", 0):
+            assert torch.equal(cpu_kernels.linear_pk(x, wp, b), on)
     # widened as written (the decode step's logits): the same values, as fp32
     yf = cpu_kernels.linear_pk(x, wp, b, out_dtype=torch.float32)
     assert yf.dtype == torch.float32 and torch.equal(yf, y.float())
 
 
-@needs_dp
+@needs_avx512bf16
 @settings(max_examples=40, deadline=None)
 @given(m=st.integers(1, 200), units=st.integers(1, 7), pairs=st.integers(1, 1100),
        bias=st.booleans(), seed=st.integers(0, 2**31 - 1))
@@ -170,7 +203,7 @@ def test_panels_glu_is_the_projection_then_silu_mul_bit_for_bit(m, units, pairs,
         cpu_kernels.pack_panels(w[:16 * (2 * units - 1)], glu=True)
 
 
-@needs_dp
+@needs_avx512bf16
 def test_panels_linear_rounds_once_keeps_nans_and_refuses_what_it_cannot_take():
     g = torch.Generator().manual_seed(4)
     # one pair a row, the second value 0: each sum is one exact product, so the rounding
@@ -205,7 +238,7 @@ def test_panels_linear_rounds_once_keeps_nans_and_refuses_what_it_cannot_take():
             cpu_kernels.linear_pk(x, wp, bias)
 
 
-@needs_dp
+@needs_avx512bf16
 def test_panels_rows_are_the_rows():
     """A lookup in a table packed into panels reads the rows' own values, for any shape of
     ids (the odd last block, the threads' path for 64 ids and more), and refuses an id
@@ -227,7 +260,7 @@ def test_panels_rows_are_the_rows():
             cpu_kernels.panels_rows(wp, torch.tensor([3, bad]))
 
 
-@needs_dp
+@needs_avx512bf16
 @pytest.mark.parametrize("vocab,tie", [(None, False), (None, True), (320, False),
                                        (320, True)])
 def test_panels_are_packed_in_place_and_only_where_they_are_the_path(tmp_path, monkeypatch,
@@ -235,15 +268,15 @@ def test_panels_are_packed_in_place_and_only_where_they_are_the_path(tmp_path, m
     """pack_panels packs every decoder projection in the same bytes (no second copy), and
     the LM head where its vocabulary is a multiple of 16 (the bundled tokenizer's ~300
     tokens are not: it stays in rows), a tied table then looked up from the panels; and runs
-    them there; int8 weights or PHASEWISE_PANELS=0 leave every weight as it was."""
+    them there; int8 weights leave every weight as it was. (Whether an engine packs at
+    all is its plan's: tests/test_kernel_plan.py.)"""
     from conftest import build_hf_checkpoint
 
-    from phasewise.model import ops as ops_mod
+    from phasewise.model.cpu import ops as ops_mod
     from phasewise.model.config import ModelConfig
     from phasewise.model.loader import load_model
-    from phasewise.model.quant import quantize_model_int8
+    from phasewise.model.cpu.quant import quantize_model_int8
 
-    monkeypatch.delenv("PHASEWISE_PANELS", raising=False)
     build_hf_checkpoint(tmp_path, "Qwen2ForCausalLM", dtype=torch.bfloat16, seed=2,
                         tie_word_embeddings=tie, **({"vocab_size": vocab} if vocab else {}))
     cfg = ModelConfig.from_file(tmp_path)
@@ -259,10 +292,7 @@ def test_panels_are_packed_in_place_and_only_where_they_are_the_path(tmp_path, m
     rows = {n: p.detach().clone() for n, p in model.named_parameters()}
     ptrs = {n: p.data_ptr() for n, p in model.named_parameters()}
     ops = CpuKernelOps(LinearDispatch(0, "torch"))
-    why = ops.pack_panels(model)
-    if cpu_kernels.amx_available():
-        assert why == "AMX tiles read the rows" and not ops.panels
-        return
+    why = ops.pack_panels(model)  # wherever the AVX512_BF16 kernels run, AMX or not
     assert why == "" and ops.panels
     for name, p in model.named_parameters():
         assert p.data_ptr() == ptrs[name]  # the same memory
@@ -324,10 +354,7 @@ def test_panels_are_packed_in_place_and_only_where_they_are_the_path(tmp_path, m
     model = fresh()
     quantize_model_int8(model)
     assert CpuKernelOps(LinearDispatch(0, "torch")).pack_panels(model) == "int8 weights"
-    monkeypatch.setenv("PHASEWISE_PANELS", "0")
-    model = fresh()
-    assert CpuKernelOps(LinearDispatch(0, "torch")).pack_panels(model) == "PHASEWISE_PANELS=0"
-    assert model.layers[0].qkv_proj.weight.dtype == torch.bfloat16
+    assert model.layers[0].qkv_proj.weight.dtype == torch.int8
 
 
 @needs_amx
@@ -469,7 +496,7 @@ def test_amx_linear_with_a_smaller_team_than_asked_for():
 
     code = (
         "import torch\n"
-        "from phasewise.model import cpu_kernels\n"
+        "from phasewise.model.cpu import kernels as cpu_kernels\n"
         "lib = cpu_kernels.load()\n"
         "g = torch.Generator().manual_seed(1)\n"
         "m, n, k = 512, 896, 4864\n"
@@ -615,41 +642,43 @@ def test_every_dispatch_plan_computes_the_same_function(kernel_max, large):
 def test_the_dot_product_tier_keeps_the_rows_it_lost_at_off_it():
     """A mid tier that starts past the streams' rows (it lost at the counts between) leaves
     those to the large method; fp32 large methods take no mid tier."""
-    d = LinearDispatch(kernel_max_rows=1, large="torch", mid="dp", mid_min_rows=4,
+    d = LinearDispatch(kernel_max_rows=1, large="torch", mid="avx512bf16", mid_min_rows=4,
                        mid_max_rows=32)
     assert [d.method(r) for r in (1, 2, 3, 4, 32, 33)] == [
-        "kernel", "torch", "torch", "dp", "dp", "torch"]
-    assert d.describe() == "kernel for <= 1 rows, torch for 2-3 rows, dp for 4-32 rows, torch above"
-    d0 = LinearDispatch(kernel_max_rows=0, large="torch", mid="dp", mid_max_rows=8)
-    assert d0.method(1) == "dp" and d0.describe() == "dp for 1-8 rows, torch above"
+        "kernel", "torch", "torch", "avx512bf16", "avx512bf16", "torch"]
+    assert d.describe() == ("kernel for <= 1 rows, torch for 2-3 rows, avx512bf16 for 4-32 rows, "
+                            "torch above")
+    d0 = LinearDispatch(kernel_max_rows=0, large="torch", mid="avx512bf16", mid_max_rows=8)
+    assert d0.method(1) == "avx512bf16" and d0.describe() == "avx512bf16 for 1-8 rows, torch above"
     assert d0.compute_dtype(8) == "bf16"
-    with pytest.raises(ValueError, match="mid must be 'dp'"):
-        LinearDispatch(kernel_max_rows=0, large="gemm", mid="dp", mid_max_rows=8)
+    with pytest.raises(ValueError, match="mid must be .avx512bf16."):
+        LinearDispatch(kernel_max_rows=0, large="gemm", mid="avx512bf16", mid_max_rows=8)
 
 
 def test_a_one_count_tier_below_the_streams_win_gives_them_its_count(monkeypatch):
-    """Timings as the LM head gave them on the 2-core AVX512_BF16 EPYC: dp a little faster
+    """Timings as the LM head gave them on the 2-core AVX512_BF16 EPYC: avx512bf16 a little faster
     than the streams at 1 row, a hair slower at 2, faster from 3; torch 3x slower throughout.
-    The streams take 1-2 rows and the tier 3 on (not: dp for 1 row and torch from 2 on)."""
+    The streams take 1-2 rows and the tier 3 on (not: avx512bf16 for 1 row and torch from 2 on)."""
     monkeypatch.setattr(cpu_kernels.KERNELS, "decode_layer_max_rows", 6)
     torch_fn = linear._large_fn("torch")
     per_row = {cpu_kernels.linear_bf16: {1: 0.72, 2: 0.79, 3: 0.9, 4: 1.0, 5: 1.1, 6: 1.2},
-               cpu_kernels.linear_dp: {1: 0.67, 2: 0.80, 3: 0.82}}
+               cpu_kernels.linear_avx512bf16: {1: 0.67, 2: 0.80, 3: 0.82}}
 
     def seconds(fn, rows, ws=None):
-        if fn is cpu_kernels.linear_dp:
+        if fn is cpu_kernels.linear_avx512bf16:
             return per_row[fn].get(rows, 0.5 + 0.05 * rows)
         if fn is cpu_kernels.linear_bf16:
             return per_row[fn].get(rows, 0.6 + 0.3 * rows)
         assert fn.__class__ is torch_fn.__class__
         return 2.4 + 0.07 * rows
 
-    timings = {m: {} for m in ("kernel", "dp", "torch")}
+    timings = {m: {} for m in ("kernel", "avx512bf16", "torch")}
     kernel_max, lo, hi = LinearDispatch._calibrate_mid(seconds, timings, 1, "torch", 256, None)
     assert (kernel_max, lo, hi) == (2, 3, 128)
-    d = LinearDispatch(kernel_max_rows=kernel_max, large="torch", mid="dp", mid_min_rows=lo,
+    d = LinearDispatch(kernel_max_rows=kernel_max, large="torch", mid="avx512bf16", mid_min_rows=lo,
                        mid_max_rows=hi)
-    assert [d.method(r) for r in (1, 2, 3, 32, 129)] == ["kernel", "kernel", "dp", "dp", "torch"]
+    assert [d.method(r) for r in (1, 2, 3, 32, 129)] == [
+        "kernel", "kernel", "avx512bf16", "avx512bf16", "torch"]
 
 
 def test_upcast_reuses_its_scratch():
@@ -665,13 +694,13 @@ def test_calibration_yields_a_valid_plan():
     d = LinearDispatch.calibrate(torch.randn(256, 128).bfloat16(), large_rows=32,
                                  kernel_rows=(4, 8))
     amx = ("amx",) if cpu_kernels.amx_available() else ()
-    dp = ("dp",) if cpu_kernels.dp_available() else ()
-    assert d.large in ("torch", "upcast", "gemm", *amx, *dp)
+    bf16dp = ("avx512bf16",) if cpu_kernels.avx512bf16_available() else ()
+    assert d.large in ("torch", "upcast", "gemm", *amx, *bf16dp)
     # up to a timed row count (with AMX, each the fused decode layer streams), or every row
     # count if it never lost
     few = range(1, cpu_kernels.KERNELS.decode_layer_max_rows + 1) if d.large == "amx" else ()
     # (where the dot-product kernel runs, the streams' rows end at a count its tier timed)
-    tier = linear.MID_ROWS if dp else ()
+    tier = linear.MID_ROWS if bf16dp else ()
     assert d.kernel_max_rows in (0, 1, *few, 4, 8, *tier, ALL_ROWS)
     assert all(r in d.timings["kernel"] for r in range(1, min(d.kernel_max_rows, 8) + 1)
                if r in (1, *few, 4, 8))
@@ -681,14 +710,14 @@ def test_calibration_yields_a_valid_plan():
     # only up to a count where it timed faster than the plan's method there
     if d.mid is not None:
         lo = max(d.mid_min_rows, d.kernel_max_rows + 1)
-        assert dp and d.mid == "dp" and d.kernel_max_rows < lo <= d.mid_max_rows < 32
+        assert bf16dp and d.mid == "avx512bf16" and d.kernel_max_rows < lo <= d.mid_max_rows < 32
         assert d.mid_max_rows in linear.MID_ROWS
         other = d.timings[d.large].get(d.mid_max_rows, d.timings["kernel"].get(d.mid_max_rows))
-        assert d.timings["dp"][d.mid_max_rows] < other
-        assert d.method(d.mid_max_rows) == "dp" and d.method(d.mid_max_rows + 1) == d.large
-        assert f"dp for {lo}" in d.describe()
+        assert d.timings["avx512bf16"][d.mid_max_rows] < other
+        assert d.method(d.mid_max_rows) == "avx512bf16" and d.method(d.mid_max_rows + 1) == d.large
+        assert f"avx512bf16 for {lo}" in d.describe()
     else:
-        assert d.mid_max_rows == 0 and (d.large == "dp" or "dp" not in d.describe())
+        assert d.mid_max_rows == 0 and (d.large == "avx512bf16" or "avx512bf16" not in d.describe())
     with pytest.raises(ValueError, match="large must be one of torch, upcast, gemm"):
         LinearDispatch(kernel_max_rows=0, large="magic")
 
@@ -698,7 +727,7 @@ def test_a_projection_shape_can_have_its_own_prompt_method(monkeypatch):
     """prompt_by_shape: a weight of that shape at PROMPT_ROWS rows or more takes that method;
     fewer rows and other shapes keep the plan's; a method of another arithmetic is refused (the
     roofline rates every shape at the plan's); calibrate_prompt_shape records a valid one."""
-    from phasewise.model import linear
+    from phasewise.model.cpu import linear
 
     calls = []
     monkeypatch.setattr(linear, "torch_linear",
@@ -779,11 +808,12 @@ def test_silu_mul_matches_torch(ops, inter):
                                **BF16)
 
 
-@pytest.mark.skipif(not cpu_kernels.dp_available(),
-                    reason=f"AVX512_BF16 kernels unavailable: {cpu_kernels.KERNELS.dp_reason}")
+@pytest.mark.skipif(not cpu_kernels.avx512bf16_available(),
+                    reason="AVX512_BF16 kernels unavailable: "
+                    f"{cpu_kernels.KERNELS.avx512bf16_reason}")
 @pytest.mark.parametrize("inter", [4864, 40, 43, 24, 21, 16, 5])
 def test_silu_mul_on_16_lanes_keeps_the_8_lane_bits(inter):
-    """pw_silu_mul_dp (AVX-512, what ops.silu_mul takes there) and pw_silu_mul_bf16 (the
+    """pw_silu_mul_avx512bf16 (AVX-512, what ops.silu_mul takes there) and pw_silu_mul_bf16 (the
     fused decode layer's arithmetic): the same bits, over whole vectors of 16, a last 8 and
     the scalar tail, with values past exp's range, infinities and NaN."""
     lib = cpu_kernels.load()
@@ -794,7 +824,7 @@ def test_silu_mul_on_16_lanes_keeps_the_8_lane_bits(inter):
     gu[0, :min(8, inter)] = ends[:min(8, inter)].bfloat16()
     gu[1, inter:inter + min(8, inter)] = ends[:min(8, inter)].bfloat16()
     outs = []
-    for fn in (lib.pw_silu_mul_dp, lib.pw_silu_mul_bf16):
+    for fn in (lib.pw_silu_mul_avx512bf16, lib.pw_silu_mul_bf16):
         out = torch.empty(5, inter, dtype=torch.bfloat16)
         fn(gu.data_ptr(), out.data_ptr(), 5, inter, 2)
         outs.append(out)
@@ -875,7 +905,8 @@ def test_decode_attention_matches_torch(ops, heads, hd, context, bs):
                                       hd**-0.5)
     out = ops.decode_attention(q, k_cache, v_cache, meta, hd**-0.5)
     assert out.dtype == torch.bfloat16
-    bf16_probs = (cpu_kernels.amx_available() or cpu_kernels.dp_available()) and hd % 32 == 0
+    bf16_probs = ((cpu_kernels.amx_available() or cpu_kernels.avx512bf16_available())
+                  and hd % 32 == 0)
     torch.testing.assert_close(out.float(), ref, rtol=2**-7, atol=2**-8 if bf16_probs else 1e-3)
 
 
@@ -905,7 +936,7 @@ def test_decode_attention_of_one_request_split_by_kv_heads(ops, two_threads, hea
     _, batched = run([0, 1, 2])  # three requests: the split by queries
     ref = TorchOps().decode_attention(q[:1].float(), k_cache.float(), v_cache.float(), meta,
                                       hd**-0.5)
-    bf16_probs = cpu_kernels.amx_available() or cpu_kernels.dp_available()
+    bf16_probs = cpu_kernels.amx_available() or cpu_kernels.avx512bf16_available()
     torch.testing.assert_close(alone.float(), ref, rtol=2**-7, atol=2**-8 if bf16_probs else 1e-3)
     assert torch.equal(alone[0], batched[0])
 
@@ -938,19 +969,20 @@ def test_decode_attention_keeps_a_nan(ops, length, hd):
 
 
 
-@needs_dp
+@needs_avx512bf16
 @pytest.mark.parametrize("G", range(1, 10))  # 9: past the keys-in-lanes kernel's 8
 @pytest.mark.parametrize("hd,length,bs", [(32, 5, 4), (64, 190, 16), (128, 33, 7),
                                           (256, 16, 16), (96, 64, 3), (64, 1, 16)])
-def test_dp_decode_attention_keys_in_lanes(G, hd, length, bs):
-    """Up to 8 heads the AVX512_BF16 decode attention puts the keys in its lanes (pw_dpa_kl;
-    0 sends every group to the heads-in-lanes kernel): the same scores, maxes and weights,
+def test_avx512bf16_decode_attention_keys_in_lanes(G, hd, length, bs):
+    """Up to 8 heads the AVX512_BF16 decode attention puts the keys in its lanes
+    (pw_avx512bf16_attn_kl, a switch of the benchmark build; 0 sends every group to the
+    heads-in-lanes kernel): the same scores, maxes and weights,
     so the same outputs up to the order of each head's weights' sum, on every step shape
     (one key, a partial group of 16, a partial pair, several steps), with the rescale of a
     growing max (large queries), and a NaN key making its heads' outputs NaN in both."""
     import ctypes
 
-    lib = cpu_kernels.load()
+    lib = bench_library().lib  # its switch (pw_avx512bf16_attn_kl) is a global there
     n_kv, kvh = 2, 1  # the second KV head: its rows sit between the first's
     tables, k_cache, v_cache, g = paged_caches([length - 1], bs, n_kv, hd, seed=G * hd)
     table = torch.tensor(tables[0], dtype=torch.int64)
@@ -959,8 +991,8 @@ def test_dp_decode_attention_keys_in_lanes(G, hd, length, bs):
 
     def run(kl, k=k_cache):
         out = torch.empty(G, hd)
-        with kernel_global("pw_dpa_kl", kl):
-            rc = lib.pw_attend_group_dp(
+        with kernel_global("pw_avx512bf16_attn_kl", kl, lib):
+            rc = lib.pw_attend_group_avx512bf16(
                 ctypes.c_void_p(q.data_ptr()), G, ctypes.c_float(hd**-0.5),
                 ctypes.c_void_p(k.data_ptr()), ctypes.c_void_p(v_cache.data_ptr()),
                 ctypes.c_void_p(table.data_ptr()), length, bs, n_kv, kvh, hd,
@@ -984,7 +1016,8 @@ ODD = {"hidden_size": 80, "intermediate_size": 1040, "num_attention_heads": 5,
        "num_key_value_heads": 1, "head_dim": 16}
 PLANS = {"avx2": (8, "torch"), "amx": (0, "amx"),
          "avx2-tiles": (256, "gemm"),  # the AVX2 kernel up to 256 rows (a 2-core AVX2 EPYC's)
-         "dp": (0, "torch", None, {}, "dp", 32)}  # the AVX512_BF16 tier up to 32 rows
+         # the AVX512_BF16 tier up to 32 rows
+         "avx512bf16": (0, "torch", None, {}, "avx512bf16", 32)}
 
 
 @needs_kernels
@@ -999,7 +1032,7 @@ PLANS = {"avx2": (8, "torch"), "amx": (0, "amx"),
     (8, "int8", "avx2-tiles"),  # int8 beyond the streams' rows: op by op
     (3, "int8", "amx"),  # AMX rows, int8 weights: fused, the int8 ones streamed
     (8, "int8", "amx"), (32, "int8", "amx"),  # more: fused, int8 panels widened on the tiles
-    *((r, None, "dp") for r in (1, 3, 6, 8, 17, 32)),  # AVX512_BF16: up to 32 rows
+    *((r, None, "avx512bf16") for r in (1, 3, 6, 8, 17, 32)),  # AVX512_BF16: up to 32 rows
     *((r, None, "panels") for r in (1, 2, 5, 13, 32)),  # AVX512_BF16 on panels: any rows
     # panels of an odd model (ODD): blocks left over past the 2-block groups, and
     # the down projection's K (1040) in two chunks
@@ -1007,8 +1040,8 @@ PLANS = {"avx2": (8, "torch"), "amx": (0, "amx"),
     # and I % 16 == 8: gate/up in panels (2I % 16 == 0) whose SiLU cannot ride the tiles'
     # epilogue (a gate block would hold up channels): the separate SiLU pass
     *((r, None, "panels-i8") for r in (1, 5)),
-    (3, "int8", "dp"),  # fused, the int8 projections streamed
-    (8, "int8", "dp")])  # int8 beyond the streams' rows: op by op
+    (3, "int8", "avx512bf16"),  # fused, the int8 projections streamed
+    (8, "int8", "avx512bf16")])  # int8 beyond the streams' rows: op by op
 def test_fused_decode_layer_matches_op_by_op(tmp_path, two_threads, arch, rows, quantization,
                                             plan):
     """The one-call decode layer computes what the op-by-op kernel path computes (biases,
@@ -1019,9 +1052,9 @@ def test_fused_decode_layer_matches_op_by_op(tmp_path, two_threads, arch, rows, 
     odd_model = plan in ("panels-odd", "panels-i8")
     shape = {**ODD, "intermediate_size": 1032} if plan == "panels-i8" else ODD
     plan = "panels" if odd_model else plan
-    if plan in ("dp", "panels") and not cpu_kernels.dp_available():
-        pytest.skip(f"AVX512_BF16 kernels unavailable: {cpu_kernels.KERNELS.dp_reason}")
-    dispatch = LinearDispatch(*PLANS["dp" if plan == "panels" else plan])
+    if plan in ("avx512bf16", "panels") and not cpu_kernels.avx512bf16_available():
+        pytest.skip(f"AVX512_BF16 kernels unavailable: {cpu_kernels.KERNELS.avx512bf16_reason}")
+    dispatch = LinearDispatch(*PLANS["avx512bf16" if plan == "panels" else plan])
     from conftest import build_hf_checkpoint
     from phasewise.model.attention import AttentionMetadata
     from phasewise.model.config import ModelConfig
@@ -1035,7 +1068,7 @@ def test_fused_decode_layer_matches_op_by_op(tmp_path, two_threads, arch, rows, 
     if odd_model:
         assert (cfg.q_size + 2 * cfg.kv_size) // 16 % 2 and cfg.intermediate_size > 1024
     if quantization == "int8":
-        from phasewise.model.quant import quantize_model_int8
+        from phasewise.model.cpu.quant import quantize_model_int8
         quantize_model_int8(model)
         assert model.layers[0].down_proj.weight.dtype == torch.int8
     g = torch.Generator().manual_seed(rows)
@@ -1056,7 +1089,7 @@ def test_fused_decode_layer_matches_op_by_op(tmp_path, two_threads, arch, rows, 
             return None
 
     if plan == "panels":  # every projection packed, in place, once; every ops reads them
-        assert CpuKernelOps(dispatch).pack_panels(model, force=True) == ""  # AMX too
+        assert CpuKernelOps(dispatch).pack_panels(model) == ""  # AMX too (as a plan may say)
         assert cpu_kernels.is_panels(model.layers[0].qkv_proj.weight)
         # gate/up blocks: an even count takes the SiLU in the epilogue, an odd one not
         blocks = model.layers[0].gate_up_proj.weight.shape[0]
@@ -1064,11 +1097,12 @@ def test_fused_decode_layer_matches_op_by_op(tmp_path, two_threads, arch, rows, 
     # the AVX2 tiles: bf16 weights, rows the plan runs on the kernel, up to 32
     avx2_tiles = (plan.startswith("avx2") and quantization is None
                   and rows <= min(dispatch.kernel_max_rows, 32))
-    fused = (rows <= 6 or plan in ("amx", "panels") or (plan == "dp" and quantization is None)
+    fused = (rows <= 6 or plan in ("amx", "panels")
+             or (plan == "avx512bf16" and quantization is None)
              or avx2_tiles)
     outs = {}
     for name, ops in (("stack", CpuKernelOps(dispatch)), ("layers", LayerByLayer(dispatch)),
-                      ("ops", CpuKernelOps(dispatch, fused_decode=False))):
+                      ("ops", op_by_op(CpuKernelOps(dispatch)))):
         ops.panels = plan == "panels"
         model.ops = ops
         kv = [(k.clone(), v.clone()) for k, v in caches]
@@ -1090,10 +1124,10 @@ def test_fused_decode_layer_matches_op_by_op(tmp_path, two_threads, arch, rows, 
     # layers (the stack's output buffers alternate).
     assert torch.equal(outs["stack"][0], outs["layers"][0])
     if not fused or (plan == "amx" and (quantization is None or rows > 6)) or (
-            plan in ("dp", "panels") and quantization is None) or (
+            plan in ("avx512bf16", "panels") and quantization is None) or (
             avx2_tiles and rows > 6):  # op by op, or the AMX products and GLU epilogue
         # (int8: the same widened panels and scales), or the same AVX512_BF16 tiles as
-        # linear_dp (or linear_pk), or the same AVX2 tiles as linear_bf16: exactly the
+        # linear_avx512bf16 (or linear_pk), or the same AVX2 tiles as linear_bf16: exactly the
         # op-by-op results
         assert torch.equal(outs["stack"][0], outs["ops"][0])
     model.layers = torch.nn.ModuleList(list(model.layers)[:1])
@@ -1106,7 +1140,7 @@ def test_fused_decode_layer_matches_op_by_op(tmp_path, two_threads, arch, rows, 
     assert torch.equal(odd["stack"], odd["layers"])
 
 
-@needs_dp
+@needs_avx512bf16
 @pytest.mark.parametrize("rows", [1, 5])
 def test_decode_logits_fold_the_head_into_the_stack_bit_for_bit(tmp_path, two_threads, rows):
     """A decode step's logits from one C call (the fused stack, the final norm and the LM head
@@ -1123,7 +1157,7 @@ def test_decode_logits_fold_the_head_into_the_stack_bit_for_bit(tmp_path, two_th
     cfg = ModelConfig.from_file(tmp_path)
     model = load_model(tmp_path, cfg, dtype=torch.bfloat16, device=torch.device("cpu"),
                        max_positions=128)
-    ops = CpuKernelOps(LinearDispatch(*PLANS["dp"]))
+    ops = CpuKernelOps(LinearDispatch(*PLANS["avx512bf16"]))
     model.ops = ops
     g = torch.Generator().manual_seed(rows)
     bs, n_blocks = 4, 6 * rows + 4
@@ -1144,7 +1178,7 @@ def test_decode_logits_fold_the_head_into_the_stack_bit_for_bit(tmp_path, two_th
             return fn(kv), kv
 
     rows_logits, _ = run(lambda kv: model.compute_logits(model(ids, pos, kv, meta)))
-    assert ops.pack_panels(model, force=True) == ""
+    assert ops.pack_panels(model) == ""
     assert cpu_kernels.is_panels(model.lm_head_weight)
     two, kv_two = run(lambda kv: model.compute_logits(model(ids, pos, kv, meta)))
     one, kv_one = run(lambda kv: model.forward_logits(ids, pos, kv, meta))
@@ -1183,7 +1217,7 @@ def test_decode_logits_fold_the_head_into_the_stack_bit_for_bit(tmp_path, two_th
     folded1, _ = fold(model.layers, [(k.clone(), v.clone()) for k, v in caches[:1]],
                       model.lm_head_module)
     assert torch.equal(one1, two1) and torch.equal(folded1.float(), two1)
-    model.ops = CpuKernelOps(LinearDispatch(*PLANS["dp"]), fused_decode=False)
+    model.ops = op_by_op(CpuKernelOps(LinearDispatch(*PLANS["avx512bf16"])))
     assert model.ops.decode_logits(model.layers, model.embed_tokens(ids), model.ops.rope_tables(
         model.rope.cos, model.rope.sin, pos, torch.bfloat16), [(k.clone(), v.clone()) for k, v
                                                            in caches[:1]], meta,
@@ -1204,6 +1238,10 @@ def test_c_and_python_agree_on_the_shared_layout_and_limits():
     assert cpu_kernels.KERNELS.decode_layer_max_rows == lib.pw_abi(b"row_stream_max") >= 1
     assert cpu_kernels.KERNELS.max_head_dim == lib.pw_abi(b"max_head_dim") >= 128
     assert cpu_kernels.INT8_ROWS_MAX == lib.pw_abi(b"int8_rows_max") >= 1
+    # the fused layer's projection modes: the C enum's names and values are the IntEnum's
+    assert {m.name: lib.pw_abi(f"PW_PROJ_{m.name}".encode()) for m in ProjMode} == {
+        m.name: m.value for m in ProjMode}
+    assert dict(cpu_kernels.DecodeLayerArgs._fields_)["proj_mode"] is ctypes.c_int
 
 
 def test_a_layout_mismatch_is_named_field_by_field():
@@ -1211,12 +1249,15 @@ def test_a_layout_mismatch_is_named_field_by_field():
             for name, _ in cpu_kernels.DecodeLayerArgs._fields_}
     true["sizeof DecodeLayer"] = ctypes.sizeof(cpu_kernels.DecodeLayerArgs)
     true["int8_rows_max"] = cpu_kernels.INT8_ROWS_MAX
+    true.update({f"PW_PROJ_{m.name}": m.value for m in ProjMode})
     assert cpu_kernels.abi_mismatches(true.__getitem__) == []
     shifted = {**true, "cos": true["cos"] + 8, "sizeof DecodeLayer": true["sizeof DecodeLayer"] + 8,
-               "int8_rows_max": cpu_kernels.INT8_ROWS_MAX - 1}
+               "int8_rows_max": cpu_kernels.INT8_ROWS_MAX - 1,
+               "PW_PROJ_PANELS": ProjMode.AVX2_TILES.value}  # two modes' values swapped in C
     bad = cpu_kernels.abi_mismatches(shifted.__getitem__)
-    assert len(bad) == 3 and any("DecodeLayer.cos" in b for b in bad)
+    assert len(bad) == 4 and any("DecodeLayer.cos" in b for b in bad)
     assert any("sizeof" in b for b in bad) and any("int8_rows_max" in b for b in bad)
+    assert any(b == "PW_PROJ_PANELS is 4 in C, 3 here" for b in bad)
 
 
 @needs_kernels
@@ -1292,7 +1333,7 @@ def test_torch_gemm_sees_prompt_row_counts_in_buckets(monkeypatch):
     between TORCH_EXACT_ROWS and them to a multiple of TORCH_SMALL_BUCKET (oneDNN keeps a
     primitive per row count: unbounded row counts grew a server's memory), and the rows it
     returns are the unpadded product's."""
-    from phasewise.model import linear
+    from phasewise.model.cpu import linear
 
     seen = []
     real = torch.nn.functional.linear
@@ -1389,29 +1430,41 @@ def test_streams_started_apart_on_a_page_put_every_row_in_its_place(m):
                                rtol=2**-7, atol=2e-5 * 896)
 
 
-def test_the_stream_prefetch_distance_follows_the_cpu_and_the_environment(monkeypatch):
-    monkeypatch.delenv(cpu_kernels.STREAM_PREFETCH_ENV, raising=False)
-    monkeypatch.setattr(cpu_kernels, "cpu_vendor", lambda: "GenuineIntel")
-    assert cpu_kernels.stream_prefetch_bytes() == (cpu_kernels.STREAM_PREFETCH_INTEL, "Intel")
-    monkeypatch.setattr(cpu_kernels, "cpu_vendor", lambda: "AuthenticAMD")
-    assert cpu_kernels.stream_prefetch_bytes()[0] == cpu_kernels.STREAM_PREFETCH_OTHER
-    monkeypatch.setenv(cpu_kernels.STREAM_PREFETCH_ENV, "1024")
-    assert cpu_kernels.stream_prefetch_bytes() == (1024, cpu_kernels.STREAM_PREFETCH_ENV)
-    for bad in ("100", "-64", "lots", "99999"):
-        monkeypatch.setenv(cpu_kernels.STREAM_PREFETCH_ENV, bad)
+def test_the_stream_prefetch_distance_follows_the_cpu_and_the_plan():
+    """The rule gives Intel its longer distance and every other vendor the short one; a
+    library loads with the rule's distance, and a plan's distance (0 to 16384, whole cache
+    lines) is set on it, anything else refused by name."""
+    from phasewise.model.cpu.capabilities import read_capabilities
+    from phasewise.model.cpu.plan import (
+        STREAM_PREFETCH_INTEL,
+        STREAM_PREFETCH_OTHER,
+        stream_prefetch_rule,
+    )
+
+    intel = read_capabilities("vendor_id : GenuineIntel\nflags : avx2 fma\n", "x86_64", 2)
+    amd = read_capabilities("vendor_id : AuthenticAMD\nflags : avx2 fma\n", "x86_64", 2)
+    assert stream_prefetch_rule(intel) == (STREAM_PREFETCH_INTEL, "Intel")
+    assert stream_prefetch_rule(amd) == (STREAM_PREFETCH_OTHER, "AuthenticAMD")
+    lib = cpu_kernels.KERNELS  # one library per process: what it holds is put back below
+    for bad in (100, -64, "lots", 99999, True):
         with pytest.raises(ValueError, match="multiple of 64") as e:
-            cpu_kernels.stream_prefetch_bytes()
+            lib.set_stream_prefetch(bad, "a plan")
         assert repr(bad) in str(e.value)
-    # a fresh library refuses to load with a bad setting, and says so again on the next try
-    lib = cpu_kernels.KernelLibrary()
-    for _ in range(2):
-        with pytest.raises(ValueError, match=cpu_kernels.STREAM_PREFETCH_ENV):
-            lib.load()
+    if lib.load() is None:
+        return
+    before = (lib.stream_prefetch, lib.stream_prefetch_reason)
+    assert lib.stream_prefetch == lib.lib.pw_stream_prefetch()
+    try:
+        lib.set_stream_prefetch(1024, "the stored plan")
+        assert (lib.stream_prefetch, lib.stream_prefetch_reason) == (1024, "the stored plan")
+        assert lib.lib.pw_stream_prefetch() == 1024
+    finally:
+        lib.set_stream_prefetch(*before)
 
 
 @needs_amx
 def test_calibration_times_the_fused_layers_rows_over_the_whole_decode_stream(monkeypatch):
-    from phasewise.model import linear
+    from phasewise.model.cpu import linear
 
     monkeypatch.setattr(linear, "_available_methods", lambda w: ["amx"])
     seen: dict[int, set] = {}
@@ -1441,7 +1494,7 @@ def test_a_long_prompts_mlp_runs_in_chunks_of_rows(monkeypatch):
     """Past MLP_CHUNK_ROWS rows (not on AMX) the MLP runs chunk by chunk into one output: the
     values of the whole MLP (a last partial chunk, a [batch, tokens, hidden] input), with each
     chunk seen by the projections at most MLP_CHUNK_ROWS rows at a time."""
-    from phasewise.model import ops as ops_module
+    from phasewise.model.cpu import ops as ops_module
 
     monkeypatch.setattr(cpu_kernels, "amx_available", lambda: False)
     g = torch.Generator().manual_seed(4)

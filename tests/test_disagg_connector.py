@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from phasewise.disagg.connector import PushConnector
+from phasewise.engine.connector import PushConnector
 
 BS = 4
 

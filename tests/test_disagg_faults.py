@@ -1,6 +1,6 @@
 """Faults of a remote prefill at the worker level: a ``DecodeSide`` and a ``PrefillSide`` on
-their own engine threads, joined by real pyzmq sockets on 127.0.0.1 (``../shared/DISAGG.md``,
-"Faults").
+their own engine threads, joined by real pyzmq sockets on 127.0.0.1 (``docs/pd.md``,
+"Frames").
 
 - frames delayed and duplicated by the prefill side's ``FaultInjector`` still give the
   co-located output, land (no recompute) and are counted where the decode side counts frames
@@ -32,17 +32,18 @@ import zmq
 from zmq.utils import z85
 
 from conftest import collect
+from faults import Fault, FaultInjector
 
 from phasewise import EngineConfig, SamplingParams
-from phasewise.disagg.kv import kv_to_bytes
 from phasewise.disagg.metrics import DisaggCollector
-from phasewise.disagg.transport import Fault, FaultInjector, KVClient
+from phasewise.disagg.transport import KVClient
 from phasewise.disagg.wire import (Challenge, Error, FirstToken, KVLayout, Open, Refuse,
                                    curve_secret_key, decode_message, encode_kv_frame,
                                    encode_message, make_hello)
 from phasewise.disagg.worker import DecodeSide, PrefillSide
 from phasewise.engine.async_engine import AsyncEngine, PromptSpec
 from phasewise.engine.engine import LLMEngine
+from phasewise.engine.kv_bytes import kv_to_bytes
 from phasewise.engine.request import RequestStatus
 
 SECRET = b"test-secret-of-enough-bytes-0123"
@@ -190,7 +191,7 @@ async def pair(path, *, decode_kw=None, prefill_kw=None, faults=None, hold=None)
     decode = DecodeSide(d, secret=SECRET)
     prefill = None
     try:
-        prefill = PrefillSide(p, decode.endpoint, secret=SECRET, faults=faults,
+        prefill = PrefillSide(p, decode.endpoint, secret=SECRET, frame_hook=faults,
                               heartbeat_interval=0.2)
         prefill.start()  # on a loop of its own, on a thread
         await until(lambda: decode.num_live_peers == 1, "the prefill worker never connected")

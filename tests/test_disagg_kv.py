@@ -12,8 +12,8 @@ import torch
 
 from conftest import ARCHS, collect
 from phasewise import EngineConfig, SamplingParams
-from phasewise.disagg.kv import dtype_name, kv_from_bytes, kv_to_bytes
 from phasewise.engine.engine import LLMEngine
+from phasewise.engine.kv_bytes import dtype_name, kv_from_bytes, kv_to_bytes
 from phasewise.engine.request import RequestStatus
 
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)

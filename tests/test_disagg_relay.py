@@ -1,4 +1,4 @@
-"""The internal relay a router uses (``/internal/v1/*``, ``phasewise.server.relay``), in process:
+"""The internal relay a router uses (``/internal/v1/*``, ``phasewise.engine.relay``), in process:
 a worker's output lines rebuild the same outputs the engine made; bad relay input is a 400
 naming the field; the routes are behind --api-key; the decode role routes around a busy
 prefill worker and counts why it prefilled locally."""
@@ -15,10 +15,10 @@ from phasewise import LLM, SamplingParams
 from phasewise.config import EngineConfig
 from phasewise.engine.async_engine import AsyncEngine
 from phasewise.engine.outputs import RequestOutput
+from phasewise.engine.relay import (OutputAssembler, RelayError, encode_output, param_defaults,
+                                    params_from_wire, params_to_wire)
 from phasewise.engine.request import RequestMetrics
 from phasewise.server.app import OpenAIServer, ServerConfig
-from phasewise.server.relay import (OutputAssembler, RelayError, encode_output,
-                                    param_defaults, params_from_wire, params_to_wire)
 
 
 def _out(i: int, text: str, ids: list[int], lps, finished: bool) -> RequestOutput:

@@ -22,6 +22,7 @@ import zmq
 from zmq.utils import z85
 from zmq.utils.monitor import parse_monitor_message
 
+from faults import FAULT_KINDS, Fault, FaultInjector
 from phasewise.disagg import transport as t
 from phasewise.disagg import wire as w
 
@@ -440,9 +441,9 @@ def _run_with_faults(plan, num_blocks=4):
     def on_frame(peer, header, payload):
         applied.append(header.first_block)
 
-    faults = t.FaultInjector(plan)
+    faults = FaultInjector(plan)
     with t.KVServer(secret=SECRET, layout=LAYOUT, on_frame=on_frame) as srv:
-        with _client(srv, faults=faults) as c:
+        with _client(srv, frame_hook=faults) as c:
             srv.request_prefill(c.identity, _request(num_blocks=num_blocks))
             for b in range(num_blocks):
                 assert _send_block(c, b) == b
@@ -479,7 +480,7 @@ def test_corrupted_frame_fails_its_checksum():
 
 
 def test_delayed_frame_still_lands():
-    srv, faults, applied, frames = _run_with_faults({0: t.Fault("delay", after=2)})
+    srv, faults, applied, frames = _run_with_faults({0: Fault("delay", after=2)})
     assert faults.applied["delay"] == 1
     assert [f.header.seq for f in frames] == [1, 2, 0, 3]  # it really arrived late
     assert all(f.outcome == "ok" for f in frames)
@@ -487,20 +488,20 @@ def test_delayed_frame_still_lands():
 
 
 def test_a_frame_delayed_past_the_last_is_flushed_before_done():
-    srv, faults, applied, frames = _run_with_faults({3: t.Fault("delay", after=5)})
+    srv, faults, applied, frames = _run_with_faults({3: Fault("delay", after=5)})
     assert [f.header.seq for f in frames] == [0, 1, 2, 3] and srv.gate.complete("r1")
 
 
 def test_seeded_fault_plans_are_deterministic():
     rates = {"drop": 0.2, "duplicate": 0.2, "corrupt": 0.2, "delay": 0.2}
-    a = t.FaultInjector.seeded(7, 50, rates).plan
-    assert a == t.FaultInjector.seeded(7, 50, rates).plan
-    assert a != t.FaultInjector.seeded(8, 50, rates).plan
-    assert {f.kind for f in a.values()} == set(t.FAULT_KINDS)
+    a = FaultInjector.seeded(7, 50, rates).plan
+    assert a == FaultInjector.seeded(7, 50, rates).plan
+    assert a != FaultInjector.seeded(8, 50, rates).plan
+    assert {f.kind for f in a.values()} == set(FAULT_KINDS)
     with pytest.raises(ValueError, match="rates"):
-        t.FaultInjector.seeded(1, 5, {"drop": 0.9, "corrupt": 0.9})
+        FaultInjector.seeded(1, 5, {"drop": 0.9, "corrupt": 0.9})
     with pytest.raises(ValueError, match="kind"):
-        t.Fault("explode")
+        Fault("explode")
 
 
 # ---- attempts, peers, liveness
@@ -565,9 +566,9 @@ def test_a_restarted_peer_replaces_its_old_identity(server):
 
 
 def test_a_silent_peer_is_reported_lost_and_back():
-    faults = t.FaultInjector()
+    faults = FaultInjector()
     with t.KVServer(secret=SECRET, layout=LAYOUT, heartbeat_deadline=1.0) as srv:
-        with _client(srv, heartbeat_interval=0.05, faults=faults) as c:
+        with _client(srv, heartbeat_interval=0.05, frame_hook=faults) as c:
             _accepted(srv, c)
             faults.mute_heartbeats()
             _events_until(srv, lambda e: isinstance(e, t.PeerEvent) and e.state == "lost")

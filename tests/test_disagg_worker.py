@@ -12,9 +12,9 @@ import time
 import pytest
 
 from conftest import collect
+from faults import FaultInjector
 
 from phasewise import EngineConfig, SamplingParams
-from phasewise.disagg.transport import FaultInjector
 from phasewise.disagg.wire import HandshakeError
 from phasewise.disagg.worker import DecodeSide, PrefillSide
 from phasewise.engine.async_engine import AsyncEngine, PromptSpec
@@ -76,7 +76,7 @@ def serve_through(path, prompts, *, prefill_kw=None, decode_kw=None, faults=None
         decode = DecodeSide(decode_engine, secret=SECRET, heartbeat_deadline=2.0,
                             **(side_kw or {}))
         prefill = PrefillSide(async_engine(path, **(prefill_kw or {})), decode.endpoint,
-                              secret=SECRET, faults=faults, heartbeat_interval=0.2)
+                              secret=SECRET, frame_hook=faults, heartbeat_interval=0.2)
         prefill.start()  # on a loop of its own, on a thread
         try:
             _wait_for_peer(decode)

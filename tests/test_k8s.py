@@ -259,7 +259,7 @@ def test_the_server_accepts_the_kv_bind_form(tmp_path):
     bound) before it loads anything: the emitted form passes, on a free port; a form it
     refuses is told apart."""
     from phasewise.config import EngineConfig
-    from phasewise.server.serve import build_server
+    from phasewise.launch.serve import build_server
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -204,9 +204,9 @@ print(before, kept, anon(), ok)
 
 
 def test_engine_releases_the_heap_after_its_cpu_set_up(llama_dir, monkeypatch):
-    """The CPU kernels' set-up (calibration, packing) ends with release_freed_heap, once."""
+    """The CPU kernels' set-up (the plan, the packing) ends with release_freed_heap, once."""
     import phasewise.engine.engine as engine_module
-    from phasewise.model import cpu_kernels
+    from phasewise.model.cpu import kernels as cpu_kernels
 
     if cpu_kernels.load() is None:
         pytest.skip(f"CPU kernels unavailable: {cpu_kernels.KERNELS.reason}")

@@ -7,7 +7,6 @@ Logits must agree within a stated tolerance per dtype.
 
 from __future__ import annotations
 
-import os
 
 import random
 
@@ -19,10 +18,10 @@ from phasewise import LLM, SamplingParams
 from phasewise.engine.engine import LLMEngine
 from phasewise.config import EngineConfig
 from phasewise.model.attention import AttentionMetadata
-from phasewise.model import cpu_kernels
+from phasewise.model.cpu import kernels as cpu_kernels
 from phasewise.model.config import ModelConfig
-from phasewise.model.linear import LinearDispatch
-from phasewise.model.ops import CpuKernelOps
+from phasewise.model.cpu.linear import LinearDispatch
+from phasewise.model.cpu.ops import CpuKernelOps
 from phasewise.model.loader import load_model
 
 N_NEW = 32
@@ -217,13 +216,13 @@ def test_bf16_engine_with_cpu_kernels_tracks_hf(tmp_path, over):
     llm = LLM(str(tmp_path), max_num_batched_tokens=16, device="cpu")  # the CPU kernels
     if cpu_kernels.load() is not None:
         assert isinstance(llm.engine.model.ops, CpuKernelOps)
-    if (cpu_kernels.dp_available() and not cpu_kernels.amx_available()
-            and os.environ.get("PHASEWISE_PANELS", "1") != "0"):  # the projections in panels
+    # the projections in panels: the kernel plan's rule where AVX512_BF16 runs without AMX
+    if cpu_kernels.avx512bf16_available() and not cpu_kernels.amx_available():
         assert llm.engine.panels_reason == "" and llm.engine.model.ops.panels
         assert cpu_kernels.is_panels(llm.engine.model.layers[0].down_proj.weight)
         assert cpu_kernels.is_panels(llm.engine.model.lm_head_weight) == bool(over)
         # generate's [kernels] line and bench_engine's report say where the head runs
-        plan = llm.engine.linear_plan_text()
+        plan = llm.engine.cpu_backend.describe()
         assert ("the LM head packed into panels" in plan) == bool(over)
         assert ("the LM head: " in plan) == (not over)
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=3)

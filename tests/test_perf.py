@@ -15,7 +15,8 @@ from phasewise.cli import main
 from phasewise.perf.analysis import SCHEMA_KEYS, analyse
 from phasewise.perf.hardware import ACCELERATORS, LINKS, lookup_accelerator, lookup_link
 from phasewise.perf.models import CATALOG, GenericModel, ModelShape, lookup_model
-from phasewise.perf.roofline import Chunk, Roofline
+from phasewise.engine.step_cost import Chunk
+from phasewise.perf.roofline import Roofline
 
 H100 = ACCELERATORS["h100-sxm"]
 

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from phasewise import LLM, SamplingParams
 from phasewise.config import BUNDLED_MODEL, EngineConfig
-from phasewise.model.quant import dequantize_rows, quantize_rows_int8
+from phasewise.model.cpu.quant import dequantize_rows, quantize_rows_int8
 
 # Held-out in the sense that matters here: written for this test, not the training corpus.
 PROMPTS = ["def fibonacci(n):\n", "class Stack:\n    def push(self, x):\n",
@@ -115,7 +115,7 @@ def test_int8_keeps_the_next_token_distribution_close_to_bf16(engines):
 def test_int8_steps_are_rated_at_the_arithmetic_they_run_in(engines):
     """The roofline's peak for an int8 step: fp32 for the streams (up to 6 rows) and, on a
     CPU with AMX, bf16 above them (the panels widened to bf16 for the tiles)."""
-    from phasewise.model import cpu_kernels
+    from phasewise.model.cpu import kernels as cpu_kernels
     from phasewise.perf.attribution import engine_compute_dtype
 
     rate = engine_compute_dtype(engines["int8"].engine)

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from phasewise import LLM, SamplingParams
 from phasewise.engine.request import Request
 from phasewise.engine.sampler import Sampler, greedy_token_list, greedy_tokens, inverse_cdf
-from phasewise.model import cpu_kernels
+from phasewise.model.cpu import kernels as cpu_kernels
 
 needs_kernels = pytest.mark.skipif(cpu_kernels.load() is None,
                                    reason="phasewise's CPU kernels are unavailable")

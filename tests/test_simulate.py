@@ -11,14 +11,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from phasewise.bench.workload import LengthDist, RequestSpec, build_workload
+from phasewise.engine.step_cost import Chunk
 from phasewise.perf.calibrate import GridPoint, grid
 from phasewise.perf.costmodel import CostModel, Knot, StepMix, fit, nnls
 from phasewise.perf.hardware import LINKS, Link, lookup_accelerator
 from phasewise.perf.models import lookup_model
 from phasewise.perf.plan import Workload, attainment, goodput, search, size
-from phasewise.perf.roofline import Chunk
 from phasewise.perf.simulate import Deployment, EngineSpec, kv_blocks_for, simulate
+from phasewise.perf.workload import LengthDist, RequestSpec, build_workload
 
 
 class LinearCost:
@@ -352,7 +352,7 @@ def test_simulate_plan_and_manifests_run_without_torch():
     script = r"""
 import sys
 sys.modules["torch"] = None  # any `import torch` now raises ImportError
-from phasewise.bench.workload import LengthDist, build_workload
+from phasewise.perf.workload import LengthDist, build_workload
 from phasewise.perf.costmodel import CostModel
 from phasewise.perf.hardware import lookup_accelerator
 from phasewise.perf.k8s import DeploySpec, manifests

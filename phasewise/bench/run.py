@@ -6,11 +6,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import math
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -18,8 +16,8 @@ import httpx
 from phasewise.bench.client import ClientConfig, Progress, run_workload
 from phasewise.bench.prompts import (corpus_text, make_prompts, tokens_from_file,
                                      tokens_from_server)
-from phasewise.bench.summary import parse_slo, summarize, text_table
-from phasewise.bench.workload import LengthDist, build_workload, load_trace
+from phasewise.perf.summary import parse_slo, save_result, summarize, text_table
+from phasewise.perf.workload import LengthDist, build_workload, load_trace
 
 SERVER_HISTOGRAMS = ("request_queue_time_seconds", "request_prefill_time_seconds",
                      "request_decode_time_seconds", "time_to_first_token_seconds",
@@ -76,27 +74,6 @@ def _headers(a: argparse.Namespace) -> dict[str, str]:
         h["Authorization"] = f"Bearer {a.api_key}"
     return h
 
-
-def result_path(a: argparse.Namespace, label: str, rate: float, sweep: bool) -> Path | None:
-    if not (a.result_file or a.save_result or a.result_dir):
-        return None
-    name = Path(a.result_file).name if a.result_file else f"{label}.json"
-    if sweep:
-        stem = name.removesuffix(".json")
-        name = f"{stem}-rate{rate:g}.json"
-    folder = Path(a.result_dir) if a.result_dir else (
-        Path(a.result_file).parent if a.result_file else Path("."))
-    folder.mkdir(parents=True, exist_ok=True)
-    return folder / name
-
-
-def save_result(a: argparse.Namespace, out: dict[str, Any], label: str, rate: float,
-                sweep: bool) -> None:
-    """Write one run's result where the flags say (nowhere without them), and say where."""
-    path = result_path(a, label, rate, sweep)
-    if path is not None:
-        path.write_text(json.dumps(out, indent=1, allow_nan=True))
-        print(f"result written to {path}")
 
 
 def main(a: argparse.Namespace) -> int:

@@ -46,11 +46,11 @@ from phasewise.engine.backend import (BackendInfo, EngineError, EngineObserver,
                                       EngineOverloaded, EngineSnapshot, EngineStopped,
                                       EngineUnavailable, FinishedRequest, PromptSpec,
                                       RequestGroup)
+from phasewise.engine.relay import (OutputAssembler, RelayError, checkpoint_identity,
+                                    params_to_wire)
 from phasewise.engine.sampling_params import SamplingParams
 from phasewise.engine.validation import ValidationError, check_sequences
 from phasewise.model.tokenizer import Tokenizer
-from phasewise.server.internal import file_sha256
-from phasewise.server.relay import OutputAssembler, RelayError, params_to_wire
 
 log = logging.getLogger("phasewise.router")
 # httpx logs every request at INFO: the polls alone would be two lines a second per worker.
@@ -188,8 +188,7 @@ class Router:
     def connect(self) -> None:
         """Wait up to ``wait_s`` for every worker's ``/internal/v1/info``, showing progress;
         check each serves this checkpoint. Raises ``RouterConfigError`` naming the worker."""
-        want = {"config_sha256": file_sha256(self.model_dir / "config.json"),
-                "tokenizer_sha256": file_sha256(self.model_dir / "tokenizer.json")}
+        want = checkpoint_identity(self.model_dir)
         pending = {w.url: w for w in self.workers}
         infos: dict[str, dict[str, Any]] = {}
         deadline = time.monotonic() + self.wait_s

@@ -109,13 +109,12 @@ import json
 import logging
 import os
 import queue
-import random
 import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import zmq
 from zmq.utils import z85
@@ -354,106 +353,26 @@ def _claimed_version(data: bytes) -> int | None:
 
 
 # --------------------------------------------------------------------------------------------
-# faults
+# the client's frame hook
 
 
-FaultKind = Literal["drop", "duplicate", "corrupt", "delay"]
-FAULT_KINDS: tuple[str, ...] = ("drop", "duplicate", "corrupt", "delay")
-
-
-@dataclass(frozen=True)
-class Fault:
-    """What to do to one outgoing KV frame. ``delay`` holds it back until ``after`` later
-    frames have gone through the injector (or the attempt's ``send_done`` flushes it)."""
-
-    kind: FaultKind
-    after: int = 1
-
-    def __post_init__(self) -> None:
-        if self.kind not in FAULT_KINDS:
-            raise ValueError(f"kind: {self.kind!r} is not one of {', '.join(FAULT_KINDS)}")
-        if self.after < 1:
-            raise ValueError(f"after: must be >= 1, got {self.after}")
-
-
-class FaultInjector:
-    """Deterministic faults on a client's outgoing KV frames, for tests.
-
-    ``plan`` maps a frame's ``seq`` (within its attempt; every attempt's frame with that seq)
-    to a :class:`Fault` or its kind's name. ``corrupt`` flips one byte of the payload's first
-    part after the checksum was computed. ``applied`` counts the faults done.
-    ``mute_heartbeats()`` makes the client go silent (its frames and messages still flow).
-    """
-
-    def __init__(self, plan: Mapping[int, Fault | str] | None = None):
-        self.plan: dict[int, Fault] = {
-            int(s): f if isinstance(f, Fault) else Fault(f)  # type: ignore[arg-type]
-            for s, f in (plan or {}).items()}
-        self.applied = dict.fromkeys(FAULT_KINDS, 0)
-        self._held: list[list[Any]] = []  # [frames still to pass, parts]
-        self._lock = threading.Lock()
-        self._muted = threading.Event()
-
-    @classmethod
-    def seeded(cls, seed: int, num_frames: int,
-               rates: Mapping[str, float]) -> FaultInjector:
-        """A plan drawn from ``random.Random(seed)``: each seq below ``num_frames`` gets fault
-        ``k`` with probability ``rates[k]`` (the rates must sum to <= 1)."""
-        if sum(rates.values()) > 1 or any(k not in FAULT_KINDS for k in rates):
-            raise ValueError(f"rates: kinds from {', '.join(FAULT_KINDS)}, summing to <= 1")
-        rng = random.Random(seed)
-        plan: dict[int, Fault] = {}
-        for seq in range(num_frames):
-            r, acc = rng.random(), 0.0
-            for kind in FAULT_KINDS:
-                acc += rates.get(kind, 0.0)
-                if r < acc:
-                    plan[seq] = Fault(kind, rng.randint(1, 3))  # type: ignore[arg-type]
-                    break
-        return cls(plan)
-
-    def mute_heartbeats(self) -> None:
-        self._muted.set()
-
-    def unmute_heartbeats(self) -> None:
-        self._muted.clear()
-
-    @property
-    def heartbeats_muted(self) -> bool:
-        return self._muted.is_set()
+class FrameHook(Protocol):
+    """What may stand between a :class:`KVClient` and its socket (tests inject deterministic
+    faults through one: ``tests/faults.py``). Called on the sending thread for every K/V
+    frame, and on the I/O thread before each heartbeat."""
 
     def outgoing(self, seq: int, parts: list[Any]) -> list[list[Any]]:
         """The multipart messages to send now, in order, for frame ``seq``."""
-        fault = self.plan.get(seq)
-        with self._lock:
-            if fault is not None:
-                self.applied[fault.kind] += 1
-            if fault is not None and fault.kind == "delay":
-                self._held.append([fault.after, parts])
-                return []
-            out: list[list[Any]] = []
-            if fault is None:
-                out.append(parts)
-            elif fault.kind == "duplicate":
-                out += [parts, parts]
-            elif fault.kind == "corrupt":
-                payload = bytearray(parts[1])
-                if payload:
-                    payload[len(payload) // 2] ^= 0xFF
-                else:
-                    payload.append(0)
-                out.append([parts[0], bytes(payload), *parts[2:]])
-            for item in self._held:
-                item[0] -= 1
-            out += [p for n, p in self._held if n <= 0]
-            self._held = [item for item in self._held if item[0] > 0]
-            return out
+        ...
 
     def flush(self) -> list[list[Any]]:
-        with self._lock:
-            out = [p for _, p in self._held]
-            self._held = []
-            return out
+        """Messages still held back, sent before an attempt's ``Done``."""
+        ...
+
+    @property
+    def heartbeats_muted(self) -> bool:
+        """True while the client's heartbeats are to stay unsent."""
+        ...
 
 
 # --------------------------------------------------------------------------------------------
@@ -976,13 +895,14 @@ class KVClient(_Endpoint):
     """The prefill worker's connection to a decode worker's KV port.
 
     ``KVClient(connect, *, secret, layout, role="prefill", identity=None, name=None,
-    heartbeat_interval=1.0, handshake_timeout=10.0, faults=None)``. Both handshakes run in the
-    constructor (zmq's CURVE one, then this module's), which raises :class:`HandshakeError`
-    (naming the field) if the CURVE handshake fails (``security``: a different secret, or a
-    server of another protocol version), if refused, if the server cannot prove it holds the
-    key (``auth``), if no answer comes (``timeout``), if the server speaks another protocol
-    version (``version``), or if this side's hello is over
+    heartbeat_interval=1.0, handshake_timeout=10.0, frame_hook=None)``. Both handshakes run in
+    the constructor (zmq's CURVE one, then this module's), which raises
+    :class:`HandshakeError` (naming the field) if the CURVE handshake fails (``security``: a
+    different secret, or a server of another protocol version), if refused, if the server
+    cannot prove it holds the key (``auth``), if no answer comes (``timeout``), if the server
+    speaks another protocol version (``version``), or if this side's hello is over
     :data:`~phasewise.disagg.wire.PREAUTH_MAX_BYTES` (``size``: a server would drop it unread).
+    ``frame_hook`` (a :class:`FrameHook`) sees every outgoing K/V frame and each heartbeat.
     ``identity`` is this incarnation (a fresh uuid by default); ``name`` is the stable worker
     name (default: the identity) by which a restart replaces its predecessor.
     ``max_frame_bytes`` is the largest K/V frame payload the server takes (from its accept);
@@ -992,7 +912,7 @@ class KVClient(_Endpoint):
     def __init__(self, connect: str, *, secret: bytes, layout: KVLayout, role: str = "prefill",
                  identity: str | None = None, name: str | None = None,
                  heartbeat_interval: float = 1.0, handshake_timeout: float = 10.0,
-                 faults: FaultInjector | None = None, close_linger: float = 1.0,
+                 frame_hook: FrameHook | None = None, close_linger: float = 1.0,
                  protocol_version: int = PROTOCOL_VERSION,
                  load: Callable[[], int] | None = None):
         if heartbeat_interval <= 0:
@@ -1001,7 +921,7 @@ class KVClient(_Endpoint):
         self.name = name or self.identity
         self.role = role
         self.layout = layout
-        self.faults = faults
+        self.frame_hook = frame_hook
         self.server_identity = ""
         self.max_frame_bytes = 0  # set by the handshake
         self._inbox: queue.Queue[Any] = queue.Queue()
@@ -1131,16 +1051,17 @@ class KVClient(_Endpoint):
             num_blocks=num_blocks, first_token=first_token, num_tokens=num_tokens,
             layer_start=layer_start, layer_end=layer_end, dtype=self.layout.dtype,
             payload=payload)
-        for out in (self.faults.outgoing(seq, parts) if self.faults else [parts]):
+        hook = self.frame_hook
+        for out in (hook.outgoing(seq, parts) if hook is not None else [parts]):
             self._pipe.push([b"send", *out])
         return seq
 
     def send_done(self, request_id: str, epoch: int) -> int:
-        """Send any frames the fault injector still holds, then ``Done`` with the attempt's
-        frame count (returned)."""
+        """Send any frames the frame hook still holds, then ``Done`` with the attempt's frame
+        count (returned)."""
         with self._seq_lock:
             n = self._seqs.pop((request_id, epoch), 0)
-        for out in (self.faults.flush() if self.faults else []):
+        for out in (self.frame_hook.flush() if self.frame_hook is not None else []):
             self._pipe.push([b"send", *out])
         self.send(Done(request_id=request_id, epoch=epoch, num_frames=n))
         return n
@@ -1170,7 +1091,8 @@ class KVClient(_Endpoint):
             while True:
                 now = time.monotonic()
                 if now >= next_beat:
-                    if not (self.faults and self.faults.heartbeats_muted):
+                    hook = self.frame_hook
+                    if hook is None or not hook.heartbeats_muted:
                         queue_len = 0
                         if self._load is not None:
                             try:

@@ -2,7 +2,7 @@
 K/V port and asks a connected prefill worker for a request's prompt; the prefill side computes
 it and pushes each chunk's blocks, then the first token.
 
-Decode reserves, prefill pushes (``../shared/DISAGG.md``):
+Decode reserves, prefill pushes (``docs/pd.md``, "Why it is built this way"):
 
 1. ``DecodeSide.add`` admits the group with ``PromptSpec.remote``: the engine matches its own
    prefix cache and reserves blocks for the rest of each prompt. A prompt is prefilled
@@ -36,14 +36,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from phasewise.disagg.kv import dtype_name, kv_to_bytes
-from phasewise.disagg.transport import KVClient, KVServer, MessageEvent, PeerEvent
+from phasewise.disagg.transport import FrameHook, KVClient, KVServer, MessageEvent, PeerEvent
 from phasewise.disagg.wire import Abort, Error, FirstToken, KVLayout, PrefillRequest
 from phasewise.engine.async_engine import AsyncEngine
 from phasewise.engine.backend import PromptSpec, RequestGroup
+from phasewise.engine.kv_bytes import dtype_name, kv_to_bytes
+from phasewise.engine.relay import params_from_wire, params_to_wire
 from phasewise.engine.request import RemoteTiming
 from phasewise.engine.sampling_params import SamplingParams
-from phasewise.server.relay import params_from_wire, params_to_wire
 
 log = logging.getLogger("phasewise.disagg")
 
@@ -410,7 +410,7 @@ class PrefillSide(_Delegate):
     ``ServingBackend`` too, so a server fronts it (``/health``, ``/metrics``)."""
 
     def __init__(self, backend: AsyncEngine, connect: str | Sequence[str], *, secret: bytes,
-                 name: str = "prefill", faults: Any = None,
+                 name: str = "prefill", frame_hook: FrameHook | None = None,
                  heartbeat_interval: float = 0.5, server_deadline: float = 5.0) -> None:
         endpoints = [connect] if isinstance(connect, str) else list(connect)
         if not endpoints or len(set(endpoints)) != len(endpoints):
@@ -418,7 +418,7 @@ class PrefillSide(_Delegate):
         self.backend = backend
         self.layout = layout_of(backend.engine)
         self._client_args = dict(secret=secret, layout=self.layout, role="prefill", name=name,
-                                 faults=faults, heartbeat_interval=heartbeat_interval,
+                                 frame_hook=frame_hook, heartbeat_interval=heartbeat_interval,
                                  load=self._queue_len)
         # A decode worker silent this long (it died, or restarted and forgot this session)
         # is connected to again, under the same name, with a new identity.

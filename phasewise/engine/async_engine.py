@@ -48,6 +48,7 @@ from phasewise.engine.validation import check_sequences
 if TYPE_CHECKING:
     from phasewise.config import EngineConfig
     from phasewise.engine.engine import LLMEngine
+    from phasewise.engine.step_cost import StepCoster
     from phasewise.model.tokenizer import Tokenizer
 
 # Re-exported: these names lived here before the backend protocol had its own module.
@@ -82,7 +83,7 @@ class AsyncEngine:
                          f"blocks of {c.block_size} tokens, policy {c.policy}, "
                          f"{engine.max_num_batched_tokens} tokens per step, dtype "
                          f"{str(engine.dtype).removeprefix('torch.')}, device {engine.device}"),
-            roofline=_roofline_note(engine))
+            roofline=engine.cost_model.note(engine.max_num_batched_tokens))
         self._commands: queue.Queue[Command] = queue.Queue()
         self._groups: dict[str, RequestGroup] = {}  # request id -> its group (loop side)
         # ticket -> the caller's future (loop side): each request's remote_hits when admitted
@@ -98,11 +99,14 @@ class AsyncEngine:
         self._abort_listeners: list[Callable[[Sequence[str]], None]] = []
 
     @classmethod
-    def from_config(cls, config: EngineConfig, **kwargs: Any) -> AsyncEngine:
-        """Load the checkpoint into an ``LLMEngine`` and wrap it."""
+    def from_config(cls, config: EngineConfig, *,
+                    cost_model: Callable[[LLMEngine], StepCoster] | None = None,
+                    **kwargs: Any) -> AsyncEngine:
+        """Load the checkpoint into an ``LLMEngine`` (pricing its steps with ``cost_model``,
+        as ``LLMEngine`` takes it) and wrap it."""
         from phasewise.engine.engine import LLMEngine
 
-        return cls(LLMEngine(config), **kwargs)
+        return cls(LLMEngine(config, cost_model=cost_model), **kwargs)
 
     @property
     def grammars(self) -> Any:
@@ -433,7 +437,7 @@ class AsyncEngine:
             return None
         try:
             if isinstance(cmd, LoadRemoteKV):
-                from phasewise.disagg.kv import kv_from_bytes
+                from phasewise.engine.kv_bytes import kv_from_bytes
 
                 engine.load_remote_kv(rid, cmd.first_token,
                                       kv_from_bytes(cmd.payload, cmd.dtype, cmd.shape))
@@ -483,25 +487,6 @@ class AsyncEngine:
         for group in {id(g): g for g in self._groups.values()}.values():
             if not group.finished:
                 group._put(error)
-
-
-def _roofline_note(engine: LLMEngine) -> str:
-    """What /metrics' per-step predictions rest on, for the start-up log."""
-    model = getattr(engine, "cost_model", None)
-    accel = getattr(model, "accel", None)
-    if model is None or accel is None:
-        return ("per-step roofline: no figures are stored for this machine, so /metrics has "
-                "each step's FLOPs and bytes but no predicted time; run 'phasewise measure' "
-                "and restart")
-    used = sorted({model.compute_dtype(1), model.compute_dtype(engine.max_num_batched_tokens)})
-    missing = [d for d in used if d not in accel.peak_flops]
-    peaks = ", ".join(f"{k} {v / 1e9:.1f} GFLOP/s" for k, v in accel.peak_flops.items())
-    line = (f"per-step roofline: steps run in {'/'.join(used)}; this machine's stored figures "
-            f"({accel.name}): read {accel.mem_bandwidth / 1e9:.1f} GB/s, {peaks}")
-    if missing:
-        return (line + f"; no {'/'.join(missing)} peak is stored, so steps in it get no "
-                "predicted time on /metrics: run 'phasewise measure' and restart")
-    return line + "; /metrics holds each step's predicted time beside its measured one"
 
 
 def _finished(req: Request, reason: str) -> FinishedRequest:

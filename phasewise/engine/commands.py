@@ -27,7 +27,7 @@ class AddRequests:
 @dataclass(frozen=True)
 class LoadRemoteKV:
     """K/V of a request waiting for a remote prefill: the blocks from prompt token
-    ``first_token`` on, as raw bytes of ``dtype`` in ``shape`` (``phasewise.disagg.kv``)."""
+    ``first_token`` on, as raw bytes of ``dtype`` in ``shape`` (``phasewise.engine.kv_bytes``)."""
 
     request_id: str
     first_token: int

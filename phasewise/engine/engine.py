@@ -1,8 +1,9 @@
 """The synchronous engine: load a checkpoint, accept requests, run steps.
 
 One ``step()``: ``Scheduler.schedule()`` -> ``ModelRunner.execute()`` -> ``Sampler`` ->
-``Scheduler.update()`` -> text and stop strings -> ``RequestOutput`` for every request that
-received a token, plus a ``StepStats`` record with the step's roofline-predicted cost.
+``Scheduler.update()`` -> text and stop strings (``OutputProcessor``) -> ``RequestOutput`` for
+every request that received a token, plus a ``StepStats`` record with the step's cost as the
+engine's cost model predicts it (``phasewise.engine.step_cost``).
 
 The engine's clock is ``time.monotonic``; the scheduler stamps requests with the same clock,
 passed to it (it reads none of its own).
@@ -21,27 +22,25 @@ from typing import Any
 import torch
 
 from phasewise.cache.manager import KVCacheManager
-from phasewise.config import EngineConfig, parse_memory
-from phasewise.disagg.connector import PushConnector
+from phasewise.config import EngineConfig
+from phasewise.engine.connector import PushConnector
+from phasewise.engine.kv_sizing import KVPlan
 from phasewise.engine.model_runner import ModelRunner
-from phasewise.engine.outputs import RequestOutput, StepStats, TextState
+from phasewise.engine.output_processor import OutputProcessor
+from phasewise.engine.outputs import RequestOutput, StepStats
 from phasewise.engine.request import Request, RequestStatus
 from phasewise.engine.sampler import Sampler
 from phasewise.engine.sampling_params import SamplingParams
 from phasewise.engine.scheduler import Scheduler, SchedulerConfig
 from phasewise.engine.spec import DraftPolicy, NgramProposer, SpecStats
+from phasewise.engine.step_cost import StepCoster, Unpriced
 from phasewise.engine.structured import GrammarCompiler
 from phasewise.engine.validation import check_token_ids
-from phasewise.model import cpu_kernels
 from phasewise.model.config import ModelConfig
-from phasewise.model.linear import LinearDispatch
-from phasewise.model.ops import CpuKernelOps
-from phasewise.model.quant import dequantize_rows
+from phasewise.model.cpu.backend import CpuBackend, prepare_cpu_backend
 from phasewise.model.loader import load_model, resolve_dtype
 from phasewise.model.tokenizer import Tokenizer, load_generation_config
-from phasewise.perf.attribution import StepCostModel
 
-DEFAULT_CPU_KV_MEMORY = 1 << 30
 DEFAULT_CPU_STEP_TOKENS = 256  # see EngineConfig.max_num_batched_tokens
 DEFAULT_CUDA_STEP_TOKENS = 2048
 MAX_STEP_HISTORY = 100_000
@@ -59,12 +58,12 @@ class StepFailed(RuntimeError):
 
 
 def release_freed_heap() -> bool:
-    """Hand the C heap's free pages back to the system (glibc's ``malloc_trim``): the
-    linear plan's calibration frees ~100 MB of activations and products that glibc keeps
-    (its mmap threshold rises with the first large block freed, so later large blocks come
-    from the heap and stay resident): 105 MB of the reference checkpoint's start-up on a
-    2-core CPU, all of it then counted in the served process's peak RSS. True where the C
-    library has ``malloc_trim`` (glibc), else False (nothing done)."""
+    """Hand the C heap's free pages back to the system (glibc's ``malloc_trim``). Packing
+    weights into panels and the int8 conversion free transient copies that glibc keeps (its
+    mmap threshold rises with the first large block freed, so later large blocks come from
+    the heap and stay resident); trimmed before the KV pool is sized, they are not counted
+    in the served process's resident memory. True where the C library has ``malloc_trim``
+    (glibc), else False (nothing done)."""
     try:
         libc = ctypes.CDLL(None)  # TypeError on Windows, which has no such library handle
         trim = libc.malloc_trim
@@ -84,7 +83,11 @@ def resolve_device(device: str) -> torch.device:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, *, load_progress: Any = None) -> None:
+    def __init__(self, config: EngineConfig, *, load_progress: Any = None,
+                 cost_model: Callable[[LLMEngine], StepCoster] | None = None) -> None:
+        """``cost_model``: builds, from the loaded engine, what prices each step
+        (``StepStats.predicted_*``; ``phasewise.perf.attribution.StepCostModel.for_engine``);
+        None: steps carry no predictions."""
         self.config = config
         model_dir = Path(config.model)
         if not model_dir.is_dir():
@@ -99,28 +102,12 @@ class LLMEngine:
             torch.cuda.set_device(self.device)
         self.dtype = resolve_dtype(config.dtype, mc)
 
-        # Context length: the user's, or the checkpoint's, lowered to fit the pool below.
-        max_len = config.max_model_len or mc.max_position_embeddings
-        if config.max_model_len and config.max_model_len > mc.max_position_embeddings:
-            raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's "
-                             f"max_position_embeddings ({mc.max_position_embeddings})")
+        # The pool and the context length it allows, settled before spending time on the
+        # weights where the budget is known (phasewise.engine.kv_sizing).
         bs = config.block_size
-        block_bytes = ModelRunner.bytes_per_block(mc, bs, self.dtype)
-        # every sequence at full length, plus one block: the pool must hold max_len + 1 tokens
-        # (see _fit_context), which a single full-length sequence would otherwise miss
-        blocks_for_all = config.max_num_seqs * -(-max_len // bs) + 1
-        num_blocks: int | None
-        if config.num_kv_blocks is not None:
-            num_blocks = config.num_kv_blocks
-        elif config.kv_cache_memory is not None:
-            num_blocks = min(blocks_for_all, parse_memory(config.kv_cache_memory) // block_bytes)
-        elif self.device.type == "cpu":
-            num_blocks = min(blocks_for_all, DEFAULT_CPU_KV_MEMORY // block_bytes)
-        else:
-            num_blocks = None  # CUDA: decided from the memory left after the weights
-
-        if num_blocks is not None:  # settle the sizes before spending time on the weights
-            max_len = self._fit_context(num_blocks, max_len)
+        kv_plan = KVPlan.plan(config, mc, ModelRunner.bytes_per_block(mc, bs, self.dtype),
+                              self.device.type)
+        max_len = kv_plan.max_model_len
         if config.quantization is not None and self.device.type != "cpu":
             raise ValueError(f"quantization {config.quantization} runs on CPU only; got "
                              f"device {self.device}")
@@ -128,27 +115,16 @@ class LLMEngine:
                                 max_positions=max_len, progress=load_progress,
                                 quantization=config.quantization,
                                 load_format=config.load_format, seed=config.seed)
-        self.linear_plan: LinearDispatch | None = None
+        # The CPU kernels (phasewise.model.cpu.backend): the ops, the kernel plan they follow
+        # (pinned, stored by `phasewise tune`, or ruled; never timed here) and its words.
+        self.cpu_backend: CpuBackend | None = prepare_cpu_backend(
+            self.model, config, self.dtype, self.device)
+        backend = self.cpu_backend
+        self.linear_plan = backend.linear if backend else None  # its LinearDispatch
         # why the decoder projections stay in rows ("" where they are packed into panels)
-        self.panels_reason = "not the CPU kernels"
-        if config.kernels == "auto" and self.device.type == "cpu" and self.dtype == torch.bfloat16:
-            gate_up = self.model.layers[0].gate_up_proj
-            head = self.model.lm_head_weight
-            panels = CpuKernelOps.panels_refused(self.model) == ""
-            if panels and cpu_kernels.can_pack_panels(head):  # the head to the panels too:
-                self.linear_plan = LinearDispatch(0, "torch")  # nothing left to time
-            elif panels and head.dtype == self.dtype:  # the plan serves the LM head alone
-                self.linear_plan = LinearDispatch.calibrate([head])
-            else:
-                if gate_up.weight.dtype == torch.int8:  # the plan times bf16 of that shape
-                    ws = [dequantize_rows(gate_up.weight, gate_up.weight_scale).to(self.dtype)]
-                else:  # every layer's, so that few rows time a stream from memory, as decode
-                    ws = [layer.gate_up_proj.weight for layer in self.model.layers]
-                self.linear_plan = self._calibrate_rows(ws)
-            ops = CpuKernelOps(self.linear_plan)
-            self.panels_reason = ops.pack_panels(self.model)  # "" once packed
-            self.model.ops = ops
-            release_freed_heap()  # the calibration's buffers, before the KV pool
+        self.panels_reason = backend.panels_reason if backend else "not the CPU kernels"
+        if backend is not None:
+            release_freed_heap()  # the packing's transient copies, before the KV pool
         self.gpu_kernels = "torch operations"  # on CUDA: what runs (generate reports it)
         if config.kernels == "auto" and self.device.type == "cuda":
             try:  # fused norm, RoPE, SiLU and paged decode attention (Triton ships with torch)
@@ -158,10 +134,9 @@ class LLMEngine:
             else:
                 self.model.ops = TritonOps()
                 self.gpu_kernels = "Triton kernels between the matrix products, cuBLAS GEMMs"
-        if num_blocks is None:
-            free, _ = torch.cuda.mem_get_info(self.device)
-            num_blocks = min(blocks_for_all, int(free * 0.9) // block_bytes)
-            max_len = self._fit_context(num_blocks, max_len)
+        if kv_plan.num_blocks is None:  # CUDA: the memory the weights left
+            kv_plan = kv_plan.on_free(torch.cuda.mem_get_info(self.device)[0], config, mc)
+        num_blocks, max_len = kv_plan.num_blocks, kv_plan.max_model_len
         self.max_model_len = max_len
         self.eos_token_ids = self._eos_ids()
         self.clock = time.monotonic
@@ -190,77 +165,22 @@ class LLMEngine:
         self.spec_stats = SpecStats()
         self._untimed_s = 0.0
         self.requests: dict[str, Request] = {}
-        self._text: dict[str, TextState] = {}
+        self.output_processor = OutputProcessor(self.tokenizer)  # text and stop strings
         self._ids = itertools.count()
         self.step_stats: deque[StepStats] = deque(maxlen=MAX_STEP_HISTORY)
         self._step_index = 0
         self.stalled = False  # the last step() found nothing it may run
         # P/D: the K/V this engine ships (prefill role) and receives (decode role).
         self.connector = PushConnector(self.runner, bs)
-        # Roofline cost of each step at the peaks `phasewise measure` stored (never measured
-        # here: without stored peaks, steps get FLOPs and bytes but no predicted time).
-        self.cost_model = StepCostModel.for_engine(self)
+        # What each step should have cost (phasewise.engine.step_cost), built from the engine
+        # as loaded: its dtype, device and CPU kernels decide the arithmetic a step runs in.
+        self.cost_model: StepCoster = cost_model(self) if cost_model is not None else Unpriced()
         # Speculative decoding spends rows: the policy lets a step draft only at batch sizes
         # where drafting has delivered more tokens per second on this engine. None: every
         # step drafts.
         self.draft_policy = DraftPolicy() if self.proposer is not None else None
 
     # -- set-up helpers --------------------------------------------------------------------
-    def linear_plan_text(self) -> str | None:
-        """How the CPU kernels run the linear layers, in words (``generate``'s ``[kernels]``
-        line and ``bench_engine``'s report); None where they do not run them."""
-        if self.linear_plan is None:
-            return None
-        if cpu_kernels.is_panels(self.model.lm_head_weight):
-            return ("decoder projections and the LM head packed into panels (AVX512_BF16 dot "
-                    "products at every row count)")
-        if not self.panels_reason:
-            return ("decoder projections packed into panels (AVX512_BF16 dot products at "
-                    f"every row count); the LM head: {self.linear_plan.describe()}")
-        return self.linear_plan.describe()
-
-    def _calibrate_rows(self, ws: list[torch.Tensor]) -> LinearDispatch:
-        """The linear plan where the projections stay in rows: timed on ``ws`` (gate/up
-        weights), the fused layer's few rows over a decode step's whole stream, and each other
-        projection shape at prompt-chunk rows."""
-        # what a decode step streams, for the fused layer's few rows against AMX
-        stream = [getattr(layer, name).weight for layer in self.model.layers
-                  for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")]
-        stream = [w for w in stream if w.dtype == self.dtype]
-        plan = LinearDispatch.calibrate(ws, stream=stream)
-        # The other projections' shapes at prompt-chunk rows, each its own method, over
-        # 8 layers' weights (read from memory, as a prompt reads them), bf16 weights only
-        # (the gate/up projection's rows take the plan's, fused with the SiLU on AMX).
-        layers = self.model.layers
-        for name in ("qkv_proj", "o_proj", "down_proj"):
-            w = getattr(layers[0], name).weight
-            if w.dtype == self.dtype and tuple(w.shape) not in plan.prompt_by_shape:
-                plan.calibrate_prompt_shape([getattr(layer, name).weight for layer in layers[:8]])
-        return plan
-
-    def _fit_context(self, num_blocks: int, max_len: int) -> int:
-        """Check the pool against the context length (lowering a default one to fit) and
-        the checkpoint's sliding window against the result; returns max_model_len."""
-        config, mc, bs = self.config, self.model_config, self.config.block_size
-        if num_blocks < 1:
-            raise ValueError("the KV cache budget holds no block of "
-                             f"{ModelRunner.bytes_per_block(mc, bs, self.dtype)} bytes; "
-                             "raise kv_cache_memory")
-        capacity = num_blocks * bs
-        if capacity - 1 < max_len:
-            if config.max_model_len:
-                raise ValueError(
-                    f"the KV cache holds {capacity} tokens ({num_blocks} blocks of {bs}), too few "
-                    f"for max_model_len {max_len}; raise kv_cache_memory or lower max_model_len")
-            max_len = capacity - 1
-        if mc.sliding_window is not None and mc.sliding_window < max_len:
-            raise ValueError(
-                f"{mc.architecture} uses a sliding attention window of {mc.sliding_window} "
-                f"tokens, shorter than max_model_len {max_len}; phasewise attends to the full "
-                f"context, which would compute a different model. Set max_model_len <= "
-                f"{mc.sliding_window}.")
-        return max_len
-
     def _eos_ids(self) -> tuple[int, ...]:
         ids: list[int] = []
         gen = self.generation_config.get("eos_token_id")
@@ -342,8 +262,7 @@ class LLMEngine:
 
     def _register(self, req: Request) -> None:
         self.requests[req.request_id] = req
-        self._text[req.request_id] = TextState(self.tokenizer.decode_stream(
-            req.prompt_token_ids, req.params.skip_special_tokens), req.params)
+        self.output_processor.add(req)
 
     # -- remote prefill ------------------------------------------------------------------
     # The decode role admits a request with add_remote_request, writes the K/V a prefill
@@ -447,7 +366,7 @@ class LLMEngine:
         if self.proposer is not None:
             self.proposer.release(req.request_id)
         self.requests.pop(req.request_id, None)
-        self._text.pop(req.request_id, None)
+        self.output_processor.remove(req.request_id)
         self.sampler.release(req.request_id)
 
     # -- the step --------------------------------------------------------------------------
@@ -482,7 +401,7 @@ class LLMEngine:
         for req, error in failed:  # its own sampling failed: it ends here, no one else
             if not req.finished:
                 self.scheduler.finish_request(req, RequestStatus.FINISHED_ABORTED)
-            out = self._output(req, self._text[req.request_id])
+            out = self.output_processor.output(req)
             out.error = error
             outputs.append(out)
             self._forget(req)
@@ -620,47 +539,10 @@ class LLMEngine:
 
     def _emit(self, req: Request, new_tokens: int = 1) -> RequestOutput:
         """The output of a request that just got ``new_tokens`` tokens (more than one after
-        a verify): their text, stop strings checked token by token (a stop string ends the
-        request at the token that completes it, and the tokens after it are dropped), and
-        the request forgotten if that finished it."""
-        state = self._text[req.request_id]
-        tokens = req.output_token_ids[req.num_output_tokens - new_tokens:]
-        # A stop token's text is not shown (unless asked for); a grammar's last token is the
-        # output's end and is shown, unless it is itself a stop token (EOS).
-        ended_by_token = (req.finished and req.status is RequestStatus.FINISHED_STOPPED
-                          and (not req.output_complete or bool(tokens) and (
-                              tokens[-1] in req.eos_token_ids
-                              or tokens[-1] in req.params.stop_token_ids)))
-        for i, token in enumerate(tokens):
-            last = i == len(tokens) - 1
-            if last and ended_by_token and not req.params.include_stop_str_in_output:
-                break
-            stop = state.add_token(token)
-            if stop is None or (last and req.finished):
-                continue
-            req.truncate_outputs(req.num_output_tokens - (len(tokens) - 1 - i))
-            req.stop_reason = stop
-            if req.finished:  # the token cut off had ended it (length): the stop string did
-                req.status = RequestStatus.FINISHED_STOPPED
-            else:
-                self.scheduler.finish_request(req, RequestStatus.FINISHED_STOPPED)
-            break
-        out = self._output(req, state)
+        a verify; stop strings: ``OutputProcessor.emit``), and the request forgotten if that
+        finished it."""
+        out = self.output_processor.emit(req, new_tokens, self.scheduler.finish_request)
         if req.finished:
             self._forget(req)
         return out
-
-    def _output(self, req: Request, state: TextState) -> RequestOutput:
-        delta_tokens = req.output_token_ids[state.sent_tokens:]
-        state.sent_tokens = req.num_output_tokens
-        delta_text = state.take_delta(req.finished)
-        return RequestOutput(
-            request_id=req.request_id, prompt=req.prompt,
-            prompt_token_ids=req.prompt_token_ids, text=state.text[:state.sent_chars],
-            token_ids=list(req.output_token_ids), delta_text=delta_text,
-            delta_token_ids=list(delta_tokens), finished=req.finished,
-            finish_reason=req.finish_reason, stop_reason=req.stop_reason,
-            logprobs=list(req.logprobs) if req.logprobs is not None else None,
-            metrics=req.metrics, prompt_logprobs=req.prompt_logprobs,
-        )
 

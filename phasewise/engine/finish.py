@@ -12,12 +12,13 @@ appended), the first rule that holds ends the request:
 4. ``max_tokens``: the request has that many outputs -> ``length``.
 5. context length: prompt plus outputs reach the scheduler's ``max_len`` (``max_model_len``,
    or less when the whole KV pool holds fewer tokens) -> ``length``.
-6. stop strings: the engine appends the token's text (``TextState``) and looks for a stop
-   string that the new text completed (``find_stop_string``; found across token boundaries)
-   -> ``stop``, ``stop_reason`` = the string, the text cut before it (or after it with
-   ``include_stop_str_in_output``). A token that ended the request under rule 2 or 3 adds no
-   text (unless ``include_stop_str_in_output``); one that ended it under 4 or 5 does, and a
-   stop string it completes still cuts the text, but the finish reason stays ``length``.
+6. stop strings: the engine appends the token's text (``output_processor.TextState``) and
+   looks for a stop string that the new text completed (``find_stop_string``; found across
+   token boundaries) -> ``stop``, ``stop_reason`` = the string, the text cut before it (or
+   after it with ``include_stop_str_in_output``). A token that ended the request under rule
+   2 or 3 adds no text (unless ``include_stop_str_in_output``); one that ended it under 4 or
+   5 does, and a stop string it completes still cuts the text, but the finish reason stays
+   ``length``.
    ``min_tokens`` does not hold back stop strings.
 """
 

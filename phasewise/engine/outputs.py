@@ -1,13 +1,11 @@
-"""What the engine hands back: per-request outputs, text streaming and per-step stats."""
+"""What the engine hands back: per-request outputs and per-step stats (the text behind the
+outputs is ``phasewise.engine.output_processor``'s)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from phasewise.engine.finish import find_stop_string
 from phasewise.engine.request import RequestMetrics
-from phasewise.engine.sampling_params import SamplingParams
-from phasewise.model.tokenizer import TextStream
 
 
 @dataclass
@@ -45,9 +43,11 @@ def new_token_gaps(out: RequestOutput) -> list[float]:
 @dataclass(frozen=True)
 class StepStats:
     """One engine step: its token mix, how long it took, and what the roofline says it
-    should have cost (``phasewise.perf.attribution``): its FLOPs and bytes for the step's exact
-    mix of chunks and decodes, and the time those take at this machine's measured peaks
-    (``predicted_s``; None when no peaks are stored, or for a step nobody predicted)."""
+    should have cost (the engine's cost model, ``phasewise.engine.step_cost``: for ``LLM`` and
+    the server, ``phasewise.perf.attribution``): its FLOPs and bytes for the step's exact mix
+    of chunks and decodes, and the time those take at this machine's measured peaks
+    (``predicted_s``; None when no peaks are stored; all None for an engine given no cost
+    model)."""
 
     index: int
     start_time: float  # time.monotonic() at the start of the step
@@ -75,43 +75,3 @@ class StepStats:
     def num_tokens(self) -> int:
         return self.num_prefill_tokens + self.num_decode_tokens
 
-
-class TextState:
-    """Incremental text of one request, with stop-string matching.
-
-    Stop strings (rule 6 of ``phasewise.engine.finish``) are matched on the decoded text, so
-    they are found across token boundaries.
-    While a request runs, the last ``max_stop_len - 1`` characters are held back from deltas,
-    so a partial stop string never reaches the client.
-    """
-
-    def __init__(self, stream: TextStream, params: SamplingParams) -> None:
-        self.stream = stream
-        self.params = params
-        self.text = ""
-        self.sent_chars = 0
-        self.sent_tokens = 0
-
-    def add_token(self, token_id: int) -> str | None:
-        """Append a token's text; return the stop string it completed, if any."""
-        piece = self.stream.step(token_id)
-        if not piece:
-            return None
-        old_len = len(self.text)
-        self.text += piece
-        if not self.params.stop:
-            return None
-        start = max(0, old_len - self.params.max_stop_len + 1)
-        hit = find_stop_string(self.text, start, self.params.stop)
-        if hit is None:
-            return None
-        pos, s = hit
-        self.text = self.text[:pos + (len(s) if self.params.include_stop_str_in_output else 0)]
-        return s
-
-    def take_delta(self, finished: bool) -> str:
-        hold = 0 if finished else max(0, self.params.max_stop_len - 1)
-        limit = max(self.sent_chars, len(self.text) - hold)
-        delta = self.text[self.sent_chars:limit]
-        self.sent_chars = limit
-        return delta

@@ -37,7 +37,7 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     checkpoint, torch's ``max`` took 0.54 ms, the kernel 0.34 ms (2-core AMX Xeon; alone,
     0.26 against 0.09 ms)."""
     if logits.device.type == "cpu":
-        from phasewise.model.cpu_kernels import argmax_rows
+        from phasewise.model.cpu.kernels import argmax_rows
 
         picked = argmax_rows(logits)
         if picked is not None:
@@ -51,7 +51,7 @@ def greedy_token_list(logits: torch.Tensor) -> list[int]:
     on caches the weights' stream has just flushed, where each torch call costs tens of
     microseconds."""
     if logits.device.type == "cpu":
-        from phasewise.model.cpu_kernels import argmax_list
+        from phasewise.model.cpu.kernels import argmax_list
 
         picked = argmax_list(logits)
         if picked is not None:
@@ -125,7 +125,7 @@ class Sampler:
         if not rows:
             return out
         if kernels and logits.device.type == "cpu":
-            from phasewise.model.cpu_kernels import logprob_entries
+            from phasewise.model.cpu.kernels import logprob_entries
 
             got = logprob_entries(logits, rows, [tokens[i] for i in rows],
                                   [requests[i].params.logprobs for i in rows])
@@ -173,7 +173,7 @@ class Sampler:
         pen = [i for i in needs if requests[i].params.needs_penalties]
         done = False
         if pen and kernels and dev.type == "cpu":
-            from phasewise.model.cpu_kernels import apply_penalties
+            from phasewise.model.cpu.kernels import apply_penalties
 
             rs = [requests[i] for i in pen]
             done = apply_penalties(
@@ -220,7 +220,7 @@ class Sampler:
         ``_sample_torch``."""
         u = self._uniforms(requests, logits.device)
         if logits.device.type == "cpu":
-            from phasewise.model.cpu_kernels import sample_list
+            from phasewise.model.cpu.kernels import sample_list
 
             vocab = logits.shape[-1]
             picked = sample_list(

@@ -35,12 +35,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from phasewise.cache.manager import CachedPrefix, KVCacheManager
+from phasewise.config import POLICIES
 from phasewise.engine.finish import token_finish
 from phasewise.engine.request import Request, RequestStatus
+from phasewise.engine.step_cost import Chunk
 from phasewise.engine.validation import ValidationError, check_context
-from phasewise.perf.roofline import Chunk
-
-POLICIES = ("chunked", "prefill-first")
 
 
 @dataclass(frozen=True)

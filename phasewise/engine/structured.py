@@ -213,7 +213,7 @@ class Matcher:
         allow that token next (and past the vocabulary the grammar knows)."""
         bits = self.fill()
         if row.device.type == "cpu" and row.is_contiguous():
-            from phasewise.model.cpu_kernels import mask_logits
+            from phasewise.model.cpu.kernels import mask_logits
 
             if mask_logits(row, bits):
                 return

@@ -25,6 +25,20 @@ SUPPORTED_ARCHITECTURES: dict[str, dict[str, Any]] = {
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
+def read_config_json(path: str | Path) -> tuple[Path, dict[str, Any]]:
+    """A checkpoint's ``config.json`` (``path`` is the file or the folder holding it): the
+    file's path and its parsed contents. The one reader of the file: ``ModelConfig`` (what
+    the forward pass needs, strictly) and ``phasewise.perf.models.ModelShape`` (the shape
+    the roofline prices, of any decoder) both start from it."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.exists():
+        raise FileNotFoundError(f"no config.json at {path}")
+    with open(path) as f:
+        return path, json.load(f)
+
+
 @dataclass(frozen=True)
 class RopeConfig:
     """Rotary embedding parameters. ``rope_type`` is one of SUPPORTED_ROPE_TYPES."""
@@ -92,13 +106,7 @@ class ModelConfig:
 
     @classmethod
     def from_file(cls, path: str | Path) -> ModelConfig:
-        path = Path(path)
-        if path.is_dir():
-            path = path / "config.json"
-        if not path.exists():
-            raise FileNotFoundError(f"no config.json at {path}")
-        with open(path) as f:
-            return cls.from_dict(json.load(f))
+        return cls.from_dict(read_config_json(path)[1])
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ModelConfig:

@@ -19,7 +19,7 @@ from safetensors import safe_open
 
 from phasewise.model.config import ModelConfig
 from phasewise.model.layers import RotaryEmbedding
-from phasewise.model.quant import prepare_int8, quantize_rows_int8
+from phasewise.model.cpu.quant import prepare_int8, quantize_rows_int8
 from phasewise.model.transformer import CausalLM
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -135,7 +135,7 @@ def load_model(
 
     ``progress``: a callback ``(bytes_done, bytes_total)``; ``None`` prints to stderr for
     checkpoints over 256 MiB; ``False`` is silent. ``quantization="int8"`` (CPU): the
-    weights ``phasewise.model.quant`` names are quantized as each tensor is read (after a
+    weights ``phasewise.model.cpu.quant`` names are quantized as each tensor is read (after a
     cast to ``dtype``, so the result is that of quantizing the ``dtype`` model), and only
     their int8 copies are kept.
 

@@ -8,31 +8,27 @@ decode tokens (``Roofline.mixed``), in pure Python arithmetic: the engine calls 
 Peaks come from the file ``phasewise measure`` writes (``cpu-local`` or ``gpu-local``). When
 none are stored, nothing is measured (that would slow every engine start): FLOPs and bytes are
 still predicted, the time is None. This module imports no torch.
+
+It is the engine's ``StepCoster`` (``phasewise.engine.step_cost``): whoever builds an engine
+passes ``StepCostModel.for_engine`` as its ``cost_model``, since the engine room sits below this
+one and imports none of it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from phasewise.engine.step_cost import Chunk, StepPrediction
 from phasewise.perf.hardware import Accelerator, load_local
 from phasewise.perf.models import ModelShape
-from phasewise.perf.roofline import DTYPE_BYTES, Chunk, Roofline, norm_dtype
+from phasewise.perf.roofline import DTYPE_BYTES, Roofline, norm_dtype
 
 # Stands in for the machine when no peaks are stored: FLOPs and bytes do not depend on it,
 # and the times it would give are never reported.
 _UNIT_PEAKS = Accelerator("unit", "no measured peaks", {d: 1.0 for d in DTYPE_BYTES}, 0.0, 1.0,
                           None, "placeholder")
-
-
-@dataclass(frozen=True)
-class StepPrediction:
-    flops: float
-    bytes: float
-    seconds: float | None  # max(flops / peak, bytes / bandwidth); None without peaks
-    compute_dtype: str  # whose peak the step's arithmetic is rated at
 
 
 def engine_weight_dtype(engine: Any) -> str:
@@ -54,7 +50,7 @@ def engine_compute_dtype(engine: Any) -> Callable[[int], str]:
     dtype = norm_dtype(str(engine.dtype).removeprefix("torch."))
     if engine.device.type == "cpu":
         if engine_weight_dtype(engine) == "int8":
-            from phasewise.model import cpu_kernels
+            from phasewise.model.cpu import kernels as cpu_kernels
 
             if getattr(engine, "linear_plan", None) is not None and cpu_kernels.amx_available():
                 return lambda rows: "bf16" if rows > cpu_kernels.INT8_ROWS_MAX else "fp32"
@@ -132,3 +128,21 @@ class StepCostModel:
         roof, timed = self.roofline(cdt)
         c = roof.mixed(chunks, decodes)
         return StepPrediction(c.flops, c.bytes, c.time if timed else None, cdt)
+
+    def note(self, max_rows: int) -> str:
+        """What /metrics' per-step predictions rest on, for the start-up log; ``max_rows``:
+        the most tokens a step holds (the engine's step budget)."""
+        accel = self.accel
+        if accel is None:
+            return ("per-step roofline: no figures are stored for this machine, so /metrics "
+                    "has each step's FLOPs and bytes but no predicted time; run 'phasewise "
+                    "measure' and restart")
+        used = sorted({self.compute_dtype(1), self.compute_dtype(max_rows)})
+        missing = [d for d in used if d not in accel.peak_flops]
+        peaks = ", ".join(f"{k} {v / 1e9:.1f} GFLOP/s" for k, v in accel.peak_flops.items())
+        line = (f"per-step roofline: steps run in {'/'.join(used)}; this machine's stored "
+                f"figures ({accel.name}): read {accel.mem_bandwidth / 1e9:.1f} GB/s, {peaks}")
+        if missing:
+            return (line + f"; no {'/'.join(missing)} peak is stored, so steps in it get no "
+                    "predicted time on /metrics: run 'phasewise measure' and restart")
+        return line + "; /metrics holds each step's predicted time beside its measured one"

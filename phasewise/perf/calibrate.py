@@ -35,10 +35,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from phasewise.engine.step_cost import Chunk
 from phasewise.perf.costmodel import CostModel, StepMix, fit
 from phasewise.perf.hardware import Accelerator, accelerator_from_entry, machine_file
 from phasewise.perf.models import ModelShape
-from phasewise.perf.roofline import Chunk
 
 PROFILE_VERSION = 1
 DECODE_BATCHES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
@@ -219,15 +219,17 @@ def measure_point(engine: Any, pt: GridPoint, rng: Any) -> float:
 
 def grid_engine(model: str | Path, points: Sequence[GridPoint], max_len: int, budget: int,
                 **engine_kwargs: Any) -> Any:
-    """An ``LLMEngine`` whose pool and budget hold every one of ``points``."""
+    """An ``LLMEngine`` whose pool and budget hold every one of ``points``, each step priced
+    as a served one is (the cost model runs inside the steps it times)."""
     from phasewise.config import EngineConfig
     from phasewise.engine.engine import LLMEngine
+    from phasewise.perf.attribution import StepCostModel
 
     bs = engine_kwargs.get("block_size", 16)
     return LLMEngine(EngineConfig(model=str(model), max_model_len=max_len,
                                   max_num_batched_tokens=budget, max_num_seqs=64,
                                   num_kv_blocks=pool_blocks(points, bs, max_len),
-                                  **engine_kwargs))
+                                  **engine_kwargs), cost_model=StepCostModel.for_engine)
 
 
 def time_points(engine: Any, points: Sequence[GridPoint], rounds: int, rng: Any,

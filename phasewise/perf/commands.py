@@ -18,13 +18,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from phasewise.bench.summary import parse_slo, text_table
-from phasewise.bench.workload import LengthDist, RequestSpec, build_workload, load_trace
 from phasewise.perf.costmodel import CostModel
 from phasewise.perf.models import ModelShape, lookup_model
 from phasewise.perf.simulate import Deployment, EngineSpec, kv_blocks_for, simulate
+from phasewise.perf.summary import parse_slo, save_result, text_table
+from phasewise.perf.workload import LengthDist, RequestSpec, build_workload, load_trace
 
-CPU_KV_MEMORY = 1 << 30  # the engine's default K/V pool on CPU (engine.DEFAULT_CPU_KV_MEMORY)
+CPU_KV_MEMORY = 1 << 30  # the engine's default K/V pool on CPU (kv_sizing.DEFAULT_CPU_KV_MEMORY)
 CPU_STEP_TOKENS, GPU_STEP_TOKENS = 256, 2048  # the engine's default step budgets
 GPU_MEMORY_FRACTION = 0.9  # of the accelerator's memory for weights and K/V, as on CUDA
 MAX_PLAN_REQUESTS = 20_000  # per simulated rate in plan's search
@@ -143,8 +143,6 @@ def run_simulate(a: argparse.Namespace, model: str) -> int:
     print(f"deployment: {dep.describe()}; per engine: {eng.policy}, budget "
           f"{eng.max_num_batched_tokens} tokens, {eng.max_num_seqs} sequences, "
           f"{eng.num_kv_blocks} K/V blocks of {eng.block_size}, context {eng.max_model_len}")
-    from phasewise.bench.run import save_result
-
     sweep = len(a.request_rate) > 1
     for rate in a.request_rate:
         if not rate > 0:

@@ -37,9 +37,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from phasewise.engine.step_cost import Chunk
 from phasewise.perf.hardware import Accelerator
 from phasewise.perf.models import ModelShape
-from phasewise.perf.roofline import DTYPE_BYTES, Chunk, chunk_positions, norm_dtype
+from phasewise.perf.roofline import DTYPE_BYTES, chunk_positions, norm_dtype
 
 # Assumed for an accelerator nobody calibrated (the planner's catalog GPUs): a tuned engine's
 # dense GEMMs reach about half the datasheet peak, its decode steps about three quarters of

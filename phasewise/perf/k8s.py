@@ -62,8 +62,8 @@ from typing import Any
 
 import yaml
 
-from phasewise.config import DEVICES, DTYPE_CHOICES, KERNEL_CHOICES, LOAD_FORMATS, LOG_LEVELS
-from phasewise.engine.scheduler import POLICIES
+from phasewise.config import (DEVICES, DTYPE_CHOICES, KERNEL_CHOICES, LOAD_FORMATS, LOG_LEVELS,
+                              POLICIES)
 
 MODES = ("colocated", "pd")
 ROLES = ("both", "prefill", "decode", "router")
@@ -91,6 +91,7 @@ ENGINE_FLAGS: dict[str, Any] = {
     "--no-prefix-caching": SWITCH,
     "--seed": int,
     "--kernels": KERNEL_CHOICES,
+    "--kernel-plan": str,
     "--load-format": LOAD_FORMATS,
     "--enforce-eager": SWITCH,
     "--quantization": ("int8",),

@@ -57,7 +57,7 @@ def cpu_read_times(n_bytes: int, reps: int, budget_s: float = 20.0) -> tuple[lis
     bandwidth (the kernels must not look good only because a probe reads slowly)."""
     import torch
 
-    from phasewise.model import cpu_kernels
+    from phasewise.model.cpu import kernels as cpu_kernels
     from phasewise.model.loader import huge_page_empty
 
     x = huge_page_empty(n_bytes).view(torch.float32).fill_(1.0)
@@ -161,16 +161,16 @@ def measure_device(device: str, progress: Callable[[str], None], quick: bool = F
         if dev.type == "cpu" and name == "bf16":
             # Where phasewise's AMX kernel runs the engine's bf16 matmuls, its speed is this
             # machine's bf16 peak too: the faster of the two counts (as the engine picks).
-            from phasewise.model import cpu_kernels
+            from phasewise.model.cpu import kernels as cpu_kernels
             # Likewise its panels kernel where the CPU has AVX512_BF16 (and no AMX: there the
             # engine packs its projections into panels; a peak of the machine, as the AMX
-            # kernel's, also where an engine keeps its rows: PHASEWISE_PANELS=0, int8).
+            # kernel's, also where an engine keeps its rows: a plan without panels, int8).
             own_fn = None
             if cpu_kernels.amx_available():
                 bt = b.t().contiguous()  # [N, K]: the kernel's weight layout
                 own_fn, own_name = (lambda: cpu_kernels.linear_amx(a, bt),
                                     "phasewise's AMX kernel")
-            elif cpu_kernels.dp_available() and n % 16 == 0:
+            elif cpu_kernels.avx512bf16_available() and n % 16 == 0:
                 bp = cpu_kernels.pack_panels(b.t().contiguous())
                 own_fn, own_name = (lambda: cpu_kernels.linear_pk(a, bp),
                                     "phasewise's AVX512_BF16 panels kernel")

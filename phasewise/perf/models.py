@@ -8,10 +8,11 @@ per layer at most).
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
+
+from phasewise.model.config import read_config_json
 
 
 @dataclass(frozen=True)
@@ -122,11 +123,7 @@ class ModelShape:
 
     @classmethod
     def from_path(cls, path: str | Path) -> ModelShape:
-        p = Path(path)
-        if p.is_dir():
-            p = p / "config.json"
-        with open(p) as f:
-            cfg = json.load(f)
+        p, cfg = read_config_json(path)
         return cls.from_hf_config(cfg, name=p.parent.name or str(p), source=str(p))
 
 
@@ -239,6 +236,17 @@ def lookup_model(name: str) -> ModelShape:
     if hits:
         raise ValueError(f"model {name!r} is ambiguous: {', '.join(m.name for m in hits)}")
     raise ValueError(f"unknown model {name!r}: give a config.json path or one of {names}")
+
+
+def catalog_name(model: str) -> str | None:
+    """The catalog's name for ``model`` or for its last path part (a hub id ``org/name``),
+    matched exactly but for case; None if neither is there (``phasewise.config.resolve_model``
+    refuses such a name with it)."""
+    for candidate in (model, Path(model).name):
+        shape = CATALOG.get(candidate.lower())
+        if shape is not None:
+            return shape.name
+    return None
 
 
 def with_name(shape: ModelShape, name: str) -> ModelShape:

@@ -25,9 +25,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from phasewise.bench.workload import RequestSpec
 from phasewise.perf.costmodel import CostModel
 from phasewise.perf.simulate import Deployment, EngineSpec, simulate
+from phasewise.perf.workload import RequestSpec
 
 ATTAINMENT = 0.9
 RATIOS = ((1, 1), (1, 2), (2, 1), (1, 3), (3, 1))

@@ -35,6 +35,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from functools import cached_property
 
+from phasewise.engine.step_cost import Chunk
 from phasewise.perf.hardware import Accelerator, Link
 from phasewise.perf.models import GenericModel, ModelShape
 
@@ -101,18 +102,6 @@ class StepCost:
                  t_memory_s=self.t_memory, time_s=self.time, bound=self.bound,
                  ratio=self.ratio)
         return d
-
-
-@dataclass(frozen=True)
-class Chunk:
-    """One request's prompt (or recompute) chunk in a step: ``tokens`` computed after
-    ``context`` tokens already in the KV cache (cached prefix, earlier chunks). ``samples``:
-    the chunk reaches the request's last token, so its last position goes through the LM head
-    (a chunk that stops short of the prompt's end samples nothing)."""
-
-    tokens: int
-    context: int = 0
-    samples: bool = True
 
 
 def chunk_positions(chunks: Sequence[Chunk]) -> int:

@@ -26,7 +26,7 @@ Deployments (``Deployment``):
   request's first token lands on the decode worker when its last K/V byte has, plus a fixed
   hand-off cost (``Deployment.handoff_s``) (``remote_prefill_done``), and it decodes there.
 
-The result is the bench's summary (``phasewise.bench.summary.summarize``), so simulated and
+The result is the bench's summary (``phasewise.perf.summary.summarize``), so simulated and
 measured runs read alike and ``phasewise bench report`` lays them side by side; it adds
 ``simulated`` (per-worker busy time, steps by kind, transfers).
 """
@@ -39,15 +39,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from phasewise.bench.client import RequestResult
-from phasewise.bench.summary import summarize
-from phasewise.bench.workload import RequestSpec
 from phasewise.cache.manager import KVCacheManager
 from phasewise.engine.request import Request, RequestStatus
 from phasewise.engine.sampling_params import SamplingParams
 from phasewise.engine.scheduler import Scheduler, SchedulerConfig
 from phasewise.perf.costmodel import CostModel
 from phasewise.perf.hardware import Link
+from phasewise.perf.summary import RequestResult, summarize
+from phasewise.perf.workload import RequestSpec
 
 MODES = ("colocated", "pd")
 MAX_WORKERS = 1024  # engines of one role a simulation holds (each is a scheduler and a pool)

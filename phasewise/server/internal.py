@@ -8,18 +8,17 @@ OpenAPI document: it is phasewise's own, not OpenAI's.
   defaults and its role.
 * ``GET /internal/v1/load``: the engine's latest snapshot, for routing by load.
 * ``POST /internal/v1/generate``: a group of already tokenized prompts with their sampling
-  parameters; the reply streams one JSON line per output (``relay``). The same checks as
-  ``/v1/*`` apply (token ids, context, every parameter); closing the connection aborts the
-  group. The parameters are checked as ``SamplingParams`` checks them (a flag must be a JSON
-  boolean); a 400 names the parameter (``specs.0.params.ignore_eos``). A failure after the
-  reply began ends it with an ``{"error": ...}`` line.
+  parameters; the reply streams one JSON line per output (``phasewise.engine.relay``). The
+  same checks as ``/v1/*`` apply (token ids, context, every parameter); closing the
+  connection aborts the group. The parameters are checked as ``SamplingParams`` checks them
+  (a flag must be a JSON boolean); a 400 names the parameter (``specs.0.params.ignore_eos``).
+  A failure after the reply began ends it with an ``{"error": ...}`` line.
 * ``POST /internal/v1/abort``: abort requests by id.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -30,13 +29,13 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from phasewise.engine.backend import EngineError, EngineStopped, PromptSpec, ServingBackend
+from phasewise.engine.relay import (MEDIA_TYPE, checkpoint_identity, encode_error, encode_output,
+                                    param_defaults, params_from_wire)
 from phasewise.engine.validation import ValidationError
 from phasewise.server.errors import ApiError
 from phasewise.server.guard import access_record
 from phasewise.server.openai_format import timing
 from phasewise.server.protocol import Str, _Checked
-from phasewise.server.relay import (MEDIA_TYPE, encode_error, encode_output, param_defaults,
-                                    params_from_wire)
 from phasewise.server.routes import Routes
 from phasewise.server.sse import SSEResponse
 
@@ -75,19 +74,10 @@ class NDJSONResponse(SSEResponse):
     media_type = MEDIA_TYPE
 
 
-def file_sha256(path: Path) -> str | None:
-    try:
-        return hashlib.sha256(path.read_bytes()).hexdigest()
-    except OSError:
-        return None
-
-
 def add_internal_routes(app: FastAPI, backend: ServingBackend, routes: Routes, *,
                         role: str, served_model_name: str,
                         is_draining: Any) -> None:
-    model_dir = Path(backend.info.model_path)
-    identity = {"config_sha256": file_sha256(model_dir / "config.json"),
-                "tokenizer_sha256": file_sha256(model_dir / "tokenizer.json")}
+    identity = checkpoint_identity(Path(backend.info.model_path))
 
     @app.get("/internal/v1/info", include_in_schema=False)
     async def info() -> dict[str, Any]:

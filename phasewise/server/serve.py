@@ -1,4 +1,5 @@
-"""``phasewise serve``: load the engine, then run the API under uvicorn until SIGTERM/SIGINT.
+"""``phasewise serve``: run the API under uvicorn until SIGTERM/SIGINT (what it serves is built
+by ``phasewise.launch.serve``).
 
 On SIGTERM or Ctrl-C the server drains: it stops accepting connections and answers new
 requests on open connections with 503, lets running streams finish for up to
@@ -11,19 +12,11 @@ from __future__ import annotations
 
 import errno
 import logging
-import re
 import socket
-import time
-from pathlib import Path
 from typing import Any
 
-from phasewise.config import SERVE_ROLES, EngineConfig
-from phasewise.engine.async_engine import AsyncEngine
-from phasewise.server.app import OpenAIServer, ServerConfig
-from phasewise.server.dashboard import DashboardFeed, Hub, peaks_of
-from phasewise.server.dashboard.hub import relays_for
+from phasewise.server.app import OpenAIServer
 from phasewise.server.limits import ConnectionLimits, guarded_protocol
-from phasewise.server.metrics import PrometheusMetrics, StatLogger
 
 log = logging.getLogger("phasewise.server")
 
@@ -51,168 +44,6 @@ def check_port(host: str, port: int) -> None:
                                  f"with --port (or stop what is listening there)") from e
             raise ValueError(f"cannot listen on {host}:{port}: {e.strerror}; change --host "
                              "or --port") from e
-
-
-ROLES = SERVE_ROLES
-
-
-def read_secret(path: str | None, role: str) -> bytes:
-    """The K/V port's shared secret, from a file (never the command line alone)."""
-    if path is None:
-        raise ValueError(f"--role {role} needs --kv-secret-file FILE: the shared secret (at "
-                         "least 16 bytes) that prefill and decode workers authenticate with")
-    try:
-        secret = Path(path).read_bytes().strip()
-    except OSError as e:
-        raise ValueError(f"--kv-secret-file {path}: {e.strerror}") from e
-    if len(secret) < 16:
-        raise ValueError(f"--kv-secret-file {path} holds {len(secret)} bytes; the secret "
-                         "needs at least 16")
-    return secret
-
-
-def _connect_prefill(engine: AsyncEngine, connect: list[str], secret: bytes, name: str,
-                     wait_s: float) -> Any:
-    """The prefill role's K/V connection. A decode worker that is still loading does not
-    answer the handshake yet: retry (with a line every 10 s) until ``wait_s``; a refusal
-    (the key, the version, the layout) is final."""
-    from phasewise.disagg.transport import HandshakeError
-    from phasewise.disagg.worker import PrefillSide
-
-    deadline = time.monotonic() + wait_s
-    note = time.monotonic() + 10
-    while True:
-        try:
-            return PrefillSide(engine, connect, secret=secret, name=name)
-        except HandshakeError as e:
-            # No answer yet, or a challenge pushed out by a flood of others: try again.
-            if e.field not in ("timeout", "nonce") or time.monotonic() >= deadline:
-                raise ValueError(f"--kv-connect {' '.join(connect)}: {e}") from e
-            if time.monotonic() >= note:
-                log.info("waiting for the decode workers' K/V ports at %s", " ".join(connect))
-                note = time.monotonic() + 10
-
-
-def build_server(engine_config: EngineConfig, *, served_model_name: str | None = None,
-                 log_interval_s: float = 5.0, role: str = "both",
-                 kv_bind: str = "tcp://127.0.0.1:8100",
-                 kv_connect: str | list[str] | None = None,
-                 kv_secret: bytes | None = None, disagg_threshold: int = 0,
-                 prefill_queue_limit: int = 8, kv_connect_wait_s: float = 300.0,
-                 remote_prefill_timeout: float = 300.0, kv_name: str | None = None,
-                 **server_kwargs: Any) -> OpenAIServer:
-    """Load the checkpoint and wire backend, metrics and HTTP app together.
-
-    ``role``: ``both`` (one engine does prefill and decode), ``decode`` (opens the K/V port
-    ``kv_bind``; prompts of at least ``disagg_threshold`` uncached tokens go to a connected
-    prefill worker with fewer than ``prefill_queue_limit`` prompts queued; the rest, and every
-    fault, are prefilled here) or ``prefill`` (connects to a decode worker's K/V port
-    ``kv_connect``, one or several, and computes the prompts each sends)."""
-    if role not in ROLES:
-        raise ValueError(f"--role must be one of {', '.join(ROLES)}; got {role!r}")
-    if isinstance(kv_connect, str):
-        kv_connect = [kv_connect]
-    for url in ([kv_bind] if role == "decode" else []) + (kv_connect or []):
-        if not re.fullmatch(r"tcp://[^:/\s]+:\d{1,5}", url):
-            raise ValueError(f"K/V address {url!r} must be tcp://HOST:PORT")
-    if role == "decode":  # before the minutes a large model can take to load
-        host, port = kv_bind[len("tcp://"):].rsplit(":", 1)
-        if int(port):
-            try:
-                check_port("127.0.0.1" if host == "*" else host, int(port))
-            except ValueError as e:
-                raise ValueError(f"--kv-bind {kv_bind}: {e}".replace("--port", "--kv-bind")
-                                 ) from e
-    if role == "prefill" and not kv_connect:
-        raise ValueError("--role prefill needs --kv-connect tcp://HOST:PORT, the decode "
-                         "worker's K/V port")
-    if disagg_threshold < 0:
-        raise ValueError(f"--disagg-threshold must be >= 0, got {disagg_threshold}")
-    if prefill_queue_limit < 1:
-        raise ValueError(f"--prefill-queue-limit must be >= 1, got {prefill_queue_limit}")
-    if not remote_prefill_timeout > 0:
-        raise ValueError(f"--remote-prefill-timeout must be > 0, got {remote_prefill_timeout}")
-    t0 = time.monotonic()
-    log.info("loading %s", engine_config.model)
-    name = served_model_name or Path(engine_config.model).resolve().name
-    config = ServerConfig(served_model_name=name, role=role, **server_kwargs)
-    metrics = PrometheusMetrics(name)
-    feed = DashboardFeed(model_name=name, role=role)
-    observers: list[Any] = [metrics, feed]
-    if log_interval_s > 0:
-        observers.append(StatLogger(log_interval_s))
-    engine = AsyncEngine.from_config(engine_config, max_waiting=config.max_waiting_requests,
-                                     observers=observers)
-    feed.peaks = peaks_of(getattr(getattr(engine.engine, "cost_model", None), "accel", None))
-    feed.info = dashboard_info(engine.engine)
-    backend: Any = engine
-    if role != "both":
-        from phasewise.disagg.worker import DecodeSide, PrefillSide
-
-        assert kv_secret is not None
-        if role == "decode":
-            backend = DecodeSide(engine, secret=kv_secret, bind=kv_bind,
-                                 threshold=disagg_threshold, queue_limit=prefill_queue_limit,
-                                 request_timeout=remote_prefill_timeout)
-            from phasewise.disagg.metrics import DisaggCollector, TransferMetrics
-
-            metrics.registry.register(DisaggCollector(backend, name))
-            histograms = TransferMetrics(metrics.registry, name)
-
-            def on_transfer(t: Any) -> None:
-                histograms.observe(t)
-                feed.on_transfer(t)
-
-            backend.on_transfer = on_transfer
-            log.info("decode role: K/V port %s; %s go to a connected prefill worker",
-                     backend.endpoint, "all prompts" if disagg_threshold == 0 else
-                     f"prompts of {disagg_threshold}+ uncached tokens")
-        else:
-            backend = _connect_prefill(engine, kv_connect, kv_secret,
-                                       kv_name or f"prefill@{socket.gethostname()}",
-                                       kv_connect_wait_s)
-            log.info("prefill role: connected to the decode worker's K/V port %s",
-                     " ".join(kv_connect))
-    info = backend.info
-    log.info("loaded %s (%.1f M parameters) in %.1f s", info.architecture,
-             info.num_params / 1e6, time.monotonic() - t0)
-    if info.roofline:
-        log.info("%s", info.roofline)
-    feed.info["description"] = info.description
-    return OpenAIServer(backend, config, metrics, dashboard=Hub(feed))
-
-
-def dashboard_info(engine: Any) -> dict[str, Any]:
-    """What the dashboard's header says about an ``LLMEngine``."""
-    cfg = engine.config
-    return {"max_model_len": engine.max_model_len,
-            "budget": engine.max_num_batched_tokens, "policy": cfg.policy,
-            "block_size": cfg.block_size, "device": engine.device.type,
-            "dtype": str(engine.dtype).removeprefix("torch.")}
-
-
-def build_router(model: str, decode: list[str], prefill: list[str], *,
-                 served_model_name: str | None = None, api_key: str | None = None,
-                 wait_s: float = 300.0, **server_kwargs: Any) -> OpenAIServer:
-    """``phasewise router``: wait for the workers, check they serve ``model``'s checkpoint,
-    and put the OpenAI API in front of them (``phasewise.disagg.router``)."""
-    from phasewise.disagg.router import Router, RouterCollector
-
-    router = Router(decode, prefill, model_dir=model, api_key=api_key, wait_s=wait_s)
-    router.connect()
-    name = served_model_name or Path(model).resolve().name
-    config = ServerConfig(served_model_name=name, role="router", api_key=api_key,
-                          **server_kwargs)
-    metrics = PrometheusMetrics(name)
-    router.add_observer(metrics)
-    metrics.registry.register(RouterCollector(router))
-    feed = DashboardFeed(model_name=name, role="router",
-                         info={"description": router.info.description})
-    router.add_observer(feed)
-    hub = Hub(feed)
-    relays_for(hub, router.workers, router.headers)
-    return OpenAIServer(router, config, metrics, dashboard=hub,
-                        trace_lookup=router.find_trace)
 
 
 def run(server: OpenAIServer, *, host: str = "127.0.0.1", port: int = 8000,

@@ -1,6 +1,10 @@
 """The internal relay between a router and the workers behind it: one JSON line per engine
 output, so a router can rebuild each worker's ``RequestOutput`` stream as its own.
 
+Both ends use this module: a worker's HTTP server (``phasewise.server.internal``) writes the
+lines and the router (``phasewise.disagg.router``) reads them. It sits in the engine room, below
+both, since it speaks only the engine's own types (``SamplingParams``, ``RequestOutput``).
+
 A worker answers ``POST /internal/v1/generate`` (validated token ids and sampling parameters,
 already tokenized by the router) with ``application/x-ndjson``: one ``encode_output`` line per
 output, then, if the worker's engine failed or stopped, one ``{"error": ...}`` line. The
@@ -12,9 +16,11 @@ of the request's time as ``RequestMetrics.worker_timing``.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from phasewise.engine.outputs import RequestOutput
@@ -22,6 +28,20 @@ from phasewise.engine.request import RequestMetrics
 from phasewise.engine.sampling_params import SamplingParams
 
 MEDIA_TYPE = "application/x-ndjson"
+
+
+def file_sha256(path: Path) -> str | None:
+    try:
+        return hashlib.sha256(path.read_bytes()).hexdigest()
+    except OSError:
+        return None
+
+
+def checkpoint_identity(model_dir: Path) -> dict[str, str | None]:
+    """What a router and its workers must share to serve one model: the hashes of the
+    checkpoint's ``config.json`` and ``tokenizer.json`` (None for a file that cannot be read)."""
+    return {"config_sha256": file_sha256(model_dir / "config.json"),
+            "tokenizer_sha256": file_sha256(model_dir / "tokenizer.json")}
 
 
 def params_to_wire(params: SamplingParams) -> dict[str, Any]:

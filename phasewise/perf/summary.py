@@ -1,5 +1,9 @@
 """Summaries of a benchmark run, with vLLM's result field names so existing tooling reads them.
 
+A run is a list of ``RequestResult`` (one request, timed by the client): the load generator
+(``phasewise bench``) measures them against a server, the simulator (``phasewise simulate``)
+computes them in virtual time, and both are summarised here, by the same code.
+
 Definitions (as vLLM's ``bench serve`` and DistServe use them):
 
 * TTFT: request sent -> first chunk carrying a token;
@@ -15,15 +19,52 @@ Definitions (as vLLM's ``bench serve`` and DistServe use them):
 
 from __future__ import annotations
 
+import argparse
+import json
 import math
 import re
 import statistics
 from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-from phasewise.bench.client import RequestResult
-
 PERCENTILES = (50, 90, 99)
+
+
+@dataclass
+class RequestResult:
+    """One request, timed by the client. Times are seconds; ``start`` is from the start of the
+    run, the others from the request's own start."""
+
+    index: int
+    prompt_len: int
+    output_len: int  # asked for
+    intruder: bool
+    start: float = 0.0
+    ttft: float | None = None
+    chunk_times: list[float] = field(default_factory=list)  # every chunk that carried tokens
+    chunk_tokens: list[int] = field(default_factory=list)  # tokens in each of those chunks
+    output_tokens: int = 0
+    latency: float = 0.0
+    success: bool = False
+    error: str = ""
+    # The server's own split (phasewise servers send it on the final usage chunk):
+    # {"queue_s", "prefill_s", "decode_s", ...}, else None.
+    server_timing: dict[str, Any] | None = None
+
+    @property
+    def itls(self) -> list[float]:
+        """Gaps between consecutive token-carrying chunks."""
+        t = self.chunk_times
+        return [b - a for a, b in zip(t, t[1:])]
+
+    @property
+    def tpot(self) -> float | None:
+        """(e2e - TTFT) / (output tokens - 1), as vLLM and DistServe define it."""
+        if not self.success or self.ttft is None or self.output_tokens < 2:
+            return None
+        return (self.latency - self.ttft) / (self.output_tokens - 1)
 
 
 def percentile(values: Sequence[float], p: float) -> float:
@@ -227,3 +268,25 @@ def text_table(result: dict[str, Any]) -> str:
         row("Server's TTFT split, mean (ms):", "  ".join(parts) + remote)
     lines += failure_lines(result)
     return "\n".join(lines)
+
+
+def result_path(a: argparse.Namespace, label: str, rate: float, sweep: bool) -> Path | None:
+    if not (a.result_file or a.save_result or a.result_dir):
+        return None
+    name = Path(a.result_file).name if a.result_file else f"{label}.json"
+    if sweep:
+        stem = name.removesuffix(".json")
+        name = f"{stem}-rate{rate:g}.json"
+    folder = Path(a.result_dir) if a.result_dir else (
+        Path(a.result_file).parent if a.result_file else Path("."))
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder / name
+
+
+def save_result(a: argparse.Namespace, out: dict[str, Any], label: str, rate: float,
+                sweep: bool) -> None:
+    """Write one run's result where the flags say (nowhere without them), and say where."""
+    path = result_path(a, label, rate, sweep)
+    if path is not None:
+        path.write_text(json.dumps(out, indent=1, allow_nan=True))
+        print(f"result written to {path}")

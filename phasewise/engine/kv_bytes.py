@@ -4,6 +4,10 @@ A block range travels as one contiguous tensor ``[layers, 2 (k, v), blocks, bloc
 kv_heads, head_dim]`` (``ModelRunner.read_blocks``' layout), reinterpreted as raw bytes: no
 numpy (which has no bf16), no pickle. The receiver rebuilds it from the dtype and shape the
 frame's header names, and refuses a byte count that does not match.
+
+In the engine room: the engine's async front decodes the K/V a prefill worker sent
+(``AsyncEngine``'s ``LoadRemoteKV``), and the P/D worker (``phasewise.disagg.worker``) encodes
+what its engine computed.
 """
 
 from __future__ import annotations

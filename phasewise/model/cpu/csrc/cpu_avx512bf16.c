@@ -41,16 +41,16 @@
 #include "cpu_avx512.h"  /* exp16, exp16_fast, lazy_alpha, softmax_step: shared with cpu_amx.c */
 #include "cpu_paged.h"   /* paged_row_offs: the paged cache's rows */
 
-#define DP_R 4          /* weight rows a tile (3 for 7-8 tokens) */
-#define DP_MT 8         /* the most tokens a tile (6 of 4 rows, 8 of 3) */
-#define DP_XBLOCK_BYTES (512L * 1024) /* a block of tokens' bf16 rows, kept in L2 */
+#define AVX512BF16_R 4          /* weight rows a tile (3 for 7-8 tokens) */
+#define AVX512BF16_MT 8         /* the most tokens a tile (6 of 4 rows, 8 of 3) */
+#define AVX512BF16_XBLOCK_BYTES (512L * 1024) /* a block of tokens' bf16 rows, kept in L2 */
 
-static inline float dp_bf16_to_f32(uint16_t h) {
+static inline float avx512bf16_bf16_to_f32(uint16_t h) {
     union { uint32_t u; float f; } v = {(uint32_t)h << 16};
     return v.f;
 }
 
-static inline uint16_t dp_f32_to_bf16(float f) {
+static inline uint16_t avx512bf16_f32_to_bf16(float f) {
     union { float f; uint32_t u; } v = {f};
     uint32_t u = v.u;
     if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
@@ -59,8 +59,8 @@ static inline uint16_t dp_f32_to_bf16(float f) {
 }
 
 /* Four fp32 values rounded to bf16 (to nearest even; a NaN keeps its sign and payload's top
- * bits and is made quiet, as dp_f32_to_bf16) and stored. */
-static inline void dp_store4_bf16(uint16_t *y, __m128 f) {
+ * bits and is made quiet, as avx512bf16_f32_to_bf16) and stored. */
+static inline void avx512bf16_store4_bf16(uint16_t *y, __m128 f) {
     __m128i u = _mm_castps_si128(f);
     __m128i r = _mm_add_epi32(u, _mm_add_epi32(_mm_set1_epi32(0x7fff),
                                                _mm_and_si128(_mm_srli_epi32(u, 16),
@@ -71,17 +71,17 @@ static inline void dp_store4_bf16(uint16_t *y, __m128 f) {
     _mm_storel_epi64((__m128i *)y, h);
 }
 
-/* dp_store4_bf16 of the first three values. */
-static inline void dp_store3_bf16(uint16_t *y, __m128 f) {
+/* avx512bf16_store4_bf16 of the first three values. */
+static inline void avx512bf16_store3_bf16(uint16_t *y, __m128 f) {
     uint16_t t[4];
-    dp_store4_bf16(t, f);
+    avx512bf16_store4_bf16(t, f);
     y[0] = t[0];
     y[1] = t[1];
     y[2] = t[2];
 }
 
 /* The sums of four 16-lane vectors: {sum a, sum b, sum c, sum d}. */
-static inline __m128 dp_hsum4(__m512 a, __m512 b, __m512 c, __m512 d) {
+static inline __m128 avx512bf16_hsum4(__m512 a, __m512 b, __m512 c, __m512 d) {
     __m256 a8 = _mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1));
     __m256 b8 = _mm256_add_ps(_mm512_castps512_ps256(b), _mm512_extractf32x8_ps(b, 1));
     __m256 c8 = _mm256_add_ps(_mm512_castps512_ps256(c), _mm512_extractf32x8_ps(c, 1));
@@ -99,21 +99,21 @@ typedef struct {
     long ldr;
     int glu;    /* panels only (pk_share): the SiLU-and-multiply epilogue; ldr = I then */
     int widen;  /* panels only, y NULL: bf16(sum + bias) as fp32 into res (y's values) */
-} DpOut;
+} Avx512bf16Out;
 
 /* One tile: R (4 or 1) weight rows from w (row n0 of the layer: K values a row) against MT
  * tokens of x (ldx values a token), all of K; `pf`, if set, is prefetched alongside (the
  * next tile's rows). Always inlined with constant R and MT, so the accumulators stay in
  * registers (24 of the 32 at 4 x 6). */
-static inline __attribute__((always_inline)) void dp_tile(
+static inline __attribute__((always_inline)) void avx512bf16_tile(
         const int R, const int MT, const uint16_t *x, long ldx, const uint16_t *w, int K,
-        int n0, const uint16_t *pf, const DpOut *out) {
-    __m512 acc[DP_MT][DP_R];
+        int n0, const uint16_t *pf, const Avx512bf16Out *out) {
+    __m512 acc[AVX512BF16_MT][AVX512BF16_R];
     for (int m = 0; m < MT; m++)
         for (int r = 0; r < R; r++) acc[m][r] = _mm512_setzero_ps();
     int k = 0;
     for (; k + 32 <= K; k += 32) {
-        __m512bh wv[DP_R];
+        __m512bh wv[AVX512BF16_R];
         for (int r = 0; r < R; r++) {
             if (pf) _mm_prefetch((const char *)(pf + (long)r * K + k), _MM_HINT_T0);
             wv[r] = (__m512bh)_mm512_loadu_si512(w + (long)r * K + k);
@@ -125,7 +125,7 @@ static inline __attribute__((always_inline)) void dp_tile(
     }
     if (k < K) {  /* the last K % 32 values, both operands masked (no NaN from past the end) */
         __mmask32 km = (__mmask32)((1ull << (K - k)) - 1u);
-        __m512bh wv[DP_R];
+        __m512bh wv[AVX512BF16_R];
         for (int r = 0; r < R; r++)
             wv[r] = (__m512bh)_mm512_maskz_loadu_epi16(km, w + (long)r * K + k);
         for (int m = 0; m < MT; m++) {
@@ -141,54 +141,54 @@ static inline __attribute__((always_inline)) void dp_tile(
             b = _mm_castsi128_ps(_mm_slli_epi32(h, 16));
         }
         for (int m = 0; m < MT; m++) {
-            __m128 s = dp_hsum4(acc[m][0], acc[m][1], acc[m][2],
+            __m128 s = avx512bf16_hsum4(acc[m][0], acc[m][1], acc[m][2],
                                 R == 4 ? acc[m][3] : _mm512_setzero_ps());
             if (out->y && R == 4)
-                dp_store4_bf16(out->y + (long)m * out->ldr + n0, _mm_add_ps(s, b));
+                avx512bf16_store4_bf16(out->y + (long)m * out->ldr + n0, _mm_add_ps(s, b));
             else if (out->y)
-                dp_store3_bf16(out->y + (long)m * out->ldr + n0, _mm_add_ps(s, b));
+                avx512bf16_store3_bf16(out->y + (long)m * out->ldr + n0, _mm_add_ps(s, b));
             else
                 _mm_mask_storeu_ps(out->res + (long)m * out->ldr + n0, nm, s);
         }
     } else {
-        float b = out->y && out->bias ? dp_bf16_to_f32(out->bias[n0]) : 0.0f;
+        float b = out->y && out->bias ? avx512bf16_bf16_to_f32(out->bias[n0]) : 0.0f;
         for (int m = 0; m < MT; m++) {
             float s = _mm512_reduce_add_ps(acc[m][0]);
             if (out->y)
-                out->y[(long)m * out->ldr + n0] = dp_f32_to_bf16(s + b);
+                out->y[(long)m * out->ldr + n0] = avx512bf16_f32_to_bf16(s + b);
             else
                 out->res[(long)m * out->ldr + n0] = s;
         }
     }
 }
 
-#define DP_CASE(R, MT) case MT: dp_tile(R, MT, x, ldx, w, K, n0, pf, out); break;
-static void dp_tile3(int mt, const uint16_t *x, long ldx, const uint16_t *w, int K, int n0,
-                     const uint16_t *pf, const DpOut *out) {
-    switch (mt) { DP_CASE(3, 1) DP_CASE(3, 2) DP_CASE(3, 3) DP_CASE(3, 4) DP_CASE(3, 5)
-                  DP_CASE(3, 6) DP_CASE(3, 7) default: dp_tile(3, 8, x, ldx, w, K, n0, pf, out); }
+#define AVX512BF16_CASE(R, MT) case MT: avx512bf16_tile(R, MT, x, ldx, w, K, n0, pf, out); break;
+static void avx512bf16_tile3(int mt, const uint16_t *x, long ldx, const uint16_t *w, int K, int n0,
+                     const uint16_t *pf, const Avx512bf16Out *out) {
+    switch (mt) { AVX512BF16_CASE(3, 1) AVX512BF16_CASE(3, 2) AVX512BF16_CASE(3, 3) AVX512BF16_CASE(3, 4) AVX512BF16_CASE(3, 5)
+                  AVX512BF16_CASE(3, 6) AVX512BF16_CASE(3, 7) default: avx512bf16_tile(3, 8, x, ldx, w, K, n0, pf, out); }
 }
-static void dp_tile4(int mt, const uint16_t *x, long ldx, const uint16_t *w, int K, int n0,
-                     const uint16_t *pf, const DpOut *out) {
-    switch (mt) { DP_CASE(4, 1) DP_CASE(4, 2) DP_CASE(4, 3) DP_CASE(4, 4) DP_CASE(4, 5)
-                  default: dp_tile(4, 6, x, ldx, w, K, n0, pf, out); }
+static void avx512bf16_tile4(int mt, const uint16_t *x, long ldx, const uint16_t *w, int K, int n0,
+                     const uint16_t *pf, const Avx512bf16Out *out) {
+    switch (mt) { AVX512BF16_CASE(4, 1) AVX512BF16_CASE(4, 2) AVX512BF16_CASE(4, 3) AVX512BF16_CASE(4, 4) AVX512BF16_CASE(4, 5)
+                  default: avx512bf16_tile(4, 6, x, ldx, w, K, n0, pf, out); }
 }
-static void dp_tile1(int mt, const uint16_t *x, long ldx, const uint16_t *w, int K, int n0,
-                     const DpOut *out) {
+static void avx512bf16_tile1(int mt, const uint16_t *x, long ldx, const uint16_t *w, int K, int n0,
+                     const Avx512bf16Out *out) {
     const uint16_t *pf = NULL;
-    switch (mt) { DP_CASE(1, 1) DP_CASE(1, 2) DP_CASE(1, 3) DP_CASE(1, 4) DP_CASE(1, 5)
-                  DP_CASE(1, 6) DP_CASE(1, 7) default: dp_tile(1, 8, x, ldx, w, K, n0, pf, out); }
+    switch (mt) { AVX512BF16_CASE(1, 1) AVX512BF16_CASE(1, 2) AVX512BF16_CASE(1, 3) AVX512BF16_CASE(1, 4) AVX512BF16_CASE(1, 5)
+                  AVX512BF16_CASE(1, 6) AVX512BF16_CASE(1, 7) default: avx512bf16_tile(1, 8, x, ldx, w, K, n0, pf, out); }
 }
-#undef DP_CASE
+#undef AVX512BF16_CASE
 
 /* This thread's share of the N weight rows (in groups of 4; the last thread also takes the
  * N % 4 rows left) against the M tokens of x (bf16, K values a token): for each block of
- * tokens that fits DP_XBLOCK_BYTES, each group of 4 rows meets every token of the block in
+ * tokens that fits AVX512BF16_XBLOCK_BYTES, each group of 4 rows meets every token of the block in
  * sub-blocks of up to 6 (the group's rows stay in L1 meanwhile); while the first sub-block
  * runs, the next group's rows are prefetched. Called by every thread of a parallel region;
  * no barrier. */
-static void dp_share(const uint16_t *x, int M, const uint16_t *w, int K, int N,
-                     const DpOut *out) {
+static void avx512bf16_share(const uint16_t *x, int M, const uint16_t *w, int K, int N,
+                     const Avx512bf16Out *out) {
     int t = omp_get_thread_num(), T = omp_get_num_threads();
     /* 7 or 8 tokens: 3 weight rows x all of them, one pass over the weights (4 x 4 + 4 x
      * 4 read each group twice); else 4 rows x up to 6 */
@@ -197,7 +197,7 @@ static void dp_share(const uint16_t *x, int M, const uint16_t *w, int K, int N,
     int g_lo = (int)((long)groups * t / T), g_hi = (int)((long)groups * (t + 1) / T);
     int tail = t == T - 1 ? N - R * groups : 0;
     long row_bytes = 2L * K;
-    int block = (int)(DP_XBLOCK_BYTES / row_bytes);
+    int block = (int)(AVX512BF16_XBLOCK_BYTES / row_bytes);
     if (block < MTMAX) block = MTMAX;
     for (int m0 = 0; m0 < M; m0 += block) {
         int mb = M - m0 < block ? M - m0 : block;
@@ -208,12 +208,12 @@ static void dp_share(const uint16_t *x, int M, const uint16_t *w, int K, int N,
             int ms = m0;
             for (int s = 0; s < nsub; s++) {  /* sub-blocks of balanced sizes */
                 int mt = mb / nsub + (s < mb % nsub);
-                DpOut o = *out;
+                Avx512bf16Out o = *out;
                 if (o.y) o.y += (long)ms * o.ldr; else o.res += (long)ms * o.ldr;
                 if (R == 3)
-                    dp_tile3(mt, x + (long)ms * K, K, wg, K, R * g, s == 0 ? pf : NULL, &o);
+                    avx512bf16_tile3(mt, x + (long)ms * K, K, wg, K, R * g, s == 0 ? pf : NULL, &o);
                 else
-                    dp_tile4(mt, x + (long)ms * K, K, wg, K, R * g, s == 0 ? pf : NULL, &o);
+                    avx512bf16_tile4(mt, x + (long)ms * K, K, wg, K, R * g, s == 0 ? pf : NULL, &o);
                 ms += mt;
             }
         }
@@ -221,9 +221,9 @@ static void dp_share(const uint16_t *x, int M, const uint16_t *w, int K, int N,
             int ms = m0;
             for (int s = 0; s < nsub; s++) {
                 int mt = mb / nsub + (s < mb % nsub);
-                DpOut o = *out;
+                Avx512bf16Out o = *out;
                 if (o.y) o.y += (long)ms * o.ldr; else o.res += (long)ms * o.ldr;
-                dp_tile1(mt, x + (long)ms * K, K, w + (long)n * K, K, n, &o);
+                avx512bf16_tile1(mt, x + (long)ms * K, K, w + (long)n * K, K, n, &o);
                 ms += mt;
             }
         }
@@ -232,18 +232,18 @@ static void dp_share(const uint16_t *x, int M, const uint16_t *w, int K, int N,
 
 /* y = bf16(x w^T + bias): x [M, K], w [N, K], bias [N] or NULL, y [M, N], all bf16. Returns
  * 0. */
-int pw_linear_dp(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y,
+int pw_linear_avx512bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y,
                  int M, int N, int K, int nthreads) {
-    DpOut out = {NULL, y, bias, N};
+    Avx512bf16Out out = {NULL, y, bias, N};
 #pragma omp parallel num_threads(nthreads)
-    dp_share(x, M, w, K, N, &out);
+    avx512bf16_share(x, M, w, K, N, &out);
     return 0;
 }
 
 /* The fused decode layer's side (cpu_kernels.c): x fp32 [M, K] (bf16 values) -> xb bf16
  * [M, K], the rows shared by the threads of the calling region (an orphaned omp for, with
  * its barrier making them visible). */
-void pw_dp_pack_f32(const float *x, int M, int K, uint16_t *xb) {
+void pw_avx512bf16_pack_f32(const float *x, int M, int K, uint16_t *xb) {
 #pragma omp for schedule(static)
     for (int m = 0; m < M; m++) {
         const float *src = x + (long)m * K;
@@ -254,15 +254,15 @@ void pw_dp_pack_f32(const float *x, int M, int K, uint16_t *xb) {
                                              _mm512_loadu_ps(src + k));
             _mm512_storeu_si512(dst + k, (__m512i)v);
         }
-        for (; k < K; k++) dst[k] = dp_f32_to_bf16(src[k]);
+        for (; k < K; k++) dst[k] = avx512bf16_f32_to_bf16(src[k]);
     }
 }
 
 /* ... and its projection share: res [M, N] fp32 = xb w^T for this thread's rows. No
  * barrier. */
-void pw_dp_share(const uint16_t *xb, int M, const uint16_t *w, int K, int N, float *res) {
-    DpOut out = {res, NULL, NULL, N};
-    dp_share(xb, M, w, K, N, &out);
+void pw_avx512bf16_share(const uint16_t *xb, int M, const uint16_t *w, int K, int N, float *res) {
+    Avx512bf16Out out = {res, NULL, NULL, N};
+    avx512bf16_share(xb, M, w, K, N, &out);
 }
 
 /* ---------------------------------------------------------------------------------------
@@ -460,7 +460,7 @@ static void dpa_block(const uint16_t *q, long q_stride, const uint16_t *k_cache,
  * stride q_stride), caches [blocks][bs][n_kv][hd], table: the request's blocks; out
  * [n][n_heads][hd] (row stride out_stride). Returns 0, -1 without scratch memory, -2 for a
  * head size it does not take (hd % 32, hd < 32 or hd > 256). */
-int pw_prefill_attention_dp(const uint16_t *q, long q_stride, const uint16_t *k_cache,
+int pw_prefill_attention_avx512bf16(const uint16_t *q, long q_stride, const uint16_t *k_cache,
                             const uint16_t *v_cache, const int64_t *table, int bs, long ctx,
                             int n, uint16_t *out, long out_stride, int n_heads, int n_kv,
                             int hd, float scale, int nthreads) {
@@ -504,7 +504,7 @@ int pw_prefill_attention_dp(const uint16_t *q, long q_stride, const uint16_t *k_
  * computes it with the 8-lane version; the two paths must agree). Its 8 lanes took 38 ms of
  * a 512-token prefill of the reference checkpoint on a 2-core AMD EPYC with AVX512_BF16. */
 /* f32_to_bf16 on 16 lanes (to nearest even; NaN made quiet), as the fp32 bit pattern. */
-static inline __m512i dp_bf16_bits16(__m512 f) {
+static inline __m512i avx512bf16_bf16_bits16(__m512 f) {
     __m512i u = _mm512_castps_si512(f);
     __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(
         _mm512_set1_epi32(0x7fff), _mm512_and_si512(_mm512_srli_epi32(u, 16),
@@ -514,21 +514,21 @@ static inline __m512i dp_bf16_bits16(__m512 f) {
     return _mm512_and_si512(r, _mm512_set1_epi32((int)0xffff0000u));
 }
 
-static inline __m512 dp_load_bf16x16(const uint16_t *p, __mmask16 m) {
+static inline __m512 avx512bf16_load_bf16x16(const uint16_t *p, __mmask16 m) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(
         _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
 }
 
 /* bf16(bf16(silu(g)) * u) on 16 lanes, g and u bf16 values (as fp32), as the fp32 bit
- * pattern (dp_bf16_bits16): the one SiLU-and-multiply of every 16-lane path (a prompt's
+ * pattern (avx512bf16_bf16_bits16): the one SiLU-and-multiply of every 16-lane path (a prompt's
  * pass, the fused layer's pass, the panels' epilogue), so all of them give the same bits. */
-static inline __m512i dp_silu_mul16(__m512 gv, __m512 uv) {
+static inline __m512i avx512bf16_silu_mul16(__m512 gv, __m512 uv) {
     __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv));
     __m512 silu = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
-    return dp_bf16_bits16(_mm512_mul_ps(_mm512_castsi512_ps(dp_bf16_bits16(silu)), uv));
+    return avx512bf16_bf16_bits16(_mm512_mul_ps(_mm512_castsi512_ps(avx512bf16_bf16_bits16(silu)), uv));
 }
 
-void pw_silu_mul_dp(const uint16_t *gate_up, uint16_t *out, int rows, int inter,
+void pw_silu_mul_avx512bf16(const uint16_t *gate_up, uint16_t *out, int rows, int inter,
                     int nthreads) {
 #pragma omp parallel for num_threads(rows > 1 ? nthreads : 1) schedule(static)
     for (int r = 0; r < rows; r++) {
@@ -536,14 +536,14 @@ void pw_silu_mul_dp(const uint16_t *gate_up, uint16_t *out, int rows, int inter,
         int vec = inter / 8 * 8;  /* the 8-lane version's vectors; its tail is scalar */
         for (int i = 0; i < vec; i += 16) {
             __mmask16 m = vec - i >= 16 ? 0xffff : 0xff;
-            __m512i a = dp_silu_mul16(dp_load_bf16x16(g + i, m), dp_load_bf16x16(u + i, m));
+            __m512i a = avx512bf16_silu_mul16(avx512bf16_load_bf16x16(g + i, m), avx512bf16_load_bf16x16(u + i, m));
             __m256i h = _mm512_cvtepi32_epi16(_mm512_srli_epi32(a, 16));
             _mm256_mask_storeu_epi16(out + (long)r * inter + i, m, h);
         }
         for (int i = vec; i < inter; i++) {  /* silu_mul_rounded of cpu_kernels.c */
-            float gv = dp_bf16_to_f32(g[i]), uv = dp_bf16_to_f32(u[i]);
-            float silu = dp_bf16_to_f32(dp_f32_to_bf16(gv / (1.0f + expf(-gv))));
-            out[(long)r * inter + i] = dp_f32_to_bf16(silu * uv);
+            float gv = avx512bf16_bf16_to_f32(g[i]), uv = avx512bf16_bf16_to_f32(u[i]);
+            float silu = avx512bf16_bf16_to_f32(avx512bf16_f32_to_bf16(gv / (1.0f + expf(-gv))));
+            out[(long)r * inter + i] = avx512bf16_f32_to_bf16(silu * uv);
         }
     }
 }
@@ -657,8 +657,13 @@ static inline void dpa_normalise(const float *ot, const float *den, int G, int h
  * x1.40-1.52 at G = 1, x1.04-1.21 at G = 8, x0.90-1.00 at G = 10-16 (so those keep the kernel
  * above); the reference checkpoint's decode steps x1.005-1.01 at batch 8 (blocks of steps by
  * turns; in the engine the keys' arrival sets most of the attention's time).
- * pw_dpa_kl = 0 sends every G to the kernel above (comparisons). */
-int pw_dpa_kl = 1;
+ * pw_avx512bf16_attn_kl = 0 sends every G to the kernel above (comparisons: a global only in
+ * the benchmark build, -DPW_BENCH_KNOBS; elsewhere a constant, so no caller can switch it). */
+#ifdef PW_BENCH_KNOBS
+int pw_avx512bf16_attn_kl = 1;
+#else
+#define pw_avx512bf16_attn_kl 1
+#endif
 
 /* S of heads 0 .. HB for KG groups of 16 keys (kt: [KG][HP] vectors, lane j a key's pair p),
  * queries qw ([HB][HP] pairs): s[2 g + k] lane j = head g's score of key 16 k + j. */
@@ -803,11 +808,11 @@ static int attend_group_kl(const uint16_t *q, int G, float scale, const uint16_t
     return 0;
 }
 
-int pw_attend_group_dp(const uint16_t *q, int G, float scale, const uint16_t *k_cache,
+int pw_attend_group_avx512bf16(const uint16_t *q, int G, float scale, const uint16_t *k_cache,
                        const uint16_t *v_cache, const int64_t *table, int len, int bs,
                        int n_kv, int kvh, int hd, float *out) {
     if (hd % 32 || hd < 32 || hd > DPA_MAX_HD || G < 1 || G > 16) return -1;
-    if (pw_dpa_kl && G <= 8)
+    if (pw_avx512bf16_attn_kl && G <= 8)
         return attend_group_kl(q, G, scale, k_cache, v_cache, table, len, bs, n_kv, kvh, hd,
                                out);
     __m512i qp[DPA_MAX_HD / 2];
@@ -867,12 +872,12 @@ int pw_attend_group_dp(const uint16_t *q, int G, float scale, const uint16_t *k_
     return 0;
 }
 
-/* The fused decode layer's SiLU pass on 16 lanes (its amx field 2): act[m][i] =
+/* The fused decode layer's SiLU pass on 16 lanes (its proj_mode PW_PROJ_AVX512BF16): act[m][i] =
  * bf16(bf16(silu(g)) * u), g = bf16(res[m][i] + bias[i]), u = bf16(res[m][I + i] + bias[I +
  * i]), as fp32; the 8-lane loop of cpu_kernels.c step for step (its vectors of 8, its scalar
  * tail past the last 8), so the same bits. Rows and 16-wide groups shared by the threads of
  * the calling region (an orphaned omp for, with its barrier). */
-void pw_dp_glu_rows(const float *res, const uint16_t *bias, int M, int I, float *act) {
+void pw_avx512bf16_glu_rows(const float *res, const uint16_t *bias, int M, int I, float *act) {
     int vec = I / 8 * 8, groups = (I + 15) / 16;
 #pragma omp for collapse(2) schedule(static)
     for (int m = 0; m < M; m++)
@@ -882,21 +887,21 @@ void pw_dp_glu_rows(const float *res, const uint16_t *bias, int M, int I, float 
             float *ar = act + (long)m * I;
             if (i < vec) {
                 __mmask16 k = vec - i >= 16 ? 0xffff : 0xff;
-                __m512 bg = bias ? dp_load_bf16x16(bias + i, k) : _mm512_setzero_ps();
-                __m512 bu = bias ? dp_load_bf16x16(bias + I + i, k) : _mm512_setzero_ps();
-                __m512 gv = _mm512_castsi512_ps(dp_bf16_bits16(
+                __m512 bg = bias ? avx512bf16_load_bf16x16(bias + i, k) : _mm512_setzero_ps();
+                __m512 bu = bias ? avx512bf16_load_bf16x16(bias + I + i, k) : _mm512_setzero_ps();
+                __m512 gv = _mm512_castsi512_ps(avx512bf16_bf16_bits16(
                     _mm512_add_ps(_mm512_maskz_loadu_ps(k, gr + i), bg)));
-                __m512 uv = _mm512_castsi512_ps(dp_bf16_bits16(
+                __m512 uv = _mm512_castsi512_ps(avx512bf16_bf16_bits16(
                     _mm512_add_ps(_mm512_maskz_loadu_ps(k, ur + i), bu)));
-                _mm512_mask_storeu_ps(ar + i, k, _mm512_castsi512_ps(dp_silu_mul16(gv, uv)));
+                _mm512_mask_storeu_ps(ar + i, k, _mm512_castsi512_ps(avx512bf16_silu_mul16(gv, uv)));
             }
             for (int j = i > vec ? i : vec; j < i + 16 && j < I; j++) {  /* the scalar tail */
-                float bg = bias ? dp_bf16_to_f32(bias[j]) : 0.0f;
-                float bu = bias ? dp_bf16_to_f32(bias[I + j]) : 0.0f;
-                float gv = dp_bf16_to_f32(dp_f32_to_bf16(gr[j] + bg));
-                float uv = dp_bf16_to_f32(dp_f32_to_bf16(ur[j] + bu));
-                float sl = dp_bf16_to_f32(dp_f32_to_bf16(gv / (1.0f + expf(-gv))));
-                ar[j] = dp_bf16_to_f32(dp_f32_to_bf16(sl * uv));
+                float bg = bias ? avx512bf16_bf16_to_f32(bias[j]) : 0.0f;
+                float bu = bias ? avx512bf16_bf16_to_f32(bias[I + j]) : 0.0f;
+                float gv = avx512bf16_bf16_to_f32(avx512bf16_f32_to_bf16(gr[j] + bg));
+                float uv = avx512bf16_bf16_to_f32(avx512bf16_f32_to_bf16(ur[j] + bu));
+                float sl = avx512bf16_bf16_to_f32(avx512bf16_f32_to_bf16(gv / (1.0f + expf(-gv))));
+                ar[j] = avx512bf16_bf16_to_f32(avx512bf16_f32_to_bf16(sl * uv));
             }
         }
 }
@@ -957,13 +962,19 @@ void pw_dp_glu_rows(const float *res, const uint16_t *bias, int M, int I, float 
  *     x1.028-1.031, 48 x1.025, 64 x1.044; a prompt's blocks of 96 tokens (8 tiles) lost so
  *     (x0.99) and keep the first tile's prefetch.
  * pw_pk_nta: 0 turns the near and non-temporal modes off, pw_pk_spread the spread
- * (comparisons; a prefetch changes no value). */
+ * (comparisons; a prefetch changes no value; globals only in the benchmark build,
+ * -DPW_BENCH_KNOBS, constants elsewhere). */
 #define PK_KC 512    /* pairs of K a chunk */
 #define PK_NEAR (-2)
 #define PK_KC_NTA 96 /* pairs of K a chunk where a block's one tile prefetches non-temporally */
 #define PK_SPREAD_TILES 6  /* the most tiles a chunk that share its prefetch */
+#ifdef PW_BENCH_KNOBS
 int pw_pk_nta = 1;
 int pw_pk_spread = 1;
+#else
+#define pw_pk_nta 1
+#define pw_pk_spread 1
+#endif
 
 /* How a token block of `tokens` (ntile tiles) prefetches: *near pairs ahead in its own
  * stream (0: the next chunk instead), *nta whether non-temporally; returns the most pairs a
@@ -1061,11 +1072,11 @@ int pw_pk_rows(const uint32_t *wp, int N, int K, const int64_t *ids, long n, uin
 
 /* One tile: NB blocks b0 .. b0 + NB - 1 (of `blocks`) x MT tokens (x: the first token's row,
  * K values a row), pairs [p0, p0 + pc). first: start from zero, else from part (this
- * thread's scratch, PK_MB x 16 NB floats); last: write the output (out, as dp_tile's: fp32
+ * thread's scratch, PK_MB x 16 NB floats); last: write the output (out, as avx512bf16_tile's: fp32
  * sums into res, or bf16(sum + bias) into y; with out->glu, NB == 2 and the weight packed in
  * units (gate block b0 / 2, then its up block: glu_pk), bf16(bf16(silu(g)) * u), g and u
- * the two blocks' sums + bias rounded to bf16, the bits of pw_dp_glu_rows and
- * pw_silu_mul_dp), else part. pfb, pfp: the next chunk's first block and pair, whose NB
+ * the two blocks' sums + bias rounded to bf16, the bits of pw_avx512bf16_glu_rows and
+ * pw_silu_mul_avx512bf16), else part. pfb, pfp: the next chunk's first block and pair, whose NB
  * blocks' vectors are prefetched one line a block a pair, non-temporally if nta (pfb ==
  * PK_NEAR: instead, the tile's own blocks pfp pairs ahead, non-temporally: pk_prefetch;
  * other pfb < 0: none; a block past the weight's last: block b0's instead, a hint); the T0
@@ -1075,7 +1086,7 @@ int pw_pk_rows(const uint32_t *wp, int N, int K, const int64_t *ids, long n, uin
 static inline __attribute__((always_inline)) void pk_tile(
         const int NB, const int MT, const uint16_t *x, int K, const uint32_t *wp, long KP,
         int blocks, int b0, long p0, int pc, int first, int last, int pfb, long pfp, int nta,
-        int pfn, int pfs, float *part, int m0, long mg, const DpOut *out) {
+        int pfn, int pfs, float *part, int m0, long mg, const Avx512bf16Out *out) {
     __m512 acc[PK_MT][4];
     const int ldp = 16 * NB;
     for (int m = 0; m < MT; m++)
@@ -1119,13 +1130,13 @@ static inline __attribute__((always_inline)) void pk_tile(
     }
     if (out->glu) {  /* NB == 2: gate block b0 (unit b0 / 2), up block b0 + 1 */
         long n = 16L * (b0 / 2);  /* the unit's first channel: act's column */
-        __m512 bg = out->bias ? dp_load_bf16x16(out->bias + n, 0xffff) : _mm512_setzero_ps();
-        __m512 bu = out->bias ? dp_load_bf16x16(out->bias + out->ldr + n, 0xffff)
+        __m512 bg = out->bias ? avx512bf16_load_bf16x16(out->bias + n, 0xffff) : _mm512_setzero_ps();
+        __m512 bu = out->bias ? avx512bf16_load_bf16x16(out->bias + out->ldr + n, 0xffff)
                               : _mm512_setzero_ps();
         for (int m = 0; m < MT; m++) {
-            __m512 gv = _mm512_castsi512_ps(dp_bf16_bits16(_mm512_add_ps(acc[m][0], bg)));
-            __m512 uv = _mm512_castsi512_ps(dp_bf16_bits16(_mm512_add_ps(acc[m][1], bu)));
-            __m512i a = dp_silu_mul16(gv, uv);
+            __m512 gv = _mm512_castsi512_ps(avx512bf16_bf16_bits16(_mm512_add_ps(acc[m][0], bg)));
+            __m512 uv = _mm512_castsi512_ps(avx512bf16_bf16_bits16(_mm512_add_ps(acc[m][1], bu)));
+            __m512i a = avx512bf16_silu_mul16(gv, uv);
             if (out->y)
                 _mm256_storeu_si256((__m256i *)(out->y + (mg + m) * out->ldr + n),
                                     _mm512_cvtepi32_epi16(_mm512_srli_epi32(a, 16)));
@@ -1141,9 +1152,9 @@ static inline __attribute__((always_inline)) void pk_tile(
                 _mm512_storeu_ps(out->res + (mg + m) * out->ldr + n, acc[m][b]);
             continue;
         }
-        __m512 bias = out->bias ? dp_load_bf16x16(out->bias + n, 0xffff) : _mm512_setzero_ps();
+        __m512 bias = out->bias ? avx512bf16_load_bf16x16(out->bias + n, 0xffff) : _mm512_setzero_ps();
         for (int m = 0; m < MT; m++) {
-            __m512i r = dp_bf16_bits16(_mm512_add_ps(acc[m][b], bias));
+            __m512i r = avx512bf16_bf16_bits16(_mm512_add_ps(acc[m][b], bias));
             if (out->y)
                 _mm256_storeu_si256((__m256i *)(out->y + (mg + m) * out->ldr + n),
                                     _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16)));
@@ -1159,7 +1170,7 @@ static inline __attribute__((always_inline)) void pk_tile(
 static void pk_tile2(int mt, const uint16_t *x, int K, const uint32_t *wp, long KP,
                      int blocks, int b0, long p0, int pc, int first, int last, int pfb,
                      long pfp, int nta, int pfn, int pfs, float *part, int m0, long mg,
-                     const DpOut *out) {
+                     const Avx512bf16Out *out) {
     switch (mt) { PK_CASE(2, 1) PK_CASE(2, 2) PK_CASE(2, 3) PK_CASE(2, 4) PK_CASE(2, 5)
                   PK_CASE(2, 6) PK_CASE(2, 7) PK_CASE(2, 8) PK_CASE(2, 9) PK_CASE(2, 10)
                   PK_CASE(2, 11) default: pk_tile(2, 12, PK_ARGS); }
@@ -1167,7 +1178,7 @@ static void pk_tile2(int mt, const uint16_t *x, int K, const uint32_t *wp, long 
 static void pk_tile1(int mt, const uint16_t *x, int K, const uint32_t *wp, long KP,
                      int blocks, int b0, long p0, int pc, int first, int last, int pfb,
                      long pfp, int nta, int pfn, int pfs, float *part, int m0, long mg,
-                     const DpOut *out) {
+                     const Avx512bf16Out *out) {
     switch (mt) { PK_CASE(1, 1) PK_CASE(1, 2) PK_CASE(1, 3) PK_CASE(1, 4) PK_CASE(1, 5)
                   PK_CASE(1, 6) PK_CASE(1, 7) PK_CASE(1, 8) PK_CASE(1, 9) PK_CASE(1, 10)
                   PK_CASE(1, 11) default: pk_tile(1, 12, PK_ARGS); }
@@ -1182,7 +1193,7 @@ static void pk_tile1(int mt, const uint16_t *x, int K, const uint32_t *wp, long 
  * block), each panel is a unit and its tiles write the activations. Called by every thread
  * of a parallel region; no barrier. */
 static void pk_share(const uint16_t *x, int M, const uint32_t *wp, int K, int N,
-                     const DpOut *out) {
+                     const Avx512bf16Out *out) {
     int t = omp_get_thread_num(), T = omp_get_num_threads();
     const long KP = K / 2;
     const int blocks = N / 16, wide = blocks / 2, panels = wide + blocks % 2;
@@ -1234,7 +1245,7 @@ static void pk_share(const uint16_t *x, int M, const uint32_t *wp, int K, int N,
 
 /* The entry points' one call: every thread's share of the panels, written as out says. */
 static int pk_run(const uint16_t *x, int M, const uint32_t *wp, int K, int N,
-                  const DpOut *out, int nthreads) {
+                  const Avx512bf16Out *out, int nthreads) {
 #pragma omp parallel num_threads(nthreads)
     pk_share(x, M, wp, K, N, out);
     return 0;
@@ -1244,7 +1255,7 @@ static int pk_run(const uint16_t *x, int M, const uint32_t *wp, int K, int N,
  * y [M, N] bf16; N % 16 == 0, K % 2 == 0. Returns 0. */
 int pw_linear_pk(const uint16_t *x, const uint32_t *wp, const uint16_t *bias, uint16_t *y,
                  int M, int N, int K, int nthreads) {
-    DpOut out = {NULL, y, bias, N};
+    Avx512bf16Out out = {NULL, y, bias, N};
     return pk_run(x, M, wp, K, N, &out, nthreads);
 }
 
@@ -1253,14 +1264,14 @@ int pw_linear_pk(const uint16_t *x, const uint32_t *wp, const uint16_t *bias, ui
  * fp32, without a bf16 copy to widen afterwards). Returns 0. */
 int pw_linear_pk_f32(const uint16_t *x, const uint32_t *wp, const uint16_t *bias, float *y,
                      int M, int N, int K, int nthreads) {
-    DpOut out = {y, NULL, bias, N, 0, 1};
+    Avx512bf16Out out = {y, NULL, bias, N, 0, 1};
     return pk_run(x, M, wp, K, N, &out, nthreads);
 }
 
 /* The fused decode layer's projection share on packed weights: res [M, N] fp32 = xb w^T
  * for this thread's panels. No barrier. */
 void pw_pk_share(const uint16_t *xb, int M, const uint32_t *wp, int K, int N, float *res) {
-    DpOut out = {res, NULL, NULL, N};
+    Avx512bf16Out out = {res, NULL, NULL, N};
     pk_share(xb, M, wp, K, N, &out);
 }
 
@@ -1268,12 +1279,12 @@ void pw_pk_share(const uint16_t *xb, int M, const uint32_t *wp, int K, int N, fl
  * and u the gate and up halves of bf16(x w^T + bias), w [2I, K] (gate rows, then up rows)
  * packed in units (its 16-row blocks reordered gate 0, up 0, gate 1, up 1, ... before
  * pw_pk_pack: cpu_kernels.pack_panels(glu=True)), bias [2I] bf16 or NULL; I % 16 == 0.
- * The bits of pw_linear_pk (over the rows packed plainly) then pw_silu_mul_dp,
+ * The bits of pw_linear_pk (over the rows packed plainly) then pw_silu_mul_avx512bf16,
  * without writing or reading back the [M, 2I] projection. Returns 0, or -2 for I % 16. */
 int pw_linear_pk_glu(const uint16_t *x, const uint32_t *wp, const uint16_t *bias, uint16_t *y,
                      int M, int I, int K, int nthreads) {
     if (I % 16) return -2;
-    DpOut out = {NULL, y, bias, I, 1};
+    Avx512bf16Out out = {NULL, y, bias, I, 1};
     return pk_run(x, M, wp, K, 2 * I, &out, nthreads);
 }
 
@@ -1282,7 +1293,7 @@ int pw_linear_pk_glu(const uint16_t *x, const uint32_t *wp, const uint16_t *bias
  * I % 16 == 0. No barrier. */
 void pw_pk_share_glu(const uint16_t *xb, int M, const uint32_t *wp, const uint16_t *bias,
                      int K, int I, uint16_t *act) {
-    DpOut out = {NULL, act, bias, I, 1};
+    Avx512bf16Out out = {NULL, act, bias, I, 1};
     pk_share(xb, M, wp, K, 2 * I, &out);
 }
 

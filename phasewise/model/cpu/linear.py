@@ -1,4 +1,6 @@
-"""How each linear layer is computed, chosen by measuring this machine.
+"""How each linear layer is computed: the methods, the dispatch by row count, and the timing
+that ``phasewise tune`` runs to choose between them (never an engine's start: an engine runs
+the plan ``phasewise.model.cpu.plan`` resolves, stored, pinned or ruled).
 
 For bf16 weights on a CPU, six ways compute the same function:
 
@@ -6,7 +8,7 @@ For bf16 weights on a CPU, six ways compute the same function:
 * ``amx``: phasewise's AMX kernel (``cpu_amx.c``), on CPUs with AMX-BF16: bf16 tile
   products into fp32, the weights read in place at any row count (torch's oneDNN path
   reorders them on every call, which dominates a decode step's few rows);
-* ``dp``: phasewise's AVX512_BF16 kernel (``cpu_avx512bf16.c``), on CPUs with AVX512_BF16
+* ``avx512bf16``: phasewise's AVX512_BF16 kernel (``cpu_avx512bf16.c``), on CPUs with AVX512_BF16
   (AMD Zen 4 and 5, without AMX): VDPBF16PS register tiles, 4 weight rows read in place x up
   to 6 tokens, into fp32; it takes the rows between the streams and torch's GEMM (the
   plan's ``mid`` tier), and the fused decode layer's projections for those rows;
@@ -19,13 +21,14 @@ For bf16 weights on a CPU, six ways compute the same function:
   The last two are for many rows (prefill) on CPUs whose bf16 GEMM is slow.
 
 ``LinearDispatch.calibrate`` times them on the model's own weights (every layer's gate/up
-projection, so that a few rows stream from memory as in a decode step) at engine start (one
-to three seconds on the reference checkpoint) and keeps a plan: the kernel up to a row
-count (or at every count, when it wins at the largest one timed), the fastest of the others
-above it; where the AVX512_BF16 kernel is at hand and is not that fastest, it takes the row
-counts where it beats both (a ``mid`` tier between them). Every method accumulates in fp32,
-so they differ only in rounding order. Where ``amx`` or ``dp`` is a candidate its products
-are bf16 x bf16 (exact in fp32), like torch's bf16 path.
+projection, so that a few rows stream from memory as in a decode step) and keeps a plan: the
+kernel up to a row count (or at every count, when it wins at the largest one timed), the
+fastest of the others above it; where the AVX512_BF16 kernel is at hand and is not that
+fastest, it takes the row counts where it beats both (a ``mid`` tier between them). Every
+method accumulates in fp32, so they differ only in rounding order (which is why a plan must
+not change between two starts: the same plan, the same bits). Where ``amx`` or
+``avx512bf16`` is a candidate its products are bf16 x bf16 (exact in fp32), like torch's
+bf16 path.
 Each other projection shape (qkv, o, down) may get its own method for prompt chunks
 (``prompt_by_shape``, ``calibrate_prompt_shape``), of the same arithmetic.
 """
@@ -39,21 +42,19 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from phasewise.model import cpu_kernels
+from phasewise.model.cpu import kernels
+from phasewise.model.cpu.plan import ALL_ROWS, LARGE_METHODS, PROMPT_ROWS
 
 LinearFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
-LARGE_METHODS = ("torch", "upcast", "gemm", "amx", "dp")
-ALL_ROWS = 2**31 - 1  # kernel_max_rows meaning "the kernel at every row count"
 SMALL_ROWS = 64  # calibration: below this many rows a timing streams every weight given
-MID_ROWS = (1, 2, 3, 4, 5, 6, 8, 16, 32, 64, 128)  # calibration: the dp tier's timed counts
-# Against the streams (the fused decode layer's few rows), the dp tier must win by this much:
+MID_ROWS = (1, 2, 3, 4, 5, 6, 8, 16, 32, 64, 128)  # calibration: the mid tier's timed counts
+# Against the streams (the fused decode layer's few rows), the mid tier must win by this much:
 # one call each understates the fused layer's difference (2-core AVX512_BF16 EPYC, every
 # projection of the reference checkpoint: the streams x1.10, x1.13, x1.04 faster at 1-3 rows,
-# a batch-1 step 16.1 against 18.2 ms, batch 2 17.0 against 19.5; dp from 4 rows: 21.5
+# a batch-1 step 16.1 against 18.2 ms, batch 2 17.0 against 19.5; avx512bf16 from 4 rows: 21.5
 # against 28.7 ms)
-DP_STREAM_MARGIN = 1.05
+AVX512BF16_STREAM_MARGIN = 1.05
 AMX_MARGIN = 1.05  # calibration: how much faster than AMX the kernel must be to keep a row count
-PROMPT_ROWS = 256  # a shape's own method (prompt_by_shape) applies from this many rows
 
 
 TORCH_ROW_BUCKET = 32  # torch's GEMM sees prompt-sized row counts in multiples of this
@@ -111,11 +112,11 @@ def _large_fn(method: str) -> LinearFn:
     if method == "upcast":
         return Upcast()
     if method == "gemm":
-        return cpu_kernels.gemm_bf16
+        return kernels.gemm_bf16
     if method == "amx":
-        return cpu_kernels.linear_amx
-    if method == "dp":
-        return cpu_kernels.linear_dp
+        return kernels.linear_amx
+    if method == "avx512bf16":
+        return kernels.linear_avx512bf16
     return torch_linear
 
 
@@ -123,23 +124,24 @@ def _arithmetic(method: str) -> str:
     """Whose arithmetic a method runs in: bf16 products for torch's bf16 path, the AMX
     tiles and the AVX512_BF16 dot products; fp32 for the kernel, the upcast and the packed
     GEMM."""
-    return "bf16" if method in ("torch", "amx", "dp") else "fp32"
+    return "bf16" if method in ("torch", "amx", "avx512bf16") else "fp32"
 
 
-def _dp_wins(t: dict[str, float], others: list[str]) -> bool:
+def _avx512bf16_wins(t: dict[str, float], others: list[str]) -> bool:
     """Whether the dot-product kernel's time in ``t`` beats each of ``others``' (the streams'
-    by DP_STREAM_MARGIN)."""
-    return all(t["dp"] * (DP_STREAM_MARGIN if m == "kernel" else 1.0) < t[m] for m in others)
+    by AVX512BF16_STREAM_MARGIN)."""
+    return all(t["avx512bf16"] * (AVX512BF16_STREAM_MARGIN if m == "kernel" else 1.0) < t[m]
+               for m in others)
 
 
 def _available_methods(weight: torch.Tensor) -> list[str]:
     """LARGE_METHODS that can run here on ``weight`` ([N, K] bf16, CPU)."""
-    have_kernels = cpu_kernels.load() is not None
-    have_amx = cpu_kernels.amx_available() and weight.shape[0] >= 16
-    have_dp = cpu_kernels.dp_available()
+    have_kernels = kernels.load() is not None
+    have_amx = kernels.amx_available() and weight.shape[0] >= 16
+    have_avx512bf16 = kernels.avx512bf16_available()
     return [m for m in LARGE_METHODS
             if (m != "gemm" or have_kernels) and (m != "amx" or have_amx)
-            and (m != "dp" or have_dp)]
+            and (m != "avx512bf16" or have_avx512bf16)]
 
 
 def _seconds(fn: LinearFn, x: torch.Tensor | dict[int, torch.Tensor],
@@ -171,15 +173,16 @@ class LinearDispatch:
     # same arithmetic as ``large`` (so compute_dtype holds for every shape).
     prompt_by_shape: dict[tuple[int, int], str] = field(default_factory=dict)
     # The AVX512_BF16 kernel's tier: rows from mid_min_rows (0: kernel_max_rows + 1) up to
-    # ``mid`` ("dp"), where calibration found it faster than both neighbours.
+    # ``mid`` ("avx512bf16"), where calibration found it faster than both neighbours.
     mid: str | None = None
     mid_max_rows: int = 0
     mid_min_rows: int = 0
 
     def __post_init__(self) -> None:
-        if self.mid is not None and (self.mid != "dp" or _arithmetic(self.large) != "bf16"):
-            raise ValueError(f"mid must be 'dp', beside a large method of bf16 arithmetic; got "
-                             f"{self.mid!r} beside {self.large!r}")
+        if self.mid is not None and (self.mid != "avx512bf16"
+                                     or _arithmetic(self.large) != "bf16"):
+            raise ValueError(f"mid must be 'avx512bf16', beside a large method of bf16 "
+                             f"arithmetic; got {self.mid!r} beside {self.large!r}")
         for m in (self.large, *self.prompt_by_shape.values()):
             if m not in LARGE_METHODS:
                 raise ValueError(f"large must be one of {', '.join(LARGE_METHODS)}; "
@@ -197,7 +200,7 @@ class LinearDispatch:
         k = x.shape[-1]
         rows = x.numel() // k
         if rows <= self.kernel_max_rows:
-            return cpu_kernels.linear_bf16(x, w, b)
+            return kernels.linear_bf16(x, w, b)
         if self._mid is not None and self._mid_lo <= rows <= self.mid_max_rows:
             return self._mid(x, w, b)
         if rows >= PROMPT_ROWS and self._prompt:
@@ -303,12 +306,12 @@ class LinearDispatch:
                   for k in sorted({w.shape[1] for w in ws})}
             return _seconds(fn, xs, ws)
 
-        have_kernels = cpu_kernels.load() is not None
+        have_kernels = kernels.load() is not None
         candidates = _available_methods(weights[0])
         timings: dict[str, dict[int, float]] = {m: {} for m in (*candidates, "kernel")}
         # Two rounds, the candidates alternating, each keeping its best: one timing each let
         # a moment of the shared machine's drift pick the slower of two within 20% (a 2-core
-        # AVX512_BF16 EPYC: dp against torch at 256 rows, x0.8 in bench_linear.py).
+        # AVX512_BF16 EPYC: avx512bf16 against torch at 256 rows, x0.8 in bench_linear.py).
         for _ in range(2):
             for m in candidates:
                 t = seconds(_large_fn(m), large_rows)
@@ -324,11 +327,11 @@ class LinearDispatch:
             # row x1.14 AMX's speed, a batch-1 step x1.10, a batch-2 step x1.09; at 4 rows
             # the streams' widening costs more than AMX's tiles: x0.80).
             margin = AMX_MARGIN if large == "amx" else 1.0
-            few = (range(1, cpu_kernels.KERNELS.decode_layer_max_rows + 1) if large == "amx"
+            few = (range(1, kernels.KERNELS.decode_layer_max_rows + 1) if large == "amx"
                    else (1,))
             for rows in sorted({*few, *kernel_rows}):
                 ws = stream if stream and large == "amx" and rows in few else None
-                timings["kernel"][rows] = seconds(cpu_kernels.linear_bf16, rows, ws)
+                timings["kernel"][rows] = seconds(kernels.linear_bf16, rows, ws)
                 if rows not in timings[large]:
                     timings[large][rows] = seconds(large_fn, rows, ws)
                 if timings["kernel"][rows] * margin > timings[large][rows]:
@@ -338,11 +341,11 @@ class LinearDispatch:
                 kernel_max = ALL_ROWS
         mid, mid_max = None, 0
         mid_min = 0
-        if ("dp" in candidates and large != "dp" and _arithmetic(large) == "bf16"
+        if ("avx512bf16" in candidates and large != "avx512bf16" and _arithmetic(large) == "bf16"
                 and kernel_max < ALL_ROWS):
             kernel_max, mid_min, mid_max = cls._calibrate_mid(seconds, timings, kernel_max,
                                                               large, large_rows, stream)
-            mid = "dp" if mid_max else None
+            mid = "avx512bf16" if mid_max else None
         return cls(kernel_max_rows=kernel_max, large=large, timings=timings, mid=mid,
                    mid_max_rows=mid_max, mid_min_rows=mid_min)
 
@@ -354,13 +357,13 @@ class LinearDispatch:
         against the methods the plan may have there (the streams up to ``kernel_max`` or the
         fused decode layer's rows, ``large`` above ``kernel_max``), over ``stream`` for the
         rows the fused layer takes (it runs its projections as these calls do); against the
-        streams it must win by DP_STREAM_MARGIN. The streams keep the counts they win from
+        streams it must win by AVX512BF16_STREAM_MARGIN. The streams keep the counts they win from
         ``kernel_max`` on; the tier is the first run of counts where it wins, from the count
         after the last one timed before it (rows it lost at keep their method). Returns (the
         streams' new most rows, the tier's fewest and most rows: 0, 0 if it never wins)."""
-        few = cpu_kernels.KERNELS.decode_layer_max_rows
-        fns = {"kernel": cpu_kernels.linear_bf16, large: _large_fn(large),
-               "dp": cpu_kernels.linear_dp}
+        few = kernels.KERNELS.decode_layer_max_rows
+        fns = {"kernel": kernels.linear_bf16, large: _large_fn(large),
+               "avx512bf16": kernels.linear_avx512bf16}
         lo = hi = before = 0
         for rows in MID_ROWS:
             if rows >= large_rows:
@@ -368,8 +371,8 @@ class LinearDispatch:
             ws = stream if stream and rows <= few else None
             others = ([*(("kernel",) if rows <= max(kernel_max, few) else ()),
                        *((large,) if rows > kernel_max else ())])
-            t = {m: seconds(fns[m], rows, ws) for m in ("dp", *others)}
-            if not _dp_wins(t, others):  # a loss ends the tier: time them again, keeping
+            t = {m: seconds(fns[m], rows, ws) for m in ("avx512bf16", *others)}
+            if not _avx512bf16_wins(t, others):  # a loss ends the tier: time them again, keeping
                 # each best (one timing each had let a moment's drift end it at 2 rows on the
                 # 2-core AVX512_BF16 EPYC, x2.4 slower there)
                 t = {m: min(v, seconds(fns[m], rows, ws)) for m, v in t.items()}
@@ -377,14 +380,14 @@ class LinearDispatch:
                 timings[m][rows] = v
             streams_win = ("kernel" in others and large != "amx"
                            and t["kernel"] <= min(t[m] for m in others))
-            if _dp_wins(t, others):
+            if _avx512bf16_wins(t, others):
                 lo, hi = lo or before + 1, rows
             elif streams_win and rows == max(kernel_max, hi) + 1 and hi <= kernel_max + 1:
                 # the streams win the next count too (against AMX, the calibration has
                 # settled the fused layer's rows with its own margin); a tier of one count
                 # begun just below gives it back to them (a tier ended here would leave the
                 # counts after it to the large method: 2-core AVX512_BF16 EPYC, the LM head
-                # alone, dp x1.07 the streams at 1 row, x0.99 at 2, torch x3 slower at 2,
+                # alone, avx512bf16 x1.07 the streams at 1 row, x0.99 at 2, torch x3 slower at 2,
                 # left torch every count from 2 to 255)
                 kernel_max, lo, hi = rows, 0, 0
             elif lo:

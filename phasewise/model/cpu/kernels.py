@@ -1,21 +1,28 @@
-"""Build, load and call the hand-written CPU kernels in ``cpu_kernels.c`` (AVX2),
-``cpu_amx.c`` (Intel AMX) and ``cpu_avx512bf16.c`` (AVX512_BF16 dot products, for CPUs
-that have them without AMX: AMD Zen 4 and 5).
+"""Build, load and call the hand-written CPU kernels in ``csrc/``: ``cpu_kernels.c`` (AVX2:
+linear and int8, norms, RoPE, attention, the fused decode layer, the sampler), ``cpu_amx.c``
+(Intel AMX) and ``cpu_avx512bf16.c`` (AVX512_BF16 dot products and panels, for CPUs that
+have them without AMX: AMD Zen 4 and 5).
 
 The C files are compiled on first use with the system's C compiler (gcc or cc) into one
 library in a cache folder and loaded with ctypes; no torch headers are needed, so the build
 takes a few seconds, once. On a machine without a compiler or without AVX2/FMA, ``load()``
 returns None and callers fall back to torch. The AMX kernels run only where the CPU has
 AMX-BF16 and AVX512_BF16 and Linux grants the process its tile state (``amx_available()``);
-a compiler too old for AMX builds the others without them. The AVX512_BF16 kernels run
-where the CPU has AVX512_BF16 with AVX-512 F/BW/VL/DQ (``dp_available()``). The state (the
+a compiler too old for AMX builds the others without them. The AVX512_BF16 kernels run where
+the CPU has AVX512_BF16 with AVX-512 F/BW/VL/DQ (``avx512bf16_available()``). The state (the
 library, whether loading was tried, why it failed, the limits the C side reports) lives in
-one ``KernelLibrary``, the module's ``KERNELS``.
+one ``KernelLibrary``, the module's ``KERNELS``. What the CPU offers is
+``capabilities.capabilities()``, read once.
 
 Numbers both sides need (the fused decode layer's row limit and head size, the layout of its
-argument struct) are defined in the C file only; ``pw_abi`` reports them and loading checks the
-ctypes mirror against it, so a mismatch disables the kernels with a reason instead of
-corrupting memory.
+argument struct, the values of its projection mode) are defined in the C file only;
+``pw_abi`` reports them and loading checks the ctypes mirror against it, so a mismatch
+disables the kernels with a reason instead of corrupting memory.
+
+The benchmark build (``KernelLibrary(bench_knobs=True)``, ``use_bench_build()``) compiles
+with ``-DPW_BENCH_KNOBS``: the C globals that switch a kernel's variant for comparisons
+(``pw_pk_nta``, ``pw_pk_spread``, ``pw_avx512bf16_attn_kl``) exist only there; the
+production library has them as constants.
 
 Cache folder: ``$PHASEWISE_CACHE_DIR`` or ``$XDG_CACHE_HOME/phasewise`` or
 ``~/.cache/phasewise`` (read when a kernel is first needed, never at import).
@@ -25,9 +32,9 @@ from __future__ import annotations
 
 import array
 import ctypes
+import enum
 import hashlib
 import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -38,36 +45,38 @@ from typing import Any
 
 import torch
 
-SOURCE = Path(__file__).with_name("cpu_kernels.c")
-AMX_SOURCE = Path(__file__).with_name("cpu_amx.c")
-DP_SOURCE = Path(__file__).with_name("cpu_avx512bf16.c")
-DP_FLAGS = {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"}
+from phasewise.model.cpu.capabilities import AMX_FLAGS, AVX512BF16_FLAGS, capabilities
+
+CSRC = Path(__file__).with_name("csrc")
+SOURCE = CSRC / "cpu_kernels.c"
+AMX_SOURCE = CSRC / "cpu_amx.c"
+AVX512BF16_SOURCE = CSRC / "cpu_avx512bf16.c"
 # What the sources include (part of the build's cache key): cpu_avx512.h in cpu_amx.c and
 # cpu_avx512bf16.c, cpu_paged.h in all three
-HEADERS = [Path(__file__).with_name(h) for h in ("cpu_avx512.h", "cpu_paged.h")]
-AMX_FLAGS = {"amx_tile", "amx_bf16", "avx512f", "avx512bw", "avx512vl", "avx512dq",
-             "avx512_bf16"}
+HEADERS = [CSRC / h for h in ("cpu_avx512.h", "cpu_paged.h")]
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
+BENCH_CFLAGS = ["-DPW_BENCH_KNOBS"]  # the benchmark build's comparison switches
 LIBS = ["-lm"]
-
-
-# How far ahead (bytes) the bf16 weight streams of few-row decode prefetch. On a 2-core
-# Intel Xeon (AMX) a batch-1 decode step of the reference checkpoint on the streams took
-# 29.4 ms at 256 bytes and 26.2 ms at 2048 (28.8 ms on the AMX tiles; one process, the
-# distance and the method switched between rounds): Intel's cores keep more lines in
-# flight than a short distance asks for. 256 was measured on a 2-core AMD EPYC (Zen 3),
-# +15-35% over none, and stays the choice there and elsewhere.
-STREAM_PREFETCH_INTEL = 2048
-STREAM_PREFETCH_OTHER = 256
-STREAM_PREFETCH_MAX = 16384
-STREAM_PREFETCH_ENV = "PHASEWISE_STREAM_PREFETCH"
+STREAM_PREFETCH_MAX = 16384  # the farthest the C side prefetches (pw_set_stream_prefetch)
 
 INT8_ROWS_MAX = 6  # the most activation rows the int8 kernels take (checked against the C side)
 
 
+class ProjMode(enum.IntEnum):
+    """How the fused decode layer runs its projections (``DecodeLayerArgs.proj_mode``): the
+    C side's ``enum pw_proj_mode``, value by value (loading checks each through ``pw_abi``)."""
+
+    STREAMS = 0  # the AVX2 row streams (few rows; int8 alike)
+    AMX = 1  # AMX tiles (bf16; int8 widened on the tiles above the int8 streams' rows)
+    AVX512BF16 = 2  # AVX512_BF16 dot products over bf16 rows (int8 ones stream)
+    PANELS = 3  # the same over weights packed into panels (every projection, any rows)
+    AVX2_TILES = 4  # the AVX2 2 x 6 register tiles above the streams' rows (bf16 only)
+
+
 class DecodeLayerArgs(ctypes.Structure):
     """Mirror of ``DecodeLayer`` in cpu_kernels.c (same fields, same order). Loading checks
-    every field's offset and the size against the C side's ``pw_abi``."""
+    every field's offset and the size against the C side's ``pw_abi``. ``proj_mode`` holds a
+    ``ProjMode``."""
 
     _fields_ = (
         [(n, ctypes.c_int) for n in ("M", "H", "Q", "KV", "I", "n_heads", "n_kv", "hd", "bs",
@@ -78,7 +87,7 @@ class DecodeLayerArgs(ctypes.Structure):
             "w_o", "b_o", "w_post_norm", "w_gate_up", "b_gate_up", "w_down", "b_down",
             "k_cache", "v_cache", "slots", "block_tables", "seq_lens", "cos", "sin",
             "s_qkv", "s_o", "s_gate_up", "s_down")]
-        + [("amx", ctypes.c_int)]
+        + [("proj_mode", ctypes.c_int)]
     )
 
 
@@ -90,59 +99,16 @@ def cache_dir() -> Path:
     return (Path(xdg) if xdg else Path.home() / ".cache") / "phasewise"
 
 
-def cpuinfo_field(key: str) -> str | None:
-    """The first value of ``key`` (``flags``, ``vendor_id``, ``model name``) in
-    /proc/cpuinfo, or None without it."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                name, sep, value = line.partition(":")
-                if sep and name.strip() == key:
-                    return value.strip()
-    except OSError:
-        pass
-    return None
-
-
 def cpu_flags() -> set[str]:
-    """This CPU's feature flags from /proc/cpuinfo (empty off x86-64 or without it)."""
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        return set()
-    return set((cpuinfo_field("flags") or "").split())
-
-
-def cpu_vendor() -> str:
-    """This CPU's vendor id from /proc/cpuinfo (``GenuineIntel``, ``AuthenticAMD``; empty
-    when unknown)."""
-    return cpuinfo_field("vendor_id") or ""
-
-
-def stream_prefetch_bytes() -> tuple[int, str]:
-    """How far ahead the bf16 weight streams prefetch on this CPU, and why: the
-    ``PHASEWISE_STREAM_PREFETCH`` environment variable (bytes, 0-16384, a multiple of 64)
-    where set, else the distance measured fastest on this CPU's vendor."""
-    env = os.environ.get(STREAM_PREFETCH_ENV)
-    if env is not None and env.strip():
-        try:
-            n = int(env)
-        except ValueError:
-            n = -1
-        if not 0 <= n <= STREAM_PREFETCH_MAX or n % 64:
-            raise ValueError(f"{STREAM_PREFETCH_ENV} must be a whole number of bytes from 0 to "
-                             f"{STREAM_PREFETCH_MAX}, a multiple of 64 (a cache line); got "
-                             f"{env!r}")
-        return n, f"{STREAM_PREFETCH_ENV}"
-    vendor = cpu_vendor()
-    if vendor == "GenuineIntel":
-        return STREAM_PREFETCH_INTEL, "Intel"
-    return STREAM_PREFETCH_OTHER, vendor or "unknown CPU"
+    """This CPU's feature flags (``capabilities().flags``; empty off x86-64)."""
+    return set(capabilities().flags)
 
 
 def _cpu_has_avx2_fma() -> bool:
     return {"avx2", "fma"} <= cpu_flags()
 
 
-def _build(sources: list[Path], out: Path) -> None:
+def _build(sources: list[Path], out: Path, cflags: list[str] = CFLAGS) -> None:
     cc = shutil.which(os.environ.get("CC", "gcc")) or shutil.which("cc")
     if cc is None:
         raise RuntimeError("no C compiler (gcc or cc) on PATH")
@@ -151,8 +117,8 @@ def _build(sources: list[Path], out: Path) -> None:
     os.close(fd)
     try:
         # the headers from the package, wherever a source lies (tests build edited copies)
-        include = ["-I", str(Path(__file__).parent)]
-        subprocess.run([cc, *CFLAGS, *include, *map(str, sources), "-o", tmp, *LIBS],
+        include = ["-I", str(CSRC)]
+        subprocess.run([cc, *cflags, *include, *map(str, sources), "-o", tmp, *LIBS],
                        check=True, capture_output=True, text=True)
         os.replace(tmp, out)  # atomic: concurrent builders never see a half-written file
     except subprocess.CalledProcessError as e:
@@ -187,14 +153,14 @@ def _signatures() -> dict[str, tuple[Any, list[Any]]]:
         "pw_logprobs_f32": (I, [P, I, P, I, P, P, P, P, P, I]),
         "pw_enable_avx512": (None, [I]),
         "pw_enable_avx512_norm": (None, [I]),
-        "pw_enable_dp_attention": (None, [I]),
+        "pw_enable_avx512bf16_attention": (None, [I]),
         "pw_abi": (L, [ctypes.c_char_p]),
     }
 
 
-DP_SIGNATURES = {
-    "pw_linear_dp": (ctypes.c_int, [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4),
-    "pw_silu_mul_dp": (None, [ctypes.c_void_p] * 2 + [ctypes.c_int] * 3),
+AVX512BF16_SIGNATURES = {
+    "pw_linear_avx512bf16": (ctypes.c_int, [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4),
+    "pw_silu_mul_avx512bf16": (None, [ctypes.c_void_p] * 2 + [ctypes.c_int] * 3),
     "pw_linear_pk": (ctypes.c_int, [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4),
     "pw_linear_pk_f32": (ctypes.c_int, [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4),
     "pw_linear_pk_glu": (ctypes.c_int, [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4),
@@ -204,7 +170,7 @@ DP_SIGNATURES = {
     "pw_pk_rows": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
                                   ctypes.c_long, ctypes.c_void_p, ctypes.c_int]),
     # as pw_prefill_attention_amx's (AMX_SIGNATURES)
-    "pw_prefill_attention_dp": (ctypes.c_int, [
+    "pw_prefill_attention_avx512bf16": (ctypes.c_int, [
         ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
         ctypes.c_int, ctypes.c_long, ctypes.c_int, ctypes.c_void_p, ctypes.c_long,
         ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_int]),
@@ -237,8 +203,8 @@ def _bind(lib: ctypes.CDLL, signatures: dict[str, tuple[Any, list[Any]]]) -> Non
 
 
 def abi_mismatches(abi: Callable[[str], int]) -> list[str]:
-    """Where ``DecodeLayerArgs`` disagrees with the C side's layout, as reported by ``abi``
-    (``pw_abi``: a name -> a number); empty when they agree."""
+    """Where ``DecodeLayerArgs`` or ``ProjMode`` disagrees with the C side's layout and
+    values, as reported by ``abi`` (``pw_abi``: a name -> a number); empty when they agree."""
     bad = []
     if abi("int8_rows_max") != INT8_ROWS_MAX:
         bad.append(f"int8_rows_max is {abi('int8_rows_max')} in C, {INT8_ROWS_MAX} here")
@@ -250,6 +216,10 @@ def abi_mismatches(abi: Callable[[str], int]) -> list[str]:
         mine = getattr(DecodeLayerArgs, name).offset
         if offset != mine:
             bad.append(f"DecodeLayer.{name} is at {offset} in C, {mine} here")
+    for mode in ProjMode:
+        value = abi(f"PW_PROJ_{mode.name}")
+        if value != mode.value:
+            bad.append(f"PW_PROJ_{mode.name} is {value} in C, {mode.value} here")
     return bad
 
 
@@ -263,14 +233,18 @@ class KernelLibrary:
     (``decode_layer_max_rows``: rows the fused decode layer takes; ``amx_layer_max_rows``:
     rows it takes when its projections all run on AMX tiles; ``max_head_dim``), and
     whether the AMX kernels may run (``amx``; ``amx_reason``: why not), and the AVX512_BF16
-    ones (``dp``; ``dp_reason``); how far ahead the bf16 weight streams prefetch
-    (``stream_prefetch`` bytes; ``stream_prefetch_reason``)."""
+    ones (``avx512bf16``; ``avx512bf16_reason``); how far ahead the bf16 weight streams
+    prefetch (``stream_prefetch`` bytes; ``stream_prefetch_reason``: the kernel plan's rule
+    at load, the plan an engine runs once it sets it). ``bench_knobs``: the benchmark build
+    (``-DPW_BENCH_KNOBS``: the comparison switches as C globals), cached apart."""
 
     def __init__(self, source: Path = SOURCE, amx_source: Path = AMX_SOURCE,
-                 dp_source: Path = DP_SOURCE) -> None:
+                 avx512bf16_source: Path = AVX512BF16_SOURCE, bench_knobs: bool = False
+                 ) -> None:
         self.source = source
         self.amx_source = amx_source
-        self.dp_source = dp_source
+        self.avx512bf16_source = avx512bf16_source
+        self.cflags = CFLAGS + (BENCH_CFLAGS if bench_knobs else [])
         self.lib: ctypes.CDLL | None = None
         self.reason: str | None = None
         self.tried = False
@@ -279,16 +253,18 @@ class KernelLibrary:
         self.max_head_dim = 0
         self.amx = False
         self.amx_reason: str | None = "the kernels are not loaded"
-        self.dp = False
-        self.dp_reason: str | None = "the kernels are not loaded"
+        self.avx512bf16 = False
+        self.avx512bf16_reason: str | None = "the kernels are not loaded"
         self.stream_prefetch = 0
         self.stream_prefetch_reason = "the kernels are not loaded"
 
     def load(self) -> ctypes.CDLL | None:
         """The library, building it if needed; None if it cannot be had (see ``reason``)."""
         if not self.tried:
-            # a bad PHASEWISE_STREAM_PREFETCH raises here, every time, before any build
-            self.stream_prefetch, self.stream_prefetch_reason = stream_prefetch_bytes()
+            from phasewise.model.cpu.plan import stream_prefetch_rule
+
+            self.stream_prefetch, self.stream_prefetch_reason = stream_prefetch_rule(
+                capabilities())
             self.tried = True
             try:
                 self.lib = self._open()
@@ -296,15 +272,29 @@ class KernelLibrary:
                 self.reason = str(e)
         return self.lib
 
+    def set_stream_prefetch(self, nbytes: int, reason: str) -> None:
+        """Have the bf16 weight streams prefetch ``nbytes`` ahead (0 to STREAM_PREFETCH_MAX,
+        a multiple of 64: a cache line), for ``reason`` (printed beside it). The library is
+        one per process: the last engine's plan to set it holds for every engine in it."""
+        if (not isinstance(nbytes, int) or isinstance(nbytes, bool)
+                or not 0 <= nbytes <= STREAM_PREFETCH_MAX or nbytes % 64):
+            raise ValueError(f"stream_prefetch must be a whole number of bytes from 0 to "
+                             f"{STREAM_PREFETCH_MAX}, a multiple of 64 (a cache line); got "
+                             f"{nbytes!r}")
+        lib = self.load()
+        self.stream_prefetch, self.stream_prefetch_reason = nbytes, reason
+        if lib is not None:
+            lib.pw_set_stream_prefetch(nbytes)
+
     def _compiled(self, sources: list[Path]) -> ctypes.CDLL:
         headers = [h for h in HEADERS if h.exists()]
         key = hashlib.sha256(b"".join(s.read_bytes() for s in [*sources, *headers])
-                             + " ".join(CFLAGS).encode()).hexdigest()[:16]
+                             + " ".join(self.cflags).encode()).hexdigest()[:16]
         path = cache_dir() / "kernels" / f"cpu_kernels-{key}.so"
         if not path.exists():
             print(f"compiling phasewise's CPU kernels (once; cached in {path.parent})",
                   file=sys.stderr, flush=True)
-            _build(sources, path)
+            _build(sources, path, self.cflags)
         return ctypes.CDLL(str(path))
 
     def _open(self) -> ctypes.CDLL:
@@ -312,7 +302,7 @@ class KernelLibrary:
             raise _Unavailable("this CPU lacks AVX2/FMA")
         # The extra sources, all of them if they compile, else each alone, else none (e.g. a
         # compiler that predates AMX: the AVX512_BF16 kernels and AVX2 ones without it).
-        extras = {"amx": self.amx_source, "dp": self.dp_source}
+        extras = {"amx": self.amx_source, "avx512bf16": self.avx512bf16_source}
         reasons = {k: f"{p.name} is missing" for k, p in extras.items() if not p.exists()}
         present = {k: p for k, p in extras.items() if p.exists()}
         lib, errors = None, {}
@@ -330,7 +320,7 @@ class KernelLibrary:
             break
         if lib is None:
             raise _Unavailable(errors.get((), "compiling the kernels failed"))
-        self.amx_reason, self.dp_reason = reasons.get("amx"), reasons.get("dp")
+        self.amx_reason, self.avx512bf16_reason = reasons.get("amx"), reasons.get("avx512bf16")
         _bind(lib, _signatures())
 
         def abi(what: str) -> int:
@@ -346,20 +336,20 @@ class KernelLibrary:
         lib.pw_set_stream_prefetch(self.stream_prefetch)
         if self.amx_reason is None:
             self._enable_amx(lib)
-        if self.dp_reason is None:
-            self._enable_dp(lib)
+        if self.avx512bf16_reason is None:
+            self._enable_avx512bf16(lib)
         return lib
 
-    def _enable_dp(self, lib: ctypes.CDLL) -> None:
-        missing = DP_FLAGS - cpu_flags()
+    def _enable_avx512bf16(self, lib: ctypes.CDLL) -> None:
+        missing = AVX512BF16_FLAGS - cpu_flags()
         if missing:
-            self.dp_reason = "this CPU lacks " + ", ".join(sorted(missing))
+            self.avx512bf16_reason = "this CPU lacks " + ", ".join(sorted(missing))
             return
-        _bind(lib, DP_SIGNATURES)
-        self.dp = True
+        _bind(lib, AVX512BF16_SIGNATURES)
+        self.avx512bf16 = True
         lib.pw_enable_avx512_norm(1)  # the RMSNorms on 16 lanes, rounding in one instruction
         if not self.amx:  # decode attention on AVX512_BF16 where AMX's does not run
-            lib.pw_enable_dp_attention(1)
+            lib.pw_enable_avx512bf16_attention(1)
 
     def _enable_amx(self, lib: ctypes.CDLL) -> None:
         missing = AMX_FLAGS - cpu_flags()
@@ -377,6 +367,18 @@ class KernelLibrary:
 KERNELS = KernelLibrary()
 
 
+def use_bench_build() -> KernelLibrary:
+    """Make the module's library the benchmark build (``bench_knobs``: the comparison
+    switches as C globals, ``ctypes.c_int.in_dll(lib, name)``) for the rest of the process,
+    and return it; before anything has loaded the production one (benchmarks call it first)."""
+    global KERNELS
+    if KERNELS.tried and KERNELS.cflags != CFLAGS + BENCH_CFLAGS:
+        raise RuntimeError("use_bench_build: the production kernels are loaded already")
+    if KERNELS.cflags != CFLAGS + BENCH_CFLAGS:
+        KERNELS = KernelLibrary(bench_knobs=True)
+    return KERNELS
+
+
 def load() -> ctypes.CDLL | None:
     """The compiled kernel library (``KERNELS.load()``)."""
     return KERNELS.load()
@@ -388,9 +390,9 @@ def amx_available() -> bool:
     return KERNELS.load() is not None and KERNELS.amx
 
 
-def dp_available() -> bool:
+def avx512bf16_available() -> bool:
     """Whether the AVX512_BF16 kernels (``cpu_avx512bf16.c``) can run here."""
-    return KERNELS.load() is not None and KERNELS.dp
+    return KERNELS.load() is not None and KERNELS.avx512bf16
 
 
 def __getattr__(name: str) -> Any:
@@ -572,15 +574,15 @@ def linear_amx(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = Non
     return _call("pw_linear_amx", x, w, bias)
 
 
-def linear_dp(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None
+def linear_avx512bf16(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None
               ) -> torch.Tensor:
     """Same contract as ``linear_bf16``, on AVX512_BF16 dot products (any row count;
-    ``dp_available()`` must hold): the weight read in place, 4 of its rows against up to 6
+    ``avx512bf16_available()`` must hold): the weight read in place, 4 of its rows against up to 6
     tokens a register tile, products of bf16 pairs summed in fp32, one rounding."""
-    if not dp_available():
+    if not avx512bf16_available():
         raise RuntimeError("AVX512_BF16 kernels unavailable: "
-                           f"{KERNELS.dp_reason or KERNELS.reason}")
-    return _call("pw_linear_dp", x, w, bias)
+                           f"{KERNELS.avx512bf16_reason or KERNELS.reason}")
+    return _call("pw_linear_avx512bf16", x, w, bias)
 
 
 def is_panels(w: torch.Tensor) -> bool:
@@ -592,7 +594,7 @@ def is_panels(w: torch.Tensor) -> bool:
 def can_pack_panels(w: torch.Tensor) -> bool:
     """Whether ``w`` ([N, K] bf16, CPU) can take the panels layout: N % 16 == 0, K even,
     and the AVX512_BF16 kernels run here."""
-    return (dp_available() and w.dim() == 2 and w.dtype == torch.bfloat16
+    return (avx512bf16_available() and w.dim() == 2 and w.dtype == torch.bfloat16
             and w.device.type == "cpu" and w.shape[0] % 16 == 0 and w.shape[1] % 2 == 0
             and w.shape[0] > 0 and w.shape[1] > 0)
 
@@ -654,7 +656,7 @@ def _glu_order(w: torch.Tensor, undo: bool = False) -> torch.Tensor:
 def unpack_panels(wp: torch.Tensor, glu: bool = False) -> torch.Tensor:
     """The [N, K] bf16 weight that ``pack_panels`` packed into ``wp`` (with ``glu`` as it
     was packed)."""
-    if not is_panels(wp) or not dp_available():
+    if not is_panels(wp) or not avx512bf16_available():
         raise ValueError("not a weight in the panels layout, or no AVX512_BF16 kernels here")
     n, k = wp.shape[0] * 16, wp.shape[1] * 2
     out = torch.empty(n, k, dtype=torch.bfloat16)
@@ -666,7 +668,7 @@ def panels_rows(wp: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """Rows ``ids`` (int64, any shape) of the [N, K] bf16 weight packed into ``wp``
     (``pack_panels``, not glu) -> [*ids.shape, K] bf16: the embedding lookup of a table
     that is packed as the LM head. IndexError for an id outside [0, N), as ``F.embedding``."""
-    if not is_panels(wp) or not wp.is_contiguous() or not dp_available():
+    if not is_panels(wp) or not wp.is_contiguous() or not avx512bf16_available():
         raise ValueError("panels_rows: not contiguous panels, or no AVX512_BF16 kernels here")
     if ids.dtype not in (torch.int32, torch.int64) or ids.device.type != "cpu":
         raise TypeError(f"panels_rows: ids must be int32 or int64 on the CPU; got {ids.dtype} "
@@ -700,9 +702,9 @@ def _pk_call(name: str, kernel: str, x: torch.Tensor, wp: torch.Tensor,
              out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """``linear_pk``'s and ``glu_pk``'s checks (``name`` in their messages), then their
     C ``kernel``'s call (output width ``n``, values of ``out_dtype``)."""
-    if not dp_available():
+    if not avx512bf16_available():
         raise RuntimeError("AVX512_BF16 kernels unavailable: "
-                           f"{KERNELS.dp_reason or KERNELS.reason}")
+                           f"{KERNELS.avx512bf16_reason or KERNELS.reason}")
     if not is_panels(wp) or x.shape[-1] != 2 * wp.shape[1] or not wp.is_contiguous():
         raise ValueError(f"{name}: weight {tuple(wp.shape)} {wp.dtype} is not contiguous "
                          f"panels of the input's width {x.shape[-1]}")

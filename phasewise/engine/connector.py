@@ -1,9 +1,10 @@
 """The KV connector: how K/V computed elsewhere enters this engine's pool, and how K/V computed
 here leaves it. Modelled on vLLM v1's KV connector (a scheduler side and a worker side);
 phasewise's own ``PushConnector`` implements it for "decode reserves, prefill pushes"
-(``../shared/DISAGG.md``). ``LLMEngine`` holds one and calls it; the transport (sockets,
-frames, peers: ``transport``, ``worker``) talks to the engine through ``AsyncEngine``'s
-commands. Like ``wire``, this module imports neither torch nor pyzmq (tensors are duck-typed).
+(``docs/pd.md``). ``LLMEngine`` holds one and calls it; the transport (sockets, frames, peers:
+``phasewise.disagg.transport`` and ``worker``, a room above this one) talks to the engine
+through ``AsyncEngine``'s commands. Like ``phasewise.disagg.wire``, this module imports neither
+torch nor pyzmq (tensors are duck-typed).
 
 The two sides, and the vLLM v1 call each one answers:
 

@@ -1,6 +1,9 @@
 """What a benchmark sends and when: lengths, arrival times, intruders and traces.
 
-Everything here is deterministic given the seed, and imports nothing of the engine.
+Shared by the load generator (``phasewise bench``, which sends it to a server) and the
+simulator (``phasewise simulate`` and ``plan``, which replay it in virtual time), so both run
+the same requests. Everything here is deterministic given the seed, and imports nothing of the
+engine.
 
 Length distributions are written as text on the command line:
 

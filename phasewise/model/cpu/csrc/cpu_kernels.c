@@ -63,7 +63,7 @@ static inline uint16_t f32_to_bf16(float f) {
  * software prefetch ahead of the stream (measured +15-35% weight bandwidth on a 2-core
  * Zen 3 against no prefetch and against the tiles below, at 1-4 rows). */
 /* How far ahead (bytes) the bf16 streams prefetch: set at load by pw_set_stream_prefetch
- * for the CPU at hand (cpu_kernels.py says which distance where). */
+ * for the CPU at hand (the kernel plan says which distance: phasewise/model/cpu/plan.py). */
 static long stream_prefetch = 256;
 void pw_set_stream_prefetch(int bytes) {
     stream_prefetch = bytes < 0 ? 0 : bytes > 16384 ? 16384 : bytes / 64 * 64;
@@ -1029,12 +1029,12 @@ int pw_attend_group_amx(const uint16_t *q, int G, float scale, const uint16_t *k
                         const uint16_t *v_cache, const int64_t *table, int len, int bs,
                         int n_kv, int kvh, int hd, float *out) __attribute__((weak));
 /* cpu_avx512bf16.c's, the same contract (weak: absent when that file is not compiled in),
- * taken once pw_enable_dp_attention has said the CPU has AVX512_BF16, where AMX's is not. */
-int pw_attend_group_dp(const uint16_t *q, int G, float scale, const uint16_t *k_cache,
+ * taken once pw_enable_avx512bf16_attention has said the CPU has AVX512_BF16, where AMX's is not. */
+int pw_attend_group_avx512bf16(const uint16_t *q, int G, float scale, const uint16_t *k_cache,
                        const uint16_t *v_cache, const int64_t *table, int len, int bs,
                        int n_kv, int kvh, int hd, float *out) __attribute__((weak));
-static int use_dp_attention = 0;
-void pw_enable_dp_attention(int on) { use_dp_attention = on && pw_attend_group_dp != NULL; }
+static int use_avx512bf16_attention = 0;
+void pw_enable_avx512bf16_attention(int on) { use_avx512bf16_attention = on && pw_attend_group_avx512bf16 != NULL; }
 
 /* Decode attention of request b, KV head kvh, and share `part` (of `parts`) of that head's
  * query group. q: rows of stride q_stride holding n_heads heads of hd (bf16);
@@ -1050,9 +1050,9 @@ static void attention_task(int b, int kvh, int part, int parts, int group, int n
     int g0 = group * part / parts, g1 = group * (part + 1) / parts, G = g1 - g0;
     float *qf = mine, *acc = qf + (long)group * hd, *work = acc + (long)group * hd;
     const uint16_t *qg = q + (long)b * q_stride + (long)(kvh * group + g0) * hd;
-    int amx = use_avx512 && pw_attend_group_amx, done = amx || use_dp_attention;
+    int amx = use_avx512 && pw_attend_group_amx, done = amx || use_avx512bf16_attention;
     for (int g = 0; done && g < G; g += 16)  /* sixteen heads at a time */
-        done = (amx ? pw_attend_group_amx : pw_attend_group_dp)(
+        done = (amx ? pw_attend_group_amx : pw_attend_group_avx512bf16)(
                    qg + (long)g * hd, G - g < 16 ? G - g : 16, scale, k_cache, v_cache,
                    block_tables + (long)b * max_blocks, (int)seq_lens[b], bs, n_kv, kvh, hd,
                    acc + (long)g * hd) == 0;
@@ -1468,6 +1468,21 @@ int pw_linear_int8(const uint16_t *xb, const int8_t *w, const float *scale,
  * Rounding to bf16 happens at the same points as in the unfused path (and the reference):
  * after every projection, RoPE, attention, each residual add and the SiLU.
  */
+/* How a fused layer runs its projections (DecodeLayer.proj_mode; ProjMode in
+ * phasewise/model/cpu/kernels.py mirrors it, checked value by value through pw_abi at load). */
+enum pw_proj_mode {
+    PW_PROJ_STREAMS = 0,    /* the AVX2 row streams (pw_linear_bf16's few rows; int8 alike) */
+    PW_PROJ_AMX = 1,        /* bf16 projections on AMX tiles (cpu_amx.c), where the CPU has them;
+                             * int8 ones widened on the tiles above the int8 streams' rows */
+    PW_PROJ_AVX512BF16 = 2, /* on AVX512_BF16 dot products (cpu_avx512bf16.c), bf16 weights
+                             * only (int8 ones stream, up to their rows) */
+    PW_PROJ_PANELS = 3,     /* the same on weights packed into panels (pw_pk_pack: every
+                             * projection, at any row count; no int8) */
+    PW_PROJ_AVX2_TILES = 4, /* as pw_linear_bf16 runs them on AVX2: the streams up to
+                             * ROW_STREAM_MAX rows, the 2 x 6 register tiles above (up to
+                             * AMX_LAYER_MAX rows; bf16 weights only) */
+};
+
 typedef struct {
     int M, H, Q, KV, I, n_heads, n_kv, hd, bs, max_blocks, qk_norm, nthreads;
     float eps, scale;
@@ -1492,21 +1507,17 @@ typedef struct {
     /* Weight-only int8 (NULL: that projection is bf16): the fp32 per-row scales of w_qkv,
      * w_o, w_gate_up and w_down, whose pointers then point at int8 weights. */
     const float *s_qkv, *s_o, *s_gate_up, *s_down;
-    int amx; /* 1: the bf16 projections run on AMX tiles (cpu_amx.c), where the CPU has them;
-              * 2: on AVX512_BF16 dot products (cpu_avx512bf16.c), bf16 weights only;
-              * 3: the same on weights packed into panels (pw_pk_pack: every projection,
-              *    at any row count; no int8);
-              * 4: as pw_linear_bf16 runs them on AVX2: the streams up to ROW_STREAM_MAX
-              *    rows, the 2 x 6 register tiles above (up to AMX_LAYER_MAX rows; bf16
-              *    weights only) */
+    int proj_mode; /* an enum pw_proj_mode (an int: the field's size is the ABI's, whatever
+                    * size a compiler would give the enum) */
 } DecodeLayer;
 
 #define MAX_HEAD_DIM 512 /* the largest head the kernels take (a bound on scratch sizes) */
 
-/* The numbers cpu_kernels.py must agree with, read by it once when the library loads:
- * "row_stream_max", "max_head_dim", "sizeof DecodeLayer", or a DecodeLayer field's name
- * (its byte offset). -1 for anything else. Python's ctypes mirror of DecodeLayer is checked
- * against these, field by field, so the two layouts cannot drift apart unnoticed. */
+/* The numbers phasewise/model/cpu/kernels.py must agree with, read by it once at load:
+ * "row_stream_max", "max_head_dim", "sizeof DecodeLayer", a DecodeLayer field's name (its
+ * byte offset), or a pw_proj_mode value's name (the value). -1 for anything else. Python's
+ * ctypes mirror of DecodeLayer and its ProjMode are checked against these, field by field and
+ * value by value, so the two sides cannot drift apart unnoticed. */
 long pw_abi(const char *what) {
     static const struct { const char *name; long value; } table[] = {
         {"row_stream_max", ROW_STREAM_MAX}, {"amx_layer_max", AMX_LAYER_MAX},
@@ -1521,8 +1532,11 @@ long pw_abi(const char *what) {
         FIELD(w_post_norm), FIELD(w_gate_up), FIELD(b_gate_up), FIELD(w_down), FIELD(b_down),
         FIELD(k_cache), FIELD(v_cache), FIELD(slots), FIELD(block_tables), FIELD(seq_lens),
         FIELD(cos), FIELD(sin), FIELD(s_qkv), FIELD(s_o), FIELD(s_gate_up), FIELD(s_down),
-        FIELD(amx),
+        FIELD(proj_mode),
 #undef FIELD
+        {"PW_PROJ_STREAMS", PW_PROJ_STREAMS}, {"PW_PROJ_AMX", PW_PROJ_AMX},
+        {"PW_PROJ_AVX512BF16", PW_PROJ_AVX512BF16}, {"PW_PROJ_PANELS", PW_PROJ_PANELS},
+        {"PW_PROJ_AVX2_TILES", PW_PROJ_AVX2_TILES},
     };
     for (size_t i = 0; i < sizeof(table) / sizeof(table[0]); i++)
         if (strcmp(what, table[i].name) == 0) return table[i].value;
@@ -1557,10 +1571,10 @@ void pw_amx_share_glu_int8(const uint32_t *xp, int M, const int8_t *w, const flo
                            uint16_t *wide, const uint16_t *bias, int K, int I, float *act)
     __attribute__((weak));
 /* cpu_avx512bf16.c's (weak: absent when it was not compiled in) */
-void pw_dp_pack_f32(const float *x, int M, int K, uint16_t *xb) __attribute__((weak));
-void pw_dp_share(const uint16_t *xb, int M, const uint16_t *w, int K, int N, float *res)
+void pw_avx512bf16_pack_f32(const float *x, int M, int K, uint16_t *xb) __attribute__((weak));
+void pw_avx512bf16_share(const uint16_t *xb, int M, const uint16_t *w, int K, int N, float *res)
     __attribute__((weak));
-void pw_dp_glu_rows(const float *res, const uint16_t *bias, int M, int I, float *act)
+void pw_avx512bf16_glu_rows(const float *res, const uint16_t *bias, int M, int I, float *act)
     __attribute__((weak));
 void pw_pk_share(const uint16_t *xb, int M, const uint32_t *wp, int K, int N, float *res)
     __attribute__((weak));
@@ -1594,11 +1608,13 @@ static void bias_round_rows(const float *res, const uint16_t *bias, int M, int N
  * Or, where the layer asks for AVX512_BF16 dot products (amx == 2), on those: bf16 weights
  * only (int8 ones stream, up to their rows). */
 static int amx_proj(const DecodeLayer *L, const float *scale, int N) {
-    if (L->amx == 4) return !scale && N >= 16;
-    if (L->amx == 3)
-        return !scale && N % 16 == 0 && pw_pk_share != NULL && pw_dp_pack_f32 != NULL;
-    if (L->amx == 2) return !scale && N >= 16 && pw_dp_share != NULL && pw_dp_pack_f32 != NULL;
-    if (L->amx != 1 || N < 16 || !pw_amx_pack_f32) return 0;
+    if (L->proj_mode == PW_PROJ_AVX2_TILES) return !scale && N >= 16;
+    if (L->proj_mode == PW_PROJ_PANELS)
+        return !scale && N % 16 == 0 && pw_pk_share != NULL && pw_avx512bf16_pack_f32 != NULL;
+    if (L->proj_mode == PW_PROJ_AVX512BF16)
+        return !scale && N >= 16 && pw_avx512bf16_share != NULL
+               && pw_avx512bf16_pack_f32 != NULL;
+    if (L->proj_mode != PW_PROJ_AMX || N < 16 || !pw_amx_pack_f32) return 0;
     return scale ? L->M > ROW_STREAM_MAX && pw_amx_share_int8 != NULL : pw_amx_share != NULL;
 }
 
@@ -1609,7 +1625,7 @@ static int amx_proj(const DecodeLayer *L, const float *scale, int N) {
 static void layer_proj(const DecodeLayer *L, const float *x, int M, const void *w,
                        const float *scale, int K, int N, uint32_t *xp, uint16_t *wide,
                        long wide_per_thread, float *res) {
-    if (L->amx == 4 && amx_proj(L, scale, N) && M > ROW_STREAM_MAX) {
+    if (L->proj_mode == PW_PROJ_AVX2_TILES && amx_proj(L, scale, N) && M > ROW_STREAM_MAX) {
         /* the AVX2 tiles, as pw_linear_bf16 runs these rows (up to ROW_STREAM_MAX, the
          * streams below, as it does too): x's rows permuted into xp (fp32) between the
          * threads, with the omp for's barrier, then this thread's tiles */
@@ -1620,16 +1636,17 @@ static void layer_proj(const DecodeLayer *L, const float *x, int M, const void *
         tiles_share(xf, w, NULL, NULL, NULL, res, M, N, K);
         return;
     }
-    if (amx_proj(L, scale, N) && (L->amx == 2 || L->amx == 3)) {
+    if (amx_proj(L, scale, N)
+        && (L->proj_mode == PW_PROJ_AVX512BF16 || L->proj_mode == PW_PROJ_PANELS)) {
         /* AVX512_BF16: bf16 rows, then the share */
-        pw_dp_pack_f32(x, M, K, (uint16_t *)xp);  /* shared by the threads, with a barrier */
-        if (L->amx == 3)
+        pw_avx512bf16_pack_f32(x, M, K, (uint16_t *)xp);  /* shared by the threads, with a barrier */
+        if (L->proj_mode == PW_PROJ_PANELS)
             pw_pk_share((const uint16_t *)xp, M, (const uint32_t *)w, K, N, res);
         else
-            pw_dp_share((const uint16_t *)xp, M, (const uint16_t *)w, K, N, res);
+            pw_avx512bf16_share((const uint16_t *)xp, M, (const uint16_t *)w, K, N, res);
         return;
     }
-    if (L->amx == 1 && amx_proj(L, scale, N)) {
+    if (L->proj_mode == PW_PROJ_AMX && amx_proj(L, scale, N)) {
         pw_amx_pack_f32(x, M, K, xp);  /* shared by the threads, with a barrier */
         if (scale)
             pw_amx_share_int8(xp, M, (const int8_t *)w, scale,
@@ -1708,16 +1725,17 @@ int pw_decode_layer_bf16(const DecodeLayer *L) {
                   && I >= 8;
     if (M < 1 || M > (all_amx ? AMX_LAYER_MAX : ROW_STREAM_MAX) || hd > MAX_HEAD_DIM)
         return -2;
-    if (L->amx == 3 && !all_amx)  /* panels are no rows: nothing else may read them */
+    /* panels are no rows: nothing else may read them */
+    if (L->proj_mode == PW_PROJ_PANELS && !all_amx)
         return -2;
-    int amx_glu = L->amx == 1 && amx_proj(L, L->s_gate_up, 2 * I) && I >= 16
+    int amx_glu = L->proj_mode == PW_PROJ_AMX && amx_proj(L, L->s_gate_up, 2 * I) && I >= 16
                   && (L->s_gate_up ? pw_amx_share_glu_int8 != NULL : pw_amx_share_glu != NULL);
     /* On panels (I % 16 == 0, where CpuKernelOps.pack_panels packs gate/up in units,
      * pack_panels(glu=True), and _static_args refuses a layer otherwise): the SiLU in the
      * gate/up tiles' epilogue too, writing act as the bf16 rows the down projection reads
      * (no [M, 2I] results, no separate pass, no packing of act; the same bits) */
-    int pk_glu = L->amx == 3 && I % 16 == 0 && amx_proj(L, L->s_gate_up, 2 * I)
-                 && pw_pk_share_glu != NULL;
+    int pk_glu = L->proj_mode == PW_PROJ_PANELS && I % 16 == 0
+                 && amx_proj(L, L->s_gate_up, 2 * I) && pw_pk_share_glu != NULL;
     int parts = group_parts(M, n_kv, group, L->nthreads);
     int n_tasks = parts ? M * parts : M * n_kv;
     long per_task = attention_task_floats(group, hd);
@@ -1731,18 +1749,20 @@ int pw_decode_layer_bf16(const DecodeLayer *L) {
     int widest_k = H > Q ? (H > I ? H : I) : (Q > I ? Q : I);
     /* AMX: the packed activations, 1 KiB per 32 values of K and 16 tokens (AVX512_BF16: the
      * bf16 rows, 2 bytes a value, no more; the AVX2 tiles: the permuted fp32 rows) */
-    size_t xp_bytes = L->amx == 4 ? ((size_t)M * widest_k * sizeof(float) + 63) / 64 * 64
-                                  : (size_t)(widest_k + 31) / 32 * 1024 * ((M + 15) / 16);
-    uint32_t *xp = L->amx ? (uint32_t *)aligned_alloc(64, xp_bytes) : NULL;
+    size_t xp_bytes = L->proj_mode == PW_PROJ_AVX2_TILES
+                          ? ((size_t)M * widest_k * sizeof(float) + 63) / 64 * 64
+                          : (size_t)(widest_k + 31) / 32 * 1024 * ((M + 15) / 16);
+    uint32_t *xp = L->proj_mode != PW_PROJ_STREAMS ? (uint32_t *)aligned_alloc(64, xp_bytes)
+                                                   : NULL;
     /* int8 panels on the tiles: each thread's widened panel, 32 rows of the widest K */
     int any_int8 = L->s_qkv || L->s_o || L->s_gate_up || L->s_down;
     long wide_per_thread = 32L * widest_k;
-    uint16_t *wide = L->amx == 1 && any_int8 && M > ROW_STREAM_MAX
+    uint16_t *wide = L->proj_mode == PW_PROJ_AMX && any_int8 && M > ROW_STREAM_MAX
         ? (uint16_t *)aligned_alloc(64, ((size_t)wide_per_thread * 2 * L->nthreads + 63) / 64
                                             * 64)
         : NULL;
-    if (!buf || !qkv || !o || (L->amx && !xp) || (L->amx == 1 && any_int8
-                                                  && M > ROW_STREAM_MAX && !wide)) {
+    if (!buf || !qkv || !o || (L->proj_mode != PW_PROJ_STREAMS && !xp)
+        || (L->proj_mode == PW_PROJ_AMX && any_int8 && M > ROW_STREAM_MAX && !wide)) {
         free(buf); free(qkv); free(o); free(xp); free(wide);
         return -1;
     }
@@ -1804,7 +1824,7 @@ int pw_decode_layer_bf16(const DecodeLayer *L) {
                 pw_amx_share_glu(xp, M, (const uint16_t *)L->w_gate_up, L->b_gate_up, H, I,
                                  act);
         } else if (pk_glu) {
-            pw_dp_pack_f32(xn, M, H, (uint16_t *)xp);  /* shared, with a barrier */
+            pw_avx512bf16_pack_f32(xn, M, H, (uint16_t *)xp);  /* shared, with a barrier */
             pw_pk_share_glu((const uint16_t *)xp, M, (const uint32_t *)L->w_gate_up,
                             L->b_gate_up, H, I, (uint16_t *)act);
         } else {
@@ -1816,9 +1836,10 @@ int pw_decode_layer_bf16(const DecodeLayer *L) {
          * walking down the rows first thrashed L1's sets: 8 ms a step at 32 rows). Skipped
          * alike by every thread where the tiles' epilogue wrote act (fp32 on AMX, bf16 rows
          * on panels). */
-        if (!amx_glu && !pk_glu && (L->amx == 2 || L->amx == 3) && pw_dp_glu_rows) {
+        if (!amx_glu && !pk_glu && pw_avx512bf16_glu_rows
+            && (L->proj_mode == PW_PROJ_AVX512BF16 || L->proj_mode == PW_PROJ_PANELS)) {
             /* 16 lanes, same bits */
-            pw_dp_glu_rows(res, L->b_gate_up, M, I, act);
+            pw_avx512bf16_glu_rows(res, L->b_gate_up, M, I, act);
         } else if (!amx_glu && !pk_glu) {
 #pragma omp for collapse(2) schedule(static)
             for (int m = 0; m < M; m++) {
@@ -1875,7 +1896,8 @@ int pw_decode_stack_bf16(DecodeLayer *L, int n, uint16_t *const *k_caches,
         if (i > 0) {
             l->M = L->M; l->max_blocks = L->max_blocks; l->nthreads = L->nthreads; l->bs = L->bs;
             l->hidden = L->hidden; l->slots = L->slots; l->block_tables = L->block_tables;
-            l->seq_lens = L->seq_lens; l->cos = L->cos; l->sin = L->sin; l->amx = L->amx;
+            l->seq_lens = L->seq_lens; l->cos = L->cos; l->sin = L->sin;
+            l->proj_mode = L->proj_mode;
             l->delta = L[i - 1].out;
         }
         l->k_cache = k_caches[i];

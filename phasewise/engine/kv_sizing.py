@@ -1,0 +1,89 @@
+"""How many KV blocks an engine's pool holds, and the context length they allow.
+
+The pool is sized from ``EngineConfig``: an exact block count (``num_kv_blocks``), a memory
+budget (``kv_cache_memory``), 1 GiB on CPU, or on CUDA 90% of the memory the weights leave
+free. It never holds more than ``max_num_seqs`` full-length sequences could use. Where the
+size is known before the weights load, the sizes are settled first, so a context that cannot
+fit fails before minutes of loading. Pure arithmetic: the caller measures free memory and the
+bytes of a block.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from phasewise.config import EngineConfig, parse_memory
+from phasewise.model.config import ModelConfig
+
+DEFAULT_CPU_KV_MEMORY = 1 << 30
+CUDA_FREE_FRACTION = 0.9  # of the memory free after the weights; the rest: a step's activations
+
+
+@dataclass(frozen=True)
+class KVPlan:
+    """The pool's size in blocks and the context length it allows. ``num_blocks`` is None
+    while it waits for the memory the weights leave (CUDA without a budget: ``on_free``)."""
+
+    num_blocks: int | None
+    max_model_len: int
+    block_bytes: int
+    # every sequence at full length, plus one block: the pool must hold max_len + 1 tokens
+    # (see fit_context), which a single full-length sequence would otherwise miss
+    most_blocks: int
+
+    @classmethod
+    def plan(cls, config: EngineConfig, mc: ModelConfig, block_bytes: int,
+             device_type: str) -> KVPlan:
+        """The sizes known before the weights load (``block_bytes``: one block's K and V
+        over all layers)."""
+        max_len = config.max_model_len or mc.max_position_embeddings
+        if config.max_model_len and config.max_model_len > mc.max_position_embeddings:
+            raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's "
+                             f"max_position_embeddings ({mc.max_position_embeddings})")
+        most = config.max_num_seqs * -(-max_len // config.block_size) + 1
+        num_blocks: int | None
+        if config.num_kv_blocks is not None:
+            num_blocks = config.num_kv_blocks
+        elif config.kv_cache_memory is not None:
+            num_blocks = min(most, parse_memory(config.kv_cache_memory) // block_bytes)
+        elif device_type == "cpu":
+            num_blocks = min(most, DEFAULT_CPU_KV_MEMORY // block_bytes)
+        else:
+            num_blocks = None  # CUDA: decided from the memory left after the weights
+        if num_blocks is not None:
+            max_len = fit_context(num_blocks, max_len, config, mc, block_bytes)
+        return cls(num_blocks, max_len, block_bytes, most)
+
+    def on_free(self, free_bytes: int, config: EngineConfig, mc: ModelConfig) -> KVPlan:
+        """The plan once the weights are in: a pool still unsized takes its share of
+        ``free_bytes``; a sized one is kept as it is."""
+        if self.num_blocks is not None:
+            return self
+        share = int(free_bytes * CUDA_FREE_FRACTION)
+        num_blocks = min(self.most_blocks, share // self.block_bytes)
+        return replace(self, num_blocks=num_blocks, max_model_len=fit_context(
+            num_blocks, self.max_model_len, config, mc, self.block_bytes))
+
+
+def fit_context(num_blocks: int, max_len: int, config: EngineConfig, mc: ModelConfig,
+                block_bytes: int) -> int:
+    """Check the pool against the context length (lowering a default one to fit) and
+    the checkpoint's sliding window against the result; returns max_model_len."""
+    bs = config.block_size
+    if num_blocks < 1:
+        raise ValueError("the KV cache budget holds no block of "
+                         f"{block_bytes} bytes; raise kv_cache_memory")
+    capacity = num_blocks * bs
+    if capacity - 1 < max_len:
+        if config.max_model_len:
+            raise ValueError(
+                f"the KV cache holds {capacity} tokens ({num_blocks} blocks of {bs}), too few "
+                f"for max_model_len {max_len}; raise kv_cache_memory or lower max_model_len")
+        max_len = capacity - 1
+    if mc.sliding_window is not None and mc.sliding_window < max_len:
+        raise ValueError(
+            f"{mc.architecture} uses a sliding attention window of {mc.sliding_window} "
+            f"tokens, shorter than max_model_len {max_len}; phasewise attends to the full "
+            f"context, which would compute a different model. Set max_model_len <= "
+            f"{mc.sliding_window}.")
+    return max_len

@@ -1,0 +1,46 @@
+"""The KV pool's size and the context length it allows (``phasewise.engine.kv_sizing``), as pure
+arithmetic: no weights, no torch."""
+
+from __future__ import annotations
+
+import pytest
+
+from phasewise.config import EngineConfig
+from phasewise.engine.kv_sizing import DEFAULT_CPU_KV_MEMORY, KVPlan
+from phasewise.model.config import ModelConfig
+from phasewise.model.tiny import tiny_config
+
+# 2 layers x 2 KV heads x head dim 16, K and V, fp32: 512 bytes a token, 8 KiB a 16-token block
+MC = ModelConfig.from_dict(tiny_config(vocab_size=64, max_position_embeddings=1024))
+BLOCK = MC.kv_bytes_per_token(4) * 16
+
+
+def test_the_cpu_default_is_a_gibibyte_capped_by_what_the_sequences_could_use():
+    plan = KVPlan.plan(EngineConfig(model="m", max_num_seqs=2), MC, BLOCK, "cpu")
+    assert plan.most_blocks == 2 * (1024 // 16) + 1
+    assert plan.num_blocks == plan.most_blocks < DEFAULT_CPU_KV_MEMORY // BLOCK
+    assert plan.max_model_len == 1024
+
+
+def test_a_budget_lowers_a_default_context_and_refuses_a_given_one():
+    small = EngineConfig(model="m", kv_cache_memory=BLOCK * 10)
+    plan = KVPlan.plan(small, MC, BLOCK, "cpu")
+    assert (plan.num_blocks, plan.max_model_len) == (10, 10 * 16 - 1)
+    with pytest.raises(ValueError, match="too few for max_model_len 512"):
+        KVPlan.plan(EngineConfig(model="m", num_kv_blocks=10, max_model_len=512), MC, BLOCK,
+                    "cpu")
+    with pytest.raises(ValueError, match=f"holds no block of {BLOCK} bytes"):
+        KVPlan.plan(EngineConfig(model="m", kv_cache_memory=BLOCK - 1), MC, BLOCK, "cpu")
+    with pytest.raises(ValueError, match="exceeds the model's max_position_embeddings"):
+        KVPlan.plan(EngineConfig(model="m", max_model_len=2048), MC, BLOCK, "cpu")
+
+
+def test_cuda_without_a_budget_waits_for_the_memory_the_weights_leave():
+    cfg = EngineConfig(model="m")
+    plan = KVPlan.plan(cfg, MC, BLOCK, "cuda")
+    assert plan.num_blocks is None and plan.max_model_len == 1024
+    after = plan.on_free(BLOCK * 20, cfg, MC)  # 90% of it: 18 blocks
+    assert (after.num_blocks, after.max_model_len) == (18, 18 * 16 - 1)
+    assert after.on_free(BLOCK * 1000, cfg, MC) == after  # sized once
+    sized = KVPlan.plan(EngineConfig(model="m", num_kv_blocks=7), MC, BLOCK, "cuda")
+    assert sized.on_free(BLOCK * 1000, cfg, MC) == sized
