@@ -1265,7 +1265,7 @@ def test_a_library_built_from_a_disagreeing_source_is_refused(tmp_path, monkeypa
     monkeypatch.setenv("PHASEWISE_CACHE_DIR", str(tmp_path / "cache"))
     src = cpu_kernels.SOURCE.read_text()
     assert "FIELD(cos)" in src
-    wrong = tmp_path / "cpu_kernels.c"
+    wrong = tmp_path / cpu_kernels.SOURCE.name
     wrong.write_text(src.replace("FIELD(cos)", '{"cos", 0}'))
     kl = cpu_kernels.KernelLibrary(wrong)
     assert kl.load() is None and kl.lib is None
@@ -1275,14 +1275,14 @@ def test_a_library_built_from_a_disagreeing_source_is_refused(tmp_path, monkeypa
 
 @needs_kernels
 def test_an_amx_file_that_does_not_compile_leaves_the_avx2_kernels(tmp_path, monkeypatch):
-    """A compiler that cannot build cpu_amx.c (too old for AMX) still gets the AVX2 library;
-    the AMX kernels are off with the compiler's reason."""
+    """A compiler that cannot build the AMX files (too old for AMX) still gets the AVX2
+    library; the AMX kernels are off with the compiler's reason."""
     monkeypatch.setenv("PHASEWISE_CACHE_DIR", str(tmp_path / "cache"))
-    broken = tmp_path / "cpu_amx.c"
+    broken = tmp_path / "linear_amx.c"
     broken.write_text("this is not C;\n")
     kl = cpu_kernels.KernelLibrary(cpu_kernels.SOURCE, broken)
     assert kl.load() is not None and kl.decode_layer_max_rows >= 1
-    assert not kl.amx and "cpu_amx.c failed" in kl.amx_reason
+    assert not kl.amx and "linear_amx.c failed" in kl.amx_reason
     # the fused layer asks for AMX only through the weak symbols, absent here
     assert not hasattr(kl.lib, "pw_linear_amx") or kl.lib.pw_linear_amx is None
 

@@ -1,7 +1,11 @@
-"""Build, load and call the hand-written CPU kernels in ``csrc/``: ``cpu_kernels.c`` (AVX2:
-linear and int8, norms, RoPE, attention, the fused decode layer, the sampler), ``cpu_amx.c``
-(Intel AMX) and ``cpu_avx512bf16.c`` (AVX512_BF16 dot products and panels, for CPUs that
-have them without AMX: AMD Zen 4 and 5).
+"""Build, load and call the hand-written CPU kernels in ``csrc/``, one file per job and ISA:
+AVX2 (every CPU with AVX2 and FMA) ``linear_avx2.c`` (bf16 and int8 linear layers: weight
+streams, register tiles, packed GEMM), ``elementwise_avx2.c`` (RMSNorm, SiLU-and-multiply,
+RoPE), ``attention_avx2.c`` (decode attention), ``fused_layer.c`` (the fused decode layer and
+``pw_abi``), ``sampler_avx2.c`` (mask, argmax, sampling, penalties, logprobs); Intel AMX
+``linear_amx.c`` and ``attention_amx.c``; AVX512_BF16 (for CPUs that have it without AMX: AMD
+Zen 4 and 5) ``linear_avx512bf16.c`` (tiles and panels), ``elementwise_avx512bf16.c`` and
+``attention_avx512bf16.c``; and the headers they include (``HEADERS``).
 
 The C files are compiled on first use with the system's C compiler (gcc or cc) into one
 library in a cache folder and loaded with ctypes; no torch headers are needed, so the build
@@ -15,7 +19,7 @@ one ``KernelLibrary``, the module's ``KERNELS``. What the CPU offers is
 ``capabilities.capabilities()``, read once.
 
 Numbers both sides need (the fused decode layer's row limit and head size, the layout of its
-argument struct, the values of its projection mode) are defined in the C file only;
+argument struct, the values of its projection mode) are defined in C only (``abi.h``);
 ``pw_abi`` reports them and loading checks the ctypes mirror against it, so a mismatch
 disables the kernels with a reason instead of corrupting memory.
 
@@ -48,12 +52,18 @@ import torch
 from phasewise.model.cpu.capabilities import AMX_FLAGS, AVX512BF16_FLAGS, capabilities
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCE = CSRC / "cpu_kernels.c"
-AMX_SOURCE = CSRC / "cpu_amx.c"
-AVX512BF16_SOURCE = CSRC / "cpu_avx512bf16.c"
-# What the sources include (part of the build's cache key): cpu_avx512.h in cpu_amx.c and
-# cpu_avx512bf16.c, cpu_paged.h in all three
-HEADERS = [CSRC / h for h in ("cpu_avx512.h", "cpu_paged.h")]
+# The AVX2 files, compiled with CFLAGS; SOURCE is the one that reports the ABI (pw_abi)
+SOURCE = CSRC / "fused_layer.c"
+SOURCES = [CSRC / f for f in ("linear_avx2.c", "elementwise_avx2.c", "attention_avx2.c",
+                              "fused_layer.c", "sampler_avx2.c")]
+# Each ISA's files, built under their own target pragma and left out together when they do not
+# compile (the AVX2 files reach them only through weak symbols)
+AMX_SOURCES = [CSRC / f for f in ("linear_amx.c", "attention_amx.c")]
+AVX512BF16_SOURCES = [CSRC / f for f in ("linear_avx512bf16.c", "elementwise_avx512bf16.c",
+                                         "attention_avx512bf16.c")]
+# What the sources include (part of the build's cache key, so that an edited header rebuilds)
+HEADERS = [CSRC / h for h in ("abi.h", "avx2_common.h", "avx512_common.h", "amx_common.h",
+                              "paged_cache.h")]
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
 BENCH_CFLAGS = ["-DPW_BENCH_KNOBS"]  # the benchmark build's comparison switches
 LIBS = ["-lm"]
@@ -74,7 +84,7 @@ class ProjMode(enum.IntEnum):
 
 
 class DecodeLayerArgs(ctypes.Structure):
-    """Mirror of ``DecodeLayer`` in cpu_kernels.c (same fields, same order). Loading checks
+    """Mirror of ``DecodeLayer`` in csrc/abi.h (same fields, same order). Loading checks
     every field's offset and the size against the C side's ``pw_abi``. ``proj_mode`` holds a
     ``ProjMode``."""
 
@@ -122,7 +132,7 @@ def _build(sources: list[Path], out: Path, cflags: list[str] = CFLAGS) -> None:
                        check=True, capture_output=True, text=True)
         os.replace(tmp, out)  # atomic: concurrent builders never see a half-written file
     except subprocess.CalledProcessError as e:
-        names = " and ".join(s.name for s in sources)
+        names = ", ".join(s.name for s in sources)
         raise RuntimeError(f"compiling {names} failed: {e.stderr.strip()[:500]}") from e
     finally:
         if os.path.exists(tmp):
@@ -238,12 +248,14 @@ class KernelLibrary:
     at load, the plan an engine runs once it sets it). ``bench_knobs``: the benchmark build
     (``-DPW_BENCH_KNOBS``: the comparison switches as C globals), cached apart."""
 
-    def __init__(self, source: Path = SOURCE, amx_source: Path = AMX_SOURCE,
-                 avx512bf16_source: Path = AVX512BF16_SOURCE, bench_knobs: bool = False
-                 ) -> None:
-        self.source = source
-        self.amx_source = amx_source
-        self.avx512bf16_source = avx512bf16_source
+    def __init__(self, source: Path = SOURCE, amx_sources: Path | list[Path] = AMX_SOURCES,
+                 avx512bf16_sources: Path | list[Path] = AVX512BF16_SOURCES,
+                 bench_knobs: bool = False) -> None:
+        self.source = source  # stands in for SOURCE among the AVX2 files (tests build copies)
+        self.sources = [source if s == SOURCE else s for s in SOURCES]
+        self.amx_sources = [amx_sources] if isinstance(amx_sources, Path) else list(amx_sources)
+        self.avx512bf16_sources = ([avx512bf16_sources] if isinstance(avx512bf16_sources, Path)
+                                   else list(avx512bf16_sources))
         self.cflags = CFLAGS + (BENCH_CFLAGS if bench_knobs else [])
         self.lib: ctypes.CDLL | None = None
         self.reason: str | None = None
@@ -300,15 +312,16 @@ class KernelLibrary:
     def _open(self) -> ctypes.CDLL:
         if not _cpu_has_avx2_fma():
             raise _Unavailable("this CPU lacks AVX2/FMA")
-        # The extra sources, all of them if they compile, else each alone, else none (e.g. a
-        # compiler that predates AMX: the AVX512_BF16 kernels and AVX2 ones without it).
-        extras = {"amx": self.amx_source, "avx512bf16": self.avx512bf16_source}
-        reasons = {k: f"{p.name} is missing" for k, p in extras.items() if not p.exists()}
-        present = {k: p for k, p in extras.items() if p.exists()}
+        # The extra ISAs' files, all of them if they compile, else each ISA's alone, else none
+        # (e.g. a compiler that predates AMX: the AVX512_BF16 kernels and AVX2 ones without it).
+        extras = {"amx": self.amx_sources, "avx512bf16": self.avx512bf16_sources}
+        reasons = {k: ", ".join(p.name for p in ps if not p.exists()) + " missing"
+                   for k, ps in extras.items() if not all(p.exists() for p in ps)}
+        present = {k: ps for k, ps in extras.items() if k not in reasons}
         lib, errors = None, {}
         for combo in ([*present], *([k] for k in present if len(present) > 1), []):
             try:
-                lib = self._compiled([self.source, *(present[k] for k in combo)])
+                lib = self._compiled([*self.sources, *(p for k in combo for p in present[k])])
             except RuntimeError as e:
                 errors[tuple(combo)] = str(e)
                 continue
@@ -391,7 +404,7 @@ def amx_available() -> bool:
 
 
 def avx512bf16_available() -> bool:
-    """Whether the AVX512_BF16 kernels (``cpu_avx512bf16.c``) can run here."""
+    """Whether the AVX512_BF16 kernels (``*_avx512bf16.c``) can run here."""
     return KERNELS.load() is not None and KERNELS.avx512bf16
 
 

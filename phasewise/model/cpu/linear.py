@@ -5,19 +5,19 @@ the plan ``phasewise.model.cpu.plan`` resolves, stored, pinned or ruled).
 For bf16 weights on a CPU, six ways compute the same function:
 
 * ``torch``: ``F.linear`` in bf16 (fast where the CPU has native bf16 dot products);
-* ``amx``: phasewise's AMX kernel (``cpu_amx.c``), on CPUs with AMX-BF16: bf16 tile
+* ``amx``: phasewise's AMX kernel (``linear_amx.c``), on CPUs with AMX-BF16: bf16 tile
   products into fp32, the weights read in place at any row count (torch's oneDNN path
   reorders them on every call, which dominates a decode step's few rows);
-* ``avx512bf16``: phasewise's AVX512_BF16 kernel (``cpu_avx512bf16.c``), on CPUs with AVX512_BF16
+* ``avx512bf16``: phasewise's AVX512_BF16 kernel (``linear_avx512bf16.c``), on CPUs with AVX512_BF16
   (AMD Zen 4 and 5, without AMX): VDPBF16PS register tiles, 4 weight rows read in place x up
   to 6 tokens, into fp32; it takes the rows between the streams and torch's GEMM (the
   plan's ``mid`` tier), and the fused decode layer's projections for those rows;
-* ``kernel``: phasewise's AVX2 kernel (``cpu_kernels.c``): for the few rows of a decode step it
+* ``kernel``: phasewise's AVX2 kernel (``linear_avx2.c``): for the few rows of a decode step it
   streams each weight once at close to memory speed; for more rows it runs register tiles
   that widen bf16 weights in registers, read in place (near torch's fp32 GEMM speed on an
   AVX2 CPU, at any row count);
 * ``upcast``: widen the weight to fp32 in a reused scratch buffer, then torch's fp32 GEMM;
-* ``gemm``: phasewise's packed GEMM (``cpu_kernels.c``), widening bf16 to fp32 while packing.
+* ``gemm``: phasewise's packed GEMM (``linear_avx2.c``), widening bf16 to fp32 while packing.
   The last two are for many rows (prefill) on CPUs whose bf16 GEMM is slow.
 
 ``LinearDispatch.calibrate`` times them on the model's own weights (every layer's gate/up
@@ -49,10 +49,8 @@ LinearFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Ten
 SMALL_ROWS = 64  # calibration: below this many rows a timing streams every weight given
 MID_ROWS = (1, 2, 3, 4, 5, 6, 8, 16, 32, 64, 128)  # calibration: the mid tier's timed counts
 # Against the streams (the fused decode layer's few rows), the mid tier must win by this much:
-# one call each understates the fused layer's difference (2-core AVX512_BF16 EPYC, every
-# projection of the reference checkpoint: the streams x1.10, x1.13, x1.04 faster at 1-3 rows,
-# a batch-1 step 16.1 against 18.2 ms, batch 2 17.0 against 19.5; avx512bf16 from 4 rows: 21.5
-# against 28.7 ms)
+# one call each understates the fused layer's difference (the streams share its one parallel
+# region; figures: benchmarks/RESULTS.md)
 AVX512BF16_STREAM_MARGIN = 1.05
 AMX_MARGIN = 1.05  # calibration: how much faster than AMX the kernel must be to keep a row count
 
@@ -77,11 +75,9 @@ def torch_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> to
     zero rows to the count ``torch_bucket`` gives. On CPUs torch's bf16 GEMM is oneDNN's,
     which builds and keeps one primitive per row count (up to 1024 of them, ~1-2 MB each for
     the reference checkpoint's shapes), and a server's steps come in every count up to the
-    step budget: a server's resident memory grew by ~10 MB per 48 requests, for hundreds of
-    requests, until prompt-sized counts were bucketed (AMX Xeon); where the AVX512_BF16
-    kernel takes decode batches, torch got the counts between it and the prompts' (33 to
-    255: on a 2-core AMD EPYC, 246 -> 799 MB of RSS over those counts for the gate/up and
-    down shapes; a served sweep peaked at x1.33 its weights + KV pool)."""
+    step budget: without buckets a server's resident memory grows with every new count, and
+    prompt-sized counts (and, where the AVX512_BF16 kernel takes decode batches, the counts
+    between it and the prompts') are many."""
     k = x.shape[-1]
     rows = x.numel() // k
     want = torch_bucket(rows)
@@ -254,15 +250,14 @@ class LinearDispatch:
         """Time ``large`` and the other methods of its arithmetic on one projection shape
         (``weights``: that shape, e.g. several layers' down projections, each timing passing
         over all of them) at ``rows`` rows, and keep the fastest for that shape at PROMPT_ROWS
-        rows or more (on a 2-core AMX Xeon, 512 rows: torch's oneDNN GEMM took 0.8x the AMX
-        tiles' time for the 896 -> 1152 and 896 -> 896 projections and the 4864 -> 896 one,
-        whose token blocks are short, re-reading the weights; the AMX tiles 0.6x torch's for
-        896 -> 9728)."""
+        rows or more: which of torch's oneDNN GEMM and the AMX tiles wins a prompt depends on
+        the shape (the tiles re-read the weights where their token blocks are short)."""
         n, k = weights[0].shape
         candidates = [m for m in _available_methods(weights[0])
                       if _arithmetic(m) == _arithmetic(self.large)]
-        # Only where AMX is among them: the one case measured (elsewhere the extra start-up
-        # time, seconds of fp32 GEMMs on an AVX2 CPU, buys nothing shown).
+        # Only where AMX is among them: the one case where the winner varies by shape
+        # (elsewhere the extra start-up time, seconds of fp32 GEMMs on an AVX2 CPU, buys
+        # nothing).
         if "amx" not in candidates or self.kernel_max_rows >= rows:
             return
         gen = torch.Generator().manual_seed(1)
@@ -288,15 +283,14 @@ class LinearDispatch:
 
         Below ``SMALL_ROWS`` rows a layer streams its weights from memory, so each timing
         passes over every weight given: with several layers' weights that is the memory
-        stream of a decode step, not one weight sitting in the cache (which ranked the
-        methods wrongly on a 2-core AMX Xeon). Larger row counts, compute-bound, time the
+        stream of a decode step, not one weight sitting in the cache (which ranks the methods
+        wrongly). Larger row counts, compute-bound, time the
         first two.
 
         Where AMX is the method above the kernel, the kernel's rows that the fused decode
         layer streams (1 to its most) are timed over ``stream`` when given: every weight a
         decode step reads (every projection of every layer), in their several shapes, since
-        the two methods rank differently by shape (2-core AMX Xeon, one row: the kernel x1.04
-        AMX's speed on the gate/up projections alone, x1.14 over all four)."""
+        the two methods rank differently by shape."""
         weights = [weight] if isinstance(weight, torch.Tensor) else list(weight)
         gen = torch.Generator().manual_seed(0)
 
@@ -309,9 +303,8 @@ class LinearDispatch:
         have_kernels = kernels.load() is not None
         candidates = _available_methods(weights[0])
         timings: dict[str, dict[int, float]] = {m: {} for m in (*candidates, "kernel")}
-        # Two rounds, the candidates alternating, each keeping its best: one timing each let
-        # a moment of the shared machine's drift pick the slower of two within 20% (a 2-core
-        # AVX512_BF16 EPYC: avx512bf16 against torch at 256 rows, x0.8 in bench_linear.py).
+        # Two rounds, the candidates alternating, each keeping its best: with one timing each,
+        # a moment of a shared machine's drift can pick the slower of two close methods.
         for _ in range(2):
             for m in candidates:
                 t = seconds(_large_fn(m), large_rows)
@@ -322,10 +315,8 @@ class LinearDispatch:
         if have_kernels:
             # Against AMX the kernel must win clearly, and at each row count the fused decode
             # layer streams (1 to decode_layer_max_rows): one call each understates what the
-            # fused layer on AMX tiles gains from its better balanced threads (2-core AMX
-            # Xeon, reference checkpoint, the streams prefetching 2 KiB ahead: one call at 1
-            # row x1.14 AMX's speed, a batch-1 step x1.10, a batch-2 step x1.09; at 4 rows
-            # the streams' widening costs more than AMX's tiles: x0.80).
+            # fused layer on AMX tiles gains from its better balanced threads; from a few rows
+            # on, the streams' widening costs more than AMX's tiles.
             margin = AMX_MARGIN if large == "amx" else 1.0
             few = (range(1, kernels.KERNELS.decode_layer_max_rows + 1) if large == "amx"
                    else (1,))
@@ -373,8 +364,7 @@ class LinearDispatch:
                        *((large,) if rows > kernel_max else ())])
             t = {m: seconds(fns[m], rows, ws) for m in ("avx512bf16", *others)}
             if not _avx512bf16_wins(t, others):  # a loss ends the tier: time them again, keeping
-                # each best (one timing each had let a moment's drift end it at 2 rows on the
-                # 2-core AVX512_BF16 EPYC, x2.4 slower there)
+                # each best (with one timing each, a moment's drift could end it early)
                 t = {m: min(v, seconds(fns[m], rows, ws)) for m, v in t.items()}
             for m, v in t.items():
                 timings[m][rows] = v
@@ -385,10 +375,8 @@ class LinearDispatch:
             elif streams_win and rows == max(kernel_max, hi) + 1 and hi <= kernel_max + 1:
                 # the streams win the next count too (against AMX, the calibration has
                 # settled the fused layer's rows with its own margin); a tier of one count
-                # begun just below gives it back to them (a tier ended here would leave the
-                # counts after it to the large method: 2-core AVX512_BF16 EPYC, the LM head
-                # alone, avx512bf16 x1.07 the streams at 1 row, x0.99 at 2, torch x3 slower at 2,
-                # left torch every count from 2 to 255)
+                # begun just below gives it back to them (a tier ended here would leave every
+                # count after it to the large method, however slower it is there)
                 kernel_max, lo, hi = rows, 0, 0
             elif lo:
                 break

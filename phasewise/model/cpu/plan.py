@@ -59,9 +59,8 @@ INT8_ROWS_MAX = 6  # as kernels.INT8_ROWS_MAX: the int8 streams' most rows (the 
 INT8_TILE_ROWS_MAX = 128  # the AVX2 int8 tiles' most rows; the packed GEMM above
 
 # How far ahead (bytes) the bf16 weight streams of few-row decode prefetch, by vendor: Intel's
-# cores keep more lines in flight than a short distance asks for (a batch-1 step of the
-# reference checkpoint on a 2-core AMX Xeon: 29.4 ms at 256 bytes, 26.2 ms at 2048); 256 was
-# measured on a 2-core AMD EPYC (Zen 3), +15-35% over none, and stays the choice elsewhere.
+# cores keep more lines in flight than a short distance asks for, so the distance is longer
+# there; AMD's cores reach memory speed at the shorter one (figures: benchmarks/RESULTS.md).
 STREAM_PREFETCH_INTEL = 2048
 STREAM_PREFETCH_OTHER = 256
 
@@ -103,8 +102,8 @@ def rule(key: PlanKey, runtime: Runtime, caps: CpuCapabilities) -> tuple[
     nothing: (panels, linear, stream_prefetch, why). It is what ``LinearDispatch.calibrate``
     picks for the reference checkpoint on a quiet machine of each kind:
 
-    * AMX (an AMX Xeon): the AVX2 streams up to 2 rows (they beat the tiles by 5-10% there
-      with the Intel prefetch distance, and lose from 4), AMX tiles above, every shape;
+    * AMX (an AMX Xeon): the AVX2 streams up to 2 rows (they beat the tiles there with the
+      Intel prefetch distance, and lose from 4), AMX tiles above, every shape;
     * AVX512_BF16 without AMX (AMD Zen 4/5): every decoder projection in panels (and the LM
       head where its vocabulary is a multiple of 16: then nothing reads rows); a weight left
       in rows (int8 models, a head the panels do not take, a plan with panels off): the

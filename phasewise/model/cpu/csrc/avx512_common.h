@@ -1,11 +1,11 @@
 /*
- * AVX-512 pieces that cpu_amx.c (AMX) and cpu_avx512bf16.c (AVX512_BF16 without AMX) share,
+ * AVX-512 pieces that the AMX files and the AVX512_BF16 files (for CPUs without AMX) share,
  * static inline, included by each inside its own target pragma (AVX-512 F/BW/VL/DQ and BF16).
- * exp16 must keep cpu_kernels.c's exp8 results (the fused SiLU of every path rounds alike),
+ * exp16 must keep avx2_common.h's exp8 results (the fused SiLU of every path rounds alike),
  * and both prefill attention kernels take the same softmax step.
  */
-#ifndef PHASEWISE_CPU_AVX512_H
-#define PHASEWISE_CPU_AVX512_H
+#ifndef PW_AVX512_COMMON_H
+#define PW_AVX512_COMMON_H
 
 #include <immintrin.h>
 #include <math.h>
@@ -13,7 +13,7 @@
 
 #define RESCALE_MARGIN 8.0f /* a running max moves only when passed by more than this */
 
-/* exp8 of cpu_kernels.c on sixteen lanes: the same steps and constants (so the same
+/* exp8 of avx2_common.h on sixteen lanes: the same steps and constants (so the same
  * results: the fused SiLU must round as the AVX2 one does), the same clamps (a NaN passes
  * through: max/min return their second operand). A copy by design, not by accident. */
 static inline __m512 exp16(__m512 x) {
@@ -118,6 +118,49 @@ static inline void softmax_step(const float *st, long k0, __m512 qpos, __m512 sc
         __m512i pb = (__m512i)_mm512_cvtne2ps_pbh(p1, p0);  /* [p0 | p1] as bf16 */
         _mm512_store_si512(pt + 16 * c, _mm512_permutexvar_epi16(inter, pb));
     }
+}
+
+
+/* bf16 <-> fp32 on the AVX512_BF16 files' scalar tails and on 16 lanes, and their
+ * SiLU-and-multiply: the same rounding as avx2_common.h's, so every path gives the same
+ * bits. */
+static inline float avx512bf16_bf16_to_f32(uint16_t h) {
+    union { uint32_t u; float f; } v = {(uint32_t)h << 16};
+    return v.f;
+}
+
+static inline uint16_t avx512bf16_f32_to_bf16(float f) {
+    union { float f; uint32_t u; } v = {f};
+    uint32_t u = v.u;
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+
+/* f32_to_bf16 on 16 lanes (to nearest even; NaN made quiet), as the fp32 bit pattern. */
+static inline __m512i avx512bf16_bf16_bits16(__m512 f) {
+    __m512i u = _mm512_castps_si512(f);
+    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(
+        _mm512_set1_epi32(0x7fff), _mm512_and_si512(_mm512_srli_epi32(u, 16),
+                                                    _mm512_set1_epi32(1))));
+    __mmask16 nan = _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q);
+    r = _mm512_mask_or_epi32(r, nan, u, _mm512_set1_epi32(0x400000));
+    return _mm512_and_si512(r, _mm512_set1_epi32((int)0xffff0000u));
+}
+
+static inline __m512 avx512bf16_load_bf16x16(const uint16_t *p, __mmask16 m) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+}
+
+/* bf16(bf16(silu(g)) * u) on 16 lanes, g and u bf16 values (as fp32), as the fp32 bit
+ * pattern (avx512bf16_bf16_bits16): the one SiLU-and-multiply of every 16-lane path (a prompt's
+ * pass, the fused layer's pass, the panels' epilogue), so all of them give the same bits. */
+static inline __m512i avx512bf16_silu_mul16(__m512 gv, __m512 uv) {
+    __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv));
+    __m512 silu = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+    return avx512bf16_bf16_bits16(_mm512_mul_ps(_mm512_castsi512_ps(avx512bf16_bf16_bits16(silu)), uv));
 }
 
 #endif

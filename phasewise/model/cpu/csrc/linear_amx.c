@@ -1,13 +1,12 @@
 /*
  * phasewise CPU kernels for Intel AMX (AMX-BF16 tiles, with AVX-512 BF16): bf16 linear
- * layers (plain, and a SwiGLU gate/up projection fused with its SiLU), the fused decode
- * layer's projections, prefill and decode attention (the RMSNorm rows of cpu_kernels.c
- * began here and are now cpu_avx512bf16.c's).
+ * layers (plain, and a SwiGLU gate/up projection fused with its SiLU) and the fused decode
+ * layer's projections. Attention on the tiles is attention_amx.c's.
  *
  * Why hand-written: torch's bf16 F.linear on an AMX CPU goes through oneDNN, which reorders
  * the weight into its blocked layout on every call. At a decode step's few rows that
- * reorder is most of the work: measured on a 2-core Xeon (AMX, AVX512_BF16), torch moved
- * 8-15 GB/s of weights at 8-32 rows against ~20 GB/s of read bandwidth. Here the weights are
+ * reorder is most of the work, and torch moves the weights well below the read bandwidth
+ * (figures: benchmarks/RESULTS.md). Here the weights are
  * read where they lie, in torch's own [N, K] layout, never repacked and never copied: so no
  * second copy of the model is resident and a decode step reads each weight once.
  *
@@ -55,25 +54,10 @@ int pw_amx_init(void) {
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,amx-tile,amx-bf16")
 
-#include "cpu_avx512.h"  /* exp16, exp16_fast, softmax_step: shared with cpu_avx512bf16.c */
-#include "cpu_paged.h"   /* paged_kv_row: the paged cache's rows */
+#include "avx512_common.h"  /* exp16, exp16_fast, softmax_step: shared with the AVX512_BF16 files */
+#include "paged_cache.h"   /* paged_kv_row: the paged cache's rows */
+#include "amx_common.h"   /* TILES, transpose16, pack_tile, store_c: shared with attention_amx.c */
 
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} __attribute__((packed)) TileConfig;
-
-/* Eight tiles of 16 rows x 64 bytes. A global constant, not a stack struct: gcc 12 assumes
- * ldtilecfg reads only 8 bytes of its operand and drops the stores that fill the rest of a
- * local struct (a fault at the first ldtilecfg). */
-static const TileConfig TILES = {
-    .palette = 1,
-    .colsb = {64, 64, 64, 64, 64, 64, 64, 64},
-    .rows = {16, 16, 16, 16, 16, 16, 16, 16},
-};
-
-#define TILE_BYTES 1024
 #define XBLOCK_MAX_BYTES (1L << 20) /* packed activations per token block: stays in L2 */
 #define NT_STORE_BYTES (4L << 20)   /* outputs at least this large bypass the caches */
 #define KC 8                        /* K blocks a chunk: 2 x 8 KiB of weights, in L1 */
@@ -81,43 +65,6 @@ static const TileConfig TILES = {
 #define KO_TILES 16                 /* K-outer: 16-token tiles a token block */
 #define KO_XBLOCK_BYTES (1L << 19)  /* K-outer: a thread's packed chunk of the token block */
 #define KO_SPILL_MAX_BYTES (1L << 20) /* K-outer: a thread's C tiles waiting between chunks */
-
-/* A 16 x 16 transpose of 32-bit lanes, in place. */
-static inline void transpose16(__m512i r[16]) {
-    __m512i t[16];
-    for (int i = 0; i < 8; i++) {
-        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-    }
-    for (int i = 0; i < 4; i++) {
-        r[4 * i + 0] = _mm512_unpacklo_epi64(t[4 * i + 0], t[4 * i + 2]);
-        r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i + 0], t[4 * i + 2]);
-        r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
-        r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
-    }
-    for (int i = 0; i < 2; i++)
-        for (int j = 0; j < 4; j++) {
-            __m512i a = r[8 * i + j], b = r[8 * i + 4 + j];
-            t[8 * i + j] = _mm512_shuffle_i32x4(a, b, 0x88);
-            t[8 * i + 4 + j] = _mm512_shuffle_i32x4(a, b, 0xdd);
-        }
-    for (int j = 0; j < 8; j++) {
-        r[j] = _mm512_shuffle_i32x4(t[j], t[8 + j], 0x88);
-        r[8 + j] = _mm512_shuffle_i32x4(t[j], t[8 + j], 0xdd);
-    }
-}
-
-/* One B tile: `rows` (<= 16) token rows of 32 bf16 values from src (row stride ld), only the
- * first kt (<= 32) of them, zero elsewhere, in VNNI order: dst row r = the pairs (2r, 2r + 1)
- * of the 16 tokens. A pair of bf16 is one 32-bit lane, so this is a 16 x 16 transpose. */
-static inline void pack_tile(const uint16_t *src, long ld, int rows, int kt, uint32_t *dst) {
-    __m512i r[16];
-    __mmask32 km = kt >= 32 ? 0xffffffffu : (1u << kt) - 1u;
-    for (int t = 0; t < 16; t++)
-        r[t] = t < rows ? _mm512_maskz_loadu_epi16(km, src + (long)t * ld) : _mm512_setzero_si512();
-    transpose16(r);
-    for (int i = 0; i < 16; i++) _mm512_store_si512(dst + i * 16, r[i]);
-}
 
 /* The same from fp32 rows (the fused decode layer's activations, already bf16-valued). */
 static inline void pack_tile_f32(const float *src, long ld, int rows, int kt, uint32_t *dst) {
@@ -463,16 +410,6 @@ static void *packed_scratch(size_t bytes) {
     return xp_buf;
 }
 
-/* C tiles 0 and 1 (and 2 and 3 if two) to c, 256 floats each, one after the other: for an
- * epilogue, a spill between K chunks, or a softmax. */
-static inline void store_c(float *c, int two) {
-    _tile_stored(0, c, 64);  /* tile numbers must be constants */
-    _tile_stored(1, c + 256, 64);
-    if (two) {
-        _tile_stored(2, c + 512, 64);
-        _tile_stored(3, c + 768, 64);
-    }
-}
 
 /* The C tiles of a finished token pair (tiles tb and tb + 1 if two) through the plain or
  * SiLU epilogue into y. */
@@ -516,9 +453,8 @@ static inline int chunk_end(int c0, int kcb, int KB, int KF) {
  * token pairs, kc K blocks at a time (from L1 when kc = KC), the C tiles waiting between
  * chunks in the thread's spill area (one set per pair, or per panel and pair when K takes
  * several chunks: `panels` sets). Each thread packs its own copy of the activations: no
- * barriers, and no cache line that one core writes while the other has it (packing a shared
- * copy, half each, cost 0.5 ms of a 2.1 ms 512 x 4864 -> 896 call on a 2-core AMX Xeon,
- * 1/4 of that once private). Every C tile takes its K blocks in order, whatever the
+ * barriers, and no cache line that one core writes while the other has it (a shared copy,
+ * packed half by each thread, bounces its lines between the cores). Every C tile takes its K blocks in order, whatever the
  * chunking: the same bits. */
 static int amx_blocks(const uint16_t *x, const uint16_t *w, const int8_t *wq,
                       const float *scale, const uint16_t *bias, uint16_t *y, int M, int N, int K,
@@ -643,9 +579,8 @@ static int amx_linear(const uint16_t *x, const uint16_t *w, const int8_t *wq,
                               per_thread, xpre, ypack);
     }
     /* K in chunks of KC blocks (from L1) when at least KC_MIN_PAIRS token pairs share each
-     * (else the spills cost more than the L1 hits gain: measured on a 2-core AMX Xeon, 512
-     * rows: +11% for a 896 -> 9728 projection, +26% with the SiLU epilogue, -10% for 4864
-     * -> 896, whose token blocks held 3 pairs) */
+     * (else the spills cost more than the L1 hits gain: a chunk's weights must serve enough
+     * token pairs to pay for spilling and reloading their C tiles) */
     int kc = tb_block / 2 >= KC_MIN_PAIRS && TB >= 2 * KC_MIN_PAIRS ? KC : (KF > 0 ? KF : 1);
     if (tb_block > TB) tb_block = (TB + 1) / 2 * 2;
     return amx_blocks(x, w, wq, scale, bias, y, M, N, K, nthreads, glu, tb_block, KB, kc, 1,
@@ -705,7 +640,7 @@ int pw_linear_glu_int8_amx(const uint16_t *x, const int8_t *w, const float *scal
     return amx_linear(x, NULL, w, scale, bias, y, M, I, K, nthreads, 1, NULL, NULL);
 }
 
-/* For the fused decode layer (cpu_kernels.c): M <= 32 fp32 activation rows (bf16-valued),
+/* For the fused decode layer (fused_layer.c): M <= 32 fp32 activation rows (bf16-valued),
  * packed once by one thread into xp (KB tiles for tokens 0-15, then KB for tokens 16-31 when
  * M > 16), then every thread of the region computes its share of res[m * N + n] =
  * dot(x[m], w[n]) in fp32 (no bias, no rounding: the caller adds and rounds). N >= 16. No
@@ -713,8 +648,7 @@ int pw_linear_glu_int8_amx(const uint16_t *x, const int8_t *w, const float *scal
 void pw_amx_pack_f32(const float *x, int M, int K, uint32_t *xp) {
     int KB = (K + 31) / 32, TB = (M + 15) / 16;
     /* the tiles shared by the threads of the calling region (an orphaned omp for, with its
-     * barrier; alone outside one): one thread packing them took ~1.2 ms of a batch-32 step
-     * on a 2-core AMX Xeon while the other waited */
+     * barrier; alone outside one): one thread packing them would leave the others waiting */
 #pragma omp for collapse(2) schedule(static)
     for (int tb = 0; tb < TB; tb++)
         for (int kb = 0; kb < KB; kb++) {
@@ -793,197 +727,6 @@ void pw_amx_share_glu_int8(const uint32_t *xp, int M, const int8_t *w, const flo
     share_panels(xp, M, NULL, w, scale, wide, bias, K, I, 1, act);
 }
 
-/* ---------------------------------------------------------------------------------------
- * Prefill attention on AMX tiles: one request's chunk of n queries (positions ctx ..
- * ctx + n - 1) against its ctx + n keys in the paged cache (this chunk's already written),
- * causally, flash-style, in transposed form so that the softmax never reduces across a
- * vector: per 16 queries of one head and 32 keys a step,
- *   S^T [32 keys][16 queries] = K Q^T          (K rows as the left tiles, Q^T in pair order)
- *   online softmax down the keys, all 16 queries a vector: running max and sum, the output
- *   rescaled when a max grows; probabilities rounded to bf16, put in pair order (P^T)
- *   O^T [hd][16 queries] += V^T P^T            (V^T tiles: 16 dims x 32 keys)
- * and at the end O = (O^T)^T / sum. K and V^T are put in tile form once per call per KV head;
- * every query head of the group reads them. head_dim: a multiple of 32, at most 128.
- */
-#define ATT_QB 32  /* queries a task: two halves of 16, the columns of the tiles */
-#define ATT_KB 32  /* keys a step */
-
-/* K of KV head g as left tiles: for 16 keys and 32 dims, the 16 key rows (64 bytes each);
- * keys at or past L are zero. */
-static void pack_k(const uint16_t *k_cache, const int64_t *table, int bs, int n_kv, int hd,
-                   int g, long L, int kb16, uint16_t *dst) {
-    for (int d = 0; d < hd; d += 32) {
-        uint16_t *out = dst + ((long)kb16 * (hd / 32) + d / 32) * 512;
-        for (int t = 0; t < 16; t++) {
-            long j = (long)kb16 * 16 + t;
-            __m512i v = j < L
-                ? _mm512_loadu_si512(paged_kv_row(k_cache, table, bs, n_kv, hd, g, j) + d)
-                : _mm512_setzero_si512();
-            _mm512_store_si512(out + t * 32, v);
-        }
-    }
-}
-
-/* V^T of KV head g as left tiles: for 32 keys and 16 dims, row d = the 32 keys' values of
- * dim d (as 16 pairs of keys): the pair-interleaved rows, transposed. */
-static void pack_vt(const uint16_t *v_cache, const int64_t *table, int bs, int n_kv, int hd,
-                    int g, long L, int kb32, uint32_t *dst) {
-    /* 16-bit lanes of two rows interleaved: a0 b0 a1 b1 ... a15 b15 */
-    const __m512i idx = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9,
-                                         40, 8, 39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1,
-                                         32, 0);
-    for (int d = 0; d < hd; d += 16) {
-        __m512i r[16];
-        for (int c = 0; c < 16; c++) {  /* key pair c: keys 2c, 2c + 1 */
-            long j0 = (long)kb32 * 32 + 2 * c, j1 = j0 + 1;
-            __m512i va = _mm512_setzero_si512(), vb = _mm512_setzero_si512();
-            if (j0 < L)
-                va = _mm512_castsi256_si512(_mm256_loadu_si256(
-                    (const __m256i *)(paged_kv_row(v_cache, table, bs, n_kv, hd, g, j0) + d)));
-            if (j1 < L)
-                vb = _mm512_castsi256_si512(_mm256_loadu_si256(
-                    (const __m256i *)(paged_kv_row(v_cache, table, bs, n_kv, hd, g, j1) + d)));
-            r[c] = _mm512_permutex2var_epi16(va, idx, vb);  /* [dim][pair] as dwords */
-        }
-        transpose16(r);  /* -> [dim][key pair] */
-        uint32_t *out = dst + ((long)kb32 * (hd / 16) + d / 16) * 256;
-        for (int i = 0; i < 16; i++) _mm512_store_si512(out + i * 16, r[i]);
-    }
-}
-
-/* One task: queries [q0, q0 + nq) (nq <= 32: two halves of 16) of head h against keys
- * [0, ctx + q0 + nq). kp: K tiles, vtp: V^T tiles of the head's KV group. Tiles: S^T and
- * then O^T blocks in 0-3 (keys or dims x the two halves), K or V^T in 4-5, Q^T or P^T of the
- * halves in 6-7. */
-static void attend_block(const uint16_t *q, long q_stride, const uint16_t *kp,
-                         const uint32_t *vtp, int hd, int h, long ctx, int q0, int nq,
-                         float scale, uint16_t *out, long out_stride) {
-    uint32_t qt[2][4 * 256] __attribute__((aligned(64)));   /* Q^T: a tile per 32 dims */
-    float st[4 * 256] __attribute__((aligned(64)));         /* S^T: 4 tiles */
-    uint32_t pt[2][256] __attribute__((aligned(64)));       /* P^T of each half */
-    float ot[2][128 * 16] __attribute__((aligned(64)));     /* O^T: [hd][16 queries] fp32 */
-    int DB = hd / 32, n1 = nq > 16 ? nq - 16 : 0;
-    for (int d = 0; d < DB; d++) {  /* Q^T tile d: the queries' dims [32 d, 32 d + 32) */
-        const uint16_t *src = q + (long)q0 * q_stride + (long)h * hd + d * 32;
-        pack_tile(src, q_stride, nq < 16 ? nq : 16, 32, qt[0] + d * 256);
-        pack_tile(src + 16 * q_stride, q_stride, n1, 32, qt[1] + d * 256);
-    }
-    memset(ot[0], 0, sizeof(float) * 16 * hd);
-    memset(ot[1], 0, sizeof(float) * 16 * hd);
-    /* query i sits at position ctx + q0 + i; padding queries copy the last one's */
-    const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-    __m512i last = _mm512_set1_epi32((int)(ctx + q0 + nq - 1));
-    __m512 qpos[2], mx[2], sum[2];
-    for (int half = 0; half < 2; half++) {
-        qpos[half] = _mm512_cvtepi32_ps(_mm512_min_epi32(
-            _mm512_add_epi32(_mm512_set1_epi32((int)(ctx + q0 + 16 * half)), lane), last));
-        mx[half] = _mm512_set1_ps(-INFINITY);
-        sum[half] = _mm512_setzero_ps();
-    }
-    const __m512 sc = _mm512_set1_ps(scale);
-    long end = ctx + q0 + nq;  /* keys the last query sees */
-    for (long k0 = 0; k0 < end; k0 += ATT_KB) {
-        int kb16 = (int)(k0 / 16);
-        /* S^T: tile 0 = keys 0-15 x half 0, 1 = keys 16-31 x half 0, 2 and 3 half 1 */
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
-        for (int d = 0; d < DB; d++) {
-            _tile_loadd(4, kp + ((long)kb16 * DB + d) * 512, 64);
-            _tile_loadd(6, qt[0] + d * 256, 64);
-            _tile_dpbf16ps(0, 4, 6);
-            _tile_loadd(5, kp + ((long)(kb16 + 1) * DB + d) * 512, 64);
-            _tile_dpbf16ps(1, 5, 6);
-            _tile_loadd(7, qt[1] + d * 256, 64);
-            _tile_dpbf16ps(2, 4, 7);
-            _tile_dpbf16ps(3, 5, 7);
-        }
-        store_c(st, 1);
-        softmax_step(st, k0, qpos[0], sc, &mx[0], &sum[0], ot[0], hd, pt[0]);
-        softmax_step(st + 512, k0, qpos[1], sc, &mx[1], &sum[1], ot[1], hd, pt[1]);
-        /* O^T += V^T P^T: per 16 dims, both halves */
-        _tile_loadd(6, pt[0], 64);
-        _tile_loadd(7, pt[1], 64);
-        const uint32_t *vb = vtp + (long)(k0 / 32) * (hd / 16) * 256;
-        for (int d = 0; d < hd; d += 32) {
-            float *o0 = ot[0] + 16 * d, *o1 = ot[1] + 16 * d;
-            _tile_loadd(4, vb + (d / 16) * 256, 64);
-            _tile_loadd(0, o0, 64);
-            _tile_dpbf16ps(0, 4, 6);
-            _tile_loadd(1, o1, 64);
-            _tile_dpbf16ps(1, 4, 7);
-            _tile_loadd(5, vb + (d / 16 + 1) * 256, 64);
-            _tile_loadd(2, o0 + 256, 64);
-            _tile_dpbf16ps(2, 5, 6);
-            _tile_loadd(3, o1 + 256, 64);
-            _tile_dpbf16ps(3, 5, 7);
-            _tile_stored(0, o0, 64);
-            _tile_stored(1, o1, 64);
-            _tile_stored(2, o0 + 256, 64);
-            _tile_stored(3, o1 + 256, 64);
-        }
-    }
-    for (int half = 0; half < 2; half++) {
-        int rows = half ? n1 : (nq < 16 ? nq : 16);
-        __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.0f), sum[half]);
-        for (int d = 0; d < hd; d += 16) {
-            __m512i r[16];
-            for (int i = 0; i < 16; i++)
-                r[i] = _mm512_castps_si512(
-                    _mm512_mul_ps(_mm512_load_ps(ot[half] + 16 * (d + i)), inv));
-            transpose16(r);  /* -> [query][16 dims] */
-            for (int i = 0; i < rows; i++)
-                _mm256_storeu_si256((__m256i *)(out + (long)(q0 + 16 * half + i) * out_stride
-                                                + (long)h * hd + d),
-                                    (__m256i)_mm512_cvtneps_pbh(_mm512_castsi512_ps(r[i])));
-        }
-    }
-}
-
-/* q [n][.. n_heads x hd ..] (row stride q_stride), caches [blocks][bs][n_kv][hd], table: the
- * request's blocks; out [n][n_heads][hd] (row stride out_stride). Returns 0, -1 without
- * scratch memory, -2 for a head size it does not take (hd % 32, hd < 32 or hd > 128). */
-int pw_prefill_attention_amx(const uint16_t *q, long q_stride, const uint16_t *k_cache,
-                             const uint16_t *v_cache, const int64_t *table, int bs, long ctx,
-                             int n, uint16_t *out, long out_stride, int n_heads, int n_kv,
-                             int hd, float scale, int nthreads) {
-    if (hd % 32 || hd < 32 || hd > 128 || n_heads % n_kv) return -2;
-    if (n <= 0) return 0;
-    long L = ctx + n;
-    int KB32 = (int)((L + 31) / 32);
-    size_t k_tiles = (size_t)2 * KB32 * (hd / 32), v_tiles = (size_t)KB32 * (hd / 16);
-    size_t per_head = (k_tiles + v_tiles) * TILE_BYTES;
-    char *buf = (char *)aligned_alloc(64, (size_t)n_kv * per_head);
-    if (!buf) return -1;
-    int group = n_heads / n_kv, QB = (n + ATT_QB - 1) / ATT_QB;
-#pragma omp parallel num_threads(nthreads)
-    {
-#pragma omp for schedule(static) collapse(2)
-        for (int g = 0; g < n_kv; g++)
-            for (int kb = 0; kb < KB32; kb++) {
-                uint16_t *kp = (uint16_t *)(buf + (size_t)g * per_head);
-                pack_k(k_cache, table, bs, n_kv, hd, g, L, 2 * kb, kp);
-                pack_k(k_cache, table, bs, n_kv, hd, g, L, 2 * kb + 1, kp);
-                pack_vt(v_cache, table, bs, n_kv, hd, g, L, kb,
-                        (uint32_t *)(buf + (size_t)g * per_head + k_tiles * TILE_BYTES));
-            }
-        _tile_loadconfig(&TILES);
-        /* the longest tasks (the last query blocks see the most keys) first */
-#pragma omp for schedule(dynamic)
-        for (int task = 0; task < n_heads * QB; task++) {
-            int qb = QB - 1 - task / n_heads, h = task % n_heads;
-            const char *base = buf + (size_t)(h / group) * per_head;
-            int q0 = qb * ATT_QB, nq = n - q0 < ATT_QB ? n - q0 : ATT_QB;
-            attend_block(q, q_stride, (const uint16_t *)base,
-                         (const uint32_t *)(base + k_tiles * TILE_BYTES), hd, h, ctx, q0, nq,
-                         scale, out, out_stride);
-        }
-        _tile_release();
-    }
-    free(buf);
-    return 0;
-}
 
 /* The tile unit's own ceiling: `iters` rounds of four independent tile products on operands
  * that never leave the tile registers, on each of `nthreads` threads. Returns the FLOPs done
@@ -1005,235 +748,6 @@ double pw_amx_tile_flops(long iters, int nthreads) {
         flops += 4.0 * iters * 16 * 16 * 32 * 2;
     }
     return flops;
-}
-
-
-/* ---------------------------------------------------------------------------------------
- * Decode attention on AMX tiles: one request's new token, the G <= 16 query heads that share
- * KV head kvh, against its len keys in the paged cache ([blocks][bs][n_kv][hd]), 32 keys a
- * step, every head at once:
- *   S^T [keys][heads] = K Q^T: the keys' rows are the left tiles, loaded straight from the
- *       cache (16 consecutive slots of a block, stride n_kv * hd) when the block size is a
- *       multiple of 16, else copied; Q^T in pair order is packed once (pack_tile);
- *   online softmax down the keys with the heads as vector lanes (running max and sum per
- *       lane; exp16, the AVX2 exp's bits); probabilities rounded to bf16 (the sum adds the
- *       rounded values), interleaved by key pairs;
- *   O += P V with AVX-512 BF16: each key pair's V rows interleaved (unpack: a permuted order
- *       of the head dimension, undone at the end), one dpbf16 per pair, head and 16 values.
- * q: [G][hd] bf16, unscaled (scale multiplies the scores); out: [G][hd] fp32. hd a multiple
- * of 32, at most 256; any block size. A NaN in a key or a query makes its heads' outputs NaN,
- * as the AVX2 kernel does. The caller has loaded the tile configuration (TILES). */
-#define DEC_MAX_HD 256
-#define DEC_KEYS 32
-
-/* The left tile of 16 keys' rows x values [c, c + 32), off[j] the element offset of key j's
- * row (n of them): straight from the cache when they are consecutive slots of one block
- * (returned with its stride), else copied into buf (zero rows past n). */
-static inline const uint16_t *key_rows(const uint16_t *cache, const long *off, int n,
-                                       int consecutive, int n_kv, int hd, int c, uint16_t *buf,
-                                       long *stride) {
-    if (consecutive) {
-        *stride = (long)n_kv * hd * 2;
-        return cache + off[0] + c;
-    }
-    for (int j = 0; j < 16; j++) {
-        if (j < n)
-            memcpy(buf + j * 32, cache + off[j] + c, 64);
-        else
-            memset(buf + j * 32, 0, 64);
-    }
-    *stride = 64;
-    return buf;
-}
-
-/* The element offsets of keys [t, t + DEC_KEYS)'s rows (those before len; one division),
- * and with `prefetch`, their K and V rows fetched into L1. Returns how many. */
-static inline int key_offsets(const uint16_t *k_cache, const uint16_t *v_cache,
-                              const int64_t *table, int t, int len, int bs, int n_kv, int kvh,
-                              int hd, long *off, int prefetch) {
-    int n = len - t < DEC_KEYS ? len - t : DEC_KEYS;
-    if (n <= 0) return 0;
-    long blk = t / bs, o = t % bs;
-    for (int j = 0; j < n; j++) {
-        off[j] = ((table[blk] * bs + o) * n_kv + kvh) * (long)hd;
-        if (++o == bs) {
-            o = 0;
-            blk++;
-        }
-        if (prefetch)
-            for (int c = 0; c < hd; c += 32) {
-                _mm_prefetch((const char *)(k_cache + off[j] + c), _MM_HINT_T0);
-                _mm_prefetch((const char *)(v_cache + off[j] + c), _MM_HINT_T0);
-            }
-    }
-    return n;
-}
-
-/* One row of probabilities: exp(s - mx) where valid (0 elsewhere), rounded to bf16. */
-static inline __m512 probs16(const float *s, __m512 mx, __mmask16 valid) {
-    return round_bf16x16(_mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(_mm512_load_ps(s), mx))));
-}
-
-static inline __attribute__((always_inline)) void attend_keys(
-        const uint16_t *q, const int G, float scale, const uint16_t *k_cache,
-        const uint16_t *v_cache, const int64_t *table, int len, int bs, int n_kv, int kvh,
-        int hd, float *out) {
-    uint32_t qt[DEC_MAX_HD / 32][256] __attribute__((aligned(64)));  /* Q^T, per 32 values */
-    float st[DEC_KEYS][16] __attribute__((aligned(64)));    /* S^T */
-    /* O: [16 heads][16 values] tiles, two per 32 values of the head dimension (its values in
-     * the pair order of V's interleave: the low tile holds 8L..8L+3, the high 8L+4..8L+7) */
-    float ot[DEC_MAX_HD / 16][256] __attribute__((aligned(64)));
-    __m512i pt[16];                                          /* P^T by key pairs, then P */
-    uint32_t pa[256] __attribute__((aligned(64)));           /* P: the left tile */
-    uint32_t vb[2][256] __attribute__((aligned(64)));        /* V by key pairs: right tiles */
-    uint16_t kbuf[2][512] __attribute__((aligned(64)));
-    for (int c = 0; c < hd; c += 32) pack_tile(q + c, hd, G, 32, qt[c / 32]);
-    memset(ot, 0, sizeof(float) * 256 * (hd / 16));
-    __m512 mx = _mm512_set1_ps(-INFINITY), den = _mm512_setzero_ps();
-    const __m512 sv = _mm512_set1_ps(scale);
-    /* pair interleave: 32-bit lane g = (bf16 of row 2j lane g, of row 2j+1 lane g) */
-    const __m512i pair_idx = _mm512_set_epi16(
-        31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
-        23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-    long offs[2][DEC_KEYS];
-    int consecutive = bs % 16 == 0;  /* 16 keys from a multiple of 16 lie in one block */
-    key_offsets(k_cache, v_cache, table, 0, len, bs, n_kv, kvh, hd, offs[0], 1);
-    for (int t0 = 0, step = 0; t0 < len; t0 += DEC_KEYS, step ^= 1) {
-        int n = len - t0 < DEC_KEYS ? len - t0 : DEC_KEYS;
-        const long *off = offs[step];
-        /* the next step's keys and values, from scattered blocks that the hardware
-         * prefetchers do not foresee */
-        key_offsets(k_cache, v_cache, table, t0 + DEC_KEYS, len, bs, n_kv, kvh, hd,
-                    offs[step ^ 1], 1);
-        _tile_zero(0);
-        _tile_zero(1);
-        for (int c = 0; c < hd; c += 32) {
-            long ld;
-            _tile_loadd(3, qt[c / 32], 64);
-            const uint16_t *k0 = key_rows(k_cache, off, n, consecutive && n >= 16, n_kv, hd, c,
-                                          kbuf[0], &ld);
-            _tile_loadd(2, k0, ld);
-            _tile_dpbf16ps(0, 2, 3);
-            if (n > 16) {
-                const uint16_t *k1 = key_rows(k_cache, off + 16, n - 16, consecutive && n >= 32,
-                                              n_kv, hd, c, kbuf[1], &ld);
-                _tile_loadd(4, k1, ld);
-                _tile_dpbf16ps(1, 4, 3);
-            }
-        }
-        _tile_stored(0, st[0], 64);
-        _tile_stored(1, st[16], 64);
-        /* the softmax, the heads as lanes; up to 8 heads fold two keys' rows into one
-         * vector (keys j and j + 16), halving the exps */
-        const int fold = G <= 8, vecs = fold ? (n < 16 ? n : 16) : n;
-        __m512 cm = _mm512_set1_ps(-INFINITY);
-        __mmask16 valid[DEC_KEYS];
-        for (int j = 0; j < vecs; j++) {
-            __m512 x = _mm512_load_ps(st[j]);
-            valid[j] = 0xffff;
-            if (fold) {
-                x = _mm512_insertf32x8(x, _mm256_load_ps(st[j + 16]), 1);
-                valid[j] = j + 16 < n ? 0xffff : 0x00ff;
-            }
-            x = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid[j], _mm512_mul_ps(x, sv));
-            _mm512_store_ps(st[j], x);
-            cm = _mm512_max_ps(x, cm);  /* a NaN score passes through below */
-        }
-        if (fold)  /* both halves: the heads' maxima */
-            cm = _mm512_max_ps(cm, _mm512_shuffle_f32x4(cm, cm, 0x4e));
-        __mmask16 grew = _mm512_cmp_ps_mask(cm, mx, _CMP_GT_OQ);
-        if (grew) {
-            __m512 nm = _mm512_mask_mov_ps(mx, grew, cm);
-            __mmask16 first = _mm512_cmp_ps_mask(mx, _mm512_set1_ps(-INFINITY), _CMP_EQ_OQ);
-            __m512 rs = _mm512_maskz_mov_ps(~first, exp16(_mm512_sub_ps(mx, nm)));
-            rs = _mm512_mask_mov_ps(_mm512_set1_ps(1.0f), grew, rs);
-            den = _mm512_mul_ps(den, rs);
-            float r[16] __attribute__((aligned(64)));
-            _mm512_store_ps(r, rs);
-            for (int g = 0; g < G; g++) {
-                if (!((grew >> g) & 1)) continue;
-                __m512 rg = _mm512_set1_ps(r[g]);
-                for (int t = 0; t < hd / 16; t++)
-                    _mm512_store_ps(ot[t] + g * 16,
-                                    _mm512_mul_ps(rg, _mm512_load_ps(ot[t] + g * 16)));
-            }
-            mx = nm;
-        }
-        for (int r = 0; r < 16; r++) pt[r] = _mm512_setzero_si512();
-        for (int j = 0; j < vecs; j += 2) {
-            __m512 p0 = probs16(st[j], mx, valid[j]);
-            __m512 p1 = j + 1 < vecs ? probs16(st[j + 1], mx, valid[j + 1]) : _mm512_setzero_ps();
-            den = _mm512_add_ps(den, _mm512_add_ps(p0, p1));
-            __m512i u = _mm512_permutexvar_epi16(pair_idx, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
-            if (fold) {  /* lanes 0-7: pair j / 2 of keys; 8-15: pair j / 2 + 8 */
-                pt[j / 2] = _mm512_zextsi256_si512(_mm512_castsi512_si256(u));
-                pt[j / 2 + 8] = _mm512_zextsi256_si512(_mm512_extracti64x4_epi64(u, 1));
-            } else {
-                pt[j / 2] = u;
-            }
-        }
-        /* O += P V on the tiles: P [heads][32 keys] is P^T's pairs transposed; V's rows
-         * interleaved by key pairs, 32 values of the head dimension at a time */
-        transpose16(pt);
-        for (int i = 0; i < 16; i++) _mm512_store_si512(pa + i * 16, pt[i]);
-        _tile_loadd(5, pa, 64);
-        for (int c = 0; c < hd; c += 32) {
-            for (int r = 0; r < 16; r++) {
-                __m512i v0 = _mm512_setzero_si512(), v1 = v0;
-                if (2 * r < n) v0 = _mm512_loadu_si512(v_cache + off[2 * r] + c);
-                if (2 * r + 1 < n) v1 = _mm512_loadu_si512(v_cache + off[2 * r + 1] + c);
-                _mm512_store_si512(vb[0] + r * 16, _mm512_unpacklo_epi16(v0, v1));
-                _mm512_store_si512(vb[1] + r * 16, _mm512_unpackhi_epi16(v0, v1));
-            }
-            float *o0 = ot[c / 16], *o1 = ot[c / 16 + 1];
-            _tile_loadd(6, o0, 64);
-            _tile_loadd(7, vb[0], 64);
-            _tile_dpbf16ps(6, 5, 7);
-            _tile_stored(6, o0, 64);
-            _tile_loadd(4, o1, 64);
-            _tile_loadd(7, vb[1], 64);
-            _tile_dpbf16ps(4, 5, 7);
-            _tile_stored(4, o1, 64);
-        }
-    }
-    /* undo the pair order: lanes 4L..4L+3 of the low tile's row are values 8L..8L+3 of the
-     * 32, of the high tile's 8L+4..8L+7 */
-    const __m512i lo_idx = _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
-    const __m512i hi_idx = _mm512_set_epi32(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, 11, 10,
-                                            9, 8);
-    if (G <= 8)  /* the two halves' sums of each head */
-        den = _mm512_add_ps(den, _mm512_shuffle_f32x4(den, den, 0x4e));
-    float d[16] __attribute__((aligned(64)));
-    _mm512_store_ps(d, den);
-    for (int g = 0; g < G; g++) {
-        __m512 inv = _mm512_set1_ps(d[g] > 0.0f ? 1.0f / d[g] : 0.0f);
-        if (d[g] != d[g]) inv = _mm512_set1_ps(d[g]);  /* a NaN sum: NaN outputs */
-        for (int c = 0; c < hd; c += 32) {
-            __m512 l = _mm512_load_ps(ot[c / 16] + g * 16);
-            __m512 h = _mm512_load_ps(ot[c / 16 + 1] + g * 16);
-            _mm512_storeu_ps(out + g * hd + c,
-                             _mm512_mul_ps(inv, _mm512_permutex2var_ps(l, lo_idx, h)));
-            _mm512_storeu_ps(out + g * hd + c + 16,
-                             _mm512_mul_ps(inv, _mm512_permutex2var_ps(l, hi_idx, h)));
-        }
-    }
-}
-
-/* Returns 0, or -1 (nothing done) for G or hd it does not take. */
-int pw_attend_group_amx(const uint16_t *q, int G, float scale, const uint16_t *k_cache,
-                        const uint16_t *v_cache, const int64_t *table, int len, int bs,
-                        int n_kv, int kvh, int hd, float *out) {
-    if (hd % 32 || hd < 32 || hd > DEC_MAX_HD || G < 1 || G > 16) return -1;
-    _tile_loadconfig(&TILES);
-    switch (G) {  /* the heads' count a constant: their accumulators stay in registers */
-#define CASE(g) case g: attend_keys(q, g, scale, k_cache, v_cache, table, len, bs, n_kv, kvh, \
-                                    hd, out); break;
-        CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
-        CASE(9) CASE(10) CASE(11) CASE(12) CASE(13) CASE(14) CASE(15) CASE(16)
-#undef CASE
-    }
-    _tile_release();
-    return 0;
 }
 
 #pragma GCC pop_options

@@ -1,9 +1,9 @@
-/* The paged KV cache's addressing, shared by cpu_kernels.c, cpu_amx.c and cpu_avx512bf16.c
+/* The paged KV cache's addressing, shared by the attention files and fused_layer.c
  * (plain C: each file includes it under its own target flags). A layer's cache holds
  * [blocks][bs][n_kv][hd] values; a request's key j (of KV head g) lies in its block table's
  * block j / bs, slot j % bs. */
-#ifndef PW_CPU_PAGED_H
-#define PW_CPU_PAGED_H
+#ifndef PW_PAGED_CACHE_H
+#define PW_PAGED_CACHE_H
 
 #include <stdint.h>
 
@@ -18,11 +18,8 @@ static inline const uint16_t *paged_kv_row(const uint16_t *cache, const int64_t 
 }
 
 /* paged_row of keys j0 .. j0 + n - 1 into off: one division, then the offset counted up a
- * stride a key and recomputed at each block. A division a key was ~8% of a decode attention
- * task's time on keys in the caches; counted, the layers' attention took 4% less at batch 8
- * (the step x1.005) and the step x1.004 at batch 32 (2-core AVX512_BF16 EPYC, alternating
- * decode steps in one process); a stride a key instead of three multiplies, the AVX512_BF16
- * kernel x1.04-1.07 on cached keys. */
+ * stride a key and recomputed at each block: a division (and three multiplies) a key is a
+ * visible share of a decode attention task's time when its keys are in the caches. */
 static inline void paged_row_offs(const int64_t *table, int bs, int n_kv, int hd, int g,
                                   long j0, int n, long *off) {
     if (n <= 0) return;  /* no key: no table entry read (j0 may lie past the table) */
