@@ -27,23 +27,20 @@ the same keys (so keys come from the caches where they fit: the kernels' arithme
 memory's), and the median round counts. It prints microseconds a call, each method's ratio
 to torch's (higher is faster), and the largest difference from torch's outputs.
 
-    .venv/bin/python benchmarks/bench_attention.py [--rounds 5] [--quick]
+    .venv/bin/python -m benchmarks.bench_attention [--rounds 5] [--quick]
 """
 
 from __future__ import annotations
 
 import argparse
 import ctypes
-import statistics
 import sys
-import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_disagg import machine_info, machine_line  # noqa: E402
+from benchmarks.harness import (interleaved_medians, machine_info,  # noqa: E402
+                                machine_line, timed)
 
 from phasewise.model.cpu import kernels as cpu_kernels  # noqa: E402
 from phasewise.model.attention import AttentionMetadata, PrefillSpan  # noqa: E402
@@ -118,27 +115,10 @@ def decode_methods(lib: ctypes.CDLL) -> dict[str, dict[str, int] | None]:
     return out
 
 
-def timed(fn, budget_s: float = 0.02) -> float:
-    """Seconds a call: fn repeated for about budget_s."""
-    t = time.perf_counter()
-    fn()
-    once = max(time.perf_counter() - t, 1e-6)
-    n = max(1, int(budget_s / once))
-    t = time.perf_counter()
-    for _ in range(n):
-        fn()
-    return (time.perf_counter() - t) / n
-
-
 def rounds_of(calls: dict, rounds: int) -> dict[str, float]:
     """Median seconds a call of each method, the methods interleaved round after round (the
-    order reversed every other round)."""
-    res: dict[str, list[float]] = {name: [] for name in calls}
-    names = list(calls)
-    for r in range(rounds):
-        for name in names if r % 2 == 0 else names[::-1]:
-            res[name].append(calls[name]())
-    return {name: statistics.median(v) for name, v in res.items()}
+    order reversed every other round: ``harness.interleaved_medians``)."""
+    return interleaved_medians(calls, rounds)
 
 
 def bench_decode(lib: ctypes.CDLL, cases: list, rounds: int) -> None:

@@ -19,8 +19,8 @@ default h200: its datasheet peaks) and beside this GPU's own ceilings measured f
 * HF transformers (the machine's own, eager, SDPA) on the same shape: prefill time and
   greedy ``generate`` decode rate, and phasewise's ratio to it.
 
-    python benchmarks/bench_cuda.py                      # on the GPU machine
-    python benchmarks/bench_cuda.py --device cpu --shape tiny --skip-hf   # a dry run here
+    python -m benchmarks.bench_cuda                      # on the GPU machine
+    python -m benchmarks.bench_cuda --device cpu --shape tiny --skip-hf   # a dry run here
 """
 
 from __future__ import annotations
@@ -36,8 +36,6 @@ import traceback
 from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from phasewise import LLM, SamplingParams
 from phasewise.perf.hardware import ACCELERATORS

@@ -19,7 +19,7 @@ paired ratio cancels it). The issue's bar is under 2% for a client attached.
 The observer line times ``DashboardFeed.on_step`` alone on a synthetic step of the batch
 size, against the median decode step the server measured.
 
-    python benchmarks/bench_dashboard.py [--rounds 12] [--batch 4] [--max-tokens 96]
+    python -m benchmarks.bench_dashboard [--rounds 12] [--batch 4] [--max-tokens 96]
         [--browser] [--model DIR]
 """
 
@@ -39,8 +39,7 @@ from pathlib import Path
 import httpx
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-from bench_disagg import PW, Procs, free_port, machine_info, machine_line, wait_http  # noqa: E402
+from benchmarks.harness import PW, Procs, free_port, machine_info, machine_line, wait_http
 
 LOGS = HERE / "results" / "dashboard"
 

@@ -13,7 +13,7 @@ Each figure is the best of ``--reps`` repetitions, engines interleaved. Prints f
 ratios against transformers; at this size both engines are far from the machine's roofline
 (see ``phasewise generate``), so the ratios measure per-step overhead more than kernels.
 
-    .venv/bin/python benchmarks/bench_default_model.py [--reps 3] [--skip-hf-bf16]
+    .venv/bin/python -m benchmarks.bench_default_model [--reps 3] [--skip-hf-bf16]
 """
 
 from __future__ import annotations

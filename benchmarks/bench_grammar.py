@@ -9,7 +9,7 @@ that is the work a decode step adds for a constrained request. It prints the med
 per-token time of each, the compile time, and their ratio. xgrammar is not measured: its
 wheel pulls triton (hundreds of MB) into a CPU install.
 
-    python benchmarks/bench_grammar.py [--tokens 200]
+    python -m benchmarks.bench_grammar [--tokens 200]
 """
 
 from __future__ import annotations
@@ -18,12 +18,10 @@ import argparse
 import json
 import random
 import statistics
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_disagg import machine_info, machine_line  # noqa: E402
+from benchmarks.harness import machine_info, machine_line
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKENIZERS = {"bundled (4096)": ROOT / "phasewise" / "assets" / "stdlib-coder",
@@ -177,7 +175,8 @@ def main() -> int:
           f"{'mean/token':>11} {'median':>9} {'p90':>9} | outlines/llguidance (mean)")
     for tname, path in TOKENIZERS.items():
         if not (path / "tokenizer.json").exists():
-            print(f"{tname}: no tokenizer at {path} (benchmarks/make_reference_checkpoint.py)")
+            print(f"{tname}: no tokenizer at {path} "
+                  "(python -m benchmarks.make_reference_checkpoint)")
             continue
         from phasewise.model.tokenizer import Tokenizer
 

@@ -25,8 +25,18 @@ hits them alike. It prints GFLOP/s, each method's ratio to the faster of ``torch
 ``torch-fp32``, and the plan the engine's calibration would pick here (where the engine packs
 its projections into panels instead, it says so).
 
-    .venv/bin/python benchmarks/bench_linear.py [--rows 1 8 32 128 512] [--rounds 4]
+``--int8`` measures weight-only int8 linear layers at decode's row counts instead (what
+``bench_int8.py`` did): phasewise's int8 kernel against its bf16 kernel and torch's own int8
+weight-only matmul (``aten._weight_int8pack_mm``), on the decoder's projection shapes (q/k/v
+fused, o, gate/up fused, down; ``--shapes`` picks), at 1, 2 and 4 activation rows, the
+weights cycled through >= 96 MiB of copies as above; the methods are interleaved shape by
+shape, each timed over ``--reps`` calls. It prints each method's time, the GB/s of weight
+bytes it streamed, and the int8 kernel's speed-up over the bf16 kernel (the roofline's
+prediction: 2x, half the bytes).
+
+    .venv/bin/python -m benchmarks.bench_linear [--rows 1 8 32 128 512] [--rounds 4]
                                                 [--shapes qkv o gate_up down lm_head]
+    .venv/bin/python -m benchmarks.bench_linear --int8 [--reps 200] [--shapes qkv o gate_up down]
 """
 
 from __future__ import annotations
@@ -35,19 +45,19 @@ import argparse
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_disagg import machine_info, machine_line  # noqa: E402
+from benchmarks.harness import machine_info, machine_line  # noqa: E402
 
 from phasewise.model.cpu import kernels as cpu_kernels  # noqa: E402
 from phasewise.model.cpu.linear import LinearDispatch, Upcast  # noqa: E402
 
 SHAPES = {"qkv": (1152, 896), "o": (896, 896), "gate_up": (9728, 896), "down": (896, 4864),
           "lm_head": (32000, 896)}
+INT8_SHAPES = ["qkv", "o", "gate_up", "down"]  # the decoder's projections (int8 leaves lm_head)
+CYCLE_BYTES = 96 * 2**20
 
 
 def methods() -> dict:
@@ -113,14 +123,68 @@ def run(rows: list[int], rounds: int, shapes: list[str]) -> None:
               f"{plan.describe()}")
 
 
+def copies(make, nbytes: int) -> list:
+    return [make() for _ in range(max(2, -(-CYCLE_BYTES // nbytes)))]
+
+
+def timed_reps(fn, reps: int) -> float:
+    for i in range(5):
+        fn(i)
+    t0 = time.perf_counter()
+    for i in range(reps):
+        fn(i)
+    return (time.perf_counter() - t0) / reps
+
+
+def run_int8(reps: int, shapes: list[str]) -> None:
+    """Weight-only int8 at decode's row counts (formerly bench_int8.py)."""
+    if cpu_kernels.load() is None:
+        raise SystemExit(f"the CPU kernels are unavailable: {cpu_kernels.KERNELS.reason}")
+    print(f"torch threads: {torch.get_num_threads()}")
+    print(f"{'shape':>8} {'rows':>4} | {'int8 kernel':>16} | {'bf16 kernel':>16} | "
+          f"{'torch int8pack':>16} | int8/bf16 speed-up")
+    ups = []
+    for name in shapes:
+        n, k = SHAPES[name]
+        w8 = copies(lambda: torch.randint(-127, 128, (n, k), dtype=torch.int8), n * k)
+        sc = [torch.rand(n) * 0.01 for _ in w8]
+        scb = [s.bfloat16() for s in sc]
+        wb = copies(lambda: torch.randn(n, k).bfloat16(), 2 * n * k)
+        for m in (1, 2, 4):
+            x = torch.randn(m, k).bfloat16()
+            t8 = timed_reps(lambda i: cpu_kernels.linear_int8(x, w8[i % len(w8)],
+                                                               sc[i % len(w8)]), reps)
+            tb = timed_reps(lambda i: cpu_kernels.linear_bf16(x, wb[i % len(wb)]), reps)
+            tt = timed_reps(lambda i: torch.ops.aten._weight_int8pack_mm(x, w8[i % len(w8)],
+                                                                        scb[i % len(w8)]),
+                            reps)
+            ups.append(tb / t8)
+
+            def col(t: float, nbytes: int) -> str:
+                return f"{t * 1e3:7.3f} ms {nbytes / t / 1e9:5.1f}GB/s"
+            print(f"{name:>8} {m:>4} | {col(t8, n * k)} | {col(tb, 2 * n * k)} | "
+                  f"{col(tt, n * k)} | x{tb / t8:.2f}")
+    ups.sort()
+    print(f"int8 kernel over bf16 kernel: median x{ups[len(ups) // 2]:.2f} "
+          f"(min x{ups[0]:.2f}, max x{ups[-1]:.2f}); the roofline predicts x2.00")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 128, 512])
     ap.add_argument("--rounds", type=int, default=4)
-    ap.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
+    ap.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=None,
+                    help="default: all; with --int8, all but lm_head")
+    ap.add_argument("--int8", action="store_true",
+                    help="weight-only int8 at 1, 2 and 4 rows instead (formerly bench_int8.py)")
+    ap.add_argument("--reps", type=int, default=200, help="--int8: calls timed per method")
     a = ap.parse_args()
+    if a.int8:
+        print(machine_line(machine_info()))
+        run_int8(a.reps, a.shapes or INT8_SHAPES)
+        return
     print(machine_line(machine_info()), file=sys.stderr)
-    run(a.rows, a.rounds, a.shapes)
+    run(a.rows, a.rounds, a.shapes or list(SHAPES))
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ The held-out files are the ones ``scripts/train_default_model.py`` keeps out of 
   the bandwidth roofline of its steps (weights + K/V bytes over the read bandwidth measured
   just before): a larger model is more bandwidth-bound.
 
-    .venv/bin/python benchmarks/bench_model_quality.py [--model DIR] [--baseline DIR]
+    .venv/bin/python -m benchmarks.bench_model_quality [--model DIR] [--baseline DIR]
         [--heads 30] [--max-tokens 1024] [--seed 0] [--record]
 
 ``--record`` writes the model's figures into its ``training.json`` ("quality") and rewrites
@@ -46,7 +46,6 @@ import json
 import math
 import statistics
 import subprocess
-import sys
 import sysconfig
 from pathlib import Path
 
@@ -54,11 +53,8 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(REPO / "scripts"))
-
-from bench_disagg import machine_info, machine_line  # noqa: E402
-from bench_engine import read_gbps  # noqa: E402
+from benchmarks.bench_engine import read_gbps  # noqa: E402
+from benchmarks.harness import machine_info, machine_line  # noqa: E402
 
 BASELINE = HERE / ".checkpoints" / "stdlib-coder-4m"
 BASELINE_REV = "54d8b37"
@@ -67,7 +63,7 @@ BASELINE_FILES = ("config.json", "generation_config.json", "model.safetensors",
 
 
 def held_out_files() -> list[Path]:
-    from train_default_model import HOLDOUT_EVERY, corpus_files
+    from scripts.train_default_model import HOLDOUT_EVERY, corpus_files
 
     files = corpus_files(Path(sysconfig.get_paths()["stdlib"]))
     return files[::HOLDOUT_EVERY]
@@ -202,7 +198,7 @@ def main() -> None:
     files = held_out_files()
     texts = [f.read_text(encoding="utf-8") for f in files]
     window = min(context_of(m) for m in models.values())
-    from train_default_model import function_heads
+    from scripts.train_default_model import function_heads
 
     heads = function_heads(files, args.heads)
     print(f"{len(files)} held-out files ({sum(len(t.encode()) for t in texts) / 1e6:.2f} MB), "
@@ -255,7 +251,7 @@ def main() -> None:
 
 def record(model: Path, m: dict, b: dict, heads: int) -> None:
     """Store the model's figures as its training.json's "quality" and rewrite its card."""
-    from train_default_model import cpu_name, rewrite_card
+    from scripts.train_default_model import cpu_name, rewrite_card
 
     path = model / "training.json"
     info = json.loads(path.read_text())

@@ -21,7 +21,7 @@ It prints each figure, int8 / bf16 ratios and the roofline's predicted ratio. Wi
 llama.cpp on the same checkpoint converted to Q8_0 and bf16 GGUF
 (``benchmarks/peers/llamacpp_decode.py``), and prints phasewise int8 / llama.cpp Q8_0.
 
-    .venv/bin/python benchmarks/bench_quant.py [--model DIR] [--rounds 3]
+    .venv/bin/python -m benchmarks.bench_quant [--model DIR] [--rounds 3]
                                                [--llama-python /tmp/llamacpp-venv/bin/python]
 
 Without ``--model`` it builds (once) the reference checkpoint (docs/benchmarks.md).
@@ -35,26 +35,20 @@ import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-
-from bench_disagg import machine_info, machine_line  # noqa: E402
-from bench_engine import matmul_gflops, read_gbps  # noqa: E402
-from workloads import prompts  # noqa: E402
-
-from phasewise.model.loader import huge_page_empty  # noqa: E402
+from benchmarks import harness
+from benchmarks.bench_engine import matmul_gflops, read_gbps
+from benchmarks.harness import machine_info, machine_line
+from benchmarks.workloads import prompts
+from phasewise.model.loader import huge_page_empty
 
 ENGINES = ("bf16", "int8")
 
 
 def reference_checkpoint() -> str:
-    from make_reference_checkpoint import DEFAULT_OUT, build
-
-    return str(DEFAULT_OUT if (DEFAULT_OUT / "config.json").exists() else build(DEFAULT_OUT))
+    return str(harness.reference_checkpoint())
 
 
 def load(model: str, name: str):
@@ -134,10 +128,10 @@ def run_llama(python: str, model: str, quick: bool) -> dict | None:
     """llama.cpp's figures; a run killed by a signal is retried once without its extra
     buffer types (weight repacking, the AMX backend), which crashed on an AMX Xeon; the
     result then says so (``extra_bufts: False``)."""
-    script = HERE / "peers" / "llamacpp_decode.py"
-    cmd = [python, str(script), model] + (["--quick"] if quick else [])
+    cmd = harness.peer_command(python, "llamacpp_decode", model, *(["--quick"] if quick else []))
     for extra in ([], ["--no-extra-bufts"]):
-        proc = subprocess.run(cmd + extra, capture_output=True, text=True, timeout=3600)
+        proc = subprocess.run(cmd + extra, capture_output=True, text=True, timeout=3600,
+                              cwd=harness.REPO)
         for line in proc.stdout.splitlines():
             if line.startswith("RESULT "):
                 out = json.loads(line[len("RESULT "):])

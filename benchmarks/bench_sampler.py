@@ -27,22 +27,18 @@ of tokens at top_p 0.95 and temperature 0.7; 0.1 a flat distribution whose nucle
 of the vocabulary, as a random-weight checkpoint gives). It prints milliseconds a step and
 the ratios to ``sort`` (higher is faster).
 
-    .venv/bin/python benchmarks/bench_sampler.py [--rounds 3] [--scale 3]
+    .venv/bin/python -m benchmarks.bench_sampler [--rounds 3] [--scale 3]
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from functools import partial
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
+from benchmarks import harness
 from phasewise import SamplingParams
 from phasewise.engine.request import Request
 from phasewise.engine.sampler import Sampler
@@ -65,22 +61,12 @@ def sort_and_exponentials(sampler: Sampler, reqs: list[Request],
     return (probs / noise).argmax(dim=-1)
 
 
-def per_call_ms(fn, seconds: float) -> float:
-    fn()
-    n, t0 = 0, time.perf_counter()
-    while time.perf_counter() - t0 < seconds:
-        fn()
-        n += 1
-    return (time.perf_counter() - t0) / n * 1e3
-
-
 def interleaved_medians(methods: dict, rounds: int, seconds: float) -> list[float]:
-    """Each method's median ms a call over ``rounds`` rounds, the methods by turns."""
-    times: dict[str, list[float]] = {m: [] for m in methods}
-    for _ in range(rounds):
-        for m, fn in methods.items():
-            times[m].append(per_call_ms(fn, seconds))
-    return [statistics.median(times[m]) for m in methods]
+    """Each method's median ms a call over ``rounds`` rounds, the methods by turns
+    (``harness.interleaved_medians`` of ``harness.per_call_s``)."""
+    calls = {m: partial(harness.per_call_s, fn, seconds) for m, fn in methods.items()}
+    med = harness.interleaved_medians(calls, rounds, alternate=False)
+    return [med[m] * 1e3 for m in methods]
 
 
 def main() -> int:

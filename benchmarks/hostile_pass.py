@@ -20,7 +20,7 @@ with no attack, and the attacked process's RSS before/after. Then a verdict per 
 or what missed its target) with its details: what each sub-case answered, bystanders'
 statuses, socket states, memory high-water marks. Server logs stay in the printed folder.
 
-    .venv/bin/python benchmarks/hostile_pass.py [--quick] [--model DIR] [--classes 1 kv ...]
+    .venv/bin/python -m benchmarks.hostile_pass [--quick] [--model DIR] [--classes 1 kv ...]
 
 ``--quick`` sends fewer and smaller attacks and waits at most 20 s on slow connections (about
 2-3 minutes on a 2-core machine; the full pass about 5). ``--classes`` takes class numbers or
@@ -52,10 +52,8 @@ from typing import Any
 
 import httpx
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests"))
-sys.path.insert(0, str(REPO / "benchmarks"))
-from serving import ServerProcess, free_port, start_server  # noqa: E402
+from benchmarks.harness import (REPO, ServerProcess, free_port, machine_info, machine_line,
+                                start_server)
 
 # Client addresses: the defences that count per address (grammar checks, idle connections,
 # wrong keys) must see the victim, the attacker and each bystander as different clients.
@@ -1539,8 +1537,6 @@ def chosen(spec: list[str] | None) -> list[int]:
 def main() -> int:
     if sys.argv[1:2] == ["--victim"]:
         return victim_process(sys.argv[2], json.loads(sys.argv[3]), int(sys.argv[4]))
-    from bench_disagg import machine_info, machine_line
-
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer, smaller attacks (2-3 min)")
     ap.add_argument("--model", default=None, help="checkpoint folder (default: bundled)")

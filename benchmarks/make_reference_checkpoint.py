@@ -8,18 +8,21 @@ The tokenizer is a byte-level BPE trained with the ``tokenizers`` library on the
 standard library's sources; the model is written with transformers' ``save_pretrained``.
 Deterministic (fixed seed, sorted inputs); downloads nothing.
 
-    python benchmarks/make_reference_checkpoint.py [OUT_DIR]
+    python -m benchmarks.make_reference_checkpoint [OUT_DIR]
 
 Needs transformers (the test extra).
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 import time
 from pathlib import Path
 
 DEFAULT_OUT = Path(__file__).resolve().parent / ".checkpoints" / "qwen2-0.5b-shape-random"
+# (benchmarks.harness.REFERENCE_MODEL is the same folder; harness.reference_checkpoint()
+# builds it here when absent)
 
 
 def build(out: Path) -> Path:
@@ -51,4 +54,7 @@ def build(out: Path) -> Path:
 
 
 if __name__ == "__main__":
-    build(Path(sys.argv[1]) if len(sys.argv) > 1 else DEFAULT_OUT)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("out", nargs="?", type=Path, default=DEFAULT_OUT,
+                    help=f"the folder to write (default: {DEFAULT_OUT})")
+    build(ap.parse_args().out)

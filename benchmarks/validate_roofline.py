@@ -9,7 +9,7 @@ memory time / measured time (the one on the binding side is the step's efficienc
 Weights are bf16; phasewise's CPU kernels do their arithmetic in fp32 on CPUs without native
 bf16, so the compute roof is the measured fp32 matmul peak (``--compute-dtype``).
 
-    python benchmarks/validate_roofline.py [--model DIR] [--remeasure] [--compute-dtype fp32]
+    python -m benchmarks.validate_roofline [--model DIR] [--remeasure] [--compute-dtype fp32]
 """
 
 from __future__ import annotations
@@ -22,8 +22,9 @@ import sys
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-DEFAULT_MODEL = HERE / ".checkpoints" / "qwen2-0.5b-shape-random"
+from benchmarks.harness import HERE, REFERENCE_MODEL
+
+DEFAULT_MODEL = REFERENCE_MODEL
 
 
 def log(msg: str) -> None:
@@ -40,8 +41,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=HERE / "results" / "roofline_validation.json")
     a = ap.parse_args()
     if not (a.model / "config.json").exists():
-        raise SystemExit(f"no checkpoint at {a.model}: run benchmarks/"
-                         "make_reference_checkpoint.py first")
+        raise SystemExit(f"no checkpoint at {a.model}: run python -m "
+                         "benchmarks.make_reference_checkpoint first")
 
     from phasewise.perf.hardware import load_local, machine_file
     from phasewise.perf.measure import measure

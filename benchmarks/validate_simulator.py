@@ -9,12 +9,12 @@
    the simulator with the same requests (same seed). p50/p90 TTFT and TPOT and throughput,
    predicted against measured, with the error of each.
 
-    python benchmarks/validate_simulator.py [--model DIR] [--quick] [--results-dir DIR]
+    python -m benchmarks.validate_simulator [--model DIR] [--quick] [--results-dir DIR]
 
 ``--quick`` runs a tiny random checkpoint through a small grid and two short workloads (a
 smoke test of this script, minutes; its figures mean nothing). Every process it starts is
 stopped by its process group. Needs the reference checkpoint
-(``python benchmarks/make_reference_checkpoint.py``) unless ``--model`` is given.
+(``python -m benchmarks.make_reference_checkpoint``) unless ``--model`` is given.
 """
 
 from __future__ import annotations
@@ -33,10 +33,9 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-
-from bench_disagg import (Procs, free_port, machine_info, machine_line,  # noqa: E402
-                          make_link, probe_link, wait_http, wait_peer)
+from benchmarks.harness import (PW, REFERENCE_MODEL, Procs, free_port, log,  # noqa: E402
+                                machine_info, machine_line, make_link, probe_link, wait_http,
+                                wait_peer)
 
 from phasewise.bench.options import add_args as add_bench_args  # noqa: E402
 from phasewise.bench.run import main as bench_main  # noqa: E402
@@ -47,14 +46,9 @@ from phasewise.perf.models import ModelShape  # noqa: E402
 from phasewise.perf.simulate import (Deployment, EngineSpec, kv_blocks_for,  # noqa: E402
                                       simulate)
 
-PW = [sys.executable, "-m", "phasewise.cli"]
-REFERENCE = HERE / ".checkpoints" / "qwen2-0.5b-shape-random"
+REFERENCE = REFERENCE_MODEL
 KV_MEMORY = 1 << 30  # the server's default pool on CPU
 MAX_LEN = 4096
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
 @dataclass
@@ -426,8 +420,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             a.model = REFERENCE
     if not (a.model / "config.json").exists():
-        raise SystemExit(f"no checkpoint at {a.model}: run python "
-                         "benchmarks/make_reference_checkpoint.py, or give --model")
+        raise SystemExit(f"no checkpoint at {a.model}: run python -m "
+                         "benchmarks.make_reference_checkpoint, or give --model")
     shape = ModelShape.from_path(a.model)
     a.model_len = shape.max_position_embeddings or MAX_LEN
     m = machine_info()

@@ -7,7 +7,9 @@ runs the playground once while the load goes on, and saves the whole page:
     phasewise bench --base-url URL --num-prompts 160 --request-rate 8 \\
         --input-len uniform:16-64 --output-len 64 --intruder-fraction 0.1 --intruder-len 180
 
-    python scripts/dashboard_screenshot.py [--out docs/dashboard.png] [--at 0.7]
+    python -m scripts.dashboard_screenshot [--out docs/dashboard.png] [--at 0.7]
+
+(from the repository's root: it uses the benchmarks' harness, ``benchmarks.harness``).
 
 ``--at``: how far through the load (its expected duration) the picture is taken. Every
 process it starts, it stops by PID (its process group; logs in
@@ -18,14 +20,13 @@ from __future__ import annotations
 
 import argparse
 import shutil
-import sys
 import time
 from pathlib import Path
 
+from benchmarks.bench_dashboard import LOGS, start
+from benchmarks.harness import PW, Procs, free_port
+
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "benchmarks"))
-from bench_dashboard import LOGS, start  # noqa: E402
-from bench_disagg import PW, Procs, free_port  # noqa: E402
 
 LOAD = ["--num-prompts", "160", "--request-rate", "8", "--input-len", "uniform:16-64",
         "--output-len", "64", "--intruder-fraction", "0.1", "--intruder-len", "180",

@@ -2,7 +2,7 @@
 
 Runs in the virtual environment that llamacpp_setup.sh builds, never the project's:
 
-    /tmp/llamacpp-venv/bin/python benchmarks/peers/llamacpp_decode.py MODEL_DIR \
+    /tmp/llamacpp-venv/bin/python -m benchmarks.peers.llamacpp_decode MODEL_DIR \
         [--types q8_0,bf16] [--threads 2] [--reps 3] [--quick]
 
 For each type, the HF checkpoint in MODEL_DIR is converted once with llama.cpp's own
@@ -33,17 +33,17 @@ they do not depend on the tokenizer either way.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
-import os
 import runpy
 import sys
 import time
+import types
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from workloads import prompts  # noqa: E402
+from benchmarks.workloads import prompts
 
 FALLBACK_PRE_TOKENIZER = "gpt-2"
 
@@ -57,11 +57,28 @@ def find_converter() -> Path:
     return found[-1]
 
 
+def load_package(folder: Path, name: str) -> None:
+    """Make ``import name`` find the package ``folder/name`` (llama.cpp's ``conversion``, which
+    is no installed package; its ``gguf`` is, by llamacpp_setup.sh), by registering it in
+    ``sys.modules`` with that folder as its path; nothing is added to the import path."""
+    if name in sys.modules:
+        return
+    init = folder / name / "__init__.py"
+    if init.exists():
+        spec = importlib.util.spec_from_file_location(
+            name, init, submodule_search_locations=[str(folder / name)])
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    else:  # a namespace package: its submodules are found through __path__
+        module = types.ModuleType(name)
+        module.__path__ = [str(folder / name)]
+        sys.modules[name] = module
+
+
 def convert(converter: Path, model_dir: Path, out: Path, outtype: str) -> None:
     """Run convert_hf_to_gguf.py in this process, with the pre-tokenizer fallback."""
-    llama_dir = str(converter.parent)
-    if llama_dir not in sys.path:
-        sys.path[:0] = [llama_dir, os.path.join(llama_dir, "gguf-py")]
+    load_package(converter.parent, "conversion")  # beside the converter, not installed
     from conversion.base import TextModel
 
     if not getattr(TextModel.get_vocab_base_pre, "fallback", False):

