@@ -69,7 +69,8 @@ def test_the_hostile_clients_grammars_are_over_a_bound():
         "children": {"type": "array", "items": {"$ref": "#/$defs/node"}}}}},
         "$ref": "#/$defs/node"}),  # a recursive tree: its cycle counts once
     ("json_schema", {"type": "object", "properties": {
-        f"f{i}": {"type": "string"} for i in range(5000)}}),  # wide is not deep
+        f"f{i}": {"type": "string"} for i in range(5000)},
+        "required": [f"f{i}" for i in range(4600)]}),  # wide is not deep; 400 optional
     ("regex", "(a{100}){100}"),
     ("regex", r"\d{3}-\d{4}|[A-Z][a-z]{0,30}"),
     ("lark", rule_chain(126)),
@@ -78,6 +79,17 @@ def test_the_hostile_clients_grammars_are_over_a_bound():
 ])
 def test_ordinary_and_at_the_limit_grammars_pass_the_bounds(kind, value):
     assert problem(kind, value) is None
+
+
+def test_an_object_of_more_optional_properties_than_the_parser_tracks_is_refused():
+    limit = gb.MAX_OPTIONAL_PROPERTIES
+    assert problem("json_schema", wide(limit, False)) is None
+    msg = problem("json_schema", wide(limit + 1, False))
+    assert f"{limit + 1} optional properties" in msg and "required" in msg
+    # required ones do not count; a malformed "required" list is not a crash
+    assert problem("json_schema", wide(limit * 10, True)) is None
+    bad = {**wide(limit + 1, False), "required": [{"x": 1}, 3]}
+    assert "optional properties" in problem("json_schema", bad)
 
 
 def test_a_cycle_counts_each_subschema_on_it():
@@ -97,7 +109,9 @@ def wide(n: int, required: bool) -> dict:
                                          # llguidance recurses by a schema's width too
                                          ("json_schema", wide(gb.MAX_SCHEMA_NODES - 1, True)),
                                          ("json_schema", wide(16_000, True)),
-                                         ("json_schema", wide(11_000, False))],
+                                         ("json_schema", {**wide(16_000, False), "required": [
+                                             f"p{i}" for i in range(
+                                                 16_000 - gb.MAX_OPTIONAL_PROPERTIES)]})],
                          ids=["deep", "cycle", "rules", "widest", "wide", "optional"])
 def test_grammars_at_the_bounds_compile_on_the_checking_childs_stack(kind, value):
     """What the bounds let through compiles (and starts) on the checking child's stack, or
@@ -183,7 +197,10 @@ def unbounded():
 
 def test_a_grammar_that_crashes_the_compiler_is_a_400_and_the_checker_goes_on(unbounded):
     answer = _check(unbounded, spec_json("json_schema", ref_chain(3000)))
-    assert "crashed its compiler (signal SIGSEGV)" in answer
+    # the recursion overflows the child's stack, or, where its pages come first, its
+    # memory cap: either way the child dies and the request is refused
+    assert ("crashed its compiler (signal SIGSEGV)" in answer
+            or "ran out of the memory a request may use" in answer), answer
     assert isinstance(_check(unbounded, spec_json("json_object")), int)
 
 
@@ -241,3 +258,25 @@ def test_a_grammar_that_passed_is_not_checked_again():
         assert checker.counts["passed"] == 1
     finally:
         checker.close()
+
+
+def test_compile_aside_fills_the_cache_from_a_thread_of_its_own_and_never_raises():
+    """A prefill worker compiles a relayed request's grammar aside before the engine thread
+    meets it (compiled there, it would hold every other prompt's step)."""
+    compiler = GrammarCompiler(TOKENIZER, (1,), VOCAB)
+    threads: list[str] = []
+    real = compiler.compile
+
+    def spy(text: str, *args, **kwargs):
+        threads.append(threading.current_thread().name)
+        return real(text, *args, **kwargs)
+
+    compiler.compile = spy  # type: ignore[method-assign]
+    text = spec_json("regex", "[a-z]{1,8}")
+    asyncio.run(structured.compile_aside(compiler, text))
+    assert compiler.cached(text) and threads == ["phasewise-grammar-aside"]
+    asyncio.run(structured.compile_aside(compiler, text))  # cached: not compiled again
+    assert threads == ["phasewise-grammar-aside"]
+    bad = spec_json("regex", "(")
+    asyncio.run(structured.compile_aside(compiler, bad))  # left for the engine to refuse
+    assert not compiler.cached(bad)

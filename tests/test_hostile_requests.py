@@ -77,6 +77,13 @@ def _rule_chain(rules: int) -> str:
         "type": "string", "pattern": "(a{1000}){1000}"}}, "guided_json"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 4,
                          "guided_grammar": "start: A\nA: /(a{1000}){1000}/"}, "guided_grammar"),
+    # within the old bounds, compiled, then the parser's first row was over its limit (a 500)
+    ("/v1/completions", {"prompt": "x", "max_tokens": 4, "guided_json": {
+        "type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(6000)}}},
+     "guided_json"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 4, "guided_grammar":
+                         "start: " + " | ".join(f'"w{i}"' for i in range(2100))},
+     "guided_grammar"),
 ])
 def test_a_grammar_bomb_is_a_400_and_the_server_lives(server, path, body, param):
     with server.client() as c:

@@ -44,8 +44,8 @@ import httpx
 
 from phasewise.engine.backend import (BackendInfo, EngineError, EngineObserver,
                                       EngineOverloaded, EngineSnapshot, EngineStopped,
-                                      EngineUnavailable, FinishedRequest, PromptSpec,
-                                      RequestGroup)
+                                      EngineUnavailable, FinishedRequest, GrammarFailed,
+                                      PromptSpec, RequestGroup)
 from phasewise.engine.relay import (OutputAssembler, RelayError, checkpoint_identity,
                                     params_to_wire)
 from phasewise.engine.sampling_params import SamplingParams
@@ -482,7 +482,9 @@ class Router:
                         err = json.loads(line)["error"]
                         if not isinstance(err, dict):
                             raise RelayError(f"malformed error line: {line[:200]}")
-                        cls = EngineStopped if err.get("kind") == "stopped" else EngineError
+                        kind = err.get("kind")
+                        cls = (EngineStopped if kind == "stopped" else GrammarFailed
+                               if kind == "grammar" else EngineError)
                         group._put(cls(f"decode worker {worker.url}: {err.get('message')}"))
                         return
                     out = assembler.feed(line)

@@ -44,6 +44,7 @@ from phasewise.engine.kv_bytes import dtype_name, kv_to_bytes
 from phasewise.engine.relay import params_from_wire, params_to_wire
 from phasewise.engine.request import RemoteTiming
 from phasewise.engine.sampling_params import SamplingParams
+from phasewise.engine.structured import compile_aside
 
 log = logging.getLogger("phasewise.disagg")
 
@@ -586,6 +587,8 @@ class PrefillSide(_Delegate):
             p = params_from_wire(req.params)
             first = dataclasses.replace(p, max_tokens=1, min_tokens=min(p.min_tokens, 1))
             self._epochs[rid] = (link, epoch)
+            if p.structured_output is not None:  # not on the engine thread (it holds all)
+                await compile_aside(self.backend.grammars, p.structured_output)
             group = await self.backend.add([PromptSpec(
                 list(req.token_ids), first,
                 export_kv_from=req.first_block * self.layout.block_size)], rid)

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 from phasewise.engine.backend import (BackendInfo, EngineError, EngineObserver,
                                       EngineOverloaded, EngineSnapshot, EngineStopped,
-                                      FinishedRequest, PromptSpec, RequestGroup)
+                                      FinishedRequest, PromptSpec, RequestGroup, request_error)
 from phasewise.engine.commands import (AbortAll, AbortRequests, AddRequests, Command,
                                        FailRemotePrefill, FinishRemotePrefill, LoadRemoteKV,
                                        Stop, Verdict)
@@ -383,7 +383,7 @@ class AsyncEngine:
             self._snapshot = snap = self._take_snapshot()
             if outputs:  # a request that failed alone gets its error, not an output
                 loop.call_soon_threadsafe(self._deliver, [
-                    (o.request_id, o if o.error is None else EngineError(o.error))
+                    (o.request_id, o if o.error is None else request_error(o.error, o.error_code))
                     for o in outputs])
             self._notify(step, outputs, done, snap)
 

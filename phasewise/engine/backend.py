@@ -35,7 +35,27 @@ class EngineUnavailable(Exception):
 
 
 class EngineError(Exception):
-    """The engine failed while running this request (a bug: the traceback is in the log)."""
+    """The engine failed while running this request (a bug: the traceback is in the log).
+    ``status``, ``type`` and ``code`` are what the API answers with."""
+
+    status = 500
+    type = "server_error"
+    code = "engine_error"
+
+
+class GrammarFailed(EngineError):
+    """The request's own grammar could not go on mid-generation (llguidance's parser hit a
+    limit, or a token's mask took too long): the client's grammar is at fault, not the
+    engine, and no other request is affected."""
+
+    status = 400
+    type = "invalid_request_error"
+    code = "invalid_grammar"
+
+
+def request_error(message: str, code: str | None) -> EngineError:
+    """The exception for a request that failed alone (``RequestOutput.error``/``error_code``)."""
+    return GrammarFailed(message) if code == GrammarFailed.code else EngineError(message)
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,8 @@ hundreds of milliseconds for every later one, and hundreds of MB. So before any 
 runs, ``check_bounds`` measures what drives those costs and refuses, naming the request's
 field, what is over a limit:
 
+* a JSON schema's optional properties in one object, which llguidance's parser tracks
+  side by side after the object's ``{``.
 * a JSON schema's **depth**: the subschemas along the longest chain from the root, following
   local ``$ref``s. Recursive schemas are allowed (llguidance compiles a cycle as a recursive
   rule): each cycle counts as many levels as the subschemas on it, an upper bound on how deep
@@ -40,6 +42,11 @@ from phasewise.engine.validation import ValidationError
 
 MAX_SCHEMA_DEPTH = 128  # subschemas along any chain from the root, $refs followed
 MAX_SCHEMA_NODES = 20_000  # subschemas in one schema
+# Optional properties of one object. llguidance's parser keeps about four items per optional
+# property in the row that follows an object's "{" and refuses a row of more than 2,000
+# (its default max_items_in_row), so a wider object compiles and then fails at its first
+# token; refused here instead, with a remedy.
+MAX_OPTIONAL_PROPERTIES = 400
 MAX_RULE_DEPTH = 128  # Lark rules along any chain of references
 MAX_RULES = 2_000
 MAX_GRAMMAR_CHARS = 256 * 1024
@@ -215,6 +222,16 @@ def schema_bounds(schema: Any) -> None:
             target = _pointer(schema, ref)
             if isinstance(target, dict):
                 targets.append(target)
+        props = node.get("properties")
+        if isinstance(props, dict) and len(props) > MAX_OPTIONAL_PROPERTIES:
+            required = node.get("required")
+            wanted = ({r for r in required if isinstance(r, str)}
+                      if isinstance(required, list) else set())
+            optional = sum(1 for name in props if name not in wanted)
+            if optional > MAX_OPTIONAL_PROPERTIES:
+                raise _Bad(f"an object has {optional} optional properties; the limit is "
+                           f"{MAX_OPTIONAL_PROPERTIES} (list more of them in \"required\", or "
+                           "split the object)")
         for pattern in (node.get("pattern"),):
             if isinstance(pattern, str):
                 try:

@@ -27,6 +27,9 @@ class RequestOutput:
     metrics: RequestMetrics
     # Set when this request failed alone (its sampling raised): it is finished, as "abort".
     error: str | None = None
+    # Why, for the API: None (the engine's fault, a 500) or "invalid_grammar" (the request's
+    # own grammar failed: backend.GrammarFailed, a 400).
+    error_code: str | None = None
     # With SamplingParams.prompt_logprobs: one entry per prompt position, None for the first
     # (complete from the request's first output on).
     prompt_logprobs: list[dict[int, float] | None] | None = None

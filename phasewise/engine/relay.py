@@ -96,8 +96,8 @@ def encode_output(index: int, out: RequestOutput, timing: dict[str, Any] | None,
 
 
 def encode_error(kind: str, message: str) -> bytes:
-    """The stream's last line when the worker's engine failed (``engine``) or is shutting
-    down (``stopped``)."""
+    """The stream's last line when the worker's engine failed (``engine``), the request's
+    own grammar failed (``grammar``) or the worker is shutting down (``stopped``)."""
     return json.dumps({"error": {"kind": kind, "message": message}}).encode() + b"\n"
 
 

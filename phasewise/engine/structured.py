@@ -13,11 +13,11 @@ When the grammar can take nothing more, the request ends with finish reason ``st
 also end earlier by ``eos`` where the grammar accepts the text so far, or by ``max_tokens``
 (then the text is cut short and need not parse).
 
-Why llguidance (``benchmarks/bench_grammar.py``, on this 2-core EPYC): it compiles a JSON
-schema in 1-2 ms against outlines-core's 80-800 ms (a compile sits in front of the request's
-first token), and computes a mask in 30-45 us per token on a 4,096- or 32,000-token
-vocabulary (outlines-core: 9-48 us on the small one, 62-125 us on the large one); its wheel
-has no dependencies. xgrammar was not taken: its wheel pulls triton into a CPU install.
+Why llguidance: it compiles a JSON schema one to two orders of magnitude faster than
+outlines-core (a compile sits in front of the request's first token) and computes masks at
+a similar per-token cost, flat in the vocabulary's size (``benchmarks/bench_grammar.py``;
+figures in benchmarks/RESULTS.md, "Structured output"); its wheel has no dependencies.
+xgrammar was not taken: its wheel pulls triton into a CPU install.
 
 Limits. ``grammar_bounds.check_bounds`` refuses, before llguidance sees it, a grammar whose
 native compile could overflow the stack (deep ``$ref`` or rule chains) or whose regexes unroll
@@ -284,6 +284,31 @@ def compile_thread(target: Any, name: str) -> threading.Thread:
         finally:
             threading.stack_size(old)
     return thread
+
+
+async def compile_aside(compiler: GrammarCompiler, text: str) -> None:
+    """Compile ``text`` into ``compiler``'s cache on a thread of its own (``compile_thread``)
+    and wait for it without blocking the event loop, so that the engine thread finds it
+    compiled: a grammar compiled on the engine thread holds every request's step for as
+    long as it takes. A grammar that does not compile is left for the engine to refuse
+    with the request (its error then names the request's field)."""
+    import asyncio
+
+    if compiler.cached(text):
+        return
+    loop = asyncio.get_running_loop()
+    done = loop.create_future()
+
+    def run() -> None:
+        try:
+            compiler.compile(text)
+        except Exception:  # noqa: BLE001 - the engine compiles it again and reports it
+            pass
+        finally:
+            loop.call_soon_threadsafe(lambda: done.done() or done.set_result(None))
+
+    compile_thread(run, "phasewise-grammar-aside")
+    await done
 
 
 class GrammarCompiler:

@@ -98,7 +98,9 @@ def _walk(tok: Any, limits: Any, text: str, vocab: int, max_bytes: int,
         w = rng.choice(live)
         allowed = [32 * w + j for j in range(32) if bits[w] >> j & 1]
         if not m.consume_token(rng.choice(allowed)):
-            break
+            # a token its own mask allowed: the parser gave up (a limit), not the grammar
+            return ["bad", f"the grammar fails after {step + 1} tokens: "
+                    f"{structured._short(m.get_error() or 'a token its mask allowed')}"]
     used = max(0, structured._rss_bytes() - before)
     if used > max_bytes:
         return ["bad", f"the grammar takes {used / 2**20:.0f} MB of memory to compile and "

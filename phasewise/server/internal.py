@@ -28,7 +28,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field
 
-from phasewise.engine.backend import EngineError, EngineStopped, PromptSpec, ServingBackend
+from phasewise.engine.backend import (EngineError, EngineStopped, GrammarFailed, PromptSpec,
+                                      ServingBackend)
 from phasewise.engine.relay import (MEDIA_TYPE, checkpoint_identity, encode_error, encode_output,
                                     param_defaults, params_from_wire)
 from phasewise.engine.validation import ValidationError
@@ -156,6 +157,8 @@ def add_internal_routes(app: FastAPI, backend: ServingBackend, routes: Routes, *
                                         first=first)
             except EngineStopped as e:
                 yield encode_error("stopped", str(e))
+            except GrammarFailed as e:
+                yield encode_error("grammar", str(e))
             except EngineError as e:
                 yield encode_error("engine", str(e))
             finally:

@@ -218,7 +218,8 @@ class ResponseBuilder:
         so that they always encode)."""
         err = stream_error(e)
         failed = self.response("failed")
-        failed["error"] = {"code": "server_error", "message": err.message}
+        failed["error"] = {"code": "server_error" if err.status >= 500 else err.code,
+                           "message": err.message}
         return (self.event("error", ascii_only=True, code=err.code, message=err.message,
                            param=None)
                 + self.event("response.failed", ascii_only=True, response=failed))

@@ -246,7 +246,7 @@ class Routes:
             raise ApiError(503, str(e), type="server_error", code="unavailable",
                            headers={"Retry-After": str(self.retry_after_s)}) from e
         except EngineError as e:
-            raise ApiError(500, str(e), type="server_error", code="engine_error") from e
+            raise ApiError(e.status, str(e), type=e.type, code=e.code) from e
         except ValidationError as e:
             raise self._invalid(e, e.param or "prompt") from e
         except ValueError as e:  # more sequences than may ever wait at once
@@ -489,7 +489,7 @@ class Routes:
         try:
             await _unless_disconnected(request, run())
         except EngineError as e:
-            raise ApiError(500, str(e), type="server_error", code="engine_error") from e
+            raise ApiError(e.status, str(e), type=e.type, code=e.code) from e
         except EngineStopped as e:
             raise ApiError(503, str(e), type="server_error", code="shutting_down") from e
         except ClientGone as e:  # nobody is listening; the status is for the access log

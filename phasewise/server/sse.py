@@ -38,7 +38,7 @@ def stream_error(e: Exception) -> ApiError:
     if isinstance(e, EngineStopped):
         return ApiError(503, str(e), type="server_error", code="shutting_down")
     if isinstance(e, EngineError):
-        return ApiError(500, str(e), type="server_error", code="engine_error")
+        return ApiError(e.status, str(e), type=e.type, code=e.code)
     return ApiError(500, f"internal error: {type(e).__name__}: {e}", type="server_error",
                     code="internal_error")
 
