@@ -169,7 +169,7 @@ def test_release_freed_heap_hands_retained_pages_back(tmp_path):
 
     script = """
 import ctypes, sys
-from phasewise.engine.engine import release_freed_heap
+from phasewise.model.cpu.backend import release_freed_heap
 libc = ctypes.CDLL(None)
 if not hasattr(libc, "mallopt"):
     print("no-glibc"); sys.exit(0)
@@ -205,12 +205,12 @@ print(before, kept, anon(), ok)
 
 def test_engine_releases_the_heap_after_its_cpu_set_up(llama_dir, monkeypatch):
     """The CPU kernels' set-up (the plan, the packing) ends with release_freed_heap, once."""
-    import phasewise.engine.engine as engine_module
+    import phasewise.model.cpu.backend as backend_module
     from phasewise.model.cpu import kernels as cpu_kernels
 
     if cpu_kernels.load() is None:
         pytest.skip(f"CPU kernels unavailable: {cpu_kernels.KERNELS.reason}")
     calls = []
-    monkeypatch.setattr(engine_module, "release_freed_heap", lambda: calls.append(1) or True)
+    monkeypatch.setattr(backend_module, "release_freed_heap", lambda: calls.append(1) or True)
     LLM(str(llama_dir), dtype="bfloat16")
     assert calls == [1]

@@ -163,3 +163,32 @@ def test_n_samples_of_one_grammar_compile_once(llm):
     first = llm.engine.grammars._compiled[spec]
     llm.generate(["y"] * 4, SamplingParams(max_tokens=4, structured_output=spec))
     assert llm.engine.grammars._compiled[spec] is first
+
+
+def test_a_grammar_the_parser_gives_up_on_fails_its_request_alone_as_invalid_grammar(llm):
+    """A grammar within every bound whose parser hits a limit at its first token (a Lark
+    rule of 2,100 alternatives: llguidance keeps one item per alternative in that row, and
+    refuses rows of more than 2,000) ends that request with the grammar's error, coded as
+    the client's (``invalid_grammar``, a 400), while a request beside it finishes."""
+    from phasewise.engine.backend import GrammarFailed, request_error
+    from phasewise.server.sse import stream_error
+
+    wide = "start: " + " | ".join(f'"w{i}"' for i in range(2100))
+    engine = llm.engine
+    engine.add_request("x", SamplingParams(max_tokens=4, structured_output=spec_json(
+        "lark", wide)), request_id="wide")
+    engine.add_request("x", SamplingParams(max_tokens=4, ignore_eos=True), request_id="free")
+    outs = {}
+    for _ in range(50):
+        for o in engine.step():
+            if o.finished:
+                outs[o.request_id] = o
+        if not engine.has_unfinished_requests():
+            break
+    assert outs["wide"].error_code == GrammarFailed.code, outs["wide"]
+    assert "items" in outs["wide"].error, outs["wide"].error
+    assert outs["free"].error is None and len(outs["free"].token_ids) == 4
+    err = stream_error(request_error(outs["wide"].error, outs["wide"].error_code))
+    assert (err.status, err.code) == (400, "invalid_grammar")
+    err = stream_error(request_error("boom", None))
+    assert (err.status, err.code) == (500, "engine_error")

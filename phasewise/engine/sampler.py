@@ -20,12 +20,21 @@ sorts every filtering row, is the reference the tests hold both to.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
+from phasewise.engine.backend import GrammarFailed
 from phasewise.engine.finish import masked_tokens
 from phasewise.engine.request import Request
 from phasewise.engine.spec import inverse_cdf, verify_greedy, verify_sampled
+
+if TYPE_CHECKING:
+    from phasewise.engine.model_runner import RunnerOutput
+
+# A request whose own sampling failed this step: it, the message, and its error code
+# (None, or GrammarFailed.code where its grammar is at fault).
+Failure = tuple[Request, str, "str | None"]
 
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
@@ -409,6 +418,55 @@ class Sampler:
             probs = probs * keep
             probs = probs / probs.sum(dim=-1, keepdim=True)
         return probs
+
+
+def sample_step(sampler: Sampler, ran: RunnerOutput
+                ) -> tuple[dict[str, list[int]], list[Failure]]:
+    """Tokens for the requests of a step that sample one token (and their logprobs, recorded
+    on the requests); the rows of verifying requests (``Request.spec_token_ids``) are left
+    to ``Speculator.verify``.
+
+    If sampling the batch raises, each row is sampled alone to find the requests whose
+    own settings fail: those come back in the second list, with the error, and the rest
+    of the step goes on. If every row fails alone too, the fault is not one request's,
+    and the original error is raised. A request whose grammar gives up or refuses the
+    token fails with ``GrammarFailed.code``."""
+    plain = [(req, row) for req, row, n in ran.spans() if n == 1]
+    if not plain:
+        return {}, []
+    requests = [req for req, _ in plain]
+    logits = (ran.logits if len(plain) == ran.logits.shape[0]
+              else ran.logits[[row for _, row in plain]])
+    try:
+        sampled = sampler(logits, requests)
+        rows = list(zip(requests, sampled.token_ids, sampled.logprobs))
+        failed: list[Failure] = []
+    except Exception as batch_error:
+        rows, failed = [], []
+        for i, req in enumerate(requests):
+            try:
+                one = sampler(logits[i:i + 1], [req])
+            except Exception as e:  # noqa: BLE001 - reported on that request only
+                failed.append((req, f"sampling failed for this request: "
+                                    f"{type(e).__name__}: {e}", None))
+                continue
+            rows.append((req, one.token_ids[0], one.logprobs[0]))
+        if not rows:
+            raise batch_error
+    tokens = {}
+    for req, tok, lp in rows:
+        slow = req.grammar.too_slow if req.grammar is not None else None
+        if slow is not None:
+            failed.append((req, slow, GrammarFailed.code))
+            continue
+        if req.grammar is not None and not req.grammar.accept(tok):
+            failed.append((req, f"structured output refused token {tok}: "
+                                f"{req.grammar.error}", GrammarFailed.code))
+            continue
+        tokens[req.request_id] = [tok]
+        if req.logprobs is not None and lp is not None:
+            req.logprobs.append(lp)
+    return tokens, failed
 
 
 def _nucleus(top_ps: list[float]) -> list[float]:

@@ -31,10 +31,17 @@ the K/V slots of rejected drafts (``KVCacheManager.trim``).
 
 from __future__ import annotations
 
+import time
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
+
+if TYPE_CHECKING:
+    from phasewise.engine.model_runner import RunnerOutput
+    from phasewise.engine.request import Request
+    from phasewise.engine.sampler import Failure, Sampler
 
 NGRAM_MAX = 3  # the longest n-gram prompt lookup matches
 NGRAM_MIN = 1  # the shortest
@@ -224,6 +231,86 @@ class SpecStats:
     def mean_accepted(self) -> float | None:
         """Drafts kept per verify."""
         return self.accepted / self.verifies if self.verifies else None
+
+
+class Speculator:
+    """Speculative decoding's part in an engine's step: before scheduling, drafts for the
+    decoding requests (``propose``); after the forward pass, each verify's rows of logits
+    turned into its tokens (``verify``); then the step's timing for the draft policy
+    (``observe``). ``k``: the most drafts a request verifies in one step; ``policy``: lets a
+    step draft only at batch sizes where drafting has delivered more tokens per second on
+    this engine (None: every step drafts)."""
+
+    def __init__(self, proposer: Proposer, k: int, policy: DraftPolicy | None) -> None:
+        self.proposer = proposer
+        self.k = k
+        self.policy = policy
+        self.untimed_s = 0.0  # spent in this step but not by it (the draft policy's view)
+
+    def release(self, request_id: str) -> None:
+        self.proposer.release(request_id)
+
+    def propose(self, running: Iterable[Request], max_len: int) -> None:
+        """Give each decoding request drafts to verify in this step: at most ``k``, no more
+        than its context (``max_len``) and ``max_tokens`` leave room for, none for a request
+        whose sampling needs the history token by token (penalties, ``min_tokens`` still
+        masking its stop tokens, a grammar), and none at all in a step that ``policy`` finds
+        drafting does not pay in."""
+        self.untimed_s = 0.0
+        decoding = [r for r in running
+                    if r.num_output_tokens and r.num_computed_tokens == r.num_tokens - 1]
+        policy = self.policy
+        if policy is not None:
+            drafted_before = policy.drafting
+            if not policy.begin_step(len(decoding)):
+                return
+            catch_up = getattr(self.proposer, "catch_up", None)
+            if not drafted_before and catch_up is not None:
+                # steps that did not draft left the proposer's index behind: bringing it up
+                # to date is not what drafting costs a step, so it stays out of the timing
+                t = time.monotonic()
+                for req in decoding:
+                    catch_up(req.request_id, req.all_token_ids)
+                self.untimed_s = time.monotonic() - t
+        for req in decoding:
+            p = req.params
+            if (p.needs_penalties or req.num_output_tokens < p.min_tokens
+                    or req.grammar is not None):
+                continue
+            room = min(self.k, max_len - req.num_tokens)
+            if p.max_tokens is not None:
+                room = min(room, p.max_tokens - req.num_output_tokens - 1)
+            if room >= 1:
+                req.spec_token_ids = self.proposer.propose(req.request_id, req.all_token_ids,
+                                                           room)
+
+    @staticmethod
+    def verify(sampler: Sampler, ran: RunnerOutput, tokens: dict[str, list[int]],
+               failed: list[Failure]) -> dict[str, tuple[int, int]]:
+        """Turn each verify's rows of logits into its tokens (added to ``tokens``; a request
+        whose verification raises joins ``failed``). Returns (drafts, accepted) per
+        verifying request."""
+        verified: dict[str, tuple[int, int]] = {}
+        for req, row, n in ran.spans():
+            if n == 1:
+                continue
+            try:
+                out, accepted = sampler.verify(ran.logits[row:row + n], req)
+            except Exception as e:  # noqa: BLE001 - reported on that request only
+                failed.append((req, f"sampling failed for this request: "
+                                    f"{type(e).__name__}: {e}", None))
+                continue
+            tokens[req.request_id] = out.token_ids
+            if req.logprobs is not None:
+                req.logprobs.extend(lp for lp in out.logprobs if lp is not None)
+            verified[req.request_id] = (n - 1, accepted)
+        return verified
+
+    def observe(self, drafted: bool, decoding: int, tokens: int, seconds: float) -> None:
+        """A decode-only step's outcome, for the policy: whether it drafted, its requests,
+        the tokens it gave and its duration (less what ``propose`` kept out of it)."""
+        if self.policy is not None:
+            self.policy.observe_step(drafted, decoding, tokens, seconds - self.untimed_s)
 
 
 def verify_greedy(logits: torch.Tensor, drafts: list[int]) -> tuple[list[int], int]:

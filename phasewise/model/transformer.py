@@ -35,6 +35,24 @@ class DecoderLayer(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, h, bias=cfg.mlp_bias)
         self.scale = cfg.head_dim**-0.5
 
+    def projections(self) -> dict[str, nn.Module]:
+        """The four projections in forward order, by the names the fused kernels give them
+        (``qkv``, ``o``, ``gate_up``, ``down``): each module's ``weight``, ``bias`` and,
+        for int8 weights, ``weight_scale``. Kernels that repack a weight set it on the
+        module."""
+        return {"qkv": self.qkv_proj, "o": self.o_proj, "gate_up": self.gate_up_proj,
+                "down": self.down_proj}
+
+    def norm_weights(self) -> dict[str, torch.Tensor]:
+        """The RMSNorm weights by the names the fused kernels give them: ``in`` (before
+        attention), ``post`` (before the MLP), and ``q`` and ``k`` where the model has q/k
+        norms."""
+        norms = {"in": self.input_layernorm.weight,
+                 "post": self.post_attention_layernorm.weight}
+        if self.cfg.qk_norm:
+            norms["q"], norms["k"] = self.q_norm.weight, self.k_norm.weight
+        return norms
+
     def forward(
         self,
         delta: torch.Tensor | None,  # [T, hidden]: previous layer's output, not yet added
@@ -99,6 +117,20 @@ class CausalLM(nn.Module):
     @property
     def lm_head_weight(self) -> torch.Tensor:
         return self.lm_head_module.weight
+
+    @property
+    def head_is_embedding(self) -> bool:
+        """Whether the LM head is the embedding table (tied embeddings)."""
+        return self.cfg.tie_word_embeddings
+
+    @property
+    def embedding_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight
+
+    def replace_embedding(self, module: nn.Module) -> None:
+        """Look tokens up in ``module`` from now on (the same table in another layout: its
+        ``weight`` is then the LM head too where the embeddings are tied)."""
+        self.embed_tokens = module
 
     def forward(
         self,

@@ -1,12 +1,13 @@
 """The one door to the CPU backend: ``prepare_cpu_backend`` turns a loaded model and its
 ``EngineConfig`` into the ops its forward pass runs, the kernel plan they follow, and the
-words that say so. An engine calls it once, after loading the weights; it times nothing (the
-plan is pinned, stored by ``phasewise tune``, or ruled from the CPU's flags:
-``phasewise.model.cpu.plan``).
+words that say so. ``phasewise.model.prepare`` calls it once, after loading the weights; it
+times nothing (the plan is pinned, stored by ``phasewise tune``, or ruled from the CPU's
+flags: ``phasewise.model.cpu.plan``).
 """
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,13 +72,31 @@ def _panels_reason(plan: KernelPlan, runtime: Runtime) -> str:
     return f"the {plan.origin} plan keeps the rows"
 
 
+def release_freed_heap() -> bool:
+    """Hand the C heap's free pages back to the system (glibc's ``malloc_trim``). Packing
+    weights into panels and the int8 conversion free transient copies that glibc keeps (its
+    mmap threshold rises with the first large block freed, so later large blocks come from
+    the heap and stay resident); trimmed before the KV pool is sized, they are not counted
+    in the served process's resident memory. True where the C library has ``malloc_trim``
+    (glibc), else False (nothing done)."""
+    try:
+        libc = ctypes.CDLL(None)  # TypeError on Windows, which has no such library handle
+        trim = libc.malloc_trim
+    except (OSError, AttributeError, TypeError):
+        return False
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    trim(0)
+    return True
+
+
 def prepare_cpu_backend(model: nn.Module, config: Any, dtype: torch.dtype,
                         device: torch.device) -> CpuBackend | None:
     """Install phasewise's CPU kernels as ``model.ops`` where they apply (``config.kernels``
     auto, a bf16 model on the CPU): resolve the kernel plan (``config.kernel_plan`` pinned,
     else the stored one, else the rule), set the weight streams' prefetch, pack the
-    projections into panels where the plan says. None where they do not apply (then a
-    ``kernel_plan`` given is an error: nothing would follow it)."""
+    projections into panels where the plan says, then hand the packing's transient copies
+    back to the system (``release_freed_heap``, before the KV pool is sized). None where they
+    do not apply (then a ``kernel_plan`` given is an error: nothing would follow it)."""
     if config.kernels != "auto" or device.type != "cpu" or dtype != torch.bfloat16:
         if config.kernel_plan is not None:
             runs = (f"kernels {config.kernels!r}" if config.kernels != "auto"
@@ -98,4 +117,5 @@ def prepare_cpu_backend(model: nn.Module, config: Any, dtype: torch.dtype,
     reason = ops.pack_panels(model) if plan.panels else _panels_reason(plan, runtime)
     model.ops = ops
     head_panels = kernels.is_panels(model.lm_head_weight)
+    release_freed_heap()
     return CpuBackend(ops, plan, linear, reason, head_panels, runtime)

@@ -26,16 +26,15 @@ from phasewise.model.ops import RopeTables, TorchOps
 
 
 # A prompt's MLP runs in chunks of this many rows on the CPU paths other than AMX's (which
-# blocks its own): on a 2-core AMD EPYC with AVX512_BF16, 32 prompts of 128 tokens in one
-# step spent 452 ms of 4.6 s in the SiLU-and-multiply over [4096, 2 x 4864] (21 ms a layer
-# with a fresh output, 9.5 reused, 6.2 in chunks of 512 rows).
+# blocks its own), so that the [rows, 2I] gate/up product of one chunk stays in cache for
+# the SiLU-and-multiply and the down projection that read it, instead of a whole step's
+# product going out to memory and back.
 MLP_CHUNK_ROWS = 512
 
 
 def _projections(model: nn.Module) -> list[nn.Module]:
     """Every decoder layer's four projections, in forward order."""
-    return [getattr(layer, name) for layer in model.layers
-            for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")]
+    return [lin for layer in model.layers for lin in layer.projections().values()]
 
 
 def glu_packed(lin: nn.Module) -> bool:
@@ -119,8 +118,8 @@ class CpuKernelOps(TorchOps):
         elif glu_packed(lin):
             # Panels packed as glu units (I % 16 == 0; nothing else reads them: linear_pk
             # would give the channels in unit order): the SiLU in the tiles' epilogue, as
-            # the fused decode layer does; a 1,024-token prefill's separate pass had taken
-            # 61 of 950 ms (2-core AVX512_BF16 EPYC). glu_pk takes x as bf16 rows.
+            # the fused decode layer does, so the [rows, 2I] product is never written and
+            # read again. glu_pk takes x as bf16 rows.
             return kernels.glu_pk(x, w, b)
         return super().gate_up_silu(x, lin)
 
@@ -178,14 +177,13 @@ class CpuKernelOps(TorchOps):
         self._stack = None
         with torch.no_grad():
             for layer in model.layers:  # in place where it can (the arena's always can)
-                for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
-                    lin = getattr(layer, name)
+                for name, lin in layer.projections().items():
                     w = lin.weight
                     if kernels.is_panels(w):  # packed before (then all of them are)
                         continue
                     # a SwiGLU's gate/up as units of a gate block and its up block, the
                     # SiLU then in the tiles' epilogue (glu_pk), where I % 16 == 0
-                    glu = name == "gate_up_proj" and w.shape[0] % 32 == 0
+                    glu = name == "gate_up" and w.shape[0] % 32 == 0
                     in_place = w.is_contiguous() and w.data_ptr() % 4 == 0
                     lin.weight = nn.Parameter(
                         kernels.pack_panels(w, in_place=in_place, glu=glu),
@@ -202,15 +200,15 @@ class CpuKernelOps(TorchOps):
         w = head.weight
         if kernels.is_panels(w) or not kernels.can_pack_panels(w):
             return
-        if head is not model.embed_tokens:  # untied, but perhaps the table's bytes all the
-            e = model.embed_tokens.weight   # same (packing them would garble the lookups)
+        if not model.head_is_embedding:  # untied, but perhaps the table's bytes all the
+            e = model.embedding_weight     # same (packing them would garble the lookups)
             lo, hi = w.data_ptr(), w.data_ptr() + w.numel() * w.element_size()
             if lo < e.data_ptr() + e.numel() * e.element_size() and e.data_ptr() < hi:
                 return
         in_place = w.is_contiguous() and w.data_ptr() % 4 == 0
         wp = kernels.pack_panels(w, in_place=in_place)
-        if head is model.embed_tokens:
-            model.embed_tokens = PanelsEmbedding(wp)
+        if model.head_is_embedding:
+            model.replace_embedding(PanelsEmbedding(wp))
         else:
             head.weight = nn.Parameter(wp, requires_grad=False)
 
@@ -494,18 +492,12 @@ class CpuKernelOps(TorchOps):
     def _static_args(self, layer: nn.Module) -> kernels.DecodeLayerArgs | None:
         """The per-layer fields (shapes, weight pointers); None if a weight is unsuitable."""
         cfg = layer.cfg
-        weights = {
-            "w_in_norm": layer.input_layernorm.weight, "b_qkv": layer.qkv_proj.bias,
-            "b_o": layer.o_proj.bias, "w_post_norm": layer.post_attention_layernorm.weight,
-            "b_gate_up": layer.gate_up_proj.bias, "b_down": layer.down_proj.bias,
-        }
-        if cfg.qk_norm:
-            weights["w_q_norm"] = layer.q_norm.weight
-            weights["w_k_norm"] = layer.k_norm.weight
+        projections = layer.projections()  # qkv, o, gate_up, down (DecoderLayer.projections)
+        weights = {f"w_{name}_norm": w for name, w in layer.norm_weights().items()}
+        weights.update({"b_" + field: lin.bias for field, lin in projections.items()})
         int8: dict[str, torch.Tensor] = {}  # int8 projections' scales, by their field
         panels: dict[str, torch.Tensor] = {}  # projections packed into panels
-        for field, lin in (("qkv", layer.qkv_proj), ("o", layer.o_proj),
-                           ("gate_up", layer.gate_up_proj), ("down", layer.down_proj)):
+        for field, lin in projections.items():
             scale = getattr(lin, "weight_scale", None)
             if kernels.is_panels(lin.weight):
                 if not (self.panels and lin.weight.is_contiguous()):
@@ -526,7 +518,7 @@ class CpuKernelOps(TorchOps):
         if (panels or self.panels) and len(panels) != 4:  # panels: every projection or none
             return None
         # on panels the C layer reads gate/up as glu units exactly where I % 16 == 0
-        if panels and (cfg.intermediate_size % 16 == 0) != glu_packed(layer.gate_up_proj):
+        if panels and (cfg.intermediate_size % 16 == 0) != glu_packed(projections["gate_up"]):
             return None
         weights.update(int8)
         weights.update(panels)
