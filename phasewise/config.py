@@ -102,9 +102,10 @@ class EngineConfig:
     the pool if needed.
     ``max_num_batched_tokens``: the token budget of one engine step; default 256 on CPU and
     2048 on CUDA. A step's time grows with its tokens, and every running stream waits for the
-    step, so the budget bounds how long a prompt chunk can stall decoding: on a 2-core CPU a
-    256-token step of a 0.5B model takes ~2-3 s, a 2048-token one ~20 s, while prefill
-    throughput at 256 is within ~6% of the best chunk size measured there.
+    step, so the budget bounds how long a prompt chunk can stall decoding. A CPU's step time
+    grows about linearly with its tokens past a few dozen, so a small budget costs little
+    prefill throughput while it bounds the stall; a GPU's stays nearly flat up to thousands
+    of tokens (docs/python-api.md, the options table).
     ``quantization``: ``int8`` stores the decoder layers' projections and the LM head as
     int8 with one scale per output channel, quantized as the checkpoint is read
     (``phasewise.model.cpu.quant``; CPU only), halving the bytes a decode step reads; None keeps

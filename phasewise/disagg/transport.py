@@ -22,13 +22,10 @@ encrypted and authenticated by zmq (CurveZMQ: XSalsa20-Poly1305, forward-secret 
 keys), so what crosses the K/V network can be neither read nor altered nor injected by
 anyone without the secret. It costs CPU: the sender encrypts and the receiver decrypts every
 K/V byte once, each on its endpoint's zmq I/O thread (so one connection's rate is bounded
-by one core's). Measured on 127.0.0.1 on a 2-core AMD EPYC (32 MiB frames, checksums and the
-decode side's copy included): about 0.36 GB/s with CURVE against 0.46 GB/s without, about
-1.2 CPU-seconds more per GiB for both sides together. zmq handles each message part on its
-own, so the part size (:data:`~phasewise.disagg.wire.KV_PART_BYTES`) is a trade: 64 KiB
-parts cost about 2-4% of that rate and 5% more CPU against 256 KiB ones (interleaved runs),
-32 or 48 KiB parts about 12%, and a part is what a stranger's connection can make the port
-hold (below).
+by one core's; its cost against plain zmq is in benchmarks/RESULTS.md, "P/D
+disaggregation"). zmq handles each message part on its own, so the part size
+(:data:`~phasewise.disagg.wire.KV_PART_BYTES`) is a trade between that rate and what a
+stranger's connection can make the port hold (below).
 
 What a stranger can make the process hold. libzmq reads a frame into memory of the size its
 header declares (up to ``ZMQ_MAXMSGSIZE``, checked against that header; a bigger one drops

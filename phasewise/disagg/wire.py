@@ -105,10 +105,9 @@ The K/V port's zmq frame limit is this (plus CURVE's framing; no smaller than
 :data:`MAX_CONTROL_BYTES`), not a whole frame: zmq reads a frame into memory before anything
 is authenticated, even a security handshake command, so this bounds what one connection of
 a stranger can make the port hold. Smaller parts cost throughput: zmq encrypts, writes and
-reads each part on its own (a system call or more a part), so on 127.0.0.1 (2-core EPYC,
-interleaved runs) 64 KiB parts move K/V 2-4% slower than 256 KiB ones (5% more CPU) and 32
-or 48 KiB parts about 12% slower: 64 KiB keeps within 10% of the larger parts' rate, and
-a stranger's unfinished connection holds about 80 KB instead of 275."""
+reads each part on its own (a system call or more a part). 64 KiB is the smallest part
+that keeps within 10% of larger parts' rate (benchmarks/RESULTS.md, "P/D
+disaggregation"), and a stranger's unfinished connection then holds about 80 KB."""
 
 MIN_SECRET_BYTES = 16
 

@@ -249,8 +249,8 @@ def huge_page_empty(nbytes: int) -> torch.Tensor:
     transparent huge pages are off or madvise fails, only an aligned allocation).
 
     The weights live in such memory (``_place_in_arena``), so a read-bandwidth probe that
-    stands beside them must too: on the 2-core AMX Xeon the same streaming read ran at
-    ~40 GB/s over huge pages against ~33-37 over 4 KiB pages.
+    stands beside them must too: a read over 4 KiB pages pays TLB misses the weights'
+    reads do not, and would understate the bandwidth decode is held to.
     """
     raw = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)
     start = -raw.data_ptr() % HUGE_PAGE  # first huge-page boundary inside the allocation
@@ -269,9 +269,9 @@ def _place_in_arena(model: CausalLM) -> None:
     """Give every (meta) parameter CPU storage inside one allocation, in forward order,
     in huge-page memory (``huge_page_empty``).
 
-    Decode streams every weight once per step; with 4 KiB pages that is ~190k TLB misses
-    per step for a 0.77 GB model, and the weight stream measurably slows (about 10% on a
-    2-core Zen 3).
+    Decode streams every weight once per step; with 4 KiB pages that is one TLB miss per
+    4 KiB of weights (~190k per step for a 0.77 GB model), which slows the stream
+    (benchmarks/RESULTS.md, "Measurement notes").
     """
     slots = [(mod, name, p) for mod in model.modules()
              for name, p in mod.named_parameters(recurse=False)]

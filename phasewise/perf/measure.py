@@ -41,9 +41,9 @@ def largest_cache_bytes(root: Path = CPU_CACHE_DIR) -> int | None:
 
 def cpu_read_bytes(root: Path = CPU_CACHE_DIR) -> int:
     """How much a CPU read-bandwidth probe reads: twice the largest cache (so that the
-    reads come from memory; a 2-core Xeon VM reports a 480 MiB L3, and its quick probe over
-    128 MiB read ~50 GB/s against ~40 over 1 GiB), at least 256 MiB and at most 2 GiB, in
-    whole MiB; 1 GiB where the caches are not reported."""
+    reads come from memory, not from a large L3 that some VMs report: a probe that fits in
+    it reads faster than decode ever will), at least 256 MiB and at most 2 GiB, in whole
+    MiB; 1 GiB where the caches are not reported."""
     cache = largest_cache_bytes(root)
     if cache is None:
         return 1 << 30
