@@ -413,8 +413,9 @@ class Victim:
 
     def __enter__(self) -> Victim:
         self._proc = subprocess.Popen(
-            [sys.executable, __file__, "--victim", self.url, json.dumps(self.headers or {}),
-             str(self.min_streams)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            [sys.executable, "-m", "benchmarks.hostile_pass", "--victim", self.url,
+             json.dumps(self.headers or {}), str(self.min_streams)], cwd=REPO,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self._reader.start()
         if not self.first.wait(120):
             self.failures["no first token in 120 s"] += 1
@@ -443,6 +444,8 @@ class Victim:
                 self.failures[rest] += 1
             if kind in ("first", "fail"):  # a failed victim must not hold the attack back
                 self.first.set()
+        if self.streams == 0 and not self.failures:  # it died before it could say why
+            self.failures[f"the victim process ended with status {self._proc.wait()}"] += 1
         self.first.set()
 
 
