@@ -97,17 +97,11 @@ class LLMEngine:
         self.clock = time.monotonic
 
         self.kv = KVCacheManager(num_blocks, bs, config.enable_prefix_caching)
-        budget_tokens = config.max_num_batched_tokens or (
+        self.max_num_batched_tokens = config.max_num_batched_tokens or (
             DEFAULT_CUDA_STEP_TOKENS if self.device.type == "cuda" else DEFAULT_CPU_STEP_TOKENS)
-        self.max_num_batched_tokens = budget_tokens
-        if config.policy == "prefill-first":
-            budget_tokens = max(budget_tokens, max_len)
-        self.scheduler = Scheduler(
-            SchedulerConfig(max_num_batched_tokens=budget_tokens,
-                            max_num_seqs=config.max_num_seqs, max_model_len=max_len,
-                            policy=config.policy),
-            self.kv, self.clock,
-        )
+        self.scheduler = Scheduler(SchedulerConfig.of(
+            self.max_num_batched_tokens, config.max_num_seqs, max_len, config.policy),
+            self.kv, self.clock)
         graphs = ("cuda" if self.device.type == "cuda" and not config.enforce_eager
                   else None)
         self.runner = ModelRunner(self.model, mc, num_blocks=num_blocks, block_size=bs,
@@ -267,7 +261,7 @@ class LLMEngine:
         if not batch.requests:
             return []
         cost = self.cost_model.predict(*batch.mix())  # before update() advances the counts
-        chunks, decoders = batch.riders()
+        riders = batch.riders()  # as mix(): before update()
         tables = [self.kv.block_table(r.request_id) for r in batch.requests]
         try:
             exports = (self.connector.step_exports(batch.requests, batch.num_tokens)
@@ -307,16 +301,9 @@ class LLMEngine:
                 and not batch.num_prefill_tokens):
             self.speculator.observe(bool(verified), len(batch.requests),
                                     sum(kept for _, kept in got), duration)
-        self.step_stats.append(StepStats(
-            index=self._step_index, start_time=start, duration_s=duration,
-            num_prefill_tokens=batch.num_prefill_tokens,
-            num_decode_tokens=batch.num_decode_tokens, num_requests=len(batch.requests),
-            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
-            kv_usage=self.kv.usage, num_preempted=len(batch.preempted),
-            predicted_flops=cost.flops, predicted_bytes=cost.bytes, predicted_s=cost.seconds,
-            prefill_chunks=chunks, decode_ids=decoders, compute_dtype=cost.compute_dtype,
-            num_spec_proposed=proposed, num_spec_accepted=accepted,
-        ))
+        self.step_stats.append(StepStats.of(
+            self._step_index, start, duration, batch, riders, cost, self.scheduler,
+            self.kv.usage, proposed, accepted))
         return outputs
 
     def _emit(self, req: Request, new_tokens: int = 1) -> RequestOutput:

@@ -4,6 +4,7 @@ outputs is ``phasewise.engine.output_processor``'s)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from phasewise.engine.request import RequestMetrics
 
@@ -73,6 +74,23 @@ class StepStats:
     # Speculative decoding: draft tokens this step verified, and how many it kept.
     num_spec_proposed: int = 0
     num_spec_accepted: int = 0
+
+    @classmethod
+    def of(cls, index: int, start: float, duration: float, batch: Any,
+           riders: tuple[tuple[tuple[str, int], ...], tuple[str, ...]], cost: Any,
+           scheduler: Any, kv_usage: float, proposed: int, accepted: int) -> StepStats:
+        """The record of a step that ran ``batch`` (a ``ScheduledBatch``; ``riders``: its
+        ``riders()``, read before the scheduler's update), priced at ``cost`` (a
+        ``StepPrediction``), with ``scheduler``'s queues as they are after it."""
+        return cls(
+            index=index, start_time=start, duration_s=duration,
+            num_prefill_tokens=batch.num_prefill_tokens,
+            num_decode_tokens=batch.num_decode_tokens, num_requests=len(batch.requests),
+            num_running=len(scheduler.running), num_waiting=len(scheduler.waiting),
+            kv_usage=kv_usage, num_preempted=len(batch.preempted),
+            predicted_flops=cost.flops, predicted_bytes=cost.bytes, predicted_s=cost.seconds,
+            prefill_chunks=riders[0], decode_ids=riders[1], compute_dtype=cost.compute_dtype,
+            num_spec_proposed=proposed, num_spec_accepted=accepted)
 
     @property
     def num_tokens(self) -> int:

@@ -62,6 +62,16 @@ class SchedulerConfig:
                 f"({self.max_num_batched_tokens}) must be >= max_model_len ({self.max_model_len})"
             )
 
+    @classmethod
+    def of(cls, budget: int, max_num_seqs: int, max_model_len: int,
+           policy: str) -> SchedulerConfig:
+        """An engine's scheduler: ``budget`` tokens a step, except that ``prefill-first``
+        runs whole prompts, so its steps take up to the context's length."""
+        if policy == "prefill-first":
+            budget = max(budget, max_model_len)
+        return cls(max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
+                   max_model_len=max_model_len, policy=policy)
+
 
 @dataclass
 class ScheduledBatch:
