@@ -18,6 +18,7 @@ from phasewise.model.cpu.kernels import ProjMode
 from phasewise.model.cpu.linear import ALL_ROWS, LinearDispatch, Upcast
 from phasewise.model.cpu.ops import CpuKernelOps
 from phasewise.model.cpu.quant import dequantize_rows, quantize_rows_int8
+from phasewise.model.linear_types import Int8Linear, PanelLinear
 from phasewise.model.ops import TorchOps
 
 _BENCH: list[cpu_kernels.KernelLibrary] = []  # the benchmark build, compiled once
@@ -298,12 +299,15 @@ def test_panels_are_packed_in_place_and_only_where_they_are_the_path(tmp_path, m
         assert p.data_ptr() == ptrs[name]  # the same memory
         if name.split(".")[-2] in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj") \
                 and name.endswith("weight"):
-            assert cpu_kernels.is_panels(p)
+            mod = model.get_submodule(name.rsplit(".", 1)[0])
+            assert isinstance(mod, PanelLinear) and cpu_kernels.is_panels(p)
             glu = name.split(".")[-2] == "gate_up_proj"  # units of gate and up blocks
-            assert ops_mod.glu_packed(model.get_submodule(name.rsplit(".", 1)[0])) == glu
+            assert ops_mod.glu_packed(mod) == glu and mod.glu == glu
+            assert torch.equal(mod.dense(), rows[name])
+            assert (mod.out_features, mod.in_features) == tuple(rows[name].shape)
             assert torch.equal(cpu_kernels.unpack_panels(p, glu=glu), rows[name])
         elif name == head_name and packs_head:
-            assert cpu_kernels.is_panels(p)
+            assert isinstance(model.lm_head_module, PanelLinear) and cpu_kernels.is_panels(p)
             assert torch.equal(cpu_kernels.unpack_panels(p), rows[name])
         else:
             assert torch.equal(p, rows[name])
@@ -335,11 +339,11 @@ def test_panels_are_packed_in_place_and_only_where_they_are_the_path(tmp_path, m
     gu = layer.gate_up_proj
     plain = cpu_kernels.pack_panels(cpu_kernels.unpack_panels(gu.weight, glu=True))
     glu_weight, gu.weight = gu.weight, torch.nn.Parameter(plain, requires_grad=False)
-    gu.panels_glu = False
+    gu.glu = False
     assert ops._static_args(layer) is None
     x8 = torch.randn(3, cfg.hidden_size).bfloat16()
     assert torch.equal(ops.gate_up_silu(x8, gu), ops.silu_mul(cpu_kernels.linear_pk(x8, plain)))
-    gu.weight, gu.panels_glu = glu_weight, True
+    gu.weight, gu.glu = glu_weight, True
     assert torch.equal(ops.gate_up_silu(x8, gu), ops.silu_mul(cpu_kernels.linear_pk(x8, plain)))
     again = CpuKernelOps(LinearDispatch(0, "torch"))  # a packed model, packed again: as is
     assert again.pack_panels(model) == "" and again.panels
@@ -355,6 +359,7 @@ def test_panels_are_packed_in_place_and_only_where_they_are_the_path(tmp_path, m
     quantize_model_int8(model)
     assert CpuKernelOps(LinearDispatch(0, "torch")).pack_panels(model) == "int8 weights"
     assert model.layers[0].qkv_proj.weight.dtype == torch.int8
+    assert isinstance(model.layers[0].qkv_proj, Int8Linear)
 
 
 @needs_amx
@@ -1090,7 +1095,7 @@ def test_fused_decode_layer_matches_op_by_op(tmp_path, two_threads, arch, rows, 
 
     if plan == "panels":  # every projection packed, in place, once; every ops reads them
         assert CpuKernelOps(dispatch).pack_panels(model) == ""  # AMX too (as a plan may say)
-        assert cpu_kernels.is_panels(model.layers[0].qkv_proj.weight)
+        assert isinstance(model.layers[0].qkv_proj, PanelLinear)
         # gate/up blocks: an even count takes the SiLU in the epilogue, an odd one not
         blocks = model.layers[0].gate_up_proj.weight.shape[0]
         assert blocks % 2 == (cfg.intermediate_size % 16 == 8)
@@ -1179,7 +1184,7 @@ def test_decode_logits_fold_the_head_into_the_stack_bit_for_bit(tmp_path, two_th
 
     rows_logits, _ = run(lambda kv: model.compute_logits(model(ids, pos, kv, meta)))
     assert ops.pack_panels(model) == ""
-    assert cpu_kernels.is_panels(model.lm_head_weight)
+    assert isinstance(model.lm_head_module, PanelLinear)
     two, kv_two = run(lambda kv: model.compute_logits(model(ids, pos, kv, meta)))
     one, kv_one = run(lambda kv: model.forward_logits(ids, pos, kv, meta))
     assert one.dtype == torch.float32 and one.shape == (rows, cfg.vocab_size)

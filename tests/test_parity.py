@@ -19,6 +19,7 @@ from phasewise.engine.engine import LLMEngine
 from phasewise.config import EngineConfig
 from phasewise.model.attention import AttentionMetadata
 from phasewise.model.cpu import kernels as cpu_kernels
+from phasewise.model.linear_types import PanelLinear
 from phasewise.model.config import ModelConfig
 from phasewise.model.cpu.linear import LinearDispatch
 from phasewise.model.cpu.ops import CpuKernelOps
@@ -219,8 +220,8 @@ def test_bf16_engine_with_cpu_kernels_tracks_hf(tmp_path, over):
     # the projections in panels: the kernel plan's rule where AVX512_BF16 runs without AMX
     if cpu_kernels.avx512bf16_available() and not cpu_kernels.amx_available():
         assert llm.engine.panels_reason == "" and llm.engine.model.ops.panels
-        assert cpu_kernels.is_panels(llm.engine.model.layers[0].down_proj.weight)
-        assert cpu_kernels.is_panels(llm.engine.model.lm_head_weight) == bool(over)
+        assert isinstance(llm.engine.model.layers[0].down_proj, PanelLinear)
+        assert isinstance(llm.engine.model.lm_head_module, PanelLinear) == bool(over)
         # generate's [kernels] line and bench_engine's report say where the head runs
         plan = llm.engine.cpu_backend.describe()
         assert ("the LM head packed into panels" in plan) == bool(over)

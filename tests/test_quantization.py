@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 
 from phasewise import LLM, SamplingParams
 from phasewise.config import BUNDLED_MODEL, EngineConfig
-from phasewise.model.cpu.quant import dequantize_rows, quantize_rows_int8
+from phasewise.model.cpu.quant import Int8Embedding, dequantize_rows, quantize_rows_int8
+from phasewise.model.linear_types import Int8Linear
 
 # Held-out in the sense that matters here: written for this test, not the training corpus.
 PROMPTS = ["def fibonacci(n):\n", "class Stack:\n    def push(self, x):\n",
@@ -57,11 +58,13 @@ def test_int8_weights_are_int8_from_loading_and_run_in_the_fused_decode_layer(en
     for layer in model.layers:
         for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
             lin = getattr(layer, name)
+            assert isinstance(lin, Int8Linear)
             assert lin.weight.dtype == torch.int8 and lin.weight_scale.dtype == torch.float32
             assert lin.weight_scale.shape == (lin.weight.shape[0],)
         assert layer.input_layernorm.weight.dtype == torch.bfloat16  # norms stay as they were
     # the LM head is int8 too; the bundled model ties it to the embedding, which dequantizes
     assert model.cfg.tie_word_embeddings and model.lm_head_weight.dtype == torch.int8
+    assert isinstance(model.lm_head_module, Int8Embedding)
     ids = torch.tensor([5, 17])
     bf16 = engines["bf16"].engine.model.embed_tokens(ids)
     got = model.embed_tokens(ids)
@@ -88,6 +91,7 @@ def test_an_untied_lm_head_is_quantized_and_its_embedding_kept(tmp_path):
     m = llm.engine.model
     assert not m.cfg.tie_word_embeddings
     assert m.lm_head.weight.dtype == torch.int8 and m.embed_tokens.weight.dtype == torch.bfloat16
+    assert isinstance(m.lm_head, Int8Linear) and not isinstance(m.embed_tokens, Int8Linear)
     assert torch.equal(m.embed_tokens.weight, ref.engine.model.embed_tokens.weight)
     q, s = quantize_rows_int8(ref.engine.model.lm_head.weight)
     assert torch.equal(m.lm_head.weight, q) and torch.equal(m.lm_head.weight_scale, s)

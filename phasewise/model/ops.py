@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from phasewise.model.attention import AttentionMetadata, PrefillSpan, decode_attention_torch
+from phasewise.model.linear_types import Int8Linear
 
 RopeTables = tuple[torch.Tensor, torch.Tensor]
 INT8_DEQUANT_FLOATS = 1 << 22  # TorchOps.linear_int8's dequantized block (16 MiB of fp32)
@@ -28,12 +29,11 @@ class TorchOps:
 
     def proj(self, x: torch.Tensor, lin: nn.Linear) -> torch.Tensor:
         """A decoder projection or the LM head (``lin``: a module with ``weight`` and
-        perhaps ``bias``): ``linear``, or for int8 weights (``phasewise.model.cpu.quant``)
+        perhaps ``bias``): ``linear``, or for an ``Int8Linear`` (``--quantization int8``)
         ``linear_int8``."""
-        scale, bias = getattr(lin, "weight_scale", None), getattr(lin, "bias", None)
-        if scale is None:
-            return self.linear(x, lin.weight, bias)
-        return self.linear_int8(x, lin.weight, scale, bias)
+        if isinstance(lin, Int8Linear):
+            return self.linear_int8(x, lin.weight, lin.weight_scale, lin.bias)
+        return self.linear(x, lin.weight, getattr(lin, "bias", None))
 
     def linear_int8(self, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
                     b: torch.Tensor | None) -> torch.Tensor:

@@ -37,11 +37,18 @@ class DecoderLayer(nn.Module):
 
     def projections(self) -> dict[str, nn.Module]:
         """The four projections in forward order, by the names the fused kernels give them
-        (``qkv``, ``o``, ``gate_up``, ``down``): each module's ``weight``, ``bias`` and,
-        for int8 weights, ``weight_scale``. Kernels that repack a weight set it on the
-        module."""
+        (``qkv``, ``o``, ``gate_up``, ``down``): an ``nn.Linear`` with the weight in rows,
+        or one of ``phasewise.model.linear_types`` (``Int8Linear``, ``PanelLinear``) once
+        quantization or a kernel's packing has replaced it (``replace_projection``)."""
         return {"qkv": self.qkv_proj, "o": self.o_proj, "gate_up": self.gate_up_proj,
                 "down": self.down_proj}
+
+    def replace_projection(self, name: str, module: nn.Module) -> None:
+        """Put ``module`` (the same weight in another type or layout) in place of projection
+        ``name`` (a key of ``projections``); its parameters keep their names."""
+        if name not in ("qkv", "o", "gate_up", "down"):
+            raise KeyError(f"no projection {name!r}; the projections are qkv, o, gate_up, down")
+        setattr(self, f"{name}_proj", module)
 
     def norm_weights(self) -> dict[str, torch.Tensor]:
         """The RMSNorm weights by the names the fused kernels give them: ``in`` (before
@@ -111,7 +118,8 @@ class CausalLM(nn.Module):
 
     @property
     def lm_head_module(self) -> nn.Module:
-        """The module whose ``weight`` (and, under int8, ``weight_scale``) is the LM head."""
+        """The module whose ``weight`` is the LM head: the embedding table where they are
+        tied, else ``lm_head`` (an ``Int8Linear`` or ``PanelLinear`` once replaced)."""
         return self.embed_tokens if self.cfg.tie_word_embeddings else self.lm_head
 
     @property
@@ -131,6 +139,13 @@ class CausalLM(nn.Module):
         """Look tokens up in ``module`` from now on (the same table in another layout: its
         ``weight`` is then the LM head too where the embeddings are tied)."""
         self.embed_tokens = module
+
+    def replace_lm_head(self, module: nn.Module) -> None:
+        """Use ``module`` as the LM head from now on (the same weight in another type or
+        layout); where the embeddings are tied, ``replace_embedding`` instead."""
+        if self.head_is_embedding:
+            raise ValueError("the LM head is the embedding table: replace_embedding")
+        self.lm_head = module
 
     def forward(
         self,

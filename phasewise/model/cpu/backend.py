@@ -19,6 +19,7 @@ from phasewise.model.cpu.capabilities import capabilities
 from phasewise.model.cpu.linear import LinearDispatch
 from phasewise.model.cpu.ops import CpuKernelOps
 from phasewise.model.cpu.plan import KernelPlan, PlanKey, Runtime, resolve, stream_prefetch_rule
+from phasewise.model.linear_types import PanelLinear
 
 
 @dataclass
@@ -116,6 +117,6 @@ def prepare_cpu_backend(model: nn.Module, config: Any, dtype: torch.dtype,
         kernels.KERNELS.set_stream_prefetch(plan.stream_prefetch, why)
     reason = ops.pack_panels(model) if plan.panels else _panels_reason(plan, runtime)
     model.ops = ops
-    head_panels = kernels.is_panels(model.lm_head_weight)
+    head_panels = isinstance(model.lm_head_module, PanelLinear)
     release_freed_heap()
     return CpuBackend(ops, plan, linear, reason, head_panels, runtime)

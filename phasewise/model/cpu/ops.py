@@ -22,6 +22,7 @@ from phasewise.model.attention import AttentionMetadata, PrefillSpan
 from phasewise.model.cpu import kernels
 from phasewise.model.cpu.kernels import ProjMode
 from phasewise.model.cpu.linear import LinearDispatch
+from phasewise.model.linear_types import Int8Linear, PanelLinear
 from phasewise.model.ops import RopeTables, TorchOps
 
 
@@ -40,25 +41,25 @@ def _projections(model: nn.Module) -> list[nn.Module]:
 def glu_packed(lin: nn.Module) -> bool:
     """Whether ``lin`` (a gate/up projection) is packed into panels as glu units
     (``pack_panels(..., glu=True)``): only ``glu_pk`` and the fused layer read it then."""
-    return bool(getattr(lin, "panels_glu", False)) and kernels.is_panels(lin.weight)
+    return isinstance(lin, PanelLinear) and lin.glu
 
 
-class PanelsEmbedding(nn.Module):
+class PanelsEmbedding(PanelLinear):
     """A tied embedding table packed into panels as the LM head (``CpuKernelOps.pack_panels``):
-    the LM head reads ``weight`` as panels (``linear_pk``, any row count), and a lookup
-    unpacks the rows it needs (``kernels.panels_rows``: the same values as the rows)."""
+    the LM head reads ``weight`` as panels (``linear_pk``, any row count: a ``PanelLinear``),
+    and a lookup unpacks the rows it needs (``kernels.panels_rows``: the same values as the
+    rows)."""
 
-    def __init__(self, weight: torch.Tensor) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(weight, requires_grad=False)
+    def __init__(self, panels: torch.Tensor, num_embeddings: int, embedding_dim: int) -> None:
+        super().__init__(panels, num_embeddings, embedding_dim)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return kernels.panels_rows(self.weight, ids)
 
 
-def out_features(w: torch.Tensor) -> int:
-    """A projection weight's output width: its rows, or 16 a block of panels."""
-    return 16 * w.shape[0] if kernels.is_panels(w) else w.shape[0]
+def out_features(lin: nn.Module) -> int:
+    """A projection's output width: its logical one where its weight is not in rows."""
+    return lin.out_features if isinstance(lin, PanelLinear) else lin.weight.shape[0]
 
 
 class CpuKernelOps(TorchOps):
@@ -83,9 +84,14 @@ class CpuKernelOps(TorchOps):
             t.dtype == torch.bfloat16 and t.device.type == "cpu" and t.is_contiguous()
             for t in ts)
 
+    def proj(self, x: torch.Tensor, lin: nn.Linear) -> torch.Tensor:
+        """A ``PanelLinear`` (the projections and the head where ``pack_panels`` packed
+        them): ``kernels.linear_pk`` at every row count; else as ``TorchOps.proj``."""
+        if isinstance(lin, PanelLinear):
+            return kernels.linear_pk(x, lin.weight, lin.bias)
+        return super().proj(x, lin)
+
     def linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-        if kernels.is_panels(w):
-            return kernels.linear_pk(x, w, b)
         if w.dtype != torch.bfloat16 or w.device.type != "cpu":
             return F.linear(x, w, b)
         return self.dispatch(x, w, b)
@@ -106,21 +112,20 @@ class CpuKernelOps(TorchOps):
         weights in panels, at any row count (``kernels.glu_pk``)."""
         w, b = lin.weight, lin.bias
         rows = x.numel() // x.shape[-1]
-        scale = getattr(lin, "weight_scale", None)
-        if scale is not None:  # int8: the streams up to INT8_ROWS_MAX rows, AMX above
+        if isinstance(lin, Int8Linear):  # the streams up to INT8_ROWS_MAX rows, AMX above
             if (rows > kernels.INT8_ROWS_MAX and kernels.amx_available()
-                    and self._ok(x) and (b is None or self._ok(b)) and w.shape[0] >= 32
-                    and w.dtype == torch.int8 and scale.dtype == torch.float32):
-                return kernels.glu_int8_amx(x, w, scale, b)
+                    and self._ok(x) and (b is None or self._ok(b)) and w.shape[0] >= 32):
+                return kernels.glu_int8_amx(x, w, lin.weight_scale, b)
+        elif isinstance(lin, PanelLinear):
+            if lin.glu:
+                # Panels packed as glu units (I % 16 == 0; nothing else reads them:
+                # linear_pk would give the channels in unit order): the SiLU in the tiles'
+                # epilogue, as the fused decode layer does, so the [rows, 2I] product is
+                # never written and read again. glu_pk takes x as bf16 rows.
+                return kernels.glu_pk(x, w, b)
         elif (self._amx_rows(rows) and self._ok(x, w) and (b is None or self._ok(b))
                 and w.shape[0] >= 32):
             return kernels.glu_amx(x, w, b)
-        elif glu_packed(lin):
-            # Panels packed as glu units (I % 16 == 0; nothing else reads them: linear_pk
-            # would give the channels in unit order): the SiLU in the tiles' epilogue, as
-            # the fused decode layer does, so the [rows, 2I] product is never written and
-            # read again. glu_pk takes x as bf16 rows.
-            return kernels.glu_pk(x, w, b)
         return super().gate_up_silu(x, lin)
 
     def mlp(self, x: torch.Tensor, gate_up: nn.Linear, down: nn.Linear) -> torch.Tensor:
@@ -130,10 +135,10 @@ class CpuKernelOps(TorchOps):
         rows = x.numel() // x.shape[-1]
         wg, wd = gate_up.weight, down.weight
         if (rows > self.kernels.decode_layer_max_rows and kernels.amx_available()
+                and not isinstance(gate_up, (Int8Linear, PanelLinear))
+                and not isinstance(down, (Int8Linear, PanelLinear))
                 and self.dispatch.method_for(rows, tuple(wg.shape)) == "amx"
                 and self.dispatch.method_for(rows, tuple(wd.shape)) == "amx"
-                and getattr(gate_up, "weight_scale", None) is None
-                and getattr(down, "weight_scale", None) is None
                 and self._ok(x, wg, wd) and all(b is None or self._ok(b)
                                                 for b in (gate_up.bias, down.bias))
                 and wd.shape[1] % 32 == 0 and wd.shape[0] >= 16
@@ -148,7 +153,7 @@ class CpuKernelOps(TorchOps):
         # in chunks of equal size (513 rows: 257 + 256, not 512 + a row that would stream
         # every MLP weight once more, on another method)
         x2 = x.reshape(rows, x.shape[-1])
-        width = out_features(down.weight)
+        width = out_features(down)
         out = torch.empty(rows, width, dtype=x.dtype)
         chunk = -(-rows // -(-rows // MLP_CHUNK_ROWS))
         for r0 in range(0, rows, chunk):
@@ -178,27 +183,29 @@ class CpuKernelOps(TorchOps):
         with torch.no_grad():
             for layer in model.layers:  # in place where it can (the arena's always can)
                 for name, lin in layer.projections().items():
-                    w = lin.weight
-                    if kernels.is_panels(w):  # packed before (then all of them are)
+                    if isinstance(lin, PanelLinear):  # packed before (then all of them are)
                         continue
+                    w = lin.weight
                     # a SwiGLU's gate/up as units of a gate block and its up block, the
                     # SiLU then in the tiles' epilogue (glu_pk), where I % 16 == 0
                     glu = name == "gate_up" and w.shape[0] % 32 == 0
                     in_place = w.is_contiguous() and w.data_ptr() % 4 == 0
-                    lin.weight = nn.Parameter(
-                        kernels.pack_panels(w, in_place=in_place, glu=glu),
-                        requires_grad=False)
-                    lin.panels_glu = glu
+                    n, k = w.shape
+                    layer.replace_projection(name, PanelLinear(
+                        kernels.pack_panels(w, in_place=in_place, glu=glu), n, k,
+                        bias=lin.bias, glu=glu))
             self._pack_head(model)
         return ""
 
     @staticmethod
     def _pack_head(model: nn.Module) -> None:
-        """The LM head into panels, in place, where it can take them (bf16, vocabulary % 16);
-        a tied embedding table then becomes a ``PanelsEmbedding``."""
+        """The LM head into panels, in place, where it can take them (bf16, vocabulary % 16):
+        a ``PanelLinear``; a tied embedding table then becomes a ``PanelsEmbedding``."""
         head = model.lm_head_module
+        if isinstance(head, (PanelLinear, Int8Linear)):
+            return
         w = head.weight
-        if kernels.is_panels(w) or not kernels.can_pack_panels(w):
+        if not kernels.can_pack_panels(w):
             return
         if not model.head_is_embedding:  # untied, but perhaps the table's bytes all the
             e = model.embedding_weight     # same (packing them would garble the lookups)
@@ -206,11 +213,12 @@ class CpuKernelOps(TorchOps):
             if lo < e.data_ptr() + e.numel() * e.element_size() and e.data_ptr() < hi:
                 return
         in_place = w.is_contiguous() and w.data_ptr() % 4 == 0
+        n, k = w.shape
         wp = kernels.pack_panels(w, in_place=in_place)
         if model.head_is_embedding:
-            model.replace_embedding(PanelsEmbedding(wp))
+            model.replace_embedding(PanelsEmbedding(wp, n, k))
         else:
-            head.weight = nn.Parameter(wp, requires_grad=False)
+            model.replace_lm_head(PanelLinear(wp, n, k, bias=getattr(head, "bias", None)))
 
     @staticmethod
     def panels_refused(model: nn.Module) -> str:
@@ -221,10 +229,10 @@ class CpuKernelOps(TorchOps):
         lins = _projections(model)
         if not lins:
             return "no decoder projections"
-        if all(kernels.is_panels(lin.weight) for lin in lins):
+        if all(isinstance(lin, PanelLinear) for lin in lins):
             return ""
         for lin in lins:
-            if getattr(lin, "weight_scale", None) is not None:
+            if isinstance(lin, Int8Linear):
                 return "int8 weights"
             if not kernels.can_pack_panels(lin.weight):
                 return f"a {tuple(lin.weight.shape)} {lin.weight.dtype} weight"
@@ -346,20 +354,18 @@ class CpuKernelOps(TorchOps):
         (``pw_decode_stack_head_bf16``): no return to Python between the last layer and the
         head's stream. The bits of ``decode_stack``, ``add_rms_norm`` and ``proj``, the
         logits written as fp32 (widened in the head's epilogue, not by a pass over a bf16
-        copy). Where the head is not in panels (or has a bias, or int8 scales), None."""
-        w = head.weight
-        if (not kernels.avx512bf16_available() or not kernels.is_panels(w)
-                or not w.is_contiguous() or not self._ok(norm_weight)
-                or getattr(head, "bias", None) is not None
-                or getattr(head, "weight_scale", None) is not None
-                or 2 * w.shape[1] != hidden.shape[-1]):
+        copy). Where the head is not a ``PanelLinear`` (or has a bias), None."""
+        if (not kernels.avx512bf16_available() or not isinstance(head, PanelLinear)
+                or not head.weight.is_contiguous() or not self._ok(norm_weight)
+                or head.bias is not None or head.in_features != hidden.shape[-1]):
             return None
+        w = head.weight
         ready = self._stack_ready(layers, hidden, rope, kv_caches, meta)
         if ready is None:
             return None
         args, k_ptrs, v_ptrs, bufs = ready
         xn = torch.empty_like(hidden)
-        vocab = 16 * w.shape[0]
+        vocab = head.out_features
         logits = torch.empty(hidden.shape[0], vocab, dtype=torch.float32)
         rc = self.lib.pw_decode_stack_head_bf16(
             args, len(layers), ctypes.addressof(k_ptrs), ctypes.addressof(v_ptrs),
@@ -498,18 +504,16 @@ class CpuKernelOps(TorchOps):
         int8: dict[str, torch.Tensor] = {}  # int8 projections' scales, by their field
         panels: dict[str, torch.Tensor] = {}  # projections packed into panels
         for field, lin in projections.items():
-            scale = getattr(lin, "weight_scale", None)
-            if kernels.is_panels(lin.weight):
+            if isinstance(lin, PanelLinear):
                 if not (self.panels and lin.weight.is_contiguous()):
                     return None
                 panels["w_" + field] = lin.weight
                 continue
-            if scale is None:
+            if not isinstance(lin, Int8Linear):
                 weights["w_" + field] = lin.weight
                 continue
-            w = lin.weight
-            if (w.dtype != torch.int8 or scale.dtype != torch.float32 or w.device.type != "cpu"
-                    or not (w.is_contiguous() and scale.is_contiguous())):
+            w, scale = lin.weight, lin.weight_scale
+            if w.device.type != "cpu" or not (w.is_contiguous() and scale.is_contiguous()):
                 return None
             int8["w_" + field], int8["s_" + field] = w, scale
         present = [w for w in weights.values() if w is not None]

@@ -39,7 +39,7 @@ from phasewise.model.cpu.plan import (
     rule,
     write_plan_file,
 )
-from phasewise.model.cpu.quant import dequantize_rows
+from phasewise.model.linear_types import Int8Linear
 
 DEFAULT_ROUNDS = 3
 MAX_POSITIONS = 4096  # RoPE tables the tuning model builds (no step attends; any length does)
@@ -54,21 +54,22 @@ def measure_linear(model: nn.Module, dtype: torch.dtype, panels: bool) -> Linear
         return LinearDispatch.calibrate([model.lm_head_weight])
     layers = model.layers
     gate_up = layers[0].gate_up_proj
-    if gate_up.weight.dtype == torch.int8:  # the plan times bf16 of that shape
-        ws = [dequantize_rows(gate_up.weight, gate_up.weight_scale).to(dtype)]
+    if isinstance(gate_up, Int8Linear):  # the plan times bf16 of that shape
+        ws = [gate_up.dense().to(dtype)]
     else:  # every layer's, so that few rows time a stream from memory, as decode does
         ws = [layer.gate_up_proj.weight for layer in layers]
-    # what a decode step streams, for the fused layer's few rows against AMX
-    stream = [getattr(layer, name).weight for layer in layers
-              for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")]
-    stream = [w for w in stream if w.dtype == dtype]
+    # what a decode step streams, for the fused layer's few rows against AMX (in rows, not
+    # int8)
+    stream = [lin.weight for layer in layers for lin in layer.projections().values()
+              if not isinstance(lin, Int8Linear)]
     plan = LinearDispatch.calibrate(ws, stream=stream)
     # The other projections' shapes at prompt-chunk rows, each its own method, over 8
     # layers' weights (read from memory, as a prompt reads them), bf16 weights only (the
     # gate/up projection's rows take the plan's, fused with the SiLU on AMX).
     for name in ("qkv_proj", "o_proj", "down_proj"):
-        w = getattr(layers[0], name).weight
-        if w.dtype == dtype and tuple(w.shape) not in plan.prompt_by_shape:
+        lin = getattr(layers[0], name)
+        if (not isinstance(lin, Int8Linear)
+                and tuple(lin.weight.shape) not in plan.prompt_by_shape):
             plan.calibrate_prompt_shape([getattr(layer, name).weight for layer in layers[:8]])
     return plan
 
