@@ -444,6 +444,44 @@ def test_bench_client_against_phasewise_reads_its_metrics(server, tmp_path):
     assert all(t is not None and t["prefill_s"] > 0 for t in r["server_timings"])
 
 
+def test_bench_reports_prefix_hits_and_warns_when_a_cold_run_was_cached(server, tmp_path,
+                                                                       capsys):
+    """A repeated --seed sends the same prompts: the second run is served from the prefix
+    cache, reports it and warns. Without --seed each run draws its own and is not; neither
+    is the second rate of a sweep."""
+    from phasewise.cli import main
+
+    def bench(name: str, *extra: str) -> tuple[dict, str]:
+        out = tmp_path / f"{name}.json"
+        rc = main(["bench", "--base-url", server.url, "--num-prompts", "3", "--input-len",
+                   "48", "--output-len", "2", "--request-rate", "inf", "--result-file",
+                   str(out), "--disable-tqdm", *extra])
+        assert rc == 0
+        cap = capsys.readouterr()
+        return json.loads(out.read_text()), cap.out + cap.err
+
+    server.wait_idle()
+    first, _ = bench("a", "--seed", "11")
+    again, text = bench("b", "--seed", "11")
+    assert first["seed"] == again["seed"] == 11
+    assert again["cached_of_prompt_tokens"] == 3 * 48
+    assert again["cached_prompt_tokens"] >= 3 * 32  # whole blocks of each prompt
+    assert again["requests_with_cache_hits"] == 3
+    assert "Prefix cache hits (server):" in text and "warning: the server's prefix cache" in text
+    fresh, text = bench("c")
+    other, text2 = bench("d")
+    assert fresh["seed"] != other["seed"] and f"--seed {other['seed']}" in text2
+    for r, t in ((fresh, text), (other, text2)):
+        assert r["cached_prompt_tokens"] < 0.1 * r["cached_of_prompt_tokens"], r
+        assert "warning: the server's prefix cache" not in t
+    rc = main(["bench", "--base-url", server.url, "--num-prompts", "3", "--input-len", "48",
+               "--output-len", "2", "--request-rate", "1000", "inf", "--seed", "12",
+               "--result-dir", str(tmp_path / "sweep"), "--save-result", "--disable-tqdm"])
+    assert rc == 0
+    second = json.loads((tmp_path / "sweep" / "phasewise-bench-rateinf.json").read_text())
+    assert second["cached_prompt_tokens"] < 0.1 * second["cached_of_prompt_tokens"], second
+
+
 def test_periodic_log_line_reports_throughput(server, client):
     client.completions.create(model="tiny-llama", prompt=PROMPTS[0], max_tokens=20,
                               temperature=0, extra_body={"ignore_eos": True})

@@ -117,6 +117,10 @@ async def send_one(client: httpx.AsyncClient, cfg: ClientConfig, spec: RequestSp
                     res.output_tokens = int(usage.get("completion_tokens") or 0)
                     if isinstance(prompt, str) and usage.get("prompt_tokens"):
                         res.prompt_len = int(usage["prompt_tokens"])  # a text prompt's length
+                    details = usage.get("prompt_tokens_details")
+                    if isinstance(details, dict) and isinstance(details.get("cached_tokens"),
+                                                                int):
+                        res.cached_tokens = details["cached_tokens"]
                     timings = chunk.get("timings")
                     if isinstance(timings, list) and timings and isinstance(timings[0], dict):
                         res.server_timing = timings[0]

@@ -46,7 +46,11 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
                    help="JSONL of {arrival, prompt_len|prompt, output_len} (replaces the "
                         "synthetic workload)")
     p.add_argument("--trace-time-scale", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None,
+                   help="seed of the prompts' lengths, arrivals and text. phasewise bench: "
+                        "default a fresh one each run, printed, so that a second run is not "
+                        "served from the server's prefix cache; give the printed seed to "
+                        "send the same requests again. simulate and plan: default 0")
     p.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS",
                    help="SLOs for goodput: ttft:MS tpot:MS e2el:MS")
     p.add_argument("--label", default=None, help="name of this run in results and reports")

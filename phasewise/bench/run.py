@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import math
+import random
 import sys
 import time
 from typing import Any
@@ -22,6 +23,11 @@ from phasewise.perf.workload import LengthDist, build_workload, load_trace
 SERVER_HISTOGRAMS = ("request_queue_time_seconds", "request_prefill_time_seconds",
                      "request_decode_time_seconds", "time_to_first_token_seconds",
                      "inter_token_latency_seconds")
+# A sweep's rate i draws its prompts' text from seed + i * this (its lengths from seed alone).
+SWEEP_TEXT_STRIDE = 1_000_003
+# Above this share of prompt tokens served from the prefix cache, a synthetic run (whose
+# prompts share no prefix by design) was not computed cold, and says so.
+CACHE_WARN_SHARE = 0.1
 
 
 def scrape_phasewise_metrics(base_url: str, headers: dict[str, str]) -> dict[str, float] | None:
@@ -85,6 +91,10 @@ def main(a: argparse.Namespace) -> int:
     if a.num_prompts < 1:
         raise ValueError(f"--num-prompts must be >= 1, got {a.num_prompts}")
     label = a.label or "phasewise-bench"
+    seed = a.seed if a.seed is not None else random.SystemRandom().randrange(2**31)
+    print(f"seed {seed}" + ("" if a.seed is not None else
+                            " (drawn for this run; --seed " + str(seed) + " sends the same "
+                            "requests again)"), file=sys.stderr)
     dists = [LengthDist.parse(x) for x in (a.input_len, a.output_len, a.intruder_len)]
     if a.trace:
         base_specs = load_trace(a.trace, a.trace_time_scale)
@@ -101,16 +111,18 @@ def main(a: argparse.Namespace) -> int:
               file=sys.stderr)
     sweep = len(a.request_rate) > 1
     summaries = []
-    for rate in a.request_rate:
+    for i, rate in enumerate(a.request_rate):
         if base_specs is not None:
             specs = base_specs
         else:
             specs = build_workload(
                 a.num_prompts, dists[0], dists[1], request_rate=rate,
                 burstiness=a.burstiness, intruder_fraction=a.intruder_fraction,
-                intruder_len=dists[2], seed=a.seed)
-        prompts = make_prompts(specs, corpus_ids, a.seed) if corpus_ids else \
-            [s.prompt or "" for s in specs]
+                intruder_len=dists[2], seed=seed)
+        # The same lengths and arrivals at every rate of a sweep, but other text: a rate's
+        # prompts must not be served from the cache the previous rate filled.
+        prompts = make_prompts(specs, corpus_ids, seed + SWEEP_TEXT_STRIDE * i) \
+            if corpus_ids else [s.prompt or "" for s in specs]
         cfg = ClientConfig(base_url=a.base_url, model=a.model, endpoint=a.endpoint,
                            max_concurrency=a.max_concurrency, ignore_eos=not a.no_ignore_eos,
                            temperature=a.temperature, headers=headers)
@@ -123,7 +135,7 @@ def main(a: argparse.Namespace) -> int:
             "label": label, "base_url": a.base_url, "endpoint": a.endpoint,
             "model_id": a.model, "request_rate": rate if math.isfinite(rate) else "inf",
             "burstiness": a.burstiness, "max_concurrency": a.max_concurrency,
-            "num_prompts": len(specs), "seed": a.seed, "input_len": a.input_len,
+            "num_prompts": len(specs), "seed": seed, "input_len": a.input_len,
             "output_len": a.output_len, "intruder_fraction": a.intruder_fraction,
             "intruder_len": a.intruder_len if a.intruder_fraction else None,
             "trace": a.trace, "date": time.strftime("%Y%m%d-%H%M%S"), "sweep": sweep,
@@ -131,6 +143,9 @@ def main(a: argparse.Namespace) -> int:
         })
         print(f"\n==== {label}: request rate {rate:g} req/s ====")
         print(text_table(out))
+        warning = cache_warning(out, synthetic=base_specs is None)
+        if warning:
+            print(warning)
         if out["server_metrics"]:
             sm = out["server_metrics"]
             print(f"{'Server-side split (mean ms):':<38}queue "
@@ -150,6 +165,20 @@ def main(a: argparse.Namespace) -> int:
                   f"{s['p99_ttft_ms']:>9.0f} {s['median_tpot_ms']:>9.1f} "
                   f"{s['p99_itl_ms']:>9.0f} {'-' if gp is None else f'{gp:.3f}':>8}")
     return 0 if all(s["failed"] == 0 for s in summaries) else 1
+
+
+def cache_warning(out: dict[str, Any], synthetic: bool) -> str | None:
+    """A warning where a synthetic workload (meant to be computed cold: its prompts are
+    windows of a corpus that share no prefix by design) was served in part from the server's
+    prefix cache: its requests were sent before (a repeated ``--seed``, or an earlier run
+    with the same seed), so its TTFTs measure cache hits rather than prefill."""
+    cached, of = out.get("cached_prompt_tokens"), out.get("cached_of_prompt_tokens")
+    if not synthetic or not cached or not of or cached < CACHE_WARN_SHARE * of:
+        return None
+    return (f"warning: the server's prefix cache served {100 * cached / of:.0f}% of the prompt "
+            f"tokens ({out['requests_with_cache_hits']} requests): these prompts (seed "
+            f"{out['seed']}) were sent to it before, so TTFT here measures cache hits, not "
+            "prefill. Run without --seed (a fresh one is drawn), or restart the server.")
 
 
 def _fmt(x: float | None) -> str:

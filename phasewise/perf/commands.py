@@ -110,7 +110,7 @@ def workload_maker(a: argparse.Namespace, model: str):
             return trace
         return build_workload(n or a.num_prompts, dists[0], dists[1], request_rate=rate,
                               burstiness=a.burstiness, intruder_fraction=a.intruder_fraction,
-                              intruder_len=dists[2], seed=a.seed)
+                              intruder_len=dists[2], seed=0 if a.seed is None else a.seed)
     return make
 
 
@@ -152,7 +152,7 @@ def run_simulate(a: argparse.Namespace, model: str) -> int:
         out = simulate(cm, eng, dep, specs, slo or None)
         wall = time.monotonic() - t0
         out.update({"label": label, "request_rate": rate if math.isfinite(rate) else "inf",
-                    "num_prompts": len(specs), "seed": a.seed, "input_len": a.input_len,
+                    "num_prompts": len(specs), "seed": 0 if a.seed is None else a.seed, "input_len": a.input_len,
                     "output_len": a.output_len, "intruder_fraction": a.intruder_fraction,
                     "intruder_len": a.intruder_len if a.intruder_fraction else None,
                     "trace": a.trace, "sweep": sweep, "model_id": model,

@@ -52,6 +52,9 @@ class RequestResult:
     # The server's own split (phasewise servers send it on the final usage chunk):
     # {"queue_s", "prefill_s", "decode_s", ...}, else None.
     server_timing: dict[str, Any] | None = None
+    # Prompt tokens the server's prefix cache served (usage.prompt_tokens_details.cached_tokens,
+    # on the final usage chunk), None where the server does not say.
+    cached_tokens: int | None = None
 
     @property
     def itls(self) -> list[float]:
@@ -163,6 +166,19 @@ def _stats(name: str, values_s: Sequence[float], out: dict[str, Any]) -> None:
         out[f"p{p}_{name}_ms"] = percentile(ms, p)
 
 
+def prefix_hits(ok: Sequence[RequestResult]) -> dict[str, Any]:
+    """The prompt tokens the server's prefix cache served, over the requests whose usage said
+    so: their count, the prompt tokens of those requests, and how many requests had a hit.
+    All None where no request reported it (a server without the field)."""
+    told = [r for r in ok if r.cached_tokens is not None]
+    if not told:
+        return {"cached_prompt_tokens": None, "cached_of_prompt_tokens": None,
+                "requests_with_cache_hits": None}
+    return {"cached_prompt_tokens": sum(r.cached_tokens or 0 for r in told),
+            "cached_of_prompt_tokens": sum(r.prompt_len for r in told),
+            "requests_with_cache_hits": sum(1 for r in told if r.cached_tokens)}
+
+
 def summarize(results: Sequence[RequestResult], duration: float,
               slo: dict[str, float] | None = None) -> dict[str, Any]:
     ok = [r for r in results if r.success]
@@ -173,6 +189,7 @@ def summarize(results: Sequence[RequestResult], duration: float,
         "total_input_tokens": sum(r.prompt_len for r in ok),
         "total_output_tokens": sum(r.output_tokens for r in ok),
     }
+    out.update(prefix_hits(ok))
     dur = duration if duration > 0 else math.nan
     out["request_throughput"] = len(ok) / dur
     out["output_throughput"] = out["total_output_tokens"] / dur
@@ -238,6 +255,10 @@ def text_table(result: dict[str, Any]) -> str:
     row("Benchmark duration (s):", f"{result['duration']:.2f}")
     row("Total input tokens:", result["total_input_tokens"])
     row("Total generated tokens:", result["total_output_tokens"])
+    cached, of = result.get("cached_prompt_tokens"), result.get("cached_of_prompt_tokens")
+    if cached is not None and of:
+        row("Prefix cache hits (server):", f"{cached} of {of} prompt tokens "
+            f"({100 * cached / of:.1f}%) in {result['requests_with_cache_hits']} requests")
     row("Request throughput (req/s):", f"{result['request_throughput']:.3f}")
     if result.get("request_goodput") is not None:
         slo = ", ".join(f"{k}<={v:g}ms" for k, v in result["slo"].items())
