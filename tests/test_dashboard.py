@@ -106,6 +106,41 @@ def test_a_long_prompt_chunk_among_decodes_is_a_stall_that_names_it():
     assert stall["intruders"][0]["id"] == "big" and sorted(stall["victims"]) == ["a", "b"]
 
 
+def test_a_stall_is_blamed_on_a_chunk_only_where_its_predicted_cost_explains_it():
+    """Priced steps (the engine's cost model: predicted_s, and predicted_decode_s for the
+    decodes alone). Under a CPU hog a step with a small chunk runs slow: its chunk's marginal
+    cost explains little of the excess, so no intruder is named; pure decode steps slowed
+    the same way are no stall at all; a 1k-token chunk among decodes is named, with it."""
+    run = Run()
+    for rid in ("a", "b"):
+        run.arrive(rid)
+
+    def priced(duration: float, prefill=(), decode=(), predicted=0.004, decode_s=0.004):
+        run.index += 1
+        start = run.clock.t
+        run.clock.t += duration
+        s = step(run.index, start, duration, prefill, decode, predicted_s=predicted,
+                 predicted_decode_s=decode_s)
+        run.feed.on_step(s, [], [], SNAP)
+
+    for _ in range(8):
+        priced(0.005, decode=["a", "b"])  # decode runs at 1.25x its prediction
+    for _ in range(4):  # small chunks cost what they are predicted to (times that 1.25)
+        priced(0.00525, prefill=[("s", 8)], decode=["a", "b"], predicted=0.0042)
+    priced(0.080, decode=["a", "b"])  # the hog, pure decode: not a stall
+    priced(0.080, prefill=[("small", 8)], decode=["a", "b"], predicted=0.0042)  # the hog
+    f = run.feed.frame(Cursor())
+    (slow,) = f["stalls"]
+    assert slow["intruders"] == [] and slow["explained"] is False and slow["priced"]
+    assert slow["chunks"] == [{"id": "small", "tokens": 8}]
+    assert slow["expected_chunk_s"] == pytest.approx(0.0002 * 1.25)
+    run.arrive("big")
+    priced(0.060, prefill=[("big", 1024)], decode=["a", "b"], predicted=0.046)
+    (stall,) = run.feed.frame(Cursor(stalls=1))["stalls"]
+    assert stall["explained"] is True and stall["chunks"] == []
+    assert [(i["id"], i["tokens"]) for i in stall["intruders"]] == [("big", 1024)]
+
+
 def test_no_stall_without_a_decode_baseline_or_without_victims():
     run = Run()
     run.arrive("a")

@@ -260,7 +260,10 @@ class LLMEngine:
         self.stalled = not batch.requests and not batch.preempted
         if not batch.requests:
             return []
-        cost = self.cost_model.predict(*batch.mix())  # before update() advances the counts
+        chunks, decodes = batch.mix()  # before update() advances the counts
+        cost = self.cost_model.predict(chunks, decodes)
+        decode_s = (cost.seconds if not chunks or cost.seconds is None else 0.0
+                    if not decodes else self.cost_model.predict([], decodes).seconds)
         riders = batch.riders()  # as mix(): before update()
         tables = [self.kv.block_table(r.request_id) for r in batch.requests]
         try:
@@ -303,7 +306,7 @@ class LLMEngine:
                                     sum(kept for _, kept in got), duration)
         self.step_stats.append(StepStats.of(
             self._step_index, start, duration, batch, riders, cost, self.scheduler,
-            self.kv.usage, proposed, accepted))
+            self.kv.usage, proposed, accepted, decode_s))
         return outputs
 
     def _emit(self, req: Request, new_tokens: int = 1) -> RequestOutput:

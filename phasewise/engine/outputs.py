@@ -66,6 +66,10 @@ class StepStats:
     predicted_flops: float | None = None
     predicted_bytes: float | None = None
     predicted_s: float | None = None
+    # What the step's decodes alone would have cost (its prediction without its prompt
+    # chunks): predicted_s less this is the chunks' marginal cost, which the dashboard's
+    # stall view weighs before it blames a chunk. None where unpriced.
+    predicted_decode_s: float | None = None
     # Who rode on the step (for the dashboard's playground and stall view): each prompt
     # chunk as (request id, tokens), and the ids of the requests that decoded one token.
     prefill_chunks: tuple[tuple[str, int], ...] = ()
@@ -78,10 +82,12 @@ class StepStats:
     @classmethod
     def of(cls, index: int, start: float, duration: float, batch: Any,
            riders: tuple[tuple[tuple[str, int], ...], tuple[str, ...]], cost: Any,
-           scheduler: Any, kv_usage: float, proposed: int, accepted: int) -> StepStats:
+           scheduler: Any, kv_usage: float, proposed: int, accepted: int,
+           decode_s: float | None = None) -> StepStats:
         """The record of a step that ran ``batch`` (a ``ScheduledBatch``; ``riders``: its
         ``riders()``, read before the scheduler's update), priced at ``cost`` (a
-        ``StepPrediction``), with ``scheduler``'s queues as they are after it."""
+        ``StepPrediction``; ``decode_s``: the seconds of its decodes alone), with
+        ``scheduler``'s queues as they are after it."""
         return cls(
             index=index, start_time=start, duration_s=duration,
             num_prefill_tokens=batch.num_prefill_tokens,
@@ -89,7 +95,7 @@ class StepStats:
             num_running=len(scheduler.running), num_waiting=len(scheduler.waiting),
             kv_usage=kv_usage, num_preempted=len(batch.preempted),
             predicted_flops=cost.flops, predicted_bytes=cost.bytes, predicted_s=cost.seconds,
-            prefill_chunks=riders[0], decode_ids=riders[1], compute_dtype=cost.compute_dtype,
+            predicted_decode_s=decode_s, prefill_chunks=riders[0], decode_ids=riders[1], compute_dtype=cost.compute_dtype,
             num_spec_proposed=proposed, num_spec_accepted=accepted)
 
     @property

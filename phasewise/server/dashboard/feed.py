@@ -5,7 +5,14 @@ its time, its roofline prediction, the queue and the KV pool after it) to a boun
 the step's TTFTs and ITLs to two fixed-bucket histograms, follows every request it sees
 (its counts, for the stall view) and keeps a full trace of the playground's (the steps it
 rode on, each output's time and text), and flags *stalls*: a step holding a prompt chunk that
-took far longer than the recent decode-only steps while other requests were streaming.
+took far longer than the recent decode-only steps while other requests were streaming. A
+stall is blamed on its prompt chunks only where their cost explains it: the chunks' marginal
+cost as the engine's cost model prices it (the step's prediction less that of its decodes
+alone), scaled by how far this machine's recent steps ran from their predictions, must be at
+least ``CHUNK_SHARE`` of the step's excess over the decode baseline. Otherwise the step is
+recorded as a slow step with no intruder (other load on the machine, a page fault, a
+collection: nothing in its batch says which). Unpriced steps (no stored peaks) blame their
+chunks as before, marked so.
 Nothing here is heavier than a few appends per request per step, and nothing is encoded on
 the engine's thread.
 
@@ -36,6 +43,8 @@ MAX_STEPS_PER_FRAME = 512  # a frame carries at most this many new steps (the re
 STALL_FACTOR = 3.0  # a step is a stall when it takes this many times the decode baseline...
 STALL_MIN_EXTRA_S = 0.005  # ...and at least this much longer
 BASELINE_STEPS = 32  # decode-only steps the baseline is the median of
+CHUNK_SHARE = 0.5  # a stall's chunks must explain at least this share of its excess
+SLOWDOWN_STEPS = 32  # recent prompt-bearing steps whose measured/predicted chunk cost is kept
 MAX_TRACES = 4096  # requests followed at once (beyond: the oldest is forgotten)
 FINISHED_TRACES = 256  # finished playground requests whose traces are kept
 MAX_TRACE_EVENTS = 4096  # outputs (and steps) kept per playground trace
@@ -104,6 +113,10 @@ class DashboardFeed:
         self._steps: deque[list[Any]] = deque(maxlen=STEP_HISTORY)
         self._num_steps = 0  # steps seen (the cursor of frames)
         self._decode_times: deque[float] = deque(maxlen=BASELINE_STEPS)
+        # the decode-only steps' predicted seconds (beside _decode_times, where priced), and
+        # recent prompt-bearing steps' ratio of measured to predicted marginal chunk cost
+        self._decode_predicted: deque[float] = deque(maxlen=BASELINE_STEPS)
+        self._chunk_slowdown: deque[float] = deque(maxlen=SLOWDOWN_STEPS)
         self.ttft = [0] * (len(LATENCY_EDGES) + 1)
         self.itl = [0] * (len(LATENCY_EDGES) + 1)
         self._snapshot: EngineSnapshot | None = None
@@ -156,14 +169,39 @@ class DashboardFeed:
         if step.num_prefill_tokens == 0:
             if step.num_decode_tokens:
                 self._decode_times.append(step.duration_s)
+                if step.predicted_s:
+                    self._decode_predicted.append(step.predicted_s)
             return
         self._check_stall(step)
+
+    def _expected_chunk_s(self, step: StepStats, base: float) -> float | None:
+        """What the step's prompt chunks should have added to its decodes, in this machine's
+        seconds: their predicted marginal cost times the median ratio of measured to
+        predicted over recent prompt-bearing steps (before there are four of those: the
+        decode steps' ratio, at least 1). None where the step is unpriced."""
+        if step.predicted_s is None or step.predicted_decode_s is None:
+            return None
+        marginal = max(step.predicted_s - step.predicted_decode_s, 0.0)
+        if len(self._chunk_slowdown) >= 4:
+            ratio = sorted(self._chunk_slowdown)[len(self._chunk_slowdown) // 2]
+        elif self._decode_predicted:
+            predicted = sorted(self._decode_predicted)[len(self._decode_predicted) // 2]
+            ratio = max(1.0, base / predicted) if predicted > 0 else 1.0
+        else:
+            ratio = 1.0
+        return marginal * ratio
 
     def _check_stall(self, step: StepStats) -> None:
         if len(self._decode_times) < 4:
             return
         base = sorted(self._decode_times)[len(self._decode_times) // 2]
+        expected = self._expected_chunk_s(step, base)
         if step.duration_s < max(STALL_FACTOR * base, base + STALL_MIN_EXTRA_S):
+            if (expected is not None and step.num_decode_tokens
+                    and step.predicted_s - step.predicted_decode_s > 0):
+                self._chunk_slowdown.append(  # a step that ran as its batch says
+                    max(step.duration_s - base, 0.0)
+                    / (step.predicted_s - step.predicted_decode_s))
             return
         victims = list(step.decode_ids)
         if not victims:  # a prompt-only step: the streams it held back did not run at all
@@ -172,12 +210,17 @@ class DashboardFeed:
                        if tr.num_tokens and tr.finish_reason is None and rid not in riding]
         if not victims:
             return
-        intruders = sorted(step.prefill_chunks, key=lambda c: -c[1])
+        excess = step.duration_s - base
+        explained = expected is None or expected >= CHUNK_SHARE * excess
+        intruders = sorted(step.prefill_chunks, key=lambda c: -c[1]) if explained else []
         self._num_stalls += 1
         self._stalls.append({
             "n": self._num_stalls, "step": step.index,
             "t": round(step.start_time - self.t0, 4), "duration_s": step.duration_s,
-            "baseline_s": base,
+            "baseline_s": base, "priced": expected is not None,
+            "expected_chunk_s": expected, "explained": explained,
+            "chunks": [{"id": rid, "tokens": n} for rid, n in step.prefill_chunks
+                       ][:MAX_VICTIM_IDS] if not explained else [],
             "intruders": [{"id": rid, "tokens": n,
                            "prompt_tokens": (self._active[rid].prompt_tokens or None
                                              if rid in self._active else None)}

@@ -340,8 +340,17 @@ function drawStalls() {
     return;
   }
   body.innerHTML = rows.slice(0, 20).map(([key, st]) => {
-    const who = st.intruders.map((i) => `<span class="intruder id">${esc(i.id)}</span> ` +
+    let who = st.intruders.map((i) => `<span class="intruder id">${esc(i.id)}</span> ` +
       `(${esc(i.tokens)}${i.prompt_tokens ? " / " + esc(i.prompt_tokens) : ""} tokens)`).join(", ");
+    if (st.explained === false) {
+      // a slow step its batch does not explain: no intruder is named
+      const tokens = (st.chunks || []).reduce((a, c) => a + c.tokens, 0);
+      who = `<span class="dim unexplained">none: its chunks (${esc(tokens)} tokens) should ` +
+        `add ${ms(st.expected_chunk_s)}, not ${ms(st.duration_s - st.baseline_s)}; ` +
+        `not explained by this step's work</span>`;
+    } else if (st.priced === false) {
+      who += ' <span class="dim">(unpriced: no stored peaks)</span>';
+    }
     return `<tr class="stall" data-intruder="${esc(st.intruders.length ? st.intruders[0].id : "")}">` +
       `<td>${num(st.t)} s${key === "self" ? "" : " · " + esc(key)}</td><td>${esc(st.step)}</td>` +
       `<td>${ms(st.duration_s)}</td><td>${ms(st.baseline_s)}</td><td>${who}</td>` +
