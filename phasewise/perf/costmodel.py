@@ -23,7 +23,9 @@ time is modelled as a sum of roofline terms, each divided by the efficiency it r
 
 Written as inverse efficiencies (``u = 1 / e``), the model is linear in its unknowns, so
 ``fit`` solves it by non-negative least squares on relative errors from measured steps
-(``phasewise calibrate``). A ``CostModel`` with no fit (a catalog accelerator) uses one
+(``phasewise calibrate``), with the roofline terms' ``u`` held at 1 or more (no efficiency
+above 100%) where that costs no accuracy; ``describe`` prints a figure that is not a
+measurement (above a roofline, or a coefficient driven to its bound) with the reason. A ``CostModel`` with no fit (a catalog accelerator) uses one
 assumed MFU and MBU for every term, and a fixed overhead, and says so in ``source``.
 
 Pure arithmetic (numpy only to fit): the simulator calls ``step_time`` for every step.
@@ -51,6 +53,7 @@ DEFAULT_OVERHEAD_S = 1e-3
 DEFAULT_PER_SEQ_S = 1e-5
 
 TERMS = ("overhead", "per_seq", "attn_prefill", "kv_prefill", "kv_decode")
+BOUNDED = (2, 3, 4)  # TERMS whose efficiency is a fraction of a roofline: at most 1
 
 
 @dataclass(frozen=True)
@@ -125,8 +128,8 @@ class CostModel:
         cdt = norm_dtype(self.compute_dtype or self.dtype)
         self.default_peak = self.accel.peak_flops_for(cdt)
         # Attention arithmetic is rated against the peak the largest row counts run at.
-        self.attn_peak = self._peak[self.knots[-1].compute_dtype] if self.knots \
-            else self.default_peak
+        self.attn_dtype = self.knots[-1].compute_dtype if self.knots else cdt
+        self.attn_peak = self._peak[self.attn_dtype] if self.knots else self.default_peak
 
     # -- the terms ---------------------------------------------------------------------------
     def _knot_weights(self, rows: int) -> list[tuple[int, float]]:
@@ -189,15 +192,35 @@ class CostModel:
 
     # -- describing it -----------------------------------------------------------------------
     def describe(self) -> list[str]:
-        """Readable lines: where the numbers come from and what each efficiency is."""
+        """Readable lines: where the numbers come from and what each efficiency is. No figure
+        that cannot be a measurement is printed as one: a fraction of a roofline above 100%
+        says why it cannot be trusted, and a coefficient the fit drove to its bound says that
+        these measurements did not resolve it."""
         lines = [f"cost model: {self.shape.name} ({self.dtype}) on {self.accel.name}; "
                  f"{self.source}"]
         if not self.knots:
             lines.append(f"  assumed: {self.mfu:.0%} of peak FLOP/s, {self.mbu:.0%} of "
                          f"bandwidth, {self.overhead_s * 1e3:.3g} ms per step")
             return lines
-        lines.append(f"  per step {self.overhead_s * 1e3:.3g} ms + {self.per_seq_s * 1e6:.3g} "
-                     "µs per sequence")
+        fr = self.fit_report
+        at_bound = set(fr.get("at_bound", ())) if fr else set()
+        over_s = self.overhead_s > 0 and "overhead" not in at_bound
+        seq_s = self.per_seq_s > 0 and "per_seq" not in at_bound
+        if over_s and seq_s:
+            lines.append(f"  per step {self.overhead_s * 1e3:.3g} ms + "
+                         f"{self.per_seq_s * 1e6:.3g} µs per sequence")
+        else:
+            if over_s:
+                lines.append(f"  per step {self.overhead_s * 1e3:.3g} ms")
+            else:
+                lines.append("  per step (fixed cost): " + self._unresolved(
+                    "what every step pays beyond its kernels", "the matmuls at few rows"))
+            if seq_s:
+                lines.append(f"  per sequence {self.per_seq_s * 1e6:.3g} µs")
+            else:
+                lines.append("  per sequence: " + self._unresolved(
+                    "what each sequence adds", "the terms that grow with the batch (its rows' "
+                    "matmuls, its K/V reads)"))
         over = [k for k in self.knots if k.inv_eff < 1]
         lines.append("  matmuls reach " + ", ".join(
             f"{1 / k.inv_eff:.0%} at {k.rows} rows" if k.inv_eff >= 1 else
@@ -205,17 +228,70 @@ class CostModel:
         if over:
             lines.append("  * above the roofline: at these row counts the fit carries the "
                          "matmuls' time in the fixed per-step cost (the two are nearly "
-                         "collinear there); their sum is what the steps measured")
-        for name, u in (("prompt attention arithmetic", self.attn_prefill_inv_eff),
-                        ("prompt context K/V reads", self.kv_prefill_inv_eff),
-                        ("decode K/V reads", self.kv_decode_inv_eff)):
-            lines.append(f"  {name}: " + (f"{1 / u:.0%} of roofline" if u > 0 else
-                                           "not measurable in the grid (0)"))
-        fr = self.fit_report
+                         "collinear there); their sum is what the steps measured, not "
+                         "either alone (not trusted apart)")
+        held = fr.get("held_at_roofline", {}) if fr else {}
+        for term, name, u in (("attn_prefill", "prompt attention arithmetic",
+                               self.attn_prefill_inv_eff),
+                              ("kv_prefill", "prompt context K/V reads", self.kv_prefill_inv_eff),
+                              ("kv_decode", "decode K/V reads", self.kv_decode_inv_eff)):
+            if term in (fr.get("unmeasured", ()) if fr else ()) or (u <= 0 and not fr):
+                text = "not measured: no step in the grid has any"
+            elif u <= 0:
+                text = self._unresolved("its time", "the terms that grow with it")
+            elif term in held:
+                wanted = (f"put it at {held[term]:.0%}" if held[term] is not None else
+                          "gave it no time at all")
+                text = (f"held at 100% of roofline, its bound: unbounded, the fit {wanted}, "
+                        f"{self._too_fast(term)}; the bound costs the fit "
+                        "no accuracy beyond the steps' spread, so it holds, but 100% is the "
+                        "bound, not a measurement (not trusted)")
+            elif term in at_bound and u == 1:
+                text = ("held at 100% of roofline, its bound: the fit pressed it there, so "
+                        "these measurements say only that it runs near its roofline (not "
+                        "trusted as a figure)")
+            elif u < 1:
+                text = f"{1 / u:.0%} of roofline: {self._too_fast(term)}; not trusted"
+                cost = (fr.get("above_roofline") or {}).get(term) if fr else None
+                if cost:
+                    text += (f" (held at 100%, the fit's rms error over the grid would "
+                             f"rise from {fr.get('rms_rel_err', 0.0):.1%} to "
+                             f"{cost['bounded_rms_rel_err']:.1%}, so the step times keep "
+                             "it for predicting)")
+            else:
+                text = f"{1 / u:.0%} of roofline"
+            lines.append(f"  {name}: {text}")
         if fr:
             lines.append(f"  fit over {fr['points']} measured steps: median error "
                          f"{fr['median_abs_rel_err']:.1%}, worst {fr['max_abs_rel_err']:.1%}")
         return lines
+
+    def _too_fast(self, term: str) -> str:
+        """Why a roofline fraction above 1 cannot be a measurement, naming the peak."""
+        spread = (self.accel.measured or {}).get("spread") or {}
+        if term == "attn_prefill":
+            peak = f"{self.attn_peak / 1e9:.4g} GFLOP/s {self.attn_dtype}"
+            runs = spread.get(self.attn_dtype)
+            unit, scale = "GFLOP/s", 1e9
+        else:
+            peak = f"{self.bandwidth / 1e9:.4g} GB/s"
+            runs = spread.get("mem_bandwidth")
+            unit, scale = "GB/s", 1e9
+        where = self.accel.source
+        if runs and len(runs) == 2:
+            where += f"; its runs spread {runs[0] / scale:.4g}-{runs[1] / scale:.4g} {unit}"
+        return (f"faster than the peak it is rated at ({peak}, {where}), so that peak is too "
+                "low or the term absorbs another")
+
+    def _unresolved(self, what: str, beside: str) -> str:
+        fr = self.fit_report
+        if not fr:
+            return f"not resolved (0: {what} was given as nothing)"
+        n, k = fr["points"], fr.get("unknowns", 5 + len(self.knots))
+        why = (f"too few steps ({n} for {k} unknowns)" if n <= k else
+               f"over {n} steps at a median error of {fr['median_abs_rel_err']:.1%}, "
+               f"{what} is too small to separate from noise and from {beside}")
+        return f"not resolved by these measurements (the fit drove it to its bound, 0: {why})"
 
     def to_dict(self) -> dict[str, Any]:
         return {"dtype": self.dtype, "knots": [asdict(k) for k in self.knots],
@@ -296,20 +372,59 @@ def fit(shape: ModelShape, accel: Accelerator, dtype: str,
     if (t <= 0).any():
         raise ValueError("measured step times must be > 0")
     # Relative error: each row scaled by its own measured time.
-    x = nnls(a / t[:, None], np.ones_like(t))
+    ar = a / t[:, None]
+    used = (a > 0).any(axis=0)
+    # The roofline terms (prompt attention arithmetic, K/V reads) cannot run faster than
+    # their roofline: their inverse efficiency is bounded below by 1 (a term no step has
+    # stays at 0, unmeasured). Unbounded, the fit can trade one of these columns against the
+    # others it is nearly collinear with over the grid (attention grows with chunk x context,
+    # like the context K/V reads and the chunk's matmuls) and land above 100%.
+    lower = np.zeros(a.shape[1])
+    for j in BOUNDED:
+        lower[j] = 1.0 if used[j] else 0.0
+    x_free = nnls(ar, np.ones_like(t))
+    x, held, above = x_free, {}, {}
+    wants = [j for j in BOUNDED if used[j] and x_free[j] < 1.0]
+    if wants:
+        x_bound = lower + nnls(ar, np.ones_like(t) - ar @ lower)
+        free_err, bound_err = np.abs(ar @ x_free - 1), np.abs(ar @ x_bound - 1)
+        # Held at the bound when that costs no accuracy beyond the steps' own spread: then
+        # the figure above 100% was the fit compensating. Else the steps really ran faster
+        # than the rated peak allows (a peak measured too low): the free fit keeps the
+        # predictions right, and its figure is printed as not trusted.
+        free_rms, bound_rms = _rms(free_err), _rms(bound_err)
+        if bound_rms <= 1.1 * free_rms + 0.005:
+            x = x_bound
+            held = {TERMS[j]: 1.0 / float(x_free[j]) if x_free[j] > 0 else None
+                    for j in wants}
+        else:
+            above = {TERMS[j]: {"efficiency": 1.0 / max(float(x_free[j]), 1e-12),
+                                "bounded_rms_rel_err": bound_rms} for j in wants}
+    at_bound = [TERMS[j] for j in range(len(TERMS)) if used[j] and x[j] <= lower[j]]
     model.overhead_s, model.per_seq_s = float(x[0]), float(x[1])
     model.attn_prefill_inv_eff, model.kv_prefill_inv_eff, model.kv_decode_inv_eff = \
         (float(v) for v in x[2:5])
     # A knot no measured step leaned on (or fitted at 0: nothing is free) takes the value of
     # the nearest knot that was fitted.
-    used = (a[:, 5:] > 0).any(axis=0)
+    used_knot = used[5:]
     inv = [float(v) for v in x[5:]]
-    good = [j for j in range(len(knots)) if used[j] and inv[j] > 0]
+    good = [j for j in range(len(knots)) if used_knot[j] and inv[j] > 0]
     for i, k in enumerate(knots):
         u = inv[i] if i in good else (inv[min(good, key=lambda j: abs(j - i))] if good else 1.0)
         model.knots[i] = Knot(k.rows, k.compute_dtype, u)
     pred = np.array([model.step_time(m.chunks, m.decodes) for m, _ in steps])
     err = np.abs(pred - t) / t
-    model.fit_report = {"points": len(steps), "median_abs_rel_err": float(np.median(err)),
-                        "max_abs_rel_err": float(err.max())}
+    model.fit_report = {"points": len(steps), "unknowns": int(a.shape[1]),
+                        "median_abs_rel_err": float(np.median(err)),
+                        "max_abs_rel_err": float(err.max()), "rms_rel_err": _rms(err),
+                        "at_bound": at_bound,
+                        "unmeasured": [TERMS[j] for j in range(len(TERMS)) if not used[j]]}
+    if held:
+        model.fit_report["held_at_roofline"] = held
+    if above:
+        model.fit_report["above_roofline"] = above
     return model
+
+
+def _rms(v: Any) -> float:
+    return float((v ** 2).mean() ** 0.5)

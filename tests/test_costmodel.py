@@ -1,0 +1,124 @@
+"""The step cost model's fit and what it prints: no impossible figure leaves it as a measurement.
+
+Every case is synthetic: step times come from a known ``CostModel`` (with seeded noise where
+the case needs it) and go through ``fit``; nothing is timed."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+
+import pytest
+
+from phasewise.perf.calibrate import grid
+from phasewise.perf.costmodel import CostModel, Knot, fit
+from phasewise.perf.hardware import Accelerator
+from phasewise.perf.models import lookup_model
+
+SHAPE = lookup_model("qwen2.5-0.5b")
+# A CPU as `phasewise measure` writes it: an fp32 peak from a noisy quick measurement.
+CPU = Accelerator("cpu-local", "test CPU", {"fp32": 360e9, "bf16": 2.28e12}, 25e9, 36e9, None,
+                  "measured by phasewise measure on 2026-12-06 18:47",
+                  measured={"spread": {"fp32": [312e9, 360e9],
+                                       "mem_bandwidth": [34.7e9, 36e9]}})
+POINTS = grid(4096 + 544, 544)
+
+
+def truth(attn: float = 2.5, per_seq: float = 3e-4, overhead: float = 2e-3) -> CostModel:
+    knots = [Knot(r, "fp32", u) for r, u in
+             ((1, 1.3), (2, 1.5), (4, 2.0), (8, 2.2), (16, 2.0), (32, 1.8), (64, 1.9),
+              (128, 2.0), (256, 1.9), (512, 1.8))]
+    return CostModel(SHAPE, CPU, "bf16", knots, overhead_s=overhead, per_seq_s=per_seq,
+                     attn_prefill_inv_eff=attn, kv_prefill_inv_eff=4.0, kv_decode_inv_eff=6.0)
+
+
+def fitted(t: CostModel, noise: float = 0.0, seed: int = 0) -> CostModel:
+    rng = random.Random(seed)
+    steps = [(p.mix(), t.step_time(p.mix().chunks, p.mix().decodes) * (1 + rng.gauss(0, noise)))
+             for p in POINTS]
+    return fit(SHAPE, CPU, "bf16", steps, lambda rows: "fp32")
+
+
+def assert_nothing_impossible(lines: list[str]) -> None:
+    """No roofline fraction above 100% without its reason, no coefficient printed as 0."""
+    for line in lines:
+        for pct in re.findall(r"(\d+)% of roofline", line):
+            if int(pct) > 100:
+                assert "not trusted" in line, line
+        assert not re.search(r"(?<![\d.])0 (ms|µs)\b", line), line
+
+
+def test_a_term_faster_than_its_rated_peak_is_printed_as_not_trusted():
+    # The steps' prompt attention runs 1.27x faster than the peak it is rated at (the peak
+    # was measured too low): no bounded fit matches the steps, so the fit keeps the figure
+    # for predicting, and prints it with why it cannot be a measurement.
+    cm = fitted(truth(attn=1 / 1.27))
+    lines = cm.describe()
+    assert_nothing_impossible(lines)
+    (attn,) = [ln for ln in lines if "prompt attention arithmetic" in ln]
+    assert "127% of roofline: faster than the peak it is rated at (360 GFLOP/s fp32" in attn
+    assert "312-360 GFLOP/s" in attn and "not trusted" in attn
+    assert cm.fit_report["max_abs_rel_err"] < 1e-6  # the predictions stay right
+    json.dumps(cm.to_dict())  # the report still goes into a profile
+
+
+def test_a_term_the_fit_pushes_past_its_roofline_is_held_at_it():
+    # The attention runs exactly at its roofline; 3% noise lets an unbounded fit put it at
+    # 107% (the term absorbing others' noise). The bound costs no accuracy, so it holds.
+    cm = fitted(truth(attn=1.0), noise=0.03, seed=0)
+    assert cm.attn_prefill_inv_eff == 1.0
+    assert cm.fit_report["held_at_roofline"]["attn_prefill"] > 1.0
+    for u in (cm.attn_prefill_inv_eff, cm.kv_prefill_inv_eff, cm.kv_decode_inv_eff):
+        assert u >= 1.0
+    lines = cm.describe()
+    assert_nothing_impossible(lines)
+    (attn,) = [ln for ln in lines if "prompt attention arithmetic" in ln]
+    assert attn.startswith("  prompt attention arithmetic: held at 100% of roofline, its bound")
+    assert "the fit put it at 107%" in attn and "not trusted" in attn
+
+
+def test_coefficients_the_fit_drove_to_zero_print_as_not_resolved():
+    # No fixed cost per step or per sequence in the steps: the fit lands both at 0.
+    cm = fitted(truth(per_seq=0.0, overhead=0.0))
+    assert cm.overhead_s == 0.0 and cm.per_seq_s == 0.0
+    lines = cm.describe()
+    assert_nothing_impossible(lines)
+    unresolved = [ln for ln in lines if "not resolved by these measurements" in ln]
+    assert len(unresolved) == 2
+    assert unresolved[0].startswith("  per step") and unresolved[1].startswith("  per sequence")
+    assert "over 82 steps at a median error of 0.0%" in unresolved[1]
+
+
+def test_a_per_sequence_cost_lost_in_noise_is_not_resolved():
+    # 1 µs per sequence under 3% noise: too small to separate; the fit drives it to 0.
+    cm = fitted(truth(per_seq=1e-6), noise=0.03, seed=1)
+    assert cm.per_seq_s == 0.0 and "per_seq" in cm.fit_report["at_bound"]
+    lines = cm.describe()
+    assert_nothing_impossible(lines)
+    assert any(ln.startswith("  per step ") and ln.endswith(" ms") for ln in lines)
+    (seq,) = [ln for ln in lines if ln.startswith("  per sequence")]
+    assert "not resolved by these measurements" in seq and "median error of 1.8%" in seq
+
+
+def test_a_stored_profile_with_impossible_figures_says_so():
+    # A profile fitted before the bounds: its figures are printed with their reasons.
+    d = truth(attn=0.79, per_seq=0.0).to_dict()
+    d["fit"] = {"points": 82, "median_abs_rel_err": 0.02, "max_abs_rel_err": 0.1}
+    d["kv_prefill_inv_eff"] = 0.5
+    lines = CostModel.from_dict(SHAPE, CPU, json.loads(json.dumps(d))).describe()
+    assert_nothing_impossible(lines)
+    assert any("127% of roofline: faster than" in ln for ln in lines)
+    (kv,) = [ln for ln in lines if "prompt context K/V reads" in ln]
+    assert "200% of roofline" in kv and "(36 GB/s" in kv and "not trusted" in kv
+    assert any(ln.startswith("  per sequence: not resolved") for ln in lines)
+
+
+@pytest.mark.parametrize("attn", [2.5, 1.3])
+def test_a_plausible_fit_prints_its_figures_plainly(attn):
+    cm = fitted(truth(attn=attn))
+    lines = cm.describe()
+    assert_nothing_impossible(lines)
+    assert lines[1] == "  per step 2 ms + 300 µs per sequence"
+    assert f"prompt attention arithmetic: {1 / attn:.0%} of roofline" in "\n".join(lines)
+    assert "not trusted" not in "\n".join(lines) and "not resolved" not in "\n".join(lines)
