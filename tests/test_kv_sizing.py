@@ -44,3 +44,32 @@ def test_cuda_without_a_budget_waits_for_the_memory_the_weights_leave():
     assert after.on_free(BLOCK * 1000, cfg, MC) == after  # sized once
     sized = KVPlan.plan(EngineConfig(model="m", num_kv_blocks=7), MC, BLOCK, "cuda")
     assert sized.on_free(BLOCK * 1000, cfg, MC) == sized
+
+
+def test_a_block_is_priced_alike_by_the_runner_and_by_the_simulator():
+    """One function (``block_bytes``) prices a block for the engine (``ModelRunner``, from a
+    torch dtype) and for the simulator (from a ``ModelShape``, torch-free)."""
+    import torch
+
+    from phasewise.engine.kv_sizing import block_bytes
+    from phasewise.engine.model_runner import ModelRunner
+    from phasewise.perf.models import ModelShape
+
+    shape = ModelShape.from_hf_config(tiny_config(vocab_size=64, max_position_embeddings=1024))
+    for dtype, size in ((torch.float32, 4), (torch.bfloat16, 2), (torch.float16, 2)):
+        for bs in (1, 16, 32):
+            engine = ModelRunner.bytes_per_block(MC, bs, dtype)
+            assert engine == block_bytes(MC, bs, size) == block_bytes(shape, bs, size)
+            assert engine == 2 * 2 * 2 * 16 * size * bs  # K and V, 2 layers, 2 KV heads, dim 16
+
+
+def test_sizing_imports_no_torch():
+    import subprocess
+    import sys
+
+    script = ("import sys; sys.modules['torch'] = None\n"
+              "import phasewise.engine.kv_sizing, phasewise.perf.commands\n"
+              "print('ok')")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         check=False)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr

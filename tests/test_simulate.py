@@ -134,6 +134,107 @@ def test_deployment_and_engine_specs_name_bad_values():
         EngineSpec(num_kv_blocks=0)
 
 
+# -- the engine's K/V pool: sized as phasewise serve sizes it ------------------------------------
+def _tiny_folder(tmp_path, dtype="bfloat16"):
+    from phasewise.model.tiny import tiny_config
+
+    # 2 layers x 2 KV heads x head dim 16: 128 elements a token, K and V
+    cfg = tiny_config(vocab_size=64, max_position_embeddings=1024, dtype=dtype)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    return tmp_path
+
+
+@pytest.mark.parametrize("accel,flags", [
+    ("cpu", []),  # the 1 GiB default, capped at what 128 sequences of 1024 tokens use
+    ("cpu", ["--max-num-seqs", "2"]),
+    ("cpu", ["--kv-cache-memory", "1MiB"]),  # lowers the default context to fit
+    ("l4", ["--kv-cache-memory", "20MiB", "--max-model-len", "512"]),
+    ("l4", ["--dtype", "fp32", "--block-size", "32"]),  # no budget: what the weights leave
+])
+def test_the_simulators_pool_is_the_one_the_engine_sizes(tmp_path, accel, flags):
+    import dataclasses
+
+    import torch
+
+    from phasewise.cli import parse_args
+    from phasewise.config import EngineConfig
+    from phasewise.engine.kv_sizing import KVPlan
+    from phasewise.engine.model_runner import ModelRunner
+    from phasewise.model.config import ModelConfig
+    from phasewise.perf.commands import engine_spec
+    from phasewise.perf.models import ModelShape
+
+    folder = str(_tiny_folder(tmp_path))
+    a = parse_args(["simulate", "--model", folder, *flags])
+    machine = lookup_accelerator("l4")
+    if accel == "cpu":
+        machine = dataclasses.replace(machine, key="cpu-test")
+    cm = CostModel(ModelShape.from_path(folder), machine, a.dtype)
+    eng = engine_spec(cm, a, folder)
+
+    mc = ModelConfig.from_file(folder)
+    config = EngineConfig(model=folder, max_model_len=a.max_model_len, block_size=a.block_size,
+                          kv_cache_memory=a.kv_cache_memory, max_num_seqs=a.max_num_seqs)
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[a.dtype]
+    plan = KVPlan.plan(config, mc, ModelRunner.bytes_per_block(mc, a.block_size, dtype),
+                       "cpu" if accel == "cpu" else "cuda")
+    if plan.num_blocks is None:  # as if CUDA reported free what the weights leave
+        plan = plan.on_free(int(machine.mem_bytes - cm.shape.total_params * cm.wbytes), config,
+                            mc)
+    assert (eng.num_kv_blocks, eng.max_model_len) == (plan.num_blocks, plan.max_model_len)
+    assert f"{eng.num_kv_blocks} blocks of {a.block_size} tokens" in eng.kv_source
+    assert "as phasewise serve sizes it" in eng.kv_source
+
+
+def test_the_simulators_pool_is_capped_as_the_engines_is_and_says_where_it_comes_from(
+        tmp_path, capsys, monkeypatch):
+    import dataclasses
+
+    from phasewise.cli import main
+    from phasewise.perf import commands
+
+    folder = str(_tiny_folder(tmp_path))
+    # The default CPU pool (1 GiB of 4 KiB bf16 blocks: 262144) is capped, as the engine caps
+    # it, at what 128 sequences of 1024 tokens use: 128 x 64 blocks + 1.
+    machine = dataclasses.replace(lookup_accelerator("l4"), key="cpu-test")
+    monkeypatch.setattr(commands, "cost_model", lambda model, gpu, profile, dtype: CostModel(
+        commands.model_shape(model), machine, dtype))
+    rc = main(["simulate", "--model", folder, "--num-prompts", "2", "--input-len", "16",
+               "--output-len", "2"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "8193 K/V blocks of 16" in out
+    assert ("K/V pool: 8193 blocks of 16 tokens x 4 KiB (0.03 GiB) from 1.00 GiB, the engine's "
+            "default on a CPU, capped at what 128 sequences of 1024 tokens could use") in out
+    # An explicit context the pool cannot hold is refused, as phasewise serve refuses it.
+    rc = main(["simulate", "--model", folder, "--kv-cache-memory", "64KiB",
+               "--max-model-len", "1000", "--num-prompts", "2"])
+    assert rc == 2 and "too few for max_model_len 1000" in capsys.readouterr().err
+
+
+def test_an_estimated_gpu_pool_says_it_is_an_estimate():
+    import argparse
+
+    from phasewise.perf.commands import engine_spec
+
+    a = argparse.Namespace(block_size=16, max_model_len=None, kv_cache_memory=None,
+                           max_num_seqs=128, max_num_batched_tokens=None, policy="chunked",
+                           no_prefix_caching=False)
+    eng = engine_spec(CostModel(lookup_model("llama-3.1-8b"), lookup_accelerator("h100-sxm")), a,
+                      "llama-3.1-8b")
+    assert "an estimate" in eng.kv_source and "--kv-cache-memory sizes it exactly" in eng.kv_source
+
+
+def test_the_printed_kv_of_remote_prefills_is_a_mean():
+    from phasewise.perf.summary import text_table
+
+    specs = [spec(0, 0.0, 10, 2), spec(1, 0.0, 30, 2)]
+    r = simulate(LinearCost(), ENGINE, Deployment("pd", handoff_s=0.0), specs)
+    text = text_table(r)
+    assert "2 of 2 prefilled remotely, a mean 0.02 MB of K/V a request" in text  # (10+30)/2 KB
+    assert "K/V each" not in text
+
+
 # -- the cost model and its fit ------------------------------------------------------------------
 SHAPE = lookup_model("qwen2.5-0.5b")
 CPU = lookup_accelerator("l4")  # any figures: the fit is checked against a known model
@@ -320,7 +421,7 @@ def test_simulate_cli_writes_a_result_the_report_reads(tmp_path, capsys):
                "--mode", "pd", "--link", "100gbe"])
     text = capsys.readouterr().out
     assert rc == 0
-    assert "P/D 1P:1D" in text and "remote prefills 50" in text
+    assert "P/D 1P:1D" in text and "remote prefills 50, local 0 (none)" in text
     r = load_result(res)
     assert r["completed"] == 50 and r["simulated"]["deployment"].startswith("P/D")
     assert render([res], tmp_path / "report.html").exists()

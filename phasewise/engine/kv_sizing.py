@@ -4,19 +4,44 @@ The pool is sized from ``EngineConfig``: an exact block count (``num_kv_blocks``
 budget (``kv_cache_memory``), 1 GiB on CPU, or on CUDA 90% of the memory the weights leave
 free. It never holds more than ``max_num_seqs`` full-length sequences could use. Where the
 size is known before the weights load, the sizes are settled first, so a context that cannot
-fit fails before minutes of loading. Pure arithmetic: the caller measures free memory and the
-bytes of a block.
+fit fails before minutes of loading. Pure arithmetic, torch-free: the caller measures free
+memory and names the K/V element size (``block_bytes``). The simulator (``phasewise simulate``
+and ``plan``) sizes its engines' pools with these same functions.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Protocol
 
 from phasewise.config import EngineConfig, parse_memory
-from phasewise.model.config import ModelConfig
 
 DEFAULT_CPU_KV_MEMORY = 1 << 30
 CUDA_FREE_FRACTION = 0.9  # of the memory free after the weights; the rest: a step's activations
+
+
+class KVShape(Protocol):
+    """What one block's bytes depend on (a ``ModelConfig``, or the perf room's ``ModelShape``)."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+
+class ContextLimits(Protocol):
+    """What the sizing reads of a model besides its K/V shape. A ``ModelConfig`` has it; the
+    simulator builds one for a model it knows only by its shape."""
+
+    architecture: str
+    max_position_embeddings: int
+    sliding_window: int | None
+
+
+def block_bytes(shape: KVShape, block_size: int, element_size: int) -> int:
+    """One block's K and V over all layers, at ``element_size`` bytes an element (the
+    engine's dtype: 4 for float32, 2 for bfloat16 and float16); only the KV heads are
+    stored (GQA)."""
+    return 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * element_size * block_size
 
 
 @dataclass(frozen=True)
@@ -32,7 +57,7 @@ class KVPlan:
     most_blocks: int
 
     @classmethod
-    def plan(cls, config: EngineConfig, mc: ModelConfig, block_bytes: int,
+    def plan(cls, config: EngineConfig, mc: ContextLimits, block_bytes: int,
              device_type: str) -> KVPlan:
         """The sizes known before the weights load (``block_bytes``: one block's K and V
         over all layers)."""
@@ -54,7 +79,7 @@ class KVPlan:
             max_len = fit_context(num_blocks, max_len, config, mc, block_bytes)
         return cls(num_blocks, max_len, block_bytes, most)
 
-    def on_free(self, free_bytes: int, config: EngineConfig, mc: ModelConfig) -> KVPlan:
+    def on_free(self, free_bytes: int, config: EngineConfig, mc: ContextLimits) -> KVPlan:
         """The plan once the weights are in: a pool still unsized takes its share of
         ``free_bytes``; a sized one is kept as it is."""
         if self.num_blocks is not None:
@@ -65,7 +90,7 @@ class KVPlan:
             num_blocks, self.max_model_len, config, mc, self.block_bytes))
 
 
-def fit_context(num_blocks: int, max_len: int, config: EngineConfig, mc: ModelConfig,
+def fit_context(num_blocks: int, max_len: int, config: EngineConfig, mc: ContextLimits,
                 block_bytes: int) -> int:
     """Check the pool against the context length (lowering a default one to fit) and
     the checkpoint's sliding window against the result; returns max_model_len."""

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from phasewise.engine.cuda_graphs import DecodeGraphs
+from phasewise.engine.kv_sizing import block_bytes
 from phasewise.engine.request import Request
 from phasewise.engine.scheduler import ScheduledBatch, is_decode
 from phasewise.model.attention import AttentionMetadata
@@ -81,8 +82,7 @@ class ModelRunner:
 
     @staticmethod
     def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-        elem = torch.empty((), dtype=dtype).element_size()
-        return cfg.kv_bytes_per_token(elem) * block_size
+        return block_bytes(cfg, block_size, torch.empty((), dtype=dtype).element_size())
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch, block_tables: list[list[int]]) -> RunnerOutput:

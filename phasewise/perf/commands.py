@@ -15,18 +15,19 @@ import argparse
 import math
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from phasewise.perf.costmodel import CostModel
 from phasewise.perf.models import ModelShape, lookup_model
-from phasewise.perf.simulate import Deployment, EngineSpec, kv_blocks_for, simulate
+from phasewise.perf.roofline import DTYPE_BYTES, norm_dtype
+from phasewise.perf.simulate import Deployment, EngineSpec, simulate
 from phasewise.perf.summary import parse_slo, save_result, text_table
 from phasewise.perf.workload import LengthDist, RequestSpec, build_workload, load_trace
 
-CPU_KV_MEMORY = 1 << 30  # the engine's default K/V pool on CPU (kv_sizing.DEFAULT_CPU_KV_MEMORY)
 CPU_STEP_TOKENS, GPU_STEP_TOKENS = 256, 2048  # the engine's default step budgets
-GPU_MEMORY_FRACTION = 0.9  # of the accelerator's memory for weights and K/V, as on CUDA
+DEFAULT_CONTEXT = 4096  # a catalog model's context where its config gives none
 MAX_PLAN_REQUESTS = 20_000  # per simulated rate in plan's search
 
 
@@ -65,28 +66,106 @@ def cost_model(model: str, gpu: str, profile: str | None, dtype: str = "bf16"
     return cm
 
 
-def engine_spec(cm: CostModel, a: argparse.Namespace) -> EngineSpec:
-    from phasewise.config import parse_memory
+@dataclass(frozen=True)
+class _ShapeLimits:
+    """The engine's context limits for a model known by its shape alone (a catalog entry, or a
+    checkpoint phasewise serve cannot load): no sliding window known."""
+
+    architecture: str
+    max_position_embeddings: int
+    sliding_window: int | None = None
+
+
+def _context_limits(shape: ModelShape, model: str | None, max_model_len: int | None
+                    ) -> tuple[Any, str]:
+    """What the engine's sizing reads of the model, and a note where it is not the
+    checkpoint's own ``ModelConfig``."""
+    from phasewise.model.config import ModelConfig
+
+    note = ""
+    if model and Path(model).exists():
+        try:
+            return ModelConfig.from_file(model), ""
+        except (ValueError, KeyError, TypeError) as e:
+            note = f"; phasewise serve cannot load {model} ({e}): sized from its shape"
+    mpe = shape.max_position_embeddings
+    if mpe is None:
+        mpe = max_model_len or DEFAULT_CONTEXT
+        note += (f"; {shape.name}'s context length is not known: "
+                 f"{'--max-model-len' if max_model_len else f'{mpe} tokens assumed'}")
+    return _ShapeLimits(shape.name, int(mpe)), note
+
+
+def kv_element_bytes(cm: CostModel) -> int:
+    """Bytes of one K/V element as the engine stores it: the model's dtype, and 16-bit
+    under weight-only quantization (the activations', as ``--quantization int8``)."""
+    from phasewise.perf.roofline import WEIGHT_ONLY_DTYPES
+
+    return 2 if cm.dtype in WEIGHT_ONLY_DTYPES else int(cm.wbytes)
+
+
+def engine_spec(cm: CostModel, a: argparse.Namespace, model: str | None = None) -> EngineSpec:
+    """One engine's limits, its K/V pool sized as ``phasewise serve`` sizes it
+    (``phasewise.engine.kv_sizing``: the same ``KVPlan``) from the same flags; ``model``: the
+    checkpoint folder or catalog name (a folder's ``config.json`` gives the context limits)."""
+    from phasewise.config import EngineConfig
+    from phasewise.engine.kv_sizing import (
+        CUDA_FREE_FRACTION,
+        DEFAULT_CPU_KV_MEMORY,
+        KVPlan,
+        block_bytes,
+    )
 
     if a.block_size < 1:
         raise ValueError(f"--block-size must be >= 1, got {a.block_size}")
     cpu = cm.accel.key == "cpu-local" or cm.accel.key.startswith("cpu")
-    if a.kv_cache_memory:
-        memory = float(parse_memory(a.kv_cache_memory))
+    limits, note = _context_limits(cm.shape, model, a.max_model_len)
+    config = EngineConfig(model=model or cm.shape.name, max_model_len=a.max_model_len,
+                          block_size=a.block_size, kv_cache_memory=a.kv_cache_memory or None,
+                          max_num_seqs=a.max_num_seqs,
+                          max_num_batched_tokens=a.max_num_batched_tokens, policy=a.policy,
+                          enable_prefix_caching=not a.no_prefix_caching)
+    bb = block_bytes(cm.shape, a.block_size, kv_element_bytes(cm))
+    plan = KVPlan.plan(config, limits, bb, "cpu" if cpu else "cuda")
+    if config.kv_cache_memory is not None:
+        what = f"--kv-cache-memory {config.kv_cache_memory}"
     elif cpu:
-        memory = float(CPU_KV_MEMORY)
+        what = f"{_gib(DEFAULT_CPU_KV_MEMORY)}, the engine's default on a CPU"
     else:
-        memory = cm.accel.mem_bytes * GPU_MEMORY_FRACTION - cm.body_bytes - cm.head_bytes
-        if memory <= 0:
-            raise ValueError(f"{cm.shape.name}'s weights do not fit in {cm.accel.name}'s "
-                             "memory with room for K/V")
-    blocks = kv_blocks_for(cm, memory, a.block_size)
-    max_len = a.max_model_len or cm.shape.max_position_embeddings or 4096
-    max_len = min(max_len, blocks * a.block_size - 1)
+        weights = cm.shape.total_params * cm.wbytes
+        free = cm.accel.mem_bytes - weights
+        if free < bb:
+            raise ValueError(f"{cm.shape.name}'s weights ({_gib(weights)}) do not fit in "
+                             f"{cm.accel.name}'s memory ({_gib(cm.accel.mem_bytes)}) with room "
+                             "for K/V")
+        plan = plan.on_free(int(free), config, limits)
+        what = (f"an estimate: {CUDA_FREE_FRACTION:.0%} of the {free / 1e9:.1f} GB that "
+                f"{weights / 1e9:.1f} GB of weights leave of {cm.accel.name}'s "
+                f"{cm.accel.mem_bytes / 1e9:.0f} GB, where the engine takes {CUDA_FREE_FRACTION:.0%} "
+                "of what CUDA reports free after loading, less by the CUDA context and other "
+                "processes (--kv-cache-memory sizes it exactly)")
+    blocks = plan.num_blocks
+    assert blocks is not None
+    if blocks == plan.most_blocks:
+        what += (f", capped at what {config.max_num_seqs} sequences of {plan.max_model_len} "
+                 "tokens could use")
+    source = (f"{blocks} blocks of {a.block_size} tokens x {bb / 2**10:g} KiB "
+              f"({_gib(blocks * bb)}) from {what}; as phasewise serve sizes it{note}")
+    served = getattr(limits, "dtype", None)  # a checkpoint's: serve's --dtype auto loads it
+    if served is not None:
+        served = served if served in ("float32", "bfloat16", "float16") else "float32"
+    if served is not None and DTYPE_BYTES[norm_dtype(served)] != kv_element_bytes(cm):
+        source += (f"; K/V at --dtype {cm.dtype}, where phasewise serve's default is the "
+                   f"checkpoint's {served}")
     budget = a.max_num_batched_tokens or (CPU_STEP_TOKENS if cpu else GPU_STEP_TOKENS)
     return EngineSpec(num_kv_blocks=blocks, max_num_batched_tokens=budget,
-                      max_num_seqs=a.max_num_seqs, max_model_len=max_len, policy=a.policy,
-                      block_size=a.block_size, enable_prefix_caching=not a.no_prefix_caching)
+                      max_num_seqs=a.max_num_seqs, max_model_len=plan.max_model_len,
+                      policy=a.policy, block_size=a.block_size,
+                      enable_prefix_caching=not a.no_prefix_caching, kv_source=source)
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB"
 
 
 def deployment(a: argparse.Namespace) -> Deployment:
@@ -133,7 +212,7 @@ def _trace(path: str, scale: float, model: str) -> list[RequestSpec]:
 # -- phasewise simulate -----------------------------------------------------------------------
 def run_simulate(a: argparse.Namespace, model: str) -> int:
     cm = cost_model(model, a.gpu, a.profile, a.dtype)
-    eng = engine_spec(cm, a)
+    eng = engine_spec(cm, a, model)
     dep = deployment(a)
     slo = parse_slo(a.goodput)
     make = workload_maker(a, model)
@@ -143,6 +222,7 @@ def run_simulate(a: argparse.Namespace, model: str) -> int:
     print(f"deployment: {dep.describe()}; per engine: {eng.policy}, budget "
           f"{eng.max_num_batched_tokens} tokens, {eng.max_num_seqs} sequences, "
           f"{eng.num_kv_blocks} K/V blocks of {eng.block_size}, context {eng.max_model_len}")
+    print(f"K/V pool: {eng.kv_source}")
     sweep = len(a.request_rate) > 1
     for rate in a.request_rate:
         if not rate > 0:
@@ -165,7 +245,11 @@ def run_simulate(a: argparse.Namespace, model: str) -> int:
             print(f"{w['name']:<14} {w['role']:<8} busy {w['utilization']:6.1%}  steps "
                   f"{w['steps']}  preemptions {w['preemptions']}")
         if dep.mode == "pd":
-            print(f"remote prefills {sim['remote_prefills']}, local {sim['local_prefills']}, "
+            local = sim["local_prefills"]
+            why = ", ".join(f"{n} {reason.replace('_', ' ')}" for reason, n in
+                            sorted(local.items())) if local else "none"
+            print(f"remote prefills {sim['remote_prefills']}, local {sum(local.values())} "
+                  f"({why}), "
                   f"mean wait for the last K/V byte after the prefill: "
                   f"{_ms(sim['mean_transfer_wait_ms'])}")
         save_result(a, out, label, rate, sweep)
@@ -184,7 +268,7 @@ def run_plan(a: argparse.Namespace, model: str) -> int:
     if not {"ttft", "tpot"} <= set(slo):
         raise ValueError("plan needs both SLOs: --goodput ttft:MS tpot:MS")
     cm = cost_model(model, a.gpu, a.profile, a.dtype)
-    eng = engine_spec(cm, a)
+    eng = engine_spec(cm, a, model)
     make = workload_maker(a, model)
     if len(a.request_rate) != 1:
         raise ValueError("plan takes one --request-rate: the traffic to size for (inf: size "
@@ -210,6 +294,7 @@ def run_plan(a: argparse.Namespace, model: str) -> int:
     link = lookup_link(a.link) if a.link else None
     for line in cm.describe():
         print(line)
+    print(f"K/V pool per engine: {eng.kv_source}")
     budgets = sorted(set(a.budgets))
     if any(b < 1 for b in budgets):
         raise ValueError(f"--budgets must be >= 1, got {budgets}")
@@ -255,13 +340,15 @@ def _ratios(items: list[str]) -> list[tuple[int, int]]:
 
 def write_manifests(a: argparse.Namespace, model: str, best: Any, dep: Deployment,
                     cm: CostModel) -> list[Path]:
+    from phasewise.engine.kv_sizing import block_bytes
     from phasewise.perf.k8s import DeploySpec, RoleResources, write
 
     eng = best.engine  # the winner's policy and budget, not the flags' defaults
     gpu = 0 if cm.accel.key.startswith("cpu") else 1
     # Host memory: on a CPU the weights and the K/V pool live there; on a GPU only a copy of
     # the weights passes through while loading.
-    kv = eng.num_kv_blocks * eng.block_size * cm.kv_bytes_per_token if not gpu else 0.0
+    kv = eng.num_kv_blocks * block_bytes(cm.shape, eng.block_size, kv_element_bytes(cm)) \
+        if not gpu else 0.0
     mem_gib = math.ceil((cm.body_bytes + cm.head_bytes + kv) / 2**30 * 1.3) + 2
     engine_role = RoleResources(cpu=str(a.cpus), memory=f"{mem_gib}Gi", gpus=gpu)
     args = [("--policy", eng.policy),

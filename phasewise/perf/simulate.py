@@ -64,6 +64,8 @@ class EngineSpec:
     policy: str = "chunked"
     block_size: int = 16
     enable_prefix_caching: bool = True
+    # where num_kv_blocks comes from, in words (phasewise.perf.commands.engine_spec says)
+    kv_source: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
         for name in ("num_kv_blocks", "block_size"):
@@ -400,7 +402,9 @@ def simulate(cost: CostModel, engine: EngineSpec, deployment: Deployment,
 
 
 def kv_blocks_for(cost: CostModel, memory_bytes: float, block_size: int) -> int:
-    """Blocks of K/V in ``memory_bytes``."""
+    """Blocks of K/V in ``memory_bytes``, at the cost model's bytes a token: no more. The
+    engine also caps its pool at what ``max_num_seqs`` full-length sequences use; the CLI's
+    engines are sized as the engine sizes them (``phasewise.perf.commands.engine_spec``)."""
     per_block = cost.kv_bytes_per_token * block_size
     n = int(memory_bytes // per_block) if per_block > 0 else 0
     if n < 1:

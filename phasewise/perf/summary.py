@@ -284,7 +284,7 @@ def text_table(result: dict[str, Any]) -> str:
                  ("queue", "prefill", "remote_prefill", "kv_transfer", "first_step")
                  if split.get(f"mean_{name}_ms") is not None]
         remote = (f"; {split['remote']} of {split['requests']} prefilled remotely, "
-                  f"{split['mean_kv_bytes'] / 1e6:.2f} MB of K/V each"
+                  f"a mean {split['mean_kv_bytes'] / 1e6:.2f} MB of K/V a request"
                   if split["remote"] else "")
         row("Server's TTFT split, mean (ms):", "  ".join(parts) + remote)
     lines += failure_lines(result)
