@@ -9,6 +9,8 @@ unless asked not to, both phases against this machine's measured roofline
 
 from __future__ import annotations
 
+import re
+import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -91,9 +93,7 @@ def run(model: str, engine_kwargs: dict[str, Any], opts: GenerateOptions,
               f"{(n_out - 1) / max(decode_s, 1e-9):.0f} tok/s (TPOT {m.tpot * 1e3:.1f} ms); "
               f"finish: {final.finish_reason}", file=err)
         if eng.proposer is not None:
-            verifies = speculation_lines(run_steps, n_out - 1, err)
-            if eng.draft_policy is not None:
-                print(f"[speculative] {eng.draft_policy.describe()}", file=err)
+            verifies = speculation_lines(run_steps, n_out - 1, err, eng.draft_policy)
     else:
         print(f"[decode]   no decode step: the only token came with the prefill; finish: "
               f"{final.finish_reason}", file=err)
@@ -103,10 +103,12 @@ def run(model: str, engine_kwargs: dict[str, Any], opts: GenerateOptions,
     return 0
 
 
-def speculation_lines(steps: list[Any], decoded: int, err: TextIO) -> list[tuple[int, int]]:
-    """Print the run's speculative decoding figures; returns each decode step's (rows,
-    tokens emitted) for the roofline (the last step's emitted count is what the output's end
-    left of it)."""
+def speculation_lines(steps: list[Any], decoded: int, err: TextIO,
+                      policy: Any = None) -> list[tuple[int, int]]:
+    """Print the run's speculative decoding figures: drafts and tokens per weight read, the
+    speedup over plain decode measured in this run (``plain_speedup_line``), and what the
+    draft ``policy`` (if any) decided. Returns each decode step's (rows, tokens emitted) for
+    the roofline (the last step's emitted count is what the output's end left of it)."""
     dec = [s for s in steps if s.num_decode_tokens and not s.num_prefill_tokens]
     verifies = [(s.num_decode_tokens, 1 + s.num_spec_accepted) for s in dec]
     if verifies:
@@ -118,7 +120,68 @@ def speculation_lines(steps: list[Any], decoded: int, err: TextIO) -> list[tuple
     print(f"[speculative] ngram: {proposed} draft tokens proposed, {accepted} accepted "
           f"({rate}); {decoded} tokens in {len(dec)} decode steps: "
           f"{decoded / max(len(dec), 1):.2f} tokens per weight read", file=err)
+    if dec:
+        print(f"[speculative] {plain_speedup_line(dec, [e for _, e in verifies])}", file=err)
+    if policy is not None:
+        print(f"[speculative] {policy_line(policy.describe())}", file=err)
     return verifies
+
+
+def plain_speedup_line(dec: list[Any], emitted: list[int]) -> str:
+    """Speculative decoding's speedup over plain decode in this run, and what it is measured
+    against: the median time of this run's own plain decode steps (decode-only steps that
+    verified no draft) of the same batch. ``dec``: the run's decode-only steps; ``emitted``:
+    the tokens each gave.
+
+    The figure is (tokens emitted x plain step time) / (time the decode steps took), which is
+    tokens per weight read x (plain step time / mean decode step time). A step with drafts
+    reads the weights once as a plain step does and computes more rows, so it cannot be
+    cheaper: a figure above tokens per weight read is timing noise, and the line gives the
+    bound instead, with the measured figure and why. Without a plain step to compare with, no
+    figure is given, only that bound and why."""
+    per_read = sum(emitted) / len(dec)
+    plain: dict[int, list[float]] = {}
+    for s in dec:
+        if not s.num_spec_proposed:
+            plain.setdefault(s.num_requests, []).append(s.duration_s)
+    missing = sorted({s.num_requests for s in dec} - set(plain))
+    if missing:
+        why = ("no decode step of this run went without drafts" if not plain else
+               "no plain decode step of this run at batch " + ", ".join(map(str, missing)))
+        return (f"speedup over plain decode: not measured ({why}, so there is nothing "
+                f"to compare with); at most x{per_read:.2f}, the tokens per weight read, if "
+                "a step with drafts costs at least what a plain one does")
+    base = {n: statistics.median(t) for n, t in plain.items()}
+    taken = sum(s.duration_s for s in dec)
+    would = sum(e / max(s.num_requests, 1) * base[s.num_requests]
+                for s, e in zip(dec, emitted))
+    n_plain = sum(len(t) for t in plain.values())
+    batches = ", ".join(map(str, sorted(base)))
+    each = f" of {base[min(base)] * 1e3:.2f} ms" if len(base) == 1 else ""
+    rough = (f"; rough: {n_plain} plain step{'s' * (n_plain != 1)} only" if n_plain < 3
+             else "")
+    speedup = would / max(taken, 1e-12)
+    figure = f"x{speedup:.2f}"
+    if speedup > per_read:  # its steps with drafts beat its plain ones: noise
+        figure = (f"at most x{per_read:.2f}, the tokens per weight read; measured "
+                  f"x{speedup:.2f}, but its steps with drafts took less than its plain ones, "
+                  "so the timings are noisy")
+    return (f"speedup over plain decode: {figure} ({sum(emitted)} "
+            f"tokens in {taken * 1e3:.1f} ms of decode steps; plain steps{each} would take "
+            f"{would * 1e3:.1f} ms: the median of this run's {n_plain} plain decode "
+            f"step{'s' * (n_plain != 1)} at batch {batches}{rough})")
+
+
+def policy_line(described: str) -> str:
+    """The draft policy's decisions by batch size, without its speed figure: that one is its
+    own running estimate (drafting steps only, recent ones weighted most, against plain-step
+    times kept since the engine started, warm-up included), not this run's speedup."""
+    decisions = re.sub(r"x\d+(?:\.\d+)?, ", "", described)
+    if "drafting / plain speed by decoding batch: " not in decisions:
+        return decisions  # nothing measured yet
+    return (decisions.replace("drafting / plain speed by decoding batch: ",
+                              "draft policy by decoding batch: ")
+            + " (decided on its running estimate over recent drafting steps)")
 
 
 def warm_up(llm: Any) -> None:
