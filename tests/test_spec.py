@@ -167,6 +167,19 @@ def run_policy(pol: DraftPolicy, steps: int, speed: dict[int, float],
     return out
 
 
+def test_a_cold_first_plain_step_does_not_set_the_plain_time():
+    """A warm-up's first decode runs several times slower than the next: the plain time
+    follows the warm steps, so drafting is not credited against the cold one."""
+    pol = DraftPolicy(warmup=1)
+    pol.observe_step(False, 1, 1, 2.5e-3)  # cold
+    pol.observe_step(False, 1, 1, 1.0e-3)
+    assert pol.plain_seconds(1) == pytest.approx(1.0e-3)
+    pol.observe_step(False, 1, 1, 1.2e-3)  # warm noise is averaged, not followed
+    assert pol.plain_seconds(1) == pytest.approx(0.8e-3 + 0.24e-3)
+    pol.observe_step(True, 1, 2, 1.3e-3)  # two tokens in 1.3 ms against 1.04 ms plain
+    assert pol.speedup(1) == pytest.approx(2 * 1.04e-3 / 1.3e-3)
+
+
 def test_draft_policy_drafts_where_drafting_was_measured_faster():
     pol = DraftPolicy(warmup=3, check_every=8)
     assert pol.speedup(4) is None and pol.plain_seconds(4) is None

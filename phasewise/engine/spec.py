@@ -198,7 +198,11 @@ class DraftPolicy:
         if not drafted:
             b[1] += 1
             prev = self._plain.get(decoding)
-            self._plain[decoding] = seconds if prev is None else 0.8 * prev + 0.2 * seconds
+            # A plain step under half the estimate replaces it: the estimate began at a cold
+            # step (a warm-up's first decode runs several times slower), and averaging it
+            # away would credit the next drafting steps against a plain time too slow.
+            self._plain[decoding] = (seconds if prev is None or seconds < 0.5 * prev
+                                     else 0.8 * prev + 0.2 * seconds)
             return
         b[0] += 1
         plain = self.plain_seconds(decoding)
