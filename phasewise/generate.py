@@ -34,9 +34,13 @@ def run(model: str, engine_kwargs: dict[str, Any], opts: GenerateOptions,
     """Load ``model`` with ``engine_kwargs`` (``EngineConfig`` fields), stream ``opts.prompt``
     to ``out`` and report both phases on ``err``. Returns the exit status."""
     from phasewise import LLM
+    from phasewise.perf.contention import Contention, CpuSample
 
     out = out or sys.stdout
     err = err or sys.stderr
+    # the machine's load over the whole command (this process's own work excluded):
+    # [bound]'s evidence when a phase runs far above its roofline
+    before = CpuSample.now()
     t0 = time.monotonic()
     llm = LLM(model, **engine_kwargs)
     eng = llm.engine
@@ -76,6 +80,7 @@ def run(model: str, engine_kwargs: dict[str, Any], opts: GenerateOptions,
     out.flush()
     if final is None:
         return 1
+    contention = Contention.between(before, CpuSample.now())
     m = final.metrics
     n_prompt, n_out = len(final.prompt_token_ids), len(final.token_ids)
     run_steps = list(eng.step_stats)[n0:]
@@ -98,7 +103,8 @@ def run(model: str, engine_kwargs: dict[str, Any], opts: GenerateOptions,
         print(f"[decode]   no decode step: the only token came with the prefill; finish: "
               f"{final.finish_reason}", file=err)
     if opts.roofline:
-        for line in roofline_lines(llm, chunks, prefill_s, n_out - 1, decode_s, verifies):
+        for line in roofline_lines(llm, chunks, prefill_s, n_out - 1, decode_s, verifies,
+                                   contention):
             print(line, file=err)
     return 0
 
@@ -206,8 +212,8 @@ def warm_up(llm: Any) -> None:
 
 
 def roofline_lines(llm: Any, prefill_chunks: list[int], prefill_s: float, decode_steps: int,
-                   decode_s: float, verifies: list[tuple[int, int]] | None = None
-                   ) -> list[str]:
+                   decode_s: float, verifies: list[tuple[int, int]] | None = None,
+                   contention: Any = None) -> list[str]:
     """The run's two phases against this machine's measured roofline (phasewise.perf)."""
     from phasewise.perf.attribution import engine_compute_dtype, engine_weight_dtype
     from phasewise.perf.explain import explain_generation
@@ -224,4 +230,4 @@ def roofline_lines(llm: Any, prefill_chunks: list[int], prefill_s: float, decode
                               prefill_chunks, prefill_s, decode_steps, decode_s,
                               min(eng.scheduler.config.max_num_batched_tokens,
                                   eng.max_model_len), verifies,
-                              norm_dtype(str(eng.dtype).removeprefix("torch.")))
+                              norm_dtype(str(eng.dtype).removeprefix("torch.")), contention)

@@ -14,6 +14,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from phasewise.perf.contention import Contention
 from phasewise.perf.hardware import Accelerator
 from phasewise.perf.models import ModelShape
 from phasewise.perf.roofline import Roofline, StepCost
@@ -132,7 +133,8 @@ def explain_generation(shape: ModelShape, accel: Accelerator, weight_dtype: str,
                        prefill_chunks: Sequence[int], prefill_s: float, decode_steps: int,
                        decode_s: float, max_step_tokens: int,
                        verifies: Sequence[tuple[int, int]] | None = None,
-                       kv_dtype: str | None = None) -> list[str]:
+                       kv_dtype: str | None = None,
+                       contention: Contention | None = None) -> list[str]:
     """The lines ``phasewise generate`` prints after the stream (see the module doc).
 
     ``*_compute``: whose peak each phase's arithmetic runs at (it may differ from the
@@ -141,7 +143,9 @@ def explain_generation(shape: ModelShape, accel: Accelerator, weight_dtype: str,
     budget, capped by the context), which bounds the crossover search. ``decode_steps``: the
     decode tokens; ``verifies`` (speculative decoding): each decode step's (rows, tokens
     emitted), whose emitted tokens sum to ``decode_steps``. ``kv_dtype``: the K/V cache's,
-    when it is not the weights' (int8 weights keep the model's K/V).
+    when it is not the weights' (int8 weights keep the model's K/V). ``contention``: other
+    processes' share of the CPUs around the run (``phasewise.perf.contention``), which is
+    what a phase far above its roofline is blamed on where it is high; None: unknown.
     """
     pre_roof = Roofline(shape, accel, weight_dtype, kv_dtype, compute_dtype=prefill_compute)
     dec_roof = Roofline(shape, accel, weight_dtype, kv_dtype, compute_dtype=decode_compute)
@@ -185,10 +189,18 @@ def explain_generation(shape: ModelShape, accel: Accelerator, weight_dtype: str,
     slow = [p for p in phases if p.vs_roofline > OVERHEAD_RATIO]
     fast = [p for p in phases if p.vs_roofline < 1.0 and p.bound == "memory"]
     if slow:
-        lines.append("[bound]    " + " and ".join(p.name for p in slow) + " ran "
-                     + " / ".join(f"{p.vs_roofline:.0f}x" for p in slow)
-                     + " above the roofline time: at this size a step's fixed costs "
-                     "(Python, per-layer calls) outweigh its arithmetic and weight reads")
+        head = ("[bound]    " + " and ".join(p.name for p in slow) + " ran "
+                + " / ".join(f"{p.vs_roofline:.0f}x" for p in slow) + " above the roofline time")
+        if contention is not None and contention.shared:
+            why = (f" while {contention.words()}: the excess is that contention, not this "
+                   "work; the verdicts above may differ on a quiet machine")
+        else:
+            load = (f"with the CPUs to itself ({contention.words()})" if contention is not None
+                    else "(this machine's load during the run is unknown)")
+            why = (f" {load}: not explained by this step's work as the roofline counts it "
+                   "(arithmetic, weight and K/V reads); what a step costs beyond those "
+                   "(host work between kernels) is not measured here")
+        lines.append(head + why)
     if fast and accel.key == "cpu-local":
         lines.append("[bound]    " + " and ".join(p.name for p in fast) + " beat the "
                      "roofline time, which assumes DRAM bandwidth: the "
