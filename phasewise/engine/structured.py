@@ -305,7 +305,10 @@ async def compile_aside(compiler: GrammarCompiler, text: str) -> None:
         except Exception:  # noqa: BLE001 - the engine compiles it again and reports it
             pass
         finally:
-            loop.call_soon_threadsafe(lambda: done.done() or done.set_result(None))
+            try:
+                loop.call_soon_threadsafe(lambda: done.done() or done.set_result(None))
+            except RuntimeError:  # the loop closed meanwhile: nobody waits any more
+                pass
 
     compile_thread(run, "phasewise-grammar-aside")
     await done
