@@ -378,7 +378,7 @@ def test_contention_reads_other_processes_share_and_steal_from_proc(tmp_path):
         (tmp_path / "self").mkdir(exist_ok=True)
         # user nice system idle iowait irq softirq steal
         (tmp_path / "stat").write_text(f"cpu  {user} 0 0 {idle} 0 0 0 {steal} 0 0\ncpu0 1\n")
-        rest = " ".join(["S"] + ["0"] * 10 + [str(own_u), str(own_s)] + ["0"] * 30)
+        rest = " ".join(["S"] + ["0"] * 10 + [str(own_u), str(own_s), "0", "0"] + ["0"] * 30)
         (tmp_path / "self" / "stat").write_text(f"123 (a (odd) name) {rest}\n")
         return CpuSample.now(tmp_path)
 
@@ -392,3 +392,78 @@ def test_contention_reads_other_processes_share_and_steal_from_proc(tmp_path):
     assert Contention.between(a, CpuSample(a.wall + 0.05, b.busy, b.total, b.steal, b.own)) \
         is None
     assert CpuSample.now(tmp_path / "missing") is None
+
+
+def test_a_figure_whose_best_runs_disagree_or_that_ran_beside_other_load_is_unstable():
+    from phasewise.perf.contention import Contention
+    from phasewise.perf.measure import STABLE_BAND, best_two_gap, unstable_reasons
+
+    assert best_two_gap([1.0]) is None and best_two_gap([2.0, 1.0, 1.05]) == pytest.approx(
+        0.05 / 1.05)
+    quiet = Contention(2.0, 0.02, 0.0)
+    times = {"bf16": [3.0, 1.0, 2.4], "fp32": [1.0, 1.02, 1.5]}  # bf16: best two 58% apart
+    out = unstable_reasons(times, quiet)
+    assert set(out) == {"bf16"} and "two best runs are 58% apart" in out["bf16"]
+    assert 0.58 > STABLE_BAND
+    busy = unstable_reasons({"fp32": [1.0, 1.02]}, Contention(2.0, 0.6, 0.0))
+    assert "other processes used 60%" in busy["fp32"]
+    assert unstable_reasons({"fp32": [1.0, 1.02]}, None) == {}
+
+
+def test_an_unstable_stored_figure_is_measured_again_and_never_preferred(tmp_path, monkeypatch):
+    """generate's first quick measurement ran beside other load: its figure is stored as
+    unstable, printed so, measured again at the next use, and replaced by a stable one; a
+    second unstable one never replaces a higher one, and a stable one is left alone."""
+    from phasewise.perf import measure as pm
+
+    calls = []
+    results = iter([
+        ({"fp32": 150e9}, 20e9, {"fp32": "its two best runs are 59% apart"}),
+        ({"fp32": 120e9}, 20e9, {"fp32": "measured while other processes used 60%"}),
+        ({"fp32": 420e9}, 20e9, {}),
+    ])
+
+    def fake(device, progress, quick=False, dtypes=(), read_bandwidth=True):
+        calls.append((dtypes, read_bandwidth))
+        peaks, bw, unstable = next(results)
+        return {"name": "cpu (measured)", "peak_flops": {d: peaks[d] for d in dtypes},
+                "mem_bytes": 1e9, "mem_bandwidth": bw if read_bandwidth else None,
+                "source": "test", "measured": {"quick": quick, "unstable": unstable,
+                                               "spread": {"fp32": [60e9, peaks["fp32"]]},
+                                               "runs": {"fp32": 3}}}
+
+    monkeypatch.setattr(pm, "measure_device", fake)
+    path = tmp_path / "machine.json"
+    acc = pm.ensure_local("cpu", ("fp32",), path)
+    assert acc.peak_flops["fp32"] == 150e9 and "fp32" in acc.measured["unstable"]
+    assert "UNSTABLE: its two best runs" in pm.format_entry("cpu-local",
+                                                            json.loads(path.read_text())
+                                                            ["cpu-local"])
+    acc = pm.ensure_local("cpu", ("fp32",), path)  # again unstable, and lower: kept 150
+    assert acc.peak_flops["fp32"] == 150e9 and "other processes" in acc.measured["unstable"][
+        "fp32"]
+    acc = pm.ensure_local("cpu", ("fp32",), path)  # stable: replaces it
+    assert acc.peak_flops["fp32"] == 420e9 and acc.measured["unstable"] == {}
+    assert calls == [(("fp32",), True), (("fp32",), False), (("fp32",), False)]
+    acc = pm.ensure_local("cpu", ("fp32",), path)  # stable now: nothing is measured
+    assert len(calls) == 3 and acc.peak_flops["fp32"] == 420e9
+
+
+def test_a_verdict_within_the_noise_of_unstable_peaks_says_either_bound():
+    from phasewise.perf.explain import explain_generation
+    from phasewise.perf.hardware import Accelerator
+
+    shape, acc, _ = _explain_setup()
+    stable = "\n".join(explain_generation(shape, acc, "bf16", "fp32", "fp32", [5], 0.05, 10,
+                                          0.1, 512))
+    assert "either bound" not in stable
+    noisy = Accelerator(acc.key, acc.name, acc.peak_flops, acc.mem_bytes, acc.mem_bandwidth,
+                        None, acc.source, measured={
+                            "unstable": {"fp32": "its two best runs are 59% apart"},
+                            "spread": {"fp32": [v / 1e6 for v in (1, 1)]},
+                            "conditions": {"others": 0.0}})
+    noisy.measured["spread"]["fp32"] = [acc.peak_flops["fp32"] / 1e4, acc.peak_flops["fp32"]]
+    text = "\n".join(explain_generation(shape, noisy, "bf16", "fp32", "fp32", [5], 0.05, 10,
+                                        0.1, 512))
+    assert "within the noise of this machine's unstable peaks" in text
+    assert "either bound" in text

@@ -28,7 +28,7 @@ class CpuSample:
     busy: int  # ticks, all CPUs: user, nice, system, irq, softirq, steal
     total: int  # busy + idle + iowait
     steal: int
-    own: int  # this process's user + system ticks
+    own: int  # this process's user + system ticks, and its waited-for children's
 
     @classmethod
     def now(cls, root: Path = Path("/proc")) -> CpuSample | None:
@@ -38,7 +38,8 @@ class CpuSample:
             # the process's name (field 2) may hold spaces: count from its closing ")"
             own_fields = (root / "self" / "stat").read_text().rsplit(")", 1)[1].split()
             user, nice, system, idle, iowait, irq, softirq, steal = map(int, fields[1:9])
-            own = int(own_fields[11]) + int(own_fields[12])  # utime, stime
+            # utime, stime, cutime, cstime: the children it ran (a compiler) are its work too
+            own = sum(int(own_fields[i]) for i in (11, 12, 13, 14))
         except (OSError, ValueError, IndexError):
             return None
         busy = user + nice + system + irq + softirq + steal

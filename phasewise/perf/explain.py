@@ -128,6 +128,25 @@ def _phase_line(p: PhaseCost, per: str, emitted: int | None = None) -> str:
             f"roofline time")
 
 
+def noise_factor(accel: Accelerator, compute: str) -> float | None:
+    """How far the figures a verdict compares could be off: over the peak for ``compute``
+    and the read bandwidth, for each one stored as unstable (``phasewise measure``'s
+    ``measured.unstable``), its fastest/slowest ratio, or where other processes held a share
+    of the CPU while it was measured (``measured.conditions.others``) the slowdown that share
+    could cause, whichever is larger; None where both figures are stable."""
+    m = accel.measured or {}
+    unstable, spread = m.get("unstable") or {}, m.get("spread") or {}
+    others = (m.get("conditions") or {}).get("others") or 0.0
+    worst = None
+    for name in (compute, "mem_bandwidth"):
+        if name not in unstable:
+            continue
+        band = spread.get(name)
+        ratio = band[1] / band[0] if band and len(band) == 2 and band[0] > 0 else 1.0
+        worst = max(worst or 1.0, ratio, 1.0 / max(1.0 - others, 0.1))
+    return worst
+
+
 def explain_generation(shape: ModelShape, accel: Accelerator, weight_dtype: str,
                        prefill_compute: str, decode_compute: str,
                        prefill_chunks: Sequence[int], prefill_s: float, decode_steps: int,
@@ -169,7 +188,15 @@ def explain_generation(shape: ModelShape, accel: Accelerator, weight_dtype: str,
                      + f" {_ms(dec.t_bound / decode_steps)}")
         phases.append(dec)
 
-    said = " and ".join(f"{p.name} was {p.bound}-bound" for p in phases)
+    def verdict(p: PhaseCost, compute: str) -> str:
+        noise = noise_factor(accel, compute)
+        if noise is not None and p.margin < noise:
+            return (f"{p.name} was {p.bound}-bound by {p.margin:.2f}x, within the noise of "
+                    f"this machine's unstable peaks (x{noise:.2f}): either bound")
+        return f"{p.name} was {p.bound}-bound"
+
+    said = " and ".join(verdict(p, c) for p, c in zip(phases, (prefill_compute,
+                                                              decode_compute)))
     flips = []
     crossover = compute_bound_prompt_len(pre_roof, max(1, max_step_tokens))
     if pre.bound == "memory":

@@ -72,22 +72,56 @@ def cpu_read_times(n_bytes: int, reps: int, budget_s: float = 20.0) -> tuple[lis
     return times, by
 
 
+# A figure is the best of its runs; it is stable when its two best runs agree within this
+# fraction. Until they do, up to UNTIL_STABLE_FACTOR times the runs asked for are made
+# (within the time budget): one lucky or one unlucky run must not decide a peak.
+STABLE_BAND = 0.10
+UNTIL_STABLE_FACTOR = 3
+
+
+def best_two_gap(times: list[float]) -> float | None:
+    """How far apart the two fastest runs are, as a fraction of the slower of the two; None
+    with fewer than two runs."""
+    if len(times) < 2:
+        return None
+    a, b = sorted(times)[:2]
+    return (b - a) / b if b > 0 else 0.0
+
+
 def _times(fn: Callable[[], Any], sync: Callable[[], None], reps: int, budget_s: float
            ) -> list[float]:
-    """Seconds per call of ``fn`` over up to ``reps`` calls after one warm-up (fewer once
-    ``budget_s`` is spent; at least one)."""
+    """Seconds per call of ``fn`` over ``reps`` calls after one warm-up, then more (up to
+    ``UNTIL_STABLE_FACTOR * reps``) while its two best disagree by more than
+    ``STABLE_BAND``; fewer once ``budget_s`` is spent (at least one)."""
     fn()
     sync()
     times: list[float] = []
     t_start = time.monotonic()
-    for _ in range(reps):
+    while len(times) < UNTIL_STABLE_FACTOR * reps:
         t0 = time.perf_counter()
         fn()
         sync()
         times.append(time.perf_counter() - t0)
         if time.monotonic() - t_start > budget_s:
             break
+        gap = best_two_gap(times)
+        if len(times) >= reps and (gap is None or gap <= STABLE_BAND):
+            break
     return times
+
+
+def unstable_reasons(times: dict[str, list[float]], contention: Any) -> dict[str, str]:
+    """Per figure, why it cannot be trusted as this machine's peak: its two best runs apart
+    by more than ``STABLE_BAND``, or other processes busy on the CPU while it was measured
+    (``phasewise.perf.contention``: every run slowed alike looks stable and is not)."""
+    out = {}
+    for name, ts in times.items():
+        gap = best_two_gap(ts)
+        if gap is not None and gap > STABLE_BAND:
+            out[name] = f"its two best runs are {gap:.0%} apart"
+        elif contention is not None and contention.shared:
+            out[name] = f"measured while {contention.words()}"
+    return out
 
 
 def _best_time(fn: Callable[[], Any], sync: Callable[[], None], reps: int, budget_s: float
@@ -123,6 +157,10 @@ def measure_device(device: str, progress: Callable[[str], None], quick: bool = F
     for ``dtypes`` on ``device``."""
     import torch
 
+    from phasewise.perf.contention import Contention, CpuSample
+
+    before = CpuSample.now()
+    all_times: dict[str, list[float]] = {}
     dev = torch.device(device)
     sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
     reps = 3 if quick else 10
@@ -142,6 +180,7 @@ def measure_device(device: str, progress: Callable[[str], None], quick: bool = F
             del x
         bandwidth, spread["mem_bandwidth"] = _rates(n_bytes, times)
         runs["mem_bandwidth"] = len(times)
+        all_times["mem_bandwidth"] = times
         progress(f"{device}: read {bandwidth / 1e9:.1f} GB/s "
                  f"{band(spread['mem_bandwidth'], len(times), 1e9)}")
     peaks: dict[str, float] = {}
@@ -181,9 +220,20 @@ def measure_device(device: str, progress: Callable[[str], None], quick: bool = F
                     peaks[name], spread[name], times = rate, own_spread, own
                     by["bf16"] = own_name
         runs[name] = len(times)
+        all_times[name] = times
         sizes[name] = n
         progress(f"{device}: {name} matmul {peaks[name] / 1e9:.1f} GFLOP/s "
                  f"{band(spread[name], len(times), 1e9)}")
+    contention = Contention.between(before, CpuSample.now()) if dev.type == "cpu" else None
+    unstable = unstable_reasons(all_times, contention)
+    for name, why in unstable.items():
+        progress(f"{device}: {name.replace('mem_bandwidth', 'read bandwidth')} is unstable: "
+                 f"{why}; it is stored as such and measured again before it is relied on")
+    conditions: dict[str, Any] = {"loadavg": round(os.getloadavg()[0], 2)
+                                  if hasattr(os, "getloadavg") else None}
+    if contention is not None:
+        conditions.update(others=round(contention.others, 3), steal=round(contention.steal, 3),
+                          window_s=round(contention.window_s, 2))
     if dev.type == "cuda":
         mem = torch.cuda.get_device_properties(dev).total_memory
         name = torch.cuda.get_device_name(dev)
@@ -197,7 +247,8 @@ def measure_device(device: str, progress: Callable[[str], None], quick: bool = F
                          "matmul_n": sizes, "matmul_by": by, "read_bytes": n_bytes,
                          "read_by": read_by if bandwidth is not None else None,
                          "quick": quick,
-                         "spread": spread, "runs": runs}}
+                         "spread": spread, "runs": runs, "unstable": unstable,
+                         "conditions": conditions}}
 
 
 def band(spread: list[float] | None, runs: int | None, scale: float) -> str:
@@ -214,13 +265,19 @@ def format_entry(key: str, entry: dict[str, Any]) -> str:
     """One machine-file entry as ``phasewise measure`` prints it: each figure with its band."""
     m = entry.get("measured") or {}
     spread, runs = m.get("spread") or {}, m.get("runs") or {}
+    unstable = m.get("unstable") or {}
+
+    def flag(name: str) -> str:
+        return f" (UNSTABLE: {unstable[name]})" if name in unstable else ""
+
     parts = [f"read {entry['mem_bandwidth'] / 1e9:.1f} GB/s "
-             f"{band(spread.get('mem_bandwidth'), runs.get('mem_bandwidth'), 1e9)}"]
+             f"{band(spread.get('mem_bandwidth'), runs.get('mem_bandwidth'), 1e9)}"
+             + flag("mem_bandwidth")]
     quick_figures = set(m.get("quick_figures", []))
     for name, v in entry["peak_flops"].items():
         parts.append(f"{name} matmul {v / 1e9:.1f} GFLOP/s "
                      f"{band(spread.get(name), runs.get(name), 1e9)}"
-                     + (" (quick)" if name in quick_figures else ""))
+                     + (" (quick)" if name in quick_figures else "") + flag(name))
     kind = "quick" if m.get("quick") else "full"
     return f"{key}: {entry['name']} ({kind}): " + "; ".join(parts)
 
@@ -281,6 +338,42 @@ def _read_machine_file(path: Path) -> dict[str, Any]:
     return data if isinstance(data, dict) else {}
 
 
+def merge_entry(old: dict[str, Any], new: dict[str, Any], dtypes: tuple[str, ...],
+                read: bool) -> dict[str, Any]:
+    """``old`` with ``new``'s figures for ``dtypes`` (and its read bandwidth where ``read``):
+    a figure measured again replaces an unstable one where it is stable; where both are
+    unstable the higher stays (a peak is an upper bound) and stays marked unstable; a stable
+    figure is never replaced by an unstable one."""
+    m_old, m_new = old.get("measured") or {}, new.get("measured") or {}
+    unstable = dict(m_old.get("unstable") or {})
+    new_unstable = m_new.get("unstable") or {}
+    peaks, bandwidth = dict(old["peak_flops"]), old["mem_bandwidth"]
+    spread, runs = dict(m_old.get("spread") or {}), dict(m_old.get("runs") or {})
+    taken = []
+    names = [*dtypes, *(("mem_bandwidth",) if read else ())]
+    for name in names:
+        value = new["mem_bandwidth"] if name == "mem_bandwidth" else new["peak_flops"][name]
+        before = bandwidth if name == "mem_bandwidth" else peaks.get(name)
+        stable_now = name not in new_unstable
+        if before is None or stable_now or (name in unstable and value > before):
+            if name == "mem_bandwidth":
+                bandwidth = value
+            else:
+                peaks[name] = value
+            taken.append(name)
+            spread[name] = (m_new.get("spread") or {}).get(name)
+            runs[name] = (m_new.get("runs") or {}).get(name)
+        if stable_now:
+            unstable.pop(name, None)
+        elif name in unstable or before is None or name in taken:
+            unstable[name] = new_unstable[name]
+    measured = {**m_old, "spread": spread, "runs": runs, "unstable": unstable,
+                "conditions": m_new.get("conditions"),
+                "quick_figures": sorted({*m_old.get("quick_figures", []),
+                                         *(n for n in taken if n != "mem_bandwidth")})}
+    return {**old, "peak_flops": peaks, "mem_bandwidth": bandwidth, "measured": measured}
+
+
 def ensure_local(device: str, compute_dtypes: tuple[str, ...],
                  path: Path | None = None) -> Accelerator:
     """This machine's ``cpu-local`` / ``gpu-local`` accelerator with peaks for
@@ -295,25 +388,23 @@ def ensure_local(device: str, compute_dtypes: tuple[str, ...],
     if not _complete(old):
         old = {}  # missing or damaged: measured afresh
     missing = tuple(d for d in compute_dtypes if d not in old.get("peak_flops", {}))
-    if old and not missing:
+    was_unstable = (old.get("measured") or {}).get("unstable") or {}
+    redo = tuple(d for d in compute_dtypes if d in was_unstable and d not in missing)
+    redo_read = bool(old) and "mem_bandwidth" in was_unstable
+    if old and not missing and not redo and not redo_read:
         return accelerator_from_entry(key, old, path)
-    what = " and ".join(f"{d} matmul" for d in missing)
-    _progress(f"no {what} figures for {key} in {path} yet: a quick measurement"
-              f"{'' if old else ' of read bandwidth and ' + what} ('phasewise measure' does "
-              "the full one)")
-    entry = measure_device(device, _progress, quick=True, dtypes=missing,
-                           read_bandwidth=not old)
-    if old:  # keep what was measured before (a full run's bandwidth); add the new peaks
-        m_old, m_new = old.get("measured") or {}, entry.get("measured") or {}
-
-        def merged(field: str) -> dict[str, Any]:
-            new = {d: v for d, v in (m_new.get(field) or {}).items() if d in missing}
-            return {**(m_old.get(field) or {}), **new}
-
-        measured = {**m_old, "spread": merged("spread"), "runs": merged("runs"),
-                    "quick_figures": sorted({*m_old.get("quick_figures", []), *missing})}
-        peaks = {d: v for d, v in entry["peak_flops"].items() if d in missing}
-        entry = {**old, "peak_flops": {**old["peak_flops"], **peaks}, "measured": measured}
+    if missing:
+        what = " and ".join(f"{d} matmul" for d in missing)
+        _progress(f"no {what} figures for {key} in {path} yet: a quick measurement"
+                  f"{'' if old else ' of read bandwidth and ' + what} ('phasewise measure' "
+                  "does the full one)")
+    for name in (*redo, *(("mem_bandwidth",) if redo_read else ())):
+        _progress(f"{key}: the stored {name.replace('mem_bandwidth', 'read bandwidth')} is "
+                  f"unstable ({was_unstable[name]}): measured again")
+    entry = measure_device(device, _progress, quick=True, dtypes=missing + redo,
+                           read_bandwidth=not old or redo_read)
+    if old:
+        entry = merge_entry(old, entry, missing + redo, redo_read)
     data[key] = entry
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
