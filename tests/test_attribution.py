@@ -85,6 +85,20 @@ def test_a_dtype_without_a_stored_peak_gets_no_time(tmp_path):
     assert large.seconds == pytest.approx(roof.prefill(8).time)
 
 
+def test_the_start_up_note_says_when_the_stored_peaks_are_unstable(tmp_path):
+    shape = ModelShape("toy", hidden_size=8, num_layers=2, num_heads=2, num_kv_heads=1,
+                       head_dim=4, intermediate_size=16, vocab_size=10)
+    _write_machine(tmp_path, PEAKS)
+    steady = StepCostModel(shape, "bf16", stored_peaks("cpu", tmp_path / "machine.json"))
+    assert "UNSTABLE" not in steady.note(256)
+    _write_machine(tmp_path, {**PEAKS, "measured": {"unstable": {
+        "bf16": "measured while other processes used 60% of this machine's CPU time"}}})
+    shaky = StepCostModel(shape, "bf16", stored_peaks("cpu", tmp_path / "machine.json"))
+    note = shaky.note(256)
+    assert "UNSTABLE: bf16 (measured while other processes used 60%" in note
+    assert "run 'phasewise measure' on a quiet machine" in note
+
+
 @pytest.mark.parametrize("content", [None, "not json", json.dumps({"cpu-local": {"name": 1}}),
                                      json.dumps({"cpu-local": {**PEAKS, "mem_bandwidth": None}})])
 def test_missing_or_damaged_machine_files_mean_no_peaks(tmp_path, content):

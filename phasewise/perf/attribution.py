@@ -145,4 +145,11 @@ class StepCostModel:
         if missing:
             return (line + f"; no {'/'.join(missing)} peak is stored, so steps in it get no "
                     "predicted time on /metrics: run 'phasewise measure' and restart")
+        unstable = (accel.measured or {}).get("unstable") or {}
+        shaky = [n for n in (*used, "mem_bandwidth") if n in unstable]
+        if shaky:
+            names = ", ".join(n.replace("mem_bandwidth", "read bandwidth") for n in shaky)
+            line += (f"; UNSTABLE: {names} ({unstable[shaky[0]]}), so the predicted times "
+                     "may be off by as much: run 'phasewise measure' on a quiet machine and "
+                     "restart")
         return line + "; /metrics holds each step's predicted time beside its measured one"
