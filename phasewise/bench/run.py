@@ -92,9 +92,9 @@ def main(a: argparse.Namespace) -> int:
         raise ValueError(f"--num-prompts must be >= 1, got {a.num_prompts}")
     label = a.label or "phasewise-bench"
     seed = a.seed if a.seed is not None else random.SystemRandom().randrange(2**31)
-    print(f"seed {seed}" + ("" if a.seed is not None else
-                            " (drawn for this run; --seed " + str(seed) + " sends the same "
-                            "requests again)"), file=sys.stderr)
+    drawn = "" if a.seed is not None else \
+        f" (drawn for this run; --seed {seed} sends the same requests again)"
+    print(f"seed {seed}{drawn}", file=sys.stderr)
     dists = [LengthDist.parse(x) for x in (a.input_len, a.output_len, a.intruder_len)]
     if a.trace:
         base_specs = load_trace(a.trace, a.trace_time_scale)

@@ -365,7 +365,7 @@ def merge_entry(old: dict[str, Any], new: dict[str, Any], dtypes: tuple[str, ...
             runs[name] = (m_new.get("runs") or {}).get(name)
         if stable_now:
             unstable.pop(name, None)
-        elif name in unstable or before is None or name in taken:
+        elif name in unstable or name in taken:  # a kept stable figure stays stable
             unstable[name] = new_unstable[name]
     measured = {**m_old, "spread": spread, "runs": runs, "unstable": unstable,
                 "conditions": m_new.get("conditions"),

@@ -59,6 +59,12 @@ def _sig(x: float | None) -> float | None:
     return None if x is None else float(f"{x:.4g}")
 
 
+def _median(values: Any) -> float:
+    """The upper median (the feed's windows are small and their order does not matter)."""
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2]
+
+
 def bucket(edges: Sequence[float], x: float) -> int:
     """Index of the bin of ``x``: bin i holds edges[i-1] <= x < edges[i]; the last is open."""
     lo, hi = 0, len(edges)
@@ -174,18 +180,23 @@ class DashboardFeed:
             return
         self._check_stall(step)
 
-    def _expected_chunk_s(self, step: StepStats, base: float) -> float | None:
-        """What the step's prompt chunks should have added to its decodes, in this machine's
-        seconds: their predicted marginal cost times the median ratio of measured to
-        predicted over recent prompt-bearing steps (before there are four of those: the
-        decode steps' ratio, at least 1). None where the step is unpriced."""
+    @staticmethod
+    def _marginal_s(step: StepStats) -> float | None:
+        """The step's prompt chunks' predicted cost: its prediction less that of its decodes
+        alone; None where the step is unpriced."""
         if step.predicted_s is None or step.predicted_decode_s is None:
             return None
-        marginal = max(step.predicted_s - step.predicted_decode_s, 0.0)
+        return max(step.predicted_s - step.predicted_decode_s, 0.0)
+
+    def _expected_chunk_s(self, marginal: float, base: float) -> float:
+        """What prompt chunks of predicted cost ``marginal`` should have added to a step's
+        decodes, in this machine's seconds: ``marginal`` times the median ratio of measured
+        to predicted over recent prompt-bearing steps (before there are four of those: the
+        decode steps' ratio, at least 1)."""
         if len(self._chunk_slowdown) >= 4:
-            ratio = sorted(self._chunk_slowdown)[len(self._chunk_slowdown) // 2]
+            ratio = _median(self._chunk_slowdown)
         elif self._decode_predicted:
-            predicted = sorted(self._decode_predicted)[len(self._decode_predicted) // 2]
+            predicted = _median(self._decode_predicted)
             ratio = max(1.0, base / predicted) if predicted > 0 else 1.0
         else:
             ratio = 1.0
@@ -194,15 +205,13 @@ class DashboardFeed:
     def _check_stall(self, step: StepStats) -> None:
         if len(self._decode_times) < 4:
             return
-        base = sorted(self._decode_times)[len(self._decode_times) // 2]
-        expected = self._expected_chunk_s(step, base)
+        base = _median(self._decode_times)
+        marginal = self._marginal_s(step)
         if step.duration_s < max(STALL_FACTOR * base, base + STALL_MIN_EXTRA_S):
-            if (expected is not None and step.num_decode_tokens
-                    and step.predicted_s - step.predicted_decode_s > 0):
-                self._chunk_slowdown.append(  # a step that ran as its batch says
-                    max(step.duration_s - base, 0.0)
-                    / (step.predicted_s - step.predicted_decode_s))
+            if marginal and step.num_decode_tokens:  # a step that ran as its batch says
+                self._chunk_slowdown.append(max(step.duration_s - base, 0.0) / marginal)
             return
+        expected = None if marginal is None else self._expected_chunk_s(marginal, base)
         victims = list(step.decode_ids)
         if not victims:  # a prompt-only step: the streams it held back did not run at all
             riding = {rid for rid, _ in step.prefill_chunks}
