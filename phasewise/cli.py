@@ -324,13 +324,31 @@ def cmd_tune(a: argparse.Namespace) -> int:
 def cmd_simulate(a: argparse.Namespace) -> int:
     from phasewise.perf.commands import run_simulate
 
-    return run_simulate(a, _sim_model(a))
+    return run_simulate(a, _sim_model(a), _served(a))
 
 
 def cmd_plan(a: argparse.Namespace) -> int:
     from phasewise.perf.commands import run_plan
 
-    return run_plan(a, _sim_model(a))
+    return run_plan(a, _sim_model(a), _served(a))
+
+
+def _served(a: argparse.Namespace):
+    """``--served URL``: the cost model as that live, idle server runs it (a probe through
+    it: ``phasewise.bench.probe``), or None."""
+    if not a.served:
+        return None
+
+    def wrap(cm):
+        from phasewise.bench.probe import probe
+        from phasewise.perf.served import ServedCostModel
+
+        headers = {"Authorization": f"Bearer {a.served_api_key}"} if a.served_api_key else {}
+        print(f"probing {a.served} (three short phases, twice) ...", file=sys.stderr)
+        served, _ = probe(a.served, cm, cm.shape.vocab_size, headers=headers,
+                          metrics_urls=a.served_metrics or ())
+        return ServedCostModel(cm, served)
+    return wrap
 
 
 def _sim_model(a: argparse.Namespace) -> str:
@@ -356,6 +374,14 @@ def _add_sim_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", default=None, help="a phasewise calibrate profile (default: "
                    "the stored one for this model on this machine, with --gpu cpu-local)")
     p.add_argument("--dtype", default="bf16", help="how the weights and K/V are stored")
+    p.add_argument("--served", default=None, metavar="URL",
+                   help="price steps as this live, idle phasewise server runs them: a short "
+                   "probe through it measures its steps' drift from the profile and what "
+                   "serving costs beyond the engine's steps (docs/predicting.md)")
+    p.add_argument("--served-metrics", nargs="+", default=None, metavar="URL",
+                   help="--served under P/D: every worker's URL, whose /metrics hold the "
+                   "probe's steps (default: the --served URL)")
+    p.add_argument("--served-api-key", default=None, help="--served: the server's API key")
     p.add_argument("--link", default=None, help="P/D: the K/V link (catalog key; default: "
                    "instant)")
     p.add_argument("--max-model-len", type=int, default=None)

@@ -15,6 +15,7 @@ import argparse
 import math
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -210,8 +211,13 @@ def _trace(path: str, scale: float, model: str) -> list[RequestSpec]:
 
 
 # -- phasewise simulate -----------------------------------------------------------------------
-def run_simulate(a: argparse.Namespace, model: str) -> int:
+def run_simulate(a: argparse.Namespace, model: str,
+                 served: Callable[[Any], Any] | None = None) -> int:
+    """``served``: makes the cost model the live server's (``--served``: a probe through
+    it, ``phasewise.perf.served``), or None."""
     cm = cost_model(model, a.gpu, a.profile, a.dtype)
+    if served is not None:
+        cm = served(cm)
     eng = engine_spec(cm, a, model)
     dep = deployment(a)
     slo = parse_slo(a.goodput)
@@ -261,13 +267,16 @@ def _ms(v: float | None) -> str:
 
 
 # -- phasewise plan ---------------------------------------------------------------------------
-def run_plan(a: argparse.Namespace, model: str) -> int:
+def run_plan(a: argparse.Namespace, model: str,
+             served: Callable[[Any], Any] | None = None) -> int:
     from phasewise.perf.plan import Workload, search, size, table
 
     slo = parse_slo(a.goodput)
     if not {"ttft", "tpot"} <= set(slo):
         raise ValueError("plan needs both SLOs: --goodput ttft:MS tpot:MS")
     cm = cost_model(model, a.gpu, a.profile, a.dtype)
+    if served is not None:
+        cm = served(cm)
     eng = engine_spec(cm, a, model)
     make = workload_maker(a, model)
     if len(a.request_rate) != 1:

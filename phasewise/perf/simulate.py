@@ -24,7 +24,13 @@ Deployments (``Deployment``):
   runs it (its own prefix cache, its own chunked steps) and pushes each chunk's K/V as the
   chunk's step ends, over a link (one queue per prefill worker: bandwidth and latency); the
   request's first token lands on the decode worker when its last K/V byte has, plus a fixed
-  hand-off cost (``Deployment.handoff_s``) (``remote_prefill_done``), and it decodes there.
+  hand-off cost (``Deployment.handoff_s``), and the decode worker takes it in at its next
+  step boundary (``remote_prefill_done``: as the real one reads its commands between steps),
+  and it decodes there.
+
+A cost model probed through a live server (``phasewise.perf.served``) also carries each
+request's own cost before its first step (``request_s``): its arrival at the engine is that
+much later than the client's send, from which its TTFT counts.
 
 The result is the bench's summary (``phasewise.perf.summary.summarize``), so simulated and
 measured runs read alike and ``phasewise bench report`` lays them side by side; it adds
@@ -154,6 +160,9 @@ class _Engine:
     link_free: float = 0.0  # prefill role: when its link finishes what it was given
     transfers: dict[str, _Transfer] = field(default_factory=dict)  # prefill role
     landing: int = 0  # prefill role: prefills done whose K/V has not landed yet
+    # decode role: remote prefills whose K/V landed during a step; the engine takes them in
+    # at the step's end, as the real one reads its commands between steps
+    landed: list[_Transfer] = field(default_factory=list)
 
     @property
     def load(self) -> int:
@@ -187,6 +196,9 @@ class Simulation:
             self.prefillers = [make(f"prefill-{i}", "prefill", pspec) for i in range(d.prefill)]
         self.engines = self.front + self.prefillers
         self.kv_bytes_per_token = cost.kv_bytes_per_token
+        # A request's own cost before its first step (HTTP, tokenising), where the cost model
+        # was probed through a live server (phasewise.perf.served); its TTFT counts it.
+        self.request_s = float(getattr(cost, "request_s", 0.0) or 0.0)
         self.remote_prefills = 0
         self.local_prefills: dict[str, int] = {}
         self.transfer_s: list[float] = []
@@ -201,7 +213,7 @@ class Simulation:
             ) -> dict[str, Any]:
         self.requests: list[tuple[RequestSpec, Request]] = []
         for spec in specs:
-            self._at(spec.arrival, lambda spec=spec: self._arrive(spec))
+            self._at(spec.arrival + self.request_s, lambda spec=spec: self._arrive(spec))
         while self._events:
             t, _, fn = heapq.heappop(self._events)
             self.clock.now = t
@@ -223,7 +235,7 @@ class Simulation:
         base = spec.index * 1_000_003 + 7  # distinct ids per request: no accidental sharing
         ids = list(range(base, base + spec.prompt_len))
         return Request(rid, ids, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
-                       arrival_time=self.clock.now)
+                       arrival_time=spec.arrival)
 
     def _arrive(self, spec: RequestSpec) -> None:
         engine = self._pick(self.front)
@@ -302,6 +314,9 @@ class Simulation:
             self._push(e, batch, sampled)
         e.scheduler.update(batch, sampled)
         e.busy = False
+        landed, e.landed = e.landed, []
+        for tr in landed:
+            self._join(tr)
         self._wake(e)
 
     def _push(self, e: _Engine, batch: Any, sampled: dict[str, list[int]]) -> None:
@@ -336,11 +351,18 @@ class Simulation:
 
     def _landed(self, tr: _Transfer, peer: _Engine) -> None:
         peer.landing -= 1
+        self._landed_at[tr.decode_req.request_id] = tr
+        if tr.decoder.busy:  # taken in at the decode engine's next step boundary
+            tr.decoder.landed.append(tr)
+        else:
+            self._join(tr)
+            self._wake(tr.decoder)
+
+    def _join(self, tr: _Transfer) -> None:
+        """The decode side takes a landed prefill in: its first token is stamped now."""
         req = tr.decode_req
-        self._landed_at[req.request_id] = tr
         if req.status is RequestStatus.WAITING_FOR_REMOTE_KV:
             tr.decoder.scheduler.remote_prefill_done(req, _TOKEN)
-            self._wake(tr.decoder)
 
     # -- results ------------------------------------------------------------------------------
     def _summary(self, slo: dict[str, float] | None) -> dict[str, Any]:

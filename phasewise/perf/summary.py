@@ -179,6 +179,34 @@ def prefix_hits(ok: Sequence[RequestResult]) -> dict[str, Any]:
             "requests_with_cache_hits": sum(1 for r in told if r.cached_tokens)}
 
 
+# Two modes: sorted values with an empty stretch of at least this ratio between two
+# neighbours, each side holding at least MODE_SHARE of them (and two values): with the
+# percentiles near that stretch, a few requests moving across it move p50 or p90 by the gap.
+MODE_GAP = 1.3
+MODE_SHARE = 0.15
+MODE_MIN_VALUES = 8
+
+
+def modes(values: Sequence[float]) -> dict[str, Any] | None:
+    """The two modes of ``values`` (seconds), or None where they have one: each mode's
+    median (ms), the upper mode's share, and the empty stretch between them (ms)."""
+    v = sorted(x for x in values if x is not None and x > 0)
+    n = len(v)
+    if n < MODE_MIN_VALUES:
+        return None
+    least = max(2, math.ceil(MODE_SHARE * n))
+    best = None
+    for i in range(least, n - least + 1):
+        ratio = v[i] / v[i - 1]
+        if ratio >= MODE_GAP and (best is None or ratio > best[1]):
+            best = (i, ratio)
+    if best is None:
+        return None
+    i = best[0]
+    return {"low_ms": statistics.median(v[:i]) * 1e3, "high_ms": statistics.median(v[i:]) * 1e3,
+            "high_share": (n - i) / n, "gap_ms": (v[i - 1] * 1e3, v[i] * 1e3)}
+
+
 def summarize(results: Sequence[RequestResult], duration: float,
               slo: dict[str, float] | None = None) -> dict[str, Any]:
     ok = [r for r in results if r.success]
@@ -199,6 +227,7 @@ def summarize(results: Sequence[RequestResult], duration: float,
     out["slo"] = dict(slo) if slo else None
     _stats("ttft", [r.ttft for r in ok if r.ttft is not None], out)
     _stats("tpot", [r.tpot for r in ok if r.tpot is not None], out)
+    out["tpot_modes"] = modes([r.tpot for r in ok if r.tpot is not None])
     _stats("itl", [g for r in ok for g in r.itls], out)
     _stats("e2el", [r.latency for r in ok], out)
     out["longest_stall"] = longest_stall(ok)
@@ -270,6 +299,12 @@ def text_table(result: dict[str, Any]) -> str:
         stats = "  ".join(f"{k} {result[f'{k}_{name}_ms']:.1f}" for k in
                           ("mean", "median", "std", "p90", "p99"))
         row(f"{label} (ms):", stats)
+    m = result.get("tpot_modes")
+    if m:
+        row("TPOT has two modes:", f"{1 - m['high_share']:.0%} of requests near "
+            f"{m['low_ms']:.1f} ms, {m['high_share']:.0%} near {m['high_ms']:.1f} ms, none "
+            f"between {m['gap_ms'][0]:.1f} and {m['gap_ms'][1]:.1f} (a percentile near the "
+            "gap moves by it when a few requests change mode)")
     stall = result.get("longest_stall")
     if stall:
         culprit = ("" if stall["culprit"] is None else
