@@ -153,7 +153,9 @@ def observer_cost(batch_size: int, n: int = 20000) -> float:
             if len(metrics[rid].token_times) > 64:
                 del metrics[rid].token_times[:32]
         step = StepStats(k, 0.0, 0.001, 0, batch_size, batch_size, batch_size, 0, 0.1, 0,
-                         1e6, 1e6, 1e-4, (), tuple(ids), "fp32")
+                         predicted_flops=1e6, predicted_bytes=1e6, predicted_s=1e-4,
+                         predicted_decode_s=1e-4, decode_ids=tuple(ids), compute_dtype="fp32",
+                         forward_s=0.0008)
         outs = [RequestOutput(rid, None, [1, 2], "", [], "x", [5], False, None, None, None,
                               metrics[rid]) for rid in ids]
         feed.on_step(step, outs, [], snap)

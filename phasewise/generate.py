@@ -103,10 +103,19 @@ def run(model: str, engine_kwargs: dict[str, Any], opts: GenerateOptions,
         print(f"[decode]   no decode step: the only token came with the prefill; finish: "
               f"{final.finish_reason}", file=err)
     if opts.roofline:
+        decode_steps = [s for s in run_steps if s.num_decode_tokens and not s.num_prefill_tokens]
+        forward = (forward_sum(prefill_steps), forward_sum(decode_steps) if n_out > 1 else None)
         for line in roofline_lines(llm, chunks, prefill_s, n_out - 1, decode_s, verifies,
-                                   contention):
+                                   contention, forward):
             print(line, file=err)
     return 0
+
+
+def forward_sum(steps: list[Any]) -> float | None:
+    """The steps' summed forward-pass time (``StepStats.forward_s``); None where any step's
+    was not measured, or there is no step."""
+    times = [s.forward_s for s in steps]
+    return None if not times or None in times else sum(times)
 
 
 def speculation_lines(steps: list[Any], decoded: int, err: TextIO,
@@ -213,8 +222,10 @@ def warm_up(llm: Any) -> None:
 
 def roofline_lines(llm: Any, prefill_chunks: list[int], prefill_s: float, decode_steps: int,
                    decode_s: float, verifies: list[tuple[int, int]] | None = None,
-                   contention: Any = None) -> list[str]:
-    """The run's two phases against this machine's measured roofline (phasewise.perf)."""
+                   contention: Any = None,
+                   forward: tuple[float | None, float | None] = (None, None)) -> list[str]:
+    """The run's two phases against this machine's measured roofline (phasewise.perf).
+    ``forward``: the seconds of the prefill's and of the decode's forward passes."""
     from phasewise.perf.attribution import engine_compute_dtype, engine_weight_dtype
     from phasewise.perf.explain import explain_generation
     from phasewise.perf.measure import ensure_local
@@ -230,4 +241,5 @@ def roofline_lines(llm: Any, prefill_chunks: list[int], prefill_s: float, decode
                               prefill_chunks, prefill_s, decode_steps, decode_s,
                               min(eng.scheduler.config.max_num_batched_tokens,
                                   eng.max_model_len), verifies,
-                              norm_dtype(str(eng.dtype).removeprefix("torch.")), contention)
+                              norm_dtype(str(eng.dtype).removeprefix("torch.")), contention,
+                              prefill_forward_s=forward[0], decode_forward_s=forward[1])

@@ -141,6 +141,52 @@ def test_a_stall_is_blamed_on_a_chunk_only_where_its_predicted_cost_explains_it(
     assert [(i["id"], i["tokens"]) for i in stall["intruders"]] == [("big", 1024)]
 
 
+def test_steps_carry_their_forward_pass_and_host_time_and_a_stall_says_when_host_time_is_it():
+    """Step rows carry the forward pass's time and the host's (None where unmeasured). A
+    stall its chunks do not explain says whether the time it spent outside its forward pass,
+    beyond the decode steps' usual host time, is most of its excess."""
+    run = Run()
+    for rid in ("a", "b"):
+        run.arrive(rid)
+
+    def timed(duration: float, forward: float | None, prefill=(), decode=()):
+        run.index += 1
+        start = run.clock.t
+        run.clock.t += duration
+        run.feed.on_step(step(run.index, start, duration, prefill, decode, predicted_s=0.004,
+                              predicted_decode_s=0.004, forward_s=forward), [], [], SNAP)
+
+    for _ in range(8):
+        timed(0.005, 0.004, decode=["a", "b"])  # 1 ms a step outside the forward pass
+    timed(0.005, None, decode=["a", "b"])  # unmeasured: no host figure
+    hello = run.feed.hello()
+    rows = [dict(zip(hello["step_fields"], s)) for s in hello["steps"]]
+    assert rows[0]["forward_s"] == 0.004 and rows[0]["host_s"] == pytest.approx(0.001)
+    assert rows[-1]["forward_s"] is None and rows[-1]["host_s"] is None
+    json.dumps(hello)
+    # a small chunk, 80 ms: 74 ms of it outside the forward pass, the host's usual is 1 ms
+    timed(0.080, 0.006, prefill=[("small", 8)], decode=["a", "b"])
+    # the same, but the forward pass took the time: the host is not the excess
+    timed(0.080, 0.075, prefill=[("small", 8)], decode=["a", "b"])
+    timed(0.080, None, prefill=[("small", 8)], decode=["a", "b"])  # unmeasured
+    host, kernels, unknown = run.feed.frame(Cursor())["stalls"]
+    assert not host["explained"] and not kernels["explained"] and not unknown["explained"]
+    assert host["forward_s"] == 0.006 and host["host_s"] == pytest.approx(0.074)
+    assert host["baseline_host_s"] == pytest.approx(0.001)
+    assert host["host_share"] == pytest.approx(0.073 / 0.075, abs=1e-3)
+    assert host["host_share"] >= 0.5 > kernels["host_share"]
+    assert kernels["host_share"] == pytest.approx(0.004 / 0.075, abs=1e-3)
+    assert unknown["host_share"] is None and unknown["host_s"] is None
+    # a playground trace's steps carry the split too
+    a = PLAYGROUND_PREFIX + "p"
+    run.arrive(a)
+    run.index += 1
+    run.feed.on_step(step(run.index, run.clock.t, 0.003, [(a, 4)], (), forward_s=0.002), [],
+                     [], SNAP)
+    detail = run.feed.trace(a)["step_detail"][0]
+    assert detail["forward_s"] == 0.002 and detail["host_s"] == pytest.approx(0.001)
+
+
 def test_no_stall_without_a_decode_baseline_or_without_victims():
     run = Run()
     run.arrive("a")

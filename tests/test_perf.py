@@ -321,6 +321,64 @@ def test_explain_names_each_phase_bound_and_its_distance_from_the_roof():
     assert "ridge 40.0 / 10.0 FLOP/byte" in lines[0]
 
 
+def test_explain_splits_a_slow_phase_into_its_forward_pass_and_the_hosts_time():
+    """With the forward passes timed, a phase far above its roofline says how its time split
+    and names the larger part of its excess; other load, where measured high, is still what
+    is blamed; a phase whose forward passes were not timed is left unexplained."""
+    from phasewise.perf.contention import Contention
+    from phasewise.perf.explain import decode_cost, explain_generation
+
+    shape, acc, roof = _explain_setup()
+    bound = decode_cost(roof, 5, 10, 0.0).t_bound / 10  # a decode step's roofline time
+    assert 0.0005 < bound < 0.001  # what the figures below are chosen around
+    quiet = Contention(1.5, 0.03, 0.0)
+
+    def bound_lines(decode_s, decode_forward_s, contention=quiet, prefill_forward_s=None):
+        lines = explain_generation(shape, acc, "bf16", "fp32", "fp32", [5], 0.05, 10,
+                                   decode_s, 512, contention=contention,
+                                   prefill_forward_s=prefill_forward_s,
+                                   decode_forward_s=decode_forward_s)
+        return {ln.split()[1]: ln for ln in lines if ln.startswith("[bound]    ")
+                and "above the roofline time" in ln}
+
+    # 10 ms a step, of which 0.8 ms in the forward pass: the host is the excess
+    dec = bound_lines(0.1, 0.008)["decode"]
+    assert ("decode ran 12x above the roofline time: of 10.0 ms a step, 0.80 ms in the "
+            "forward pass (0.9x its roofline time) and 9.20 ms outside it (scheduling, "
+            "sampling, outputs)") in dec
+    assert "with the CPUs to itself (other processes used 3%" in dec
+    assert dec.endswith("the excess is host work outside the forward pass")
+    # 9 ms of the 10 in the forward pass, 10.7x its roofline time: the kernels are named
+    dec = bound_lines(0.1, 0.09)["decode"]
+    assert "9.00 ms in the forward pass (10.7x its roofline time) and 1.00 ms outside" in dec
+    assert dec.endswith("the excess is in the forward pass: its kernels and per-layer calls "
+                        "ran below this machine's peaks")
+    assert "host work" not in dec
+    # both far: the host's larger part first, the kernels' too
+    dec = bound_lines(0.1, 0.03)["decode"]
+    assert "most of the excess is host work" in dec and "also ran below" in dec
+    # neither part alone: 3.5 ms a step, the forward pass under 3x its roofline time and
+    # more over it than the host's 1 ms
+    dec = bound_lines(0.035, 0.025)["decode"]
+    assert "(3.0x its roofline time)" in dec
+    assert dec.endswith("the excess is split between the forward pass and host work outside it")
+    # other load measured high: the split is still given, the excess is blamed on the load
+    dec = bound_lines(0.1, 0.008, Contention(1.5, 0.55, 0.0))["decode"]
+    assert "0.80 ms in the forward pass" in dec and "contention, not this work" in dec
+    assert "host work" not in dec and "below this machine's peaks" not in dec
+    # each slow phase on its line: the prefill's forward passes were not timed, so its
+    # excess is left unexplained, while the decode's is split
+    both = bound_lines(0.1, 0.008)
+    assert "not explained by this step's work" in both["prefill"]
+    assert "not timed apart" in both["prefill"] and "forward pass (" not in both["prefill"]
+    assert "not explained" not in both["decode"]
+    pre = bound_lines(0.1, 0.008, prefill_forward_s=0.045)["prefill"]
+    assert "of 50.0 ms, 45.0 ms in the forward pass" in pre and "a step" not in pre
+    # unknown load: the split and what it shows are still given
+    dec = bound_lines(0.1, 0.09, None)["decode"]
+    assert "load during the run unknown" in dec and "the excess is in the forward pass" in dec
+
+
 def test_ensure_local_measures_only_what_is_missing(tmp_path, monkeypatch):
     from phasewise.perf import measure as measure_mod
 

@@ -24,7 +24,7 @@ from phasewise.config import EngineConfig
 from phasewise.engine.connector import PushConnector
 from phasewise.engine.generation import GenerationDefaults
 from phasewise.engine.kv_sizing import KVPlan
-from phasewise.engine.model_runner import ModelRunner
+from phasewise.engine.model_runner import ModelRunner, RunnerOutput
 from phasewise.engine.output_processor import OutputProcessor
 from phasewise.engine.outputs import RequestOutput, StepStats
 from phasewise.engine.remote_prefill import RemotePrefills
@@ -275,8 +275,10 @@ class LLMEngine:
                                               for r, t in zip(batch.requests, tables)})
             tokens, failed = sample_step(self.sampler, ran)
             verified = Speculator.verify(self.sampler, ran, tokens, failed)
+            read = time.monotonic()
         except Exception as e:
             raise StepFailed([r.request_id for r in batch.requests], e) from e
+        forward_s = self._forward_s(ran, read)
         got = self.scheduler.update(batch, tokens)
 
         outputs = []
@@ -306,8 +308,25 @@ class LLMEngine:
                                     sum(kept for _, kept in got), duration)
         self.step_stats.append(StepStats.of(
             self._step_index, start, duration, batch, riders, cost, self.scheduler,
-            self.kv.usage, proposed, accepted, decode_s))
+            self.kv.usage, proposed, accepted, decode_s, forward_s))
         return outputs
+
+    def _forward_s(self, ran: RunnerOutput, read: float) -> float | None:
+        """The wall time of the step's forward pass, without adding a synchronisation.
+
+        On CPU the model's ops have finished when its call returns: the runner's own window
+        (``RunnerOutput.forward_start`` to ``forward_end``). Elsewhere (CUDA) kernels run
+        asynchronously and the step waits for them only where it first reads their results:
+        sampling's ``.tolist()`` (or ``Speculator.verify``'s), which ``read`` follows. There
+        the forward pass runs from its start to ``read``, so it includes what the step does
+        before that read (a K/V export, prompt logprobs, sampling itself): an upper bound,
+        and the host share a lower one. A step that samples nothing reads nothing, so its
+        end is not seen (None); its kernels' tail then lands in the next step's window.
+        Invariant (every stamp is ``time.monotonic`` inside the step's own window):
+        0 <= forward_s <= duration_s."""
+        if self.device.type == "cpu":
+            return ran.forward_end - ran.forward_start
+        return read - ran.forward_start if ran.requests else None
 
     def _emit(self, req: Request, new_tokens: int = 1) -> RequestOutput:
         """The output of a request that just got ``new_tokens`` tokens (more than one after

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +25,14 @@ class RunnerOutput:
     requests: list[Request]  # the requests whose chunk reached their last token, in row order
     logits: torch.Tensor  # [sum(rows), vocab] fp32
     rows: list[int]  # logits rows per request: 1, or 1 + its drafts for a verify
+    # time.monotonic() just before the model's first call and when it has returned the
+    # sampled rows' logits (before any prompt logprobs). The batch's layout and its
+    # AttentionMetadata come before the start; a graph step's copy of its inputs into the
+    # graphs' buffers falls inside. On CPU every op has finished when the call returns, so
+    # forward_end - forward_start is the forward pass's wall time; on CUDA the kernels may
+    # still be running then (LLMEngine._forward_s says where their end is seen).
+    forward_start: float = 0.0
+    forward_end: float = 0.0
 
     def spans(self) -> list[tuple[Request, int, int]]:
         """Each request with its first logits row and its number of rows."""
@@ -135,9 +144,10 @@ class ModelRunner:
             # Decode-only, every row sampled (so rows are in sampling order): a graph's step.
             bs = self.block_size
             slots = [tables[i][p // bs] * bs + p % bs for i, p in enumerate(positions)]
+            start = time.monotonic()
             logits = self.graphs.step(input_ids, positions, slots, tables)
             if logits is not None:
-                return RunnerOutput(sample_reqs, logits, rows_per_req)
+                return RunnerOutput(sample_reqs, logits, rows_per_req, start, time.monotonic())
         dev = self.device
         meta = AttentionMetadata.build(
             chunk_lens=chunk_lens, context_lens=context_lens, block_tables=tables,
@@ -145,18 +155,20 @@ class ModelRunner:
         )
         ids_t = torch.tensor(input_ids, dtype=torch.long, device=dev)
         pos_t = torch.tensor(positions, dtype=torch.long, device=dev)
+        start = time.monotonic()
         if not scored and len(sample_rows) == len(input_ids):  # every row, in order
             logits = self.model.forward_logits(ids_t, pos_t, self.kv_caches, meta)
-            return RunnerOutput(sample_reqs, logits, rows_per_req)
+            return RunnerOutput(sample_reqs, logits, rows_per_req, start, time.monotonic())
         hidden = self.model(ids_t, pos_t, self.kv_caches, meta)  # [T, hidden]
         if len(sample_rows) == hidden.shape[0]:  # every row, in order (a decode-only step)
             logits = self.model.compute_logits(hidden)  # [S, vocab]
         else:
             rows = torch.tensor(sample_rows, dtype=torch.long, device=dev)
             logits = self.model.compute_logits(hidden[rows])  # [S, vocab]
+        end = time.monotonic()
         for req, row, pos, n in scored:
             self._prompt_logprobs(req, hidden[row:row + n], pos)
-        return RunnerOutput(sample_reqs, logits, rows_per_req)
+        return RunnerOutput(sample_reqs, logits, rows_per_req, start, end)
 
     def _prompt_logprobs(self, req: Request, hidden: torch.Tensor, pos: int) -> None:
         """Append to ``req.prompt_logprobs`` the entries of the positions ``pos ..`` whose

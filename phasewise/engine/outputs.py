@@ -78,16 +78,20 @@ class StepStats:
     # Speculative decoding: draft tokens this step verified, and how many it kept.
     num_spec_proposed: int = 0
     num_spec_accepted: int = 0
+    # The wall time of the step's forward pass (the model's kernels and per-layer calls,
+    # from its first call to the sampled rows' logits; on CUDA up to where sampling reads
+    # them: LLMEngine._forward_s), within duration_s; None where not measured.
+    forward_s: float | None = None
 
     @classmethod
     def of(cls, index: int, start: float, duration: float, batch: Any,
            riders: tuple[tuple[tuple[str, int], ...], tuple[str, ...]], cost: Any,
            scheduler: Any, kv_usage: float, proposed: int, accepted: int,
-           decode_s: float | None = None) -> StepStats:
+           decode_s: float | None = None, forward_s: float | None = None) -> StepStats:
         """The record of a step that ran ``batch`` (a ``ScheduledBatch``; ``riders``: its
         ``riders()``, read before the scheduler's update), priced at ``cost`` (a
         ``StepPrediction``; ``decode_s``: the seconds of its decodes alone), with
-        ``scheduler``'s queues as they are after it."""
+        ``scheduler``'s queues as they are after it; ``forward_s``: its forward pass's time."""
         return cls(
             index=index, start_time=start, duration_s=duration,
             num_prefill_tokens=batch.num_prefill_tokens,
@@ -96,9 +100,15 @@ class StepStats:
             kv_usage=kv_usage, num_preempted=len(batch.preempted),
             predicted_flops=cost.flops, predicted_bytes=cost.bytes, predicted_s=cost.seconds,
             predicted_decode_s=decode_s, prefill_chunks=riders[0], decode_ids=riders[1], compute_dtype=cost.compute_dtype,
-            num_spec_proposed=proposed, num_spec_accepted=accepted)
+            num_spec_proposed=proposed, num_spec_accepted=accepted, forward_s=forward_s)
 
     @property
     def num_tokens(self) -> int:
         return self.num_prefill_tokens + self.num_decode_tokens
+
+    @property
+    def host_s(self) -> float | None:
+        """The step's time outside its forward pass: scheduling, batch layout, sampling,
+        stop strings and outputs (None where forward_s is)."""
+        return None if self.forward_s is None else max(self.duration_s - self.forward_s, 0.0)
 

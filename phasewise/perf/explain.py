@@ -5,14 +5,17 @@ chunks) and the decode steps it ran, the arithmetic intensity the roofline gives
 bound that intensity means on this machine (its measured ridge point), and how the measured
 time compares with the roofline's lower bound. The last line says, in one sentence, which phase
 was compute-bound and which memory-bound, and from what prompt length (and decode batch) the
-answer would flip: the bound follows from bytes per FLOP, not from the phase's name.
+answer would flip: the bound follows from bytes per FLOP, not from the phase's name. A phase
+far above its roofline gets a line of its own: how its time split between the forward passes
+and the host (both measured in the run), and what its excess is made of: other processes'
+load where it was high, else the larger of the host time and the forward passes' own excess.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from phasewise.perf.contention import Contention
 from phasewise.perf.hardware import Accelerator
@@ -32,6 +35,9 @@ class PhaseCost:
     total: StepCost  # flops and bytes summed over the steps (same peaks: times add up too)
     t_bound: float  # sum over steps of max(t_compute, t_memory), not the max of the sums
     measured_s: float
+    # the part of measured_s its forward passes took (the rest is the host's: scheduling,
+    # sampling, outputs); None where not measured
+    forward_s: float | None = None
 
     @property
     def tokens(self) -> int:
@@ -62,6 +68,19 @@ class PhaseCost:
     def vs_roofline(self) -> float:
         """Measured time over the roofline's lower bound (1.0 = at the roof)."""
         return self.measured_s / self.t_bound if self.t_bound > 0 else float("inf")
+
+    @property
+    def forward_vs_roofline(self) -> float | None:
+        """The forward passes' time over the same bound: the roofline counts exactly their
+        work (arithmetic, weight and K/V reads), none of the host's."""
+        if self.forward_s is None:
+            return None
+        return self.forward_s / self.t_bound if self.t_bound > 0 else float("inf")
+
+    @property
+    def host_s(self) -> float | None:
+        """The time outside the forward passes (None where forward_s is)."""
+        return None if self.forward_s is None else max(self.measured_s - self.forward_s, 0.0)
 
 
 def _total(name: str, costs: list[StepCost], measured_s: float) -> PhaseCost:
@@ -128,6 +147,36 @@ def _phase_line(p: PhaseCost, per: str, emitted: int | None = None) -> str:
             f"roofline time")
 
 
+def _split_words(p: PhaseCost) -> str | None:
+    """How a phase's time splits between its forward passes and the host, with numbers (per
+    step for decode); None where the forward passes were not timed."""
+    fwd, host, ratio = p.forward_s, p.host_s, p.forward_vs_roofline
+    if fwd is None or host is None or ratio is None:
+        return None
+    n = p.steps if p.name == "decode" else 1
+    each = " a step" if n > 1 else ""
+    return (f"of {_ms(p.measured_s / n)}{each}, {_ms(fwd / n)} in the forward pass "
+            f"({ratio:.1f}x its roofline time) and {_ms(host / n)} outside it (scheduling, "
+            "sampling, outputs)")
+
+
+def _excess_words(p: PhaseCost) -> str:
+    """What the excess over the roofline of a phase whose forward passes were timed is made
+    of, where other load does not explain it. The forward passes' own excess (their time
+    over the roofline's, which counts exactly their work) is set against the host time,
+    which the roofline does not count at all: the larger is named. The forward pass is
+    called slow only where it ran more than OVERHEAD_RATIO times its roofline time."""
+    fwd, host, ratio = p.forward_s or 0.0, p.host_s or 0.0, p.forward_vs_roofline or 0.0
+    slow_kernels = ratio > OVERHEAD_RATIO
+    if host >= fwd - p.t_bound:
+        return ("most of the excess is host work outside the forward pass, and the forward "
+                "pass's kernels and per-layer calls also ran below this machine's peaks"
+                if slow_kernels else "the excess is host work outside the forward pass")
+    return ("the excess is in the forward pass: its kernels and per-layer calls ran below "
+            "this machine's peaks" if slow_kernels else
+            "the excess is split between the forward pass and host work outside it")
+
+
 def noise_factor(accel: Accelerator, compute: str) -> float | None:
     """How far the figures a verdict compares could be off: over the peak for ``compute``
     and the read bandwidth, for each one stored as unstable (``phasewise measure``'s
@@ -153,7 +202,9 @@ def explain_generation(shape: ModelShape, accel: Accelerator, weight_dtype: str,
                        decode_s: float, max_step_tokens: int,
                        verifies: Sequence[tuple[int, int]] | None = None,
                        kv_dtype: str | None = None,
-                       contention: Contention | None = None) -> list[str]:
+                       contention: Contention | None = None,
+                       prefill_forward_s: float | None = None,
+                       decode_forward_s: float | None = None) -> list[str]:
     """The lines ``phasewise generate`` prints after the stream (see the module doc).
 
     ``*_compute``: whose peak each phase's arithmetic runs at (it may differ from the
@@ -165,6 +216,9 @@ def explain_generation(shape: ModelShape, accel: Accelerator, weight_dtype: str,
     when it is not the weights' (int8 weights keep the model's K/V). ``contention``: other
     processes' share of the CPUs around the run (``phasewise.perf.contention``), which is
     what a phase far above its roofline is blamed on where it is high; None: unknown.
+    ``*_forward_s``: the part of ``prefill_s`` / ``decode_s`` the forward passes took
+    (``StepStats.forward_s`` summed), which splits a phase far above its roofline into the
+    kernels' time and the host's; None: not measured, and the excess is left unexplained.
     """
     pre_roof = Roofline(shape, accel, weight_dtype, kv_dtype, compute_dtype=prefill_compute)
     dec_roof = Roofline(shape, accel, weight_dtype, kv_dtype, compute_dtype=decode_compute)
@@ -176,12 +230,14 @@ def explain_generation(shape: ModelShape, accel: Accelerator, weight_dtype: str,
     lines = [f"[roofline] this machine ({accel.key}): {peaks}, read "
              f"{pre_roof.bandwidth / 1e9:.1f} GB/s: ridge {ridges} FLOP/byte; weights "
              f"{pre_roof.weight_bytes / 1e6:.1f} MB ({pre_roof.dtype})"]
-    pre = prefill_cost(pre_roof, prefill_chunks, prefill_s)
+    pre = replace(prefill_cost(pre_roof, prefill_chunks, prefill_s),
+                  forward_s=prefill_forward_s)
     lines.append(_phase_line(pre, _ms(prefill_s)) + f" {_ms(pre.t_bound)}")
     phases = [pre]
     dec = None
     if decode_steps > 0:
-        dec = decode_cost(dec_roof, prompt_len, decode_steps, decode_s, verifies)
+        dec = replace(decode_cost(dec_roof, prompt_len, decode_steps, decode_s, verifies),
+                      forward_s=decode_forward_s)
         per_step = f" ({_ms(decode_s / dec.steps)}/step)" if verifies else ""
         lines.append(_phase_line(dec, _ms(decode_s / decode_steps) + "/token" + per_step,
                                  decode_steps if verifies else None)
@@ -215,19 +271,27 @@ def explain_generation(shape: ModelShape, accel: Accelerator, weight_dtype: str,
                                                            else "") + ".")
     slow = [p for p in phases if p.vs_roofline > OVERHEAD_RATIO]
     fast = [p for p in phases if p.vs_roofline < 1.0 and p.bound == "memory"]
-    if slow:
-        head = ("[bound]    " + " and ".join(p.name for p in slow) + " ran "
-                + " / ".join(f"{p.vs_roofline:.0f}x" for p in slow) + " above the roofline time")
-        if contention is not None and contention.shared:
-            why = (f" while {contention.words()}: the excess is that contention, not this "
-                   "work; the verdicts above may differ on a quiet machine")
-        else:
+    contended = contention if contention is not None and contention.shared else None
+    blame = ("the excess is that contention, not this work; the verdicts above may differ on "
+             "a quiet machine")
+    for p in slow:  # one line each: how its time splits, then what the excess is
+        line = f"[bound]    {p.name} ran {p.vs_roofline:.0f}x above the roofline time"
+        split = _split_words(p)
+        if split is None and contended is not None:
+            line += f" while {contended.words()}: {blame}"
+        elif split is None:
             load = (f"with the CPUs to itself ({contention.words()})" if contention is not None
                     else "(this machine's load during the run is unknown)")
-            why = (f" {load}: not explained by this step's work as the roofline counts it "
-                   "(arithmetic, weight and K/V reads); what a step costs beyond those "
-                   "(host work between kernels) is not measured here")
-        lines.append(head + why)
+            line += (f" {load}: not explained by this step's work as the roofline counts it "
+                     "(arithmetic, weight and K/V reads), and its forward pass was not timed "
+                     "apart from the host's work")
+        elif contended is not None:
+            line += f": {split}; {contended.words()}: {blame}"
+        else:
+            load = (f"with the CPUs to itself ({contention.words()})" if contention is not None
+                    else "with this machine's load during the run unknown")
+            line += f": {split}; {load}, {_excess_words(p)}"
+        lines.append(line)
     if fast and accel.key == "cpu-local":
         lines.append("[bound]    " + " and ".join(p.name for p in fast) + " beat the "
                      "roofline time, which assumes DRAM bandwidth: the "

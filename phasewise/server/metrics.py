@@ -130,6 +130,12 @@ class PrometheusMetrics:
                               "token mix.", labels + ["kind"], buckets=_LATENCY_BUCKETS,
                               registry=r)
         self.step_time = {kind: step_time.labels(model_name, kind) for kind in _STEP_KINDS}
+        step_host = Histogram(PREFIX + "step_host_seconds",
+                              "Engine step time outside the forward pass (schedule, batch "
+                              "layout, sampling, outputs) by token mix; only where the engine "
+                              "timed the forward pass.", labels + ["kind"],
+                              buckets=_PREDICTED_BUCKETS, registry=r)  # (down to 1 us)
+        self.step_host = {kind: step_host.labels(model_name, kind) for kind in _STEP_KINDS}
         step_tok = Counter(PREFIX + "step_tokens", "Tokens computed in engine steps by phase.",
                            labels + ["phase"], registry=r)
         self.step_prefill_tokens = step_tok.labels(model_name, "prefill")
@@ -153,6 +159,8 @@ class PrometheusMetrics:
         if step is not None:
             self.steps[step_kind(step)].inc()
             self.step_time[step_kind(step)].observe(step.duration_s)
+            if step.host_s is not None:
+                self.step_host[step_kind(step)].observe(step.host_s)
             self.step_tokens.observe(step.num_tokens)
             self.step_prefill_tokens.inc(step.num_prefill_tokens)
             self.step_decode_tokens.inc(step.num_decode_tokens)

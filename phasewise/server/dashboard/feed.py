@@ -10,9 +10,11 @@ stall is blamed on its prompt chunks only where their cost explains it: the chun
 cost as the engine's cost model prices it (the step's prediction less that of its decodes
 alone), scaled by how far this machine's recent steps ran from their predictions, must be at
 least ``CHUNK_SHARE`` of the step's excess over the decode baseline. Otherwise the step is
-recorded as a slow step with no intruder (other load on the machine, a page fault, a
-collection: nothing in its batch says which). Unpriced steps (no stored peaks) blame their
-chunks as before, marked so.
+recorded as a slow step with no intruder: where the engine timed its forward pass and the
+host time it spent outside it (``StepStats.forward_s``, ``host_s``) beyond the decode steps'
+median host time makes up at least ``CHUNK_SHARE`` of the excess, the excess is host time
+(``host_share``); else nothing measured says what it was (other load on the machine, a page
+fault, a collection). Unpriced steps (no stored peaks) blame their chunks as before, marked so.
 Nothing here is heavier than a few appends per request per step, and nothing is encoded on
 the engine's thread.
 
@@ -57,6 +59,11 @@ MAX_VICTIM_IDS = 8
 def _sig(x: float | None) -> float | None:
     """``x`` to four significant digits."""
     return None if x is None else float(f"{x:.4g}")
+
+
+def _round(x: float | None) -> float | None:
+    """A step time as the step rows carry it (to 0.1 us)."""
+    return None if x is None else round(x, 7)
 
 
 def _median(values: Any) -> float:
@@ -122,6 +129,8 @@ class DashboardFeed:
         # the decode-only steps' predicted seconds (beside _decode_times, where priced), and
         # recent prompt-bearing steps' ratio of measured to predicted marginal chunk cost
         self._decode_predicted: deque[float] = deque(maxlen=BASELINE_STEPS)
+        # the decode-only steps' host time (outside the forward pass), where measured
+        self._decode_host: deque[float] = deque(maxlen=BASELINE_STEPS)
         self._chunk_slowdown: deque[float] = deque(maxlen=SLOWDOWN_STEPS)
         self.ttft = [0] * (len(LATENCY_EDGES) + 1)
         self.itl = [0] * (len(LATENCY_EDGES) + 1)
@@ -171,12 +180,15 @@ class DashboardFeed:
             step.index, round(step.start_time - self.t0, 4), round(step.duration_s, 7),
             step.num_prefill_tokens, step.num_decode_tokens, _sig(step.predicted_s),
             _sig(step.predicted_bytes), _sig(step.predicted_flops), step.compute_dtype,
-            step.num_requests, step.num_running, step.num_waiting, round(step.kv_usage, 4)])
+            step.num_requests, step.num_running, step.num_waiting, round(step.kv_usage, 4),
+            _round(step.forward_s), _round(step.host_s)])
         if step.num_prefill_tokens == 0:
             if step.num_decode_tokens:
                 self._decode_times.append(step.duration_s)
                 if step.predicted_s:
                     self._decode_predicted.append(step.predicted_s)
+                if step.host_s is not None:
+                    self._decode_host.append(step.host_s)
             return
         self._check_stall(step)
 
@@ -221,6 +233,12 @@ class DashboardFeed:
             return
         excess = step.duration_s - base
         explained = expected is None or expected >= CHUNK_SHARE * excess
+        # the host's part of the excess: its time outside the forward pass beyond the decode
+        # steps' usual (None where either is unmeasured)
+        host = step.host_s
+        base_host = _median(self._decode_host) if self._decode_host else None
+        host_share = (None if host is None or base_host is None or excess <= 0
+                      else max(host - base_host, 0.0) / excess)
         intruders = sorted(step.prefill_chunks, key=lambda c: -c[1]) if explained else []
         self._num_stalls += 1
         self._stalls.append({
@@ -228,6 +246,8 @@ class DashboardFeed:
             "t": round(step.start_time - self.t0, 4), "duration_s": step.duration_s,
             "baseline_s": base, "priced": expected is not None,
             "expected_chunk_s": expected, "explained": explained,
+            "forward_s": step.forward_s, "host_s": host, "baseline_host_s": base_host,
+            "host_share": None if host_share is None else round(host_share, 4),
             "chunks": [{"id": rid, "tokens": n} for rid, n in step.prefill_chunks
                        ][:MAX_VICTIM_IDS] if not explained else [],
             "intruders": [{"id": rid, "tokens": n,
@@ -302,7 +322,8 @@ class DashboardFeed:
                      info=self.info, edges=LATENCY_EDGES,
                      step_fields=["index", "t", "duration_s", "prefill", "decode",
                                   "predicted_s", "bytes", "flops", "dtype", "requests",
-                                  "running", "waiting", "kv_usage"],
+                                  "running", "waiting", "kv_usage", "forward_s",
+                                  "host_s"],
                      transfer_fields=["n", "t", "peer", "bytes", "frames", "window_s",
                                       "span_s", "gbps"])
         return frame
@@ -351,7 +372,8 @@ class DashboardFeed:
         d["step_detail"] = [
             {"index": i, "tokens": n, "phase": phase,
              **({"duration_s": s[2], "prefill": s[3], "decode": s[4], "requests": s[9],
-                 "predicted_s": s[5]} if (s := by_index.get(i)) is not None else {})}
+                 "predicted_s": s[5], "forward_s": s[13], "host_s": s[14]}
+                if (s := by_index.get(i)) is not None else {})}
             for i, n, phase in d["steps"]]
         return d
 

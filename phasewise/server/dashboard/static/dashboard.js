@@ -25,6 +25,10 @@ function ms(s) {
   if (v >= 1000) return (v / 1e3).toFixed(v >= 1e4 ? 0 : 1) + " s";
   return v >= 100 ? v.toFixed(0) + " ms" : v >= 10 ? v.toFixed(1) + " ms" : v.toFixed(2) + " ms";
 }
+// the share of a step's time spent outside its forward pass (null where unmeasured)
+function hostShare(duration, forward) {
+  return forward == null || !(duration > 0) ? null : Math.max(duration - forward, 0) / duration;
+}
 function num(x, d = 1) { return x === null || x === undefined || !isFinite(x) ? "–" : x.toFixed(d); }
 function esc(s) {
   return String(s).replace(/[&<>"']/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;",
@@ -73,9 +77,15 @@ function makeCharts() {
     { label: "prefill tokens", stroke: C.prefill, fill: C.prefill, paths: bars(),
       points: { show: false } },
   ], "tokens");
+  // the forward pass's part of each step; the rest of the measured time is the host's
   charts.time = chart("c-time", [
     { label: "measured", stroke: C.decode, width: 1.5, value: (u, v) => ms(v) },
     { label: "roofline", stroke: C.roof, width: 1.5, dash: [4, 3], value: (u, v) => ms(v) },
+    { label: "forward pass", stroke: C.alt, width: 1, value: (u, v, si, i) => {
+      const total = i == null ? null : u.data[1][i];
+      return v == null || total == null ? ms(v) : `${ms(v)} (host ${ms(Math.max(total - v, 0))}, ` +
+        `${num(100 * hostShare(total, v), 0)} %)`;
+    } },
   ], "seconds", { yFmt: (v) => ms(v) });
   charts.bw = chart("c-bw", [
     { label: "achieved GB/s", stroke: C.decode, width: 1.5 },
@@ -266,7 +276,8 @@ function drawSteps(src) {
   const x = steps.map((s) => s[0]);
   const peaks = src.hello.peaks;
   charts.mix.setData([x, steps.map((s) => s[3] + s[4]), steps.map((s) => s[3])]);
-  charts.time.setData([x, steps.map((s) => s[2]), steps.map((s) => s[5])]);
+  charts.time.setData([x, steps.map((s) => s[2]), steps.map((s) => s[5]),
+    steps.map((s) => (s[13] === undefined ? null : s[13]))]);
   charts.bw.setData([x, steps.map((s) => (s[6] != null && s[2] > 0 ? s[6] / s[2] / 1e9 : null)),
     steps.map(() => (peaks ? peaks.bandwidth / 1e9 : null))]);
   charts.fl.setData([x, steps.map((s) => (s[7] != null && s[2] > 0 ? s[7] / s[2] / 1e9 : null)),
@@ -342,18 +353,25 @@ function drawStalls() {
   body.innerHTML = rows.slice(0, 20).map(([key, st]) => {
     let who = st.intruders.map((i) => `<span class="intruder id">${esc(i.id)}</span> ` +
       `(${esc(i.tokens)}${i.prompt_tokens ? " / " + esc(i.prompt_tokens) : ""} tokens)`).join(", ");
+    const excess = st.duration_s - st.baseline_s;
     if (st.explained === false) {
-      // a slow step its batch does not explain: no intruder is named
+      // a slow step its batch does not explain: no intruder is named; where the time it
+      // spent outside its forward pass makes up most of the excess, that is said
       const tokens = (st.chunks || []).reduce((a, c) => a + c.tokens, 0);
+      const why = st.host_share != null && st.host_share >= 0.5
+        ? `${ms(st.host_share * excess)} of it is host time outside the forward pass ` +
+          "(scheduling, sampling, outputs)"
+        : "not explained by this step's work";
       who = `<span class="dim unexplained">none: its chunks (${esc(tokens)} tokens) should ` +
-        `add ${ms(st.expected_chunk_s)}, not ${ms(st.duration_s - st.baseline_s)}; ` +
-        `not explained by this step's work</span>`;
+        `add ${ms(st.expected_chunk_s)}, not ${ms(excess)}; ${why}</span>`;
     } else if (st.priced === false) {
       who += ' <span class="dim">(unpriced: no stored peaks)</span>';
     }
     return `<tr class="stall" data-intruder="${esc(st.intruders.length ? st.intruders[0].id : "")}">` +
       `<td>${num(st.t)} s${key === "self" ? "" : " · " + esc(key)}</td><td>${esc(st.step)}</td>` +
-      `<td>${ms(st.duration_s)}</td><td>${ms(st.baseline_s)}</td><td>${who}</td>` +
+      `<td title="${esc(st.forward_s == null ? "" : `forward pass ${ms(st.forward_s)}, ` +
+        `host ${ms(st.host_s)} (the decode steps' host: ${ms(st.baseline_host_s)})`)}">` +
+      `${ms(st.duration_s)}</td><td>${ms(st.baseline_s)}</td><td>${who}</td>` +
       `<td title="${esc(st.victims.join(" "))}">${esc(st.num_victims)}</td></tr>`;
   }).join("");
 }
@@ -440,7 +458,8 @@ function renderTrace(tr) {
     1e3 * (i === 0 ? o[0] : o[0] - outs[i - 1][0]))]);
   $("pg-steps").innerHTML = (tr.step_detail || []).slice(-400).map((s) => `<tr><td>${esc(s.index)}</td>` +
     `<td>${esc(s.phase)} ${esc(s.tokens)}</td><td>${esc(s.prefill ?? "–")} / ${esc(s.decode ?? "–")}</td>` +
-    `<td>${esc(s.requests ?? "–")}</td><td>${ms(s.duration_s)}</td><td>${ms(s.predicted_s)}</td></tr>`)
+    `<td>${esc(s.requests ?? "–")}</td><td>${ms(s.duration_s)}</td><td>${ms(s.host_s)}</td>` +
+    `<td>${ms(s.predicted_s)}</td></tr>`)
     .join("");
 }
 
