@@ -19,6 +19,11 @@ default h200: its datasheet peaks) and beside this GPU's own ceilings measured f
 * HF transformers (the machine's own, eager, SDPA) on the same shape: prefill time and
   greedy ``generate`` decode rate, and phasewise's ratio to it.
 
+Each ceiling is judged as ``phasewise measure`` judges its figures (``harness.PeakRuns``: its
+two best runs within ``STABLE_BAND``; on a CPU dry run, other processes' load too); an
+unstable one is named after the ceilings, and each MFU / MBU "of measured" computed from it is
+marked ``(UNSTABLE peak: ...)``.
+
     python -m benchmarks.bench_cuda                      # on the GPU machine
     python -m benchmarks.bench_cuda --device cpu --shape tiny --skip-hf   # a dry run here
 """
@@ -37,6 +42,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.harness import PeakNotes, PeakRuns
 from phasewise import LLM, SamplingParams
 from phasewise.perf.hardware import ACCELERATORS
 from phasewise.perf.models import ModelShape
@@ -106,35 +112,41 @@ class Timer:
         self.s = time.perf_counter() - self.t0
 
 
-def ceilings(device: torch.device, quick: bool) -> dict:
-    """This device's bf16 matmul rate, copy and read bandwidth (best of several)."""
+def ceilings(device: torch.device, quick: bool) -> tuple[dict, PeakNotes]:
+    """This device's bf16 matmul rate, copy and read bandwidth (best of several), and which
+    of them are unstable (named ``bf16``, ``copy``, ``mem_bandwidth``)."""
+    runs = PeakRuns(cpu_load=device.type == "cpu")
     n = 2048 if quick else 8192
     a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
     b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    best = float("inf")
+    mm: list[float] = []
     for i in range(8):
         with Timer(device) as t:
             for _ in range(4):
                 a @ b
         if i >= 2:
-            best = min(best, t.s / 4)
-    flops = 2 * n**3 / best
+            mm.append(t.s / 4)
+    flops = 2 * n**3 / min(mm)
     del a, b
     nbytes = (64 << 20) if quick else (4 << 30)
     x = torch.ones(nbytes // 2, device=device, dtype=torch.bfloat16)
     y = torch.empty_like(x)
-    copy = read = float("inf")
+    copies: list[float] = []
+    reads: list[float] = []
     for i in range(8):
         with Timer(device) as t:
             y.copy_(x)
         if i >= 2:
-            copy = min(copy, t.s)
+            copies.append(t.s)
         with Timer(device) as t:
             x.sum(dtype=torch.float32)
         if i >= 2:
-            read = min(read, t.s)
+            reads.append(t.s)
     del x, y
-    return {"bf16_flops": flops, "copy_Bps": 2 * nbytes / copy, "read_Bps": nbytes / read}
+    for name, times in (("bf16", mm), ("copy", copies), ("mem_bandwidth", reads)):
+        runs.add(name, times)
+    return ({"bf16_flops": flops, "copy_Bps": 2 * nbytes / min(copies),
+             "read_Bps": nbytes / min(reads)}, runs.notes())
 
 
 def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -422,13 +434,15 @@ def main() -> int:
                      f"{prop.total_memory / 2**30:.0f} GiB"
     say(f"torch {torch.__version__}; device {res.get('gpu', dev)}")
 
-    peaks = ceilings(dev, quick)
+    peaks, notes = ceilings(dev, quick)
     res["ceilings"] = peaks
+    res["ceilings_unstable"] = notes.unstable
     accel = ACCELERATORS[args.accelerator]
     say(f"measured: bf16 matmul {peaks['bf16_flops'] / 1e12:.0f} TFLOP/s, copy "
         f"{peaks['copy_Bps'] / 1e12:.2f} TB/s (read+write), read {peaks['read_Bps'] / 1e12:.2f}"
         f" TB/s; analyser's {accel.key}: bf16 {accel.peak_flops_for('bf16') / 1e12:.0f} "
         f"TFLOP/s, {accel.mem_bandwidth / 1e12:.2f} TB/s")
+    say(notes.header("this device's measured ceilings; the datasheet's are not measured"))
 
     with tempfile.TemporaryDirectory() as tmp:
         try:
@@ -476,7 +490,8 @@ def main() -> int:
                     for r in rows:
                         say(f"[{mode}] prefill {r['tokens']:5d}: {r['ttft_s'] * 1e3:8.2f} ms, "
                             f"MFU {r['mfu_datasheet']:.0%} of {accel.key}'s datasheet "
-                            f"({r['mfu_measured']:.0%} of measured), roofline "
+                            f"({r['mfu_measured']:.0%} of measured{notes.mark('bf16')}), "
+                            f"roofline "
                             f"{r['roofline_s'] * 1e3:.2f} ms ({r['bound']})")
                 res[f"decode {mode}"] = rows = run_decode(
                     llm, args.batches, args.prompt_len, args.new_tokens, cfg["vocab_size"],
@@ -484,7 +499,8 @@ def main() -> int:
                 for r in rows:
                     say(f"[{mode}] decode b{r['batch']:<3d}: step {r['step_s'] * 1e3:7.2f} ms, "
                         f"{r['tok_s']:8.1f} tok/s, MBU {r['mbu_datasheet']:.0%} of datasheet "
-                        f"({r['mbu_read']:.0%} of measured read), roofline "
+                        f"({r['mbu_read']:.0%} of measured read"
+                        f"{notes.mark('mem_bandwidth')}), roofline "
                         f"{r['roofline_s'] * 1e3:.2f} ms ({r['bound']})")
                 if mode == "triton+graphs":
                     res["anatomy"] = a = step_anatomy(llm, dev, args.prompt_len,

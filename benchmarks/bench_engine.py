@@ -10,7 +10,9 @@ Measures, in one run on one machine:
   - offline throughput at batch 8 and 32 (128 prompt + 64 output tokens each).
 
 It prints measured figures, ratios against the peers and fractions of the roofline. Absolute
-times drift on shared machines; the ratios and fractions are the point.
+times drift on shared machines; the ratios and fractions are the point. Each peak it measures
+is judged as ``phasewise measure`` judges its own (``harness.PeakRuns``); an unstable one is
+named at the top, and the figures computed from it are marked ``(UNSTABLE peak: ...)``.
 
     .venv/bin/python -m benchmarks.bench_engine [--model DIR] [--vllm-python PATH]
                                                 [--skip-hf] [--quick]
@@ -34,41 +36,50 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 
-from benchmarks.harness import (REPO, machine_info, machine_line, peer_command,  # noqa: E402
-                                reference_checkpoint)
+from benchmarks.harness import (REPO, PeakNotes, PeakRuns, machine_info,  # noqa: E402
+                                machine_line, peer_command, reference_checkpoint)
 from benchmarks.workloads import (WARMUP, WORKLOADS, best_generate_time,  # noqa: E402
                                   prompts)
 
 
 # -- the machine ---------------------------------------------------------------------------
 
-def best_time(fn, reps: int = 5) -> float:
+def run_times(fn, reps: int = 5) -> list[float]:
+    """Seconds of each of ``reps`` calls of ``fn``, after one untimed call."""
     fn()
-    best = float("inf")
+    times = []
     for _ in range(reps):
         t = time.perf_counter()
         fn()
-        best = min(best, time.perf_counter() - t)
-    return best
+        times.append(time.perf_counter() - t)
+    return times
 
 
-def read_gbps(reps: int = 5) -> float:
+def best_time(fn, reps: int = 5) -> float:
+    return min(run_times(fn, reps))
+
+
+def read_gbps(reps: int = 5, runs: PeakRuns | None = None) -> float:
     """Large-tensor read bandwidth over 1 GiB of huge-page memory, as the weights are kept:
     the faster of torch's sum and phasewise's own streaming read (four streams per core,
     the GEMV's access pattern), best of ``reps`` (``measure.cpu_read_times``, as
-    ``phasewise measure`` reads it)."""
+    ``phasewise measure`` reads it). ``runs``: where the reading's run times are recorded
+    (as ``mem_bandwidth``), to judge its stability."""
     from phasewise.perf.measure import cpu_read_times
 
     times, _ = cpu_read_times(1 << 30, reps)
+    if runs is not None:
+        runs.add("mem_bandwidth", times)
     return (1 << 30) / min(times) / 1e9
 
 
-def matmul_gflops(dtype: torch.dtype) -> float:
+def matmul_gflops(dtype: torch.dtype, runs: PeakRuns | None = None) -> float:
     """The best matmul throughput this machine shows at the reference checkpoint's two
     largest shapes and 512 rows: torch's, and for bf16 where the CPU has AMX also
     phasewise's own AMX kernel, where it has AVX512_BF16 its panels kernel (a peak must not
     look low only because torch's GEMM is slow here; as read_gbps takes the faster
-    reader)."""
+    reader). ``runs``: where the best one's run times are recorded (as ``bf16`` or
+    ``fp32``), to judge its stability."""
     from phasewise.model.cpu import kernels as cpu_kernels
 
     fns = [torch.nn.functional.linear]
@@ -77,23 +88,28 @@ def matmul_gflops(dtype: torch.dtype) -> float:
     # AVX512_BF16 dot products over the panels layout (the engine's path there)
     if dtype == torch.bfloat16 and cpu_kernels.avx512bf16_available():
         fns.append(cpu_kernels.linear_pk)
-    best = 0.0
+    best, best_runs = 0.0, []
     for n, k in ((9728, 896), (896, 4864)):
         a = torch.randn(512, k).to(dtype)
         w = torch.randn(n, k).to(dtype)
         for fn in fns:
             wf = cpu_kernels.pack_panels(w) if fn is cpu_kernels.linear_pk else w
-            t = best_time(lambda: fn(a, wf), reps=3)
-            best = max(best, 2 * 512 * n * k / t / 1e9)
+            times = run_times(lambda: fn(a, wf), reps=3)
+            rate = 2 * 512 * n * k / min(times) / 1e9
+            if rate > best:
+                best, best_runs = rate, times
+    if runs is not None:
+        runs.add("bf16" if dtype == torch.bfloat16 else "fp32", best_runs)
     return best
 
 
-def measure_machine() -> dict[str, float]:
+def measure_machine(runs: PeakRuns | None = None) -> dict[str, float]:
+    """The machine's peaks; ``runs``: where their run times are recorded."""
     from phasewise.model.cpu import kernels as cpu_kernels
 
-    out: dict[str, float] = {"read_gbps": read_gbps()}
+    out: dict[str, float] = {"read_gbps": read_gbps(runs=runs)}
     for name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
-        out[f"{name}_gflops"] = matmul_gflops(dtype)
+        out[f"{name}_gflops"] = matmul_gflops(dtype, runs)
     tile = cpu_kernels.amx_tile_gflops()
     if tile:
         out["amx_tile_gflops"] = tile
@@ -131,20 +147,25 @@ def run_phasewise(model: str, reps: int) -> dict[str, float]:
     out = llm.generate(prompts(1, 128, 99), SamplingParams(temperature=0, max_tokens=128,
                                                            ignore_eos=True))[0]
     res["b1_tpot_s"] = out.metrics.tpot
-    res["b1_roofline_fraction"], res["b1_weight_memory_fraction"] = decode_roofline_fraction(llm)
+    b1_runs = PeakRuns()
+    res["b1_roofline_fraction"], res["b1_weight_memory_fraction"] = decode_roofline_fraction(
+        llm, runs=b1_runs)
+    b1_notes = b1_runs.notes()
     res["b8_total_s"] = timed("b8_total_s")
     # The peak of the b32 steps' arithmetic and the read bandwidth, measured right before
     # them: a shared machine's peaks drift by 10-20% between the start and the end of a run.
     dtype = torch.float32 if arith["b32_decode"] == "fp32" else torch.bfloat16
-    res["b32_beside_gflops"] = matmul_gflops(dtype)
-    res["b32_beside_read_gbps"] = read_gbps(reps=2)
+    beside = PeakRuns()
+    res["b32_beside_gflops"] = matmul_gflops(dtype, beside)
+    res["b32_beside_read_gbps"] = read_gbps(reps=2, runs=beside)
+    b32_notes = beside.notes()
     res["b32_total_s"] = timed("b32_total_s")
     steps = llm.step_stats
     decode_steps = [s for s in steps if s.num_decode_tokens == 32 and not s.num_prefill_tokens]
     if decode_steps:
         res["b32_decode_step_s"] = statistics.median(s.duration_s for s in decode_steps)
     del llm
-    return {**res, "arith": arith}
+    return {**res, "arith": arith, "peak_notes": {"b1": b1_notes, "b32": b32_notes}}
 
 
 def weight_memory_gbps(llm, reps: int = 2) -> float | None:
@@ -161,15 +182,17 @@ def weight_memory_gbps(llm, reps: int = 2) -> float | None:
                                         reps)
 
 
-def decode_roofline_fraction(llm, segments: int = 8, steps: int = 12
-                             ) -> tuple[float, float | None]:
+def decode_roofline_fraction(llm, segments: int = 8, steps: int = 12,
+                             runs: PeakRuns | None = None) -> tuple[float, float | None]:
     """Median, over segments of batch-1 decode steps, of (roofline step time / measured step
     time), with the read bandwidth measured right before each segment: the shared machine's
     bandwidth drifts by 10-20% within minutes, so the two are taken side by side. One step
     runs untimed between the probe and the segment: the first step after the 1 GiB probe
     took 2-5 ms longer (its caches and TLBs flushed by the probe), which back-to-back decode
     steps never see. Returns the fraction against ``read_gbps`` and against the engine's
-    own weight memory (``weight_memory_gbps``; None without the kernels)."""
+    own weight memory (``weight_memory_gbps``; None without the kernels). ``runs``: where
+    each segment's readings are recorded (``mem_bandwidth`` with its runs, ``weight_memory``
+    without: the kernels' probe returns its best alone)."""
     from phasewise import SamplingParams
 
     engine = llm.engine
@@ -183,8 +206,10 @@ def decode_roofline_fraction(llm, segments: int = 8, steps: int = 12
     req = engine.requests[rid]
     fractions, own = [], []
     for _ in range(segments):
-        bw = read_gbps(reps=2) * 1e9
+        bw = read_gbps(reps=2, runs=runs) * 1e9
         arena = weight_memory_gbps(llm)
+        if runs is not None and arena:
+            runs.add("weight_memory")
         engine.step()  # untimed: the probe's aftermath
         ctx = req.num_tokens
         t = time.perf_counter()
@@ -297,12 +322,15 @@ def main() -> None:
     print(machine_line(machine_info()), file=sys.stderr)  # the CPU and its flags of note
     print(f"machine: torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"{torch.backends.cpu.get_cpu_capability()}", file=sys.stderr)
-    machine = measure_machine()
+    start_runs = PeakRuns()
+    machine = measure_machine(start_runs)
+    notes = start_runs.notes()  # the peaks every "of the roofline" at the run's start uses
     print(f"  read {machine['read_gbps']:.1f} GB/s, bf16 matmul {machine['bf16_gflops']:.1f} "
           f"GFLOP/s, fp32 matmul {machine['fp32_gflops']:.1f} GFLOP/s"
           + (f"; AMX tile unit {machine['amx_tile_gflops']:.0f} GFLOP/s (products on operands "
              "in tile registers: the ceiling no matmul reaches)"
              if "amx_tile_gflops" in machine else ""), file=sys.stderr)
+    print(f"  {notes.header('measured at the start')}", file=sys.stderr)
     results: dict[str, dict[str, float]] = {}
     print("running phasewise ...", file=sys.stderr)
     results["phasewise"] = run_phasewise(a.model, reps)
@@ -318,17 +346,23 @@ def main() -> None:
     roof = roofline(a.model, machine)
 
     arith = results["phasewise"].pop("arith")
+    beside: dict[str, PeakNotes] = results["phasewise"].pop("peak_notes")
     peak = {k: machine[f"{v}_gflops"] for k, v in arith.items()}
     table = {name: derived(r) for name, r in results.items()}
     cols = [("prefill512_s", "prefill 512 (s)"), ("b1_decode_tok_s", "decode b1 (tok/s)"),
             ("b8_out_tok_s", "b8 out tok/s"), ("b32_out_tok_s", "b32 out tok/s")]
     print()
+    for what, n in (("measured at the start", notes),
+                    ("read beside the batch-1 decode segments", beside["b1"]),
+                    ("measured right before the b32 run", beside["b32"])):
+        print(n.header(what))
     print(f"{'engine':<12}" + "".join(f"{label:>20}" for _, label in cols))
     for name, row in table.items():
         print(f"{name:<12}" + "".join(f"{row[k]:>20.3f}" if k in row else f"{'-':>20}"
                                       for k, _ in cols))
     prefill_roof_s = roof["prefill512_tflop"] * 1e3 / peak["prefill512"]
-    print(f"{'roofline':<12}{prefill_roof_s:>20.3f}{roof['b1_decode_tok_s']:>20.3f}")
+    print(f"{'roofline':<12}{prefill_roof_s:>20.3f}{roof['b1_decode_tok_s']:>20.3f}"
+          + notes.mark(arith["prefill512"], "mem_bandwidth"))
     print(f"(roofline prefill at the {arith['prefill512']} matmul peak, "
           f"{peak['prefill512']:.1f} GFLOP/s: the arithmetic phasewise's prefill runs in here)")
     print()
@@ -353,18 +387,20 @@ def main() -> None:
           f"the engine's TPOT) against a roofline of {roof['b1_decode_tok_s']:.2f} "
           f"({roof['decode_step_bytes_gb']:.3f} GB per step at {machine['read_gbps']:.1f} GB/s):"
           f" {pw['b1_decode_tok_s'] / roof['b1_decode_tok_s']:.0%} "
-          f"({tpot_rate / roof['b1_decode_tok_s']:.0%} by TPOT); with the bandwidth measured "
-          f"beside each run of decode steps: "
+          f"({tpot_rate / roof['b1_decode_tok_s']:.0%} by TPOT){notes.mark('mem_bandwidth')}; "
+          f"with the bandwidth measured beside each run of decode steps: "
           f"{results['phasewise']['b1_roofline_fraction']:.0%} of the roofline"
+          + beside["b1"].mark("mem_bandwidth")
           + (f"; with the read rate of the engine's own weight memory measured beside: "
-             f"{own:.0%}" if (own := results['phasewise'].get('b1_weight_memory_fraction'))
-             else ""))
+             f"{own:.0%}{beside['b1'].mark('weight_memory')}"
+             if (own := results['phasewise'].get('b1_weight_memory_fraction')) else ""))
     flops = roof["prefill512_tflop"] * 1e12
     achieved = flops / pw["prefill512_s"] / 1e9
     print(f"prefill 512: {roof['prefill512_tflop']:.3f} TFLOP in {pw['prefill512_s']:.2f} s = "
           f"{achieved:.1f} GFLOP/s; {achieved / peak['prefill512']:.0%} of the "
           f"{arith['prefill512']} matmul peak it runs in ({peak['prefill512']:.1f}; bf16 "
-          f"{machine['bf16_gflops']:.1f}, fp32 {machine['fp32_gflops']:.1f})")
+          f"{machine['bf16_gflops']:.1f}, fp32 {machine['fp32_gflops']:.1f})"
+          + notes.mark(arith["prefill512"]))
     if "b32_decode_step_s" in results["phasewise"]:
         step = results["phasewise"]["b32_decode_step_s"]
         compute_s = roof["b32_step_gflop"] / peak["b32_decode"]
@@ -377,16 +413,21 @@ def main() -> None:
               f"{roof['b32_step_bytes_gb']:.2f} GB = {roof['b32_step_gflop'] / step:.1f} "
               f"GFLOP/s; roofline {roof_s * 1e3:.0f} ms at the run's start (compute at the "
               f"{arith['b32_decode']} peak {compute_s * 1e3:.0f} ms, memory "
-              f"{memory_s * 1e3:.0f} ms): x{step / roof_s:.2f} the roofline time; with the "
+              f"{memory_s * 1e3:.0f} ms): x{step / roof_s:.2f} the roofline time"
+              f"{notes.mark(arith['b32_decode'], 'mem_bandwidth')}; with the "
               f"peak ({pr['b32_beside_gflops']:.1f} GFLOP/s) and bandwidth "
               f"({pr['b32_beside_read_gbps']:.1f} GB/s) measured right before the b32 run: "
-              f"roofline {beside_s * 1e3:.0f} ms, x{step / beside_s:.2f}")
+              f"roofline {beside_s * 1e3:.0f} ms, x{step / beside_s:.2f}"
+              + beside["b32"].mark(arith["b32_decode"], "mem_bandwidth"))
     print(f"machine drift: read {machine['read_gbps']:.1f} -> {machine_after['read_gbps']:.1f} "
           f"GB/s, fp32 {machine['fp32_gflops']:.1f} -> {machine_after['fp32_gflops']:.1f} GFLOP/s")
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps({"machine": machine, "machine_after": machine_after,
                                        "roofline": roof, "arith": arith, "raw": results,
-                                       "table": table},
+                                       "table": table,
+                                       "unstable_peaks": {"start": notes.unstable,
+                                                          **{k: v.unstable
+                                                             for k, v in beside.items()}}},
                                       indent=2))
 
 

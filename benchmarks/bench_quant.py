@@ -16,7 +16,10 @@ the read bandwidth (a shared machine's drifts by 10-20% within minutes):
   weights of more than 6 rows are widened to bf16);
 * prefill of 512 tokens.
 
-It prints each figure, int8 / bf16 ratios and the roofline's predicted ratio. With
+It prints each figure, int8 / bf16 ratios and the roofline's predicted ratio. Each peak a
+roofline fraction divides by is judged as ``phasewise measure`` judges its own
+(``harness.PeakRuns``); an unstable one is named at the top of the report, and the fractions
+computed from it are marked ``(UNSTABLE peak: ...)``. With
 ``--llama-python`` (a venv made by ``benchmarks/peers/llamacpp_setup.sh``) it also runs
 llama.cpp on the same checkpoint converted to Q8_0 and bf16 GGUF
 (``benchmarks/peers/llamacpp_decode.py``), and prints phasewise int8 / llama.cpp Q8_0.
@@ -40,7 +43,7 @@ import torch
 
 from benchmarks import harness
 from benchmarks.bench_engine import matmul_gflops, read_gbps
-from benchmarks.harness import machine_info, machine_line
+from benchmarks.harness import PeakRuns, machine_info, machine_line
 from benchmarks.workloads import prompts
 from phasewise.model.loader import huge_page_empty
 
@@ -59,12 +62,15 @@ def load(model: str, name: str):
 
 
 def decode_b1_paired(llms: dict, segments: int, steps: int, salt: int,
-                     probe: torch.Tensor) -> dict[str, dict[str, list[float]]]:
+                     probe: torch.Tensor, runs: PeakRuns | None = None
+                     ) -> dict[str, dict[str, list[float]]]:
     """Batch-1 decode on every engine at once, in alternating segments of ``steps`` steps
     (each engine's request stays live across them), each segment after a fresh bandwidth
     reading over ``probe``: per engine, the step seconds, the roofline fraction at its own
     bytes and those bytes, one entry per segment. Pairing the engines segment by segment
-    keeps a shared machine's drift out of their ratio."""
+    keeps a shared machine's drift out of their ratio. ``runs``: where each reading is
+    recorded (``mem_bandwidth``, without its runs: the kernels' probe returns its best
+    alone, so it is judged on the machine's load)."""
     from phasewise import SamplingParams
     from phasewise.model.cpu import kernels as cpu_kernels
 
@@ -83,6 +89,8 @@ def decode_b1_paired(llms: dict, segments: int, steps: int, salt: int,
         for name in order:
             eng, rid = live[name]
             bw = cpu_kernels.stream_read_gbps(probe, reps=2) * 1e9
+            if runs is not None:
+                runs.add("mem_bandwidth")
             ctx = eng.requests[rid].num_tokens
             t = time.perf_counter()
             for _ in range(steps):
@@ -169,27 +177,35 @@ def main() -> None:
     def add(name: str, key: str, value: float) -> None:
         rows[name].setdefault(key, []).append(value)
 
-    b1 = decode_b1_paired(llms, args.segments, args.steps, salt=10, probe=probe)
+    b1_runs = PeakRuns()
+    b1 = decode_b1_paired(llms, args.segments, args.steps, salt=10, probe=probe, runs=b1_runs)
+    b1_notes = b1_runs.notes()
+    b1_mark = b1_notes.mark("mem_bandwidth")
     for name in ENGINES:
         rows[name]["b1_tok_s"] = [1 / s for s in b1[name]["s"]]
         rows[name]["b1_roofline"] = b1[name]["roofline"]
         rows[name]["b1_bytes"] = b1[name]["bytes"]
     pair = [b / q for b, q in zip(b1["bf16"]["s"], b1["int8"]["s"])]
     if args.b1_only:
+        print(b1_notes.header("read beside the batch-1 segments"))
         for name in ENGINES:
             print(f"{name}: b1 {statistics.median(rows[name]['b1_tok_s']):.1f} tok/s, "
-                  f"{statistics.median(rows[name]['b1_roofline']):.0%} of its roofline")
+                  f"{statistics.median(rows[name]['b1_roofline']):.0%} of its roofline"
+                  + b1_mark)
         print(f"int8 / bf16: decode b1 x{statistics.median(pair):.2f} (median of {len(pair)} "
               f"paired segments, quartiles x{quantiles(pair)[0]:.2f}-x{quantiles(pair)[2]:.2f})")
         return
+    round_runs = PeakRuns()
+    used = {"mem_bandwidth"}  # the peaks the b8 / b32 fractions divide by
     for r in range(args.rounds):
         for name, llm in (llms.items() if r % 2 == 0 else reversed(llms.items())):
-            bw = read_gbps(reps=2) * 1e9
-            peaks = {"fp32": matmul_gflops(torch.float32) * 1e9,
-                     "bf16": matmul_gflops(torch.bfloat16) * 1e9}
+            bw = read_gbps(reps=2, runs=round_runs) * 1e9
+            peaks = {"fp32": matmul_gflops(torch.float32, round_runs) * 1e9,
+                     "bf16": matmul_gflops(torch.bfloat16, round_runs) * 1e9}
             for b in (8, 32):
                 s, nb, fl, arith = decode_batch(llm, b, salt=20 + r + b)
                 peak = peaks.get(arith, peaks["fp32"])
+                used.add(arith if arith in peaks else "fp32")
                 add(name, f"b{b}_step_s", s)
                 add(name, f"b{b}_roofline", max(nb / bw, fl / peak) / s)
                 add(name, f"b{b}_bound", float(fl / peak > nb / bw))
@@ -198,9 +214,16 @@ def main() -> None:
                   f"{rows[name]['b8_step_s'][-1] * 1e3:.0f} ms at {bw / 1e9:.1f} GB/s",
                   file=sys.stderr, flush=True)
 
+    round_notes = round_runs.notes()
+    # beside each row: the marks of the peaks its b1 and rf fractions divide by
+    rf_mark = round_notes.mark(*sorted(used))
+    marks = "; ".join(f"{what}{mark}" for what, mark in (("b1", b1_mark), ("rf", rf_mark))
+                      if mark)
     med = {n: {k: statistics.median(v) for k, v in rows[n].items()} for n in ENGINES}
     b, q = med["bf16"], med["int8"]
-    print(f"\nreference checkpoint {model}; {args.rounds} interleaved rounds; medians")
+    print(f"\n{b1_notes.header('read beside the batch-1 segments')}")
+    print(round_notes.header("measured before each round's b8 / b32 steps"))
+    print(f"reference checkpoint {model}; {args.rounds} interleaved rounds; medians")
     print(f"{'':6} | {'b1 decode':>17} | {'b8 decode step':>18} | {'b32 decode step':>18} | "
           f"{'prefill 512':>11}")
     for name in ENGINES:
@@ -208,7 +231,7 @@ def main() -> None:
         print(f"{name:6} | {m['b1_tok_s']:6.1f} tok/s {m['b1_roofline']:4.0%} | "
               f"{m['b8_step_s'] * 1e3:7.1f} ms {m['b8_roofline']:4.0%} rf | "
               f"{m['b32_step_s'] * 1e3:7.1f} ms {m['b32_roofline']:4.0%} rf | "
-              f"{m['prefill512_s']:9.3f} s")
+              f"{m['prefill512_s']:9.3f} s" + (f"  [{marks}]" if marks else ""))
     print("(b1: fraction of the bandwidth roofline at each engine's own bytes; rf: roofline "
           "step time / measured)")
     bound = {k: "compute" if q[f"{k}_bound"] >= 0.5 else "memory" for k in ("b8", "b32")}
@@ -216,7 +239,8 @@ def main() -> None:
           f"paired segments, quartiles x{quantiles(pair)[0]:.2f}-x{quantiles(pair)[2]:.2f}; "
           f"bytes per step predict x{b['b1_bytes'] / q['b1_bytes']:.2f}); b8 step x"
           f"{b['b8_step_s'] / q['b8_step_s']:.2f} (int8 roofline: {bound['b8']}-bound); b32 "
-          f"step x{b['b32_step_s'] / q['b32_step_s']:.2f} ({bound['b32']}-bound); prefill 512 "
+          f"step x{b['b32_step_s'] / q['b32_step_s']:.2f} ({bound['b32']}-bound{rf_mark}); "
+          f"prefill 512 "
           f"x{b['prefill512_s'] / q['prefill512_s']:.2f} (compute-bound: same FLOPs)")
     if args.llama_python:
         peer = run_llama(args.llama_python, model, args.quick)

@@ -21,6 +21,11 @@ the import path, and nothing in ``tests/``.
   bundled model (``BUNDLED_MODEL``); peers' scripts in their own venvs (``peer_command``).
 - **P/D links** (``probe_link``, ``make_link``, ``wait_peer``): the K/V port's transport
   measured over a link, for the roofline's ``kv_transfer``.
+- **Peaks** (``PeakNotes``, ``PeakRuns``): which of the peaks a figure divides by are
+  unstable (stored so by ``phasewise measure``, or judged by its rule where a script measures
+  its own), for the ``(UNSTABLE peak: ...)`` marks beside such figures.
+- **A busy machine** (``cpu_hogs``, ``fresh_machine_file``): one busy process per core,
+  stopped by PID; a machine file that starts absent.
 
 Standard library and httpx only at import time; torch and phasewise are imported where used.
 """
@@ -35,6 +40,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -116,6 +122,93 @@ def print_machine(file=sys.stderr) -> dict[str, Any]:
     m = machine_info()
     print(machine_line(m), file=file, flush=True)
     return m
+
+
+# -- the peaks a figure divides by ------------------------------------------------------------
+
+PEAK_WORDS = {"mem_bandwidth": "read bandwidth", "copy": "copy bandwidth",
+              "weight_memory": "read bandwidth of the engine's weight memory"}
+
+
+def peak_words(name: str) -> str:
+    """A peak's name (``phasewise measure``'s: ``mem_bandwidth``, ``fp32``, ...) in words."""
+    return PEAK_WORDS.get(name, f"{name} matmul")
+
+
+@dataclass
+class PeakNotes:
+    """Which of the peaks a script divides by are unstable, and why: peak name (as
+    ``phasewise measure`` names them) -> reason. Every figure computed from an unstable peak
+    (a share of the roofline, MBU, MFU) carries ``mark(...)`` beside it, and the report
+    opens with ``header(...)``."""
+
+    unstable: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def stored(cls, accel: Any) -> PeakNotes:
+        """The peaks of a measured accelerator (``cpu-local``, ``gpu-local``) as its machine
+        file has them (``measured.unstable``); a catalogue entry has none unstable."""
+        return cls(dict(((getattr(accel, "measured", None) or {}).get("unstable")) or {}))
+
+    def mark(self, *names: str) -> str:
+        """`` (UNSTABLE peak: <peak>: <why>; ...)`` for each of ``names`` that is unstable;
+        empty where all are stable."""
+        bad = [f"{peak_words(n)}: {self.unstable[n]}" for n in dict.fromkeys(names)
+               if n in self.unstable]
+        return f" (UNSTABLE peak: {'; '.join(bad)})" if bad else ""
+
+    def header(self, what: str) -> str:
+        """One line naming the unstable peaks of ``what`` (e.g. "this machine's stored
+        peaks"), or saying that none is."""
+        if not self.unstable:
+            return f"peaks ({what}): none unstable"
+        listed = "; ".join(f"{peak_words(n)} ({why})" for n, why in self.unstable.items())
+        return (f"UNSTABLE peaks ({what}): {listed}; every figure computed from one is "
+                "marked (UNSTABLE peak: ...)")
+
+
+class PeakRuns:
+    """The peaks a script measures for itself, judged as ``phasewise measure`` judges its
+    figures (``phasewise.perf.measure.unstable_reasons``): a reading whose two best runs
+    disagree by more than ``STABLE_BAND``, or any reading taken while other processes held a
+    share of the CPUs (over the window from this object's creation to ``notes()``; with
+    ``cpu_load`` False, as for a GPU's peaks, the load is not counted). ``add`` records one
+    reading's run times; a peak read several times (beside each segment of a run) is
+    unstable where any of its readings is. A reading given without its runs is judged on
+    the load alone."""
+
+    def __init__(self, cpu_load: bool = True) -> None:
+        from phasewise.perf.contention import CpuSample
+
+        self.cpu_load = cpu_load
+        self.before = CpuSample.now() if cpu_load else None
+        self.readings: dict[str, list[list[float]]] = {}
+
+    def add(self, name: str, times: list[float] | None = None) -> None:
+        self.readings.setdefault(name, []).append(list(times or []))
+
+    def notes(self) -> PeakNotes:
+        from phasewise.perf.contention import Contention, CpuSample
+        from phasewise.perf.measure import unstable_reasons
+
+        contention = (Contention.between(self.before, CpuSample.now()) if self.cpu_load
+                      else None)
+        # the window's load, in measure's words (a figure with no runs is judged on it alone)
+        loaded = unstable_reasons({"": []}, contention).get("")
+        out: dict[str, str] = {}
+        for name, readings in self.readings.items():
+            why = []
+            for i, times in enumerate(readings):  # the first reading whose runs disagree
+                gap = unstable_reasons({name: times}, None).get(name)
+                if gap:
+                    which = f" (reading {i + 1} of {len(readings)})" if len(readings) > 1 else ""
+                    why.append(gap + which)
+                    break
+            if loaded:
+                why.append(loaded)
+            if why:
+                out[name] = ", ".join(why)
+        return PeakNotes(out)
 
 
 # -- processes -------------------------------------------------------------------------------
@@ -231,6 +324,64 @@ def wait_peer(decode_url: str, procs: list[subprocess.Popen], timeout: float) ->
             return
         time.sleep(0.3)
     raise RuntimeError(f"the prefill worker did not connect within {timeout:.0f}s")
+
+
+# -- a busy machine --------------------------------------------------------------------------
+
+HOG = "import sys; print('busy', flush=True)\nwhile True: pass"
+
+
+@contextlib.contextmanager
+def cpu_hogs(n: int | None = None, procs: Procs | None = None,
+             log_dir: Path | None = None, ready_s: float = 30.0
+             ) -> Iterator[list[subprocess.Popen]]:
+    """``n`` busy Python loops (default: one per core this process may use, each pinned to
+    its core) for the ``with`` block, each a process in its own group started through
+    ``Procs``, spinning before the block begins, and stopped by its PID however it ends.
+    ``log_dir``: where their logs go (default: a temporary folder, removed after)."""
+    cores = sorted(os.sched_getaffinity(0))
+    n = len(cores) if n is None else n
+    own = procs or Procs()
+    started: list[subprocess.Popen] = []
+    with contextlib.ExitStack() as stack:
+        folder = log_dir or Path(stack.enter_context(tempfile.TemporaryDirectory()))
+        try:
+            logs = []
+            for i in range(n):
+                logs.append(folder / f"cpu-hog-{i}.log")
+                started.append(own.start(f"cpu hog {i}", [sys.executable, "-c", HOG], logs[-1],
+                                         cpus=str(cores[i % len(cores)])))
+            deadline = time.monotonic() + ready_s
+            for p, path in zip(started, logs):
+                while "busy" not in path.read_text(errors="replace").splitlines():
+                    if p.poll() is not None or time.monotonic() > deadline:
+                        raise RuntimeError(f"cpu hog (pid {p.pid}) did not start: "
+                                           f"{path.read_text(errors='replace')[-500:]}")
+                    time.sleep(0.02)
+            yield started
+        finally:
+            for p in reversed(started):
+                own.stop(p, timeout=5)
+
+
+@contextlib.contextmanager
+def fresh_machine_file() -> Iterator[tuple[dict[str, str], Path]]:
+    """An environment for a phasewise command whose machine file (``PHASEWISE_CACHE_DIR``'s
+    ``machine.json``) starts absent, in a temporary folder removed after the block, and the
+    path that file will have. The compiled kernels and kernel plans of this environment's
+    cache folder are linked into it, so that only the machine's figures start from nothing
+    (not a kernel build, which would run inside the command)."""
+    from phasewise.model.cpu.kernels import cache_dir
+    from phasewise.model.cpu.plan import PLANS_DIR
+
+    shared = cache_dir()
+    with tempfile.TemporaryDirectory(prefix="phasewise-machine-") as tmp:
+        root = Path(tmp)
+        (shared / "kernels").mkdir(parents=True, exist_ok=True)  # built once, kept there
+        for sub in ("kernels", PLANS_DIR):
+            if (shared / sub).is_dir():
+                (root / sub).symlink_to(shared / sub, target_is_directory=True)
+        yield {**os.environ, "PHASEWISE_CACHE_DIR": str(root)}, root / "machine.json"
 
 
 # -- one phasewise server (serve, router or pd) -----------------------------------------------

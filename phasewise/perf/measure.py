@@ -113,14 +113,18 @@ def _times(fn: Callable[[], Any], sync: Callable[[], None], reps: int, budget_s:
 def unstable_reasons(times: dict[str, list[float]], contention: Any) -> dict[str, str]:
     """Per figure, why it cannot be trusted as this machine's peak: its two best runs apart
     by more than ``STABLE_BAND``, or other processes busy on the CPU while it was measured
-    (``phasewise.perf.contention``: every run slowed alike looks stable and is not)."""
+    (``phasewise.perf.contention``: every run slowed alike looks stable and is not); both,
+    where both hold (the load is what explains the gap, and what a reader can act on)."""
     out = {}
+    loaded = (f"measured while {contention.words()}"
+              if contention is not None and contention.shared else None)
     for name, ts in times.items():
         gap = best_two_gap(ts)
+        why = [loaded] if loaded else []
         if gap is not None and gap > STABLE_BAND:
-            out[name] = f"its two best runs are {gap:.0%} apart"
-        elif contention is not None and contention.shared:
-            out[name] = f"measured while {contention.words()}"
+            why.insert(0, f"its two best runs are {gap:.0%} apart")
+        if why:
+            out[name] = ", ".join(why)
     return out
 
 
