@@ -53,6 +53,7 @@ from phasewise.perf.simulate import (Deployment, EngineSpec, kv_blocks_for,  # n
                                       simulate)
 
 REFERENCE = REFERENCE_MODEL
+WAKE_ROUNDS = 4  # the idle-server probe's rounds, once per server
 KV_MEMORY = 1 << 30  # the server's default pool on CPU
 MAX_LEN = 4096
 
@@ -102,6 +103,10 @@ CASES = [
     Case("bursty-mixed", "uniform:32-768", "uniform:16-128", 15, 0.09, budget=512,
          burstiness=0.5, seed=611),
     Case("pd", "384", "64", 12, 0.08, pd=True, seed=711),
+    # Two shapes none of the above has: long outputs (decode-heavy batches), and long
+    # prompts cut by a small budget into many chunks.
+    Case("long-out", "64", "uniform:128-256", 10, 0.06, seed=811),
+    Case("small-budget", "uniform:256-768", "32", 14, 0.1, budget=128, seed=911),
 ]
 QUICK_CASES = [Case("chat", "48", "16", 12, 4.0),
                Case("pd", "64", "16", 8, 2.0, pd=True, seed=12)]
@@ -287,20 +292,44 @@ def _bench_ns(argv: list[str]) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def wake_probe(a: argparse.Namespace, profile: Path, url: str, metrics: list[str]
+               ) -> dict[str, Any]:
+    """What a request to an idle server pays, probed once per server with more rounds
+    than the per-workload probe takes: it varies with what the machine's other tenants do
+    while it idles, so two samples of it swing by 2x."""
+    shape = ModelShape.from_path(a.model)
+    rounds = 1 if a.quick else WAKE_ROUNDS
+    served, _ = probe(url, load_profile(profile, shape), shape.vocab_size, metrics_urls=metrics,
+                      repeats=rounds, seed=1, **_probe_sizes(a))
+    short, long = served.wake_idle_s
+    log(f"  wake-up ({rounds} rounds): +{(served.wake_s or 0) * 1e3:.1f} ms after {short:g} s "
+        f"idle, +{(served.wake_long_s or 0) * 1e3:.1f} ms after {long:g} s")
+    return {k: getattr(served, k) for k in ("wake_s", "wake_long_s", "wake_idle_s")}
+
+
+def _probe_sizes(a: argparse.Namespace) -> dict[str, Any]:
+    return ({"batch": 4, "prompt_len": 64, "output_len": 16, "prefill_len": 128}
+            if a.quick else {})
+
+
 def served_probe(a: argparse.Namespace, case: Case, profile: Path, url: str,
-                 metrics: list[str], link: Any) -> Served:
+                 metrics: list[str], link: Any, wake: dict[str, Any]) -> Served:
     """The live server, idle, probed (``phasewise.bench.probe``): its steps as served now
-    against the profile. Under P/D the probe's TTFT beyond its prefill steps holds the K/V's
-    bytes on the link, which the simulation counts itself: taken out of ``request_s``."""
+    against the profile, with the server's ``wake`` figures (``wake_probe``). Under P/D the
+    probe's TTFT beyond its prefill steps holds the K/V's bytes on the link, which the
+    simulation counts itself: taken out of ``request_s``."""
     shape = ModelShape.from_path(a.model)
     cm = load_profile(profile, shape)
-    kw: dict[str, Any] = ({"batch": 4, "prompt_len": 64, "output_len": 16, "prefill_len": 128}
-                          if a.quick else {})
-    served, _ = probe(url, cm, shape.vocab_size, metrics_urls=metrics, seed=case.seed, **kw)
+    served, _ = probe(url, cm, shape.vocab_size, metrics_urls=metrics, seed=case.seed,
+                      idle_s=None, **_probe_sizes(a))
+    served = dataclasses.replace(served, **wake)
     if case.pd and link is not None:
-        plen = kw.get("prefill_len", 512)
+        plen = _probe_sizes(a).get("prefill_len", 512)
         wire = plen * cm.kv_bytes_per_token / link.bandwidth + link.latency_s
-        served = dataclasses.replace(served, request_s=max(0.0, served.request_s - wire))
+        served = dataclasses.replace(
+            served, request_s=max(0.0, served.request_s - wire),
+            request_busy_s=None if served.request_busy_s is None
+            else max(0.0, served.request_busy_s - wire))
     return served
 
 
@@ -322,6 +351,42 @@ def simulated(a: argparse.Namespace, case: Case, profile: Path, link: Any,
                            burstiness=case.burstiness, intruder_fraction=case.intruder_fraction,
                            intruder_len=LengthDist.parse(case.intruder_len), seed=case.seed)
     return simulate(cm, eng, dep, specs)
+
+
+# -- where the TTFT error sits ---------------------------------------------------------------
+IDLE_LONG = 5.0  # s: a request sent this long after the server's last request ended
+
+
+def after_idle(result: dict[str, Any]) -> list[bool]:
+    """Per request: sent to a server that had nothing in flight for ``IDLE_LONG`` or more
+    (from the measured run's own send and end times)."""
+    starts, lat = result["start_times"], result["latencies"]
+    out = []
+    for i, t in enumerate(starts):
+        ends = [starts[j] + lat[j] for j in range(len(starts)) if j != i]
+        busy = any(starts[j] <= t < starts[j] + lat[j] for j in range(len(starts)) if j != i)
+        before = [e for e in ends if e <= t]
+        out.append(not busy and (not before or t - max(before) >= IDLE_LONG))
+    return out
+
+
+def ttft_by_idle(a: argparse.Namespace, row: dict[str, Any], case: Case, profile: Path,
+                 link: Any) -> str:
+    """Measured against simulated TTFT (as served), median per request, for requests sent
+    after ``IDLE_LONG`` idle and for the rest: where the error sits."""
+    measured = json.loads((a.results_dir / "runs" / f"{case.name}.json").read_text())
+    sim = simulated(a, case, profile, link, Served(**row["served"]))
+    idle = after_idle(measured)
+    parts = []
+    for label, want in ((f"after >= {IDLE_LONG:g} s idle", True), ("the rest", False)):
+        pairs = [(m, p) for m, p, i in zip(measured["ttfts"], sim["ttfts"], idle)
+                 if i == want and m is not None and p is not None]
+        if pairs:
+            mm = statistics.median(m for m, _ in pairs)
+            pp = statistics.median(p for _, p in pairs)
+            parts.append(f"{label}: {mm * 1e3:.0f} / {pp * 1e3:.0f} ms ({err(pp, mm):+.0%}, "
+                         f"{len(pairs)} req)")
+    return "; ".join(parts)
 
 
 # -- the tables ----------------------------------------------------------------------------------
@@ -440,14 +505,16 @@ def main(argv: list[str] | None = None) -> int:
             ctx = servers.pd(budget) if pd else servers.colocated(budget, policy)
             with ctx as (url, metrics):
                 warm_up(a, url)
+                wake = wake_probe(a, p1 if pd else p2, url, metrics)
                 for case in group:
                     profile = p1 if case.pd else p2
-                    served = served_probe(a, case, profile, url, metrics, link)
+                    served = served_probe(a, case, profile, url, metrics, link, wake)
                     log(f"  {served.describe()}")
                     measured = bench(a, url, case)
                     pred = simulated(a, case, profile, link)
                     now = simulated(a, case, profile, link, served)
                     row = {"case": case.name, "describe": case.describe(),
+                           "profile": str(profile),
                            "at": time.strftime("%H:%M"), "served": served.to_dict(),
                            "measured": {k: measured[k] for _, k, _ in METRICS},
                            "predicted": {k: pred[k] for _, k, _ in METRICS},
@@ -478,17 +545,19 @@ def main(argv: list[str] | None = None) -> int:
           "ran (its steps' drift from calibration: prefill x / decode x) ==")
     for r in report["cases"]:
         if "served" in r:
-            sv = r["served"]
-            print(f"  {r['case']:<14}prefill x{sv['prefill_scale']:.3f}, decode "
-                  f"x{sv['decode_scale']:.3f}, +{sv['step_s'] * 1e3:.2f} ms a step, "
-                  f"+{sv['sample_s'] * 1e3:.2f} ms a sample, +{sv['request_s'] * 1e3:.1f} ms "
-                  "a request")
+            sv = {**r["served"], "source": ""}
+            print(f"  {r['case']:<14}{Served(**sv).describe().removeprefix('served: ')}")
     print(workload_table(report["cases"], "predicted_served"))
     hits = sum(1 for r in report["cases"] if "predicted_served" in r
                for _, k, t in METRICS if t is not None
                and abs(err(r["predicted_served"][k], r["measured"][k])) <= t)
     cells = 4 * sum(1 for r in report["cases"] if "predicted_served" in r)
     print(f"targets met: {hits} of {cells} cells")
+    by_name = {c.name: c for c in cases}
+    for r in report["cases"]:
+        if "served" in r and r["case"] in by_name and "profile" in r:
+            print(f"  TTFT measured / simulated, {r['case']}: "
+                  + ttft_by_idle(a, r, by_name[r["case"]], Path(r["profile"]), link))
     for r in report["cases"]:
         m = r.get("modes") or {}
         if m.get("measured") or m.get("predicted_served"):

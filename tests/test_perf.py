@@ -476,19 +476,20 @@ def test_an_unstable_stored_figure_is_measured_again_and_never_preferred(tmp_pat
 
     calls = []
     results = iter([
-        ({"fp32": 150e9}, 20e9, {"fp32": "its two best runs are 59% apart"}),
-        ({"fp32": 120e9}, 20e9, {"fp32": "measured while other processes used 60%"}),
-        ({"fp32": 420e9}, 20e9, {}),
+        ({"fp32": 150e9}, 20e9, {"fp32": "its two best runs are 59% apart"}, 0.0),
+        ({"fp32": 120e9}, 20e9, {"fp32": "measured while other processes used 80%"}, 0.8),
+        ({"fp32": 420e9}, 20e9, {}, 0.0),
     ])
 
     def fake(device, progress, quick=False, dtypes=(), read_bandwidth=True):
         calls.append((dtypes, read_bandwidth))
-        peaks, bw, unstable = next(results)
+        peaks, bw, unstable, others = next(results)
         return {"name": "cpu (measured)", "peak_flops": {d: peaks[d] for d in dtypes},
                 "mem_bytes": 1e9, "mem_bandwidth": bw if read_bandwidth else None,
                 "source": "test", "measured": {"quick": quick, "unstable": unstable,
                                                "spread": {"fp32": [60e9, peaks["fp32"]]},
-                                               "runs": {"fp32": 3}}}
+                                               "runs": {"fp32": 3},
+                                               "conditions": {"others": others}}}
 
     monkeypatch.setattr(pm, "measure_device", fake)
     path = tmp_path / "machine.json"
@@ -500,6 +501,13 @@ def test_an_unstable_stored_figure_is_measured_again_and_never_preferred(tmp_pat
     acc = pm.ensure_local("cpu", ("fp32",), path)  # again unstable, and lower: kept 150
     assert acc.peak_flops["fp32"] == 150e9 and "other processes" in acc.measured["unstable"][
         "fp32"]
+    # The kept figure keeps the conditions it was measured in, not the newest run's: its
+    # noise is its own spread (150/60), not the 80% load of a run whose figure was dropped.
+    from phasewise.perf.explain import noise_factor
+
+    assert acc.measured["conditions"]["others"] == 0.8
+    assert acc.measured["figure_conditions"]["fp32"]["others"] == 0.0
+    assert noise_factor(acc, "fp32") == pytest.approx(2.5)
     acc = pm.ensure_local("cpu", ("fp32",), path)  # stable: replaces it
     assert acc.peak_flops["fp32"] == 420e9 and acc.measured["unstable"] == {}
     assert calls == [(("fp32",), True), (("fp32",), False), (("fp32",), False)]
@@ -525,3 +533,6 @@ def test_a_verdict_within_the_noise_of_unstable_peaks_says_either_bound():
                                         0.1, 512))
     assert "within the noise of this machine's unstable peaks" in text
     assert "either bound" in text
+    # The crossovers come from the same ridge: hedged alike, and only there.
+    assert "from unstable peaks: the ridge these come from could be off" in text
+    assert "from unstable peaks" not in stable

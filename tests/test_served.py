@@ -66,6 +66,48 @@ def test_served_cost_prices_chunks_and_decodes_at_their_own_scales_plus_the_gaps
     assert cm.kv_bytes_per_token == 1000.0 and "served: prefill x2.000" in cm.source
 
 
+def test_a_request_sent_to_a_busy_engine_pays_the_busy_arrival_cost():
+    cm = ServedCostModel(LinearCost(), Served(request_s=0.01, request_busy_s=0.05))
+    # r0 alone: its engine is idle when it is sent. r1 is sent at 0.05, mid-step of r0's
+    # prefill (0.01 -> 0.15): it reaches the engine 0.05 later, at 0.10, still mid-step.
+    r = simulate(cm, ENGINE, Deployment(), [RequestSpec(0, 0.0, 5, 2),
+                                            RequestSpec(1, 0.05, 4, 2)])
+    idle = simulate(ServedCostModel(LinearCost(), Served(request_s=0.01)), ENGINE,
+                    Deployment(), [RequestSpec(0, 0.0, 5, 2)])
+    assert r["ttfts"][0] == pytest.approx(idle["ttfts"][0])
+    assert r["server_timings"][1]["queue_s"] == pytest.approx(0.16 - 0.05)
+    # A busy cost left unmeasured is the idle one.
+    assert ServedCostModel(LinearCost(), Served(request_s=0.01)).request_busy_s == 0.01
+
+
+def test_a_request_to_an_engine_idle_for_a_while_pays_the_wake_up():
+    cm = ServedCostModel(LinearCost(), Served(request_s=0.01, wake_s=0.03))
+    assert cm.wake(0.1) == 0 and cm.wake(5.0) == pytest.approx(0.03)  # one figure: flat
+    # r0 finds the engine never used (idle for ever); r1 is sent 0.1 s after r0's last
+    # step, r2 long after r1's.
+    first = simulate(cm, ENGINE, Deployment(), [RequestSpec(0, 0.0, 4, 2)])
+    end = first["latencies"][0]
+    specs = [RequestSpec(0, 0.0, 4, 2), RequestSpec(1, end + 0.1, 4, 2),
+             RequestSpec(2, end + 0.1 + 5.0, 4, 2)]
+    r = simulate(cm, ENGINE, Deployment(), specs)
+    plain = simulate(LinearCost(), ENGINE, Deployment(), specs)
+    assert r["ttfts"][0] == pytest.approx(plain["ttfts"][0] + 0.01 + 0.03)
+    assert r["ttfts"][1] == pytest.approx(plain["ttfts"][1] + 0.01)
+    assert r["ttfts"][2] == pytest.approx(plain["ttfts"][2] + 0.01 + 0.03)
+
+
+def test_the_wake_up_cost_goes_as_the_log_of_the_idle_time_between_and_beyond_the_probes():
+    s = Served(wake_s=0.02, wake_long_s=0.06, wake_idle_s=(1.0, 4.0))
+    assert s.wake_at(0.2) == 0.0
+    assert s.wake_at(1.0) == pytest.approx(0.02)
+    assert s.wake_at(2.0) == pytest.approx(0.04)  # half way in log
+    assert s.wake_at(4.0) == pytest.approx(0.06)
+    assert s.wake_at(0.7) == pytest.approx(0.02)  # from WAKE_AFTER_S to the short wait
+    assert s.wake_at(16.0) == pytest.approx(0.06)  # beyond the long wait: as measured there
+    with pytest.raises(ValueError, match="idle waits"):
+        Served(wake_idle_s=(4.0, 1.0))
+
+
 def test_a_served_request_reaches_its_engine_request_s_after_the_client_sent_it():
     cm = ServedCostModel(LinearCost(), Served(request_s=0.05))
     r = simulate(cm, ENGINE, Deployment(), [RequestSpec(0, 1.0, 4, 2)])
@@ -99,6 +141,22 @@ def _phases(cm, p_scale, d_scale, step_s, sample_s, request_s, batch=4):
     ttft = request_s + pre + 2 * (step_s + sample_s)
     prefill = Phase(1, 512, (ttft,), (), 2, pre, 0, 0.0, 1)
     return decode_phase(1), decode_phase(batch), prefill
+
+
+def test_the_busy_and_idle_phases_give_their_arrival_costs():
+    cm = LinearCost()
+    lone, batched, prefill = _phases(cm, 1.2, 1.5, 0.001, 0.0005, 0.01)
+    busy = Phase(1, 512, (0.9,), (), 0, 0.0, 0, 0.0, 1, outside=(0.04, 0.05, 0.06))
+    # where the server timed the lone requests, their outside time is request_s
+    prefill = Phase(**{**prefill.__dict__, "outside": (0.012,)})
+    woken = Phase(1, 512, (prefill.ttfts[0] + 0.025,), (), 2, 0.0, 0, 0.0, 1)
+    woken_long = Phase(1, 512, (prefill.ttfts[0] + 0.08,), (), 2, 0.0, 0, 0.0, 1)
+    s = fit_served(cm, lone, batched, prefill, busy=busy, woken=woken, woken_long=woken_long)
+    assert s.wake_s == pytest.approx(0.025) and s.wake_long_s == pytest.approx(0.08)
+    assert "at an engine idle" in s.describe()
+    assert s.request_busy_s == pytest.approx(0.05)
+    assert s.request_s == pytest.approx(0.012)
+    assert "arriving at a busy engine" in s.describe()
 
 
 @settings(max_examples=40, deadline=None)
@@ -166,8 +224,12 @@ def test_the_probe_through_a_live_server(tiny_server):
 
     model, s = tiny_server
     served, phases = probe(s.url, FlatCost(), ModelShape.from_path(model).vocab_size, batch=2,
-                           prompt_len=32, output_len=8, prefill_len=64, repeats=1, seed=1)
-    lone, batched, prefill = phases
+                           prompt_len=32, output_len=8, prefill_len=64, repeats=1, seed=1,
+                           idle_s=(0.2, 0.4))
+    lone, batched, prefill, busy, woken, woken_long = phases
+    assert woken.prefill_steps >= 1 and woken_long.prefill_steps >= 1
+    assert served.wake_s is not None and served.wake_idle_s == (0.2, 0.4)
+    assert len(busy.outside) == 1  # the server timed it
     # Every step the probe caused is in its phase's diff of /metrics, and no other.
     assert lone.prefill_steps >= 1 and lone.decode_steps >= 1
     assert batched.decode_steps >= 1 and len(batched.ttfts) == 2
@@ -197,11 +259,13 @@ def test_simulate_served_prices_steps_as_the_live_server_runs_them(tiny_server, 
             "--output-len", "4", "--request-rate", "5"]
     assert main(args) == 0
     plain = capsys.readouterr().out
-    assert main([*args, "--served", s.url]) == 0
+    assert main([*args, "--served", s.url, "--served-rounds", "1", "--served-idle", "0.2",
+                 "0.4"]) == 0
     out = capsys.readouterr().out
     assert "served: prefill x" not in plain
     assert "served: prefill x" in out and "probed through " + s.url in out
-    assert main([*args, "--served", "http://127.0.0.1:9"]) == 2  # nothing listens there
+    assert main([*args, "--served", "http://127.0.0.1:9", "--served-rounds", "1",
+                 "--served-idle", "0.1", "0.2"]) == 2  # nothing listens there
     assert "connect" in capsys.readouterr().err.lower()
 
 

@@ -181,15 +181,17 @@ def noise_factor(accel: Accelerator, compute: str) -> float | None:
     """How far the figures a verdict compares could be off: over the peak for ``compute``
     and the read bandwidth, for each one stored as unstable (``phasewise measure``'s
     ``measured.unstable``), its fastest/slowest ratio, or where other processes held a share
-    of the CPU while it was measured (``measured.conditions.others``) the slowdown that share
-    could cause, whichever is larger; None where both figures are stable."""
+    of the CPU while it was measured (``measured.figure_conditions[name].others``) the
+    slowdown that share could cause, whichever is larger; None where both are stable."""
     m = accel.measured or {}
     unstable, spread = m.get("unstable") or {}, m.get("spread") or {}
-    others = (m.get("conditions") or {}).get("others") or 0.0
+    per_figure = m.get("figure_conditions") or {}
     worst = None
     for name in (compute, "mem_bandwidth"):
         if name not in unstable:
             continue
+        # the conditions this figure was measured in (older files: the newest run's)
+        others = ((per_figure.get(name) or m.get("conditions") or {}).get("others")) or 0.0
         band = spread.get(name)
         ratio = band[1] / band[0] if band and len(band) == 2 and band[0] > 0 else 1.0
         worst = max(worst or 1.0, ratio, 1.0 / max(1.0 - others, 0.1))
@@ -267,6 +269,13 @@ def explain_generation(shape: ModelShape, accel: Accelerator, weight_dtype: str,
         flips.append(f"decode would need a batch of ~{max(2, math.ceil(batch))} sequences to "
                      "turn compute-bound" if batch else
                      "decode stays memory-bound at any batch at this context")
+    # The crossovers move with the ridge (peak over bandwidth): from unstable peaks they are
+    # as unsure as the verdicts, and say so.
+    noisy = [n for n in (noise_factor(accel, prefill_compute),
+                         noise_factor(accel, decode_compute)) if n is not None]
+    if flips and noisy:
+        flips[-1] += (f" (from unstable peaks: the ridge these come from could be off by up to "
+                      f"x{max(noisy):.2f})")
     lines.append(f"[bound]    on this machine {said}" + ("; " + "; ".join(flips) if flips
                                                            else "") + ".")
     slow = [p for p in phases if p.vs_roofline > OVERHEAD_RATIO]

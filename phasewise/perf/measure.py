@@ -252,7 +252,8 @@ def measure_device(device: str, progress: Callable[[str], None], quick: bool = F
                          "read_by": read_by if bandwidth is not None else None,
                          "quick": quick,
                          "spread": spread, "runs": runs, "unstable": unstable,
-                         "conditions": conditions}}
+                         "conditions": conditions,
+                         "figure_conditions": {n: conditions for n in all_times}}}
 
 
 def band(spread: list[float] | None, runs: int | None, scale: float) -> str:
@@ -353,6 +354,10 @@ def merge_entry(old: dict[str, Any], new: dict[str, Any], dtypes: tuple[str, ...
     new_unstable = m_new.get("unstable") or {}
     peaks, bandwidth = dict(old["peak_flops"]), old["mem_bandwidth"]
     spread, runs = dict(m_old.get("spread") or {}), dict(m_old.get("runs") or {})
+    # Each figure keeps the conditions it was measured in (a figure kept from an earlier
+    # run was not measured in this one's); "conditions" is the newest run's.
+    figure_conditions = dict(m_old.get("figure_conditions") or {
+        n: m_old.get("conditions") for n in [*old["peak_flops"], "mem_bandwidth"]})
     taken = []
     names = [*dtypes, *(("mem_bandwidth",) if read else ())]
     for name in names:
@@ -367,12 +372,13 @@ def merge_entry(old: dict[str, Any], new: dict[str, Any], dtypes: tuple[str, ...
             taken.append(name)
             spread[name] = (m_new.get("spread") or {}).get(name)
             runs[name] = (m_new.get("runs") or {}).get(name)
+            figure_conditions[name] = m_new.get("conditions")
         if stable_now:
             unstable.pop(name, None)
         elif name in unstable or name in taken:  # a kept stable figure stays stable
             unstable[name] = new_unstable[name]
     measured = {**m_old, "spread": spread, "runs": runs, "unstable": unstable,
-                "conditions": m_new.get("conditions"),
+                "conditions": m_new.get("conditions"), "figure_conditions": figure_conditions,
                 "quick_figures": sorted({*m_old.get("quick_figures", []),
                                          *(n for n in taken if n != "mem_bandwidth")})}
     return {**old, "peak_flops": peaks, "mem_bandwidth": bandwidth, "measured": measured}

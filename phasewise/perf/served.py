@@ -22,6 +22,7 @@ simulator delays each request's arrival at its engine by ``request_s``.
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -34,6 +35,14 @@ from phasewise.engine.step_cost import Chunk
 # other flags): applied, and said. Beyond SCALE_LIMIT the probe is refused.
 SCALE_PLAUSIBLE = 2.0
 SCALE_LIMIT = 100.0
+# The probe's idle waits before its wake-up requests, and the idle time from which the
+# simulator charges a wake-up. Between the two waits the cost goes as the log of the idle
+# time; beyond the longer one it stays (what shared VMs show: a request after 0.1 s idle
+# pays ~nothing, after 2 s ~60 ms, after 5 s ~110 ms, after 8-20 s ~130-170 ms).
+IDLE_PROBE_S = 1.0
+IDLE_LONG_S = 12.0
+WAKE_AFTER_S = 0.5
+WAKE_IDLE_CAP_S = 60.0  # the longest idle wait a probe may take
 
 
 @dataclass(frozen=True)
@@ -44,20 +53,46 @@ class Served:
     sample_s: float = 0.0
     request_s: float = 0.0
     source: str = ""
+    # request_s when the request arrives while its engine is busy: the server's event loop
+    # then waits for the interpreter lock between the engine's Python work.
+    request_busy_s: float | None = None
+    # What a request pays beyond request_s when its engine has sat idle (the machine's CPUs,
+    # the engine's threads and the event loop resume from idle states, deeper the longer
+    # they idled): measured after IDLE_PROBE_S and after IDLE_LONG_S idle.
+    wake_s: float | None = None
+    wake_long_s: float | None = None
+    wake_idle_s: tuple[float, float] = (IDLE_PROBE_S, IDLE_LONG_S)  # the two idle times
 
     def __post_init__(self) -> None:
         for name in ("prefill_scale", "decode_scale"):
             v = getattr(self, name)
+            if v is None:
+                continue
             if not 1 / SCALE_LIMIT <= v <= SCALE_LIMIT:
                 raise ValueError(
                     f"the served {name.replace('_', ' ')} x{v:.3g} is outside "
                     f"[{1 / SCALE_LIMIT:g}, {SCALE_LIMIT:g}]: the profile does not describe "
                     "this server's model, machine or threads (calibrate it where the server "
                     "runs, as it runs)")
-        for name in ("step_s", "sample_s", "request_s"):
+        if not 0 < self.wake_idle_s[0] < self.wake_idle_s[1] <= WAKE_IDLE_CAP_S:
+            raise ValueError(f"the probe's idle waits must be 0 < short < long <= "
+                             f"{WAKE_IDLE_CAP_S:g} s, got {self.wake_idle_s}")
+        for name in ("step_s", "sample_s", "request_s", "request_busy_s", "wake_s",
+                     "wake_long_s"):
             v = getattr(self, name)
-            if not 0 <= v < 10:
+            if v is not None and not 0 <= v < 10:
                 raise ValueError(f"the served {name} must be in [0, 10) seconds, got {v}")
+
+    def wake_at(self, idle_s: float) -> float:
+        """The wake-up cost of a request to an engine idle for ``idle_s`` (see above)."""
+        if self.wake_s is None or idle_s < WAKE_AFTER_S:
+            return 0.0
+        short, long = self.wake_idle_s
+        if self.wake_long_s is None or not long > short:
+            return self.wake_s
+        slope = (self.wake_long_s - self.wake_s) / math.log(long / short)
+        t = min(max(idle_s, short), long)
+        return max(0.0, self.wake_s + slope * math.log(t / short))
 
     def doubt(self) -> str | None:
         """Why these figures may not be a drift from the profile, or None."""
@@ -71,10 +106,17 @@ class Served:
 
     def describe(self) -> str:
         doubt = self.doubt()
-        return (f"served: prefill x{self.prefill_scale:.3f}, decode x{self.decode_scale:.3f} "
-                f"the profile's step times, +{self.step_s * 1e3:.2f} ms a step and "
+        busy = ("" if self.request_busy_s is None else
+                f" (+{self.request_busy_s * 1e3:.1f} ms arriving at a busy engine)")
+        if self.wake_s is not None:
+            short, long = self.wake_idle_s
+            busy += (f", +{self.wake_s * 1e3:.1f} ms more at an engine idle {short:g} s"
+                     + ("" if self.wake_long_s is None else
+                        f", +{self.wake_long_s * 1e3:.1f} ms idle {long:g} s"))
+        return (f"served: prefill x{self.prefill_scale:.3f}, decode x{self.decode_scale:.3f}"
+                f" the profile's step times, +{self.step_s * 1e3:.2f} ms a step and "
                 f"+{self.sample_s * 1e3:.2f} ms per sampled sequence between steps, "
-                f"+{self.request_s * 1e3:.1f} ms a request"
+                f"+{self.request_s * 1e3:.1f} ms a request{busy}"
                 + (f" ({self.source})" if self.source else "")
                 + (f"; WARNING: {doubt}" if doubt else ""))
 
@@ -93,6 +135,14 @@ class ServedCostModel:
     @property
     def request_s(self) -> float:  # the simulator delays each arrival at its engine by it
         return self.served.request_s
+
+    @property
+    def request_busy_s(self) -> float:  # ... by this where that engine is mid-step
+        s = self.served
+        return s.request_s if s.request_busy_s is None else s.request_busy_s
+
+    def wake(self, idle_s: float) -> float:  # ... and this more after idle_s idle
+        return self.served.wake_at(idle_s)
 
     def __getattr__(self, name: str) -> Any:  # the rest of the cost model's interface
         return getattr(self.cm, name)
@@ -124,6 +174,9 @@ class Phase:
     decode_steps: int
     decode_sum_s: float
     output_len: int = 0
+    # Per stream that the server timed: client TTFT less the server's queue and prefill
+    # (HTTP, the event loop's turns before and after the engine's work).
+    outside: tuple[float, ...] = ()
 
 
 def prefill_chunks(prompt_len: int, steps: int) -> list[Chunk]:
@@ -139,10 +192,13 @@ def prefill_chunks(prompt_len: int, steps: int) -> list[Chunk]:
     return out
 
 
-def fit_served(cm: Any, lone: Phase, batched: Phase, prefill: Phase, source: str = ""
-               ) -> Served:
-    """``Served`` from three probe phases: ``lone`` (one stream), ``batched`` (several at
-    once) and ``prefill`` (one long prompt, one token)."""
+def fit_served(cm: Any, lone: Phase, batched: Phase, prefill: Phase, source: str = "",
+               busy: Phase | None = None, woken: Phase | None = None,
+               woken_long: Phase | None = None) -> Served:
+    """``Served`` from the probe's phases: ``lone`` (one stream), ``batched`` (several at
+    once), ``prefill`` (one long prompt, one token), ``busy`` (that prompt sent while a
+    stream decodes; None: no busy arrival cost), ``woken`` and ``woken_long`` (that
+    prompt after ``IDLE_PROBE_S`` and ``IDLE_LONG_S`` idle; None: no wake-up cost)."""
     if not (lone.lockstep_itls and batched.lockstep_itls and lone.decode_steps
             and batched.decode_steps and prefill.prefill_steps):
         raise ValueError("the probe saw no decode or no prefill steps on the server: is it "
@@ -165,7 +221,20 @@ def fit_served(cm: Any, lone: Phase, batched: Phase, prefill: Phase, source: str
     gb = max(0.0, statistics.median(batched.lockstep_itls) - batch_step)
     sample_s = max(0.0, (gb - g1) / (batched.batch - lone.batch))
     step_s = max(0.0, g1 - sample_s)
-    # A lone request's TTFT beyond its prefill steps and the gaps after each of them.
-    gaps = prefill.prefill_steps * (step_s + sample_s)
-    request_s = max(0.0, statistics.median(prefill.ttfts) - prefill.prefill_sum_s - gaps)
-    return Served(prefill_scale, decode_scale, step_s, sample_s, request_s, source)
+    # A lone request's TTFT beyond the server's queue and prefill (where the server timed
+    # them), else beyond its prefill steps and the gaps after each of them.
+    if prefill.outside or lone.outside:
+        request_s = max(0.0, statistics.median([*prefill.outside, *lone.outside]))
+    else:
+        gaps = prefill.prefill_steps * (step_s + sample_s)
+        request_s = max(0.0, statistics.median(prefill.ttfts) - prefill.prefill_sum_s - gaps)
+    request_busy_s = None
+    if busy is not None and busy.outside:
+        request_busy_s = max(0.0, statistics.median(busy.outside))
+    def wake(ph: Phase | None) -> float | None:  # its TTFT beyond a just-used engine's
+        if ph is None or not ph.ttfts:
+            return None
+        return max(0.0, statistics.median(ph.ttfts) - statistics.median(prefill.ttfts))
+
+    return Served(prefill_scale, decode_scale, step_s, sample_s, request_s, source,
+                  request_busy_s, wake(woken), wake(woken_long))

@@ -29,8 +29,9 @@ Deployments (``Deployment``):
   and it decodes there.
 
 A cost model probed through a live server (``phasewise.perf.served``) also carries each
-request's own cost before its first step (``request_s``): its arrival at the engine is that
-much later than the client's send, from which its TTFT counts.
+request's own cost before its first step (``request_s``, or ``request_busy_s`` where the
+engine is mid-step when the client sends it): its arrival at the engine is that much later
+than the client's send, from which its TTFT counts.
 
 The result is the bench's summary (``phasewise.perf.summary.summarize``), so simulated and
 measured runs read alike and ``phasewise bench report`` lays them side by side; it adds
@@ -163,6 +164,7 @@ class _Engine:
     # decode role: remote prefills whose K/V landed during a step; the engine takes them in
     # at the step's end, as the real one reads its commands between steps
     landed: list[_Transfer] = field(default_factory=list)
+    active_until: float = float("-inf")  # when its last step ended
 
     @property
     def load(self) -> int:
@@ -199,6 +201,11 @@ class Simulation:
         # A request's own cost before its first step (HTTP, tokenising), where the cost model
         # was probed through a live server (phasewise.perf.served); its TTFT counts it.
         self.request_s = float(getattr(cost, "request_s", 0.0) or 0.0)
+        # ... and where the engine it goes to is mid-step when it is sent (the server's event
+        # loop then waits its turn beside the engine's own Python work).
+        self.request_busy_s = float(getattr(cost, "request_busy_s", self.request_s) or 0.0)
+        # ... and its wake-up cost where that engine has sat idle (by how long)
+        self.wake: Callable[[float], float] | None = getattr(cost, "wake", None)
         self.remote_prefills = 0
         self.local_prefills: dict[str, int] = {}
         self.transfer_s: list[float] = []
@@ -213,7 +220,7 @@ class Simulation:
             ) -> dict[str, Any]:
         self.requests: list[tuple[RequestSpec, Request]] = []
         for spec in specs:
-            self._at(spec.arrival + self.request_s, lambda spec=spec: self._arrive(spec))
+            self._at(spec.arrival, lambda spec=spec: self._send(spec))
         while self._events:
             t, _, fn = heapq.heappop(self._events)
             self.clock.now = t
@@ -236,6 +243,17 @@ class Simulation:
         ids = list(range(base, base + spec.prompt_len))
         return Request(rid, ids, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
                        arrival_time=spec.arrival)
+
+    def _send(self, spec: RequestSpec) -> None:
+        """The client sends it: it reaches an engine after the request's own cost."""
+        e = min(self.front, key=lambda e: e.load)
+        delay = self.request_busy_s if e.busy else self.request_s
+        if self.wake is not None and not e.busy and not e.scheduler.has_unfinished():
+            delay += self.wake(self.clock.now - e.active_until)
+        if delay > 0:
+            self._at(self.clock.now + delay, lambda: self._arrive(spec))
+        else:
+            self._arrive(spec)
 
     def _arrive(self, spec: RequestSpec) -> None:
         engine = self._pick(self.front)
@@ -314,6 +332,7 @@ class Simulation:
             self._push(e, batch, sampled)
         e.scheduler.update(batch, sampled)
         e.busy = False
+        e.active_until = self.clock.now
         landed, e.landed = e.landed, []
         for tr in landed:
             self._join(tr)
