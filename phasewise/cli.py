@@ -201,7 +201,9 @@ def cmd_router(a: argparse.Namespace) -> int:
         server = build_router(model, a.decode, a.prefill or [],
                               served_model_name=a.served_model_name, api_key=a.api_key,
                               wait_s=a.wait, max_waiting_requests=a.max_waiting_requests,
-                              max_request_bytes=parse_memory(a.max_request_size))
+                              max_request_bytes=parse_memory(a.max_request_size),
+                              routing={"routing": a.routing, "prefix_weight": a.prefix_weight,
+                                       "load_weight": a.load_weight})
         run(server, host=a.host, port=a.port, shutdown_grace_s=a.shutdown_grace,
             log_level=a.log_level, access_log=not a.no_access_log, limits=limits)
     except KeyboardInterrupt:
@@ -344,9 +346,11 @@ def _served(a: argparse.Namespace):
         from phasewise.perf.served import ServedCostModel
 
         headers = {"Authorization": f"Bearer {a.served_api_key}"} if a.served_api_key else {}
-        print(f"probing {a.served} (three short phases, twice) ...", file=sys.stderr)
+        print(f"probing {a.served} ({a.served_rounds} round(s) of six short phases) ...",
+              file=sys.stderr)
         served, _ = probe(a.served, cm, cm.shape.vocab_size, headers=headers,
-                          metrics_urls=a.served_metrics or ())
+                          metrics_urls=a.served_metrics or (), repeats=a.served_rounds,
+                          idle_s=tuple(a.served_idle))
         return ServedCostModel(cm, served)
     return wrap
 
@@ -382,6 +386,11 @@ def _add_sim_args(p: argparse.ArgumentParser) -> None:
                    help="--served under P/D: every worker's URL, whose /metrics hold the "
                    "probe's steps (default: the --served URL)")
     p.add_argument("--served-api-key", default=None, help="--served: the server's API key")
+    p.add_argument("--served-rounds", type=int, default=2,
+                   help="--served: rounds of the probe; each figure is their median (1-10)")
+    p.add_argument("--served-idle", type=float, nargs=2, default=[1.0, 12.0],
+                   metavar=("SHORT", "LONG"), help="--served: the idle waits (s) after which "
+                   "the probe measures what a request to an idle engine pays (default 1 12)")
     p.add_argument("--link", default=None, help="P/D: the K/V link (catalog key; default: "
                    "instant)")
     p.add_argument("--max-model-len", type=int, default=None)
@@ -528,6 +537,18 @@ def build_parser() -> argparse.ArgumentParser:
     ro.add_argument("--shutdown-grace", type=float, default=30.0)
     ro.add_argument("--wait", type=float, default=300.0,
                     help="seconds to wait for the workers at start-up")
+    from phasewise.disagg.prefix_index import (DEFAULT_LOAD_WEIGHT, DEFAULT_POLICY,
+                                               DEFAULT_PREFIX_WEIGHT, POLICIES)
+    ro.add_argument("--routing", default=DEFAULT_POLICY, choices=POLICIES,
+                    help="how a decode worker is chosen: prefix (the prompt blocks it holds "
+                    "against its load), least-load or round-robin (default: "
+                    f"{DEFAULT_POLICY}; docs/pd.md)")
+    ro.add_argument("--prefix-weight", type=float, default=DEFAULT_PREFIX_WEIGHT,
+                    help="--routing prefix: weight of the share of the prompt's blocks a "
+                    f"worker holds (default {DEFAULT_PREFIX_WEIGHT:g})")
+    ro.add_argument("--load-weight", type=float, default=DEFAULT_LOAD_WEIGHT,
+                    help="--routing prefix: weight of how much lighter than the busiest "
+                    f"worker it is (default {DEFAULT_LOAD_WEIGHT:g})")
     ro.add_argument("--log-level", default="info", choices=LOG_LEVELS)
     ro.add_argument("--no-access-log", action="store_true")
     _add_connection_args(ro)

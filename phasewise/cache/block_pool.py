@@ -19,6 +19,8 @@ import struct
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from phasewise.cache.kv_events import KVEvents
+
 HASH_BYTES = 16
 _ROOT = bytes(HASH_BYTES)  # the "parent" of a request's first block
 
@@ -66,6 +68,8 @@ class BlockPool:
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._cached: dict[bytes, Block] = {}
         self.stats = PoolStats()
+        # What the prefix cache stored and evicted, for a router's index of who holds what.
+        self.events = KVEvents()
 
     @property
     def num_free(self) -> int:
@@ -122,9 +126,11 @@ class BlockPool:
             return False
         block.block_hash, block.parent_hash, block.token_ids = block_hash, parent_hash, token_ids
         self._cached[block_hash] = block
+        self.events.stored(block_hash)
         return True
 
     def _uncache(self, block: Block) -> None:
         assert block.block_hash is not None
         del self._cached[block.block_hash]
+        self.events.evicted(block.block_hash)
         block.block_hash, block.parent_hash, block.token_ids = None, None, ()

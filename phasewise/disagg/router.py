@@ -2,12 +2,14 @@
 served by the same server code as ``phasewise serve``, through the ``ServingBackend`` seam.
 
 The router tokenizes, templates and validates each request as a server does, then relays the
-token ids and sampling parameters to the decode worker with the least load
-(``/internal/v1/generate``, see ``phasewise.server.internal``), and rebuilds the worker's
-output stream as its own. Whether a prompt is prefilled remotely is the decode worker's call
-(its threshold, its own prefix cache, the prefill workers' queues): it alone knows what it has
-cached. The router watches every worker (``/internal/v1/load`` each ``poll_interval``): load
-for routing, liveness for ``/health`` and ``/metrics``.
+token ids and sampling parameters to the decode worker its ``--routing`` policy ranks first
+(by default the one that holds most of the prompt's blocks in its prefix cache, weighed
+against its load: ``phasewise.disagg.prefix_index``) through ``/internal/v1/generate`` (see
+``phasewise.server.internal``), and rebuilds the worker's output stream as its own. Whether
+a prompt is prefilled remotely is the decode worker's call (its threshold, its own prefix
+cache, the prefill workers' queues). The router watches every worker
+(``/internal/v1/load`` each ``poll_interval``): load and what its prefix cache stored and
+evicted since the last poll for routing, liveness for ``/health`` and ``/metrics``.
 
 Faults: a decode worker that cannot be reached when a request arrives is skipped (the next
 one is tried; none left is a 503 that names each worker and why); one that goes away while it
@@ -46,6 +48,9 @@ from phasewise.engine.backend import (BackendInfo, EngineError, EngineObserver,
                                       EngineOverloaded, EngineSnapshot, EngineStopped,
                                       EngineUnavailable, FinishedRequest, GrammarFailed,
                                       PromptSpec, RequestGroup)
+from phasewise.disagg.prefix_index import (DEFAULT_LOAD_WEIGHT, DEFAULT_POLICY,
+                                           DEFAULT_PREFIX_WEIGHT, POLICIES, Choice, WorkerBlocks,
+                                           block_hashes, rank)
 from phasewise.engine.relay import (OutputAssembler, RelayError, checkpoint_identity,
                                     params_to_wire)
 from phasewise.engine.sampling_params import SamplingParams
@@ -142,7 +147,9 @@ class Router:
                  model_dir: str | Path, api_key: str | None = None,
                  poll_interval: float = 0.5, wait_s: float = 300.0,
                  request_timeout: float = 10.0, stream_deadline: float = 15.0,
-                 admit_timeout: float = 120.0) -> None:
+                 admit_timeout: float = 120.0, routing: str = DEFAULT_POLICY,
+                 prefix_weight: float = DEFAULT_PREFIX_WEIGHT,
+                 load_weight: float = DEFAULT_LOAD_WEIGHT, block_size: int = 16) -> None:
         if not decode:
             raise RouterConfigError("the router needs at least one --decode URL")
         urls = [u.rstrip("/") for u in (*decode, *prefill)]
@@ -153,6 +160,14 @@ class Router:
             raise RouterConfigError(f"a worker URL is listed twice: {urls}")
         if poll_interval <= 0:
             raise RouterConfigError(f"poll_interval must be > 0, got {poll_interval}")
+        if routing not in POLICIES:
+            raise RouterConfigError(f"--routing must be one of {', '.join(POLICIES)}; got "
+                                    f"{routing!r}")
+        for name, v in (("--prefix-weight", prefix_weight), ("--load-weight", load_weight)):
+            if not 0 <= v <= 1000:
+                raise RouterConfigError(f"{name} must be in [0, 1000], got {v}")
+        if not 1 <= block_size <= 1024:
+            raise RouterConfigError(f"block_size must be in [1, 1024], got {block_size}")
         self.decode = [Worker(u, "decode") for u in urls[:len(decode)]]
         self.prefill = [Worker(u, "prefill") for u in urls[len(decode):]]
         self.model_dir = Path(model_dir)
@@ -178,6 +193,13 @@ class Router:
         self._poller: asyncio.Task | None = None
         self._accepting = True
         self._turn = itertools.count()
+        # Which decode worker holds which prompt blocks (phasewise.disagg.prefix_index): the
+        # workers hash blocks of block_size tokens (serve's --block-size; the same on all).
+        self.routing, self.prefix_weight, self.load_weight = routing, prefix_weight, load_weight
+        self.block_size = block_size
+        self.index = {w.url: WorkerBlocks() for w in self.decode}
+        self.routed: dict[tuple[str, str], int] = {}  # (worker url, policy) -> requests
+        self.routed_blocks = [0, 0]  # prompt blocks routed, of them expected cached
         self._trace_lookups: set[asyncio.Future] = set()  # the dashboard's, in flight
 
     @property
@@ -258,6 +280,14 @@ class Router:
                                f"{len(self.prefill)} prefill worker(s)")
         self.info = BackendInfo(**base)
         self._defaults = dict(first["defaults"])
+        sizes = {infos[w.url].get("kv_block_size") for w in self.decode}
+        if len(sizes) > 1:
+            raise RouterConfigError(f"decode workers hash K/V blocks of different sizes "
+                                    f"({sorted(map(str, sizes))}): start them with the same "
+                                    "--block-size")
+        size = sizes.pop()
+        if isinstance(size, int) and 1 <= size <= 1024:  # else an older worker: the default
+            self.block_size = size
         log.info("router: decode %s; prefill %s", ", ".join(w.url for w in self.decode),
                  ", ".join(w.url for w in self.prefill) or "none")
 
@@ -341,13 +371,19 @@ class Router:
         # another's stream).
         content = (await asyncio.to_thread(json.dumps, body) if size > 2048
                    else json.dumps(body))
-        resp, worker = await self._open(content)  # counted in its in_flight from here
+        # The first prompt's blocks decide (the n samples of one prompt share them).
+        first = specs[0].token_ids if specs else []
+        hashes = (await asyncio.to_thread(block_hashes, first, self.block_size)
+                  if len(first) > 4096 else block_hashes(first, self.block_size))
+        resp, worker, choice = await self._open(content, hashes)  # in its in_flight from here
         # The body's chunks as they come; unlike aiter_raw/aiter_lines this does not close
         # the response at its end, inside the relay's task (see the module).
         chunks: AsyncIterator[bytes] = aiter(resp.stream)  # type: ignore[arg-type]
         try:
             group = RequestGroup(ids, self.abort, self._closed)
             group.remote_hits = [None] * n
+            group.routing = (f"{worker.url} {choice.policy} expected_hit="
+                             f"{choice.expected_hit}/{choice.blocks}blocks")
             assembler = OutputAssembler(ids, [s.token_ids for s in specs],
                                         [s.prompt for s in specs], arrival)
             assembler.admitted()
@@ -361,12 +397,13 @@ class Router:
             self._groups[rid] = (group, task, worker)
         return group
 
-    async def _open(self, content: str) -> tuple[httpx.Response, Worker]:
-        """Start the relay on the least loaded decode worker that takes it."""
+    async def _open(self, content: str, hashes: list[bytes]
+                    ) -> tuple[httpx.Response, Worker, Choice]:
+        """Start the relay on the best decode worker (``--routing``) that takes it."""
         assert self._client is not None
         tried: list[str] = []
         overloaded = False
-        for w in self._candidates():
+        for w, held in self._candidates(hashes):
             w.in_flight += 1  # before the wait, so concurrent requests spread out
             try:
                 # identity: the body is read as raw NDJSON bytes (see add).
@@ -387,7 +424,13 @@ class Router:
                 w.in_flight -= 1
                 raise
             if resp.status_code == 200:
-                return resp, w
+                choice = Choice(self.routing, len(hashes), held)
+                self.index[w.url].enter(hashes)  # it will hold them once it prefills
+                key = (w.url, self.routing)
+                self.routed[key] = self.routed.get(key, 0) + 1
+                self.routed_blocks[0] += len(hashes)
+                self.routed_blocks[1] += held
+                return resp, w, choice
             w.in_flight -= 1
             # Read and closed by a task of its own, which ends even if this waiter is
             # cancelled (the client left).
@@ -457,13 +500,15 @@ class Router:
         finally:
             await resp.aclose()
 
-    def _candidates(self) -> list[Worker]:
-        """Decode workers that are up, the least loaded first (ties in turn)."""
+    def _candidates(self, hashes: Sequence[bytes] = ()) -> list[tuple[Worker, int]]:
+        """Decode workers that are up, best first by ``--routing``
+        (``phasewise.disagg.prefix_index.rank``), each with the prompt blocks it holds."""
         turn = next(self._turn)
         live = [w for w in self.decode if w.up and not w.draining]
-        k = len(live)
-        order = {id(w): (i - turn) % k for i, w in enumerate(live)} if k else {}
-        return sorted(live, key=lambda w: (w.load, order[id(w)]))
+        held = [self.index[w.url].held(hashes) for w in live]
+        best = rank(self.routing, [w.load for w in live], held, len(hashes), turn,
+                    self.prefix_weight, self.load_weight)
+        return [(live[i], held[i]) for i in best]
 
     async def _pump(self, group: RequestGroup, assembler: OutputAssembler,
                     chunks: AsyncIterator[bytes], worker: Worker) -> None:
@@ -660,8 +705,11 @@ class Router:
 
     async def _poll_one(self, w: Worker) -> None:
         assert self._client is not None
+        blocks = self.index.get(w.url)
+        params = {} if blocks is None else {"kv_epoch": blocks.epoch or "-", **(
+            {"kv_since": str(blocks.next)} if blocks.next is not None else {})}
         try:
-            r = await self._client.get(w.url + "/internal/v1/load",
+            r = await self._client.get(w.url + "/internal/v1/load", params=params,
                                        timeout=min(2.0, self.request_timeout))
             if r.status_code != 200:
                 w.down(f"/internal/v1/load answered {r.status_code}")
@@ -669,6 +717,8 @@ class Router:
             data = r.json()
             w.snapshot = EngineSnapshot(**data["snapshot"])
             w.open_groups = int(data["open_groups"])
+            if blocks is not None and isinstance(data.get("kv_events"), dict):
+                blocks.report(data["kv_events"])
             w.draining = bool(data["draining"])
             if not data["alive"]:
                 w.down("its engine is not running")
@@ -712,7 +762,7 @@ class RouterCollector:
         self.router = router
 
     def collect(self) -> Any:
-        from prometheus_client.core import GaugeMetricFamily
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
         up = GaugeMetricFamily("phasewise:router_worker_up", "1 if the worker answered its "
                                "last poll and its engine runs.", labels=["url", "role"])
@@ -722,6 +772,23 @@ class RouterCollector:
         queue = GaugeMetricFamily("phasewise:router_worker_queue", "Requests running and "
                                   "waiting on the worker (its last poll).",
                                   labels=["url", "role"])
+        routed = CounterMetricFamily("phasewise:router_requests_routed", "Requests sent to "
+                                     "each decode worker, by routing policy.",
+                                     labels=["url", "policy"])
+        for (url, policy), n in self.router.routed.items():
+            routed.add_metric([url, policy], n)
+        blocks = CounterMetricFamily("phasewise:router_prompt_blocks", "Full prompt blocks "
+                                     "routed, and of them those the chosen worker was "
+                                     "expected to hold cached (the router's index).",
+                                     labels=["kind"])
+        blocks.add_metric(["routed"], self.router.routed_blocks[0])
+        blocks.add_metric(["expected_hit"], self.router.routed_blocks[1])
+        indexed = GaugeMetricFamily("phasewise:router_worker_indexed_blocks", "Prompt blocks "
+                                    "the router's index says the worker holds.",
+                                    labels=["url"])
+        for url, wb in self.router.index.items():
+            indexed.add_metric([url], len(wb.blocks))
+        yield from (routed, blocks, indexed)
         for w in self.router.workers:
             up.add_metric([w.url, w.role], 1.0 if w.up else 0.0)
             flight.add_metric([w.url, w.role], w.in_flight)

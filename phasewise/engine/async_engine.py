@@ -177,6 +177,15 @@ class AsyncEngine:
     def num_open_groups(self) -> int:
         return len({id(g) for g in self._groups.values()})
 
+    @property
+    def block_size(self) -> int:
+        return self.engine.kv.block_size
+
+    def kv_events(self, since: int | None, epoch: str | None) -> dict[str, Any]:
+        """What the prefix cache stored and evicted since ``since`` (``KVEvents.since``):
+        read from any thread, as a router's poll does."""
+        return self.engine.kv.pool.events.since(since, epoch)
+
     # -- requests (event-loop side) --------------------------------------------------------
     async def add(self, specs: Sequence[PromptSpec], request_id: str,
                   arrival_time: float | None = None) -> RequestGroup:

@@ -155,6 +155,7 @@ class RequestGroup:
         # Per request with PromptSpec.remote: the prompt tokens the decode engine already
         # holds (the prefill worker sends K/V from there), or None: it prefills here.
         self.remote_hits: list[int | None] = []
+        self.routing: str | None = None  # behind a router: the worker it chose, and why
         self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._open = set(request_ids)
 

@@ -172,12 +172,14 @@ def dashboard_info(engine: Any) -> dict[str, Any]:
 
 def build_router(model: str, decode: list[str], prefill: list[str], *,
                  served_model_name: str | None = None, api_key: str | None = None,
-                 wait_s: float = 300.0, **server_kwargs: Any) -> OpenAIServer:
+                 wait_s: float = 300.0, routing: dict[str, Any] | None = None,
+                 **server_kwargs: Any) -> OpenAIServer:
     """``phasewise router``: wait for the workers, check they serve ``model``'s checkpoint,
     and put the OpenAI API in front of them (``phasewise.disagg.router``)."""
     from phasewise.disagg.router import Router, RouterCollector
 
-    router = Router(decode, prefill, model_dir=model, api_key=api_key, wait_s=wait_s)
+    router = Router(decode, prefill, model_dir=model, api_key=api_key, wait_s=wait_s,
+                    **(routing or {}))
     router.connect()
     name = served_model_name or Path(model).resolve().name
     config = ServerConfig(served_model_name=name, role="router", api_key=api_key,

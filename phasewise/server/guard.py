@@ -254,6 +254,7 @@ class AccessRecord:
     prompt_tokens: int | None = None
     output_tokens: int | None = None
     ttft_s: float | None = None
+    route: str | None = None  # a router's choice of worker, and why
 
 
 def access_record(scope: Scope) -> AccessRecord:
@@ -305,9 +306,10 @@ class AccessLog:
             return "-" if x is None else str(x)
 
         ttft = "-" if rec.ttft_s is None else f"{rec.ttft_s * 1e3:.1f}ms"
-        self.log.info("%s %s %s %s %d prompt=%s output=%s ttft=%s duration=%.1fms",
+        self.log.info("%s %s %s %s %d prompt=%s output=%s ttft=%s duration=%.1fms%s",
                       rec.request_id, who, scope.get("method", "-"), path, code,
-                      n(rec.prompt_tokens), n(rec.output_tokens), ttft, duration * 1e3)
+                      n(rec.prompt_tokens), n(rec.output_tokens), ttft, duration * 1e3,
+                      "" if rec.route is None else f" worker={rec.route}")
 
 
 class Guard:

@@ -6,7 +6,9 @@ OpenAPI document: it is phasewise's own, not OpenAI's.
 * ``GET /internal/v1/info``: what a router must share with this worker (the checkpoint's
   ``config.json`` and ``tokenizer.json`` hashes), its limits (``BackendInfo``), its sampling
   defaults and its role.
-* ``GET /internal/v1/load``: the engine's latest snapshot, for routing by load.
+* ``GET /internal/v1/load``: the engine's latest snapshot, for routing by load; with
+  ``kv_epoch`` (and ``kv_since``), what its prefix cache stored and evicted since then
+  (``phasewise.cache.kv_events``), for routing by cached prefix.
 * ``POST /internal/v1/generate``: a group of already tokenized prompts with their sampling
   parameters; the reply streams one JSON line per output (``phasewise.engine.relay``). The
   same checks as ``/v1/*`` apply (token ids, context, every parameter); closing the
@@ -24,7 +26,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Query, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -84,13 +86,22 @@ def add_internal_routes(app: FastAPI, backend: ServingBackend, routes: Routes, *
     async def info() -> dict[str, Any]:
         return {"role": role, "served_model_name": served_model_name,
                 "info": dataclasses.asdict(backend.info),
+                # the tokens a prefix-cache block holds: a router hashes prompts alike
+                "kv_block_size": getattr(backend, "block_size", None),
                 "defaults": param_defaults(backend.default_sampling_params()), **identity}
 
     @app.get("/internal/v1/load", include_in_schema=False)
-    async def load() -> dict[str, Any]:
-        return {"role": role, "alive": backend.is_alive, "draining": bool(is_draining()),
-                "open_groups": backend.num_open_groups,
-                "snapshot": dataclasses.asdict(backend.snapshot)}
+    async def load(kv_since: int | None = Query(None, ge=0, le=2**62),
+                   kv_epoch: str | None = Query(None, max_length=64)) -> dict[str, Any]:
+        out = {"role": role, "alive": backend.is_alive, "draining": bool(is_draining()),
+               "open_groups": backend.num_open_groups,
+               "snapshot": dataclasses.asdict(backend.snapshot)}
+        events = getattr(backend, "kv_events", None)
+        if kv_epoch is not None and events is not None:
+            # What the prefix cache stored and evicted since the caller's last look (a
+            # router's index of who holds what); everything it holds where that is older.
+            out["kv_events"] = events(kv_since, kv_epoch)
+        return out
 
     @app.post("/internal/v1/abort", include_in_schema=False)
     async def abort(body: AbortRelay) -> dict[str, Any]:

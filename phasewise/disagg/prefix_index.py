@@ -1,0 +1,127 @@
+"""The router's index of which worker holds which prompt prefixes, and the routing policies
+that read it.
+
+A prompt's full blocks hash as the workers' prefix caches hash them (``chain_hash``: stable
+across processes), so the router computes the same hashes from the token ids it relays. Two
+sources keep the index:
+
+* what the router sent: a worker that prefilled a prompt holds its blocks afterwards (until
+  it evicts them), so they are entered at once, before any report says so;
+* what each worker reports (``/internal/v1/load?kv_since=N&kv_epoch=E``, read at every poll,
+  ``phasewise.cache.kv_events``): every block its cache stored and evicted since the last
+  poll, or, where the router fell behind or the worker restarted, the whole set it holds.
+  The reports win: an evicted block leaves the index, however it got there.
+
+Policies (``--routing``):
+
+* ``least-load``: the fewest requests streaming or waiting (ties in turn);
+* ``round-robin``: in turn, whatever the load;
+* ``prefix``: ``prefix_weight`` x the share of the prompt's blocks the worker holds, plus
+  ``load_weight`` x how much lighter than the busiest candidate it is (0 for the busiest, 1
+  for the lightest; all 1 when loads are equal), the best score first (ties in turn). The
+  default weights are llm-d's (3 : 2).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from phasewise.cache.block_pool import chain_hash
+
+POLICIES = ("prefix", "least-load", "round-robin")
+DEFAULT_POLICY = "prefix"
+DEFAULT_PREFIX_WEIGHT = 3.0
+DEFAULT_LOAD_WEIGHT = 2.0
+# Blocks the index keeps per worker where the worker has not said how many it holds: the
+# reports evict the rest; this only bounds the router's memory between them.
+DEFAULT_CAPACITY = 1 << 20
+
+
+def block_hashes(token_ids: Sequence[int], block_size: int) -> list[bytes]:
+    """The chain hashes of the prompt's full blocks, as a worker's prefix cache has them.
+    A worker never caches the block holding a prompt's last token for that prompt (it must
+    compute that token), so a hit can cover at most ``(len - 1) // block_size`` blocks."""
+    out: list[bytes] = []
+    parent = None
+    for i in range((len(token_ids) - 1) // block_size if token_ids else 0):
+        parent = chain_hash(parent, tuple(token_ids[i * block_size:(i + 1) * block_size]))
+        out.append(parent)
+    return out
+
+
+class WorkerBlocks:
+    """One worker's blocks as the router knows them, least recently entered first."""
+
+    def __init__(self, capacity: int = DEFAULT_CAPACITY) -> None:
+        self.capacity = capacity
+        self.blocks: OrderedDict[bytes, None] = OrderedDict()
+        self.epoch: str | None = None  # its KVEvents' epoch, and the next event to ask for
+        self.next: int | None = None
+
+    def held(self, hashes: Sequence[bytes]) -> int:
+        """How many of ``hashes``, from the first, it holds."""
+        n = 0
+        for h in hashes:
+            if h not in self.blocks:
+                break
+            n += 1
+        return n
+
+    def enter(self, hashes: Sequence[bytes]) -> None:
+        for h in hashes:
+            self.blocks[h] = None
+            self.blocks.move_to_end(h)
+        while len(self.blocks) > self.capacity:
+            self.blocks.popitem(last=False)
+
+    def report(self, kv: dict[str, Any]) -> None:
+        """Apply a worker's ``kv_events`` answer (see the module)."""
+        if "held" in kv:
+            self.blocks = OrderedDict((bytes.fromhex(h), None) for h in kv["held"])
+        else:
+            for kind, h in kv["events"]:
+                b = bytes.fromhex(h)
+                if kind == "s":
+                    self.blocks[b] = None
+                    self.blocks.move_to_end(b)
+                else:
+                    self.blocks.pop(b, None)
+        self.epoch, self.next = str(kv["epoch"]), int(kv["next"])
+        while len(self.blocks) > self.capacity:
+            self.blocks.popitem(last=False)
+
+
+@dataclass(frozen=True)
+class Choice:
+    """Where a request went and why: for the access log and ``/metrics``."""
+
+    policy: str
+    blocks: int  # the prompt's full blocks
+    expected_hit: int  # of them, held by the chosen worker as the index knows it
+
+
+def rank(policy: str, loads: Sequence[int], held: Sequence[int], blocks: int, turn: int,
+         prefix_weight: float = DEFAULT_PREFIX_WEIGHT,
+         load_weight: float = DEFAULT_LOAD_WEIGHT) -> list[int]:
+    """The candidates' indices, best first: ``loads`` and ``held`` (blocks of the prompt each
+    holds) per candidate, ``blocks`` the prompt's full blocks, ``turn`` the router's counter
+    (it breaks ties, so equal workers take turns)."""
+    k = len(loads)
+    order = [(i - turn) % k for i in range(k)]
+    if policy == "round-robin":
+        return sorted(range(k), key=lambda i: order[i])
+    if policy == "least-load":
+        return sorted(range(k), key=lambda i: (loads[i], order[i]))
+    if policy != "prefix":
+        raise ValueError(f"routing policy must be one of {', '.join(POLICIES)}; got {policy!r}")
+    lo, hi = min(loads, default=0), max(loads, default=0)
+
+    def score(i: int) -> float:
+        hit = held[i] / blocks if blocks else 0.0
+        light = 1.0 if hi == lo else (hi - loads[i]) / (hi - lo)
+        return prefix_weight * hit + load_weight * light
+
+    return sorted(range(k), key=lambda i: (-score(i), order[i]))
