@@ -16,7 +16,9 @@ What each engine does is what the real one does:
 Deployments (``Deployment``):
 
 * ``colocated``: ``replicas`` engines behind a router that sends each request to the engine
-  with the fewest requests queued or running (ties in turn), as ``phasewise router`` does;
+  with the fewest requests queued or running (ties in turn), as ``phasewise router
+  --routing least-load`` does; simulated prompts share no prefix, so its default ``prefix``
+  policy, which then weighs load alone, would choose the same;
 * ``pd``: ``prefill`` and ``decode`` workers. The router picks a decode worker the same way;
   the decode worker prefills a prompt remotely when its uncached part is at least the
   threshold, a prefill worker's queue is under the queue limit and its pool has room
