@@ -13,11 +13,16 @@ live server (``phasewise.bench.probe``) measures both, and ``Served`` carries th
   engine's step (the gap of a decode stream's token period over the step's own duration),
   per step and per sequence that samples in it (each streamed token's frame);
 * ``request_s``: a request's own cost before its first step and after its first token (HTTP,
-  tokenising, the first frame): the part of a lone request's TTFT its steps do not explain.
+  tokenising, the first frame): the part of a lone request's TTFT the server's queue and
+  prefill do not explain; ``request_busy_s`` the same for a request sent while its engine
+  is mid-step (the event loop waits its turn for the interpreter lock);
+* ``wake_s`` and ``wake_long_s``: what a request pays beyond that when the server has sat
+  idle ``wake_idle_s`` seconds (CPUs and threads resume from idle states).
 
 ``ServedCostModel`` applies them to a cost model: a step's chunks' marginal cost at the
 prefill scale, its decodes' at the decode scale, plus the per-step and per-sample gaps. The
-simulator delays each request's arrival at its engine by ``request_s``.
+simulator delays each request's arrival at its engine by its own cost (idle, busy, and the
+wake-up for how long the engine idled).
 """
 
 from __future__ import annotations
