@@ -248,6 +248,9 @@ class Simulation:
 
     def _send(self, spec: RequestSpec) -> None:
         """The client sends it: it reaches an engine after the request's own cost."""
+        if not (self.request_s or self.request_busy_s or self.wake):
+            self._arrive(spec)  # a cost model that prices no request: nothing to look up
+            return
         e = min(self.front, key=lambda e: e.load)
         delay = self.request_busy_s if e.busy else self.request_s
         if self.wake is not None and not e.busy and not e.scheduler.has_unfinished():
