@@ -46,11 +46,16 @@ class KVEvents:
         """``{"epoch", "next", "events": [["s"|"e", hex], ...]}``: the events from ``seq`` on;
         or ``{"epoch", "next", "held": [hex, ...]}``: every hash held now, where the log no
         longer reaches back to ``seq`` or ``epoch`` is not this log's (or ``seq`` is None)."""
+        # Under the lock only the copies (the engine thread records while it waits); the
+        # answer is built outside it.
         with self._lock:
-            first = self._next - len(self._log)
-            if seq is None or epoch != self.epoch or not first <= seq <= self._next:
-                return {"epoch": self.epoch, "next": self._next,
-                        "held": [h.hex() for h in self._held]}
-            tail = list(itertools.islice(self._log, seq - first, None))
-            return {"epoch": self.epoch, "next": self._next,
-                    "events": [["s" if s else "e", h.hex()] for s, h in tail]}
+            nxt, first = self._next, self._next - len(self._log)
+            if seq is None or epoch != self.epoch or not first <= seq <= nxt:
+                held = list(self._held)
+                tail = None
+            else:
+                tail = list(itertools.islice(self._log, seq - first, None))
+        if tail is None:
+            return {"epoch": self.epoch, "next": nxt, "held": [h.hex() for h in held]}
+        return {"epoch": self.epoch, "next": nxt,
+                "events": [["s" if s else "e", h.hex()] for s, h in tail]}

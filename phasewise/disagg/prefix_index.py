@@ -35,9 +35,10 @@ POLICIES = ("prefix", "least-load", "round-robin")
 DEFAULT_POLICY = "prefix"
 DEFAULT_PREFIX_WEIGHT = 3.0
 DEFAULT_LOAD_WEIGHT = 2.0
-# Blocks the index keeps per worker where the worker has not said how many it holds: the
-# reports evict the rest; this only bounds the router's memory between them.
-DEFAULT_CAPACITY = 1 << 20
+# Blocks the index keeps per worker until its first poll says how many blocks its pool has
+# (the router then keeps no more than that: entries it routed that the worker never cached
+# go, oldest first).
+DEFAULT_CAPACITY = 1 << 16
 
 
 def block_hashes(token_ids: Sequence[int], block_size: int) -> list[bytes]:

@@ -717,8 +717,11 @@ class Router:
             data = r.json()
             w.snapshot = EngineSnapshot(**data["snapshot"])
             w.open_groups = int(data["open_groups"])
-            if blocks is not None and isinstance(data.get("kv_events"), dict):
-                blocks.report(data["kv_events"])
+            if blocks is not None:
+                # it can hold no more blocks than its pool has: the index keeps no more
+                blocks.capacity = max(1, w.snapshot.num_blocks)
+                if isinstance(data.get("kv_events"), dict):
+                    blocks.report(data["kv_events"])
             w.draining = bool(data["draining"])
             if not data["alive"]:
                 w.down("its engine is not running")

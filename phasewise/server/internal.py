@@ -20,7 +20,9 @@ OpenAPI document: it is phasewise's own, not OpenAI's.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import json
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -92,16 +94,22 @@ def add_internal_routes(app: FastAPI, backend: ServingBackend, routes: Routes, *
 
     @app.get("/internal/v1/load", include_in_schema=False)
     async def load(kv_since: int | None = Query(None, ge=0, le=2**62),
-                   kv_epoch: str | None = Query(None, max_length=64)) -> dict[str, Any]:
+                   kv_epoch: str | None = Query(None, max_length=64)) -> Any:
         out = {"role": role, "alive": backend.is_alive, "draining": bool(is_draining()),
                "open_groups": backend.num_open_groups,
                "snapshot": dataclasses.asdict(backend.snapshot)}
         events = getattr(backend, "kv_events", None)
-        if kv_epoch is not None and events is not None:
+        if kv_epoch is None or events is None:
+            return out
+
+        def answer() -> bytes:
             # What the prefix cache stored and evicted since the caller's last look (a
-            # router's index of who holds what); everything it holds where that is older.
+            # router's index of who holds what); everything it holds where that is older:
+            # as many hashes as the pool has blocks, so built off the event loop.
             out["kv_events"] = events(kv_since, kv_epoch)
-        return out
+            return json.dumps(out).encode()
+
+        return Response(await asyncio.to_thread(answer), media_type="application/json")
 
     @app.post("/internal/v1/abort", include_in_schema=False)
     async def abort(body: AbortRelay) -> dict[str, Any]:
