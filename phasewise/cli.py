@@ -203,7 +203,9 @@ def cmd_router(a: argparse.Namespace) -> int:
                               wait_s=a.wait, max_waiting_requests=a.max_waiting_requests,
                               max_request_bytes=parse_memory(a.max_request_size),
                               routing={"routing": a.routing, "prefix_weight": a.prefix_weight,
-                                       "load_weight": a.load_weight})
+                                       "load_weight": a.load_weight,
+                                       "max_migrations": a.max_migrations,
+                                       "stream_deadline": a.stream_deadline})
         run(server, host=a.host, port=a.port, shutdown_grace_s=a.shutdown_grace,
             log_level=a.log_level, access_log=not a.no_access_log, limits=limits)
     except KeyboardInterrupt:
@@ -549,6 +551,16 @@ def build_parser() -> argparse.ArgumentParser:
     ro.add_argument("--load-weight", type=float, default=DEFAULT_LOAD_WEIGHT,
                     help="--routing prefix: weight of how much lighter than the busiest "
                     f"worker it is (default {DEFAULT_LOAD_WEIGHT:g})")
+    from phasewise.disagg.prefix_index import DEFAULT_MAX_MIGRATIONS, MAX_MIGRATIONS_LIMIT
+    ro.add_argument("--max-migrations", type=int, default=DEFAULT_MAX_MIGRATIONS,
+                    help="how often one response may be moved to another decode worker when "
+                    "its worker dies, stops or drains mid-stream (each move recomputes the "
+                    f"prompt and the tokens so far there); 0: never, the response ends with "
+                    f"an error (0-{MAX_MIGRATIONS_LIMIT}, default {DEFAULT_MAX_MIGRATIONS})")
+    ro.add_argument("--stream-deadline", type=float, default=15.0,
+                    help="seconds a decode worker may answer no poll before its streams are "
+                    "moved to another worker (or ended, where none can take them); a worker "
+                    "that closes its connections is moved from at once (default 15)")
     ro.add_argument("--log-level", default="info", choices=LOG_LEVELS)
     ro.add_argument("--no-access-log", action="store_true")
     _add_connection_args(ro)

@@ -53,6 +53,26 @@ def test_output_lines_rebuild_text_ids_logprobs_and_the_workers_timing():
             asm.feed(bad)
 
 
+def test_an_output_keeps_its_own_tokens_and_logprobs_when_later_lines_arrive():
+    """A stream's reader takes each output's delta from the end of its lists, often after
+    the next lines were fed: an output's lists are its own, as an engine's are."""
+    asm = OutputAssembler(["g"], [[1, 2]], [None], arrival_time=0.0)
+    first = asm.feed(encode_output(0, _out(0, "a", [5], [{5: -0.5}], False), None))
+    asm.feed(encode_output(0, _out(0, "b", [6], [{6: -0.25}], False), None))
+    assert first.token_ids == [5] and first.logprobs == [{5: -0.5}]
+    assert first.logprobs[-len(first.delta_token_ids):] == [{5: -0.5}]
+
+
+def test_a_relay_numbers_its_own_specs_and_the_assembler_maps_them():
+    """A migration resends only a group's unfinished requests: the relay's spec 0 is the
+    group's request 1."""
+    asm = OutputAssembler(["g-0", "g-1"], [[1], [1]], [None, None], arrival_time=0.0)
+    out = asm.feed(encode_output(0, _out(0, "x", [7], None, False), None), index=[1])
+    assert out.request_id == "g-1" and asm.ids == [[], [7]]
+    with pytest.raises(RelayError):  # outside the relay's own numbering
+        asm.feed(encode_output(1, _out(1, "x", [7], None, False), None), index=[1])
+
+
 def test_prompt_logprobs_cross_on_a_requests_first_line():
     out = _out(0, "x", [5], None, True)
     out.prompt_logprobs = [None, {2: -0.75, 9: -0.5}]

@@ -1,6 +1,7 @@
 """``phasewise router`` and ``phasewise pd`` as real processes on 127.0.0.1: the official openai
 client streams through the router; the launcher's three processes stop with it; a decode
-worker killed mid-stream ends that response with an error naming it, and leaves nothing
+worker killed mid-stream, with no other to move its stream to, ends that response with an
+error naming it, and leaves nothing
 held on the prefill worker; a prefill worker restarted with a new identity replaces the old
 one."""
 
@@ -161,6 +162,8 @@ def test_a_killed_decode_worker_is_a_clear_error_and_leaves_the_prefill_worker_e
                 if len(got) > 5 and decode.proc.poll() is None:
                     decode.stop(signal.SIGKILL)
         assert decode.url in str(err.value) and "went away" in str(err.value)
+        # (the router tried to move it: the only decode worker was the one gone)
+        assert "no other decode worker could take it over" in str(err.value)
         assert want(PROMPT, 400).startswith(got)
         # The router says so: /health names the worker, a new request is a 503 naming it.
         deadline = time.monotonic() + 20

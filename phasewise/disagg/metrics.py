@@ -75,7 +75,8 @@ class DisaggCollector:
             PREFIX + "local_prefills", "Prompts the decode worker prefilled itself, by "
             "reason: short_prompt (under --disagg-threshold), cached (its uncached part "
             "under the threshold), no_prefill_worker, prefill_busy (every prefill worker at "
-            "--prefill-queue-limit), no_room (no blocks to reserve). Fault fallbacks are "
+            "--prefill-queue-limit), no_room (no blocks to reserve), resumed (migrated here "
+            "by a router with its outputs so far). Fault fallbacks are "
             "remote_prefills{outcome!=done}.", labels=["model_name", "reason"])
         for reason, value in tallies.local_prefills.items():
             local.add_metric([self.model_name, reason], value)

@@ -35,6 +35,10 @@ POLICIES = ("prefix", "least-load", "round-robin")
 DEFAULT_POLICY = "prefix"
 DEFAULT_PREFIX_WEIGHT = 3.0
 DEFAULT_LOAD_WEIGHT = 2.0
+# How often the router may move one response to another worker (``router``'s migration; here
+# with the other routing settings, which the CLI reads without importing the router).
+DEFAULT_MAX_MIGRATIONS = 2
+MAX_MIGRATIONS_LIMIT = 16
 # Blocks the index keeps per worker until its first poll says how many blocks its pool has
 # (the router then keeps no more than that: entries it routed that the worker never cached
 # go, oldest first).

@@ -12,10 +12,18 @@ cache, the prefill workers' queues). The router watches every worker
 evicted since the last poll for routing, liveness for ``/health`` and ``/metrics``.
 
 Faults: a decode worker that cannot be reached when a request arrives is skipped (the next
-one is tried; none left is a 503 that names each worker and why); one that goes away while it
-streams ends that response with an error that names it (nothing else can finish the request:
-its K/V and its position in the sampling stream were there). Its prefill worker is not
-touched: what it computed is ordinary evictable cache there.
+one is tried; none left is a 503 that names each worker and why). A stream is migrated
+instead of lost: when its worker goes away (the connection breaks or ends early), stops (its
+grace period ran out), answers no poll for ``stream_deadline`` or starts to drain (its
+``handover`` notice, acted on only where another worker can take the stream), the router
+sends each unfinished request to the next worker its policy ranks, with the prompt and the
+tokens streamed so far as ``resume``: that worker recomputes their K/V (one prefill; its
+prefix cache may hold the prompt) and goes on from that token position, its seeded draws
+included (``LLMEngine.add_request``), so the client's stream carries on unbroken. At most
+``max_migrations`` moves a request; with none left, or no worker to take it, the response
+ends with an error that names the worker, why it went and why no other could go on. A
+failure that is the request's own (its grammar, an engine error, an unusable line) is not
+retried. A prefill worker is not touched: what it computed is ordinary evictable cache.
 
 Every call carries ``--api-key`` as a bearer token, as any client's would.
 
@@ -48,8 +56,9 @@ from phasewise.engine.backend import (BackendInfo, EngineError, EngineObserver,
                                       EngineOverloaded, EngineSnapshot, EngineStopped,
                                       EngineUnavailable, FinishedRequest, GrammarFailed,
                                       PromptSpec, RequestGroup)
-from phasewise.disagg.prefix_index import (DEFAULT_LOAD_WEIGHT, DEFAULT_POLICY,
-                                           DEFAULT_PREFIX_WEIGHT, POLICIES, Choice, WorkerBlocks,
+from phasewise.disagg.prefix_index import (DEFAULT_LOAD_WEIGHT, DEFAULT_MAX_MIGRATIONS,
+                                           DEFAULT_POLICY, DEFAULT_PREFIX_WEIGHT,
+                                           MAX_MIGRATIONS_LIMIT, POLICIES, Choice, WorkerBlocks,
                                            block_hashes, rank)
 from phasewise.engine.relay import (OutputAssembler, RelayError, checkpoint_identity,
                                     params_to_wire)
@@ -92,6 +101,65 @@ class Worker:
     def load(self) -> int:
         waiting = self.snapshot.num_waiting if self.snapshot is not None else 0
         return self.in_flight + waiting
+
+
+@dataclasses.dataclass
+class _Relay:
+    """One worker's stream of (part of) a group: ``index`` maps the relay's own numbering of
+    its specs to the group's requests (a migration resends only those not finished)."""
+
+    worker: Worker
+    resp: httpx.Response
+    chunks: AsyncIterator[bytes]
+    index: list[int]
+    released: bool = False
+
+
+@dataclasses.dataclass
+class _Stream:
+    """A group's way through the workers: what to resend on a migration and where it is."""
+
+    request_id: str
+    specs: Sequence[PromptSpec]
+    hashes: list[bytes]  # the first prompt's blocks (routing)
+    relay: _Relay
+    moves: int = 0
+    # set before the router cancels the relay task itself: go on elsewhere, for this reason
+    move: tuple[str, str] | None = None
+    ended: bool = False  # the client left, or the router shuts down: never migrate
+    aborted: set[int] = dataclasses.field(default_factory=set)  # requests the client ended
+
+
+class _Migrate(Exception):
+    """The worker cannot finish the relay (``reason``: a metric label); move it."""
+
+    def __init__(self, reason: str, why: str, stopped: bool = False) -> None:
+        super().__init__(why)
+        self.reason, self.why, self.stopped = reason, why, stopped
+
+
+MIGRATION_REASONS = ("worker_lost", "worker_stopped", "worker_silent", "drain")
+
+
+def _resend_specs(specs: Sequence[PromptSpec], assembler: OutputAssembler,
+                  pending: list[int]) -> list[dict[str, Any]]:
+    """The relay specs that resume the ``pending`` requests of a group elsewhere: each
+    prompt (once, however many samples share it), its parameters (no prompt logprobs
+    where the client has them already) and the tokens streamed so far as ``resume``."""
+    first_of: dict[int, int] = {}
+    out: list[dict[str, Any]] = []
+    for k, i in enumerate(pending):
+        s = specs[i]
+        j = first_of.setdefault(id(s.token_ids), k)
+        params = params_to_wire(s.params)
+        if assembler.prompt_logprobs[i] is not None:
+            params["prompt_logprobs"] = None
+        spec: dict[str, Any] = {**({"token_ids": s.token_ids} if j == k else {"same_as": j}),
+                                "params": params, "prompt": s.prompt}
+        if assembler.ids[i]:
+            spec["resume"] = list(assembler.ids[i])
+        out.append(spec)
+    return out
 
 
 def _why(e: BaseException) -> str:
@@ -149,7 +217,8 @@ class Router:
                  request_timeout: float = 10.0, stream_deadline: float = 15.0,
                  admit_timeout: float = 120.0, routing: str = DEFAULT_POLICY,
                  prefix_weight: float = DEFAULT_PREFIX_WEIGHT,
-                 load_weight: float = DEFAULT_LOAD_WEIGHT, block_size: int = 16) -> None:
+                 load_weight: float = DEFAULT_LOAD_WEIGHT, block_size: int = 16,
+                 max_migrations: int = DEFAULT_MAX_MIGRATIONS) -> None:
         if not decode:
             raise RouterConfigError("the router needs at least one --decode URL")
         urls = [u.rstrip("/") for u in (*decode, *prefill)]
@@ -160,6 +229,9 @@ class Router:
             raise RouterConfigError(f"a worker URL is listed twice: {urls}")
         if poll_interval <= 0:
             raise RouterConfigError(f"poll_interval must be > 0, got {poll_interval}")
+        if not 0.5 <= stream_deadline <= 3600:
+            raise RouterConfigError(f"--stream-deadline must be in [0.5, 3600] seconds, got "
+                                    f"{stream_deadline}")
         if routing not in POLICIES:
             raise RouterConfigError(f"--routing must be one of {', '.join(POLICIES)}; got "
                                     f"{routing!r}")
@@ -168,6 +240,10 @@ class Router:
                 raise RouterConfigError(f"{name} must be in [0, 1000], got {v}")
         if not 1 <= block_size <= 1024:
             raise RouterConfigError(f"block_size must be in [1, 1024], got {block_size}")
+        if isinstance(max_migrations, bool) or not isinstance(max_migrations, int) or \
+                not 0 <= max_migrations <= MAX_MIGRATIONS_LIMIT:
+            raise RouterConfigError(f"--max-migrations must be an integer in [0, "
+                                    f"{MAX_MIGRATIONS_LIMIT}], got {max_migrations!r}")
         self.decode = [Worker(u, "decode") for u in urls[:len(decode)]]
         self.prefill = [Worker(u, "prefill") for u in urls[len(decode):]]
         self.model_dir = Path(model_dir)
@@ -179,15 +255,19 @@ class Router:
         # an error (a host that died without closing its connections sends nothing more).
         self.stream_deadline = stream_deadline
         self.admit_timeout = admit_timeout  # for the worker to take (or refuse) a request
+        # how often one request may be moved to another worker (each move re-prefills it)
+        self.max_migrations = max_migrations
+        self.migrations = dict.fromkeys(MIGRATION_REASONS, 0)  # moves, by reason
+        self.migrations_failed = 0  # streams that needed a move and could not get one
         self._background: set[asyncio.Task] = set()
         self.tokenizer = Tokenizer(self.model_dir)
         self.info: BackendInfo = None  # type: ignore[assignment]  # set by connect()
         self._defaults: dict[str, Any] = {}
         self._observers: list[EngineObserver] = []
-        self._groups: dict[str, tuple[RequestGroup, asyncio.Task, Worker]] = {}
-        # Every relay until its task ends (a closed group's may still read its end of
+        self._groups: dict[str, tuple[RequestGroup, asyncio.Task, _Stream]] = {}
+        # Every relay task until it ends (a closed group's may still read its end of
         # stream): what shutdown and a silent worker's deadline stop.
-        self._relays: dict[asyncio.Task, tuple[RequestGroup, Worker]] = {}
+        self._relays: dict[asyncio.Task, tuple[RequestGroup, _Stream]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._client: httpx.AsyncClient | None = None
         self._poller: asyncio.Task | None = None
@@ -375,35 +455,37 @@ class Router:
         first = specs[0].token_ids if specs else []
         hashes = (await asyncio.to_thread(block_hashes, first, self.block_size)
                   if len(first) > 4096 else block_hashes(first, self.block_size))
-        resp, worker, choice = await self._open(content, hashes)  # in its in_flight from here
-        # The body's chunks as they come; unlike aiter_raw/aiter_lines this does not close
-        # the response at its end, inside the relay's task (see the module).
-        chunks: AsyncIterator[bytes] = aiter(resp.stream)  # type: ignore[arg-type]
+        relay, choice = await self._open(content, hashes, list(range(n)))  # in_flight from here
         try:
             group = RequestGroup(ids, self.abort, self._closed)
             group.remote_hits = [None] * n
-            group.routing = (f"{worker.url} {choice.policy} expected_hit="
+            group.routing = (f"{relay.worker.url} {choice.policy} expected_hit="
                              f"{choice.expected_hit}/{choice.blocks}blocks")
             assembler = OutputAssembler(ids, [s.token_ids for s in specs],
                                         [s.prompt for s in specs], arrival)
             assembler.admitted()
-            task = asyncio.ensure_future(self._pump(group, assembler, chunks, worker))
+            stream = _Stream(request_id, list(specs), hashes, relay)
+            task = asyncio.ensure_future(self._run(group, assembler, stream))
         except BaseException:
-            self._release(worker, resp, chunks)
+            self._release(relay)
             raise
-        self._relays[task] = (group, worker)
-        task.add_done_callback(lambda t: self._release(worker, resp, chunks, t))
+        self._relays[task] = (group, stream)
+        # (a task cancelled before it began never ran _run's clean-up: its relay goes here)
+        task.add_done_callback(lambda t: (self._relays.pop(t, None),
+                                          self._release(stream.relay)))
         for rid in ids:
-            self._groups[rid] = (group, task, worker)
+            self._groups[rid] = (group, task, stream)
         return group
 
-    async def _open(self, content: str, hashes: list[bytes]
-                    ) -> tuple[httpx.Response, Worker, Choice]:
-        """Start the relay on the best decode worker (``--routing``) that takes it."""
+    async def _open(self, content: str, hashes: list[bytes], index: list[int],
+                    avoid: Sequence[Worker] = ()) -> tuple[_Relay, Choice]:
+        """Start the relay on the best decode worker (``--routing``) that takes it (none of
+        ``avoid``: a migration's, those it left). ``index``: the group's request each spec
+        of ``content`` is."""
         assert self._client is not None
         tried: list[str] = []
         overloaded = False
-        for w, held in self._candidates(hashes):
+        for w, held in self._candidates(hashes, avoid):
             w.in_flight += 1  # before the wait, so concurrent requests spread out
             try:
                 # identity: the body is read as raw NDJSON bytes (see add).
@@ -426,11 +508,16 @@ class Router:
             if resp.status_code == 200:
                 choice = Choice(self.routing, len(hashes), held)
                 self.index[w.url].enter(hashes)  # it will hold them once it prefills
-                key = (w.url, self.routing)
-                self.routed[key] = self.routed.get(key, 0) + 1
-                self.routed_blocks[0] += len(hashes)
-                self.routed_blocks[1] += held
-                return resp, w, choice
+                if not avoid:  # (a migration is counted as one, not as a new request)
+                    key = (w.url, self.routing)
+                    self.routed[key] = self.routed.get(key, 0) + 1
+                    self.routed_blocks[0] += len(hashes)
+                    self.routed_blocks[1] += held
+                # The body's chunks as they come; unlike aiter_raw/aiter_lines this does
+                # not close the response at its end, inside the relay's task (see the
+                # module).
+                chunks: AsyncIterator[bytes] = aiter(resp.stream)  # type: ignore[arg-type]
+                return _Relay(w, resp, chunks, index), choice
             w.in_flight -= 1
             # Read and closed by a task of its own, which ends even if this waiter is
             # cancelled (the client left).
@@ -500,39 +587,84 @@ class Router:
         finally:
             await resp.aclose()
 
-    def _candidates(self, hashes: Sequence[bytes] = ()) -> list[tuple[Worker, int]]:
+    def _candidates(self, hashes: Sequence[bytes] = (), avoid: Sequence[Worker] = ()
+                    ) -> list[tuple[Worker, int]]:
         """Decode workers that are up, best first by ``--routing``
         (``phasewise.disagg.prefix_index.rank``), each with the prompt blocks it holds."""
         turn = next(self._turn)
-        live = [w for w in self.decode if w.up and not w.draining]
+        live = [w for w in self.decode if w.up and not w.draining and w not in avoid]
         held = [self.index[w.url].held(hashes) for w in live]
         best = rank(self.routing, [w.load for w in live], held, len(hashes), turn,
                     self.prefix_weight, self.load_weight)
         return [(live[i], held[i]) for i in best]
 
-    async def _pump(self, group: RequestGroup, assembler: OutputAssembler,
-                    chunks: AsyncIterator[bytes], worker: Worker) -> None:
-        """Worker lines -> the group's outputs (and the observers: the router's metrics).
-        Its only awaits are the body's reads: a cancel (``_stop``) ends a read, which
-        httpcore cleans up; closing the response is ``_release``'s (see the module)."""
+    async def _run(self, group: RequestGroup, assembler: OutputAssembler,
+                   stream: _Stream) -> None:
+        """The group's relay task: its worker's lines into the group, and where that worker
+        cannot finish them, what is unfinished moved to another (see the module)."""
         last: dict[str, Any] = {}  # each request's latest output, until it finishes
+        try:
+            while True:
+                relay = stream.relay
+                try:
+                    await self._pump(group, assembler, stream, last)
+                    return
+                except _Migrate as m:
+                    move = m
+                except asyncio.CancelledError:
+                    # The router's own cancel (a silent worker's deadline) moves the stream;
+                    # any other (the client left, shutdown) ends it.
+                    if stream.move is None or stream.ended:
+                        raise
+                    task = asyncio.current_task()
+                    if task is not None:
+                        task.uncancel()
+                    move = _Migrate(*stream.move)
+                    stream.move = None
+                finally:
+                    self._release(relay)
+                if not await self._migrate(group, assembler, stream, move):
+                    return
+        finally:
+            # What did not finish ended here (the client left, no worker could go on, a bad
+            # line): the observers hear of it as an abort, as an engine's would.
+            if last:
+                self._notify([], [FinishedRequest.of(o, "abort") for o in last.values()])
+
+    async def _pump(self, group: RequestGroup, assembler: OutputAssembler, stream: _Stream,
+                    last: dict[str, Any]) -> None:
+        """Worker lines -> the group's outputs (and the observers: the router's metrics).
+        Raises ``_Migrate`` where the worker cannot finish the relay. Its only awaits are
+        the body's reads: a cancel (``_stop``) ends a read, which httpcore cleans up; closing
+        the response is ``_release``'s (see the module)."""
+        relay = stream.relay
+        worker = relay.worker
         pending: list[bytes] = []
         try:
-            async for chunk in chunks:
+            async for chunk in relay.chunks:
                 for raw in _split(pending, chunk):
                     line = raw.decode()
                     if not line:
+                        continue
+                    if line.startswith('{"notice"'):
+                        # the worker drains: move there if another worker can take it, else
+                        # read on (the worker finishes it within its grace period)
+                        if any(w.up and not w.draining and w is not worker
+                               for w in self.decode):
+                            raise _Migrate("drain", "is draining (shutting down)")
                         continue
                     if line.startswith('{"error"'):
                         err = json.loads(line)["error"]
                         if not isinstance(err, dict):
                             raise RelayError(f"malformed error line: {line[:200]}")
                         kind = err.get("kind")
-                        cls = (EngineStopped if kind == "stopped" else GrammarFailed
-                               if kind == "grammar" else EngineError)
+                        if kind == "stopped":
+                            raise _Migrate("worker_stopped",
+                                           f"stopped ({err.get('message')})", True)
+                        cls = GrammarFailed if kind == "grammar" else EngineError
                         group._put(cls(f"decode worker {worker.url}: {err.get('message')}"))
                         return
-                    out = assembler.feed(line)
+                    out = assembler.feed(line, relay.index)
                     group._put(out)
                     ended = []
                     last[out.request_id] = out
@@ -542,36 +674,70 @@ class Router:
                     self._notify([out], ended)
             if pending:
                 raise RelayError(f"the stream ended inside a line: {pending[0][:200]!r}")
-            if not all(assembler.finished):
-                raise EngineError(f"decode worker {worker.url} ended the stream before every "
-                                  "request finished")
-        except asyncio.CancelledError:
+            if not all(assembler.finished[i] or i in stream.aborted for i in relay.index):
+                raise _Migrate("worker_lost", "ended the stream before every request "
+                               "finished")
+        except (asyncio.CancelledError, _Migrate):
             raise
         except httpx.HTTPError as e:
             worker.down(_why(e))
-            group._put(EngineError(
-                f"the decode worker {worker.url} went away while streaming this response "
-                f"({_why(e)}); the response is incomplete"))
+            raise _Migrate("worker_lost", f"went away while streaming this response "
+                           f"({_why(e)})") from None
         except (RelayError, ValueError, KeyError, TypeError, AttributeError) as e:
             group._put(EngineError(f"decode worker {worker.url} sent an unusable line: "
                                    f"{_why(e)}"))
         except EngineError as e:
             group._put(e)
-        finally:
-            # What did not finish ended here (the client left, the worker went, a bad
-            # line): the observers hear of it as an abort, as an engine's would.
-            if last:
-                self._notify([], [FinishedRequest.of(o, "abort") for o in last.values()])
 
-    def _release(self, worker: Worker, resp: httpx.Response, chunks: AsyncIterator[bytes],
-                 task: asyncio.Task | None = None) -> None:
-        """A relay ended (even one cancelled before it began): its count, its connection
-        (back to the pool if the stream ended, else closed: the worker sees the client go
-        and aborts what still runs)."""
-        worker.in_flight -= 1
-        if task is not None:
-            self._relays.pop(task, None)
-        self._close_later(resp, chunks)
+    async def _migrate(self, group: RequestGroup, assembler: OutputAssembler,
+                       stream: _Stream, move: _Migrate) -> bool:
+        """Resume the group's unfinished requests on another worker (``True``), or end the
+        response with an error that says why none could go on (``False``)."""
+        gone = stream.relay.worker
+        pending = [i for i in range(len(stream.specs))
+                   if not assembler.finished[i] and i not in stream.aborted]
+        if not pending:
+            return False
+        what = f"the decode worker {gone.url} {move.why}"
+        if stream.moves >= self.max_migrations:
+            self._fail(group, move, f"{what}; this response was moved {stream.moves} "
+                       f"time(s) already (--max-migrations {self.max_migrations}); the "
+                       "response is incomplete")
+            return False
+        body = {"request_id": stream.request_id,
+                "specs": _resend_specs(stream.specs, assembler, pending)}
+        size = sum(len(s.get("token_ids", ())) + len(s.get("resume", ()))
+                   for s in body["specs"])
+        content = (await asyncio.to_thread(json.dumps, body) if size > 2048
+                   else json.dumps(body))
+        try:
+            relay, _ = await self._open(content, stream.hashes, pending, [gone])
+        except (EngineUnavailable, EngineOverloaded, EngineError, ValueError) as e:
+            self._fail(group, move, f"{what}, and no other decode worker could take it "
+                       f"over ({e}); the response is incomplete")
+            return False
+        stream.relay = relay
+        stream.moves += 1
+        self.migrations[move.reason] += 1
+        group.routing = f"{group.routing} moved={relay.worker.url}({move.reason})"
+        log.info("request %s moved from %s to %s (%s): %d request(s), %d token(s) "
+                 "streamed so far", stream.request_id, gone.url, relay.worker.url,
+                 move.reason, len(pending), sum(len(assembler.ids[i]) for i in pending))
+        return True
+
+    def _fail(self, group: RequestGroup, move: _Migrate, message: str) -> None:
+        self.migrations_failed += 1
+        group._put(EngineStopped(message) if move.stopped else EngineError(message))
+
+    def _release(self, relay: _Relay) -> None:
+        """A relay ended (even one whose task was cancelled before it began): its count, its
+        connection (back to the pool if the stream ended, else closed: the worker sees the
+        client go and aborts what still runs). Once per relay."""
+        if relay.released:
+            return
+        relay.released = True
+        relay.worker.in_flight -= 1
+        self._close_later(relay.resp, relay.chunks)
 
     def _spawn(self, coro: Any) -> asyncio.Task:
         """A task the router keeps (until it ends) and never cancels."""
@@ -610,19 +776,28 @@ class Router:
     def abort(self, request_ids: Sequence[str]) -> None:
         """End these requests: a whole group closes its relay (the worker aborts it when the
         connection goes); part of one is aborted on the worker by id."""
-        by_group: dict[int, tuple[RequestGroup, asyncio.Task, Worker, list[str]]] = {}
+        by_group: dict[int, tuple[RequestGroup, asyncio.Task, _Stream, list[str]]] = {}
         for rid in request_ids:
             entry = self._groups.get(rid)
             if entry is not None:
-                g, t, w = entry
-                by_group.setdefault(id(g), (g, t, w, []))[3].append(rid)
-        for group, task, worker, rids in by_group.values():
+                g, t, s = entry
+                by_group.setdefault(id(g), (g, t, s, []))[3].append(rid)
+        for group, task, stream, rids in by_group.values():
             if group.finished:
                 continue  # its stream is at its end: the relay reads it and gives it back
             if set(rids) >= group._open:
+                stream.ended = True
                 _stop(task)
-            elif self._loop is not None and self._client is not None:
-                self._spawn(self._abort_remote(worker, rids))
+                continue
+            mine = {group.request_ids.index(rid) for rid in rids}
+            stream.aborted |= mine  # never resumed elsewhere
+            relay = stream.relay
+            # the worker's ids for them: the relay numbers its own specs
+            names = ([stream.request_id] if len(relay.index) == 1 else
+                     [f"{stream.request_id}-{k}" for k in range(len(relay.index))])
+            theirs = [names[k] for k, i in enumerate(relay.index) if i in mine]
+            if theirs and self._loop is not None and self._client is not None:
+                self._spawn(self._abort_remote(relay.worker, theirs))
 
     async def _abort_remote(self, worker: Worker, rids: list[str]) -> None:
         assert self._client is not None
@@ -638,10 +813,13 @@ class Router:
             # A finished group's relay reads the worker's end of stream (it follows the last
             # output), so its connection goes back to the pool, not closed.
             if entry is not None and not entry[0].finished:
+                entry[2].ended = True
                 _stop(entry[1])
 
     def abort_all(self, reason: str) -> None:
-        for group, task, _ in {id(g): (g, t, w) for g, t, w in self._groups.values()}.values():
+        for group, task, stream in {id(g): (g, t, s)
+                                    for g, t, s in self._groups.values()}.values():
+            stream.ended = True
             group._put(EngineStopped(reason))
             _stop(task)
 
@@ -693,14 +871,15 @@ class Router:
         for w in self.decode:
             if w.up or w.down_since is None or now - w.down_since < self.stream_deadline:
                 continue
-            for task, (group, x) in list(self._relays.items()):
-                if x is not w or task.done() or task.cancelling():
+            for task, (_, stream) in list(self._relays.items()):
+                relay = stream.relay
+                # (a relay already released is being moved: its task waits on another
+                # worker, which a cancel must not cut)
+                if (relay.worker is not w or relay.released or task.done()
+                        or task.cancelling() or stream.ended):
                     continue
-                if not group.finished:
-                    group._put(EngineError(
-                        f"the decode worker {w.url} stopped answering ({w.reason}) for "
-                        f"{now - w.down_since:.0f} s while streaming this response; the "
-                        "response is incomplete"))
+                stream.move = ("worker_silent", f"stopped answering ({w.reason}) for "
+                               f"{now - w.down_since:.0f} s while streaming this response")
                 _stop(task)
 
     async def _poll_one(self, w: Worker) -> None:
@@ -743,6 +922,7 @@ class Router:
                 self._poller.cancel()
             tasks = list(self._relays)
             for t in tasks:
+                self._relays[t][1].ended = True
                 _stop(t)
             await asyncio.gather(*tasks, *(p for p in [self._poller] if p),
                                  return_exceptions=True)
@@ -791,7 +971,20 @@ class RouterCollector:
                                     labels=["url"])
         for url, wb in self.router.index.items():
             indexed.add_metric([url], len(wb.blocks))
-        yield from (routed, blocks, indexed)
+        moved = CounterMetricFamily("phasewise:router_migrations", "Streams moved to another "
+                                    "decode worker mid-response, by why their worker could "
+                                    "not finish them: worker_lost (the connection broke or "
+                                    "ended early), worker_stopped (its engine stopped), "
+                                    "worker_silent (no poll answered for the stream "
+                                    "deadline), drain (it began to shut down).",
+                                    labels=["reason"])
+        for reason, n in self.router.migrations.items():
+            moved.add_metric([reason], n)
+        failed = CounterMetricFamily("phasewise:router_migrations_failed", "Responses that "
+                                     "needed a move and ended with an error instead (no "
+                                     "worker could take them, or --max-migrations reached).")
+        failed.add_metric([], self.router.migrations_failed)
+        yield from (routed, blocks, indexed, moved, failed)
         for w in self.router.workers:
             up.add_metric([w.url, w.role], 1.0 if w.up else 0.0)
             flight.add_metric([w.url, w.role], w.in_flight)

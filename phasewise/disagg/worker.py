@@ -50,8 +50,10 @@ log = logging.getLogger("phasewise.disagg")
 
 # Why a prompt sent to the decode role was prefilled there: shorter than the threshold;
 # its uncached part shorter than the threshold; no prefill worker connected; every one at the
-# queue limit; no room in the decode engine to reserve its blocks.
-LOCAL_REASONS = ("short_prompt", "cached", "no_prefill_worker", "prefill_busy", "no_room")
+# queue limit; no room in the decode engine to reserve its blocks; a request a router moved
+# here with the outputs it had streamed elsewhere (they are recomputed with the prompt).
+LOCAL_REASONS = ("short_prompt", "cached", "no_prefill_worker", "prefill_busy", "no_room",
+                 "resumed")
 # Why a remote prefill was failed (and computed here): the prefill worker said so; it was
 # lost (silent), replaced (restarted) or closed; no first token within the deadline; the
 # request could not be sent, or its peer went away as it was.
@@ -244,11 +246,12 @@ class DecodeSide(_Delegate):
         """Admit a group; prompts long enough go to a prefill worker when one is connected
         and not too busy (see the module)."""
         peer, why_not = self._prefill_peer()
-        # A request that wants its prompt logprobs needs the prompt's logits, and one with
-        # max_tokens 0 wants no token (a prefill worker always samples one): computed here.
+        # A request that wants its prompt logprobs needs the prompt's logits, one with
+        # max_tokens 0 wants no token (a prefill worker always samples one), and a resumed
+        # one goes on from outputs a prefill worker does not take: computed here.
         long_enough = [len(s.token_ids) >= max(1, self.threshold)
                        and s.params.prompt_logprobs is None and s.params.max_tokens != 0
-                       for s in specs]
+                       and not s.resume for s in specs]
         remote = [dataclasses.replace(s, remote=peer is not None and long)
                   for s, long in zip(specs, long_enough)]
         group = await self.backend.add(remote, request_id, arrival_time)
@@ -256,7 +259,7 @@ class DecodeSide(_Delegate):
         for rid, spec, hit, long in zip(group.request_ids, remote, group.remote_hits,
                                         long_enough):
             if not long:
-                self._local("short_prompt")
+                self._local("resumed" if spec.resume else "short_prompt")
                 continue
             if peer is None:
                 self._local(why_not or "no_prefill_worker")

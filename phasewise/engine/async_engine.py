@@ -417,7 +417,8 @@ class AsyncEngine:
                 if hit is None:  # not remote, or no room to reserve: prefill it here
                     engine.add_request(spec.token_ids, spec.params, request_id=rid,
                                        arrival_time=cmd.arrival_time,
-                                       export_kv_from=spec.export_kv_from)
+                                       export_kv_from=spec.export_kv_from,
+                                       resume=spec.resume)
                 hits.append(hit)
                 if spec.prompt is not None:
                     engine.requests[rid].prompt = spec.prompt

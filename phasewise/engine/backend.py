@@ -112,13 +112,17 @@ class PromptSpec:
     P/D (see ``LLMEngine``'s remote prefill): ``remote`` (the decode role) reserves blocks
     for a prompt a prefill worker computes, or prefills it here when there is no room (the
     group's ``remote_hits`` then says None); ``export_kv_from`` (the prefill role) ships its
-    prompt's K/V from that token on through the engine's ``kv_sink``."""
+    prompt's K/V from that token on through the engine's ``kv_sink``.
+
+    ``resume``: outputs another worker generated and streamed before it went away (a router
+    migrates the request; ``LLMEngine.add_request``); the outputs carry only what follows."""
 
     token_ids: list[int]
     params: SamplingParams
     prompt: str | None = None
     remote: bool = False
     export_kv_from: int | None = None
+    resume: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -137,13 +141,20 @@ class BackendInfo:
     roofline: str = ""
 
 
+@dataclass(frozen=True)
+class _Notice:
+    text: str
+
+
 class RequestGroup:
     """The outputs of a group of requests, in the order the backend produced them.
 
     Iterate with ``async for index, output in group``; ``index`` is the request's position in
     the group. Iteration ends when every request has finished. ``close()`` aborts whatever is
     still running (call it in a ``finally``); it is safe to call more than once. An exception
-    put into the group (``_put``) ends the iteration by raising it.
+    put into the group (``_put``) ends the iteration by raising it. A notice (``notify``:
+    text for the group's reader that ends nothing) comes out between outputs as
+    ``(-1, text)``; only the relay's own groups get them (``phasewise.server.internal``).
     """
 
     def __init__(self, request_ids: list[str], abort: Callable[[list[str]], None],
@@ -156,11 +167,14 @@ class RequestGroup:
         # holds (the prefill worker sends K/V from there), or None: it prefills here.
         self.remote_hits: list[int | None] = []
         self.routing: str | None = None  # behind a router: the worker it chose, and why
-        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._queue: asyncio.Queue[RequestOutput | BaseException | _Notice] = asyncio.Queue()
         self._open = set(request_ids)
 
     def _put(self, item: RequestOutput | BaseException) -> None:  # on the event loop
         self._queue.put_nowait(item)
+
+    def notify(self, text: str) -> None:  # on the event loop
+        self._queue.put_nowait(_Notice(text))
 
     def __aiter__(self) -> RequestGroup:
         return self
@@ -169,6 +183,8 @@ class RequestGroup:
         if not self._open:
             raise StopAsyncIteration
         item = await self._queue.get()
+        if isinstance(item, _Notice):
+            return -1, item.text  # type: ignore[return-value]
         if isinstance(item, BaseException):
             self.close()
             raise item

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +36,7 @@ from phasewise.engine.scheduler import Scheduler, SchedulerConfig
 from phasewise.engine.spec import DraftPolicy, NgramProposer, SpecStats, Speculator
 from phasewise.engine.step_cost import StepCoster, Unpriced
 from phasewise.engine.structured import GrammarCompiler
+from phasewise.engine.validation import ValidationError, check_token_ids
 from phasewise.model.config import ModelConfig
 from phasewise.model.loader import resolve_dtype
 from phasewise.model.prepare import prepare_model, resolve_device
@@ -158,7 +159,7 @@ class LLMEngine:
     # -- requests --------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, arrival_time: float | None = None, *,
-                    export_kv_from: int | None = None) -> str:
+                    export_kv_from: int | None = None, resume: Sequence[int] = ()) -> str:
         """Queue a request; returns its id. Raises ValueError for input it can never serve.
 
         ``arrival_time`` (on ``self.clock``, ``time.monotonic``) defaults to now; a server
@@ -169,8 +170,17 @@ class LLMEngine:
         ``export_kv_from`` (the prefill role): after every step that computes part of this
         request's prompt, hand the K/V of its blocks from this token index on (a multiple of
         block_size) to ``kv_sink`` as soon as the forward pass has written them; each block
-        once, when it is full or holds the prompt's end."""
+        once, when it is full or holds the prompt's end.
+
+        ``resume``: the tokens another engine generated for this request and streamed before
+        it went away (a router migrates the request here). They become the request's first
+        outputs, computed here as a preempted request's are (one prefill of the prompt and
+        them, its cached prefix taken from the pool); its text, stop strings, grammar,
+        penalties, ``min_tokens``/``max_tokens`` and seeded draws go on from that position,
+        and its outputs carry only what comes after them."""
         req = self.builder.build(prompt, params, request_id, arrival_time)
+        if resume:
+            self._resume(req, resume)
         if export_kv_from is not None:
             self.connector.export(req.request_id, export_kv_from)
         try:
@@ -179,7 +189,31 @@ class LLMEngine:
             self.connector.request_finished(req.request_id)
             raise
         self._register(req)
+        if resume:
+            self.output_processor.resume(req, len(resume))
+            self.sampler.skip_draws(req, self.device, len(resume))
         return req.request_id
+
+    def _resume(self, req: Request, tokens: Sequence[int]) -> None:
+        """Give ``req`` the outputs ``tokens`` (see ``add_request``); ValueError (naming
+        ``resume``) where they could not have been its outputs."""
+        ids = check_token_ids(tokens, self.model_config.vocab_size, "resume")
+        p = req.params
+        if p.max_tokens is not None and len(ids) >= p.max_tokens:
+            raise ValidationError(f"resume has {len(ids)} tokens but max_tokens is "
+                                  f"{p.max_tokens}: the request had finished", "resume")
+        if req.num_prompt_tokens + len(ids) >= self.scheduler.max_len:
+            raise ValidationError(f"the prompt ({req.num_prompt_tokens} tokens) and resume "
+                                  f"({len(ids)}) reach the context length "
+                                  f"{self.scheduler.max_len}: the request had finished",
+                                  "resume")
+        for t in ids:
+            if req.grammar is not None and not req.grammar.accept(t):
+                raise ValidationError(f"resume token {t} is not one the request's structured "
+                                      "output allows there", "resume")
+            req.append_output(t)
+        if req.logprobs is not None:  # streamed already: what is sent from here has its own
+            req.logprobs.extend({} for _ in ids)
 
     @property
     def grammars(self) -> GrammarCompiler:

@@ -70,6 +70,17 @@ class OutputProcessor:
         self._text[req.request_id] = TextState(self.tokenizer.decode_stream(
             req.prompt_token_ids, req.params.skip_special_tokens), req.params)
 
+    def resume(self, req: Request, n: int) -> None:
+        """The request's first ``n`` outputs were streamed by another engine: take their text
+        as already sent, as that engine's ``TextState`` had it after its last output (the
+        same tokens through the same decoder give the same text; the stop-string hold-back
+        keeps the same tail unsent), so the deltas from here on continue its stream."""
+        state = self._text[req.request_id]
+        for token in req.output_token_ids[:n]:
+            state.text += state.stream.step(token)
+        state.sent_tokens = n
+        state.take_delta(False)
+
     def remove(self, request_id: str) -> None:
         self._text.pop(request_id, None)
 

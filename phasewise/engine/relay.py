@@ -8,6 +8,8 @@ both, since it speaks only the engine's own types (``SamplingParams``, ``Request
 A worker answers ``POST /internal/v1/generate`` (validated token ids and sampling parameters,
 already tokenized by the router) with ``application/x-ndjson``: one ``encode_output`` line per
 output, then, if the worker's engine failed or stopped, one ``{"error": ...}`` line. The
+worker that starts to drain (SIGTERM) writes a ``{"notice": "handover"}`` line into each
+stream, so the router can move it (``LLMEngine.add_request``'s ``resume``). The
 router's ``OutputAssembler`` turns the lines back into ``RequestOutput``s with timestamps on
 its own clock (so its TTFT and ITL are what its clients see) and keeps the worker's own split
 of the request's time as ``RequestMetrics.worker_timing``.
@@ -95,6 +97,12 @@ def encode_output(index: int, out: RequestOutput, timing: dict[str, Any] | None,
     return json.dumps(line, ensure_ascii=False).encode() + b"\n"
 
 
+def encode_notice(notice: str) -> bytes:
+    """A line that ends nothing: ``handover`` (the worker is draining; a router that can
+    resume the stream on another worker does so, else it reads on)."""
+    return json.dumps({"notice": notice}).encode() + b"\n"
+
+
 def encode_error(kind: str, message: str) -> bytes:
     """The stream's last line when the worker's engine failed (``engine``), the request's
     own grammar failed (``grammar``) or the worker is shutting down (``stopped``)."""
@@ -129,11 +137,15 @@ class OutputAssembler:
         for m in self.metrics:
             m.first_scheduled_time = now
 
-    def feed(self, raw: bytes | str) -> RequestOutput:
-        """One output line -> that request's ``RequestOutput``. Raises ``RelayError``."""
+    def feed(self, raw: bytes | str, index: list[int] | None = None) -> RequestOutput:
+        """One output line -> that request's ``RequestOutput``. Raises ``RelayError``.
+        ``index``: the request each of the relay's specs is (a relay that resumes some of a
+        group's requests elsewhere numbers them from 0); None: the group's own order."""
         try:
             line = json.loads(raw)
             i = line["i"]
+            if index is not None:
+                i = index[i] if isinstance(i, int) and 0 <= i < len(index) else -1
             delta_text, delta_ids, lps = line["text"], line["ids"], line["lp"]
             if not (isinstance(i, int) and 0 <= i < len(self.request_ids)
                     and not self.finished[i] and isinstance(delta_text, str)
@@ -167,10 +179,13 @@ class OutputAssembler:
                 m.worker_timing = timing
                 m.num_cached_tokens = int(timing.get("cached_tokens") or 0)
                 m.num_preemptions = int(timing.get("preemptions") or 0)
+        # Copies, as the engine's outputs are: the reader of this output may take its delta
+        # (the last entries) after later lines have grown the request's lists.
+        lps_so_far = self.logprobs[i]
         return RequestOutput(
             request_id=self.request_ids[i], prompt=self.texts[i],
-            prompt_token_ids=self.prompts[i], text=self.text[i], token_ids=self.ids[i],
+            prompt_token_ids=self.prompts[i], text=self.text[i], token_ids=list(self.ids[i]),
             delta_text=delta_text, delta_token_ids=list(delta_ids), finished=finished,
             finish_reason=fin, stop_reason=line.get("stop"),
-            logprobs=self.logprobs[i],
+            logprobs=None if lps_so_far is None else list(lps_so_far),
             metrics=m, error=line.get("err"), prompt_logprobs=self.prompt_logprobs[i])

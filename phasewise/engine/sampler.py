@@ -6,9 +6,10 @@ mask (``phasewise.engine.structured``), then greedy argmax or
 temperature -> top-k -> top-p -> min-p -> a draw. A request with a seed draws from its own
 ``torch.Generator``, kept here (a ``Request`` holds no tensors): created from
 ``params.seed`` on the request's first draw and dropped by ``release`` when the engine forgets
-the request, so its tokens do not depend on what else is batched, and survive preemption
-(except under speculative decoding: a verify draws once per draft it checks, and how many
-drafts a step leaves it depends on the batch).
+the request, so its tokens do not depend on what else is batched, survive preemption, and
+resume on another engine at a token position (``skip_draws``: one draw a token) (except under
+speculative decoding: a verify draws once per draft it checks, and how many drafts a step
+leaves it depends on the batch).
 Requests without a seed share the engine's generator. Each sampled row takes one uniform
 number and draws by the inverse of its filtered distribution's running sum: on CPU in the
 kernels (``cpu_kernels.sample_list``: each filter a threshold found by radix selection, no
@@ -90,6 +91,22 @@ class Sampler:
         here."""
         if req.params.seed is not None and not req.params.greedy:
             torch.rand(1, device=device, generator=self._generator(req, device))
+
+    def skip_draws(self, req: Request, device: torch.device, n: int) -> None:
+        """Advance a seeded request's generator past ``n`` draws, as if it had sampled its
+        first ``n`` tokens here (a request resumed from another engine, with the tokens it
+        streamed there): its next token is the one that engine would have drawn. One draw a
+        token, as ``_uniforms`` takes. On CPU, ``torch.rand(n)`` advances the generator as
+        ``n`` calls of ``torch.rand(1)`` do (a test holds it to that); elsewhere (CUDA's
+        counter-based generator advances by a stride a call) one call a draw."""
+        if req.params.seed is None or req.params.greedy or n <= 0:
+            return
+        gen = self._generator(req, device)
+        if device.type == "cpu":
+            torch.rand(n, device=device, generator=gen)
+            return
+        for _ in range(n):
+            torch.rand(1, device=device, generator=gen)
 
     def _generator(self, req: Request, device: torch.device) -> torch.Generator:
         seed = req.params.seed

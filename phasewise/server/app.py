@@ -119,11 +119,14 @@ class OpenAIServer:
 
     # -- shutdown --------------------------------------------------------------------------
     def begin_drain(self) -> None:
-        """Refuse new requests; running ones go on (any thread)."""
+        """Refuse new requests; running ones go on, and a router's are offered to it for
+        hand-over to another worker (any thread)."""
         self.draining = True
         self.backend.stop_accepting()
-        if self.dashboard is not None and self.loop is not None:
-            self.loop.call_soon_threadsafe(self.dashboard.close)  # its pages' streams end
+        if self.loop is not None:
+            self.loop.call_soon_threadsafe(self._hand_over)
+            if self.dashboard is not None:
+                self.loop.call_soon_threadsafe(self.dashboard.close)  # its pages' streams end
 
     def end_open_streams(self, grace_s: float) -> None:
         """The grace period is over: every request still open ends now, its stream with an
@@ -278,9 +281,11 @@ class OpenAIServer:
             add_dashboard_routes(app, self.dashboard, routes, api_key=self.config.api_key,
                                  trace_lookup=self.trace_lookup)
 
-        add_internal_routes(app, self.backend, routes, role=self.config.role,
-                            served_model_name=self.config.served_model_name,
-                            is_draining=lambda: self.draining)
+        # (a router's streams from here are offered for hand-over when draining begins)
+        self._hand_over = add_internal_routes(
+            app, self.backend, routes, role=self.config.role,
+            served_model_name=self.config.served_model_name,
+            is_draining=lambda: self.draining)
 
         def openapi() -> dict[str, Any]:
             """FastAPI documents a 422 for every body; this server answers 400 instead."""

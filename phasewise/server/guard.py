@@ -254,7 +254,9 @@ class AccessRecord:
     prompt_tokens: int | None = None
     output_tokens: int | None = None
     ttft_s: float | None = None
-    route: str | None = None  # a router's choice of worker, and why
+    # a router's choice of worker, and why (read when the line is written: a migration
+    # adds to it while the response streams)
+    route: Callable[[], str | None] | None = None
 
 
 def access_record(scope: Scope) -> AccessRecord:
@@ -306,10 +308,11 @@ class AccessLog:
             return "-" if x is None else str(x)
 
         ttft = "-" if rec.ttft_s is None else f"{rec.ttft_s * 1e3:.1f}ms"
+        route = rec.route() if rec.route is not None else None
         self.log.info("%s %s %s %s %d prompt=%s output=%s ttft=%s duration=%.1fms%s",
                       rec.request_id, who, scope.get("method", "-"), path, code,
                       n(rec.prompt_tokens), n(rec.output_tokens), ttft, duration * 1e3,
-                      "" if rec.route is None else f" worker={rec.route}")
+                      "" if route is None else f" worker={route}")
 
 
 class Guard:

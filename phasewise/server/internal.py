@@ -14,7 +14,11 @@ OpenAPI document: it is phasewise's own, not OpenAI's.
   same checks as ``/v1/*`` apply (token ids, context, every parameter); closing the
   connection aborts the group. The parameters are checked as ``SamplingParams`` checks them
   (a flag must be a JSON boolean); a 400 names the parameter (``specs.0.params.ignore_eos``).
-  A failure after the reply began ends it with an ``{"error": ...}`` line.
+  A failure after the reply began ends it with an ``{"error": ...}`` line. A spec's
+  ``resume`` (a router migrating the request here) holds the outputs another worker streamed;
+  this one goes on from them. When this server starts to drain, each open stream gets a
+  ``{"notice": "handover"}`` line (``phasewise.engine.relay``) and runs on until its router
+  moves it or it ends.
 * ``POST /internal/v1/abort``: abort requests by id.
 """
 
@@ -24,7 +28,7 @@ import asyncio
 import dataclasses
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,9 +37,10 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from phasewise.engine.backend import (EngineError, EngineStopped, GrammarFailed, PromptSpec,
-                                      ServingBackend)
-from phasewise.engine.relay import (MEDIA_TYPE, checkpoint_identity, encode_error, encode_output,
-                                    param_defaults, params_from_wire)
+                                      RequestGroup, ServingBackend)
+from phasewise.engine.relay import (MEDIA_TYPE, checkpoint_identity, encode_error,
+                                    encode_notice, encode_output, param_defaults,
+                                    params_from_wire)
 from phasewise.engine.validation import ValidationError
 from phasewise.server.errors import ApiError
 from phasewise.server.guard import access_record
@@ -58,6 +63,7 @@ class RelaySpec(_Checked):
     same_as: int | None = Field(default=None, ge=0)
     params: dict[str, Any]
     prompt: Str | None = None
+    resume: list[int] | None = None
 
 
 class RelayRequest(BaseModel):
@@ -81,8 +87,15 @@ class NDJSONResponse(SSEResponse):
 
 def add_internal_routes(app: FastAPI, backend: ServingBackend, routes: Routes, *,
                         role: str, served_model_name: str,
-                        is_draining: Any) -> None:
+                        is_draining: Any) -> Callable[[], None]:
+    """Add the routes; returns what to call (on the event loop) when draining begins: it
+    tells every open relay stream that it may be handed over."""
     identity = checkpoint_identity(Path(backend.info.model_path))
+    relays: set[RequestGroup] = set()  # the groups whose streams are open now
+
+    def handover() -> None:
+        for group in list(relays):
+            group.notify("handover")
 
     @app.get("/internal/v1/info", include_in_schema=False)
     async def info() -> dict[str, Any]:
@@ -141,7 +154,9 @@ def add_internal_routes(app: FastAPI, backend: ServingBackend, routes: Routes, *
                 raise ApiError(400, f"{param}: {e}", param=param) from e
             routes._budget(len(ids), params.max_tokens, f"{where}.token_ids",
                            f"{where}.params.max_tokens", min_max_tokens=0)
-            specs.append(PromptSpec(ids, params, s.prompt))
+            resume = (tuple(routes._ids(s.resume, f"{where}.resume")) if s.resume
+                      else ())  # the engine checks they could have been its outputs
+            specs.append(PromptSpec(ids, params, s.prompt, resume=resume))
         return specs
 
     @app.post("/internal/v1/generate", include_in_schema=False, response_model=None)
@@ -163,10 +178,16 @@ def add_internal_routes(app: FastAPI, backend: ServingBackend, routes: Routes, *
         group = await routes._submit(specs, body.request_id, arrival)
 
         produced: dict[int, int] = {}
+        relays.add(group)
+        if is_draining():  # began while this one was admitted: it missed the notice
+            group.notify("handover")
 
         async def lines() -> AsyncIterator[bytes]:
             try:
                 async for idx, out in group:
+                    if idx < 0:  # a notice for the router (see handover)
+                        yield encode_notice(str(out))
+                        continue
                     first = idx not in produced
                     produced[idx] = len(out.token_ids)
                     rec.output_tokens = sum(produced.values())
@@ -181,7 +202,14 @@ def add_internal_routes(app: FastAPI, backend: ServingBackend, routes: Routes, *
             except EngineError as e:
                 yield encode_error("engine", str(e))
             finally:
+                relays.discard(group)
                 group.close()
 
-        return NDJSONResponse(lines(), group.close, lambda e: encode_error(
+        def close() -> None:
+            relays.discard(group)
+            group.close()
+
+        return NDJSONResponse(lines(), close, lambda e: encode_error(
             "engine", f"internal error: {type(e).__name__}: {e}"))
+
+    return handover

@@ -440,7 +440,7 @@ class Routes:
         rec.request_id = rid
         rec.prompt_tokens = sum(len(s.token_ids) for s in specs[::max(1, body.n)])
         group = await self._submit(specs, rid, arrival)
-        rec.route = getattr(group, "routing", None)  # behind a router: where it went
+        rec.route = lambda: group.routing  # behind a router: where it went
         prompt_lens = [len(s.token_ids) for s in specs]
         produced: dict[str, int] = {}
 
