@@ -137,6 +137,7 @@ def _serve(a: argparse.Namespace) -> int:
 
     model = _model_arg(a)
     check_port(a.host, a.port)  # before the minutes a large model can take to load
+    _check_slo_args(a)
     limits = _connection_limits(a)
     secret = read_secret(a.kv_secret_file, a.role) if a.role != "both" else None
     server = build_server(
@@ -147,13 +148,32 @@ def _serve(a: argparse.Namespace) -> int:
         max_request_bytes=parse_memory(a.max_request_size), role=a.role,
         kv_bind=a.kv_bind, kv_connect=a.kv_connect, kv_secret=secret,
         disagg_threshold=a.disagg_threshold, prefill_queue_limit=a.prefill_queue_limit,
-        remote_prefill_timeout=a.remote_prefill_timeout, kv_name=a.kv_name)
+        remote_prefill_timeout=a.remote_prefill_timeout, kv_name=a.kv_name,
+        slo_ttft_ms=a.slo_ttft_ms, slo_tpot_ms=a.slo_tpot_ms)
     try:
         run(server, host=a.host, port=a.port, shutdown_grace_s=a.shutdown_grace,
             log_level=a.log_level, access_log=not a.no_access_log, limits=limits)
     except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C once it has drained and shut down
         pass
     return 0
+
+
+def _check_slo_args(a: argparse.Namespace) -> None:
+    from phasewise.engine.slo import check_slo_ms
+
+    for name in ("slo_ttft_ms", "slo_tpot_ms"):
+        if getattr(a, name) is not None:
+            check_slo_ms(getattr(a, name), "--" + name.replace("_", "-"))
+
+
+def _add_slo_args(p: argparse.ArgumentParser) -> None:
+    for name, what in (("ttft", "time to first token"), ("tpot", "time per output token")):
+        p.add_argument(f"--slo-{name}-ms", type=float, default=None, metavar="MS",
+                       help=f"refuse at once (429, Retry-After) a request predicted to miss "
+                       f"this {what}, from the queue and the steps' measured cost; a "
+                       f"request's slo_{name}_ms field or x-slo-{name}-ms header replaces "
+                       "it; requests with no target are never refused for this (default: "
+                       "none; docs/serving.md)")
 
 
 def _add_connection_args(p: argparse.ArgumentParser) -> None:
@@ -196,11 +216,13 @@ def cmd_router(a: argparse.Namespace) -> int:
     _logging(a.log_level)
     model = _model_arg(a)
     check_port(a.host, a.port)
+    _check_slo_args(a)
     limits = _connection_limits(a)
     try:
         server = build_router(model, a.decode, a.prefill or [],
                               served_model_name=a.served_model_name, api_key=a.api_key,
                               wait_s=a.wait, max_waiting_requests=a.max_waiting_requests,
+                              slo_ttft_ms=a.slo_ttft_ms, slo_tpot_ms=a.slo_tpot_ms,
                               max_request_bytes=parse_memory(a.max_request_size),
                               routing={"routing": a.routing, "prefix_weight": a.prefix_weight,
                                        "load_weight": a.load_weight,
@@ -408,6 +430,10 @@ def _add_sim_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-queue-limit", type=int, default=8,
                    help="P/D: prefill on the decode worker while every prefill queue is this "
                    "long")
+    p.add_argument("--slo-admission", action="store_true",
+                   help="every request carries the --goodput TTFT and TPOT targets and an "
+                   "engine refuses one it predicts would miss them, as serve --slo-ttft-ms "
+                   "--slo-tpot-ms does (plan: compare the winner with and without it)")
     add_workload_args(p)
 
 
@@ -483,6 +509,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the model name clients send (default: the folder's name)")
     s.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on /v1 routes")
+    _add_slo_args(s)
     s.add_argument("--max-waiting-requests", type=int, default=256,
                    help="requests allowed to wait for the engine; beyond it new ones get 503")
     s.add_argument("--max-request-size", default="8MiB", help="request body size limit")
@@ -535,6 +562,7 @@ def build_parser() -> argparse.ArgumentParser:
     ro.add_argument("--api-key", default=None,
                     help="required of clients, and sent to the workers")
     ro.add_argument("--max-waiting-requests", type=int, default=256)
+    _add_slo_args(ro)
     ro.add_argument("--max-request-size", default="8MiB")
     ro.add_argument("--shutdown-grace", type=float, default=30.0)
     ro.add_argument("--wait", type=float, default=300.0,

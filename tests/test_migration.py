@@ -143,7 +143,19 @@ def test_a_stream_whose_worker_dies_or_drains_is_resumed_on_the_other(model, tmp
             workers[i] = _worker(model, tmp_path / f"w{i}-again.log", ports[i],
                                  "--shutdown-grace", "60")
             _until_router_sees_all_up(router)
+        # Admission by SLO across workers: each worker, having timed its own steps, predicts
+        # a first token later than 1 ms; the router tries both, then refuses with a 429.
+        for w in workers:
+            for prompt in ("import os\n", "class A:\n"):
+                assert httpx.post(w.url + "/v1/completions", json={
+                    "prompt": prompt, "max_tokens": 8}, timeout=60).status_code == 200
+        r = httpx.post(router.url + "/v1/completions", json={
+            "prompt": PROMPT, "max_tokens": 4, "slo_ttft_ms": 1}, timeout=60)
+        assert r.status_code == 429, r.text
+        assert r.json()["error"]["code"] == "slo_ttft" and int(r.headers["retry-after"]) >= 1
+        assert "every decode worker refused it" in r.json()["error"]["message"]
         m = router.metrics()
+        assert _metric(m, "phasewise:requests_refused_total", reason="slo_ttft") == 1
         for reason in ("worker_lost", "drain", "worker_silent"):
             assert _metric(m, "phasewise:router_migrations_total", reason=reason) == 1
         assert _metric(m, "phasewise:router_migrations_failed_total") == 0

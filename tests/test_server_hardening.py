@@ -133,6 +133,9 @@ def test_hostile_values_never_fail_anyone_elses_stream(server, model_dir):
             if name == "best_of":
                 body["n"] = value
             r = _post(server, path, body)
+            if name.startswith("slo_") and r.status_code == 429:  # a target it cannot meet
+                assert r.json()["error"]["code"] == name[:8], r.text
+                continue
             assert r.status_code in (200, 400), (name, value, r.text)
             if r.status_code == 400:
                 assert r.json()["error"]["param"], (name, value, r.text)

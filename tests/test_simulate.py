@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from phasewise.engine.slo import SLO
 from phasewise.engine.step_cost import Chunk
 from phasewise.perf.calibrate import GridPoint, grid
 from phasewise.perf.costmodel import CostModel, Knot, StepMix, fit, nnls
@@ -106,6 +107,25 @@ def test_replicas_share_the_requests_by_load():
     r = simulate(LinearCost(), ENGINE, Deployment(replicas=3), specs)
     served = [w["steps"]["prefill"] + w["steps"]["mixed"] for w in r["simulated"]["workers"]]
     assert r["completed"] == 6 and all(s > 0 for s in served)
+
+
+def test_slo_admission_refuses_what_the_queue_would_make_late_and_only_with_targets():
+    # Each 10-token prompt takes 2 steps (0.16 + 0.14 s) alone; ten at once queue up.
+    specs = [spec(i, 0.0, 10, 3) for i in range(10)]
+    slo = {"ttft": 700.0, "tpot": 1000.0}
+    free = simulate(LinearCost(), ENGINE, Deployment(), specs, slo)
+    assert free["completed"] == 10  # no admission: all served, the late ones late
+    assert max(free["ttfts"]) > 0.7
+    gated = simulate(LinearCost(), ENGINE, Deployment(admission=SLO(ttft_s=0.7)), specs, slo)
+    adm = gated["simulated"]["admission"]
+    assert 0 < adm["refused"] < 10 and adm["by_reason"] == {"slo_ttft": adm["refused"]}
+    assert adm["admitted"] == 10 - adm["refused"] == gated["completed"]
+    assert adm["admitted_met_slo"] == 1.0  # every admitted one met its TTFT target
+    assert all(t <= 0.7 for t in gated["ttfts"] if t is not None)
+    # the first ones are admitted (nothing ahead of them), later ones refused
+    refused = [e for e in gated["errors"] if e]
+    assert all("refused at admission (slo_ttft)" in e for e in refused)
+    assert gated["request_goodput"] >= free["request_goodput"] * 0.999
 
 
 def test_a_prompt_longer_than_the_context_fails_alone():

@@ -55,7 +55,7 @@ import httpx
 from phasewise.engine.backend import (BackendInfo, EngineError, EngineObserver,
                                       EngineOverloaded, EngineSnapshot, EngineStopped,
                                       EngineUnavailable, FinishedRequest, GrammarFailed,
-                                      PromptSpec, RequestGroup)
+                                      PromptSpec, RequestGroup, SLORefused)
 from phasewise.disagg.prefix_index import (DEFAULT_LOAD_WEIGHT, DEFAULT_MAX_MIGRATIONS,
                                            DEFAULT_POLICY, DEFAULT_PREFIX_WEIGHT,
                                            MAX_MIGRATIONS_LIMIT, POLICIES, Choice, WorkerBlocks,
@@ -445,7 +445,12 @@ class Router:
             ref: dict[str, Any] = ({"token_ids": s.token_ids} if k == i
                                    else {"same_as": k})
             wire_specs.append({**ref, "params": params_to_wire(s.params), "prompt": s.prompt})
-        body = {"request_id": request_id, "specs": wire_specs}
+        body: dict[str, Any] = {"request_id": request_id, "specs": wire_specs}
+        slo = specs[0].slo if specs else None
+        if slo is not None:  # each worker judges it against its own queue
+            for name, value in (("slo_ttft_ms", slo.ttft_s), ("slo_tpot_ms", slo.tpot_s)):
+                if value is not None:
+                    body[name] = value * 1e3
         size = sum(len(s["token_ids"]) for s in wire_specs if "token_ids" in s)
         # A long prompt's JSON is built off the event loop (no request's size may hold up
         # another's stream).
@@ -485,6 +490,7 @@ class Router:
         assert self._client is not None
         tried: list[str] = []
         overloaded = False
+        slo: list[tuple[int, str, str]] = []  # workers that refused it by its SLO
         for w, held in self._candidates(hashes, avoid):
             w.in_flight += 1  # before the wait, so concurrent requests spread out
             try:
@@ -535,6 +541,11 @@ class Router:
                 overloaded = True
                 tried.append(f"{w.url} (overloaded)")
                 continue
+            if resp.status_code == 429 and code in ("slo_ttft", "slo_tpot"):
+                retry = resp.headers.get("retry-after", "1")
+                slo.append((int(retry) if retry.isdigit() else 1, code, message))
+                tried.append(f"{w.url} ({code})")
+                continue
             if resp.status_code == 503:
                 w.draining = True
                 tried.append(f"{w.url} ({message})")
@@ -546,6 +557,11 @@ class Router:
                 raise ValidationError(f"the request is too large for decode worker {w.url} "
                                       f"({message})", "prompt")
             raise EngineError(f"decode worker {w.url} answered {resp.status_code}: {message}")
+        if slo and len(slo) == len(tried):
+            # every worker predicts a miss: the one that would soonest have room speaks
+            retry, code, message = min(slo)
+            raise SLORefused(f"{message} (every decode worker refused it by its target: "
+                             f"{'; '.join(tried)})", code, retry)
         if overloaded:
             raise EngineOverloaded("every decode worker is at its waiting limit: "
                                    + "; ".join(tried))

@@ -36,7 +36,8 @@ from typing import TYPE_CHECKING, Any
 
 from phasewise.engine.backend import (BackendInfo, EngineError, EngineObserver,
                                       EngineOverloaded, EngineSnapshot, EngineStopped,
-                                      FinishedRequest, PromptSpec, RequestGroup, request_error)
+                                      FinishedRequest, PromptSpec, RequestGroup, SLORefused,
+                                      request_error)
 from phasewise.engine.commands import (AbortAll, AbortRequests, AddRequests, Command,
                                        FailRemotePrefill, FinishRemotePrefill, LoadRemoteKV,
                                        Stop, Verdict)
@@ -278,6 +279,9 @@ class AsyncEngine:
         kind, message, param = verdict.error
         if kind == "overloaded":
             fut.set_exception(EngineOverloaded(message))
+        elif kind == "slo":
+            reason, _, retry = (param or "slo:1").partition(":")
+            fut.set_exception(SLORefused(message, reason, int(retry)))
         elif kind == "stopped":
             fut.set_exception(EngineStopped(message))
         else:
@@ -428,6 +432,15 @@ class AsyncEngine:
                 engine.abort_request(rid)
             self._reply(Verdict(cmd.ticket, ("invalid", str(e), getattr(e, "param", None))))
             return
+        slo = cmd.requests[0][1].slo if cmd.requests else None
+        if slo is not None and slo.any:
+            refusal = engine.slo_refusal([engine.requests[rid] for rid in added], slo)
+            if refusal is not None:
+                for rid in added:
+                    engine.abort_request(rid)
+                self._reply(Verdict(cmd.ticket, ("slo", refusal.message,
+                                                 f"{refusal.reason}:{refusal.retry_after_s}")))
+                return
         # Publish the new queue length before the caller learns it was admitted.
         self._snapshot = self._take_snapshot()
         self._reply(Verdict(cmd.ticket, remote_hits=tuple(hits)))

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from phasewise.engine.outputs import RequestOutput, StepStats
 from phasewise.engine.request import RequestMetrics
 from phasewise.engine.sampling_params import SamplingParams
+from phasewise.engine.slo import SLO
 
 if TYPE_CHECKING:
     from phasewise.model.tokenizer import Tokenizer
@@ -27,6 +28,17 @@ class EngineOverloaded(Exception):
 
 class EngineStopped(Exception):
     """The engine is shutting down (or has stopped) and takes no new requests."""
+
+
+class SLORefused(Exception):
+    """The engine predicts the request would miss its SLO target (``phasewise.engine.slo``):
+    refused at admission. ``reason``: ``slo_ttft`` or ``slo_tpot``; retry after
+    ``retry_after_s`` seconds."""
+
+    def __init__(self, message: str, reason: str, retry_after_s: int) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.retry_after_s = retry_after_s
 
 
 class EngineUnavailable(Exception):
@@ -115,7 +127,9 @@ class PromptSpec:
     prompt's K/V from that token on through the engine's ``kv_sink``.
 
     ``resume``: outputs another worker generated and streamed before it went away (a router
-    migrates the request; ``LLMEngine.add_request``); the outputs carry only what follows."""
+    migrates the request; ``LLMEngine.add_request``); the outputs carry only what follows.
+    ``slo``: its targets (``phasewise.engine.slo``): the group is refused (``SLORefused``)
+    if the engine predicts it would miss them (the first spec's speak for the group)."""
 
     token_ids: list[int]
     params: SamplingParams
@@ -123,6 +137,7 @@ class PromptSpec:
     remote: bool = False
     export_kv_from: int | None = None
     resume: tuple[int, ...] = ()
+    slo: SLO | None = None
 
 
 @dataclass(frozen=True)

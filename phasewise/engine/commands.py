@@ -80,7 +80,8 @@ Command = (AddRequests | AbortRequests | AbortAll | Stop | LoadRemoteKV | Finish
 @dataclass(frozen=True)
 class Verdict:
     """The engine's answer to an ``AddRequests``: ``error`` is None when admitted, else
-    (kind, message) with kind one of ``overloaded``, ``stopped``, ``invalid``."""
+    (kind, message, param) with kind one of ``overloaded``, ``stopped``, ``invalid``, ``slo``
+    (refused by its SLO target; param: ``reason:retry_after_s``)."""
 
     ticket: int
     error: tuple[str, str, str | None] | None = None  # (kind, message, param)

@@ -33,8 +33,10 @@ from phasewise.engine.request_builder import RequestBuilder
 from phasewise.engine.sampler import Failure, Sampler, sample_step
 from phasewise.engine.sampling_params import SamplingParams
 from phasewise.engine.scheduler import Scheduler, SchedulerConfig
+from phasewise.engine.slo import (SLO, Refusal, StepClock, group_forecast, judge,
+                                  mean_context)
 from phasewise.engine.spec import DraftPolicy, NgramProposer, SpecStats, Speculator
-from phasewise.engine.step_cost import StepCoster, Unpriced
+from phasewise.engine.step_cost import Chunk, StepCoster, Unpriced
 from phasewise.engine.structured import GrammarCompiler
 from phasewise.engine.validation import ValidationError, check_token_ids
 from phasewise.model.config import ModelConfig
@@ -132,6 +134,8 @@ class LLMEngine:
         # What each step should have cost (phasewise.engine.step_cost), built from the engine
         # as loaded: its dtype, device and CPU kernels decide the arithmetic a step runs in.
         self.cost_model: StepCoster = cost_model(self) if cost_model is not None else Unpriced()
+        # What a step costs now, from the last steps' periods (admission by SLO)
+        self.step_clock = StepClock()
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -219,6 +223,20 @@ class LLMEngine:
     def grammars(self) -> GrammarCompiler:
         """Structured output's compiler for this model's tokenizer and logits width."""
         return self.builder.grammars
+
+    # -- admission by SLO (phasewise.engine.slo) ----------------------------------------------
+    def slo_refusal(self, group: list[Request], slo: SLO) -> Refusal | None:
+        """Whether ``group`` (just added, waiting together) would miss ``slo`` at the load
+        ahead of it: the refusal, or None (also where the clock cannot say yet). A request
+        whose prompt a prefill worker computes adds no prompt work here."""
+        context = mean_context(self.scheduler, group)
+
+        def predicted(prefill: int, rows: int) -> float | None:
+            chunks = [Chunk(prefill, 0)] if prefill else []
+            return self.cost_model.predict(chunks, [context] * rows).seconds
+
+        return judge(slo, group_forecast(self.scheduler, self.kv, group,
+                                         lambda p, d: self.step_clock.cost(p, d, predicted)))
 
     def _register(self, req: Request) -> None:
         self.requests[req.request_id] = req
@@ -340,9 +358,11 @@ class LLMEngine:
                 and not batch.num_prefill_tokens):
             self.speculator.observe(bool(verified), len(batch.requests),
                                     sum(kept for _, kept in got), duration)
-        self.step_stats.append(StepStats.of(
+        stats = StepStats.of(
             self._step_index, start, duration, batch, riders, cost, self.scheduler,
-            self.kv.usage, proposed, accepted, decode_s, forward_s))
+            self.kv.usage, proposed, accepted, decode_s, forward_s)
+        self.step_stats.append(stats)
+        self.step_clock.observe(stats)
         return outputs
 
     def _forward_s(self, ran: RunnerOutput, read: float) -> float | None:

@@ -122,7 +122,7 @@ def build_server(engine_config: EngineConfig, *, served_model_name: str | None =
     feed.info = dashboard_info(engine.engine)
     backend: Any = engine
     if role != "both":
-        from phasewise.disagg.worker import DecodeSide, PrefillSide
+        from phasewise.disagg.worker import DecodeSide
 
         assert kv_secret is not None
         if role == "decode":

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from phasewise.engine.slo import SLO
 from phasewise.perf.costmodel import CostModel
 from phasewise.perf.models import ModelShape, lookup_model
 from phasewise.perf.roofline import DTYPE_BYTES, norm_dtype
@@ -175,7 +176,18 @@ def deployment(a: argparse.Namespace) -> Deployment:
     link = lookup_link(a.link) if a.link else None
     return Deployment(a.mode, replicas=a.replicas, prefill=a.prefill, decode=a.decode,
                       threshold=a.disagg_threshold, prefill_queue_limit=a.prefill_queue_limit,
-                      link=link)
+                      link=link, admission=admission_of(a))
+
+
+def admission_of(a: argparse.Namespace) -> SLO | None:
+    """``--slo-admission``: the --goodput targets as every request's SLO, or None."""
+    if not getattr(a, "slo_admission", False):
+        return None
+    slo = parse_slo(a.goodput)
+    if not {"ttft", "tpot"} & set(slo):
+        raise ValueError("--slo-admission admits by the --goodput targets: give --goodput "
+                         "ttft:MS and/or tpot:MS")
+    return SLO.from_ms(slo.get("ttft"), slo.get("tpot"))
 
 
 def workload_maker(a: argparse.Namespace, model: str):
@@ -247,6 +259,13 @@ def run_simulate(a: argparse.Namespace, model: str,
               f"requests in {wall:.2f} s) ====")
         print(text_table(out))
         sim = out["simulated"]
+        adm = sim.get("admission")
+        if adm is not None:
+            why = ", ".join(f"{n} {r}" for r, n in sorted(adm["by_reason"].items())) or "none"
+            met = adm["admitted_met_slo"]
+            print(f"SLO admission: {adm['refused']} refused ({why}), {adm['admitted']} "
+                  f"admitted" + ("" if met is None else
+                                 f", of which {met:.1%} met both SLOs"))
         for w in sim["workers"]:
             print(f"{w['name']:<14} {w['role']:<8} busy {w['utilization']:6.1%}  steps "
                   f"{w['steps']}  preemptions {w['preemptions']}")
@@ -330,6 +349,17 @@ def run_plan(a: argparse.Namespace, model: str,
               f"(TTFT p90 {sized.result['p90_ttft_ms']:.0f} ms, TPOT p90 "
               f"{sized.result['p90_tpot_ms']:.1f} ms)"
               + ("; that is still short of 90%: more units, or a looser SLO" if short else ""))
+    admission = admission_of(a)
+    if admission is not None:
+        from phasewise.perf.plan import admission_table, compare_admission
+
+        _say(f"comparing {best.label()} with and without SLO admission")
+        rows = compare_admission(best, wl, cm, slo, admission)
+        print("\none unit of the winner past its goodput, without and with admission by SLO "
+              "(serve --slo-ttft-ms/--slo-tpot-ms at the --goodput targets); goodput: "
+              "requests a second that met both SLOs; met: their share of all requests; "
+              "admitted met: of those admitted:")
+        print(admission_table(rows))
     if a.k8s_out:
         paths = write_manifests(a, model, best, dep, cm)
         print(f"Kubernetes manifests written to {', '.join(map(str, paths))}")

@@ -98,6 +98,8 @@ ENGINE_FLAGS: dict[str, Any] = {
     "--speculative": ("ngram",),
     "--num-speculative-tokens": int,
     "--max-waiting-requests": int,
+    "--slo-ttft-ms": float,
+    "--slo-tpot-ms": float,
     "--max-request-size": str,
     "--log-interval": float,
     "--log-level": LOG_LEVELS,

@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from phasewise.engine.slo import SLO
 from phasewise.perf.costmodel import CostModel
 from phasewise.perf.simulate import Deployment, EngineSpec, simulate
 from phasewise.perf.workload import RequestSpec
@@ -234,6 +235,44 @@ def size(best: Candidate, wl: Workload, cost: CostModel, slo: dict[str, float]) 
         if res["_attainment"] >= ATTAINMENT:
             break
     return Sized(best, units, dep, res)  # units, dep and res always agree
+
+
+ADMISSION_LOADS = (1.0, 1.5, 2.0, 3.0)  # x the winner's goodput
+
+
+def compare_admission(best: Candidate, wl: Workload, cost: CostModel, slo: dict[str, float],
+                      admission: SLO, loads: Sequence[float] = ADMISSION_LOADS
+                      ) -> list[dict[str, Any]]:
+    """One unit of the winner at ``loads`` x its goodput, served without and with admission
+    by SLO (``Deployment.admission``), the same requests each time: per rate, each run's
+    good requests a second (``request_goodput``), the share of all requests that met both
+    SLOs, the requests refused, and the share of the admitted ones that met them."""
+    rows = []
+    for load in loads:
+        rate = best.goodput * load
+        specs = wl.make(rate)
+        row: dict[str, Any] = {"load": load, "rate": rate}
+        for name, dep in (("without", replace(best.deployment, admission=None)),
+                          ("with", replace(best.deployment, admission=admission))):
+            res = simulate(cost, best.engine, dep, specs, slo)
+            adm = res["simulated"].get("admission") or {}
+            met = attainment(res, slo)
+            row[name] = {"goodput": res.get("request_goodput") or 0.0, "attainment": met,
+                         "refused": adm.get("refused", 0),
+                         "admitted_met": adm.get("admitted_met_slo", met)}
+        rows.append(row)
+    return rows
+
+
+def admission_table(rows: Sequence[dict[str, Any]]) -> str:
+    lines = [f"{'load':>5} {'req/s':>8}  {'goodput w/o':>11} {'met w/o':>8}  "
+             f"{'goodput with':>12} {'met with':>8} {'refused':>8} {'admitted met':>12}"]
+    for r in rows:
+        a, b = r["without"], r["with"]
+        lines.append(f"{r['load']:>4.1f}x {r['rate']:>8.3g}  {a['goodput']:>11.3g} "
+                     f"{a['attainment']:>8.0%}  {b['goodput']:>12.3g} {b['attainment']:>8.0%} "
+                     f"{b['refused']:>8} {b['admitted_met'] or 0:>12.0%}")
+    return "\n".join(lines)
 
 
 def table(cands: Sequence[Candidate]) -> str:

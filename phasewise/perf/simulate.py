@@ -52,9 +52,11 @@ from phasewise.cache.manager import KVCacheManager
 from phasewise.engine.request import Request, RequestStatus
 from phasewise.engine.sampling_params import SamplingParams
 from phasewise.engine.scheduler import Scheduler, SchedulerConfig
+from phasewise.engine.slo import SLO, group_forecast, judge, mean_context
+from phasewise.engine.step_cost import Chunk
 from phasewise.perf.costmodel import CostModel
 from phasewise.perf.hardware import Link
-from phasewise.perf.summary import RequestResult, summarize
+from phasewise.perf.summary import RequestResult, meets_slo, summarize
 from phasewise.perf.workload import RequestSpec
 
 MODES = ("colocated", "pd")
@@ -103,6 +105,10 @@ class Deployment:
     # phasewise's own workers (bench_disagg.py), a few ms for RDMA transfer engines.
     handoff_s: float = 0.005
     prefill_engine: EngineSpec | None = None  # pd: the prefill workers' limits (default: same)
+    # Admission by SLO (phasewise.engine.slo): every request carries these targets, and an
+    # engine refuses one it predicts would miss them, as a server with --slo-ttft-ms and
+    # --slo-tpot-ms does; the router tries each front engine in turn. None: no admission.
+    admission: SLO | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -124,9 +130,17 @@ class Deployment:
 
     def describe(self) -> str:
         if self.mode == "colocated":
-            return f"co-located x{self.replicas}"
+            return f"co-located x{self.replicas}" + self._admits()
         return (f"P/D {self.prefill}P:{self.decode}D, threshold {self.threshold}"
-                + (f", {self.link.key}" if self.link else ""))
+                + (f", {self.link.key}" if self.link else "") + self._admits())
+
+    def _admits(self) -> str:
+        a = self.admission
+        if a is None:
+            return ""
+        parts = [f"{k} {v * 1e3:g} ms" for k, v in (("TTFT", a.ttft_s), ("TPOT", a.tpot_s))
+                 if v is not None]
+        return f", SLO admission ({', '.join(parts)})"
 
 
 class _Clock:
@@ -209,6 +223,7 @@ class Simulation:
         # ... and its wake-up cost where that engine has sat idle (by how long)
         self.wake: Callable[[float], float] | None = getattr(cost, "wake", None)
         self.remote_prefills = 0
+        self.refused: dict[str, str] = {}  # request id -> why admission refused it
         self.local_prefills: dict[str, int] = {}
         self.transfer_s: list[float] = []
         self._remote_of: dict[str, Request] = {}  # the prefill workers' side of a request
@@ -264,6 +279,10 @@ class Simulation:
         engine = self._pick(self.front)
         req = self._new_request(spec, f"r{spec.index}", spec.output_len)
         self.requests.append((spec, req))
+        if self.dep.admission is not None:
+            engine = self._admit(engine, req)
+            if engine is None:
+                return
         if engine.role == "decode" and self._try_remote(engine, req):
             return
         try:
@@ -272,6 +291,45 @@ class Simulation:
             req.status = RequestStatus.FINISHED_ABORTED
             return
         self._wake(engine)
+
+    def _admit(self, first: _Engine, req: Request) -> _Engine | None:
+        """The engine that takes ``req`` under SLO admission: ``first`` (the router's pick)
+        unless it predicts a miss, then the others by load; None (refused) where all do.
+        Each judges as the real one does (``group_forecast``, the request queued behind
+        what it holds; a decode worker counts a prompt it would send to a prefill worker as
+        no work of its own), pricing steps with the simulation's cost model."""
+        slo = self.dep.admission
+        assert slo is not None
+        others = sorted((e for e in self.front if e is not first), key=lambda e: e.load)
+        refusal = None
+        for e in (first, *others):
+            s = e.scheduler
+            remote = (e.role == "decode"
+                      and req.num_prompt_tokens >= max(1, self.dep.threshold))
+            queue = s.remote if remote else None
+            if queue is not None:
+                queue[req.request_id] = req
+            else:
+                s.waiting.append(req)
+            ctx = mean_context(s, [req])
+
+            def cost(p: int, d: int) -> float:
+                return self.cost.step_time([Chunk(p, 0)] if p else [], [ctx] * d)
+
+            try:
+                refusal = judge(slo, group_forecast(s, s.kv, [req], cost))
+            finally:
+                if queue is not None:
+                    del queue[req.request_id]
+                else:
+                    s.waiting.remove(req)
+            if refusal is None:
+                return e
+            s.kv.free(req)  # (the lookup's memo of its hashes)
+        assert refusal is not None
+        req.status = RequestStatus.FINISHED_ABORTED
+        self.refused[req.request_id] = refusal.reason
+        return None
 
     def _try_remote(self, dec: _Engine, req: Request) -> bool:
         d = self.dep
@@ -405,7 +463,10 @@ class Simulation:
                 r.latency = (m.finished_time or m.token_times[-1]) - m.arrival_time
                 r.success = req.finished
                 end = max(end, m.finished_time or 0.0)
-            if not r.success:
+            why = self.refused.get(req.request_id)
+            if why is not None:
+                r.error = f"refused at admission ({why})"
+            elif not r.success:
                 r.error = "the request could not be served (longer than the context or pool)"
             # Queue: arrival to the first step that computed part of its prompt, wherever.
             remote = self._remote_of.get(req.request_id)
@@ -437,6 +498,18 @@ class Simulation:
             "mean_transfer_wait_ms": (1e3 * sum(self.transfer_s) / len(self.transfer_s)
                                       if self.transfer_s else None),
         }
+        if self.dep.admission is not None:
+            admitted = [r for r in results if r.error is None or
+                        not r.error.startswith("refused at admission")]
+            met = sum(meets_slo(r, slo) for r in admitted) if slo else None
+            reasons: dict[str, int] = {}
+            for why in self.refused.values():
+                reasons[why] = reasons.get(why, 0) + 1
+            out["simulated"]["admission"] = {
+                "refused": len(self.refused), "by_reason": reasons,
+                "admitted": len(admitted),
+                "admitted_met_slo": (met / len(admitted) if admitted and met is not None
+                                     else None)}
         return out
 
 

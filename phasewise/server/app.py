@@ -34,6 +34,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import phasewise
 from phasewise.engine.backend import ServingBackend
+from phasewise.engine.slo import SLO, check_slo_ms
 from phasewise.server.bodies import component_schemas, request_body
 from phasewise.server.dashboard import add_dashboard_routes
 from phasewise.server.dashboard.hub import Hub
@@ -41,7 +42,7 @@ from phasewise.server.errors import ApiError, error_response, validation_error
 from phasewise.server.guard import AccessLog, Guard
 from phasewise.server.limits import ClientContext
 from phasewise.server.internal import add_internal_routes
-from phasewise.server.metrics import PrometheusMetrics
+from phasewise.server.metrics import PrometheusMetrics, RefusalCollector
 from phasewise.server.protocol import ErrorBody
 from phasewise.server import responses as responses_api
 from phasewise.server.routes import Routes
@@ -62,6 +63,9 @@ class ServerConfig:
     retry_after_s: int = 1
     access_log: bool = True
     role: str = "both"  # what /internal/v1/info tells a router
+    # Admission by SLO (phasewise.engine.slo): targets for requests that give none
+    slo_ttft_ms: float | None = None
+    slo_tpot_ms: float | None = None
 
     def __post_init__(self) -> None:
         if not self.served_model_name:
@@ -71,6 +75,9 @@ class ServerConfig:
                              f"{self.max_waiting_requests}")
         if self.max_request_bytes < 1024:
             raise ValueError(f"max_request_bytes must be >= 1024, got {self.max_request_bytes}")
+        for name in ("slo_ttft_ms", "slo_tpot_ms"):
+            if getattr(self, name) is not None:
+                check_slo_ms(getattr(self, name), "--" + name.replace("_", "-"))
 
 
 _ERROR = {"model": ErrorBody}
@@ -86,6 +93,8 @@ _POST_ERRORS: dict[int | str, dict[str, Any]] = {
     404: {**_ERROR, "description": "unknown model"},
     413: {**_ERROR, "description": "request body too large"},
     500: {**_ERROR, "description": "engine failure"},
+    429: {**_ERROR, "description": "refused at admission: the server predicts the request "
+          "would miss its SLO target (Retry-After)"},
     503: {**_ERROR, "description": "overloaded (Retry-After) or shutting down"},
 }
 
@@ -105,7 +114,11 @@ class OpenAIServer:
         self.created = int(time.time())
         self.loop: asyncio.AbstractEventLoop | None = None
         self.routes = Routes(backend, config.served_model_name,
-                             retry_after_s=config.retry_after_s)
+                             retry_after_s=config.retry_after_s,
+                             default_slo=SLO.from_ms(config.slo_ttft_ms, config.slo_tpot_ms))
+        if metrics is not None:
+            metrics.registry.register(RefusalCollector(self.routes.refused,
+                                                       config.served_model_name))
         self.fastapi = self._build()
         guarded = Guard(self.fastapi, api_key=config.api_key,
                         max_request_bytes=config.max_request_bytes,

@@ -41,11 +41,12 @@ from phasewise.engine.backend import (EngineError, EngineStopped, GrammarFailed,
 from phasewise.engine.relay import (MEDIA_TYPE, checkpoint_identity, encode_error,
                                     encode_notice, encode_output, param_defaults,
                                     params_from_wire)
+from phasewise.engine.slo import SLO, SLO_MS_MAX, SLO_MS_MIN
 from phasewise.engine.validation import ValidationError
 from phasewise.server.errors import ApiError
 from phasewise.server.guard import access_record
 from phasewise.server.openai_format import timing
-from phasewise.server.protocol import Str, _Checked
+from phasewise.server.protocol import Float, Str, _Checked
 from phasewise.server.routes import Routes
 from phasewise.server.sse import SSEResponse
 
@@ -71,6 +72,10 @@ class RelayRequest(BaseModel):
 
     request_id: str = Field(min_length=1, max_length=200, pattern=_ID_PATTERN)
     specs: list[RelaySpec] = Field(min_length=1)
+    # the client's SLO targets, as the router admitted them (this worker's own apply where
+    # none is given); a refusal is a 429 the router takes to the next worker
+    slo_ttft_ms: Float | None = Field(None, ge=SLO_MS_MIN, le=SLO_MS_MAX)
+    slo_tpot_ms: Float | None = Field(None, ge=SLO_MS_MIN, le=SLO_MS_MAX)
 
 
 class AbortRelay(BaseModel):
@@ -175,7 +180,9 @@ def add_internal_routes(app: FastAPI, backend: ServingBackend, routes: Routes, *
         rec = access_record(request.scope)
         rec.request_id = body.request_id
         rec.prompt_tokens = sum(len(s.token_ids) for s in specs)
-        group = await routes._submit(specs, body.request_id, arrival)
+        slo = SLO.from_ms(body.slo_ttft_ms, body.slo_tpot_ms).over(routes.default_slo)
+        group = await routes._submit(specs, body.request_id, arrival,
+                                     slo if slo.any else None)
 
         produced: dict[int, int] = {}
         relays.add(group)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -43,6 +44,26 @@ def step_kind(step: StepStats) -> str:
     if step.num_prefill_tokens and step.num_decode_tokens:
         return "mixed"
     return "prefill" if step.num_prefill_tokens else "decode"
+
+
+class RefusalCollector:
+    """``phasewise:requests_refused_total{reason}``: requests refused at admission because
+    the server predicted they would miss their SLO target (read at scrape time)."""
+
+    def __init__(self, refused: dict[str, int], model_name: str) -> None:
+        self.refused = refused
+        self.model_name = model_name
+
+    def collect(self) -> Any:
+        from prometheus_client.core import CounterMetricFamily
+
+        fam = CounterMetricFamily(PREFIX + "requests_refused", "Requests refused at admission "
+                                  "by their SLO target: slo_ttft (predicted time to first "
+                                  "token over it), slo_tpot (predicted time per output token "
+                                  "over it).", labels=["model_name", "reason"])
+        for reason, n in list(self.refused.items()):
+            fam.add_metric([self.model_name, reason], n)
+        yield fam
 
 
 class PrometheusMetrics:

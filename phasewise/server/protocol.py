@@ -26,6 +26,7 @@ from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fi
 from phasewise.engine.sampling_params import (MAX_INT32, MAX_LOGPROBS, MAX_SEED,
                                               MAX_STOP_STRINGS, MIN_REPETITION_PENALTY,
                                               MIN_SEED)
+from phasewise.engine.slo import SLO_MS_MAX, SLO_MS_MIN
 from phasewise.engine.structured import TooDeep, spec_json
 from phasewise.server.errors import ApiError, field_error, nested_field_error
 
@@ -265,6 +266,10 @@ class _Sampling(_Body):
     stream: Bool = False
     stream_options: StreamOptions | None = None
     user: Str | None = None
+    # Admission by SLO (phasewise.engine.slo): refused at once (429) if the server predicts
+    # it would miss them; also as the x-slo-ttft-ms / x-slo-tpot-ms headers.
+    slo_ttft_ms: Float | None = Field(None, ge=SLO_MS_MIN, le=SLO_MS_MAX)
+    slo_tpot_ms: Float | None = Field(None, ge=SLO_MS_MIN, le=SLO_MS_MAX)
     logit_bias: refused({"type": "object", "maxProperties": 0,
                          "description": "not supported: omit it or send {}"},
                         dict[str, Float]) | None = None

@@ -282,7 +282,7 @@ async def create(routes: Any, body: ResponsesRequest, request: Request) -> Respo
     rec = access_record(request.scope)
     rec.request_id = builder.id
     rec.prompt_tokens = len(ids)
-    group = await routes._submit(specs, builder.id, arrival)
+    group = await routes._submit(specs, builder.id, arrival, routes.slo(request))
 
     def on_token(out: RequestOutput) -> None:
         rec.output_tokens = len(out.token_ids)

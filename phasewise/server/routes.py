@@ -5,7 +5,9 @@ chat (a stream, or one JSON body once every choice has finished)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
+import math
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -18,8 +20,10 @@ from fastapi.responses import Response
 
 from phasewise.engine.backend import (EngineError, EngineOverloaded, EngineStopped,
                                       EngineUnavailable, PromptSpec, RequestGroup,
+                                      SLORefused,
                                       ServingBackend)
 from phasewise.engine.outputs import RequestOutput
+from phasewise.engine.slo import SLO, SLO_MS_MAX, SLO_MS_MIN, check_slo_ms
 from phasewise.engine.sampling_params import SamplingParams, wrap_seed
 from phasewise.engine.structured import spec_json
 from phasewise.server import tools as tools_mod
@@ -96,9 +100,14 @@ class Routes:
     """Handlers for one backend. ``served_model_name`` is the name clients must send."""
 
     def __init__(self, backend: ServingBackend, served_model_name: str, *,
-                 retry_after_s: int = 1, tokenizer_threads: int = 2) -> None:
+                 retry_after_s: int = 1, tokenizer_threads: int = 2,
+                 default_slo: SLO | None = None) -> None:
         self.backend = backend
         self.retry_after_s = retry_after_s
+        # Admission by SLO: the server's targets (--slo-ttft-ms/--slo-tpot-ms), which a
+        # request's own replace; and the requests refused for them, by reason.
+        self.default_slo = default_slo if default_slo is not None and default_slo.any else None
+        self.refused: dict[str, int] = {"slo_ttft": 0, "slo_tpot": 0}
         self.tokenizer = backend.tokenizer
         self.served_model_name = served_model_name
         info = backend.info
@@ -234,9 +243,41 @@ class Routes:
                 specs.append(PromptSpec(ids, self._params(o), text))
         return specs
 
-    async def _submit(self, specs: list[PromptSpec], rid: str, arrival: float) -> RequestGroup:
+    def slo(self, request: Request, body: Any = None) -> SLO | None:
+        """The request's SLO targets: its ``slo_ttft_ms``/``slo_tpot_ms`` fields or its
+        ``x-slo-ttft-ms``/``x-slo-tpot-ms`` headers (not both), each over the server's."""
+        got: dict[str, float | None] = {}
+        for name in ("ttft", "tpot"):
+            field, header = f"slo_{name}_ms", f"x-slo-{name}-ms"
+            value = getattr(body, field, None)
+            raw = request.headers.get(header)
+            if raw is not None:
+                if value is not None:
+                    raise ApiError(400, f"{field} was given both as a field and as the "
+                                   f"{header} header; send one of them", param=field,
+                                   code=COMBINATION)
+                try:
+                    value = check_slo_ms(float(raw[:64]) if len(raw) <= 64 else math.nan,
+                                         f"the {header} header")
+                except ValueError as e:
+                    msg = str(e) if "must be" in str(e) else (
+                        f"the {header} header must be a number of milliseconds in "
+                        f"[{SLO_MS_MIN:g}, {SLO_MS_MAX:g}]")
+                    raise ApiError(400, msg, param=header) from None
+            got[name] = value
+        mine = SLO.from_ms(got["ttft"], got["tpot"]).over(self.default_slo)
+        return mine if mine.any else None
+
+    async def _submit(self, specs: list[PromptSpec], rid: str, arrival: float,
+                      slo: SLO | None = None) -> RequestGroup:
+        if slo is not None:
+            specs = [dataclasses.replace(s, slo=slo) for s in specs]
         try:
             return await self.backend.add(specs, rid, arrival_time=arrival)
+        except SLORefused as e:
+            self.refused[e.reason] = self.refused.get(e.reason, 0) + 1
+            raise ApiError(429, str(e), type="rate_limit_error", code=e.reason,
+                           headers={"Retry-After": str(e.retry_after_s)}) from e
         except EngineOverloaded as e:
             raise ApiError(503, f"the server is overloaded: {e}", type="server_error",
                            code="overloaded", headers={"Retry-After": str(self.retry_after_s)}) from e
@@ -439,7 +480,7 @@ class Routes:
         rec = access_record(request.scope)
         rec.request_id = rid
         rec.prompt_tokens = sum(len(s.token_ids) for s in specs[::max(1, body.n)])
-        group = await self._submit(specs, rid, arrival)
+        group = await self._submit(specs, rid, arrival, self.slo(request, body))
         rec.route = lambda: group.routing  # behind a router: where it went
         prompt_lens = [len(s.token_ids) for s in specs]
         produced: dict[str, int] = {}
