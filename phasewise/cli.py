@@ -227,7 +227,9 @@ def cmd_router(a: argparse.Namespace) -> int:
                               routing={"routing": a.routing, "prefix_weight": a.prefix_weight,
                                        "load_weight": a.load_weight,
                                        "max_migrations": a.max_migrations,
-                                       "stream_deadline": a.stream_deadline})
+                                       "stream_deadline": a.stream_deadline,
+                                       "discover": a.discover,
+                                       "discover_interval": a.discover_interval})
         run(server, host=a.host, port=a.port, shutdown_grace_s=a.shutdown_grace,
             log_level=a.log_level, access_log=not a.no_access_log, limits=limits)
     except KeyboardInterrupt:
@@ -585,6 +587,12 @@ def build_parser() -> argparse.ArgumentParser:
                     "its worker dies, stops or drains mid-stream (each move recomputes the "
                     f"prompt and the tokens so far there); 0: never, the response ends with "
                     f"an error (0-{MAX_MIGRATIONS_LIMIT}, default {DEFAULT_MAX_MIGRATIONS})")
+    ro.add_argument("--discover", action="store_true",
+                    help="each --decode URL names a DNS name whose addresses are the decode "
+                    "workers (a Kubernetes headless Service): resolved again every "
+                    "--discover-interval seconds, workers join and leave as pods do")
+    ro.add_argument("--discover-interval", type=float, default=5.0,
+                    help="--discover: seconds between DNS lookups (default 5)")
     ro.add_argument("--stream-deadline", type=float, default=15.0,
                     help="seconds a decode worker may answer no poll before its streams are "
                     "moved to another worker (or ended, where none can take them); a worker "
@@ -702,6 +710,13 @@ def build_parser() -> argparse.ArgumentParser:
     si.add_argument("--decode", type=int, default=1, help="P/D: decode workers")
     si.add_argument("--disagg-threshold", type=int, default=0,
                     help="P/D: prompts with fewer uncached tokens prefill on the decode worker")
+    si.add_argument("--routing", default="least-load",
+                    choices=["least-load", "round-robin", "prefix"],
+                    help="how the router picks an engine (prefix weighs cached prompt blocks "
+                    "against load: simulated prompts share none, so it picks as least-load)")
+    si.add_argument("--fail-at", type=float, default=None, metavar="SECONDS",
+                    help="co-located: replica 0 dies at this time; its requests move to the "
+                    "others with their outputs so far, as phasewise router's migration does")
 
     pl = command("plan", "search co-located and P/D deployments for the most goodput per "
                  "accelerator under TTFT and TPOT SLOs; emit Kubernetes manifests", cmd_plan)

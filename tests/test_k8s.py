@@ -243,6 +243,14 @@ def test_pd_commands_wire_every_decode_worker(spec, tmp_path):
         assert a.kv_bind == f"tcp://0.0.0.0:{port_of(container(dep), 'kv')}"
         assert a.kv_secret_file is not None and a.kv_connect is None
 
+    # one decode worker evicted at a time (its streams move to the others): the budget
+    # selects every decode worker's pods
+    pdb = named(docs, "PodDisruptionBudget", f"{spec.name}-decode")
+    assert pdb["spec"]["maxUnavailable"] == 1
+    for d in (x for x in by_kind(docs, "Deployment")
+              if x["metadata"]["name"].startswith(f"{spec.name}-decode-")):
+        labels = d["spec"]["template"]["metadata"]["labels"]
+        assert pdb["spec"]["selector"]["matchLabels"].items() <= labels.items()
     router = named(docs, "Deployment", f"{spec.name}-router")
     cmd = container(router)["command"]
     assert cmd[:2] == ["phasewise", "router"]
@@ -287,8 +295,17 @@ def test_colocated_router_fronts_the_both_service(tmp_path):
     router = cli.parse_args(container(named(docs, "Deployment", "phasewise-router"))
                             ["command"][1:])
     assert router.decode == ["http://phasewise-both:8000"] and router.prefill == []
-    note = named(docs, "Service", "phasewise-both")["metadata"]["annotations"]
-    assert "kube-proxy" in note["phasewise/note"]
+    # the router sees every pod: the Service is headless and the router looks its name up
+    assert router.discover and named(docs, "Service", "phasewise-both")["spec"][
+        "clusterIP"] == "None"
+    # a rolling update surges a pod before one drains; a node drain evicts one at a time
+    assert both["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}
+    pdb = named(docs, "PodDisruptionBudget", "phasewise-both")
+    assert pdb["spec"]["maxUnavailable"] == 1
+    labels = both["spec"]["template"]["metadata"]["labels"]
+    assert pdb["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    # readiness is /health, which turns 503 as the pod drains (it leaves the Service)
+    assert container(both)["readinessProbe"]["httpGet"]["path"] == "/health"
 
 
 def test_engine_args_change_rolls_the_pods():

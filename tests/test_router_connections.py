@@ -168,3 +168,57 @@ def test_the_router_answers_408_to_a_connection_that_sends_no_request(servers):
     assert got.startswith(b"HTTP/1.1 408 "), got
     with httpx.Client(base_url=router.url, timeout=60) as c:
         assert c.get("/health").status_code == 200
+
+
+def test_discover_follows_the_names_addresses_as_workers_come_and_go(servers):
+    """``--discover``: the router's decode workers are what its name resolves to, looked up
+    again and again: an address that appears joins once it serves this checkpoint, one that
+    does not answer (or serves another) does not, one that disappears takes no new request
+    and is forgotten, and a failed lookup changes nothing. (The lookups are stubbed: the
+    real worker is the only address.)"""
+    import asyncio
+
+    from phasewise.disagg.router import Router
+
+    worker, _ = servers
+    dead = f"http://127.0.0.1:{_closed_port()}"
+    router = Router(["http://workers.example:1234"], model_dir=worker_model(worker),
+                    discover=True, wait_s=30)
+    answers = iter([{worker.url, dead}, None, {dead}, {worker.url}])
+    router._resolve_now = lambda: [worker.url, dead]  # at start: one answers, one does not
+
+    async def resolve():
+        return next(answers)
+
+    router._resolve = resolve
+    router.connect()
+    assert [w.url for w in router.decode] == [worker.url]
+
+    async def run():
+        router.start(asyncio.get_running_loop())
+        try:
+            await router._rediscover()  # the dead address still does not join
+            assert [w.url for w in router.decode] == [worker.url]
+            await router._rediscover()  # the lookup failed: nothing changes
+            assert [w.url for w in router.decode] == [worker.url]
+            await router._rediscover()  # the worker left the name: forgotten (idle)
+            assert router.decode == [] and router._candidates() == []
+            await router._rediscover()  # and it comes back
+            assert [w.url for w in router.decode] == [worker.url]
+            assert [w.url for w, _ in router._candidates()] == [worker.url]
+        finally:
+            await asyncio.to_thread(router.shutdown)
+
+    asyncio.run(run())
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def worker_model(worker):
+    """The checkpoint folder the worker serves (its command line's --model)."""
+    args = worker.proc.args
+    return args[args.index("--model") + 1]

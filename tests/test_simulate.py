@@ -128,6 +128,33 @@ def test_slo_admission_refuses_what_the_queue_would_make_late_and_only_with_targ
     assert gated["request_goodput"] >= free["request_goodput"] * 0.999
 
 
+def test_a_failed_replicas_requests_finish_on_the_other_after_one_prefill_each():
+    # Two replicas, two requests (one each); replica 0 dies at 0.5 s, mid-decode.
+    specs = [spec(0, 0.0, 5, 8), spec(1, 0.0, 5, 8)]
+    whole = simulate(LinearCost(), ENGINE, Deployment(replicas=2), specs)
+    r = simulate(LinearCost(), ENGINE, Deployment(replicas=2, fail_at=0.5), specs)
+    assert r["simulated"]["migrated"] == 1 and r["completed"] == 2
+    assert r["output_lens"] == [8, 8]  # every token once: the moved one goes on where it was
+    # the moved request's stream pauses for its recompute: its longest gap grows beyond any
+    # of the unbroken run's, by at least a step of its prompt and outputs so far
+    gap = max(max(itl) for itl in r["itls"])
+    assert gap > max(max(itl) for itl in whole["itls"]) + 0.1
+    with pytest.raises(ValueError, match="at least 2 replicas"):
+        Deployment(replicas=1, fail_at=1.0)
+    with pytest.raises(ValueError, match="routing must be one of"):
+        Deployment(routing="random")
+
+
+def test_round_robin_ignores_load():
+    # the first request is long; under least-load the third goes to the idle replica,
+    # under round-robin back to the busy one
+    specs = [spec(0, 0.0, 4, 30), spec(1, 0.01, 4, 1), spec(2, 0.5, 4, 1)]
+    def where(routing):
+        r = simulate(LinearCost(), ENGINE, Deployment(replicas=2, routing=routing), specs)
+        return [w["steps"]["prefill"] + w["steps"]["mixed"] for w in r["simulated"]["workers"]]
+    assert where("round-robin") != where("least-load")
+
+
 def test_a_prompt_longer_than_the_context_fails_alone():
     r = simulate(LinearCost(), ENGINE, Deployment(), [spec(0, 0.0, 100, 2), spec(1, 0.0, 4, 2)])
     assert r["failed"] == 1 and r["completed"] == 1

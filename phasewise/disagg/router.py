@@ -44,6 +44,7 @@ import dataclasses
 import itertools
 import json
 import logging
+import socket
 import time
 import urllib.parse
 from collections.abc import AsyncIterator, Sequence
@@ -87,6 +88,7 @@ class Worker:
     snapshot: EngineSnapshot | None = None
     open_groups: int = 0
     in_flight: int = 0  # groups this router streams from it now
+    retired: bool = False  # --discover: its address left the Service (no new requests)
 
     down_since: float | None = None  # time.monotonic() of the first failed poll in a row
 
@@ -139,6 +141,23 @@ class _Migrate(Exception):
 
 
 MIGRATION_REASONS = ("worker_lost", "worker_stopped", "worker_silent", "drain")
+
+
+def _seed(url: str) -> tuple[str, str, int]:
+    """(scheme, host, port) of a --decode URL that --discover resolves."""
+    u = urllib.parse.urlsplit(url)
+    if not u.hostname or u.path not in ("", "/"):
+        raise RouterConfigError(f"--discover needs --decode URLs of the form "
+                                f"http://NAME:PORT (a DNS name to resolve); got {url!r}")
+    try:
+        port = u.port or (443 if u.scheme == "https" else 80)
+    except ValueError as e:
+        raise RouterConfigError(f"--decode {url!r}: {e}") from None
+    return u.scheme, u.hostname, port
+
+
+def _address_url(scheme: str, host: str, port: int) -> str:
+    return f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
 
 
 def _resend_specs(specs: Sequence[PromptSpec], assembler: OutputAssembler,
@@ -218,7 +237,8 @@ class Router:
                  admit_timeout: float = 120.0, routing: str = DEFAULT_POLICY,
                  prefix_weight: float = DEFAULT_PREFIX_WEIGHT,
                  load_weight: float = DEFAULT_LOAD_WEIGHT, block_size: int = 16,
-                 max_migrations: int = DEFAULT_MAX_MIGRATIONS) -> None:
+                 max_migrations: int = DEFAULT_MAX_MIGRATIONS, discover: bool = False,
+                 discover_interval: float = 5.0) -> None:
         if not decode:
             raise RouterConfigError("the router needs at least one --decode URL")
         urls = [u.rstrip("/") for u in (*decode, *prefill)]
@@ -244,8 +264,19 @@ class Router:
                 not 0 <= max_migrations <= MAX_MIGRATIONS_LIMIT:
             raise RouterConfigError(f"--max-migrations must be an integer in [0, "
                                     f"{MAX_MIGRATIONS_LIMIT}], got {max_migrations!r}")
-        self.decode = [Worker(u, "decode") for u in urls[:len(decode)]]
+        # --discover: each --decode URL's host is a DNS name whose addresses are the workers
+        # (a Kubernetes headless Service's ready pods), resolved again every
+        # discover_interval: workers join as they appear, and leave, once nothing streams
+        # from them, as they disappear.
+        self.discover = discover
+        if not 1.0 <= discover_interval <= 3600:
+            raise RouterConfigError(f"--discover-interval must be in [1, 3600] seconds, got "
+                                    f"{discover_interval}")
+        self.discover_interval = discover_interval
+        self._seeds = [_seed(u) for u in urls[:len(decode)]] if discover else []
+        self.decode = [] if discover else [Worker(u, "decode") for u in urls[:len(decode)]]
         self.prefill = [Worker(u, "prefill") for u in urls[len(decode):]]
+        self._identity: dict[str, Any] = {}  # what every worker must serve (connect)
         self.model_dir = Path(model_dir)
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.poll_interval = poll_interval
@@ -281,6 +312,7 @@ class Router:
         self.routed: dict[tuple[str, str], int] = {}  # (worker url, policy) -> requests
         self.routed_blocks = [0, 0]  # prompt blocks routed, of them expected cached
         self._trace_lookups: set[asyncio.Future] = set()  # the dashboard's, in flight
+        self._first_info: dict[str, Any] = {}  # the first decode worker's info (connect)
 
     @property
     def workers(self) -> list[Worker]:
@@ -289,12 +321,28 @@ class Router:
     # -- start-up (blocking) ---------------------------------------------------------------
     def connect(self) -> None:
         """Wait up to ``wait_s`` for every worker's ``/internal/v1/info``, showing progress;
-        check each serves this checkpoint. Raises ``RouterConfigError`` naming the worker."""
-        want = checkpoint_identity(self.model_dir)
-        pending = {w.url: w for w in self.workers}
-        infos: dict[str, dict[str, Any]] = {}
+        check each serves this checkpoint. Raises ``RouterConfigError`` naming the worker.
+        With ``discover``, the decode workers are first those its names resolve to (waiting
+        for at least one address)."""
+        self._identity = checkpoint_identity(self.model_dir)
         deadline = time.monotonic() + self.wait_s
         next_note = time.monotonic() + 5.0
+        if self.discover:
+            while not (found := self._resolve_now()):
+                now = time.monotonic()
+                if now >= deadline:
+                    raise RouterConfigError(
+                        f"--discover: no address for {', '.join(h for _, h, _ in self._seeds)} "
+                        f"after {self.wait_s:.0f} s (no ready pod behind the Service?)")
+                if now >= next_note:
+                    log.info("waiting for %s to resolve to a worker",
+                             ", ".join(h for _, h, _ in self._seeds))
+                    next_note = now + 5.0
+                time.sleep(1.0)
+            self.decode = [Worker(u, "decode") for u in found]
+            self.index = {w.url: WorkerBlocks() for w in self.decode}
+        pending = {w.url: w for w in self.workers}
+        infos: dict[str, dict[str, Any]] = {}
         with httpx.Client(headers=self.headers, timeout=self.request_timeout) as client:
             while pending:
                 for url, w in list(pending.items()):
@@ -312,6 +360,13 @@ class Router:
                         continue
                     infos[url] = r.json()
                     del pending[url]
+                if self.discover and any(w.role == "decode" and w.url in infos
+                                         for w in self.decode):
+                    # the addresses that do not answer yet join later (_rediscover)
+                    for url in [u for u, w in pending.items() if w.role == "decode"]:
+                        del pending[url]
+                    self.decode = [w for w in self.decode if w.url in infos]
+                    self.index = {w.url: WorkerBlocks() for w in self.decode}
                 if not pending:
                     break
                 now = time.monotonic()
@@ -324,52 +379,125 @@ class Router:
                         f"{w.role} {u} ({w.reason})" for u, w in pending.items()))
                     next_note = now + 5.0
                 time.sleep(0.25)
-        for w in self.workers:
-            got = infos[w.url]
-            allowed = ("decode", "both") if w.role == "decode" else ("prefill",)
-            if got.get("role") not in allowed:
-                raise RouterConfigError(
-                    f"{w.url} was given as a {w.role} worker but runs --role "
-                    f"{got.get('role')!r} (a {w.role} URL must be one of: "
-                    f"{', '.join(allowed)})")
-            for key, value in want.items():
-                if got.get(key) != value:
-                    raise RouterConfigError(
-                        f"{w.role} worker {w.url} serves a different checkpoint: its {key} "
-                        f"is {got.get(key)}, the router's --model {self.model_dir} has "
-                        f"{value}")
-            w.up, w.reason = True, None
         first = infos[self.decode[0].url]
+        for w in self.workers:
+            why = self._mismatch(w, infos[w.url], first)
+            if why is not None:
+                raise RouterConfigError(why)
+            w.up, w.reason = True, None
+        base = dict(first["info"])
+        base["description"] = (f"router over {len(self.decode)} decode and "
+                               f"{len(self.prefill)} prefill worker(s)"
+                               + (" (discovered by DNS)" if self.discover else ""))
+        self.info = BackendInfo(**base)
+        self._defaults = dict(first["defaults"])
+        size = first.get("kv_block_size")
+        if isinstance(size, int) and 1 <= size <= 1024:  # else an older worker: the default
+            self.block_size = size
+        self._first_info = first
+        log.info("router: decode %s; prefill %s", ", ".join(w.url for w in self.decode),
+                 ", ".join(w.url for w in self.prefill) or "none")
+
+    @staticmethod
+    def _shape(info: dict[str, Any]) -> dict[str, Any]:
         # One set of limits and sampling defaults for all of them (paths and machines may
         # differ between hosts).
         limits = ("architecture", "num_params", "max_model_len", "vocab_size", "max_waiting")
+        return {**{k: info["info"].get(k) for k in limits},
+                **{f"defaults.{k}": v for k, v in info["defaults"].items()}}
 
-        def shape(info: dict[str, Any]) -> dict[str, Any]:
-            return {**{k: info["info"].get(k) for k in limits},
-                    **{f"defaults.{k}": v for k, v in info["defaults"].items()}}
-
-        for w in self.decode[1:]:
-            a, b = shape(first), shape(infos[w.url])
-            diff = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
-            if diff:
-                raise RouterConfigError(
-                    f"decode workers {self.decode[0].url} and {w.url} differ in "
+    def _mismatch(self, w: Worker, got: dict[str, Any], first: dict[str, Any]) -> str | None:
+        """Why worker ``w`` (its ``/internal/v1/info``: ``got``) cannot serve behind this
+        router beside the first decode worker (``first``), or None."""
+        allowed = ("decode", "both") if w.role == "decode" else ("prefill",)
+        if got.get("role") not in allowed:
+            return (f"{w.url} was given as a {w.role} worker but runs --role "
+                    f"{got.get('role')!r} (a {w.role} URL must be one of: "
+                    f"{', '.join(allowed)})")
+        for key, value in self._identity.items():
+            if got.get(key) != value:
+                return (f"{w.role} worker {w.url} serves a different checkpoint: its {key} is "
+                        f"{got.get(key)}, the router's --model {self.model_dir} has {value}")
+        if w.role != "decode" or got is first:
+            return None
+        try:
+            a, b = self._shape(first), self._shape(got)
+        except (KeyError, TypeError, AttributeError):
+            return f"decode worker {w.url} sent an /internal/v1/info the router cannot read"
+        diff = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+        if diff:
+            return (f"decode workers {self.decode[0].url} and {w.url} differ in "
                     f"{', '.join(diff)}: start them with the same flags")
-        base = dict(first["info"])
-        base["description"] = (f"router over {len(self.decode)} decode and "
-                               f"{len(self.prefill)} prefill worker(s)")
-        self.info = BackendInfo(**base)
-        self._defaults = dict(first["defaults"])
-        sizes = {infos[w.url].get("kv_block_size") for w in self.decode}
-        if len(sizes) > 1:
-            raise RouterConfigError(f"decode workers hash K/V blocks of different sizes "
-                                    f"({sorted(map(str, sizes))}): start them with the same "
-                                    "--block-size")
-        size = sizes.pop()
-        if isinstance(size, int) and 1 <= size <= 1024:  # else an older worker: the default
-            self.block_size = size
-        log.info("router: decode %s; prefill %s", ", ".join(w.url for w in self.decode),
-                 ", ".join(w.url for w in self.prefill) or "none")
+        if got.get("kv_block_size") != first.get("kv_block_size"):
+            return (f"decode workers hash K/V blocks of different sizes "
+                    f"({first.get('kv_block_size')} and {got.get('kv_block_size')}): start "
+                    "them with the same --block-size")
+        return None
+
+    # -- discovery (--discover) ------------------------------------------------------------
+    def _resolve_now(self) -> list[str]:
+        """Blocking: the worker URLs the seeds resolve to now (start-up only)."""
+        found: set[str] = set()
+        for scheme, host, port in self._seeds:
+            try:
+                infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+            except OSError:
+                continue
+            found.update(_address_url(scheme, i[4][0], port) for i in infos)
+        return sorted(found)
+
+    async def _resolve(self) -> set[str] | None:
+        """The worker URLs the seeds resolve to now; None if no name resolved (a DNS
+        failure is not an empty Service: the workers stay as they were)."""
+        assert self._loop is not None
+        found: set[str] = set()
+        ok = False
+        for scheme, host, port in self._seeds:
+            try:
+                infos = await self._loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+            except OSError as e:
+                log.debug("--discover: %s does not resolve: %s", host, e)
+                continue
+            ok = True
+            found.update(_address_url(scheme, i[4][0], port) for i in infos)
+        return found if ok else None
+
+    async def _rediscover(self) -> None:
+        """Workers that appeared join once their ``/internal/v1/info`` passes the checks
+        ``connect`` made; those that disappeared (a pod draining, gone) take no new request
+        and are forgotten once nothing streams from them; one that comes back rejoins."""
+        assert self._client is not None
+        found = await self._resolve()
+        if found is None:
+            return
+        known = {w.url: w for w in self.decode}
+        for w in known.values():
+            w.retired = w.url not in found
+        for url in sorted(found - set(known)):
+            w = Worker(url, "decode")
+            try:
+                r = await self._client.get(url + "/internal/v1/info",
+                                           timeout=min(2.0, self.request_timeout))
+                got = r.json() if r.status_code == 200 else None
+            except (httpx.HTTPError, ValueError) as e:
+                log.debug("--discover: %s not ready: %s", url, _why(e))
+                continue
+            why = ("its /internal/v1/info answered " + str(r.status_code) if got is None
+                   else self._mismatch(w, got, self._first_info))
+            if why is not None:
+                log.warning("--discover: not routing to %s: %s", url, why)
+                continue
+            w.up, w.reason = True, None  # it answered; its polls keep it so
+            self.index[url] = WorkerBlocks()
+            self.decode = [*self.decode, w]
+            log.info("--discover: decode worker %s joined", url)
+        keep = [w for w in self.decode if not (w.retired and w.in_flight == 0)]
+        for w in self.decode:
+            if w not in keep:
+                log.info("--discover: decode worker %s left", w.url)
+                self.index.pop(w.url, None)
+        if len(keep) != len(self.decode):
+            self.decode = keep
 
     # -- ServingBackend --------------------------------------------------------------------
     def default_sampling_params(self, **overrides: Any) -> SamplingParams:
@@ -608,7 +736,8 @@ class Router:
         """Decode workers that are up, best first by ``--routing``
         (``phasewise.disagg.prefix_index.rank``), each with the prompt blocks it holds."""
         turn = next(self._turn)
-        live = [w for w in self.decode if w.up and not w.draining and w not in avoid]
+        live = [w for w in self.decode if w.up and not w.draining and not w.retired
+                and not any(w is a for a in avoid)]
         held = [self.index[w.url].held(hashes) for w in live]
         best = rank(self.routing, [w.load for w in live], held, len(hashes), turn,
                     self.prefix_weight, self.load_weight)
@@ -665,8 +794,8 @@ class Router:
                     if line.startswith('{"notice"'):
                         # the worker drains: move there if another worker can take it, else
                         # read on (the worker finishes it within its grace period)
-                        if any(w.up and not w.draining and w is not worker
-                               for w in self.decode):
+                        if any(w.up and not w.draining and not w.retired
+                               and w is not worker for w in self.decode):
                             raise _Migrate("drain", "is draining (shutting down)")
                         continue
                     if line.startswith('{"error"'):
@@ -877,7 +1006,14 @@ class Router:
     # -- watching the workers --------------------------------------------------------------
     async def _poll(self) -> None:
         assert self._client is not None
+        next_look = time.monotonic() + self.discover_interval
         while True:
+            if self.discover and time.monotonic() >= next_look:
+                next_look = time.monotonic() + self.discover_interval
+                try:
+                    await self._rediscover()
+                except Exception:  # noqa: BLE001 - discovery must never stop the polls
+                    log.exception("--discover failed")
             await asyncio.gather(*(self._poll_one(w) for w in self.workers))
             self._end_streams_of_silent_workers()
             await asyncio.sleep(self.poll_interval)

@@ -176,7 +176,9 @@ def deployment(a: argparse.Namespace) -> Deployment:
     link = lookup_link(a.link) if a.link else None
     return Deployment(a.mode, replicas=a.replicas, prefill=a.prefill, decode=a.decode,
                       threshold=a.disagg_threshold, prefill_queue_limit=a.prefill_queue_limit,
-                      link=link, admission=admission_of(a))
+                      link=link, admission=admission_of(a),
+                      routing=getattr(a, "routing", "least-load"),
+                      fail_at=getattr(a, "fail_at", None))
 
 
 def admission_of(a: argparse.Namespace) -> SLO | None:
@@ -259,6 +261,9 @@ def run_simulate(a: argparse.Namespace, model: str,
               f"requests in {wall:.2f} s) ====")
         print(text_table(out))
         sim = out["simulated"]
+        if "migrated" in sim:
+            print(f"replica 0 failed at {dep.fail_at:g} s: {sim['migrated']} request(s) "
+                  "moved to the others, each recomputing its prompt and outputs there")
         adm = sim.get("admission")
         if adm is not None:
             why = ", ".join(f"{n} {r}" for r, n in sorted(adm["by_reason"].items())) or "none"

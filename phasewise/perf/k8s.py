@@ -6,8 +6,8 @@ imports torch.
 
 Topology (every name starts with ``spec.name``, written NAME below)::
 
-    colocated   router NAME-router -> Service NAME-both -> Deployment NAME-both
-                                                           (--role both, spec.replicas pods, HPA)
+    colocated   router NAME-router -> headless Service NAME-both -> Deployment NAME-both
+                (--discover: one worker per ready pod)   (--role both, spec.replicas pods, HPA)
 
     pd          router NAME-router -> Service NAME-decode-i -> Deployment NAME-decode-i
                                       (i = 0..decode-1)        (--role decode, 1 pod each)
@@ -26,9 +26,17 @@ Why this shape:
   them under its own name, ``prefill@POD``), so adding one changes no other object: the HPA
   goes on the prefill Deployment. Adding a decode worker changes the prefill workers' and the
   router's arguments, so decode workers are scaled by planning again.
-* colocated: ``--role both`` pods are interchangeable; the router fronts their one Service
-  and kube-proxy spreads the router's connections over the pods (the router sees a single
-  worker, so its least-load choice is between connections, not pods).
+* colocated: ``--role both`` pods are interchangeable, but their caches are not: the router
+  must see each pod to route by prefix and to move a stream when its pod goes. Their
+  Service is headless, so its name resolves to every ready pod's address, and the router
+  (``--discover``) looks it up every few seconds: a new pod joins once ready, a pod that
+  leaves (draining, or gone) takes no new request.
+
+Rolling updates and disruptions: a ``both`` pod is replaced by surging one (maxSurge 1,
+maxUnavailable 0); SIGTERM (after the preStop sleep) turns its ``/health`` to 503, so its
+readiness drops it from the Service, and it hands its router streams over to the other pods
+(``phasewise router``'s migration) instead of cutting them or waiting them out. A
+PodDisruptionBudget per engine role lets a node drain evict one pod of it at a time.
 
 Probes, from what the server does (``phasewise.server.serve`` and ``app``):
 
@@ -131,7 +139,7 @@ SERVE_FLAGS_USED = ("--model", "--host", "--port", "--shutdown-grace", "--role",
                     "--kv-connect", "--kv-secret-file", "--disagg-threshold",
                     "--served-model-name")
 ROUTER_FLAGS_USED = ("--model", "--decode", "--prefill", "--host", "--port", "--wait",
-                     "--shutdown-grace", "--served-model-name")
+                     "--shutdown-grace", "--served-model-name", "--discover")
 
 _DNS1035 = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
 _DNS1123_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
@@ -533,20 +541,33 @@ def _deployment(s: DeploySpec, role: str, name: str, index: int | None, replicas
     if replicas is not None:  # left out where an HPA owns the count (kubectl apply keeps it)
         spec["replicas"] = replicas
     spec["selector"] = {"matchLabels": _selector(s, role, index)}
+    if role == "both":  # a new pod is up before an old one drains (its streams move to it)
+        spec["strategy"] = {"type": "RollingUpdate",
+                            "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
     spec["template"] = template
     return {"apiVersion": "apps/v1", "kind": "Deployment",
             "metadata": _meta(s, name, _labels(s, role, index), annotations), "spec": spec}
 
 
 def _service(s: DeploySpec, role: str, name: str, index: int | None,
-             annotations: dict[str, str] | None = None) -> dict[str, Any]:
+             annotations: dict[str, str] | None = None,
+             headless: bool = False) -> dict[str, Any]:
     ports = [{"name": "http", "port": s.port, "targetPort": "http", "protocol": "TCP"}]
     if role == "decode":
         ports.append({"name": "kv", "port": s.kv_port, "targetPort": "kv", "protocol": "TCP"})
+    spec: dict[str, Any] = {"type": "ClusterIP", "selector": _selector(s, role, index),
+                            "ports": ports}
+    if headless:  # its name resolves to each ready pod's address (the router's --discover)
+        spec["clusterIP"] = "None"
     return {"apiVersion": "v1", "kind": "Service",
-            "metadata": _meta(s, name, _labels(s, role, index), annotations),
-            "spec": {"type": "ClusterIP", "selector": _selector(s, role, index),
-                     "ports": ports}}
+            "metadata": _meta(s, name, _labels(s, role, index), annotations), "spec": spec}
+
+
+def _pdb(s: DeploySpec, role: str, note: str) -> dict[str, Any]:
+    """At most one pod of ``role`` evicted at a time (a node drain waits for the next)."""
+    return {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
+            "metadata": _meta(s, f"{s.name}-{role}", _labels(s, role), {"phasewise/note": note}),
+            "spec": {"maxUnavailable": 1, "selector": {"matchLabels": _selector(s, role)}}}
 
 
 def _router(s: DeploySpec) -> list[dict[str, Any]]:
@@ -559,14 +580,17 @@ def _router(s: DeploySpec) -> list[dict[str, Any]]:
     command = ["phasewise", "router", "--model", s.model_path, "--decode", *decode]
     if prefill:
         command += ["--prefill", *prefill]
+    if s.mode == "colocated":
+        command += ["--discover"]
     command += ["--host", ALL_INTERFACES, "--port", str(s.port),
                 "--wait", str(s.startup_timeout_s), "--shutdown-grace", f"{s.shutdown_grace_s:g}"]
     if s.served_model_name is not None:
         command += ["--served-model-name", s.served_model_name]
     container = _container(s, "router", command, {"http": s.port}, [], [_model_mount(s)])
     name = f"{s.name}-router"
-    note = {"phasewise/note": "the OpenAI API; it waits for every worker at start (--wait), "
-            "then routes each request to the least loaded decode worker"}
+    note = {"phasewise/note": "the OpenAI API; it waits for the workers at start (--wait), "
+            "routes each request by --routing (default: the prompt blocks a worker holds "
+            "against its load) and moves a stream whose worker dies or drains"}
     return [_deployment(s, "router", name, None, 1,
                         _pod_template(s, "router", None, container, ""), note),
             _service(s, "router", name, None)]
@@ -614,7 +638,7 @@ def adapter_rules() -> dict[str, Any]:
 
 def manifests(spec: DeploySpec) -> list[dict]:
     """The Kubernetes objects for ``spec``, in apply order: ConfigMaps, engine Deployments and
-    Services (decode workers first), the HPA, the router."""
+    Services (decode workers first), PodDisruptionBudgets, the HPA, the router."""
     s = spec
     args = engine_args_text(s.engine_args)
     config_hash = hashlib.sha256(args.encode()).hexdigest()[:16]
@@ -641,8 +665,10 @@ def manifests(spec: DeploySpec) -> list[dict]:
                 "phasewise/note": "interchangeable --role both pods"
                 + (", scaled by the HPA" if s.hpa else "")}))
         docs.append(_service(s, "both", name, None, {
-            "phasewise/note": "the router's one worker URL: kube-proxy spreads the router's "
-                              "connections over these pods"}))
+            "phasewise/note": "headless: its name resolves to every ready pod, which the "
+                              "router (--discover) routes to one by one"}, headless=True))
+        docs.append(_pdb(s, "both", "a node drain evicts one --role both pod at a time: its "
+                         "streams move to the others"))
         if s.hpa:
             docs.append(_hpa(s, "both", name, s.replicas,
                              "scales the interchangeable --role both pods"))
@@ -667,6 +693,9 @@ def manifests(spec: DeploySpec) -> list[dict]:
             docs.append(_hpa(s, "prefill", name, s.prefill,
                              "prefill pods are interchangeable clients of the decode "
                              "workers; decode workers are scaled by planning again"))
+        docs.append(_pdb(s, "decode", "a node drain evicts one decode worker at a time: its "
+                         "streams move to the other decode workers"))
+        docs.append(_pdb(s, "prefill", "a node drain evicts one prefill worker at a time"))
     docs += _router(s)
     return docs
 

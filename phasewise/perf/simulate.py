@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -60,6 +61,7 @@ from phasewise.perf.summary import RequestResult, meets_slo, summarize
 from phasewise.perf.workload import RequestSpec
 
 MODES = ("colocated", "pd")
+ROUTING = ("least-load", "round-robin", "prefix")
 MAX_WORKERS = 1024  # engines of one role a simulation holds (each is a scheduler and a pool)
 _TOKEN = 1  # the id every simulated sample gets
 
@@ -109,6 +111,14 @@ class Deployment:
     # engine refuses one it predicts would miss them, as a server with --slo-ttft-ms and
     # --slo-tpot-ms does; the router tries each front engine in turn. None: no admission.
     admission: SLO | None = None
+    # How the router picks a front engine: least-load (fewest requests, ties in turn),
+    # round-robin (in turn), or prefix, which weighs the prompt blocks an engine holds
+    # against its load: simulated prompts share no prefix, so it picks as least-load does.
+    routing: str = "least-load"
+    # colocated: replica 0 dies at this virtual time; the router moves each request it held
+    # to the others with its outputs so far (one prefill of prompt and outputs there), as
+    # phasewise router's migration does; its step in flight is lost. None: no failure.
+    fail_at: float | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -121,6 +131,14 @@ class Deployment:
                 raise ValueError(f"{name} must be <= {MAX_WORKERS}, got {v}")
         if self.threshold < 0:
             raise ValueError(f"threshold must be >= 0, got {self.threshold}")
+        if self.routing not in ROUTING:
+            raise ValueError(f"routing must be one of {', '.join(ROUTING)}; got "
+                             f"{self.routing!r}")
+        if self.fail_at is not None and (self.mode != "colocated" or self.replicas < 2
+                                         or not 0 <= self.fail_at < math.inf):
+            raise ValueError("fail_at needs a co-located deployment of at least 2 replicas "
+                             f"and a time >= 0 (s); got {self.fail_at!r} with {self.mode} "
+                             f"x{self.replicas}")
         if not 0 <= self.handoff_s < 60:
             raise ValueError(f"handoff_s must be in [0, 60) seconds, got {self.handoff_s}")
 
@@ -130,7 +148,10 @@ class Deployment:
 
     def describe(self) -> str:
         if self.mode == "colocated":
-            return f"co-located x{self.replicas}" + self._admits()
+            fail = ("" if self.fail_at is None else
+                    f", replica 0 fails at {self.fail_at:g} s")
+            routing = "" if self.routing == "least-load" else f", {self.routing} routing"
+            return f"co-located x{self.replicas}" + routing + fail + self._admits()
         return (f"P/D {self.prefill}P:{self.decode}D, threshold {self.threshold}"
                 + (f", {self.link.key}" if self.link else "") + self._admits())
 
@@ -181,6 +202,7 @@ class _Engine:
     # at the step's end, as the real one reads its commands between steps
     landed: list[_Transfer] = field(default_factory=list)
     active_until: float = float("-inf")  # when its last step ended
+    dead: bool = False  # it failed (Deployment.fail_at): nothing it does lands any more
 
     @property
     def load(self) -> int:
@@ -224,6 +246,7 @@ class Simulation:
         self.wake: Callable[[float], float] | None = getattr(cost, "wake", None)
         self.remote_prefills = 0
         self.refused: dict[str, str] = {}  # request id -> why admission refused it
+        self.migrated = 0  # requests moved off a failed replica (Deployment.fail_at)
         self.local_prefills: dict[str, int] = {}
         self.transfer_s: list[float] = []
         self._remote_of: dict[str, Request] = {}  # the prefill workers' side of a request
@@ -238,6 +261,8 @@ class Simulation:
         self.requests: list[tuple[RequestSpec, Request]] = []
         for spec in specs:
             self._at(spec.arrival, lambda spec=spec: self._send(spec))
+        if self.dep.fail_at is not None:
+            self._at(self.dep.fail_at, self._fail)
         while self._events:
             t, _, fn = heapq.heappop(self._events)
             self.clock.now = t
@@ -253,7 +278,31 @@ class Simulation:
     def _pick(self, engines: Sequence[_Engine]) -> _Engine:
         turn = next(self._turn)
         k = len(engines)
+        if self.dep.routing == "round-robin":
+            return engines[turn % k]
         return min(enumerate(engines), key=lambda ie: (ie[1].load, (ie[0] - turn) % k))[1]
+
+    def _fail(self) -> None:
+        """Replica 0 dies: each request it held moves to the others, its outputs so far
+        recomputed there with its prompt (``LLMEngine.add_request``'s resume); its timings
+        go on, so the move shows as the gap before its next token."""
+        dead = self.front[0]
+        dead.dead = True
+        self.front = self.front[1:]
+        where = {req.request_id: i for i, (_, req) in enumerate(self.requests)}
+        s = dead.scheduler
+        for req in [*s.running, *s.waiting]:
+            moved = Request(req.request_id, req.prompt_token_ids, req.params,
+                            arrival_time=req.metrics.arrival_time)
+            for t in req.output_token_ids:
+                moved.append_output(t)
+            moved.metrics = req.metrics
+            target = self._pick(self.front)
+            target.scheduler.add_request(moved)
+            i = where[req.request_id]
+            self.requests[i] = (self.requests[i][0], moved)
+            self.migrated += 1
+            self._wake(target)
 
     def _new_request(self, spec: RequestSpec, rid: str, max_tokens: int) -> Request:
         base = spec.index * 1_000_003 + 7  # distinct ids per request: no accidental sharing
@@ -372,6 +421,9 @@ class Simulation:
 
     # -- steps --------------------------------------------------------------------------------
     def _step(self, e: _Engine) -> None:
+        if e.dead:
+            e.busy = False
+            return
         s = e.scheduler
         batch = s.schedule()
         if not batch.requests:
@@ -390,6 +442,9 @@ class Simulation:
         self._at(self.clock.now + dt, lambda: self._step_end(e, batch, ends))
 
     def _step_end(self, e: _Engine, batch: Any, ends: list[bool]) -> None:
+        if e.dead:  # it failed mid-step: what the step computed is lost with it
+            e.busy = False
+            return
         sampled = {r.request_id: [_TOKEN] for r, end in zip(batch.requests, ends) if end}
         if e.role == "prefill":
             self._push(e, batch, sampled)
@@ -498,6 +553,8 @@ class Simulation:
             "mean_transfer_wait_ms": (1e3 * sum(self.transfer_s) / len(self.transfer_s)
                                       if self.transfer_s else None),
         }
+        if self.dep.fail_at is not None:
+            out["simulated"]["migrated"] = self.migrated
         if self.dep.admission is not None:
             admitted = [r for r in results if r.error is None or
                         not r.error.startswith("refused at admission")]
