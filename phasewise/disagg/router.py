@@ -770,6 +770,11 @@ class Router:
                     self._release(relay)
                 if not await self._migrate(group, assembler, stream, move):
                     return
+        except Exception as e:  # a bug here must still end the client's stream
+            log.exception("relaying %s failed", stream.request_id)
+            if not group.finished:
+                group._put(EngineError(f"the router failed relaying this response: "
+                                       f"{_why(e)}"))
         finally:
             # What did not finish ended here (the client left, no worker could go on, a bad
             # line): the observers hear of it as an abort, as an engine's would.
@@ -849,7 +854,8 @@ class Router:
                        f"time(s) already (--max-migrations {self.max_migrations}); the "
                        "response is incomplete")
             return False
-        body = {"request_id": stream.request_id,
+        # (moved: admitted once already, it is not judged by a worker's SLO targets again)
+        body = {"request_id": stream.request_id, "moved": True,
                 "specs": _resend_specs(stream.specs, assembler, pending)}
         size = sum(len(s.get("token_ids", ())) + len(s.get("resume", ()))
                    for s in body["specs"])
@@ -857,7 +863,7 @@ class Router:
                    else json.dumps(body))
         try:
             relay, _ = await self._open(content, stream.hashes, pending, [gone])
-        except (EngineUnavailable, EngineOverloaded, EngineError, ValueError) as e:
+        except Exception as e:  # noqa: BLE001 - every refusal ends the stream with its reason
             self._fail(group, move, f"{what}, and no other decode worker could take it "
                        f"over ({e}); the response is incomplete")
             return False

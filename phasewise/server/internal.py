@@ -15,8 +15,10 @@ OpenAPI document: it is phasewise's own, not OpenAI's.
   connection aborts the group. The parameters are checked as ``SamplingParams`` checks them
   (a flag must be a JSON boolean); a 400 names the parameter (``specs.0.params.ignore_eos``).
   A failure after the reply began ends it with an ``{"error": ...}`` line. A spec's
-  ``resume`` (a router migrating the request here) holds the outputs another worker streamed;
-  this one goes on from them. When this server starts to drain, each open stream gets a
+  ``resume`` (a router migrating the request here, with ``moved``: it is not judged by this
+  worker's SLO targets again) holds the outputs another worker streamed; this one goes on
+  from them. The client's SLO targets come as ``slo_ttft_ms``/``slo_tpot_ms`` (a refusal
+  is a 429 the router takes to the next worker). When this server starts to drain, each open stream gets a
   ``{"notice": "handover"}`` line (``phasewise.engine.relay``) and runs on until its router
   moves it or it ends.
 * ``POST /internal/v1/abort``: abort requests by id.
@@ -76,6 +78,8 @@ class RelayRequest(BaseModel):
     # none is given); a refusal is a 429 the router takes to the next worker
     slo_ttft_ms: Float | None = Field(None, ge=SLO_MS_MIN, le=SLO_MS_MAX)
     slo_tpot_ms: Float | None = Field(None, ge=SLO_MS_MIN, le=SLO_MS_MAX)
+    # a stream the router moved here from another worker: admitted already
+    moved: bool = False
 
 
 class AbortRelay(BaseModel):
@@ -180,7 +184,8 @@ def add_internal_routes(app: FastAPI, backend: ServingBackend, routes: Routes, *
         rec = access_record(request.scope)
         rec.request_id = body.request_id
         rec.prompt_tokens = sum(len(s.token_ids) for s in specs)
-        slo = SLO.from_ms(body.slo_ttft_ms, body.slo_tpot_ms).over(routes.default_slo)
+        slo = SLO.from_ms(body.slo_ttft_ms, body.slo_tpot_ms).over(
+            None if body.moved else routes.default_slo)
         group = await routes._submit(specs, body.request_id, arrival,
                                      slo if slo.any else None)
 
