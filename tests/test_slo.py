@@ -36,6 +36,10 @@ def test_ttft_is_the_prompt_work_ahead_at_the_budget_left_by_the_decodes():
     assert fc.ttft_s == pytest.approx(3 * cost(251, 5) + cost(47, 5))
     # its decode steps batch every running and waiting request and itself
     assert fc.tpot_s == pytest.approx(cost(0, 7))
+    # ... and carry the prompt tokens recent steps carried (prompts that arrive meanwhile),
+    # no more than the budget leaves
+    assert forecast(q, 200, 1, cost, interference=100.4).tpot_s == pytest.approx(cost(100, 7))
+    assert forecast(q, 200, 1, cost, interference=1e9).tpot_s == pytest.approx(cost(249, 7))
 
 
 def test_with_every_seat_taken_the_wait_for_one_comes_first():
@@ -66,10 +70,13 @@ def test_more_work_ahead_never_forecasts_sooner(decodes, prefills, ahead, own, n
 def test_judge_refuses_only_a_target_the_forecast_exceeds():
     fc = Forecast(ttft_s=2.5, tpot_s=0.05)
     assert judge(SLO(), fc) is None  # no target: never refused
-    assert judge(SLO(ttft_s=3.0, tpot_s=0.06), fc) is None
-    r = judge(SLO(ttft_s=1.0), fc)
+    assert judge(SLO(ttft_s=3.0, tpot_s=0.06), fc, margin=0) is None
+    r = judge(SLO(ttft_s=1.0), fc, margin=0)
     assert r.reason == "slo_ttft" and r.retry_after_s == 2 and "2500 ms" in r.message
-    assert judge(SLO(tpot_s=0.04), fc).reason == "slo_tpot"
+    assert judge(SLO(tpot_s=0.04), fc, margin=0).reason == "slo_tpot"
+    # the default margin: a forecast must leave a fifth of the target unused
+    assert judge(SLO(ttft_s=3.2, tpot_s=0.0625), fc) is None
+    assert judge(SLO(ttft_s=3.0), fc).reason == "slo_ttft"
     # a forecast the clock cannot make yet refuses nothing
     assert judge(SLO(ttft_s=0.001, tpot_s=0.001), Forecast(None, None)) is None
 
@@ -98,6 +105,12 @@ def test_the_clock_fits_the_steps_periods_and_scales_a_priced_model():
     for i in range(20):
         clock2.observe(_step(i * 10.0, 0.05, 32 * (i % 2), 2))
     assert clock2.cost(0, 2) == pytest.approx(0.05, rel=0.05)
+    # a decode worker whose prompts a prefill worker computes: decode steps only, priced;
+    # a step with prompt tokens it has never seen, not
+    clock3 = StepClock()
+    for i in range(20):
+        clock3.observe(_step(i * 0.01, 0.01, 0, 1 + i % 4))
+    assert clock3.cost(0, 3) is not None and clock3.cost(16, 3) is None
 
 
 @pytest.mark.parametrize("bad", [0, -1, 0.5, 3_600_001, math.nan, math.inf, True, "5"])
@@ -134,7 +147,7 @@ def test_the_server_refuses_what_would_miss_and_serves_the_rest(model):
             miss = await c.post("/v1/completions", json={**body, "slo_ttft_ms": 50})
             assert miss.status_code == 429, miss.text
             err = miss.json()["error"]
-            assert err["code"] == "slo_ttft" and "over its target of 50 ms" in err["message"]
+            assert err["code"] == "slo_ttft" and "its target of 50 ms" in err["message"]
             assert int(miss.headers["retry-after"]) >= 1
             # the same as a header; a target it meets is served
             assert (await c.post("/v1/completions", json=body,

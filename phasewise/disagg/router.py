@@ -43,6 +43,7 @@ import asyncio
 import dataclasses
 import itertools
 import json
+from collections import deque
 import logging
 import socket
 import time
@@ -115,6 +116,8 @@ class _Relay:
     chunks: AsyncIterator[bytes]
     index: list[int]
     released: bool = False
+    partial: list[bytes] = dataclasses.field(default_factory=list)  # an unfinished line
+    backlog: deque[bytes] = dataclasses.field(default_factory=deque)  # lines not yet handled
 
 
 @dataclasses.dataclass
@@ -130,14 +133,18 @@ class _Stream:
     move: tuple[str, str] | None = None
     ended: bool = False  # the client left, or the router shuts down: never migrate
     aborted: set[int] = dataclasses.field(default_factory=set)  # requests the client ended
+    moving: bool = False  # a move is under way (its task waits on another worker)
+    stay: bool = False  # a drain's move found no taker: read the old worker to the end
 
 
 class _Migrate(Exception):
     """The worker cannot finish the relay (``reason``: a metric label); move it."""
 
-    def __init__(self, reason: str, why: str, stopped: bool = False) -> None:
+    def __init__(self, reason: str, why: str, stopped: bool = False,
+                 keep: bool = False) -> None:
         super().__init__(why)
-        self.reason, self.why, self.stopped = reason, why, stopped
+        # keep: the old relay still streams (a drain) and is kept until the new one is open
+        self.reason, self.why, self.stopped, self.keep = reason, why, stopped, keep
 
 
 MIGRATION_REASONS = ("worker_lost", "worker_stopped", "worker_silent", "drain")
@@ -154,6 +161,12 @@ def _seed(url: str) -> tuple[str, str, int]:
     except ValueError as e:
         raise RouterConfigError(f"--decode {url!r}: {e}") from None
     return u.scheme, u.hostname, port
+
+
+def _relay_ids(request_id: str, n: int) -> list[str]:
+    """The ids a worker gives the ``n`` specs of a relay (as ``AsyncEngine.add`` names a
+    group's requests)."""
+    return [request_id] if n == 1 else [f"{request_id}-{k}" for k in range(n)]
 
 
 def _address_url(scheme: str, host: str, port: int) -> str:
@@ -274,6 +287,7 @@ class Router:
                                     f"{discover_interval}")
         self.discover_interval = discover_interval
         self._seeds = [_seed(u) for u in urls[:len(decode)]] if discover else []
+        self._last_seen: dict[tuple[str, str, int], set[str]] = {}  # per seed, its addresses
         self.decode = [] if discover else [Worker(u, "decode") for u in urls[:len(decode)]]
         self.prefill = [Worker(u, "prefill") for u in urls[len(decode):]]
         self._identity: dict[str, Any] = {}  # what every worker must serve (connect)
@@ -435,31 +449,45 @@ class Router:
         return None
 
     # -- discovery (--discover) ------------------------------------------------------------
+    @staticmethod
+    def _urls(scheme: str, port: int, infos: list[Any]) -> set[str]:
+        """One URL per pod: its IPv4 addresses where the name has any (a dual-stack
+        Service lists each pod under both families), else its IPv6 ones."""
+        v4 = {i[4][0] for i in infos if i[0] == socket.AF_INET}
+        hosts = v4 or {i[4][0] for i in infos}
+        return {_address_url(scheme, h, port) for h in hosts}
+
     def _resolve_now(self) -> list[str]:
         """Blocking: the worker URLs the seeds resolve to now (start-up only)."""
         found: set[str] = set()
-        for scheme, host, port in self._seeds:
+        for seed in self._seeds:
+            scheme, host, port = seed
             try:
                 infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
             except OSError:
                 continue
-            found.update(_address_url(scheme, i[4][0], port) for i in infos)
+            self._last_seen[seed] = self._urls(scheme, port, infos)
+            found |= self._last_seen[seed]
         return sorted(found)
 
     async def _resolve(self) -> set[str] | None:
-        """The worker URLs the seeds resolve to now; None if no name resolved (a DNS
-        failure is not an empty Service: the workers stay as they were)."""
+        """The worker URLs the seeds resolve to now; a name that does not resolve counts
+        as what it last resolved to (a DNS failure is not an empty Service); None where
+        none resolved."""
         assert self._loop is not None
         found: set[str] = set()
         ok = False
-        for scheme, host, port in self._seeds:
+        for seed in self._seeds:
+            scheme, host, port = seed
             try:
                 infos = await self._loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
             except OSError as e:
                 log.debug("--discover: %s does not resolve: %s", host, e)
+                found |= self._last_seen.get(seed, set())
                 continue
             ok = True
-            found.update(_address_url(scheme, i[4][0], port) for i in infos)
+            self._last_seen[seed] = self._urls(scheme, port, infos)
+            found |= self._last_seen[seed]
         return found if ok else None
 
     async def _rediscover(self) -> None:
@@ -573,7 +601,9 @@ class Router:
             ref: dict[str, Any] = ({"token_ids": s.token_ids} if k == i
                                    else {"same_as": k})
             wire_specs.append({**ref, "params": params_to_wire(s.params), "prompt": s.prompt})
-        body: dict[str, Any] = {"request_id": request_id, "specs": wire_specs}
+        # handover: the worker may write a drain notice into the stream (this router moves it)
+        body: dict[str, Any] = {"request_id": request_id, "handover": True,
+                                "specs": wire_specs}
         slo = specs[0].slo if specs else None
         if slo is not None:  # each worker judges it against its own queue
             for name, value in (("slo_ttft_ms", slo.ttft_s), ("slo_tpot_ms", slo.tpot_s)):
@@ -603,9 +633,17 @@ class Router:
             self._release(relay)
             raise
         self._relays[task] = (group, stream)
-        # (a task cancelled before it began never ran _run's clean-up: its relay goes here)
-        task.add_done_callback(lambda t: (self._relays.pop(t, None),
-                                          self._release(stream.relay)))
+        def done(t: asyncio.Task) -> None:
+            # A task cancelled before it began never ran _run: its relay goes here, and a
+            # client still waiting learns why (the router cancelled it: a silent worker).
+            self._relays.pop(t, None)
+            self._release(stream.relay)
+            if t.cancelled() and not stream.ended and not group.finished:
+                group._put(EngineError(
+                    f"the decode worker {stream.relay.worker.url} stopped answering before "
+                    "this response began; the response is incomplete"))
+
+        task.add_done_callback(done)
         for rid in ids:
             self._groups[rid] = (group, task, stream)
         return group
@@ -641,7 +679,9 @@ class Router:
                 raise
             if resp.status_code == 200:
                 choice = Choice(self.routing, len(hashes), held)
-                self.index[w.url].enter(hashes)  # it will hold them once it prefills
+                blocks = self.index.get(w.url)  # (none if --discover dropped it meanwhile)
+                if blocks is not None:
+                    blocks.enter(hashes)  # it will hold them once it prefills
                 if not avoid:  # (a migration is counted as one, not as a new request)
                     key = (w.url, self.routing)
                     self.routed[key] = self.routed.get(key, 0) + 1
@@ -671,7 +711,8 @@ class Router:
                 continue
             if resp.status_code == 429 and code in ("slo_ttft", "slo_tpot"):
                 retry = resp.headers.get("retry-after", "1")
-                slo.append((int(retry) if retry.isdigit() else 1, code, message))
+                slo.append((int(retry) if retry.isascii() and retry.isdecimal() else 1, code,
+                            message))
                 tried.append(f"{w.url} ({code})")
                 continue
             if resp.status_code == 503:
@@ -746,29 +787,49 @@ class Router:
     async def _run(self, group: RequestGroup, assembler: OutputAssembler,
                    stream: _Stream) -> None:
         """The group's relay task: its worker's lines into the group, and where that worker
-        cannot finish them, what is unfinished moved to another (see the module)."""
+        cannot finish them, what is unfinished moved to another (see the module). A drain's
+        move keeps the old relay until the new one is open: where no worker takes the stream
+        after all, it reads on from the old one (which finishes it within its grace)."""
         last: dict[str, Any] = {}  # each request's latest output, until it finishes
         try:
             while True:
                 relay = stream.relay
+                move: _Migrate | None = None
                 try:
                     await self._pump(group, assembler, stream, last)
-                    return
                 except _Migrate as m:
                     move = m
                 except asyncio.CancelledError:
                     # The router's own cancel (a silent worker's deadline) moves the stream;
                     # any other (the client left, shutdown) ends it.
                     if stream.move is None or stream.ended:
+                        self._release(relay)
                         raise
                     task = asyncio.current_task()
                     if task is not None:
                         task.uncancel()
                     move = _Migrate(*stream.move)
                     stream.move = None
-                finally:
+                except BaseException:
                     self._release(relay)
-                if not await self._migrate(group, assembler, stream, move):
+                    raise
+                if move is None:
+                    self._release(relay)
+                    return
+                if not move.keep:
+                    self._release(relay)
+                stream.moving = True
+                try:
+                    moved = await self._migrate(group, assembler, stream, move)
+                finally:
+                    stream.moving = False
+                if move.keep:
+                    if moved:
+                        self._release(relay)  # its worker sees the router go, and aborts
+                    else:
+                        stream.stay = True  # the worker finishes it: no more moves asked
+                    continue
+                if not moved:
                     return
         except Exception as e:  # a bug here must still end the client's stream
             log.exception("relaying %s failed", stream.request_id)
@@ -784,24 +845,26 @@ class Router:
     async def _pump(self, group: RequestGroup, assembler: OutputAssembler, stream: _Stream,
                     last: dict[str, Any]) -> None:
         """Worker lines -> the group's outputs (and the observers: the router's metrics).
-        Raises ``_Migrate`` where the worker cannot finish the relay. Its only awaits are
-        the body's reads: a cancel (``_stop``) ends a read, which httpcore cleans up; closing
-        the response is ``_release``'s (see the module)."""
+        Raises ``_Migrate`` where the worker cannot finish the relay; lines read and not yet
+        handled wait on the relay (``backlog``), so a drain's move that fails reads on from
+        where it stopped. Its only awaits are the body's reads: a cancel (``_stop``) ends a
+        read, which httpcore cleans up; closing the response is ``_release``'s (see the
+        module)."""
         relay = stream.relay
         worker = relay.worker
-        pending: list[bytes] = []
         try:
-            async for chunk in relay.chunks:
-                for raw in _split(pending, chunk):
-                    line = raw.decode()
+            while True:
+                while relay.backlog:
+                    line = relay.backlog.popleft().decode()
                     if not line:
                         continue
                     if line.startswith('{"notice"'):
-                        # the worker drains: move there if another worker can take it, else
-                        # read on (the worker finishes it within its grace period)
-                        if any(w.up and not w.draining and not w.retired
-                               and w is not worker for w in self.decode):
-                            raise _Migrate("drain", "is draining (shutting down)")
+                        # the worker drains: move if another worker can take the stream and
+                        # a move is left, else read on (the worker finishes it in its grace)
+                        if (not stream.stay and stream.moves < self.max_migrations
+                                and any(w.up and not w.draining and not w.retired
+                                        and w is not worker for w in self.decode)):
+                            raise _Migrate("drain", "is draining (shutting down)", keep=True)
                         continue
                     if line.startswith('{"error"'):
                         err = json.loads(line)["error"]
@@ -810,7 +873,7 @@ class Router:
                         kind = err.get("kind")
                         if kind == "stopped":
                             raise _Migrate("worker_stopped",
-                                           f"stopped ({err.get('message')})", True)
+                                           f"stopped ({err.get('message')})", stopped=True)
                         cls = GrammarFailed if kind == "grammar" else EngineError
                         group._put(cls(f"decode worker {worker.url}: {err.get('message')}"))
                         return
@@ -822,8 +885,12 @@ class Router:
                         del last[out.request_id]
                         ended = [FinishedRequest.of(out, default="stop")]
                     self._notify([out], ended)
-            if pending:
-                raise RelayError(f"the stream ended inside a line: {pending[0][:200]!r}")
+                chunk = await anext(relay.chunks, None)
+                if chunk is None:
+                    break
+                relay.backlog.extend(_split(relay.partial, chunk))
+            if relay.partial:
+                raise RelayError(f"the stream ended inside a line: {relay.partial[0][:200]!r}")
             if not all(assembler.finished[i] or i in stream.aborted for i in relay.index):
                 raise _Migrate("worker_lost", "ended the stream before every request "
                                "finished")
@@ -841,8 +908,9 @@ class Router:
 
     async def _migrate(self, group: RequestGroup, assembler: OutputAssembler,
                        stream: _Stream, move: _Migrate) -> bool:
-        """Resume the group's unfinished requests on another worker (``True``), or end the
-        response with an error that says why none could go on (``False``)."""
+        """Resume the group's unfinished requests on another worker (``True``), or (for a
+        move that keeps its old relay, quietly) end the response with an error that says
+        why none could go on (``False``)."""
         gone = stream.relay.worker
         pending = [i for i in range(len(stream.specs))
                    if not assembler.finished[i] and i not in stream.aborted]
@@ -850,12 +918,13 @@ class Router:
             return False
         what = f"the decode worker {gone.url} {move.why}"
         if stream.moves >= self.max_migrations:
-            self._fail(group, move, f"{what}; this response was moved {stream.moves} "
-                       f"time(s) already (--max-migrations {self.max_migrations}); the "
-                       "response is incomplete")
+            if not move.keep:
+                self._fail(group, move, f"{what}; this response was moved {stream.moves} "
+                           f"time(s) already (--max-migrations {self.max_migrations}); the "
+                           "response is incomplete")
             return False
         # (moved: admitted once already, it is not judged by a worker's SLO targets again)
-        body = {"request_id": stream.request_id, "moved": True,
+        body = {"request_id": stream.request_id, "moved": True, "handover": True,
                 "specs": _resend_specs(stream.specs, assembler, pending)}
         size = sum(len(s.get("token_ids", ())) + len(s.get("resume", ()))
                    for s in body["specs"])
@@ -864,8 +933,12 @@ class Router:
         try:
             relay, _ = await self._open(content, stream.hashes, pending, [gone])
         except Exception as e:  # noqa: BLE001 - every refusal ends the stream with its reason
-            self._fail(group, move, f"{what}, and no other decode worker could take it "
-                       f"over ({e}); the response is incomplete")
+            if move.keep:
+                log.info("request %s stays on draining %s: no other worker took it (%s)",
+                         stream.request_id, gone.url, _why(e))
+            else:
+                self._fail(group, move, f"{what}, and no other decode worker could take it "
+                           f"over ({_why(e)}); the response is incomplete")
             return False
         stream.relay = relay
         stream.moves += 1
@@ -874,6 +947,11 @@ class Router:
         log.info("request %s moved from %s to %s (%s): %d request(s), %d token(s) "
                  "streamed so far", stream.request_id, gone.url, relay.worker.url,
                  move.reason, len(pending), sum(len(assembler.ids[i]) for i in pending))
+        # the client ended some of them while the move was under way: end them there too
+        late = [k for k, i in enumerate(relay.index) if i in stream.aborted]
+        if late and self._loop is not None and self._client is not None:
+            names = _relay_ids(stream.request_id, len(relay.index))
+            self._spawn(self._abort_remote(relay.worker, [names[k] for k in late]))
         return True
 
     def _fail(self, group: RequestGroup, move: _Migrate, message: str) -> None:
@@ -943,9 +1021,7 @@ class Router:
             mine = {group.request_ids.index(rid) for rid in rids}
             stream.aborted |= mine  # never resumed elsewhere
             relay = stream.relay
-            # the worker's ids for them: the relay numbers its own specs
-            names = ([stream.request_id] if len(relay.index) == 1 else
-                     [f"{stream.request_id}-{k}" for k in range(len(relay.index))])
+            names = _relay_ids(stream.request_id, len(relay.index))  # the relay's numbering
             theirs = [names[k] for k, i in enumerate(relay.index) if i in mine]
             if theirs and self._loop is not None and self._client is not None:
                 self._spawn(self._abort_remote(relay.worker, theirs))
@@ -1031,9 +1107,9 @@ class Router:
                 continue
             for task, (_, stream) in list(self._relays.items()):
                 relay = stream.relay
-                # (a relay already released is being moved: its task waits on another
-                # worker, which a cancel must not cut)
-                if (relay.worker is not w or relay.released or task.done()
+                # (a stream being moved waits on another worker, which a cancel must not
+                # cut)
+                if (relay.worker is not w or stream.moving or task.done()
                         or task.cancelling() or stream.ended):
                     continue
                 stream.move = ("worker_silent", f"stopped answering ({w.reason}) for "

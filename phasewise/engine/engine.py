@@ -236,7 +236,8 @@ class LLMEngine:
             return self.cost_model.predict(chunks, [context] * rows).seconds
 
         return judge(slo, group_forecast(self.scheduler, self.kv, group,
-                                         lambda p, d: self.step_clock.cost(p, d, predicted)))
+                                         lambda p, d: self.step_clock.cost(p, d, predicted),
+                                         self.step_clock.prompt_share()))
 
     def _register(self, req: Request) -> None:
         self.requests[req.request_id] = req

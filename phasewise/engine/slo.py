@@ -13,8 +13,10 @@ seconds). The simulator calls it with its own cost model, the engine with ``Step
   ahead (they join the decodes as their prompts finish). Where the seats (``max_num_seqs``)
   are short, the wait for as many running requests to finish as it is short of comes first
   (each at its remaining output tokens, fewest first).
-* **TPOT**: a decode step at the batch the request joins (every running and waiting request
-  and itself, up to the seats).
+* **TPOT**: a step at the batch the request joins (every running and waiting request and
+  itself, up to the seats) that also carries the prompt tokens the recent steps carried on
+  average (``interference``: under chunked prefill the prompts of requests that arrive later
+  share its decode steps, at the rate prompts have been arriving).
 
 ``StepClock`` prices a step from the engine's own recent steps, so it holds on a busy machine:
 with the roofline cost model (stored peaks) it scales the model's prediction by the median
@@ -36,6 +38,9 @@ from typing import Any
 # Targets a request or a server may set, in milliseconds (an hour: beyond it "no SLO").
 SLO_MS_MIN = 1.0
 SLO_MS_MAX = 3_600_000.0
+# The share of a target a forecast may not use (judge): what the spread of a request's own
+# TTFT and TPOT around the forecast mean needs.
+MARGIN = 0.2
 # Steps whose period the clock keeps, and the fewest it prices from.
 CLOCK_STEPS = 256
 MIN_STEPS = 8
@@ -118,14 +123,17 @@ class Refusal:
         what = "time to first token" if self.reason == "slo_ttft" else "time per output token"
         pred = "never (no step has room for its prompt)" if math.isinf(self.predicted_s) \
             else f"{self.predicted_s * 1e3:.0f} ms"
-        return (f"refused at admission: its {what} would be {pred} at the current load, over "
-                f"its target of {self.target_s * 1e3:.0f} ms; retry after "
+        return (f"refused at admission: its {what} would be {pred} at the current load, too "
+                f"near its target of {self.target_s * 1e3:.0f} ms (it is admitted within "
+                f"{1 - MARGIN:.0%} of it); retry after "
                 f"{self.retry_after_s} s, or send it without the target")
 
 
-def forecast(q: QueueState, own_tokens: int, n: int, cost: Cost) -> Forecast:
+def forecast(q: QueueState, own_tokens: int, n: int, cost: Cost,
+             interference: float = 0.0) -> Forecast:
     """TTFT and TPOT of a group of ``n`` requests with ``own_tokens`` uncached prompt tokens
-    in all, joining ``q`` (see the module)."""
+    in all, joining ``q``, its decode steps carrying ``interference`` prompt tokens each (see
+    the module)."""
     decoding = min(q.max_seqs, q.decodes + q.prefills // 2)
     wait: float | None = 0.0
     short = q.seated + n - q.max_seqs  # seats that must free before its last one runs
@@ -145,11 +153,14 @@ def forecast(q: QueueState, own_tokens: int, n: int, cost: Cost) -> Forecast:
         a = cost(room, decoding) if full else 0.0
         b = cost(rest, decoding) if rest else 0.0
         ttft = None if a is None or b is None else wait + full * a + b
-    batch = max(1, min(q.max_seqs, q.decodes + q.prefills + n))
-    return Forecast(ttft, cost(0, batch))
+    # every request seated (running, waiting, or reserved for a remote prefill) decodes
+    batch = max(1, min(q.max_seqs, max(q.seated, q.decodes + q.prefills) + n))
+    shared = max(0, min(round(interference), q.budget - batch))
+    return Forecast(ttft, cost(shared, batch))
 
 
-def group_forecast(scheduler: Any, kv: Any, group: list[Any], cost: Cost) -> Forecast:
+def group_forecast(scheduler: Any, kv: Any, group: list[Any], cost: Cost,
+                   interference: float = 0.0) -> Forecast:
     """The forecast for ``group``, requests just added to ``scheduler``'s waiting queue (or
     reserved for a remote prefill, which adds no prompt work here), against the rest of its
     queue; ``kv`` (its ``KVCacheManager``) says how much of each prompt is cached. The engine
@@ -178,7 +189,7 @@ def group_forecast(scheduler: Any, kv: Any, group: list[Any], cost: Cost) -> For
     seated = len(s.running) + len(s.remote) + len(s.waiting) - len(group)
     q = QueueState(decodes, prefills, ahead, max(0, seated), tuple(sorted(finishing)),
                    s.config.max_num_batched_tokens, s.config.max_num_seqs)
-    return forecast(q, own, len(group), cost)
+    return forecast(q, own, len(group), cost, interference)
 
 
 def mean_context(scheduler: Any, group: list[Any]) -> int:
@@ -188,14 +199,17 @@ def mean_context(scheduler: Any, group: list[Any]) -> int:
     return sum(lengths) // len(lengths)
 
 
-def judge(slo: SLO, fc: Forecast) -> Refusal | None:
+def judge(slo: SLO, fc: Forecast, margin: float = MARGIN) -> Refusal | None:
     """The refusal a forecast earns against ``slo``, or None (a target the forecast cannot
-    speak to is met)."""
+    speak to is met). A forecast is a mean, and a request's own figure spreads around it
+    (which steps its tokens share with prompt chunks, the machine's other load), so a
+    request is admitted only where its forecast is within ``1 - margin`` of each target."""
     for reason, target, got in (("slo_ttft", slo.ttft_s, fc.ttft_s),
                                 ("slo_tpot", slo.tpot_s, fc.tpot_s)):
-        if target is not None and got is not None and got > target:
+        bound = None if target is None else target * (1 - margin)
+        if bound is not None and got is not None and got > bound:
             # the queue ahead drains in about the time it is over (at least a second)
-            over = got - target if math.isfinite(got) else 1.0
+            over = got - bound if math.isfinite(got) else 1.0
             return Refusal(reason, got, target, max(1, math.ceil(over)))
     return None
 
@@ -207,9 +221,14 @@ class StepClock:
         # (prefill tokens, decode rows, period, predicted seconds or None)
         self.steps: deque[tuple[int, int, float, float | None]] = deque(maxlen=keep)
         self._last: Any = None  # the step whose period the next one closes
-        self._fit: tuple[float, float, float] | None = None
+        self._fit: tuple[float, float | None, float] | None = None
         self._scale: float | None = None
         self._dirty = True
+
+    def prompt_share(self, last: int = 64) -> float:
+        """Prompt tokens the last steps carried on average (0 before any)."""
+        recent = list(self.steps)[-last:]
+        return sum(p for p, _, _, _ in recent) / len(recent) if recent else 0.0
 
     def observe(self, step: Any) -> None:
         """A finished step (``StepStats``): its predecessor's period is now known."""
@@ -243,16 +262,25 @@ class StepClock:
         if self._fit is None:
             return None
         a, b, c = self._fit
+        if b is None:
+            return None if prefill_tokens else a + c * decode_rows
         return a + b * prefill_tokens + c * decode_rows
 
 
-def _fit(rows: list[tuple[int, int, float]]) -> tuple[float, float, float] | None:
+def _fit(rows: list[tuple[int, int, float]]) -> tuple[float, float | None, float] | None:
     """Least squares of period ~ a + b x prefill + c x decodes, every coefficient >= 0: the
     first of the models (all three terms, then without the decode term, then without the
     intercept) whose fit is solvable and non-negative (steps that all decode the same rows
-    cannot tell the intercept from the decode term). None without enough steps, or without
-    steps with prompt tokens (no prefill slope to fit)."""
-    if len(rows) < MIN_STEPS or sum(1 for p, _, _ in rows if p) < 2:
+    cannot tell the intercept from the decode term). Without two steps with prompt tokens
+    (a decode worker whose prompts a prefill worker computes) there is no prefill slope:
+    ``b`` is None, and only decode steps are priced. None without enough steps."""
+    if len(rows) < MIN_STEPS:
+        return None
+    if sum(1 for p, _, _ in rows if p) < 2:
+        for use in ([True, False, True], [True, False, False]):
+            coef = _solve(rows, use)
+            if coef is not None and min(coef) >= -1e-9:
+                return max(0.0, coef[0]), None, max(0.0, coef[2])
         return None
     for use in ([True, True, True], [True, True, False], [False, True, True]):
         coef = _solve(rows, use)

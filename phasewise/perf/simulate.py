@@ -45,6 +45,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -203,6 +204,8 @@ class _Engine:
     landed: list[_Transfer] = field(default_factory=list)
     active_until: float = float("-inf")  # when its last step ended
     dead: bool = False  # it failed (Deployment.fail_at): nothing it does lands any more
+    # prompt tokens of its last steps (what SLO admission expects the next ones to carry)
+    prompt_tokens: deque = field(default_factory=lambda: deque(maxlen=64))
 
     @property
     def load(self) -> int:
@@ -365,8 +368,9 @@ class Simulation:
             def cost(p: int, d: int) -> float:
                 return self.cost.step_time([Chunk(p, 0)] if p else [], [ctx] * d)
 
+            share = (sum(e.prompt_tokens) / len(e.prompt_tokens)) if e.prompt_tokens else 0.0
             try:
-                refusal = judge(slo, group_forecast(s, s.kv, [req], cost))
+                refusal = judge(slo, group_forecast(s, s.kv, [req], cost, share))
             finally:
                 if queue is not None:
                     del queue[req.request_id]
@@ -438,6 +442,7 @@ class Simulation:
         dt = self.cost.step_time(chunks, decodes)
         kind = "mixed" if chunks and decodes else ("prefill" if chunks else "decode")
         e.steps[kind] += 1
+        e.prompt_tokens.append(sum(c.tokens for c in chunks))
         e.busy_s += dt
         self._at(self.clock.now + dt, lambda: self._step_end(e, batch, ends))
 

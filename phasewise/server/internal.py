@@ -80,6 +80,8 @@ class RelayRequest(BaseModel):
     slo_tpot_ms: Float | None = Field(None, ge=SLO_MS_MIN, le=SLO_MS_MAX)
     # a stream the router moved here from another worker: admitted already
     moved: bool = False
+    # the router moves a stream on a drain notice (an older one would not read the line)
+    handover: bool = False
 
 
 class AbortRelay(BaseModel):
@@ -190,9 +192,10 @@ def add_internal_routes(app: FastAPI, backend: ServingBackend, routes: Routes, *
                                      slo if slo.any else None)
 
         produced: dict[int, int] = {}
-        relays.add(group)
-        if is_draining():  # began while this one was admitted: it missed the notice
-            group.notify("handover")
+        if body.handover:
+            relays.add(group)
+            if is_draining():  # began while this one was admitted: it missed the notice
+                group.notify("handover")
 
         async def lines() -> AsyncIterator[bytes]:
             try:
