@@ -105,6 +105,10 @@ def test_the_clock_fits_the_steps_periods_and_scales_a_priced_model():
     for i in range(20):
         clock2.observe(_step(i * 10.0, 0.05, 32 * (i % 2), 2))
     assert clock2.cost(0, 2) == pytest.approx(0.05, rel=0.05)
+    # the prompt tokens a new request's decode steps will share: those of the last second's
+    # steps; an engine idle since a burst expects none (else a burst would refuse forever)
+    assert clock2.prompt_share(now=190.5) == pytest.approx(32)  # the step at 190 s
+    assert clock2.prompt_share(now=10_000.0) == 0.0
     # a decode worker whose prompts a prefill worker computes: decode steps only, priced;
     # a step with prompt tokens it has never seen, not
     clock3 = StepClock()

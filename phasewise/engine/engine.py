@@ -237,7 +237,7 @@ class LLMEngine:
 
         return judge(slo, group_forecast(self.scheduler, self.kv, group,
                                          lambda p, d: self.step_clock.cost(p, d, predicted),
-                                         self.step_clock.prompt_share()))
+                                         self.step_clock.prompt_share(self.clock())))
 
     def _register(self, req: Request) -> None:
         self.requests[req.request_id] = req

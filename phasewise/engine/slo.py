@@ -14,9 +14,9 @@ seconds). The simulator calls it with its own cost model, the engine with ``Step
   are short, the wait for as many running requests to finish as it is short of comes first
   (each at its remaining output tokens, fewest first).
 * **TPOT**: a step at the batch the request joins (every running and waiting request and
-  itself, up to the seats) that also carries the prompt tokens the recent steps carried on
-  average (``interference``: under chunked prefill the prompts of requests that arrive later
-  share its decode steps, at the rate prompts have been arriving).
+  itself, up to the seats) that also carries the prompt tokens the steps of the last second
+  carried on average (``interference``: under chunked prefill the prompts of requests that
+  arrive later share its decode steps, at the rate prompts have been arriving).
 
 ``StepClock`` prices a step from the engine's own recent steps, so it holds on a busy machine:
 with the roofline cost model (stored peaks) it scales the model's prediction by the median
@@ -41,6 +41,9 @@ SLO_MS_MAX = 3_600_000.0
 # The share of a target a forecast may not use (judge): what the spread of a request's own
 # TTFT and TPOT around the forecast mean needs.
 MARGIN = 0.2
+# The recent past whose prompt tokens a new request's decode steps are expected to share:
+# about as long as a short stream's decode, and an idle engine forgets a burst within it.
+SHARE_WINDOW_S = 1.0
 # Steps whose period the clock keeps, and the fewest it prices from.
 CLOCK_STEPS = 256
 MIN_STEPS = 8
@@ -220,18 +223,22 @@ class StepClock:
     def __init__(self, keep: int = CLOCK_STEPS) -> None:
         # (prefill tokens, decode rows, period, predicted seconds or None)
         self.steps: deque[tuple[int, int, float, float | None]] = deque(maxlen=keep)
+        self._starts: deque[tuple[float, int]] = deque(maxlen=keep)  # (start, prompt tokens)
         self._last: Any = None  # the step whose period the next one closes
         self._fit: tuple[float, float | None, float] | None = None
         self._scale: float | None = None
         self._dirty = True
 
-    def prompt_share(self, last: int = 64) -> float:
-        """Prompt tokens the last steps carried on average (0 before any)."""
-        recent = list(self.steps)[-last:]
-        return sum(p for p, _, _, _ in recent) / len(recent) if recent else 0.0
+    def prompt_share(self, now: float, window_s: float = SHARE_WINDOW_S) -> float:
+        """Prompt tokens a step carried on average over the steps that began in the last
+        ``window_s`` seconds before ``now`` (0 where none did: an idle engine carries none,
+        however busy it was before, so refusals stop once the load that caused them has)."""
+        recent = [p for t, p in reversed(self._starts) if t >= now - window_s]
+        return sum(recent) / len(recent) if recent else 0.0
 
     def observe(self, step: Any) -> None:
         """A finished step (``StepStats``): its predecessor's period is now known."""
+        self._starts.append((step.start_time, step.num_prefill_tokens))
         prev, self._last = self._last, step
         if prev is None:
             return

@@ -54,7 +54,7 @@ from phasewise.cache.manager import KVCacheManager
 from phasewise.engine.request import Request, RequestStatus
 from phasewise.engine.sampling_params import SamplingParams
 from phasewise.engine.scheduler import Scheduler, SchedulerConfig
-from phasewise.engine.slo import SLO, group_forecast, judge, mean_context
+from phasewise.engine.slo import SHARE_WINDOW_S, SLO, group_forecast, judge, mean_context
 from phasewise.engine.step_cost import Chunk
 from phasewise.perf.costmodel import CostModel
 from phasewise.perf.hardware import Link
@@ -204,8 +204,8 @@ class _Engine:
     landed: list[_Transfer] = field(default_factory=list)
     active_until: float = float("-inf")  # when its last step ended
     dead: bool = False  # it failed (Deployment.fail_at): nothing it does lands any more
-    # prompt tokens of its last steps (what SLO admission expects the next ones to carry)
-    prompt_tokens: deque = field(default_factory=lambda: deque(maxlen=64))
+    # (start, prompt tokens) of its last steps: what SLO admission expects the next to carry
+    prompt_tokens: deque = field(default_factory=lambda: deque(maxlen=256))
 
     @property
     def load(self) -> int:
@@ -368,7 +368,8 @@ class Simulation:
             def cost(p: int, d: int) -> float:
                 return self.cost.step_time([Chunk(p, 0)] if p else [], [ctx] * d)
 
-            share = (sum(e.prompt_tokens) / len(e.prompt_tokens)) if e.prompt_tokens else 0.0
+            recent = [p for t, p in e.prompt_tokens if t >= self.clock.now - SHARE_WINDOW_S]
+            share = sum(recent) / len(recent) if recent else 0.0
             try:
                 refusal = judge(slo, group_forecast(s, s.kv, [req], cost, share))
             finally:
@@ -442,7 +443,7 @@ class Simulation:
         dt = self.cost.step_time(chunks, decodes)
         kind = "mixed" if chunks and decodes else ("prefill" if chunks else "decode")
         e.steps[kind] += 1
-        e.prompt_tokens.append(sum(c.tokens for c in chunks))
+        e.prompt_tokens.append((self.clock.now, sum(c.tokens for c in chunks)))
         e.busy_s += dt
         self._at(self.clock.now + dt, lambda: self._step_end(e, batch, ends))
 
