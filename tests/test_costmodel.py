@@ -122,3 +122,26 @@ def test_a_plausible_fit_prints_its_figures_plainly(attn):
     assert lines[1] == "  per step 2 ms + 300 µs per sequence"
     assert f"prompt attention arithmetic: {1 / attn:.0%} of roofline" in "\n".join(lines)
     assert "not trusted" not in "\n".join(lines) and "not resolved" not in "\n".join(lines)
+
+
+def test_an_moe_steps_cost_reads_only_the_experts_its_rows_route_to():
+    """The simulator's cost model prices an MoE step's weight traffic as the roofline does:
+    a decode of one sequence reads 2 of Mixtral's 8 experts a layer, a large batch all 8."""
+    from phasewise.engine.step_cost import Chunk
+    from phasewise.perf.hardware import lookup_accelerator
+    from phasewise.perf.roofline import Roofline
+
+    m = lookup_model("Mixtral-8x7B-v0.1")
+    acc = lookup_accelerator("h200")
+    cm = CostModel(m, acc, "bf16", overhead_s=0.0, per_seq_s=0.0)
+    r = Roofline(m, acc, mfu=cm.mfu, mbu=cm.mbu)
+    # (within 3%: the roofline also counts the embedding table and activations as read)
+    for batch in (1, 2, 8, 64):
+        want = r.decode(batch, 0).time
+        assert cm.step_time([], [1] * batch) == pytest.approx(want, rel=0.03), batch
+    one, many = cm.step_time([], [1]), cm.step_time([], [1] * 64)
+    assert many / one > 3  # all 8 experts against 2: the weights' time, nearly 4x
+    assert cm.step_time([Chunk(512, 0)]) == pytest.approx(r.prefill(512).time, rel=0.03)
+    dense = CostModel(lookup_model("Mistral-7B-v0.1"), acc, "bf16", overhead_s=0.0,
+                      per_seq_s=0.0)
+    assert dense.step_time([], [1] * 8) == pytest.approx(dense.step_time([], [1]), rel=0.01)

@@ -172,6 +172,48 @@ def test_kv_capacity_transfer_and_moe_notes():
     assert any("50% of peak" in n for n in a["notes"])
 
 
+def test_moe_decode_reads_the_experts_its_tokens_route_to():
+    """Mixtral 8x7B: at batch 1 a decode step reads 2 of each layer's 8 experts, about 13 B
+    of its 47 B parameters (attention, embeddings and the LM head included): 26 of 93 GB in
+    bf16; as the batch grows the expected experts a layer reads approach all 8, and the bytes
+    the full model's."""
+    m = lookup_model("Mixtral-8x7B-v0.1")
+    r = Roofline(m, H100)
+    expert = 3 * 4096 * 14336
+    assert m.expert_params == expert
+    assert m.experts_touched(1) == pytest.approx(2.0)
+    assert m.experts_touched(2) == pytest.approx(8 * (1 - 0.75 ** 2))  # 3.5
+    one = r.decode(1, 0)
+    assert one.weight_bytes == pytest.approx((m.total_params - 32 * 6 * expert) * 2)
+    assert 12.5e9 < m.params_read(1) < 13.5e9 and 46e9 < m.total_params < 47e9
+    assert one.weight_bytes == pytest.approx(2 * m.params_read(1))
+    touched = [m.experts_touched(b) for b in (1, 2, 4, 8, 16, 32, 64)]
+    assert touched == sorted(touched) and touched[-1] == pytest.approx(8, abs=1e-6)
+    assert r.decode(64, 0).weight_bytes == pytest.approx(r.weight_bytes, rel=1e-6)
+    # a prompt of hundreds of tokens reads every expert; a dense model reads all at any batch
+    assert r.prefill(512).weight_bytes == pytest.approx(r.weight_bytes, rel=1e-9)
+    dense = Roofline(lookup_model("Mistral-7B-v0.1"), H100)
+    assert dense.decode(1, 0).weight_bytes == dense.weight_bytes
+    # the batch at which decode turns compute-bound: where its own arithmetic meets the
+    # bytes that batch reads (more than the full-model formula would give: small batches
+    # read less); the step there is balanced, above it compute-bound
+    b = r.critical_batch(0)
+    full = (r.weight_bytes / r.bandwidth) / (r.decode(1, 0).flops / r.peak_flops
+                                             - (one.bytes - one.weight_bytes) / r.bandwidth)
+    assert b == pytest.approx(full, rel=0.01)  # by then every expert is read anyway
+    assert r.decode(int(b) + 1, 0).bound == "compute" and r.decode(int(b) - 1, 0).bound == \
+        "memory"
+    # the mixed step counts the experts its tokens (chunks and decodes) touch
+    from phasewise.engine.step_cost import Chunk
+    assert r.mixed([], [1]).weight_bytes == pytest.approx(one.weight_bytes)
+    assert r.mixed([Chunk(3, 0)], [10]).weight_bytes == pytest.approx(r.decode(4, 0)
+                                                                      .weight_bytes)
+    a = analyse(m, lookup_accelerator("h200"))  # (93 GB of weights: not on an 80 GB card)
+    rows = {p["batch"]: p for p in a["batch_sweep"]}
+    assert rows[1]["experts_touched"] == pytest.approx(2.0)
+    assert rows[1]["weight_bytes"] < rows[4]["weight_bytes"] < rows[64]["weight_bytes"]
+
+
 def test_json_schema_and_plot(tmp_path, capsys):
     plot = tmp_path / "r.png"
     args = ["roofline", "--model", "Qwen2.5-7B", "--gpu", "a100-80gb", "--batch", "16",

@@ -41,11 +41,12 @@ def analyse(model: ModelShape | GenericModel, accel: Accelerator, dtype: str = "
         notes.append("generic dense model: 2 FLOPs per parameter per token, every weight read "
                      "once per step; no attention or KV cache (give a model for those)")
     if shaped and model.is_moe:
-        notes.append(f"MoE: FLOPs use the {model.active_params / 1e9:.2f}B active parameters, "
-                     f"weight bytes the {model.total_params / 1e9:.2f}B total. 'Every weight "
-                     "read once per step' holds only when the batch touches every expert; a "
-                     "small batch reads fewer experts, so small-batch decode can be faster "
-                     "than shown")
+        e, k = model.num_experts, model.experts_per_token
+        notes.append(f"MoE: FLOPs use the {model.active_params / 1e9:.2f}B active parameters; "
+                     f"a step reads only the experts its tokens route to: of {e} per layer, "
+                     f"{k} at one token and E(1-(1-{k}/{e})^T) in expectation at T tokens "
+                     "(uniform routing; skewed routing reads fewer), so its weight bytes "
+                     f"grow with the batch toward the {model.total_params / 1e9:.2f}B total")
     if mfu != 1.0 or mbu != 1.0:
         notes.append(f"predictions at {mfu:.0%} of peak FLOP/s (MFU) and {mbu:.0%} of peak "
                      "bandwidth (MBU)")
@@ -56,7 +57,10 @@ def analyse(model: ModelShape | GenericModel, accel: Accelerator, dtype: str = "
     while b <= 1024 and (cap is None or b <= max(cap, 1)):
         step = r.decode(b, context)
         sweep.append({"batch": b, "step_s": step.time, "tokens_per_s": b / step.time,
-                      "intensity": step.intensity, "bound": step.bound})
+                      "intensity": step.intensity, "bound": step.bound,
+                      "weight_bytes": step.weight_bytes, "bytes": step.bytes,
+                      "experts_touched": (model.experts_touched(b)
+                                          if shaped and model.is_moe else None)})
         b *= 2
     critical = {str(c): r.critical_batch(c) for c in
                 ((0,) if not shaped else CRITICAL_CONTEXTS)}
@@ -158,8 +162,11 @@ def format_text(a: dict[str, Any]) -> str:
     lines.append("")
     lines.append("decode throughput against batch (context as above):")
     for p in a["batch_sweep"]:
+        moe = ("" if p.get("experts_touched") is None else
+               f", {p['experts_touched']:.3g} experts/layer, weights {_b(p['weight_bytes'])}"
+               f" of {_b(p['bytes'])} read")
         lines.append(f"  batch {p['batch']:>5}: step {_t(p['step_s']):>9}, "
-                     f"{p['tokens_per_s']:>10.4g} tok/s, {p['bound']}-bound")
+                     f"{p['tokens_per_s']:>10.4g} tok/s, {p['bound']}-bound{moe}")
     crit = ", ".join(f"{'-' if v is None else f'{v:.4g}'} at {c}"
                      for c, v in a["critical_batch"].items())
     lines.append(f"critical batch (decode turns compute-bound): {crit}"

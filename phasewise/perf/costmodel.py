@@ -144,6 +144,15 @@ class CostModel:
         f = (x - xs[j - 1]) / (xs[j] - xs[j - 1])
         return [(j - 1, 1.0 - f), (j, f)]
 
+    def _body_bytes(self, rows: int) -> float:
+        """The layers' weight bytes a step of ``rows`` rows reads: all of them, but for an
+        MoE model only the experts its rows route to (``ModelShape.params_read``)."""
+        s = self.shape
+        if not s.is_moe:
+            return self.body_bytes
+        idle = s.num_experts - s.experts_touched(rows)
+        return self.body_bytes - s.num_layers * idle * s.expert_params * self.wbytes
+
     def _linear_roof(self, rows: int, flops_per_row: float, nbytes: float, peak: float) -> float:
         return max(rows * flops_per_row / peak, nbytes / self.bandwidth)
 
@@ -158,7 +167,7 @@ class CostModel:
                sum(max(d - 1, 0) for d in mix.decodes) * self.kv_bytes_per_token
                / self.bandwidth]
         cols = [0.0] * len(self.knots)
-        for n, fpr, nb in ((rows, self.body_flops_per_row, self.body_bytes),
+        for n, fpr, nb in ((rows, self.body_flops_per_row, self._body_bytes(rows)),
                            (samples, self.head_flops_per_row, self.head_bytes)):
             if n == 0:
                 continue
@@ -184,7 +193,7 @@ class CostModel:
                  + positions * self.attn_flops_per_pos)
         kv = (sum(c.context + c.tokens for c in mix.chunks)
               + sum(mix.decodes)) * self.kv_bytes_per_token
-        nbytes = self.body_bytes + (self.head_bytes if mix.samples else 0.0) + kv
+        nbytes = self._body_bytes(mix.rows) + (self.head_bytes if mix.samples else 0.0) + kv
         return self.overhead_s + self.per_seq_s * mix.seqs + max(flops / peak, nbytes / bw)
 
     def kv_bytes(self, tokens: int) -> float:

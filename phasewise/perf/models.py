@@ -78,6 +78,28 @@ class ModelShape:
         return self.num_layers * (self.attn_params_per_layer + self.active_mlp_params_per_layer)
 
     @property
+    def expert_params(self) -> int:
+        """One expert's weights (gate, up and down projections); 0 for a dense model."""
+        return 3 * self.hidden_size * self.intermediate_size if self.is_moe else 0
+
+    def experts_touched(self, tokens: float) -> float:
+        """Distinct experts of a layer that ``tokens`` tokens route to, in expectation, when
+        each picks its ``experts_per_token`` of the ``num_experts`` uniformly:
+        E (1 - (1 - k/E)^tokens). A batch of 1 reads k; as the batch grows, all E."""
+        if not self.is_moe or tokens <= 0:
+            return 0.0
+        e, k = self.num_experts, self.experts_per_token
+        return e * (1.0 - (1.0 - k / e) ** tokens)
+
+    def params_read(self, tokens: float) -> float:
+        """Weights a step of ``tokens`` tokens reads: all of a dense model's; an MoE
+        model's less the experts no token routed to (``experts_touched``)."""
+        if not self.is_moe:
+            return float(self.total_params)
+        idle = self.num_experts - self.experts_touched(tokens)
+        return self.total_params - self.num_layers * idle * self.expert_params
+
+    @property
     def active_params(self) -> int:
         head = 0 if self.tie_word_embeddings else self.lm_head_params
         return self.active_linear_params + self.embedding_params + head

@@ -14,9 +14,11 @@ FLOPs of a step:
   ``i`` from ``P + 1`` to ``P + S``, which is ``S * P + S * (S + 1) / 2`` (not ``S * (P+S)``);
 * the LM head: ``2 * vocab * hidden`` only for the positions that sample (one per request).
 
-Bytes of a step: every weight once (the full model even for MoE: over a batch, all experts
-are touched), the KV cache each sequence reads (its context), the KV it writes, and
-activations (each matmul's input and output once per token and layer).
+Bytes of a step: every weight once, except an MoE model's experts that none of the step's
+tokens routed to (``ModelShape.experts_touched``: of E experts with top-k routing, T tokens
+touch E (1 - (1 - k/E)^T) in expectation: k at one token, all E as T grows), the KV cache
+each sequence reads (its context), the KV it writes, and activations (each matmul's input and
+output once per token and layer).
 
 A *mixed* step (``Roofline.mixed``) is what the engine runs: one fused pass over prompt chunks
 and decode tokens together. Its weights are read once for the whole step, not once per phase;
@@ -147,6 +149,14 @@ class Roofline:
         n = m.params if isinstance(m, GenericModel) else m.total_params
         return n * self.wbytes
 
+    def step_weight_bytes(self, tokens: float) -> float:
+        """Weight bytes a step of ``tokens`` tokens reads (an MoE model: the experts they
+        route to, ``ModelShape.params_read``)."""
+        m = self.model
+        if isinstance(m, GenericModel) or not m.is_moe:
+            return self.weight_bytes
+        return m.params_read(tokens) * self.wbytes
+
     @property
     def kv_bytes_per_token(self) -> float | None:
         if not isinstance(self.model, ModelShape):
@@ -176,6 +186,10 @@ class Roofline:
         return tokens * m.num_layers * m.act_elems_per_token() * self.act_bytes_per_el
 
     @cached_property
+    def _moe(self) -> bool:
+        return isinstance(self.model, ModelShape) and self.model.is_moe
+
+    @cached_property
     def _mixed_consts(self) -> tuple[float, float, float, float, float, float]:
         """``mixed``'s per-token constants, computed once: the engine asks for every step's
         cost, and on a CPU whose caches the weights' stream has just flushed each property
@@ -198,8 +212,9 @@ class Roofline:
         kv_read = batch * p * kvpt
         kv_write = tokens * kvpt
         act = self._act_bytes(tokens)
-        total = self.weight_bytes + kv_read + kv_write + act
-        return StepCost("prefill", tokens, flops, total, self.weight_bytes, kv_read, kv_write,
+        weights = self.step_weight_bytes(tokens)
+        total = weights + kv_read + kv_write + act
+        return StepCost("prefill", tokens, flops, total, weights, kv_read, kv_write,
                         act, self.peak_flops, self.bandwidth)
 
     def decode(self, batch: int = 1, context: int | Sequence[int] = 0) -> StepCost:
@@ -218,8 +233,9 @@ class Roofline:
         kv_read = sum(max(c - 1, 0) for c in contexts) * kvpt
         kv_write = batch * kvpt if any(contexts) else 0.0
         act = self._act_bytes(batch)
-        total = self.weight_bytes + kv_read + kv_write + act
-        return StepCost("decode", batch, flops, total, self.weight_bytes, kv_read, kv_write,
+        weights = self.step_weight_bytes(batch)
+        total = weights + kv_read + kv_write + act
+        return StepCost("decode", batch, flops, total, weights, kv_read, kv_write,
                         act, self.peak_flops, self.bandwidth)
 
     def mixed(self, chunks: Sequence[Chunk] = (), decodes: Sequence[int] = ()) -> StepCost:
@@ -246,6 +262,8 @@ class Roofline:
         kv_read = (sum(c.context for c in chunks) + sum(decodes) - fresh) * kvpt
         kv_write = (sum(c.tokens for c in chunks) + fresh) * kvpt
         act = tokens * act1
+        if self._moe:
+            weights = self.step_weight_bytes(tokens)
         total = weights + kv_read + kv_write + act
         kind = "mixed" if chunks and decodes else ("prefill" if chunks else "decode")
         return StepCost(kind, tokens, flops, total, weights, kv_read, kv_write, act,
@@ -262,14 +280,28 @@ class Roofline:
 
     def critical_batch(self, context: int) -> float | None:
         """Smallest batch at which a decode step at ``context`` turns compute-bound, or None
-        if it never does (each sequence's KV reads cost more time than its arithmetic)."""
+        if it never does (each sequence's KV reads cost more time than its arithmetic). For
+        an MoE model the weights a step reads grow with the batch (more experts touched), so
+        the batch is found by bisection on the step's own arithmetic and traffic."""
         per_seq = self.decode(1, context)
-        w = self.weight_bytes / self.bandwidth
         seq_compute = per_seq.flops / self.peak_flops
-        seq_memory = (per_seq.bytes - self.weight_bytes) / self.bandwidth
+        seq_memory = (per_seq.bytes - per_seq.weight_bytes) / self.bandwidth
         if seq_compute <= seq_memory:
             return None
-        return w / (seq_compute - seq_memory)
+        if not self._moe:
+            return (self.weight_bytes / self.bandwidth) / (seq_compute - seq_memory)
+
+        def over(b: float) -> float:  # compute time less memory time of a batch of b
+            w = self.step_weight_bytes(b) / self.bandwidth
+            return b * seq_compute - (w + b * seq_memory)
+
+        lo, hi = 0.0, 1.0
+        while over(hi) < 0:  # the full model's batch bounds it: over() turns positive
+            lo, hi = hi, hi * 2
+        for _ in range(60):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if over(mid) < 0 else (lo, mid)
+        return hi
 
     def never_compute_bound_context(self) -> float | None:
         """Context length beyond which decode stays memory-bound at any batch (attention over
