@@ -145,3 +145,18 @@ def test_an_moe_steps_cost_reads_only_the_experts_its_rows_route_to():
     dense = CostModel(lookup_model("Mistral-7B-v0.1"), acc, "bf16", overhead_s=0.0,
                       per_seq_s=0.0)
     assert dense.step_time([], [1] * 8) == pytest.approx(dense.step_time([], [1]), rel=0.01)
+
+
+def test_a_windowed_models_decode_cost_stops_growing_at_its_window():
+    """Mistral-7B-v0.1 (a 4096-position window on every layer): the simulator prices a decode
+    at 16k of context as one at 4k, where a model without the window pays for all of it."""
+    from phasewise.perf.hardware import lookup_accelerator
+    from phasewise.perf.models import ModelShape
+
+    m = lookup_model("Mistral-7B-v0.1")
+    acc = lookup_accelerator("h100-sxm")
+    cm = CostModel(m, acc, "bf16", overhead_s=0.0, per_seq_s=0.0)
+    assert cm.step_time([], [16384] * 32) == pytest.approx(cm.step_time([], [4097] * 32))
+    full = CostModel(ModelShape(**{**m.__dict__, "sliding_window": None, "window_layers": 0}),
+                     acc, "bf16", overhead_s=0.0, per_seq_s=0.0)
+    assert full.step_time([], [16384] * 32) > 2 * full.step_time([], [4097] * 32)

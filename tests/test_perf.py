@@ -214,6 +214,60 @@ def test_moe_decode_reads_the_experts_its_tokens_route_to():
     assert rows[1]["weight_bytes"] < rows[4]["weight_bytes"] < rows[64]["weight_bytes"]
 
 
+def test_a_sliding_window_caps_kv_reads_attention_and_capacity():
+    """Mistral-7B-v0.1 attends to the last 4096 positions in every layer: a decode step past
+    that reads 4096 positions' K/V per sequence, however long its context, and a request
+    holds no more K/V than that; Gemma-2 windows every other layer, so its reads grow at
+    half the rate past the window."""
+    from phasewise.engine.step_cost import Chunk
+    from phasewise.perf.models import ModelShape
+
+    m = lookup_model("Mistral-7B-v0.1")
+    r = Roofline(m, H100)
+    kvpt = r.kv_bytes_per_token
+    assert m.windowed and m.sliding_window == 4096 and m.window_layers == 32
+    assert r.decode(1, 2048).kv_read_bytes == pytest.approx(2047 * kvpt)
+    assert r.decode(1, 16384).kv_read_bytes == pytest.approx(4096 * kvpt)
+    assert r.decode(1, 16384).flops == pytest.approx(r.decode(1, 4097).flops)
+    full = Roofline(ModelShape(**{**m.__dict__, "sliding_window": None, "window_layers": 0}),
+                    H100)
+    assert full.decode(1, 16384).kv_read_bytes == pytest.approx(16383 * kvpt)
+    assert r.max_concurrent_requests(16384) == int(
+        (80e9 * 0.9 - r.weight_bytes) // (4096 * kvpt))
+    # a prompt longer than the window: each query attends to at most 4096 positions
+    assert r.prefill(8192).flops < full.prefill(8192).flops
+    assert r.prefill(4096).flops == pytest.approx(full.prefill(4096).flops)
+    # the fused step counts the same spans as the pure ones
+    assert r.mixed([], [16384]).bytes == pytest.approx(r.decode(1, 16384).bytes)
+    assert r.mixed([Chunk(8192, 0)]).flops == pytest.approx(r.prefill(8192).flops)
+    g = lookup_model("gemma-2-9b")
+    assert g.window_layers == 21 and g.attended(8000) == pytest.approx((21 * 8000 + 21 * 4096)
+                                                                       / 42)
+    # past the window a windowed decode's reads stop: where it never turns compute-bound
+    # is where its own figures say so
+    c = r.never_compute_bound_context()
+    one = r.decode(1, int(c))
+    assert one.flops / r.peak_flops <= (one.bytes - one.weight_bytes) / r.bandwidth
+
+
+@pytest.mark.parametrize("cfg,want", [
+    ({"sliding_window": 4096, "max_position_embeddings": 32768}, (4096, 4)),
+    ({"sliding_window": 4096, "max_position_embeddings": 4096}, (None, 0)),
+    ({"sliding_window": 4096, "use_sliding_window": False}, (None, 0)),
+    ({"sliding_window": 1024, "use_sliding_window": True, "max_window_layers": 1}, (1024, 3)),
+    ({"sliding_window": 512, "layer_types": ["sliding_attention", "full_attention"] * 2},
+     (512, 2)),
+    ({"sliding_window": None}, (None, 0)),
+])
+def test_the_window_is_read_from_the_config_as_transformers_applies_it(cfg, want):
+    from phasewise.perf.models import ModelShape
+
+    base = {"hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 4,
+            "intermediate_size": 128, "vocab_size": 100}
+    m = ModelShape.from_hf_config({**base, **cfg})
+    assert (m.sliding_window, m.window_layers) == want
+
+
 def test_json_schema_and_plot(tmp_path, capsys):
     plot = tmp_path / "r.png"
     args = ["roofline", "--model", "Qwen2.5-7B", "--gpu", "a100-80gb", "--batch", "16",

@@ -73,6 +73,8 @@ def analyse(model: ModelShape | GenericModel, accel: Accelerator, dtype: str = "
             "active_params": model.params if isinstance(model, GenericModel)
             else model.active_params,
             "moe": shaped and model.is_moe,
+            "sliding_window": model.sliding_window if shaped and model.windowed else None,
+            "window_layers": model.window_layers if shaped and model.windowed else 0,
             "weight_bytes": r.weight_bytes,
             "kv_bytes_per_token": r.kv_bytes_per_token,
         },
@@ -145,6 +147,11 @@ def format_text(a: dict[str, Any]) -> str:
     if m["kv_bytes_per_token"]:
         lines.append(f"KV cache     {m['kv_bytes_per_token'] / 1024:.4g} KiB per token "
                      f"({a['kv_dtype']})")
+    if m.get("sliding_window"):
+        lines.append(f"window       {m['window_layers']} of the layers attend to the last "
+                     f"{m['sliding_window']} positions only: their K/V reads and attention "
+                     "stop growing there, and the capacity below counts no more K/V than "
+                     "that for them")
     p, d = a["prefill"], a["decode"]
     lines.append(f"in short     prefill of {w['prompt_len']} tokens is {p['bound']}-bound "
                  f"({p['ratio']:.3g}x); a decode step at batch {w['batch']} is {d['bound']}-"

@@ -160,12 +160,20 @@ class CostModel:
         """The step's design row: ``TERMS`` first, then one column per knot (the matmuls'
         roofline time carried by that knot). Linear in the unknowns ``fit`` solves for."""
         rows, samples = mix.rows, mix.samples
-        positions = chunk_positions(mix.chunks)
+        s = self.shape
+        if s.windowed:  # a layer with a window sees at most the window
+            positions = sum(s.attended_sum(c.context + 1, c.context + c.tokens)
+                            for c in mix.chunks)
+            chunk_read = sum(s.attended(c.context) for c in mix.chunks)
+            decode_read = sum(s.attended(max(d - 1, 0)) for d in mix.decodes)
+        else:
+            positions = chunk_positions(mix.chunks)
+            chunk_read = sum(c.context for c in mix.chunks)
+            decode_read = sum(max(d - 1, 0) for d in mix.decodes)
         row = [1.0, float(mix.seqs),
                positions * self.attn_flops_per_pos / self.attn_peak,
-               sum(c.context for c in mix.chunks) * self.kv_bytes_per_token / self.bandwidth,
-               sum(max(d - 1, 0) for d in mix.decodes) * self.kv_bytes_per_token
-               / self.bandwidth]
+               chunk_read * self.kv_bytes_per_token / self.bandwidth,
+               decode_read * self.kv_bytes_per_token / self.bandwidth]
         cols = [0.0] * len(self.knots)
         for n, fpr, nb in ((rows, self.body_flops_per_row, self._body_bytes(rows)),
                            (samples, self.head_flops_per_row, self.head_bytes)):
@@ -188,11 +196,18 @@ class CostModel:
     def _assumed_time(self, mix: StepMix) -> float:
         """Without a fit: the roofline of the fused step at the assumed MFU and MBU."""
         peak, bw = self.default_peak * self.mfu, self.bandwidth * self.mbu
-        positions = chunk_positions(mix.chunks) + sum(mix.decodes)
+        s = self.shape
+        if s.windowed:
+            positions = (sum(s.attended_sum(c.context + 1, c.context + c.tokens)
+                             for c in mix.chunks) + sum(s.attended(d) for d in mix.decodes))
+            kv = (sum(s.attended(c.context) + c.tokens for c in mix.chunks)
+                  + sum(s.attended(d) for d in mix.decodes)) * self.kv_bytes_per_token
+        else:
+            positions = chunk_positions(mix.chunks) + sum(mix.decodes)
+            kv = (sum(c.context + c.tokens for c in mix.chunks)
+                  + sum(mix.decodes)) * self.kv_bytes_per_token
         flops = (mix.rows * self.body_flops_per_row + mix.samples * self.head_flops_per_row
                  + positions * self.attn_flops_per_pos)
-        kv = (sum(c.context + c.tokens for c in mix.chunks)
-              + sum(mix.decodes)) * self.kv_bytes_per_token
         nbytes = self._body_bytes(mix.rows) + (self.head_bytes if mix.samples else 0.0) + kv
         return self.overhead_s + self.per_seq_s * mix.seqs + max(flops / peak, nbytes / bw)
 

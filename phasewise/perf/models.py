@@ -30,6 +30,43 @@ class ModelShape:
     experts_per_token: int = 0
     max_position_embeddings: int | None = None
     source: str = ""
+    # Sliding-window attention: ``window_layers`` of the layers attend to the last
+    # ``sliding_window`` positions only (None: every layer attends to the whole context)
+    sliding_window: int | None = None
+    window_layers: int = 0
+
+    def __post_init__(self) -> None:
+        if self.sliding_window is not None and not (
+                self.sliding_window >= 1 and 0 <= self.window_layers <= self.num_layers):
+            raise ValueError(f"{self.name}: sliding_window {self.sliding_window} over "
+                             f"{self.window_layers} of {self.num_layers} layers is not a window")
+
+    # -- attention spans (sliding windows) ----------------------------------------------------
+    @property
+    def windowed(self) -> bool:
+        return self.sliding_window is not None and self.window_layers > 0
+
+    def attended(self, n: float) -> float:
+        """Positions a query at position ``n`` attends to (or the K/V of a sequence of
+        ``n`` tokens a step reads), averaged over the layers: ``n`` where a layer sees the
+        whole context, at most the window where it sees a window."""
+        if not self.windowed:
+            return n
+        w, lw = self.sliding_window, self.window_layers
+        return ((self.num_layers - lw) * n + lw * min(n, w)) / self.num_layers
+
+    def attended_sum(self, lo: int, hi: int) -> float:
+        """``attended(i)`` summed for i from ``lo`` to ``hi`` (a prompt chunk's queries)."""
+        if hi < lo:
+            return 0.0
+        full = (lo + hi) * (hi - lo + 1) / 2
+        if not self.windowed:
+            return full
+        w, lw = self.sliding_window, self.window_layers
+        top = min(hi, w)
+        capped = ((lo + top) * (top - lo + 1) / 2 if top >= lo else 0.0) \
+            + max(0, hi - max(lo, w + 1) + 1) * w
+        return ((self.num_layers - lw) * full + lw * capped) / self.num_layers
 
     # -- parameters -------------------------------------------------------------------------
     @property
@@ -130,6 +167,7 @@ class ModelShape:
             raise ValueError(f"{name}: missing {e.args[0]!r}; a decoder-only config needs "
                              "hidden_size, num_attention_heads and num_hidden_layers") from e
         n_experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
+        window, window_layers = _window_of(cfg, layers)
         inter = int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"]) if n_experts \
             else int(cfg["intermediate_size"])
         return cls(
@@ -141,7 +179,7 @@ class ModelShape:
             num_experts=n_experts,
             experts_per_token=int(cfg.get("num_experts_per_tok") or 0) if n_experts else 0,
             max_position_embeddings=cfg.get("max_position_embeddings"),
-            source=source or name)
+            source=source or name, sliding_window=window, window_layers=window_layers)
 
     @classmethod
     def from_path(cls, path: str | Path) -> ModelShape:
@@ -162,6 +200,28 @@ class GenericModel:
             raise ValueError(f"parameter count must be > 0, got {self.params}")
         if not self.name:
             object.__setattr__(self, "name", f"dense {self.params:.3g} parameters")
+
+
+def _window_of(cfg: dict[str, Any], layers: int) -> tuple[int | None, int]:
+    """(window, layers that use it) of a transformers config: ``layer_types`` where it lists
+    them; Qwen2's ``use_sliding_window`` (the layers from ``max_window_layers`` on); else a
+    ``sliding_window`` on every layer (Mistral). A window no shorter than the context is
+    none."""
+    w = cfg.get("sliding_window")
+    if not isinstance(w, int) or isinstance(w, bool) or w < 1:
+        return None, 0
+    if w >= int(cfg.get("max_position_embeddings") or 0) > 0:
+        return None, 0
+    types = cfg.get("layer_types")
+    if isinstance(types, list) and types:
+        n = sum(1 for t in types if t == "sliding_attention")
+        return (w, n) if n else (None, 0)
+    if "use_sliding_window" in cfg:
+        if not cfg["use_sliding_window"]:
+            return None, 0
+        first = int(cfg.get("max_window_layers") or 0)
+        return (w, layers - min(first, layers)) if first < layers else (None, 0)
+    return w, layers
 
 
 def _shape(name: str, source: str, **kw: Any) -> ModelShape:
@@ -202,7 +262,8 @@ def _gemma2(size, hidden, layers, heads, kv, head_dim, inter):
     return _shape(name, f"google/{name} config.json", hidden_size=hidden, num_layers=layers,
                   num_heads=heads, num_kv_heads=kv, head_dim=head_dim,
                   intermediate_size=inter, vocab_size=256000, tie_word_embeddings=True,
-                  max_position_embeddings=8192)
+                  max_position_embeddings=8192, sliding_window=4096,
+                  window_layers=layers // 2)  # every other layer local
 
 
 CATALOG: dict[str, ModelShape] = {m.name.lower(): m for m in [
@@ -227,7 +288,8 @@ CATALOG: dict[str, ModelShape] = {m.name.lower(): m for m in [
     _qwen3("32B", 5120, 64, 64, 8, 25600, False),
     _shape("Mistral-7B-v0.1", "mistralai/Mistral-7B-v0.1 config.json", hidden_size=4096,
            num_layers=32, num_heads=32, num_kv_heads=8, intermediate_size=14336,
-           vocab_size=32000, max_position_embeddings=32768),
+           vocab_size=32000, max_position_embeddings=32768, sliding_window=4096,
+           window_layers=32),
     _gemma2("2b", 2304, 26, 8, 4, 256, 9216),
     _gemma2("9b", 3584, 42, 16, 8, 256, 14336),
     _gemma2("27b", 4608, 46, 32, 16, 128, 36864),

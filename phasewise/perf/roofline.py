@@ -186,6 +186,20 @@ class Roofline:
         return tokens * m.num_layers * m.act_elems_per_token() * self.act_bytes_per_el
 
     @cached_property
+    def _windowed(self) -> bool:
+        return isinstance(self.model, ModelShape) and self.model.windowed
+
+    def _span(self, n: float) -> float:
+        """K/V positions a sequence of ``n`` tokens reads, averaged over the layers (capped
+        at the window where a layer has one)."""
+        return self.model.attended(n) if self._windowed else n
+
+    def _span_sum(self, lo: int, hi: int) -> float:
+        if self._windowed:
+            return self.model.attended_sum(lo, hi)
+        return (lo + hi) * (hi - lo + 1) / 2
+
+    @cached_property
     def _moe(self) -> bool:
         return isinstance(self.model, ModelShape) and self.model.is_moe
 
@@ -204,12 +218,12 @@ class Roofline:
         if prompt_len < 1 or prefix_len < 0 or batch < 1:
             raise ValueError("prefill needs prompt_len >= 1, prefix_len >= 0, batch >= 1")
         s, p = prompt_len, prefix_len
-        positions = s * p + s * (s + 1) / 2  # sum of i for i in P+1..P+S
+        positions = self._span_sum(p + 1, p + s)  # sum of i for i in P+1..P+S (windows: capped)
         tokens = batch * s
         flops = (tokens * self._linear_flops_per_token() + batch * self._attn_flops(positions)
                  + batch * self._lm_head_flops())
         kvpt = self.kv_bytes_per_token or 0.0
-        kv_read = batch * p * kvpt
+        kv_read = batch * self._span(p) * kvpt
         kv_write = tokens * kvpt
         act = self._act_bytes(tokens)
         weights = self.step_weight_bytes(tokens)
@@ -228,9 +242,9 @@ class Roofline:
         if batch < 1 or any(c < 0 for c in contexts):
             raise ValueError("decode needs batch >= 1 and contexts >= 0")
         flops = batch * (self._linear_flops_per_token() + self._lm_head_flops()) \
-            + self._attn_flops(sum(contexts))
+            + self._attn_flops(sum(self._span(c) for c in contexts))
         kvpt = self.kv_bytes_per_token or 0.0
-        kv_read = sum(max(c - 1, 0) for c in contexts) * kvpt
+        kv_read = sum(self._span(max(c - 1, 0)) for c in contexts) * kvpt
         kv_write = batch * kvpt if any(contexts) else 0.0
         act = self._act_bytes(batch)
         weights = self.step_weight_bytes(batch)
@@ -254,12 +268,20 @@ class Roofline:
         linear, attn, head, kvpt, act1, weights = self._mixed_consts
         tokens = sum(c.tokens for c in chunks) + len(decodes)
         # Query positions (1-based) summed: the chunks', and each decode's context.
-        positions = chunk_positions(chunks) + sum(decodes)
+        fresh = len(decodes) - decodes.count(0)
+        if self._windowed:  # each query sees at most the window where a layer has one
+            m = self.model
+            positions = (sum(m.attended_sum(c.context + 1, c.context + c.tokens)
+                             for c in chunks) + sum(m.attended(d) for d in decodes))
+            read = (sum(m.attended(c.context) for c in chunks)
+                    + sum(m.attended(max(d - 1, 0)) for d in decodes))
+        else:
+            positions = chunk_positions(chunks) + sum(decodes)
+            # each decode reads its context less the new token (none for an empty one)
+            read = sum(c.context for c in chunks) + sum(decodes) - fresh
         samples = sum(1 for c in chunks if c.samples) + len(decodes)
         flops = tokens * linear + attn * positions + samples * head
-        # each decode reads its context less the new token (none for an empty one)
-        fresh = len(decodes) - decodes.count(0)
-        kv_read = (sum(c.context for c in chunks) + sum(decodes) - fresh) * kvpt
+        kv_read = read * kvpt
         kv_write = (sum(c.tokens for c in chunks) + fresh) * kvpt
         act = tokens * act1
         if self._moe:
@@ -308,6 +330,8 @@ class Roofline:
         the KV cache does fewer FLOPs per byte than the ridge), or None if no such length."""
         if not isinstance(self.model, ModelShape):
             return None
+        if self._windowed:
+            return self._never_compute_bound_windowed()
         m = self.model
         kvpt = self.kv_bytes_per_token or 0.0
         a = m.num_layers * m.act_elems_per_token() * self.act_bytes_per_el
@@ -319,6 +343,25 @@ class Roofline:
             return None
         return max(0.0, (f0 / self.peak_flops - a / self.bandwidth) / slope)
 
+    def _never_compute_bound_windowed(self) -> float | None:
+        """``never_compute_bound_context`` where K/V reads stop growing at a window: the
+        first context at which a sequence's reads outweigh its arithmetic, found on the
+        decode step's own figures (None if none does up to 16 M tokens)."""
+        def worse(c: float) -> bool:
+            one = self.decode(1, int(c))
+            return one.flops / self.peak_flops <= \
+                (one.bytes - one.weight_bytes) / self.bandwidth
+        hi = 1.0
+        while not worse(hi):
+            if hi > 2 ** 24:
+                return None
+            hi *= 2
+        lo = hi / 2 if hi > 1 else 0.0
+        while hi - lo > 1:
+            mid = (lo + hi) / 2
+            lo, hi = (lo, mid) if worse(mid) else (mid, hi)
+        return hi
+
     def max_concurrent_requests(self, context: int, reserve_frac: float = 0.1) -> int | None:
         """Requests of ``context`` tokens whose KV fits beside the weights, after keeping
         ``reserve_frac`` of memory for activations and the runtime."""
@@ -326,7 +369,9 @@ class Roofline:
         if kvpt is None or context < 1:
             return None
         free = self.accel.mem_bytes * (1 - reserve_frac) - self.weight_bytes
-        return max(0, int(free // (context * kvpt)))
+        # a windowed layer holds no more than its window of K/V (once what falls out of it
+        # is freed)
+        return max(0, int(free // (self._span(context) * kvpt)))
 
     def kv_transfer(self, prompt_len: int, link: Link) -> dict[str, float] | None:
         """Time to ship one prompt's KV cache over ``link``, against its prefill time."""
