@@ -77,6 +77,9 @@ def test_judge_refuses_only_a_target_the_forecast_exceeds():
     # the default margin: a forecast must leave a fifth of the target unused
     assert judge(SLO(ttft_s=3.2, tpot_s=0.0625), fc) is None
     assert judge(SLO(ttft_s=3.0), fc).reason == "slo_ttft"
+    # a forecast far out (a seat freed only when a long request ends) sends the client
+    # away for a minute at most
+    assert judge(SLO(ttft_s=1.0), Forecast(ttft_s=5000.0, tpot_s=0.0)).retry_after_s == 60
     # a forecast the clock cannot make yet refuses nothing
     assert judge(SLO(ttft_s=0.001, tpot_s=0.001), Forecast(None, None)) is None
 

@@ -41,6 +41,7 @@ SLO_MS_MAX = 3_600_000.0
 # The share of a target a forecast may not use (judge): what the spread of a request's own
 # TTFT and TPOT around the forecast mean needs.
 MARGIN = 0.2
+RETRY_MAX_S = 60  # the longest Retry-After a refusal asks for
 # The recent past whose prompt tokens a new request's decode steps are expected to share:
 # about as long as a short stream's decode, and an idle engine forgets a burst within it.
 SHARE_WINDOW_S = 1.0
@@ -211,9 +212,11 @@ def judge(slo: SLO, fc: Forecast, margin: float = MARGIN) -> Refusal | None:
                                 ("slo_tpot", slo.tpot_s, fc.tpot_s)):
         bound = None if target is None else target * (1 - margin)
         if bound is not None and got is not None and got > bound:
-            # the queue ahead drains in about the time it is over (at least a second)
+            # the queue ahead drains in about the time it is over (at least a second; at
+            # most RETRY_MAX_S: a forecast that far out is too unsure to send a client away
+            # for longer)
             over = got - bound if math.isfinite(got) else 1.0
-            return Refusal(reason, got, target, max(1, math.ceil(over)))
+            return Refusal(reason, got, target, min(RETRY_MAX_S, max(1, math.ceil(over))))
     return None
 
 
