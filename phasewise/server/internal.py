@@ -18,9 +18,9 @@ OpenAPI document: it is phasewise's own, not OpenAI's.
   ``resume`` (a router migrating the request here, with ``moved``: it is not judged by this
   worker's SLO targets again) holds the outputs another worker streamed; this one goes on
   from them. The client's SLO targets come as ``slo_ttft_ms``/``slo_tpot_ms`` (a refusal
-  is a 429 the router takes to the next worker). When this server starts to drain, each open stream gets a
-  ``{"notice": "handover"}`` line (``phasewise.engine.relay``) and runs on until its router
-  moves it or it ends.
+  is a 429 the router takes to the next worker). When this server starts to drain, each
+  open stream of a router that asked (``handover``) gets a ``{"notice": "handover"}`` line
+  (``phasewise.engine.relay``) and runs on until its router moves it or it ends.
 * ``POST /internal/v1/abort``: abort requests by id.
 """
 
