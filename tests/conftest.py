@@ -48,7 +48,22 @@ def hf_config(arch: str, vocab_size: int, **over: Any):
         "MistralForCausalLM": transformers.MistralConfig,
         "Qwen2ForCausalLM": transformers.Qwen2Config,
         "Qwen3ForCausalLM": transformers.Qwen3Config,
+        "MixtralForCausalLM": transformers.MixtralConfig,
+        "Qwen2MoeForCausalLM": transformers.Qwen2MoeConfig,
+        "Qwen3MoeForCausalLM": transformers.Qwen3MoeConfig,
     }[arch]
+    if arch == "MixtralForCausalLM":  # 4 experts of intermediate_size, 2 per token
+        common.setdefault("num_local_experts", 4)
+        common.setdefault("num_experts_per_tok", 2)
+        common.setdefault("sliding_window", None)
+    if arch in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
+        common.setdefault("num_experts", 4)
+        common.setdefault("num_experts_per_tok", 2)
+        common.setdefault("moe_intermediate_size", 48)
+    if arch == "Qwen2MoeForCausalLM":
+        common.setdefault("shared_expert_intermediate_size", 80)
+    if arch == "Qwen3MoeForCausalLM":
+        common.setdefault("head_dim", 16)
     if arch == "MistralForCausalLM":
         common.setdefault("sliding_window", None)
     if arch == "Qwen3ForCausalLM":

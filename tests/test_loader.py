@@ -87,7 +87,8 @@ def test_unknown_architecture_lists_supported(tmp_path):
     build_hf_checkpoint(tmp_path, "LlamaForCausalLM")
     _edit_config(tmp_path, architectures=["GPT2LMHeadModel"])
     with pytest.raises(ValueError, match="GPT2LMHeadModel.*supported: LlamaForCausalLM, "
-                                         "MistralForCausalLM, Qwen2ForCausalLM, Qwen3"):
+                                         "MistralForCausalLM, MixtralForCausalLM, "
+                                         "Qwen2ForCausalLM, Qwen2MoeForCausalLM, Qwen3"):
         LLM(str(tmp_path))
 
 

@@ -136,6 +136,9 @@ class LLMEngine:
         self.cost_model: StepCoster = cost_model(self) if cost_model is not None else Unpriced()
         # What a step costs now, from the last steps' periods (admission by SLO)
         self.step_clock = StepClock()
+        # a mixture of experts' sparse MLPs, whose routing each step's stats report
+        self._sparse_layers = [layer.moe for layer in getattr(self.model, "layers", ())
+                               if getattr(layer, "moe", None) is not None]
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -361,10 +364,18 @@ class LLMEngine:
                                     sum(kept for _, kept in got), duration)
         stats = StepStats.of(
             self._step_index, start, duration, batch, riders, cost, self.scheduler,
-            self.kv.usage, proposed, accepted, decode_s, forward_s)
+            self.kv.usage, proposed, accepted, decode_s, forward_s, self._experts_read())
         self.step_stats.append(stats)
         self.step_clock.observe(stats)
         return outputs
+
+    def _experts_read(self) -> float | None:
+        """The distinct experts the last forward pass's tokens routed to, averaged over the
+        sparse layers (each records its own, ``SparseMoE.last_experts``); None if dense."""
+        sparse = self._sparse_layers
+        if not sparse:
+            return None
+        return sum(m.last_experts for m in sparse) / len(sparse)
 
     def _forward_s(self, ran: RunnerOutput, read: float) -> float | None:
         """The wall time of the step's forward pass, without adding a synchronisation.

@@ -82,12 +82,16 @@ class StepStats:
     # from its first call to the sampled rows' logits; on CUDA up to where sampling reads
     # them: LLMEngine._forward_s), within duration_s; None where not measured.
     forward_s: float | None = None
+    # A mixture of experts: the distinct experts the step's tokens routed to, averaged over
+    # its sparse layers (the expert weights it read); None for a dense model.
+    experts_read: float | None = None
 
     @classmethod
     def of(cls, index: int, start: float, duration: float, batch: Any,
            riders: tuple[tuple[tuple[str, int], ...], tuple[str, ...]], cost: Any,
            scheduler: Any, kv_usage: float, proposed: int, accepted: int,
-           decode_s: float | None = None, forward_s: float | None = None) -> StepStats:
+           decode_s: float | None = None, forward_s: float | None = None,
+           experts_read: float | None = None) -> StepStats:
         """The record of a step that ran ``batch`` (a ``ScheduledBatch``; ``riders``: its
         ``riders()``, read before the scheduler's update), priced at ``cost`` (a
         ``StepPrediction``; ``decode_s``: the seconds of its decodes alone), with
@@ -100,7 +104,8 @@ class StepStats:
             kv_usage=kv_usage, num_preempted=len(batch.preempted),
             predicted_flops=cost.flops, predicted_bytes=cost.bytes, predicted_s=cost.seconds,
             predicted_decode_s=decode_s, prefill_chunks=riders[0], decode_ids=riders[1], compute_dtype=cost.compute_dtype,
-            num_spec_proposed=proposed, num_spec_accepted=accepted, forward_s=forward_s)
+            num_spec_proposed=proposed, num_spec_accepted=accepted, forward_s=forward_s,
+            experts_read=experts_read)
 
     @property
     def num_tokens(self) -> int:

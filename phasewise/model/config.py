@@ -20,6 +20,13 @@ SUPPORTED_ARCHITECTURES: dict[str, dict[str, Any]] = {
     "MistralForCausalLM": {"qkv_bias": False, "o_bias": False, "qk_norm": False},
     "Qwen2ForCausalLM": {"qkv_bias": True, "o_bias": False, "qk_norm": False},
     "Qwen3ForCausalLM": {"qkv_bias": None, "o_bias": None, "qk_norm": True},
+    # Mixture of experts (``moe``: how its config names the experts and routes to them)
+    "MixtralForCausalLM": {"qkv_bias": False, "o_bias": False, "qk_norm": False,
+                           "moe": "mixtral"},
+    "Qwen2MoeForCausalLM": {"qkv_bias": True, "o_bias": False, "qk_norm": False,
+                            "moe": "qwen2_moe"},
+    "Qwen3MoeForCausalLM": {"qkv_bias": None, "o_bias": None, "qk_norm": True,
+                            "moe": "qwen3_moe"},
 }
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -52,6 +59,23 @@ class RopeConfig:
 
 
 @dataclass(frozen=True)
+class MoEConfig:
+    """A mixture-of-experts MLP: ``num_experts`` SwiGLU experts of ``intermediate_size``, each
+    token routed to ``experts_per_token`` of them by a linear router (softmax over all
+    experts, the top k taken, renormalised to sum to 1 where ``norm_topk_prob``); a shared
+    expert of ``shared_intermediate_size`` (0: none) every token goes through, scaled by a
+    sigmoid gate; ``layers``: the layers whose MLP is sparse (the rest are dense, of the
+    model's ``intermediate_size``)."""
+
+    num_experts: int
+    experts_per_token: int
+    intermediate_size: int
+    norm_topk_prob: bool
+    shared_intermediate_size: int
+    layers: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     architecture: str
     vocab_size: int
@@ -75,6 +99,7 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+    moe: MoEConfig | None = None  # None: every layer's MLP is dense
 
     @property
     def q_size(self) -> int:
@@ -98,7 +123,14 @@ class ModelConfig:
         mlp = 3 * h * i + (2 * i + h if self.mlp_bias else 0)
         per_layer = attn + mlp + 2 * h
         emb = v * h * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * per_layer + emb + h
+        total = self.num_layers * per_layer + emb + h
+        m = self.moe
+        if m is not None:  # its sparse layers hold experts (and a router) instead
+            sparse = m.num_experts * 3 * h * m.intermediate_size + h * m.num_experts
+            if m.shared_intermediate_size:
+                sparse += 3 * h * m.shared_intermediate_size + h
+            total += len(m.layers) * (sparse - mlp)
+        return total
 
     def kv_bytes_per_token(self, element_size: int) -> int:
         """Bytes of K and V one token occupies across all layers."""
@@ -164,7 +196,51 @@ class ModelConfig:
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos_ids,
             raw=d,
+            moe=_parse_moe(spec.get("moe"), d, int(need("num_hidden_layers"))),
         )
+
+
+def _parse_moe(style: str | None, d: dict[str, Any], layers: int) -> MoEConfig | None:
+    """The experts of a Mixtral, Qwen2-MoE or Qwen3-MoE config; a field whose value would
+    make the model route or compute otherwise than phasewise does is refused by name."""
+    if style is None:
+        return None
+
+    def whole(key: str, value: Any, lo: int) -> int:
+        if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+            raise ValueError(f"config.json: {key} must be an integer >= {lo}, got {value!r}")
+        return value
+
+    if style == "mixtral":
+        e = whole("num_local_experts", d.get("num_local_experts"), 1)
+        inter = whole("intermediate_size", d.get("intermediate_size"), 1)
+        norm, shared, sparse = True, 0, tuple(range(layers))
+    else:
+        # (the hub's checkpoints write num_experts; transformers 5 writes num_local_experts)
+        key = "num_experts" if "num_experts" in d else "num_local_experts"
+        e = whole(key, d.get(key), 1)
+        inter = whole("moe_intermediate_size", d.get("moe_intermediate_size"), 1)
+        norm = d.get("norm_topk_prob", False)
+        if not isinstance(norm, bool):
+            raise ValueError(f"config.json: norm_topk_prob must be true or false, got {norm!r}")
+        shared = 0
+        if style == "qwen2_moe":
+            shared = whole("shared_expert_intermediate_size",
+                           d.get("shared_expert_intermediate_size", 0), 0)
+        step = whole("decoder_sparse_step", d.get("decoder_sparse_step", 1), 1)
+        dense = d.get("mlp_only_layers") or []
+        if not isinstance(dense, list) or not all(isinstance(i, int) for i in dense):
+            raise ValueError(f"config.json: mlp_only_layers must be a list of layer indices, "
+                             f"got {dense!r}")
+        sparse = tuple(i for i in range(layers) if i not in dense and (i + 1) % step == 0)
+    k = whole("num_experts_per_tok", d.get("num_experts_per_tok"), 1)
+    if k > e:
+        raise ValueError(f"config.json: num_experts_per_tok ({k}) exceeds the {e} experts")
+    for key in ("scoring_func", "topk_method", "n_group", "routed_scaling_factor"):
+        if d.get(key) not in (None, "softmax", 1, 1.0):  # other routers than top-k softmax
+            raise ValueError(f"config.json: {key} {d[key]!r} routes otherwise than phasewise "
+                             "does (softmax over the experts, then the top k)")
+    return MoEConfig(e, k, inter, norm, shared, sparse)
 
 
 def _parse_rope(d: dict[str, Any]) -> RopeConfig:

@@ -97,10 +97,39 @@ def _targets(cfg: ModelConfig) -> dict[str, tuple[str, int, int]]:
         if cfg.qk_norm:
             t[f"{src}self_attn.q_norm.weight"] = (f"{dst}q_norm.weight", 0, cfg.head_dim)
             t[f"{src}self_attn.k_norm.weight"] = (f"{dst}k_norm.weight", 0, cfg.head_dim)
+        if cfg.moe is not None and i in cfg.moe.layers:
+            t.update(_expert_targets(cfg, src, f"{dst}moe."))
+            continue
         for s in ["weight", "bias"] if cfg.mlp_bias else suffixes:
             t[f"{src}mlp.gate_proj.{s}"] = (f"{dst}gate_up_proj.{s}", 0, inter)
             t[f"{src}mlp.up_proj.{s}"] = (f"{dst}gate_up_proj.{s}", inter, inter)
             t[f"{src}mlp.down_proj.{s}"] = (f"{dst}down_proj.{s}", 0, cfg.hidden_size)
+    return t
+
+
+def _expert_targets(cfg: ModelConfig, src: str, dst: str) -> dict[str, tuple[str, int, int]]:
+    """A sparse layer's router and experts (``SparseMoE``): each expert's gate and up into its
+    rows of ``gate_up``, its down projection into its rows of ``down``; Mixtral names them
+    ``block_sparse_moe.experts.E.w1/w3/w2``, Qwen's MoE models ``mlp.experts.E.gate_proj/
+    up_proj/down_proj``, with a shared expert and its gate beside them."""
+    m = cfg.moe
+    assert m is not None
+    h, i = cfg.hidden_size, m.intermediate_size
+    mixtral = cfg.architecture == "MixtralForCausalLM"
+    base = f"{src}block_sparse_moe." if mixtral else f"{src}mlp."
+    names = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+    t = {f"{base}gate.weight": (f"{dst}gate.weight", 0, m.num_experts)}
+    for e in range(m.num_experts):
+        g, u, d = (f"{base}experts.{e}.{n}.weight" for n in names)
+        t[g] = (f"{dst}gate_up", e * 2 * i, i)
+        t[u] = (f"{dst}gate_up", e * 2 * i + i, i)
+        t[d] = (f"{dst}down", e * h, h)
+    s = m.shared_intermediate_size
+    if s:
+        t[f"{base}shared_expert.gate_proj.weight"] = (f"{dst}shared_gate_up.weight", 0, s)
+        t[f"{base}shared_expert.up_proj.weight"] = (f"{dst}shared_gate_up.weight", s, s)
+        t[f"{base}shared_expert.down_proj.weight"] = (f"{dst}shared_down.weight", 0, h)
+        t[f"{base}shared_expert_gate.weight"] = (f"{dst}shared_expert_gate.weight", 0, 1)
     return t
 
 

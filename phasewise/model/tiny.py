@@ -86,7 +86,19 @@ def tiny_config(
     model_type = {
         "LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
         "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
+        "MixtralForCausalLM": "mixtral", "Qwen2MoeForCausalLM": "qwen2_moe",
+        "Qwen3MoeForCausalLM": "qwen3_moe",
     }[architecture]
+    # mixture of experts: 4 experts, 2 a token (Qwen's: half-width experts; Qwen2-MoE's
+    # shared expert as wide as the dense MLP); ``extra`` overrides any of them
+    if architecture == "MixtralForCausalLM":
+        extra = {"num_local_experts": 4, "num_experts_per_tok": 2, **extra}
+    elif architecture in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
+        extra = {"num_experts": 4, "num_experts_per_tok": 2,
+                 "moe_intermediate_size": max(1, intermediate_size // 2),
+                 "norm_topk_prob": architecture == "Qwen3MoeForCausalLM", **extra}
+        if architecture == "Qwen2MoeForCausalLM":
+            extra = {"shared_expert_intermediate_size": intermediate_size, **extra}
     cfg: dict[str, Any] = {
         "architectures": [architecture], "model_type": model_type,
         "vocab_size": vocab_size, "hidden_size": hidden_size,
@@ -102,6 +114,28 @@ def tiny_config(
         cfg["rope_scaling"] = rope_scaling
     cfg.update(extra)
     return cfg
+
+
+def _expert_weights(cfg: Any, p: str, rnd: Any) -> dict[str, Any]:
+    """A sparse layer's router and experts (and shared expert), named as the checkpoint's
+    architecture names them (``phasewise.model.loader._expert_targets`` reads them)."""
+    m = cfg.moe
+    h, i, e = cfg.hidden_size, m.intermediate_size, m.num_experts
+    mixtral = cfg.architecture == "MixtralForCausalLM"
+    base = f"{p}block_sparse_moe." if mixtral else f"{p}mlp."
+    gate, up, down = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+    t = {f"{base}gate.weight": rnd(e, h)}
+    for k in range(e):
+        t[f"{base}experts.{k}.{gate}.weight"] = rnd(i, h)
+        t[f"{base}experts.{k}.{up}.weight"] = rnd(i, h)
+        t[f"{base}experts.{k}.{down}.weight"] = rnd(h, i)
+    s = m.shared_intermediate_size
+    if s:
+        t[f"{base}shared_expert.gate_proj.weight"] = rnd(s, h)
+        t[f"{base}shared_expert.up_proj.weight"] = rnd(s, h)
+        t[f"{base}shared_expert.down_proj.weight"] = rnd(h, s)
+        t[f"{base}shared_expert_gate.weight"] = rnd(1, h)
+    return t
 
 
 def write_random_weights(out_dir: str | Path, config: dict[str, Any], seed: int = 0,
@@ -141,6 +175,9 @@ def write_random_weights(out_dir: str | Path, config: dict[str, Any], seed: int 
         if cfg.qk_norm:
             t[p + "self_attn.q_norm.weight"] = norm(cfg.head_dim)
             t[p + "self_attn.k_norm.weight"] = norm(cfg.head_dim)
+        if cfg.moe is not None and i in cfg.moe.layers:
+            t.update(_expert_weights(cfg, p, rnd))
+            continue
         t[p + "mlp.gate_proj.weight"] = rnd(inter, h)
         t[p + "mlp.up_proj.weight"] = rnd(inter, h)
         t[p + "mlp.down_proj.weight"] = rnd(h, inter)

@@ -1,8 +1,11 @@
-"""The decoder-only transformer shared by Llama, Mistral, Qwen2 and Qwen3.
+"""The decoder-only transformer shared by Llama, Mistral, Qwen2 and Qwen3, and their
+mixture-of-experts kin Mixtral, Qwen2-MoE and Qwen3-MoE.
 
-The four architectures differ only in flags read by ``ModelConfig``: q/k/v (and o) biases,
-q/k RMSNorm, tied embeddings and RoPE scaling. Projections are fused at load time: q, k and v
-into one ``qkv_proj``; gate and up into one ``gate_up_proj``.
+The architectures differ only in flags read by ``ModelConfig``: q/k/v (and o) biases, q/k
+RMSNorm, tied embeddings, RoPE scaling, and where an MLP is a mixture of experts
+(``SparseMoE``). Projections are fused at load time: q, k and v into one ``qkv_proj``; gate
+and up into one ``gate_up_proj``; each expert's gate and up into its rows of
+``SparseMoE.gate_up``.
 
 The forward pass takes a flat batch of tokens from many requests (see ``attention.py`` for its
 layout) and never sees requests, HTTP or scheduling.
@@ -19,8 +22,62 @@ from phasewise.model.layers import RMSNorm, RotaryEmbedding
 from phasewise.model.ops import RopeTables, TorchOps
 
 
-class DecoderLayer(nn.Module):
+class SparseMoE(nn.Module):
+    """A mixture-of-experts MLP (``ModelConfig.moe``): a linear router, ``E`` SwiGLU experts
+    held as two 2-D weights (expert ``e``'s gate and up are rows ``e * 2I`` to
+    ``(e + 1) * 2I`` of ``gate_up``, its down projection rows ``e * H`` to ``(e + 1) * H`` of
+    ``down``), and an optional shared expert with its sigmoid gate.
+
+    The step's tokens are grouped by expert: each expert a token chose runs once over all the
+    tokens that chose it, so its weights are read once per step, and the experts no token
+    chose are not read at all (``last_experts``: how many were, for the step's stats)."""
+
     def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        m = cfg.moe
+        assert m is not None
+        h, i, e = cfg.hidden_size, m.intermediate_size, m.num_experts
+        self.num_experts, self.top_k, self.inter = e, m.experts_per_token, i
+        self.norm_topk_prob = m.norm_topk_prob
+        self.gate = nn.Linear(h, e, bias=False)
+        self.gate_up = nn.Parameter(torch.empty(e * 2 * i, h))
+        self.down = nn.Parameter(torch.empty(e * h, i))
+        if m.shared_intermediate_size:
+            s = m.shared_intermediate_size
+            self.shared_gate_up = nn.Linear(h, 2 * s, bias=False)
+            self.shared_down = nn.Linear(s, h, bias=False)
+            self.shared_expert_gate = nn.Linear(h, 1, bias=False)
+        self.has_shared = bool(m.shared_intermediate_size)
+        self.last_experts = 0
+
+    def forward(self, x: torch.Tensor, ops: TorchOps) -> torch.Tensor:
+        """x: [T, hidden] -> [T, hidden]."""
+        h = x.shape[-1]
+        # routing in fp32: softmax over every expert, the top k, renormalised if asked
+        probs = torch.softmax(ops.proj(x, self.gate).float(), dim=-1)
+        weights, chosen = torch.topk(probs, self.top_k, dim=-1)  # [T, k]
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights = weights.to(x.dtype)
+        out = torch.zeros_like(x)
+        experts = torch.unique(chosen).tolist()
+        self.last_experts = len(experts)
+        gate_up = self.gate_up.view(self.num_experts, 2 * self.inter, h)
+        down = self.down.view(self.num_experts, h, self.inter)
+        for e in experts:
+            rows, slot = torch.nonzero(chosen == e, as_tuple=True)
+            xe = x.index_select(0, rows)
+            act = ops.silu_mul(torch.nn.functional.linear(xe, gate_up[e]))
+            ye = torch.nn.functional.linear(act, down[e])
+            out.index_add_(0, rows, ye * weights[rows, slot].unsqueeze(-1))
+        if self.has_shared:
+            shared = ops.mlp(x, self.shared_gate_up, self.shared_down)
+            out = out + shared * torch.sigmoid(ops.proj(x, self.shared_expert_gate))
+        return out
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, index: int = 0) -> None:
         super().__init__()
         self.cfg = cfg
         h, q, kv = cfg.hidden_size, cfg.q_size, cfg.kv_size
@@ -31,15 +88,22 @@ class DecoderLayer(nn.Module):
             self.q_norm = RMSNorm(cfg.head_dim)
             self.k_norm = RMSNorm(cfg.head_dim)
         self.post_attention_layernorm = RMSNorm(h)
-        self.gate_up_proj = nn.Linear(h, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, h, bias=cfg.mlp_bias)
+        # a sparse layer's MLP is its experts (the CPU kernels' fused layers then step aside)
+        self.moe: SparseMoE | None = (SparseMoE(cfg) if cfg.moe is not None
+                                      and index in cfg.moe.layers else None)
+        if self.moe is None:
+            self.gate_up_proj = nn.Linear(h, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+            self.down_proj = nn.Linear(cfg.intermediate_size, h, bias=cfg.mlp_bias)
         self.scale = cfg.head_dim**-0.5
 
     def projections(self) -> dict[str, nn.Module]:
         """The four projections in forward order, by the names the fused kernels give them
         (``qkv``, ``o``, ``gate_up``, ``down``): an ``nn.Linear`` with the weight in rows,
         or one of ``phasewise.model.linear_types`` (``Int8Linear``, ``PanelLinear``) once
-        quantization or a kernel's packing has replaced it (``replace_projection``)."""
+        quantization or a kernel's packing has replaced it (``replace_projection``). A
+        sparse layer has only ``qkv`` and ``o``: its experts are ``moe``'s."""
+        if self.moe is not None:
+            return {"qkv": self.qkv_proj, "o": self.o_proj}
         return {"qkv": self.qkv_proj, "o": self.o_proj, "gate_up": self.gate_up_proj,
                 "down": self.down_proj}
 
@@ -71,7 +135,8 @@ class DecoderLayer(nn.Module):
         ops: TorchOps,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (this layer's MLP output, residual stream before adding it)."""
-        fused = ops.decode_layer(self, delta, hidden, rope, k_cache, v_cache, meta)
+        fused = (ops.decode_layer(self, delta, hidden, rope, k_cache, v_cache, meta)
+                 if self.moe is None else None)
         if fused is not None:
             return fused
         cfg = self.cfg
@@ -97,6 +162,8 @@ class DecoderLayer(nn.Module):
 
         x, hidden = ops.add_rms_norm(attn_out, hidden, self.post_attention_layernorm.weight,
                                      eps)
+        if self.moe is not None:
+            return self.moe(x, ops), hidden
         mlp_out = ops.mlp(x, self.gate_up_proj, self.down_proj)  # gate/up, SiLU, down
         return mlp_out, hidden
 
@@ -108,7 +175,7 @@ class CausalLM(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size)
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)

@@ -28,6 +28,7 @@ class ModelShape:
     tie_word_embeddings: bool = False
     num_experts: int = 0  # 0: dense
     experts_per_token: int = 0
+    shared_expert_size: int = 0  # an MoE's shared expert's width (Qwen2-MoE; 0: none)
     max_position_embeddings: int | None = None
     source: str = ""
     # Sliding-window attention: ``window_layers`` of the layers attend to the last
@@ -83,15 +84,24 @@ class ModelShape:
         """All MLP weights of a layer (every expert, and the router, for MoE)."""
         one = 3 * self.hidden_size * self.intermediate_size
         if self.is_moe:
-            return self.num_experts * one + self.hidden_size * self.num_experts
+            return self.num_experts * one + self.hidden_size * self.num_experts \
+                + self._shared_params
         return one
 
     @property
+    def _shared_params(self) -> int:
+        """A shared expert and its gate (every token goes through them)."""
+        s = self.shared_expert_size
+        return 3 * self.hidden_size * s + self.hidden_size if s else 0
+
+    @property
     def active_mlp_params_per_layer(self) -> int:
-        """MLP weights one token goes through (its routed experts and the router)."""
+        """MLP weights one token goes through (its routed experts, the router, a shared
+        expert)."""
         one = 3 * self.hidden_size * self.intermediate_size
         if self.is_moe:
-            return self.experts_per_token * one + self.hidden_size * self.num_experts
+            return self.experts_per_token * one + self.hidden_size * self.num_experts \
+                + self._shared_params
         return one
 
     @property
@@ -149,7 +159,8 @@ class ModelShape:
         """Activation elements a token moves through one layer: each matmul's input and output
         once (residual stream, q/k/v, attention output, MLP intermediate)."""
         h, hd = self.hidden_size, self.head_dim
-        inter = self.intermediate_size * (self.experts_per_token if self.is_moe else 1)
+        inter = self.intermediate_size * (self.experts_per_token if self.is_moe else 1) \
+            + self.shared_expert_size
         return 4 * h + (2 * self.num_heads + 2 * self.num_kv_heads) * hd + 3 * inter
 
     # -- construction ----------------------------------------------------------------------
@@ -178,6 +189,8 @@ class ModelShape:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             num_experts=n_experts,
             experts_per_token=int(cfg.get("num_experts_per_tok") or 0) if n_experts else 0,
+            shared_expert_size=int(cfg.get("shared_expert_intermediate_size") or 0)
+            if n_experts else 0,
             max_position_embeddings=cfg.get("max_position_embeddings"),
             source=source or name, sliding_window=window, window_layers=window_layers)
 

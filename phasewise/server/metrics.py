@@ -102,6 +102,11 @@ class PrometheusMetrics:
                             _TOKEN_BUCKETS)
         self.step_tokens = hist("iteration_tokens", "Tokens (prefill + decode) per engine step.",
                                 _TOKEN_BUCKETS)
+        # a mixture of experts: the experts a step's tokens routed to, per sparse layer
+        self.step_experts = hist("step_experts_read", "Mixture-of-experts models: the "
+                                 "distinct experts a step's tokens routed to, averaged over "
+                                 "its sparse layers (the expert weights the step read).",
+                                 _TOKEN_BUCKETS)
         self.step_bandwidth = hist(
             "step_achieved_bandwidth_bytes_per_second",
             "Per engine step: roofline-predicted bytes moved / measured step duration.",
@@ -185,6 +190,8 @@ class PrometheusMetrics:
             self.step_tokens.observe(step.num_tokens)
             self.step_prefill_tokens.inc(step.num_prefill_tokens)
             self.step_decode_tokens.inc(step.num_decode_tokens)
+            if step.experts_read is not None:
+                self.step_experts.observe(step.experts_read)
             self._observe_roofline(step)
         for out in outputs:
             times = out.metrics.token_times

@@ -496,7 +496,10 @@ class CpuKernelOps(TorchOps):
         return self._stack[2]
 
     def _static_args(self, layer: nn.Module) -> kernels.DecodeLayerArgs | None:
-        """The per-layer fields (shapes, weight pointers); None if a weight is unsuitable."""
+        """The per-layer fields (shapes, weight pointers); None if a weight is unsuitable, or
+        the layer's MLP is a mixture of experts (the fused layer computes a dense one)."""
+        if getattr(layer, "moe", None) is not None:
+            return None
         cfg = layer.cfg
         projections = layer.projections()  # qkv, o, gate_up, down (DecoderLayer.projections)
         weights = {f"w_{name}_norm": w for name, w in layer.norm_weights().items()}

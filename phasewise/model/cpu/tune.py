@@ -53,11 +53,14 @@ def measure_linear(model: nn.Module, dtype: torch.dtype, panels: bool) -> Linear
     if panels:
         return LinearDispatch.calibrate([model.lm_head_weight])
     layers = model.layers
-    gate_up = layers[0].gate_up_proj
+    # (a mixture of experts' sparse layers have no gate/up projection: their q/k/v instead)
+    dense = [layer for layer in layers if getattr(layer, "moe", None) is None]
+    gate_up = dense[0].gate_up_proj if dense else layers[0].qkv_proj
     if isinstance(gate_up, Int8Linear):  # the plan times bf16 of that shape
         ws = [gate_up.dense().to(dtype)]
     else:  # every layer's, so that few rows time a stream from memory, as decode does
-        ws = [layer.gate_up_proj.weight for layer in layers]
+        ws = ([layer.gate_up_proj.weight for layer in dense] if dense
+              else [layer.qkv_proj.weight for layer in layers])
     # what a decode step streams, for the fused layer's few rows against AMX (in rows, not
     # int8)
     stream = [lin.weight for layer in layers for lin in layer.projections().values()

@@ -1,0 +1,201 @@
+"""Mixture-of-experts models served (``SparseMoE``): Mixtral, Qwen2-MoE (a shared expert and
+its gate) and Qwen3-MoE (renormalised top-k) give HF transformers' greedy output on tiny
+random-weight checkpoints, in mixed batches of prompt chunks and decodes; configs that would
+route otherwise are refused by the field at fault."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import build_hf_checkpoint, hf_greedy
+from phasewise.config import EngineConfig
+from phasewise.engine.engine import LLMEngine
+from phasewise.model.config import ModelConfig
+from test_parity import GREEDY, N_NEW, random_prompts, run_staggered
+
+MOE = ["MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"]
+
+
+@pytest.fixture(scope="module")
+def moe_checkpoints(tmp_path_factory):
+    out = {}
+    for i, arch in enumerate(MOE):
+        path = tmp_path_factory.mktemp(arch)
+        over = {"norm_topk_prob": True} if arch == "Qwen3MoeForCausalLM" else {}
+        out[arch] = (path, build_hf_checkpoint(path, arch, seed=20 + i, **over))
+    return out
+
+
+@pytest.mark.parametrize("arch", MOE)
+def test_greedy_matches_hf_in_mixed_batches(moe_checkpoints, arch):
+    path, hf = moe_checkpoints[arch]
+    prompts = random_prompts(hf.config.vocab_size, [1, 9, 23, 61, 4], seed=3)
+    engine = LLMEngine(EngineConfig(model=str(path), max_num_batched_tokens=16))
+    got = run_staggered(engine, prompts, GREEDY)
+    assert any(s.num_prefill_tokens and s.num_decode_tokens for s in engine.step_stats)
+    for i, p in enumerate(prompts):
+        assert got[i] == hf_greedy(hf, p, N_NEW), f"prompt {i} (len {len(p)}) diverged"
+
+
+def test_the_config_says_which_layers_are_sparse_and_how_they_route(moe_checkpoints):
+    cfg = ModelConfig.from_file(moe_checkpoints["Qwen2MoeForCausalLM"][0])
+    m = cfg.moe
+    assert (m.num_experts, m.experts_per_token, m.intermediate_size) == (4, 2, 48)
+    assert m.shared_intermediate_size == 80 and not m.norm_topk_prob
+    assert m.layers == (0, 1)
+    mixtral = ModelConfig.from_file(moe_checkpoints["MixtralForCausalLM"][0]).moe
+    assert mixtral.norm_topk_prob and mixtral.shared_intermediate_size == 0
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("num_experts_per_tok", 5, "exceeds the 4 experts"),
+    ("num_experts_per_tok", 0, "num_experts_per_tok must be an integer >= 1"),
+    ("scoring_func", "sigmoid", "scoring_func 'sigmoid' routes otherwise"),
+    ("topk_method", "group_limited_greedy", "topk_method"),
+    ("norm_topk_prob", "yes", "norm_topk_prob must be true or false"),
+    ("mlp_only_layers", "0", "mlp_only_layers must be a list"),
+])
+def test_a_routing_phasewise_does_not_implement_is_refused_by_name(moe_checkpoints, field,
+                                                                    value, match):
+    import json
+
+    path = moe_checkpoints["Qwen3MoeForCausalLM"][0]
+    d = {**json.loads((path / "config.json").read_text()), field: value}
+    with pytest.raises(ValueError, match=match):
+        ModelConfig.from_dict(d)
+
+
+def test_each_step_reports_the_experts_its_tokens_read(moe_checkpoints):
+    """A decode of one sequence reads at most its top-k experts a layer; a prompt of many
+    tokens reads nearly all of them; a dense model reports none."""
+    path, hf = moe_checkpoints["MixtralForCausalLM"]
+    engine = LLMEngine(EngineConfig(model=str(path)))
+    engine.add_request(random_prompts(hf.config.vocab_size, [60], seed=4)[0],
+                       GREEDY, request_id="one")
+    while engine.has_unfinished_requests():
+        engine.step()
+    prompt, *decodes = engine.step_stats
+    assert prompt.num_prefill_tokens == 60 and prompt.experts_read > 2
+    assert decodes and all(1 <= s.experts_read <= 2 for s in decodes)
+    from phasewise.server.metrics import PrometheusMetrics
+    from phasewise.engine.backend import EngineSnapshot
+    m = PrometheusMetrics("m")
+    snap = EngineSnapshot(0, 0, 0.0, 0, 0, 0, 0, 0)
+    for s in engine.step_stats:
+        m.on_step(s, [], [], snap)
+    from prometheus_client import generate_latest
+    text = generate_latest(m.registry).decode()
+    assert f'phasewise:step_experts_read_count{{model_name="m"}} {len(engine.step_stats)}.0' \
+        in text
+
+
+def test_a_dense_model_reports_no_experts(llama_dir):
+    engine = LLMEngine(EngineConfig(model=str(llama_dir)))
+    engine.add_request([5, 6, 7], GREEDY)
+    engine.step()
+    assert engine.step_stats[-1].experts_read is None
+
+
+@pytest.mark.parametrize("arch", MOE)
+def test_the_parameter_counts_are_the_checkpoints(moe_checkpoints, arch):
+    """The engine's count and the roofline's (which leaves out biases and q/k norms, as it
+    does for dense models) against the checkpoint's own tensors."""
+    from phasewise.perf.models import ModelShape
+
+    path, hf = moe_checkpoints[arch]
+    assert ModelConfig.from_file(path).num_params == sum(p.numel() for p in hf.parameters())
+    shape = ModelShape.from_path(path)
+    small = {n: p.numel() for n, p in hf.named_parameters()
+             if n.endswith("bias") or "q_norm" in n or "k_norm" in n}
+    assert shape.total_params == sum(p.numel() for p in hf.parameters()) - sum(small.values())
+
+
+def test_served_a_tiny_moe_streams_and_reports_its_experts(moe_checkpoints):
+    """Through the OpenAI server: a streamed completion equals HF's greedy continuation, and
+    /metrics holds the experts each step read."""
+    import asyncio
+    import json
+
+    import httpx
+
+    from phasewise.engine.async_engine import AsyncEngine
+    from phasewise.server.app import OpenAIServer, ServerConfig
+    from phasewise.server.metrics import PrometheusMetrics
+
+    path, hf = moe_checkpoints["Qwen2MoeForCausalLM"]
+    metrics = PrometheusMetrics("moe")
+    engine = AsyncEngine.from_config(EngineConfig(model=str(path)), observers=[metrics])
+    server = OpenAIServer(engine, ServerConfig(served_model_name="moe"), metrics)
+    prompt = random_prompts(hf.config.vocab_size, [12], seed=5)[0]
+
+    async def run():
+        engine.start(asyncio.get_running_loop())
+        transport = httpx.ASGITransport(app=server.app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://s",
+                                     timeout=60) as c:
+            ids = []
+            async with c.stream("POST", "/v1/completions", json={
+                    "prompt": prompt, "max_tokens": 8, "temperature": 0, "stream": True,
+                    "ignore_eos": True, "logprobs": 0}) as r:
+                assert r.status_code == 200
+                async for line in r.aiter_lines():
+                    if line.startswith("data: {"):
+                        for ch in json.loads(line[6:])["choices"]:
+                            ids += ch["logprobs"]["tokens"]
+            # each streamed token, as the server names it, is HF's greedy choice
+            assert ids == [server.routes._token_text(t) for t in hf_greedy(hf, prompt, 8)]
+            m = (await c.get("/metrics")).text
+            assert "phasewise:step_experts_read_count" in m
+        await asyncio.to_thread(engine.shutdown)
+
+    asyncio.run(run())
+
+
+def test_greedy_matches_hf_with_prefix_hits_and_across_preemption(moe_checkpoints):
+    from phasewise import LLM
+
+    path, hf = moe_checkpoints["Qwen3MoeForCausalLM"]
+    shared = random_prompts(hf.config.vocab_size, [40], seed=5)[0]
+    prompts = random_prompts(hf.config.vocab_size, [3, 11], seed=6, shared_prefix=shared)
+    llm = LLM(str(path), block_size=8)
+    outs = [llm.generate(p, GREEDY)[0] for p in prompts]
+    assert outs[1].metrics.num_cached_tokens >= 32
+    for p, o in zip(prompts, outs):
+        assert o.token_ids == hf_greedy(hf, p, N_NEW)
+    path, hf = moe_checkpoints["MixtralForCausalLM"]
+    prompts = random_prompts(hf.config.vocab_size, [20, 25, 30, 12], seed=3)
+    llm = LLM(str(path), block_size=4, num_kv_blocks=16, max_model_len=63)
+    outs = llm.generate(prompts, GREEDY)
+    assert sum(o.metrics.num_preemptions for o in outs) > 0
+    for p, o in zip(prompts, outs):
+        assert o.token_ids == hf_greedy(hf, p, N_NEW)
+
+
+@pytest.mark.parametrize("arch", MOE)
+def test_make_tiny_writes_a_checkpoint_that_loads_and_chats(tmp_path, arch):
+    """``phasewise make-tiny --arch`` for each MoE architecture: its tensors are the ones the
+    loader asks for, and the chat template answers through the server."""
+    import asyncio
+
+    import httpx
+
+    from phasewise.engine.async_engine import AsyncEngine
+    from phasewise.model.tiny import make_tiny_checkpoint
+    from phasewise.server.app import OpenAIServer, ServerConfig
+
+    path = make_tiny_checkpoint(tmp_path / "m", architecture=arch)
+    assert ModelConfig.from_file(path).moe is not None
+    engine = AsyncEngine.from_config(EngineConfig(model=str(path)))
+    server = OpenAIServer(engine, ServerConfig(served_model_name="m"))
+
+    async def run():
+        engine.start(asyncio.get_running_loop())
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=server.app),
+                                     base_url="http://s", timeout=60) as c:
+            r = await c.post("/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+            assert r.status_code == 200, r.text
+            assert r.json()["usage"]["completion_tokens"] >= 1
+        await asyncio.to_thread(engine.shutdown)
+
+    asyncio.run(run())
