@@ -1,5 +1,6 @@
-"""``phasewise router`` and ``phasewise pd`` as real processes on 127.0.0.1: the official openai
-client streams through the router; the launcher's three processes stop with it; a decode
+"""``phasewise router`` and ``phasewise pd`` as real processes on 127.0.0.1, serving a tiny
+mixture-of-experts checkpoint (Qwen2-MoE): the official openai client streams through the
+router; the launcher's three processes stop with it; a decode
 worker killed mid-stream, with no other to move its stream to, ends that response with an
 error naming it, and leaves nothing
 held on the prefill worker; a prefill worker restarted with a new identity replaces the old
@@ -28,8 +29,9 @@ KEY = "router-test-key"
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
+    # a mixture of experts (with Qwen2-MoE's shared expert): P/D moves K/V, whatever the MLP
     path = tmp_path_factory.mktemp("pd") / "model"
-    build_hf_checkpoint(path, "LlamaForCausalLM", seed=3, max_position_embeddings=512)
+    build_hf_checkpoint(path, "Qwen2MoeForCausalLM", seed=3, max_position_embeddings=512)
     return path
 
 
