@@ -27,6 +27,11 @@ class TorchOps:
     def linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
         return F.linear(x, w, b)
 
+    def moe_linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """A mixture of experts' router, or one expert's projection over the few rows a step
+        routed to it (``SparseMoE``)."""
+        return self.linear(x, w, None)
+
     def proj(self, x: torch.Tensor, lin: nn.Linear) -> torch.Tensor:
         """A decoder projection or the LM head (``lin``: a module with ``weight`` and
         perhaps ``bias``): ``linear``, or for an ``Int8Linear`` (``--quantization int8``)

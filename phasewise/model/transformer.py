@@ -54,26 +54,40 @@ class SparseMoE(nn.Module):
         """x: [T, hidden] -> [T, hidden]."""
         h = x.shape[-1]
         # routing in fp32: softmax over every expert, the top k, renormalised if asked
-        probs = torch.softmax(ops.proj(x, self.gate).float(), dim=-1)
+        probs = torch.softmax(ops.moe_linear(x, self.gate.weight).float(), dim=-1)
         weights, chosen = torch.topk(probs, self.top_k, dim=-1)  # [T, k]
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         weights = weights.to(x.dtype)
+        gate_up = self.gate_up.view(self.num_experts, 2 * self.inter, h)
+        down = self.down.view(self.num_experts, h, self.inter)
+        if x.shape[0] == 1:  # one token (a batch-1 decode): its k experts, no gathering
+            ids = chosen[0].tolist()
+            self.last_experts = len(ids)
+            out = None
+            for j, e in enumerate(ids):
+                ye = ops.moe_linear(ops.silu_mul(ops.moe_linear(x, gate_up[e])),
+                                       down[e])
+                out = ye * weights[:, j:j + 1] if out is None else out + ye * weights[:, j:j + 1]
+            return self._with_shared(x, out, ops)
         out = torch.zeros_like(x)
         experts = torch.unique(chosen).tolist()
         self.last_experts = len(experts)
-        gate_up = self.gate_up.view(self.num_experts, 2 * self.inter, h)
-        down = self.down.view(self.num_experts, h, self.inter)
         for e in experts:
             rows, slot = torch.nonzero(chosen == e, as_tuple=True)
             xe = x.index_select(0, rows)
-            act = ops.silu_mul(torch.nn.functional.linear(xe, gate_up[e]))
-            ye = torch.nn.functional.linear(act, down[e])
+            # (on CPU the kernels stream an expert's few rows as a projection's)
+            act = ops.silu_mul(ops.moe_linear(xe, gate_up[e]))
+            ye = ops.moe_linear(act, down[e])
             out.index_add_(0, rows, ye * weights[rows, slot].unsqueeze(-1))
-        if self.has_shared:
-            shared = ops.mlp(x, self.shared_gate_up, self.shared_down)
-            out = out + shared * torch.sigmoid(ops.proj(x, self.shared_expert_gate))
-        return out
+        return self._with_shared(x, out, ops)
+
+    def _with_shared(self, x: torch.Tensor, out: torch.Tensor, ops: TorchOps) -> torch.Tensor:
+        """``out`` plus the shared expert's output behind its sigmoid gate, if there is one."""
+        if not self.has_shared:
+            return out
+        shared = ops.mlp(x, self.shared_gate_up, self.shared_down)
+        return out + shared * torch.sigmoid(ops.proj(x, self.shared_expert_gate))
 
 
 class DecoderLayer(nn.Module):

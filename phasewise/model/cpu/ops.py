@@ -31,6 +31,9 @@ from phasewise.model.ops import RopeTables, TorchOps
 # the SiLU-and-multiply and the down projection that read it, instead of a whole step's
 # product going out to memory and back.
 MLP_CHUNK_ROWS = 512
+# An expert's rows up to which its weight is streamed by the kernel (the stream reads the
+# weight once per call; beyond a few rows the GEMM's reuse of it wins)
+EXPERT_STREAM_ROWS = 8
 
 
 def _projections(model: nn.Module) -> list[nn.Module]:
@@ -95,6 +98,18 @@ class CpuKernelOps(TorchOps):
         if w.dtype != torch.bfloat16 or w.device.type != "cpu":
             return F.linear(x, w, b)
         return self.dispatch(x, w, b)
+
+    def moe_linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """A router's or an expert's few rows (a decode step's tokens rarely share an
+        expert) stream the weight once through the kernel, whatever the plan picked for the
+        projections: with the
+        projections in panels, the plan times the LM head alone, and leaves plain weights
+        to torch's bf16 GEMM, which reads a one-row product's weight at a third of the
+        stream's speed."""
+        rows = x.numel() // x.shape[-1]
+        if (self.lib is not None and rows <= EXPERT_STREAM_ROWS and self._ok(x, w)):
+            return kernels.linear_bf16(x, w, None)
+        return self.linear(x, w, None)
 
     def linear_int8(self, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
                     b: torch.Tensor | None) -> torch.Tensor:
