@@ -102,6 +102,9 @@ def run(model: str, engine_kwargs: dict[str, Any], opts: GenerateOptions,
     else:
         print(f"[decode]   no decode step: the only token came with the prefill; finish: "
               f"{final.finish_reason}", file=err)
+    line = experts_line(eng, prefill_steps, run_steps)
+    if line is not None:
+        print(line, file=err)
     if opts.roofline:
         decode_steps = [s for s in run_steps if s.num_decode_tokens and not s.num_prefill_tokens]
         forward = (forward_sum(prefill_steps), forward_sum(decode_steps) if n_out > 1 else None)
@@ -109,6 +112,32 @@ def run(model: str, engine_kwargs: dict[str, Any], opts: GenerateOptions,
                                    contention, forward):
             print(line, file=err)
     return 0
+
+
+def experts_line(eng: Any, prefill_steps: list[Any], run_steps: list[Any]) -> str | None:
+    """A mixture of experts: the experts each phase's steps read (the engine's count,
+    ``StepStats.experts_read``) and what that made of a decode step's weight bytes; None for
+    a dense model."""
+    decode = [s.experts_read for s in run_steps if s.num_decode_tokens
+              and not s.num_prefill_tokens and s.experts_read is not None]
+    pre = [s.experts_read for s in prefill_steps if s.experts_read is not None]
+    if not decode and not pre:
+        return None
+    from phasewise.perf.models import ModelShape
+
+    shape = ModelShape.from_path(eng.config.model)
+    e, k = shape.num_experts, shape.experts_per_token
+    wbytes = eng.dtype.itemsize if hasattr(eng.dtype, "itemsize") else 2
+    parts = []
+    if pre:
+        parts.append(f"prefill read {sum(pre) / len(pre):.1f} of {e} experts a layer")
+    if decode:
+        x = sum(decode) / len(decode)
+        read = (shape.total_params - (e - x) * shape.num_layers * shape.expert_params) * wbytes
+        parts.append(f"decode {x:.1f} (its {k} a token): a decode step reads "
+                     f"{read / 1e6:.3g} MB of the model's {shape.total_params * wbytes / 1e6:.3g}"
+                     " MB of weights, and its bound follows those bytes")
+    return "[experts]  " + ", ".join(parts)
 
 
 def forward_sum(steps: list[Any]) -> float | None:

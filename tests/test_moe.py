@@ -199,3 +199,20 @@ def test_make_tiny_writes_a_checkpoint_that_loads_and_chats(tmp_path, arch):
         await asyncio.to_thread(engine.shutdown)
 
     asyncio.run(run())
+
+
+def test_generate_says_how_many_experts_each_phase_read(moe_checkpoints, llama_dir):
+    from phasewise import LLM
+    from phasewise.generate import experts_line
+
+    path, hf = moe_checkpoints["MixtralForCausalLM"]
+    llm = LLM(str(path))
+    llm.generate([random_prompts(hf.config.vocab_size, [40], seed=7)[0]], GREEDY)
+    steps = list(llm.engine.step_stats)
+    line = experts_line(llm.engine, [s for s in steps if s.num_prefill_tokens], steps)
+    assert line.startswith("[experts]  prefill read ") and "of 4 experts a layer" in line
+    assert "decode 2.0 (its 2 a token)" in line
+    dense = LLM(str(llama_dir))
+    dense.generate([[5, 6, 7]], GREEDY)
+    steps = list(dense.engine.step_stats)
+    assert experts_line(dense.engine, steps[:1], steps) is None
