@@ -216,3 +216,23 @@ def test_generate_says_how_many_experts_each_phase_read(moe_checkpoints, llama_d
     dense.generate([[5, 6, 7]], GREEDY)
     steps = list(dense.engine.step_stats)
     assert experts_line(dense.engine, steps[:1], steps) is None
+
+
+def test_the_dashboard_feed_carries_the_experts_each_step_read(moe_checkpoints):
+    from phasewise.engine.backend import EngineSnapshot
+    from phasewise.server.dashboard.feed import DashboardFeed
+
+    path, hf = moe_checkpoints["Qwen3MoeForCausalLM"]
+    engine = LLMEngine(EngineConfig(model=str(path)))
+    engine.add_request(random_prompts(hf.config.vocab_size, [30], seed=8)[0], GREEDY)
+    while engine.has_unfinished_requests():
+        engine.step()
+    feed = DashboardFeed(model_name="m")
+    snap = EngineSnapshot(0, 0, 0.0, 0, 0, 0, 0, 0)
+    for s in engine.step_stats:
+        feed.on_step(s, [], [], snap)
+    hello = feed.hello()
+    col = hello["step_fields"].index("experts_read")
+    rows = hello["steps"]
+    assert [r[col] for r in rows] == [round(s.experts_read, 7) for s in engine.step_stats]
+    assert rows[-1][col] == 2.0  # a decode of one sequence: its 2 a token

@@ -288,6 +288,9 @@ function drawSteps(src) {
     .map(([k, v]) => `${k} ${num(v / 1e9, 0)}`).join(", ")} GFLOP/s` : "achieved per step";
   const last = src.steps[src.steps.length - 1];
   $("k-step").textContent = last ? `${ms(last[2])} (${ms(last[5])})` : "–";
+  // a mixture of experts: the experts a layer the last step's tokens read (its weight bytes)
+  $("mix-experts").textContent = last && last[15] != null
+    ? `; the last step read ${num(last[15], 1)} experts a layer` : "";
   // rates over the last ~2 s of steps
   const recent = src.steps.filter((s) => last && s[1] >= last[1] - 2);
   const span = recent.length > 1 ? recent[recent.length - 1][1] + recent[recent.length - 1][2]
