@@ -105,8 +105,10 @@ class LLMEngine:
         self.scheduler = Scheduler(SchedulerConfig.of(
             self.max_num_batched_tokens, config.max_num_seqs, max_len, config.policy),
             self.kv, self.clock)
+        # (a mixture of experts routes each step's tokens in Python on what the router chose:
+        # no graph can replay that, so it runs eagerly)
         graphs = ("cuda" if self.device.type == "cuda" and not config.enforce_eager
-                  else None)
+                  and mc.moe is None else None)
         self.runner = ModelRunner(self.model, mc, num_blocks=num_blocks, block_size=bs,
                                   dtype=self.dtype, device=self.device, decode_graphs=graphs,
                                   max_model_len=max_len)
