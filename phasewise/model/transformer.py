@@ -66,8 +66,7 @@ class SparseMoE(nn.Module):
             self.last_experts = len(ids)
             out = None
             for j, e in enumerate(ids):
-                ye = ops.moe_linear(ops.silu_mul(ops.moe_linear(x, gate_up[e])),
-                                       down[e])
+                ye = ops.moe_linear(ops.silu_mul(ops.moe_linear(x, gate_up[e])), down[e])
                 out = ye * weights[:, j:j + 1] if out is None else out + ye * weights[:, j:j + 1]
             return self._with_shared(x, out, ops)
         out = torch.zeros_like(x)
