@@ -173,25 +173,33 @@ def _address_url(scheme: str, host: str, port: int) -> str:
     return f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
 
 
-def _resend_specs(specs: Sequence[PromptSpec], assembler: OutputAssembler,
-                  pending: list[int]) -> list[dict[str, Any]]:
-    """The relay specs that resume the ``pending`` requests of a group elsewhere: each
-    prompt (once, however many samples share it), its parameters (no prompt logprobs
-    where the client has them already) and the tokens streamed so far as ``resume``."""
+def _wire_specs(specs: Sequence[PromptSpec], pending: Sequence[int],
+                assembler: OutputAssembler | None = None) -> list[dict[str, Any]]:
+    """The relay specs of a group's ``pending`` requests: each prompt once (n samples of
+    one prompt share its token list: the others name it ``same_as``), its parameters, and
+    where ``assembler`` says the request streamed already (a migration) no prompt logprobs
+    the client has and the tokens streamed so far as ``resume``."""
     first_of: dict[int, int] = {}
     out: list[dict[str, Any]] = []
     for k, i in enumerate(pending):
         s = specs[i]
         j = first_of.setdefault(id(s.token_ids), k)
         params = params_to_wire(s.params)
-        if assembler.prompt_logprobs[i] is not None:
+        if assembler is not None and assembler.prompt_logprobs[i] is not None:
             params["prompt_logprobs"] = None
         spec: dict[str, Any] = {**({"token_ids": s.token_ids} if j == k else {"same_as": j}),
                                 "params": params, "prompt": s.prompt}
-        if assembler.ids[i]:
+        if assembler is not None and assembler.ids[i]:
             spec["resume"] = list(assembler.ids[i])
         out.append(spec)
     return out
+
+
+async def _encode(body: dict[str, Any]) -> str:
+    """A relay body's JSON; a long one's built off the event loop (no request's size may
+    hold up another's stream)."""
+    size = sum(len(s.get("token_ids", ())) + len(s.get("resume", ())) for s in body["specs"])
+    return await asyncio.to_thread(json.dumps, body) if size > 2048 else json.dumps(body)
 
 
 def _why(e: BaseException) -> str:
@@ -589,31 +597,19 @@ class Router:
         assert self._client is not None, "start() the router first"
         n = len(specs)
         check_sequences(n, 1, self.info.max_waiting)
-        ids = [request_id] if n == 1 else [f"{request_id}-{i}" for i in range(n)]
+        ids = _relay_ids(request_id, n)
         if any(rid in self._groups for rid in ids):
             raise ValueError(f"request id {request_id!r} is already in use")
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        # n samples of one prompt share its token list: it crosses the wire once.
-        first_of: dict[int, int] = {}
-        wire_specs: list[dict[str, Any]] = []
-        for i, s in enumerate(specs):
-            k = first_of.setdefault(id(s.token_ids), i)
-            ref: dict[str, Any] = ({"token_ids": s.token_ids} if k == i
-                                   else {"same_as": k})
-            wire_specs.append({**ref, "params": params_to_wire(s.params), "prompt": s.prompt})
         # handover: the worker may write a drain notice into the stream (this router moves it)
         body: dict[str, Any] = {"request_id": request_id, "handover": True,
-                                "specs": wire_specs}
+                                "specs": _wire_specs(specs, range(n))}
         slo = specs[0].slo if specs else None
         if slo is not None:  # each worker judges it against its own queue
             for name, value in (("slo_ttft_ms", slo.ttft_s), ("slo_tpot_ms", slo.tpot_s)):
                 if value is not None:
                     body[name] = value * 1e3
-        size = sum(len(s["token_ids"]) for s in wire_specs if "token_ids" in s)
-        # A long prompt's JSON is built off the event loop (no request's size may hold up
-        # another's stream).
-        content = (await asyncio.to_thread(json.dumps, body) if size > 2048
-                   else json.dumps(body))
+        content = await _encode(body)
         # The first prompt's blocks decide (the n samples of one prompt share them).
         first = specs[0].token_ids if specs else []
         hashes = (await asyncio.to_thread(block_hashes, first, self.block_size)
@@ -924,12 +920,9 @@ class Router:
                            "response is incomplete")
             return False
         # (moved: admitted once already, it is not judged by a worker's SLO targets again)
-        body = {"request_id": stream.request_id, "moved": True, "handover": True,
-                "specs": _resend_specs(stream.specs, assembler, pending)}
-        size = sum(len(s.get("token_ids", ())) + len(s.get("resume", ()))
-                   for s in body["specs"])
-        content = (await asyncio.to_thread(json.dumps, body) if size > 2048
-                   else json.dumps(body))
+        content = await _encode({"request_id": stream.request_id, "moved": True,
+                                 "handover": True,
+                                 "specs": _wire_specs(stream.specs, pending, assembler)})
         try:
             relay, _ = await self._open(content, stream.hashes, pending, [gone])
         except Exception as e:  # noqa: BLE001 - every refusal ends the stream with its reason
