@@ -133,8 +133,8 @@ def main(argv: list[str] | None = None) -> int:
         pw, hf = statistics.median(got[k]["pw"]), statistics.median(got[k]["hf"])
         s = shapes[k]
         experts = statistics.mean(got[k]["experts"]) if got[k]["experts"] else None
-        params = (s.total_params - (s.num_experts - experts) * s.num_layers * s.expert_params
-                  if experts is not None else s.total_params)
+        params = (s.total_params - s.idle_expert_params(experts) if experts is not None
+                  else s.total_params)
         nbytes = 2 * (params - s.embedding_params)  # the embedding table is gathered, not read
         bw[k] = nbytes / pw
         print(f"{k:<6} {pw * 1e3:>9.2f} ms {hf * 1e3:>9.2f} ms {hf / pw:>6.2f}x "

@@ -133,7 +133,7 @@ def experts_line(eng: Any, prefill_steps: list[Any], run_steps: list[Any]) -> st
         parts.append(f"prefill read {sum(pre) / len(pre):.1f} of {e} experts a layer")
     if decode:
         x = sum(decode) / len(decode)
-        read = (shape.total_params - (e - x) * shape.num_layers * shape.expert_params) * wbytes
+        read = (shape.total_params - shape.idle_expert_params(x)) * wbytes
         parts.append(f"decode {x:.1f} (its {k} a token): a decode step reads "
                      f"{read / 1e6:.3g} MB of the model's {shape.total_params * wbytes / 1e6:.3g}"
                      " MB of weights, and its bound follows those bytes")

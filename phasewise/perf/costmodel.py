@@ -150,8 +150,7 @@ class CostModel:
         s = self.shape
         if not s.is_moe:
             return self.body_bytes
-        idle = s.num_experts - s.experts_touched(rows)
-        return self.body_bytes - s.num_layers * idle * s.expert_params * self.wbytes
+        return self.body_bytes - s.idle_expert_params(s.experts_touched(rows)) * self.wbytes
 
     def _linear_roof(self, rows: int, flops_per_row: float, nbytes: float, peak: float) -> float:
         return max(rows * flops_per_row / peak, nbytes / self.bandwidth)

@@ -143,8 +143,12 @@ class ModelShape:
         model's less the experts no token routed to (``experts_touched``)."""
         if not self.is_moe:
             return float(self.total_params)
-        idle = self.num_experts - self.experts_touched(tokens)
-        return self.total_params - self.num_layers * idle * self.expert_params
+        return self.total_params - self.idle_expert_params(self.experts_touched(tokens))
+
+    def idle_expert_params(self, experts: float) -> float:
+        """The expert weights a step leaves unread when its tokens touch ``experts`` of each
+        layer's experts (the rest, in every layer)."""
+        return self.num_layers * (self.num_experts - experts) * self.expert_params
 
     @property
     def active_params(self) -> int:
