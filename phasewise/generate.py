@@ -127,7 +127,7 @@ def experts_line(eng: Any, prefill_steps: list[Any], run_steps: list[Any]) -> st
 
     shape = ModelShape.from_path(eng.config.model)
     e, k = shape.num_experts, shape.experts_per_token
-    wbytes = eng.dtype.itemsize if hasattr(eng.dtype, "itemsize") else 2
+    wbytes = eng.dtype.itemsize
     parts = []
     if pre:
         parts.append(f"prefill read {sum(pre) / len(pre):.1f} of {e} experts a layer")

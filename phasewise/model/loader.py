@@ -98,7 +98,7 @@ def _targets(cfg: ModelConfig) -> dict[str, tuple[str, int, int]]:
             t[f"{src}self_attn.q_norm.weight"] = (f"{dst}q_norm.weight", 0, cfg.head_dim)
             t[f"{src}self_attn.k_norm.weight"] = (f"{dst}k_norm.weight", 0, cfg.head_dim)
         if cfg.moe is not None and i in cfg.moe.layers:
-            t.update(_expert_targets(cfg, src, f"{dst}moe."))
+            t.update(expert_targets(cfg, src, f"{dst}moe."))
             continue
         for s in ["weight", "bias"] if cfg.mlp_bias else suffixes:
             t[f"{src}mlp.gate_proj.{s}"] = (f"{dst}gate_up_proj.{s}", 0, inter)
@@ -107,7 +107,7 @@ def _targets(cfg: ModelConfig) -> dict[str, tuple[str, int, int]]:
     return t
 
 
-def _expert_targets(cfg: ModelConfig, src: str, dst: str) -> dict[str, tuple[str, int, int]]:
+def expert_targets(cfg: ModelConfig, src: str, dst: str) -> dict[str, tuple[str, int, int]]:
     """A sparse layer's router and experts (``SparseMoE``): each expert's gate and up into its
     rows of ``gate_up``, its down projection into its rows of ``down``; Mixtral names them
     ``block_sparse_moe.experts.E.w1/w3/w2``, Qwen's MoE models ``mlp.experts.E.gate_proj/

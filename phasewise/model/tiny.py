@@ -117,25 +117,16 @@ def tiny_config(
 
 
 def _expert_weights(cfg: Any, p: str, rnd: Any) -> dict[str, Any]:
-    """A sparse layer's router and experts (and shared expert), named as the checkpoint's
-    architecture names them (``phasewise.model.loader._expert_targets`` reads them)."""
+    """A sparse layer's router and experts (and shared expert), each tensor the loader asks
+    for under the name the checkpoint's architecture gives it (``loader.expert_targets``:
+    its rows; a down projection's columns are its expert's width, the rest the hidden
+    size)."""
+    from phasewise.model.loader import expert_targets
+
     m = cfg.moe
-    h, i, e = cfg.hidden_size, m.intermediate_size, m.num_experts
-    mixtral = cfg.architecture == "MixtralForCausalLM"
-    base = f"{p}block_sparse_moe." if mixtral else f"{p}mlp."
-    gate, up, down = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
-    t = {f"{base}gate.weight": rnd(e, h)}
-    for k in range(e):
-        t[f"{base}experts.{k}.{gate}.weight"] = rnd(i, h)
-        t[f"{base}experts.{k}.{up}.weight"] = rnd(i, h)
-        t[f"{base}experts.{k}.{down}.weight"] = rnd(h, i)
-    s = m.shared_intermediate_size
-    if s:
-        t[f"{base}shared_expert.gate_proj.weight"] = rnd(s, h)
-        t[f"{base}shared_expert.up_proj.weight"] = rnd(s, h)
-        t[f"{base}shared_expert.down_proj.weight"] = rnd(h, s)
-        t[f"{base}shared_expert_gate.weight"] = rnd(1, h)
-    return t
+    cols = {"down": m.intermediate_size, "shared_down.weight": m.shared_intermediate_size}
+    return {name: rnd(rows, cols.get(param, cfg.hidden_size))
+            for name, (param, _, rows) in expert_targets(cfg, p, "").items()}
 
 
 def write_random_weights(out_dir: str | Path, config: dict[str, Any], seed: int = 0,
