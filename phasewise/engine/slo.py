@@ -31,9 +31,11 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 # Targets a request or a server may set, in milliseconds (an hour: beyond it "no SLO").
 SLO_MS_MIN = 1.0
@@ -220,6 +222,15 @@ def judge(slo: SLO, fc: Forecast, margin: float = MARGIN) -> Refusal | None:
     return None
 
 
+def prompt_share(starts: Iterable[tuple[float, int]], now: float) -> float:
+    """Prompt tokens a step carried on average over the steps (``(start, prompt tokens)``)
+    that began in the last ``SHARE_WINDOW_S`` before ``now`` (0 where none did: an idle
+    engine carries none, however busy it was before, so refusals stop once the load that
+    caused them has). The engine's clock and the simulator's engines both ask this."""
+    recent = [p for t, p in starts if t >= now - SHARE_WINDOW_S]
+    return sum(recent) / len(recent) if recent else 0.0
+
+
 class StepClock:
     """A step's cost on this engine now, learnt from its recent steps (see the module)."""
 
@@ -232,12 +243,9 @@ class StepClock:
         self._scale: float | None = None
         self._dirty = True
 
-    def prompt_share(self, now: float, window_s: float = SHARE_WINDOW_S) -> float:
-        """Prompt tokens a step carried on average over the steps that began in the last
-        ``window_s`` seconds before ``now`` (0 where none did: an idle engine carries none,
-        however busy it was before, so refusals stop once the load that caused them has)."""
-        recent = [p for t, p in reversed(self._starts) if t >= now - window_s]
-        return sum(recent) / len(recent) if recent else 0.0
+    def prompt_share(self, now: float) -> float:
+        """``prompt_share`` of this engine's recent steps."""
+        return prompt_share(self._starts, now)
 
     def observe(self, step: Any) -> None:
         """A finished step (``StepStats``): its predecessor's period is now known."""
@@ -302,34 +310,14 @@ def _fit(rows: list[tuple[int, int, float]]) -> tuple[float, float | None, float
 
 def _solve(rows: list[tuple[int, int, float]], use: list[bool]
            ) -> list[float] | None:
-    """Normal equations of the kept columns (1, prefill, decodes), by elimination."""
+    """Least squares over the kept columns of (1, prefill, decodes), as [a, b, c] with the
+    others 0; None where those columns cannot be told apart (rank below their number)."""
     cols = [i for i in range(3) if use[i]]
-    if not cols:
+    x = np.array([(1.0, p, d) for p, d, _ in rows])[:, cols]
+    coef, _, rank, _ = np.linalg.lstsq(x, np.array([t for _, _, t in rows]), rcond=None)
+    if rank < len(cols):
         return None
-
-    def x(r: tuple[int, int, float]) -> list[float]:
-        full = [1.0, float(r[0]), float(r[1])]
-        return [full[i] for i in cols]
-
-    k = len(cols)
-    m = [[0.0] * (k + 1) for _ in range(k)]
-    for r in rows:
-        v = x(r)
-        for i in range(k):
-            for j in range(k):
-                m[i][j] += v[i] * v[j]
-            m[i][k] += v[i] * r[2]
-    for i in range(k):
-        piv = max(range(i, k), key=lambda j: abs(m[j][i]))
-        if abs(m[piv][i]) < 1e-12:
-            return None
-        m[i], m[piv] = m[piv], m[i]
-        for j in range(k):
-            if j != i:
-                f = m[j][i] / m[i][i]
-                for c in range(i, k + 1):
-                    m[j][c] -= f * m[i][c]
     out = [0.0, 0.0, 0.0]
     for i, col in enumerate(cols):
-        out[col] = m[i][k] / m[i][i]
+        out[col] = float(coef[i])
     return out

@@ -54,7 +54,7 @@ from phasewise.cache.manager import KVCacheManager
 from phasewise.engine.request import Request, RequestStatus
 from phasewise.engine.sampling_params import SamplingParams
 from phasewise.engine.scheduler import Scheduler, SchedulerConfig
-from phasewise.engine.slo import SHARE_WINDOW_S, SLO, group_forecast, judge, mean_context
+from phasewise.engine.slo import SLO, group_forecast, judge, mean_context, prompt_share
 from phasewise.engine.step_cost import Chunk
 from phasewise.perf.costmodel import CostModel
 from phasewise.perf.hardware import Link
@@ -368,8 +368,7 @@ class Simulation:
             def cost(p: int, d: int) -> float:
                 return self.cost.step_time([Chunk(p, 0)] if p else [], [ctx] * d)
 
-            recent = [p for t, p in e.prompt_tokens if t >= self.clock.now - SHARE_WINDOW_S]
-            share = sum(recent) / len(recent) if recent else 0.0
+            share = prompt_share(e.prompt_tokens, self.clock.now)
             try:
                 refusal = judge(slo, group_forecast(s, s.kv, [req], cost, share))
             finally:
