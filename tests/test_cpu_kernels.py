@@ -984,7 +984,9 @@ def test_avx512bf16_decode_attention_keys_in_lanes(G, hd, length, bs):
     heads-in-lanes kernel): the same scores, maxes and weights,
     so the same outputs up to the order of each head's weights' sum, on every step shape
     (one key, a partial group of 16, a partial pair, several steps), with the rescale of a
-    growing max (large queries), and a NaN key making its heads' outputs NaN in both."""
+    growing max (large queries), and a NaN key making its heads' outputs NaN in both; and
+    from a sliding window's first key (``start``, mid-block) on, the keys before it unread
+    (NaN there changes nothing)."""
     import ctypes
 
     lib = bench_library().lib  # its switch (pw_avx512bf16_attn_kl) is a global there
@@ -994,13 +996,13 @@ def test_avx512bf16_decode_attention_keys_in_lanes(G, hd, length, bs):
     q = torch.randn(G, hd, generator=g).bfloat16() * 4
     q[0] *= 10  # one head's scores far apart: its max grows step by step
 
-    def run(kl, k=k_cache):
+    def run(kl, k=k_cache, start=0):
         out = torch.empty(G, hd)
         with kernel_global("pw_avx512bf16_attn_kl", kl, lib):
             rc = lib.pw_attend_group_avx512bf16(
                 ctypes.c_void_p(q.data_ptr()), G, ctypes.c_float(hd**-0.5),
                 ctypes.c_void_p(k.data_ptr()), ctypes.c_void_p(v_cache.data_ptr()),
-                ctypes.c_void_p(table.data_ptr()), length, bs, n_kv, kvh, hd,
+                ctypes.c_void_p(table.data_ptr()), start, length, bs, n_kv, kvh, hd,
                 ctypes.c_void_p(out.data_ptr()))
         assert rc == 0
         return out
@@ -1016,6 +1018,11 @@ def test_avx512bf16_decode_attention_keys_in_lanes(G, hd, length, bs):
         nan_k = k_cache.clone()
         nan_k[tables[0][length // 2 // bs], length // 2 % bs, kvh, hd // 2] = float("nan")
         assert run(1, nan_k).isnan().all() and run(0, nan_k).isnan().all()
+        start = length // 2 + 1  # a window's first key, past the NaN one
+        p = torch.softmax(q.float() @ keys[start:].float().T * hd**-0.5, dim=-1)
+        for kl in (1, 0):
+            torch.testing.assert_close(run(kl, nan_k, start), p @ vals[start:].float(),
+                                       rtol=2**-7, atol=2**-8)
 
 ODD = {"hidden_size": 80, "intermediate_size": 1040, "num_attention_heads": 5,
        "num_key_value_heads": 1, "head_dim": 16}

@@ -29,9 +29,11 @@ KEY = "router-test-key"
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    # a mixture of experts (with Qwen2-MoE's shared expert): P/D moves K/V, whatever the MLP
+    # a mixture of experts whose sliding window (16) is shorter than the long prompts here:
+    # P/D moves the K/V decoding reads, whatever the MLP and the attention's reach
     path = tmp_path_factory.mktemp("pd") / "model"
-    build_hf_checkpoint(path, "Qwen2MoeForCausalLM", seed=3, max_position_embeddings=512)
+    build_hf_checkpoint(path, "MixtralForCausalLM", seed=3, max_position_embeddings=512,
+                        sliding_window=16)
     return path
 
 

@@ -9,6 +9,18 @@ hash of (hash of the previous block, its own token ids); see ``block_pool.chain_
 across processes). A new request walks its tokens block
 by block and reuses every leading block found, up to but excluding the block holding its last
 token, which must be computed to yield logits.
+
+Sliding windows (``window``: set where every layer of the model attends to its last
+``window`` positions only). A query at position ``p`` reads keys ``p - window + 1`` to ``p``,
+and every later query reads later keys, so a block wholly before the next query's window is
+never read again: it goes back to the pool (``drop_behind_window``; still in the prefix
+cache, as any freed block) and its table entry becomes a hole (``None``; block 0 in
+``block_table``). Such blocks are never allocated in the first place where the first
+position a request computes already leaves them behind (a long prefix-cache hit takes only
+the blocks inside its window; a remote prefill's reservation, ``first_query``, only those its
+decoding reads). A request's blocks thus stop growing at about ``window / block_size + 1``
+plus its chunk. A prefix hit longer than the window is valid: the lookup still needs every
+block of the prefix in the cache (the chain), and the request keeps the ones it reads.
 """
 
 from __future__ import annotations
@@ -29,6 +41,15 @@ class CacheRequest(Protocol):
     def all_token_ids(self) -> list[int]: ...
 
 
+def window_blocks(num_tokens: int, block_size: int, window: int | None) -> int:
+    """The most blocks a request of ``num_tokens`` tokens holds at once to finish, one token
+    a step: all of them, or under a sliding ``window`` the window's and the next token's."""
+    blocks = -(-num_tokens // block_size)
+    if window is None:
+        return blocks
+    return min(blocks, -(-window // block_size) + 1)
+
+
 @dataclass
 class CachedPrefix:
     """Result of a prefix lookup; pass it back to ``allocate_slots``. Opaque to callers
@@ -45,13 +66,18 @@ class CacheStats:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 window: int | None = None):
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if window is not None and window < 1:
+            raise ValueError(f"window must be >= 1 or None, got {window}")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.window = window
         self.pool = BlockPool(num_blocks)
-        self._blocks: dict[str, list[Block]] = {}
+        # each request's table; None: a block behind its window, given back (see the module)
+        self._blocks: dict[str, list[Block | None]] = {}
         # Chain hashes of the request's leading full blocks, computed so far.
         self._hashes: dict[str, list[bytes]] = {}
         # How many of the request's leading blocks are registered in (or found in) the cache.
@@ -74,8 +100,29 @@ class KVCacheManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    def most_blocks(self, num_tokens: int) -> int:
+        """``window_blocks`` of this pool's block size and window."""
+        return window_blocks(num_tokens, self.block_size, self.window)
+
+    def dead_blocks(self, first_query: int) -> int:
+        """How many leading blocks no query at ``first_query`` or later reads (0 without a
+        window)."""
+        if self.window is None:
+            return 0
+        return max(0, first_query - self.window + 1) // self.block_size
+
     def block_table(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self._blocks.get(request_id, [])]
+        """The request's block ids by position (a hole behind its window: 0, never read)."""
+        return [b.block_id if b is not None else 0 for b in self._blocks.get(request_id, [])]
+
+    def held_blocks(self, request_id: str) -> int:
+        """The blocks the request holds now (its table less its holes)."""
+        return sum(1 for b in self._blocks.get(request_id, []) if b is not None)
+
+    def first_held_block(self, request_id: str) -> int:
+        """The index of the request's first block not given back (0 without holes)."""
+        blocks = self._blocks.get(request_id, [])
+        return next((i for i, b in enumerate(blocks) if b is not None), len(blocks))
 
     def _hash_chain(self, request: CacheRequest, num_blocks: int) -> list[bytes]:
         """Chain hashes of the request's first ``num_blocks`` full blocks (memoized)."""
@@ -111,16 +158,35 @@ class KVCacheManager:
         self.stats.prefix_queries += num_tokens
         self.stats.prefix_hits += num_hit_tokens
 
+    def _plan(self, request: CacheRequest, num_new_tokens: int, prefix: CachedPrefix | None,
+              first_query: int | None) -> tuple[int, int, list[Block]]:
+        """(first live block, blocks the table will span, the prefix blocks it takes)."""
+        done = request.num_computed_tokens + (prefix.num_tokens if prefix else 0)
+        live = self.dead_blocks(done if first_query is None else first_query)
+        pre = prefix.blocks[live:] if prefix else []
+        return live, self.blocks_needed(done + num_new_tokens), pre
+
     def can_allocate(self, request: CacheRequest, num_new_tokens: int,
-                     prefix: CachedPrefix | None = None) -> int:
-        """Blocks still missing (0 when it fits) to compute ``num_new_tokens`` more tokens."""
+                     prefix: CachedPrefix | None = None, first_query: int | None = None) -> int:
+        """Blocks still missing (0 when it fits) to compute ``num_new_tokens`` more tokens
+        (``first_query``: see ``allocate_slots``)."""
         have = self._blocks.get(request.request_id, [])
-        pre = prefix.blocks if prefix else []
-        total = request.num_computed_tokens + (prefix.num_tokens if prefix else 0) + num_new_tokens
-        need = self.blocks_needed(total) - len(have) - len(pre)
+        live, span, pre = self._plan(request, num_new_tokens, prefix, first_query)
+        held = len(have) + (len(prefix.blocks) if prefix else 0)
+        need = span - max(held, live)
         # Prefix blocks sitting in the free queue stop being free once touched.
         available = self.pool.num_free - sum(1 for b in pre if b.ref_count == 0)
         return max(0, need - available)
+
+    def fit_tokens(self, request: CacheRequest, prefix: CachedPrefix | None = None) -> int:
+        """The most tokens the request could compute next (after ``prefix``) with the blocks
+        free now: ``allocate_slots`` takes any count up to it."""
+        have = self._blocks.get(request.request_id, [])
+        live, _, pre = self._plan(request, 0, prefix, None)
+        held = len(have) + (len(prefix.blocks) if prefix else 0)
+        done = request.num_computed_tokens + (prefix.num_tokens if prefix else 0)
+        available = self.pool.num_free - sum(1 for b in pre if b.ref_count == 0)
+        return max(0, (max(held, live) + available) * self.block_size - done)
 
     def max_new_tokens(self, request: CacheRequest) -> int:
         """How many more tokens the request could compute with the blocks free now."""
@@ -129,24 +195,41 @@ class KVCacheManager:
         return max(0, capacity - request.num_computed_tokens)
 
     def allocate_slots(self, request: CacheRequest, num_new_tokens: int,
-                       prefix: CachedPrefix | None = None) -> bool:
+                       prefix: CachedPrefix | None = None, first_query: int | None = None
+                       ) -> bool:
         """Make room to compute ``num_new_tokens`` tokens after the request's computed ones
-        (and after ``prefix``, whose blocks it takes a reference on). All or nothing."""
-        if self.can_allocate(request, num_new_tokens, prefix):
+        (and after ``prefix``, whose blocks it takes a reference on). All or nothing. Under
+        a window, blocks behind the window of ``first_query`` (default: the first token
+        computed) are left as holes, prefix ones untouched."""
+        if self.can_allocate(request, num_new_tokens, prefix, first_query):
             return False
         rid = request.request_id
         blocks = self._blocks.setdefault(rid, [])
+        live, span, pre = self._plan(request, num_new_tokens, prefix, first_query)
         if prefix and prefix.blocks:
             if blocks:
                 raise RuntimeError(f"request {rid} already holds blocks; a prefix must come first")
-            self.pool.touch(prefix.blocks)
-            blocks.extend(prefix.blocks)
+            self.pool.touch(pre)
+            blocks.extend([None] * (len(prefix.blocks) - len(pre)) + pre)
             self._num_cached[rid] = len(prefix.blocks)
-        total = request.num_computed_tokens + (prefix.num_tokens if prefix else 0) + num_new_tokens
-        need = self.blocks_needed(total) - len(blocks)
-        if need > 0:
-            blocks.extend(self.pool.allocate(need))
+        if len(blocks) < live <= span:
+            blocks.extend([None] * (live - len(blocks)))
+        if span > len(blocks):
+            blocks.extend(self.pool.allocate(span - len(blocks)))
         return True
+
+    def drop_behind_window(self, request: CacheRequest) -> int:
+        """Give back the request's blocks that lie wholly before the window of its next
+        query (at ``num_computed_tokens``); returns how many went back."""
+        blocks = self._blocks.get(request.request_id)
+        if not blocks or self.window is None:
+            return 0
+        dead = min(self.dead_blocks(request.num_computed_tokens), len(blocks))
+        gone = [b for b in blocks[:dead] if b is not None]
+        if gone:
+            blocks[:dead] = [None] * dead
+            self.pool.free(list(reversed(gone)))  # its head evicted last, as free()'s
+        return len(gone)
 
     def cache_blocks(self, request: CacheRequest) -> None:
         """Register the request's full, computed blocks in the prefix cache."""
@@ -163,8 +246,11 @@ class KVCacheManager:
         hashes = self._hash_chain(request, n_full)
         tokens = request.all_token_ids
         for i in range(start, n_full):
+            block = blocks[i]
+            if block is None:  # behind the window before it was full (a remote prefill's)
+                continue
             parent = hashes[i - 1] if i else None
-            self.pool.cache(blocks[i], hashes[i], parent, tuple(tokens[i * bs:(i + 1) * bs]))
+            self.pool.cache(block, hashes[i], parent, tuple(tokens[i * bs:(i + 1) * bs]))
         self._num_cached[rid] = n_full
 
     def trim(self, request: CacheRequest, num_tokens: int) -> None:
@@ -173,7 +259,7 @@ class KVCacheManager:
         blocks = self._blocks.get(request.request_id)
         keep = max(self.blocks_needed(num_tokens), self._num_cached.get(request.request_id, 0))
         if blocks and len(blocks) > keep:
-            tail = blocks[keep:]
+            tail = [b for b in blocks[keep:] if b is not None]
             del blocks[keep:]
             self.pool.free(list(reversed(tail)))
 
@@ -181,6 +267,6 @@ class KVCacheManager:
         """Release every block the request holds (tail first, so its tail is evicted first)."""
         rid = request.request_id
         blocks = self._blocks.pop(rid, [])
-        self.pool.free(list(reversed(blocks)))
+        self.pool.free([b for b in reversed(blocks) if b is not None])
         self._num_cached.pop(rid, None)
         self._hashes.pop(rid, None)

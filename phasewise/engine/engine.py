@@ -99,16 +99,19 @@ class LLMEngine:
         self.max_model_len = max_len
         self.clock = time.monotonic
 
-        self.kv = KVCacheManager(num_blocks, bs, config.enable_prefix_caching)
+        # under a window every layer shares, blocks behind it go back to the pool
+        self.kv = KVCacheManager(num_blocks, bs, config.enable_prefix_caching, mc.kv_window)
         self.max_num_batched_tokens = config.max_num_batched_tokens or (
             DEFAULT_CUDA_STEP_TOKENS if self.device.type == "cuda" else DEFAULT_CPU_STEP_TOKENS)
         self.scheduler = Scheduler(SchedulerConfig.of(
             self.max_num_batched_tokens, config.max_num_seqs, max_len, config.policy),
             self.kv, self.clock)
         # (a mixture of experts routes each step's tokens in Python on what the router chose:
-        # no graph can replay that, so it runs eagerly)
+        # no graph can replay that, so it runs eagerly; a sliding window shorter than the
+        # context too: the graphs' padded tables hold whole contexts)
+        windowed = mc.sliding_window is not None and mc.sliding_window < max_len
         graphs = ("cuda" if self.device.type == "cuda" and not config.enforce_eager
-                  and mc.moe is None else None)
+                  and mc.moe is None and not windowed else None)
         self.runner = ModelRunner(self.model, mc, num_blocks=num_blocks, block_size=bs,
                                   dtype=self.dtype, device=self.device, decode_graphs=graphs,
                                   max_model_len=max_len)
@@ -179,7 +182,9 @@ class LLMEngine:
         ``export_kv_from`` (the prefill role): after every step that computes part of this
         request's prompt, hand the K/V of its blocks from this token index on (a multiple of
         block_size) to ``kv_sink`` as soon as the forward pass has written them; each block
-        once, when it is full or holds the prompt's end.
+        once, when it is full or holds the prompt's end. Under a sliding window every layer
+        shares, from the block of the first key the decode side's first query reads, where
+        that is later.
 
         ``resume``: the tokens another engine generated for this request and streamed before
         it went away (a router migrates the request here). They become the request's first
@@ -191,7 +196,10 @@ class LLMEngine:
         if resume:
             self._resume(req, resume)
         if export_kv_from is not None:
-            self.connector.export(req.request_id, export_kv_from)
+            # under a sliding window the decode side reads only the blocks of its first
+            # query's window (RemotePrefills.admit reserves those): none before them is sent
+            behind = self.kv.dead_blocks(req.num_prompt_tokens) * self.kv.block_size
+            self.connector.export(req.request_id, max(export_kv_from, behind))
         try:
             self.scheduler.add_request(req)  # raises if it can never fit
         except BaseException:

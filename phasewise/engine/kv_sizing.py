@@ -2,7 +2,9 @@
 
 The pool is sized from ``EngineConfig``: an exact block count (``num_kv_blocks``), a memory
 budget (``kv_cache_memory``), 1 GiB on CPU, or on CUDA 90% of the memory the weights leave
-free. It never holds more than ``max_num_seqs`` full-length sequences could use. Where the
+free. It never holds more than ``max_num_seqs`` full-length sequences could use (under a
+sliding window shared by every layer, a sequence holds only its window's blocks:
+``phasewise.cache.manager.window_blocks``). Where the
 size is known before the weights load, the sizes are settled first, so a context that cannot
 fit fails before minutes of loading. Pure arithmetic, torch-free: the caller measures free
 memory and names the K/V element size (``block_bytes``). The simulator (``phasewise simulate``
@@ -14,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Protocol
 
+from phasewise.cache.manager import window_blocks
 from phasewise.config import EngineConfig, parse_memory
 
 DEFAULT_CPU_KV_MEMORY = 1 << 30
@@ -30,11 +33,15 @@ class KVShape(Protocol):
 
 class ContextLimits(Protocol):
     """What the sizing reads of a model besides its K/V shape. A ``ModelConfig`` has it; the
-    simulator builds one for a model it knows only by its shape."""
+    simulator builds one for a model it knows only by its shape. ``kv_window``: the sliding
+    window every layer attends within (None: some layer reads the whole context), which
+    bounds the blocks a sequence holds at once."""
 
     architecture: str
     max_position_embeddings: int
-    sliding_window: int | None
+
+    @property
+    def kv_window(self) -> int | None: ...
 
 
 def block_bytes(shape: KVShape, block_size: int, element_size: int) -> int:
@@ -65,7 +72,7 @@ class KVPlan:
         if config.max_model_len and config.max_model_len > mc.max_position_embeddings:
             raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's "
                              f"max_position_embeddings ({mc.max_position_embeddings})")
-        most = config.max_num_seqs * -(-max_len // config.block_size) + 1
+        most = config.max_num_seqs * window_blocks(max_len, config.block_size, mc.kv_window) + 1
         num_blocks: int | None
         if config.num_kv_blocks is not None:
             num_blocks = config.num_kv_blocks
@@ -92,23 +99,20 @@ class KVPlan:
 
 def fit_context(num_blocks: int, max_len: int, config: EngineConfig, mc: ContextLimits,
                 block_bytes: int) -> int:
-    """Check the pool against the context length (lowering a default one to fit) and
-    the checkpoint's sliding window against the result; returns max_model_len."""
+    """Check the pool against the context length (lowering a default one to fit); returns
+    max_model_len. Under a sliding window every layer shares, a sequence needs only its
+    window's blocks, so the context may exceed the pool."""
     bs = config.block_size
     if num_blocks < 1:
         raise ValueError("the KV cache budget holds no block of "
                          f"{block_bytes} bytes; raise kv_cache_memory")
     capacity = num_blocks * bs
+    if window_blocks(max_len + 1, bs, mc.kv_window) <= num_blocks:
+        return max_len
     if capacity - 1 < max_len:
         if config.max_model_len:
             raise ValueError(
                 f"the KV cache holds {capacity} tokens ({num_blocks} blocks of {bs}), too few "
                 f"for max_model_len {max_len}; raise kv_cache_memory or lower max_model_len")
         max_len = capacity - 1
-    if mc.sliding_window is not None and mc.sliding_window < max_len:
-        raise ValueError(
-            f"{mc.architecture} uses a sliding attention window of {mc.sliding_window} "
-            f"tokens, shorter than max_model_len {max_len}; phasewise attends to the full "
-            f"context, which would compute a different model. Set max_model_len <= "
-            f"{mc.sliding_window}.")
     return max_len

@@ -42,13 +42,17 @@ class RemotePrefills:
 
     def admit(self, req: Request) -> int | None:
         """Reserve ``req``'s blocks; returns the number of prompt tokens the prefix cache
-        already holds (the prefill worker sends K/V from there on), or None when there is no
-        room now (nothing is kept then)."""
+        already holds (the prefill worker sends K/V from there on, or under a sliding window
+        from its first decode's window on if that is later), or None when there is no room
+        now (nothing is kept then)."""
         hit = self.scheduler.reserve_remote(req)
         if hit is None:
             return None
         self.register(req)
-        self.connector.after_alloc(req.request_id, req.num_prompt_tokens, hit)
+        # under a sliding window, K/V arrives only from the block holding the first key its
+        # first decode reads (the prefill worker skips the same blocks: LLMEngine.add_request)
+        behind = self.kv.dead_blocks(req.num_prompt_tokens) * self.kv.block_size
+        self.connector.after_alloc(req.request_id, req.num_prompt_tokens, max(hit, behind))
         return hit
 
     def waiting(self, request_id: str) -> Request:

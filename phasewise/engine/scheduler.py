@@ -135,7 +135,10 @@ class Scheduler:
         # Longest a request may grow: max_model_len, or less when the whole pool holds fewer
         # tokens (the engine sizes them to agree; a scheduler built directly may not), so a
         # request alone in the pool always finishes instead of preempting itself forever.
-        self.max_len = min(config.max_model_len, kv.num_blocks * kv.block_size - 1)
+        # Under a sliding window a request holds only its window's blocks (most_blocks).
+        fits = kv.most_blocks(config.max_model_len + 1) <= kv.num_blocks
+        self.max_len = (config.max_model_len if fits
+                        else min(config.max_model_len, kv.num_blocks * kv.block_size - 1))
 
     # -- admission -------------------------------------------------------------------------
     def check_admissible(self, req: Request) -> None:
@@ -145,8 +148,8 @@ class Scheduler:
         not refused here: generation then ends at the context length (finish ``length``)."""
         n = req.num_prompt_tokens
         check_context(n, None, self.config.max_model_len)
-        capacity = self.kv.num_blocks * self.kv.block_size
-        if n + 1 > capacity:
+        if self.kv.most_blocks(n + 1) > self.kv.num_blocks:
+            capacity = self.kv.num_blocks * self.kv.block_size
             raise ValidationError(f"prompt has {n} tokens but the whole KV cache holds "
                                   f"{capacity}; raise the KV cache memory or shorten the prompt",
                                   param="prompt")
@@ -171,7 +174,9 @@ class Scheduler:
         if not self._has_seat():
             return None
         prefix = self._cached_prefix(req)
-        if not self.kv.allocate_slots(req, req.num_tokens - prefix.num_tokens, prefix):
+        # under a window, only the blocks its decoding reads (the prefill worker sends those)
+        if not self.kv.allocate_slots(req, req.num_tokens - prefix.num_tokens, prefix,
+                                      first_query=req.num_tokens):
             return None
         self.kv.record_prefix_lookup(req.num_tokens, prefix.num_tokens)
         req.metrics.first_scheduled_time = self.clock()
@@ -194,8 +199,16 @@ class Scheduler:
         """The remote prefill will not finish: keep the first ``num_valid_tokens`` of the
         prompt whose KV arrived, and compute the rest here, chunked, like any prompt."""
         del self.remote[req.request_id]
-        req.num_computed_tokens = max(req.num_computed_tokens,
-                                      min(num_valid_tokens, req.num_tokens - 1))
+        kept = max(req.num_computed_tokens, min(num_valid_tokens, req.num_tokens - 1))
+        if self.kv.dead_blocks(kept) < self.kv.first_held_block(req.request_id):
+            # under a window its reservation holds only the blocks decoding reads, not those
+            # computing from `kept` needs: it starts over, its prefix looked up again
+            self.kv.free(req)
+            req.num_computed_tokens = 0
+            req.status = RequestStatus.WAITING
+            self.waiting.appendleft(req)
+            return
+        req.num_computed_tokens = kept
         req.status = RequestStatus.RUNNING
         self.running.append(req)
 
@@ -301,7 +314,12 @@ class Scheduler:
                 prefix = self._cached_prefix(req)
                 n = min(req.num_tokens - prefix.num_tokens, budget)
                 if not self.kv.allocate_slots(req, n, prefix):
-                    break
+                    # a window's request needs only its window's blocks at once: a first
+                    # chunk larger than the pool holds shrinks (else it could never start)
+                    fit = self.kv.fit_tokens(req, prefix) if self.kv.window else 0
+                    if not 1 <= fit < n or not self.kv.allocate_slots(req, fit, prefix):
+                        break
+                    n = fit
                 self._admit(req, prefix.num_tokens)
                 picked.append((req, n))
                 budget -= n
@@ -409,6 +427,9 @@ class Scheduler:
                 self.kv.trim(req, req.num_computed_tokens + 1)
                 self.kv.cache_blocks(req)
             got_token.append((req, kept))
+        for req in batch.requests:  # under a window: the blocks no query reads again
+            if not req.finished:
+                self.kv.drop_behind_window(req)
         return got_token
 
     def _append_token(self, req: Request, token: int, now: float) -> None:

@@ -100,6 +100,24 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
     moe: MoEConfig | None = None  # None: every layer's MLP is dense
+    # Each layer's attention window (``layer_windows``; None: it attends to the whole
+    # context); empty for a config built field by field, where ``sliding_window`` holds
+    # for every layer
+    layer_windows: tuple[int | None, ...] = ()
+
+    def window_of(self, layer: int) -> int | None:
+        """The attention window of layer ``layer`` (None: the whole context)."""
+        if self.layer_windows:
+            return self.layer_windows[layer]
+        return self.sliding_window
+
+    @property
+    def kv_window(self) -> int | None:
+        """The window every layer attends within (None where some layer attends to the
+        whole context): K/V older than it is read by no layer, so its blocks can go back to
+        the pool (``KVCacheManager.window``)."""
+        windows = {self.window_of(i) for i in range(self.num_layers)}
+        return windows.pop() if len(windows) == 1 else None
 
     @property
     def q_size(self) -> int:
@@ -172,6 +190,7 @@ class ModelConfig:
         qkv_bias = attn_bias if spec["qkv_bias"] is None else spec["qkv_bias"]
         o_bias = attn_bias if spec["o_bias"] is None else spec["o_bias"]
 
+        windows = layer_windows(arch, d, int(need("num_hidden_layers")))
         eos = d.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         return cls(
@@ -191,7 +210,8 @@ class ModelConfig:
             o_bias=o_bias,
             mlp_bias=bool(d.get("mlp_bias", False)),
             qk_norm=spec["qk_norm"],
-            sliding_window=_effective_sliding_window(arch, d),
+            sliding_window=next((w for w in windows if w is not None), None),
+            layer_windows=windows,
             dtype=str(d.get("torch_dtype") or d.get("dtype") or "float32"),
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos_ids,
@@ -277,17 +297,40 @@ def _parse_rope(d: dict[str, Any]) -> RopeConfig:
     )
 
 
-def _effective_sliding_window(arch: str, d: dict[str, Any]) -> int | None:
-    """The attention window some layer really uses, or None if every layer attends fully."""
-    window = d.get("sliding_window")
-    if not window:
-        return None
-    layer_types = d.get("layer_types")
-    if layer_types is not None:
-        return int(window) if "sliding_attention" in layer_types else None
-    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
-        if not d.get("use_sliding_window", False):
-            return None
-        max_window_layers = int(d.get("max_window_layers", 0))
-        return int(window) if int(d["num_hidden_layers"]) > max_window_layers else None
-    return int(window)
+# Architectures whose attention ignores ``layer_types``: a window, where the config sets one
+# (Qwen3-MoE: and ``use_sliding_window``), applies to every layer.
+_WINDOW_ON_EVERY_LAYER = ("MistralForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM")
+_NO_WINDOW = ("LlamaForCausalLM",)
+
+
+def layer_windows(arch: str | None, d: dict[str, Any], num_layers: int
+                  ) -> tuple[int | None, ...]:
+    """Each layer's attention window as transformers' modelling code applies it (None: that
+    layer attends to the whole context). Qwen checkpoints need ``use_sliding_window``; then
+    ``layer_types`` names the windowed layers where the config lists them, else Qwen2 and
+    Qwen3 window the layers from ``max_window_layers`` on and Qwen2-MoE every other one below
+    it. Mistral, Mixtral and Qwen3-MoE window every layer; Llama none. An unknown
+    architecture (``arch`` None: a config read only for its shape) follows the same rules by
+    the fields it has."""
+    none: tuple[int | None, ...] = (None,) * num_layers
+    w = d.get("sliding_window")
+    if arch in _NO_WINDOW or not isinstance(w, int) or isinstance(w, bool) or w < 1:
+        return none
+    qwen = "use_sliding_window" in d or (arch or "").startswith("Qwen")
+    if qwen and not d.get("use_sliding_window"):
+        return none
+    if arch in _WINDOW_ON_EVERY_LAYER:
+        return (w,) * num_layers
+    types = d.get("layer_types")
+    if isinstance(types, list) and types:
+        if len(types) != num_layers or not set(types) <= {"sliding_attention",
+                                                           "full_attention"}:
+            raise ValueError(f"layer_types must list 'sliding_attention' or 'full_attention' "
+                             f"for each of the {num_layers} layers; got {types!r}")
+        return tuple(w if t == "sliding_attention" else None for t in types)
+    if not qwen:
+        return (w,) * num_layers
+    first = int(d.get("max_window_layers") or 0)
+    if arch == "Qwen2MoeForCausalLM":
+        return tuple(w if i % 2 == 0 and i < first else None for i in range(num_layers))
+    return tuple(w if i >= first else None for i in range(num_layers))

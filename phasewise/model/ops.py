@@ -91,14 +91,18 @@ class TorchOps:
         return x * cos + rotated * sin
 
     def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                         meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        return decode_attention_torch(q, k_cache, v_cache, meta, scale)
+                         meta: AttentionMetadata, scale: float,
+                         window: int | None = None) -> torch.Tensor:
+        """The decode rows' attention (``decode_attention_torch``'s contract; ``window``:
+        the layer's sliding window, None for the whole context)."""
+        return decode_attention_torch(q, k_cache, v_cache, meta, scale, window)
 
     def prefill_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                          span: PrefillSpan, scale: float, out: torch.Tensor) -> bool:
+                          span: PrefillSpan, scale: float, out: torch.Tensor,
+                          window: int | None = None) -> bool:
         """A prefill span's attention (q [n, n_heads, hd], the span's K/V already in the
         caches) into ``out[span.start:span.end]``, returning True; or False to leave it to
-        torch's SDPA, as here."""
+        torch's SDPA, as here. ``window``: the layer's sliding window (None: whole context)."""
         return False
 
     def decode_layer(self, layer: nn.Module, delta: torch.Tensor | None, hidden: torch.Tensor,

@@ -101,6 +101,8 @@ class DecoderLayer(nn.Module):
             self.q_norm = RMSNorm(cfg.head_dim)
             self.k_norm = RMSNorm(cfg.head_dim)
         self.post_attention_layernorm = RMSNorm(h)
+        # its sliding attention window (None: it attends to the whole context)
+        self.window: int | None = cfg.window_of(index)
         # a sparse layer's MLP is its experts (the CPU kernels' fused layers then step aside)
         self.moe: SparseMoE | None = (SparseMoE(cfg) if cfg.moe is not None
                                       and index in cfg.moe.layers else None)
@@ -170,7 +172,8 @@ class DecoderLayer(nn.Module):
         q, k = qk[:, :nh], qk[:, nh:]
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         attn = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale,
-                               ops.decode_attention, ops.prefill_attention)  # [T, nh, hd]
+                               ops.decode_attention, ops.prefill_attention,
+                               self.window)  # [T, nh, hd]
         attn_out = ops.proj(attn.reshape(t, nh * hd), self.o_proj)
 
         x, hidden = ops.add_rms_norm(attn_out, hidden, self.post_attention_layernorm.weight,

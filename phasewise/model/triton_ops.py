@@ -112,13 +112,14 @@ def _group_query(q_ptr, r, kvh, group, stride_qt, stride_qh, scale,
 
 
 @triton.jit
-def _attend_blocks(q, k_ptr, v_ptr, tables_ptr, r, kvh, d, seq_len, j, stop,
+def _attend_blocks(q, k_ptr, v_ptr, tables_ptr, r, kvh, d, first_key, seq_len, j, stop,
                    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
                    GROUP_P: tl.constexpr, HD: tl.constexpr, BS: tl.constexpr):
     """Row ``r``'s blocks ``[j, stop)`` of its table for KV head ``kvh`` against the
     KV head's query heads ``q`` ([GROUP_P, HD], scaled): the online softmax's running max,
-    weight total and unnormalised sum ([GROUP_P], [GROUP_P], [GROUP_P, HD]); keys at or past
-    ``seq_len`` masked. -inf, 0 and 0 where the range is empty."""
+    weight total and unnormalised sum ([GROUP_P], [GROUP_P], [GROUP_P, HD]); keys before
+    ``first_key`` (a sliding window's start) or at or past ``seq_len`` masked. -inf, 0 and 0
+    where the range is empty."""
     offs = tl.arange(0, BS)
     m = tl.full([GROUP_P], float("-inf"), tl.float32)
     total = tl.zeros([GROUP_P], tl.float32)
@@ -127,7 +128,8 @@ def _attend_blocks(q, k_ptr, v_ptr, tables_ptr, r, kvh, d, seq_len, j, stop,
         blk = tl.load(tables_ptr + r * stride_bt + j)
         k = tl.load(k_ptr + blk * stride_kb + offs[:, None] * stride_ks + kvh * stride_kh + d)
         scores = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)  # [GROUP_P, BS]
-        scores = tl.where((j * BS + offs)[None, :] < seq_len, scores, float("-inf"))
+        pos = (j * BS + offs)[None, :]
+        scores = tl.where((pos < seq_len) & (pos >= first_key), scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, axis=1))
         alpha = tl.exp(m - m_new)
         p = tl.exp(scores - m_new[:, None])
@@ -140,9 +142,16 @@ def _attend_blocks(q, k_ptr, v_ptr, tables_ptr, r, kvh, d, seq_len, j, stop,
 
 
 @triton.jit
+def _window_start(seq_len, window):
+    """The first key a row of ``seq_len`` keys attends to: 0, or in a layer with a sliding
+    ``window`` (> 0) the first of its last ``window``."""
+    return tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
+
+
+@triton.jit
 def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, seq_lens_ptr,
                          stride_qt, stride_qh, stride_kb, stride_ks, stride_kh,
-                         stride_vb, stride_vs, stride_vh, stride_bt, scale, group,
+                         stride_vb, stride_vs, stride_vh, stride_bt, scale, group, window,
                          GROUP_P: tl.constexpr, HD: tl.constexpr, BS: tl.constexpr):
     r = tl.program_id(0).to(tl.int64)  # decode row
     kvh = tl.program_id(1)  # KV head
@@ -150,10 +159,11 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, seq_lens_ptr,
     _, gm, d, heads, q = _group_query(q_ptr, r, kvh, group, stride_qt, stride_qh, scale,
                                       GROUP_P, HD)
     seq_len = tl.load(seq_lens_ptr + r)
-    first = seq_len - seq_len  # block 0 as an int64 tensor, the loop counter's type in both
-    _, total, acc = _attend_blocks(q, k_ptr, v_ptr, tables_ptr, r, kvh, d, seq_len, first,
-                                   (seq_len + BS - 1) // BS, stride_kb, stride_ks, stride_kh,
-                                   stride_vb, stride_vs, stride_vh, stride_bt, GROUP_P, HD, BS)
+    first_key = _window_start(seq_len, window)  # int64, as the loop's block counter
+    _, total, acc = _attend_blocks(q, k_ptr, v_ptr, tables_ptr, r, kvh, d, first_key, seq_len,
+                                   first_key // BS, (seq_len + BS - 1) // BS, stride_kb,
+                                   stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                                   stride_bt, GROUP_P, HD, BS)
     out = acc / total[:, None]
     tl.store(out_ptr + (r * n_heads + heads) * HD + d, out.to(out_ptr.dtype.element_ty),
              mask=gm)
@@ -162,10 +172,11 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, seq_lens_ptr,
 @triton.jit
 def _paged_decode_split_kernel(q_ptr, k_ptr, v_ptr, acc_ptr, ml_ptr, tables_ptr, seq_lens_ptr,
                                stride_qt, stride_qh, stride_kb, stride_ks, stride_kh,
-                               stride_vb, stride_vs, stride_vh, stride_bt, scale, group,
+                               stride_vb, stride_vs, stride_vh, stride_bt, scale, group, window,
                                GROUP_P: tl.constexpr, HD: tl.constexpr, BS: tl.constexpr):
     """One split of a row's blocks for one KV head: ``_attend_blocks`` over blocks
-    ``[s * per, (s + 1) * per)`` of the row's ``ceil(seq_len / BS)``, with ``per`` the
+    ``[first + s * per, first + (s + 1) * per)`` of the row's blocks from the one holding its
+    first key (``_window_start``) to ``ceil(seq_len / BS)``, with ``per`` the
     even share of the ``num_programs(2)`` splits, read from the row's length on the device
     (so a captured graph's splits follow each replay's lengths). It writes the split's
     unnormalised sums ``acc`` [rows, heads, splits, HD] and its max and weight total ``ml``
@@ -178,11 +189,13 @@ def _paged_decode_split_kernel(q_ptr, k_ptr, v_ptr, acc_ptr, ml_ptr, tables_ptr,
     g, gm, d, heads, q = _group_query(q_ptr, r, kvh, group, stride_qt, stride_qh, scale,
                                       GROUP_P, HD)
     seq_len = tl.load(seq_lens_ptr + r)
+    first_key = _window_start(seq_len, window)
+    first = first_key // BS
     n_blk = (seq_len + BS - 1) // BS
-    per = (n_blk + n_split - 1) // n_split
-    start = s * per
-    m, total, acc = _attend_blocks(q, k_ptr, v_ptr, tables_ptr, r, kvh, d, seq_len, start,
-                                   tl.minimum(start + per, n_blk), stride_kb, stride_ks,
+    per = (n_blk - first + n_split - 1) // n_split
+    start = first + s * per
+    m, total, acc = _attend_blocks(q, k_ptr, v_ptr, tables_ptr, r, kvh, d, first_key, seq_len,
+                                   start, tl.minimum(start + per, n_blk), stride_kb, stride_ks,
                                    stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
                                    GROUP_P, HD, BS)
     part = (r * n_heads + heads) * n_split + s  # [GROUP_P, 1]
@@ -286,21 +299,22 @@ class TritonOps(TorchOps):
         return out
 
     def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                         meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                         meta: AttentionMetadata, scale: float,
+                         window: int | None = None) -> torch.Tensor:
         nd, n_heads, hd = q.shape
         _, bs, n_kv, _ = k_cache.shape
         tables, seq_lens = meta.decode_block_tables, meta.decode_seq_lens
         if (tables is None or seq_lens is None or not _pow2(hd) or not _pow2(bs)
                 or q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1
                 or tables.stride(-1) != 1):
-            return super().decode_attention(q, k_cache, v_cache, meta, scale)
+            return super().decode_attention(q, k_cache, v_cache, meta, scale, window)
         group = n_heads // n_kv
         out = torch.empty((nd, n_heads, hd), dtype=q.dtype, device=q.device)
         if not nd:
             return out
         strides = (q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
                    k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-                   tables.stride(0), scale, group)
+                   tables.stride(0), scale, group, window or 0)
         consts = dict(GROUP_P=triton.next_power_of_2(group), HD=hd, BS=bs)
         splits = decode_splits(nd, n_kv, tables.shape[1], self._programs(q.device))
         if splits == 1:

@@ -71,11 +71,12 @@ def cost_model(model: str, gpu: str, profile: str | None, dtype: str = "bf16"
 @dataclass(frozen=True)
 class _ShapeLimits:
     """The engine's context limits for a model known by its shape alone (a catalog entry, or a
-    checkpoint phasewise serve cannot load): no sliding window known."""
+    checkpoint phasewise serve cannot load); ``kv_window``: its sliding window where every
+    layer has it (``ContextLimits``)."""
 
     architecture: str
     max_position_embeddings: int
-    sliding_window: int | None = None
+    kv_window: int | None = None
 
 
 def _context_limits(shape: ModelShape, model: str | None, max_model_len: int | None
@@ -95,7 +96,8 @@ def _context_limits(shape: ModelShape, model: str | None, max_model_len: int | N
         mpe = max_model_len or DEFAULT_CONTEXT
         note += (f"; {shape.name}'s context length is not known: "
                  f"{'--max-model-len' if max_model_len else f'{mpe} tokens assumed'}")
-    return _ShapeLimits(shape.name, int(mpe)), note
+    shared = shape.sliding_window if shape.window_layers == shape.num_layers else None
+    return _ShapeLimits(shape.name, int(mpe), shared), note
 
 
 def kv_element_bytes(cm: CostModel) -> int:
@@ -163,7 +165,8 @@ def engine_spec(cm: CostModel, a: argparse.Namespace, model: str | None = None) 
     return EngineSpec(num_kv_blocks=blocks, max_num_batched_tokens=budget,
                       max_num_seqs=a.max_num_seqs, max_model_len=plan.max_model_len,
                       policy=a.policy, block_size=a.block_size,
-                      enable_prefix_caching=not a.no_prefix_caching, kv_source=source)
+                      enable_prefix_caching=not a.no_prefix_caching, kv_source=source,
+                      kv_window=limits.kv_window)
 
 
 def _gib(n: float) -> str:

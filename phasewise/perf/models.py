@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from phasewise.model.config import read_config_json
+from phasewise.model.config import layer_windows, read_config_json
 
 
 @dataclass(frozen=True)
@@ -220,25 +220,15 @@ class GenericModel:
 
 
 def _window_of(cfg: dict[str, Any], layers: int) -> tuple[int | None, int]:
-    """(window, layers that use it) of a transformers config: ``layer_types`` where it lists
-    them; Qwen2's ``use_sliding_window`` (the layers from ``max_window_layers`` on); else a
-    ``sliding_window`` on every layer (Mistral). A window no shorter than the context is
+    """(window, layers that use it) of a transformers config, by the engine's own rule
+    (``phasewise.model.config.layer_windows``). A window no shorter than the context is
     none."""
-    w = cfg.get("sliding_window")
-    if not isinstance(w, int) or isinstance(w, bool) or w < 1:
+    archs = cfg.get("architectures")
+    arch = archs[0] if isinstance(archs, list) and archs else None
+    windows = [w for w in layer_windows(arch, cfg, layers) if w is not None]
+    if not windows or windows[0] >= int(cfg.get("max_position_embeddings") or 0) > 0:
         return None, 0
-    if w >= int(cfg.get("max_position_embeddings") or 0) > 0:
-        return None, 0
-    types = cfg.get("layer_types")
-    if isinstance(types, list) and types:
-        n = sum(1 for t in types if t == "sliding_attention")
-        return (w, n) if n else (None, 0)
-    if "use_sliding_window" in cfg:
-        if not cfg["use_sliding_window"]:
-            return None, 0
-        first = int(cfg.get("max_window_layers") or 0)
-        return (w, layers - min(first, layers)) if first < layers else (None, 0)
-    return w, layers
+    return windows[0], len(windows)
 
 
 def _shape(name: str, source: str, **kw: Any) -> ModelShape:

@@ -78,6 +78,8 @@ class EngineSpec:
     policy: str = "chunked"
     block_size: int = 16
     enable_prefix_caching: bool = True
+    # the sliding window every layer attends within (None: none): blocks behind it go back
+    kv_window: int | None = None
     # where num_kv_blocks comes from, in words (phasewise.perf.commands.engine_spec says)
     kv_source: str = field(default="", compare=False)
 
@@ -226,7 +228,8 @@ class Simulation:
         self._turn = itertools.count()
 
         def make(name: str, role: str, spec: EngineSpec) -> _Engine:
-            kv = KVCacheManager(spec.num_kv_blocks, spec.block_size, spec.enable_prefix_caching)
+            kv = KVCacheManager(spec.num_kv_blocks, spec.block_size, spec.enable_prefix_caching,
+                                spec.kv_window)
             return _Engine(name, role, Scheduler(spec.scheduler_config(), kv, self.clock))
 
         d = deployment

@@ -97,7 +97,7 @@ class DecodeLayerArgs(ctypes.Structure):
             "w_o", "b_o", "w_post_norm", "w_gate_up", "b_gate_up", "w_down", "b_down",
             "k_cache", "v_cache", "slots", "block_tables", "seq_lens", "cos", "sin",
             "s_qkv", "s_o", "s_gate_up", "s_down")]
-        + [("proj_mode", ctypes.c_int)]
+        + [("proj_mode", ctypes.c_int), ("window", ctypes.c_int)]
     )
 
 
@@ -148,7 +148,7 @@ def _signatures() -> dict[str, tuple[Any, list[Any]]]:
         "pw_add_rmsnorm_bf16": (None, [P, P, P, P, I, I, F, I]),
         "pw_silu_mul_bf16": (None, [P, P, I, I, I]),
         "pw_rope_bf16": (None, [P, L, P, P, I, I, I, I]),
-        "pw_decode_attention_bf16": (I, [P, L, P, P, P, I, P, P, I, I, I, I, I, F, I]),
+        "pw_decode_attention_bf16": (I, [P, L, P, P, P, I, P, P, I, I, I, I, I, F, I, I]),
         "pw_decode_layer_bf16": (I, [ctypes.POINTER(DecodeLayerArgs)]),
         "pw_decode_stack_bf16": (I, [ctypes.POINTER(DecodeLayerArgs), I, P, P, P, P]),
         "pw_decode_stack_head_bf16": (I, [ctypes.POINTER(DecodeLayerArgs), I, P, P, P, P, P, F,

@@ -296,30 +296,35 @@ class CpuKernelOps(TorchOps):
         return x
 
     def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                         meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                         meta: AttentionMetadata, scale: float,
+                         window: int | None = None) -> torch.Tensor:
         nd, nh, hd = q.shape
         bt, lens = meta.decode_block_tables, meta.decode_seq_lens
         if (not self._ok(k_cache, v_cache) or q.dtype != torch.bfloat16 or q.stride(2) != 1
                 or q.stride(1) != hd or bt is None or lens is None):
-            return super().decode_attention(q, k_cache, v_cache, meta, scale)
+            return super().decode_attention(q, k_cache, v_cache, meta, scale, window)
         n_kv = k_cache.shape[2]
         out = torch.empty(nd, nh, hd, dtype=q.dtype)
         rc = self.lib.pw_decode_attention_bf16(
             q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), bt.data_ptr(),
             bt.shape[1], lens.data_ptr(), out.data_ptr(), nd, nh, n_kv, hd, k_cache.shape[1],
-            float(scale), torch.get_num_threads())
+            float(scale), torch.get_num_threads(), window or 0)
         if rc != 0:
             raise MemoryError("pw_decode_attention_bf16 could not allocate scratch memory")
         return out
 
     def prefill_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                          span: PrefillSpan, scale: float, out: torch.Tensor) -> bool:
+                          span: PrefillSpan, scale: float, out: torch.Tensor,
+                          window: int | None = None) -> bool:
         """On AMX (``pw_prefill_attention_amx``): flash attention on the tiles, reading K/V
         from the paged cache, head sizes that are multiples of 32 up to 128; without AMX, on
         AVX512_BF16 (``pw_prefill_attention_avx512bf16``), the same scheme on dot products, up to
-        256."""
+        256. Both attend to whole contexts: a chunk that outgrows its layer's sliding window
+        goes to torch's SDPA with the window's mask."""
         hd = q.shape[2]
         amx = kernels.amx_available() and hd <= 128
+        if window is not None and span.context_len + span.end - span.start > window:
+            return False
         if (not (amx or kernels.avx512bf16_available()) or not self._ok(k_cache, v_cache)
                 or q.dtype != torch.bfloat16 or q.stride(2) != 1 or q.stride(1) != hd
                 or hd % 32 or hd > 256 or not out.is_contiguous()):
@@ -547,7 +552,8 @@ class CpuKernelOps(TorchOps):
         args = kernels.DecodeLayerArgs(
             H=cfg.hidden_size, Q=cfg.q_size, KV=cfg.kv_size, I=cfg.intermediate_size,
             n_heads=cfg.num_heads, n_kv=cfg.num_kv_heads, hd=cfg.head_dim,
-            qk_norm=int(cfg.qk_norm), eps=cfg.rms_norm_eps, scale=layer.scale)
+            qk_norm=int(cfg.qk_norm), eps=cfg.rms_norm_eps, scale=layer.scale,
+            window=layer.window or 0)
         for name, w in weights.items():
             setattr(args, name, w.data_ptr() if w is not None else None)
         return args

@@ -57,6 +57,8 @@ typedef struct {
     const float *s_qkv, *s_o, *s_gate_up, *s_down;
     int proj_mode; /* an enum pw_proj_mode (an int: the field's size is the ABI's, whatever
                     * size a compiler would give the enum) */
+    int window;    /* the layer's sliding attention window (0: none): a row attends to its
+                    * last `window` keys only */
 } DecodeLayer;
 
 #endif

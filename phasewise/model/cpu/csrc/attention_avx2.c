@@ -16,8 +16,8 @@ void pw_enable_avx512(int on) {
     pw_enable_avx512_norm(on);
 }
 
-/* Attention of G query heads that share one KV head (GQA) against one request's paged
- * context of `len` keys, flash-style: keys in chunks of ATT_CHUNK, each chunk's K and V rows
+/* Attention of G query heads that share one KV head (GQA) against keys `start` .. `len` - 1
+ * of one request's paged context (`start` > 0: a sliding window's first key), flash-style: keys in chunks of ATT_CHUNK, each chunk's K and V rows
  * widened to fp32 once for all G heads, scores 8 keys at a time (8 dot products reduced
  * together by a horizontal-add tree instead of 8 separate horizontal sums), and an online
  * softmax (a running max and denominator per head) so the scratch does not grow with `len`.
@@ -47,8 +47,8 @@ static inline float dot_f32(const float *a, const float *b, int n) {
 }
 
 static void attend_group(const float *q, int G, const uint16_t *k_cache, const uint16_t *v_cache,
-                         const int64_t *table, int len, int bs, int n_kv, int kvh, int hd,
-                         float *scratch, float *out) {
+                         const int64_t *table, int start, int len, int bs, int n_kv, int kvh,
+                         int hd, float *scratch, float *out) {
     float *kf = scratch, *vf = kf + (long)ATT_CHUNK * hd, *p = vf + (long)ATT_CHUNK * hd;
     float *mx = p + (long)G * ATT_CHUNK, *den = mx + G;
     int hd8 = hd / 8 * 8;
@@ -57,7 +57,7 @@ static void attend_group(const float *q, int G, const uint16_t *k_cache, const u
         den[g] = 0.0f;
         for (int i = 0; i < hd; i++) out[(long)g * hd + i] = 0.0f;
     }
-    for (int t0 = 0; t0 < len; t0 += ATT_CHUNK) {
+    for (int t0 = start; t0 < len; t0 += ATT_CHUNK) {
         int n = len - t0 < ATT_CHUNK ? len - t0 : ATT_CHUNK;
         /* the chunk's rows counted (paged_row_offs: no division a key) */
         long offs[ATT_CHUNK];
@@ -179,13 +179,21 @@ int pw_attend_group_amx(const uint16_t *q, int G, float scale, const uint16_t *k
 /* attention_avx512bf16.c's, the same contract (weak: absent when that file is not compiled in),
  * taken once pw_enable_avx512bf16_attention has said the CPU has AVX512_BF16, where AMX's is not. */
 int pw_attend_group_avx512bf16(const uint16_t *q, int G, float scale, const uint16_t *k_cache,
-                       const uint16_t *v_cache, const int64_t *table, int len, int bs,
-                       int n_kv, int kvh, int hd, float *out) __attribute__((weak));
+                       const uint16_t *v_cache, const int64_t *table, int start, int len,
+                       int bs, int n_kv, int kvh, int hd, float *out) __attribute__((weak));
 static int use_avx512bf16_attention = 0;
 void pw_enable_avx512bf16_attention(int on) { use_avx512bf16_attention = on && pw_attend_group_avx512bf16 != NULL; }
 
+/* The first key a decode row of `len` keys attends to: 0, or with a sliding window (> 0) the
+ * first of its last `window` keys. */
+int pw_window_start(long len, int window) {
+    return window > 0 && len > window ? (int)(len - window) : 0;
+}
+
 /* Decode attention of request b, KV head kvh, and share `part` (of `parts`) of that head's
- * query group. q: rows of stride q_stride holding n_heads heads of hd (bf16);
+ * query group, over the keys of its window (pw_window_start; AMX's kernel takes only whole
+ * contexts, so a row whose window binds goes to the others). q: rows of stride q_stride
+ * holding n_heads heads of hd (bf16);
  * `mine`: this thread's scratch (pw_attention_task_floats(group, hd) floats).
  * Writes the heads' outputs at (b * n_heads + head) * hd: bf16 into out_bf16, or the
  * bf16-rounded fp32 value into out_f32. */
@@ -193,24 +201,29 @@ static void attention_task(int b, int kvh, int part, int parts, int group, int n
                            int n_kv, int hd, const uint16_t *q, long q_stride, float scale,
                            const uint16_t *k_cache, const uint16_t *v_cache,
                            const int64_t *block_tables, int max_blocks,
-                           const int64_t *seq_lens, int bs, float *mine, uint16_t *out_bf16,
-                           float *out_f32) {
+                           const int64_t *seq_lens, int window, int bs, float *mine,
+                           uint16_t *out_bf16, float *out_f32) {
     int g0 = group * part / parts, g1 = group * (part + 1) / parts, G = g1 - g0;
     float *qf = mine, *acc = qf + (long)group * hd, *work = acc + (long)group * hd;
     const uint16_t *qg = q + (long)b * q_stride + (long)(kvh * group + g0) * hd;
-    int amx = use_avx512 && pw_attend_group_amx, done = amx || use_avx512bf16_attention;
-    for (int g = 0; done && g < G; g += 16)  /* sixteen heads at a time */
-        done = (amx ? pw_attend_group_amx : pw_attend_group_avx512bf16)(
-                   qg + (long)g * hd, G - g < 16 ? G - g : 16, scale, k_cache, v_cache,
-                   block_tables + (long)b * max_blocks, (int)seq_lens[b], bs, n_kv, kvh, hd,
-                   acc + (long)g * hd) == 0;
+    const int64_t *table = block_tables + (long)b * max_blocks;
+    int len = (int)seq_lens[b], start = pw_window_start(len, window);
+    int amx = use_avx512 && pw_attend_group_amx && start == 0;
+    int done = amx || use_avx512bf16_attention;
+    for (int g = 0; done && g < G; g += 16) {  /* sixteen heads at a time */
+        int n = G - g < 16 ? G - g : 16;
+        done = (amx ? pw_attend_group_amx(qg + (long)g * hd, n, scale, k_cache, v_cache, table,
+                                          len, bs, n_kv, kvh, hd, acc + (long)g * hd)
+                    : pw_attend_group_avx512bf16(qg + (long)g * hd, n, scale, k_cache, v_cache,
+                                                 table, start, len, bs, n_kv, kvh, hd,
+                                                 acc + (long)g * hd)) == 0;
+    }
     for (int g = 0; !done && g < G; g++) {
         const uint16_t *qh = q + (long)b * q_stride + (long)(kvh * group + g0 + g) * hd;
         for (int i = 0; i < hd; i++) qf[(long)g * hd + i] = bf16_to_f32(qh[i]) * scale;
     }
     if (!done)
-        attend_group(qf, G, k_cache, v_cache, block_tables + (long)b * max_blocks,
-                     (int)seq_lens[b], bs, n_kv, kvh, hd, work, acc);
+        attend_group(qf, G, k_cache, v_cache, table, start, len, bs, n_kv, kvh, hd, work, acc);
     for (int g = 0; g < G; g++) {
         long o = ((long)b * n_heads + kvh * group + g0 + g) * hd;
         const float *a = acc + (long)g * hd;
@@ -238,28 +251,30 @@ void pw_attention_request(int task, int parts, int group, int n_heads, int n_kv,
                           const uint16_t *q, long q_stride, float scale,
                           const uint16_t *k_cache, const uint16_t *v_cache,
                           const int64_t *block_tables, int max_blocks,
-                          const int64_t *seq_lens, int bs, float *mine,
+                          const int64_t *seq_lens, int window, int bs, float *mine,
                           uint16_t *out_bf16, float *out_f32) {
     if (parts == 0) {  /* task = request * n_kv + KV head, the head's whole group */
         attention_task(task / n_kv, task % n_kv, 0, 1, group, n_heads, n_kv, hd, q, q_stride,
-                       scale, k_cache, v_cache, block_tables, max_blocks, seq_lens, bs, mine,
-                       out_bf16, out_f32);
+                       scale, k_cache, v_cache, block_tables, max_blocks, seq_lens, window, bs,
+                       mine, out_bf16, out_f32);
         return;
     }
     for (int kvh = 0; kvh < n_kv; kvh++)
         attention_task(task / parts, kvh, task % parts, parts, group, n_heads, n_kv, hd, q,
                        q_stride, scale, k_cache, v_cache, block_tables, max_blocks, seq_lens,
-                       bs, mine, out_bf16, out_f32);
+                       window, bs, mine, out_bf16, out_f32);
 }
 
 /* Decode attention over the paged cache: one query token per request.
  * q: [B][n_heads][hd] with row stride q_stride; caches: [blocks][bs][n_kv][hd];
  * block_tables: [B][max_blocks] int64; seq_lens: [B] int64 (keys to attend, incl. the new one);
+ * window: the layer's sliding window (0: none), whose rows read only their last `window` keys;
  * out: [B][n_heads][hd] contiguous. Softmax and sums in fp32. */
 int pw_decode_attention_bf16(const uint16_t *q, long q_stride, const uint16_t *k_cache,
                              const uint16_t *v_cache, const int64_t *block_tables,
                              int max_blocks, const int64_t *seq_lens, uint16_t *out, int B,
-                             int n_heads, int n_kv, int hd, int bs, float scale, int nthreads) {
+                             int n_heads, int n_kv, int hd, int bs, float scale, int nthreads,
+                             int window) {
     int group = n_heads / n_kv, parts = pw_group_parts(B, n_kv, group, nthreads);
     int n_tasks = parts ? B * parts : B * n_kv;
     long per_task = pw_attention_task_floats(group, hd);
@@ -268,7 +283,7 @@ int pw_decode_attention_bf16(const uint16_t *q, long q_stride, const uint16_t *k
 #pragma omp parallel for num_threads(nthreads) schedule(dynamic)
     for (int task = 0; task < n_tasks; task++)
         pw_attention_request(task, parts, group, n_heads, n_kv, hd, q, q_stride, scale, k_cache,
-                          v_cache, block_tables, max_blocks, seq_lens, bs,
+                          v_cache, block_tables, max_blocks, seq_lens, window, bs,
                           scratch + per_task * omp_get_thread_num(), out, NULL);
     free(scratch);
     return 0;

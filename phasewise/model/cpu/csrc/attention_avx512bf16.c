@@ -252,7 +252,8 @@ int pw_prefill_attention_avx512bf16(const uint16_t *q, long q_stride, const uint
 
 /* ---------------------------------------------------------------------------------------
  * Decode attention on AVX512_BF16: one request's new token, the G <= 16 query heads that
- * share KV head kvh (the lanes), against its len keys in the paged cache, 32 keys a step:
+ * share KV head kvh (the lanes), against its keys start .. len - 1 in the paged cache (start
+ * > 0: a sliding window's first key), 32 keys a step:
  *   S^T [keys] = K Q^T: Q^T in pair order (gathered once), each key's pairs of values
  *       broadcast from its cache row (the rows of the next step prefetched: a request's
  *       blocks are scattered where the hardware prefetchers do not look);
@@ -265,7 +266,8 @@ int pw_prefill_attention_avx512bf16(const uint16_t *q, long q_stride, const uint
  * lanes, where the heads would leave lanes idle).
  * q: [G][hd] bf16, unscaled (scale multiplies the scores); out: [G][hd] fp32 (the caller
  * rounds). Returns 0, or -1 for a shape it does not take (hd % 32, hd > 256, G > 16), which
- * the caller then computes itself. The same contract as attention_amx.c's pw_attend_group_amx. */
+ * the caller then computes itself. attention_amx.c's pw_attend_group_amx has the same
+ * contract without `start` (whole contexts only). */
 /* O[g0 .. g0 + HB) += P V over `pairs` pairs of keys, the lanes 16 dims (vectors dv0 .. dv0 +
  * DB of the hd / 16): oh [G][hd] fp32; vp [pair][hd] words (a dim's values of the pair's two
  * keys); pw words (head g's weights of pair c's two keys at pw[cs c + hs g]: [pair][16],
@@ -426,8 +428,8 @@ static inline __m512 dpa_hmax8(const __m512 *t, int G) {
 }
 
 static int attend_group_kl(const uint16_t *q, int G, float scale, const uint16_t *k_cache,
-                           const uint16_t *v_cache, const int64_t *table, int len, int bs,
-                           int n_kv, int kvh, int hd, float *out) {
+                           const uint16_t *v_cache, const int64_t *table, int start, int len,
+                           int bs, int n_kv, int kvh, int hd, float *out) {
     const int HP = hd / 2;
     const uint32_t *qw = (const uint32_t *)q;  /* head g's pair p: qw[g HP + p] */
     __m512i kt[2 * DPA_MAX_HD / 2];  /* K^T of a step's two groups of 16 keys */
@@ -441,8 +443,9 @@ static int attend_group_kl(const uint16_t *q, int G, float scale, const uint16_t
     __m512 mx = _mm512_set1_ps(-INFINITY), sum = _mm512_setzero_ps();
     const __m512 sc = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
     long off[2][DPA_KB];
-    paged_row_offs(table, bs, n_kv, hd, kvh, 0, len < DPA_KB ? len : DPA_KB, off[0]);
-    for (int t0 = 0, step = 0; t0 < len; t0 += DPA_KB, step ^= 1) {
+    paged_row_offs(table, bs, n_kv, hd, kvh, start, len - start < DPA_KB ? len - start : DPA_KB,
+                   off[0]);
+    for (int t0 = start, step = 0; t0 < len; t0 += DPA_KB, step ^= 1) {
         int n = len - t0 < DPA_KB ? len - t0 : DPA_KB;
         const long *o = off[step];
         long *nx = off[step ^ 1];
@@ -508,12 +511,12 @@ static int attend_group_kl(const uint16_t *q, int G, float scale, const uint16_t
 }
 
 int pw_attend_group_avx512bf16(const uint16_t *q, int G, float scale, const uint16_t *k_cache,
-                       const uint16_t *v_cache, const int64_t *table, int len, int bs,
-                       int n_kv, int kvh, int hd, float *out) {
-    if (hd % 32 || hd < 32 || hd > DPA_MAX_HD || G < 1 || G > 16) return -1;
+                       const uint16_t *v_cache, const int64_t *table, int start, int len,
+                       int bs, int n_kv, int kvh, int hd, float *out) {
+    if (hd % 32 || hd < 32 || hd > DPA_MAX_HD || G < 1 || G > 16 || start < 0) return -1;
     if (pw_avx512bf16_attn_kl && G <= 8)
-        return attend_group_kl(q, G, scale, k_cache, v_cache, table, len, bs, n_kv, kvh, hd,
-                               out);
+        return attend_group_kl(q, G, scale, k_cache, v_cache, table, start, len, bs, n_kv,
+                               kvh, hd, out);
     __m512i qp[DPA_MAX_HD / 2];
     float ot[DPA_MAX_HD * 16] __attribute__((aligned(64)));  /* O: [G][hd], a head a row */
     uint32_t vp[DPA_KB / 2 * DPA_MAX_HD] __attribute__((aligned(64)));  /* [pair][hd] */
@@ -531,8 +534,9 @@ int pw_attend_group_avx512bf16(const uint16_t *q, int G, float scale, const uint
                                            9, 24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2,
                                            17, 1, 16, 0);
     long off[2][DPA_KB];
-    paged_row_offs(table, bs, n_kv, hd, kvh, 0, len < DPA_KB ? len : DPA_KB, off[0]);
-    for (int t0 = 0, step = 0; t0 < len; t0 += DPA_KB, step ^= 1) {
+    paged_row_offs(table, bs, n_kv, hd, kvh, start, len - start < DPA_KB ? len - start : DPA_KB,
+                   off[0]);
+    for (int t0 = start, step = 0; t0 < len; t0 += DPA_KB, step ^= 1) {
         int n = len - t0 < DPA_KB ? len - t0 : DPA_KB;
         const long *o = off[step];
         long *nx = off[step ^ 1];  /* the next step's rows (dpa_next_rows) */

@@ -134,11 +134,12 @@ PW_INTERNAL void pw_rope_row(uint16_t *row, const float *c, const float *sn, int
 /* attention_avx2.c */
 PW_INTERNAL int pw_group_parts(int B, int n_kv, int group, int nthreads);
 PW_INTERNAL long pw_attention_task_floats(int group, int hd);
+PW_INTERNAL int pw_window_start(long len, int window);
 PW_INTERNAL void pw_attention_request(int task, int parts, int group, int n_heads, int n_kv,
                                       int hd, const uint16_t *q, long q_stride, float scale,
                                       const uint16_t *k_cache, const uint16_t *v_cache,
                                       const int64_t *block_tables, int max_blocks,
-                                      const int64_t *seq_lens, int bs, float *mine,
+                                      const int64_t *seq_lens, int window, int bs, float *mine,
                                       uint16_t *out_bf16, float *out_f32);
 
 /* Exported entry points that another AVX2 file calls too (elementwise_avx2.c's). */

@@ -27,7 +27,7 @@ long pw_abi(const char *what) {
         FIELD(w_post_norm), FIELD(w_gate_up), FIELD(b_gate_up), FIELD(w_down), FIELD(b_down),
         FIELD(k_cache), FIELD(v_cache), FIELD(slots), FIELD(block_tables), FIELD(seq_lens),
         FIELD(cos), FIELD(sin), FIELD(s_qkv), FIELD(s_o), FIELD(s_gate_up), FIELD(s_down),
-        FIELD(proj_mode),
+        FIELD(proj_mode), FIELD(window),
 #undef FIELD
         {"PW_PROJ_STREAMS", PW_PROJ_STREAMS}, {"PW_PROJ_AMX", PW_PROJ_AMX},
         {"PW_PROJ_AVX512BF16", PW_PROJ_AVX512BF16}, {"PW_PROJ_PANELS", PW_PROJ_PANELS},
@@ -153,21 +153,27 @@ static void layer_proj(const DecodeLayer *L, const float *x, int M, const void *
     pw_proj_share(x, M, w, scale, K, N, res);
 }
 
+/* The keys row `row` attends to in a layer with this window (0: none). */
+static long task_keys(const int64_t *seq_lens, int window, int row) {
+    return seq_lens[row] - pw_window_start(seq_lens[row], window);
+}
+
 /* This thread's share of a fused layer's attention tasks (pw_attention_request's numbering,
  * n_tasks of them): a contiguous range [lo, hi), the team's ranges balanced by keys (each
  * task goes to the thread whose equal share of all the keys holds the task's middle key),
  * so every thread computes the same split and knows which task it takes next (for
  * attention_prefetch). Not a dynamic schedule: it hands tasks out one at a time, so no
  * thread would know its next task, and each would begin on keys not yet in its caches. */
-static void task_range(int n_tasks, int parts, int n_kv, const int64_t *seq_lens, int *lo,
-                       int *hi) {
+static void task_range(int n_tasks, int parts, int n_kv, const int64_t *seq_lens, int window,
+                       int *lo, int *hi) {
     int t = omp_get_thread_num(), T = omp_get_num_threads();
     long total = 0, before = 0;
-    for (int k = 0; k < n_tasks; k++) total += seq_lens[parts ? k / parts : k / n_kv];
+    for (int k = 0; k < n_tasks; k++)
+        total += task_keys(seq_lens, window, parts ? k / parts : k / n_kv);
     *lo = *hi = n_tasks;
     int found = 0;
     for (int k = 0; k < n_tasks; k++) {
-        long len = seq_lens[parts ? k / parts : k / n_kv];
+        long len = task_keys(seq_lens, window, parts ? k / parts : k / n_kv);
         int owner = total > 0 ? (int)((2 * before + len) * T / (2 * total)) : 0;
         if (owner > T - 1) owner = T - 1;  /* its middle key's (an empty last task's: T) */
         if (owner == t && !found) {
@@ -197,11 +203,12 @@ static void attention_prefetch(int task, int cur, int end, int parts, int n_kv, 
     int b = parts ? task / parts : task / n_kv;
     int k0 = parts ? 0 : task % n_kv, k1 = parts ? n_kv : k0 + 1;
     const int64_t *table = L->block_tables + (long)b * L->max_blocks;
-    long len = L->seq_lens[b] - 1, per_key = 4L * (k1 - k0) * hd;  /* K and V bytes */
+    long start = pw_window_start(L->seq_lens[b], L->window);
+    long len = L->seq_lens[b] - 1 - start, per_key = 4L * (k1 - k0) * hd;  /* K and V bytes */
     if (len > DPA_FIRST_KEYS) len = DPA_FIRST_KEYS;
     if (len > 16384 / per_key) len = 16384 / per_key;
     long off[DPA_FIRST_KEYS];
-    paged_row_offs(table, L->bs, n_kv, hd, k0, 0, (int)len, off);
+    paged_row_offs(table, L->bs, n_kv, hd, k0, start, (int)len, off);
     for (long j = 0; j < len; j++)
         for (long c = 0; c < (long)(k1 - k0) * hd; c += 32) {  /* a line: 32 values */
             _mm_prefetch((const char *)(L->k_cache + off[j] + c), _MM_HINT_T0);
@@ -289,13 +296,14 @@ int pw_decode_layer_bf16(const DecodeLayer *L) {
 
         {  /* attn[m][head][hd]: Q = heads * hd; this thread's tasks (task_range) */
             int lo, hi;
-            task_range(n_tasks, parts, n_kv, L->seq_lens, &lo, &hi);
+            task_range(n_tasks, parts, n_kv, L->seq_lens, L->window, &lo, &hi);
             attention_prefetch(lo, -1, hi, parts, n_kv, hd, L);
             for (int task = lo; task < hi; task++) {
                 attention_prefetch(task + 1, task, hi, parts, n_kv, hd, L);
                 pw_attention_request(task, parts, group, n_heads, n_kv, hd, qkv, QKV, L->scale,
                                   L->k_cache, L->v_cache, L->block_tables, L->max_blocks,
-                                  L->seq_lens, L->bs, att + per_task * omp_get_thread_num(),
+                                  L->seq_lens, L->window, L->bs,
+                                  att + per_task * omp_get_thread_num(),
                                   NULL, attn);
             }
         }
