@@ -102,9 +102,9 @@ def run(model: str, engine_kwargs: dict[str, Any], opts: GenerateOptions,
     else:
         print(f"[decode]   no decode step: the only token came with the prefill; finish: "
               f"{final.finish_reason}", file=err)
-    line = experts_line(eng, prefill_steps, run_steps)
-    if line is not None:
-        print(line, file=err)
+    for line in (experts_line(eng, prefill_steps, run_steps), window_line(eng, run_steps)):
+        if line is not None:
+            print(line, file=err)
     if opts.roofline:
         decode_steps = [s for s in run_steps if s.num_decode_tokens and not s.num_prefill_tokens]
         forward = (forward_sum(prefill_steps), forward_sum(decode_steps) if n_out > 1 else None)
@@ -138,6 +138,40 @@ def experts_line(eng: Any, prefill_steps: list[Any], run_steps: list[Any]) -> st
                      f"{read / 1e6:.3g} MB of the model's {shape.total_params * wbytes / 1e6:.3g}"
                      " MB of weights, and its bound follows those bytes")
     return "[experts]  " + ", ".join(parts)
+
+
+def window_line(eng: Any, run_steps: list[Any]) -> str | None:
+    """A model with sliding windows: how much of the last decode's context its K/V reads
+    covered (the engine's count, ``StepStats.kv_read``), in bytes a step, and whether the
+    blocks behind the window went back to the pool; None where every layer reads the whole
+    context."""
+    decode = [s for s in run_steps if s.num_decode_tokens and not s.num_prefill_tokens
+              and s.kv_context]
+    if not decode:
+        return None
+    mc = eng.model_config
+    windows = [mc.window_of(i) for i in range(mc.num_layers)]
+    w = next(x for x in windows if x)
+    layers = f"{sum(1 for x in windows if x)} of {len(windows)} layers"
+    last = decode[-1]
+    per_pos = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * eng.dtype.itemsize
+    ctx, read = last.kv_context / last.num_decode_tokens, last.kv_read / last.num_decode_tokens
+    head = f"[window]   {w}-token sliding window on {layers}: "
+    if ctx <= w:
+        return (head + f"the last decode's {ctx:.0f} positions all lie inside it, so its K/V "
+                f"reads ({_size(ctx * per_pos)} a step) grow with the context until "
+                f"position {w}")
+    kept = ("the blocks behind the window went back to the pool" if eng.kv.window
+            else "the pool keeps every block: the other layers read the whole context")
+    return (head + f"the last decode read the K/V of {read:.0f} of its {ctx:.0f} positions "
+            f"({_size(read * per_pos)} of {_size(ctx * per_pos)} a step): its K/V reads "
+            f"stopped growing at position {w} where the window binds; {kept}")
+
+
+def _size(n: float) -> str:
+    """Bytes in kB, MB or GB (three figures)."""
+    unit, scale = next(((u, x) for u, x in (("GB", 1e9), ("MB", 1e6)) if n >= x), ("kB", 1e3))
+    return f"{n / scale:.3g} {unit}"
 
 
 def forward_sum(steps: list[Any]) -> float | None:

@@ -327,3 +327,39 @@ def test_the_config_says_which_layers_are_windowed(tmp_path, over, want):
     assert layer_windows("Qwen3ForCausalLM", types, 4) == (16, None, 16, None)
     with pytest.raises(ValueError, match="layer_types must list"):
         layer_windows("Qwen3ForCausalLM", {**types, "layer_types": ["local"] * 4}, 4)
+
+
+def test_each_step_and_generate_say_where_kv_reads_stopped_growing(windowed, llama_dir):
+    """A decode's K/V reads, counted per step (``StepStats.kv_read``: the window on a
+    windowed layer, the whole context on the others), on the dashboard's feed, and in
+    ``generate``'s ``[window]`` line; none for a model without a window."""
+    from phasewise.engine.backend import EngineSnapshot
+    from phasewise.generate import window_line
+    from phasewise.server.dashboard.feed import DashboardFeed
+
+    for name, read_at_60 in (("mistral", WINDOW), ("qwen2", (60 + WINDOW) / 2)):
+        path, hf = windowed[name]
+        llm = LLM(str(path), block_size=4)
+        llm.generate(random_prompts(hf.config.vocab_size, [40], seed=2), GREEDY)
+        steps = list(llm.engine.step_stats)
+        decodes = [s for s in steps if s.num_decode_tokens and not s.num_prefill_tokens]
+        at_60 = [s for s in decodes if s.kv_context == 60]
+        assert at_60 and at_60[0].kv_read == read_at_60
+        inside = [s for s in decodes if s.kv_context <= WINDOW]
+        assert all(s.kv_read == s.kv_context for s in inside)
+        line = window_line(llm.engine, steps)
+        assert line.startswith(f"[window]   {WINDOW}-token sliding window")
+        assert f"of its {40 + N_NEW - 1} positions" in line
+        assert ("went back to the pool" in line) == (name == "mistral")
+        feed = DashboardFeed(model_name="m")
+        snap = EngineSnapshot(0, 0, 0.0, 0, 0, 0, 0, 0)
+        for s in steps:
+            feed.on_step(s, [], [], snap)
+        hello = feed.hello()
+        cols = [hello["step_fields"].index(f) for f in ("kv_context", "kv_read")]
+        assert [[r[c] for c in cols] for r in hello["steps"]] == [
+            [s.kv_context, None if s.kv_read is None else round(s.kv_read, 7)] for s in steps]
+    dense = LLM(str(llama_dir))
+    dense.generate([[5, 6, 7]], GREEDY)
+    steps = list(dense.engine.step_stats)
+    assert all(s.kv_read is None for s in steps) and window_line(dense.engine, steps) is None

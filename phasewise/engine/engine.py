@@ -144,6 +144,9 @@ class LLMEngine:
         # a mixture of experts' sparse MLPs, whose routing each step's stats report
         self._sparse_layers = [layer.moe for layer in getattr(self.model, "layers", ())
                                if getattr(layer, "moe", None) is not None]
+        # each layer's sliding window where one binds within the context (None: whole)
+        self._windows = [w if w is not None and w < max_len else None
+                         for w in (mc.window_of(i) for i in range(mc.num_layers))]
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -374,7 +377,8 @@ class LLMEngine:
                                     sum(kept for _, kept in got), duration)
         stats = StepStats.of(
             self._step_index, start, duration, batch, riders, cost, self.scheduler,
-            self.kv.usage, proposed, accepted, decode_s, forward_s, self._experts_read())
+            self.kv.usage, proposed, accepted, decode_s, forward_s, self._experts_read(),
+            self._kv_read(decodes))
         self.step_stats.append(stats)
         self.step_clock.observe(stats)
         return outputs
@@ -386,6 +390,16 @@ class LLMEngine:
         if not sparse:
             return None
         return sum(m.last_experts for m in sparse) / len(sparse)
+
+    def _kv_read(self, decodes: list[int]) -> tuple[int, float] | None:
+        """Under sliding windows: the positions the step's decode rows held (``decodes``:
+        each row's keys) and those whose K/V they read, averaged over the layers; None where
+        every layer reads the whole context."""
+        if not any(self._windows):
+            return None
+        n = len(self._windows)
+        read = sum(min(k, w) if w else k for k in decodes for w in self._windows) / n
+        return sum(decodes), read
 
     def _forward_s(self, ran: RunnerOutput, read: float) -> float | None:
         """The wall time of the step's forward pass, without adding a synchronisation.

@@ -85,17 +85,24 @@ class StepStats:
     # A mixture of experts: the distinct experts the step's tokens routed to, averaged over
     # its sparse layers (the expert weights it read); None for a dense model.
     experts_read: float | None = None
+    # A model with sliding windows: the positions its decodes' contexts held (summed over the
+    # decode rows), and those whose K/V they read, averaged over the layers (a windowed layer
+    # reads at most its window); None where every layer reads the whole context.
+    kv_context: int | None = None
+    kv_read: float | None = None
 
     @classmethod
     def of(cls, index: int, start: float, duration: float, batch: Any,
            riders: tuple[tuple[tuple[str, int], ...], tuple[str, ...]], cost: Any,
            scheduler: Any, kv_usage: float, proposed: int, accepted: int,
            decode_s: float | None = None, forward_s: float | None = None,
-           experts_read: float | None = None) -> StepStats:
+           experts_read: float | None = None,
+           kv_read: tuple[int, float] | None = None) -> StepStats:
         """The record of a step that ran ``batch`` (a ``ScheduledBatch``; ``riders``: its
         ``riders()``, read before the scheduler's update), priced at ``cost`` (a
         ``StepPrediction``; ``decode_s``: the seconds of its decodes alone), with
-        ``scheduler``'s queues as they are after it; ``forward_s``: its forward pass's time."""
+        ``scheduler``'s queues as they are after it; ``forward_s``: its forward pass's time;
+        ``kv_read``: (``kv_context``, ``kv_read``)."""
         return cls(
             index=index, start_time=start, duration_s=duration,
             num_prefill_tokens=batch.num_prefill_tokens,
@@ -103,9 +110,11 @@ class StepStats:
             num_running=len(scheduler.running), num_waiting=len(scheduler.waiting),
             kv_usage=kv_usage, num_preempted=len(batch.preempted),
             predicted_flops=cost.flops, predicted_bytes=cost.bytes, predicted_s=cost.seconds,
-            predicted_decode_s=decode_s, prefill_chunks=riders[0], decode_ids=riders[1], compute_dtype=cost.compute_dtype,
-            num_spec_proposed=proposed, num_spec_accepted=accepted, forward_s=forward_s,
-            experts_read=experts_read)
+            predicted_decode_s=decode_s, prefill_chunks=riders[0], decode_ids=riders[1],
+            compute_dtype=cost.compute_dtype, num_spec_proposed=proposed,
+            num_spec_accepted=accepted, forward_s=forward_s, experts_read=experts_read,
+            kv_context=kv_read[0] if kv_read else None,
+            kv_read=kv_read[1] if kv_read else None)
 
     @property
     def num_tokens(self) -> int:

@@ -181,7 +181,8 @@ class DashboardFeed:
             step.num_prefill_tokens, step.num_decode_tokens, _sig(step.predicted_s),
             _sig(step.predicted_bytes), _sig(step.predicted_flops), step.compute_dtype,
             step.num_requests, step.num_running, step.num_waiting, round(step.kv_usage, 4),
-            _round(step.forward_s), _round(step.host_s), _round(step.experts_read)])
+            _round(step.forward_s), _round(step.host_s), _round(step.experts_read),
+            step.kv_context, _round(step.kv_read)])
         if step.num_prefill_tokens == 0:
             if step.num_decode_tokens:
                 self._decode_times.append(step.duration_s)
@@ -323,7 +324,7 @@ class DashboardFeed:
                      step_fields=["index", "t", "duration_s", "prefill", "decode",
                                   "predicted_s", "bytes", "flops", "dtype", "requests",
                                   "running", "waiting", "kv_usage", "forward_s",
-                                  "host_s", "experts_read"],
+                                  "host_s", "experts_read", "kv_context", "kv_read"],
                      transfer_fields=["n", "t", "peer", "bytes", "frames", "window_s",
                                       "span_s", "gbps"])
         return frame

@@ -291,6 +291,10 @@ function drawSteps(src) {
   // a mixture of experts: the experts a layer the last step's tokens read (its weight bytes)
   $("mix-experts").textContent = last && last[15] != null
     ? `; the last step read ${num(last[15], 1)} experts a layer` : "";
+  // sliding windows: how much of its decodes' contexts the last step's K/V reads covered
+  $("mix-window").textContent = last && last[17] != null && last[16]
+    ? `; its decodes read the K/V of ${num(last[17], 0)} of their ${last[16]} positions`
+      + " (sliding windows: the reads stop growing at the window)" : "";
   // rates over the last ~2 s of steps
   const recent = src.steps.filter((s) => last && s[1] >= last[1] - 2);
   const span = recent.length > 1 ? recent[recent.length - 1][1] + recent[recent.length - 1][2]
