@@ -443,8 +443,20 @@ def cmd_make_tiny(a: argparse.Namespace) -> int:
     from phasewise.model.tiny import make_tiny_checkpoint
 
     t = time.monotonic()
+    window: dict[str, Any] = {}
+    if a.sliding_window is not None:
+        if a.sliding_window < 1:
+            raise ValueError(f"--sliding-window must be >= 1, got {a.sliding_window}")
+        if a.arch == "LlamaForCausalLM":
+            raise ValueError("--sliding-window: Llama attends to the whole context; choose "
+                             "--arch MistralForCausalLM, MixtralForCausalLM or a Qwen one")
+        window = {"sliding_window": a.sliding_window}
+        if a.arch.startswith("Qwen"):  # Qwen: enabled, and named on every layer
+            window.update(use_sliding_window=True, max_window_layers=0,
+                          layer_types=["sliding_attention"] * a.layers)
     path = make_tiny_checkpoint(a.out, architecture=a.arch, vocab_size=a.vocab_size,
-                                hidden_size=a.hidden_size, num_layers=a.layers, seed=a.seed)
+                                hidden_size=a.hidden_size, num_layers=a.layers, seed=a.seed,
+                                **window)
     print(f"wrote a random-weight {a.arch} checkpoint to {path} "
           f"({time.monotonic() - t:.1f}s)", file=sys.stderr)
     return 0
@@ -752,6 +764,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--hidden-size", type=int, default=64)
     t.add_argument("--layers", type=int, default=2)
     t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--sliding-window", type=int, default=None, metavar="N",
+                   help="attend to the last N positions only, in every layer (default: the "
+                   "whole context)")
     return parser
 
 

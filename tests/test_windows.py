@@ -363,3 +363,22 @@ def test_each_step_and_generate_say_where_kv_reads_stopped_growing(windowed, lla
     dense.generate([[5, 6, 7]], GREEDY)
     steps = list(dense.engine.step_stats)
     assert all(s.kv_read is None for s in steps) and window_line(dense.engine, steps) is None
+
+
+def test_make_tiny_writes_a_windowed_checkpoint_hf_reads_alike(tmp_path):
+    """``make-tiny --sliding-window``: every layer windowed, as transformers reads the config
+    too (a Qwen2-MoE, whose default would window every other layer below max_window_layers);
+    greedy output past the window is HF's."""
+    import transformers
+
+    from phasewise.cli import main
+    from phasewise.model.config import ModelConfig
+
+    assert main(["make-tiny", str(tmp_path), "--arch", "Qwen2MoeForCausalLM",
+                 "--sliding-window", "8"]) == 0
+    assert ModelConfig.from_file(tmp_path).layer_windows == (8, 8)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    prompt = random_prompts(hf.config.vocab_size, [20], seed=1)[0]
+    out = LLM(str(tmp_path), dtype="float32").generate(prompt, GREEDY)[0]
+    assert out.token_ids == hf_greedy(hf, prompt, N_NEW)
+    assert main(["make-tiny", str(tmp_path / "x"), "--sliding-window", "8"]) == 2  # Llama
