@@ -14,10 +14,10 @@ Per model: decode ms/token for both engines and their ratio, the weight bytes a 
 (the roofline's count, with the experts phasewise measured the step read:
 ``StepStats.experts_read``), and those bytes over the step time: the effective bandwidth.
 The MoE model's effective bandwidth over the dense model's, in the same run, says whether
-decode reads its experts as efficiently as a dense model reads its MLP (1.0: as well). On
-CPU a dense decode step runs its whole stack in one fused C call, which a sparse layer does
-not have; ``dense per-op`` runs the dense model through the same per-op path a sparse layer
-takes (its ops' ``fused_decode`` off), so the MoE step's ratio to it isolates the experts.
+decode reads its experts as efficiently as a dense model reads its MLP (1.0: as well): on
+one machine, the ratio of the two steps' fractions of the roofline. On CPU both run their
+whole decode stack in one fused C call (a sparse layer routing and streaming its experts
+there).
 
     python -m benchmarks.bench_moe [--rounds 3] [--tokens 64]
 """
@@ -105,8 +105,6 @@ def main(argv: list[str] | None = None) -> int:
         prompt = list(range(10, 42))
         got: dict[str, dict[str, list[float]]] = {k: {"pw": [], "hf": [], "experts": []}
                                                   for k in paths}
-        per_op: list[float] = []
-        dense_ops = llms["dense"].engine.model.ops
         for r in range(a.rounds):
             for k in paths:
                 step, experts = run_phasewise(llms[k], prompt, a.tokens)
@@ -116,11 +114,6 @@ def main(argv: list[str] | None = None) -> int:
                 got[k]["hf"].append(run_hf(hfs[k], prompt, a.tokens))
                 log(f"round {r + 1}: {k}: phasewise {step * 1e3:.2f} ms/token, HF "
                     f"{got[k]['hf'][-1] * 1e3:.2f} ms/token")
-            if hasattr(dense_ops, "fused_decode"):  # the CPU kernels' ops
-                dense_ops.fused_decode = False
-                per_op.append(run_phasewise(llms["dense"], prompt, a.tokens)[0])
-                dense_ops.fused_decode = True
-                log(f"round {r + 1}: dense, per-op path: {per_op[-1] * 1e3:.2f} ms/token")
     print(f"\n{machine_line(m)}")
     print(f"models: {LAYERS} layers, hidden {HIDDEN}, {HEADS}/{KV_HEADS} heads; moe: "
           f"{EXPERTS} experts of {EXPERT_WIDTH}, {TOP_K} a token; dense: MLP "
@@ -142,11 +135,6 @@ def main(argv: list[str] | None = None) -> int:
               f"{bw[k] / 1e9:>10.2f}")
     print(f"moe / dense effective bandwidth: {bw['moe'] / bw['dense']:.2f} (1.0: the MoE "
           "step reads its experts as efficiently as the dense step its MLP)")
-    if per_op:
-        t = statistics.median(per_op)
-        print(f"dense through the per-op path a sparse layer takes: {t * 1e3:.2f} ms/token; "
-              f"moe / that: {statistics.median(got['moe']['pw']) / t:.2f}x the time (1.0: "
-              "its experts cost what a dense MLP of their bytes costs on that path)")
     return 0
 
 

@@ -236,3 +236,104 @@ def test_the_dashboard_feed_carries_the_experts_each_step_read(moe_checkpoints):
     rows = hello["steps"]
     assert [r[col] for r in rows] == [round(s.experts_read, 7) for s in engine.step_stats]
     assert rows[-1][col] == 2.0  # a decode of one sequence: its 2 a token
+
+
+@pytest.mark.parametrize("arch", MOE)
+def test_the_fused_decode_stack_routes_and_runs_experts_bit_for_bit(tmp_path, arch):
+    """On the CPU kernels a decode step of up to 6 rows runs every layer, its router and its
+    experts included, in one C call: the same bits as the op-by-op path, and the same
+    experts read. Qwen2-MoE's shared expert is not in the C layer: its steps run op by op.
+    More rows than the streams take run op by op too."""
+    import torch
+
+    from phasewise.model.attention import AttentionMetadata
+    from phasewise.model.cpu import kernels
+    from phasewise.model.cpu.linear import LinearDispatch
+    from phasewise.model.cpu.ops import CpuKernelOps
+    from phasewise.model.linear_types import PanelLinear
+    from phasewise.model.loader import load_model
+
+    if kernels.load() is None:
+        pytest.skip(f"CPU kernels unavailable: {kernels.KERNELS.reason}")
+    build_hf_checkpoint(tmp_path, arch, dtype=torch.bfloat16, seed=5)
+    cfg = ModelConfig.from_file(tmp_path)
+    model = load_model(tmp_path, cfg, dtype=torch.bfloat16, device=torch.device("cpu"),
+                       max_positions=128)
+    class Stack(CpuKernelOps):  # whether the one-call stack ran the step
+        took = False
+
+        def decode_stack(self, *args, **kwargs):
+            got = super().decode_stack(*args, **kwargs)
+            self.took = got is not None
+            return got
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    took: dict[bool, bool] = {}
+    try:
+        # then with the attention's projections in panels, where the CPU has AVX512_BF16
+        panels = kernels.avx512bf16_available()
+        for rows, packed in ((1, False), (3, False), (6, False), (7, False),
+                             *(((1, True), (5, True)) if panels else ())):
+            if packed and not isinstance(model.layers[0].qkv_proj, PanelLinear):
+                assert CpuKernelOps(LinearDispatch(8, "torch")).pack_panels(model) == ""
+            g = torch.Generator().manual_seed(rows)
+            bs, nb = 4, 6 * rows + 4
+            caches = [tuple(torch.randn(nb, bs, cfg.num_kv_heads, cfg.head_dim,
+                                        generator=g).bfloat16() for _ in "kv")
+                      for _ in range(cfg.num_layers)]
+            ctx = [5 + 3 * r % 17 for r in range(rows)]
+            perm = torch.randperm(nb, generator=g).tolist()
+            meta = AttentionMetadata.build(
+                chunk_lens=[1] * rows, context_lens=ctx,
+                block_tables=[perm[6 * r:6 * r + 6] for r in range(rows)], block_size=bs,
+                device=torch.device("cpu"))
+            ids = torch.randint(3, cfg.vocab_size, (rows,), generator=g)
+            out, read = {}, {}
+            for fused in (True, False):
+                ops = Stack(LinearDispatch(kernel_max_rows=8, large="torch"))
+                ops.fused_decode, ops.panels = fused, packed
+                model.ops = ops
+                with torch.no_grad():
+                    out[fused] = model(ids, torch.tensor(ctx),
+                                       [(k.clone(), v.clone()) for k, v in caches], meta)
+                read[fused] = [layer.moe.last_experts for layer in model.layers]
+                took[fused] = ops.took
+            assert took[True] == (arch != "Qwen2MoeForCausalLM" and rows <= 6), rows
+            assert not took[False]
+            assert torch.equal(out[True], out[False]) and read[True] == read[False], rows
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_an_exact_tie_between_experts_goes_to_the_lower_one():
+    """bf16 router logits tie often; torch.topk leaves ties to its implementation, so the
+    routing takes the lower expert (the fused C layer does too)."""
+    import torch
+
+    from conftest import hf_config
+    from phasewise.model.ops import TorchOps
+    from phasewise.model.transformer import SparseMoE
+
+    d = {**hf_config("MixtralForCausalLM", 300).to_dict(),
+         "architectures": ["MixtralForCausalLM"]}
+    cfg = ModelConfig.from_dict(d)
+    assert (cfg.moe.num_experts, cfg.moe.experts_per_token) == (4, 2)
+    moe = SparseMoE(cfg)
+    with torch.no_grad():
+        moe.gate.weight.zero_()
+        moe.gate.weight[:, 0] = torch.tensor([3.0, 2.0, 1.0, 2.0])  # 1 and 3 tie for second
+        moe.gate_up.normal_()
+        moe.down.normal_()
+    x = torch.zeros(1, cfg.hidden_size)
+    x[0, 0] = 1.0
+    experts = moe.gate_up.view(4, -1, cfg.hidden_size)
+    picked = []
+
+    class Spy(TorchOps):
+        def moe_linear(self, x, w):
+            picked.extend(e for e in range(4) if w.data_ptr() == experts[e].data_ptr())
+            return super().moe_linear(x, w)
+
+    moe(x, Spy())
+    assert picked == [0, 1]

@@ -55,7 +55,11 @@ class SparseMoE(nn.Module):
         h = x.shape[-1]
         # routing in fp32: softmax over every expert, the top k, renormalised if asked
         probs = torch.softmax(ops.moe_linear(x, self.gate.weight).float(), dim=-1)
-        weights, chosen = torch.topk(probs, self.top_k, dim=-1)  # [T, k]
+        # the top k, an exact tie (bf16 logits tie often) to the lower expert: one rule for
+        # every path and device (torch.topk leaves ties to its implementation; the fused C
+        # layer routes by this rule too)
+        weights, chosen = torch.sort(probs, dim=-1, descending=True, stable=True)
+        weights, chosen = weights[:, :self.top_k], chosen[:, :self.top_k]  # [T, k]
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         weights = weights.to(x.dtype)
@@ -150,8 +154,7 @@ class DecoderLayer(nn.Module):
         ops: TorchOps,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (this layer's MLP output, residual stream before adding it)."""
-        fused = (ops.decode_layer(self, delta, hidden, rope, k_cache, v_cache, meta)
-                 if self.moe is None else None)
+        fused = ops.decode_layer(self, delta, hidden, rope, k_cache, v_cache, meta)
         if fused is not None:
             return fused
         cfg = self.cfg

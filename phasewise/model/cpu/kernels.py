@@ -98,6 +98,9 @@ class DecodeLayerArgs(ctypes.Structure):
             "k_cache", "v_cache", "slots", "block_tables", "seq_lens", "cos", "sin",
             "s_qkv", "s_o", "s_gate_up", "s_down")]
         + [("proj_mode", ctypes.c_int), ("window", ctypes.c_int)]
+        + [(n, ctypes.c_int) for n in ("n_experts", "top_k", "norm_topk")]
+        + [(n, ctypes.c_void_p) for n in ("w_router", "w_experts_gate_up", "w_experts_down")]
+        + [("experts_read", ctypes.c_int)]
     )
 
 
@@ -241,7 +244,8 @@ class KernelLibrary:
     """The compiled kernels, loaded once on first use: ``lib`` (None until loaded, and when
     they cannot be had), ``reason`` (why not), and the limits the C side reports
     (``decode_layer_max_rows``: rows the fused decode layer takes; ``amx_layer_max_rows``:
-    rows it takes when its projections all run on AMX tiles; ``max_head_dim``), and
+    rows it takes when its projections all run on AMX tiles; ``max_head_dim``;
+    ``max_experts``: the most experts its mixture-of-experts MLP routes among), and
     whether the AMX kernels may run (``amx``; ``amx_reason``: why not), and the AVX512_BF16
     ones (``avx512bf16``; ``avx512bf16_reason``); how far ahead the bf16 weight streams
     prefetch (``stream_prefetch`` bytes; ``stream_prefetch_reason``: the kernel plan's rule
@@ -263,6 +267,7 @@ class KernelLibrary:
         self.decode_layer_max_rows = 0
         self.amx_layer_max_rows = 0
         self.max_head_dim = 0
+        self.max_experts = 0
         self.amx = False
         self.amx_reason: str | None = "the kernels are not loaded"
         self.avx512bf16 = False
@@ -346,6 +351,7 @@ class KernelLibrary:
         self.decode_layer_max_rows = abi("row_stream_max")
         self.amx_layer_max_rows = abi("amx_layer_max")
         self.max_head_dim = abi("max_head_dim")
+        self.max_experts = abi("max_experts")
         lib.pw_set_stream_prefetch(self.stream_prefetch)
         if self.amx_reason is None:
             self._enable_amx(lib)

@@ -13,6 +13,7 @@ back to ``TorchOps``. Engines build it through ``phasewise.model.cpu.backend``.
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -39,6 +40,15 @@ EXPERT_STREAM_ROWS = 8
 def _projections(model: nn.Module) -> list[nn.Module]:
     """Every decoder layer's four projections, in forward order."""
     return [lin for layer in model.layers for lin in layer.projections().values()]
+
+
+def _record_experts(layers: Sequence[nn.Module], args: Sequence[kernels.DecodeLayerArgs]
+                    ) -> None:
+    """The experts each sparse layer's fused call read, where ``SparseMoE`` keeps its own
+    count (``last_experts``, the step's stats)."""
+    for layer, a in zip(layers, args):
+        if a.n_experts:
+            layer.moe.last_experts = a.experts_read
 
 
 def glu_packed(lin: nn.Module) -> bool:
@@ -364,6 +374,7 @@ class CpuKernelOps(TorchOps):
         rc = self.lib.pw_decode_layer_bf16(ctypes.byref(args))
         if rc != 0:
             raise RuntimeError(f"pw_decode_layer_bf16 failed ({rc})")
+        _record_experts([layer], [args])
         return out, hidden
 
     def decode_logits(self, layers: nn.ModuleList, hidden: torch.Tensor, rope: RopeTables,
@@ -393,6 +404,7 @@ class CpuKernelOps(TorchOps):
             xn.data_ptr(), w.data_ptr(), vocab, logits.data_ptr())
         if rc != 0:
             raise RuntimeError(f"pw_decode_stack_head_bf16 failed ({rc})")
+        _record_experts(layers, args)
         return logits
 
     def _stack_ready(self, layers: nn.ModuleList, hidden: torch.Tensor, rope: RopeTables,
@@ -427,6 +439,7 @@ class CpuKernelOps(TorchOps):
                                            bufs[1].data_ptr())
         if rc != 0:
             raise RuntimeError(f"pw_decode_stack_bf16 failed ({rc})")
+        _record_experts(layers, args)
         return bufs[(len(layers) - 1) % 2], hidden
 
     def _amx_rows(self, rows: int) -> int:
@@ -462,12 +475,13 @@ class CpuKernelOps(TorchOps):
 
     def _streams_only(self, rows: int, *args: kernels.DecodeLayerArgs) -> bool:
         """More rows than the streams take, but a layer the tiles cannot take whole: fewer
-        than 16 output channels (hidden or q + 2 kv) or 8 intermediate ones, or, on
-        AVX512_BF16 or the AVX2 tiles, an int8 projection. The C layer refuses such a step
-        (as it checks the same), so it runs op by op."""
+        than 16 output channels (hidden or q + 2 kv) or 8 intermediate ones, a mixture of
+        experts (whose experts stream), or, on AVX512_BF16 or the AVX2 tiles, an int8
+        projection. The C layer refuses such a step (as it checks the same), so it runs op
+        by op."""
         no_int8 = self._tile_mode(rows) not in (ProjMode.STREAMS, ProjMode.AMX)
         return rows > self.kernels.decode_layer_max_rows and any(
-            a.H < 16 or a.Q + 2 * a.KV < 16 or a.I < 8
+            a.H < 16 or a.Q + 2 * a.KV < 16 or a.I < 8 or a.n_experts
             or (no_int8 and any((a.s_qkv, a.s_o, a.s_gate_up, a.s_down))) for a in args)
 
     def _fusable_step(self, hidden: torch.Tensor, rope: RopeTables,
@@ -517,8 +531,11 @@ class CpuKernelOps(TorchOps):
 
     def _static_args(self, layer: nn.Module) -> kernels.DecodeLayerArgs | None:
         """The per-layer fields (shapes, weight pointers); None if a weight is unsuitable, or
-        the layer's MLP is a mixture of experts (the fused layer computes a dense one)."""
-        if getattr(layer, "moe", None) is not None:
+        the layer's MLP is a mixture of experts the fused layer does not compute (one with a
+        shared expert, or more experts than it routes among)."""
+        moe = getattr(layer, "moe", None)
+        if moe is not None and (moe.has_shared or moe.num_experts > self.kernels.max_experts
+                                or not self._ok(moe.gate.weight, moe.gate_up, moe.down)):
             return None
         cfg = layer.cfg
         projections = layer.projections()  # qkv, o, gate_up, down (DecoderLayer.projections)
@@ -542,18 +559,25 @@ class CpuKernelOps(TorchOps):
         present = [w for w in weights.values() if w is not None]
         if cfg.head_dim > self.kernels.max_head_dim or not self._ok(*present):
             return None
-        if (panels or self.panels) and len(panels) != 4:  # panels: every projection or none
+        if (panels or self.panels) and len(panels) != len(projections):  # every one or none
             return None
         # on panels the C layer reads gate/up as glu units exactly where I % 16 == 0
-        if panels and (cfg.intermediate_size % 16 == 0) != glu_packed(projections["gate_up"]):
+        if panels and "gate_up" in projections and (
+                (cfg.intermediate_size % 16 == 0) != glu_packed(projections["gate_up"])):
             return None
         weights.update(int8)
         weights.update(panels)
         args = kernels.DecodeLayerArgs(
-            H=cfg.hidden_size, Q=cfg.q_size, KV=cfg.kv_size, I=cfg.intermediate_size,
+            H=cfg.hidden_size, Q=cfg.q_size, KV=cfg.kv_size,
+            I=moe.inter if moe is not None else cfg.intermediate_size,
             n_heads=cfg.num_heads, n_kv=cfg.num_kv_heads, hd=cfg.head_dim,
             qk_norm=int(cfg.qk_norm), eps=cfg.rms_norm_eps, scale=layer.scale,
             window=layer.window or 0)
+        if moe is not None:  # its router and experts, streamed (the C layer routes)
+            args.n_experts, args.top_k, args.norm_topk = (moe.num_experts, moe.top_k,
+                                                          int(moe.norm_topk_prob))
+            args.w_router, args.w_experts_gate_up, args.w_experts_down = (
+                moe.gate.weight.data_ptr(), moe.gate_up.data_ptr(), moe.down.data_ptr())
         for name, w in weights.items():
             setattr(args, name, w.data_ptr() if w is not None else None)
         return args

@@ -15,6 +15,7 @@
 #define AMX_LAYER_MAX 32 /* the most rows the fused layer takes with its projections on AMX */
 #define INT8_ROWS_MAX ROW_STREAM_MAX /* the most activation rows the int8 streams take */
 #define MAX_HEAD_DIM 512 /* the largest head the kernels take (a bound on scratch sizes) */
+#define PW_MAX_EXPERTS 512 /* the most experts the fused layer routes among (its stack scratch) */
 
 /* How a fused layer runs its projections (DecodeLayer.proj_mode; ProjMode in
  * phasewise/model/cpu/kernels.py mirrors it, checked value by value through pw_abi at load). */
@@ -59,6 +60,14 @@ typedef struct {
                     * size a compiler would give the enum) */
     int window;    /* the layer's sliding attention window (0: none): a row attends to its
                     * last `window` keys only */
+    /* A mixture of experts in place of the dense MLP where n_experts > 0 (w_gate_up, w_down
+     * and their biases and scales unused; I is an expert's width): the router [n_experts][H],
+     * the experts' gate/up rows [n_experts][2 I][H] (gate, then up) and down rows
+     * [n_experts][H][I], all bf16 and streamed (up to ROW_STREAM_MAX rows); each row's top_k
+     * experts by the router's softmax, their weights renormalised where norm_topk. */
+    int n_experts, top_k, norm_topk;
+    const uint16_t *w_router, *w_experts_gate_up, *w_experts_down;
+    int experts_read; /* written by the call: the distinct experts the step's rows chose */
 } DecodeLayer;
 
 #endif

@@ -16,7 +16,7 @@
 long pw_abi(const char *what) {
     static const struct { const char *name; long value; } table[] = {
         {"row_stream_max", ROW_STREAM_MAX}, {"amx_layer_max", AMX_LAYER_MAX},
-        {"max_head_dim", MAX_HEAD_DIM},
+        {"max_head_dim", MAX_HEAD_DIM}, {"max_experts", PW_MAX_EXPERTS},
         {"int8_rows_max", INT8_ROWS_MAX},
         {"sizeof DecodeLayer", (long)sizeof(DecodeLayer)},
 #define FIELD(f) {#f, (long)offsetof(DecodeLayer, f)}
@@ -27,7 +27,8 @@ long pw_abi(const char *what) {
         FIELD(w_post_norm), FIELD(w_gate_up), FIELD(b_gate_up), FIELD(w_down), FIELD(b_down),
         FIELD(k_cache), FIELD(v_cache), FIELD(slots), FIELD(block_tables), FIELD(seq_lens),
         FIELD(cos), FIELD(sin), FIELD(s_qkv), FIELD(s_o), FIELD(s_gate_up), FIELD(s_down),
-        FIELD(proj_mode), FIELD(window),
+        FIELD(proj_mode), FIELD(window), FIELD(n_experts), FIELD(top_k), FIELD(norm_topk),
+        FIELD(w_router), FIELD(w_experts_gate_up), FIELD(w_experts_down), FIELD(experts_read),
 #undef FIELD
         {"PW_PROJ_STREAMS", PW_PROJ_STREAMS}, {"PW_PROJ_AMX", PW_PROJ_AMX},
         {"PW_PROJ_AVX512BF16", PW_PROJ_AVX512BF16}, {"PW_PROJ_PANELS", PW_PROJ_PANELS},
@@ -216,14 +217,210 @@ static void attention_prefetch(int task, int cur, int end, int parts, int n_kv, 
         }
 }
 
+/* Each row's top_k experts by the router's softmax (logits: [M][E] fp32 results, taken as
+ * the bf16 values the router's projection returns; an exact tie to the lower expert, as
+ * SparseMoE), their weights (renormalised where norm_topk, then bf16) into wts [M][top_k];
+ * and the experts the step reads, in the order SparseMoE adds them (a lone row: its top_k,
+ * best first; more: ascending), into used, with their (row, slot) pairs in that order:
+ * pair_row, pair_slot [M top_k], expert u's from base[u] to base[u + 1]. Returns how many
+ * experts are used. One thread. */
+static int moe_route(const DecodeLayer *L, const float *logits, int M, float *wts,
+                     int *chosen, int *used, int *base, int *pair_row, int *pair_slot) {
+    int E = L->n_experts, k = L->top_k;
+    float p[PW_MAX_EXPERTS];
+    for (int m = 0; m < M; m++) {
+        float mx = -INFINITY, sum = 0.0f;
+        for (int e = 0; e < E; e++) {
+            p[e] = round_bf16(logits[(long)m * E + e]);
+            if (p[e] > mx) mx = p[e];
+        }
+        for (int e = 0; e < E; e++) sum += p[e] = expf(p[e] - mx);
+        for (int e = 0; e < E; e++) p[e] /= sum;
+        float total = 0.0f;
+        for (int j = 0; j < k; j++) {  /* the best left, the lowest index on a tie */
+            int best = -1;
+            for (int e = 0; e < E; e++)
+                if (p[e] >= 0.0f && (best < 0 || p[e] > p[best])) best = e;
+            chosen[m * k + j] = best;
+            wts[m * k + j] = p[best];
+            total += p[best];
+            p[best] = -1.0f;
+        }
+        for (int j = 0; j < k; j++)
+            wts[m * k + j] = round_bf16(L->norm_topk ? wts[m * k + j] / total : wts[m * k + j]);
+    }
+    int n = 0;
+    if (M == 1) {
+        for (int j = 0; j < k; j++) used[n++] = chosen[j];
+    } else {
+        for (int e = 0; e < E; e++)
+            for (int i = 0; i < M * k; i++)
+                if (chosen[i] == e) { used[n++] = e; break; }
+    }
+    int np = 0;
+    for (int u = 0; u < n; u++) {
+        base[u] = np;
+        for (int m = 0; m < M; m++)
+            for (int j = 0; j < k; j++)
+                if (chosen[m * k + j] == used[u]) {
+                    pair_row[np] = m;
+                    pair_slot[np++] = j;
+                }
+    }
+    base[n] = np;
+    return n;
+}
+
+/* The ints moe_route writes: each row's choices, the experts used and their pairs' bases,
+ * and the pairs' rows and slots. */
+static long moe_ints(int M, const DecodeLayer *L) {
+    return 3L * M * L->top_k + 2L * L->n_experts + 1;
+}
+
+/* The floats moe_mlp needs beyond the router's results: each (expert, row) pair's input
+ * row, gate/up results, activations and down results. */
+static long moe_floats(int M, const DecodeLayer *L) {
+    return (long)M * L->top_k * (2L * L->H + 3L * L->I);
+}
+
+/* A mixture of experts' MLP (L->n_experts > 0), called by every thread of the fused layer's
+ * region after the post-attention norm (xn [M][H]): out = the sum, over each row's top_k
+ * experts in moe_route's order, of bf16(weight x expert(row)), each expert's gate/up and down
+ * streamed once for all the rows that chose it, rounded to bf16 where SparseMoE rounds (each
+ * projection, the SiLU, each product and each sum). Every expert's gate/up shares run before
+ * one barrier, then every down share: the barriers a layer takes do not grow with top_k.
+ * Scratch: res [M][E] (the router's), f (moe_floats), wts [M][top_k], ints (moe_ints);
+ * *n_used: shared by the region's threads. */
+static void moe_mlp(const DecodeLayer *L, const float *xn, int M, float *res, float *f,
+                    float *wts, int *ints, int *n_used, uint16_t *out) {
+    int H = L->H, I = L->I, E = L->n_experts, P = M * L->top_k;
+    int *chosen = ints, *used = chosen + P, *base = used + E, *pair_row = base + E + 1;
+    int *pair_slot = pair_row + P;
+    float *xg = f, *gu = xg + (long)P * H, *act = gu + (long)P * 2 * I, *dn = act + (long)P * I;
+    pw_proj_share(xn, M, L->w_router, NULL, H, E, res);
+#pragma omp barrier
+#pragma omp single
+    {  /* (single's barrier makes *n_used and the routing visible to every thread) */
+        *n_used = moe_route(L, res, M, wts, chosen, used, base, pair_row, pair_slot);
+        ((DecodeLayer *)L)->experts_read = *n_used;
+        memset(out, 0, sizeof(uint16_t) * (size_t)M * H);
+    }
+    int n = *n_used;
+#pragma omp for schedule(static)
+    for (int q = 0; q < P; q++)
+        memcpy(xg + (long)q * H, xn + (long)pair_row[q] * H, sizeof(float) * H);
+    for (int u = 0; u < n; u++)
+        pw_proj_share(xg + (long)base[u] * H, base[u + 1] - base[u],
+                      L->w_experts_gate_up + (long)used[u] * 2 * I * H, NULL, H, 2 * I,
+                      gu + (long)base[u] * 2 * I);
+#pragma omp barrier
+#pragma omp for schedule(static)
+    for (int q = 0; q < P; q++) {
+        const float *g = gu + (long)q * 2 * I, *up = g + I;
+        for (int i = 0; i < I; i++)
+            act[(long)q * I + i] = silu_mul_rounded(round_bf16(g[i]), round_bf16(up[i]));
+    }
+    for (int u = 0; u < n; u++)
+        pw_proj_share(act + (long)base[u] * I, base[u + 1] - base[u],
+                      L->w_experts_down + (long)used[u] * H * I, NULL, I, H,
+                      dn + (long)base[u] * H);
+#pragma omp barrier
+#pragma omp for schedule(static)
+    for (int m = 0; m < M; m++) {  /* each row's sum in the experts' order */
+        uint16_t *o = out + (long)m * H;
+        for (int q = 0; q < P; q++) {
+            if (pair_row[q] != m) continue;
+            float w = wts[m * L->top_k + pair_slot[q]];
+            const float *y = dn + (long)q * H;
+            for (int h = 0; h < H; h++)
+                o[h] = f32_to_bf16(bf16_to_f32(o[h]) + round_bf16(round_bf16(y[h]) * w));
+        }
+    }
+}
+
+/* A dense SwiGLU MLP, called by every thread of the fused layer's region after the
+ * post-attention norm (xn [M][H]): L->out = down(silu(gate) x up), on the tiles or the
+ * streams as the layer's projections run (amx_glu, pk_glu: the SiLU in the tiles' epilogue). */
+static void dense_mlp(const DecodeLayer *L, const float *xn, int M, int amx_glu, int pk_glu,
+                      uint32_t *xp, uint16_t *wide, long wide_per_thread, float *res,
+                      float *act) {
+    int H = L->H, I = L->I;
+    if (amx_glu) {  /* on the tiles, with the SiLU in their epilogue: act directly */
+        pw_amx_pack_f32(xn, M, H, xp);  /* shared by the threads, with a barrier */
+        if (L->s_gate_up)
+            pw_amx_share_glu_int8(xp, M, (const int8_t *)L->w_gate_up, L->s_gate_up,
+                                  wide + wide_per_thread * omp_get_thread_num(),
+                                  L->b_gate_up, H, I, act);
+        else
+            pw_amx_share_glu(xp, M, (const uint16_t *)L->w_gate_up, L->b_gate_up, H, I,
+                             act);
+    } else if (pk_glu) {
+        pw_avx512bf16_pack_f32(xn, M, H, (uint16_t *)xp);  /* shared, with a barrier */
+        pw_pk_share_glu((const uint16_t *)xp, M, (const uint32_t *)L->w_gate_up,
+                        L->b_gate_up, H, I, (uint16_t *)act);
+    } else {
+        layer_proj(L, xn, M, L->w_gate_up, L->s_gate_up, H, 2 * I, xp, wide,
+                   wide_per_thread, res);
+    }
+#pragma omp barrier
+    /* Row by row (rows of 2I floats lie tens of KiB apart, often a multiple of 4 KiB:
+     * walking down the rows first thrashed L1's sets). Skipped
+     * alike by every thread where the tiles' epilogue wrote act (fp32 on AMX, bf16 rows
+     * on panels). */
+    if (!amx_glu && !pk_glu && pw_avx512bf16_glu_rows
+        && (L->proj_mode == PW_PROJ_AVX512BF16 || L->proj_mode == PW_PROJ_PANELS)) {
+        /* 16 lanes, same bits */
+        pw_avx512bf16_glu_rows(res, L->b_gate_up, M, I, act);
+    } else if (!amx_glu && !pk_glu) {
+#pragma omp for collapse(2) schedule(static)
+        for (int m = 0; m < M; m++) {
+            for (int i = 0; i < I; i += 8) {  /* 8 at a time, the last group scalar if I % 8 */
+                int n8 = I - i < 8 ? I - i : 8;
+                const float *gr = res + (long)m * 2 * I, *ur = gr + I;
+                float *ar = act + (long)m * I;
+                if (n8 == 8) {
+                    __m256 bg = _mm256_setzero_ps(), bu = bg;
+                    if (L->b_gate_up) {
+                        bg = load_bf16x8(L->b_gate_up + i);
+                        bu = load_bf16x8(L->b_gate_up + I + i);
+                    }
+                    __m256 gv = round_bf16x8(_mm256_add_ps(_mm256_loadu_ps(gr + i), bg));
+                    __m256 uv = round_bf16x8(_mm256_add_ps(_mm256_loadu_ps(ur + i), bu));
+                    _mm256_storeu_ps(ar + i, silu_mul_rounded8(gv, uv));
+                    continue;
+                }
+                for (int j = i; j < i + n8; j++) {
+                    float bg = L->b_gate_up ? bf16_to_f32(L->b_gate_up[j]) : 0.0f;
+                    float bu = L->b_gate_up ? bf16_to_f32(L->b_gate_up[I + j]) : 0.0f;
+                    ar[j] = silu_mul_rounded(round_bf16(gr[j] + bg), round_bf16(ur[j] + bu));
+                }
+            }
+        }
+    }
+
+    if (pk_glu)  /* packed for it already (amx_proj(w_down) holds: all_amx) */
+        pw_pk_share((const uint16_t *)act, M, (const uint32_t *)L->w_down, I, H, res);
+    else
+        layer_proj(L, act, M, L->w_down, L->s_down, I, H, xp, wide, wide_per_thread, res);
+#pragma omp barrier
+    bias_round_rows(res, L->b_down, M, H, L->out);
+}
+
 int pw_decode_layer_bf16(const DecodeLayer *L) {
     int M = L->M, H = L->H, Q = L->Q, KV = L->KV, I = L->I, hd = L->hd;
     int n_heads = L->n_heads, n_kv = L->n_kv, group = n_heads / n_kv, QKV = Q + 2 * KV;
-    /* More rows than the streams take only when every projection runs on the tiles. */
-    int all_amx = amx_proj(L, L->s_qkv, QKV) && amx_proj(L, L->s_o, H)
-                  && amx_proj(L, L->s_gate_up, 2 * I) && amx_proj(L, L->s_down, H) && H >= 16
-                  && I >= 8;
+    /* More rows than the streams take only when every projection runs on the tiles (a
+     * mixture of experts': its attention's; its experts stream, up to ROW_STREAM_MAX rows). */
+    int moe = L->n_experts > 0;
+    int all_amx = amx_proj(L, L->s_qkv, QKV) && amx_proj(L, L->s_o, H) && H >= 16
+                  && (moe || (amx_proj(L, L->s_gate_up, 2 * I) && amx_proj(L, L->s_down, H)
+                              && I >= 8));
     if (M < 1 || M > (all_amx ? AMX_LAYER_MAX : ROW_STREAM_MAX) || hd > MAX_HEAD_DIM)
+        return -2;
+    /* experts stream: a few rows, a router the routing's scratch holds */
+    if (moe && (M > ROW_STREAM_MAX || L->n_experts > PW_MAX_EXPERTS || L->top_k < 1
+                || L->top_k > L->n_experts || !L->w_router || !L->w_experts_gate_up
+                || !L->w_experts_down))
         return -2;
     /* panels are no rows: nothing else may read them */
     if (L->proj_mode == PW_PROJ_PANELS && !all_amx)
@@ -241,8 +438,11 @@ int pw_decode_layer_bf16(const DecodeLayer *L) {
     long per_task = pw_attention_task_floats(group, hd);
     int widest = QKV > 2 * I ? QKV : 2 * I;
     if (H > widest) widest = H;
+    if (moe && L->n_experts > widest) widest = L->n_experts;
     size_t n_floats = (size_t)M * H + (size_t)M * Q + (size_t)M * I
-                      + (size_t)per_task * L->nthreads + (size_t)M * widest;
+                      + (size_t)per_task * L->nthreads + (size_t)M * widest
+                      + (moe ? (size_t)moe_floats(M, L) + (size_t)M * L->top_k : 0);
+    int *moe_scratch = moe ? (int *)malloc(sizeof(int) * (size_t)moe_ints(M, L)) : NULL;
     float *buf = (float *)malloc(sizeof(float) * n_floats);
     uint16_t *qkv = (uint16_t *)malloc(sizeof(uint16_t) * (size_t)M * QKV);
     uint16_t *o = (uint16_t *)malloc(sizeof(uint16_t) * (size_t)M * H);
@@ -262,13 +462,17 @@ int pw_decode_layer_bf16(const DecodeLayer *L) {
                                             * 64)
         : NULL;
     if (!buf || !qkv || !o || (L->proj_mode != PW_PROJ_STREAMS && !xp)
-        || (L->proj_mode == PW_PROJ_AMX && any_int8 && M > ROW_STREAM_MAX && !wide)) {
-        free(buf); free(qkv); free(o); free(xp); free(wide);
+        || (L->proj_mode == PW_PROJ_AMX && any_int8 && M > ROW_STREAM_MAX && !wide)
+        || (moe && !moe_scratch)) {
+        free(buf); free(qkv); free(o); free(xp); free(wide); free(moe_scratch);
         return -1;
     }
     float *xn = buf, *attn = xn + (long)M * H, *act = attn + (long)M * Q;
     float *att = act + (long)M * I; /* per-thread attention scratch */
     float *res = att + per_task * L->nthreads; /* [M][N] projection results */
+    float *moe_f = res + (long)M * widest;  /* the experts' (moe) */
+    float *wts = moe ? moe_f + moe_floats(M, L) : NULL;
+    int n_used = 0;  /* moe: the experts the step reads, shared by the region's threads */
 
 #pragma omp parallel num_threads(L->nthreads)
     {
@@ -315,71 +519,17 @@ int pw_decode_layer_bf16(const DecodeLayer *L) {
 
         add_norm_rows(L->hidden, o, L->w_post_norm, xn, M, H, L->eps);
 
-        if (amx_glu) {  /* on the tiles, with the SiLU in their epilogue: act directly */
-            pw_amx_pack_f32(xn, M, H, xp);  /* shared by the threads, with a barrier */
-            if (L->s_gate_up)
-                pw_amx_share_glu_int8(xp, M, (const int8_t *)L->w_gate_up, L->s_gate_up,
-                                      wide + wide_per_thread * omp_get_thread_num(),
-                                      L->b_gate_up, H, I, act);
-            else
-                pw_amx_share_glu(xp, M, (const uint16_t *)L->w_gate_up, L->b_gate_up, H, I,
-                                 act);
-        } else if (pk_glu) {
-            pw_avx512bf16_pack_f32(xn, M, H, (uint16_t *)xp);  /* shared, with a barrier */
-            pw_pk_share_glu((const uint16_t *)xp, M, (const uint32_t *)L->w_gate_up,
-                            L->b_gate_up, H, I, (uint16_t *)act);
-        } else {
-            layer_proj(L, xn, M, L->w_gate_up, L->s_gate_up, H, 2 * I, xp, wide,
-                       wide_per_thread, res);
-        }
-#pragma omp barrier
-        /* Row by row (rows of 2I floats lie tens of KiB apart, often a multiple of 4 KiB:
-         * walking down the rows first thrashed L1's sets). Skipped
-         * alike by every thread where the tiles' epilogue wrote act (fp32 on AMX, bf16 rows
-         * on panels). */
-        if (!amx_glu && !pk_glu && pw_avx512bf16_glu_rows
-            && (L->proj_mode == PW_PROJ_AVX512BF16 || L->proj_mode == PW_PROJ_PANELS)) {
-            /* 16 lanes, same bits */
-            pw_avx512bf16_glu_rows(res, L->b_gate_up, M, I, act);
-        } else if (!amx_glu && !pk_glu) {
-#pragma omp for collapse(2) schedule(static)
-            for (int m = 0; m < M; m++) {
-                for (int i = 0; i < I; i += 8) {  /* 8 at a time, the last group scalar if I % 8 */
-                    int n8 = I - i < 8 ? I - i : 8;
-                    const float *gr = res + (long)m * 2 * I, *ur = gr + I;
-                    float *ar = act + (long)m * I;
-                    if (n8 == 8) {
-                        __m256 bg = _mm256_setzero_ps(), bu = bg;
-                        if (L->b_gate_up) {
-                            bg = load_bf16x8(L->b_gate_up + i);
-                            bu = load_bf16x8(L->b_gate_up + I + i);
-                        }
-                        __m256 gv = round_bf16x8(_mm256_add_ps(_mm256_loadu_ps(gr + i), bg));
-                        __m256 uv = round_bf16x8(_mm256_add_ps(_mm256_loadu_ps(ur + i), bu));
-                        _mm256_storeu_ps(ar + i, silu_mul_rounded8(gv, uv));
-                        continue;
-                    }
-                    for (int j = i; j < i + n8; j++) {
-                        float bg = L->b_gate_up ? bf16_to_f32(L->b_gate_up[j]) : 0.0f;
-                        float bu = L->b_gate_up ? bf16_to_f32(L->b_gate_up[I + j]) : 0.0f;
-                        ar[j] = silu_mul_rounded(round_bf16(gr[j] + bg), round_bf16(ur[j] + bu));
-                    }
-                }
-            }
-        }
-
-        if (pk_glu)  /* packed for it already (amx_proj(w_down) holds: all_amx) */
-            pw_pk_share((const uint16_t *)act, M, (const uint32_t *)L->w_down, I, H, res);
+        if (moe)
+            moe_mlp(L, xn, M, res, moe_f, wts, moe_scratch, &n_used, L->out);
         else
-            layer_proj(L, act, M, L->w_down, L->s_down, I, H, xp, wide, wide_per_thread, res);
-#pragma omp barrier
-        bias_round_rows(res, L->b_down, M, H, L->out);
+            dense_mlp(L, xn, M, amx_glu, pk_glu, xp, wide, wide_per_thread, res, act);
     }
     free(buf);
     free(qkv);
     free(o);
     free(xp);
     free(wide);
+    free(moe_scratch);
     return 0;
 }
 
