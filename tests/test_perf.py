@@ -172,6 +172,44 @@ def test_kv_capacity_transfer_and_moe_notes():
     assert any("50% of peak" in n for n in a["notes"])
 
 
+def test_deepseek_v3_latent_attention_dense_layers_and_shared_expert():
+    """DeepSeek-V3's arithmetic, by hand from its config.json: multi-head latent attention
+    (q through a 1536 bottleneck; a 512-wide K/V latent and a 64-wide rotary key per token and
+    layer, up-projected to 128 heads of 128 + 64 and values of 128), 3 dense layers of 18432,
+    58 sparse ones of 256 experts of 2048 (8 a token, a router) and one shared expert: 671 B
+    parameters, 37.5 B active, 576 K/V elements per token and layer; the config parses to
+    the catalog's shape."""
+    m = lookup_model("DeepSeek-V3")
+    h = 7168
+    attn = (h * 1536 + 1536 * 128 * 192 + h * (512 + 64) + 512 * 128 * (128 + 128)
+            + 128 * 128 * h)
+    assert m.attn_params_per_layer == attn
+    expert, dense = 3 * h * 2048, 3 * h * 18432
+    assert m.sparse_layers == 58 and m.dense_layers == 3
+    assert m.mlp_params == 58 * (256 * expert + h * 256 + expert + h) + 3 * dense
+    assert 670e9 < m.total_params < 672e9 and 37e9 < m.active_params < 38e9
+    assert m.kv_bytes_per_token(2) == 61 * 576 * 2
+    # a query's FLOPs per key: against the latent and rotary key, then the latent, per head
+    assert m.attn_flops_per_position == 2 * 61 * 128 * (2 * 512 + 64)
+    # at batch 1 a step reads the attention, the dense layers and 8 + 1 experts a layer
+    assert m.params_read(1) == pytest.approx(m.total_params - 58 * 248 * expert)
+    cfg = {"architectures": ["DeepseekV3ForCausalLM"], "hidden_size": h,
+           "num_hidden_layers": 61, "num_attention_heads": 128, "num_key_value_heads": 128,
+           "intermediate_size": 18432, "moe_intermediate_size": 2048, "vocab_size": 129280,
+           "n_routed_experts": 256, "n_shared_experts": 1, "num_experts_per_tok": 8,
+           "first_k_dense_replace": 3, "kv_lora_rank": 512, "q_lora_rank": 1536,
+           "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128,
+           "max_position_embeddings": 163840, "tie_word_embeddings": False}
+    parsed = ModelShape.from_hf_config(cfg, name="DeepSeek-V3",
+                                       source="deepseek-ai/DeepSeek-V3 config.json")
+    assert parsed == m
+    # Qwen-MoE's mlp_only_layers are dense layers too, of its intermediate_size
+    qwen = ModelShape.from_hf_config({**cfg, "n_routed_experts": 0, "num_experts": 8,
+                                      "first_k_dense_replace": 0, "mlp_only_layers": [0, 5],
+                                      "kv_lora_rank": 0, "head_dim": 64})
+    assert (qwen.dense_layers, qwen.dense_intermediate_size, qwen.mla) == (2, 18432, False)
+
+
 def test_moe_decode_reads_the_experts_its_tokens_route_to():
     """Mixtral 8x7B: at batch 1 a decode step reads 2 of each layer's 8 experts, about 13 B
     of its 47 B parameters (attention, embeddings and the LM head included): 26 of 93 GB in

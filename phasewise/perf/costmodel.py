@@ -114,11 +114,11 @@ class CostModel:
         self.wbytes = DTYPE_BYTES[self.dtype]
         s = self.shape
         self.body_flops_per_row = 2.0 * s.active_linear_params
-        self.body_bytes = s.num_layers * (s.attn_params_per_layer + s.mlp_params_per_layer) \
+        self.body_bytes = (s.num_layers * s.attn_params_per_layer + s.mlp_params) \
             * self.wbytes
         self.head_flops_per_row = 2.0 * s.lm_head_params
         self.head_bytes = s.lm_head_params * self.wbytes
-        self.attn_flops_per_pos = 4.0 * s.num_layers * s.num_heads * s.head_dim
+        self.attn_flops_per_pos = s.attn_flops_per_position
         self.kv_bytes_per_token = s.kv_bytes_per_token(self.wbytes)
         self.bandwidth = self.accel.mem_bandwidth
         self.knots.sort(key=lambda k: k.rows)

@@ -35,6 +35,18 @@ class ModelShape:
     # ``sliding_window`` positions only (None: every layer attends to the whole context)
     sliding_window: int | None = None
     window_layers: int = 0
+    # An MoE model's layers whose MLP is dense (DeepSeek's first ``first_k_dense_replace``,
+    # Qwen-MoE's ``mlp_only_layers``), of ``dense_intermediate_size`` (0: intermediate_size)
+    dense_layers: int = 0
+    dense_intermediate_size: int = 0
+    # Multi-head latent attention (DeepSeek-V2/V3; kv_lora_rank 0: none): K and V stored as a
+    # ``kv_lora_rank`` latent plus a ``qk_rope_head_dim`` rotary key per token and layer,
+    # queries through a ``q_lora_rank`` bottleneck (0: none), ``head_dim`` the q/k head
+    # (nope + rope), ``v_head_dim`` the value head
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
 
     def __post_init__(self) -> None:
         if self.sliding_window is not None and not (
@@ -75,18 +87,53 @@ class ModelShape:
         return self.num_experts > 0
 
     @property
-    def attn_params_per_layer(self) -> int:
-        h, hd = self.hidden_size, self.head_dim
-        return h * self.num_heads * hd * 2 + h * self.num_kv_heads * hd * 2  # q, o; k, v
+    def mla(self) -> bool:
+        return self.kv_lora_rank > 0
 
     @property
-    def mlp_params_per_layer(self) -> int:
-        """All MLP weights of a layer (every expert, and the router, for MoE)."""
+    def attn_params_per_layer(self) -> int:
+        h, hd, nh = self.hidden_size, self.head_dim, self.num_heads
+        if self.mla:  # q (through its bottleneck), the K/V latent and rotary key, their
+            # up-projection to every head's key and value, o
+            q = h * self.q_lora_rank + self.q_lora_rank * nh * hd if self.q_lora_rank \
+                else h * nh * hd
+            nope = hd - self.qk_rope_head_dim
+            return (q + h * (self.kv_lora_rank + self.qk_rope_head_dim)
+                    + self.kv_lora_rank * nh * (nope + self.v_head_dim)
+                    + nh * self.v_head_dim * h)
+        return h * nh * hd * 2 + h * self.num_kv_heads * hd * 2  # q, o; k, v
+
+    @property
+    def attn_flops_per_position(self) -> float:
+        """FLOPs one query spends on one key, over all layers: its score and its weighted
+        value, ``2 * head_dim`` each per head (MLA: against the latent and the rotary key,
+        then the latent, with the up-projections absorbed into q and o, as serving engines
+        run it)."""
+        if self.mla:
+            lat = self.kv_lora_rank
+            return 2.0 * self.num_layers * self.num_heads * (2 * lat + self.qk_rope_head_dim)
+        return 4.0 * self.num_layers * self.num_heads * self.head_dim
+
+    @property
+    def sparse_layers(self) -> int:
+        """Layers whose MLP is a mixture of experts (0 for a dense model)."""
+        return self.num_layers - self.dense_layers if self.is_moe else 0
+
+    @property
+    def _dense_mlp(self) -> int:
+        """One dense layer's MLP weights (an MoE model's dense layers: their own width)."""
+        width = self.dense_intermediate_size or self.intermediate_size
+        return 3 * self.hidden_size * width
+
+    @property
+    def mlp_params(self) -> int:
+        """Every layer's MLP weights (every expert, and the router, of each sparse layer)."""
+        if not self.is_moe:
+            return self.num_layers * self._dense_mlp
         one = 3 * self.hidden_size * self.intermediate_size
-        if self.is_moe:
-            return self.num_experts * one + self.hidden_size * self.num_experts \
-                + self._shared_params
-        return one
+        sparse = self.num_experts * one + self.hidden_size * self.num_experts \
+            + self._shared_params
+        return self.sparse_layers * sparse + self.dense_layers * self._dense_mlp
 
     @property
     def _shared_params(self) -> int:
@@ -95,14 +142,15 @@ class ModelShape:
         return 3 * self.hidden_size * s + self.hidden_size if s else 0
 
     @property
-    def active_mlp_params_per_layer(self) -> int:
-        """MLP weights one token goes through (its routed experts, the router, a shared
-        expert)."""
+    def active_mlp_params(self) -> int:
+        """MLP weights one token goes through, over all layers (its routed experts, the
+        router and a shared expert in each sparse layer)."""
+        if not self.is_moe:
+            return self.mlp_params
         one = 3 * self.hidden_size * self.intermediate_size
-        if self.is_moe:
-            return self.experts_per_token * one + self.hidden_size * self.num_experts \
-                + self._shared_params
-        return one
+        sparse = self.experts_per_token * one + self.hidden_size * self.num_experts \
+            + self._shared_params
+        return self.sparse_layers * sparse + self.dense_layers * self._dense_mlp
 
     @property
     def embedding_params(self) -> int:
@@ -117,12 +165,12 @@ class ModelShape:
         norms = self.num_layers * 2 * self.hidden_size + self.hidden_size
         head = 0 if self.tie_word_embeddings else self.lm_head_params
         return (self.embedding_params + head + norms
-                + self.num_layers * (self.attn_params_per_layer + self.mlp_params_per_layer))
+                + self.num_layers * self.attn_params_per_layer + self.mlp_params)
 
     @property
     def active_linear_params(self) -> int:
         """Matmul weights a token passes through in the layers (no embedding, no LM head)."""
-        return self.num_layers * (self.attn_params_per_layer + self.active_mlp_params_per_layer)
+        return self.num_layers * self.attn_params_per_layer + self.active_mlp_params
 
     @property
     def expert_params(self) -> int:
@@ -148,7 +196,7 @@ class ModelShape:
     def idle_expert_params(self, experts: float) -> float:
         """The expert weights a step leaves unread when its tokens touch ``experts`` of each
         layer's experts (the rest, in every layer)."""
-        return self.num_layers * (self.num_experts - experts) * self.expert_params
+        return self.sparse_layers * (self.num_experts - experts) * self.expert_params
 
     @property
     def active_params(self) -> int:
@@ -156,7 +204,10 @@ class ModelShape:
         return self.active_linear_params + self.embedding_params + head
 
     def kv_bytes_per_token(self, bytes_per_el: float) -> float:
-        """K and V of one token over all layers (GQA: only the KV heads are stored)."""
+        """K and V of one token over all layers (GQA: only the KV heads are stored; MLA: the
+        latent and the rotary key, shared by every head)."""
+        if self.mla:
+            return self.num_layers * (self.kv_lora_rank + self.qk_rope_head_dim) * bytes_per_el
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * bytes_per_el
 
     def act_elems_per_token(self) -> int:
@@ -181,22 +232,38 @@ class ModelShape:
         except KeyError as e:
             raise ValueError(f"{name}: missing {e.args[0]!r}; a decoder-only config needs "
                              "hidden_size, num_attention_heads and num_hidden_layers") from e
-        n_experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
+        n_experts = int(cfg.get("num_local_experts") or cfg.get("num_experts")
+                        or cfg.get("n_routed_experts") or 0)
         window, window_layers = _window_of(cfg, layers)
         inter = int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"]) if n_experts \
             else int(cfg["intermediate_size"])
+        shared = int(cfg.get("shared_expert_intermediate_size") or 0)
+        if not shared and cfg.get("n_shared_experts"):  # DeepSeek: that many of its experts
+            shared = int(cfg["n_shared_experts"]) * inter
+        dense = 0
+        if n_experts:  # layers whose MLP stays dense
+            dense = min(layers, int(cfg.get("first_k_dense_replace") or 0)
+                        + len(cfg.get("mlp_only_layers") or ()))
+        mla = int(cfg.get("kv_lora_rank") or 0)
+        rope = int(cfg.get("qk_rope_head_dim") or 0)
+        head_dim = (int(cfg.get("qk_nope_head_dim") or 0) + rope if mla
+                    else int(cfg.get("head_dim") or hidden // heads))
         return cls(
             name=name, hidden_size=hidden, num_layers=layers, num_heads=heads,
             num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            head_dim=head_dim,
             intermediate_size=inter, vocab_size=int(cfg["vocab_size"]),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             num_experts=n_experts,
             experts_per_token=int(cfg.get("num_experts_per_tok") or 0) if n_experts else 0,
-            shared_expert_size=int(cfg.get("shared_expert_intermediate_size") or 0)
-            if n_experts else 0,
+            shared_expert_size=shared if n_experts else 0,
             max_position_embeddings=cfg.get("max_position_embeddings"),
-            source=source or name, sliding_window=window, window_layers=window_layers)
+            source=source or name, sliding_window=window, window_layers=window_layers,
+            dense_layers=dense,
+            dense_intermediate_size=int(cfg["intermediate_size"]) if dense else 0,
+            kv_lora_rank=mla, q_lora_rank=int(cfg.get("q_lora_rank") or 0) if mla else 0,
+            qk_rope_head_dim=rope if mla else 0,
+            v_head_dim=int(cfg.get("v_head_dim") or head_dim) if mla else 0)
 
     @classmethod
     def from_path(cls, path: str | Path) -> ModelShape:
@@ -304,6 +371,14 @@ CATALOG: dict[str, ModelShape] = {m.name.lower(): m for m in [
            num_layers=32, num_heads=32, num_kv_heads=8, intermediate_size=14336,
            vocab_size=32000, num_experts=8, experts_per_token=2,
            max_position_embeddings=32768),
+    # 671 B parameters, 37 B active: 3 dense layers, then 256 routed experts (8 a token) and
+    # one shared; multi-head latent attention (a 512 + 64 K/V latent per token and layer)
+    _shape("DeepSeek-V3", "deepseek-ai/DeepSeek-V3 config.json", hidden_size=7168,
+           num_layers=61, num_heads=128, num_kv_heads=128, head_dim=192,
+           intermediate_size=2048, vocab_size=129280, num_experts=256, experts_per_token=8,
+           shared_expert_size=2048, dense_layers=3, dense_intermediate_size=18432,
+           kv_lora_rank=512, q_lora_rank=1536, qk_rope_head_dim=64, v_head_dim=128,
+           max_position_embeddings=163840),
     _shape("Qwen3-30B-A3B", "Qwen/Qwen3-30B-A3B config.json", hidden_size=2048,
            num_layers=48, num_heads=32, num_kv_heads=4, head_dim=128, intermediate_size=768,
            vocab_size=151936, num_experts=128, experts_per_token=8,

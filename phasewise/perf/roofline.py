@@ -177,7 +177,7 @@ class Roofline:
         m = self.model
         if isinstance(m, GenericModel):
             return 0.0
-        return 4.0 * m.num_layers * m.num_heads * m.head_dim * query_positions_sum
+        return m.attn_flops_per_position * query_positions_sum
 
     def _act_bytes(self, tokens: int) -> float:
         m = self.model
@@ -336,7 +336,7 @@ class Roofline:
         kvpt = self.kv_bytes_per_token or 0.0
         a = m.num_layers * m.act_elems_per_token() * self.act_bytes_per_el
         f0 = self._linear_flops_per_token() + self._lm_head_flops()
-        f1 = 4.0 * m.num_layers * m.num_heads * m.head_dim  # per context token
+        f1 = m.attn_flops_per_position  # per context token
         # compute(t) = (f0 + f1 t)/P ; memory(t) = ((t - 1) kvpt + kvpt + a)/BW = (t kvpt + a)/BW
         slope = kvpt / self.bandwidth - f1 / self.peak_flops
         if slope <= 0:
