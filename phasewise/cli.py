@@ -276,7 +276,7 @@ def cmd_roofline(a: argparse.Namespace) -> int:
 
     from phasewise.perf.analysis import analyse, format_catalog, format_text
     from phasewise.perf.hardware import lookup_accelerator, lookup_link
-    from phasewise.perf.models import GenericModel, lookup_model
+    from phasewise.perf.models import GenericModel, lookup_model, with_routing
 
     if a.list:
         print(format_catalog())
@@ -284,6 +284,8 @@ def cmd_roofline(a: argparse.Namespace) -> int:
     if (a.model is None) == (a.params is None):
         raise ValueError("give exactly one of --model NAME|PATH or --params N (e.g. 7e9)")
     model = GenericModel(a.params) if a.params is not None else lookup_model(a.model)
+    if a.experts_read:
+        model = with_routing(model, a.experts_read)
     result = analyse(model, lookup_accelerator(a.gpu), a.dtype, prompt_len=a.prompt_len,
                      prefix_len=a.prefix_len, output_len=a.output_len, batch=a.batch,
                      context=a.context, kv_dtype=a.kv_dtype, mfu=a.mfu, mbu=a.mbu,
@@ -665,6 +667,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--link", default=None, help="price a KV transfer over this link")
     r.add_argument("--reserve", type=float, default=0.1,
                    help="memory fraction kept free of weights and KV")
+    r.add_argument("--experts-read", default=None, metavar="T:X[,T:X...]",
+                   help="a mixture of experts' routing as measured: X distinct experts a "
+                   "layer read in steps of T tokens (StepStats.experts_read, "
+                   "phasewise:step_experts_read); the analyser fits the skew to them")
     r.add_argument("--json", action="store_true")
     r.add_argument("--plot", default=None, metavar="FILE.png")
     r.add_argument("--list", action="store_true",

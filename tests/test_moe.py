@@ -337,3 +337,30 @@ def test_an_exact_tie_between_experts_goes_to_the_lower_one():
 
     moe(x, Spy())
     assert picked == [0, 1]
+
+
+def test_served_predictions_follow_the_routing_skew_measured():
+    """The per-step cost model prices a step's expert bytes at the skew its last steps
+    measured: steps that read fewer experts than uniform routing would make it fit fewer
+    equally likely experts, and a batch's predicted bytes fall accordingly; `roofline
+    --experts-read` fits the same."""
+    from phasewise.engine.step_cost import Chunk
+    from phasewise.perf.attribution import ROUTING_REFIT, StepCostModel
+    from phasewise.perf.models import expected_experts, lookup_model, with_routing
+
+    shape = lookup_model("Qwen3-30B-A3B")
+    cm = StepCostModel(shape, "bf16", None)
+    uniform = cm.predict([Chunk(16, 0)], []).bytes
+    for t in (2, 4, 8, 16, 32, 64) * (ROUTING_REFIT // 6 + 1):
+        cm.observe_routing(t, expected_experts(40.0, 8, t))  # as if 40 of 128 were used
+    assert cm.shape.routed_experts == pytest.approx(40.0, rel=1e-3)
+    skewed = cm.predict([Chunk(16, 0)], []).bytes
+    e16 = expected_experts(40.0, 8, 16)
+    assert uniform - skewed == pytest.approx(
+        (shape.experts_touched(16) - e16) * shape.sparse_layers * shape.expert_params * 2,
+        rel=1e-6)
+    cm.observe_routing(1, 8.0)  # one token: no information about the skew
+    assert with_routing(shape, "16:%f,64:%f" % (e16, expected_experts(40.0, 8, 64))
+                        ).routed_experts == pytest.approx(40.0, rel=1e-3)
+    with pytest.raises(ValueError, match="not T:X"):
+        with_routing(shape, "16:500")

@@ -381,6 +381,9 @@ class LLMEngine:
             self._kv_read(decodes))
         self.step_stats.append(stats)
         self.step_clock.observe(stats)
+        routing = getattr(self.cost_model, "observe_routing", None)
+        if routing is not None and stats.experts_read is not None:  # a mixture of experts
+            routing(stats.num_tokens, stats.experts_read)
         return outputs
 
     def _experts_read(self) -> float | None:

@@ -42,11 +42,16 @@ def analyse(model: ModelShape | GenericModel, accel: Accelerator, dtype: str = "
                      "once per step; no attention or KV cache (give a model for those)")
     if shaped and model.is_moe:
         e, k = model.num_experts, model.experts_per_token
+        skew = model.routed_experts
+        routing = ("uniform routing; skewed routing reads fewer: --experts-read fits it"
+                   if skew is None else
+                   f"E = {skew:.1f}, fitted to the experts measured (--experts-read): its "
+                   f"router touches as few as {skew:.1f} equally likely experts would")
         notes.append(f"MoE: FLOPs use the {model.active_params / 1e9:.2f}B active parameters; "
                      f"a step reads only the experts its tokens route to: of {e} per layer, "
-                     f"{k} at one token and E(1-(1-{k}/{e})^T) in expectation at T tokens "
-                     "(uniform routing; skewed routing reads fewer), so its weight bytes "
-                     f"grow with the batch toward the {model.total_params / 1e9:.2f}B total")
+                     f"{k} at one token and E(1-(1-{k}/E)^T) in expectation at T tokens "
+                     f"({routing}), so its weight bytes grow with the batch toward the "
+                     f"{model.total_params / 1e9:.2f}B total")
     if mfu != 1.0 or mbu != 1.0:
         notes.append(f"predictions at {mfu:.0%} of peak FLOP/s (MFU) and {mbu:.0%} of peak "
                      "bandwidth (MBU)")

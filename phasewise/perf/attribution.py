@@ -16,13 +16,15 @@ one and imports none of it.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from phasewise.engine.step_cost import Chunk, StepPrediction
 from phasewise.perf.hardware import Accelerator, load_local
-from phasewise.perf.models import ModelShape
+from phasewise.perf.models import ModelShape, fit_routed_experts
 from phasewise.perf.roofline import DTYPE_BYTES, Roofline, norm_dtype
 
 # Stands in for the machine when no peaks are stored: FLOPs and bytes do not depend on it,
@@ -78,8 +80,15 @@ def stored_peaks(device_type: str, path: Path | None = None) -> Accelerator | No
     return accel
 
 
+# A mixture of experts' measured routing: the steps the skew is fitted to, and how many new
+# ones between fits (a fit costs ~10k evaluations of a power: milliseconds, off most steps)
+ROUTING_STEPS = 256
+ROUTING_REFIT = 32
+
+
 class StepCostModel:
-    """Roofline cost of engine steps for one model, dtype and machine."""
+    """Roofline cost of engine steps for one model, dtype and machine; for a mixture of
+    experts, at the routing skew its last steps measured (``observe_routing``)."""
 
     def __init__(self, shape: ModelShape, dtype: str, accel: Accelerator | None,
                  compute_dtype: Callable[[int], str] | None = None,
@@ -90,6 +99,27 @@ class StepCostModel:
         self.accel = accel
         self.compute_dtype = compute_dtype or (lambda rows: self.dtype)
         self._roofs: dict[str, tuple[Roofline, bool]] = {}  # compute dtype -> (roof, timed)
+        self._routing: deque[tuple[float, float]] = deque(maxlen=ROUTING_STEPS)
+        self._unfitted = 0
+
+    def observe_routing(self, tokens: int, experts: float) -> None:
+        """A step's measured routing: its ``tokens`` and the distinct experts its sparse
+        layers read on average (``StepStats.experts_read``). Every ``ROUTING_REFIT`` steps
+        of two tokens or more, the skew is fitted to the last ``ROUTING_STEPS`` of them
+        (``fit_routed_experts``), and later steps are priced at it."""
+        s = self.shape
+        if not s.is_moe or tokens < 2:
+            return
+        self._routing.append((float(tokens), float(experts)))
+        self._unfitted += 1
+        if self._unfitted < ROUTING_REFIT:
+            return
+        self._unfitted = 0
+        fitted = fit_routed_experts(self._routing, s.num_experts, s.experts_per_token)
+        old = s.routed_experts or s.num_experts
+        if fitted is not None and abs(fitted - old) > 0.01 * old:
+            self.shape = replace(s, routed_experts=fitted)
+            self._roofs.clear()
 
     @classmethod
     def for_engine(cls, engine: Any, machine_file: Path | None = None) -> StepCostModel:

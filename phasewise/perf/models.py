@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 from phasewise.model.config import layer_windows, read_config_json
@@ -47,6 +48,10 @@ class ModelShape:
     q_lora_rank: int = 0
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
+    # Routing skew (``fit_routed_experts``): how many equally likely experts would touch as
+    # few distinct experts per batch as this model's router was measured to (None: all of
+    # ``num_experts``, uniform routing)
+    routed_experts: float | None = None
 
     def __post_init__(self) -> None:
         if self.sliding_window is not None and not (
@@ -180,11 +185,12 @@ class ModelShape:
     def experts_touched(self, tokens: float) -> float:
         """Distinct experts of a layer that ``tokens`` tokens route to, in expectation, when
         each picks its ``experts_per_token`` of the ``num_experts`` uniformly:
-        E (1 - (1 - k/E)^tokens). A batch of 1 reads k; as the batch grows, all E."""
+        E (1 - (1 - k/E)^tokens). A batch of 1 reads k; as the batch grows, all E. With a
+        measured skew (``routed_experts``), E is that fitted count."""
         if not self.is_moe or tokens <= 0:
             return 0.0
-        e, k = self.num_experts, self.experts_per_token
-        return e * (1.0 - (1.0 - k / e) ** tokens)
+        return expected_experts(self.routed_experts or self.num_experts,
+                                self.experts_per_token, tokens)
 
     def params_read(self, tokens: float) -> float:
         """Weights a step of ``tokens`` tokens reads: all of a dense model's; an MoE
@@ -284,6 +290,62 @@ class GenericModel:
             raise ValueError(f"parameter count must be > 0, got {self.params}")
         if not self.name:
             object.__setattr__(self, "name", f"dense {self.params:.3g} parameters")
+
+
+def expected_experts(experts: float, k: int, tokens: float) -> float:
+    """E (1 - (1 - k/E)^T): the distinct experts T tokens touch in expectation, each picking
+    k of E uniformly."""
+    return experts * (1.0 - (1.0 - k / experts) ** tokens)
+
+
+def fit_routed_experts(observations: Sequence[tuple[float, float]], num_experts: int,
+                       k: int) -> float | None:
+    """The routing skew measured: the count E' in [k, num_experts] whose uniform routing
+    best matches the observed (tokens in a step, distinct experts its layers read on
+    average) pairs, by least squares (``expected_experts`` grows with E' at every batch of
+    two or more tokens, so a bounded search finds it). None where no observation holds two
+    tokens or more (a lone token reads k whatever the skew)."""
+    obs = [(t, x) for t, x in observations if t >= 2]
+    if not obs or not 1 <= k <= num_experts:
+        return None
+
+    def sse(e: float) -> float:
+        return sum((expected_experts(e, k, t) - x) ** 2 for t, x in obs)
+
+    lo, hi = float(k), float(num_experts)
+    grid = [lo + (hi - lo) * i / 64 for i in range(65)]
+    best = min(range(65), key=lambda i: sse(grid[i]))
+    lo, hi = grid[max(0, best - 1)], grid[min(64, best + 1)]
+    for _ in range(60):  # golden section inside the best grid cell's neighbours
+        a, b = lo + (hi - lo) * 0.382, lo + (hi - lo) * 0.618
+        if sse(a) <= sse(b):
+            hi = b
+        else:
+            lo = a
+    return (lo + hi) / 2
+
+
+def with_routing(model: Any, spec: str) -> ModelShape:
+    """``model`` (an MoE ``ModelShape``) with the routing skew fitted to ``spec``, pairs
+    ``T:X`` (X distinct experts a layer read in steps of T tokens) separated by commas."""
+    if not isinstance(model, ModelShape) or not model.is_moe:
+        raise ValueError("--experts-read: the model is not a mixture of experts")
+    obs = []
+    for part in spec.split(","):
+        t, sep, x = part.partition(":")
+        try:
+            pair = (float(t), float(x))
+        except ValueError:
+            pair = None
+        if not sep or pair is None or not (pair[0] >= 1 and 0 < pair[1] <= model.num_experts):
+            raise ValueError(f"--experts-read: {part!r} is not T:X with T >= 1 tokens and X "
+                             f"in (0, {model.num_experts}] experts")
+        obs.append(pair)
+    fitted = fit_routed_experts(obs, model.num_experts, model.experts_per_token)
+    if fitted is None:
+        raise ValueError("--experts-read: give a step of 2 tokens or more (one token reads "
+                         f"its {model.experts_per_token} experts whatever the skew)")
+    return replace(model, routed_experts=fitted)
 
 
 def _window_of(cfg: dict[str, Any], layers: int) -> tuple[int | None, int]:
