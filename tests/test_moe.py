@@ -242,8 +242,8 @@ def test_the_dashboard_feed_carries_the_experts_each_step_read(moe_checkpoints):
 def test_the_fused_decode_stack_routes_and_runs_experts_bit_for_bit(tmp_path, arch):
     """On the CPU kernels a decode step of up to 6 rows runs every layer, its router and its
     experts included, in one C call: the same bits as the op-by-op path, and the same
-    experts read. Qwen2-MoE's shared expert is not in the C layer: its steps run op by op.
-    More rows than the streams take run op by op too."""
+    experts read (Qwen2-MoE: its shared expert and gate in the call too). More rows than
+    the streams take run op by op."""
     import torch
 
     from phasewise.model.attention import AttentionMetadata
@@ -299,7 +299,7 @@ def test_the_fused_decode_stack_routes_and_runs_experts_bit_for_bit(tmp_path, ar
                                        [(k.clone(), v.clone()) for k, v in caches], meta)
                 read[fused] = [layer.moe.last_experts for layer in model.layers]
                 took[fused] = ops.took
-            assert took[True] == (arch != "Qwen2MoeForCausalLM" and rows <= 6), rows
+            assert took[True] == (rows <= 6), rows
             assert not took[False]
             assert torch.equal(out[True], out[False]) and read[True] == read[False], rows
     finally:

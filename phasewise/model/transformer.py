@@ -86,11 +86,14 @@ class SparseMoE(nn.Module):
         return self._with_shared(x, out, ops)
 
     def _with_shared(self, x: torch.Tensor, out: torch.Tensor, ops: TorchOps) -> torch.Tensor:
-        """``out`` plus the shared expert's output behind its sigmoid gate, if there is one."""
+        """``out`` plus the shared expert's output behind its sigmoid gate, if there is one
+        (its projections as the experts', ``moe_linear``: a decode step's few rows stream
+        their weights, as the fused CPU layer does)."""
         if not self.has_shared:
             return out
-        shared = ops.mlp(x, self.shared_gate_up, self.shared_down)
-        return out + shared * torch.sigmoid(ops.proj(x, self.shared_expert_gate))
+        act = ops.silu_mul(ops.moe_linear(x, self.shared_gate_up.weight))
+        shared = ops.moe_linear(act, self.shared_down.weight)
+        return out + shared * torch.sigmoid(ops.moe_linear(x, self.shared_expert_gate.weight))
 
 
 class DecoderLayer(nn.Module):

@@ -100,7 +100,9 @@ class DecodeLayerArgs(ctypes.Structure):
         + [("proj_mode", ctypes.c_int), ("window", ctypes.c_int)]
         + [(n, ctypes.c_int) for n in ("n_experts", "top_k", "norm_topk")]
         + [(n, ctypes.c_void_p) for n in ("w_router", "w_experts_gate_up", "w_experts_down")]
-        + [("experts_read", ctypes.c_int)]
+        + [("experts_read", ctypes.c_int), ("shared_I", ctypes.c_int)]
+        + [(n, ctypes.c_void_p) for n in ("w_shared_gate_up", "w_shared_down",
+                                          "w_shared_gate")]
     )
 
 

@@ -531,11 +531,14 @@ class CpuKernelOps(TorchOps):
 
     def _static_args(self, layer: nn.Module) -> kernels.DecodeLayerArgs | None:
         """The per-layer fields (shapes, weight pointers); None if a weight is unsuitable, or
-        the layer's MLP is a mixture of experts the fused layer does not compute (one with a
-        shared expert, or more experts than it routes among)."""
+        the layer's MLP is a mixture of experts the fused layer does not compute (more experts
+        than it routes among)."""
         moe = getattr(layer, "moe", None)
-        if moe is not None and (moe.has_shared or moe.num_experts > self.kernels.max_experts
-                                or not self._ok(moe.gate.weight, moe.gate_up, moe.down)):
+        shared = ((moe.shared_gate_up.weight, moe.shared_down.weight,
+                   moe.shared_expert_gate.weight) if moe is not None and moe.has_shared else ())
+        if moe is not None and (moe.num_experts > self.kernels.max_experts
+                                or not self._ok(moe.gate.weight, moe.gate_up, moe.down,
+                                                *shared)):
             return None
         cfg = layer.cfg
         projections = layer.projections()  # qkv, o, gate_up, down (DecoderLayer.projections)
@@ -578,6 +581,10 @@ class CpuKernelOps(TorchOps):
                                                           int(moe.norm_topk_prob))
             args.w_router, args.w_experts_gate_up, args.w_experts_down = (
                 moe.gate.weight.data_ptr(), moe.gate_up.data_ptr(), moe.down.data_ptr())
+            if shared:  # and its shared expert and that one's gate
+                args.shared_I = moe.shared_down.weight.shape[1]
+                args.w_shared_gate_up, args.w_shared_down, args.w_shared_gate = (
+                    w.data_ptr() for w in shared)
         for name, w in weights.items():
             setattr(args, name, w.data_ptr() if w is not None else None)
         return args

@@ -68,6 +68,11 @@ typedef struct {
     int n_experts, top_k, norm_topk;
     const uint16_t *w_router, *w_experts_gate_up, *w_experts_down;
     int experts_read; /* written by the call: the distinct experts the step's rows chose */
+    /* and a shared expert every row goes through (shared_I > 0: its width; Qwen2-MoE), its
+     * output weighed by sigmoid(its gate [1][H]): gate/up [2 shared_I][H], down
+     * [H][shared_I], bf16, streamed */
+    int shared_I;
+    const uint16_t *w_shared_gate_up, *w_shared_down, *w_shared_gate;
 } DecodeLayer;
 
 #endif

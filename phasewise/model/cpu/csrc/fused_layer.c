@@ -29,6 +29,7 @@ long pw_abi(const char *what) {
         FIELD(cos), FIELD(sin), FIELD(s_qkv), FIELD(s_o), FIELD(s_gate_up), FIELD(s_down),
         FIELD(proj_mode), FIELD(window), FIELD(n_experts), FIELD(top_k), FIELD(norm_topk),
         FIELD(w_router), FIELD(w_experts_gate_up), FIELD(w_experts_down), FIELD(experts_read),
+        FIELD(shared_I), FIELD(w_shared_gate_up), FIELD(w_shared_down), FIELD(w_shared_gate),
 #undef FIELD
         {"PW_PROJ_STREAMS", PW_PROJ_STREAMS}, {"PW_PROJ_AMX", PW_PROJ_AMX},
         {"PW_PROJ_AVX512BF16", PW_PROJ_AVX512BF16}, {"PW_PROJ_PANELS", PW_PROJ_PANELS},
@@ -278,9 +279,11 @@ static long moe_ints(int M, const DecodeLayer *L) {
 }
 
 /* The floats moe_mlp needs beyond the router's results: each (expert, row) pair's input
- * row, gate/up results, activations and down results. */
+ * row, gate/up results, activations and down results; each row's shared expert's, and its
+ * gate's logit. */
 static long moe_floats(int M, const DecodeLayer *L) {
-    return (long)M * L->top_k * (2L * L->H + 3L * L->I);
+    return (long)M * L->top_k * (2L * L->H + 3L * L->I)
+           + (L->shared_I ? (long)M * (3L * L->shared_I + L->H + 1) : 0);
 }
 
 /* A mixture of experts' MLP (L->n_experts > 0), called by every thread of the fused layer's
@@ -293,10 +296,13 @@ static long moe_floats(int M, const DecodeLayer *L) {
  * *n_used: shared by the region's threads. */
 static void moe_mlp(const DecodeLayer *L, const float *xn, int M, float *res, float *f,
                     float *wts, int *ints, int *n_used, uint16_t *out) {
-    int H = L->H, I = L->I, E = L->n_experts, P = M * L->top_k;
+    int H = L->H, I = L->I, E = L->n_experts, P = M * L->top_k, S = L->shared_I;
     int *chosen = ints, *used = chosen + P, *base = used + E, *pair_row = base + E + 1;
     int *pair_slot = pair_row + P;
     float *xg = f, *gu = xg + (long)P * H, *act = gu + (long)P * 2 * I, *dn = act + (long)P * I;
+    /* the shared expert's (S > 0): gate/up, activations, down, the gate's logit */
+    float *sgu = dn + (long)P * H, *sact = sgu + (long)M * 2 * S, *sdn = sact + (long)M * S;
+    float *sgl = sdn + (long)M * H;
     pw_proj_share(xn, M, L->w_router, NULL, H, E, res);
 #pragma omp barrier
 #pragma omp single
@@ -313,17 +319,23 @@ static void moe_mlp(const DecodeLayer *L, const float *xn, int M, float *res, fl
         pw_proj_share(xg + (long)base[u] * H, base[u + 1] - base[u],
                       L->w_experts_gate_up + (long)used[u] * 2 * I * H, NULL, H, 2 * I,
                       gu + (long)base[u] * 2 * I);
+    if (S) {
+        pw_proj_share(xn, M, L->w_shared_gate_up, NULL, H, 2 * S, sgu);
+        pw_proj_share(xn, M, L->w_shared_gate, NULL, H, 1, sgl);
+    }
 #pragma omp barrier
 #pragma omp for schedule(static)
-    for (int q = 0; q < P; q++) {
-        const float *g = gu + (long)q * 2 * I, *up = g + I;
-        for (int i = 0; i < I; i++)
-            act[(long)q * I + i] = silu_mul_rounded(round_bf16(g[i]), round_bf16(up[i]));
+    for (int q = 0; q < P + (S ? M : 0); q++) {  /* the pairs', then the shared expert's rows */
+        int sh = q >= P, w = sh ? S : I;
+        const float *g = sh ? sgu + (long)(q - P) * 2 * S : gu + (long)q * 2 * I, *up = g + w;
+        float *a = sh ? sact + (long)(q - P) * S : act + (long)q * I;
+        for (int i = 0; i < w; i++) a[i] = silu_mul_rounded(round_bf16(g[i]), round_bf16(up[i]));
     }
     for (int u = 0; u < n; u++)
         pw_proj_share(act + (long)base[u] * I, base[u + 1] - base[u],
                       L->w_experts_down + (long)used[u] * H * I, NULL, I, H,
                       dn + (long)base[u] * H);
+    if (S) pw_proj_share(sact, M, L->w_shared_down, NULL, S, H, sdn);
 #pragma omp barrier
 #pragma omp for schedule(static)
     for (int m = 0; m < M; m++) {  /* each row's sum in the experts' order */
@@ -334,6 +346,12 @@ static void moe_mlp(const DecodeLayer *L, const float *xn, int M, float *res, fl
             const float *y = dn + (long)q * H;
             for (int h = 0; h < H; h++)
                 o[h] = f32_to_bf16(bf16_to_f32(o[h]) + round_bf16(round_bf16(y[h]) * w));
+        }
+        if (S) {  /* + the shared expert's output x sigmoid(its gate), in bf16 */
+            float gate = round_bf16(1.0f / (1.0f + expf(-round_bf16(sgl[m]))));
+            const float *y = sdn + (long)m * H;
+            for (int h = 0; h < H; h++)
+                o[h] = f32_to_bf16(bf16_to_f32(o[h]) + round_bf16(round_bf16(y[h]) * gate));
         }
     }
 }
@@ -420,7 +438,9 @@ int pw_decode_layer_bf16(const DecodeLayer *L) {
     /* experts stream: a few rows, a router the routing's scratch holds */
     if (moe && (M > ROW_STREAM_MAX || L->n_experts > PW_MAX_EXPERTS || L->top_k < 1
                 || L->top_k > L->n_experts || !L->w_router || !L->w_experts_gate_up
-                || !L->w_experts_down))
+                || !L->w_experts_down
+                || (L->shared_I && (!L->w_shared_gate_up || !L->w_shared_down
+                                    || !L->w_shared_gate))))
         return -2;
     /* panels are no rows: nothing else may read them */
     if (L->proj_mode == PW_PROJ_PANELS && !all_amx)
