@@ -537,3 +537,26 @@ def test_pd_timings_carry_each_remote_prefills_kv_bytes():
     kv = [t["kv_bytes"] for t in r["server_timings"]]
     assert kv == [30 * LinearCost.kv_bytes_per_token] * 3  # each prompt's K/V, once
     assert r["ttft_split"]["remote"] == 3  # the bench's own split sees them as remote
+
+
+def test_a_latent_attention_pool_holds_its_latents_and_a_window_its_windows():
+    """The simulated engine's pool is sized from the shape's own K/V bytes (a latent per
+    token for multi-head latent attention, not per-head keys and values) and, where every
+    layer is windowed, gives back the blocks behind the window (its spec carries it)."""
+    import argparse
+    from dataclasses import replace
+
+    from phasewise.perf.commands import engine_spec
+
+    a = argparse.Namespace(block_size=16, max_model_len=None, kv_cache_memory="1GiB",
+                           max_num_seqs=128, max_num_batched_tokens=None, policy="chunked",
+                           no_prefix_caching=False)
+    v3 = lookup_model("DeepSeek-V3")
+    small = replace(v3, num_layers=4, num_experts=8, dense_layers=1, name="mla")
+    eng = engine_spec(CostModel(small, lookup_accelerator("h200")), a, None)
+    assert eng.num_kv_blocks == 2**30 // (4 * (512 + 64) * 2 * 16)
+    mistral = engine_spec(CostModel(lookup_model("Mistral-7B-v0.1"),
+                                    lookup_accelerator("h100-sxm")), a, "Mistral-7B-v0.1")
+    assert mistral.kv_window == 4096
+    assert engine_spec(CostModel(lookup_model("gemma-2-9b"), lookup_accelerator("h100-sxm")),
+                       a, "gemma-2-9b").kv_window is None  # half its layers read everything

@@ -117,7 +117,6 @@ def engine_spec(cm: CostModel, a: argparse.Namespace, model: str | None = None) 
         CUDA_FREE_FRACTION,
         DEFAULT_CPU_KV_MEMORY,
         KVPlan,
-        block_bytes,
     )
 
     if a.block_size < 1:
@@ -129,7 +128,8 @@ def engine_spec(cm: CostModel, a: argparse.Namespace, model: str | None = None) 
                           max_num_seqs=a.max_num_seqs,
                           max_num_batched_tokens=a.max_num_batched_tokens, policy=a.policy,
                           enable_prefix_caching=not a.no_prefix_caching)
-    bb = block_bytes(cm.shape, a.block_size, kv_element_bytes(cm))
+    # (the shape's own K/V bytes: a latent-attention model stores no per-head K/V)
+    bb = int(cm.shape.kv_bytes_per_token(kv_element_bytes(cm))) * a.block_size
     plan = KVPlan.plan(config, limits, bb, "cpu" if cpu else "cuda")
     if config.kv_cache_memory is not None:
         what = f"--kv-cache-memory {config.kv_cache_memory}"
@@ -387,15 +387,14 @@ def _ratios(items: list[str]) -> list[tuple[int, int]]:
 
 def write_manifests(a: argparse.Namespace, model: str, best: Any, dep: Deployment,
                     cm: CostModel) -> list[Path]:
-    from phasewise.engine.kv_sizing import block_bytes
     from phasewise.perf.k8s import DeploySpec, RoleResources, write
 
     eng = best.engine  # the winner's policy and budget, not the flags' defaults
     gpu = 0 if cm.accel.key.startswith("cpu") else 1
     # Host memory: on a CPU the weights and the K/V pool live there; on a GPU only a copy of
     # the weights passes through while loading.
-    kv = eng.num_kv_blocks * block_bytes(cm.shape, eng.block_size, kv_element_bytes(cm)) \
-        if not gpu else 0.0
+    per_block = int(cm.shape.kv_bytes_per_token(kv_element_bytes(cm))) * eng.block_size
+    kv = eng.num_kv_blocks * per_block if not gpu else 0.0
     mem_gib = math.ceil((cm.body_bytes + cm.head_bytes + kv) / 2**30 * 1.3) + 2
     engine_role = RoleResources(cpu=str(a.cpus), memory=f"{mem_gib}Gi", gpus=gpu)
     args = [("--policy", eng.policy),
