@@ -284,7 +284,7 @@ def cmd_roofline(a: argparse.Namespace) -> int:
     if (a.model is None) == (a.params is None):
         raise ValueError("give exactly one of --model NAME|PATH or --params N (e.g. 7e9)")
     model = GenericModel(a.params) if a.params is not None else lookup_model(a.model)
-    if a.experts_read:
+    if a.experts_read is not None:
         model = with_routing(model, a.experts_read)
     result = analyse(model, lookup_accelerator(a.gpu), a.dtype, prompt_len=a.prompt_len,
                      prefix_len=a.prefix_len, output_len=a.output_len, batch=a.batch,

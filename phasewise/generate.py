@@ -152,20 +152,24 @@ def window_line(eng: Any, run_steps: list[Any]) -> str | None:
     mc = eng.model_config
     windows = [mc.window_of(i) for i in range(mc.num_layers)]
     w = next(x for x in windows if x)
-    layers = f"{sum(1 for x in windows if x)} of {len(windows)} layers"
+    windowed = sum(1 for x in windows if x)
     last = decode[-1]
     per_pos = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * eng.dtype.itemsize
     ctx, read = last.kv_context / last.num_decode_tokens, last.kv_read / last.num_decode_tokens
-    head = f"[window]   {w}-token sliding window on {layers}: "
+    head = f"[window]   {w}-token sliding window on {windowed} of {len(windows)} layers: "
     if ctx <= w:
         return (head + f"the last decode's {ctx:.0f} positions all lie inside it, so its K/V "
                 f"reads ({_size(ctx * per_pos)} a step) grow with the context until "
                 f"position {w}")
-    kept = ("the blocks behind the window went back to the pool" if eng.kv.window
-            else "the pool keeps every block: the other layers read the whole context")
-    return (head + f"the last decode read the K/V of {read:.0f} of its {ctx:.0f} positions "
-            f"({_size(read * per_pos)} of {_size(ctx * per_pos)} a step): its K/V reads "
-            f"stopped growing at position {w} where the window binds; {kept}")
+    bytes_read = f"{_size(read * per_pos)} of {_size(ctx * per_pos)} a step"
+    if windowed == len(windows):
+        return (head + f"the last decode read the K/V of {w} of its {ctx:.0f} positions "
+                f"({bytes_read}): its K/V reads stopped growing at position {w} where the "
+                "window binds; the blocks behind the window went back to the pool")
+    return (head + f"the last decode read the K/V of {w} of its {ctx:.0f} positions in the "
+            f"windowed layers and all {ctx:.0f} in the others ({bytes_read}): the windowed "
+            f"layers' reads stopped growing at position {w}, the others' grow with the "
+            "context; the pool keeps every block, which those layers read")
 
 
 def _size(n: float) -> str:

@@ -204,6 +204,10 @@ def test_deepseek_v3_latent_attention_dense_layers_and_shared_expert():
                                        source="deepseek-ai/DeepSeek-V3 config.json")
     assert parsed == m
     # Qwen-MoE's mlp_only_layers are dense layers too, of its intermediate_size
+    # 1.34 TB of weights on a 141 GB card: said, and the sweep goes on past the capacity
+    a = analyse(m, lookup_accelerator("h200"))
+    assert any("takes at least 11 such cards" in n for n in a["notes"])
+    assert a["batch_sweep"][-1]["batch"] == 1024
     qwen = ModelShape.from_hf_config({**cfg, "n_routed_experts": 0, "num_experts": 8,
                                       "first_k_dense_replace": 0, "mlp_only_layers": [0, 5],
                                       "kv_lora_rank": 0, "head_dim": 64})

@@ -195,6 +195,9 @@ def test_a_request_holds_only_its_windows_blocks_and_outgrows_the_pool(windowed)
     # a window of 12 and a chunk of 8 span at most 5 blocks of 4, of a table of 23
     assert max(held) <= 5 and max(spans) == -(-(61 + N_NEW - 1) // 4)
     assert engine.kv.usage == 0
+    with pytest.raises(ValueError, match="its 12-token sliding window needs 4 blocks at once"):
+        LLMEngine(EngineConfig(model=str(path), block_size=4, num_kv_blocks=3,
+                               max_model_len=200))
     qwen2 = windowed["qwen2"][0]
     with pytest.raises(ValueError, match="too few for max_model_len 200"):
         LLMEngine(EngineConfig(model=str(qwen2), block_size=4, num_kv_blocks=10,
@@ -257,6 +260,9 @@ def test_pd_ships_only_the_blocks_decoding_reads(windowed):
     behind = (41 - WINDOW + 1) // 4 * 4  # 28: blocks 0-6 are behind the window of token 41
     assert min(c[1] for c in chunks) == behind and max(c[2] for c in chunks) == 41
     assert d.kv.usage == 0 and p.kv.usage == 0
+    # the decode engine holds the window's blocks it received, which a window's hit needs
+    assert d.add_remote_request(prompt, FIRST_20, request_id="again") == 40
+    d.abort_request("again")
 
     pf, dc = engine(path, **kw), engine(path, **kw)
     chunks, _ = prefill_remote(pf, dc, prompt, FIRST_20, "r", deliver=lambda i, cs: i == 0)
@@ -349,8 +355,9 @@ def test_each_step_and_generate_say_where_kv_reads_stopped_growing(windowed, lla
         assert all(s.kv_read == s.kv_context for s in inside)
         line = window_line(llm.engine, steps)
         assert line.startswith(f"[window]   {WINDOW}-token sliding window")
-        assert f"of its {40 + N_NEW - 1} positions" in line
+        assert f"the K/V of {WINDOW} of its {40 + N_NEW - 1} positions" in line
         assert ("went back to the pool" in line) == (name == "mistral")
+        assert ("the others' grow with the context" in line) == (name == "qwen2")
         feed = DashboardFeed(model_name="m")
         snap = EngineSnapshot(0, 0, 0.0, 0, 0, 0, 0, 0)
         for s in steps:
@@ -382,3 +389,34 @@ def test_make_tiny_writes_a_windowed_checkpoint_hf_reads_alike(tmp_path):
     out = LLM(str(tmp_path), dtype="float32").generate(prompt, GREEDY)[0]
     assert out.token_ids == hf_greedy(hf, prompt, N_NEW)
     assert main(["make-tiny", str(tmp_path / "x"), "--sliding-window", "8"]) == 2  # Llama
+
+
+def test_a_prefix_hit_needs_only_the_blocks_its_window_reads():
+    """Under a window, a cached prefix whose first blocks were evicted (or never held: a
+    decode worker receives only the window's) is still a hit where the blocks its next
+    query reads are cached; without a window the chain from block 0 is needed."""
+    from phasewise.cache.manager import KVCacheManager
+    from phasewise.engine.request import Request
+
+    def request(rid):
+        return Request(request_id=rid, prompt_token_ids=list(range(10, 50)),  # 10 blocks of 4
+                       params=GREEDY, eos_token_ids=(), arrival_time=0.0)
+
+    for window, want in ((8, 36), (None, 0)):
+        kv = KVCacheManager(10, 4, window=window)
+        a = request("a")
+        assert kv.allocate_slots(a, 40)
+        a.num_computed_tokens = 40
+        kv.cache_blocks(a)
+        head = [kv.pool.blocks[i] for i in kv.block_table("a")]
+        kv.free(a)
+        kv.pool.touch(head[2:])  # the rest used again, so the prompt's blocks 0 and 1 are
+        kv.pool.free(head[2:])   # the freed longest ago: the next allocation evicts them
+        kv.pool.allocate(2)
+        assert head[0].block_hash is None and head[2].block_hash is not None
+        hit = kv.get_computed_blocks(request("b"))
+        assert hit.num_tokens == want
+        if window:  # the blocks a query at 36 reads (from 29 on: blocks 7 and 8), held
+            lo = kv.dead_blocks(want)
+            assert lo == 7 and hit.blocks[:lo] == [None] * lo
+            assert hit.blocks[lo:] == head[lo:9]

@@ -53,9 +53,9 @@ def window_blocks(num_tokens: int, block_size: int, window: int | None) -> int:
 @dataclass
 class CachedPrefix:
     """Result of a prefix lookup; pass it back to ``allocate_slots``. Opaque to callers
-    except for ``num_tokens``."""
+    except for ``num_tokens``. Under a window, blocks behind it may be holes (None)."""
 
-    blocks: list[Block] = field(default_factory=list)
+    blocks: list[Block | None] = field(default_factory=list)
     num_tokens: int = 0
 
 
@@ -136,22 +136,37 @@ class KVCacheManager:
         return hashes[:num_blocks]
 
     def get_computed_blocks(self, request: CacheRequest) -> CachedPrefix:
-        """Longest cached prefix of a request that has computed nothing yet."""
+        """Longest cached prefix of a request that has computed nothing yet. Under a window,
+        a prefix of m blocks is a hit where the blocks its next query reads are cached (a
+        block's hash chains every token before it, so it names the same K/V whatever became
+        of the blocks behind it); those behind are holes (None) in the result."""
         if not self.enable_prefix_caching or request.num_computed_tokens:
             return CachedPrefix()
         tokens = request.all_token_ids
         bs = self.block_size
         max_blocks = (len(tokens) - 1) // bs
         hashes = self._hash_chain(request, max_blocks)
-        found: list[Block] = []
+        found: list[Block | None] = []
         parent = None
         for i, h in enumerate(hashes):
             block = self.pool.lookup(h, parent, tuple(tokens[i * bs:(i + 1) * bs]))
-            if block is None:
+            if block is None and self.window is None:
                 break
             found.append(block)
             parent = h
-        return CachedPrefix(found, len(found) * bs)
+        if self.window is None:
+            return CachedPrefix(found, len(found) * bs)
+        # the longest m whose blocks from dead_blocks(m * bs) to m are all cached
+        run = 0  # cached blocks in a row, ending at block m - 1
+        runs = []
+        for block in found:
+            run = run + 1 if block is not None else 0
+            runs.append(run)
+        for m in range(len(found), 0, -1):
+            lo = self.dead_blocks(m * bs)
+            if runs[m - 1] >= m - lo:
+                return CachedPrefix([None] * lo + found[lo:m], m * bs)
+        return CachedPrefix()
 
     def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
         """Count one admitted lookup (waiting requests may look up many times)."""
@@ -163,7 +178,7 @@ class KVCacheManager:
         """(first live block, blocks the table will span, the prefix blocks it takes)."""
         done = request.num_computed_tokens + (prefix.num_tokens if prefix else 0)
         live = self.dead_blocks(done if first_query is None else first_query)
-        pre = prefix.blocks[live:] if prefix else []
+        pre = [b for b in prefix.blocks[live:] if b is not None] if prefix else []
         return live, self.blocks_needed(done + num_new_tokens), pre
 
     def can_allocate(self, request: CacheRequest, num_new_tokens: int,

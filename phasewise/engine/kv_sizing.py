@@ -110,6 +110,13 @@ def fit_context(num_blocks: int, max_len: int, config: EngineConfig, mc: Context
     if window_blocks(max_len + 1, bs, mc.kv_window) <= num_blocks:
         return max_len
     if capacity - 1 < max_len:
+        w = mc.kv_window
+        if config.max_model_len and w is not None and w < max_len:
+            need = window_blocks(max_len + 1, bs, w)
+            raise ValueError(
+                f"the KV cache holds {num_blocks} blocks of {bs} tokens, too few for one "
+                f"sequence of this model: its {w}-token sliding window needs {need} blocks at "
+                f"once; raise kv_cache_memory to {need} blocks or more")
         if config.max_model_len:
             raise ValueError(
                 f"the KV cache holds {capacity} tokens ({num_blocks} blocks of {bs}), too few "

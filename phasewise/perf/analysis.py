@@ -58,8 +58,17 @@ def analyse(model: ModelShape | GenericModel, accel: Accelerator, dtype: str = "
     ctx_total = prompt_len + output_len
     sweep = []
     cap = r.max_concurrent_requests(ctx_total, reserve_frac) if shaped else None
+    fits = accel.mem_bytes <= 0 or r.weight_bytes <= accel.mem_bytes * (1 - reserve_frac)
+    if not fits:
+        cards = math.ceil(r.weight_bytes / (accel.mem_bytes * (1 - reserve_frac)))
+        notes.append(f"the weights ({r.weight_bytes / 1e9:.4g} GB at {r.dtype}) exceed one "
+                     f"{accel.name} ({accel.mem_bytes / 1e9:.4g} GB, {reserve_frac:.0%} "
+                     f"reserved): serving them takes at least {cards} such cards (tensor or "
+                     "expert parallelism, which this one-card analysis does not model); the "
+                     "step figures are one card's with its memory unbounded, and the batch "
+                     "sweep is not cut at the K/V capacity")
     b = 1
-    while b <= 1024 and (cap is None or b <= max(cap, 1)):
+    while b <= 1024 and (cap is None or not fits or b <= max(cap, 1)):
         step = r.decode(b, context)
         sweep.append({"batch": b, "step_s": step.time, "tokens_per_s": b / step.time,
                       "intensity": step.intensity, "bound": step.bound,

@@ -337,9 +337,12 @@ def with_routing(model: Any, spec: str) -> ModelShape:
             pair = (float(t), float(x))
         except ValueError:
             pair = None
-        if not sep or pair is None or not (pair[0] >= 1 and 0 < pair[1] <= model.num_experts):
+        k, e = model.experts_per_token, model.num_experts
+        if not sep or pair is None or not (
+                pair[0] >= 1 and k <= pair[1] <= min(e, k * pair[0])):
             raise ValueError(f"--experts-read: {part!r} is not T:X with T >= 1 tokens and X "
-                             f"in (0, {model.num_experts}] experts")
+                             f"experts a layer in [{k}, min({e}, {k} T)] (each token reads "
+                             f"{k} of the {e})")
         obs.append(pair)
     fitted = fit_routed_experts(obs, model.num_experts, model.experts_per_token)
     if fitted is None:

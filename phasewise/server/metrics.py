@@ -28,6 +28,8 @@ _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 
                     2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
 _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000,
                   100000)
+# experts a layer (top-k counts to the largest expert counts served)
+_EXPERT_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 # Per-step roofline figures: decades with a 3x point between, wide enough for a laptop CPU
 # (~1e9 B/s, 1e10 FLOP/s) up to a large GPU (~5e12 B/s, 1e15 FLOP/s).
 _BANDWIDTH_BUCKETS = tuple(m * 10.0 ** e for e in range(6, 14) for m in (1, 3))
@@ -106,7 +108,7 @@ class PrometheusMetrics:
         self.step_experts = hist("step_experts_read", "Mixture-of-experts models: the "
                                  "distinct experts a step's tokens routed to, averaged over "
                                  "its sparse layers (the expert weights the step read).",
-                                 _TOKEN_BUCKETS)
+                                 _EXPERT_BUCKETS)
         self.step_bandwidth = hist(
             "step_achieved_bandwidth_bytes_per_second",
             "Per engine step: roofline-predicted bytes moved / measured step duration.",
