@@ -205,9 +205,8 @@ def test_a_request_holds_only_its_windows_blocks_and_outgrows_the_pool(windowed)
 
 
 def test_a_prefix_hit_longer_than_the_window_is_exact(windowed):
-    """A prompt whose first 44 tokens are cached: the hit counts all of them (the chain needs
-    every block), the request takes only the blocks its window reads, and its output is
-    HF's and a cold engine's."""
+    """A prompt whose first 44 tokens are cached: the hit counts all of them, the request
+    takes only the blocks its window reads, and its output is HF's."""
     path, hf = windowed["mistral"]
     shared = random_prompts(hf.config.vocab_size, [44], seed=5)[0]
     a, b = random_prompts(hf.config.vocab_size, [3, 9], seed=6, shared_prefix=shared)

@@ -19,8 +19,9 @@ cache, as any freed block) and its table entry becomes a hole (``None``; block 0
 position a request computes already leaves them behind (a long prefix-cache hit takes only
 the blocks inside its window; a remote prefill's reservation, ``first_query``, only those its
 decoding reads). A request's blocks thus stop growing at about ``window / block_size + 1``
-plus its chunk. A prefix hit longer than the window is valid: the lookup still needs every
-block of the prefix in the cache (the chain), and the request keeps the ones it reads.
+plus its chunk. A prefix hit longer than the window is valid, and needs only the blocks its
+next query reads in the cache (a block's chain hash names every token before it), so blocks
+evicted, or never held, behind the window do not cut it short (``get_computed_blocks``).
 """
 
 from __future__ import annotations
