@@ -175,33 +175,31 @@ class KVCacheManager:
         self.stats.prefix_hits += num_hit_tokens
 
     def _plan(self, request: CacheRequest, num_new_tokens: int, prefix: CachedPrefix | None,
-              first_query: int | None) -> tuple[int, int, list[Block]]:
-        """(first live block, blocks the table will span, the prefix blocks it takes)."""
+              first_query: int | None) -> tuple[int, int, list[Block], int, int]:
+        """(first live block, blocks the table will span, the prefix blocks it takes, table
+        entries it has with the prefix's, blocks free for it)."""
         done = request.num_computed_tokens + (prefix.num_tokens if prefix else 0)
         live = self.dead_blocks(done if first_query is None else first_query)
         pre = [b for b in prefix.blocks[live:] if b is not None] if prefix else []
-        return live, self.blocks_needed(done + num_new_tokens), pre
+        held = len(self._blocks.get(request.request_id, [])) + (
+            len(prefix.blocks) if prefix else 0)
+        # Prefix blocks sitting in the free queue stop being free once touched.
+        available = self.pool.num_free - sum(1 for b in pre if b.ref_count == 0)
+        return live, self.blocks_needed(done + num_new_tokens), pre, held, available
 
     def can_allocate(self, request: CacheRequest, num_new_tokens: int,
                      prefix: CachedPrefix | None = None, first_query: int | None = None) -> int:
         """Blocks still missing (0 when it fits) to compute ``num_new_tokens`` more tokens
         (``first_query``: see ``allocate_slots``)."""
-        have = self._blocks.get(request.request_id, [])
-        live, span, pre = self._plan(request, num_new_tokens, prefix, first_query)
-        held = len(have) + (len(prefix.blocks) if prefix else 0)
-        need = span - max(held, live)
-        # Prefix blocks sitting in the free queue stop being free once touched.
-        available = self.pool.num_free - sum(1 for b in pre if b.ref_count == 0)
-        return max(0, need - available)
+        live, span, _, held, available = self._plan(request, num_new_tokens, prefix,
+                                                     first_query)
+        return max(0, span - max(held, live) - available)
 
     def fit_tokens(self, request: CacheRequest, prefix: CachedPrefix | None = None) -> int:
         """The most tokens the request could compute next (after ``prefix``) with the blocks
         free now: ``allocate_slots`` takes any count up to it."""
-        have = self._blocks.get(request.request_id, [])
-        live, _, pre = self._plan(request, 0, prefix, None)
-        held = len(have) + (len(prefix.blocks) if prefix else 0)
+        live, _, _, held, available = self._plan(request, 0, prefix, None)
         done = request.num_computed_tokens + (prefix.num_tokens if prefix else 0)
-        available = self.pool.num_free - sum(1 for b in pre if b.ref_count == 0)
         return max(0, (max(held, live) + available) * self.block_size - done)
 
     def max_new_tokens(self, request: CacheRequest) -> int:
@@ -221,7 +219,7 @@ class KVCacheManager:
             return False
         rid = request.request_id
         blocks = self._blocks.setdefault(rid, [])
-        live, span, pre = self._plan(request, num_new_tokens, prefix, first_query)
+        live, span, pre, _, _ = self._plan(request, num_new_tokens, prefix, first_query)
         if prefix and prefix.blocks:
             if blocks:
                 raise RuntimeError(f"request {rid} already holds blocks; a prefix must come first")

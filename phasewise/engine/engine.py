@@ -12,7 +12,7 @@ passed to it (it reads none of its own).
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -144,9 +144,11 @@ class LLMEngine:
         # a mixture of experts' sparse MLPs, whose routing each step's stats report
         self._sparse_layers = [layer.moe for layer in getattr(self.model, "layers", ())
                                if getattr(layer, "moe", None) is not None]
-        # each layer's sliding window where one binds within the context (None: whole)
-        self._windows = [w if w is not None and w < max_len else None
-                         for w in (mc.window_of(i) for i in range(mc.num_layers))]
+        # the layers' sliding windows that bind within the context, each with how many
+        # layers have it (the others read the whole context), for the steps' K/V reads
+        self._windows = Counter(w for w in (mc.window_of(i) for i in range(mc.num_layers))
+                                if w is not None and w < max_len)
+        self._num_layers = mc.num_layers
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -398,11 +400,13 @@ class LLMEngine:
         """Under sliding windows: the positions the step's decode rows held (``decodes``:
         each row's keys) and those whose K/V they read, averaged over the layers; None where
         every layer reads the whole context."""
-        if not any(self._windows):
+        if not self._windows:
             return None
-        n = len(self._windows)
-        read = sum(min(k, w) if w else k for k in decodes for w in self._windows) / n
-        return sum(decodes), read
+        held = sum(decodes)
+        windowed = sum(self._windows.values())
+        read = (self._num_layers - windowed) * held + sum(
+            count * sum(min(k, w) for k in decodes) for w, count in self._windows.items())
+        return held, read / self._num_layers
 
     def _forward_s(self, ran: RunnerOutput, read: float) -> float | None:
         """The wall time of the step's forward pass, without adding a synchronisation.
