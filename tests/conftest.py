@@ -141,6 +141,24 @@ def hf_greedy(model, prompt_ids: list[int], n: int) -> list[int]:
 
 
 
+async def streamed_greedy_tokens(client, prompt: list[int], n: int) -> list[str]:
+    """Stream a greedy completion of ``n`` tokens of ``prompt`` through an OpenAI server
+    (``client``: an httpx client on it) and return each streamed token as the server names
+    it (its logprobs' ``tokens``)."""
+    import json
+
+    ids: list[str] = []
+    async with client.stream("POST", "/v1/completions", json={
+            "prompt": prompt, "max_tokens": n, "temperature": 0, "stream": True,
+            "ignore_eos": True, "logprobs": 0}) as r:
+        assert r.status_code == 200
+        async for line in r.aiter_lines():
+            if line.startswith("data: {"):
+                for ch in json.loads(line[6:])["choices"]:
+                    ids += ch["logprobs"]["tokens"]
+    return ids
+
+
 async def collect(group) -> dict:
     """Every output of an engine request group, by index, then close it."""
     outs = {}

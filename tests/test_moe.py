@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import build_hf_checkpoint, hf_greedy
+from conftest import build_hf_checkpoint, hf_greedy, streamed_greedy_tokens
 from phasewise.config import EngineConfig
 from phasewise.engine.engine import LLMEngine
 from phasewise.model.config import ModelConfig
@@ -114,7 +114,6 @@ def test_served_a_tiny_moe_streams_and_reports_its_experts(moe_checkpoints):
     """Through the OpenAI server: a streamed completion equals HF's greedy continuation, and
     /metrics holds the experts each step read."""
     import asyncio
-    import json
 
     import httpx
 
@@ -133,15 +132,7 @@ def test_served_a_tiny_moe_streams_and_reports_its_experts(moe_checkpoints):
         transport = httpx.ASGITransport(app=server.app)
         async with httpx.AsyncClient(transport=transport, base_url="http://s",
                                      timeout=60) as c:
-            ids = []
-            async with c.stream("POST", "/v1/completions", json={
-                    "prompt": prompt, "max_tokens": 8, "temperature": 0, "stream": True,
-                    "ignore_eos": True, "logprobs": 0}) as r:
-                assert r.status_code == 200
-                async for line in r.aiter_lines():
-                    if line.startswith("data: {"):
-                        for ch in json.loads(line[6:])["choices"]:
-                            ids += ch["logprobs"]["tokens"]
+            ids = await streamed_greedy_tokens(c, prompt, 8)
             # each streamed token, as the server names it, is HF's greedy choice
             assert ids == [server.routes._token_text(t) for t in hf_greedy(hf, prompt, 8)]
             m = (await c.get("/metrics")).text

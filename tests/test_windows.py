@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import build_hf_checkpoint, hf_greedy
+from conftest import build_hf_checkpoint, hf_greedy, streamed_greedy_tokens
 from phasewise import LLM
 from phasewise.config import EngineConfig
 from phasewise.engine.engine import LLMEngine
@@ -274,7 +274,6 @@ def test_pd_ships_only_the_blocks_decoding_reads(windowed):
 
 def test_served_a_tiny_windowed_model_streams_hf_greedy(windowed):
     import asyncio
-    import json
 
     import httpx
 
@@ -291,15 +290,7 @@ def test_served_a_tiny_windowed_model_streams_hf_greedy(windowed):
         transport = httpx.ASGITransport(app=server.app)
         async with httpx.AsyncClient(transport=transport, base_url="http://s",
                                      timeout=60) as c:
-            ids = []
-            async with c.stream("POST", "/v1/completions", json={
-                    "prompt": prompt, "max_tokens": 20, "temperature": 0, "stream": True,
-                    "ignore_eos": True, "logprobs": 0}) as r:
-                assert r.status_code == 200
-                async for line in r.aiter_lines():
-                    if line.startswith("data: {"):
-                        for ch in json.loads(line[6:])["choices"]:
-                            ids += ch["logprobs"]["tokens"]
+            ids = await streamed_greedy_tokens(c, prompt, 20)
             assert ids == [server.routes._token_text(t) for t in hf_greedy(hf, prompt, 20)]
             chat = await c.post("/v1/chat/completions", json={
                 "messages": [{"role": "user", "content": "hi " * 30}], "max_tokens": 4})
