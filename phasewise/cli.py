@@ -74,7 +74,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    "captured CUDA graphs for decode steps")
     p.add_argument("--quantization", default=d["quantization"], choices=["int8"],
                    help="int8: the decoder's projections and the LM head in int8, one scale "
-                   "per output channel (CPU; halves the bytes a decode step reads)")
+                   "per output channel (CPU; halves the bytes a dense model's decode step "
+                   "reads; an MoE model's experts and router keep the checkpoint's dtype)")
     p.add_argument("--speculative", default=d["speculative"], choices=SPECULATIVE_CHOICES,
                    help="ngram: speculative decoding by prompt lookup; each decode step also "
                    "verifies tokens proposed from the request's own prompt and outputs")

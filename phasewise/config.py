@@ -108,8 +108,9 @@ class EngineConfig:
     of tokens (docs/python-api.md, the options table).
     ``quantization``: ``int8`` stores the decoder layers' projections and the LM head as
     int8 with one scale per output channel, quantized as the checkpoint is read
-    (``phasewise.model.cpu.quant``; CPU only), halving the bytes a decode step reads; None keeps
-    the checkpoint's weights.
+    (``phasewise.model.cpu.quant``; CPU only), halving the bytes a dense model's decode step
+    reads (an MoE model's experts and router keep the checkpoint's dtype); None keeps the
+    checkpoint's weights.
     ``speculative``: ``ngram`` turns on speculative decoding with prompt lookup
     (``phasewise.engine.spec``): each decode step also verifies up to
     ``num_speculative_tokens`` tokens (default 4, at most 16) proposed from the request's own

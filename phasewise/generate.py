@@ -127,15 +127,18 @@ def experts_line(eng: Any, prefill_steps: list[Any], run_steps: list[Any]) -> st
 
     shape = ModelShape.from_path(eng.config.model)
     e, k = shape.num_experts, shape.experts_per_token
-    wbytes = eng.dtype.itemsize
+    # int8 quantizes the attention and the LM head; the experts keep the model's dtype
+    moe_wbytes = eng.dtype.itemsize
+    wbytes = 1 if eng.config.quantization == "int8" else moe_wbytes
     parts = []
     if pre:
         parts.append(f"prefill read {sum(pre) / len(pre):.1f} of {e} experts a layer")
     if decode:
         x = sum(decode) / len(decode)
-        read = (shape.total_params - shape.idle_expert_params(x)) * wbytes
+        read = shape.weight_bytes(wbytes, moe_wbytes, x)
         parts.append(f"decode {x:.1f} (its {k} a token): a decode step reads "
-                     f"{read / 1e6:.3g} MB of the model's {shape.total_params * wbytes / 1e6:.3g}"
+                     f"{read / 1e6:.3g} MB of the model's "
+                     f"{shape.weight_bytes(wbytes, moe_wbytes) / 1e6:.3g}"
                      " MB of weights, and its bound follows those bytes")
     return "[experts]  " + ", ".join(parts)
 
@@ -303,10 +306,12 @@ def roofline_lines(llm: Any, prefill_chunks: list[int], prefill_s: float, decode
     arithmetic = engine_compute_dtype(eng)
     pre, dec = arithmetic(max(prefill_chunks)), arithmetic(1)
     accel = ensure_local(str(eng.device), tuple(dict.fromkeys((pre, dec))))
+    model_dtype = norm_dtype(str(eng.dtype).removeprefix("torch."))
     return explain_generation(ModelShape.from_path(eng.config.model), accel,
                               engine_weight_dtype(eng), pre, dec,
                               prefill_chunks, prefill_s, decode_steps, decode_s,
                               min(eng.scheduler.config.max_num_batched_tokens,
                                   eng.max_model_len), verifies,
-                              norm_dtype(str(eng.dtype).removeprefix("torch.")), contention,
-                              prefill_forward_s=forward[0], decode_forward_s=forward[1])
+                              model_dtype, contention,
+                              prefill_forward_s=forward[0], decode_forward_s=forward[1],
+                              moe_dtype=model_dtype)

@@ -355,3 +355,28 @@ def test_served_predictions_follow_the_routing_skew_measured():
                         ).routed_experts == pytest.approx(40.0, rel=1e-3)
     with pytest.raises(ValueError, match="not T:X"):
         with_routing(shape, "16:500")
+
+
+def test_int8_prices_an_moe_at_the_bytes_it_stores(moe_checkpoints):
+    """``--quantization int8`` quantizes the attention and the LM head but keeps the experts,
+    router and shared expert at the checkpoint's dtype: the per-step roofline counts the
+    decoder layers' matrices at the bytes the engine holds them in, not the whole model at
+    one byte a weight."""
+    from phasewise import LLM
+    from phasewise.perf.attribution import StepCostModel
+
+    path, _ = moe_checkpoints["Qwen2MoeForCausalLM"]
+    llm = LLM(str(path), quantization="int8", dtype="bfloat16")
+    held = sum(t.numel() * t.element_size() for n, t in llm.engine.model.named_parameters()
+               if n.startswith("layers.") and t.dim() == 2)  # no norms, biases or scales
+    cost = StepCostModel.for_engine(llm.engine)
+    roof, _ = cost.roofline(cost.compute_dtype(1))
+    assert roof.dtype == "int8" and roof.moe_dtype == "bf16"
+    s = cost.shape
+    outside = s.total_params - s.num_layers * s.attn_params_per_layer - s.mlp_params
+    assert s.sparse_mlp_params > 0 and outside > 0
+    assert roof.weight_bytes - outside == pytest.approx(held, rel=1e-9)
+    # a decode step reads its routed experts at two bytes a weight, leaving the rest unread
+    one = roof.decode(1, 0)
+    idle = s.idle_expert_params(s.experts_touched(1))
+    assert 0 < idle and one.weight_bytes == pytest.approx(roof.weight_bytes - 2 * idle)

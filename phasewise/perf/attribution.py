@@ -92,10 +92,11 @@ class StepCostModel:
 
     def __init__(self, shape: ModelShape, dtype: str, accel: Accelerator | None,
                  compute_dtype: Callable[[int], str] | None = None,
-                 kv_dtype: str | None = None) -> None:
+                 kv_dtype: str | None = None, moe_dtype: str | None = None) -> None:
         self.shape = shape
         self.dtype = norm_dtype(dtype)
         self.kv_dtype = kv_dtype
+        self.moe_dtype = moe_dtype  # an MoE's experts, where not ``dtype`` (Roofline)
         self.accel = accel
         self.compute_dtype = compute_dtype or (lambda rows: self.dtype)
         self._roofs: dict[str, tuple[Roofline, bool]] = {}  # compute dtype -> (roof, timed)
@@ -125,11 +126,12 @@ class StepCostModel:
     def for_engine(cls, engine: Any, machine_file: Path | None = None) -> StepCostModel:
         """The model of an ``LLMEngine``: its checkpoint's shape, weight dtype, device and
         per-step arithmetic, at the peaks stored for its device (``machine_file``: default
-        ``phasewise measure``'s file)."""
+        ``phasewise measure``'s file). An MoE's experts stay at the model's dtype under
+        ``--quantization int8`` (``phasewise.model.cpu.quant``), and are priced so."""
+        model_dtype = norm_dtype(str(engine.dtype).removeprefix("torch."))
         return cls(ModelShape.from_path(engine.config.model), engine_weight_dtype(engine),
                    stored_peaks(engine.device.type, machine_file),
-                   engine_compute_dtype(engine),
-                   kv_dtype=norm_dtype(str(engine.dtype).removeprefix("torch.")))
+                   engine_compute_dtype(engine), kv_dtype=model_dtype, moe_dtype=model_dtype)
 
     def roofline(self, compute_dtype: str) -> tuple[Roofline, bool]:
         """The roofline at ``compute_dtype``, and whether its times mean anything (the
@@ -140,13 +142,13 @@ class StepCostModel:
             if self.accel is not None:
                 try:
                     roof = Roofline(self.shape, self.accel, self.dtype, self.kv_dtype,
-                                    compute_dtype=compute_dtype)
+                                    compute_dtype=compute_dtype, moe_dtype=self.moe_dtype)
                     timed = roof.peak_flops > 0
                 except ValueError:  # no peak stored for that dtype
                     roof = None
             if roof is None or not timed:
                 roof = Roofline(self.shape, _UNIT_PEAKS, self.dtype, self.kv_dtype,
-                                compute_dtype=compute_dtype)
+                                compute_dtype=compute_dtype, moe_dtype=self.moe_dtype)
             hit = self._roofs[compute_dtype] = (roof, timed)
         return hit
 

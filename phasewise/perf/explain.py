@@ -198,6 +198,13 @@ def noise_factor(accel: Accelerator, compute: str) -> float | None:
     return worst
 
 
+def _stored(roof: Roofline) -> str:
+    """How ``roof``'s weights are stored: "int8", or "int8; experts bf16"."""
+    if roof.moe_dtype == roof.dtype or not getattr(roof.model, "is_moe", False):
+        return roof.dtype
+    return f"{roof.dtype}; experts {roof.moe_dtype}"
+
+
 def explain_generation(shape: ModelShape, accel: Accelerator, weight_dtype: str,
                        prefill_compute: str, decode_compute: str,
                        prefill_chunks: Sequence[int], prefill_s: float, decode_steps: int,
@@ -206,7 +213,8 @@ def explain_generation(shape: ModelShape, accel: Accelerator, weight_dtype: str,
                        kv_dtype: str | None = None,
                        contention: Contention | None = None,
                        prefill_forward_s: float | None = None,
-                       decode_forward_s: float | None = None) -> list[str]:
+                       decode_forward_s: float | None = None,
+                       moe_dtype: str | None = None) -> list[str]:
     """The lines ``phasewise generate`` prints after the stream (see the module doc).
 
     ``*_compute``: whose peak each phase's arithmetic runs at (it may differ from the
@@ -221,9 +229,13 @@ def explain_generation(shape: ModelShape, accel: Accelerator, weight_dtype: str,
     ``*_forward_s``: the part of ``prefill_s`` / ``decode_s`` the forward passes took
     (``StepStats.forward_s`` summed), which splits a phase far above its roofline into the
     kernels' time and the host's; None: not measured, and the excess is left unexplained.
+    ``moe_dtype``: how an MoE's experts are stored, where not ``weight_dtype`` (int8
+    weights keep the model's experts).
     """
-    pre_roof = Roofline(shape, accel, weight_dtype, kv_dtype, compute_dtype=prefill_compute)
-    dec_roof = Roofline(shape, accel, weight_dtype, kv_dtype, compute_dtype=decode_compute)
+    pre_roof = Roofline(shape, accel, weight_dtype, kv_dtype, compute_dtype=prefill_compute,
+                        moe_dtype=moe_dtype)
+    dec_roof = Roofline(shape, accel, weight_dtype, kv_dtype, compute_dtype=decode_compute,
+                        moe_dtype=moe_dtype)
     prompt_len = sum(prefill_chunks)
     peaks = ", ".join(f"{d} matmul {r.peak_flops / 1e9:.1f} GFLOP/s"
                       for d, r in {prefill_compute: pre_roof, decode_compute: dec_roof}.items())
@@ -231,7 +243,7 @@ def explain_generation(shape: ModelShape, accel: Accelerator, weight_dtype: str,
                                       for r in (pre_roof, dec_roof)))
     lines = [f"[roofline] this machine ({accel.key}): {peaks}, read "
              f"{pre_roof.bandwidth / 1e9:.1f} GB/s: ridge {ridges} FLOP/byte; weights "
-             f"{pre_roof.weight_bytes / 1e6:.1f} MB ({pre_roof.dtype})"]
+             f"{pre_roof.weight_bytes / 1e6:.1f} MB ({_stored(pre_roof)})"]
     pre = replace(prefill_cost(pre_roof, prefill_chunks, prefill_s),
                   forward_s=prefill_forward_s)
     lines.append(_phase_line(pre, _ms(prefill_s)) + f" {_ms(pre.t_bound)}")

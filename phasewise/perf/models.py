@@ -135,10 +135,29 @@ class ModelShape:
         """Every layer's MLP weights (every expert, and the router, of each sparse layer)."""
         if not self.is_moe:
             return self.num_layers * self._dense_mlp
+        return self.sparse_mlp_params + self.dense_layers * self._dense_mlp
+
+    @property
+    def sparse_mlp_params(self) -> int:
+        """The sparse layers' MLP weights: every expert, the router and a shared expert and
+        its gate, over all sparse layers; 0 for a dense model."""
+        if not self.is_moe:
+            return 0
         one = 3 * self.hidden_size * self.intermediate_size
-        sparse = self.num_experts * one + self.hidden_size * self.num_experts \
-            + self._shared_params
-        return self.sparse_layers * sparse + self.dense_layers * self._dense_mlp
+        return self.sparse_layers * (self.num_experts * one + self.hidden_size * self.num_experts
+                                     + self._shared_params)
+
+    def weight_bytes(self, wbytes: float, moe_wbytes: float | None = None,
+                     experts: float | None = None) -> float:
+        """Bytes of the weights at ``wbytes`` per parameter, the sparse layers' MLPs
+        (``sparse_mlp_params``) at ``moe_wbytes`` (default: the same; phasewise's weight-only
+        int8 keeps them at the checkpoint's dtype). ``experts``: only that many experts of
+        each sparse layer counted (those a step reads); None: all of them."""
+        m = wbytes if moe_wbytes is None else moe_wbytes
+        b = self.total_params * wbytes + self.sparse_mlp_params * (m - wbytes)
+        if experts is not None and self.is_moe:
+            b -= self.idle_expert_params(experts) * m
+        return b
 
     @property
     def _shared_params(self) -> int:

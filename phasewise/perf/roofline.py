@@ -117,11 +117,15 @@ class Roofline:
 
     def __init__(self, model: ModelShape | GenericModel, accel: Accelerator,
                  dtype: str = "bf16", kv_dtype: str | None = None, mfu: float = 1.0,
-                 mbu: float = 1.0, compute_dtype: str | None = None) -> None:
+                 mbu: float = 1.0, compute_dtype: str | None = None,
+                 moe_dtype: str | None = None) -> None:
         """``dtype``: how weights are stored (bytes); ``compute_dtype`` (default: the same):
         whose peak FLOP/s the arithmetic runs at, e.g. fp32 for bf16 weights on a CPU
         without native bf16 math. Weight-only integer dtypes (int8, int4) keep 16-bit
-        activations, and by default a bf16 K/V cache and bf16 arithmetic."""
+        activations, and by default a bf16 K/V cache and bf16 arithmetic. ``moe_dtype``
+        (default: ``dtype``): how an MoE model's sparse-layer MLPs (experts, router, shared
+        expert) are stored, where they differ from the rest: phasewise's ``--quantization
+        int8`` leaves them at the checkpoint's dtype."""
         self.model = model
         self.accel = accel
         self.dtype = norm_dtype(dtype)
@@ -137,6 +141,8 @@ class Roofline:
         self.peak_flops = peak * mfu
         self.bandwidth = accel.mem_bandwidth * mbu
         self.wbytes = DTYPE_BYTES[self.dtype]
+        self.moe_dtype = norm_dtype(moe_dtype or self.dtype)
+        self.moe_wbytes = DTYPE_BYTES[self.moe_dtype]
 
     # -- model quantities ------------------------------------------------------------------
     @property
@@ -146,16 +152,17 @@ class Roofline:
     @property
     def weight_bytes(self) -> float:
         m = self.model
-        n = m.params if isinstance(m, GenericModel) else m.total_params
-        return n * self.wbytes
+        if isinstance(m, GenericModel):
+            return m.params * self.wbytes
+        return m.weight_bytes(self.wbytes, self.moe_wbytes)
 
     def step_weight_bytes(self, tokens: float) -> float:
         """Weight bytes a step of ``tokens`` tokens reads (an MoE model: the experts they
-        route to, ``ModelShape.params_read``)."""
+        route to, ``ModelShape.experts_touched``)."""
         m = self.model
         if isinstance(m, GenericModel) or not m.is_moe:
             return self.weight_bytes
-        return m.params_read(tokens) * self.wbytes
+        return m.weight_bytes(self.wbytes, self.moe_wbytes, m.experts_touched(tokens))
 
     @property
     def kv_bytes_per_token(self) -> float | None:
