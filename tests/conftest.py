@@ -130,6 +130,21 @@ def padded(llm):
     return llm
 
 
+def cache_with_kernels(path: Path) -> Path:
+    """A fresh phasewise cache folder at ``path`` (for ``PHASEWISE_CACHE_DIR``) that holds no
+    stored figures or plans but shares the compiled CPU kernels of the cache the tests
+    otherwise use, so an engine started on it does not compile them again (tens of seconds
+    on two cores). The kernels' file names carry their sources' hash, so sharing them is
+    safe."""
+    from phasewise.model.cpu.kernels import cache_dir
+
+    kernels = cache_dir() / "kernels"
+    kernels.mkdir(parents=True, exist_ok=True)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "kernels").symlink_to(kernels.resolve(), target_is_directory=True)
+    return path
+
+
 def hf_greedy(model, prompt_ids: list[int], n: int) -> list[int]:
     """Reference greedy continuation of ``n`` tokens that ignores end-of-sequence."""
     ids = torch.tensor([prompt_ids])

@@ -19,7 +19,7 @@ import time
 import httpx
 import pytest
 
-from conftest import build_hf_checkpoint
+from conftest import build_hf_checkpoint, cache_with_kernels
 from phasewise import EngineConfig, LLM, SamplingParams
 from phasewise.engine.async_engine import AsyncEngine, EngineOverloaded, PromptSpec
 from phasewise.server.app import OpenAIServer, ServerConfig
@@ -436,11 +436,12 @@ def test_metrics_hold_each_step_against_its_roofline(model_dir, tmp_path):
     """With this machine's figures stored (here: made up, written by the test), every engine
     step is exported with its predicted time beside its measured one, and the achieved
     bandwidth and FLOP/s that the predicted bytes and FLOPs imply."""
-    (tmp_path / "machine.json").write_text(json.dumps({"cpu-local": {
+    cache = cache_with_kernels(tmp_path / "cache")
+    (cache / "machine.json").write_text(json.dumps({"cpu-local": {
         "name": "test machine", "peak_flops": {"fp32": 2.0e11, "bf16": 1.0e11},
         "mem_bytes": 8e9, "mem_bandwidth": 1.0e10}}))
     s = start_server(model_dir, tmp_path / "roof.log", "--log-interval", "0",
-                     env={"PHASEWISE_CACHE_DIR": str(tmp_path)})
+                     env={"PHASEWISE_CACHE_DIR": str(cache)})
     try:
         before = s.wait_idle()
         r = httpx.post(s.url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 5,
