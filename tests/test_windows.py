@@ -296,6 +296,9 @@ def test_served_a_tiny_windowed_model_streams_hf_greedy(windowed):
                 "messages": [{"role": "user", "content": "hi " * 30}], "max_tokens": 4})
             assert chat.status_code == 200
             assert chat.json()["usage"]["prompt_tokens"] > WINDOW
+            # a router learns the window, so it expects the hits this worker will find
+            info = (await c.get("/internal/v1/info")).json()
+            assert (info["kv_window"], info["kv_block_size"]) == (WINDOW, 4)
         await asyncio.to_thread(engine.shutdown)
 
     asyncio.run(run())
@@ -384,8 +387,10 @@ def test_make_tiny_writes_a_windowed_checkpoint_hf_reads_alike(tmp_path):
 def test_a_prefix_hit_needs_only_the_blocks_its_window_reads():
     """Under a window, a cached prefix whose first blocks were evicted (or never held: a
     decode worker receives only the window's) is still a hit where the blocks its next
-    query reads are cached; without a window the chain from block 0 is needed."""
+    query reads are cached; without a window the chain from block 0 is needed. A router's
+    index of the worker's blocks expects the same hit from the same hashes."""
     from phasewise.cache.manager import KVCacheManager
+    from phasewise.disagg.prefix_index import WorkerBlocks, block_hashes
     from phasewise.engine.request import Request
 
     def request(rid):
@@ -406,6 +411,10 @@ def test_a_prefix_hit_needs_only_the_blocks_its_window_reads():
         assert head[0].block_hash is None and head[2].block_hash is not None
         hit = kv.get_computed_blocks(request("b"))
         assert hit.num_tokens == want
+        index = WorkerBlocks()  # as the worker's reports leave it: the hashes it holds
+        index.report(kv.pool.events.since(None, None))
+        hashes = block_hashes(request("c").prompt_token_ids, 4)
+        assert index.held(hashes, 4, window) * 4 == want
         if window:  # the blocks a query at 36 reads (from 29 on: blocks 7 and 8), held
             lo = kv.dead_blocks(want)
             assert lo == 7 and hit.blocks[:lo] == [None] * lo

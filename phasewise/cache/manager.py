@@ -26,6 +26,7 @@ evicted, or never held, behind the window do not cut it short (``get_computed_bl
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -64,6 +65,36 @@ class CachedPrefix:
 class CacheStats:
     prefix_queries: int = 0  # prompt tokens looked up in the prefix cache
     prefix_hits: int = 0  # of those, tokens found cached
+
+
+def dead_blocks(first_query: int, block_size: int, window: int | None) -> int:
+    """How many leading blocks no query at position ``first_query`` or later reads (0
+    without a window)."""
+    if window is None:
+        return 0
+    return max(0, first_query - window + 1) // block_size
+
+
+def windowed_hit(cached: Sequence[bool], block_size: int, window: int | None) -> int:
+    """How many of a prompt's leading blocks a prefix hit covers, given which of them are
+    cached (``cached[i]``: block i's hash is): without a window, the cached run from the
+    first; under a ``window`` (positions), the longest m whose blocks a query at position
+    m * block_size reads are all cached, whatever became of those behind (a block's hash
+    chains every token before it, so it names the same K/V alone). The engine's prefix
+    lookup and a router's estimate of it both follow this rule."""
+    if window is None:
+        m = 0
+        while m < len(cached) and cached[m]:
+            m += 1
+        return m
+    run, runs = 0, []  # cached blocks in a row, ending at each block
+    for c in cached:
+        run = run + 1 if c else 0
+        runs.append(run)
+    for m in range(len(cached), 0, -1):
+        if runs[m - 1] >= m - dead_blocks(m * block_size, block_size, window):
+            return m
+    return 0
 
 
 class KVCacheManager:
@@ -108,9 +139,7 @@ class KVCacheManager:
     def dead_blocks(self, first_query: int) -> int:
         """How many leading blocks no query at ``first_query`` or later reads (0 without a
         window)."""
-        if self.window is None:
-            return 0
-        return max(0, first_query - self.window + 1) // self.block_size
+        return dead_blocks(first_query, self.block_size, self.window)
 
     def block_table(self, request_id: str) -> list[int]:
         """The request's block ids by position (a hole behind its window: 0, never read)."""
@@ -157,17 +186,9 @@ class KVCacheManager:
             parent = h
         if self.window is None:
             return CachedPrefix(found, len(found) * bs)
-        # the longest m whose blocks from dead_blocks(m * bs) to m are all cached
-        run = 0  # cached blocks in a row, ending at block m - 1
-        runs = []
-        for block in found:
-            run = run + 1 if block is not None else 0
-            runs.append(run)
-        for m in range(len(found), 0, -1):
-            lo = self.dead_blocks(m * bs)
-            if runs[m - 1] >= m - lo:
-                return CachedPrefix([None] * lo + found[lo:m], m * bs)
-        return CachedPrefix()
+        m = windowed_hit([b is not None for b in found], bs, self.window)
+        lo = self.dead_blocks(m * bs)
+        return CachedPrefix([None] * lo + found[lo:m], m * bs) if m else CachedPrefix()
 
     def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
         """Count one admitted lookup (waiting requests may look up many times)."""

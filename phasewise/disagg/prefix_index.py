@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from phasewise.cache.block_pool import chain_hash
+from phasewise.cache.manager import windowed_hit
 
 POLICIES = ("prefix", "least-load", "round-robin")
 DEFAULT_POLICY = "prefix"
@@ -66,14 +67,20 @@ class WorkerBlocks:
         self.epoch: str | None = None  # its KVEvents' epoch, and the next event to ask for
         self.next: int | None = None
 
-    def held(self, hashes: Sequence[bytes]) -> int:
-        """How many of ``hashes``, from the first, it holds."""
-        n = 0
-        for h in hashes:
-            if h not in self.blocks:
-                break
-            n += 1
-        return n
+    def held(self, hashes: Sequence[bytes], block_size: int = 16,
+             window: int | None = None) -> int:
+        """How many of ``hashes``, from the first, a prefix hit on it would cover: those it
+        holds in a row; under a sliding ``window`` every layer shares, the longest prefix
+        whose window's blocks it holds (those behind may have gone), as the worker's own
+        lookup counts (``phasewise.cache.manager.windowed_hit``)."""
+        if window is None:
+            n = 0
+            for h in hashes:
+                if h not in self.blocks:
+                    break
+                n += 1
+            return n
+        return windowed_hit([h in self.blocks for h in hashes], block_size, window)
 
     def enter(self, hashes: Sequence[bytes]) -> None:
         for h in hashes:

@@ -330,6 +330,7 @@ class Router:
         # workers hash blocks of block_size tokens (serve's --block-size; the same on all).
         self.routing, self.prefix_weight, self.load_weight = routing, prefix_weight, load_weight
         self.block_size = block_size
+        self.kv_window: int | None = None  # the workers' shared sliding window (their info)
         self.index = {w.url: WorkerBlocks() for w in self.decode}
         self.routed: dict[tuple[str, str], int] = {}  # (worker url, policy) -> requests
         self.routed_blocks = [0, 0]  # prompt blocks routed, of them expected cached
@@ -416,6 +417,8 @@ class Router:
         size = first.get("kv_block_size")
         if isinstance(size, int) and 1 <= size <= 1024:  # else an older worker: the default
             self.block_size = size
+        window = first.get("kv_window")  # the same checkpoint everywhere: the same window
+        self.kv_window = window if isinstance(window, int) and window >= 1 else None
         self._first_info = first
         log.info("router: decode %s; prefill %s", ", ".join(w.url for w in self.decode),
                  ", ".join(w.url for w in self.prefill) or "none")
@@ -775,7 +778,8 @@ class Router:
         turn = next(self._turn)
         live = [w for w in self.decode if w.up and not w.draining and not w.retired
                 and not any(w is a for a in avoid)]
-        held = [self.index[w.url].held(hashes) for w in live]
+        held = [self.index[w.url].held(hashes, self.block_size, self.kv_window)
+                for w in live]
         best = rank(self.routing, [w.load for w in live], held, len(hashes), turn,
                     self.prefix_weight, self.load_weight)
         return [(live[i], held[i]) for i in best]

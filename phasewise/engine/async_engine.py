@@ -182,6 +182,12 @@ class AsyncEngine:
     def block_size(self) -> int:
         return self.engine.kv.block_size
 
+    @property
+    def kv_window(self) -> int | None:
+        """The sliding window every layer shares (positions), or None: its prefix hits need
+        only the window's blocks (``phasewise.cache.manager.windowed_hit``)."""
+        return self.engine.kv.window
+
     def kv_events(self, since: int | None, epoch: str | None) -> dict[str, Any]:
         """What the prefix cache stored and evicted since ``since`` (``KVEvents.since``):
         read from any thread, as a router's poll does."""

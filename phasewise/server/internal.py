@@ -114,6 +114,8 @@ def add_internal_routes(app: FastAPI, backend: ServingBackend, routes: Routes, *
                 "info": dataclasses.asdict(backend.info),
                 # the tokens a prefix-cache block holds: a router hashes prompts alike
                 "kv_block_size": getattr(backend, "block_size", None),
+                # the window every layer shares: a hit needs only the blocks it reads
+                "kv_window": getattr(backend, "kv_window", None),
                 "defaults": param_defaults(backend.default_sampling_params()), **identity}
 
     @app.get("/internal/v1/load", include_in_schema=False)
