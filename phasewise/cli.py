@@ -57,6 +57,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=d["block_size"])
     p.add_argument("--kv-cache-memory", default=d["kv_cache_memory"],
                    help="KV pool size, e.g. 512MiB or 4GiB")
+    p.add_argument("--num-kv-blocks", type=int, default=d["num_kv_blocks"],
+                   help="the KV pool's exact block count (overrides --kv-cache-memory)")
     p.add_argument("--max-num-batched-tokens", type=int, default=d["max_num_batched_tokens"],
                    help="token budget per engine step (default: 256 on CPU, 2048 on CUDA)")
     p.add_argument("--max-num-seqs", type=int, default=d["max_num_seqs"])
@@ -99,7 +101,7 @@ def _engine_kwargs(a: argparse.Namespace) -> dict:
         read_plan_file(a.kernel_plan)
     return dict(dtype=a.dtype, device=a.device, max_model_len=a.max_model_len,
                 block_size=a.block_size, kv_cache_memory=a.kv_cache_memory,
-                max_num_batched_tokens=a.max_num_batched_tokens, max_num_seqs=a.max_num_seqs,
+                num_kv_blocks=a.num_kv_blocks, max_num_batched_tokens=a.max_num_batched_tokens, max_num_seqs=a.max_num_seqs,
                 policy=a.policy, enable_prefix_caching=not a.no_prefix_caching, seed=a.seed,
                 kernels=a.kernels, quantization=a.quantization, speculative=a.speculative,
                 num_speculative_tokens=a.num_speculative_tokens, load_format=a.load_format,

@@ -218,3 +218,26 @@ def test_a_bad_or_busy_kv_address_is_refused_before_loading(tmp_path, capsys):
         assert main([*base, "--kv-bind", f"tcp://127.0.0.1:{port}"]) == 2
         err = capsys.readouterr().err
         assert "--kv-bind" in err and "already in use" in err and "loading" not in err
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_every_engine_option_is_a_flag_and_reaches_the_config(command):
+    """docs/python-api.md: generate and serve take EngineConfig's fields as flags (the
+    prefix cache's as --no-prefix-caching); each one's value arrives in the config."""
+    import dataclasses
+
+    from phasewise.config import EngineConfig
+
+    parser = build_parser()
+    flags = {o for a in parser._subparsers._group_actions[0].choices[command]._actions
+             for o in a.option_strings}
+    for f in dataclasses.fields(EngineConfig):
+        if f.name != "model":
+            flag = "--no-prefix-caching" if f.name == "enable_prefix_caching" else (
+                "--" + f.name.replace("_", "-"))
+            assert flag in flags, f.name
+    a = parser.parse_args([command, "--num-kv-blocks", "7", "--block-size", "8",
+                           "--no-prefix-caching"] + (["x"] if command == "generate" else []))
+    config = EngineConfig(model="m", **cli._engine_kwargs(a))
+    assert (config.num_kv_blocks, config.block_size, config.enable_prefix_caching) == (
+        7, 8, False)

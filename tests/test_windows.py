@@ -8,6 +8,8 @@ P/D hand-off (which ships only the blocks decoding reads) stay exact."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -204,6 +206,24 @@ def test_a_request_holds_only_its_windows_blocks_and_outgrows_the_pool(windowed)
                                max_model_len=200))
 
 
+def test_prefill_first_chunks_a_prompt_the_pool_holds_only_a_window_of(windowed):
+    """prefill-first runs whole prompts, but a 61-token prompt never fits ten blocks of 4 at
+    once although its window does: it runs in chunks instead of waiting forever (and holding
+    back the prompt queued behind it), and both outputs are HF's."""
+    path, hf = windowed["mistral"]
+    long, short = random_prompts(hf.config.vocab_size, [61, 9], seed=12)
+    engine = LLMEngine(EngineConfig(model=str(path), block_size=4, num_kv_blocks=10,
+                                    max_model_len=200, policy="prefill-first"))
+    ids = [engine.add_request(p, GREEDY) for p in (long, short)]
+    out = {}
+    for _ in range(500):  # far more steps than two requests of 16 tokens need
+        if not engine.has_unfinished_requests():
+            break
+        out.update((o.request_id, o.token_ids) for o in engine.step() if o.finished)
+    assert out == {ids[0]: hf_greedy(hf, long, N_NEW), ids[1]: hf_greedy(hf, short, N_NEW)}
+    assert engine.kv.usage == 0
+
+
 def test_a_prefix_hit_longer_than_the_window_is_exact(windowed):
     """A prompt whose first 44 tokens are cached: the hit counts all of them, the request
     takes only the blocks its window reads, and its output is HF's."""
@@ -326,6 +346,44 @@ def test_the_config_says_which_layers_are_windowed(tmp_path, over, want):
     assert layer_windows("Qwen3ForCausalLM", types, 4) == (16, None, 16, None)
     with pytest.raises(ValueError, match="layer_types must list"):
         layer_windows("Qwen3ForCausalLM", {**types, "layer_types": ["local"] * 4}, 4)
+
+
+@pytest.mark.parametrize("arch,over,field", [
+    ("MistralForCausalLM", {"sliding_window": "12"}, "sliding_window"),
+    ("MistralForCausalLM", {"sliding_window": 12.5}, "sliding_window"),
+    ("MistralForCausalLM", {"sliding_window": True}, "sliding_window"),
+    ("MixtralForCausalLM", {"sliding_window": 0}, "sliding_window"),
+    ("MixtralForCausalLM", {"sliding_window": -1}, "sliding_window"),
+    ("Qwen2ForCausalLM", {"sliding_window": 8, "use_sliding_window": "yes"},
+     "use_sliding_window"),
+    ("Qwen2ForCausalLM", {"sliding_window": "abc", "use_sliding_window": True},
+     "sliding_window"),
+    ("Qwen2ForCausalLM", {"sliding_window": 8, "use_sliding_window": True,
+                          "layer_types": None, "max_window_layers": "x"}, "max_window_layers"),
+    ("Qwen3ForCausalLM", {"sliding_window": 8, "use_sliding_window": True,
+                          "layer_types": "sliding_attention"}, "layer_types"),
+])
+def test_a_malformed_window_is_refused_at_load_not_served_as_full_attention(
+        tmp_path, arch, over, field):
+    """A window field phasewise cannot read would otherwise mean no window: the checkpoint
+    served as full attention, a different model. It is refused by the field and value."""
+    from phasewise.model.config import ModelConfig
+
+    build_hf_checkpoint(tmp_path, arch, sliding_window=8)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, **over}))
+    with pytest.raises(ValueError, match=f"config.json: {field} must") as e:
+        ModelConfig.from_file(tmp_path)
+    assert repr(over[field]) in str(e.value)
+
+
+def test_a_window_a_checkpoint_turns_off_is_not_read():
+    """Qwen2's sliding_window is ignored while use_sliding_window is false, as transformers
+    ignores it; whatever it holds then changes nothing."""
+    from phasewise.model.config import layer_windows
+
+    off = {"use_sliding_window": False, "sliding_window": "anything"}
+    assert layer_windows("Qwen2ForCausalLM", off, 2) == (None, None)
 
 
 def test_each_step_and_generate_say_where_kv_reads_stopped_growing(windowed, llama_dir):

@@ -216,6 +216,14 @@ class KVCacheManager:
                                                      first_query)
         return max(0, span - max(held, live) - available)
 
+    def fits_empty_pool(self, request: CacheRequest, num_new_tokens: int,
+                        prefix: CachedPrefix | None = None) -> bool:
+        """Whether ``allocate_slots`` could take ``num_new_tokens`` were every block free.
+        Under a window it may not: a request holds only its window's blocks once computed,
+        but the tokens of one step need blocks all at once."""
+        live, span, pre, held, _ = self._plan(request, num_new_tokens, prefix, None)
+        return span - max(held, live) + len(pre) <= self.num_blocks
+
     def fit_tokens(self, request: CacheRequest, prefix: CachedPrefix | None = None) -> int:
         """The most tokens the request could compute next (after ``prefix``) with the blocks
         free now: ``allocate_slots`` takes any count up to it."""

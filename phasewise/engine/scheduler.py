@@ -11,7 +11,9 @@ Policies:
 * ``chunked`` (default): decodes first (one token each), then partly prefilled prompts, then
   new prompts, each cut to the budget that is left. A long prompt never stalls the streams.
 * ``prefill-first``: while prompts wait, a step runs only whole waiting prompts and no
-  decodes. This is the naive behaviour; it is kept to show the stall it causes.
+  decodes. This is the naive behaviour; it is kept to show the stall it causes. (A prompt
+  longer than a windowed model's pool, which only a window at a time of it fits, is the
+  exception: it runs in chunks.)
 
 Preemption (by recompute): when a running request needs a block and none is free, the victim
 is the most recently admitted running request that has not been given tokens in this step
@@ -356,6 +358,12 @@ class Scheduler:
             prefix = self._cached_prefix(req)
             n = req.num_tokens - prefix.num_tokens
             if n > budget or not self.kv.allocate_slots(req, n, prefix):
+                if not batch.requests and not self.kv.fits_empty_pool(req, n, prefix):
+                    # Under a sliding window the pool may hold a request a window at a time
+                    # but never its whole prompt (or, preempted, its tokens so far) at
+                    # once: it is prefilled in chunks, as the chunked policy would, rather
+                    # than wait for room that cannot come.
+                    return self._schedule(admit=True)
                 break
             self._admit(req, prefix.num_tokens)
             batch.requests.append(req)

@@ -312,25 +312,37 @@ def layer_windows(arch: str | None, d: dict[str, Any], num_layers: int
     it. Mistral, Mixtral and Qwen3-MoE window every layer; Llama none. An unknown
     architecture (``arch`` None: a config read only for its shape) follows the same rules by
     the fields it has."""
+    # A malformed field that would decide the windows is refused, never read as "no window":
+    # that would serve a windowed checkpoint as full attention, a different model.
     none: tuple[int | None, ...] = (None,) * num_layers
     w = d.get("sliding_window")
-    if arch in _NO_WINDOW or not isinstance(w, int) or isinstance(w, bool) or w < 1:
+    if arch in _NO_WINDOW or w is None:
         return none
     qwen = "use_sliding_window" in d or (arch or "").startswith("Qwen")
-    if qwen and not d.get("use_sliding_window"):
+    use = d.get("use_sliding_window")
+    if use is not None and not isinstance(use, bool):
+        raise ValueError(f"config.json: use_sliding_window must be true or false, got {use!r}")
+    if qwen and not use:
         return none
+    if not isinstance(w, int) or isinstance(w, bool) or w < 1:
+        raise ValueError(f"config.json: sliding_window must be a positive integer (positions) "
+                         f"or null for none, got {w!r}")
     if arch in _WINDOW_ON_EVERY_LAYER:
         return (w,) * num_layers
     types = d.get("layer_types")
-    if isinstance(types, list) and types:
-        if len(types) != num_layers or not set(types) <= {"sliding_attention",
-                                                           "full_attention"}:
-            raise ValueError(f"layer_types must list 'sliding_attention' or 'full_attention' "
-                             f"for each of the {num_layers} layers; got {types!r}")
+    if types is not None:
+        if (not isinstance(types, list) or len(types) != num_layers
+                or not set(types) <= {"sliding_attention", "full_attention"}):
+            raise ValueError(f"config.json: layer_types must list 'sliding_attention' or "
+                             f"'full_attention' for each of the {num_layers} layers; "
+                             f"got {types!r}")
         return tuple(w if t == "sliding_attention" else None for t in types)
     if not qwen:
         return (w,) * num_layers
-    first = int(d.get("max_window_layers") or 0)
+    first = d.get("max_window_layers") or 0
+    if not isinstance(first, int) or isinstance(first, bool) or first < 0:
+        raise ValueError(f"config.json: max_window_layers must be an integer >= 0, "
+                         f"got {first!r}")
     if arch == "Qwen2MoeForCausalLM":
         return tuple(w if i % 2 == 0 and i < first else None for i in range(num_layers))
     return tuple(w if i >= first else None for i in range(num_layers))
