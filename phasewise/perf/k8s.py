@@ -93,6 +93,7 @@ ENGINE_FLAGS: dict[str, Any] = {
     "--max-model-len": int,
     "--block-size": int,
     "--kv-cache-memory": str,
+    "--num-kv-blocks": int,
     "--max-num-batched-tokens": int,
     "--max-num-seqs": int,
     "--policy": POLICIES,
