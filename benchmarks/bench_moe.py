@@ -10,7 +10,7 @@ are). Each is run by phasewise (``LLM``, greedy, one prompt, batch 1) and by HF 
 is its median decode step (phasewise: the engine's own step times; HF: total time over the
 tokens, its prefill subtracted).
 
-Per model: decode ms/token for both engines and their ratio, the weight bytes a step read
+Per model: decode ms a step (of --batch tokens) for both engines and their ratio, the weight bytes a step read
 (the roofline's count, with the experts phasewise measured the step read:
 ``StepStats.experts_read``), and those bytes over the step time: the effective bandwidth.
 The MoE model's effective bandwidth over the dense model's, in the same run, says whether
@@ -19,7 +19,7 @@ one machine, the ratio of the two steps' fractions of the roofline. On CPU both 
 whole decode stack in one fused C call (a sparse layer routing and streaming its experts
 there).
 
-    python -m benchmarks.bench_moe [--rounds 3] [--tokens 64]
+    python -m benchmarks.bench_moe [--rounds 3] [--tokens 64] [--batch 1]
 """
 
 from __future__ import annotations
@@ -52,23 +52,24 @@ def build(root: Path) -> dict[str, Path]:
     }
 
 
-def run_phasewise(llm, prompt: list[int], tokens: int) -> tuple[float, float | None]:
-    """Median decode step (s) and the experts a decode step read (per sparse layer)."""
+def run_phasewise(llm, prompts: list[list[int]], tokens: int) -> tuple[float, float | None]:
+    """Median decode step (s) of all the prompts decoding together, and the experts such a
+    step read (per sparse layer)."""
     from phasewise import SamplingParams
 
     llm.engine.step_stats.clear()
-    llm.generate([prompt], SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True))
-    decodes = [s for s in llm.engine.step_stats if s.num_decode_tokens and
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True))
+    decodes = [s for s in llm.engine.step_stats if s.num_decode_tokens == len(prompts) and
                not s.num_prefill_tokens]
     experts = [s.experts_read for s in decodes if s.experts_read is not None]
     return (statistics.median(s.duration_s for s in decodes),
             statistics.mean(experts) if experts else None)
 
 
-def run_hf(model, prompt: list[int], tokens: int) -> float:
+def run_hf(model, prompts: list[list[int]], tokens: int) -> float:
     import torch
 
-    ids = torch.tensor([prompt])
+    ids = torch.tensor(prompts)  # one length: no padding
     mask = torch.ones_like(ids)
 
     def gen(n: int) -> float:
@@ -86,7 +87,12 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--batch", type=int, default=1,
+                    help="prompts decoding together (the fused C stack takes up to 6 rows; "
+                    "more run layer by layer)")
     a = ap.parse_args(argv)
+    if not 1 <= a.batch <= 64:
+        ap.error(f"--batch must be in 1..64, got {a.batch}")
     import torch
     import transformers
 
@@ -102,22 +108,22 @@ def main(argv: list[str] | None = None) -> int:
         llms = {k: LLM(str(p), dtype="bfloat16") for k, p in paths.items()}
         hfs = {k: transformers.AutoModelForCausalLM.from_pretrained(
             str(p), dtype=torch.bfloat16).eval() for k, p in paths.items()}
-        prompt = list(range(10, 42))
+        prompts = [[10 + (i + j) % 400 for j in range(32)] for i in range(a.batch)]
         got: dict[str, dict[str, list[float]]] = {k: {"pw": [], "hf": [], "experts": []}
                                                   for k in paths}
         for r in range(a.rounds):
             for k in paths:
-                step, experts = run_phasewise(llms[k], prompt, a.tokens)
+                step, experts = run_phasewise(llms[k], prompts, a.tokens)
                 got[k]["pw"].append(step)
                 if experts is not None:
                     got[k]["experts"].append(experts)
-                got[k]["hf"].append(run_hf(hfs[k], prompt, a.tokens))
-                log(f"round {r + 1}: {k}: phasewise {step * 1e3:.2f} ms/token, HF "
-                    f"{got[k]['hf'][-1] * 1e3:.2f} ms/token")
+                got[k]["hf"].append(run_hf(hfs[k], prompts, a.tokens))
+                log(f"round {r + 1}: {k}: phasewise {step * 1e3:.2f} ms/step, HF "
+                    f"{got[k]['hf'][-1] * 1e3:.2f} ms/step")
     print(f"\n{machine_line(m)}")
     print(f"models: {LAYERS} layers, hidden {HIDDEN}, {HEADS}/{KV_HEADS} heads; moe: "
           f"{EXPERTS} experts of {EXPERT_WIDTH}, {TOP_K} a token; dense: MLP "
-          f"{TOP_K * EXPERT_WIDTH} wide; bf16; batch 1, {a.tokens} tokens, median of "
+          f"{TOP_K * EXPERT_WIDTH} wide; bf16; batch {a.batch}, {a.tokens} tokens, median of "
           f"{a.rounds} interleaved rounds (a shared machine: figures move 5-30%)")
     bw = {}
     print(f"{'model':<6} {'phasewise':>12} {'HF':>12} {'HF/pw':>7} {'experts':>8} "

@@ -380,3 +380,52 @@ def test_int8_prices_an_moe_at_the_bytes_it_stores(moe_checkpoints):
     one = roof.decode(1, 0)
     idle = s.idle_expert_params(s.experts_touched(1))
     assert 0 < idle and one.weight_bytes == pytest.approx(roof.weight_bytes - 2 * idle)
+
+
+@pytest.mark.parametrize("arch", MOE)
+def test_a_sparse_layer_of_many_rows_runs_in_one_c_call_bit_for_bit(tmp_path, arch):
+    """Past the fused stack's 6 rows (a decode batch of 7-32, a short prompt chunk), a sparse
+    layer's MLP still runs in one C call (``CpuKernelOps.moe_mlp``): the same bits and the
+    same experts read as ``SparseMoE``'s own loop over its experts on the same kernels, each
+    expert's rows in runs of 6 (Qwen2-MoE: its shared expert too). Beyond 32 rows the loop
+    runs."""
+    import torch
+
+    from phasewise.model.cpu import kernels
+    from phasewise.model.cpu.linear import LinearDispatch
+    from phasewise.model.cpu.ops import MOE_FUSED_ROWS, CpuKernelOps
+    from phasewise.model.loader import load_model
+
+    if kernels.load() is None:
+        pytest.skip(f"CPU kernels unavailable: {kernels.KERNELS.reason}")
+    build_hf_checkpoint(tmp_path, arch, dtype=torch.bfloat16, seed=6)
+    cfg = ModelConfig.from_file(tmp_path)
+    model = load_model(tmp_path, cfg, dtype=torch.bfloat16, device=torch.device("cpu"),
+                       max_positions=64)
+    moe = model.layers[0].moe
+
+    class Loop(CpuKernelOps):
+        def moe_mlp(self, moe, x):
+            return None
+
+    class Fused(CpuKernelOps):
+        took: list[tuple[int, bool]] = []
+
+        def moe_mlp(self, moe, x):
+            out = super().moe_mlp(moe, x)
+            self.took.append((x.shape[0], out is not None))
+            return out
+
+    fused, loop = (cls(LinearDispatch(kernel_max_rows=8, large="torch"))
+                   for cls in (Fused, Loop))
+    g = torch.Generator().manual_seed(3)
+    for rows in (1, 5, 7, 8, 13, MOE_FUSED_ROWS, MOE_FUSED_ROWS + 1):
+        x = (torch.randn(rows, cfg.hidden_size, generator=g) * 2).bfloat16()
+        with torch.no_grad():
+            got = moe(x, fused)
+            read = moe.last_experts
+            want = moe(x, loop)
+        assert torch.equal(got, want), rows
+        assert read == moe.last_experts, rows
+    sizes = (1, 5, 7, 8, 13, MOE_FUSED_ROWS)
+    assert fused.took == [(r, True) for r in sizes] + [(MOE_FUSED_ROWS + 1, False)]

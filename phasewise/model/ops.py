@@ -27,6 +27,11 @@ class TorchOps:
     def linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
         return F.linear(x, w, b)
 
+    def moe_mlp(self, moe: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+        """A sparse layer's whole MLP (``SparseMoE``) in one fused call, or None: its own
+        loop over the experts runs it."""
+        return None
+
     def moe_linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """A mixture of experts' router, or one expert's projection over the few rows a step
         routed to it (``SparseMoE``)."""

@@ -52,6 +52,9 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, ops: TorchOps) -> torch.Tensor:
         """x: [T, hidden] -> [T, hidden]."""
+        fused = ops.moe_mlp(self, x)
+        if fused is not None:  # (it sets last_experts)
+            return fused
         h = x.shape[-1]
         # routing in fp32: softmax over every expert, the top k, renormalised if asked
         probs = torch.softmax(ops.moe_linear(x, self.gate.weight).float(), dim=-1)

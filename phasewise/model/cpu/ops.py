@@ -32,9 +32,12 @@ from phasewise.model.ops import RopeTables, TorchOps
 # the SiLU-and-multiply and the down projection that read it, instead of a whole step's
 # product going out to memory and back.
 MLP_CHUNK_ROWS = 512
-# An expert's rows up to which its weight is streamed by the kernel (the stream reads the
-# weight once per call; beyond a few rows the GEMM's reuse of it wins)
-EXPERT_STREAM_ROWS = 8
+# A sparse layer's MLP of up to this many rows runs in one C call (pw_moe_mlp_bf16: the
+# routing and every chosen expert, without a Python loop over the experts), and its router's
+# and experts' projections stream their weights in runs of the streams' most rows (6), as
+# that call does; beyond it (a prompt's rows, each expert's many) torch's loop runs the
+# experts on the GEMM, whose reuse of a weight then wins.
+MOE_FUSED_ROWS = 32
 
 
 def _projections(model: nn.Module) -> list[nn.Module]:
@@ -85,6 +88,7 @@ class CpuKernelOps(TorchOps):
         # compare against op by op: tests/cpu_helpers.py)
         self.fused_decode = self.lib is not None
         self._layer_args: dict[int, kernels.DecodeLayerArgs] = {}
+        self._moe_args: dict[int, kernels.DecodeLayerArgs] = {}  # by SparseMoE (moe_mlp)
         self._stack: tuple | None = None  # (layers, cache pointers, (args, k, v)) of decode_stack
         # Whether the model's projections are packed into panels (pack_panels): then
         # every projection, at every row count, runs kernels.linear_pk (glu_pk for a
@@ -111,15 +115,57 @@ class CpuKernelOps(TorchOps):
 
     def moe_linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """A router's or an expert's few rows (a decode step's tokens rarely share an
-        expert) stream the weight once through the kernel, whatever the plan picked for the
-        projections: with the
-        projections in panels, the plan times the LM head alone, and leaves plain weights
-        to torch's bf16 GEMM, which reads a one-row product's weight at a third of the
-        stream's speed."""
+        expert) stream the weight through the kernel, whatever the plan picked for the
+        projections (with the projections in panels, the plan times the LM head alone, and
+        leaves plain weights to torch's bf16 GEMM, which reads a one-row product's weight at
+        a third of the stream's speed): up to ``MOE_FUSED_ROWS`` rows, in runs of the
+        streams' most, each run reading the weight once, the runs ``pw_moe_mlp_bf16`` takes,
+        so both give the same bits."""
         rows = x.numel() // x.shape[-1]
-        if (self.lib is not None and rows <= EXPERT_STREAM_ROWS and self._ok(x, w)):
+        if self.lib is None or rows > MOE_FUSED_ROWS or not self._ok(x, w):
+            return self.linear(x, w, None)
+        run = self.kernels.decode_layer_max_rows
+        if rows <= run:
             return kernels.linear_bf16(x, w, None)
-        return self.linear(x, w, None)
+        flat = x.reshape(rows, x.shape[-1])
+        out = torch.cat([kernels.linear_bf16(flat[r:r + run], w, None)
+                         for r in range(0, rows, run)])
+        return out.reshape(*x.shape[:-1], w.shape[0])
+
+    def moe_mlp(self, moe: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+        """A sparse layer's MLP (``SparseMoE``) over ``x``'s rows in one C call
+        (``pw_moe_mlp_bf16``: the bits of ``SparseMoE``'s own loop, its experts read once per
+        run of rows); None where the loop runs it (more than ``MOE_FUSED_ROWS`` rows, more
+        experts than the C routing holds, weights it cannot read)."""
+        rows = x.shape[0]
+        if self.lib is None or not 1 <= rows <= MOE_FUSED_ROWS or x.dim() != 2:
+            return None
+        args = self._moe_args.get(id(moe))
+        if args is None:
+            shared = ((moe.shared_gate_up.weight, moe.shared_down.weight,
+                       moe.shared_expert_gate.weight) if moe.has_shared else ())
+            if (moe.num_experts > self.kernels.max_experts
+                    or not self._ok(x, moe.gate.weight, moe.gate_up, moe.down, *shared)):
+                return None
+            args = kernels.DecodeLayerArgs(H=x.shape[1], I=moe.inter)
+            args.n_experts, args.top_k, args.norm_topk = (moe.num_experts, moe.top_k,
+                                                          int(moe.norm_topk_prob))
+            args.w_router, args.w_experts_gate_up, args.w_experts_down = (
+                moe.gate.weight.data_ptr(), moe.gate_up.data_ptr(), moe.down.data_ptr())
+            if shared:
+                args.shared_I = moe.shared_down.weight.shape[1]
+                args.w_shared_gate_up, args.w_shared_down, args.w_shared_gate = (
+                    w.data_ptr() for w in shared)
+            self._moe_args[id(moe)] = args
+        if not self._ok(x):
+            return None
+        out = torch.empty_like(x)
+        args.nthreads = torch.get_num_threads()
+        rc = self.lib.pw_moe_mlp_bf16(ctypes.byref(args), x.data_ptr(), rows, out.data_ptr())
+        if rc != 0:
+            raise RuntimeError(f"pw_moe_mlp_bf16 failed ({rc})")
+        moe.last_experts = args.experts_read
+        return out
 
     def linear_int8(self, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
                     b: torch.Tensor | None) -> torch.Tensor:

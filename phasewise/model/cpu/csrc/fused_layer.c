@@ -272,6 +272,16 @@ static int moe_route(const DecodeLayer *L, const float *logits, int M, float *wt
     return n;
 }
 
+/* A projection's share of M rows (bf16 weights), in runs of at most ROW_STREAM_MAX rows,
+ * the streams' most: each run streams the weight once. SparseMoE's moe_linear cuts its rows
+ * into the same runs (CpuKernelOps.moe_linear), so each row's bits agree. */
+static void proj_share_runs(const float *x, int M, const uint16_t *w, int K, int N,
+                            float *res) {
+    for (int r = 0; r < M; r += ROW_STREAM_MAX)
+        pw_proj_share(x + (long)r * K, M - r < ROW_STREAM_MAX ? M - r : ROW_STREAM_MAX, w,
+                      NULL, K, N, res + (long)r * N);
+}
+
 /* The ints moe_route writes: each row's choices, the experts used and their pairs' bases,
  * and the pairs' rows and slots. */
 static long moe_ints(int M, const DecodeLayer *L) {
@@ -303,7 +313,7 @@ static void moe_mlp(const DecodeLayer *L, const float *xn, int M, float *res, fl
     /* the shared expert's (S > 0): gate/up, activations, down, the gate's logit */
     float *sgu = dn + (long)P * H, *sact = sgu + (long)M * 2 * S, *sdn = sact + (long)M * S;
     float *sgl = sdn + (long)M * H;
-    pw_proj_share(xn, M, L->w_router, NULL, H, E, res);
+    proj_share_runs(xn, M, L->w_router, H, E, res);
 #pragma omp barrier
 #pragma omp single
     {  /* (single's barrier makes *n_used and the routing visible to every thread) */
@@ -316,12 +326,12 @@ static void moe_mlp(const DecodeLayer *L, const float *xn, int M, float *res, fl
     for (int q = 0; q < P; q++)
         memcpy(xg + (long)q * H, xn + (long)pair_row[q] * H, sizeof(float) * H);
     for (int u = 0; u < n; u++)
-        pw_proj_share(xg + (long)base[u] * H, base[u + 1] - base[u],
-                      L->w_experts_gate_up + (long)used[u] * 2 * I * H, NULL, H, 2 * I,
-                      gu + (long)base[u] * 2 * I);
+        proj_share_runs(xg + (long)base[u] * H, base[u + 1] - base[u],
+                        L->w_experts_gate_up + (long)used[u] * 2 * I * H, H, 2 * I,
+                        gu + (long)base[u] * 2 * I);
     if (S) {
-        pw_proj_share(xn, M, L->w_shared_gate_up, NULL, H, 2 * S, sgu);
-        pw_proj_share(xn, M, L->w_shared_gate, NULL, H, 1, sgl);
+        proj_share_runs(xn, M, L->w_shared_gate_up, H, 2 * S, sgu);
+        proj_share_runs(xn, M, L->w_shared_gate, H, 1, sgl);
     }
 #pragma omp barrier
 #pragma omp for schedule(static)
@@ -332,10 +342,10 @@ static void moe_mlp(const DecodeLayer *L, const float *xn, int M, float *res, fl
         for (int i = 0; i < w; i++) a[i] = silu_mul_rounded(round_bf16(g[i]), round_bf16(up[i]));
     }
     for (int u = 0; u < n; u++)
-        pw_proj_share(act + (long)base[u] * I, base[u + 1] - base[u],
-                      L->w_experts_down + (long)used[u] * H * I, NULL, I, H,
-                      dn + (long)base[u] * H);
-    if (S) pw_proj_share(sact, M, L->w_shared_down, NULL, S, H, sdn);
+        proj_share_runs(act + (long)base[u] * I, base[u + 1] - base[u],
+                        L->w_experts_down + (long)used[u] * H * I, I, H,
+                        dn + (long)base[u] * H);
+    if (S) proj_share_runs(sact, M, L->w_shared_down, S, H, sdn);
 #pragma omp barrier
 #pragma omp for schedule(static)
     for (int m = 0; m < M; m++) {  /* each row's sum in the experts' order */
@@ -424,6 +434,15 @@ static void dense_mlp(const DecodeLayer *L, const float *xn, int M, int amx_glu,
     bias_round_rows(res, L->b_down, M, H, L->out);
 }
 
+/* Whether L holds a mixture of experts moe_mlp can run (a router the routing's scratch
+ * holds, every weight present). */
+static int moe_ok(const DecodeLayer *L) {
+    return L->n_experts > 0 && L->n_experts <= PW_MAX_EXPERTS && L->top_k >= 1
+           && L->top_k <= L->n_experts && L->w_router && L->w_experts_gate_up
+           && L->w_experts_down
+           && (!L->shared_I || (L->w_shared_gate_up && L->w_shared_down && L->w_shared_gate));
+}
+
 int pw_decode_layer_bf16(const DecodeLayer *L) {
     int M = L->M, H = L->H, Q = L->Q, KV = L->KV, I = L->I, hd = L->hd;
     int n_heads = L->n_heads, n_kv = L->n_kv, group = n_heads / n_kv, QKV = Q + 2 * KV;
@@ -436,11 +455,7 @@ int pw_decode_layer_bf16(const DecodeLayer *L) {
     if (M < 1 || M > (all_amx ? AMX_LAYER_MAX : ROW_STREAM_MAX) || hd > MAX_HEAD_DIM)
         return -2;
     /* experts stream: a few rows, a router the routing's scratch holds */
-    if (moe && (M > ROW_STREAM_MAX || L->n_experts > PW_MAX_EXPERTS || L->top_k < 1
-                || L->top_k > L->n_experts || !L->w_router || !L->w_experts_gate_up
-                || !L->w_experts_down
-                || (L->shared_I && (!L->w_shared_gate_up || !L->w_shared_down
-                                    || !L->w_shared_gate))))
+    if (moe && (M > ROW_STREAM_MAX || !moe_ok(L)))
         return -2;
     /* panels are no rows: nothing else may read them */
     if (L->proj_mode == PW_PROJ_PANELS && !all_amx)
@@ -550,6 +565,35 @@ int pw_decode_layer_bf16(const DecodeLayer *L) {
     free(xp);
     free(wide);
     free(moe_scratch);
+    return 0;
+}
+
+
+/* One sparse layer's MLP alone, for the M rows of x (bf16 [M][H], after the post-attention
+ * norm) into out (bf16 [M][H]), on L->nthreads threads: moe_mlp, the bits SparseMoE's
+ * forward gives (each expert's rows in runs of ROW_STREAM_MAX), without its Python loop
+ * over the experts. Only L's sizes (H, I, shared_I), its expert fields and nthreads are
+ * read; L->experts_read is written. Returns 0, -1 out of memory, -2 not such a layer. */
+int pw_moe_mlp_bf16(DecodeLayer *L, const uint16_t *x, int M, uint16_t *out) {
+    if (M < 1 || L->H < 1 || L->I < 1 || L->nthreads < 1 || !moe_ok(L))
+        return -2;
+    long H = L->H;
+    size_t n_floats = (size_t)M * H + (size_t)M * L->n_experts + (size_t)moe_floats(M, L)
+                      + (size_t)M * L->top_k;
+    float *buf = (float *)malloc(sizeof(float) * n_floats);
+    int *ints = (int *)malloc(sizeof(int) * (size_t)moe_ints(M, L));
+    if (!buf || !ints) {
+        free(buf); free(ints);
+        return -1;
+    }
+    float *xn = buf, *res = xn + (long)M * H, *f = res + (long)M * L->n_experts;
+    float *wts = f + moe_floats(M, L);
+    for (long i = 0; i < (long)M * H; i++) xn[i] = bf16_to_f32(x[i]);
+    int n_used = 0;
+#pragma omp parallel num_threads(L->nthreads)
+    moe_mlp(L, xn, M, res, f, wts, ints, &n_used, out);
+    free(buf);
+    free(ints);
     return 0;
 }
 
