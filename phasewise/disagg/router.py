@@ -453,6 +453,10 @@ class Router:
         if diff:
             return (f"decode workers {self.decode[0].url} and {w.url} differ in "
                     f"{', '.join(diff)}: start them with the same flags")
+        if got.get("kv_window") != first.get("kv_window"):
+            return (f"decode workers keep K/V for different sliding windows "
+                    f"({first.get('kv_window')} and {got.get('kv_window')}): serve one "
+                    "checkpoint with one phasewise version")
         if got.get("kv_block_size") != first.get("kv_block_size"):
             return (f"decode workers hash K/V blocks of different sizes "
                     f"({first.get('kv_block_size')} and {got.get('kv_block_size')}): start "

@@ -13,7 +13,7 @@ Policies:
 * ``prefill-first``: while prompts wait, a step runs only whole waiting prompts and no
   decodes. This is the naive behaviour; it is kept to show the stall it causes. (A prompt
   longer than a windowed model's pool, which only a window at a time of it fits, is the
-  exception: it runs in chunks.)
+  exception: its step is scheduled as ``chunked`` schedules, decodes and its chunk.)
 
 Preemption (by recompute): when a running request needs a block and none is free, the victim
 is the most recently admitted running request that has not been given tokens in this step
@@ -232,7 +232,7 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         if self.config.policy == "prefill-first" and self.waiting:
             batch = self._schedule_whole_prompts()
-            if batch.requests:
+            if batch.requests or batch.preempted:  # (preempted: its chunked fallback's)
                 return batch
             return self._schedule(admit=False)
         return self._schedule(admit=True)

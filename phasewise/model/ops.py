@@ -32,9 +32,11 @@ class TorchOps:
         loop over the experts runs it."""
         return None
 
-    def moe_linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    def moe_linear(self, x: torch.Tensor, w: torch.Tensor,
+                   layer_rows: int | None = None) -> torch.Tensor:
         """A mixture of experts' router, or one expert's projection over the few rows a step
-        routed to it (``SparseMoE``)."""
+        routed to it (``SparseMoE``); ``layer_rows``: the rows of the whole layer, where
+        they are more than ``x``'s (kernels may run a small layer's experts otherwise)."""
         return self.linear(x, w, None)
 
     def proj(self, x: torch.Tensor, lin: nn.Linear) -> torch.Tensor:

@@ -83,8 +83,8 @@ class SparseMoE(nn.Module):
             rows, slot = torch.nonzero(chosen == e, as_tuple=True)
             xe = x.index_select(0, rows)
             # (on CPU the kernels stream an expert's few rows as a projection's)
-            act = ops.silu_mul(ops.moe_linear(xe, gate_up[e]))
-            ye = ops.moe_linear(act, down[e])
+            act = ops.silu_mul(ops.moe_linear(xe, gate_up[e], x.shape[0]))
+            ye = ops.moe_linear(act, down[e], x.shape[0])
             out.index_add_(0, rows, ye * weights[rows, slot].unsqueeze(-1))
         return self._with_shared(x, out, ops)
 

@@ -33,11 +33,13 @@ from phasewise.model.ops import RopeTables, TorchOps
 # product going out to memory and back.
 MLP_CHUNK_ROWS = 512
 # A sparse layer's MLP of up to this many rows runs in one C call (pw_moe_mlp_bf16: the
-# routing and every chosen expert, without a Python loop over the experts), and its router's
-# and experts' projections stream their weights in runs of the streams' most rows (6), as
-# that call does; beyond it (a prompt's rows, each expert's many) torch's loop runs the
-# experts on the GEMM, whose reuse of a weight then wins.
+# routing and every chosen expert, without a Python loop over the experts), whose router and
+# experts stream their weights in runs of the streams' most rows (6); where the loop runs such
+# a layer instead (the reference the call is compared with), moe_linear cuts it alike.
 MOE_FUSED_ROWS = 32
+# In a larger layer, an expert's rows up to which its weight is streamed by the kernel (the
+# stream reads the weight once per call; beyond a few rows the GEMM's reuse of it wins)
+EXPERT_STREAM_ROWS = 8
 
 
 def _projections(model: nn.Module) -> list[nn.Module]:
@@ -84,8 +86,9 @@ class CpuKernelOps(TorchOps):
         self.kernels = kernels.KERNELS
         self.lib = self.kernels.load()
         self.dispatch = linear
-        # decode-only steps as fused layers where the library is there (tests turn it off to
-        # compare against op by op: tests/cpu_helpers.py)
+        # decode-only steps as fused layers, and sparse layers' MLPs as one call (moe_mlp),
+        # where the library is there (tests turn it off to compare against op by op:
+        # tests/cpu_helpers.py)
         self.fused_decode = self.lib is not None
         self._layer_args: dict[int, kernels.DecodeLayerArgs] = {}
         self._moe_args: dict[int, kernels.DecodeLayerArgs] = {}  # by SparseMoE (moe_mlp)
@@ -113,20 +116,25 @@ class CpuKernelOps(TorchOps):
             return F.linear(x, w, b)
         return self.dispatch(x, w, b)
 
-    def moe_linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    def moe_linear(self, x: torch.Tensor, w: torch.Tensor,
+                   layer_rows: int | None = None) -> torch.Tensor:
         """A router's or an expert's few rows (a decode step's tokens rarely share an
         expert) stream the weight through the kernel, whatever the plan picked for the
         projections (with the projections in panels, the plan times the LM head alone, and
         leaves plain weights to torch's bf16 GEMM, which reads a one-row product's weight at
-        a third of the stream's speed): up to ``MOE_FUSED_ROWS`` rows, in runs of the
-        streams' most, each run reading the weight once, the runs ``pw_moe_mlp_bf16`` takes,
-        so both give the same bits."""
+        a third of the stream's speed). In a layer of up to ``MOE_FUSED_ROWS`` rows
+        (``layer_rows``), in runs of the streams' most, each run reading the weight once:
+        the runs ``pw_moe_mlp_bf16`` takes, so the two give the same bits. In a larger
+        layer, up to ``EXPERT_STREAM_ROWS`` rows in one call; more go to the plan's GEMM."""
         rows = x.numel() // x.shape[-1]
-        if self.lib is None or rows > MOE_FUSED_ROWS or not self._ok(x, w):
+        if self.lib is None or not self._ok(x, w):
             return self.linear(x, w, None)
         run = self.kernels.decode_layer_max_rows
-        if rows <= run:
+        large = (layer_rows or rows) > MOE_FUSED_ROWS
+        if rows <= run or (large and rows <= EXPERT_STREAM_ROWS):
             return kernels.linear_bf16(x, w, None)
+        if large:
+            return self.linear(x, w, None)
         flat = x.reshape(rows, x.shape[-1])
         out = torch.cat([kernels.linear_bf16(flat[r:r + run], w, None)
                          for r in range(0, rows, run)])
@@ -136,9 +144,10 @@ class CpuKernelOps(TorchOps):
         """A sparse layer's MLP (``SparseMoE``) over ``x``'s rows in one C call
         (``pw_moe_mlp_bf16``: the bits of ``SparseMoE``'s own loop, its experts read once per
         run of rows); None where the loop runs it (more than ``MOE_FUSED_ROWS`` rows, more
-        experts than the C routing holds, weights it cannot read)."""
+        experts than the C routing holds, weights it cannot read, ``fused_decode`` off)."""
         rows = x.shape[0]
-        if self.lib is None or not 1 <= rows <= MOE_FUSED_ROWS or x.dim() != 2:
+        if (not self.fused_decode or self.lib is None or not 1 <= rows <= MOE_FUSED_ROWS
+                or x.dim() != 2):
             return None
         args = self._moe_args.get(id(moe))
         if args is None:

@@ -63,7 +63,8 @@ typedef struct {
     /* A mixture of experts in place of the dense MLP where n_experts > 0 (w_gate_up, w_down
      * and their biases and scales unused; I is an expert's width): the router [n_experts][H],
      * the experts' gate/up rows [n_experts][2 I][H] (gate, then up) and down rows
-     * [n_experts][H][I], all bf16 and streamed (up to ROW_STREAM_MAX rows); each row's top_k
+     * [n_experts][H][I], all bf16 and streamed, in runs of up to ROW_STREAM_MAX rows (the
+     * fused layer takes that many; pw_moe_mlp_bf16, the MLP alone, more); each row's top_k
      * experts by the router's softmax, their weights renormalised where norm_topk. */
     int n_experts, top_k, norm_topk;
     const uint16_t *w_router, *w_experts_gate_up, *w_experts_down;
