@@ -275,10 +275,21 @@ class Procs:
             self.stop(p)
 
 
+_HANDED_OUT: set[int] = set()  # the ports free_port returned in this process
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    """A port nothing listens on now, and never one this process was given before: two calls
+    before either port is bound (a server's HTTP and K/V ports) would otherwise get the same
+    one back from the kernel."""
+    for _ in range(1000):
+        with socket.socket() as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
+    raise RuntimeError("no free port that this process has not been given already")
 
 
 def wait_http(url: str, procs: list[subprocess.Popen], timeout: float, name: str,

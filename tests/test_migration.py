@@ -121,13 +121,14 @@ def test_a_stream_whose_worker_dies_or_drains_is_resumed_on_the_other(model, tmp
 
         def one_round(kind, body, how):
             """Stream ``body``, stop its worker part-way, check the stream; bring the fleet
-            back. Returns whether the router moved the stream (not if the stop landed after
-            the worker had sent its last token: a busy machine can delay the stop)."""
+            back. Returns whether the router moved the stream: "moved", or "late" (the stop
+            landed after the worker had sent its last token) or "missed" (the stream ended
+            before the test found its worker), which a busy machine can cause."""
             hit: list = []
 
             def strike(text, hit=hit, how=how):
                 # once some of the stream came through: stop the worker that streams it
-                if hit or sum(map(len, text.values())) < 20:
+                if hit or sum(map(len, text.values())) < 5:
                     return
                 w = _streaming_worker(workers)
                 if w is not None:
@@ -138,7 +139,6 @@ def test_a_stream_whose_worker_dies_or_drains_is_resumed_on_the_other(model, tmp
             moves = _metric(router.metrics(), "phasewise:router_migrations_total",
                             reason=reasons[how])
             got = _stream(router.url, body, strike)
-            assert hit, "the stream ended before a worker could be stopped"
             assert got["error"] is None, got["error"]
             assert got["text"] == want[kind]["text"], kind
             # every token has its logprob, and usage counts them all
@@ -149,8 +149,10 @@ def test_a_stream_whose_worker_dies_or_drains_is_resumed_on_the_other(model, tmp
             for i, lp in got["logprobs"].items():
                 assert len(lp) == TOKENS
                 assert lp == pytest.approx(want[kind]["logprobs"][i], abs=0.05)
-            moved = _metric(router.metrics(), "phasewise:router_migrations_total",
-                            reason=reasons[how]) > moves
+            moved = "moved" if _metric(router.metrics(), "phasewise:router_migrations_total",
+                                       reason=reasons[how]) > moves else "late"
+            if not hit:
+                return "missed"
             # the stopped worker is gone (SIGTERM: it drained by handing over, well within
             # its 60 s grace period); the killed one comes back on its port for the next round
             (gone,) = hit
@@ -176,10 +178,13 @@ def test_a_stream_whose_worker_dies_or_drains_is_resumed_on_the_other(model, tmp
 
         for kind, body, how in (("greedy", greedy, "sigkill"), ("greedy", greedy, "sigstop"),
                                 ("seeded", seeded, "sigterm")):
-            # a stop that landed too late is tried again (a SIGTERM's worker is gone then)
-            tries = 1 if how == "sigterm" else 3
-            assert any(one_round(kind, body, how) for _ in range(tries)), (
-                f"{how}: no stream was moved in {tries} tries")
+            # a round whose stop missed the stream or landed too late is tried again (but a
+            # late SIGTERM has taken its worker away)
+            outcomes = []
+            while len(outcomes) < 4 and "moved" not in outcomes and not (
+                    how == "sigterm" and "late" in outcomes):
+                outcomes.append(one_round(kind, body, how))
+            assert outcomes[-1] == "moved", f"{how}: {outcomes}"
         m = router.metrics()
         assert _metric(m, "phasewise:requests_refused_total", reason="slo_ttft") == 1
         for reason in ("worker_lost", "drain", "worker_silent"):
