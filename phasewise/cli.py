@@ -26,7 +26,19 @@ import traceback
 from dataclasses import fields
 from typing import Any
 
+from phasewise.bench.options import positive_float
+
 USER_ERRORS = (ValueError, FileNotFoundError, ConnectionError)
+# plan --window: seconds of traffic a rate is simulated over (each such rate's requests are
+# capped anyway; a longer window only makes a slower plan)
+MAX_PLAN_WINDOW = 3600.0
+
+
+def _plan_window(text: str) -> float:
+    v = positive_float(text)
+    if v > MAX_PLAN_WINDOW:
+        raise argparse.ArgumentTypeError(f"must be at most {MAX_PLAN_WINDOW:g} s, got {text}")
+    return v
 
 
 def _engine_defaults() -> dict:
@@ -648,7 +660,7 @@ def build_parser() -> argparse.ArgumentParser:
     r = command("roofline", "predict which bound each phase hits, for any model x "
                 "accelerator x workload (no GPU, no weights, no torch)", cmd_roofline)
     r.add_argument("--model", default=None, help="catalog name or a config.json / folder")
-    r.add_argument("--params", type=float, default=None,
+    r.add_argument("--params", type=positive_float, default=None,
                    help="a generic dense model of this many parameters, e.g. 7e9")
     r.add_argument("--gpu", "--accelerator", dest="gpu", default="h100-sxm",
                    help="catalog key (see --list), or cpu-local / gpu-local (phasewise measure)")
@@ -749,9 +761,9 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--thresholds", type=int, nargs="+", default=[0, 512, 1024],
                     help="P/D disaggregation thresholds to try")
     pl.add_argument("--no-pd", action="store_true", help="co-located candidates only")
-    pl.add_argument("--window", type=float, default=30.0,
+    pl.add_argument("--window", type=_plan_window, default=30.0,
                     help="seconds of traffic simulated per rate (requests = rate x window, "
-                    "at least --num-prompts, at most 20000)")
+                    f"at least --num-prompts, at most 20000; 0-{MAX_PLAN_WINDOW:g} s)")
     pl.add_argument("--k8s-out", default=None, metavar="DIR",
                     help="write the winner's Kubernetes manifests here")
     pl.add_argument("--name", default="phasewise", help="manifests: prefix of every object")

@@ -90,10 +90,14 @@ def run(model: str, engine_kwargs: dict[str, Any], opts: GenerateOptions,
     decode_s = (m.token_times[-1] - m.token_times[0]) if n_out > 1 else 0.0
     steps_text = (f"{len(chunks)} steps of " + " + ".join(map(str, chunks))
                   if len(chunks) > 1 else "1 step")
+    ttft = f"; TTFT {m.ttft * 1e3:.1f} ms" if m.ttft is not None else ""
     print(f"[prefill]  {n_prompt} prompt tokens, {steps_text}, {prefill_s * 1e3:.1f} ms: "
-          f"{n_prompt / max(prefill_s, 1e-9):.0f} tok/s; TTFT {m.ttft * 1e3:.1f} ms", file=err)
+          f"{n_prompt / max(prefill_s, 1e-9):.0f} tok/s{ttft}", file=err)
     verifies = None
-    if n_out > 1:
+    if n_out == 0:
+        print(f"[decode]   none: no output token was asked for (--max-tokens 0); finish: "
+              f"{final.finish_reason}", file=err)
+    elif n_out > 1:
         print(f"[decode]   {n_out - 1} tokens, {decode_s * 1e3:.1f} ms: "
               f"{(n_out - 1) / max(decode_s, 1e-9):.0f} tok/s (TPOT {m.tpot * 1e3:.1f} ms); "
               f"finish: {final.finish_reason}", file=err)
@@ -108,7 +112,7 @@ def run(model: str, engine_kwargs: dict[str, Any], opts: GenerateOptions,
     if opts.roofline:
         decode_steps = [s for s in run_steps if s.num_decode_tokens and not s.num_prefill_tokens]
         forward = (forward_sum(prefill_steps), forward_sum(decode_steps) if n_out > 1 else None)
-        for line in roofline_lines(llm, chunks, prefill_s, n_out - 1, decode_s, verifies,
+        for line in roofline_lines(llm, chunks, prefill_s, max(n_out - 1, 0), decode_s, verifies,
                                    contention, forward):
             print(line, file=err)
     return 0

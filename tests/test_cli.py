@@ -241,3 +241,38 @@ def test_every_engine_option_is_a_flag_and_reaches_the_config(command):
     config = EngineConfig(model="m", **cli._engine_kwargs(a))
     assert (config.num_kv_blocks, config.block_size, config.enable_prefix_caching) == (
         7, 8, False)
+
+
+def test_generate_with_no_output_token_reports_the_prefill_alone(llama_dir, capsys):
+    """--max-tokens 0 (allowed: a prompt's K/V alone) has no first token: generate says so
+    instead of failing on the missing TTFT."""
+    rc = main(["generate", "--model", str(llama_dir), "--max-tokens", "0", "--no-roofline",
+               "def f"])
+    err = capsys.readouterr().err
+    assert rc == 0
+    assert "[prefill]" in err and "TTFT" not in err
+    assert "[decode]   none: no output token was asked for" in err
+
+
+@pytest.mark.parametrize("argv", [
+    ["simulate", "--burstiness", "nan"],  # a gamma gap of nan: the simulation never ended
+    ["simulate", "--trace-time-scale", "-1"],
+    ["plan", "--window", "0"],  # every rate got the minimum of requests: goodput unbounded
+    ["plan", "--window", "inf"],
+    ["roofline", "--params", "inf"],
+])
+def test_numbers_that_mean_nothing_are_refused_by_their_flag(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(argv)
+    assert e.value.code == 2
+    assert f"argument {argv[1]}: must be a finite number > 0" in capsys.readouterr().err
+
+
+def test_an_slo_must_be_a_finite_number_given_once():
+    from phasewise.perf.summary import parse_slo
+
+    for bad, match in ((["ttft:nan"], "finite"), (["ttft:inf"], "finite"),
+                       (["ttft:50", "ttft:10"], "given twice")):
+        with pytest.raises(ValueError, match=match):
+            parse_slo(bad)
+    assert parse_slo(["ttft:50", "tpot:5"]) == {"ttft": 50.0, "tpot": 5.0}

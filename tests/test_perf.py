@@ -674,3 +674,24 @@ def test_a_verdict_within_the_noise_of_unstable_peaks_says_either_bound():
     # The crossovers come from the same ridge: hedged alike, and only there.
     assert "from unstable peaks: the ridge these come from could be off" in text
     assert "from unstable peaks" not in stable
+
+
+@pytest.mark.parametrize("over,match", [
+    ({"hidden_size": -4096}, "hidden_size must be a positive integer"),
+    ({"num_hidden_layers": 0}, "num_hidden_layers must be positive"),
+    ({"num_attention_heads": 0}, "num_attention_heads and num_hidden_layers must be positive"),
+    ({"intermediate_size": -1}, "intermediate_size must be a positive integer"),
+    ({"vocab_size": None}, "missing 'vocab_size'"),
+    ({"hidden_size": 4096.5}, "hidden_size must be an integer, got 4096.5"),
+    ({"hidden_size": "4096"}, "hidden_size must be an integer"),
+    ({"num_key_value_heads": 64}, "num_key_value_heads \\(64\\) exceeds"),
+])
+def test_a_config_of_impossible_sizes_is_refused_by_the_field(over, match):
+    """A hand-written config.json with a size of 0 or less (or not a whole number) would be
+    priced as a model of negative bytes and times: it is refused, naming the field."""
+    cfg = {"hidden_size": 4096, "num_attention_heads": 32, "num_hidden_layers": 32,
+           "intermediate_size": 11008, "vocab_size": 32000, **over}
+    with pytest.raises(ValueError, match=match):
+        ModelShape.from_hf_config(cfg)
+    with pytest.raises(ValueError, match="a JSON object"):
+        ModelShape.from_hf_config([1, 2])  # type: ignore[arg-type]

@@ -26,6 +26,18 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
 
 
+def positive_float(text: str) -> float:
+    """An argparse type: a finite number > 0 (nan and inf refused: a gap, a scale or a
+    duration of either would never end or mean nothing)."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0 < v < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return v
+
+
 def add_workload_args(p: argparse.ArgumentParser) -> None:
     """What is sent and when, the SLOs and where results go: shared by ``phasewise bench``
     and the simulator (``phasewise simulate``, ``phasewise plan``), so one workload
@@ -33,7 +45,7 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-prompts", type=int, default=100)
     p.add_argument("--request-rate", type=float, nargs="+", default=[math.inf],
                    help="requests/s (inf: all at once); several values make a sweep")
-    p.add_argument("--burstiness", type=float, default=1.0,
+    p.add_argument("--burstiness", type=positive_float, default=1.0,
                    help="gamma shape of the arrival gaps: 1 Poisson, <1 burstier")
     p.add_argument("--input-len", "--random-input-len", dest="input_len", default="256",
                    help="prompt tokens: N, uniform:LO-HI or normal:MEAN,STD")
@@ -45,7 +57,8 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace", default=None,
                    help="JSONL of {arrival, prompt_len|prompt, output_len} (replaces the "
                         "synthetic workload)")
-    p.add_argument("--trace-time-scale", type=float, default=1.0)
+    p.add_argument("--trace-time-scale", type=positive_float, default=1.0,
+                   help="multiply the trace's arrival times by this (> 0)")
     p.add_argument("--seed", type=int, default=None,
                    help="seed of the prompts' lengths, arrivals and text. phasewise bench: "
                         "default a fresh one each run, printed, so that a second run is not "

@@ -43,7 +43,14 @@ def read_config_json(path: str | Path) -> tuple[Path, dict[str, Any]]:
     if not path.exists():
         raise FileNotFoundError(f"no config.json at {path}")
     with open(path) as f:
-        return path, json.load(f)
+        try:
+            cfg = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: not JSON ({e})") from e
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{path}: a config is a JSON object of fields, got a "
+                         f"{type(cfg).__name__}")
+    return path, cfg
 
 
 @dataclass(frozen=True)

@@ -54,6 +54,24 @@ class ModelShape:
     routed_experts: float | None = None
 
     def __post_init__(self) -> None:
+        # A size of 0 or less would price a model of negative bytes: refused by name.
+        for f in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+                  "intermediate_size", "vocab_size"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{self.name}: {f} must be a positive integer, got {v!r}")
+        for f in ("num_experts", "experts_per_token", "shared_expert_size", "dense_layers",
+                  "dense_intermediate_size", "kv_lora_rank", "q_lora_rank",
+                  "qk_rope_head_dim", "v_head_dim"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ValueError(f"{self.name}: {f} must be an integer >= 0, got {v!r}")
+        if self.num_kv_heads > self.num_heads:
+            raise ValueError(f"{self.name}: num_key_value_heads ({self.num_kv_heads}) exceeds "
+                             f"num_attention_heads ({self.num_heads})")
+        if self.num_experts and not 1 <= self.experts_per_token <= self.num_experts:
+            raise ValueError(f"{self.name}: num_experts_per_tok must be in 1..{self.num_experts} "
+                             f"(the experts), got {self.experts_per_token}")
         if self.sliding_window is not None and not (
                 self.sliding_window >= 1 and 0 <= self.window_layers <= self.num_layers):
             raise ValueError(f"{self.name}: sliding_window {self.sliding_window} over "
@@ -247,9 +265,16 @@ class ModelShape:
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any], name: str = "config.json",
                        source: str = "") -> ModelShape:
+        if not isinstance(cfg, dict):
+            raise ValueError(f"{name}: a config is a JSON object of fields, got a "
+                             f"{type(cfg).__name__}")
         text = cfg.get("text_config")
         if isinstance(text, dict):  # multimodal wrappers keep the LM's shape here
             cfg = {**cfg, **text}
+        for key in _SIZE_FIELDS & cfg.keys():  # a whole number, never "4096" or 4096.5
+            value = cfg[key]
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+                raise ValueError(f"{name}: {key} must be an integer, got {value!r}")
         try:
             hidden = int(cfg["hidden_size"])
             heads = int(cfg["num_attention_heads"])
@@ -257,6 +282,11 @@ class ModelShape:
         except KeyError as e:
             raise ValueError(f"{name}: missing {e.args[0]!r}; a decoder-only config needs "
                              "hidden_size, num_attention_heads and num_hidden_layers") from e
+        if heads < 1 or layers < 1:
+            raise ValueError(f"{name}: num_attention_heads and num_hidden_layers must be "
+                             f"positive integers, got {heads} and {layers}")
+        if "vocab_size" not in cfg or cfg["vocab_size"] is None:
+            raise ValueError(f"{name}: missing 'vocab_size'")
         n_experts = int(cfg.get("num_local_experts") or cfg.get("num_experts")
                         or cfg.get("n_routed_experts") or 0)
         window, window_layers = _window_of(cfg, layers)
@@ -294,6 +324,15 @@ class ModelShape:
     def from_path(cls, path: str | Path) -> ModelShape:
         p, cfg = read_config_json(path)
         return cls.from_hf_config(cfg, name=p.parent.name or str(p), source=str(p))
+
+
+# The config fields read as sizes (from_hf_config): each must be an integer where given.
+_SIZE_FIELDS = frozenset((
+    "hidden_size", "num_attention_heads", "num_hidden_layers", "num_key_value_heads",
+    "head_dim", "intermediate_size", "moe_intermediate_size", "vocab_size",
+    "shared_expert_intermediate_size", "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim",
+    "qk_nope_head_dim", "v_head_dim", "num_local_experts", "num_experts", "n_routed_experts",
+    "n_shared_experts", "num_experts_per_tok"))
 
 
 @dataclass(frozen=True)

@@ -92,8 +92,10 @@ def parse_slo(items: Sequence[str] | None) -> dict[str, float]:
                 ms = float(value)
             except ValueError:
                 raise ValueError(f"SLO {key} needs a number of milliseconds; got {value!r}")
-            if ms <= 0:
-                raise ValueError(f"SLO {key} must be > 0 ms; got {value!r}")
+            if not 0 < ms < float("inf"):  # (nan fails this too)
+                raise ValueError(f"SLO {key} must be a finite number of ms > 0; got {value!r}")
+            if key in out:
+                raise ValueError(f"SLO {key} is given twice ({out[key]:g} and {ms:g} ms)")
             out[key] = ms
     return out
 
