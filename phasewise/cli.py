@@ -24,6 +24,7 @@ import sys
 import time
 import traceback
 from dataclasses import fields
+from pathlib import Path
 from typing import Any
 
 from phasewise.bench.options import positive_float
@@ -460,6 +461,17 @@ def cmd_make_tiny(a: argparse.Namespace) -> int:
     from phasewise.model.tiny import make_tiny_checkpoint
 
     t = time.monotonic()
+    # A random checkpoint to try things on: 4 heads of hidden/4 (RoPE pairs: a multiple of
+    # 8), a byte-level tokenizer's 256 bytes and specials at least, and small enough to
+    # write in seconds; anything else is refused by its flag rather than written broken.
+    for flag, value, lo, hi, step in (("--hidden-size", a.hidden_size, 8, 4096, 8),
+                                      ("--layers", a.layers, 1, 64, 1),
+                                      ("--vocab-size", a.vocab_size, 300, 65536, 1)):
+        if not lo <= value <= hi or value % step:
+            also = f", a multiple of {step}" if step > 1 else ""
+            raise ValueError(f"{flag} must be in {lo}..{hi}{also}; got {value}")
+    if Path(a.out).exists() and not Path(a.out).is_dir():
+        raise ValueError(f"{a.out} is a file; make-tiny writes a checkpoint folder")
     window: dict[str, Any] = {}
     if a.sliding_window is not None:
         if a.sliding_window < 1:
@@ -676,7 +688,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--output-len", type=int, default=128)
     r.add_argument("--batch", type=int, default=1, help="decode batch")
     r.add_argument("--context", type=int, default=None,
-                   help="decode context length (default: prompt + output/2; 0 = weights only)")
+                   help="decode context length (default: prefix + prompt + output/2; 0 = "
+                   "weights only)")
     r.add_argument("--mfu", type=float, default=1.0, help="fraction of peak FLOP/s reached")
     r.add_argument("--mbu", type=float, default=1.0, help="fraction of peak bandwidth reached")
     r.add_argument("--link", default=None, help="price a KV transfer over this link")

@@ -276,3 +276,14 @@ def test_an_slo_must_be_a_finite_number_given_once():
         with pytest.raises(ValueError, match=match):
             parse_slo(bad)
     assert parse_slo(["ttft:50", "tpot:5"]) == {"ttft": 50.0, "tpot": 5.0}
+
+
+@pytest.mark.parametrize("flags,match", [
+    (["--hidden-size", "7"], "--hidden-size must be in 8..4096, a multiple of 8"),
+    (["--layers", "0"], "--layers must be in 1..64"),
+    (["--vocab-size", "0"], "--vocab-size must be in 300..65536"),
+])
+def test_make_tiny_refuses_a_checkpoint_it_would_write_broken(tmp_path, capsys, flags, match):
+    assert main(["make-tiny", str(tmp_path / "m"), *flags]) == 2
+    assert match in capsys.readouterr().err
+    assert not (tmp_path / "m").exists()  # nothing half-written

@@ -560,3 +560,20 @@ def test_a_latent_attention_pool_holds_its_latents_and_a_window_its_windows():
     assert mistral.kv_window == 4096
     assert engine_spec(CostModel(lookup_model("gemma-2-9b"), lookup_accelerator("h100-sxm")),
                        a, "gemma-2-9b").kv_window is None  # half its layers read everything
+
+
+def test_a_trace_line_that_means_nothing_is_refused_by_its_line(tmp_path):
+    from phasewise.perf.workload import load_trace
+
+    for text, match in (('{"arrival": NaN, "prompt_len": 5, "output_len": 3}\n', "finite"),
+                        ("[1, 2]\n", "got a list"),
+                        ('{"arrival": 0, "prompt_len": 5}\n', "no output_len"),
+                        ("\n", "holds no request")):
+        path = tmp_path / "t.jsonl"
+        path.write_text(text)
+        with pytest.raises(ValueError, match=match):
+            load_trace(path)
+    path.write_text('{"arrival": 2, "prompt_len": 5, "output_len": 3}\n'
+                    '{"arrival": 1.5, "prompt": "hi", "output_len": 1}\n')
+    specs = load_trace(path, time_scale=2.0)
+    assert [(s.arrival, s.output_len) for s in specs] == [(0.0, 1), (1.0, 3)]

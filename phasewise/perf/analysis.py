@@ -33,7 +33,8 @@ def analyse(model: ModelShape | GenericModel, accel: Accelerator, dtype: str = "
     shaped = isinstance(model, ModelShape)
     if context is None:
         # Generic models have no KV cache to read: weights only, as in the seed example.
-        context = prompt_len + output_len // 2 if shaped else 0
+        # (A cached prefix is context the decode steps read too.)
+        context = prefix_len + prompt_len + output_len // 2 if shaped else 0
     pre = r.prefill(prompt_len, prefix_len)
     dec = r.decode(batch, context)
     notes = []
@@ -55,9 +56,14 @@ def analyse(model: ModelShape | GenericModel, accel: Accelerator, dtype: str = "
     if mfu != 1.0 or mbu != 1.0:
         notes.append(f"predictions at {mfu:.0%} of peak FLOP/s (MFU) and {mbu:.0%} of peak "
                      "bandwidth (MBU)")
-    ctx_total = prompt_len + output_len
+    # a request's whole context: its prefix, prompt and output, or the decode context given
+    ctx_total = max(prefix_len + prompt_len + output_len, context)
     sweep = []
     cap = r.max_concurrent_requests(ctx_total, reserve_frac) if shaped else None
+    limit = getattr(model, "max_position_embeddings", None)
+    if shaped and limit and ctx_total > limit:
+        notes.append(f"a context of {ctx_total} tokens exceeds the model's "
+                     f"{limit} positions: it cannot be served so")
     fits = accel.mem_bytes <= 0 or r.weight_bytes <= accel.mem_bytes * (1 - reserve_frac)
     if not fits:
         cards = math.ceil(r.weight_bytes / (accel.mem_bytes * (1 - reserve_frac)))
@@ -67,6 +73,10 @@ def analyse(model: ModelShape | GenericModel, accel: Accelerator, dtype: str = "
                      "expert parallelism, which this one-card analysis does not model); the "
                      "step figures are one card's with its memory unbounded, and the batch "
                      "sweep is not cut at the K/V capacity")
+    if fits and cap is not None and batch > cap:
+        notes.append(f"batch {batch} exceeds the K/V capacity ({cap} requests of {ctx_total} "
+                     f"tokens fit beside the weights): the decode step above is priced as if "
+                     "the memory held them")
     b = 1
     while b <= 1024 and (cap is None or not fits or b <= max(cap, 1)):
         step = r.decode(b, context)

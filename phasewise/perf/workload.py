@@ -140,19 +140,29 @@ def load_trace(path: str | Path, time_scale: float = 1.0) -> list[RequestSpec]:
                 continue
             try:
                 row = json.loads(line)
+                if not isinstance(row, dict):
+                    raise TypeError(f"got a {type(row).__name__}")
                 arrival = float(row.get("arrival", row.get("timestamp", 0.0)))
                 prompt = row.get("prompt")
                 plen = row.get("prompt_len", row.get("input_length"))
-                olen = int(row.get("output_len", row.get("output_length")))
-            except (ValueError, TypeError, json.JSONDecodeError) as e:
+                olen = row.get("output_len", row.get("output_length"))
+                if olen is None:
+                    raise TypeError("no output_len")
+                olen = int(olen)
+            except (ValueError, TypeError, OverflowError, json.JSONDecodeError) as e:
                 raise ValueError(f"{path}:{lineno}: each line must be a JSON object with "
                                  f"arrival, prompt_len (or prompt) and output_len: {e}") from e
+            if not math.isfinite(arrival):
+                raise ValueError(f"{path}:{lineno}: arrival must be a finite number of "
+                                 f"seconds, got {arrival}")
             if prompt is None and plen is None:
                 raise ValueError(f"{path}:{lineno}: give prompt_len or prompt")
             if olen < 1 or (plen is not None and int(plen) < 1):
                 raise ValueError(f"{path}:{lineno}: lengths must be >= 1")
             specs.append((arrival, prompt, int(plen) if plen is not None else 0, olen))
+    if not specs:
+        raise ValueError(f"{path}: the trace holds no request")
     specs.sort(key=lambda s: s[0])
-    t0 = specs[0][0] if specs else 0.0
+    t0 = specs[0][0]
     return [RequestSpec(i, (a - t0) * time_scale, plen, olen, prompt=prompt)
             for i, (a, prompt, plen, olen) in enumerate(specs)]
