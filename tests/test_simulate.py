@@ -577,3 +577,19 @@ def test_a_trace_line_that_means_nothing_is_refused_by_its_line(tmp_path):
                     '{"arrival": 1.5, "prompt": "hi", "output_len": 1}\n')
     specs = load_trace(path, time_scale=2.0)
     assert [(s.arrival, s.output_len) for s in specs] == [(0.0, 1), (1.0, 3)]
+
+
+def test_simulate_refuses_weights_the_machine_cannot_hold_and_says_when_none_finished(
+        capsys):
+    from phasewise.cli import main
+
+    base = ["simulate", "--num-prompts", "4", "--request-rate", "5", "--output-len", "4"]
+    # 93 GB of bf16 weights on the 24 GB CPU of the catalog's smallest card
+    assert main([*base, "--model", "Mixtral-8x7B-v0.1", "--gpu", "l4",
+                 "--input-len", "64"]) == 2
+    assert "do not fit in" in capsys.readouterr().err
+    # every prompt longer than the context: no latency to summarise, and no nan printed
+    assert main([*base, "--model", "llama-3.1-8b", "--gpu", "h100-sxm", "--max-model-len",
+                 "512", "--input-len", "4096"]) == 0
+    out = capsys.readouterr().out
+    assert "TTFT (ms):" in out and "none (no request gave one)" in out and "nan" not in out

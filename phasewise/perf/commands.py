@@ -131,17 +131,17 @@ def engine_spec(cm: CostModel, a: argparse.Namespace, model: str | None = None) 
     # (the shape's own K/V bytes: a latent-attention model stores no per-head K/V)
     bb = int(cm.shape.kv_bytes_per_token(kv_element_bytes(cm))) * a.block_size
     plan = KVPlan.plan(config, limits, bb, "cpu" if cpu else "cuda")
+    weights = cm.shape.total_params * cm.wbytes
+    if cm.accel.mem_bytes > 0 and weights + bb > cm.accel.mem_bytes:
+        raise ValueError(f"{cm.shape.name}'s weights ({_gib(weights)}) do not fit in "
+                         f"{cm.accel.name}'s memory ({_gib(cm.accel.mem_bytes)}) with room "
+                         "for K/V")
     if config.kv_cache_memory is not None:
         what = f"--kv-cache-memory {config.kv_cache_memory}"
     elif cpu:
         what = f"{_gib(DEFAULT_CPU_KV_MEMORY)}, the engine's default on a CPU"
     else:
-        weights = cm.shape.total_params * cm.wbytes
         free = cm.accel.mem_bytes - weights
-        if free < bb:
-            raise ValueError(f"{cm.shape.name}'s weights ({_gib(weights)}) do not fit in "
-                             f"{cm.accel.name}'s memory ({_gib(cm.accel.mem_bytes)}) with room "
-                             "for K/V")
         plan = plan.on_free(int(free), config, limits)
         what = (f"an estimate: {CUDA_FREE_FRACTION:.0%} of the {free / 1e9:.1f} GB that "
                 f"{weights / 1e9:.1f} GB of weights leave of {cm.accel.name}'s "

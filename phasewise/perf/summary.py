@@ -298,8 +298,12 @@ def text_table(result: dict[str, Any]) -> str:
     row("Total token throughput (tok/s):", f"{result['total_token_throughput']:.2f}")
     for name, label in (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"),
                         ("e2el", "E2E latency")):
-        stats = "  ".join(f"{k} {result[f'{k}_{name}_ms']:.1f}" for k in
-                          ("mean", "median", "std", "p90", "p99"))
+        values = [result[f"{k}_{name}_ms"] for k in ("mean", "median", "std", "p90", "p99")]
+        if all(math.isnan(v) for v in values):  # nothing measured it (nan: no sample)
+            row(f"{label} (ms):", "none (no request gave one)")
+            continue
+        stats = "  ".join(f"{k} {v:.1f}" for k, v in
+                          zip(("mean", "median", "std", "p90", "p99"), values))
         row(f"{label} (ms):", stats)
     m = result.get("tpot_modes")
     if m:
