@@ -593,3 +593,21 @@ def test_simulate_refuses_weights_the_machine_cannot_hold_and_says_when_none_fin
                  "512", "--input-len", "4096"]) == 0
     out = capsys.readouterr().out
     assert "TTFT (ms):" in out and "none (no request gave one)" in out and "nan" not in out
+
+
+@pytest.mark.parametrize("flags,match", [
+    (["--cpus", "0"], "--cpus: "),
+    (["--name", "BAD_NAME!"], "--name: "),
+    (["--namespace", "Bad_NS"], "--namespace: "),
+    (["--model-path", "rel/path"], "--model-path: "),
+])
+def test_plan_refuses_a_manifest_flag_before_its_search(flags, match, capsys, monkeypatch):
+    """A manifest flag the manifests would refuse is refused by its name before the search
+    (minutes on a real workload), not after it."""
+    from phasewise.cli import main
+    from phasewise.perf import plan
+
+    monkeypatch.setattr(plan, "search", lambda *a, **k: pytest.fail("searched"))
+    assert main(["plan", "--model", "llama-3.1-8b", "--gpu", "h100-sxm", "--num-prompts", "4",
+                 "--goodput", "ttft:200", "tpot:10", *flags]) == 2
+    assert match in capsys.readouterr().err

@@ -316,6 +316,7 @@ def run_plan(a: argparse.Namespace, model: str,
         raise ValueError("plan searches over request rates, which a trace fixes: give the "
                          "workload as lengths and a rate (simulate takes --trace)")
     window = a.window
+    check_manifest_flags(a)  # before a search of minutes, not after it
 
     def at(r: float) -> list[RequestSpec]:
         # Enough requests that the rate holds for the window (a burst would measure a queue
@@ -383,6 +384,27 @@ def _ratios(items: list[str]) -> list[tuple[int, int]]:
                              f"got {item!r}")
         out.append((int(p), int(d)))
     return out
+
+
+def check_manifest_flags(a: argparse.Namespace) -> None:
+    """The manifests' flags, each checked as the manifests will check it, and refused by
+    its flag name (ValueError)."""
+    from phasewise.perf.k8s import DeploySpec, RoleResources
+
+    checks = (("--cpus", lambda: RoleResources(cpu=str(a.cpus), memory="1Gi")),
+              ("--name", lambda: DeploySpec(model_path="/models/m", name=a.name)),
+              ("--namespace", lambda: DeploySpec(model_path="/models/m",
+                                                 namespace=a.namespace)),
+              ("--image", lambda: DeploySpec(model_path="/models/m", image=a.image)),
+              ("--model-pvc", lambda: DeploySpec(model_path="/models/m",
+                                                 model_pvc=a.model_pvc)),
+              ("--model-path", lambda: a.model_path is None
+               or DeploySpec(model_path=a.model_path)))
+    for flag, check in checks:
+        try:
+            check()
+        except ValueError as e:
+            raise ValueError(f"{flag}: {e}") from None
 
 
 def write_manifests(a: argparse.Namespace, model: str, best: Any, dep: Deployment,

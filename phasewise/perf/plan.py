@@ -27,7 +27,7 @@ from typing import Any
 
 from phasewise.engine.slo import SLO
 from phasewise.perf.costmodel import CostModel
-from phasewise.perf.simulate import Deployment, EngineSpec, simulate
+from phasewise.perf.simulate import MAX_WORKERS, Deployment, EngineSpec, simulate
 from phasewise.perf.workload import RequestSpec
 
 ATTAINMENT = 0.9
@@ -225,8 +225,15 @@ def size(best: Candidate, wl: Workload, cost: CostModel, slo: dict[str, float]) 
         return None
     units = max(1, math.ceil(wl.rate / best.goodput))
     d = best.deployment
+    per_unit = d.replicas if d.mode == "colocated" else max(d.prefill, d.decode)
+    if units * per_unit > MAX_WORKERS:
+        raise ValueError(f"{wl.rate:g} req/s needs about {units} units of {d.describe()}: "
+                         f"more than the {MAX_WORKERS} workers of a role a simulation (or a "
+                         "Deployment) holds; size for a lower --request-rate")
     for attempt in range(5):
         if attempt:
+            if (units + 1) * per_unit > MAX_WORKERS:
+                break
             units += 1
         dep = replace(d, replicas=units) if d.mode == "colocated" else \
             replace(d, prefill=d.prefill * units, decode=d.decode * units)
