@@ -611,3 +611,13 @@ def test_plan_refuses_a_manifest_flag_before_its_search(flags, match, capsys, mo
     assert main(["plan", "--model", "llama-3.1-8b", "--gpu", "h100-sxm", "--num-prompts", "4",
                  "--goodput", "ttft:200", "tpot:10", *flags]) == 2
     assert match in capsys.readouterr().err
+
+
+def test_a_normal_length_below_one_token_is_refused():
+    """normal:0,0 drew every length as 1 (clamped): outputs with no decode, TPOT nan."""
+    from phasewise.perf.workload import LengthDist
+
+    for bad in ("normal:0,0", "normal:5,2,max=0"):
+        with pytest.raises(ValueError, match=">= 1"):
+            LengthDist.parse(bad)
+    assert LengthDist.parse("normal:5,2,max=9").max == 9

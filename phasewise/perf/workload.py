@@ -50,8 +50,10 @@ class LengthDist:
                        int(m.group(3)) if m.group(3) else None)
         else:
             raise ValueError(f"length distribution must be {allowed}; got {text!r}")
-        if dist.kind != "normal" and dist.a < 1:
+        if dist.a < 1:  # (a normal's mean too: below 1 every draw is clamped to 1)
             raise ValueError(f"lengths must be >= 1; got {text!r}")
+        if dist.kind == "normal" and dist.max is not None and dist.max < 1:
+            raise ValueError(f"a normal's max must be >= 1; got {text!r}")
         if dist.kind == "uniform" and dist.b < dist.a:
             raise ValueError(f"uniform range must be LO-HI with LO <= HI; got {text!r}")
         return dist
