@@ -48,11 +48,14 @@ def analyse(model: ModelShape | GenericModel, accel: Accelerator, dtype: str = "
                    if skew is None else
                    f"E = {skew:.1f}, fitted to the experts measured (--experts-read): its "
                    f"router touches as few as {skew:.1f} equally likely experts would")
+        grows = (f"so its weight bytes grow with the batch toward the "
+                 f"{model.total_params / 1e9:.2f}B total" if skew is None or skew > k + 1e-6
+                 else f"so every batch reads the same {k} experts a layer: its tokens all "
+                 "route alike")
         notes.append(f"MoE: FLOPs use the {model.active_params / 1e9:.2f}B active parameters; "
                      f"a step reads only the experts its tokens route to: of {e} per layer, "
                      f"{k} at one token and E(1-(1-{k}/E)^T) in expectation at T tokens "
-                     f"({routing}), so its weight bytes grow with the batch toward the "
-                     f"{model.total_params / 1e9:.2f}B total")
+                     f"({routing}), {grows}")
     if mfu != 1.0 or mbu != 1.0:
         notes.append(f"predictions at {mfu:.0%} of peak FLOP/s (MFU) and {mbu:.0%} of peak "
                      "bandwidth (MBU)")
@@ -203,7 +206,10 @@ def format_text(a: dict[str, Any]) -> str:
     lines.append(f"critical batch (decode turns compute-bound): {crit}"
                  + ("" if m["kv_bytes_per_token"] else " (weights only)"))
     never = a["never_compute_bound_beyond_context"]
-    if never is not None:
+    if never is not None and never < 1:
+        lines.append("  at no context does decode turn compute-bound: each sequence's KV "
+                     "reads outweigh its arithmetic from its first token")
+    elif never is not None:
         lines.append(f"  beyond a context of {never:.0f} tokens decode never turns "
                      "compute-bound: each sequence's KV reads outweigh its arithmetic")
     mc = a["max_concurrent_requests"]
