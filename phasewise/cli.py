@@ -290,12 +290,15 @@ def cmd_bench_report(a: argparse.Namespace) -> int:
 def cmd_roofline(a: argparse.Namespace) -> int:
     import json
 
-    from phasewise.perf.analysis import analyse, format_catalog, format_text
+    from phasewise.perf.analysis import analyse, catalog_dict, format_catalog, format_text
     from phasewise.perf.hardware import lookup_accelerator, lookup_link
     from phasewise.perf.models import GenericModel, lookup_model, with_routing
 
     if a.list:
-        print(format_catalog())
+        if a.json:
+            print(json.dumps(catalog_dict(), indent=2))
+        else:
+            print(format_catalog())
         return 0
     if (a.model is None) == (a.params is None):
         raise ValueError("give exactly one of --model NAME|PATH or --params N (e.g. 7e9)")

@@ -287,3 +287,18 @@ def test_make_tiny_refuses_a_checkpoint_it_would_write_broken(tmp_path, capsys, 
     assert main(["make-tiny", str(tmp_path / "m"), *flags]) == 2
     assert match in capsys.readouterr().err
     assert not (tmp_path / "m").exists()  # nothing half-written
+
+
+def test_roofline_list_as_json_holds_the_catalog(capsys):
+    import json
+
+    from phasewise.perf.models import CATALOG
+
+    assert main(["roofline", "--list", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    names = {m["name"] for m in got["models"]}
+    assert names == {m.name for m in CATALOG.values()}
+    mixtral = next(m for m in got["models"] if m["name"] == "Mixtral-8x7B-v0.1")
+    assert mixtral["active_params"] < mixtral["total_params"] and mixtral["source"]
+    assert {"h100-sxm", "h200"} <= {a["key"] for a in got["accelerators"]}
+    assert got["links"] and all(link["bandwidth_Bps"] > 0 for link in got["links"])

@@ -246,6 +246,26 @@ def _accelerator_lines(acc: Accelerator) -> list[str]:
     return lines
 
 
+def catalog_dict() -> dict[str, Any]:
+    """``phasewise roofline --list --json``: the catalog's accelerators, models and links,
+    each with its figures and source (the stored cpu-local / gpu-local ones too)."""
+    from dataclasses import asdict
+
+    from phasewise.perf.hardware import ACCELERATORS, LINKS, load_local
+    from phasewise.perf.models import CATALOG
+
+    accels = [a.as_dict() for a in ACCELERATORS.values()]
+    for key in ("cpu-local", "gpu-local"):
+        try:
+            accels.append(load_local(key).as_dict())
+        except (ValueError, KeyError, TypeError):  # not measured, or a damaged file
+            pass
+    models = [dict(asdict(m), total_params=m.total_params, active_params=m.active_params)
+              for m in CATALOG.values()]
+    return {"accelerators": accels, "models": models,
+            "links": [link.as_dict() for link in LINKS.values()]}
+
+
 def format_catalog(local: dict[str, Accelerator | str] | None = None) -> str:
     """``phasewise roofline --list``: every catalog entry with its figures and their source.
     ``local``: the measured ``cpu-local`` / ``gpu-local`` accelerators, or for each one a line
