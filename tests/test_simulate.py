@@ -621,3 +621,19 @@ def test_a_normal_length_below_one_token_is_refused():
         with pytest.raises(ValueError, match=">= 1"):
             LengthDist.parse(bad)
     assert LengthDist.parse("normal:5,2,max=9").max == 9
+
+
+def test_a_failure_due_after_the_run_has_ended_fails_nothing():
+    """--fail-at past the last token: the summary says nothing failed, not that replica 0
+    failed with nothing moved."""
+    from phasewise.perf.workload import LengthDist
+
+    cm = CostModel(lookup_model("llama-3.1-8b"), lookup_accelerator("h100-sxm"))
+    specs = build_workload(6, LengthDist.parse("64"), LengthDist.parse("8"), request_rate=5.0,
+                           seed=1)
+    eng = EngineSpec(block_size=16, max_num_batched_tokens=256, max_num_seqs=8,
+                     max_model_len=512, num_kv_blocks=256)
+    late = simulate(cm, eng, Deployment(replicas=2, fail_at=1e9), specs)
+    assert "migrated" not in late["simulated"] and late["completed"] == 6
+    early = simulate(cm, eng, Deployment(replicas=2, fail_at=0.0), specs)
+    assert "migrated" in early["simulated"] and early["completed"] == 6

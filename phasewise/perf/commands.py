@@ -260,20 +260,25 @@ def run_simulate(a: argparse.Namespace, model: str,
                     "intruder_len": a.intruder_len if a.intruder_fraction else None,
                     "trace": a.trace, "sweep": sweep, "model_id": model,
                     "date": time.strftime("%Y%m%d-%H%M%S"), "simulation_wall_s": wall})
-        print(f"\n==== {label}: request rate {rate:g} req/s (simulated: {len(specs)} "
-              f"requests in {wall:.2f} s) ====")
+        rate_text = "a trace's arrivals" if a.trace else f"request rate {rate:g} req/s"
+        print(f"\n==== {label}: {rate_text} ({len(specs)} requests; the simulation took "
+              f"{wall:.2f} s of wall time) ====")
         print(text_table(out))
         sim = out["simulated"]
         if "migrated" in sim:
             print(f"replica 0 failed at {dep.fail_at:g} s: {sim['migrated']} request(s) "
                   "moved to the others, each recomputing its prompt and outputs there")
+        elif dep.fail_at is not None:
+            print(f"replica 0 was to fail at {dep.fail_at:g} s, after the run had ended: "
+                  "nothing failed")
         adm = sim.get("admission")
         if adm is not None:
             why = ", ".join(f"{n} {r}" for r, n in sorted(adm["by_reason"].items())) or "none"
             met = adm["admitted_met_slo"]
+            which = ("both SLOs" if {"ttft", "tpot"} <= set(slo)
+                     else "the " + "/".join(k.upper() for k in slo) + " SLO")
             print(f"SLO admission: {adm['refused']} refused ({why}), {adm['admitted']} "
-                  f"admitted" + ("" if met is None else
-                                 f", of which {met:.1%} met both SLOs"))
+                  f"admitted" + ("" if met is None else f", of which {met:.1%} met {which}"))
         for w in sim["workers"]:
             print(f"{w['name']:<14} {w['role']:<8} busy {w['utilization']:6.1%}  steps "
                   f"{w['steps']}  preemptions {w['preemptions']}")

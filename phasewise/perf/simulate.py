@@ -253,6 +253,7 @@ class Simulation:
         self.remote_prefills = 0
         self.refused: dict[str, str] = {}  # request id -> why admission refused it
         self.migrated = 0  # requests moved off a failed replica (Deployment.fail_at)
+        self.failed = False  # whether it failed before the run ended
         self.local_prefills: dict[str, int] = {}
         self.transfer_s: list[float] = []
         self._remote_of: dict[str, Request] = {}  # the prefill workers' side of a request
@@ -265,6 +266,7 @@ class Simulation:
     def run(self, specs: Sequence[RequestSpec], slo: dict[str, float] | None = None
             ) -> dict[str, Any]:
         self.requests: list[tuple[RequestSpec, Request]] = []
+        self._sent_all = len(specs)  # the requests the run sends
         for spec in specs:
             self._at(spec.arrival, lambda spec=spec: self._send(spec))
         if self.dep.fail_at is not None:
@@ -292,8 +294,11 @@ class Simulation:
         """Replica 0 dies: each request it held moves to the others, its outputs so far
         recomputed there with its prompt (``LLMEngine.add_request``'s resume); its timings
         go on, so the move shows as the gap before its next token."""
+        if len(self.requests) == self._sent_all and all(r.finished for _, r in self.requests):
+            return  # the run ended before the failure was due: nothing fails
         dead = self.front[0]
         dead.dead = True
+        self.failed = True
         self.front = self.front[1:]
         where = {req.request_id: i for i, (_, req) in enumerate(self.requests)}
         s = dead.scheduler
@@ -561,7 +566,7 @@ class Simulation:
             "mean_transfer_wait_ms": (1e3 * sum(self.transfer_s) / len(self.transfer_s)
                                       if self.transfer_s else None),
         }
-        if self.dep.fail_at is not None:
+        if self.dep.fail_at is not None and self.failed:
             out["simulated"]["migrated"] = self.migrated
         if self.dep.admission is not None:
             admitted = [r for r in results if r.error is None or
