@@ -114,7 +114,8 @@ def _engine_kwargs(a: argparse.Namespace) -> dict:
         read_plan_file(a.kernel_plan)
     return dict(dtype=a.dtype, device=a.device, max_model_len=a.max_model_len,
                 block_size=a.block_size, kv_cache_memory=a.kv_cache_memory,
-                num_kv_blocks=a.num_kv_blocks, max_num_batched_tokens=a.max_num_batched_tokens, max_num_seqs=a.max_num_seqs,
+                num_kv_blocks=a.num_kv_blocks, max_num_batched_tokens=a.max_num_batched_tokens,
+                max_num_seqs=a.max_num_seqs,
                 policy=a.policy, enable_prefix_caching=not a.no_prefix_caching, seed=a.seed,
                 kernels=a.kernels, quantization=a.quantization, speculative=a.speculative,
                 num_speculative_tokens=a.num_speculative_tokens, load_format=a.load_format,

@@ -131,9 +131,12 @@ def experts_line(eng: Any, prefill_steps: list[Any], run_steps: list[Any]) -> st
 
     shape = ModelShape.from_path(eng.config.model)
     e, k = shape.num_experts, shape.experts_per_token
+    from phasewise.perf.attribution import engine_weight_dtype
+    from phasewise.perf.roofline import DTYPE_BYTES
+
     # int8 quantizes the attention and the LM head; the experts keep the model's dtype
     moe_wbytes = eng.dtype.itemsize
-    wbytes = 1 if eng.config.quantization == "int8" else moe_wbytes
+    wbytes = DTYPE_BYTES[engine_weight_dtype(eng)]
     parts = []
     if pre:
         parts.append(f"prefill read {sum(pre) / len(pre):.1f} of {e} experts a layer")

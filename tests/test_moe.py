@@ -229,6 +229,21 @@ def test_the_dashboard_feed_carries_the_experts_each_step_read(moe_checkpoints):
     assert rows[-1][col] == 2.0  # a decode of one sequence: its 2 a token
 
 
+def _bf16_model(path, arch: str, seed: int, max_positions: int):
+    """A tiny bf16 checkpoint of ``arch`` loaded for the CPU kernels (skips without them)."""
+    import torch
+
+    from phasewise.model.cpu import kernels
+    from phasewise.model.loader import load_model
+
+    if kernels.load() is None:
+        pytest.skip(f"CPU kernels unavailable: {kernels.KERNELS.reason}")
+    build_hf_checkpoint(path, arch, dtype=torch.bfloat16, seed=seed)
+    cfg = ModelConfig.from_file(path)
+    return cfg, load_model(path, cfg, dtype=torch.bfloat16, device=torch.device("cpu"),
+                           max_positions=max_positions)
+
+
 @pytest.mark.parametrize("arch", MOE)
 def test_the_fused_decode_stack_routes_and_runs_experts_bit_for_bit(tmp_path, arch):
     """On the CPU kernels a decode step of up to 6 rows runs every layer, its router and its
@@ -242,14 +257,8 @@ def test_the_fused_decode_stack_routes_and_runs_experts_bit_for_bit(tmp_path, ar
     from phasewise.model.cpu.linear import LinearDispatch
     from phasewise.model.cpu.ops import CpuKernelOps
     from phasewise.model.linear_types import PanelLinear
-    from phasewise.model.loader import load_model
 
-    if kernels.load() is None:
-        pytest.skip(f"CPU kernels unavailable: {kernels.KERNELS.reason}")
-    build_hf_checkpoint(tmp_path, arch, dtype=torch.bfloat16, seed=5)
-    cfg = ModelConfig.from_file(tmp_path)
-    model = load_model(tmp_path, cfg, dtype=torch.bfloat16, device=torch.device("cpu"),
-                       max_positions=128)
+    cfg, model = _bf16_model(tmp_path, arch, seed=5, max_positions=128)
     class Stack(CpuKernelOps):  # whether the one-call stack ran the step
         took = False
 
@@ -391,22 +400,12 @@ def test_a_sparse_layer_of_many_rows_runs_in_one_c_call_bit_for_bit(tmp_path, ar
     runs."""
     import torch
 
-    from phasewise.model.cpu import kernels
+    from cpu_helpers import op_by_op
     from phasewise.model.cpu.linear import LinearDispatch
     from phasewise.model.cpu.ops import MOE_FUSED_ROWS, CpuKernelOps
-    from phasewise.model.loader import load_model
 
-    if kernels.load() is None:
-        pytest.skip(f"CPU kernels unavailable: {kernels.KERNELS.reason}")
-    build_hf_checkpoint(tmp_path, arch, dtype=torch.bfloat16, seed=6)
-    cfg = ModelConfig.from_file(tmp_path)
-    model = load_model(tmp_path, cfg, dtype=torch.bfloat16, device=torch.device("cpu"),
-                       max_positions=64)
+    cfg, model = _bf16_model(tmp_path, arch, seed=6, max_positions=64)
     moe = model.layers[0].moe
-
-    class Loop(CpuKernelOps):
-        def moe_mlp(self, moe, x):
-            return None
 
     class Fused(CpuKernelOps):
         took: list[tuple[int, bool]] = []
@@ -416,8 +415,9 @@ def test_a_sparse_layer_of_many_rows_runs_in_one_c_call_bit_for_bit(tmp_path, ar
             self.took.append((x.shape[0], out is not None))
             return out
 
-    fused, loop = (cls(LinearDispatch(kernel_max_rows=8, large="torch"))
-                   for cls in (Fused, Loop))
+    fused = Fused(LinearDispatch(kernel_max_rows=8, large="torch"))
+    # the loop over the experts, on the same kernels: the C call off
+    loop = op_by_op(CpuKernelOps(LinearDispatch(kernel_max_rows=8, large="torch")))
     g = torch.Generator().manual_seed(3)
     for rows in (1, 5, 7, 8, 13, MOE_FUSED_ROWS, MOE_FUSED_ROWS + 1):
         x = (torch.randn(rows, cfg.hidden_size, generator=g) * 2).bfloat16()

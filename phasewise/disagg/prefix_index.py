@@ -73,13 +73,6 @@ class WorkerBlocks:
         holds in a row; under a sliding ``window`` every layer shares, the longest prefix
         whose window's blocks it holds (those behind may have gone), as the worker's own
         lookup counts (``phasewise.cache.manager.windowed_hit``)."""
-        if window is None:
-            n = 0
-            for h in hashes:
-                if h not in self.blocks:
-                    break
-                n += 1
-            return n
         return windowed_hit([h in self.blocks for h in hashes], block_size, window)
 
     def enter(self, hashes: Sequence[bytes]) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -149,25 +150,15 @@ class CpuKernelOps(TorchOps):
         if (not self.fused_decode or self.lib is None or not 1 <= rows <= MOE_FUSED_ROWS
                 or x.dim() != 2):
             return None
-        args = self._moe_args.get(id(moe))
-        if args is None:
-            shared = ((moe.shared_gate_up.weight, moe.shared_down.weight,
-                       moe.shared_expert_gate.weight) if moe.has_shared else ())
-            if (moe.num_experts > self.kernels.max_experts
-                    or not self._ok(x, moe.gate.weight, moe.gate_up, moe.down, *shared)):
-                return None
-            args = kernels.DecodeLayerArgs(H=x.shape[1], I=moe.inter)
-            args.n_experts, args.top_k, args.norm_topk = (moe.num_experts, moe.top_k,
-                                                          int(moe.norm_topk_prob))
-            args.w_router, args.w_experts_gate_up, args.w_experts_down = (
-                moe.gate.weight.data_ptr(), moe.gate_up.data_ptr(), moe.down.data_ptr())
-            if shared:
-                args.shared_I = moe.shared_down.weight.shape[1]
-                args.w_shared_gate_up, args.w_shared_down, args.w_shared_gate = (
-                    w.data_ptr() for w in shared)
-            self._moe_args[id(moe)] = args
         if not self._ok(x):
             return None
+        args = self._moe_args.get(id(moe))
+        if args is None:
+            fields = self._moe_fields(moe)
+            if fields is None:
+                return None
+            args = self._moe_args[id(moe)] = kernels.DecodeLayerArgs(H=x.shape[1],
+                                                                     I=moe.inter, **fields)
         out = torch.empty_like(x)
         args.nthreads = torch.get_num_threads()
         rc = self.lib.pw_moe_mlp_bf16(ctypes.byref(args), x.data_ptr(), rows, out.data_ptr())
@@ -584,16 +575,32 @@ class CpuKernelOps(TorchOps):
         self._stack = (layers, ptrs, (args, k_ptrs, v_ptrs))
         return self._stack[2]
 
+    def _moe_fields(self, moe: nn.Module) -> dict[str, Any] | None:
+        """A ``SparseMoE``'s fields of ``DecodeLayerArgs``: its router, experts and shared
+        expert with its gate, streamed (the C layer routes); None where the C routing cannot
+        run it (more experts than it routes among, weights it cannot read)."""
+        shared = ((moe.shared_gate_up.weight, moe.shared_down.weight,
+                   moe.shared_expert_gate.weight) if moe.has_shared else ())
+        if (moe.num_experts > self.kernels.max_experts
+                or not self._ok(moe.gate.weight, moe.gate_up, moe.down, *shared)):
+            return None
+        fields = dict(n_experts=moe.num_experts, top_k=moe.top_k,
+                      norm_topk=int(moe.norm_topk_prob), w_router=moe.gate.weight.data_ptr(),
+                      w_experts_gate_up=moe.gate_up.data_ptr(),
+                      w_experts_down=moe.down.data_ptr())
+        if shared:
+            fields.update(shared_I=moe.shared_down.weight.shape[1],
+                          **{name: w.data_ptr() for name, w in zip(
+                              ("w_shared_gate_up", "w_shared_down", "w_shared_gate"), shared)})
+        return fields
+
     def _static_args(self, layer: nn.Module) -> kernels.DecodeLayerArgs | None:
         """The per-layer fields (shapes, weight pointers); None if a weight is unsuitable, or
         the layer's MLP is a mixture of experts the fused layer does not compute (more experts
         than it routes among)."""
         moe = getattr(layer, "moe", None)
-        shared = ((moe.shared_gate_up.weight, moe.shared_down.weight,
-                   moe.shared_expert_gate.weight) if moe is not None and moe.has_shared else ())
-        if moe is not None and (moe.num_experts > self.kernels.max_experts
-                                or not self._ok(moe.gate.weight, moe.gate_up, moe.down,
-                                                *shared)):
+        moe_fields = self._moe_fields(moe) if moe is not None else {}
+        if moe_fields is None:
             return None
         cfg = layer.cfg
         projections = layer.projections()  # qkv, o, gate_up, down (DecoderLayer.projections)
@@ -631,15 +638,8 @@ class CpuKernelOps(TorchOps):
             n_heads=cfg.num_heads, n_kv=cfg.num_kv_heads, hd=cfg.head_dim,
             qk_norm=int(cfg.qk_norm), eps=cfg.rms_norm_eps, scale=layer.scale,
             window=layer.window or 0)
-        if moe is not None:  # its router and experts, streamed (the C layer routes)
-            args.n_experts, args.top_k, args.norm_topk = (moe.num_experts, moe.top_k,
-                                                          int(moe.norm_topk_prob))
-            args.w_router, args.w_experts_gate_up, args.w_experts_down = (
-                moe.gate.weight.data_ptr(), moe.gate_up.data_ptr(), moe.down.data_ptr())
-            if shared:  # and its shared expert and that one's gate
-                args.shared_I = moe.shared_down.weight.shape[1]
-                args.w_shared_gate_up, args.w_shared_down, args.w_shared_gate = (
-                    w.data_ptr() for w in shared)
+        for name, value in moe_fields.items():
+            setattr(args, name, value)
         for name, w in weights.items():
             setattr(args, name, w.data_ptr() if w is not None else None)
         return args
