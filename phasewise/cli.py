@@ -67,7 +67,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=d["device"],
                    help=f"{', '.join(DEVICES)} or cuda:N (default: {d['device']})")
     p.add_argument("--max-model-len", type=int, default=d["max_model_len"])
-    p.add_argument("--block-size", type=int, default=d["block_size"])
+    p.add_argument("--block-size", type=int, default=d["block_size"],
+                   help="tokens per KV block, 1..1024 and at most the context (default 16)")
     p.add_argument("--kv-cache-memory", default=d["kv_cache_memory"],
                    help="KV pool size, e.g. 512MiB or 4GiB")
     p.add_argument("--num-kv-blocks", type=int, default=d["num_kv_blocks"],
@@ -303,6 +304,16 @@ def cmd_roofline(a: argparse.Namespace) -> int:
         return 0
     if (a.model is None) == (a.params is None):
         raise ValueError("give exactly one of --model NAME|PATH or --params N (e.g. 7e9)")
+    for flag, value, least in (("--prompt-len", a.prompt_len, 1), ("--prefix-len", a.prefix_len, 0),
+                               ("--output-len", a.output_len, 1), ("--batch", a.batch, 1),
+                               ("--context", a.context, 0)):
+        if value is not None and value < least:
+            raise ValueError(f"{flag} must be an integer >= {least}, got {value}")
+    for flag, value in (("--mfu", a.mfu), ("--mbu", a.mbu)):
+        if not 0 < value <= 1:
+            raise ValueError(f"{flag} is a fraction of the peak: in (0, 1], got {value}")
+    if not 0 <= a.reserve < 1:
+        raise ValueError(f"--reserve is a fraction of memory: in [0, 1), got {a.reserve}")
     model = GenericModel(a.params) if a.params is not None else lookup_model(a.model)
     if a.experts_read is not None:
         model = with_routing(model, a.experts_read)
@@ -442,7 +453,8 @@ def _add_sim_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--link", default=None, help="P/D: the K/V link (catalog key; default: "
                    "instant)")
     p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--block-size", type=int, default=d["block_size"])
+    p.add_argument("--block-size", type=int, default=d["block_size"],
+                   help="tokens per KV block, 1..1024 and at most the context (default 16)")
     p.add_argument("--kv-cache-memory", default=None,
                    help="K/V pool per engine (default: 1GiB on a CPU; on an accelerator 90%% "
                    "of its memory less the weights)")

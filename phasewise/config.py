@@ -19,6 +19,10 @@ LOAD_FORMATS = ("safetensors", "dummy")
 # Speculative decoding (phasewise.engine.spec): proposers, and --num-speculative-tokens.
 SPECULATIVE_CHOICES = ("ngram",)
 DEFAULT_SPECULATIVE_TOKENS = 4
+# A block of K/V belongs to one sequence: past a few dozen tokens its bookkeeping is already
+# amortised, and a longer block only wastes the unfilled tail of each sequence's last block and
+# coarsens prefix caching (hits are whole blocks).
+MAX_BLOCK_SIZE = 1024
 MAX_SPECULATIVE_TOKENS = 16  # the verify rows of one request in a step, at most 1 + this
 # The scheduler's policies (phasewise.engine.scheduler runs them; the CLI offers them).
 POLICIES = ("chunked", "prefill-first")
@@ -162,6 +166,9 @@ class EngineConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+        if self.block_size > MAX_BLOCK_SIZE:
+            raise ValueError(f"block_size must be in 1..{MAX_BLOCK_SIZE} tokens (default 16), "
+                             f"got {self.block_size}")
         for name in ("max_model_len", "num_kv_blocks", "max_num_batched_tokens"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):

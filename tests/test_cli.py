@@ -268,6 +268,34 @@ def test_numbers_that_mean_nothing_are_refused_by_their_flag(argv, capsys):
     assert f"argument {argv[1]}: must be a finite number > 0" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flags,match", [
+    (["--prompt-len", "0"], "--prompt-len must be an integer >= 1, got 0"),
+    (["--prefix-len", "-1"], "--prefix-len must be an integer >= 0"),
+    (["--batch", "0"], "--batch must be an integer >= 1"),
+    (["--context", "-1"], "--context must be an integer >= 0"),
+    (["--mbu", "nan"], "--mbu is a fraction of the peak"),
+    (["--reserve", "1"], "--reserve is a fraction of memory"),
+])
+def test_roofline_names_the_flag_whose_number_means_nothing(flags, match, capsys):
+    assert main(["roofline", "--model", "llama-3.1-8b", *flags]) != 0
+    assert match in capsys.readouterr().err
+
+
+def test_a_decode_batch_of_one_length_is_priced_without_a_row_per_sequence():
+    """batch x one context is arithmetic, not a list of batch contexts (a batch of 1e12 took
+    the memory of a list that long); it prices as the list would."""
+    from phasewise.perf.hardware import lookup_accelerator
+    from phasewise.perf.models import lookup_model
+    from phasewise.perf.roofline import Roofline
+
+    r = Roofline(lookup_model("llama-3.1-8b"), lookup_accelerator("h100-sxm"), "bf16")
+    one, listed = r.decode(5, 700), r.decode(5, [700] * 5)
+    assert (one.flops, one.bytes, one.kv_read_bytes) == (
+        listed.flops, listed.bytes, listed.kv_read_bytes)
+    huge = r.decode(10**12, 700)
+    assert huge.kv_read_bytes == pytest.approx(one.kv_read_bytes * 2 * 10**11)
+
+
 def test_an_slo_must_be_a_finite_number_given_once():
     from phasewise.perf.summary import parse_slo
 

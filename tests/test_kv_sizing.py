@@ -35,6 +35,17 @@ def test_a_budget_lowers_a_default_context_and_refuses_a_given_one():
         KVPlan.plan(EngineConfig(model="m", max_model_len=2048), MC, BLOCK, "cpu")
 
 
+def test_a_block_longer_than_the_context_or_the_limit_is_refused():
+    from phasewise.config import MAX_BLOCK_SIZE
+
+    with pytest.raises(ValueError, match="block_size 64 exceeds the context length 32"):
+        KVPlan.plan(EngineConfig(model="m", block_size=64, max_model_len=32), MC, BLOCK, "cpu")
+    plan = KVPlan.plan(EngineConfig(model="m", block_size=32, max_model_len=32), MC, BLOCK, "cpu")
+    assert plan.max_model_len == 32
+    with pytest.raises(ValueError, match=f"block_size must be in 1..{MAX_BLOCK_SIZE}"):
+        EngineConfig(model="m", block_size=MAX_BLOCK_SIZE + 1)
+
+
 def test_cuda_without_a_budget_waits_for_the_memory_the_weights_leave():
     cfg = EngineConfig(model="m")
     plan = KVPlan.plan(cfg, MC, BLOCK, "cuda")

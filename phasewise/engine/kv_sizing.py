@@ -72,6 +72,10 @@ class KVPlan:
         if config.max_model_len and config.max_model_len > mc.max_position_embeddings:
             raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's "
                              f"max_position_embeddings ({mc.max_position_embeddings})")
+        if config.block_size > max_len:  # a block holds one sequence's tokens
+            raise ValueError(f"block_size {config.block_size} exceeds the context length "
+                             f"{max_len}: no sequence could fill a block; choose a block_size "
+                             f"of {max_len} or less")
         most = config.max_num_seqs * window_blocks(max_len, config.block_size, mc.kv_window) + 1
         num_blocks: int | None
         if config.num_kv_blocks is not None:

@@ -241,17 +241,18 @@ class Roofline:
     def decode(self, batch: int = 1, context: int | Sequence[int] = 0) -> StepCost:
         """One decode step of ``batch`` sequences; ``context`` is each one's length with the
         new token (a number for all, or one per sequence). 0: weights only."""
-        if isinstance(context, int):
-            contexts = [context] * batch
+        if isinstance(context, int):  # one length for all: priced once, times the batch
+            contexts = [context]
+            times = batch
         else:
             contexts = list(context)
-            batch = len(contexts)
+            batch, times = len(contexts), 1
         if batch < 1 or any(c < 0 for c in contexts):
             raise ValueError("decode needs batch >= 1 and contexts >= 0")
         flops = batch * (self._linear_flops_per_token() + self._lm_head_flops()) \
-            + self._attn_flops(sum(self._span(c) for c in contexts))
+            + self._attn_flops(times * sum(self._span(c) for c in contexts))
         kvpt = self.kv_bytes_per_token or 0.0
-        kv_read = sum(self._span(max(c - 1, 0)) for c in contexts) * kvpt
+        kv_read = times * sum(self._span(max(c - 1, 0)) for c in contexts) * kvpt
         kv_write = batch * kvpt if any(contexts) else 0.0
         act = self._act_bytes(batch)
         weights = self.step_weight_bytes(batch)
