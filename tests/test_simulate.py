@@ -428,6 +428,20 @@ def test_plan_ranks_by_goodput_per_accelerator_gives_reasons_and_sizes_the_winne
     assert sized.deployment.accelerators == sized.units * cands[0].accelerators
 
 
+def test_a_prefill_first_candidate_is_not_labelled_with_a_budget_it_ignores():
+    """prefill-first steps take whole prompts (the scheduler raises its budget to the
+    context), so the plan names no budget for it; chunked keeps its own."""
+    from dataclasses import replace
+
+    from phasewise.perf.plan import Candidate
+
+    spec = replace(ENGINE, max_num_batched_tokens=16)
+    pf = Candidate(Deployment("colocated"), replace(spec, policy="prefill-first"))
+    assert pf.engine.scheduler_config().max_num_batched_tokens == spec.max_model_len != 16
+    assert "16" not in pf.label() and "whole prompts" in pf.label()
+    assert Candidate(Deployment("colocated"), spec).label().endswith("budget 16")
+
+
 def test_plan_cli_writes_manifests_that_validate(tmp_path, capsys):
     kubernetes_validate = pytest.importorskip("kubernetes_validate")
     import yaml

@@ -61,6 +61,8 @@ class Candidate:
 
     def label(self) -> str:
         d, e = self.deployment, self.engine
+        if d.mode == "colocated" and e.policy == "prefill-first":  # the budget is not used:
+            return "co-located, prefill-first, whole prompts"  # a step takes whole prompts
         if d.mode == "colocated":
             return f"co-located, {e.policy}, budget {e.max_num_batched_tokens}"
         return f"P/D {d.prefill}:{d.decode}, threshold {d.threshold}, budget " \
