@@ -429,3 +429,38 @@ def test_a_sparse_layer_of_many_rows_runs_in_one_c_call_bit_for_bit(tmp_path, ar
         assert read == moe.last_experts, rows
     sizes = (1, 5, 7, 8, 13, MOE_FUSED_ROWS)
     assert fused.took == [(r, True) for r in sizes] + [(MOE_FUSED_ROWS + 1, False)]
+
+
+def test_a_row_routes_alike_on_every_cpu_kernel_path(tmp_path):
+    """The fused call and SparseMoE's own loop share one routing (``pw_moe_route``): a
+    scalar softmax and torch's vectorised one differ in the last bit, and a renormalised
+    weight on a bf16 rounding midpoint carried that into a row's output (small inputs put
+    routing probabilities near such midpoints). Every row count the call takes, at two
+    threads, small and unit inputs: the same bits. A NaN logit still picks valid experts."""
+    import torch
+
+    from cpu_helpers import op_by_op
+    from phasewise.model.cpu.linear import LinearDispatch
+    from phasewise.model.cpu.ops import MOE_FUSED_ROWS, CpuKernelOps
+
+    cfg, model = _bf16_model(tmp_path, "MixtralForCausalLM", seed=11, max_positions=64)
+    moe = model.layers[0].moe
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        fused = CpuKernelOps(LinearDispatch(kernel_max_rows=8, large="torch"))
+        loop = op_by_op(CpuKernelOps(LinearDispatch(kernel_max_rows=8, large="torch")))
+        g = torch.Generator().manual_seed(2)
+        for scale in (0.01, 1.0):
+            for rows in range(1, MOE_FUSED_ROWS + 1):
+                x = (torch.randn(rows, cfg.hidden_size, generator=g) * scale).bfloat16()
+                with torch.no_grad():
+                    got, read = moe(x, fused), moe.last_experts
+                    want = moe(x, loop)
+                assert torch.equal(got, want) and read == moe.last_experts, (scale, rows)
+    finally:
+        torch.set_num_threads(threads)
+    logits = torch.tensor([[0.5, float("nan"), 1.0, 0.25]]).bfloat16()
+    weights, chosen = fused.moe_route(logits, 2, True)
+    assert chosen.shape == (1, 2) and set(chosen[0].tolist()) <= set(range(4))
+    assert len(set(chosen[0].tolist())) == 2

@@ -32,6 +32,19 @@ class TorchOps:
         loop over the experts runs it."""
         return None
 
+    def moe_route(self, logits: torch.Tensor, top_k: int,
+                  norm: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """A mixture of experts' routing: each row's ``top_k`` experts by the softmax over
+        its ``logits`` [T, E] (in fp32), best first, an exact tie (bf16 logits tie often) to
+        the lower expert (torch.topk leaves ties to its implementation), and their weights,
+        renormalised where ``norm``, in the logits' dtype. Returns (weights, chosen) [T, k]."""
+        probs = torch.softmax(logits.float(), dim=-1)
+        weights, chosen = torch.sort(probs, dim=-1, descending=True, stable=True)
+        weights, chosen = weights[:, :top_k], chosen[:, :top_k]
+        if norm:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights.to(logits.dtype), chosen
+
     def moe_linear(self, x: torch.Tensor, w: torch.Tensor,
                    layer_rows: int | None = None) -> torch.Tensor:
         """A mixture of experts' router, or one expert's projection over the few rows a step

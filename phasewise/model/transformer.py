@@ -56,15 +56,10 @@ class SparseMoE(nn.Module):
         if fused is not None:  # (it sets last_experts)
             return fused
         h = x.shape[-1]
-        # routing in fp32: softmax over every expert, the top k, renormalised if asked
-        probs = torch.softmax(ops.moe_linear(x, self.gate.weight).float(), dim=-1)
-        # the top k, an exact tie (bf16 logits tie often) to the lower expert: one rule for
-        # every path and device (torch.topk leaves ties to its implementation; the fused C
-        # layer routes by this rule too)
-        weights, chosen = torch.sort(probs, dim=-1, descending=True, stable=True)
-        weights, chosen = weights[:, :self.top_k], chosen[:, :self.top_k]  # [T, k]
-        if self.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+        # each row's top k experts and their weights [T, k] (on the CPU kernels, the fused
+        # call's own routing: a row routes alike whichever path runs its step)
+        weights, chosen = ops.moe_route(ops.moe_linear(x, self.gate.weight), self.top_k,
+                                        self.norm_topk_prob)
         weights = weights.to(x.dtype)
         gate_up = self.gate_up.view(self.num_experts, 2 * self.inter, h)
         down = self.down.view(self.num_experts, h, self.inter)

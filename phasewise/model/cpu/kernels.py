@@ -156,6 +156,7 @@ def _signatures() -> dict[str, tuple[Any, list[Any]]]:
         "pw_decode_attention_bf16": (I, [P, L, P, P, P, I, P, P, I, I, I, I, I, F, I, I]),
         "pw_decode_layer_bf16": (I, [ctypes.POINTER(DecodeLayerArgs)]),
         "pw_moe_mlp_bf16": (I, [ctypes.POINTER(DecodeLayerArgs), P, I, P]),
+        "pw_moe_route": (I, [P, I, I, I, I, P, P]),
         "pw_decode_stack_bf16": (I, [ctypes.POINTER(DecodeLayerArgs), I, P, P, P, P]),
         "pw_decode_stack_head_bf16": (I, [ctypes.POINTER(DecodeLayerArgs), I, P, P, P, P, P, F,
                                           P, P, I, P]),

@@ -141,6 +141,24 @@ class CpuKernelOps(TorchOps):
                          for r in range(0, rows, run)])
         return out.reshape(*x.shape[:-1], w.shape[0])
 
+    def moe_route(self, logits: torch.Tensor, top_k: int,
+                  norm: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """bf16 logits: the C routing (``pw_moe_route``), the one ``pw_moe_mlp_bf16`` runs:
+        its scalar softmax and torch's vectorised one differ in the last bit, which a
+        renormalised weight on a bf16 rounding midpoint carries into a row's output."""
+        rows, experts = logits.shape
+        if (self.lib is None or logits.dtype != torch.bfloat16 or logits.device.type != "cpu"
+                or not 1 <= top_k <= experts <= self.kernels.max_experts):
+            return super().moe_route(logits, top_k, norm)
+        lg = logits.float().contiguous()
+        weights = torch.empty(rows, top_k, dtype=torch.float32)
+        chosen = torch.empty(rows, top_k, dtype=torch.int32)
+        rc = self.lib.pw_moe_route(lg.data_ptr(), rows, experts, top_k, int(norm),
+                                   weights.data_ptr(), chosen.data_ptr())
+        if rc != 0:
+            raise RuntimeError(f"pw_moe_route failed ({rc})")
+        return weights.to(torch.bfloat16), chosen.long()
+
     def moe_mlp(self, moe: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
         """A sparse layer's MLP (``SparseMoE``) over ``x``'s rows in one C call
         (``pw_moe_mlp_bf16``: the bits of ``SparseMoE``'s own loop, its experts read once per

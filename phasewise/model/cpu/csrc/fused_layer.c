@@ -218,16 +218,15 @@ static void attention_prefetch(int task, int cur, int end, int parts, int n_kv, 
         }
 }
 
-/* Each row's top_k experts by the router's softmax (logits: [M][E] fp32 results, taken as
- * the bf16 values the router's projection returns; an exact tie to the lower expert, as
- * SparseMoE), their weights (renormalised where norm_topk, then bf16) into wts [M][top_k];
- * and the experts the step reads, in the order SparseMoE adds them (a lone row: its top_k,
- * best first; more: ascending), into used, with their (row, slot) pairs in that order:
- * pair_row, pair_slot [M top_k], expert u's from base[u] to base[u + 1]. Returns how many
- * experts are used. One thread. */
-static int moe_route(const DecodeLayer *L, const float *logits, int M, float *wts,
-                     int *chosen, int *used, int *base, int *pair_row, int *pair_slot) {
-    int E = L->n_experts, k = L->top_k;
+/* Each row's top_k experts by the router's softmax (logits: [M][E] fp32, taken as the bf16
+ * values the router's projection returns; an exact tie to the lower expert) into chosen
+ * [M][top_k], best first, and their weights (renormalised where norm, then bf16) into wts
+ * [M][top_k]. The one routing rule of every CPU-kernel path: the fused layer (moe_route) and
+ * SparseMoE's own loop (pw_moe_route) both run it, so a row's experts and weights never
+ * depend on which path, or how large a batch, ran it. A NaN logit (a broken model) still
+ * chooses valid experts, lowest first, with NaN weights. */
+static void route_rows(const float *logits, int M, int E, int k, int norm, float *wts,
+                       int *chosen) {
     float p[PW_MAX_EXPERTS];
     for (int m = 0; m < M; m++) {
         float mx = -INFINITY, sum = 0.0f;
@@ -237,19 +236,39 @@ static int moe_route(const DecodeLayer *L, const float *logits, int M, float *wt
         }
         for (int e = 0; e < E; e++) sum += p[e] = expf(p[e] - mx);
         for (int e = 0; e < E; e++) p[e] /= sum;
+        unsigned char taken[PW_MAX_EXPERTS] = {0};
         float total = 0.0f;
         for (int j = 0; j < k; j++) {  /* the best left, the lowest index on a tie */
             int best = -1;
             for (int e = 0; e < E; e++)
-                if (p[e] >= 0.0f && (best < 0 || p[e] > p[best])) best = e;
+                if (!taken[e] && (best < 0 || p[e] > p[best])) best = e;
+            taken[best] = 1;
             chosen[m * k + j] = best;
             wts[m * k + j] = p[best];
             total += p[best];
-            p[best] = -1.0f;
         }
         for (int j = 0; j < k; j++)
-            wts[m * k + j] = round_bf16(L->norm_topk ? wts[m * k + j] / total : wts[m * k + j]);
+            wts[m * k + j] = round_bf16(norm ? wts[m * k + j] / total : wts[m * k + j]);
     }
+}
+
+/* SparseMoE's routing on the CPU kernels (route_rows) for M rows of E logits; chosen as
+ * int32. Returns 0, or -2 for sizes it does not hold. */
+int pw_moe_route(const float *logits, int M, int E, int k, int norm, float *wts,
+                 int32_t *chosen) {
+    if (M < 1 || E < 1 || E > PW_MAX_EXPERTS || k < 1 || k > E) return -2;
+    route_rows(logits, M, E, k, norm, wts, (int *)chosen);
+    return 0;
+}
+
+/* moe_route: route_rows, then the experts the step reads, in the order SparseMoE adds them
+ * (a lone row: its top_k, best first; more: ascending), into used, with their (row, slot)
+ * pairs in that order: pair_row, pair_slot [M top_k], expert u's from base[u] to
+ * base[u + 1]. Returns how many experts are used. One thread. */
+static int moe_route(const DecodeLayer *L, const float *logits, int M, float *wts,
+                     int *chosen, int *used, int *base, int *pair_row, int *pair_slot) {
+    int E = L->n_experts, k = L->top_k;
+    route_rows(logits, M, E, k, L->norm_topk, wts, chosen);
     int n = 0;
     if (M == 1) {
         for (int j = 0; j < k; j++) used[n++] = chosen[j];
