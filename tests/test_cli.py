@@ -281,6 +281,16 @@ def test_roofline_names_the_flag_whose_number_means_nothing(flags, match, capsys
     assert match in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flags,match", [
+    (["--input-len", "0"], "--input-len: lengths must be >= 1"),
+    (["--intruder-len", "uniform:5-2"], "--intruder-len: uniform range"),
+    (["--intruder-fraction", "nan"], "--intruder-fraction is a share of the requests"),
+])
+def test_simulate_names_the_workload_flag_it_refuses(flags, match, capsys):
+    assert main(["simulate", "--model", "llama-3.1-8b", "--num-prompts", "4", *flags]) != 0
+    assert match in capsys.readouterr().err
+
+
 def test_a_decode_batch_of_one_length_is_priced_without_a_row_per_sequence():
     """batch x one context is arithmetic, not a list of batch contexts (a batch of 1e12 took
     the memory of a list that long); it prices as the list would."""

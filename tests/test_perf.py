@@ -379,6 +379,30 @@ def test_measure_writes_cpu_local_and_the_analyser_reads_it(tmp_path, monkeypatc
     assert "measured" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("entry", [
+    {"name": "x", "peak_flops": [1, 2], "mem_bytes": 1, "mem_bandwidth": 1},
+    {"name": "x", "peak_flops": {"bf16": "fast"}, "mem_bytes": 1, "mem_bandwidth": 1},
+    {"name": "x", "peak_flops": {"bf16": 1e9}, "mem_bytes": 1, "mem_bandwidth": 0},
+    {"name": "x", "peak_flops": {"bf16": 1e9}, "mem_bytes": 1, "mem_bandwidth": 1,
+     "measured": [1]},
+])
+def test_a_damaged_machine_entry_is_named_and_listing_survives_it(tmp_path, monkeypatch,
+                                                                    capsys, entry):
+    """A hand-edited or truncated machine.json: --gpu cpu-local names the file and says to
+    measure again; --list (text and JSON) still lists the catalog."""
+    from phasewise.perf.measure import _complete
+
+    monkeypatch.setenv("PHASEWISE_CACHE_DIR", str(tmp_path))
+    (tmp_path / "machine.json").write_text(json.dumps({"cpu-local": entry}))
+    assert main(["roofline", "--model", "llama-3.1-8b", "--gpu", "cpu-local"]) != 0
+    err = capsys.readouterr().err
+    assert "machine.json: its 'cpu-local' entry is damaged" in err and "measure" in err
+    assert main(["roofline", "--list"]) == 0 and "h100-sxm" in capsys.readouterr().out
+    assert main(["roofline", "--list", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["accelerators"]
+    assert not _complete(entry)  # so the engine's quick measurement redoes it
+
+
 # -- phasewise generate's closing lines (phasewise.perf.explain) ---------------------------
 def _explain_setup():
     from phasewise.perf.hardware import Accelerator

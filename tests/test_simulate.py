@@ -582,7 +582,11 @@ def test_a_trace_line_that_means_nothing_is_refused_by_its_line(tmp_path):
     for text, match in (('{"arrival": NaN, "prompt_len": 5, "output_len": 3}\n', "finite"),
                         ("[1, 2]\n", "got a list"),
                         ('{"arrival": 0, "prompt_len": 5}\n', "no output_len"),
-                        ("\n", "holds no request")):
+                        ("\n", "holds no request"),
+                        ('{"prompt_len": 1e999, "output_len": 3}\n', "whole number"),
+                        ('{"prompt_len": 7.9, "output_len": 3}\n', "whole number"),
+                        ('{"prompt_len": "abc", "output_len": 3}\n', "t.jsonl:1: .*whole"),
+                        ('{"prompt": 5, "output_len": 3}\n', "prompt must be text")):
         path = tmp_path / "t.jsonl"
         path.write_text(text)
         with pytest.raises(ValueError, match=match):

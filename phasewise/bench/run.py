@@ -18,7 +18,7 @@ from phasewise.bench.client import ClientConfig, Progress, run_workload
 from phasewise.bench.prompts import (corpus_text, make_prompts, tokens_from_file,
                                      tokens_from_server)
 from phasewise.perf.summary import parse_slo, save_result, summarize, text_table
-from phasewise.perf.workload import LengthDist, build_workload, load_trace
+from phasewise.perf.workload import build_workload, load_trace, workload_lengths
 
 SERVER_HISTOGRAMS = ("request_queue_time_seconds", "request_prefill_time_seconds",
                      "request_decode_time_seconds", "time_to_first_token_seconds",
@@ -95,7 +95,7 @@ def main(a: argparse.Namespace) -> int:
     drawn = "" if a.seed is not None else \
         f" (drawn for this run; --seed {seed} sends the same requests again)"
     print(f"seed {seed}{drawn}", file=sys.stderr)
-    dists = [LengthDist.parse(x) for x in (a.input_len, a.output_len, a.intruder_len)]
+    dists = workload_lengths(a)
     if a.trace:
         base_specs = load_trace(a.trace, a.trace_time_scale)
     else:

@@ -26,7 +26,8 @@ from phasewise.perf.models import ModelShape, lookup_model
 from phasewise.perf.roofline import DTYPE_BYTES, norm_dtype
 from phasewise.perf.simulate import Deployment, EngineSpec, simulate
 from phasewise.perf.summary import parse_slo, save_result, text_table
-from phasewise.perf.workload import LengthDist, RequestSpec, build_workload, load_trace
+from phasewise.perf.workload import (RequestSpec, build_workload, load_trace,
+                                     workload_lengths)
 
 CPU_STEP_TOKENS, GPU_STEP_TOKENS = 256, 2048  # the engine's default step budgets
 DEFAULT_CONTEXT = 4096  # a catalog model's context where its config gives none
@@ -199,7 +200,7 @@ def workload_maker(a: argparse.Namespace, model: str):
     """``make(rate, n=None)``: the workload flags' requests at ``rate`` (a trace: as given)."""
     if a.num_prompts < 1:
         raise ValueError(f"--num-prompts must be >= 1, got {a.num_prompts}")
-    dists = [LengthDist.parse(x) for x in (a.input_len, a.output_len, a.intruder_len)]
+    dists = workload_lengths(a)
     trace = _trace(a.trace, a.trace_time_scale, model) if a.trace else None
 
     def make(rate: float, n: int | None = None) -> list[RequestSpec]:

@@ -8,6 +8,7 @@ Peak FLOP/s are dense (not the sparsity-doubled figures datasheets often lead wi
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -159,11 +160,23 @@ def load_local(key: str = "cpu-local", path: Path | None = None) -> Accelerator:
 
 
 def accelerator_from_entry(key: str, entry: dict, path: Path | None = None) -> Accelerator:
-    """An ``Accelerator`` from one machine-file entry (as ``phasewise measure`` writes it)."""
-    return Accelerator(key, entry["name"], {k: float(v) for k, v in entry["peak_flops"].items()},
-                       float(entry["mem_bytes"]), float(entry["mem_bandwidth"]), None,
-                       entry.get("source", f"measured by phasewise measure ({path})"),
-                       entry.get("notes", ""), entry.get("measured", {}))
+    """An ``Accelerator`` from one machine-file entry (as ``phasewise measure`` writes it);
+    a damaged entry (a missing field, a figure that is not a finite number > 0) raises
+    ValueError naming the file."""
+    try:
+        peaks = {str(k): float(v) for k, v in entry["peak_flops"].items()}
+        mem, bw = float(entry["mem_bytes"]), float(entry["mem_bandwidth"])
+        if not peaks or not all(0 < v < math.inf for v in (*peaks.values(), mem, bw)):
+            raise ValueError("its peaks, memory and bandwidth must be finite numbers > 0")
+        measured = entry.get("measured", {})
+        if not isinstance(measured, dict):
+            raise TypeError(f"measured must be an object, got a {type(measured).__name__}")
+        return Accelerator(key, str(entry["name"]), peaks, mem, bw, None,
+                           str(entry.get("source", f"measured by phasewise measure ({path})")),
+                           str(entry.get("notes", "")), measured)
+    except (KeyError, TypeError, AttributeError, ValueError) as e:
+        raise ValueError(f"{path or 'the machine file'}: its {key!r} entry is damaged "
+                         f"({type(e).__name__}: {e}); run 'phasewise measure' again") from None
 
 
 def lookup_accelerator(key: str) -> Accelerator:

@@ -329,9 +329,16 @@ _ENTRY_KEYS = {"name", "peak_flops", "mem_bytes", "mem_bandwidth"}
 
 
 def _complete(entry: Any) -> bool:
-    """Whether a machine-file entry holds every figure the analyser reads."""
-    return (isinstance(entry, dict) and _ENTRY_KEYS <= entry.keys()
-            and isinstance(entry["peak_flops"], dict))
+    """Whether a machine-file entry holds every figure the analyser reads, each one usable
+    (a damaged one is measured afresh rather than refused)."""
+    if not (isinstance(entry, dict) and _ENTRY_KEYS <= entry.keys()
+            and isinstance(entry["peak_flops"], dict)):
+        return False
+    try:
+        accelerator_from_entry("entry", entry)
+    except ValueError:
+        return False
+    return True
 
 
 def _read_machine_file(path: Path) -> dict[str, Any]:

@@ -25,6 +25,7 @@ import random
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -130,6 +131,30 @@ def build_workload(num_requests: int, input_len: LengthDist, output_len: LengthD
     return specs
 
 
+def _count(value: object, name: str) -> int:
+    """A trace's token count: an integer (a float only where it is one: 7.0, not 7.9)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (
+            isinstance(value, float) and not value.is_integer()):
+        raise TypeError(f"{name} must be a whole number of tokens, got {value!r}")
+    return int(value)
+
+
+def workload_lengths(a: Any) -> list[LengthDist]:
+    """The workload flags' length distributions (``--input-len``, ``--output-len``,
+    ``--intruder-len``), an error naming the flag; ``--intruder-fraction`` checked too."""
+    dists = []
+    for flag, text in (("--input-len", a.input_len), ("--output-len", a.output_len),
+                       ("--intruder-len", a.intruder_len)):
+        try:
+            dists.append(LengthDist.parse(text))
+        except ValueError as e:
+            raise ValueError(f"{flag}: {e}") from None
+    if not 0 <= a.intruder_fraction <= 1:
+        raise ValueError(f"--intruder-fraction is a share of the requests: in [0, 1], got "
+                         f"{a.intruder_fraction}")
+    return dists
+
+
 def load_trace(path: str | Path, time_scale: float = 1.0) -> list[RequestSpec]:
     """A JSONL trace, one request per line: ``{"arrival": s, "prompt_len": n | "prompt":
     text, "output_len": n}`` (``timestamp``/``input_length``/``output_length`` are accepted
@@ -150,7 +175,10 @@ def load_trace(path: str | Path, time_scale: float = 1.0) -> list[RequestSpec]:
                 olen = row.get("output_len", row.get("output_length"))
                 if olen is None:
                     raise TypeError("no output_len")
-                olen = int(olen)
+                olen = _count(olen, "output_len")
+                plen = None if plen is None else _count(plen, "prompt_len")
+                if prompt is not None and not isinstance(prompt, str):
+                    raise TypeError(f"prompt must be text, got a {type(prompt).__name__}")
             except (ValueError, TypeError, OverflowError, json.JSONDecodeError) as e:
                 raise ValueError(f"{path}:{lineno}: each line must be a JSON object with "
                                  f"arrival, prompt_len (or prompt) and output_len: {e}") from e
@@ -159,9 +187,9 @@ def load_trace(path: str | Path, time_scale: float = 1.0) -> list[RequestSpec]:
                                  f"seconds, got {arrival}")
             if prompt is None and plen is None:
                 raise ValueError(f"{path}:{lineno}: give prompt_len or prompt")
-            if olen < 1 or (plen is not None and int(plen) < 1):
+            if olen < 1 or (plen is not None and plen < 1):
                 raise ValueError(f"{path}:{lineno}: lengths must be >= 1")
-            specs.append((arrival, prompt, int(plen) if plen is not None else 0, olen))
+            specs.append((arrival, prompt, plen if plen is not None else 0, olen))
     if not specs:
         raise ValueError(f"{path}: the trace holds no request")
     specs.sort(key=lambda s: s[0])
