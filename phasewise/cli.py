@@ -20,6 +20,7 @@ Exit status and errors:
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 import traceback
@@ -533,7 +534,8 @@ def build_report_parser() -> argparse.ArgumentParser:
 
 def build_parser() -> argparse.ArgumentParser:
     from phasewise.bench.options import add_args as add_bench_args
-    from phasewise.config import DTYPE_CHOICES, LOAD_FORMATS, LOG_LEVELS, SERVE_ROLES
+    from phasewise.config import (DTYPE_CHOICES, KERNEL_CHOICES, LOAD_FORMATS, LOG_LEVELS,
+                                  SERVE_ROLES)
     from phasewise.model.config import SUPPORTED_ARCHITECTURES
     from phasewise.perf.roofline import DTYPE_BYTES
 
@@ -673,7 +675,8 @@ def build_parser() -> argparse.ArgumentParser:
     pd.add_argument("--api-key", default=None)
     pd.add_argument("--pin", action="store_true",
                     help="decode worker on core 0, prefill worker on core 1, one thread each")
-    pd.add_argument("--dtype", default=None)
+    pd.add_argument("--dtype", default=None, choices=DTYPE_CHOICES,
+                    help="both workers' dtype (default: serve's, auto)")
     pd.add_argument("--max-model-len", type=int, default=None)
     pd.add_argument("--kv-cache-memory", default=None)
     pd.add_argument("--max-num-batched-tokens", type=int, default=None)
@@ -732,9 +735,12 @@ def build_parser() -> argparse.ArgumentParser:
                  cmd_calibrate)
     ca.add_argument("--model", default=None,
                     help="checkpoint folder (default: the bundled stdlib-coder)")
-    ca.add_argument("--dtype", default=None)
-    ca.add_argument("--device", default=None)
-    ca.add_argument("--kernels", default=None)
+    ca.add_argument("--dtype", default=None, choices=DTYPE_CHOICES,
+                    help="as serve will load it (default: serve's, auto)")
+    ca.add_argument("--device", default=None,
+                    help="as serve will run it (default: serve's, auto)")
+    ca.add_argument("--kernels", default=None, choices=KERNEL_CHOICES,
+                    help="as serve will run it (default: serve's, auto)")
     ca.add_argument("--block-size", type=int, default=None)
     ca.add_argument("--max-num-batched-tokens", type=int, default=None,
                     help="the largest step the grid holds (default: 544, --quick 160)")
@@ -792,7 +798,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--no-pd", action="store_true", help="co-located candidates only")
     pl.add_argument("--window", type=_plan_window, default=30.0,
                     help="seconds of traffic simulated per rate (requests = rate x window, "
-                    f"at least --num-prompts, at most 20000; 0-{MAX_PLAN_WINDOW:g} s)")
+                    "at least --num-prompts, at most 20000; more than 0, up to "
+                    f"{MAX_PLAN_WINDOW:g} s)")
     pl.add_argument("--k8s-out", default=None, metavar="DIR",
                     help="write the winner's Kubernetes manifests here")
     pl.add_argument("--name", default="phasewise", help="manifests: prefix of every object")
@@ -836,6 +843,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else list(argv))
     try:
         return int(args.func(args) or 0)
+    except BrokenPipeError:  # stdout's reader left (| head): stop quietly, as a filter does
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # so the exit's flush does not fail again
+        return 141  # 128 + SIGPIPE, the status a shell gives a program the pipe stopped
     except USER_ERRORS as e:
         print(f"phasewise: error: {e}", file=sys.stderr)
         return 2

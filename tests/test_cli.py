@@ -340,3 +340,13 @@ def test_roofline_list_as_json_holds_the_catalog(capsys):
     assert mixtral["active_params"] < mixtral["total_params"] and mixtral["source"]
     assert {"h100-sxm", "h200"} <= {a["key"] for a in got["accelerators"]}
     assert got["links"] and all(link["bandwidth_Bps"] > 0 for link in got["links"])
+
+
+def test_output_into_a_pipe_that_closes_ends_quietly():
+    """``phasewise roofline --list | head``: the reader leaving is not an error to print."""
+    p = subprocess.Popen([sys.executable, "-m", "phasewise", "roofline", "--list"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    p.stdout.close()  # the reader is gone before the first line
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=60) == 141, err
+    assert "error" not in err.lower(), err

@@ -626,9 +626,13 @@ def test_plan_refuses_a_manifest_flag_before_its_search(flags, match, capsys, mo
     from phasewise.perf import plan
 
     monkeypatch.setattr(plan, "search", lambda *a, **k: pytest.fail("searched"))
-    assert main(["plan", "--model", "llama-3.1-8b", "--gpu", "h100-sxm", "--num-prompts", "4",
-                 "--goodput", "ttft:200", "tpot:10", *flags]) == 2
+    argv = ["plan", "--model", "llama-3.1-8b", "--gpu", "h100-sxm", "--num-prompts", "4",
+            "--goodput", "ttft:200", "tpot:10", *flags]
+    assert main([*argv, "--k8s-out", "k8s-never-written"]) == 2
     assert match in capsys.readouterr().err
+    # without --k8s-out no manifest is written: the flag cannot be wrong, the search runs
+    with pytest.raises(pytest.fail.Exception, match="searched"):
+        main(argv)
 
 
 def test_a_normal_length_below_one_token_is_refused():

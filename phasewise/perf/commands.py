@@ -322,7 +322,8 @@ def run_plan(a: argparse.Namespace, model: str,
         raise ValueError("plan searches over request rates, which a trace fixes: give the "
                          "workload as lengths and a rate (simulate takes --trace)")
     window = a.window
-    check_manifest_flags(a)  # before a search of minutes, not after it
+    if a.k8s_out:  # (the manifests' flags mean nothing without manifests)
+        check_manifest_flags(a)  # before a search of minutes, not after it
 
     def at(r: float) -> list[RequestSpec]:
         # Enough requests that the rate holds for the window (a burst would measure a queue
