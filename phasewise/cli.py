@@ -64,22 +64,32 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     d = _engine_defaults()
     p.add_argument("--model", default=None,
                    help="Hugging Face checkpoint folder (default: the bundled stdlib-coder)")
-    p.add_argument("--dtype", default=d["dtype"], choices=DTYPE_CHOICES)
+    p.add_argument("--dtype", default=d["dtype"], choices=DTYPE_CHOICES,
+                   help="weights' and activations' dtype (auto: the checkpoint's)")
     p.add_argument("--device", default=d["device"],
                    help=f"{', '.join(DEVICES)} or cuda:N (default: {d['device']})")
-    p.add_argument("--max-model-len", type=int, default=d["max_model_len"])
+    p.add_argument("--max-model-len", type=int, default=d["max_model_len"],
+                   help="longest prompt plus output a request may have (default: the model's, "
+                        "lowered to what the KV pool holds)")
     p.add_argument("--block-size", type=int, default=d["block_size"],
                    help="tokens per KV block, 1..1024 and at most the context (default 16)")
     p.add_argument("--kv-cache-memory", default=d["kv_cache_memory"],
-                   help="KV pool size, e.g. 512MiB or 4GiB")
+                   help="KV pool size, e.g. 512MiB or 4GiB (default: 1GiB on CPU; on CUDA "
+                   "90%% of the memory the weights leave)")
     p.add_argument("--num-kv-blocks", type=int, default=d["num_kv_blocks"],
                    help="the KV pool's exact block count (overrides --kv-cache-memory)")
     p.add_argument("--max-num-batched-tokens", type=int, default=d["max_num_batched_tokens"],
                    help="token budget per engine step (default: 256 on CPU, 2048 on CUDA)")
-    p.add_argument("--max-num-seqs", type=int, default=d["max_num_seqs"])
-    p.add_argument("--policy", default=d["policy"], choices=POLICIES)
-    p.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument("--seed", type=int, default=d["seed"])
+    p.add_argument("--max-num-seqs", type=int, default=d["max_num_seqs"],
+                   help="most sequences one engine step holds (the decode batch's limit)")
+    p.add_argument("--policy", default=d["policy"], choices=POLICIES,
+                   help="chunked: prompt chunks join decode steps under the step budget; "
+                   "prefill-first: waiting prompts run whole while decodes pause")
+    p.add_argument("--no-prefix-caching", action="store_true",
+                   help="compute every prompt afresh instead of reusing the K/V of blocks "
+                   "computed before")
+    p.add_argument("--seed", type=int, default=d["seed"],
+                   help="seed of the engine's sampling (a request's own seed takes precedence)")
     p.add_argument("--kernels", default=d["kernels"], choices=KERNEL_CHOICES,
                    help="auto: phasewise's CPU kernels for bf16 models on CPU, its fused Triton "
                    "kernels on CUDA; torch: none")
@@ -453,7 +463,8 @@ def _add_sim_args(p: argparse.ArgumentParser) -> None:
                    "the probe measures what a request to an idle engine pays (default 1 12)")
     p.add_argument("--link", default=None, help="P/D: the K/V link (catalog key; default: "
                    "instant)")
-    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="the simulated engines' context (default: the model's)")
     p.add_argument("--block-size", type=int, default=d["block_size"],
                    help="tokens per KV block, 1..1024 and at most the context (default 16)")
     p.add_argument("--kv-cache-memory", default=None,
@@ -461,9 +472,12 @@ def _add_sim_args(p: argparse.ArgumentParser) -> None:
                    "of its memory less the weights)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="step budget (default: 256 on a CPU, 2048 on an accelerator)")
-    p.add_argument("--max-num-seqs", type=int, default=d["max_num_seqs"])
-    p.add_argument("--policy", default=d["policy"], choices=POLICIES)
-    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--max-num-seqs", type=int, default=d["max_num_seqs"],
+                   help="most sequences one simulated step holds")
+    p.add_argument("--policy", default=d["policy"], choices=POLICIES,
+                   help="the simulated engines' scheduling, as serve's --policy")
+    p.add_argument("--no-prefix-caching", action="store_true",
+                   help="simulate engines that reuse no cached prompt blocks")
     p.add_argument("--prefill-queue-limit", type=int, default=8,
                    help="P/D: prefill on the decode worker while every prefill queue is this "
                    "long")
@@ -471,7 +485,7 @@ def _add_sim_args(p: argparse.ArgumentParser) -> None:
                    help="every request carries the --goodput TTFT and TPOT targets and an "
                    "engine refuses one it predicts would miss them, as serve --slo-ttft-ms "
                    "--slo-tpot-ms does (plan: compare the winner with and without it)")
-    add_workload_args(p)
+    add_workload_args(p, simulated=True)
 
 
 def cmd_make_tiny(a: argparse.Namespace) -> int:
@@ -508,6 +522,25 @@ def cmd_make_tiny(a: argparse.Namespace) -> int:
     return 0
 
 
+class HelpFormatter(argparse.HelpFormatter):
+    """Each flag's help ends with its default, unless the help already says it or there is
+    none to say (None, off, a list left empty)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        d = action.default
+        if (action.option_strings and "default" not in text.lower()
+                and d not in (None, False, [], argparse.SUPPRESS)):
+            text += " (default: %(default)s)"
+        return text
+
+
+DESCRIPTION = ("phasewise: an LLM inference engine that shows and controls the two phases of "
+               "generation, prefill and decode. Serve a checkpoint behind an OpenAI-compatible "
+               "API, measure each step against the hardware's roofline, and predict and plan "
+               "deployments. 'phasewise COMMAND --help' describes each command.")
+
+
 def _common(top: bool = True) -> argparse.ArgumentParser:
     """Flags every command takes, before or after its name (``top``: the parser that sets
     their defaults; a subcommand's parser leaves a flag unset unless it is given there, so
@@ -520,7 +553,8 @@ def _common(top: bool = True) -> argparse.ArgumentParser:
 
 def build_report_parser() -> argparse.ArgumentParser:
     r = argparse.ArgumentParser(prog="phasewise bench report", parents=[_common()],
-                                description="HTML report from benchmark result files")
+                                description="HTML report from benchmark result files",
+                                formatter_class=HelpFormatter)
     r.add_argument("results", nargs="+", help="result JSON files (phasewise bench, or "
                    "vllm bench serve --save-detailed)")
     r.add_argument("-o", "--output", default="bench-report.html")
@@ -539,20 +573,23 @@ def build_parser() -> argparse.ArgumentParser:
     from phasewise.model.config import SUPPORTED_ARCHITECTURES
     from phasewise.perf.roofline import DTYPE_BYTES
 
-    parser = argparse.ArgumentParser(prog="phasewise", description=__doc__.split("\n\n")[0],
-                                     parents=[_common()])
+    parser = argparse.ArgumentParser(prog="phasewise", description=DESCRIPTION,
+                                     parents=[_common()], formatter_class=HelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     common = [_common(top=False)]
 
     def command(name: str, help: str, func) -> argparse.ArgumentParser:
-        p = sub.add_parser(name, help=help, parents=common)
+        p = sub.add_parser(name, help=help, description=help, parents=common,
+                           formatter_class=HelpFormatter)
         p.set_defaults(func=func, parser=p)
         return p
 
     g = command("generate", "stream a completion for one prompt", cmd_generate)
     _add_engine_args(g)
-    g.add_argument("prompt")
-    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("prompt",
+                   help="the prompt text (with --chat: the user's message)")
+    g.add_argument("--max-tokens", type=int, default=64,
+                   help="tokens to generate (0: the prompt's K/V alone)")
     g.add_argument("--temperature", type=float, default=None,
                    help="default: the checkpoint's generation_config.json")
     g.add_argument("--sample-seed", type=int, default=None, help="per-request sampling seed")
@@ -565,7 +602,8 @@ def build_parser() -> argparse.ArgumentParser:
     s = command("serve", "OpenAI-compatible HTTP server (streaming, /metrics)", cmd_serve)
     _add_engine_args(s)
     s.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: all)")
-    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--port", type=int, default=8000,
+                   help="port to listen on")
     s.add_argument("--served-model-name", default=None,
                    help="the model name clients send (default: the folder's name)")
     s.add_argument("--api-key", default=None,
@@ -578,7 +616,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds running streams get to finish after SIGTERM")
     s.add_argument("--log-interval", type=float, default=5.0,
                    help="seconds between throughput log lines (0: off)")
-    s.add_argument("--log-level", default="info", choices=LOG_LEVELS)
+    s.add_argument("--log-level", default="info", choices=LOG_LEVELS,
+                   help="least severe log lines shown")
     s.add_argument("--role", default="both", choices=SERVE_ROLES,
                    help="both: prefill and decode here; decode: open the K/V port and send "
                    "prompts to prefill workers; prefill: compute prompts for a decode worker")
@@ -618,14 +657,19 @@ def build_parser() -> argparse.ArgumentParser:
                     help="prefill workers, http://HOST:PORT (watched for /health and "
                     "/metrics; their K/V goes to the decode workers directly)")
     ro.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: all)")
-    ro.add_argument("--port", type=int, default=8000)
-    ro.add_argument("--served-model-name", default=None)
+    ro.add_argument("--port", type=int, default=8000,
+                    help="port to listen on")
+    ro.add_argument("--served-model-name", default=None,
+                    help="the model name clients send (default: the folder's name)")
     ro.add_argument("--api-key", default=None,
                     help="required of clients, and sent to the workers")
-    ro.add_argument("--max-waiting-requests", type=int, default=256)
+    ro.add_argument("--max-waiting-requests", type=int, default=256,
+                    help="requests allowed to wait for a worker; beyond it new ones get 503")
     _add_slo_args(ro)
-    ro.add_argument("--max-request-size", default="8MiB")
-    ro.add_argument("--shutdown-grace", type=float, default=30.0)
+    ro.add_argument("--max-request-size", default="8MiB",
+                    help="request body size limit")
+    ro.add_argument("--shutdown-grace", type=float, default=30.0,
+                    help="seconds running streams get to finish after SIGTERM")
     ro.add_argument("--wait", type=float, default=300.0,
                     help="seconds to wait for the workers at start-up")
     from phasewise.disagg.prefix_index import (DEFAULT_LOAD_WEIGHT, DEFAULT_POLICY,
@@ -656,33 +700,46 @@ def build_parser() -> argparse.ArgumentParser:
                     help="seconds a decode worker may answer no poll before its streams are "
                     "moved to another worker (or ended, where none can take them); a worker "
                     "that closes its connections is moved from at once (default 15)")
-    ro.add_argument("--log-level", default="info", choices=LOG_LEVELS)
-    ro.add_argument("--no-access-log", action="store_true")
+    ro.add_argument("--log-level", default="info", choices=LOG_LEVELS,
+                    help="least severe log lines shown")
+    ro.add_argument("--no-access-log", action="store_true",
+                    help="no log line per request")
     _add_connection_args(ro)
 
     pd = command("pd", "start 1 prefill worker, 1 decode worker and a router here "
                  "(Ctrl-C stops all three)", cmd_pd)
     pd.add_argument("--model", default=None,
                     help="checkpoint folder (default: the bundled stdlib-coder)")
-    pd.add_argument("--host", default="127.0.0.1")
+    pd.add_argument("--host", default="127.0.0.1",
+                    help="address the router and both workers bind (0.0.0.0: all)")
     pd.add_argument("--port", type=int, default=8000, help="the router's port")
     pd.add_argument("--decode-port", type=int, default=None, help="default: --port + 1")
     pd.add_argument("--prefill-port", type=int, default=None, help="default: --port + 2")
-    pd.add_argument("--kv-port", type=int, default=8100)
+    pd.add_argument("--kv-port", type=int, default=8100,
+                    help="the decode worker's K/V port, which the prefill worker connects to")
     pd.add_argument("--kv-secret-file", default=None,
                     help="default: a fresh random secret, removed when it stops")
-    pd.add_argument("--disagg-threshold", type=int, default=0)
-    pd.add_argument("--api-key", default=None)
+    pd.add_argument("--disagg-threshold", type=int, default=0,
+                    help="prompts with fewer uncached tokens prefill on the decode worker (0: "
+                         "every prompt goes to the prefill worker)")
+    pd.add_argument("--api-key", default=None,
+                    help="require 'Authorization: Bearer KEY' on the router's and workers' /v1 "
+                         "routes")
     pd.add_argument("--pin", action="store_true",
                     help="decode worker on core 0, prefill worker on core 1, one thread each")
     pd.add_argument("--dtype", default=None, choices=DTYPE_CHOICES,
                     help="both workers' dtype (default: serve's, auto)")
-    pd.add_argument("--max-model-len", type=int, default=None)
-    pd.add_argument("--kv-cache-memory", default=None)
-    pd.add_argument("--max-num-batched-tokens", type=int, default=None)
-    pd.add_argument("--max-num-seqs", type=int, default=None)
+    pd.add_argument("--max-model-len", type=int, default=None,
+                    help="both workers' --max-model-len (default: serve's)")
+    pd.add_argument("--kv-cache-memory", default=None,
+                    help="each worker's KV pool, e.g. 512MiB (default: serve's)")
+    pd.add_argument("--max-num-batched-tokens", type=int, default=None,
+                    help="each worker's step budget (default: serve's)")
+    pd.add_argument("--max-num-seqs", type=int, default=None,
+                    help="each worker's most sequences a step (default: serve's)")
     _add_kernel_plan_arg(pd)
-    pd.add_argument("--log-level", default="info", choices=LOG_LEVELS)
+    pd.add_argument("--log-level", default="info", choices=LOG_LEVELS,
+                    help="least severe log lines shown")
 
     b = command("bench", "load-test any OpenAI-compatible server "
                 "('phasewise bench report FILES' renders an HTML report)", cmd_bench)
@@ -702,9 +759,11 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--compute-dtype", default=None,
                    help="whose peak the math runs at (default: --dtype; fp32 for bf16 weights "
                         "on CPUs without native bf16)")
-    r.add_argument("--prompt-len", type=int, default=512)
+    r.add_argument("--prompt-len", type=int, default=512,
+                   help="prompt tokens per request")
     r.add_argument("--prefix-len", type=int, default=0, help="cached prefix before the prompt")
-    r.add_argument("--output-len", type=int, default=128)
+    r.add_argument("--output-len", type=int, default=128,
+                   help="output tokens per request")
     r.add_argument("--batch", type=int, default=1, help="decode batch")
     r.add_argument("--context", type=int, default=None,
                    help="decode context length (default: prefix + prompt + output/2; 0 = "
@@ -718,8 +777,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a mixture of experts' routing as measured: X distinct experts a "
                    "layer read in steps of T tokens (StepStats.experts_read, "
                    "phasewise:step_experts_read); the analyser fits the skew to them")
-    r.add_argument("--json", action="store_true")
-    r.add_argument("--plot", default=None, metavar="FILE.png")
+    r.add_argument("--json", action="store_true",
+                   help="print the analysis as JSON")
+    r.add_argument("--plot", default=None, metavar="FILE.png",
+                   help="also draw the roofline chart into this PNG (needs matplotlib)")
     r.add_argument("--list", action="store_true",
                    help="list the catalogs (accelerators, models, links) with each figure's "
                    "source, and exit")
@@ -741,7 +802,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="as serve will run it (default: serve's, auto)")
     ca.add_argument("--kernels", default=None, choices=KERNEL_CHOICES,
                     help="as serve will run it (default: serve's, auto)")
-    ca.add_argument("--block-size", type=int, default=None)
+    ca.add_argument("--block-size", type=int, default=None,
+                    help="as serve will run it (default: serve's, 16)")
     ca.add_argument("--max-num-batched-tokens", type=int, default=None,
                     help="the largest step the grid holds (default: 544, --quick 160)")
     ca.add_argument("--max-context", type=int, default=4096,
@@ -758,8 +820,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="checkpoint folder (default: the bundled stdlib-coder)")
     tu.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
                     help="as the engines will load it (the CPU kernels run bfloat16)")
-    tu.add_argument("--quantization", default=None, choices=["int8"])
-    tu.add_argument("--load-format", default="safetensors", choices=LOAD_FORMATS)
+    tu.add_argument("--quantization", default=None, choices=["int8"],
+                    help="as the engines will load it")
+    tu.add_argument("--load-format", default="safetensors", choices=LOAD_FORMATS,
+                    help="as the engines will load it")
     tu.add_argument("--threads", type=int, default=None,
                     help="torch threads to tune for (default: torch's; the plan is kept per "
                     "thread count)")
@@ -772,7 +836,9 @@ def build_parser() -> argparse.ArgumentParser:
     si = command("simulate", "serve a workload in virtual time: the real scheduler, step "
                  "times from the cost model, the bench's summary", cmd_simulate)
     _add_sim_args(si)
-    si.add_argument("--mode", default="colocated", choices=["colocated", "pd"])
+    si.add_argument("--mode", default="colocated", choices=["colocated", "pd"],
+                    help="colocated: --replicas engines that run both phases; pd: --prefill and "
+                         "--decode workers")
     si.add_argument("--replicas", type=int, default=1, help="co-located engines behind a router")
     si.add_argument("--prefill", type=int, default=1, help="P/D: prefill workers")
     si.add_argument("--decode", type=int, default=1, help="P/D: decode workers")
@@ -803,7 +869,9 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--k8s-out", default=None, metavar="DIR",
                     help="write the winner's Kubernetes manifests here")
     pl.add_argument("--name", default="phasewise", help="manifests: prefix of every object")
-    pl.add_argument("--namespace", default=None)
+    pl.add_argument("--namespace", default=None,
+                    help="the manifests' Kubernetes namespace (default: none, kubectl's current "
+                         "one)")
     pl.add_argument("--image", default="phasewise:latest",
                     help="manifests: the container image (phasewise publishes none: build one)")
     pl.add_argument("--model-pvc", default="phasewise-models",
@@ -815,12 +883,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     t = command("make-tiny", "write a tiny random-weight checkpoint (HF layout)",
                 cmd_make_tiny)
-    t.add_argument("out")
-    t.add_argument("--arch", default="LlamaForCausalLM", choices=list(SUPPORTED_ARCHITECTURES))
-    t.add_argument("--vocab-size", type=int, default=512)
-    t.add_argument("--hidden-size", type=int, default=64)
-    t.add_argument("--layers", type=int, default=2)
-    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("out",
+                   help="folder to write the checkpoint into")
+    t.add_argument("--arch", default="LlamaForCausalLM", choices=list(SUPPORTED_ARCHITECTURES),
+                   help="the architecture (the config.json's architectures)")
+    t.add_argument("--vocab-size", type=int, default=512,
+                   help="vocabulary size (300-65536)")
+    t.add_argument("--hidden-size", type=int, default=64,
+                   help="hidden size (8-4096, a multiple of 8)")
+    t.add_argument("--layers", type=int, default=2,
+                   help="decoder layers (1-64)")
+    t.add_argument("--seed", type=int, default=0,
+                   help="seed of the random weights")
     t.add_argument("--sliding-window", type=int, default=None, metavar="N",
                    help="attend to the last N positions only, in every layer (default: the "
                    "whole context)")

@@ -350,3 +350,17 @@ def test_output_into_a_pipe_that_closes_ends_quietly():
     err = p.stderr.read().decode()
     assert p.wait(timeout=60) == 141, err
     assert "error" not in err.lower(), err
+
+
+def test_every_flag_says_what_it_does_and_its_default():
+    """--help is a newcomer's first reference: each flag and argument of each command has
+    help text, and a flag with a default shows it."""
+    import argparse
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    silent = [f"{name} {a.option_strings or a.dest}" for name, p in sub.choices.items()
+              for a in p._actions if not a.help]
+    assert not silent, silent
+    text = sub.choices["serve"].format_help()
+    assert "(default: 8000)" in " ".join(text.split())  # --port: no default in its help

@@ -15,14 +15,18 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="completions only: prompts are token ids, so lengths are exact")
     p.add_argument("--model", default=None, help="model name to send (default: none)")
     add_workload_args(p)
-    p.add_argument("--max-concurrency", type=int, default=None)
+    p.add_argument("--max-concurrency", type=int, default=None,
+                   help="most requests in flight at once (default: no limit)")
     p.add_argument("--tokenizer", default=None,
                    help="tokenizer.json for the prompts (default: the server's /tokenize)")
-    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="every request's sampling temperature (0: greedy)")
     p.add_argument("--no-ignore-eos", action="store_true",
                    help="let requests stop at end-of-sequence (lengths become inexact)")
-    p.add_argument("--api-key", default=None)
-    p.add_argument("--header", nargs="+", default=[], metavar="KEY=VALUE")
+    p.add_argument("--api-key", default=None,
+                   help="sent as 'Authorization: Bearer KEY'")
+    p.add_argument("--header", nargs="+", default=[], metavar="KEY=VALUE",
+                   help="extra HTTP headers on every request")
     p.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
 
 
@@ -38,19 +42,20 @@ def positive_float(text: str) -> float:
     return v
 
 
-def add_workload_args(p: argparse.ArgumentParser) -> None:
+def add_workload_args(p: argparse.ArgumentParser, simulated: bool = False) -> None:
     """What is sent and when, the SLOs and where results go: shared by ``phasewise bench``
     and the simulator (``phasewise simulate``, ``phasewise plan``), so one workload
     description drives a real run and a simulated one."""
-    p.add_argument("--num-prompts", type=int, default=100)
+    p.add_argument("--num-prompts", type=int, default=100,
+                   help="requests to send (simulate, plan: to simulate)")
     p.add_argument("--request-rate", type=float, nargs="+", default=[math.inf],
                    help="requests/s (inf: all at once); several values make a sweep")
     p.add_argument("--burstiness", type=positive_float, default=1.0,
                    help="gamma shape of the arrival gaps: 1 Poisson, <1 burstier")
     p.add_argument("--input-len", "--random-input-len", dest="input_len", default="256",
-                   help="prompt tokens: N, uniform:LO-HI or normal:MEAN,STD")
+                   help="prompt tokens: N, uniform:LO-HI or normal:MEAN,STD[,max=M]")
     p.add_argument("--output-len", "--random-output-len", dest="output_len", default="64",
-                   help="output tokens: N, uniform:LO-HI or normal:MEAN,STD")
+                   help="output tokens: N, uniform:LO-HI or normal:MEAN,STD[,max=M]")
     p.add_argument("--intruder-fraction", type=float, default=0.0,
                    help="share of requests that get a long prompt instead")
     p.add_argument("--intruder-len", default="2048", help="the intruders' prompt tokens")
@@ -60,15 +65,17 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace-time-scale", type=positive_float, default=1.0,
                    help="multiply the trace's arrival times by this (> 0)")
     p.add_argument("--seed", type=int, default=None,
-                   help="seed of the prompts' lengths, arrivals and text. phasewise bench: "
-                        "default a fresh one each run, printed, so that a second run is not "
-                        "served from the server's prefix cache; give the printed seed to "
-                        "send the same requests again. simulate and plan: default 0")
+                   help="seed of the prompts' lengths and arrivals (default 0)" if simulated
+                   else "seed of the prompts' lengths, arrivals and text (default: a fresh "
+                   "one each run, printed, so that a second run is not served from the "
+                   "server's prefix cache; give the printed seed to send the same requests "
+                   "again)")
     p.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS",
                    help="SLOs for goodput: ttft:MS tpot:MS e2el:MS")
     p.add_argument("--label", default=None, help="name of this run in results and reports")
     p.add_argument("--result-file", "--result-filename", dest="result_file", default=None,
                    help="write the JSON result here (with a sweep: -rate<R> is added)")
-    p.add_argument("--result-dir", default=None)
+    p.add_argument("--result-dir", default=None,
+                   help="folder the result files go into")
     p.add_argument("--save-result", action="store_true",
                    help="write the result even without --result-file (name from the label)")
