@@ -29,6 +29,8 @@ SCRIPTS = {
 }
 ERROR_LEN = 13
 CONTEXT_LEN = 512
+# whether /tokenize says max_model_len (phasewise and vLLM do; a test may turn it off)
+REPORT_CONTEXT = {"on": True}
 
 
 async def app(scope, receive, send):
@@ -56,7 +58,8 @@ async def app(scope, receive, send):
 
     if path == "/tokenize":
         text = json.loads(body)["prompt"]
-        await reply(200, {"tokens": [ord(c) % 1000 for c in text[::3]], "count": 0})
+        await reply(200, {"tokens": [ord(c) % 1000 for c in text[::3]], "count": 0,
+                          **({"max_model_len": CONTEXT_LEN} if REPORT_CONTEXT["on"] else {})})
         return
     if path != "/v1/completions":
         await reply(404, {"error": {"message": "not found"}})

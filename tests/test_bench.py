@@ -220,8 +220,25 @@ def test_cli_reports_failures_in_its_exit_code(fake, tmp_path, capsys):
     assert main(["bench", "--base-url", fake.url, "--input-len", "nope"]) == 2
 
 
-def test_cli_says_why_requests_failed_grouped_and_counted(fake, capsys):
-    # half the requests are intruders too long for the fake's 512-token context
+def test_cli_refuses_before_sending_what_the_servers_context_cannot_hold(fake, capsys):
+    """/tokenize reports the server's max_model_len: intruders (or prompts) too long for it
+    are refused by their flag before a request is sent."""
+    argv = ["bench", "--base-url", fake.url, "--num-prompts", "6", "--input-len", "16",
+            "--output-len", "5", "--disable-tqdm"]
+    assert main([*argv, "--intruder-fraction", "0.5", "--intruder-len", "600"]) == 2
+    err = capsys.readouterr().err
+    assert "3 of the 6 requests would not fit the server's context of 512 tokens" in err
+    assert "lower --intruder-len" in err
+    assert main([*argv[:-3], "--output-len", "600", "--disable-tqdm"]) == 2
+    assert "lower --input-len or --output-len" in capsys.readouterr().err
+
+
+def test_cli_says_why_requests_failed_grouped_and_counted(fake, capsys, monkeypatch):
+    # half the requests are intruders too long for the fake's 512-token context, which it
+    # does not report (as a server whose /tokenize gives no max_model_len)
+    import fake_openai
+
+    monkeypatch.setitem(fake_openai.REPORT_CONTEXT, "on", False)
     rc = main(["bench", "--base-url", fake.url, "--num-prompts", "6", "--input-len", "16",
                "--output-len", "5", "--intruder-fraction", "0.5", "--intruder-len",
                "uniform:600-700", "--disable-tqdm"])

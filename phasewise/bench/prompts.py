@@ -47,8 +47,11 @@ def tokens_from_file(tokenizer_json: str | Path, text: str) -> list[int]:
 
 
 def tokens_from_server(base_url: str, text: str, headers: dict[str, str] | None = None,
-                       model: str | None = None) -> list[int]:
+                       model: str | None = None) -> tuple[list[int], int | None]:
+    """``text``'s token ids by the server's ``/tokenize``, and the context it reports
+    (``max_model_len``, as phasewise and vLLM give it; None where it gives none)."""
     ids: list[int] = []
+    context: int | None = None
     with httpx.Client(base_url=base_url.rstrip("/"), headers=headers or {}, timeout=120) as c:
         for i in range(0, len(text), _CHUNK_CHARS):
             body: dict = {"prompt": text[i:i + _CHUNK_CHARS], "add_special_tokens": False}
@@ -63,8 +66,30 @@ def tokens_from_server(base_url: str, text: str, headers: dict[str, str] | None 
                 raise ValueError(
                     f"{base_url}/tokenize answered {r.status_code} ({r.text[:200]}); give the "
                     "model's tokenizer.json with --tokenizer instead")
-            ids.extend(r.json()["tokens"])
-    return ids
+            reply = r.json()
+            ids.extend(reply["tokens"])
+            got = reply.get("max_model_len")
+            if isinstance(got, int) and not isinstance(got, bool) and got > 0:
+                context = got
+    return ids, context
+
+
+def check_fits(specs: Sequence[RequestSpec], context: int, trace: bool = False) -> None:
+    """Refuse, before anything is sent, a workload whose requests the server would refuse:
+    a prompt and its output longer than the server's context (``max_model_len``). Names the
+    flag at fault (the intruders' length, the prompts' and outputs', or the trace). A
+    trace's text prompts are not counted here (their length is the server's to tell)."""
+    over = [s for s in specs if s.prompt is None and s.prompt_len + s.output_len > context]
+    if not over:
+        return
+    worst = max(over, key=lambda s: s.prompt_len + s.output_len)
+    flag = ("the trace's lengths" if trace else "--intruder-len"
+            if all(s.intruder for s in over) else "--input-len or --output-len")
+    raise ValueError(
+        f"{len(over)} of the {len(specs)} requests would not fit the server's context of "
+        f"{context} tokens (the longest: a {worst.prompt_len}-token prompt and "
+        f"{worst.output_len} output tokens); lower {flag} so that a prompt and its output "
+        f"stay within {context} tokens")
 
 
 def make_prompts(specs: Sequence[RequestSpec], corpus_ids: Sequence[int],

@@ -15,8 +15,8 @@ from typing import Any
 import httpx
 
 from phasewise.bench.client import ClientConfig, Progress, run_workload
-from phasewise.bench.prompts import (corpus_text, make_prompts, tokens_from_file,
-                                     tokens_from_server)
+from phasewise.bench.prompts import (check_fits, corpus_text, make_prompts,
+                                     tokens_from_file, tokens_from_server)
 from phasewise.perf.summary import parse_slo, save_result, summarize, text_table
 from phasewise.perf.workload import build_workload, load_trace, workload_lengths
 
@@ -102,11 +102,14 @@ def main(a: argparse.Namespace) -> int:
         base_specs = None
     need_corpus = base_specs is None or any(s.prompt is None for s in base_specs)
     corpus_ids: list[int] = []
+    context: int | None = None  # the server's max_model_len, where its /tokenize says it
     if need_corpus:
         t0 = time.monotonic()
         text = corpus_text()
-        corpus_ids = (tokens_from_file(a.tokenizer, text) if a.tokenizer
-                      else tokens_from_server(a.base_url, text, headers, a.model))
+        if a.tokenizer:
+            corpus_ids = tokens_from_file(a.tokenizer, text)
+        else:
+            corpus_ids, context = tokens_from_server(a.base_url, text, headers, a.model)
         print(f"prompt corpus: {len(corpus_ids)} tokens ({time.monotonic() - t0:.1f}s)",
               file=sys.stderr)
     sweep = len(a.request_rate) > 1
@@ -119,6 +122,8 @@ def main(a: argparse.Namespace) -> int:
                 a.num_prompts, dists[0], dists[1], request_rate=rate,
                 burstiness=a.burstiness, intruder_fraction=a.intruder_fraction,
                 intruder_len=dists[2], seed=seed)
+        if context is not None:
+            check_fits(specs, context, trace=base_specs is not None)
         # The same lengths and arrivals at every rate of a sweep, but other text: a rate's
         # prompts must not be served from the cache the previous rate filled.
         prompts = make_prompts(specs, corpus_ids, seed + SWEEP_TEXT_STRIDE * i) \
@@ -148,10 +153,13 @@ def main(a: argparse.Namespace) -> int:
             print(warning)
         if out["server_metrics"]:
             sm = out["server_metrics"]
-            print(f"{'Server-side split (mean ms):':<38}queue "
+            # from /metrics before and after: every request the server served meanwhile,
+            # another client's too (the TTFT split above: this run's requests alone)
+            steps = ", ".join(f"{n} {kind}" for kind, n in sm["engine_steps"].items())
+            print(f"{'Server-wide, all clients (mean ms):':<37} queue "
                   f"{_fmt(sm['mean_request_queue_time_ms'])}  prefill "
                   f"{_fmt(sm['mean_request_prefill_time_ms'])}  decode "
-                  f"{_fmt(sm['mean_request_decode_time_ms'])}; steps {sm['engine_steps']}")
+                  f"{_fmt(sm['mean_request_decode_time_ms'])}; steps: {steps}")
         save_result(a, out, label, rate, sweep)
         summaries.append(out)
     if sweep:

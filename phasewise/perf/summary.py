@@ -279,7 +279,7 @@ def text_table(result: dict[str, Any]) -> str:
     lines = []
 
     def row(label: str, value: Any) -> None:
-        lines.append(f"{label:<38}{value}")
+        lines.append(f"{label:<37} {value}")  # (a long label still has its space)
 
     row("Successful requests:", result["completed"])
     row("Failed requests:", result["failed"])
@@ -327,7 +327,7 @@ def text_table(result: dict[str, Any]) -> str:
         remote = (f"; {split['remote']} of {split['requests']} prefilled remotely, "
                   f"a mean {split['mean_kv_bytes'] / 1e6:.2f} MB of K/V a request"
                   if split["remote"] else "")
-        row("Server's TTFT split, mean (ms):", "  ".join(parts) + remote)
+        row("TTFT split, these requests (mean ms):", "  ".join(parts) + remote)
     lines += failure_lines(result)
     return "\n".join(lines)
 
