@@ -225,12 +225,14 @@ def plain_speedup_line(dec: list[Any], emitted: list[int]) -> str:
     verified no draft) of the same batch. ``dec``: the run's decode-only steps; ``emitted``:
     the tokens each gave.
 
-    The figure is (tokens emitted x plain step time) / (time the decode steps took), which is
-    tokens per weight read x (plain step time / mean decode step time). A step with drafts
-    reads the weights once as a plain step does and computes more rows, so it cannot be
-    cheaper: a figure above tokens per weight read is timing noise, and the line gives the
-    bound instead, with the measured figure and why. Without a plain step to compare with, no
-    figure is given, only that bound and why."""
+    The figure is (tokens emitted x plain step time) / (time the decode steps take), each
+    step priced at the median of its kind (plain or with drafts, at its batch): a stall of a
+    busy machine lands on a few steps of either kind, and priced at their own times those
+    would count as speculation's cost (or gain). That is tokens per weight read x (plain step
+    / mean step). A step with drafts reads the weights once as a plain step does and computes
+    more rows, so it cannot be cheaper: a figure above tokens per weight read is timing noise,
+    and the line gives the bound instead, with the measured figure and why. Without a plain
+    step to compare with, no figure is given, only that bound and why."""
     per_read = sum(emitted) / len(dec)
     plain: dict[int, list[float]] = {}
     for s in dec:
@@ -243,11 +245,18 @@ def plain_speedup_line(dec: list[Any], emitted: list[int]) -> str:
         return (f"speedup over plain decode: not measured ({why}, so there is nothing "
                 f"to compare with); at most x{per_read:.2f}, the tokens per weight read, if "
                 "a step with drafts costs at least what a plain one does")
+    drafted: dict[int, list[float]] = {}
+    for s in dec:
+        if s.num_spec_proposed:
+            drafted.setdefault(s.num_requests, []).append(s.duration_s)
     base = {n: statistics.median(t) for n, t in plain.items()}
-    taken = sum(s.duration_s for s in dec)
+    draft_med = {n: statistics.median(t) for n, t in drafted.items()}
+    taken = sum(draft_med[s.num_requests] if s.num_spec_proposed else base[s.num_requests]
+                for s in dec)
     would = sum(e / max(s.num_requests, 1) * base[s.num_requests]
                 for s, e in zip(dec, emitted))
     n_plain = sum(len(t) for t in plain.values())
+    n_draft = len(dec) - n_plain
     batches = ", ".join(map(str, sorted(base)))
     each = f" of {base[min(base)] * 1e3:.2f} ms" if len(base) == 1 else ""
     rough = (f"; rough: {n_plain} plain step{'s' * (n_plain != 1)} only" if n_plain < 3
@@ -258,10 +267,12 @@ def plain_speedup_line(dec: list[Any], emitted: list[int]) -> str:
         figure = (f"at most x{per_read:.2f}, the tokens per weight read; measured "
                   f"x{speedup:.2f}, but its steps with drafts took less than its plain ones, "
                   "so the timings are noisy")
-    return (f"speedup over plain decode: {figure} ({sum(emitted)} "
-            f"tokens in {taken * 1e3:.1f} ms of decode steps; plain steps{each} would take "
-            f"{would * 1e3:.1f} ms: the median of this run's {n_plain} plain decode "
-            f"step{'s' * (n_plain != 1)} at batch {batches}{rough})")
+    return (f"speedup over plain decode: {figure} ({sum(emitted)} tokens in {len(dec)} "
+            f"decode steps, {n_draft} with drafts: {taken * 1e3:.1f} ms at each kind's median "
+            f"step time, where plain steps{each} would take {would * 1e3:.1f} ms; medians of "
+            f"this run's {n_plain} plain and {n_draft} drafting decode steps at batch "
+            f"{batches}, so that a stall of the machine is not counted as speculation's"
+            f"{rough})")
 
 
 def policy_line(described: str) -> str:
