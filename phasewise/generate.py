@@ -45,9 +45,14 @@ def run(model: str, engine_kwargs: dict[str, Any], opts: GenerateOptions,
     llm = LLM(model, **engine_kwargs)
     eng = llm.engine
     quant = f", {eng.config.quantization} weights" if eng.config.quantization else ""
+    took = time.monotonic() - t0
+    from phasewise.model.cpu.kernels import KERNELS
+
+    built = KERNELS.compile_s
+    compiled = f" (and {built:.1f} s compiling the CPU kernels, once)" if built else ""
     print(f"loaded {eng.model_config.architecture} ({eng.model_config.num_params / 1e6:.1f} M "
           f"parameters, {str(eng.dtype).removeprefix('torch.')}{quant}, {eng.device}) in "
-          f"{time.monotonic() - t0:.1f} s", file=err)
+          f"{took - built:.1f} s{compiled}", file=err)
     if eng.cpu_backend is not None:  # where the plan came from, then what it runs
         print(f"[plan]     {eng.cpu_backend.plan_line()}", file=err)
         print(f"[kernels]  {eng.cpu_backend.kernels_line()}", file=err)

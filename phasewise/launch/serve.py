@@ -149,8 +149,12 @@ def build_server(engine_config: EngineConfig, *, served_model_name: str | None =
             log.info("prefill role: connected to the decode worker's K/V port %s",
                      " ".join(kv_connect))
     info = backend.info
-    log.info("loaded %s (%.1f M parameters) in %.1f s", info.architecture,
-             info.num_params / 1e6, time.monotonic() - t0)
+    from phasewise.model.cpu.kernels import KERNELS
+
+    built = KERNELS.compile_s
+    log.info("loaded %s (%.1f M parameters) in %.1f s%s", info.architecture,
+             info.num_params / 1e6, time.monotonic() - t0 - built,
+             f" (and {built:.1f} s compiling the CPU kernels, once)" if built else "")
     if info.roofline:
         log.info("%s", info.roofline)
     cpu = getattr(engine.engine, "cpu_backend", None)

@@ -43,6 +43,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -278,6 +279,7 @@ class KernelLibrary:
         self.avx512bf16_reason: str | None = "the kernels are not loaded"
         self.stream_prefetch = 0
         self.stream_prefetch_reason = "the kernels are not loaded"
+        self.compile_s = 0.0  # seconds this process spent compiling them (0: cached)
 
     def load(self) -> ctypes.CDLL | None:
         """The library, building it if needed; None if it cannot be had (see ``reason``)."""
@@ -315,7 +317,11 @@ class KernelLibrary:
         if not path.exists():
             print(f"compiling phasewise's CPU kernels (once; cached in {path.parent})",
                   file=sys.stderr, flush=True)
-            _build(sources, path, self.cflags)
+            t0 = time.monotonic()
+            try:
+                _build(sources, path, self.cflags)
+            finally:
+                self.compile_s += time.monotonic() - t0
         return ctypes.CDLL(str(path))
 
     def _open(self) -> ctypes.CDLL:
