@@ -285,9 +285,13 @@ def test_roofline_names_the_flag_whose_number_means_nothing(flags, match, capsys
     (["--input-len", "0"], "--input-len: lengths must be >= 1"),
     (["--intruder-len", "uniform:5-2"], "--intruder-len: uniform range"),
     (["--intruder-fraction", "nan"], "--intruder-fraction is a share of the requests"),
+    (["--num-prompts", "100000000"], "--num-prompts must be in 1..1000000"),
 ])
-def test_simulate_names_the_workload_flag_it_refuses(flags, match, capsys):
+def test_simulate_and_bench_name_the_workload_flag_they_refuse(flags, match, capsys):
     assert main(["simulate", "--model", "llama-3.1-8b", "--num-prompts", "4", *flags]) != 0
+    assert match in capsys.readouterr().err
+    assert main(["bench", "--base-url", "http://127.0.0.1:9", "--num-prompts", "4",
+                 *flags]) == 2  # refused before any connection is tried
     assert match in capsys.readouterr().err
 
 

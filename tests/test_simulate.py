@@ -53,6 +53,21 @@ def test_one_request_timeline_is_the_schedulers():
     assert w["busy_s"] == pytest.approx(0.52)
 
 
+def test_a_long_run_tells_its_progress_and_ends_as_a_silent_one(monkeypatch):
+    """A run of minutes says how far it is (simulate prints it to stderr); being told does
+    not change the result: the run is in virtual time."""
+    from phasewise.perf import simulate as sim
+
+    specs = [spec(i, i * 0.01, 8, 40) for i in range(200)]
+    quiet = simulate(LinearCost(), ENGINE, Deployment(), specs)
+    monkeypatch.setattr(sim, "PROGRESS_EVERY_S", 0.0)
+    notes: list[str] = []
+    told = simulate(LinearCost(), ENGINE, Deployment(), specs, progress=notes.append)
+    assert notes and all(n.startswith("simulating: ") and " of 200 requests finished" in n
+                         for n in notes), notes
+    assert told["ttfts"] == quiet["ttfts"] and told["itls"] == quiet["itls"]
+
+
 def test_a_request_arriving_mid_step_waits_for_the_next_step():
     # The first prompt's step runs 0 -> 0.15; the second arrives at 0.05 and is scheduled
     # at 0.15, beside the first one's decode.

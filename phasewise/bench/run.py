@@ -88,14 +88,12 @@ def main(a: argparse.Namespace) -> int:
     for r in a.request_rate:
         if not r > 0:
             raise ValueError(f"--request-rate values must be > 0 (or inf), got {r}")
-    if a.num_prompts < 1:
-        raise ValueError(f"--num-prompts must be >= 1, got {a.num_prompts}")
+    dists = workload_lengths(a)
     label = a.label or "phasewise-bench"
     seed = a.seed if a.seed is not None else random.SystemRandom().randrange(2**31)
     drawn = "" if a.seed is not None else \
         f" (drawn for this run; --seed {seed} sends the same requests again)"
     print(f"seed {seed}{drawn}", file=sys.stderr)
-    dists = workload_lengths(a)
     if a.trace:
         base_specs = load_trace(a.trace, a.trace_time_scale)
     else:

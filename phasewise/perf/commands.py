@@ -198,8 +198,6 @@ def admission_of(a: argparse.Namespace) -> SLO | None:
 
 def workload_maker(a: argparse.Namespace, model: str):
     """``make(rate, n=None)``: the workload flags' requests at ``rate`` (a trace: as given)."""
-    if a.num_prompts < 1:
-        raise ValueError(f"--num-prompts must be >= 1, got {a.num_prompts}")
     dists = workload_lengths(a)
     trace = _trace(a.trace, a.trace_time_scale, model) if a.trace else None
 
@@ -253,10 +251,11 @@ def run_simulate(a: argparse.Namespace, model: str,
             raise ValueError(f"--request-rate values must be > 0 (or inf), got {rate}")
         specs = make(rate)
         t0 = time.monotonic()
-        out = simulate(cm, eng, dep, specs, slo or None)
+        out = simulate(cm, eng, dep, specs, slo or None, progress=_say)
         wall = time.monotonic() - t0
         out.update({"label": label, "request_rate": rate if math.isfinite(rate) else "inf",
-                    "num_prompts": len(specs), "seed": 0 if a.seed is None else a.seed, "input_len": a.input_len,
+                    "num_prompts": len(specs), "seed": 0 if a.seed is None else a.seed,
+                    "input_len": a.input_len,
                     "output_len": a.output_len, "intruder_fraction": a.intruder_fraction,
                     "intruder_len": a.intruder_len if a.intruder_fraction else None,
                     "trace": a.trace, "sweep": sweep, "model_id": model,
@@ -281,8 +280,9 @@ def run_simulate(a: argparse.Namespace, model: str,
             print(f"SLO admission: {adm['refused']} refused ({why}), {adm['admitted']} "
                   f"admitted" + ("" if met is None else f", of which {met:.1%} met {which}"))
         for w in sim["workers"]:
-            print(f"{w['name']:<14} {w['role']:<8} busy {w['utilization']:6.1%}  steps "
-                  f"{w['steps']}  preemptions {w['preemptions']}")
+            steps = ", ".join(f"{n} {kind}" for kind, n in w["steps"].items())
+            print(f"{w['name']:<14} {w['role']:<8} busy {w['utilization']:6.1%}  steps: "
+                  f"{steps}; preemptions {w['preemptions']}")
         if dep.mode == "pd":
             local = sim["local_prefills"]
             why = ", ".join(f"{n} {reason.replace('_', ' ')}" for reason, n in

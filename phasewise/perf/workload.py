@@ -139,9 +139,18 @@ def _count(value: object, name: str) -> int:
     return int(value)
 
 
+# A workload's requests are built in memory before the first is sent (or simulated): a
+# million is minutes of simulation and a few hundred MB; past it a typo (1e8) would only
+# exhaust the machine.
+MAX_NUM_PROMPTS = 1_000_000
+
+
 def workload_lengths(a: Any) -> list[LengthDist]:
     """The workload flags' length distributions (``--input-len``, ``--output-len``,
-    ``--intruder-len``), an error naming the flag; ``--intruder-fraction`` checked too."""
+    ``--intruder-len``), an error naming the flag; ``--num-prompts`` and
+    ``--intruder-fraction`` checked too."""
+    if not 1 <= a.num_prompts <= MAX_NUM_PROMPTS:
+        raise ValueError(f"--num-prompts must be in 1..{MAX_NUM_PROMPTS}, got {a.num_prompts}")
     dists = []
     for flag, text in (("--input-len", a.input_len), ("--output-len", a.output_len),
                        ("--intruder-len", a.intruder_len)):
