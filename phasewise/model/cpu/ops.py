@@ -13,6 +13,7 @@ back to ``TorchOps``. Engines build it through ``phasewise.model.cpu.backend``.
 from __future__ import annotations
 
 import ctypes
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -91,8 +92,12 @@ class CpuKernelOps(TorchOps):
         # where the library is there (tests turn it off to compare against op by op:
         # tests/cpu_helpers.py)
         self.fused_decode = self.lib is not None
-        self._layer_args: dict[int, kernels.DecodeLayerArgs] = {}
-        self._moe_args: dict[int, kernels.DecodeLayerArgs] = {}  # by SparseMoE (moe_mlp)
+        # by the module itself, held weakly: the args hold its weights' raw pointers, so an
+        # entry must go with its module (a key by id() could be reused by a later module)
+        self._layer_args: weakref.WeakKeyDictionary[nn.Module, kernels.DecodeLayerArgs] = \
+            weakref.WeakKeyDictionary()
+        self._moe_args: weakref.WeakKeyDictionary[nn.Module, kernels.DecodeLayerArgs] = \
+            weakref.WeakKeyDictionary()  # by SparseMoE (moe_mlp)
         self._stack: tuple | None = None  # (layers, cache pointers, (args, k, v)) of decode_stack
         # Whether the model's projections are packed into panels (pack_panels): then
         # every projection, at every row count, runs kernels.linear_pk (glu_pk for a
@@ -170,13 +175,13 @@ class CpuKernelOps(TorchOps):
             return None
         if not self._ok(x):
             return None
-        args = self._moe_args.get(id(moe))
+        args = self._moe_args.get(moe)
         if args is None:
             fields = self._moe_fields(moe)
             if fields is None:
                 return None
-            args = self._moe_args[id(moe)] = kernels.DecodeLayerArgs(H=x.shape[1],
-                                                                     I=moe.inter, **fields)
+            args = self._moe_args[moe] = kernels.DecodeLayerArgs(H=x.shape[1], I=moe.inter,
+                                                                 **fields)
         out = torch.empty_like(x)
         args.nthreads = torch.get_num_threads()
         rc = self.lib.pw_moe_mlp_bf16(ctypes.byref(args), x.data_ptr(), rows, out.data_ptr())
@@ -421,12 +426,12 @@ class CpuKernelOps(TorchOps):
         if (not self._fusable_step(hidden, rope, meta) or not self._ok(k_cache, v_cache)
                 or (delta is not None and not self._ok(delta))):
             return None
-        args = self._layer_args.get(id(layer))
+        args = self._layer_args.get(layer)
         if args is None:
             args = self._static_args(layer)
             if args is None:
                 return None
-            self._layer_args[id(layer)] = args
+            self._layer_args[layer] = args
         if self._streams_only(hidden.shape[0], args):
             return None
         out = torch.empty_like(hidden)
