@@ -122,6 +122,25 @@ def test_a_named_tool_call_cut_by_max_tokens_is_a_call_with_truncated_arguments(
     assert calls == {0: {"name": "get_weather", "arguments": call.function.arguments}}
 
 
+@pytest.mark.parametrize("choice", ["auto", "required",
+                                    {"type": "function", "function": {"name": "get_weather"}}])
+def test_a_streamed_chat_with_tools_carries_every_tokens_logprobs(server, choice):
+    """With tools, text may be held back (a call may be starting), but each token's logprobs
+    still reach the client once, in order: the same entries as the whole reply's."""
+    c = client(server)
+    args = dict(model="tiny", messages=[{"role": "user", "content": "weather in Oslo?"}],
+                tools=[WEATHER], tool_choice=choice, max_tokens=12, temperature=0,
+                logprobs=True, top_logprobs=2)
+    whole = c.chat.completions.create(**args).choices[0].logprobs.content
+    streamed = [e for chunk in c.chat.completions.create(stream=True, **args)
+                for ch in chunk.choices for e in (ch.logprobs.content if ch.logprobs else [])]
+    assert len(whole) == 12
+    # (the second run may read the first one's cached prompt: a last-bit difference)
+    assert [(e.token, len(e.top_logprobs)) for e in streamed] == [
+        (e.token, len(e.top_logprobs)) for e in whole]
+    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in whole], abs=1e-4)
+
+
 def test_a_required_tool_call_cut_by_max_tokens_is_a_call(server):
     c = client(server)
     r = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}],

@@ -438,6 +438,12 @@ def test_auto_parses_hermes_blocks():
     assert calls == [{"name": "get_time", "arguments": '{"zone": "utc"}'}]
     assert content.startswith("Let me look.") and "nope" in content  # unknown: left as text
     assert parse_hermes("just text", {"get_time"}) == ("just text", [])
+    # the text a stream sends: leading whitespace kept, with calls the trailing dropped,
+    # blank as None
+    assert parse_hermes(' hi <tool_call>{"name": "get_time"}</tool_call>', {"get_time"}
+                        )[0] == " hi"
+    assert parse_hermes('\n<tool_call>{"name": "get_time"}</tool_call>', {"get_time"}
+                        )[0] is None
     # an unclosed marker (or thousands of them) is text, found in one pass
     many = "<tool_call>" * 20000
     assert parse_hermes(many, {"get_time"}) == (many, [])
@@ -468,6 +474,32 @@ def test_auto_streams_content_until_a_tool_call_begins():
     assert calls[0]["function"] == {"name": "get_time", "arguments": ""}
     assert json.loads(calls[1]["function"]["arguments"]) == {"zone": "utc"}
     assert chunks[-1]["finish_reason"] == "tool_calls"
+
+
+@pytest.mark.parametrize("text", [
+    ' hello <tool_call>{"name": "get_time"}</tool_call> bye',
+    'Sure,  \n<tool_call>{"name": "get_time"}</tool_call>\n',
+    "  just text, no call  ",
+])
+def test_auto_streams_the_content_its_whole_reply_has_wherever_deltas_end(text):
+    """However the output's text is cut into deltas, the streamed content is the whole
+    reply's (leading whitespace kept, the whitespace before calls dropped)."""
+    from phasewise.engine.outputs import RequestOutput
+    from phasewise.engine.request import RequestMetrics
+    from phasewise.server.tools import ToolChatChoices
+
+    def out(upto: int, last: bool) -> RequestOutput:
+        return RequestOutput("r", None, [1], text[:upto], [1], "", [1], last,
+                             "stop" if last else None, None, None, RequestMetrics(0.0))
+
+    whole = ToolChatChoices(str, 1, None, mode="auto", names={"get_time"}).whole(
+        0, out(len(text), True))["message"]["content"]
+    for cuts in ([], *([k] for k in range(1, len(text))), list(range(1, len(text)))):
+        choices = ToolChatChoices(str, 1, None, mode="auto", names={"get_time"})
+        chunks = [c for k in cuts for c, _ in choices.delta(0, out(k, False))]
+        chunks += [c for c, _ in choices.delta(0, out(len(text), True))]
+        streamed = "".join(c["delta"].get("content") or "" for c in chunks)
+        assert streamed == (whole or ""), cuts
 
 
 @pytest.mark.parametrize("body,param", [

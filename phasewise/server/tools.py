@@ -31,7 +31,7 @@ import uuid
 from typing import Any
 
 from phasewise.engine.outputs import RequestOutput
-from phasewise.server.openai_format import ChatChoices, TokenText, finish_reason
+from phasewise.server.openai_format import ChatChoices, TokenText, chat_logprobs, finish_reason
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
@@ -99,9 +99,12 @@ def split_hermes(text: str, names: set[str]) -> tuple[str, list[dict[str, str]]]
 
 
 def parse_hermes(text: str, names: set[str]) -> tuple[str | None, list[dict[str, str]]]:
-    """(content, calls): ``split_hermes`` with the content stripped (None when blank)."""
+    """(content, calls): ``split_hermes``'s text as a stream sends it (its leading
+    whitespace kept; with calls, its trailing whitespace dropped), None when blank, so a
+    whole reply's content is its stream's."""
     rest, calls = split_hermes(text, names)
-    return (rest.strip() or None), calls
+    content = rest.rstrip() if calls else rest
+    return (content if content.strip() else None), calls
 
 
 def parse_required(text: str) -> list[dict[str, str]] | None:
@@ -229,6 +232,10 @@ class ToolChatChoices(ChatChoices):
         self.names = names
         self.function = function
         self.sent = [0] * num_choices  # content characters streamed, per choice
+        # logprobs of tokens whose text is held back (a call may be starting): they go out
+        # with the next chunk that carries text, or with the last, so a stream's logprobs
+        # are the whole reply's, in order
+        self.pending: list[list[dict[str, Any]]] = [[] for _ in range(num_choices)]
 
     def _calls(self, out: RequestOutput) -> tuple[str | None, list[dict[str, str]] | None]:
         """(content, calls) of a finished output; calls None when there are none."""
@@ -256,22 +263,33 @@ class ToolChatChoices(ChatChoices):
         return "tool_calls" if calls and reason == "stop" else reason
 
     def delta(self, idx: int, out: RequestOutput) -> list[tuple[dict[str, Any], bool]]:
-        def chunk(delta: dict[str, Any], counted: bool,
-                  finish: str | None = None) -> tuple[dict[str, Any], bool]:
-            return ({"index": idx, "delta": delta, "logprobs": None,
+        def chunk(delta: dict[str, Any], counted: bool, finish: str | None = None,
+                  logprobs: bool = False) -> tuple[dict[str, Any], bool]:
+            lp = None
+            if logprobs and self.pending[idx]:
+                lp, self.pending[idx] = {"content": self.pending[idx]}, []
+            return ({"index": idx, "delta": delta, "logprobs": lp,
                      "finish_reason": finish}, counted)
 
         chunks: list[tuple[dict[str, Any], bool]] = []
         if not self.started[idx]:
             self.started[idx] = True
             chunks.append(chunk({"role": "assistant", "content": ""}, False))
+        if self.top_n is not None and out.delta_token_ids:
+            k = len(out.delta_token_ids)
+            self.pending[idx] += chat_logprobs(self.token_text, out.delta_token_ids,
+                                               (out.logprobs or [])[-k:], self.top_n)["content"]
         if not out.finished:  # content streams (auto) until a tool call may begin
             if self.mode == "auto":
                 text = out.text
                 cut = text.find(OPEN)
                 safe = cut if cut != -1 else len(text) - _held_back(text)
+                # trailing whitespace waits too: before a call it is dropped, so what
+                # streams never depends on where a delta happened to end
+                safe = len(text[:safe].rstrip())
                 if safe > self.sent[idx]:
-                    chunks.append(chunk({"content": text[self.sent[idx]:safe]}, True))
+                    chunks.append(chunk({"content": text[self.sent[idx]:safe]}, True,
+                                        logprobs=True))
                     self.sent[idx] = safe
             return chunks
         if self.mode == "auto":  # the text outside the calls not streamed yet
@@ -283,14 +301,14 @@ class ToolChatChoices(ChatChoices):
             content, calls = self._calls(out)
             rest = content or ""
         if rest:
-            chunks.append(chunk({"content": rest}, False))
+            chunks.append(chunk({"content": rest}, False, logprobs=True))
         for k, call in enumerate(calls or []):
             chunks.append(chunk({"tool_calls": [{
                 "index": k, "id": call_id(), "type": "function",
                 "function": {"name": call["name"], "arguments": ""}}]}, False))
             chunks.append(chunk({"tool_calls": [{
                 "index": k, "function": {"arguments": call["arguments"]}}]}, False))
-        chunks.append(chunk({}, True, self._finish(out, calls)))
+        chunks.append(chunk({}, True, self._finish(out, calls), logprobs=True))
         return chunks
 
     def whole(self, idx: int, out: RequestOutput) -> dict[str, Any]:
