@@ -210,6 +210,46 @@ def test_responses_times_are_integers(server):
     assert all(type(e["response"]["created_at"]) is int for e in events if "response" in e)
 
 
+# -- free-form fields bounded by the context -----------------------------------------------
+@pytest.mark.parametrize("big", [
+    {"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "description": "w " * 200_000}}}], "tool_choice": "none"},
+    {"chat_template_kwargs": {"x": [{"a": [1]}] * 100_000}},
+])
+def test_tools_or_template_kwargs_longer_than_any_prompt_are_refused_by_name(server, big):
+    """A tool definition or template arguments whose JSON no prompt of this context could
+    hold (whatever tool_choice says) are refused before they are built or rendered (large:
+    in the body's child process), by their field; the same under the inline size."""
+    (param,) = [k for k in big if k != "tool_choice"]
+    r = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, **big})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and "characters of JSON" in err["message"], err
+
+
+def test_a_prompt_too_long_because_of_its_tools_names_the_tools(server):
+    tool = {"type": "function", "function": {"name": "f", "description": "word " * 1500,
+                                              "parameters": {"type": "object"}}}
+    r = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "tools": [tool]})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "tools", err
+    assert "messages and tools" in err["message"], err
+
+
+def test_responses_metadata_is_bounded_as_openai_bounds_it(server):
+    for meta, loc in (({f"k{i}": "v" for i in range(17)}, "metadata"),
+                      ({"k": "v" * 513}, "metadata.k"), ({"k" * 65: "v"}, "metadata")):
+        r = httpx.post(server.url + "/v1/responses", timeout=30,
+                       json={"input": "x", "max_output_tokens": 1, "metadata": meta})
+        assert r.status_code == 400 and r.json()["error"]["param"].startswith(loc), r.text
+    ok = httpx.post(server.url + "/v1/responses", timeout=30, json={
+        "input": "x", "max_output_tokens": 1, "metadata": {"k": "v" * 512}})
+    assert ok.status_code == 200 and ok.json()["metadata"] == {"k": "v" * 512}
+
+
 # -- embeddings ---------------------------------------------------------------------------
 def test_embeddings_say_they_are_not_served(server):
     import openai

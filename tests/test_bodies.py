@@ -104,6 +104,13 @@ def test_bad_json_and_an_empty_body_are_400s_as_before(parser):
     assert "empty" in _parse(parser, "CompletionRequest", b"")["error"]["message"]
     deep = b'{"prompt": ' + b"[" * 50_000 + b"]" * 50_000 + b"}"
     assert "not valid JSON" in _parse(parser, "CompletionRequest", deep)["error"]["message"]
+    # a number of more digits than Python converts (was a 500, and killed the child)
+    for pad in (b"", b" " * 20_000):  # on the loop, and in the child
+        huge = b'{"prompt": "hi", "foo": ' + b"9" * 4301 + pad + b"}"
+        got = _parse(parser, "CompletionRequest", huge)
+        assert "a number with more than 4300 digits" in got["error"]["message"], got
+    ok = _parse(parser, "CompletionRequest", b'{"prompt": "hi"' + b" " * 20_000 + b"}")
+    assert ok.prompt == "hi"  # the child still answers
 
 
 def test_the_event_loop_serves_other_work_while_a_large_body_validates(parser):

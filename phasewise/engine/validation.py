@@ -26,26 +26,28 @@ class ValidationError(ValueError):
 
 def check_context(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int, *,
                   prompt_param: str = "prompt", max_tokens_param: str = "max_tokens",
-                  min_max_tokens: int = 1) -> int:
+                  min_max_tokens: int = 1, prompt_label: str | None = None) -> int:
     """The effective ``max_tokens`` of a request: ``max_tokens`` itself, or, when it is None,
     all the room the context leaves after the prompt.
 
     Raises ``ValidationError`` (``param=prompt_param``) for an empty prompt or one that leaves
     no room for an output token, and (``param=max_tokens_param``) for ``max_tokens`` below
     ``min_max_tokens`` (1; 0 where a request may only prefill) or beyond that room.
+    ``prompt_label``: what the messages call the prompt (default ``prompt_param``).
     """
     n, limit = num_prompt_tokens, max_model_len
+    what = prompt_label or prompt_param
     if n < 1:
         raise ValidationError(f"{prompt_param} is empty; it needs at least one token",
                               prompt_param)
     if n > limit:
         raise ValidationError(
-            f"{prompt_param} has {n} tokens, more than max_model_len ({limit}); a prompt may "
+            f"{what} has {n} tokens, more than max_model_len ({limit}); a prompt may "
             f"have at most {limit - 1} tokens, leaving room for one output token",
             prompt_param)
     if n == limit:
         raise ValidationError(
-            f"{prompt_param} has {n} tokens, as many as max_model_len ({limit}); the context "
+            f"{what} has {n} tokens, as many as max_model_len ({limit}); the context "
             f"must also hold at least one output token, so a prompt may have at most "
             f"{limit - 1} tokens", prompt_param)
     room = limit - n
@@ -56,8 +58,9 @@ def check_context(num_prompt_tokens: int, max_tokens: int | None, max_model_len:
                               f"got {max_tokens}", max_tokens_param)
     if max_tokens > room:
         raise ValidationError(
-            f"{max_tokens_param} is {max_tokens}, but max_model_len is {limit} tokens and the "
-            f"prompt uses {n}: at most {room} tokens can be generated", max_tokens_param)
+            f"{max_tokens_param} is {max_tokens}, but max_model_len is {limit} tokens and "
+            f"{'the prompt' if prompt_label is None else prompt_label} uses {n}: at most "
+            f"{room} tokens can be generated", max_tokens_param)
     return max_tokens
 
 

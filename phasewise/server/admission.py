@@ -8,6 +8,7 @@ process never builds, walks or templates it (work that would hold the GIL for as
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,13 +27,31 @@ class Limits:
     max_waiting: int
 
 
-def check_chars(n_chars: int, param: str, limits: Limits) -> None:
-    """Refuse, before tokenizing, a text too long to fit the context in any tokenization."""
+def check_chars(n_chars: int, param: str, limits: Limits, label: str | None = None) -> None:
+    """Refuse, before tokenizing, a text too long to fit the context in any tokenization
+    (``label``: what the message calls it, default the field ``param``)."""
     if n_chars > limits.max_prompt_chars:
-        raise ApiError(400, f"{param} has {n_chars} characters; this model's context of "
+        raise ApiError(400, f"{label or param} has {n_chars} characters; this model's context of "
                        f"{limits.max_model_len} tokens cannot hold more than about "
                        f"{limits.max_prompt_chars} characters, so it was not tokenized",
                        param=param, code=CONTEXT)
+
+
+def check_free_form(body: Any, limits: Limits) -> None:
+    """Refuse a chat request's ``tools`` or ``chat_template_kwargs`` whose JSON is longer than
+    any prompt of this model's context: whatever ``tool_choice`` says, a definition that
+    large could never be rendered into a prompt, and only building and walking it would be
+    left (work that holds the GIL)."""
+    for param, value in (("tools", body.tool_dicts if body.tools else None),
+                         ("chat_template_kwargs", body.chat_template_kwargs)):
+        if not value:
+            continue
+        n = len(json.dumps(value, ensure_ascii=False, default=str))
+        if n > limits.max_prompt_chars:
+            raise ApiError(400, f"{param} holds {n} characters of JSON; this model's context "
+                           f"of {limits.max_model_len} tokens cannot hold more than about "
+                           f"{limits.max_prompt_chars} characters of a prompt, so they were "
+                           "not rendered", param=param, code=CONTEXT)
 
 
 def check_messages(count: int, param: str, limits: Limits) -> None:
@@ -54,12 +73,13 @@ def check_sequence_count(num_prompts: int, n: int, limits: Limits) -> None:
 
 
 def check_budget(n_prompt: int, max_tokens: int | None, param: str, limit_param: str,
-                 limits: Limits, min_max_tokens: int = 1) -> int:
-    """The request's effective ``max_tokens`` (``check_context``), or a 400 naming a field."""
+                 limits: Limits, min_max_tokens: int = 1, label: str | None = None) -> int:
+    """The request's effective ``max_tokens`` (``check_context``), or a 400 naming a field
+    (``label``: what the message calls the prompt, default the field)."""
     try:
         return check_context(n_prompt, max_tokens, limits.max_model_len,
                              prompt_param=param, max_tokens_param=limit_param,
-                             min_max_tokens=min_max_tokens)
+                             min_max_tokens=min_max_tokens, prompt_label=label)
     except ValidationError as e:
         raise ApiError(400, str(e), param=e.param, code=CONTEXT) from e
 
@@ -93,6 +113,7 @@ def precheck(name: str, body: Any, limits: Limits) -> None:
         messages = getattr(body, "messages", None)
         if name == "ChatCompletionRequest":
             check_sequence_count(1, body.n, limits)
+            check_free_form(body, limits)
         if messages is not None:
             check_messages(len(messages), "messages", limits)
             if name == "ChatCompletionRequest":

@@ -30,6 +30,7 @@ import io
 import json
 import pickle
 import queue
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -86,8 +87,12 @@ def validate(name: str, raw: bytes) -> Any:
         raise RequestValidationError([{"type": "json_invalid", "loc": ("body", e.pos),
                                        "msg": "JSON decode error", "input": {},
                                        "ctx": {"error": e.msg}}]) from None
-    except (RecursionError, UnicodeDecodeError) as e:
-        why = "nested too deeply" if isinstance(e, RecursionError) else "not UTF-8"
+    except (RecursionError, UnicodeDecodeError, ValueError) as e:
+        # (ValueError: an integer of more digits than Python converts to int,
+        # sys.get_int_max_str_digits(); no field takes such a number)
+        why = ("nested too deeply" if isinstance(e, RecursionError) else "not UTF-8"
+               if isinstance(e, UnicodeDecodeError) else
+               f"a number with more than {sys.get_int_max_str_digits()} digits")
         raise RequestValidationError([{"type": "json_invalid", "loc": ("body", 0),
                                        "msg": "JSON decode error", "input": {},
                                        "ctx": {"error": why}}]) from None
@@ -161,6 +166,10 @@ def _handle(frame: bytes) -> list[bytes]:
     except ApiError as e:
         return [json.dumps({"api_error": {"status": e.status, "message": e.message,
                                           "param": e.param, "code": e.code}}).encode()]
+    except Exception as e:  # a bug, not the body's fault: answered, and the child lives on
+        return [json.dumps({"api_error": {
+            "status": 500, "message": f"validating the body failed: {type(e).__name__}: {e}",
+            "param": None, "code": None, "type": "server_error"}}).encode()]
     layout, pieces = _pieces(model)
     return [json.dumps(layout).encode(), *pieces]
 
@@ -236,7 +245,8 @@ def _assemble(frames: list[bytes]) -> Any:
         raise _invalid(layout["errors"])
     if "api_error" in layout:
         e = layout["api_error"]
-        raise ApiError(e["status"], e["message"], param=e["param"], code=e["code"])
+        raise ApiError(e["status"], e["message"], param=e["param"], code=e["code"],
+                       type=e.get("type", "invalid_request_error"))
     model = pickle.loads(frames[1])  # noqa: S301 - our own child's pickle of a model
     i = 2
     for name, count in layout["lists"]:

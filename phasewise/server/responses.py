@@ -35,7 +35,7 @@ from typing import Annotated, Any, Literal
 
 from fastapi import Request
 from fastapi.responses import Response
-from pydantic import Field, PrivateAttr, model_validator
+from pydantic import Field, PrivateAttr, field_validator, model_validator
 
 from phasewise.engine.backend import EngineError, EngineStopped, RequestGroup
 from phasewise.engine.outputs import RequestOutput
@@ -104,13 +104,26 @@ class ResponsesRequest(_Sampling):
     max_tokens: Int(1, MAX_INT32) | None = None  # (chat's name; max_output_tokens wins)
     text: TextOptions | None = None
     store: Any = None
-    metadata: dict[str, Str] | None = None
+    # OpenAI's bounds: 16 pairs, keys of up to 64 characters (_metadata_keys: a key left a
+    # plain str, so the free-form walk names one holding a lone surrogate), values of up to
+    # 512 (it is echoed in every response event)
+    metadata: Annotated[dict[str, Annotated[Str, Field(max_length=512)]],
+                        Field(max_length=16)] | None = None
     top_p: Float | None = Field(None, gt=0, le=1)
     # Documented as only their empty/off values; anything else is refused with the reason.
     previous_response_id: refused(_EMPTY_STR, Str) | None = None
     conversation: refused(_EMPTY_STR, Str | dict[str, Any]) | None = None
     tools: refused(_EMPTY_LIST, list[Any]) | None = None
     background: refused(_FALSE, Bool) | None = None
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata_keys(cls, v: dict[str, str] | None) -> dict[str, str] | None:
+        for key in v or {}:
+            if len(key) > 64:
+                raise ValueError(f"a metadata key may have at most 64 characters; one has "
+                                 f"{len(key)}")
+        return v
     reasoning: refused(_EMPTY_OBJ, dict[str, Any]) | None = None
     prompt: refused(_EMPTY_OBJ, dict[str, Any]) | None = None
     include: refused(_EMPTY_LIST, list[Any]) | None = None

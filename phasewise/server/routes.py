@@ -157,8 +157,8 @@ class Routes:
             raise ApiError(404, f"the model {name!r} does not exist; this server serves "
                            f"{self.served_model_name!r}", param="model", code="model_not_found")
 
-    def _check_chars(self, n_chars: int, param: str) -> None:
-        admission.check_chars(n_chars, param, self.limits)
+    def _check_chars(self, n_chars: int, param: str, label: str | None = None) -> None:
+        admission.check_chars(n_chars, param, self.limits, label)
 
     def _check_sequences(self, num_prompts: int, n: int) -> None:
         admission.check_sequence_count(num_prompts, n, self.limits)
@@ -175,9 +175,9 @@ class Routes:
             raise self._invalid(e) from e
 
     def _budget(self, n_prompt: int, max_tokens: int | None, param: str,
-                limit_param: str, min_max_tokens: int = 1) -> int:
+                limit_param: str, min_max_tokens: int = 1, label: str | None = None) -> int:
         return admission.check_budget(n_prompt, max_tokens, param, limit_param, self.limits,
-                                      min_max_tokens)
+                                      min_max_tokens, label)
 
     def _checker(self) -> GrammarChecker:
         """Structured output's checks (``grammar_check``), built on first use. A grammar
@@ -430,24 +430,32 @@ class Routes:
         self.check_model(body.model)
         self._check_sequences(1, body.n)
         admission.check_messages(len(body.messages), "messages", self.limits)
+        admission.check_free_form(body, self.limits)
         msgs = self._messages(body.messages)
         mode = body.tool_mode
         kwargs = dict(body.chat_template_kwargs or {})
         tools = body.tool_dicts if mode != "none" else []
+        msg_chars = sum(len(m["content"]) + len(m.get("name") or "")
+                        + len(json.dumps(m.get("tool_calls") or "")) for m in msgs)
+        tool_chars = len(json.dumps(tools)) if tools else 0
         if tools:
             if tools_mod.template_renders_tools(self.tokenizer.chat_template):
                 kwargs["tools"] = tools
             else:  # a template that knows no tools: they become a system message
                 msgs = [{"role": "system", "content": tools_mod.tools_message(tools)}, *msgs]
-        self._check_chars(sum(len(m["content"]) + len(m.get("name") or "")
-                              + len(json.dumps(m.get("tool_calls") or "")) for m in msgs)
-                          + len(json.dumps(tools)), "messages")
+        # the prompt is the messages with the tools rendered in: a refusal names the field
+        # that holds most of it, and says both are in it
+        param = "tools" if tool_chars > msg_chars else "messages"
+        label = "the prompt the messages and tools render to" if tools else None
+        self._check_chars(msg_chars + tool_chars, param,
+                          "the messages and tools" if tools else None)
         text, ids = await self._off_loop(self._chat_ids, msgs, body.add_generation_prompt,
                                          body.continue_final_message, kwargs or None)
         limit_param = "max_completion_tokens" if body.max_completion_tokens is not None \
             else "max_tokens"
-        max_tokens = self._budget(len(ids), body.output_limit, "messages", limit_param)
-        self._ids(ids, "messages")
+        max_tokens = self._budget(len(ids), body.output_limit, param, limit_param,
+                                  label=label)
+        self._ids(ids, param)
         overrides = body.sampling_overrides()
         if body.num_logprobs is not None:
             overrides["logprobs"] = body.num_logprobs
