@@ -210,6 +210,32 @@ def test_responses_times_are_integers(server):
     assert all(type(e["response"]["created_at"]) is int for e in events if "response" in e)
 
 
+# -- echo ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("stream", [False, True])
+def test_echoed_offsets_point_at_each_tokens_text(server, stream):
+    """echo + logprobs on a text prompt: every text_offset indexes the returned text, so a
+    token's text is found there (the BOS the tokenizer added has none: it takes none, and
+    the offsets never run backwards)."""
+    body = {"prompt": "def f(x):", "max_tokens": 4, "echo": True, "logprobs": 0,
+            "temperature": 0, "stream": stream}
+    if stream:
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
+            chunks = [json.loads(ln[6:])["choices"][0] for ln in r.iter_lines()
+                      if ln.startswith("data: ") and ln != "data: [DONE]"]
+        text = "".join(c["text"] for c in chunks)
+        tokens = [t for c in chunks if c["logprobs"] for t in c["logprobs"]["tokens"]]
+        offsets = [o for c in chunks if c["logprobs"] for o in c["logprobs"]["text_offset"]]
+    else:
+        choice = httpx.post(server.url + "/v1/completions", json=body,
+                            timeout=60).json()["choices"][0]
+        text, tokens = choice["text"], choice["logprobs"]["tokens"]
+        offsets = choice["logprobs"]["text_offset"]
+    assert text.startswith("def f(x):") and len(tokens) == len(offsets) > 4
+    assert offsets == sorted(offsets)
+    found = [text[o:o + len(t)] == t for t, o in zip(tokens, offsets)]
+    assert all(found[1:]) and (found[0] or tokens[0].startswith("<|")), list(zip(tokens, offsets))
+
+
 # -- free-form fields bounded by the context -----------------------------------------------
 @pytest.mark.parametrize("big", [
     {"tools": [{"type": "function", "function": {"name": "f", "parameters": {

@@ -53,11 +53,21 @@ class Tokenizer:
         self.chat_template: str | None = template
         self._compiled_template: Any = None
         self._max_token_chars: int | None = None
+        self._special_ids: frozenset[int] | None = None
 
     def to_json(self) -> str:
         """The tokenizer as ``tokenizer.json`` text (for libraries that read it, such as
         the grammar library of structured output)."""
         return self._tok.to_str()
+
+    @property
+    def special_ids(self) -> frozenset[int]:
+        """The ids of the special tokens (BOS, EOS, chat markers: added tokens marked
+        special), which ``decode`` skips by default."""
+        if self._special_ids is None:
+            self._special_ids = frozenset(
+                i for i, t in self._tok.get_added_tokens_decoder().items() if t.special)
+        return self._special_ids
 
     @property
     def vocab_size(self) -> int:

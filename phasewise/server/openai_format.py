@@ -146,8 +146,10 @@ class CompletionChoices:
 
     def __init__(self, token_text: TokenText, num_choices: int, logprobs: int | None, *,
                  echo: bool = False, prompt_texts: list[str] | None = None,
-                 prompt_logprobs: int | None = None) -> None:
+                 prompt_logprobs: int | None = None,
+                 special_ids: frozenset[int] = frozenset()) -> None:
         self.token_text = token_text
+        self.special_ids = special_ids
         self.logprobs = logprobs
         self.echo = echo
         self.prompt_texts = prompt_texts or [""] * num_choices
@@ -156,13 +158,21 @@ class CompletionChoices:
         self.started = [False] * num_choices
 
     def _echoed(self, idx: int, out: RequestOutput) -> tuple[str, dict[str, Any] | None]:
-        """The prompt's text and (with logprobs) its tokens' entries, from offset 0."""
-        lp = None
+        """The prompt's text and (with logprobs) its tokens' entries, from offset 0. Each
+        ``text_offset`` points into the echoed text: a special token the tokenizer added
+        (a BOS before a text prompt) has no text there, so it takes none."""
+        head, lp = self.prompt_texts[idx], None
         if self.logprobs is not None:
             lp = completion_logprobs(self.token_text, out.prompt_token_ids,
                                      out.prompt_logprobs or [None] * len(out.prompt_token_ids),
                                      0, self.logprobs)
-        return self.prompt_texts[idx], lp
+            pos, offsets = 0, []
+            for tok, text in zip(out.prompt_token_ids, lp["tokens"]):
+                offsets.append(pos)
+                if tok not in self.special_ids or head.startswith(text, pos):
+                    pos += len(text)
+            lp["text_offset"] = offsets
+        return head, lp
 
     def _extra(self, out: RequestOutput) -> dict[str, Any]:
         if self.prompt_logprobs is None:

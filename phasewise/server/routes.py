@@ -422,7 +422,8 @@ class Routes:
         rid = f"{id_prefix}{uuid.uuid4().hex}"
         choices = CompletionChoices(self._token_text, len(specs), body.logprobs, echo=body.echo,
                                     prompt_texts=echoed or None,
-                                    prompt_logprobs=body.prompt_logprobs)
+                                    prompt_logprobs=body.prompt_logprobs,
+                                    special_ids=self.tokenizer.special_ids)
         return await self._respond(request, body, specs, rid, choices, arrival)
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
