@@ -40,6 +40,7 @@ from pydantic import Field, PrivateAttr, field_validator, model_validator
 from phasewise.engine.backend import EngineError, EngineStopped, RequestGroup
 from phasewise.engine.outputs import RequestOutput
 from phasewise.engine.sampling_params import MAX_INT32
+from phasewise.server import jsontext
 from phasewise.server.admission import check_messages
 from phasewise.server.errors import field_error
 from phasewise.server.guard import access_record
@@ -307,6 +308,7 @@ async def create(routes: Any, body: ResponsesRequest, request: Request) -> Respo
                            builder.failed)
     (final,) = await routes._collect(request, group, on_token)
     status = builder.status_of(final)
-    return Response(json.dumps(builder.response(status, final.text, final, len(ids)),
-                               ensure_ascii=False).encode(), media_type="application/json")
+    reply = builder.response(status, final.text, final, len(ids))
+    return Response(await routes._off_loop(lambda: jsontext.dumps(reply).encode()),
+                    media_type="application/json")
 

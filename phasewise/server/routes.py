@@ -26,6 +26,7 @@ from phasewise.engine.outputs import RequestOutput
 from phasewise.engine.slo import SLO, SLO_MS_MAX, SLO_MS_MIN, check_slo_ms
 from phasewise.engine.sampling_params import SamplingParams, wrap_seed
 from phasewise.engine.structured import spec_json
+from phasewise.server import jsontext
 from phasewise.server import tools as tools_mod
 from phasewise.engine.validation import ValidationError, check_token_ids
 from phasewise.server import admission
@@ -510,13 +511,12 @@ class Routes:
         finals = await self._collect(request, group, on_token)
 
         def render() -> bytes:  # on a worker: a reply with logprobs of many choices is big
-            return json.dumps({
+            return jsontext.dumps({
                 "id": rid, "object": choices.object, "created": created, "model": model,
                 "choices": [choices.whole(i, out) for i, out in enumerate(finals)],
                 "usage": usage(rec.prompt_tokens, sum(len(o.token_ids) for o in finals),
                                cached_prompt_tokens([o.metrics.num_cached_tokens
-                                                     for o in finals], body.n))},
-                ensure_ascii=False).encode()
+                                                     for o in finals], body.n))}).encode()
 
         return Response(await self._off_loop(render), media_type="application/json")
 

@@ -1,0 +1,43 @@
+"""``jsontext.dumps`` gives ``json.dumps``'s text, written in pieces (a large reply's encoding
+must not hold the GIL in one call: ``phasewise.server.jsontext``)."""
+
+from __future__ import annotations
+
+import json
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from phasewise.server import jsontext
+
+scalars = (st.none() | st.booleans() | st.integers(-2**70, 2**70)
+           | st.floats(allow_nan=True, allow_infinity=True) | st.text(max_size=8))
+values = st.recursive(
+    scalars,
+    lambda inner: (st.lists(inner, max_size=200)
+                   | st.dictionaries(st.text(max_size=6), inner, max_size=5)
+                   | st.dictionaries(st.integers(0, 9), inner, max_size=3)),
+    max_leaves=600)
+
+
+@settings(max_examples=300, deadline=None)
+@given(values)
+def test_pieces_give_json_dumps_text(obj):
+    assert jsontext.dumps(obj) == json.dumps(obj, ensure_ascii=False)
+
+
+def test_a_long_list_is_encoded_a_slice_at_a_time(monkeypatch):
+    """A reply's long logprobs list: no single call encodes more than a slice of it."""
+    calls: list[int] = []
+    real = json.dumps
+
+    def counting(obj, **kw):
+        calls.append(len(obj) if isinstance(obj, list) else 1)
+        return real(obj, **kw)
+
+    monkeypatch.setattr(jsontext.json, "dumps", counting)
+    entries = [{"token": f"t{i}", "logprob": -0.5, "top": [1, 2]} for i in range(5000)]
+    text = jsontext.dumps({"choices": [{"logprobs": {"content": entries}}] * 3})
+    monkeypatch.undo()
+    assert json.loads(text)["choices"][2]["logprobs"]["content"][4999]["token"] == "t4999"
+    assert max(calls) == jsontext.SLICE
