@@ -236,6 +236,37 @@ def test_echoed_offsets_point_at_each_tokens_text(server, stream):
     assert all(found[1:]) and (found[0] or tokens[0].startswith("<|")), list(zip(tokens, offsets))
 
 
+# -- errors that name the field and what it allows ----------------------------------------
+def test_the_default_max_tokens_never_refuses_a_prompt(server):
+    """Completions' default of 16 tokens is capped at what the prompt leaves; a max_tokens
+    the client sent is held to."""
+    body = {"prompt": [5] * 1020, "ignore_eos": True}
+    r = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4, r.text
+    r = httpx.post(server.url + "/v1/completions", json={**body, "max_tokens": 16}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
+
+
+@pytest.mark.parametrize("body,param,words", [
+    ({"prompt": "x", "stop_token_ids": [99_999_999]}, "stop_token_ids",
+     "stop_token_ids must hold token ids: integers in [0, "),
+    ({"messages": [{"role": "user", "content": "x"}],
+      "chat_template_kwargs": {"add_generation_prompt": False}},
+     "chat_template_kwargs.add_generation_prompt", "send it as the request's "
+     "add_generation_prompt field"),
+    ({"messages": [{"role": "user", "content": "x"}],
+      "chat_template_kwargs": {"bos_token": "<s>"}}, "chat_template_kwargs.bos_token",
+     "reserved: messages, add_generation_prompt, tools, bos_token, eos_token"),
+])
+def test_a_value_the_server_cannot_use_is_named_with_what_it_allows(server, body, param,
+                                                                     words):
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    r = httpx.post(server.url + path, json={**body, "max_tokens": 2}, timeout=60)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and words in err["message"], err
+
+
 # -- free-form fields bounded by the context -----------------------------------------------
 @pytest.mark.parametrize("big", [
     {"tools": [{"type": "function", "function": {"name": "f", "parameters": {

@@ -89,7 +89,7 @@ def test_resume_that_could_not_have_been_outputs_is_refused(engines):
         a.add_request(PROMPT, SamplingParams(max_tokens=4), request_id="r1",
                       resume=[1, 2, 3, 4])
     assert e.value.param == "resume"
-    with pytest.raises(ValidationError, match=r"resume token ids must be integers"):
+    with pytest.raises(ValidationError, match=r"resume must hold token ids: integers"):
         a.add_request(PROMPT, SamplingParams(max_tokens=8), request_id="r2", resume=[vocab])
     with pytest.raises(ValidationError, match="context length"):
         a.add_request(PROMPT, SamplingParams(max_tokens=None), request_id="r3",

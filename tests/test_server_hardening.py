@@ -185,6 +185,10 @@ def test_api_key_guards_every_route_that_takes_input(model_dir, tmp_path):
         assert httpx.get(s.url + "/v1/models").status_code == 401
         for path in ("/health", "/metrics", "/version", "/openapi.json"):  # open by choice
             assert httpx.get(s.url + path).status_code == 200, path
+        # two Authorization headers (a wrong one, then the key): which counts is ambiguous
+        two = httpx.get(s.url + "/v1/models", headers=[("Authorization", "Bearer no"),
+                                                       ("Authorization", "Bearer k3y")])
+        assert two.status_code == 400 and "more than one Authorization" in two.text
     finally:
         s.stop()
 

@@ -85,5 +85,5 @@ def check_token_ids(ids: Iterable[object], vocab_size: int, param: str = "prompt
     for t in out:
         if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size:
             raise ValidationError(
-                f"{param} token ids must be integers in [0, {vocab_size}); got {t!r}", param)
+                f"{param} must hold token ids: integers in [0, {vocab_size}); got {t!r}", param)
     return out  # type: ignore[return-value]

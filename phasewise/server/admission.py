@@ -106,9 +106,9 @@ def precheck(name: str, body: Any, limits: Limits) -> None:
             param = "prompt" if len(prompts) == 1 else f"prompt.{i}"
             if isinstance(p, str):
                 check_chars(len(p), param, limits)
-            else:
-                check_budget(len(p), body.max_tokens, param, "max_tokens", limits,
-                             min_max_tokens=0)
+            else:  # (the default max_tokens is capped at the room left: the route's rule)
+                sent = body.max_tokens if "max_tokens" in body.model_fields_set else None
+                check_budget(len(p), sent, param, "max_tokens", limits, min_max_tokens=0)
     elif name in ("ChatCompletionRequest", "TokenizeRequest"):
         messages = getattr(body, "messages", None)
         if name == "ChatCompletionRequest":

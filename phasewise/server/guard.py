@@ -355,6 +355,13 @@ class Guard:
             scope.setdefault("state", {})[GUARD_STATE] = self
         if key is not None and path not in OPEN_PATHS:
             auth = headers.get("authorization")
+            if sum(k.lower() == b"authorization" for k, _ in scope.get("headers", [])) > 1:
+                # which one counts would be this server's guess (a proxy in front may read
+                # the other): refused, as no client sends two
+                await self._refuse(send, ApiError(
+                    400, "the request has more than one Authorization header; send one",
+                    code="invalid_api_key"))
+                return
             ok = False
             if auth is not None:  # a key is presented: a guess until it proves right
                 address = client_address(scope)

@@ -456,6 +456,12 @@ class ChatMessage(_Body):
         return "".join(pieces)
 
 
+# The template variables the server sets itself, and the request field that sets each (None:
+# the tokenizer's own): chat_template_kwargs may not set them too.
+TEMPLATE_RESERVED = {"messages": "messages", "add_generation_prompt": "add_generation_prompt",
+                     "tools": "tools", "bos_token": None, "eos_token": None}
+
+
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Int(1, MAX_INT32) | None = None
@@ -491,6 +497,15 @@ class ChatCompletionRequest(_Sampling):
         if self.continue_final_message and self.add_generation_prompt:
             raise field_error("continue_final_message", "continue_final_message and "
                               "add_generation_prompt cannot both be true", COMBINATION)
+        for key in self.chat_template_kwargs or {}:
+            if key in TEMPLATE_RESERVED:
+                field = TEMPLATE_RESERVED[key]
+                how = (f"send it as the request's {field} field" if field else
+                       "the checkpoint's tokenizer sets it")
+                raise field_error(f"chat_template_kwargs.{key}", f"chat_template_kwargs may "
+                                  f"not set {key}: the server passes it to the template "
+                                  f"itself ({how}); reserved: "
+                                  f"{', '.join(TEMPLATE_RESERVED)}", COMBINATION)
         limit = self.output_limit
         if limit is not None and self.min_tokens > limit:
             name = "max_completion_tokens" if self.max_completion_tokens is not None \

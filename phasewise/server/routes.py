@@ -231,6 +231,9 @@ class Routes:
     def _specs(self, prompts: list[tuple[list[int], str | None, int]], n: int,
                overrides: dict[str, Any]) -> list[PromptSpec]:
         """n samples of each (ids, text, max_tokens); seeded samples get seed, seed+1, ..."""
+        stop_ids = overrides.get("stop_token_ids")
+        if stop_ids:  # an id past the vocabulary could never be sampled: a mistake to name
+            self._ids(list(stop_ids), "stop_token_ids")
         specs = []
         for ids, text, max_tokens in prompts:
             if overrides.get("min_tokens", 0) > max_tokens:  # max_tokens: after the context
@@ -402,8 +405,12 @@ class Routes:
                 ids, text = await self._off_loop(self.tokenizer.encode, p), p
             else:
                 ids, text = list(p), None
-            max_tokens = self._budget(len(ids), body.max_tokens, param, "max_tokens",
-                                      min_max_tokens=0)
+            if "max_tokens" in body.model_fields_set:
+                max_tokens = self._budget(len(ids), body.max_tokens, param, "max_tokens",
+                                          min_max_tokens=0)
+            else:  # the default (16) never refuses a prompt: it is capped at the room left
+                max_tokens = min(body.max_tokens, self._budget(len(ids), None, param,
+                                                               "max_tokens"))
             self._ids(ids, param)
             prompts.append((ids, text, max_tokens))
             if body.echo:  # a token-id prompt echoes as its decoded text
