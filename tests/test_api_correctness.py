@@ -267,6 +267,30 @@ def test_a_value_the_server_cannot_use_is_named_with_what_it_allows(server, body
     assert err["param"] == param and words in err["message"], err
 
 
+def test_a_grammar_the_requests_own_min_tokens_blocks_says_so(server):
+    """guided_choice ["a"] with "a" as a stop token and min_tokens 1: the only token the
+    grammar allows is one min_tokens holds back; the 400 says that, in the request's
+    terms, not the parser's."""
+    a = httpx.post(server.url + "/tokenize", json={"prompt": "a", "add_special_tokens": False},
+                   timeout=30).json()["tokens"]
+    r = httpx.post(server.url + "/v1/completions", timeout=60, json={
+        "prompt": "x", "max_tokens": 4, "guided_choice": ["a"], "stop_token_ids": a[:1],
+        "min_tokens": 1})
+    assert r.status_code == 400, r.text
+    msg = r.json()["error"]["message"]
+    assert "the grammar refused output token 0" in msg and "min_tokens forbids" in msg, msg
+    assert "<non-verbose/>" not in msg
+
+
+def test_a_grammar_that_never_reaches_text_is_explained(server):
+    r = httpx.post(server.url + "/v1/completions", timeout=60, json={
+        "prompt": "x", "max_tokens": 4, "guided_grammar": "start: start"})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "guided_grammar" and "a rule may never reach text" in err["message"]
+    assert "<non-verbose/>" not in err["message"]
+
+
 # -- free-form fields bounded by the context -----------------------------------------------
 @pytest.mark.parametrize("big", [
     {"tools": [{"type": "function", "function": {"name": "f", "parameters": {

@@ -143,6 +143,11 @@ def test_bad_constraints_name_the_field(llm):
             SamplingParams(structured_output=bad)
     with pytest.raises(ValidationError, match="does not compile"):
         llm.generate(["x"], SamplingParams(structured_output=spec_json("regex", "(")))
+    # an integer JSON allows but the grammar compiler cannot read: said so, with the way out
+    with pytest.raises(ValidationError, match=r"the integer 1000000000000000000\d*\.\.\., "
+                       "outside the 64-bit range"):
+        SamplingParams(structured_output=spec_json("json_schema", {
+            "type": "object", "properties": {"a": {"type": "integer", "maximum": 10**30}}}))
     assert not llm.engine.has_unfinished_requests()
 
 

@@ -477,13 +477,29 @@ def sample_step(sampler: Sampler, ran: RunnerOutput
             failed.append((req, slow, GrammarFailed.code))
             continue
         if req.grammar is not None and not req.grammar.accept(tok):
-            failed.append((req, f"structured output refused token {tok}: "
-                                f"{req.grammar.error}", GrammarFailed.code))
+            failed.append((req, refusal(req, tok), GrammarFailed.code))
             continue
         tokens[req.request_id] = [tok]
         if req.logprobs is not None and lp is not None:
             req.logprobs.append(lp)
     return tokens, failed
+
+
+def refusal(req: Request, tok: int) -> str:
+    """Why a request's grammar refused its sampled token, in the client's terms: where it
+    happened, and the usual cause, a grammar that allows only tokens the request's other
+    settings forbid there (``min_tokens`` holds back end of sequence and ``stop_token_ids``)."""
+    n = req.num_output_tokens
+    p = req.params
+    err = " ".join((req.grammar.error or "").replace("<non-verbose/>", "").split())
+    why = ""
+    if p.min_tokens and n < p.min_tokens:
+        stops = f" and stop_token_ids {list(p.stop_token_ids)}" if p.stop_token_ids else ""
+        why = (f"; until output token {p.min_tokens}, min_tokens forbids end of sequence"
+               f"{stops}, and the grammar may allow only those here: lower min_tokens or "
+               "change the grammar")
+    return (f"structured output: the grammar refused output token {n} (id {tok}){why} "
+            f"({err or 'the grammar gave no reason'})")
 
 
 def _nucleus(top_ps: list[float]) -> list[float]:

@@ -130,6 +130,13 @@ def parse_spec(text: str, param: str = "structured_output") -> dict[str, Any]:
     kind = spec["type"]
     if kind == "json_schema" and not isinstance(spec.get("schema"), (dict, bool)):
         raise bad("a json_schema needs a schema that is a JSON object")
+    if kind == "json_schema":
+        big = _wide_integer(spec["schema"])
+        if big is not None:
+            shown = str(big) if len(str(big)) <= 24 else str(big)[:20] + "..."
+            raise bad(f"the schema holds the integer {shown}, outside the 64-bit range the "
+                      f"grammar compiler reads ({-2**63} to {2**64 - 1}); write it as a "
+                      "number (1e30) or leave the bound out")
     if kind == "regex" and not (isinstance(spec.get("pattern"), str) and spec["pattern"]):
         raise bad("a regex needs a non-empty pattern string")
     if kind == "choice":
@@ -140,6 +147,33 @@ def parse_spec(text: str, param: str = "structured_output") -> dict[str, Any]:
     if kind == "lark" and not (isinstance(spec.get("grammar"), str) and spec["grammar"]):
         raise bad("a lark grammar needs a non-empty grammar string")
     return spec
+
+
+def _wide_integer(schema: Any) -> int | None:
+    """An integer anywhere in ``schema`` (a key's value or a list's item) outside the 64-bit
+    range (JSON allows any; llguidance's reader does not), or None. Iterative."""
+    stack = [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, bool):
+            continue
+        if isinstance(node, int):
+            if not -2**63 <= node < 2**64:
+                return node
+        elif isinstance(node, dict):
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    return None
+
+
+def _short_error(message: str) -> str:
+    """llguidance's message, its markup and spacing dropped, a known cause explained."""
+    text = " ".join(message.replace("<non-verbose/>", "").split())
+    if "NoExtensionBias" in text:
+        text += (" (no token can begin any text the grammar matches: a rule may never reach "
+                 "text, as in 'start: start')")
+    return text
 
 
 def _llguidance():
@@ -250,6 +284,7 @@ class Matcher:
 
 
 def _short(message: str) -> str:
+    message = _short_error(message)
     return message if len(message) <= MAX_ERROR_CHARS else message[:MAX_ERROR_CHARS] + "..."
 
 
