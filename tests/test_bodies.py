@@ -170,3 +170,8 @@ def test_a_large_body_the_model_could_never_serve_is_refused_in_the_child():
         assert len(asyncio.run(parser.parse("ChatCompletionRequest", fits)).messages) == 900
     finally:
         parser.close()
+
+
+def test_a_lone_surrogate_is_named_with_its_position():
+    got = _inline("CompletionRequest", b'{"prompt": "ab\\udc00c", "max_tokens": 1}')
+    assert "a lone surrogate at position 2" in got["error"]["message"], got

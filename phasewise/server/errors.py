@@ -115,8 +115,12 @@ def _is_type_tag(part: str) -> bool:
 def _message(e: Any) -> str:
     """An error's message in our words where pydantic's would puzzle."""
     if e.get("type") == "string_unicode":  # pydantic's own check of a lone surrogate
-        return ("the string holds an invalid Unicode character (a lone surrogate); send "
-                "valid UTF-8 text")
+        got = e.get("input")
+        at = next((i for i, c in enumerate(got) if "\ud800" <= c <= "\udfff"), None) \
+            if isinstance(got, str) else None
+        where = "" if at is None else f" at position {at}"
+        return (f"the string holds an invalid Unicode character (a lone surrogate{where}); "
+                "send valid UTF-8 text")
     return str(e.get("msg", "invalid request")).removeprefix("Value error, ")
 
 
