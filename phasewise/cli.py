@@ -529,8 +529,9 @@ class HelpFormatter(argparse.HelpFormatter):
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
         d = action.default
-        if (action.option_strings and "default" not in text.lower()
-                and d not in (None, False, [], argparse.SUPPRESS)):
+        shown = not (d is None or d is False or d is argparse.SUPPRESS
+                     or (isinstance(d, list) and not d))
+        if action.option_strings and "default" not in text.lower() and shown:
             text += " (default: %(default)s)"
         return text
 
@@ -557,7 +558,7 @@ def build_report_parser() -> argparse.ArgumentParser:
                                 formatter_class=HelpFormatter)
     r.add_argument("results", nargs="+", help="result JSON files (phasewise bench, or "
                    "vllm bench serve --save-detailed)")
-    r.add_argument("-o", "--output", default="bench-report.html")
+    r.add_argument("-o", "--output", default="bench-report.html", help="the HTML file to write")
     r.add_argument("--stall-factor", type=float, default=5.0,
                    help="mark a stall where a gap exceeds this x the median ITL")
     r.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS",
@@ -917,7 +918,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else list(argv))
     try:
         return int(args.func(args) or 0)
-    except BrokenPipeError:  # stdout's reader left (| head): stop quietly, as a filter does
+    except BrokenPipeError as e:
+        if not _stdout_closed():  # another pipe broke: not the reader leaving
+            return _internal_error(e, args)
+        # stdout's reader left (| head): stop quietly, as a filter does
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())  # so the exit's flush does not fail again
         return 141  # 128 + SIGPIPE, the status a shell gives a program the pipe stopped
@@ -928,12 +932,29 @@ def main(argv: list[str] | None = None) -> int:
         print("phasewise: interrupted", file=sys.stderr)
         return 130
     except Exception as e:  # a bug or a broken environment, not the user's input
-        if args.debug:
-            traceback.print_exc()
-        text = " ".join(str(e).split()) or "(no message)"
-        print(f"phasewise: internal error: {type(e).__name__}: {text}"
-              + ("" if args.debug else " (--debug shows the traceback)"), file=sys.stderr)
-        return 1
+        return _internal_error(e, args)
+
+
+def _stdout_closed() -> bool:
+    """Whether stdout is a pipe whose reader has gone (the kernel flags its write end with
+    an error: poll says so without writing)."""
+    import select
+
+    try:
+        p = select.poll()
+        p.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(ev & select.POLLERR for _, ev in p.poll(0))
+    except (OSError, ValueError, AttributeError):  # no fd, or no poll on this platform
+        return False
+
+
+def _internal_error(e: BaseException, args: argparse.Namespace) -> int:
+    if args.debug:
+        traceback.print_exception(e)
+    text = " ".join(str(e).split()) or "(no message)"
+    print(f"phasewise: internal error: {type(e).__name__}: {text}"
+          + ("" if args.debug else " (--debug shows the traceback)"), file=sys.stderr)
+    return 1
 
 
 if __name__ == "__main__":

@@ -41,14 +41,15 @@ def run(model: str, engine_kwargs: dict[str, Any], opts: GenerateOptions,
     # the machine's load over the whole command (this process's own work excluded):
     # [bound]'s evidence when a phase runs far above its roofline
     before = CpuSample.now()
+    from phasewise.model.cpu.kernels import KERNELS
+
+    compiled_before = KERNELS.compile_s  # (a sum over the process: this load's share)
     t0 = time.monotonic()
     llm = LLM(model, **engine_kwargs)
     eng = llm.engine
     quant = f", {eng.config.quantization} weights" if eng.config.quantization else ""
     took = time.monotonic() - t0
-    from phasewise.model.cpu.kernels import KERNELS
-
-    built = KERNELS.compile_s
+    built = KERNELS.compile_s - compiled_before
     compiled = f" (and {built:.1f} s compiling the CPU kernels, once)" if built else ""
     print(f"loaded {eng.model_config.architecture} ({eng.model_config.num_params / 1e6:.1f} M "
           f"parameters, {str(eng.dtype).removeprefix('torch.')}{quant}, {eng.device}) in "

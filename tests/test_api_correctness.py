@@ -321,11 +321,13 @@ def test_a_prompt_too_long_because_of_its_tools_names_the_tools(server):
 
 
 def test_responses_metadata_is_bounded_as_openai_bounds_it(server):
-    for meta, loc in (({f"k{i}": "v" for i in range(17)}, "metadata"),
-                      ({"k": "v" * 513}, "metadata.k"), ({"k" * 65: "v"}, "metadata")):
+    for meta, loc, words in (({f"k{i}": "v" for i in range(17)}, "metadata", "16 items"),
+                             ({"k": "v" * 513}, "metadata.k", "at most 512 characters"),
+                             ({"k" * 65: "v"}, "metadata", "at most 64 characters")):
         r = httpx.post(server.url + "/v1/responses", timeout=30,
                        json={"input": "x", "max_output_tokens": 1, "metadata": meta})
         assert r.status_code == 400 and r.json()["error"]["param"].startswith(loc), r.text
+        assert words in r.json()["error"]["message"], r.text
     ok = httpx.post(server.url + "/v1/responses", timeout=30, json={
         "input": "x", "max_output_tokens": 1, "metadata": {"k": "v" * 512}})
     assert ok.status_code == 200 and ok.json()["metadata"] == {"k": "v" * 512}

@@ -480,6 +480,7 @@ def test_auto_streams_content_until_a_tool_call_begins():
     ' hello <tool_call>{"name": "get_time"}</tool_call> bye',
     'Sure,  \n<tool_call>{"name": "get_time"}</tool_call>\n',
     "  just text, no call  ",
+    "\n\n",  # whitespace alone, no call: it is the content, streamed or whole
 ])
 def test_auto_streams_the_content_its_whole_reply_has_wherever_deltas_end(text):
     """However the output's text is cut into deltas, the streamed content is the whole

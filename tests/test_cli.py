@@ -368,3 +368,18 @@ def test_every_flag_says_what_it_does_and_its_default():
     assert not silent, silent
     text = sub.choices["serve"].format_help()
     assert "(default: 8000)" in " ".join(text.split())  # --port: no default in its help
+    text = " ".join(sub.choices["make-tiny"].format_help().split())
+    assert "seed of the random weights (default: 0)" in text  # a zero is a default too
+
+
+def test_a_broken_pipe_that_is_not_stdout_is_an_error(monkeypatch, capsys):
+    """Only stdout's reader leaving ends quietly; another pipe breaking (a child process, a
+    socket) is reported."""
+    def broken(_a):
+        raise BrokenPipeError(32, "Broken pipe")
+
+    args = build_parser().parse_args(["roofline", "--list"])
+    args.func = broken
+    monkeypatch.setattr(cli, "parse_args", lambda argv: args)
+    assert main(["roofline", "--list"]) == 1
+    assert "internal error: BrokenPipeError" in capsys.readouterr().err

@@ -27,17 +27,20 @@ def test_pieces_give_json_dumps_text(obj):
 
 
 def test_a_long_list_is_encoded_a_slice_at_a_time(monkeypatch):
-    """A reply's long logprobs list: no single call encodes more than a slice of it."""
-    calls: list[int] = []
-    real = json.dumps
+    """A reply's long logprobs list: no single call encodes more than a slice of it, and
+    the reply's small parts are not encoded value by value (each call is worth its cost)."""
+    sizes: list[int] = []
+    real = jsontext._encode
 
-    def counting(obj, **kw):
-        calls.append(len(obj) if isinstance(obj, list) else 1)
-        return real(obj, **kw)
+    def counting(obj):
+        sizes.append(len(obj) if isinstance(obj, list) else 1)
+        return real(obj)
 
-    monkeypatch.setattr(jsontext.json, "dumps", counting)
-    entries = [{"token": f"t{i}", "logprob": -0.5, "top": [1, 2]} for i in range(5000)]
+    monkeypatch.setattr(jsontext, "_encode", counting)
+    entries = [{"token": f"t{i}", "logprob": -0.5, "top": [{"t": "a", "lp": -1.0}] * 20}
+               for i in range(5000)]
     text = jsontext.dumps({"choices": [{"logprobs": {"content": entries}}] * 3})
     monkeypatch.undo()
     assert json.loads(text)["choices"][2]["logprobs"]["content"][4999]["token"] == "t4999"
-    assert max(calls) == jsontext.SLICE
+    assert max(sizes) == jsontext.SLICE
+    assert len(sizes) < 3 * (5000 // jsontext.SLICE + 1) + 20

@@ -44,6 +44,9 @@ def test_a_block_longer_than_the_context_or_the_limit_is_refused():
     assert plan.max_model_len == 32
     with pytest.raises(ValueError, match=f"block_size must be in 1..{MAX_BLOCK_SIZE}"):
         EngineConfig(model="m", block_size=MAX_BLOCK_SIZE + 1)
+    # the default block under a shorter context: a little waste, not refused
+    assert KVPlan.plan(EngineConfig(model="m", max_model_len=8), MC, BLOCK,
+                       "cpu").max_model_len == 8
 
 
 def test_cuda_without_a_budget_waits_for_the_memory_the_weights_leave():

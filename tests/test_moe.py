@@ -464,3 +464,5 @@ def test_a_row_routes_alike_on_every_cpu_kernel_path(tmp_path):
     weights, chosen = fused.moe_route(logits, 2, True)
     assert chosen.shape == (1, 2) and set(chosen[0].tolist()) <= set(range(4))
     assert len(set(chosen[0].tolist())) == 2
+    weights, chosen = fused.moe_route(torch.empty(0, 4).bfloat16(), 2, True)  # no rows
+    assert weights.shape == chosen.shape == (0, 2)

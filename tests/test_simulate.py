@@ -606,7 +606,7 @@ def test_a_trace_line_that_means_nothing_is_refused_by_its_line(tmp_path):
         path.write_text(text)
         with pytest.raises(ValueError, match=match):
             load_trace(path)
-    path.write_text('{"arrival": 2, "prompt_len": 5, "output_len": 3}\n'
+    path.write_text('{"arrival": 2, "prompt_len": 5, "output_len": "3"}\n'  # digits: a count
                     '{"arrival": 1.5, "prompt": "hi", "output_len": 1}\n')
     specs = load_trace(path, time_scale=2.0)
     assert [(s.arrival, s.output_len) for s in specs] == [(0.0, 1), (1.0, 3)]

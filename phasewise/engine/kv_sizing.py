@@ -20,6 +20,7 @@ from phasewise.cache.manager import window_blocks
 from phasewise.config import EngineConfig, parse_memory
 
 DEFAULT_CPU_KV_MEMORY = 1 << 30
+DEFAULT_BLOCK_SIZE = EngineConfig.block_size  # (the dataclass field's default)
 CUDA_FREE_FRACTION = 0.9  # of the memory free after the weights; the rest: a step's activations
 
 
@@ -72,10 +73,12 @@ class KVPlan:
         if config.max_model_len and config.max_model_len > mc.max_position_embeddings:
             raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's "
                              f"max_position_embeddings ({mc.max_position_embeddings})")
-        if config.block_size > max_len:  # a block holds one sequence's tokens
+        # A block holds one sequence's tokens: one longer than any sequence only wastes the
+        # pool (the default's, under a context shorter than it, wastes little)
+        if config.block_size > max(max_len, DEFAULT_BLOCK_SIZE):
             raise ValueError(f"block_size {config.block_size} exceeds the context length "
                              f"{max_len}: no sequence could fill a block; choose a block_size "
-                             f"of {max_len} or less")
+                             f"of {max(max_len, DEFAULT_BLOCK_SIZE)} or less")
         most = config.max_num_seqs * window_blocks(max_len, config.block_size, mc.kv_window) + 1
         num_blocks: int | None
         if config.num_kv_blocks is not None:

@@ -106,6 +106,9 @@ def build_server(engine_config: EngineConfig, *, served_model_name: str | None =
         raise ValueError(f"--prefill-queue-limit must be >= 1, got {prefill_queue_limit}")
     if not remote_prefill_timeout > 0:
         raise ValueError(f"--remote-prefill-timeout must be > 0, got {remote_prefill_timeout}")
+    from phasewise.model.cpu.kernels import KERNELS
+
+    compiled_before = KERNELS.compile_s  # (a sum over the process: this load's share)
     t0 = time.monotonic()
     log.info("loading %s", engine_config.model)
     name = served_model_name or Path(engine_config.model).resolve().name
@@ -149,9 +152,7 @@ def build_server(engine_config: EngineConfig, *, served_model_name: str | None =
             log.info("prefill role: connected to the decode worker's K/V port %s",
                      " ".join(kv_connect))
     info = backend.info
-    from phasewise.model.cpu.kernels import KERNELS
-
-    built = KERNELS.compile_s
+    built = KERNELS.compile_s - compiled_before
     log.info("loaded %s (%.1f M parameters) in %.1f s%s", info.architecture,
              info.num_params / 1e6, time.monotonic() - t0 - built,
              f" (and {built:.1f} s compiling the CPU kernels, once)" if built else "")

@@ -132,7 +132,10 @@ def build_workload(num_requests: int, input_len: LengthDist, output_len: LengthD
 
 
 def _count(value: object, name: str) -> int:
-    """A trace's token count: an integer (a float only where it is one: 7.0, not 7.9)."""
+    """A trace's token count: an integer (a float only where it is one: 7.0, not 7.9; a
+    string of digits, as traces written by other tools may hold)."""
+    if isinstance(value, str) and value.strip().isdigit():
+        return int(value)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or (
             isinstance(value, float) and not value.is_integer()):
         raise TypeError(f"{name} must be a whole number of tokens, got {value!r}")

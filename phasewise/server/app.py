@@ -324,8 +324,8 @@ class OpenAIServer:
         return app
 
     def _narrow_to_model(self, comps: dict[str, Any]) -> None:
-        """The document describes this server: token ids below its vocabulary size, token
-        lists no longer than its context."""
+        """The document describes this server: token ids (a prompt's, stop_token_ids) below
+        its vocabulary size, token lists no longer than its context."""
         info = self.backend.info
 
         def narrow(ids_schema: dict[str, Any]) -> None:
@@ -338,3 +338,8 @@ class OpenAIServer:
                 narrow(items if items.get("type") == "array" else alt)
         comps["DetokenizeRequest"]["properties"]["tokens"]["items"]["maximum"] = \
             info.vocab_size - 1
+        for comp in comps.values():  # every request's stop_token_ids: ids of this vocabulary
+            stop = comp.get("properties", {}).get("stop_token_ids")
+            for alt in (stop or {}).get("anyOf", [stop] if stop else []):
+                if alt.get("type") == "array":
+                    alt.setdefault("items", {})["maximum"] = info.vocab_size - 1

@@ -35,7 +35,8 @@ from typing import Annotated, Any, Literal
 
 from fastapi import Request
 from fastapi.responses import Response
-from pydantic import Field, PrivateAttr, field_validator, model_validator
+from pydantic import (AfterValidator, Field, PrivateAttr, Strict, field_validator,
+                      model_validator)
 
 from phasewise.engine.backend import EngineError, EngineStopped, RequestGroup
 from phasewise.engine.outputs import RequestOutput
@@ -45,7 +46,8 @@ from phasewise.server.admission import check_messages
 from phasewise.server.errors import field_error
 from phasewise.server.guard import access_record
 from phasewise.server.protocol import (COMBINATION, Bool, Float, Int, JsonSchemaFormat, Str,
-                                       Text1, _Body, _Sampling, constraint, refused)
+                                       Text1, _Body, _Sampling, _valid_unicode, constraint,
+                                       refused)
 from phasewise.server.sse import SSEResponse, stream_error
 
 # Fields of the Responses API that phasewise does not serve, and why.
@@ -108,7 +110,8 @@ class ResponsesRequest(_Sampling):
     # OpenAI's bounds: 16 pairs, keys of up to 64 characters (_metadata_keys: a key left a
     # plain str, so the free-form walk names one holding a lone surrogate), values of up to
     # 512 (it is echoed in every response event)
-    metadata: Annotated[dict[str, Annotated[Str, Field(max_length=512)]],
+    metadata: Annotated[dict[str, Annotated[str, Strict(), Field(max_length=512),
+                                            AfterValidator(_valid_unicode)]],
                         Field(max_length=16)] | None = None
     top_p: Float | None = Field(None, gt=0, le=1)
     # Documented as only their empty/off values; anything else is refused with the reason.

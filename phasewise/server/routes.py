@@ -446,7 +446,7 @@ class Routes:
         tools = body.tool_dicts if mode != "none" else []
         msg_chars = sum(len(m["content"]) + len(m.get("name") or "")
                         + len(json.dumps(m.get("tool_calls") or "")) for m in msgs)
-        tool_chars = len(json.dumps(tools)) if tools else 0
+        tool_chars = len(json.dumps(tools, ensure_ascii=False)) if tools else 0
         if tools:
             if tools_mod.template_renders_tools(self.tokenizer.chat_template):
                 kwargs["tools"] = tools

@@ -100,11 +100,11 @@ def split_hermes(text: str, names: set[str]) -> tuple[str, list[dict[str, str]]]
 
 def parse_hermes(text: str, names: set[str]) -> tuple[str | None, list[dict[str, str]]]:
     """(content, calls): ``split_hermes``'s text as a stream sends it (its leading
-    whitespace kept; with calls, its trailing whitespace dropped), None when blank, so a
+    whitespace kept; with calls, its trailing whitespace dropped), None when empty, so a
     whole reply's content is its stream's."""
     rest, calls = split_hermes(text, names)
     content = rest.rstrip() if calls else rest
-    return (content if content.strip() else None), calls
+    return (content or None), calls
 
 
 def parse_required(text: str) -> list[dict[str, str]] | None:

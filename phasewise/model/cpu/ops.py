@@ -153,7 +153,7 @@ class CpuKernelOps(TorchOps):
         renormalised weight on a bf16 rounding midpoint carries into a row's output."""
         rows, experts = logits.shape
         if (self.lib is None or logits.dtype != torch.bfloat16 or logits.device.type != "cpu"
-                or not 1 <= top_k <= experts <= self.kernels.max_experts):
+                or rows < 1 or not 1 <= top_k <= experts <= self.kernels.max_experts):
             return super().moe_route(logits, top_k, norm)
         lg = logits.float().contiguous()
         weights = torch.empty(rows, top_k, dtype=torch.float32)
