@@ -99,6 +99,17 @@ CASES = {
         "prompt": "x", "n": 16, "max_tokens": 30, "guided_regex": "(a{1000}){1000}"}),
     "guided_regex (a{100}){100}, n=16": lambda u: post(u, "/v1/completions", {
         "prompt": "x", "n": 16, "max_tokens": 30, "guided_regex": "(a{100}){100}"}),
+    # a second hostile pass: free-form fields and big whole replies
+    "6 MB chat_template_kwargs": lambda u: post(u, "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+        "chat_template_kwargs": {"x": [{"a": [1]}] * 500_000}}),
+    "6 MB of tool parameters, tool_choice none": lambda u: post(u, "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "tool_choice": "none",
+        "tools": [{"type": "function", "function": {"name": "f", "parameters": {
+            "type": "object", "x": [{"a": [1]}] * 500_000}}}]}),
+    "whole reply: echo + 20 logprobs, n=16 (~20 MB)": lambda u: post(u, "/v1/completions", {
+        "prompt": "def f(x):\n" + "    return x\n" * 200, "n": 16, "max_tokens": 1,
+        "echo": True, "logprobs": 20, "prompt_logprobs": 20}),
 }
 
 
