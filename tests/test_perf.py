@@ -672,6 +672,9 @@ def test_an_unstable_stored_figure_is_measured_again_and_never_preferred(tmp_pat
     assert noise_factor(acc, "fp32") == pytest.approx(2.5)
     acc = pm.ensure_local("cpu", ("fp32",), path)  # stable: replaces it
     assert acc.peak_flops["fp32"] == 420e9 and acc.measured["unstable"] == {}
+    # and the entry's source says the figure was measured again, and when, once
+    assert acc.source.startswith("test; fp32 matmul measured again quickly on ")
+    assert acc.source.count("measured again") == 1
     assert calls == [(("fp32",), True), (("fp32",), False), (("fp32",), False)]
     acc = pm.ensure_local("cpu", ("fp32",), path)  # stable now: nothing is measured
     assert len(calls) == 3 and acc.peak_flops["fp32"] == 420e9

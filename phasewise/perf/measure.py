@@ -388,7 +388,13 @@ def merge_entry(old: dict[str, Any], new: dict[str, Any], dtypes: tuple[str, ...
                 "conditions": m_new.get("conditions"), "figure_conditions": figure_conditions,
                 "quick_figures": sorted({*m_old.get("quick_figures", []),
                                          *(n for n in taken if n != "mem_bandwidth")})}
-    return {**old, "peak_flops": peaks, "mem_bandwidth": bandwidth, "measured": measured}
+    source = str(old.get("source", "")).split("; ")[0]  # (the full measurement's words)
+    if taken:  # where a figure now comes from, as roofline --list and calibrate cite it
+        what = ", ".join("read bandwidth" if n == "mem_bandwidth" else f"{n} matmul"
+                         for n in taken)
+        source += f"; {what} measured again quickly on {time.strftime('%Y-%m-%d %H:%M')}"
+    return {**old, "peak_flops": peaks, "mem_bandwidth": bandwidth, "measured": measured,
+            "source": source}
 
 
 def ensure_local(device: str, compute_dtypes: tuple[str, ...],
