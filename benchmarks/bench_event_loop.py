@@ -68,52 +68,68 @@ def run_case(url: str, send) -> tuple[float, float, float]:
     return max(gaps), statistics.median(gaps), max(lat)
 
 
-def post(url: str, path: str, body: object) -> None:
-    content = json.dumps(body, separators=(",", ":")).encode()  # compact: under 8 MiB
+def encode(body: object) -> bytes:
+    return json.dumps(body, separators=(",", ":")).encode()  # compact: under 8 MiB
+
+
+def post(url: str, path: str, content: bytes) -> None:
     r = httpx.post(url + path, content=content, timeout=300,
                    headers={"content-type": "application/json"})
     print(f"    {path} ({len(content) / 1e6:.1f} MB) -> {r.status_code}", file=sys.stderr)
 
 
+def sender(make):
+    """A case's sending, with its bodies encoded now: encoding a 5 MB body holds this
+    process's GIL for a quarter of a second, and the victim's reader is a thread of this
+    process, so encoding during the case would be measured as the server's stall."""
+    together, requests = make()
+    encoded = [(path, encode(body)) for path, body in requests]
+    if not together:
+        return lambda u: [post(u, path, content) for path, content in encoded]
+    return lambda u: run_together(*[
+        (lambda path=path, content=content: post(u, path, content)) for path, content in encoded])
+
+
+def one(path: str, body: object):
+    return lambda: (False, [(path, body)])
+
+
+# name -> a function giving (sent at once?, [(path, body), ...])
 CASES = {
-    "7 MB prompt to /v1/completions": lambda u: post(u, "/v1/completions",
-                                                      {"prompt": "x = 1\n" * 1_000_000}),
-    "7 MB chat message": lambda u: post(u, "/v1/chat/completions", {
+    "7 MB prompt to /v1/completions": one("/v1/completions", {"prompt": "x = 1\n" * 1_000_000}),
+    "7 MB chat message": one("/v1/chat/completions", {
         "messages": [{"role": "user", "content": "x = 1\n" * 1_000_000}]}),
-    "3 x 2.3 MB /tokenize": lambda u: [post(u, "/tokenize", {"prompt": "y = 2\n" * 400_000})
-                                       for _ in range(3)],
-    "1M token ids to /detokenize": lambda u: post(u, "/detokenize",
-                                                  {"tokens": [5] * 1_000_000}),
-    "n=16 x 8 prompts, 60 tokens, logprobs 20": lambda u: post(u, "/v1/completions", {
+    "3 x 2.3 MB /tokenize": lambda: (False, [("/tokenize", {"prompt": "y = 2\n" * 400_000})] * 3),
+    "1M token ids to /detokenize": one("/detokenize", {"tokens": [5] * 1_000_000}),
+    "n=16 x 8 prompts, 60 tokens, logprobs 20": one("/v1/completions", {
         "prompt": [[5, 6]] * 8, "n": 16, "max_tokens": 60, "ignore_eos": True,
         "temperature": 1, "logprobs": 20}),
     # issue 46's hostile client
-    "7.7 MiB: 280,000 empty chat messages": lambda u: post(u, "/v1/chat/completions", {
+    "7.7 MiB: 280,000 empty chat messages": one("/v1/chat/completions", {
         "messages": [{"role": "user", "content": ""}] * 280_000, "max_tokens": 4}),
-    "4 x 7.7 MiB of empty chat messages at once": lambda u: together(*[
-        lambda: post(u, "/v1/chat/completions", {
-            "messages": [{"role": "user", "content": ""}] * 280_000, "max_tokens": 4})] * 4),
-    "8 MB of token ids to /v1/completions": lambda u: post(u, "/v1/completions", {
+    "4 x 7.7 MiB of empty chat messages at once": lambda: (True, [("/v1/chat/completions", {
+        "messages": [{"role": "user", "content": ""}] * 280_000, "max_tokens": 4})] * 4),
+    "8 MB of token ids to /v1/completions": one("/v1/completions", {
         "prompt": [7] * 4_000_000, "max_tokens": 1}),
-    "guided_regex (a{1000}){1000}, n=16": lambda u: post(u, "/v1/completions", {
+    "guided_regex (a{1000}){1000}, n=16": one("/v1/completions", {
         "prompt": "x", "n": 16, "max_tokens": 30, "guided_regex": "(a{1000}){1000}"}),
-    "guided_regex (a{100}){100}, n=16": lambda u: post(u, "/v1/completions", {
+    "guided_regex (a{100}){100}, n=16": one("/v1/completions", {
         "prompt": "x", "n": 16, "max_tokens": 30, "guided_regex": "(a{100}){100}"}),
     # a second hostile pass: free-form fields and big whole replies
-    "6 MB chat_template_kwargs": lambda u: post(u, "/v1/chat/completions", {
+    "6 MB chat_template_kwargs": one("/v1/chat/completions", {
         "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
         "chat_template_kwargs": {"x": [{"a": [1]}] * 500_000}}),
-    "6 MB of tool parameters, tool_choice none": lambda u: post(u, "/v1/chat/completions", {
+    "6 MB of tool parameters, tool_choice none": one("/v1/chat/completions", {
         "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "tool_choice": "none",
         "tools": [{"type": "function", "function": {"name": "f", "parameters": {
             "type": "object", "x": [{"a": [1]}] * 500_000}}}]}),
-    "whole reply: echo + 20 logprobs, n=16 (~20 MB)": lambda u: post(u, "/v1/completions", {
+    "whole reply: echo + 20 logprobs, n=16 (~20 MB)": one("/v1/completions", {
         "prompt": "def f(x):\n" + "    return x\n" * 200, "n": 16, "max_tokens": 1,
         "echo": True, "logprobs": 20, "prompt_logprobs": 20}),
 }
 
 
-def together(*sends) -> None:
+def run_together(*sends) -> None:
     threads = [threading.Thread(target=s) for s in sends]
     for t in threads:
         t.start()
@@ -138,10 +154,10 @@ def main() -> int:
               f"{'x baseline':>10}")
         print(f"{'baseline (no hostile request)':44} {base_gap * 1e3:10.1f}ms {1.0:10.1f} "
               f"{base_lat * 1e3:14.1f}ms {1.0:10.1f}   (median gap {base_med * 1e3:.1f} ms)")
-        for name, send in CASES.items():
+        for name, make in CASES.items():
             if a.cases and not any(c in name for c in a.cases):
                 continue
-            gap, _, lat = run_case(server.url, send)
+            gap, _, lat = run_case(server.url, sender(make))
             print(f"{name:44} {gap * 1e3:10.1f}ms {gap / base_gap:10.1f} "
                   f"{lat * 1e3:14.1f}ms {lat / base_lat:10.1f}")
     finally:

@@ -45,8 +45,7 @@ LARGE = [
          **({"name": "n"} if i % 7 == 0 else {})} for i in range(3000)],
         "max_tokens": 5, "tools": [{"type": "function", "function": {
             "name": f"f{i}", "parameters": {"type": "object"}}} for i in range(20)]}),
-    # items of different shapes, each pickled on its own (one unpickler's memo across them
-    # would mix their parts)
+    # items of different shapes pickled together in runs
     ("ChatCompletionRequest", {"messages": [
         [{"role": "user", "content": [{"type": "text", "text": f"part {i}", "x": {"k": [i]}}]},
          {"role": "assistant", "content": None, "tool_calls": [{"id": f"c{i}", "function": {
@@ -77,6 +76,29 @@ def test_a_large_body_comes_back_as_validation_on_the_loop_gives_it(parser, name
     assert got.model_dump() == want.model_dump()
     assert getattr(got, "__pydantic_private__", None) == getattr(want, "__pydantic_private__",
                                                                  None)
+
+
+def test_small_items_travel_in_runs_and_a_large_one_alone():
+    """A run's load is short (the loop's turn comes between two) and few (a load per item
+    costs the GIL microseconds each, a million times for a million ids)."""
+    import pickle
+
+    model = bodies.validate("DetokenizeRequest",
+                            json.dumps({"tokens": list(range(100_000))}).encode())
+    layout, frames = bodies._pieces(model)
+    assert layout["lists"] == [["tokens", len(frames) - 1]]
+    assert len(frames) - 1 <= 100  # runs of thousands, not 100,000 items
+    assert all(len(f) < 2 * bodies.PIECE_BYTES for f in frames[1:])
+    assert bodies._assemble([json.dumps(layout).encode(), *frames]).tokens == list(range(100_000))
+
+    big = "y" * (3 * bodies.PIECE_BYTES)
+    messages = [{"role": "user", "content": f"m{i}"} for i in range(2000)]
+    messages[1000]["content"] = big
+    model = bodies.validate("ChatCompletionRequest", json.dumps({"messages": messages}).encode())
+    layout, frames = bodies._pieces(model)
+    runs = [pickle.loads(f) for f in frames[1:]]
+    assert [[m.content for m in run] for run in runs if len(run) == 1] == [[big]]
+    assert [m.content for run in runs for m in run] == [m["content"] for m in messages]
 
 
 @pytest.mark.parametrize("name, body", [

@@ -82,7 +82,9 @@ def check_token_ids(ids: Iterable[object], vocab_size: int, param: str = "prompt
     out = list(ids)
     if not out:
         raise ValidationError(f"{param} is empty; it needs at least one token id", param)
-    for t in out:
+    if set(map(type, out)) == {int} and min(out) >= 0 and max(out) < vocab_size:
+        return out  # the common case in C: a Python loop over a million ids held the GIL
+    for t in out:  # ... and this one names the first bad id
         if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size:
             raise ValidationError(
                 f"{param} must hold token ids: integers in [0, {vocab_size}); got {t!r}", param)

@@ -7,11 +7,14 @@ chat messages took the loop for over a second, and every other stream stalled as
   a few milliseconds at most);
 * a larger one goes to a child process (``python -m phasewise.server.bodies``), which
   validates it and sends back the model pickled in pieces: the model with its top-level
-  lists left empty, then each list's items one by one. A worker thread of the server loads
-  the items one at a time and puts the lists back, so between any two the event loop gets
-  the GIL (Python hands it over every ``sys.getswitchinterval()`` seconds): a body at the
-  size limit holds the loop for about the switch interval or one item's load, whichever is
-  longer (one message, one prompt's token ids: ``benchmarks/bench_event_loop.py``).
+  lists left empty, then each list's items in runs of about ``PIECE_BYTES`` pickled. A
+  worker thread of the server loads the runs one at a time and puts the lists back, so
+  between any two the event loop gets the GIL (Python hands it over every
+  ``sys.getswitchinterval()`` seconds): a body at the size limit holds the loop for about
+  the switch interval or one run's load, whichever is longer (a run is about a millisecond
+  of loading; one item larger than a run is a run of its own). Runs rather than single
+  items because the GIL is the engine's too: loading a million token ids one at a time took
+  0.6 s of it, in runs 12 ms (``benchmarks/bench_event_loop.py``).
 
 An invalid body is answered by the child with pydantic's errors, which become the same 400
 as FastAPI's own validation gives (``errors.validation_error``). A valid one the served model
@@ -26,7 +29,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import io
 import json
 import pickle
 import queue
@@ -105,8 +107,9 @@ def validate(name: str, raw: bytes) -> Any:
 # -- the child: validate, then cut the model into pieces ------------------------------------
 def _pieces(model: Any) -> tuple[dict[str, Any], list[bytes]]:
     """(layout, frames): the model pickled with each of its top-level lists emptied, then
-    each list's items pickled one by one, consecutive ones sharing a frame of about
-    ``PIECE_BYTES``; the layout says how many frames each list has."""
+    each list's items cut into runs of about ``PIECE_BYTES`` pickled, each run pickled as
+    one list (an item larger than that is a run of its own); the layout says how many
+    frames each list has."""
     if not isinstance(model, BaseModel):
         return {"lists": []}, [pickle.dumps(model, pickle.HIGHEST_PROTOCOL)]
     lists = [(name, value) for name, value in model.__dict__.items()
@@ -115,16 +118,21 @@ def _pieces(model: Any) -> tuple[dict[str, Any], list[bytes]]:
     frames = [pickle.dumps(skeleton, pickle.HIGHEST_PROTOCOL)]
     layout: list[list[Any]] = []
     for name, value in lists:
-        count, frame = 0, bytearray()
-        for item in value:
-            frame += pickle.dumps(item, pickle.HIGHEST_PROTOCOL)
-            if len(frame) >= PIECE_BYTES:
-                frames.append(bytes(frame))
-                count, frame = count + 1, bytearray()
-        if frame:
-            frames.append(bytes(frame))
-            count += 1
-        layout.append([name, count])
+        runs: list[tuple[int, int]] = []
+        start, size = 0, 0
+        for i, item in enumerate(value):
+            item_size = len(pickle.dumps(item, pickle.HIGHEST_PROTOCOL))
+            if item_size >= PIECE_BYTES and i > start:  # a large item goes alone
+                runs.append((start, i))
+                start, size = i, 0
+            size += item_size
+            if size >= PIECE_BYTES:
+                runs.append((start, i + 1))
+                start, size = i + 1, 0
+        if start < len(value):
+            runs.append((start, len(value)))
+        frames += [pickle.dumps(value[a:b], pickle.HIGHEST_PROTOCOL) for a, b in runs]
+        layout.append([name, len(runs)])
     return {"lists": layout}, frames
 
 
@@ -238,8 +246,8 @@ class BodyParser:
 
 
 def _assemble(frames: list[bytes]) -> Any:
-    """The model from the child's frames, one item per load, so that the event loop may take
-    the GIL between any two (see the module)."""
+    """The model from the child's frames, one run of items per load, so that the event loop
+    may take the GIL between any two (see the module)."""
     layout = json.loads(frames[0])
     if "errors" in layout:
         raise _invalid(layout["errors"])
@@ -252,10 +260,7 @@ def _assemble(frames: list[bytes]) -> Any:
     for name, count in layout["lists"]:
         items: list[Any] = []
         for frame in frames[i:i + count]:
-            buf = io.BytesIO(frame)
-            while buf.tell() < len(frame):
-                # an unpickler an item: each was pickled on its own, its memo from 0
-                items.append(pickle.Unpickler(buf).load())  # noqa: S301 - as above
+            items += pickle.loads(frame)  # noqa: S301 - as above
         i += count
         model.__dict__[name] = items  # the child validated the list as a whole
     return model
