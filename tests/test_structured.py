@@ -197,3 +197,14 @@ def test_a_grammar_the_parser_gives_up_on_fails_its_request_alone_as_invalid_gra
     assert (err.status, err.code) == (400, "invalid_grammar")
     err = stream_error(request_error("boom", None))
     assert (err.status, err.code) == (500, "engine_error")
+
+
+def test_a_grammar_that_matches_no_text_fails_as_the_server_refuses_it(llm):
+    """``start: start`` can match nothing; its first mask fails (the server's check refuses it
+    with a 400). In-process it ends its request with the same reason instead of finishing
+    an empty output with 'stop' as if it had matched."""
+    out = llm.generate(["x"], SamplingParams(max_tokens=4, structured_output=spec_json(
+        "lark", "start: start")))[0]
+    assert out.finish_reason == "abort" and out.token_ids == [], out
+    assert out.error_code == "invalid_grammar"
+    assert "the grammar cannot start" in out.error and "never reach text" in out.error

@@ -476,6 +476,13 @@ def sample_step(sampler: Sampler, ran: RunnerOutput
         if slow is not None:
             failed.append((req, slow, GrammarFailed.code))
             continue
+        broken = req.grammar.error if req.grammar is not None else None
+        if broken is not None:  # its mask failed: what it allowed means nothing
+            n = req.num_output_tokens
+            where = "cannot start" if n == 0 else f"failed at output token {n}"
+            failed.append((req, f"structured output: the grammar {where}: {broken}",
+                           GrammarFailed.code))
+            continue
         if req.grammar is not None and not req.grammar.accept(tok):
             failed.append((req, refusal(req, tok), GrammarFailed.code))
             continue
