@@ -142,6 +142,27 @@ def test_connections_that_send_no_request_are_refused_past_the_cap_then_closed(s
     _alive(server)
 
 
+def test_connections_that_send_headers_and_hold_the_body_count_for_their_address(server):
+    """One address opened 2,100 connections that each sent a request's headers and one byte
+    of its body: they stopped counting for their address once the headers were in, took
+    every connection the server allows, and everyone else got 503. A body still arriving
+    counts."""
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+            b"\r\nContent-Length: 1000\r\n\r\n{")
+    socks = []
+    with server.client() as c:  # (its connection, idle between requests, counts too)
+        for _ in range(10):
+            socks.append(socket.create_connection(("127.0.0.1", server.port)))
+            socks[-1].sendall(head)
+            assert c.get("/health").status_code == 200  # a round trip: the head was read
+    answers = [_read_until_closed(s) for s in socks]
+    for s in socks:
+        s.close()
+    refused = [a for a in answers if b" 503 " in a.split(b"\r\n")[0]]
+    assert len(refused) >= 4 and b"too_many_connections" in refused[0], answers
+    _alive(server)
+
+
 def test_a_body_that_never_ends_closes_its_connection(server):
     with socket.create_connection(("127.0.0.1", server.port)) as s:
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
@@ -225,5 +246,52 @@ def test_a_refused_connection_is_answered_then_half_closed_not_reset():
         for p in (first, second):
             for timer in ("_header_timer", "_body_timer"):
                 p._cancel(timer)
+
+    asyncio.run(main())
+
+
+def test_a_request_answered_before_its_body_is_in_is_closed_not_kept():
+    """A 401 (or a 413) sent before the body arrived: the connection is half-closed at once
+    and the rest of the body dropped, not awaited for the body timeout while it holds a
+    slot of its address."""
+    import asyncio
+
+    import uvicorn
+    from uvicorn.server import ServerState
+
+    from phasewise.server.limits import ConnectionLimits, guarded_protocol
+
+    async def early_401(scope, receive, send):
+        await send({"type": "http.response.start", "status": 401, "headers": []})
+        await send({"type": "http.response.body", "body": b"no"})
+
+    async def main():
+        config = uvicorn.Config(early_401, lifespan="off")
+        config.load()
+        cls = guarded_protocol(ConnectionLimits(max_connections_per_address=1))
+        state = ServerState()
+        p, t = cls(config, state, {}), _Transport()
+        p.connection_made(t)
+        p.data_received(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                        b"Content-Length: 1000\r\n\r\n{")
+        for _ in range(20):
+            await asyncio.sleep(0)
+            if t.eof:
+                break
+        assert t.written.startswith(b"HTTP/1.1 401 "), t.written
+        assert t.eof  # half-closed: nothing more is read from it
+        p.data_received(b"x" * 999)  # the rest of the body, dropped
+        second, t2 = cls(config, state, {}), _Transport()
+        second.connection_made(t2)  # the first still counts until it is gone
+        assert t2.written.startswith(b"HTTP/1.1 503 ")
+        p.connection_lost(None)
+        third, t3 = cls(config, state, {}), _Transport()
+        third.connection_made(t3)
+        assert not t3.written
+        for q in (p, second, third):
+            for timer in ("_header_timer", "_body_timer"):
+                q._cancel(timer)
+            if q.timeout_keep_alive_task is not None:
+                q.timeout_keep_alive_task.cancel()
 
     asyncio.run(main())

@@ -12,10 +12,13 @@ connections: a client that opens connections and sends nothing, or a byte every 
   connection closes (the route sees the client go).
 * ``max_connections``: connections open at once; one more is answered 503 and closed.
 * ``max_connections_per_address``: connections one address holds *without a request in
-  progress* (opening, sending a request, or idle between requests); one more is answered 503
-  and closed, and an idle one over the count is closed when its response ends. Connections
-  that carry a request do not count: the engine's own waiting limit bounds those, and a
-  router, which reaches its workers from one address, may hold hundreds of streams.
+  progress* (opening, sending a request's headers or body, or idle between requests); one
+  more is answered 503 and closed, and an idle one over the count is closed when its
+  response ends. Connections whose request has arrived whole do not count: the engine's own
+  waiting limit bounds those, and a router, which reaches its workers from one address, may
+  hold hundreds of streams. A body still arriving counts (else one address could hold every
+  connection the server takes by sending headers and no body), and a connection answered
+  before its body is in (a 401, a 413) is closed, not kept waiting for the rest.
 
 ``CLIENT`` tells code deeper in the request (the grammar checks' per-client share) which
 address it serves; ``ClientContext`` sets it.
@@ -123,16 +126,24 @@ def guarded_protocol(limits: ConnectionLimits) -> type:
             self._arm_header_timer()
 
         def _refuse(self, status: int, reason: str, message: str, code: str) -> None:
-            """Answer, then close. Closing with the client's bytes unread would make the
-            kernel send a reset, which can overtake the answer: so the write side is shut
-            and what still arrives is read and dropped, for at most ``_LINGER_S``."""
+            """Answer, then close (``_close_after_answer``)."""
             if status != 408:
                 counts["refused"] += 1
+            if self.transport.is_closing():
+                self._refused = True
+                return
+            self.transport.write(_refusal(status, reason, message, code))
+            self._close_after_answer()
+
+        def _close_after_answer(self) -> None:
+            """Close a connection whose answer is written. Closing with the client's bytes
+            unread would make the kernel send a reset, which can overtake the answer: so
+            the write side is shut and what still arrives is read and dropped, for at most
+            ``_LINGER_S``."""
             self._refused = True
             transport = self.transport
             if transport.is_closing():
                 return
-            transport.write(_refusal(status, reason, message, code))
             if transport.can_write_eof():
                 transport.write_eof()
                 self.loop.call_later(_LINGER_S, transport.close)
@@ -182,17 +193,22 @@ def guarded_protocol(limits: ConnectionLimits) -> type:
             """After h11 parsed what arrived: start or stop the clocks."""
             state = self.conn.their_state
             if self._header_timer is not None and state is not h11.IDLE:
-                # the headers are in: a request is in progress from here
                 self._cancel("_header_timer")
-                self._count(False)
-                if state is h11.SEND_BODY:
+                if state is h11.SEND_BODY:  # still counted until its body is in
                     self._body_timer = self.loop.call_later(limits.timeout_body_s,
                                                             self._body_timeout)
+                else:  # the request is whole: in progress from here
+                    self._count(False)
             if self._body_timer is not None and state is not h11.SEND_BODY:
                 self._cancel("_body_timer")
+                self._count(False)
 
         def on_response_complete(self) -> None:
-            self._cancel("_body_timer")
+            if self._body_timer is not None:  # answered before its body was in: closed,
+                self._cancel("_body_timer")   # counted until then (connection_lost)
+                super().on_response_complete()
+                self._close_after_answer()
+                return
             if not self.transport.is_closing():
                 if waiting.get(self._addr, 0) >= limits.max_connections_per_address:
                     self.transport.close()  # one idle connection too many: not kept
