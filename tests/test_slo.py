@@ -178,12 +178,16 @@ def test_the_server_refuses_what_would_miss_and_serves_the_rest(model):
                     ({}, {"x-slo-ttft-ms": "soon"}, "x-slo-ttft-ms"),
                     ({}, {"x-slo-ttft-ms": "1" * (1 << 20)}, "x-slo-ttft-ms"),
                     ({}, {"x-slo-tpot-ms": "inf"}, "x-slo-tpot-ms"),
+                    ({}, {"x-slo-ttft-ms": "2_000"}, "x-slo-ttft-ms"),  # float() reads it
+                    ({}, [("x-slo-ttft-ms", "2000"), ("x-slo-ttft-ms", "-1")], "x-slo-ttft-ms"),
                     ({"slo_ttft_ms": 100}, {"x-slo-ttft-ms": "100"}, "slo_ttft_ms")):
                 r = await c.post("/v1/completions", json={**body, **extra}, headers=headers)
                 assert r.status_code == 400, (extra, r.text[:300])
                 assert r.json()["error"]["param"] == param, r.text[:300]
             assert (await c.post("/v1/completions", json={**body, "slo_ttft_ms": 2000})
                     ).status_code == 200
+            assert (await c.post("/v1/completions", json=body, headers={
+                "x-slo-ttft-ms": " 2.5e3 "})).status_code == 200
         await asyncio.to_thread(engine.shutdown)
 
     asyncio.run(run())

@@ -8,6 +8,7 @@ import asyncio
 import dataclasses
 import json
 import math
+import re
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -48,6 +49,7 @@ T = TypeVar("T")
 # ids) run in a pool apart from larger ones.
 TOKENIZE_SMALL_CHARS = 16_384
 GRAMMAR_CHECK_S = 5.0  # a structured output's check (compile, first masks), at most
+_JSON_NUMBER = re.compile(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?")
 # A text longer than this many characters per context token cannot fit, whatever it holds:
 # a token covers at most ``max_token_chars`` characters. The factor 2 leaves room for
 # normalizers that compose characters (NFC/NFKC) before tokenizing.
@@ -254,14 +256,20 @@ class Routes:
         for name in ("ttft", "tpot"):
             field, header = f"slo_{name}_ms", f"x-slo-{name}-ms"
             value = getattr(body, field, None)
-            raw = request.headers.get(header)
+            given = request.headers.getlist(header)
+            if len(given) > 1:  # (a proxy in front might read another copy than this)
+                raise ApiError(400, f"the {header} header was given {len(given)} times; send "
+                               "it once", param=header, code=COMBINATION)
+            raw = given[0] if given else None
             if raw is not None:
                 if value is not None:
                     raise ApiError(400, f"{field} was given both as a field and as the "
                                    f"{header} header; send one of them", param=field,
                                    code=COMBINATION)
-                try:  # (a value longer than any number is not parsed)
-                    value = check_slo_ms(float(raw) if len(raw) <= 64 else math.nan, header)
+                try:  # a JSON number, as the field takes (float() would read "1_000", "nan")
+                    number = (float(raw) if len(raw) <= 64 and _JSON_NUMBER.fullmatch(raw.strip())
+                              else math.nan)
+                    value = check_slo_ms(number, header)
                 except ValueError:
                     raise ApiError(400, f"the {header} header must be a number of "
                                    f"milliseconds in [{SLO_MS_MIN:g}, {SLO_MS_MAX:g}]; got "
