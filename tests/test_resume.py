@@ -94,7 +94,25 @@ def test_resume_that_could_not_have_been_outputs_is_refused(engines):
     with pytest.raises(ValidationError, match="context length"):
         a.add_request(PROMPT, SamplingParams(max_tokens=None), request_id="r3",
                       resume=[1] * (a.scheduler.max_len - len(PROMPT)))
+    # an end of sequence or a stop token before the end: the request had finished there
+    # (the internal API took [0, 1, 2, 0] and went on)
+    eos = a.tokenizer.eos_token_id
+    with pytest.raises(ValidationError, match=r"resume token 1 .* would have ended"):
+        a.add_request(PROMPT, SamplingParams(max_tokens=8), request_id="r4",
+                      resume=[5, eos, 6])
+    with pytest.raises(ValidationError, match=r"resume token 0 .* would have ended"):
+        a.add_request(PROMPT, SamplingParams(max_tokens=8, stop_token_ids=[7]),
+                      request_id="r5", resume=[7])
+    with pytest.raises(ValidationError, match=r"resume token 0 .* min_tokens holds back"):
+        a.add_request(PROMPT, SamplingParams(max_tokens=8, min_tokens=2), request_id="r6",
+                      resume=[eos])
     assert not a.requests and not a.has_unfinished_requests()
+    # with ignore_eos an EOS is an output like any other
+    a.add_request(PROMPT, SamplingParams(max_tokens=4, ignore_eos=True), request_id="r7",
+                  resume=[eos, 5])
+    a.abort_request("r7")
+    while a.has_unfinished_requests():
+        a.step()
 
 
 @pytest.mark.parametrize("n", [0, 1, 7, 33, 1000])

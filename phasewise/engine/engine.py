@@ -22,6 +22,7 @@ import torch
 from phasewise.cache.manager import KVCacheManager
 from phasewise.config import EngineConfig
 from phasewise.engine.connector import PushConnector
+from phasewise.engine.finish import masked_tokens, token_finish
 from phasewise.engine.generation import GenerationDefaults
 from phasewise.engine.kv_sizing import KVPlan
 from phasewise.engine.model_runner import ModelRunner, RunnerOutput
@@ -229,7 +230,14 @@ class LLMEngine:
                                   f"({len(ids)}) reach the context length "
                                   f"{self.scheduler.max_len}: the request had finished",
                                   "resume")
-        for t in ids:
+        for i, t in enumerate(ids):
+            if t in masked_tokens(p, req.eos_token_ids, i):
+                raise ValidationError(f"resume token {i} ({t}) is one min_tokens holds back "
+                                      "there: it could not have been drawn", "resume")
+            if token_finish(p, req.eos_token_ids, t, i + 1, req.num_prompt_tokens + i + 1,
+                            self.scheduler.max_len) is not None:
+                raise ValidationError(f"resume token {i} ({t}) would have ended the request "
+                                      "(an end-of-sequence or stop token)", "resume")
             if req.grammar is not None and not req.grammar.accept(t):
                 raise ValidationError(f"resume token {t} is not one the request's structured "
                                       "output allows there", "resume")
