@@ -86,8 +86,11 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         # encode_batch releases the GIL while the Rust tokenizer runs (encode does not), so a
-        # long text tokenized on a worker thread does not stall the event loop's thread.
-        ids = self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+        # long text tokenized on a worker thread does not stall the event loop's or the
+        # engine's thread; its _fast form keeps no offsets, whose building and freeing (with
+        # the GIL held) took longer than the ids (the same ids: tests/test_tokenizer.py).
+        encode = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
+        ids = encode([text], add_special_tokens=add_special_tokens)[0].ids
         if (add_special_tokens and self.add_bos_token and self.bos_token_id is not None
                 and (not ids or ids[0] != self.bos_token_id)):
             ids = [self.bos_token_id, *ids]
