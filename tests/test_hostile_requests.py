@@ -163,6 +163,20 @@ def test_connections_that_send_headers_and_hold_the_body_count_for_their_address
     _alive(server)
 
 
+def test_websocket_upgrades_leave_no_count_behind(server):
+    """uvicorn hands an upgraded connection to its websocket protocol, which the limits do not
+    follow: each upgrade left its address one slot down for good (with ``websockets``
+    installed). No route takes a websocket, so none is upgraded."""
+    for _ in range(8):  # more than the fixture's 6 per address
+        with socket.create_connection(("127.0.0.1", server.port)) as s:
+            s.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\n"
+                      b"Upgrade: websocket\r\nSec-WebSocket-Version: 13\r\n"
+                      b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n")
+            s.settimeout(30)
+            assert s.recv(4096).startswith(b"HTTP/1.1 "), "no answer"
+    _alive(server)
+
+
 def test_a_body_that_never_ends_closes_its_connection(server):
     with socket.create_connection(("127.0.0.1", server.port)) as s:
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"

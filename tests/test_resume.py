@@ -106,6 +106,18 @@ def test_resume_that_could_not_have_been_outputs_is_refused(engines):
     with pytest.raises(ValidationError, match=r"resume token 0 .* min_tokens holds back"):
         a.add_request(PROMPT, SamplingParams(max_tokens=8, min_tokens=2), request_id="r6",
                       resume=[eos])
+    # a stop string the resumed text completes, or a grammar its last token completes
+    text_ids = a.tokenizer.encode(" the cat sat", add_special_tokens=False)
+    with pytest.raises(ValidationError, match=r"completes the stop string 'cat'"):
+        a.add_request(PROMPT, SamplingParams(max_tokens=20, stop=["cat"]), request_id="r8",
+                      resume=text_ids)
+    from phasewise.engine.structured import spec_json
+    params = SamplingParams(max_tokens=20, temperature=0,
+                            structured_output=spec_json("regex", "the"))
+    whole = _run(a, PROMPT, params, "r9")[-1]
+    assert whole.finish_reason == "stop"
+    with pytest.raises(ValidationError, match="completes the request's structured output"):
+        a.add_request(PROMPT, params, request_id="r10", resume=whole.token_ids)
     assert not a.requests and not a.has_unfinished_requests()
     # with ignore_eos an EOS is an output like any other
     a.add_request(PROMPT, SamplingParams(max_tokens=4, ignore_eos=True), request_id="r7",

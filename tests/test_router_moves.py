@@ -139,3 +139,34 @@ def test_a_stream_given_up_before_it_began_ends_with_an_error(llama_dir):
         await r._client.aclose()
 
     asyncio.run(asyncio.wait_for(run(), 10))
+
+
+@pytest.mark.parametrize("code", ["too_many_connections", "overloaded"])
+def test_a_worker_refusing_for_load_is_passed_over_not_marked_draining(llama_dir, code):
+    """A worker's 503 for its connection limit (many bodies from the router's one address
+    arriving at once) or its queue says busy, not leaving: the request goes to the next
+    worker, and the first stays in use."""
+    sent: list[str] = []
+
+    def handle(req: httpx.Request) -> httpx.Response:
+        if not req.url.path.endswith("/generate"):
+            return httpx.Response(404)
+        sent.append(req.url.host)
+        if req.url.host == "a":
+            return httpx.Response(503, json={"error": {"message": "busy", "code": code}})
+        return httpx.Response(200, content=_taker())
+
+    r = Router(["http://a:1", "http://b:1"], model_dir=llama_dir)
+
+    class Info:
+        max_waiting = 256
+
+    r.info = Info()
+
+    async def run():
+        _, out = await _serve(r, handle)
+        assert "".join(o.delta_text for o in out) == "c" and sent == ["a", "b"]
+        assert [w.draining for w in r.decode] == [False, False]
+        await r._client.aclose()
+
+    asyncio.run(run())

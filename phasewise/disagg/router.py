@@ -450,9 +450,10 @@ class Router(Fleet):
                 # The relay's field names, as the client named them.
                 param = _client_param(param)
                 raise ValidationError(message, param)
-            if resp.status_code == 503 and code == "overloaded":
+            if resp.status_code == 503 and code in ("overloaded", "too_many_connections"):
+                # busy, not going away: another worker may take it; this one stays in use
                 overloaded = True
-                tried.append(f"{w.url} (overloaded)")
+                tried.append(f"{w.url} ({code})")
                 continue
             if resp.status_code == 429 and code in ("slo_ttft", "slo_tpot"):
                 retry = resp.headers.get("retry-after", "1")

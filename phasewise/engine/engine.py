@@ -230,8 +230,9 @@ class LLMEngine:
                                   f"({len(ids)}) reach the context length "
                                   f"{self.scheduler.max_len}: the request had finished",
                                   "resume")
+        held = masked_tokens(p, req.eos_token_ids, 0)  # while i < min_tokens
         for i, t in enumerate(ids):
-            if t in masked_tokens(p, req.eos_token_ids, i):
+            if i < p.min_tokens and t in held:
                 raise ValidationError(f"resume token {i} ({t}) is one min_tokens holds back "
                                       "there: it could not have been drawn", "resume")
             if token_finish(p, req.eos_token_ids, t, i + 1, req.num_prompt_tokens + i + 1,
@@ -242,6 +243,13 @@ class LLMEngine:
                 raise ValidationError(f"resume token {t} is not one the request's structured "
                                       "output allows there", "resume")
             req.append_output(t)
+        if req.grammar is not None and req.grammar.done:
+            raise ValidationError("resume completes the request's structured output at its "
+                                  "last token: the request had finished", "resume")
+        stop = self.output_processor.stop_in(req, ids)
+        if stop is not None:
+            raise ValidationError(f"resume token {stop[0]} completes the stop string "
+                                  f"{stop[1]!r}: the request had finished", "resume")
         if req.logprobs is not None:  # streamed already: what is sent from here has its own
             req.logprobs.extend({} for _ in ids)
 

@@ -8,7 +8,7 @@ once it is forgotten.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from phasewise.engine.finish import find_stop_string
@@ -69,6 +69,19 @@ class OutputProcessor:
     def add(self, req: Request) -> None:
         self._text[req.request_id] = TextState(self.tokenizer.decode_stream(
             req.prompt_token_ids, req.params.skip_special_tokens), req.params)
+
+    def stop_in(self, req: Request, tokens: Sequence[int]) -> tuple[int, str] | None:
+        """``(i, stop)``: the first of ``tokens``, as ``req``'s outputs, whose text completes
+        one of its stop strings, as a running request's would be found; None if none does."""
+        if not req.params.stop:
+            return None
+        state = TextState(self.tokenizer.decode_stream(
+            req.prompt_token_ids, req.params.skip_special_tokens), req.params)
+        for i, token in enumerate(tokens):
+            stop = state.add_token(token)
+            if stop is not None:
+                return i, stop
+        return None
 
     def resume(self, req: Request, n: int) -> None:
         """The request's first ``n`` outputs were streamed by another engine: take their text

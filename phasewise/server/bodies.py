@@ -14,7 +14,7 @@ chat messages took the loop for over a second, and every other stream stalled as
   the switch interval or one run's load, whichever is longer (a run is about a millisecond
   of loading; one item larger than a run is a run of its own). Runs rather than single
   items because the GIL is the engine's too: loading a million token ids one at a time took
-  0.6 s of it, in runs 12 ms (``benchmarks/bench_event_loop.py``).
+  0.6 s of it, in runs 10-40 ms (``benchmarks/bench_event_loop.py``).
 
 An invalid body is answered by the child with pydantic's errors, which become the same 400
 as FastAPI's own validation gives (``errors.validation_error``). A valid one the served model

@@ -17,8 +17,9 @@ connections: a client that opens connections and sends nothing, or a byte every 
   response ends. Connections whose request has arrived whole do not count: the engine's own
   waiting limit bounds those, and a router, which reaches its workers from one address, may
   hold hundreds of streams. A body still arriving counts (else one address could hold every
-  connection the server takes by sending headers and no body), and a connection answered
-  before its body is in (a 401, a 413) is closed, not kept waiting for the rest.
+  connection the server takes by sending headers and no body; a router refused for that
+  tries another worker), and a connection answered before its body is in (a 401, a 413) is
+  closed, its client given ``timeout_body_s`` to stop sending first.
 
 ``CLIENT`` tells code deeper in the request (the grammar checks' per-client share) which
 address it serves; ``ClientContext`` sets it.
@@ -133,20 +134,20 @@ def guarded_protocol(limits: ConnectionLimits) -> type:
                 self._refused = True
                 return
             self.transport.write(_refusal(status, reason, message, code))
-            self._close_after_answer()
+            self._close_after_answer(_LINGER_S)
 
-        def _close_after_answer(self) -> None:
+        def _close_after_answer(self, linger_s: float) -> None:
             """Close a connection whose answer is written. Closing with the client's bytes
             unread would make the kernel send a reset, which can overtake the answer: so
             the write side is shut and what still arrives is read and dropped, for at most
-            ``_LINGER_S``."""
+            ``linger_s``."""
             self._refused = True
             transport = self.transport
             if transport.is_closing():
                 return
             if transport.can_write_eof():
                 transport.write_eof()
-                self.loop.call_later(_LINGER_S, transport.close)
+                self.loop.call_later(linger_s, transport.close)
             else:
                 transport.close()
 
@@ -204,10 +205,13 @@ def guarded_protocol(limits: ConnectionLimits) -> type:
                 self._count(False)
 
         def on_response_complete(self) -> None:
-            if self._body_timer is not None:  # answered before its body was in: closed,
-                self._cancel("_body_timer")   # counted until then (connection_lost)
+            if self._body_timer is not None:
+                # answered before its body was in: closed, and counted until then
+                # (connection_lost); a client still uploading gets as long as its body had
+                # to arrive before the socket closes under it
+                self._cancel("_body_timer")
                 super().on_response_complete()
-                self._close_after_answer()
+                self._close_after_answer(limits.timeout_body_s)
                 return
             if not self.transport.is_closing():
                 if waiting.get(self._addr, 0) >= limits.max_connections_per_address:

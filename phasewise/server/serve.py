@@ -79,7 +79,10 @@ def run(server: OpenAIServer, *, host: str = "127.0.0.1", port: int = 8000,
                  asked.max_connections, limits.max_connections)
     config = uvicorn.Config(server.app, host=host, port=port, log_level=log_level,
                             timeout_graceful_shutdown=shutdown_grace_s + _BACKSTOP_S,
-                            access_log=False, lifespan="on", http=guarded_protocol(limits))
+                            access_log=False, lifespan="on", http=guarded_protocol(limits),
+                            # no route takes a websocket; an upgrade would hand the
+                            # connection to a protocol the limits do not follow
+                            ws="none")
     info = server.backend.info
     log.info("serving %s as %r on http://%s:%d (%s)", info.model_path,
              server.config.served_model_name, host, port, info.description)
