@@ -214,20 +214,24 @@ def _add_connection_args(p: argparse.ArgumentParser) -> None:
                    "opening or its previous response (then 408 and closed)")
     p.add_argument("--timeout-body", type=float, default=d.timeout_body_s,
                    help="seconds a request gets to send its body after its headers")
+    p.add_argument("--timeout-write", type=float, default=d.timeout_write_s,
+                   help="seconds a response may wait for its client to read it (its "
+                   "socket's buffer full) before the connection is closed")
     p.add_argument("--max-connections", type=int, default=d.max_connections,
                    help="connections open at once (lowered to fit the open-file limit); "
                    "more are answered 503")
     p.add_argument("--max-connections-per-address", type=int,
                    default=d.max_connections_per_address,
                    help="connections one address may hold with no request in progress "
-                   "(opening, sending a request, idle); more are answered 503")
+                   "(opening, sending a request, idle, not reading its answer); more are "
+                   "answered 503")
 
 
 def _connection_limits(a: argparse.Namespace) -> Any:
     from phasewise.server.limits import ConnectionLimits
 
     return ConnectionLimits(a.timeout_header, a.timeout_body, a.max_connections,
-                            a.max_connections_per_address)
+                            a.max_connections_per_address, a.timeout_write)
 
 
 def _logging(level: str) -> None:

@@ -27,6 +27,7 @@ def model_dir(tmp_path_factory):
 def server(model_dir, tmp_path_factory):
     s = start_server(model_dir, tmp_path_factory.mktemp("logs") / "server.log",
                      "--log-interval", "0", "--timeout-header", "1", "--timeout-body", "1",
+                     "--timeout-write", "1",
                      "--max-connections-per-address", "6")
     yield s
     s.stop()
@@ -177,6 +178,25 @@ def test_websocket_upgrades_leave_no_count_behind(server):
     _alive(server)
 
 
+def test_a_client_that_never_reads_its_answers_is_closed(server):
+    """Pipelined requests for /metrics on a socket whose client never reads: once the
+    server's send buffer is full, it waits --timeout-write (1 s here) and closes the
+    connection, dropping the answers it still held."""
+    import time
+
+    with server.client() as c:
+        one = len(c.get("/metrics").content)
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
+        s.connect(("127.0.0.1", server.port))
+        n = max(50, (8 << 20) // max(one, 1))  # more than any socket buffers hold
+        s.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n" * n)
+        time.sleep(3)  # not read meanwhile: past the server's --timeout-write
+        got = _read_until_closed(s)
+    assert len(got) < n * one, (len(got), n * one)  # closed with answers unsent
+    _alive(server)
+
+
 def test_a_body_that_never_ends_closes_its_connection(server):
     with socket.create_connection(("127.0.0.1", server.port)) as s:
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
@@ -217,6 +237,9 @@ class _Transport:
 
     def close(self):
         self.closed = True
+
+    def abort(self):
+        self.aborted = self.closed = True
 
     def is_closing(self):
         return self.closed
@@ -307,5 +330,61 @@ def test_a_request_answered_before_its_body_is_in_is_closed_not_kept():
                 q._cancel(timer)
             if q.timeout_keep_alive_task is not None:
                 q.timeout_keep_alive_task.cancel()
+
+    asyncio.run(main())
+
+
+def test_a_response_its_client_does_not_read_counts_for_its_address_then_closes():
+    """A client that asked for large answers (``/metrics``, ``/tokenize``) and never read them
+    held each connection for good, outside its address's count: one address took every
+    connection of the server. A response whose writing is paused (the client's socket full)
+    counts for its address, and is closed after ``timeout_write_s`` without progress; one
+    that the client drains again is a request in progress once more."""
+    import asyncio
+
+    import uvicorn
+    from uvicorn.server import ServerState
+
+    from phasewise.server.limits import ConnectionLimits, guarded_protocol
+
+    async def slow_answer(scope, receive, send):
+        await asyncio.Event().wait()  # the answer is being written (as far as this test goes)
+
+    async def main():
+        config = uvicorn.Config(slow_answer, lifespan="off")
+        config.load()
+        cls = guarded_protocol(ConnectionLimits(max_connections_per_address=1,
+                                                timeout_write_s=0.05))
+        state = ServerState()
+
+        def connect():
+            p, t = cls(config, state, {}), _Transport()
+            p.connection_made(t)
+            return p, t
+
+        a, ta = connect()
+        a.data_received(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")  # in progress
+        b, tb = connect()  # a's request does not count: b is the address's one idle
+        assert not tb.written
+        b.connection_lost(None)
+        a.pause_writing()  # the client stopped reading
+        c, tc = connect()
+        assert tc.written.startswith(b"HTTP/1.1 503 ")
+        a.resume_writing()  # it read again: a request in progress, not counted
+        d, td = connect()
+        assert not td.written
+        d.connection_lost(None)
+        a.pause_writing()
+        for _ in range(100):
+            await asyncio.sleep(0.01)
+            if getattr(ta, "aborted", False):
+                break
+        assert getattr(ta, "aborted", False)  # no progress for timeout_write_s: closed
+        a.connection_lost(None)
+        e, te = connect()  # and its slot is back
+        assert not te.written
+        for q in (a, b, c, d, e):
+            for timer in ("_header_timer", "_body_timer", "_write_timer"):
+                q._cancel(timer)
 
     asyncio.run(main())

@@ -117,6 +117,7 @@ ENGINE_FLAGS: dict[str, Any] = {
     "--no-access-log": SWITCH,
     "--timeout-header": float,
     "--timeout-body": float,
+    "--timeout-write": float,
     "--max-connections": int,
     "--max-connections-per-address": int,
 }

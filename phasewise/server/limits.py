@@ -10,6 +10,11 @@ connections: a client that opens connections and sends nothing, or a byte every 
   closed. Bytes that trickle in do not restart the clock.
 * ``timeout_body_s``: its body must be complete this long after its headers; otherwise the
   connection closes (the route sees the client go).
+* ``timeout_write_s``: a response the client does not read (the socket's send buffer full,
+  no progress) for this long has its connection closed; meanwhile the connection counts for
+  its address as one without a request in progress (it is not making any). Without it, a
+  client that sends requests for large answers (``/metrics``, ``/tokenize``) and never reads
+  them holds each connection for good.
 * ``max_connections``: connections open at once; one more is answered 503 and closed.
 * ``max_connections_per_address``: connections one address holds *without a request in
   progress* (opening, sending a request's headers or body, or idle between requests); one
@@ -28,6 +33,7 @@ address it serves; ``ClientContext`` sets it.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -58,9 +64,10 @@ class ConnectionLimits:
     timeout_body_s: float = 60.0
     max_connections: int = 2048
     max_connections_per_address: int = 64
+    timeout_write_s: float = 60.0
 
     def __post_init__(self) -> None:
-        for name in ("timeout_header_s", "timeout_body_s"):
+        for name in ("timeout_header_s", "timeout_body_s", "timeout_write_s"):
             value = getattr(self, name)
             if not 0 < value <= 3600:
                 raise ValueError(f"--{name[:-2].replace('_', '-')} must be in (0, 3600] "
@@ -79,8 +86,9 @@ class ConnectionLimits:
         room = max(16, (open_files - 64) // 2)
         if self.max_connections <= room:
             return self
-        return ConnectionLimits(self.timeout_header_s, self.timeout_body_s, room,
-                                min(self.max_connections_per_address, room))
+        return dataclasses.replace(self, max_connections=room,
+                                   max_connections_per_address=min(
+                                       self.max_connections_per_address, room))
 
 
 _LINGER_S = 2.0
@@ -100,7 +108,7 @@ def guarded_protocol(limits: ConnectionLimits) -> type:
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
     waiting: dict[str, int] = {}  # address -> its connections without a request in progress
-    counts = {"refused": 0, "header_timeouts": 0, "body_timeouts": 0}
+    counts = {"refused": 0, "header_timeouts": 0, "body_timeouts": 0, "write_timeouts": 0}
 
     class GuardedH11Protocol(H11Protocol):
         refusals = counts
@@ -112,6 +120,8 @@ def guarded_protocol(limits: ConnectionLimits) -> type:
             self._refused = False
             self._header_timer: asyncio.TimerHandle | None = None
             self._body_timer: asyncio.TimerHandle | None = None
+            self._write_timer: asyncio.TimerHandle | None = None
+            self._stalled = False  # writing paused: the client does not read
             if len(self.connections) > limits.max_connections:
                 self._refuse(503, "Service Unavailable", "the server holds "
                              f"{limits.max_connections} connections, its limit; try again",
@@ -199,10 +209,37 @@ def guarded_protocol(limits: ConnectionLimits) -> type:
                     self._body_timer = self.loop.call_later(limits.timeout_body_s,
                                                             self._body_timeout)
                 else:  # the request is whole: in progress from here
-                    self._count(False)
+                    self._in_progress()
             if self._body_timer is not None and state is not h11.SEND_BODY:
                 self._cancel("_body_timer")
+                self._in_progress()
+
+        def _in_progress(self) -> None:
+            """A request is running on this connection: it stops counting for its address,
+            unless its client is not reading what it is sent."""
+            if not self._stalled:
                 self._count(False)
+
+        def pause_writing(self) -> None:
+            super().pause_writing()
+            self._stalled = True
+            self._count(True)
+            self._cancel("_write_timer")
+            self._write_timer = self.loop.call_later(limits.timeout_write_s,
+                                                     self._write_timeout)
+
+        def resume_writing(self) -> None:
+            super().resume_writing()
+            self._cancel("_write_timer")
+            if self._stalled:
+                self._stalled = False
+                if self._header_timer is None and self._body_timer is None:
+                    self._count(False)  # back to a request in progress
+
+        def _write_timeout(self) -> None:
+            self._write_timer = None
+            counts["write_timeouts"] += 1
+            self.transport.abort()  # what it holds unsent is dropped
 
         def on_response_complete(self) -> None:
             if self._body_timer is not None:
@@ -225,6 +262,7 @@ def guarded_protocol(limits: ConnectionLimits) -> type:
         def connection_lost(self, exc: Exception | None) -> None:
             self._cancel("_header_timer")
             self._cancel("_body_timer")
+            self._cancel("_write_timer")
             self._count(False)
             super().connection_lost(exc)
 
