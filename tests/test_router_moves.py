@@ -170,3 +170,51 @@ def test_a_worker_refusing_for_load_is_passed_over_not_marked_draining(llama_dir
         await r._client.aclose()
 
     asyncio.run(run())
+
+
+def test_a_silent_workers_stream_moves_without_waiting_for_a_poll(llama_dir):
+    """The router watches for silent workers apart from its polls (a poll of a frozen worker
+    waits out its timeout): a stream whose worker has been silent past the deadline moves
+    to another worker with what it streamed, though no poll ran meanwhile."""
+    async def frozen():
+        yield _line(0, [5], "a")
+        await asyncio.Event().wait()  # the worker stopped mid-stream
+
+    def handle(req: httpx.Request) -> httpx.Response:
+        if not req.url.path.endswith("/generate"):
+            return httpx.Response(404)
+        return httpx.Response(200, content=frozen() if req.url.host == "a" else _taker())
+
+    r = Router(["http://a:1", "http://b:1"], model_dir=llama_dir)
+
+    class Info:
+        max_waiting = 256
+
+    r.info = Info()
+
+    async def run():
+        r.start(asyncio.get_running_loop())
+        r._poller.cancel()  # no polls: only the watch below
+        r._client = httpx.AsyncClient(transport=httpx.MockTransport(handle))
+        for w in r.decode:
+            w.up, w.reason = True, None
+        r.decode.sort(key=lambda w: w.url != "http://a:1")
+        r._turn = iter(range(0, 10 ** 6, 2))
+        group = await r.add([PromptSpec([1, 2, 3], SamplingParams(max_tokens=2))], "req1")
+        out = []
+
+        async def read():
+            async for _, o in group:
+                out.append(o)
+                if o.delta_text == "a":  # A streamed its token, then froze: silent for long
+                    a = r.decode[0]
+                    a.down("frozen", since=time.monotonic() - 1000)
+
+        watch = asyncio.ensure_future(r._watch_silent())
+        await asyncio.wait_for(read(), 10)
+        watch.cancel()
+        assert "".join(o.delta_text for o in out) == "ac"
+        assert r.migrations["worker_silent"] == 1
+        await r._client.aclose()
+
+    asyncio.run(run())

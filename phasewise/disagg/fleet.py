@@ -45,13 +45,15 @@ class Worker:
     in_flight: int = 0  # groups this router streams from it now
     retired: bool = False  # --discover: its address left the Service (no new requests)
 
-    down_since: float | None = None  # time.monotonic() of the first failed poll in a row
+    # time.monotonic() at the start of the first failed poll in a row (a poll that times out
+    # says, when it does, that the worker has not answered since it was sent)
+    down_since: float | None = None
 
-    def down(self, reason: str) -> None:
+    def down(self, reason: str, since: float | None = None) -> None:
         if self.up:
             log.warning("%s worker %s is down: %s", self.role, self.url, reason)
         if self.down_since is None:
-            self.down_since = time.monotonic()
+            self.down_since = time.monotonic() if since is None else since
         self.up, self.reason = False, reason
 
     @property

@@ -832,6 +832,21 @@ class Router(Fleet):
     # -- watching the workers --------------------------------------------------------------
     async def _poll(self) -> None:
         assert self._client is not None
+        watch = asyncio.ensure_future(self._watch_silent())
+        try:
+            await self._poll_rounds()
+        finally:
+            watch.cancel()
+
+    async def _watch_silent(self) -> None:
+        """Apart from the polls (one may wait its timeout): a silent worker's streams move
+        within a fraction of a second of its deadline."""
+        while True:
+            self._end_streams_of_silent_workers()
+            await asyncio.sleep(min(0.25, self.stream_deadline / 4))
+
+    async def _poll_rounds(self) -> None:
+        assert self._client is not None
         next_look = time.monotonic() + self.discover_interval
         while True:
             if self.discover and time.monotonic() >= next_look:
@@ -841,7 +856,6 @@ class Router(Fleet):
                 except Exception:  # noqa: BLE001 - discovery must never stop the polls
                     log.exception("--discover failed")
             await asyncio.gather(*(self._poll_one(w) for w in self.workers))
-            self._end_streams_of_silent_workers()
             await asyncio.sleep(self.poll_interval)
 
     def _end_streams_of_silent_workers(self) -> None:
@@ -865,6 +879,7 @@ class Router(Fleet):
         blocks = self.index.get(w.url)
         params = {} if blocks is None else {"kv_epoch": blocks.epoch or "-", **(
             {"kv_since": str(blocks.next)} if blocks.next is not None else {})}
+        sent = time.monotonic()
         try:
             r = await self._client.get(w.url + "/internal/v1/load", params=params,
                                        timeout=min(2.0, self.request_timeout))
@@ -887,7 +902,7 @@ class Router(Fleet):
                 log.info("%s worker %s is up", w.role, w.url)
             w.up, w.reason, w.down_since = True, None, None
         except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:
-            w.down(why_failed(e))
+            w.down(why_failed(e), since=sent)
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Blocking (off the loop): stop watching and close every relay."""
