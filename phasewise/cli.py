@@ -215,8 +215,8 @@ def _add_connection_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout-body", type=float, default=d.timeout_body_s,
                    help="seconds a request gets to send its body after its headers")
     p.add_argument("--timeout-write", type=float, default=d.timeout_write_s,
-                   help="seconds a response may wait for its client to read it (its "
-                   "socket's buffer full) before the connection is closed")
+                   help="seconds a response may wait, its socket's buffer full, with its "
+                   "client reading none of it, before the connection is closed")
     p.add_argument("--max-connections", type=int, default=d.max_connections,
                    help="connections open at once (lowered to fit the open-file limit); "
                    "more are answered 503")

@@ -132,6 +132,8 @@ def test_a_stream_given_up_before_it_began_ends_with_an_error(llama_dir):
         url = group.routing.split()[0]
         (w,) = [x for x in r.decode if x.url == url]
         w.up, w.down_since = False, time.monotonic() - 1000
+        for _, stream in r._relays.values():  # (and so has the relay: nothing came yet)
+            stream.relay.last_heard -= 1000
         r._end_streams_of_silent_workers()
         with pytest.raises(Exception, match="stopped answering"):
             async for _ in group:
@@ -174,8 +176,9 @@ def test_a_worker_refusing_for_load_is_passed_over_not_marked_draining(llama_dir
 
 def test_a_silent_workers_stream_moves_without_waiting_for_a_poll(llama_dir):
     """The router watches for silent workers apart from its polls (a poll of a frozen worker
-    waits out its timeout): a stream whose worker has been silent past the deadline moves
-    to another worker with what it streamed, though no poll ran meanwhile."""
+    waits out its timeout): a stream whose worker answers no poll, and which has itself
+    carried nothing, for the deadline moves to another worker with what it streamed,
+    though no poll ran meanwhile. One still flowing is left where it is."""
     async def frozen():
         yield _line(0, [5], "a")
         await asyncio.Event().wait()  # the worker stopped mid-stream
@@ -185,7 +188,7 @@ def test_a_silent_workers_stream_moves_without_waiting_for_a_poll(llama_dir):
             return httpx.Response(404)
         return httpx.Response(200, content=frozen() if req.url.host == "a" else _taker())
 
-    r = Router(["http://a:1", "http://b:1"], model_dir=llama_dir)
+    r = Router(["http://a:1", "http://b:1"], model_dir=llama_dir, stream_deadline=0.5)
 
     class Info:
         max_waiting = 256
@@ -218,3 +221,43 @@ def test_a_silent_workers_stream_moves_without_waiting_for_a_poll(llama_dir):
         await r._client.aclose()
 
     asyncio.run(run())
+
+
+def test_a_stream_still_flowing_is_not_moved_for_its_workers_missed_polls(llama_dir):
+    """A worker whose polls time out under load while its stream keeps coming is slow, not
+    frozen: its stream stays."""
+    async def flowing():
+        for i in range(12):  # longer than the deadline, a token every tenth of it
+            yield _line(0, [5], "a", fin="length" if i == 11 else None)
+            await asyncio.sleep(0.05)
+
+    def handle(req: httpx.Request) -> httpx.Response:
+        if not req.url.path.endswith("/generate"):
+            return httpx.Response(404)
+        return httpx.Response(200, content=flowing() if req.url.host == "a" else _taker())
+
+    r = Router(["http://a:1", "http://b:1"], model_dir=llama_dir, stream_deadline=0.5)
+
+    class Info:
+        max_waiting = 256
+
+    r.info = Info()
+
+    async def run():
+        r.start(asyncio.get_running_loop())
+        r._poller.cancel()
+        r._client = httpx.AsyncClient(transport=httpx.MockTransport(handle))
+        for w in r.decode:
+            w.up, w.reason = True, None
+        r.decode.sort(key=lambda w: w.url != "http://a:1")
+        r._turn = iter(range(0, 10 ** 6, 2))
+        group = await r.add([PromptSpec([1, 2, 3], SamplingParams(max_tokens=12))], "req1")
+        r.decode[0].down("a poll timed out", since=time.monotonic() - 1000)
+        watch = asyncio.ensure_future(r._watch_silent())
+        out = [o async for _, o in group]
+        watch.cancel()
+        assert "".join(o.delta_text for o in out) == "a" * 12
+        assert r.migrations["worker_silent"] == 0
+        await r._client.aclose()
+
+    asyncio.run(asyncio.wait_for(run(), 20))

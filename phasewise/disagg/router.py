@@ -86,6 +86,8 @@ class _Relay:
     released: bool = False
     partial: list[bytes] = dataclasses.field(default_factory=list)  # an unfinished line
     backlog: deque[bytes] = dataclasses.field(default_factory=deque)  # lines not yet handled
+    # time.monotonic() of its last bytes: a stream still flowing is not its worker's silence
+    last_heard: float = dataclasses.field(default_factory=time.monotonic)
 
 
 @dataclasses.dataclass
@@ -478,8 +480,8 @@ class Router(Fleet):
             raise SLORefused(f"{message} (every decode worker refused it by its target: "
                              f"{'; '.join(tried)})", code, retry)
         if overloaded:
-            raise EngineOverloaded("every decode worker is at its waiting limit: "
-                                   + "; ".join(tried))
+            raise EngineOverloaded("every decode worker is busy (its waiting limit or its "
+                                   "connection limit): " + "; ".join(tried))
         if not tried:
             tried = [f"{w.url} ({w.reason or 'draining'})" for w in self.decode]
         raise EngineUnavailable("no decode worker can take this request now: "
@@ -635,6 +637,7 @@ class Router(Fleet):
                 chunk = await anext(relay.chunks, None)
                 if chunk is None:
                     break
+                relay.last_heard = time.monotonic()
                 relay.backlog.extend(_split(relay.partial, chunk))
             if relay.partial:
                 raise RelayError(f"the stream ended inside a line: {relay.partial[0][:200]!r}")
@@ -842,7 +845,10 @@ class Router(Fleet):
         """Apart from the polls (one may wait its timeout): a silent worker's streams move
         within a fraction of a second of its deadline."""
         while True:
-            self._end_streams_of_silent_workers()
+            try:
+                self._end_streams_of_silent_workers()
+            except Exception:  # noqa: BLE001 - the watch must outlive a bug, and say so
+                log.exception("watching for silent workers failed")
             await asyncio.sleep(min(0.25, self.stream_deadline / 4))
 
     async def _poll_rounds(self) -> None:
@@ -868,7 +874,8 @@ class Router(Fleet):
                 # (a stream being moved waits on another worker, which a cancel must not
                 # cut)
                 if (relay.worker is not w or stream.moving or task.done()
-                        or task.cancelling() or stream.ended):
+                        or task.cancelling() or stream.ended
+                        or now - relay.last_heard < self.stream_deadline):
                     continue
                 stream.move = ("worker_silent", f"stopped answering ({w.reason}) for "
                                f"{now - w.down_since:.0f} s while streaming this response")

@@ -10,11 +10,12 @@ connections: a client that opens connections and sends nothing, or a byte every 
   closed. Bytes that trickle in do not restart the clock.
 * ``timeout_body_s``: its body must be complete this long after its headers; otherwise the
   connection closes (the route sees the client go).
-* ``timeout_write_s``: a response the client does not read (the socket's send buffer full,
-  no progress) for this long has its connection closed; meanwhile the connection counts for
-  its address as one without a request in progress (it is not making any). Without it, a
-  client that sends requests for large answers (``/metrics``, ``/tokenize``) and never reads
-  them holds each connection for good.
+* ``timeout_write_s``: a response whose client takes none of it (the socket's send buffer
+  full and not shrinking) for this long has its connection closed; while its writing is
+  held up, the connection counts for its address as one without a request in progress.
+  Without it, a client that sends requests for large answers (``/metrics``, ``/tokenize``)
+  and never reads them holds each connection for good. (A slow reader makes progress and
+  is never cut; many slow downloads behind one proxy address count against its limit.)
 * ``max_connections``: connections open at once; one more is answered 503 and closed.
 * ``max_connections_per_address``: connections one address holds *without a request in
   progress* (opening, sending a request's headers or body, or idle between requests); one
@@ -24,7 +25,8 @@ connections: a client that opens connections and sends nothing, or a byte every 
   hold hundreds of streams. A body still arriving counts (else one address could hold every
   connection the server takes by sending headers and no body; a router refused for that
   tries another worker), and a connection answered before its body is in (a 401, a 413) is
-  closed, its client given ``timeout_body_s`` to stop sending first.
+  closed, its client given ``timeout_body_s`` to stop sending first (what it sends is
+  dropped unread; it counts for its address until closed).
 
 ``CLIENT`` tells code deeper in the request (the grammar checks' per-client share) which
 address it serves; ``ClientContext`` sets it.
@@ -122,6 +124,7 @@ def guarded_protocol(limits: ConnectionLimits) -> type:
             self._body_timer: asyncio.TimerHandle | None = None
             self._write_timer: asyncio.TimerHandle | None = None
             self._stalled = False  # writing paused: the client does not read
+            self._unsent = 0  # bytes waiting to be sent when the write timer was set
             if len(self.connections) > limits.max_connections:
                 self._refuse(503, "Service Unavailable", "the server holds "
                              f"{limits.max_connections} connections, its limit; try again",
@@ -224,6 +227,7 @@ def guarded_protocol(limits: ConnectionLimits) -> type:
             super().pause_writing()
             self._stalled = True
             self._count(True)
+            self._unsent = self.transport.get_write_buffer_size()
             self._cancel("_write_timer")
             self._write_timer = self.loop.call_later(limits.timeout_write_s,
                                                      self._write_timeout)
@@ -233,11 +237,21 @@ def guarded_protocol(limits: ConnectionLimits) -> type:
             self._cancel("_write_timer")
             if self._stalled:
                 self._stalled = False
-                if self._header_timer is None and self._body_timer is None:
+                if (self._header_timer is None and self._body_timer is None
+                        and not self._refused):
                     self._count(False)  # back to a request in progress
 
         def _write_timeout(self) -> None:
+            """No resume in ``timeout_write_s``: closed, unless the client took some of what
+            waits (a whole reply is one write: a client reading it slowly never lets the
+            buffer fall to the resume mark, yet it is reading)."""
             self._write_timer = None
+            unsent = self.transport.get_write_buffer_size()
+            if unsent < self._unsent:
+                self._unsent = unsent
+                self._write_timer = self.loop.call_later(limits.timeout_write_s,
+                                                         self._write_timeout)
+                return
             counts["write_timeouts"] += 1
             self.transport.abort()  # what it holds unsent is dropped
 
@@ -248,10 +262,12 @@ def guarded_protocol(limits: ConnectionLimits) -> type:
                 # to arrive before the socket closes under it
                 self._cancel("_body_timer")
                 super().on_response_complete()
+                self._unset_keepalive_if_required()  # (its idle timer would close it first)
                 self._close_after_answer(limits.timeout_body_s)
                 return
             if not self.transport.is_closing():
-                if waiting.get(self._addr, 0) >= limits.max_connections_per_address:
+                others = waiting.get(self._addr, 0) - (1 if self._counted else 0)
+                if others >= limits.max_connections_per_address:
                     self.transport.close()  # one idle connection too many: not kept
                 else:
                     self._count(True)
