@@ -403,3 +403,53 @@ def test_a_response_its_client_does_not_read_counts_for_its_address_then_closes(
                 q._cancel(timer)
 
     asyncio.run(main())
+
+
+def test_a_slow_readers_progress_counts_the_kernels_send_queue():
+    """A whole reply is one write: the kernel's send queue takes megabytes of it and is
+    refilled from the transport's buffer only in large steps, so that buffer can stand still
+    for longer than --timeout-write while a slow client reads (a client at 320 KB/s was cut
+    at 3.6 MB of 8). The progress the write timer looks for counts the kernel's queue too."""
+    import sys
+
+    import uvicorn
+    from uvicorn.server import ServerState
+
+    from phasewise.server.limits import ConnectionLimits, guarded_protocol
+
+    if sys.platform != "linux":
+        pytest.skip("the kernel's send queue is read on Linux")
+    config = uvicorn.Config(lambda *a: None, lifespan="off")
+    config.load()
+    cls = guarded_protocol(ConnectionLimits(timeout_write_s=3600))
+    ours, client = socket.socketpair()
+    ours.setblocking(False)
+    sent = 0
+    try:
+        while True:
+            sent += ours.send(b"y" * 65536)
+    except BlockingIOError:
+        pass
+
+    class Sock(_Transport):
+        def get_extra_info(self, name, default=None):
+            return ours if name == "socket" else super().get_extra_info(name, default)
+
+    p, t = cls(config, ServerState(), {}), Sock()
+    p.connection_made(t)
+    t.unsent = 1 << 20  # the transport's own buffer, unchanged throughout
+    p.pause_writing()
+    before = p._pending()
+    assert before > t.unsent  # the kernel's queue is counted
+    client.recv(65536)  # the client takes some: the transport's buffer has not moved
+    assert p._pending() < before
+    p._cancel("_write_timer")
+    p._write_timeout()  # the timer's firing: progress, so re-armed, not closed
+    assert not getattr(t, "aborted", False) and p._write_timer is not None
+    p._cancel("_write_timer")
+    p._write_timeout()  # nothing taken since: closed
+    assert getattr(t, "aborted", False)
+    for timer in ("_header_timer", "_body_timer", "_write_timer"):
+        p._cancel(timer)
+    ours.close()
+    client.close()

@@ -36,7 +36,11 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import fcntl
 import json
+import struct
+import sys
+import termios
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
@@ -94,6 +98,8 @@ class ConnectionLimits:
 
 
 _LINGER_S = 2.0
+# ioctl: bytes in a socket's kernel send queue (Linux's SIOCOUTQ, which is TIOCOUTQ)
+_OUTQ: int | None = getattr(termios, "TIOCOUTQ", None) if sys.platform == "linux" else None
 
 
 def _refusal(status: int, reason: str, message: str, code: str) -> bytes:
@@ -227,7 +233,7 @@ def guarded_protocol(limits: ConnectionLimits) -> type:
             super().pause_writing()
             self._stalled = True
             self._count(True)
-            self._unsent = self.transport.get_write_buffer_size()
+            self._unsent = self._pending()
             self._cancel("_write_timer")
             self._write_timer = self.loop.call_later(limits.timeout_write_s,
                                                      self._write_timeout)
@@ -241,12 +247,26 @@ def guarded_protocol(limits: ConnectionLimits) -> type:
                         and not self._refused):
                     self._count(False)  # back to a request in progress
 
+        def _pending(self) -> int:
+            """Bytes of this connection's answers the client has not taken: the transport's
+            buffer and, on Linux, the kernel's send queue, which holds megabytes and is
+            refilled from the buffer only in large steps (so the buffer alone can stand
+            still for seconds while a slow client reads)."""
+            n = self.transport.get_write_buffer_size()
+            sock = self.transport.get_extra_info("socket")
+            if sock is not None and _OUTQ is not None:
+                try:
+                    n += struct.unpack("i", fcntl.ioctl(sock.fileno(), _OUTQ, b"\0" * 4))[0]
+                except (OSError, ValueError):
+                    pass
+            return n
+
         def _write_timeout(self) -> None:
             """No resume in ``timeout_write_s``: closed, unless the client took some of what
             waits (a whole reply is one write: a client reading it slowly never lets the
             buffer fall to the resume mark, yet it is reading)."""
             self._write_timer = None
-            unsent = self.transport.get_write_buffer_size()
+            unsent = self._pending()
             if unsent < self._unsent:
                 self._unsent = unsent
                 self._write_timer = self.loop.call_later(limits.timeout_write_s,
