@@ -410,6 +410,7 @@ def test_a_slow_readers_progress_counts_the_kernels_send_queue():
     refilled from the transport's buffer only in large steps, so that buffer can stand still
     for longer than --timeout-write while a slow client reads (a client at 320 KB/s was cut
     at 3.6 MB of 8). The progress the write timer looks for counts the kernel's queue too."""
+    import asyncio
     import sys
 
     import uvicorn
@@ -435,21 +436,24 @@ def test_a_slow_readers_progress_counts_the_kernels_send_queue():
         def get_extra_info(self, name, default=None):
             return ours if name == "socket" else super().get_extra_info(name, default)
 
-    p, t = cls(config, ServerState(), {}), Sock()
-    p.connection_made(t)
-    t.unsent = 1 << 20  # the transport's own buffer, unchanged throughout
-    p.pause_writing()
-    before = p._pending()
-    assert before > t.unsent  # the kernel's queue is counted
-    client.recv(65536)  # the client takes some: the transport's buffer has not moved
-    assert p._pending() < before
-    p._cancel("_write_timer")
-    p._write_timeout()  # the timer's firing: progress, so re-armed, not closed
-    assert not getattr(t, "aborted", False) and p._write_timer is not None
-    p._cancel("_write_timer")
-    p._write_timeout()  # nothing taken since: closed
-    assert getattr(t, "aborted", False)
-    for timer in ("_header_timer", "_body_timer", "_write_timer"):
-        p._cancel(timer)
+    async def main():
+        p, t = cls(config, ServerState(), {}), Sock()
+        p.connection_made(t)
+        t.unsent = 1 << 20  # the transport's own buffer, unchanged throughout
+        p.pause_writing()
+        before = p._pending()
+        assert before > t.unsent  # the kernel's queue is counted
+        client.recv(65536)  # the client takes some: the transport's buffer has not moved
+        assert p._pending() < before
+        p._cancel("_write_timer")
+        p._write_timeout()  # the timer's firing: progress, so re-armed, not closed
+        assert not getattr(t, "aborted", False) and p._write_timer is not None
+        p._cancel("_write_timer")
+        p._write_timeout()  # nothing taken since: closed
+        assert getattr(t, "aborted", False)
+        for timer in ("_header_timer", "_body_timer", "_write_timer"):
+            p._cancel(timer)
+
+    asyncio.run(main())
     ours.close()
     client.close()
