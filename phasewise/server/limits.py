@@ -233,10 +233,7 @@ def guarded_protocol(limits: ConnectionLimits) -> type:
             super().pause_writing()
             self._stalled = True
             self._count(True)
-            self._unsent = self._pending()
-            self._cancel("_write_timer")
-            self._write_timer = self.loop.call_later(limits.timeout_write_s,
-                                                     self._write_timeout)
+            self._arm_write_timer()
 
         def resume_writing(self) -> None:
             super().resume_writing()
@@ -261,16 +258,20 @@ def guarded_protocol(limits: ConnectionLimits) -> type:
                     pass
             return n
 
+        def _arm_write_timer(self) -> None:
+            """The client must take some of what is pending within ``timeout_write_s``."""
+            self._cancel("_write_timer")
+            self._unsent = self._pending()
+            self._write_timer = self.loop.call_later(limits.timeout_write_s,
+                                                     self._write_timeout)
+
         def _write_timeout(self) -> None:
             """No resume in ``timeout_write_s``: closed, unless the client took some of what
             waits (a whole reply is one write: a client reading it slowly never lets the
             buffer fall to the resume mark, yet it is reading)."""
             self._write_timer = None
-            unsent = self._pending()
-            if unsent < self._unsent:
-                self._unsent = unsent
-                self._write_timer = self.loop.call_later(limits.timeout_write_s,
-                                                         self._write_timeout)
+            if self._pending() < self._unsent:
+                self._arm_write_timer()
                 return
             counts["write_timeouts"] += 1
             self.transport.abort()  # what it holds unsent is dropped
