@@ -49,16 +49,23 @@ def _router(model, b_answer, max_migrations=2):
             return httpx.Response(200, content=_draining())
         return b_answer()
 
-    r = Router(["http://a:1", "http://b:1"], model_dir=model, max_migrations=max_migrations)
+    return _two_workers(model, max_migrations=max_migrations), handle, sent
+
+
+def _two_workers(model, **kw) -> Router:
+    """A router of workers A and B (``kw``: the Router's own), not yet started."""
+    r = Router(["http://a:1", "http://b:1"], model_dir=model, **kw)
 
     class Info:
         max_waiting = 256
 
     r.info = Info()
-    return r, handle, sent
+    return r
 
 
-async def _serve(r, handle, first="http://a:1"):
+def _begin(r, handle, first="http://a:1"):
+    """Start ``r`` on the running loop with no polls, its workers answered by ``handle``
+    and up, ``first`` the first pick."""
     r.start(asyncio.get_running_loop())
     r._poller.cancel()
     r._client = httpx.AsyncClient(transport=httpx.MockTransport(handle))
@@ -66,6 +73,10 @@ async def _serve(r, handle, first="http://a:1"):
         w.up, w.reason = True, None
     r.decode.sort(key=lambda w: w.url != first)  # ties go in turn: make A the first pick
     r._turn = iter(range(0, 10 ** 6, 2))
+
+
+async def _serve(r, handle, first="http://a:1"):
+    _begin(r, handle, first)
     group = await r.add([PromptSpec([1, 2, 3], SamplingParams(max_tokens=2))], "req1")
     out = []
 
@@ -122,11 +133,7 @@ def test_a_stream_given_up_before_it_began_ends_with_an_error(llama_dir):
     r, handle, _ = _router(llama_dir, lambda: httpx.Response(200, content=_taker()))
 
     async def run():
-        r.start(asyncio.get_running_loop())
-        r._poller.cancel()
-        r._client = httpx.AsyncClient(transport=httpx.MockTransport(handle))
-        for w in r.decode:
-            w.up, w.reason = True, None
+        _begin(r, handle)
         group = await r.add([PromptSpec([1, 2, 3], SamplingParams(max_tokens=2))], "req1")
         # its worker falls silent past the deadline before the relay task has run at all
         url = group.routing.split()[0]
@@ -158,12 +165,7 @@ def test_a_worker_refusing_for_load_is_passed_over_not_marked_draining(llama_dir
             return httpx.Response(503, json={"error": {"message": "busy", "code": code}})
         return httpx.Response(200, content=_taker())
 
-    r = Router(["http://a:1", "http://b:1"], model_dir=llama_dir)
-
-    class Info:
-        max_waiting = 256
-
-    r.info = Info()
+    r = _two_workers(llama_dir)
 
     async def run():
         _, out = await _serve(r, handle)
@@ -188,21 +190,10 @@ def test_a_silent_workers_stream_moves_without_waiting_for_a_poll(llama_dir):
             return httpx.Response(404)
         return httpx.Response(200, content=frozen() if req.url.host == "a" else _taker())
 
-    r = Router(["http://a:1", "http://b:1"], model_dir=llama_dir, stream_deadline=0.5)
-
-    class Info:
-        max_waiting = 256
-
-    r.info = Info()
+    r = _two_workers(llama_dir, stream_deadline=0.5)
 
     async def run():
-        r.start(asyncio.get_running_loop())
-        r._poller.cancel()  # no polls: only the watch below
-        r._client = httpx.AsyncClient(transport=httpx.MockTransport(handle))
-        for w in r.decode:
-            w.up, w.reason = True, None
-        r.decode.sort(key=lambda w: w.url != "http://a:1")
-        r._turn = iter(range(0, 10 ** 6, 2))
+        _begin(r, handle)  # no polls: only the watch below
         group = await r.add([PromptSpec([1, 2, 3], SamplingParams(max_tokens=2))], "req1")
         out = []
 
@@ -236,21 +227,10 @@ def test_a_stream_still_flowing_is_not_moved_for_its_workers_missed_polls(llama_
             return httpx.Response(404)
         return httpx.Response(200, content=flowing() if req.url.host == "a" else _taker())
 
-    r = Router(["http://a:1", "http://b:1"], model_dir=llama_dir, stream_deadline=0.5)
-
-    class Info:
-        max_waiting = 256
-
-    r.info = Info()
+    r = _two_workers(llama_dir, stream_deadline=0.5)
 
     async def run():
-        r.start(asyncio.get_running_loop())
-        r._poller.cancel()
-        r._client = httpx.AsyncClient(transport=httpx.MockTransport(handle))
-        for w in r.decode:
-            w.up, w.reason = True, None
-        r.decode.sort(key=lambda w: w.url != "http://a:1")
-        r._turn = iter(range(0, 10 ** 6, 2))
+        _begin(r, handle)
         group = await r.add([PromptSpec([1, 2, 3], SamplingParams(max_tokens=12))], "req1")
         r.decode[0].down("a poll timed out", since=time.monotonic() - 1000)
         watch = asyncio.ensure_future(r._watch_silent())
