@@ -244,11 +244,20 @@ class KVCacheManager:
         (and after ``prefix``, whose blocks it takes a reference on). All or nothing. Under
         a window, blocks behind the window of ``first_query`` (default: the first token
         computed) are left as holes, prefix ones untouched."""
-        if self.can_allocate(request, num_new_tokens, prefix, first_query):
-            return False
         rid = request.request_id
-        blocks = self._blocks.setdefault(rid, [])
-        live, span, pre, _, _ = self._plan(request, num_new_tokens, prefix, first_query)
+        blocks = self._blocks.get(rid)
+        if (prefix is None and blocks is not None and first_query is None
+                and self.blocks_needed(request.num_computed_tokens + num_new_tokens)
+                <= len(blocks)):
+            # The table already spans the tokens (a decode inside its last block, most
+            # steps): _plan would find nothing missing and nothing to add.
+            return True
+        live, span, pre, held, available = self._plan(request, num_new_tokens, prefix,
+                                                      first_query)
+        if span - max(held, live) - available > 0:  # can_allocate's test
+            return False
+        if blocks is None:
+            blocks = self._blocks.setdefault(rid, [])
         if prefix and prefix.blocks:
             if blocks:
                 raise RuntimeError(f"request {rid} already holds blocks; a prefix must come first")
@@ -279,11 +288,13 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return
         rid = request.request_id
-        blocks = self._blocks.get(rid, [])
         bs = self.block_size
-        n_full = min(min(request.num_computed_tokens, len(request.all_token_ids)) // bs,
-                     len(blocks))
         start = self._num_cached.get(rid, 0)
+        n_full = min(request.num_computed_tokens, len(request.all_token_ids)) // bs
+        if n_full <= start:  # no block filled since the last call (most decode steps)
+            return
+        blocks = self._blocks.get(rid, [])
+        n_full = min(n_full, len(blocks))
         if n_full <= start:
             return
         hashes = self._hash_chain(request, n_full)
