@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from phasewise.engine.step_cost import Chunk
+from phasewise.files import write_text_atomic
 from phasewise.perf.costmodel import CostModel, StepMix, fit
 from phasewise.perf.hardware import Accelerator, accelerator_from_entry, machine_file
 from phasewise.perf.models import ModelShape
@@ -298,8 +299,7 @@ def calibrate(model: str, *, engine_kwargs: dict[str, Any] | None = None, quick:
     gpu = re.sub(r"[^a-z0-9]+", "-", accel.name.lower()).strip("-")
     path = out or profile_path(Path(model).name, machine_slug(mid) if device == "cpu"
                                else f"{device}-{gpu}")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({
+    write_text_atomic(path, json.dumps({
         "version": PROFILE_VERSION, "model": str(model), "shape": shape.__dict__,
         "machine": mid, "device": device, "accelerator": _accel_entry(accel),
         "engine": {"max_num_batched_tokens": budget, "block_size": bs, **kw},

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from phasewise.files import write_text_atomic
 from phasewise.perf.hardware import Accelerator, accelerator_from_entry, machine_file
 
 CPU_CACHE_DIR = Path("/sys/devices/system/cpu/cpu0/cache")
@@ -319,8 +320,7 @@ def measure(out: Path | None = None, quick: bool = False) -> dict[str, Any]:
     new = {k: v for k, v in result.items() if k not in kept}
     if new:
         existing.update(new)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(existing, indent=1))
+        write_text_atomic(path, json.dumps(existing, indent=1))
         progress(f"{', '.join(new)} written to {path}")
     return result
 
@@ -430,8 +430,7 @@ def ensure_local(device: str, compute_dtypes: tuple[str, ...],
         entry = merge_entry(old, entry, missing + redo, redo_read)
     data[key] = entry
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(data, indent=1))
+        write_text_atomic(path, json.dumps(data, indent=1))
         _progress(f"written to {path}")
     except OSError as e:
         _progress(f"could not save to {path} ({e}); using the figures for this run only")

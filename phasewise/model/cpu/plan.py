@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from phasewise.files import write_text_atomic
 from phasewise.model.cpu.capabilities import CpuCapabilities
 
 PLAN_FORMAT = "phasewise-kernel-plan"
@@ -431,10 +432,7 @@ def read_plan_file(path: str | Path) -> StoredPlan:
 
 def write_plan_file(plan: StoredPlan, path: Path) -> Path:
     """Write ``plan`` to ``path`` atomically (a reader never sees half a file)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(plan.to_json(), indent=1) + "\n")
-    tmp.replace(path)
+    write_text_atomic(path, json.dumps(plan.to_json(), indent=1) + "\n")
     return path
 
 
