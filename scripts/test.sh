@@ -19,7 +19,9 @@ if [ "$(id -u)" = 0 ] && [ "${#need[@]}" -gt 0 ]; then
 will skip (under CI the browser tests fail instead)"
 fi
 set +e
-.venv/bin/python -m pytest -q "$@"
+# A process per core, four at most, each taking whole files (a file's module fixtures, such
+# as its server, start once). Pass -n 0 to run in this process (for -s or --pdb).
+.venv/bin/python -m pytest -q -n auto --maxprocesses=4 --dist loadfile "$@"
 rc=$?
 set -e
 # pytest exits 5 when it collects no tests: not a failure of the code under test.
