@@ -1261,14 +1261,17 @@ def test_a_layout_mismatch_is_named_field_by_field():
             for name, _ in cpu_kernels.DecodeLayerArgs._fields_}
     true["sizeof DecodeLayer"] = ctypes.sizeof(cpu_kernels.DecodeLayerArgs)
     true["int8_rows_max"] = cpu_kernels.INT8_ROWS_MAX
+    true["expert_dp_rows"] = cpu_kernels.EXPERT_DP_ROWS
     true.update({f"PW_PROJ_{m.name}": m.value for m in ProjMode})
     assert cpu_kernels.abi_mismatches(true.__getitem__) == []
     shifted = {**true, "cos": true["cos"] + 8, "sizeof DecodeLayer": true["sizeof DecodeLayer"] + 8,
                "int8_rows_max": cpu_kernels.INT8_ROWS_MAX - 1,
+               "expert_dp_rows": cpu_kernels.EXPERT_DP_ROWS + 1,
                "PW_PROJ_PANELS": ProjMode.AVX2_TILES.value}  # two modes' values swapped in C
     bad = cpu_kernels.abi_mismatches(shifted.__getitem__)
-    assert len(bad) == 4 and any("DecodeLayer.cos" in b for b in bad)
+    assert len(bad) == 5 and any("DecodeLayer.cos" in b for b in bad)
     assert any("sizeof" in b for b in bad) and any("int8_rows_max" in b for b in bad)
+    assert any(b.startswith("expert_dp_rows is") for b in bad)
     assert any(b == "PW_PROJ_PANELS is 4 in C, 3 here" for b in bad)
 
 

@@ -396,13 +396,14 @@ def test_a_sparse_layer_of_many_rows_runs_in_one_c_call_bit_for_bit(tmp_path, ar
     """Past the fused stack's 6 rows (a decode batch of 7-32, a short prompt chunk), a sparse
     layer's MLP still runs in one C call (``CpuKernelOps.moe_mlp``): the same bits and the
     same experts read as ``SparseMoE``'s own loop over its experts on the same kernels, each
-    expert's rows in runs of 6 (Qwen2-MoE: its shared expert too). Beyond 32 rows the loop
-    runs."""
+    expert's rows in runs of 6 (Qwen2-MoE: its shared expert too), or on AVX512_BF16 from 4
+    rows all at once. Beyond 32 rows (256 on AVX512_BF16) the loop runs."""
     import torch
 
     from cpu_helpers import op_by_op
+    from phasewise.model.cpu import kernels
     from phasewise.model.cpu.linear import LinearDispatch
-    from phasewise.model.cpu.ops import MOE_FUSED_ROWS, CpuKernelOps
+    from phasewise.model.cpu.ops import MOE_FUSED_ROWS, MOE_FUSED_ROWS_DP, CpuKernelOps
 
     cfg, model = _bf16_model(tmp_path, arch, seed=6, max_positions=64)
     moe = model.layers[0].moe
@@ -418,17 +419,20 @@ def test_a_sparse_layer_of_many_rows_runs_in_one_c_call_bit_for_bit(tmp_path, ar
     fused = Fused(LinearDispatch(kernel_max_rows=8, large="torch"))
     # the loop over the experts, on the same kernels: the C call off
     loop = op_by_op(CpuKernelOps(LinearDispatch(kernel_max_rows=8, large="torch")))
+    dp = kernels.avx512bf16_available()
+    most = MOE_FUSED_ROWS_DP if dp else MOE_FUSED_ROWS
     g = torch.Generator().manual_seed(3)
-    for rows in (1, 5, 7, 8, 13, MOE_FUSED_ROWS, MOE_FUSED_ROWS + 1):
+    sizes = (1, 5, 7, 8, 13, MOE_FUSED_ROWS, MOE_FUSED_ROWS + 1, most)
+    for rows in (*dict.fromkeys(sizes), most + 1):
         x = (torch.randn(rows, cfg.hidden_size, generator=g) * 2).bfloat16()
         with torch.no_grad():
             got = moe(x, fused)
+            took = fused.took[-1]
             read = moe.last_experts
             want = moe(x, loop)
+            assert read == moe.last_experts, rows
         assert torch.equal(got, want), rows
-        assert read == moe.last_experts, rows
-    sizes = (1, 5, 7, 8, 13, MOE_FUSED_ROWS)
-    assert fused.took == [(r, True) for r in sizes] + [(MOE_FUSED_ROWS + 1, False)]
+        assert took == (rows, rows <= most)
 
 
 def test_a_row_routes_alike_on_every_cpu_kernel_path(tmp_path):

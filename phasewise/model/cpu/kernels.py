@@ -71,6 +71,9 @@ LIBS = ["-lm"]
 STREAM_PREFETCH_MAX = 16384  # the farthest the C side prefetches (pw_set_stream_prefetch)
 
 INT8_ROWS_MAX = 6  # the most activation rows the int8 kernels take (checked against the C side)
+# With DecodeLayerArgs.experts_dp, a mixture's projection of this many rows or more runs on the
+# AVX512_BF16 dot products, fewer stream (csrc/abi.h; checked against the C side)
+EXPERT_DP_ROWS = 4
 
 
 class ProjMode(enum.IntEnum):
@@ -104,6 +107,7 @@ class DecodeLayerArgs(ctypes.Structure):
         + [("experts_read", ctypes.c_int), ("shared_I", ctypes.c_int)]
         + [(n, ctypes.c_void_p) for n in ("w_shared_gate_up", "w_shared_down",
                                           "w_shared_gate")]
+        + [("experts_dp", ctypes.c_int)]
     )
 
 
@@ -226,6 +230,8 @@ def abi_mismatches(abi: Callable[[str], int]) -> list[str]:
     bad = []
     if abi("int8_rows_max") != INT8_ROWS_MAX:
         bad.append(f"int8_rows_max is {abi('int8_rows_max')} in C, {INT8_ROWS_MAX} here")
+    if abi("expert_dp_rows") != EXPERT_DP_ROWS:
+        bad.append(f"expert_dp_rows is {abi('expert_dp_rows')} in C, {EXPERT_DP_ROWS} here")
     size = abi("sizeof DecodeLayer")
     if size != ctypes.sizeof(DecodeLayerArgs):
         bad.append(f"sizeof DecodeLayer is {size} in C, {ctypes.sizeof(DecodeLayerArgs)} here")

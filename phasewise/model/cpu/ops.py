@@ -39,6 +39,10 @@ MLP_CHUNK_ROWS = 512
 # experts stream their weights in runs of the streams' most rows (6); where the loop runs such
 # a layer instead (the reference the call is compared with), moe_linear cuts it alike.
 MOE_FUSED_ROWS = 32
+# ... and with an expert's rows on AVX512_BF16 dot products (DecodeLayer.experts_dp), which
+# read its weight once for all of them, this many: the call's scratch (each (row, expert)
+# pair's rows, ~(2H + 3I) floats) stays tens of MB.
+MOE_FUSED_ROWS_DP = 256
 # In a larger layer, an expert's rows up to which its weight is streamed by the kernel (the
 # stream reads the weight once per call; beyond a few rows the GEMM's reuse of it wins)
 EXPERT_STREAM_ROWS = 8
@@ -131,10 +135,15 @@ class CpuKernelOps(TorchOps):
         a third of the stream's speed). In a layer of up to ``MOE_FUSED_ROWS`` rows
         (``layer_rows``), in runs of the streams' most, each run reading the weight once:
         the runs ``pw_moe_mlp_bf16`` takes, so the two give the same bits. In a larger
-        layer, up to ``EXPERT_STREAM_ROWS`` rows in one call; more go to the plan's GEMM."""
+        layer, up to ``EXPERT_STREAM_ROWS`` rows in one call; more go to the plan's GEMM.
+        Where the CPU has AVX512_BF16, ``EXPERT_DP_ROWS`` rows or more in one call on its
+        dot products, as ``pw_moe_mlp_bf16`` runs them there (``experts_dp``): the weight
+        read once."""
         rows = x.numel() // x.shape[-1]
         if self.lib is None or not self._ok(x, w):
             return self.linear(x, w, None)
+        if self.kernels.avx512bf16 and rows >= kernels.EXPERT_DP_ROWS:
+            return kernels.linear_avx512bf16(x, w, None)  # as pw_moe_mlp_bf16's experts_dp
         run = self.kernels.decode_layer_max_rows
         large = (layer_rows or rows) > MOE_FUSED_ROWS
         if rows <= run or (large and rows <= EXPERT_STREAM_ROWS):
@@ -167,10 +176,12 @@ class CpuKernelOps(TorchOps):
     def moe_mlp(self, moe: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
         """A sparse layer's MLP (``SparseMoE``) over ``x``'s rows in one C call
         (``pw_moe_mlp_bf16``: the bits of ``SparseMoE``'s own loop, its experts read once per
-        run of rows); None where the loop runs it (more than ``MOE_FUSED_ROWS`` rows, more
-        experts than the C routing holds, weights it cannot read, ``fused_decode`` off)."""
+        run of rows, or once on AVX512_BF16); None where the loop runs it (more than
+        ``MOE_FUSED_ROWS`` rows, ``MOE_FUSED_ROWS_DP`` on AVX512_BF16, more experts than the
+        C routing holds, weights it cannot read, ``fused_decode`` off)."""
         rows = x.shape[0]
-        if (not self.fused_decode or self.lib is None or not 1 <= rows <= MOE_FUSED_ROWS
+        most = MOE_FUSED_ROWS_DP if self.kernels.avx512bf16 else MOE_FUSED_ROWS
+        if (not self.fused_decode or self.lib is None or not 1 <= rows <= most
                 or x.dim() != 2):
             return None
         if not self._ok(x):
@@ -608,6 +619,7 @@ class CpuKernelOps(TorchOps):
                 or not self._ok(moe.gate.weight, moe.gate_up, moe.down, *shared)):
             return None
         fields = dict(n_experts=moe.num_experts, top_k=moe.top_k,
+                      experts_dp=int(self.kernels.avx512bf16),
                       norm_topk=int(moe.norm_topk_prob), w_router=moe.gate.weight.data_ptr(),
                       w_experts_gate_up=moe.gate_up.data_ptr(),
                       w_experts_down=moe.down.data_ptr())

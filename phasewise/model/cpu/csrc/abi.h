@@ -16,6 +16,11 @@
 #define INT8_ROWS_MAX ROW_STREAM_MAX /* the most activation rows the int8 streams take */
 #define MAX_HEAD_DIM 512 /* the largest head the kernels take (a bound on scratch sizes) */
 #define PW_MAX_EXPERTS 512 /* the most experts the fused layer routes among (its stack scratch) */
+/* With DecodeLayer.experts_dp, a mixture's projection of this many rows or more runs on the
+ * AVX512_BF16 dot products; fewer stream in one run (ROW_STREAM_MAX or fewer rows: the
+ * stream's prefetch reads a weight faster for one to three rows, the dot products' tiles win
+ * from about four, and the streams would read a weight again past six) */
+#define EXPERT_DP_ROWS 4
 
 /* How a fused layer runs its projections (DecodeLayer.proj_mode; ProjMode in
  * phasewise/model/cpu/kernels.py mirrors it, checked value by value through pw_abi at load). */
@@ -74,6 +79,12 @@ typedef struct {
      * [H][shared_I], bf16, streamed */
     int shared_I;
     const uint16_t *w_shared_gate_up, *w_shared_down, *w_shared_gate;
+    /* 1: the router's, the experts' and the shared expert's projections of EXPERT_DP_ROWS
+     * rows or more run on AVX512_BF16 dot products (pw_avx512bf16_share), all their rows in
+     * one call, the weight read once however many rows chose it (a batch's experts turn
+     * compute-bound on the streams' fp32 arithmetic); fewer stream in one run. 0: every one
+     * streamed in runs of up to ROW_STREAM_MAX rows. */
+    int experts_dp;
 } DecodeLayer;
 
 #endif

@@ -17,7 +17,7 @@ long pw_abi(const char *what) {
     static const struct { const char *name; long value; } table[] = {
         {"row_stream_max", ROW_STREAM_MAX}, {"amx_layer_max", AMX_LAYER_MAX},
         {"max_head_dim", MAX_HEAD_DIM}, {"max_experts", PW_MAX_EXPERTS},
-        {"int8_rows_max", INT8_ROWS_MAX},
+        {"int8_rows_max", INT8_ROWS_MAX}, {"expert_dp_rows", EXPERT_DP_ROWS},
         {"sizeof DecodeLayer", (long)sizeof(DecodeLayer)},
 #define FIELD(f) {#f, (long)offsetof(DecodeLayer, f)}
         FIELD(M), FIELD(H), FIELD(Q), FIELD(KV), FIELD(I), FIELD(n_heads), FIELD(n_kv),
@@ -30,6 +30,7 @@ long pw_abi(const char *what) {
         FIELD(proj_mode), FIELD(window), FIELD(n_experts), FIELD(top_k), FIELD(norm_topk),
         FIELD(w_router), FIELD(w_experts_gate_up), FIELD(w_experts_down), FIELD(experts_read),
         FIELD(shared_I), FIELD(w_shared_gate_up), FIELD(w_shared_down), FIELD(w_shared_gate),
+        FIELD(experts_dp),
 #undef FIELD
         {"PW_PROJ_STREAMS", PW_PROJ_STREAMS}, {"PW_PROJ_AMX", PW_PROJ_AMX},
         {"PW_PROJ_AVX512BF16", PW_PROJ_AVX512BF16}, {"PW_PROJ_PANELS", PW_PROJ_PANELS},
@@ -311,8 +312,25 @@ static long moe_ints(int M, const DecodeLayer *L) {
  * row, gate/up results, activations and down results; each row's shared expert's, and its
  * gate's logit. */
 static long moe_floats(int M, const DecodeLayer *L) {
-    return (long)M * L->top_k * (2L * L->H + 3L * L->I)
-           + (L->shared_I ? (long)M * (3L * L->shared_I + L->H + 1) : 0);
+    long P = (long)M * L->top_k;
+    return P * (2L * L->H + 3L * L->I)
+           + (L->shared_I ? (long)M * (3L * L->shared_I + L->H + 1) : 0)
+           /* experts_dp: the bf16 rows the dot products read (xn's, the pairs', their
+            * activations, the shared expert's), two to a float */
+           + (L->experts_dp ? ((long)M * L->H + P * L->H + P * L->I + (long)M * L->shared_I)
+                                  / 2 + 1
+                            : 0);
+}
+
+/* A projection of the mixture's: res [M][N] fp32 = x w^T for this thread's share of w's N
+ * rows, on the dot products from xb (x's values in bf16) where L->experts_dp and M is
+ * EXPERT_DP_ROWS or more, else streamed from x in runs. No barrier. */
+static void moe_proj(const DecodeLayer *L, const float *x, const uint16_t *xb, int M,
+                     const uint16_t *w, int K, int N, float *res) {
+    if (L->experts_dp && M >= EXPERT_DP_ROWS)
+        pw_avx512bf16_share(xb, M, w, K, N, res);
+    else
+        proj_share_runs(x, M, w, K, N, res);
 }
 
 /* A mixture of experts' MLP (L->n_experts > 0), called by every thread of the fused layer's
@@ -321,6 +339,8 @@ static long moe_floats(int M, const DecodeLayer *L) {
  * streamed once for all the rows that chose it, rounded to bf16 where SparseMoE rounds (each
  * projection, the SiLU, each product and each sum). Every expert's gate/up shares run before
  * one barrier, then every down share: the barriers a layer takes do not grow with top_k.
+ * Where L->experts_dp, a projection of EXPERT_DP_ROWS rows or more runs on AVX512_BF16 dot
+ * products from bf16 copies of its rows (moe_proj), the weight read once for all of them.
  * Scratch: res [M][E] (the router's), f (moe_floats), wts [M][top_k], ints (moe_ints);
  * *n_used: shared by the region's threads. */
 static void moe_mlp(const DecodeLayer *L, const float *xn, int M, float *res, float *f,
@@ -332,7 +352,12 @@ static void moe_mlp(const DecodeLayer *L, const float *xn, int M, float *res, fl
     /* the shared expert's (S > 0): gate/up, activations, down, the gate's logit */
     float *sgu = dn + (long)P * H, *sact = sgu + (long)M * 2 * S, *sdn = sact + (long)M * S;
     float *sgl = sdn + (long)M * H;
-    proj_share_runs(xn, M, L->w_router, H, E, res);
+    /* experts_dp: xn's rows, the pairs' and the activations in bf16 (exact: bf16 values) */
+    uint16_t *xnb = (uint16_t *)(dn + (long)P * H + (S ? (long)M * (3L * S + H + 1) : 0));
+    uint16_t *xgb = xnb + (long)M * H, *actb = xgb + (long)P * H;
+    uint16_t *sactb = actb + (long)P * I;
+    if (L->experts_dp) pw_avx512bf16_pack_f32(xn, M, H, xnb);  /* with a barrier */
+    moe_proj(L, xn, xnb, M, L->w_router, H, E, res);
 #pragma omp barrier
 #pragma omp single
     {  /* (single's barrier makes *n_used and the routing visible to every thread) */
@@ -342,15 +367,18 @@ static void moe_mlp(const DecodeLayer *L, const float *xn, int M, float *res, fl
     }
     int n = *n_used;
 #pragma omp for schedule(static)
-    for (int q = 0; q < P; q++)
+    for (int q = 0; q < P; q++) {  /* (experts_dp: both, each expert reads one by its rows) */
         memcpy(xg + (long)q * H, xn + (long)pair_row[q] * H, sizeof(float) * H);
+        if (L->experts_dp)
+            memcpy(xgb + (long)q * H, xnb + (long)pair_row[q] * H, sizeof(uint16_t) * H);
+    }
     for (int u = 0; u < n; u++)
-        proj_share_runs(xg + (long)base[u] * H, base[u + 1] - base[u],
-                        L->w_experts_gate_up + (long)used[u] * 2 * I * H, H, 2 * I,
-                        gu + (long)base[u] * 2 * I);
+        moe_proj(L, xg + (long)base[u] * H, xgb + (long)base[u] * H, base[u + 1] - base[u],
+                 L->w_experts_gate_up + (long)used[u] * 2 * I * H, H, 2 * I,
+                 gu + (long)base[u] * 2 * I);
     if (S) {
-        proj_share_runs(xn, M, L->w_shared_gate_up, H, 2 * S, sgu);
-        proj_share_runs(xn, M, L->w_shared_gate, H, 1, sgl);
+        moe_proj(L, xn, xnb, M, L->w_shared_gate_up, H, 2 * S, sgu);
+        moe_proj(L, xn, xnb, M, L->w_shared_gate, H, 1, sgl);
     }
 #pragma omp barrier
 #pragma omp for schedule(static)
@@ -359,12 +387,15 @@ static void moe_mlp(const DecodeLayer *L, const float *xn, int M, float *res, fl
         const float *g = sh ? sgu + (long)(q - P) * 2 * S : gu + (long)q * 2 * I, *up = g + w;
         float *a = sh ? sact + (long)(q - P) * S : act + (long)q * I;
         for (int i = 0; i < w; i++) a[i] = silu_mul_rounded(round_bf16(g[i]), round_bf16(up[i]));
+        if (L->experts_dp) {
+            uint16_t *ab = sh ? sactb + (long)(q - P) * S : actb + (long)q * I;
+            for (int i = 0; i < w; i++) ab[i] = f32_to_bf16(a[i]);
+        }
     }
     for (int u = 0; u < n; u++)
-        proj_share_runs(act + (long)base[u] * I, base[u + 1] - base[u],
-                        L->w_experts_down + (long)used[u] * H * I, I, H,
-                        dn + (long)base[u] * H);
-    if (S) proj_share_runs(sact, M, L->w_shared_down, S, H, sdn);
+        moe_proj(L, act + (long)base[u] * I, actb + (long)base[u] * I, base[u + 1] - base[u],
+                 L->w_experts_down + (long)used[u] * H * I, I, H, dn + (long)base[u] * H);
+    if (S) moe_proj(L, sact, sactb, M, L->w_shared_down, S, H, sdn);
 #pragma omp barrier
 #pragma omp for schedule(static)
     for (int m = 0; m < M; m++) {  /* each row's sum in the experts' order */
@@ -459,7 +490,8 @@ static int moe_ok(const DecodeLayer *L) {
     return L->n_experts > 0 && L->n_experts <= PW_MAX_EXPERTS && L->top_k >= 1
            && L->top_k <= L->n_experts && L->w_router && L->w_experts_gate_up
            && L->w_experts_down
-           && (!L->shared_I || (L->w_shared_gate_up && L->w_shared_down && L->w_shared_gate));
+           && (!L->shared_I || (L->w_shared_gate_up && L->w_shared_down && L->w_shared_gate))
+           && (!L->experts_dp || (pw_avx512bf16_share && pw_avx512bf16_pack_f32));
 }
 
 int pw_decode_layer_bf16(const DecodeLayer *L) {

@@ -137,9 +137,13 @@ static inline __attribute__((always_inline)) void avx512bf16_tile(
                 _mm_mask_storeu_ps(out->res + (long)m * out->ldr + n0, nm, s);
         }
     } else {
+        /* the 16 lanes summed in avx512bf16_hsum4's order, as the rows of a group of 3 or
+         * 4 are: a channel's sum is the same whether it falls in a group or in the tail
+         * (which of them it falls in depends on M, through R) */
         float b = out->y && out->bias ? avx512bf16_bf16_to_f32(out->bias[n0]) : 0.0f;
+        const __m512 z = _mm512_setzero_ps();
         for (int m = 0; m < MT; m++) {
-            float s = _mm512_reduce_add_ps(acc[m][0]);
+            float s = _mm_cvtss_f32(avx512bf16_hsum4(acc[m][0], z, z, z));
             if (out->y)
                 out->y[(long)m * out->ldr + n0] = avx512bf16_f32_to_bf16(s + b);
             else
