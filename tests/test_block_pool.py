@@ -249,3 +249,23 @@ def test_ref_counts_always_match_holders(ops):
         for blk in kv.pool.blocks:
             assert blk.ref_count == held.get(blk.block_id, 0)
         assert kv.num_free_blocks == kv.num_blocks - len(held)
+
+
+def test_a_pool_of_a_billion_blocks_makes_only_the_blocks_it_hands_out():
+    """A simulated accelerator's pool may hold millions of blocks: each is made when first
+    handed out, and the queue's order is as for a small pool (never-used ids first, then
+    those given back, in the order given)."""
+    pool = BlockPool(10**9)
+    a = pool.allocate(3)
+    assert [b.block_id for b in a] == [0, 1, 2] and pool.num_free == 10**9 - 3
+    pool.free(list(reversed(a)))
+    assert pool.num_free == 10**9
+    assert [b.block_id for b in pool.allocate(2)] == [3, 4]  # fresh ids before given-back
+    assert len(pool.blocks._made) == 5
+    small = BlockPool(4)
+    blocks = small.allocate(4)
+    small.free([blocks[2], blocks[0]])
+    assert small.free_block_ids() == [2, 0]
+    assert [b.block_id for b in small.allocate(2)] == [2, 0]
+    with pytest.raises(RuntimeError, match="only 0 free"):
+        small.allocate(1)

@@ -87,3 +87,20 @@ def test_sizing_imports_no_torch():
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                          check=False)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+def test_a_pool_sized_past_the_free_host_memory_is_refused_naming_its_option():
+    from phasewise.engine.kv_sizing import check_host_memory, host_memory_available
+
+    big = EngineConfig(model="m", num_kv_blocks=10**8)  # 763 GiB of K/V
+    plan = KVPlan.plan(big, MC, BLOCK, "cpu")
+    with pytest.raises(ValueError, match=r"--num-kv-blocks\) 100000000 .* at most 1000 blocks"):
+        check_host_memory(plan, big, available=BLOCK * 1000)
+    check_host_memory(plan, big, available=BLOCK * 10**8)  # fits exactly: no error
+    mem = EngineConfig(model="m", kv_cache_memory="1TiB", max_num_seqs=10**6)
+    with pytest.raises(ValueError, match=r"--kv-cache-memory\) 1TiB"):
+        check_host_memory(KVPlan.plan(mem, MC, BLOCK, "cpu"), mem, available=2**30)
+    # the default is left to the engine (it never asks past DEFAULT_CPU_KV_MEMORY)
+    default = EngineConfig(model="m")
+    check_host_memory(KVPlan.plan(default, MC, BLOCK, "cpu"), default, available=1)
+    assert host_memory_available() is None or host_memory_available() > 0

@@ -58,14 +58,41 @@ class PoolStats:
     evictions: int = 0
 
 
+class _Blocks:
+    """The pool's blocks by id, each made when first asked for: a pool of millions of
+    blocks (a simulated accelerator's) costs nothing until its blocks are used."""
+
+    def __init__(self, n: int) -> None:
+        self._n = n
+        self._made: dict[int, Block] = {}
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, i: int) -> Block:
+        if not 0 <= i < self._n:
+            raise IndexError(f"block {i} of a pool of {self._n}")
+        block = self._made.get(i)
+        if block is None:
+            block = self._made[i] = Block(i)
+        return block
+
+    def __iter__(self):
+        return (self[i] for i in range(self._n))
+
+
 class BlockPool:
     def __init__(self, num_blocks: int) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
-        self.blocks = [Block(i) for i in range(num_blocks)]
-        # Free blocks in eviction order (front = next handed out). Values unused.
-        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.blocks = _Blocks(num_blocks)
+        # The free queue in eviction order (front = next handed out): the ids never handed
+        # out (from _fresh up, in order), then the blocks given back (values unused). A block
+        # given back joins the back, behind every fresh id, so the fresh ids are always the
+        # queue's front, and need no entry of their own.
+        self._fresh = 0
+        self._free: OrderedDict[int, None] = OrderedDict()
         self._cached: dict[bytes, Block] = {}
         self.stats = PoolStats()
         # What the prefix cache stored and evicted, for a router's index of who holds what.
@@ -73,19 +100,23 @@ class BlockPool:
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return self.num_blocks - self._fresh + len(self._free)
 
     def free_block_ids(self) -> list[int]:
         """Free block ids in the order they would be handed out."""
-        return list(self._free)
+        return [*range(self._fresh, self.num_blocks), *self._free]
 
     def allocate(self, n: int) -> list[Block]:
         """Take ``n`` free blocks (ref count 1 each), evicting cached contents they held."""
-        if n > len(self._free):
-            raise RuntimeError(f"asked for {n} blocks, only {len(self._free)} free")
+        if n > self.num_free:
+            raise RuntimeError(f"asked for {n} blocks, only {self.num_free} free")
         out = []
         for _ in range(n):
-            block_id, _ = self._free.popitem(last=False)
+            if self._fresh < self.num_blocks:
+                block_id = self._fresh
+                self._fresh += 1
+            else:
+                block_id, _ = self._free.popitem(last=False)
             block = self.blocks[block_id]
             if block.block_hash is not None:
                 self._uncache(block)

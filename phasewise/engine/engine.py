@@ -24,7 +24,7 @@ from phasewise.config import EngineConfig
 from phasewise.engine.connector import PushConnector
 from phasewise.engine.finish import masked_tokens, token_finish
 from phasewise.engine.generation import GenerationDefaults
-from phasewise.engine.kv_sizing import KVPlan
+from phasewise.engine.kv_sizing import KVPlan, check_host_memory
 from phasewise.engine.model_runner import ModelRunner, RunnerOutput
 from phasewise.engine.output_processor import OutputProcessor
 from phasewise.engine.outputs import RequestOutput, StepStats
@@ -86,6 +86,8 @@ class LLMEngine:
         bs = config.block_size
         kv_plan = KVPlan.plan(config, mc, ModelRunner.bytes_per_block(mc, bs, self.dtype),
                               self.device.type)
+        if self.device.type == "cpu":
+            check_host_memory(kv_plan, config)
         # The weights, and the ops that run them (phasewise.model.prepare)
         self.prepared = prepare_model(config, model_dir, mc, self.dtype, self.device,
                                       kv_plan.max_model_len, load_progress)

@@ -13,6 +13,7 @@ and ``plan``) sizes its engines' pools with these same functions.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, replace
 from typing import Protocol
 
@@ -102,6 +103,44 @@ class KVPlan:
         num_blocks = min(self.most_blocks, share // self.block_bytes)
         return replace(self, num_blocks=num_blocks, max_model_len=fit_context(
             num_blocks, self.max_model_len, config, mc, self.block_bytes))
+
+
+def host_memory_available() -> int | None:
+    """Bytes this machine could still allocate without swapping (Linux's MemAvailable), or
+    None where it cannot tell."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_host_memory(plan: KVPlan, config: EngineConfig,
+                      available: int | None = None) -> None:
+    """Refuse a pool in host memory that the user sized (``num_kv_blocks`` or
+    ``kv_cache_memory``) past the memory this machine has free (``available``, default
+    ``host_memory_available()``), before anything is allocated: such a pool would otherwise
+    fail deep in an allocation, or take the machine's memory page by page as it fills."""
+    if plan.num_blocks is None or (config.num_kv_blocks is None
+                                   and config.kv_cache_memory is None):
+        return
+    avail = host_memory_available() if available is None else available
+    need = plan.num_blocks * plan.block_bytes
+    if avail is None or need <= avail:
+        return
+    given = (f"num_kv_blocks (--num-kv-blocks) {config.num_kv_blocks}"
+             if config.num_kv_blocks is not None
+             else f"kv_cache_memory (--kv-cache-memory) {config.kv_cache_memory}")
+    raise ValueError(f"{given} asks for a KV cache of {plan.num_blocks} blocks of "
+                     f"{plan.block_bytes} bytes ({need / 2**30:.1f} GiB), more than the "
+                     f"{avail / 2**30:.1f} GiB this machine has available; at most "
+                     f"{avail // plan.block_bytes} blocks fit")
 
 
 def fit_context(num_blocks: int, max_len: int, config: EngineConfig, mc: ContextLimits,
