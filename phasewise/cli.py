@@ -296,8 +296,10 @@ def cmd_bench(a: argparse.Namespace) -> int:
 
 def cmd_bench_report(a: argparse.Namespace) -> int:
     from phasewise.bench.report import render
+    from phasewise.files import check_output
     from phasewise.perf.summary import parse_slo
 
+    check_output(a.output, "-o/--output")
     out = render(a.results, a.output, stall_factor=a.stall_factor,
                  slo=parse_slo(a.goodput) or None)
     print(f"report written to {out}", file=sys.stderr)
@@ -329,6 +331,10 @@ def cmd_roofline(a: argparse.Namespace) -> int:
             raise ValueError(f"{flag} is a fraction of the peak: in (0, 1], got {value}")
     if not 0 <= a.reserve < 1:
         raise ValueError(f"--reserve is a fraction of memory: in [0, 1), got {a.reserve}")
+    if a.plot:
+        from phasewise.files import check_output
+
+        check_output(a.plot, "--plot")
     model = GenericModel(a.params) if a.params is not None else lookup_model(a.model)
     if a.experts_read is not None:
         model = with_routing(model, a.experts_read)
@@ -348,8 +354,11 @@ def cmd_roofline(a: argparse.Namespace) -> int:
 def cmd_measure(a: argparse.Namespace) -> int:
     from pathlib import Path
 
+    from phasewise.files import check_output
     from phasewise.perf.measure import format_entry, measure
 
+    if a.out is not None:
+        check_output(a.out, "--out")
     for key, entry in measure(Path(a.out) if a.out else None, quick=a.quick).items():
         print(format_entry(key, entry))
     return 0
@@ -358,8 +367,13 @@ def cmd_measure(a: argparse.Namespace) -> int:
 def cmd_calibrate(a: argparse.Namespace) -> int:
     from pathlib import Path
 
+    from phasewise.files import check_output
     from phasewise.perf.calibrate import calibrate
 
+    if a.out is not None:
+        check_output(a.out, "--out")
+    if a.block_size is not None and a.block_size < 1:
+        raise ValueError(f"--block-size must be >= 1, got {a.block_size}")
     kw = {k: v for k, v in (("dtype", a.dtype), ("device", a.device),
                             ("kernels", a.kernels), ("block_size", a.block_size),
                             ("max_num_batched_tokens", a.max_num_batched_tokens),
@@ -374,6 +388,10 @@ def cmd_calibrate(a: argparse.Namespace) -> int:
 def cmd_tune(a: argparse.Namespace) -> int:
     from pathlib import Path
 
+    from phasewise.files import check_output
+
+    if a.out is not None:
+        check_output(a.out, "--out")
     if a.threads is not None:
         if a.threads < 1:
             raise ValueError(f"--threads must be >= 1, got {a.threads}")
@@ -399,13 +417,18 @@ def cmd_tune(a: argparse.Namespace) -> int:
 
 def cmd_simulate(a: argparse.Namespace) -> int:
     from phasewise.perf.commands import run_simulate
+    from phasewise.perf.summary import check_result_flags
 
+    check_result_flags(a)
     return run_simulate(a, _sim_model(a), _served(a))
 
 
 def cmd_plan(a: argparse.Namespace) -> int:
+    from phasewise.files import check_output
     from phasewise.perf.commands import run_plan
 
+    if a.k8s_out is not None:
+        check_output(a.k8s_out, "--k8s-out", folder=True)
     return run_plan(a, _sim_model(a), _served(a))
 
 
@@ -438,7 +461,7 @@ def _sim_model(a: argparse.Namespace) -> str:
     return _model_arg(a)
 
 
-def _add_sim_args(p: argparse.ArgumentParser) -> None:
+def _add_sim_args(p: argparse.ArgumentParser, results: bool = True) -> None:
     """What ``simulate`` and ``plan`` model: the model, the machine, one engine's limits."""
     from phasewise.bench.options import add_workload_args
     from phasewise.config import POLICIES
@@ -489,7 +512,7 @@ def _add_sim_args(p: argparse.ArgumentParser) -> None:
                    help="every request carries the --goodput TTFT and TPOT targets and an "
                    "engine refuses one it predicts would miss them, as serve --slo-ttft-ms "
                    "--slo-tpot-ms does (plan: compare the winner with and without it)")
-    add_workload_args(p, simulated=True)
+    add_workload_args(p, simulated=True, results=results)
 
 
 def cmd_make_tiny(a: argparse.Namespace) -> int:
@@ -859,7 +882,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     pl = command("plan", "search co-located and P/D deployments for the most goodput per "
                  "accelerator under TTFT and TPOT SLOs; emit Kubernetes manifests", cmd_plan)
-    _add_sim_args(pl)
+    _add_sim_args(pl, results=False)  # its result is the table and the manifests
     pl.add_argument("--budgets", type=int, nargs="+", default=[256, 512, 1024, 2048],
                     help="step budgets to try")
     pl.add_argument("--ratios", nargs="+", default=["1:1", "1:2", "2:1", "1:3", "3:1"],

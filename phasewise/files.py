@@ -23,3 +23,25 @@ def write_text_atomic(path: Path, text: str) -> None:
         except OSError:
             pass
         raise
+
+
+def check_output(path: str | Path, option: str, folder: bool = False) -> None:
+    """Refuse, before any work, an output the command could not write at the end: ``path``
+    (given as ``option``) a folder where a file goes (``folder`` False) or a file where a
+    folder goes, or under a folder that cannot be made or written. Raises ValueError
+    naming the option."""
+    p = Path(path)
+    if str(path) == "":
+        raise ValueError(f"{option}: an empty path; give a {'folder' if folder else 'file'}")
+    if p.exists() and p.is_dir() != folder:
+        raise ValueError(f"{option} {path}: is a {'file' if folder else 'folder'}; give a "
+                         f"{'folder' if folder else 'file name'}")
+    if p.exists() and not os.access(p, os.W_OK):
+        raise ValueError(f"{option} {path}: not writable")
+    parent = p if folder and p.exists() else p.parent
+    while not parent.exists():  # the folders that would be made: their first existing one
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ValueError(f"{option} {path}: {parent} is a file, not a folder")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f"{option} {path}: cannot write in {parent}")

@@ -383,3 +383,57 @@ def test_a_broken_pipe_that_is_not_stdout_is_an_error(monkeypatch, capsys):
     monkeypatch.setattr(cli, "parse_args", lambda argv: args)
     assert main(["roofline", "--list"]) == 1
     assert "internal error: BrokenPipeError" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["simulate", "--model", "llama-3.1-8b", "--result-file", "{dir}"],
+     "--result-file {dir}: is a folder"),
+    (["simulate", "--model", "llama-3.1-8b", "--result-dir", "{file}", "--save-result"],
+     "--result-dir {file}: is a file"),
+    (["measure", "--quick", "--out", "{dir}"], "--out {dir}: is a folder"),
+    (["calibrate", "--quick", "--out", "{file}/x.json"], "{file} is a file, not a folder"),
+    (["calibrate", "--quick", "--block-size", "0"], "--block-size must be >= 1"),
+    (["tune", "--out", "{dir}"], "--out {dir}: is a folder"),
+    (["roofline", "--model", "llama-3.1-8b", "--plot", "{dir}"], "--plot {dir}: is a folder"),
+    (["plan", "--model", "llama-3.1-8b", "--goodput", "ttft:1", "tpot:1", "--k8s-out",
+      "{file}"], "--k8s-out {file}: is a file"),
+    (["bench", "report", "x.json", "-o", "{dir}"], "-o/--output {dir}: is a folder"),
+    (["bench", "--base-url", "http://127.0.0.1:9", "--result-file", "{dir}"],
+     "--result-file {dir}: is a folder"),
+    (["bench", "--base-url", "http://127.0.0.1:9", "--temperature", "nan"],
+     "--temperature must be a number in [0, 100], got nan"),
+    (["bench", "--base-url", "http://127.0.0.1:9", "--max-concurrency", "-1"],
+     "--max-concurrency must be >= 1"),
+    (["bench", "--base-url", "http://127.0.0.1:9", "--header", "a b=c"],
+     "not a valid HTTP header"),
+])
+def test_an_output_or_value_that_cannot_work_is_refused_before_the_work(tmp_path, argv, match,
+                                                                       capsys):
+    """Each in well under a second: the check comes before any measurement, model, search
+    or connection (a folder given for a file once failed after minutes, as an internal
+    error)."""
+    (tmp_path / "f").write_text("")
+    fill = {"dir": str(tmp_path), "file": str(tmp_path / "f")}
+    assert main([a.format(**fill) for a in argv]) == 2
+    assert match.format(**fill) in capsys.readouterr().err
+
+
+def test_plan_offers_no_result_file_it_would_not_write(capsys):
+    with pytest.raises(SystemExit):
+        main(["plan", "--result-file", "x.json"])
+    assert "unrecognized arguments: --result-file" in capsys.readouterr().err
+
+
+def test_a_result_with_no_finite_figure_is_strict_json(tmp_path, capsys):
+    """Every request of the run fails (its context holds none): its means are null, not NaN,
+    which strict JSON readers refuse."""
+    import json
+
+    out = tmp_path / "r.json"
+    main(["simulate", "--model", "llama-3.1-8b", "--num-prompts", "3", "--max-model-len",
+          "16", "--input-len", "64", "--result-file", str(out)])
+    def no_constants(name):
+        raise ValueError(f"{name} in the result")
+
+    data = json.loads(out.read_text(), parse_constant=no_constants)
+    assert data["mean_ttft_ms"] is None

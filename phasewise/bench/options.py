@@ -42,7 +42,8 @@ def positive_float(text: str) -> float:
     return v
 
 
-def add_workload_args(p: argparse.ArgumentParser, simulated: bool = False) -> None:
+def add_workload_args(p: argparse.ArgumentParser, simulated: bool = False,
+                      results: bool = True) -> None:
     """What is sent and when, the SLOs and where results go: shared by ``phasewise bench``
     and the simulator (``phasewise simulate``, ``phasewise plan``), so one workload
     description drives a real run and a simulated one."""
@@ -72,6 +73,8 @@ def add_workload_args(p: argparse.ArgumentParser, simulated: bool = False) -> No
                    "again)")
     p.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS",
                    help="SLOs for goodput: ttft:MS tpot:MS e2el:MS")
+    if not results:
+        return
     p.add_argument("--label", default=None, help="name of this run in results and reports")
     p.add_argument("--result-file", "--result-filename", dest="result_file", default=None,
                    help="write the JSON result here (with a sweep: -rate<R> is added)")

@@ -8,6 +8,7 @@ import argparse
 import asyncio
 import math
 import random
+import re
 import sys
 import time
 from typing import Any
@@ -17,7 +18,13 @@ import httpx
 from phasewise.bench.client import ClientConfig, Progress, run_workload
 from phasewise.bench.prompts import (check_fits, corpus_text, make_prompts,
                                      tokens_from_file, tokens_from_server)
-from phasewise.perf.summary import parse_slo, save_result, summarize, text_table
+from phasewise.perf.summary import (
+    check_result_flags,
+    parse_slo,
+    save_result,
+    summarize,
+    text_table,
+)
 from phasewise.perf.workload import build_workload, load_trace, workload_lengths
 
 SERVER_HISTOGRAMS = ("request_queue_time_seconds", "request_prefill_time_seconds",
@@ -75,6 +82,11 @@ def _headers(a: argparse.Namespace) -> dict[str, str]:
         key, sep, value = item.partition("=")
         if not sep:
             raise ValueError(f"--header takes KEY=VALUE, got {item!r}")
+        # RFC 9110's token characters for the name; no line breaks in the value
+        if not re.fullmatch(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+", key) or "\n" in value \
+                or "\r" in value:
+            raise ValueError(f"--header {item!r}: not a valid HTTP header (a name of letters, "
+                             "digits and !#$%&'*+-.^_`|~, a value without line breaks)")
         h[key] = value
     if a.api_key:
         h["Authorization"] = f"Bearer {a.api_key}"
@@ -85,6 +97,12 @@ def _headers(a: argparse.Namespace) -> dict[str, str]:
 def main(a: argparse.Namespace) -> int:
     slo = parse_slo(a.goodput)
     headers = _headers(a)
+    check_result_flags(a)
+    if not 0 <= a.temperature <= 100:  # the server's own bounds (nan fails both)
+        raise ValueError(f"--temperature must be a number in [0, 100], got {a.temperature}")
+    if a.max_concurrency is not None and a.max_concurrency < 1:
+        raise ValueError(f"--max-concurrency must be >= 1 (or left out: no limit), got "
+                         f"{a.max_concurrency}")
     for r in a.request_rate:
         if not r > 0:
             raise ValueError(f"--request-rate values must be > 0 (or inf), got {r}")

@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from phasewise.files import check_output
+
 PERCENTILES = (50, 90, 99)
 
 
@@ -345,10 +347,32 @@ def result_path(a: argparse.Namespace, label: str, rate: float, sweep: bool) -> 
     return folder / name
 
 
+def check_result_flags(a: argparse.Namespace) -> None:
+    """``--result-file`` and ``--result-dir`` checked before the run, not after it."""
+    if a.result_file is not None:
+        check_output(a.result_file, "--result-file")
+    if a.result_dir is not None:
+        check_output(a.result_dir, "--result-dir", folder=True)
+
+
+def _json_safe(value: Any) -> Any:
+    """``value`` with NaN and infinities as null: JSON has no such numbers, and strict
+    readers (JavaScript's JSON.parse, jq) refuse a file that holds them."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value
+
+
 def save_result(a: argparse.Namespace, out: dict[str, Any], label: str, rate: float,
                 sweep: bool) -> None:
-    """Write one run's result where the flags say (nowhere without them), and say where."""
+    """Write one run's result where the flags say (nowhere without them), and say where
+    (a figure no request gave, such as the mean TTFT of a run where every one failed, is
+    null)."""
     path = result_path(a, label, rate, sweep)
     if path is not None:
-        path.write_text(json.dumps(out, indent=1, allow_nan=True))
+        path.write_text(json.dumps(_json_safe(out), indent=1, allow_nan=False))
         print(f"result written to {path}")
