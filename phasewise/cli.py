@@ -528,8 +528,15 @@ def cmd_make_tiny(a: argparse.Namespace) -> int:
         if not lo <= value <= hi or value % step:
             also = f", a multiple of {step}" if step > 1 else ""
             raise ValueError(f"{flag} must be in {lo}..{hi}{also}; got {value}")
+    if not a.out.strip():
+        raise ValueError("make-tiny needs a folder to write into, got an empty path")
     if Path(a.out).exists() and not Path(a.out).is_dir():
         raise ValueError(f"{a.out} is a file; make-tiny writes a checkpoint folder")
+    held = sorted(p.name for p in Path(a.out).glob("*")) if Path(a.out).is_dir() else []
+    if held and not a.force:
+        shown = ", ".join(held[:4]) + (f" and {len(held) - 4} more" if len(held) > 4 else "")
+        raise ValueError(f"{a.out} is not empty ({shown}): make-tiny would overwrite a "
+                         "checkpoint's files there; choose a new folder, or --force")
     window: dict[str, Any] = {}
     if a.sliding_window is not None:
         if a.sliding_window < 1:
@@ -923,6 +930,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="decoder layers (1-64)")
     t.add_argument("--seed", type=int, default=0,
                    help="seed of the random weights")
+    t.add_argument("--force", action="store_true",
+                   help="write into a folder that already holds files (overwriting them)")
     t.add_argument("--sliding-window", type=int, default=None, metavar="N",
                    help="attend to the last N positions only, in every layer (default: the "
                    "whole context)")

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from pathlib import Path
+from typing import Any
 
 
 def write_text_atomic(path: Path, text: str) -> None:
@@ -45,3 +47,21 @@ def check_output(path: str | Path, option: str, folder: bool = False) -> None:
         raise ValueError(f"{option} {path}: {parent} is a file, not a folder")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise ValueError(f"{option} {path}: cannot write in {parent}")
+
+
+def read_json_file(path: str | Path) -> Any:
+    """A JSON file's contents; a file that is missing, a folder, not UTF-8 or not JSON is a
+    ValueError (FileNotFoundError where missing) that names it."""
+    p = Path(path)
+    if p.is_dir():
+        raise ValueError(f"{path}: a folder, not a JSON file")
+    try:
+        text = p.read_bytes().decode("utf-8")
+    except FileNotFoundError:
+        raise FileNotFoundError(f"no such file: {path}") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text (byte {e.start}); a JSON file is") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not JSON ({e})") from None

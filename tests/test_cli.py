@@ -437,3 +437,36 @@ def test_a_result_with_no_finite_figure_is_strict_json(tmp_path, capsys):
 
     data = json.loads(out.read_text(), parse_constant=no_constants)
     assert data["mean_ttft_ms"] is None
+
+
+def test_make_tiny_refuses_to_overwrite_a_folder_that_holds_files(tmp_path, capsys):
+    (tmp_path / "config.json").write_text('{"mine": true}')
+    assert main(["make-tiny", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "is not empty (config.json)" in err and "--force" in err
+    assert (tmp_path / "config.json").read_text() == '{"mine": true}'
+    assert main(["make-tiny", ""]) == 2
+    assert "an empty path" in capsys.readouterr().err
+    assert main(["make-tiny", str(tmp_path), "--force", "--vocab-size", "300"]) == 0
+    assert "mine" not in (tmp_path / "config.json").read_text()
+
+
+def test_input_files_that_are_not_what_they_should_be_are_named(tmp_path, capsys):
+    """A folder, bytes that are not UTF-8, a file with no line break: each refused with the
+    file's name, quickly (a trace of /dev/zero was read whole into memory)."""
+    from phasewise.perf.workload import MAX_TRACE_LINE
+
+    binary = tmp_path / "b.json"
+    binary.write_bytes(b"\xff\xfe{}")
+    long = tmp_path / "long.jsonl"
+    long.write_bytes(b" " * (MAX_TRACE_LINE + 10))
+    sim = ["simulate", "--model", "llama-3.1-8b"]
+    for argv, match in (
+            ([*sim, "--trace", str(tmp_path)], f"--trace {tmp_path}: a folder"),
+            ([*sim, "--trace", str(binary)], f"{binary}:1: not UTF-8 text"),
+            ([*sim, "--trace", str(long)], f"{long}:1: a line longer than"),
+            (["bench", "report", str(binary)], f"{binary}: not UTF-8 text"),
+            (["bench", "report", str(tmp_path)], f"{tmp_path}: a folder, not a JSON file"),
+            (["roofline", "--model", str(binary)], "not UTF-8 text")):
+        assert main(argv) == 2, argv
+        assert match in capsys.readouterr().err, argv

@@ -20,10 +20,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from phasewise.files import read_json_file
+
 
 def load_result(path: str | Path) -> dict[str, Any]:
-    with open(path) as f:
-        r = json.load(f)
+    r = read_json_file(path)
+    if not isinstance(r, dict):
+        raise ValueError(f"{path}: a benchmark result is a JSON object, got a "
+                         f"{type(r).__name__}")
     for key in ("ttfts", "itls", "latencies", "start_times"):
         if key not in r:
             raise ValueError(f"{path} has no {key!r}: not a benchmark result with per-request "

@@ -7,10 +7,11 @@ silent fallback to something that computes a different function.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from phasewise.files import read_json_file
 
 # architecture name -> (qkv bias default, o_proj bias default, q/k RMSNorm)
 # Llama and Qwen3 read `attention_bias` from the config (q, k, v and o together);
@@ -42,11 +43,7 @@ def read_config_json(path: str | Path) -> tuple[Path, dict[str, Any]]:
         path = path / "config.json"
     if not path.exists():
         raise FileNotFoundError(f"no config.json at {path}")
-    with open(path) as f:
-        try:
-            cfg = json.load(f)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}: not JSON ({e})") from e
+    cfg = read_json_file(path)
     if not isinstance(cfg, dict):
         raise ValueError(f"{path}: a config is a JSON object of fields, got a "
                          f"{type(cfg).__name__}")

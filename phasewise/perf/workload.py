@@ -167,41 +167,77 @@ def workload_lengths(a: Any) -> list[LengthDist]:
     return dists
 
 
+# A trace line's most bytes: a request with its prompt's text (a long prompt is hundreds of
+# KB); a file without line breaks would otherwise be read whole into one line.
+MAX_TRACE_LINE = 16 * 2**20
+
+
+def _trace_lines(path: str | Path):
+    """(line number, text) of each line of the trace, each at most ``MAX_TRACE_LINE`` bytes,
+    at most ``MAX_NUM_PROMPTS`` non-empty ones; errors name the file."""
+    try:
+        with open(path, "rb") as f:
+            lineno = requests = 0
+            while True:
+                raw = f.readline(MAX_TRACE_LINE + 1)
+                if not raw:
+                    return
+                lineno += 1
+                if len(raw) > MAX_TRACE_LINE:
+                    raise ValueError(f"{path}:{lineno}: a line longer than "
+                                     f"{MAX_TRACE_LINE // 2**20} MiB; a trace holds one JSON "
+                                     "object a line")
+                try:
+                    text = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise ValueError(f"{path}:{lineno}: not UTF-8 text (byte {e.start})") \
+                        from None
+                if text.strip():
+                    requests += 1
+                    if requests > MAX_NUM_PROMPTS:
+                        raise ValueError(f"{path}: more than {MAX_NUM_PROMPTS} requests; "
+                                         "split the trace")
+                yield lineno, text
+    except FileNotFoundError:
+        raise FileNotFoundError(f"no such trace file: {path}") from None
+
+
 def load_trace(path: str | Path, time_scale: float = 1.0) -> list[RequestSpec]:
     """A JSONL trace, one request per line: ``{"arrival": s, "prompt_len": n | "prompt":
     text, "output_len": n}`` (``timestamp``/``input_length``/``output_length`` are accepted
     as aliases). Arrivals are sorted and shifted to start at 0, then multiplied by
     ``time_scale``."""
     specs = []
-    with open(path) as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-                if not isinstance(row, dict):
-                    raise TypeError(f"got a {type(row).__name__}")
-                arrival = float(row.get("arrival", row.get("timestamp", 0.0)))
-                prompt = row.get("prompt")
-                plen = row.get("prompt_len", row.get("input_length"))
-                olen = row.get("output_len", row.get("output_length"))
-                if olen is None:
-                    raise TypeError("no output_len")
-                olen = _count(olen, "output_len")
-                plen = None if plen is None else _count(plen, "prompt_len")
-                if prompt is not None and not isinstance(prompt, str):
-                    raise TypeError(f"prompt must be text, got a {type(prompt).__name__}")
-            except (ValueError, TypeError, OverflowError, json.JSONDecodeError) as e:
-                raise ValueError(f"{path}:{lineno}: each line must be a JSON object with "
-                                 f"arrival, prompt_len (or prompt) and output_len: {e}") from e
-            if not math.isfinite(arrival):
-                raise ValueError(f"{path}:{lineno}: arrival must be a finite number of "
-                                 f"seconds, got {arrival}")
-            if prompt is None and plen is None:
-                raise ValueError(f"{path}:{lineno}: give prompt_len or prompt")
-            if olen < 1 or (plen is not None and plen < 1):
-                raise ValueError(f"{path}:{lineno}: lengths must be >= 1")
-            specs.append((arrival, prompt, plen if plen is not None else 0, olen))
+    if Path(path).is_dir():
+        raise ValueError(f"--trace {path}: a folder, not a JSONL file")
+    for lineno, line in _trace_lines(path):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            if not isinstance(row, dict):
+                raise TypeError(f"got a {type(row).__name__}")
+            arrival = float(row.get("arrival", row.get("timestamp", 0.0)))
+            prompt = row.get("prompt")
+            plen = row.get("prompt_len", row.get("input_length"))
+            olen = row.get("output_len", row.get("output_length"))
+            if olen is None:
+                raise TypeError("no output_len")
+            olen = _count(olen, "output_len")
+            plen = None if plen is None else _count(plen, "prompt_len")
+            if prompt is not None and not isinstance(prompt, str):
+                raise TypeError(f"prompt must be text, got a {type(prompt).__name__}")
+        except (ValueError, TypeError, OverflowError, json.JSONDecodeError) as e:
+            raise ValueError(f"{path}:{lineno}: each line must be a JSON object with "
+                             f"arrival, prompt_len (or prompt) and output_len: {e}") from e
+        if not math.isfinite(arrival):
+            raise ValueError(f"{path}:{lineno}: arrival must be a finite number of "
+                             f"seconds, got {arrival}")
+        if prompt is None and plen is None:
+            raise ValueError(f"{path}:{lineno}: give prompt_len or prompt")
+        if olen < 1 or (plen is not None and plen < 1):
+            raise ValueError(f"{path}:{lineno}: lengths must be >= 1")
+        specs.append((arrival, prompt, plen if plen is not None else 0, olen))
     if not specs:
         raise ValueError(f"{path}: the trace holds no request")
     specs.sort(key=lambda s: s[0])
