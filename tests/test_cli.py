@@ -425,18 +425,33 @@ def test_plan_offers_no_result_file_it_would_not_write(capsys):
 
 
 def test_a_result_with_no_finite_figure_is_strict_json(tmp_path, capsys):
-    """Every request of the run fails (its context holds none): its means are null, not NaN,
-    which strict JSON readers refuse."""
+    """A run where no request gave a figure (every one failed): its means are null, not
+    NaN, which strict JSON readers refuse."""
+    import argparse
     import json
 
+    from phasewise.perf.summary import save_result
+
     out = tmp_path / "r.json"
-    main(["simulate", "--model", "llama-3.1-8b", "--num-prompts", "3", "--max-model-len",
-          "16", "--input-len", "64", "--result-file", str(out)])
+    a = argparse.Namespace(result_file=str(out), result_dir=None, save_result=False)
+    save_result(a, {"mean_ttft_ms": float("nan"), "p99": [1.0, float("inf")], "n": 3}, "x",
+                1.0, False)
+
     def no_constants(name):
         raise ValueError(f"{name} in the result")
 
     data = json.loads(out.read_text(), parse_constant=no_constants)
-    assert data["mean_ttft_ms"] is None
+    assert data == {"mean_ttft_ms": None, "p99": [1.0, None], "n": 3}
+
+
+def test_simulate_refuses_requests_its_engine_would_refuse_as_bench_does(capsys):
+    """A prompt and its output past the context: the server answers 400, so neither bench
+    nor simulate runs them (simulate cut such outputs short and counted them served)."""
+    assert main(["simulate", "--model", "llama-3.1-8b", "--num-prompts", "3",
+                 "--max-model-len", "128", "--input-len", "64", "--output-len", "100"]) == 2
+    err = capsys.readouterr().err
+    assert "3 of the 3 requests would not fit the engine's context of 128 tokens" in err
+    assert "--input-len or --output-len" in err
 
 
 def test_make_tiny_refuses_to_overwrite_a_folder_that_holds_files(tmp_path, capsys):

@@ -621,10 +621,14 @@ def test_simulate_refuses_weights_the_machine_cannot_hold_and_says_when_none_fin
     assert main([*base, "--model", "Mixtral-8x7B-v0.1", "--gpu", "l4",
                  "--input-len", "64"]) == 2
     assert "do not fit in" in capsys.readouterr().err
-    # every prompt longer than the context: no latency to summarise, and no nan printed
+    # every prompt longer than the context: refused before the run, as bench refuses it
     assert main([*base, "--model", "llama-3.1-8b", "--gpu", "h100-sxm", "--max-model-len",
-                 "512", "--input-len", "4096"]) == 0
-    out = capsys.readouterr().out
+                 "512", "--input-len", "4096"]) == 2
+    assert "would not fit the engine's context of 512 tokens" in capsys.readouterr().err
+    # a run where no request finished: no latency to summarise, and no nan printed
+    from phasewise.perf.summary import summarize, text_table
+
+    out = text_table(summarize([], 1.0))
     assert "TTFT (ms):" in out and "none (no request gave one)" in out and "nan" not in out
 
 

@@ -74,24 +74,6 @@ def tokens_from_server(base_url: str, text: str, headers: dict[str, str] | None 
     return ids, context
 
 
-def check_fits(specs: Sequence[RequestSpec], context: int, trace: bool = False) -> None:
-    """Refuse, before anything is sent, a workload whose requests the server would refuse:
-    a prompt and its output longer than the server's context (``max_model_len``). Names the
-    flag at fault (the intruders' length, the prompts' and outputs', or the trace). A
-    trace's text prompts are not counted here (their length is the server's to tell)."""
-    over = [s for s in specs if s.prompt is None and s.prompt_len + s.output_len > context]
-    if not over:
-        return
-    worst = max(over, key=lambda s: s.prompt_len + s.output_len)
-    flag = ("the trace's lengths" if trace else "--intruder-len"
-            if all(s.intruder for s in over) else "--input-len or --output-len")
-    raise ValueError(
-        f"{len(over)} of the {len(specs)} requests would not fit the server's context of "
-        f"{context} tokens (the longest: a {worst.prompt_len}-token prompt and "
-        f"{worst.output_len} output tokens); lower {flag} so that a prompt and its output "
-        f"stay within {context} tokens")
-
-
 def make_prompts(specs: Sequence[RequestSpec], corpus_ids: Sequence[int],
                  seed: int = 0) -> list[list[int] | str]:
     """One prompt per spec: its text when the trace gave one, else ``prompt_len`` token ids

@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 
 from phasewise.bench.client import ClientConfig, Progress, run_workload
-from phasewise.bench.prompts import (check_fits, corpus_text, make_prompts,
+from phasewise.bench.prompts import (corpus_text, make_prompts,
                                      tokens_from_file, tokens_from_server)
 from phasewise.perf.summary import (
     check_result_flags,
@@ -25,7 +25,7 @@ from phasewise.perf.summary import (
     summarize,
     text_table,
 )
-from phasewise.perf.workload import build_workload, load_trace, workload_lengths
+from phasewise.perf.workload import build_workload, check_fits, load_trace, workload_lengths
 
 SERVER_HISTOGRAMS = ("request_queue_time_seconds", "request_prefill_time_seconds",
                      "request_decode_time_seconds", "time_to_first_token_seconds",

@@ -26,7 +26,7 @@ from phasewise.perf.models import ModelShape, lookup_model
 from phasewise.perf.roofline import DTYPE_BYTES, norm_dtype
 from phasewise.perf.simulate import Deployment, EngineSpec, simulate
 from phasewise.perf.summary import parse_slo, save_result, text_table
-from phasewise.perf.workload import (RequestSpec, build_workload, load_trace,
+from phasewise.perf.workload import (RequestSpec, build_workload, check_fits, load_trace,
                                      workload_lengths)
 
 CPU_STEP_TOKENS, GPU_STEP_TOKENS = 256, 2048  # the engine's default step budgets
@@ -250,6 +250,7 @@ def run_simulate(a: argparse.Namespace, model: str,
         if not rate > 0:
             raise ValueError(f"--request-rate values must be > 0 (or inf), got {rate}")
         specs = make(rate)
+        check_fits(specs, eng.max_model_len, trace=bool(a.trace), whose="the engine's")
         t0 = time.monotonic()
         out = simulate(cm, eng, dep, specs, slo or None, progress=_say)
         wall = time.monotonic() - t0

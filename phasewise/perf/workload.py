@@ -23,6 +23,7 @@ import json
 import math
 import random
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -165,6 +166,26 @@ def workload_lengths(a: Any) -> list[LengthDist]:
         raise ValueError(f"--intruder-fraction is a share of the requests: in [0, 1], got "
                          f"{a.intruder_fraction}")
     return dists
+
+
+def check_fits(specs: Sequence[RequestSpec], context: int, trace: bool = False,
+               whose: str = "the server's") -> None:
+    """Refuse, before anything is sent or simulated, a workload whose requests a server
+    would refuse: a prompt and its output longer than the context (``max_model_len``;
+    ``whose``: the server's, or the simulated engine's). Names the flag at fault (the
+    intruders' length, the prompts' and outputs', or the trace). A trace's text prompts are
+    not counted here (their length is the tokenizer's to tell)."""
+    over = [s for s in specs if s.prompt is None and s.prompt_len + s.output_len > context]
+    if not over:
+        return
+    worst = max(over, key=lambda s: s.prompt_len + s.output_len)
+    flag = ("the trace's lengths" if trace else "--intruder-len"
+            if all(s.intruder for s in over) else "--input-len or --output-len")
+    raise ValueError(
+        f"{len(over)} of the {len(specs)} requests would not fit {whose} context of "
+        f"{context} tokens (the longest: a {worst.prompt_len}-token prompt and "
+        f"{worst.output_len} output tokens); lower {flag} so that a prompt and its output "
+        f"stay within {context} tokens")
 
 
 # A trace line's most bytes: a request with its prompt's text (a long prompt is hundreds of
