@@ -678,3 +678,24 @@ def test_a_failure_due_after_the_run_has_ended_fails_nothing():
     assert "migrated" not in late["simulated"] and late["completed"] == 6
     early = simulate(cm, eng, Deployment(replicas=2, fail_at=0.0), specs)
     assert "migrated" in early["simulated"] and early["completed"] == 6
+
+
+def test_cpu_local_prices_fp32_weights_at_the_fp32_peak(tmp_path, monkeypatch):
+    """Without a profile, cpu-local rates bf16 weights at its faster peak (many CPUs have no
+    bf16 arithmetic, and the engine's kernels pick the faster path), but fp32 weights run fp32
+    arithmetic: priced at the fp32 peak, as the roofline prices them."""
+    import json
+
+    from phasewise.perf.commands import cost_model
+
+    (tmp_path / "machine.json").write_text(json.dumps({"cpu-local": {
+        "name": "test CPU", "peak_flops": {"fp32": 1e11, "bf16": 4e11},
+        "mem_bytes": 2**34, "mem_bandwidth": 3e10}}))
+    monkeypatch.setenv("PHASEWISE_CACHE_DIR", str(tmp_path))
+    fp32 = cost_model("llama-3.1-8b", "cpu-local", None, "fp32")
+    bf16 = cost_model("llama-3.1-8b", "cpu-local", None, "bf16")
+    prefill = [(512, 0, True)]
+    from phasewise.engine.step_cost import Chunk
+
+    chunks = [Chunk(*c) for c in prefill]
+    assert fp32.step_time(chunks, []) > 3 * bf16.step_time(chunks, [])

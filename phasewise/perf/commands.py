@@ -60,7 +60,9 @@ def cost_model(model: str, gpu: str, profile: str | None, dtype: str = "bf16"
             return load_profile(stored, shape)
     accel = lookup_accelerator(gpu)
     compute = None
-    if gpu == "cpu-local":  # no native bf16 math on many CPUs: rate at the faster peak
+    if gpu == "cpu-local" and dtype != "fp32":
+        # no native bf16 math on many CPUs: rate at the faster peak (fp32 weights run fp32
+        # arithmetic, whichever peak is faster)
         compute = max(accel.peak_flops, key=accel.peak_flops.get)
     cm = CostModel(shape, accel, dtype, compute_dtype=compute)
     if gpu == "cpu-local":
