@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import time
 import traceback
@@ -962,13 +963,29 @@ def main(argv: list[str] | None = None) -> int:
         os.dup2(devnull, sys.stdout.fileno())  # so the exit's flush does not fail again
         return 141  # 128 + SIGPIPE, the status a shell gives a program the pipe stopped
     except USER_ERRORS as e:
-        print(f"phasewise: error: {e}", file=sys.stderr)
+        print(f"phasewise: error: {by_flag(str(e), getattr(args, 'parser', None))}",
+              file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("phasewise: interrupted", file=sys.stderr)
         return 130
     except Exception as e:  # a bug or a broken environment, not the user's input
         return _internal_error(e, args)
+
+
+def by_flag(message: str, parser: argparse.ArgumentParser | None) -> str:
+    """``message`` with each option it names as the Python API spells it (``max_model_len``,
+    as ``EngineConfig`` and the engine report it) spelled as this command's flag
+    (``--max-model-len``), where the command has that flag: the user typed the flag."""
+    if parser is None:
+        return message
+    flags = {s for a in parser._actions for s in a.option_strings}
+
+    def flag(m: re.Match[str]) -> str:
+        name = "--" + m.group(0).replace("_", "-")
+        return name if name in flags else m.group(0)
+
+    return re.sub(r"(?<![\w-])[a-z][a-z0-9]*(?:_[a-z0-9]+)+(?![\w-])", flag, message)
 
 
 def _stdout_closed() -> bool:

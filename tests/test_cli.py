@@ -485,3 +485,14 @@ def test_input_files_that_are_not_what_they_should_be_are_named(tmp_path, capsys
             (["roofline", "--model", str(binary)], "not UTF-8 text")):
         assert main(argv) == 2, argv
         assert match in capsys.readouterr().err, argv
+
+
+def test_an_option_the_engine_names_is_reported_as_the_flag_typed(capsys):
+    """EngineConfig and the engine name options as the Python API spells them; on the
+    command line the error names the flag (a name the command has no flag for stays)."""
+    assert main(["simulate", "--model", "llama-3.1-8b", "--max-model-len", "0"]) == 2
+    assert "--max-model-len must be an integer >= 1" in capsys.readouterr().err
+    text = cli.by_flag("raise kv_cache_memory or lower max_model_len (max_position_embeddings "
+                       "4096; --max-model-len stays)", _sub("simulate"))
+    assert text == ("raise --kv-cache-memory or lower --max-model-len (max_position_embeddings "
+                    "4096; --max-model-len stays)")

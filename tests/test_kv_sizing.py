@@ -94,11 +94,11 @@ def test_a_pool_sized_past_the_free_host_memory_is_refused_naming_its_option():
 
     big = EngineConfig(model="m", num_kv_blocks=10**8)  # 763 GiB of K/V
     plan = KVPlan.plan(big, MC, BLOCK, "cpu")
-    with pytest.raises(ValueError, match=r"--num-kv-blocks\) 100000000 .* at most 1000 blocks"):
+    with pytest.raises(ValueError, match=r"num_kv_blocks 100000000 .* at most 1000 blocks"):
         check_host_memory(plan, big, available=BLOCK * 1000)
     check_host_memory(plan, big, available=BLOCK * 10**8)  # fits exactly: no error
     mem = EngineConfig(model="m", kv_cache_memory="1TiB", max_num_seqs=10**6)
-    with pytest.raises(ValueError, match=r"--kv-cache-memory\) 1TiB"):
+    with pytest.raises(ValueError, match=r"kv_cache_memory 1TiB"):
         check_host_memory(KVPlan.plan(mem, MC, BLOCK, "cpu"), mem, available=2**30)
     # the default is left to the engine (it never asks past DEFAULT_CPU_KV_MEMORY)
     default = EngineConfig(model="m")

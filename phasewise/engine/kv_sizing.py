@@ -134,9 +134,8 @@ def check_host_memory(plan: KVPlan, config: EngineConfig,
     need = plan.num_blocks * plan.block_bytes
     if avail is None or need <= avail:
         return
-    given = (f"num_kv_blocks (--num-kv-blocks) {config.num_kv_blocks}"
-             if config.num_kv_blocks is not None
-             else f"kv_cache_memory (--kv-cache-memory) {config.kv_cache_memory}")
+    given = (f"num_kv_blocks {config.num_kv_blocks}" if config.num_kv_blocks is not None
+             else f"kv_cache_memory {config.kv_cache_memory}")
     raise ValueError(f"{given} asks for a KV cache of {plan.num_blocks} blocks of "
                      f"{plan.block_bytes} bytes ({need / 2**30:.1f} GiB), more than the "
                      f"{avail / 2**30:.1f} GiB this machine has available; at most "
