@@ -875,11 +875,14 @@ def build_parser() -> argparse.ArgumentParser:
     si.add_argument("--mode", default="colocated", choices=["colocated", "pd"],
                     help="colocated: --replicas engines that run both phases; pd: --prefill and "
                          "--decode workers")
-    si.add_argument("--replicas", type=int, default=1, help="co-located engines behind a router")
-    si.add_argument("--prefill", type=int, default=1, help="P/D: prefill workers")
-    si.add_argument("--decode", type=int, default=1, help="P/D: decode workers")
-    si.add_argument("--disagg-threshold", type=int, default=0,
-                    help="P/D: prompts with fewer uncached tokens prefill on the decode worker")
+    # (None: not given, so that a flag of the other mode is refused rather than ignored)
+    si.add_argument("--replicas", type=int, default=None,
+                    help="co-located engines behind a router (default 1)")
+    si.add_argument("--prefill", type=int, default=None, help="P/D: prefill workers (default 1)")
+    si.add_argument("--decode", type=int, default=None, help="P/D: decode workers (default 1)")
+    si.add_argument("--disagg-threshold", type=int, default=None,
+                    help="P/D: prompts with fewer uncached tokens prefill on the decode worker "
+                    "(default 0)")
     si.add_argument("--routing", default="least-load",
                     choices=["least-load", "round-robin", "prefix"],
                     help="how the router picks an engine (prefix weighs cached prompt blocks "

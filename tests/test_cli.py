@@ -496,3 +496,15 @@ def test_an_option_the_engine_names_is_reported_as_the_flag_typed(capsys):
                        "4096; --max-model-len stays)", _sub("simulate"))
     assert text == ("raise --kv-cache-memory or lower --max-model-len (max_position_embeddings "
                     "4096; --max-model-len stays)")
+
+
+@pytest.mark.parametrize("flags,match", [
+    (["--prefill", "2"], "--prefill: for --mode pd, not --mode colocated"),
+    (["--link", "pcie4", "--disagg-threshold", "100"],
+     "--disagg-threshold, --link: for --mode pd, not --mode colocated"),
+    (["--mode", "pd", "--replicas", "3"], "--replicas: for --mode colocated, not --mode pd"),
+    (["--trace-time-scale", "2"], "--trace-time-scale scales a trace's arrivals"),
+])
+def test_simulate_refuses_a_flag_its_mode_would_ignore(flags, match, capsys):
+    assert main(["simulate", "--model", "llama-3.1-8b", "--num-prompts", "2", *flags]) == 2
+    assert match in capsys.readouterr().err

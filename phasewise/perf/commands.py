@@ -177,14 +177,30 @@ def _gib(n: float) -> str:
 
 
 def deployment(a: argparse.Namespace) -> Deployment:
+    """``simulate``'s deployment; a flag of the other mode is refused, not ignored (None: a
+    flag not given)."""
     from phasewise.perf.hardware import lookup_link
 
+    flags = {"colocated": (("--replicas", a.replicas), ("--fail-at", a.fail_at)),
+             "pd": (("--prefill", a.prefill), ("--decode", a.decode),
+                    ("--disagg-threshold", a.disagg_threshold), ("--link", a.link))}
+    other = "pd" if a.mode == "colocated" else "colocated"
+    wrong = [f for f, v in flags[other] if v is not None]
+    if wrong:
+        raise ValueError(f"{', '.join(wrong)}: for --mode {other}, not --mode {a.mode}; give "
+                         f"--mode {other}, or leave {'it' if len(wrong) == 1 else 'them'} out")
+    if a.trace is None and a.trace_time_scale != 1.0:
+        raise ValueError("--trace-time-scale scales a trace's arrivals: give --trace")
     link = lookup_link(a.link) if a.link else None
-    return Deployment(a.mode, replicas=a.replicas, prefill=a.prefill, decode=a.decode,
-                      threshold=a.disagg_threshold, prefill_queue_limit=a.prefill_queue_limit,
+    return Deployment(a.mode, replicas=_given(a.replicas, 1), prefill=_given(a.prefill, 1),
+                      decode=_given(a.decode, 1), threshold=_given(a.disagg_threshold, 0),
+                      prefill_queue_limit=a.prefill_queue_limit,
                       link=link, admission=admission_of(a),
-                      routing=getattr(a, "routing", "least-load"),
-                      fail_at=getattr(a, "fail_at", None))
+                      routing=a.routing, fail_at=a.fail_at)
+
+
+def _given(value: Any, default: Any) -> Any:
+    return default if value is None else value
 
 
 def admission_of(a: argparse.Namespace) -> SLO | None:
