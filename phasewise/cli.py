@@ -611,6 +611,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(prog="phasewise", description=DESCRIPTION,
                                      parents=[_common()], formatter_class=HelpFormatter)
+    from phasewise import __version__
+
+    parser.add_argument("--version", action="version", version=f"phasewise {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     common = [_common(top=False)]
 

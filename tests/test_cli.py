@@ -508,3 +508,11 @@ def test_an_option_the_engine_names_is_reported_as_the_flag_typed(capsys):
 def test_simulate_refuses_a_flag_its_mode_would_ignore(flags, match, capsys):
     assert main(["simulate", "--model", "llama-3.1-8b", "--num-prompts", "2", *flags]) == 2
     assert match in capsys.readouterr().err
+
+
+def test_version_prints_the_package_version(capsys):
+    from phasewise import __version__
+
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.strip() == f"phasewise {__version__}"
