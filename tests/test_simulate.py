@@ -699,3 +699,24 @@ def test_cpu_local_prices_fp32_weights_at_the_fp32_peak(tmp_path, monkeypatch):
 
     chunks = [Chunk(*c) for c in prefill]
     assert fp32.step_time(chunks, []) > 3 * bf16.step_time(chunks, [])
+
+
+@pytest.mark.parametrize("prefill_busy,decode_busy,bound", [
+    (0.17, 1.0, "decode-bound"), (0.98, 0.4, "prefill-bound")])
+def test_a_ttft_verdict_names_the_role_whose_queue_held_the_prompts(prefill_busy, decode_busy,
+                                                                  bound):
+    """P/D 1:3 with its decode workers saturated and its prefill worker idle: the late
+    prompts waited behind decode, and the verdict says so (it said prefill-bound)."""
+    from phasewise.perf.plan import Candidate, verdict
+
+    late = {"queue_s": 0.6, "prefill_s": 0.05}
+    above = {"ttfts": [0.9, 0.8, 0.05], "latencies": [1.0, 0.9, 0.2], "output_lens": [4] * 3,
+             "server_timings": [late, late, {}], "request_rate": 5.0, "p90_tpot_ms": 10.0,
+             "simulated": {"workers": [
+                 {"role": "prefill", "utilization": prefill_busy, "steps": {}, "preemptions": 0},
+                 *[{"role": "decode", "utilization": decode_busy, "steps": {},
+                    "preemptions": 0}] * 3]}}
+    c = Candidate(Deployment("pd", prefill=1, decode=3), ENGINE, goodput=4.0, above=above)
+    text = verdict(c, {"ttft": 500.0, "tpot": 50.0})
+    assert text.startswith(f"{bound} at 5 req/s: the late prompts waited 600 ms")
+    assert f"decode {decode_busy:.0%} busy" in text and "2 of 3 miss TTFT" in text

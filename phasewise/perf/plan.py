@@ -149,7 +149,14 @@ def verdict(c: Candidate, slo: dict[str, float]) -> str:
         pre = [t["prefill_s"] for t in late if t.get("prefill_s") is not None]
         q = sum(queue) / len(queue) if queue else 0.0
         p = sum(pre) / len(pre) if pre else 0.0
-        if q >= p:
+        # the waiting is behind the busiest role's steps: a saturated decode worker of a P/D
+        # pair delays first steps as a saturated prefill worker does
+        busiest = max(roles, key=lambda r: sum(roles[r]) / len(roles[r]))
+        if q >= p and busiest == "decode":
+            why = (f"decode-bound at {rate:.3g} req/s: the late prompts waited {q * 1e3:.0f} "
+                   f"ms for their first step behind the busy decode workers, then took "
+                   f"{p * 1e3:.0f} ms")
+        elif q >= p:
             why = (f"prefill-bound at {rate:.3g} req/s: the late prompts waited {q * 1e3:.0f} "
                    f"ms for their first step, then took {p * 1e3:.0f} ms")
         else:
