@@ -271,7 +271,7 @@ def test_the_simulators_pool_is_capped_as_the_engines_is_and_says_where_it_comes
     # An explicit context the pool cannot hold is refused, as phasewise serve refuses it.
     rc = main(["simulate", "--model", folder, "--kv-cache-memory", "64KiB",
                "--max-model-len", "1000", "--num-prompts", "2"])
-    assert rc == 2 and "too few for max_model_len 1000" in capsys.readouterr().err
+    assert rc == 2 and "too few for --max-model-len 1000" in capsys.readouterr().err
 
 
 def test_an_estimated_gpu_pool_says_it_is_an_estimate():

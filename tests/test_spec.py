@@ -385,4 +385,4 @@ def test_generate_reports_acceptance_and_tokens_per_weight_read(llama_dir, capsy
     assert len(policy) == 1
     assert main(["generate", "--model", str(llama_dir), "x", "--num-speculative-tokens",
                  "3"]) == 2
-    assert "num_speculative_tokens needs speculative" in capsys.readouterr().err
+    assert "--num-speculative-tokens needs speculative" in capsys.readouterr().err
