@@ -897,6 +897,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl = command("plan", "search co-located and P/D deployments for the most goodput per "
                  "accelerator under TTFT and TPOT SLOs; emit Kubernetes manifests", cmd_plan)
     _add_sim_args(pl, results=False)  # its result is the table and the manifests
+    next(x for x in pl._actions if "--goodput" in x.option_strings).help = (
+        "the SLOs each candidate must meet (required): ttft:MS tpot:MS")
     pl.add_argument("--budgets", type=int, nargs="+", default=[256, 512, 1024, 2048],
                     help="step budgets to try")
     pl.add_argument("--ratios", nargs="+", default=["1:1", "1:2", "2:1", "1:3", "3:1"],
