@@ -786,9 +786,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     r = command("roofline", "predict which bound each phase hits, for any model x "
                 "accelerator x workload (no GPU, no weights, no torch)", cmd_roofline)
-    r.add_argument("--model", default=None, help="catalog name or a config.json / folder")
+    r.add_argument("--model", default=None, help="catalog name or a config.json / folder "
+                   "(this or --params is required)")
     r.add_argument("--params", type=positive_float, default=None,
-                   help="a generic dense model of this many parameters, e.g. 7e9")
+                   help="a generic dense model of this many parameters, e.g. 7e9 (this or "
+                   "--model is required)")
     r.add_argument("--gpu", "--accelerator", dest="gpu", default="h100-sxm",
                    help="catalog key (see --list), or cpu-local / gpu-local (phasewise measure)")
     dtypes = ", ".join(DTYPE_BYTES)
