@@ -506,9 +506,9 @@ def _add_sim_args(p: argparse.ArgumentParser, results: bool = True) -> None:
                    help="the simulated engines' scheduling, as serve's --policy")
     p.add_argument("--no-prefix-caching", action="store_true",
                    help="simulate engines that reuse no cached prompt blocks")
-    p.add_argument("--prefill-queue-limit", type=int, default=8,
+    p.add_argument("--prefill-queue-limit", type=int, default=None,
                    help="P/D: prefill on the decode worker while every prefill queue is this "
-                   "long")
+                   "long (default 8)")
     p.add_argument("--slo-admission", action="store_true",
                    help="every request carries the --goodput TTFT and TPOT targets and an "
                    "engine refuses one it predicts would miss them, as serve --slo-ttft-ms "
@@ -995,7 +995,9 @@ def by_flag(message: str, parser: argparse.ArgumentParser | None) -> str:
         name = "--" + m.group(0).replace("_", "-")
         return name if name in flags else m.group(0)
 
-    return re.sub(r"(?<![\w-])[a-z][a-z0-9]*(?:_[a-z0-9]+)+(?![\w-])", flag, message)
+    # (not inside a path, a file name or a quoted value: only a word standing alone)
+    return re.sub(r"(?<![\w\-/.\\'\"])[a-z][a-z0-9]*(?:_[a-z0-9]+)+(?![\w\-/.\\'\"])", flag,
+                  message)
 
 
 def _stdout_closed() -> bool:

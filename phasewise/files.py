@@ -13,9 +13,17 @@ def write_text_atomic(path: Path, text: str) -> None:
     """Write ``text`` to ``path`` so that a reader sees the old file or the new one, never
     half of one: the text goes to a temporary file of its own in the same folder (two
     writers at once never share one), which then replaces ``path``."""
+    path = Path(os.path.realpath(path))  # a symlink's target is written, the link kept
     path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        mode = os.stat(path).st_mode & 0o7777  # the file's own mode, kept
+    except FileNotFoundError:
+        umask = os.umask(0)
+        os.umask(umask)
+        mode = 0o666 & ~umask  # as open() would make it (mkstemp's 0600 would not)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        os.fchmod(fd, mode)
         with os.fdopen(fd, "w") as f:
             f.write(text)
         os.replace(tmp, path)

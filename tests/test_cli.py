@@ -496,6 +496,10 @@ def test_an_option_the_engine_names_is_reported_as_the_flag_typed(capsys):
                        "4096; --max-model-len stays)", _sub("simulate"))
     assert text == ("raise --kv-cache-memory or lower --max-model-len (max_position_embeddings "
                     "4096; --max-model-len stays)")
+    # a path or a quoted value that holds such a name is the user's own text: left alone
+    for text in ("no such trace file: runs/request_rate.jsonl",
+                 "no config.json at /m/max_model_len/config.json", "got 'max_model_len'"):
+        assert cli.by_flag(text, _sub("simulate")) == text
 
 
 @pytest.mark.parametrize("flags,match", [
@@ -504,6 +508,7 @@ def test_an_option_the_engine_names_is_reported_as_the_flag_typed(capsys):
      "--disagg-threshold, --link: for --mode pd, not --mode colocated"),
     (["--mode", "pd", "--replicas", "3"], "--replicas: for --mode colocated, not --mode pd"),
     (["--trace-time-scale", "2"], "--trace-time-scale scales a trace's arrivals"),
+    (["--prefill-queue-limit", "3"], "--prefill-queue-limit: for --mode pd"),
 ])
 def test_simulate_refuses_a_flag_its_mode_would_ignore(flags, match, capsys):
     assert main(["simulate", "--model", "llama-3.1-8b", "--num-prompts", "2", *flags]) == 2

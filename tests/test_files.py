@@ -26,3 +26,23 @@ def test_a_write_that_fails_leaves_the_old_file_whole(tmp_path):
         write_text_atomic(path, b"not text")  # type: ignore[arg-type]
     assert path.read_text() == "old"
     assert os.listdir(tmp_path) == ["machine.json"]
+
+
+def test_a_written_file_keeps_its_mode_and_a_symlink_stays_a_link(tmp_path):
+    """Another user's server reads a plan or a machine file this user wrote: a new file
+    takes the umask's mode as open() gives it (not a temporary's 0600), an existing one
+    keeps its own, and a symlinked file is written through its link."""
+    new = tmp_path / "new.json"
+    umask = os.umask(0o022)
+    try:
+        write_text_atomic(new, "x")
+    finally:
+        os.umask(umask)
+    assert os.stat(new).st_mode & 0o777 == 0o644
+    os.chmod(new, 0o640)
+    write_text_atomic(new, "y")
+    assert os.stat(new).st_mode & 0o777 == 0o640 and new.read_text() == "y"
+    link = tmp_path / "link.json"
+    link.symlink_to(new)
+    write_text_atomic(link, "z")
+    assert link.is_symlink() and new.read_text() == "z"

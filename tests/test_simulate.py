@@ -692,13 +692,13 @@ def test_cpu_local_prices_fp32_weights_at_the_fp32_peak(tmp_path, monkeypatch):
         "name": "test CPU", "peak_flops": {"fp32": 1e11, "bf16": 4e11},
         "mem_bytes": 2**34, "mem_bandwidth": 3e10}}))
     monkeypatch.setenv("PHASEWISE_CACHE_DIR", str(tmp_path))
-    fp32 = cost_model("llama-3.1-8b", "cpu-local", None, "fp32")
-    bf16 = cost_model("llama-3.1-8b", "cpu-local", None, "bf16")
-    prefill = [(512, 0, True)]
     from phasewise.engine.step_cost import Chunk
 
-    chunks = [Chunk(*c) for c in prefill]
-    assert fp32.step_time(chunks, []) > 3 * bf16.step_time(chunks, [])
+    chunks = [Chunk(512, 0, True)]
+    bf16 = cost_model("llama-3.1-8b", "cpu-local", None, "bf16")
+    for name in ("fp32", "float32", "FP32"):  # the dtype as any of its spellings
+        fp32 = cost_model("llama-3.1-8b", "cpu-local", None, name)
+        assert fp32.step_time(chunks, []) > 3 * bf16.step_time(chunks, []), name
 
 
 @pytest.mark.parametrize("prefill_busy,decode_busy,bound", [

@@ -106,19 +106,37 @@ class KVPlan:
 
 
 def host_memory_available() -> int | None:
-    """Bytes this machine could still allocate without swapping (Linux's MemAvailable), or
-    None where it cannot tell."""
+    """Bytes this process could still allocate without swapping or being killed: Linux's
+    MemAvailable, or less where a cgroup (a container's limit, a Kubernetes pod's) leaves
+    less; None where it cannot tell."""
+    found = []
     try:
         with open("/proc/meminfo") as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+                    found.append(int(line.split()[1]) * 1024)
     except (OSError, ValueError, IndexError):
         pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return None
+    if not found:
+        try:
+            found.append(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+        except (ValueError, OSError, AttributeError):
+            pass
+    # cgroup v2, then v1: the limit less what the group uses already
+    for limit, usage in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                         ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                          "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        try:
+            with open(limit) as f:
+                text = f.read().strip()
+            if text == "max":
+                continue
+            with open(usage) as f:
+                found.append(max(0, int(text) - int(f.read().strip())))
+            break
+        except (OSError, ValueError):
+            continue
+    return min(found) if found else None
 
 
 def check_host_memory(plan: KVPlan, config: EngineConfig,

@@ -60,7 +60,7 @@ def cost_model(model: str, gpu: str, profile: str | None, dtype: str = "bf16"
             return load_profile(stored, shape)
     accel = lookup_accelerator(gpu)
     compute = None
-    if gpu == "cpu-local" and dtype != "fp32":
+    if gpu == "cpu-local" and norm_dtype(dtype) != "fp32":
         # no native bf16 math on many CPUs: rate at the faster peak (fp32 weights run fp32
         # arithmetic, whichever peak is faster)
         compute = max(accel.peak_flops, key=accel.peak_flops.get)
@@ -183,7 +183,8 @@ def deployment(a: argparse.Namespace) -> Deployment:
 
     flags = {"colocated": (("--replicas", a.replicas), ("--fail-at", a.fail_at)),
              "pd": (("--prefill", a.prefill), ("--decode", a.decode),
-                    ("--disagg-threshold", a.disagg_threshold), ("--link", a.link))}
+                    ("--disagg-threshold", a.disagg_threshold), ("--link", a.link),
+                    ("--prefill-queue-limit", a.prefill_queue_limit))}
     other = "pd" if a.mode == "colocated" else "colocated"
     wrong = [f for f, v in flags[other] if v is not None]
     if wrong:
@@ -194,7 +195,7 @@ def deployment(a: argparse.Namespace) -> Deployment:
     link = lookup_link(a.link) if a.link else None
     return Deployment(a.mode, replicas=_given(a.replicas, 1), prefill=_given(a.prefill, 1),
                       decode=_given(a.decode, 1), threshold=_given(a.disagg_threshold, 0),
-                      prefill_queue_limit=a.prefill_queue_limit,
+                      prefill_queue_limit=_given(a.prefill_queue_limit, 8),
                       link=link, admission=admission_of(a),
                       routing=a.routing, fail_at=a.fail_at)
 
@@ -337,9 +338,10 @@ def run_plan(a: argparse.Namespace, model: str,
     rate = a.request_rate[0]
     if not rate > 0:
         raise ValueError(f"--request-rate must be > 0 (or inf: size nothing), got {rate}")
-    if a.trace:
+    if a.trace or a.trace_time_scale != 1.0:
         raise ValueError("plan searches over request rates, which a trace fixes: give the "
-                         "workload as lengths and a rate (simulate takes --trace)")
+                         "workload as lengths and a rate (simulate takes --trace and "
+                         "--trace-time-scale)")
     window = a.window
     if a.k8s_out:  # (the manifests' flags mean nothing without manifests)
         check_manifest_flags(a)  # before a search of minutes, not after it
@@ -363,7 +365,7 @@ def run_plan(a: argparse.Namespace, model: str,
         raise ValueError(f"--budgets must be >= 1, got {budgets}")
     cands = search(cm, eng, wl, slo, budgets=budgets, ratios=_ratios(a.ratios),
                    thresholds=sorted(set(a.thresholds)), link=link, pd=not a.no_pd,
-                   queue_limit=a.prefill_queue_limit, progress=_say)
+                   queue_limit=_given(a.prefill_queue_limit, 8), progress=_say)
     print(f"\nSLO: TTFT <= {slo['ttft']:g} ms and TPOT <= {slo['tpot']:g} ms for >= 90% of "
           "requests (DistServe's goodput); per accelerator: goodput / accelerators")
     print(table(cands))

@@ -200,11 +200,11 @@ def _trace_lines(path: str | Path):
         with open(path, "rb") as f:
             lineno = requests = 0
             while True:
-                raw = f.readline(MAX_TRACE_LINE + 1)
+                raw = f.readline(MAX_TRACE_LINE + 2)  # the line and its line break
                 if not raw:
                     return
                 lineno += 1
-                if len(raw) > MAX_TRACE_LINE:
+                if len(raw.rstrip(b"\r\n")) > MAX_TRACE_LINE:
                     raise ValueError(f"{path}:{lineno}: a line longer than "
                                      f"{MAX_TRACE_LINE // 2**20} MiB; a trace holds one JSON "
                                      "object a line")

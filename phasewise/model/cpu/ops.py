@@ -136,13 +136,15 @@ class CpuKernelOps(TorchOps):
         (``layer_rows``), in runs of the streams' most, each run reading the weight once:
         the runs ``pw_moe_mlp_bf16`` takes, so the two give the same bits. In a larger
         layer, up to ``EXPERT_STREAM_ROWS`` rows in one call; more go to the plan's GEMM.
-        Where the CPU has AVX512_BF16, ``EXPERT_DP_ROWS`` rows or more in one call on its
-        dot products, as ``pw_moe_mlp_bf16`` runs them there (``experts_dp``): the weight
-        read once."""
+        Where the CPU has AVX512_BF16, in a layer of up to ``MOE_FUSED_ROWS_DP`` rows,
+        ``EXPERT_DP_ROWS`` rows or more in one call on its dot products, as
+        ``pw_moe_mlp_bf16`` runs them there (``experts_dp``): the weight read once. (A larger
+        layer, a long prompt chunk, keeps the plan's GEMM, which wins at hundreds of rows.)"""
         rows = x.numel() // x.shape[-1]
         if self.lib is None or not self._ok(x, w):
             return self.linear(x, w, None)
-        if self.kernels.avx512bf16 and rows >= kernels.EXPERT_DP_ROWS:
+        if (self.kernels.avx512bf16 and rows >= kernels.EXPERT_DP_ROWS
+                and (layer_rows or rows) <= MOE_FUSED_ROWS_DP):
             return kernels.linear_avx512bf16(x, w, None)  # as pw_moe_mlp_bf16's experts_dp
         run = self.kernels.decode_layer_max_rows
         large = (layer_rows or rows) > MOE_FUSED_ROWS

@@ -356,7 +356,10 @@ static void moe_mlp(const DecodeLayer *L, const float *xn, int M, float *res, fl
     uint16_t *xnb = (uint16_t *)(dn + (long)P * H + (S ? (long)M * (3L * S + H + 1) : 0));
     uint16_t *xgb = xnb + (long)M * H, *actb = xgb + (long)P * H;
     uint16_t *sactb = actb + (long)P * I;
-    if (L->experts_dp) pw_avx512bf16_pack_f32(xn, M, H, xnb);  /* with a barrier */
+    /* below EXPERT_DP_ROWS rows no projection can have that many (an expert's rows are
+     * some of the M): every one streams, and no bf16 copy is needed */
+    int dp = L->experts_dp && M >= EXPERT_DP_ROWS;
+    if (dp) pw_avx512bf16_pack_f32(xn, M, H, xnb);  /* with a barrier */
     moe_proj(L, xn, xnb, M, L->w_router, H, E, res);
 #pragma omp barrier
 #pragma omp single
@@ -369,7 +372,7 @@ static void moe_mlp(const DecodeLayer *L, const float *xn, int M, float *res, fl
 #pragma omp for schedule(static)
     for (int q = 0; q < P; q++) {  /* (experts_dp: both, each expert reads one by its rows) */
         memcpy(xg + (long)q * H, xn + (long)pair_row[q] * H, sizeof(float) * H);
-        if (L->experts_dp)
+        if (dp)
             memcpy(xgb + (long)q * H, xnb + (long)pair_row[q] * H, sizeof(uint16_t) * H);
     }
     for (int u = 0; u < n; u++)
@@ -387,7 +390,7 @@ static void moe_mlp(const DecodeLayer *L, const float *xn, int M, float *res, fl
         const float *g = sh ? sgu + (long)(q - P) * 2 * S : gu + (long)q * 2 * I, *up = g + w;
         float *a = sh ? sact + (long)(q - P) * S : act + (long)q * I;
         for (int i = 0; i < w; i++) a[i] = silu_mul_rounded(round_bf16(g[i]), round_bf16(up[i]));
-        if (L->experts_dp) {
+        if (dp) {
             uint16_t *ab = sh ? sactb + (long)(q - P) * S : actb + (long)q * I;
             for (int i = 0; i < w; i++) ab[i] = f32_to_bf16(a[i]);
         }
