@@ -52,6 +52,16 @@ def _router(model, b_answer, max_migrations=2):
     return _two_workers(model, max_migrations=max_migrations), handle, sent
 
 
+def _a_then_b(a_stream):
+    """A transport handler: worker A answers with ``a_stream()``, worker B as ``_taker``."""
+    def handle(req: httpx.Request) -> httpx.Response:
+        if not req.url.path.endswith("/generate"):
+            return httpx.Response(404)
+        return httpx.Response(200, content=a_stream() if req.url.host == "a" else _taker())
+
+    return handle
+
+
 def _two_workers(model, **kw) -> Router:
     """A router of workers A and B (``kw``: the Router's own), not yet started."""
     r = Router(["http://a:1", "http://b:1"], model_dir=model, **kw)
@@ -185,11 +195,7 @@ def test_a_silent_workers_stream_moves_without_waiting_for_a_poll(llama_dir):
         yield _line(0, [5], "a")
         await asyncio.Event().wait()  # the worker stopped mid-stream
 
-    def handle(req: httpx.Request) -> httpx.Response:
-        if not req.url.path.endswith("/generate"):
-            return httpx.Response(404)
-        return httpx.Response(200, content=frozen() if req.url.host == "a" else _taker())
-
+    handle = _a_then_b(frozen)
     r = _two_workers(llama_dir, stream_deadline=0.5)
 
     async def run():
@@ -222,11 +228,7 @@ def test_a_stream_still_flowing_is_not_moved_for_its_workers_missed_polls(llama_
             yield _line(0, [5], "a", fin="length" if i == 11 else None)
             await asyncio.sleep(0.05)
 
-    def handle(req: httpx.Request) -> httpx.Response:
-        if not req.url.path.endswith("/generate"):
-            return httpx.Response(404)
-        return httpx.Response(200, content=flowing() if req.url.host == "a" else _taker())
-
+    handle = _a_then_b(flowing)
     r = _two_workers(llama_dir, stream_deadline=0.5)
 
     async def run():
