@@ -214,6 +214,12 @@ class KVCacheManager:
         (``first_query``: see ``allocate_slots``)."""
         live, span, _, held, available = self._plan(request, num_new_tokens, prefix,
                                                      first_query)
+        return self._missing(live, span, held, available)
+
+    @staticmethod
+    def _missing(live: int, span: int, held: int, available: int) -> int:
+        """Blocks a table spanning ``span`` lacks: what it holds (or its holes reach) and
+        the free ones cover the rest."""
         return max(0, span - max(held, live) - available)
 
     def fits_empty_pool(self, request: CacheRequest, num_new_tokens: int,
@@ -254,7 +260,7 @@ class KVCacheManager:
             return True
         live, span, pre, held, available = self._plan(request, num_new_tokens, prefix,
                                                       first_query)
-        if span - max(held, live) - available > 0:  # can_allocate's test
+        if self._missing(live, span, held, available):
             return False
         if blocks is None:
             blocks = self._blocks.setdefault(rid, [])
