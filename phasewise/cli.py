@@ -44,6 +44,16 @@ def _plan_window(text: str) -> float:
     return v
 
 
+def _roofline_dtype(text: str) -> str:
+    """An argparse type: a roofline dtype or its alias, so that the error names the flag."""
+    from phasewise.perf.roofline import norm_dtype
+
+    try:
+        return norm_dtype(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def _engine_defaults() -> dict:
     from phasewise.config import EngineConfig
 
@@ -394,8 +404,15 @@ def cmd_tune(a: argparse.Namespace) -> int:
     if a.out is not None:
         check_output(a.out, "--out")
     if a.threads is not None:
-        if a.threads < 1:
-            raise ValueError(f"--threads must be >= 1, got {a.threads}")
+        import os
+
+        # A plan is kept per machine and thread count; more threads than this process may
+        # run on would time oversubscription, a plan no engine here should follow.
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
+            os.cpu_count() or 1)
+        if not 1 <= a.threads <= cores:
+            raise ValueError(f"--threads must be 1-{cores} (the cores this process may run "
+                             f"on), got {a.threads}")
         import torch
 
         torch.set_num_threads(a.threads)
@@ -475,7 +492,8 @@ def _add_sim_args(p: argparse.ArgumentParser, results: bool = True) -> None:
                    "this machine as phasewise measure measured it (default: cpu-local)")
     p.add_argument("--profile", default=None, help="a phasewise calibrate profile (default: "
                    "the stored one for this model on this machine, with --gpu cpu-local)")
-    p.add_argument("--dtype", default="bf16", help="how the weights and K/V are stored")
+    p.add_argument("--dtype", default="bf16", type=_roofline_dtype,
+                   help="how the weights and K/V are stored")
     p.add_argument("--served", default=None, metavar="URL",
                    help="price steps as this live, idle phasewise server runs them: a short "
                    "probe through it measures its steps' drift from the profile and what "
@@ -794,10 +812,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--gpu", "--accelerator", dest="gpu", default="h100-sxm",
                    help="catalog key (see --list), or cpu-local / gpu-local (phasewise measure)")
     dtypes = ", ".join(DTYPE_BYTES)
-    r.add_argument("--dtype", default="bf16", help=dtypes)
-    r.add_argument("--kv-dtype", default=None,
+    r.add_argument("--dtype", default="bf16", type=_roofline_dtype, help=dtypes)
+    r.add_argument("--kv-dtype", default=None, type=_roofline_dtype,
                    help="KV cache dtype (default: --dtype; bf16 for the weight-only int8/int4)")
-    r.add_argument("--compute-dtype", default=None,
+    r.add_argument("--compute-dtype", default=None, type=_roofline_dtype,
                    help="whose peak the math runs at (default: --dtype; fp32 for bf16 weights "
                         "on CPUs without native bf16)")
     r.add_argument("--prompt-len", type=int, default=512,
@@ -866,8 +884,8 @@ def build_parser() -> argparse.ArgumentParser:
     tu.add_argument("--load-format", default="safetensors", choices=LOAD_FORMATS,
                     help="as the engines will load it")
     tu.add_argument("--threads", type=int, default=None,
-                    help="torch threads to tune for (default: torch's; the plan is kept per "
-                    "thread count)")
+                    help="torch threads to tune for, at most this machine's cores (default: "
+                    "torch's; the plan is kept per thread count)")
     tu.add_argument("--rounds", type=int, default=3,
                     help="calibrations run; the plan most of them chose is kept (1-20)")
     tu.add_argument("--out", default=None, metavar="FILE",

@@ -8,6 +8,7 @@ import json
 import math
 import random
 import re
+import warnings
 
 import pytest
 from hypothesis import given, settings
@@ -78,6 +79,19 @@ def test_trace_is_sorted_shifted_and_scaled(tmp_path):
         (0.0, 30, 2, None), (2.0, 0, 3, "hello"), (4.0, 10, 4, None)]
     path.write_text('{"arrival": 1, "output_len": 4}\n')
     with pytest.raises(ValueError, match="prompt_len or prompt"):
+        load_trace(path)
+
+
+@pytest.mark.parametrize("eol", ["\n", "\r\n", "\r"])
+def test_a_trace_reads_the_same_whatever_its_line_breaks(tmp_path, eol):
+    lines = ['{"arrival": 0, "prompt_len": 10, "output_len": 4}',
+             '{"arrival": 1, "prompt": "a\\rb", "output_len": 3}', ""]
+    path = tmp_path / "t.jsonl"
+    path.write_bytes(eol.join(lines).encode())
+    specs = load_trace(path)
+    assert [(s.prompt_len, s.prompt) for s in specs] == [(10, None), (0, "a\rb")]
+    path.write_bytes(eol.join([lines[0], "{oops"]).encode())
+    with pytest.raises(ValueError, match=":2: "):  # the line number counts every break
         load_trace(path)
 
 
@@ -305,6 +319,19 @@ def test_report_holds_the_expected_series(tmp_path):
     assert data["slo"] == {"ttft": 1000}
     pytest.importorskip("matplotlib")
     assert page.count("data:image/png;base64,") == 2 + 3  # 2 timelines, 2 CDFs, tokens/s
+
+
+def test_a_run_whose_requests_all_failed_still_renders_quietly(tmp_path):
+    """No TTFT or TPOT to draw: the charts say so, and matplotlib warns of no empty legend."""
+    pytest.importorskip("matplotlib")
+    failed = RequestResult(0, 16, 0, False, start=0.0, success=False, error="boom")
+    a = summarize([failed], 1.0, {})
+    a["label"] = "failed"
+    (tmp_path / "a.json").write_text(json.dumps(a))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        page = render([tmp_path / "a.json"], tmp_path / "r.html").read_text()
+    assert page.count("data:image/png;base64,") == 4  # a timeline, 2 CDFs, tokens/s
 
 
 def test_report_reads_vllm_results_and_refuses_other_json(tmp_path):

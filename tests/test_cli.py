@@ -295,6 +295,17 @@ def test_simulate_and_bench_name_the_workload_flag_they_refuse(flags, match, cap
     assert match in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flag", ["--dtype", "--kv-dtype", "--compute-dtype"])
+def test_a_dtype_the_roofline_does_not_know_is_refused_by_its_flag(flag, capsys):
+    """Three dtype flags once gave one message ("dtype must be ..."): which was wrong?"""
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["roofline", "--model", "llama-3.1-8b", flag, "fp7"])
+    err = capsys.readouterr().err
+    assert f"argument {flag}: dtype must be one of fp32, bf16" in err and "'fp7'" in err
+    a = build_parser().parse_args(["roofline", "--model", "x", flag, "BFloat16"])
+    assert getattr(a, flag[2:].replace("-", "_")) == "bf16"  # aliases kept
+
+
 def test_a_decode_batch_of_one_length_is_priced_without_a_row_per_sequence():
     """batch x one context is arithmetic, not a list of batch contexts (a batch of 1e12 took
     the memory of a list that long); it prices as the list would."""
@@ -406,6 +417,9 @@ def test_a_broken_pipe_that_is_not_stdout_is_an_error(monkeypatch, capsys):
      "--max-concurrency must be >= 1"),
     (["bench", "--base-url", "http://127.0.0.1:9", "--header", "a b=c"],
      "not a valid HTTP header"),
+    (["tune", "--threads", "100000"], "--threads must be 1-"),
+    (["bench", "report", "x.json", "--stall-factor", "nan"],
+     "--stall-factor must be a finite number > 1, got nan"),
 ])
 def test_an_output_or_value_that_cannot_work_is_refused_before_the_work(tmp_path, argv, match,
                                                                        capsys):

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from phasewise.files import read_json_file
+from phasewise.files import read_json_file, write_text_atomic
 
 
 def load_result(path: str | Path) -> dict[str, Any]:
@@ -176,9 +176,14 @@ def _charts(all_series: list[dict[str, Any]], slo: dict[str, float],
         if slo_key in slo:
             ax.axvline(slo[slo_key], color="#c0392b", linestyle="--",
                        label=f"SLO {slo[slo_key]:g} ms")
+        if not any(s[key] for s in all_series):
+            # a run whose requests all failed, or produced one token each, has no TPOT
+            ax.text(0.5, 0.5, f"no request has a {title}", ha="center", va="center",
+                    transform=ax.transAxes)
         ax.set_xlabel(f"{title} (ms)")
         ax.set_ylabel("fraction of requests")
-        ax.legend(fontsize=8)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
         ax.set_title(f"CDF of {title}", fontsize=10)
         charts.append((f"CDF of {title}", _png(fig)))
 
@@ -247,8 +252,8 @@ def _table(results: Sequence[dict[str, Any]], all_series: list[dict[str, Any]]) 
 
 def render(paths: Sequence[str | Path], out: str | Path, stall_factor: float = 5.0,
            slo: dict[str, float] | None = None) -> Path:
-    if stall_factor <= 1:
-        raise ValueError(f"stall factor must be > 1, got {stall_factor}")
+    if not 1 < stall_factor < math.inf:
+        raise ValueError(f"--stall-factor must be a finite number > 1, got {stall_factor}")
     results = [load_result(p) for p in paths]
     if not results:
         raise ValueError("give at least one result file")
@@ -279,5 +284,5 @@ its /metrics when it is phasewise.</p>
 </body></html>
 """
     out = Path(out)
-    out.write_text(page)
+    write_text_atomic(out, page)
     return out

@@ -193,26 +193,32 @@ def check_fits(specs: Sequence[RequestSpec], context: int, trace: bool = False,
 MAX_TRACE_LINE = 16 * 2**20
 
 
+# bytes that were not UTF-8, as errors="surrogateescape" decodes them
+_NOT_UTF8 = re.compile("[\udc80-\udcff]")
+
+
 def _trace_lines(path: str | Path):
-    """(line number, text) of each line of the trace, each at most ``MAX_TRACE_LINE`` bytes,
-    at most ``MAX_NUM_PROMPTS`` non-empty ones; errors name the file."""
+    """(line number, text) of each line of the trace, each at most ``MAX_TRACE_LINE``
+    characters, at most ``MAX_NUM_PROMPTS`` non-empty ones; errors name the file. A line ends
+    at LF, CRLF or a lone CR, as editors on every system write them (JSON text holds no raw
+    CR inside a string, so a CR can only end a line or be blank space)."""
     try:
-        with open(path, "rb") as f:
+        with open(path, encoding="utf-8", errors="surrogateescape", newline=None) as f:
             lineno = requests = 0
             while True:
-                raw = f.readline(MAX_TRACE_LINE + 2)  # the line and its line break
-                if not raw:
+                # bounded: a file with no line break (/dev/zero) is not read whole
+                text = f.readline(MAX_TRACE_LINE + 1)
+                if not text:
                     return
                 lineno += 1
-                if len(raw.rstrip(b"\r\n")) > MAX_TRACE_LINE:
+                if len(text.rstrip("\n")) > MAX_TRACE_LINE:
                     raise ValueError(f"{path}:{lineno}: a line longer than "
-                                     f"{MAX_TRACE_LINE // 2**20} MiB; a trace holds one JSON "
-                                     "object a line")
-                try:
-                    text = raw.decode("utf-8")
-                except UnicodeDecodeError as e:
-                    raise ValueError(f"{path}:{lineno}: not UTF-8 text (byte {e.start})") \
-                        from None
+                                     f"{MAX_TRACE_LINE // 2**20} Mi characters; a trace holds "
+                                     "one JSON object a line")
+                bad = _NOT_UTF8.search(text)
+                if bad is not None:
+                    raise ValueError(f"{path}:{lineno}: not UTF-8 text (column "
+                                     f"{bad.start() + 1})")
                 if text.strip():
                     requests += 1
                     if requests > MAX_NUM_PROMPTS:
