@@ -352,7 +352,8 @@ def cmd_roofline(a: argparse.Namespace) -> int:
     result = analyse(model, lookup_accelerator(a.gpu), a.dtype, prompt_len=a.prompt_len,
                      prefix_len=a.prefix_len, output_len=a.output_len, batch=a.batch,
                      context=a.context, kv_dtype=a.kv_dtype, mfu=a.mfu, mbu=a.mbu,
-                     link=lookup_link(a.link) if a.link else None, reserve_frac=a.reserve,
+                     link=lookup_link(a.link) if a.link is not None else None,
+                     reserve_frac=a.reserve,
                      compute_dtype=a.compute_dtype)
     if a.plot:
         from phasewise.perf.plot import plot_roofline
@@ -921,29 +922,36 @@ def build_parser() -> argparse.ArgumentParser:
         "the SLOs each candidate must meet (required): ttft:MS tpot:MS")
     pl.add_argument("--budgets", type=int, nargs="+", default=[256, 512, 1024, 2048],
                     help="step budgets to try")
-    pl.add_argument("--ratios", nargs="+", default=["1:1", "1:2", "2:1", "1:3", "3:1"],
-                    help="P/D prefill:decode ratios to try")
-    pl.add_argument("--thresholds", type=int, nargs="+", default=[0, 512, 1024],
-                    help="P/D disaggregation thresholds to try")
-    pl.add_argument("--no-pd", action="store_true", help="co-located candidates only")
+    pl.add_argument("--ratios", nargs="+", default=None,
+                    help="P/D prefill:decode ratios to try (default: 1:1 1:2 2:1 1:3 3:1)")
+    pl.add_argument("--thresholds", type=int, nargs="+", default=None,
+                    help="P/D disaggregation thresholds to try (default: 0 512 1024)")
+    pl.add_argument("--no-pd", action="store_true",
+                    help="co-located candidates only (the P/D flags are then refused)")
     pl.add_argument("--window", type=_plan_window, default=30.0,
                     help="seconds of traffic simulated per rate (requests = rate x window, "
                     "at least --num-prompts, at most 20000; more than 0, up to "
                     f"{MAX_PLAN_WINDOW:g} s)")
     pl.add_argument("--k8s-out", default=None, metavar="DIR",
                     help="write the winner's Kubernetes manifests here")
-    pl.add_argument("--name", default="phasewise", help="manifests: prefix of every object")
+    # The manifests' flags default to None so that one given without --k8s-out is refused
+    # rather than ignored (perf.commands.MANIFEST_DEFAULTS holds their defaults).
+    pl.add_argument("--name", default=None,
+                    help="manifests: prefix of every object (default: phasewise)")
     pl.add_argument("--namespace", default=None,
                     help="the manifests' Kubernetes namespace (default: none, kubectl's current "
                          "one)")
-    pl.add_argument("--image", default="phasewise:latest",
-                    help="manifests: the container image (phasewise publishes none: build one)")
-    pl.add_argument("--model-pvc", default="phasewise-models",
-                    help="manifests: the PersistentVolumeClaim holding the checkpoints")
+    pl.add_argument("--image", default=None,
+                    help="manifests: the container image (phasewise publishes none: build one) "
+                    "(default: phasewise:latest)")
+    pl.add_argument("--model-pvc", default=None,
+                    help="manifests: the PersistentVolumeClaim holding the checkpoints "
+                    "(default: phasewise-models)")
     pl.add_argument("--model-path", default=None,
                     help="manifests: the checkpoint folder in the container "
                     "(default: /models/NAME)")
-    pl.add_argument("--cpus", type=int, default=2, help="manifests: CPUs per engine pod")
+    pl.add_argument("--cpus", type=int, default=None,
+                    help="manifests: CPUs per engine pod (default: 2)")
 
     t = command("make-tiny", "write a tiny random-weight checkpoint (HF layout)",
                 cmd_make_tiny)

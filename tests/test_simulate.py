@@ -649,9 +649,28 @@ def test_plan_refuses_a_manifest_flag_before_its_search(flags, match, capsys, mo
             "--goodput", "ttft:200", "tpot:10", *flags]
     assert main([*argv, "--k8s-out", "k8s-never-written"]) == 2
     assert match in capsys.readouterr().err
-    # without --k8s-out no manifest is written: the flag cannot be wrong, the search runs
-    with pytest.raises(pytest.fail.Exception, match="searched"):
-        main(argv)
+    # without --k8s-out no manifest is written: the flag would be ignored, so it is refused
+    assert main(argv) == 2
+    assert f"{flags[0]} shapes the Kubernetes manifests, which plan writes only with " \
+        "--k8s-out DIR" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags,named", [
+    (["--ratios", "1:1"], "--ratios"),
+    (["--thresholds", "0", "--link", "25gbe"], "--thresholds, --link"),
+    (["--prefill-queue-limit", "4"], "--prefill-queue-limit"),
+    (["--link", ""], "--link"),  # an empty value is given, not a fallback to none
+])
+def test_plan_refuses_a_pd_flag_that_no_pd_would_ignore(flags, named, capsys, monkeypatch):
+    from phasewise.cli import main
+    from phasewise.perf import plan
+
+    monkeypatch.setattr(plan, "search", lambda *a, **k: pytest.fail("searched"))
+    argv = ["plan", "--model", "llama-3.1-8b", "--gpu", "h100-sxm", "--num-prompts", "4",
+            "--goodput", "ttft:200", "tpot:10", "--no-pd", *flags]
+    assert main(argv) == 2
+    assert f"--no-pd searches co-located deployments only: {named} would be ignored" in \
+        capsys.readouterr().err
 
 
 def test_a_normal_length_below_one_token_is_refused():

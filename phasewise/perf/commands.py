@@ -52,7 +52,10 @@ def cost_model(model: str, gpu: str, profile: str | None, dtype: str = "bf16"
     from phasewise.perf.hardware import lookup_accelerator
 
     shape = model_shape(model)
-    if profile:
+    if profile is not None:
+        if not profile:
+            raise ValueError("--profile: an empty path (leave the flag out for the stored "
+                             "profile)")
         return load_profile(profile, shape)
     if gpu == "cpu-local":
         stored = profile_path(Path(model).name if Path(model).exists() else model)
@@ -192,7 +195,7 @@ def deployment(a: argparse.Namespace) -> Deployment:
                          f"--mode {other}, or leave {'it' if len(wrong) == 1 else 'them'} out")
     if a.trace is None and a.trace_time_scale != 1.0:
         raise ValueError("--trace-time-scale scales a trace's arrivals: give --trace")
-    link = lookup_link(a.link) if a.link else None
+    link = lookup_link(a.link) if a.link is not None else None
     return Deployment(a.mode, replicas=_given(a.replicas, 1), prefill=_given(a.prefill, 1),
                       decode=_given(a.decode, 1), threshold=_given(a.disagg_threshold, 0),
                       prefill_queue_limit=_given(a.prefill_queue_limit, 8),
@@ -343,8 +346,7 @@ def run_plan(a: argparse.Namespace, model: str,
                          "workload as lengths and a rate (simulate takes --trace and "
                          "--trace-time-scale)")
     window = a.window
-    if a.k8s_out:  # (the manifests' flags mean nothing without manifests)
-        check_manifest_flags(a)  # before a search of minutes, not after it
+    check_plan_flags(a)  # before a search of minutes, not after it
 
     def at(r: float) -> list[RequestSpec]:
         # Enough requests that the rate holds for the window (a burst would measure a queue
@@ -356,15 +358,17 @@ def run_plan(a: argparse.Namespace, model: str,
     wl = Workload(at, rate if math.isfinite(rate) else None)
     from phasewise.perf.hardware import lookup_link
 
-    link = lookup_link(a.link) if a.link else None
+    link = lookup_link(a.link) if a.link is not None else None
     for line in cm.describe():
         print(line)
     print(f"K/V pool per engine: {eng.kv_source}")
     budgets = sorted(set(a.budgets))
     if any(b < 1 for b in budgets):
         raise ValueError(f"--budgets must be >= 1, got {budgets}")
-    cands = search(cm, eng, wl, slo, budgets=budgets, ratios=_ratios(a.ratios),
-                   thresholds=sorted(set(a.thresholds)), link=link, pd=not a.no_pd,
+    cands = search(cm, eng, wl, slo, budgets=budgets,
+                   ratios=_ratios(_given(a.ratios, PLAN_RATIOS)),
+                   thresholds=sorted(set(_given(a.thresholds, PLAN_THRESHOLDS))), link=link,
+                   pd=not a.no_pd,
                    queue_limit=_given(a.prefill_queue_limit, 8), progress=_say)
     print(f"\nSLO: TTFT <= {slo['ttft']:g} ms and TPOT <= {slo['tpot']:g} ms for >= 90% of "
           "requests (DistServe's goodput); per accelerator: goodput / accelerators")
@@ -414,6 +418,42 @@ def _ratios(items: list[str]) -> list[tuple[int, int]]:
     return out
 
 
+# plan's P/D candidates and its manifests' flags: their defaults, given where the flag was
+# not (the flags default to None, so that one that would be ignored is refused instead)
+PLAN_RATIOS = ("1:1", "1:2", "2:1", "1:3", "3:1")
+PLAN_THRESHOLDS = (0, 512, 1024)
+MANIFEST_DEFAULTS = {"name": "phasewise", "image": "phasewise:latest",
+                     "model_pvc": "phasewise-models", "cpus": 2}
+_MANIFEST_FLAGS = ("name", "namespace", "image", "model_pvc", "model_path", "cpus")
+
+
+def _flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def check_plan_flags(a: argparse.Namespace) -> None:
+    """plan's flags that would be ignored are refused by name (--no-pd with a P/D flag, a
+    manifest flag without --k8s-out); the manifests' flags are checked as the manifests
+    will check them, and given their defaults."""
+    if a.no_pd:
+        pd = [_flag(d) for d in ("ratios", "thresholds", "link", "prefill_queue_limit")
+              if getattr(a, d) is not None]
+        if pd:
+            raise ValueError(f"--no-pd searches co-located deployments only: {', '.join(pd)} "
+                             "would be ignored; drop --no-pd or "
+                             + ("them" if len(pd) > 1 else "it"))
+    given = [_flag(d) for d in _MANIFEST_FLAGS if getattr(a, d) is not None]
+    if not a.k8s_out:
+        if given:
+            raise ValueError(f"{', '.join(given)} shape{'' if len(given) > 1 else 's'} the "
+                             "Kubernetes manifests, which plan writes only with --k8s-out DIR")
+        return
+    for dest, default in MANIFEST_DEFAULTS.items():
+        if getattr(a, dest) is None:
+            setattr(a, dest, default)
+    check_manifest_flags(a)
+
+
 def check_manifest_flags(a: argparse.Namespace) -> None:
     """The manifests' flags, each checked as the manifests will check it, and refused by
     its flag name (ValueError)."""
@@ -459,7 +499,7 @@ def write_manifests(a: argparse.Namespace, model: str, best: Any, dep: Deploymen
         args.append(("--no-prefix-caching", ""))
     name = Path(model).name if Path(model).exists() else model
     spec = DeploySpec(
-        model_path=a.model_path or f"/models/{name}",
+        model_path=_given(a.model_path, f"/models/{name}"),
         mode=dep.mode, replicas=dep.replicas, prefill=dep.prefill, decode=dep.decode,
         name=a.name, namespace=a.namespace, image=a.image, model_pvc=a.model_pvc,
         engine_args=tuple(args), disagg_threshold=dep.threshold,
