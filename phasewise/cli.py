@@ -341,7 +341,7 @@ def cmd_roofline(a: argparse.Namespace) -> int:
         if not 0 < value <= 1:
             raise ValueError(f"{flag} is a fraction of the peak: in (0, 1], got {value}")
     if not 0 <= a.reserve < 1:
-        raise ValueError(f"--reserve is a fraction of memory: in [0, 1), got {a.reserve}")
+        raise ValueError(f"--reserve is a fraction of the memory the weights leave: in [0, 1), got {a.reserve}")
     if a.plot:
         from phasewise.files import check_output
 
@@ -832,7 +832,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--mbu", type=float, default=1.0, help="fraction of peak bandwidth reached")
     r.add_argument("--link", default=None, help="price a KV transfer over this link")
     r.add_argument("--reserve", type=float, default=0.1,
-                   help="memory fraction kept free of weights and KV")
+                   help="fraction of the memory the weights leave that is kept free of K/V, "
+                   "for activations and the runtime (the engine's rule on a GPU)")
     r.add_argument("--experts-read", default=None, metavar="T:X[,T:X...]",
                    help="a mixture of experts' routing as measured: X distinct experts a "
                    "layer read in steps of T tokens (StepStats.experts_read, "

@@ -274,7 +274,7 @@ def test_numbers_that_mean_nothing_are_refused_by_their_flag(argv, capsys):
     (["--batch", "0"], "--batch must be an integer >= 1"),
     (["--context", "-1"], "--context must be an integer >= 0"),
     (["--mbu", "nan"], "--mbu is a fraction of the peak"),
-    (["--reserve", "1"], "--reserve is a fraction of memory"),
+    (["--reserve", "1"], "--reserve is a fraction of the memory"),
 ])
 def test_roofline_names_the_flag_whose_number_means_nothing(flags, match, capsys):
     assert main(["roofline", "--model", "llama-3.1-8b", *flags]) != 0

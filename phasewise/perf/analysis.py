@@ -67,12 +67,13 @@ def analyse(model: ModelShape | GenericModel, accel: Accelerator, dtype: str = "
     if shaped and limit and ctx_total > limit:
         notes.append(f"a context of {ctx_total} tokens exceeds the model's "
                      f"{limit} positions: it cannot be served so")
-    fits = accel.mem_bytes <= 0 or r.weight_bytes <= accel.mem_bytes * (1 - reserve_frac)
+    # (the reserve is a share of what the weights leave, so weights fit below the memory)
+    fits = accel.mem_bytes <= 0 or r.weight_bytes < accel.mem_bytes
     if not fits:
-        cards = math.ceil(r.weight_bytes / (accel.mem_bytes * (1 - reserve_frac)))
+        cards = math.floor(r.weight_bytes / accel.mem_bytes) + 1
         notes.append(f"the weights ({r.weight_bytes / 1e9:.4g} GB at {r.dtype}) exceed one "
-                     f"{accel.name} ({accel.mem_bytes / 1e9:.4g} GB, {reserve_frac:.0%} "
-                     f"reserved): serving them takes at least {cards} such cards (tensor or "
+                     f"{accel.name} ({accel.mem_bytes / 1e9:.4g} GB): serving them takes at "
+                     f"least {cards} such cards (tensor or "
                      "expert parallelism, which this one-card analysis does not model); the "
                      "step figures are one card's with its memory unbounded, and the batch "
                      "sweep is not cut at the K/V capacity")
@@ -215,7 +216,8 @@ def format_text(a: dict[str, Any]) -> str:
     mc = a["max_concurrent_requests"]
     if mc["requests"] is not None:
         lines.append(f"KV capacity: {mc['requests']} concurrent requests of {mc['context']} "
-                     f"tokens (after weights and a {mc['reserve_frac']:.0%} reserve)")
+                     f"tokens (after the weights, {mc['reserve_frac']:.0%} of what they leave "
+                     "kept for activations)")
     kt = a["kv_transfer"]
     if kt:
         lines.append(f"KV transfer of one {w['prompt_len']}-token prompt over "

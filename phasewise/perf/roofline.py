@@ -372,11 +372,13 @@ class Roofline:
 
     def max_concurrent_requests(self, context: int, reserve_frac: float = 0.1) -> int | None:
         """Requests of ``context`` tokens whose KV fits beside the weights, after keeping
-        ``reserve_frac`` of memory for activations and the runtime."""
+        ``reserve_frac`` of what the weights leave for activations and the runtime: the
+        engine's rule on a GPU (``engine.kv_sizing.CUDA_FREE_FRACTION`` is 1 - the default),
+        so that this and ``simulate``'s pool agree."""
         kvpt = self.kv_bytes_per_token
         if kvpt is None or context < 1:
             return None
-        free = self.accel.mem_bytes * (1 - reserve_frac) - self.weight_bytes
+        free = (self.accel.mem_bytes - self.weight_bytes) * (1 - reserve_frac)
         # a windowed layer holds no more than its window of K/V (once what falls out of it
         # is freed)
         return max(0, int(free // (self._span(context) * kvpt)))
