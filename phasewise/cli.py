@@ -535,6 +535,35 @@ def _add_sim_args(p: argparse.ArgumentParser, results: bool = True) -> None:
     add_workload_args(p, simulated=True, results=results)
 
 
+def _check_tiny_size(a: argparse.Namespace, window: dict[str, Any]) -> int:
+    """The weights' bytes make-tiny would write; refused where this machine's memory or the
+    folder's disk could not take them (the tensors and their serialised copy are both held
+    while writing)."""
+    import shutil
+
+    from phasewise.engine.kv_sizing import host_memory_available
+    from phasewise.model.tiny import tiny_config
+    from phasewise.perf.models import ModelShape
+
+    cfg = tiny_config(a.arch, vocab_size=a.vocab_size, hidden_size=a.hidden_size,
+                      num_layers=a.layers, **window)
+    size = int(ModelShape.from_hf_config(cfg, name=a.arch, source="make-tiny").total_params) * 4
+    avail = host_memory_available()
+    if avail is not None and 2 * size > avail:
+        raise ValueError(f"--hidden-size {a.hidden_size} and --layers {a.layers} make "
+                         f"{size / 2**30:.1f} GiB of float32 weights, which take about "
+                         f"{2 * size / 2**30:.1f} GiB of memory to write; this machine has "
+                         f"{avail / 2**30:.1f} GiB available: choose a smaller size")
+    there = Path(a.out).resolve()
+    while not there.exists():
+        there = there.parent
+    free = shutil.disk_usage(there).free
+    if size > free:
+        raise ValueError(f"{a.out}: {size / 2**30:.1f} GiB of weights, more than the "
+                         f"{free / 2**30:.1f} GiB free on its disk")
+    return size
+
+
 def cmd_make_tiny(a: argparse.Namespace) -> int:
     from phasewise.model.tiny import make_tiny_checkpoint
 
@@ -568,11 +597,15 @@ def cmd_make_tiny(a: argparse.Namespace) -> int:
         if a.arch.startswith("Qwen"):  # Qwen: enabled, and named on every layer
             window.update(use_sliding_window=True, max_window_layers=0,
                           layer_types=["sliding_attention"] * a.layers)
+    size = _check_tiny_size(a, window)
+    if size > 64 * 2**20:  # seconds or more: say what is coming (the bundled model: 30 MB)
+        print(f"writing {size / 2**30:.2f} GiB of float32 weights to {a.out} ...",
+              file=sys.stderr)
     path = make_tiny_checkpoint(a.out, architecture=a.arch, vocab_size=a.vocab_size,
                                 hidden_size=a.hidden_size, num_layers=a.layers, seed=a.seed,
                                 **window)
-    print(f"wrote a random-weight {a.arch} checkpoint to {path} "
-          f"({time.monotonic() - t:.1f}s)", file=sys.stderr)
+    print(f"wrote a random-weight {a.arch} checkpoint to {path} ({size / 2**20:.0f} MiB, "
+          f"{time.monotonic() - t:.1f}s)", file=sys.stderr)
     return 0
 
 

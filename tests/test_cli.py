@@ -480,6 +480,21 @@ def test_make_tiny_refuses_to_overwrite_a_folder_that_holds_files(tmp_path, caps
     assert "mine" not in (tmp_path / "config.json").read_text()
 
 
+def test_make_tiny_refuses_a_size_this_machine_cannot_write(tmp_path, capsys, monkeypatch):
+    """The largest flags make ~12 GiB of float32 weights: refused before any is made where
+    the memory to write them is not there, with the size and what is available."""
+    from phasewise.engine import kv_sizing
+
+    monkeypatch.setattr(kv_sizing, "host_memory_available", lambda: 2**30)
+    out = tmp_path / "big"
+    assert main(["make-tiny", str(out), "--hidden-size", "2048", "--layers", "16"]) == 2
+    err = capsys.readouterr().err
+    assert "--hidden-size 2048 and --layers 16 make" in err and "1.0 GiB available" in err
+    assert not out.exists()
+    assert main(["make-tiny", str(out)]) == 0  # a small one still fits
+    assert "MiB" in capsys.readouterr().err
+
+
 def test_input_files_that_are_not_what_they_should_be_are_named(tmp_path, capsys):
     """A folder, bytes that are not UTF-8, a file with no line break: each refused with the
     file's name, quickly (a trace of /dev/zero was read whole into memory)."""
