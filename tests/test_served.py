@@ -264,6 +264,11 @@ def test_simulate_served_prices_steps_as_the_live_server_runs_them(tiny_server, 
     out = capsys.readouterr().out
     assert "served: prefill x" not in plain
     assert "served: prefill x" in out and "probed through " + s.url in out
+    # with no profile the scales fit the assumed efficiencies: a note says so, and no
+    # warning asks whether a profile that does not exist is this server's
+    assert "the assumed efficiencies' step times" in out
+    assert "NOTE: no calibrated profile for this model on this machine" in out
+    assert "WARNING" not in out
     assert main([*args, "--served", "http://127.0.0.1:9", "--served-rounds", "1",
                  "--served-idle", "0.1", "0.2"]) == 2  # nothing listens there
     assert "connect" in capsys.readouterr().err.lower()

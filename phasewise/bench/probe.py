@@ -235,6 +235,7 @@ def probe(base_url: str, cm: Any, vocab_size: int, *, metrics_urls: Sequence[str
                     source=f"probed through {base_url} at {when}, {repeats} rounds",
                     request_busy_s=med("request_busy_s"),
                     wake_s=med("wake_s"), wake_long_s=med("wake_long_s"),
+                    profiled=bool(getattr(cm, "knots", None)),  # none: assumed mfu/mbu
                     **({} if idle_s is None else
                        {"wake_idle_s": (float(idle_s[0]), float(idle_s[1]))}))
     return served, phases

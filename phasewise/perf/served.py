@@ -67,6 +67,10 @@ class Served:
     wake_s: float | None = None
     wake_long_s: float | None = None
     wake_idle_s: tuple[float, float] = (IDLE_PROBE_S, IDLE_LONG_S)  # the two idle times
+    # what the scales multiply: a calibrated profile's step times, or (no profile for this
+    # model on this machine) the roofline's at assumed efficiencies, which a real engine
+    # misses by more than a machine drifts, so that a far scale then doubts nothing
+    profiled: bool = True
 
     def __post_init__(self) -> None:
         for name in ("prefill_scale", "decode_scale"):
@@ -76,9 +80,12 @@ class Served:
             if not 1 / SCALE_LIMIT <= v <= SCALE_LIMIT:
                 raise ValueError(
                     f"the served {name.replace('_', ' ')} x{v:.3g} is outside "
-                    f"[{1 / SCALE_LIMIT:g}, {SCALE_LIMIT:g}]: the profile does not describe "
-                    "this server's model, machine or threads (calibrate it where the server "
-                    "runs, as it runs)")
+                    f"[{1 / SCALE_LIMIT:g}, {SCALE_LIMIT:g}]: "
+                    + ("the profile does not describe this server's model, machine or "
+                       "threads (calibrate it where the server runs, as it runs)"
+                       if self.profiled else
+                       "the assumed efficiencies are too far from this server's steps to "
+                       "scale (phasewise calibrate fits a profile)"))
         if not 0 < self.wake_idle_s[0] < self.wake_idle_s[1] <= WAKE_IDLE_CAP_S:
             raise ValueError(f"the probe's idle waits must be 0 < short < long <= "
                              f"{WAKE_IDLE_CAP_S:g} s, got {self.wake_idle_s}")
@@ -101,6 +108,10 @@ class Served:
 
     def doubt(self) -> str | None:
         """Why these figures may not be a drift from the profile, or None."""
+        if not self.profiled:
+            return ("no calibrated profile for this model on this machine: the scales fit "
+                    "the served steps to the roofline at assumed efficiencies, not a drift "
+                    "('phasewise calibrate' fits a profile)")
         far = [f"{n} x{v:.2f}" for n, v in (("prefill", self.prefill_scale),
                                              ("decode", self.decode_scale))
                if not 1 / SCALE_PLAUSIBLE <= v <= SCALE_PLAUSIBLE]
@@ -118,12 +129,13 @@ class Served:
             busy += (f", +{self.wake_s * 1e3:.1f} ms more at an engine idle {short:g} s"
                      + ("" if self.wake_long_s is None else
                         f", +{self.wake_long_s * 1e3:.1f} ms idle {long:g} s"))
+        basis = "the profile's" if self.profiled else "the assumed efficiencies'"
         return (f"served: prefill x{self.prefill_scale:.3f}, decode x{self.decode_scale:.3f}"
-                f" the profile's step times, +{self.step_s * 1e3:.2f} ms a step and "
+                f" {basis} step times, +{self.step_s * 1e3:.2f} ms a step and "
                 f"+{self.sample_s * 1e3:.2f} ms per sampled sequence between steps, "
                 f"+{self.request_s * 1e3:.1f} ms a request{busy}"
                 + (f" ({self.source})" if self.source else "")
-                + (f"; WARNING: {doubt}" if doubt else ""))
+                + (f"; {'WARNING' if self.profiled else 'NOTE'}: {doubt}" if doubt else ""))
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
