@@ -53,13 +53,20 @@ class LLM:
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
             prompts = [prompts]  # type: ignore[list-item]
-        prompts = list(prompts)  # type: ignore[arg-type]
+        try:
+            prompts = list(prompts)  # type: ignore[arg-type]
+        except TypeError:
+            raise TypeError(f"prompts must be a string, a list of token ids, or a list of "
+                            f"either; got {type(prompts).__name__}") from None
         if isinstance(sampling_params, SamplingParams) or sampling_params is None:
             params = [sampling_params] * len(prompts)
-        else:
+        elif isinstance(sampling_params, Sequence) and not isinstance(sampling_params, str):
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
+        else:
+            raise TypeError(f"sampling_params must be a SamplingParams, a list of them (one a "
+                            f"prompt) or None; got {type(sampling_params).__name__}")
         engine = self.engine
         ids = []
         try:

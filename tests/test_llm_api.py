@@ -91,6 +91,16 @@ def test_bad_prompt_tokens_and_ids_are_refused(llm):
     with pytest.raises(ValueError, match="'dup' is already in use"):
         llm.engine.add_request("b", request_id="dup")
     llm.engine.abort_request(rid)
+    # what a caller passes by mistake is named, not a TypeError from deep inside
+    with pytest.raises(ValueError, match="lone surrogate at position 2"):
+        llm.generate("ab\ud800")
+    with pytest.raises(TypeError, match="prompts must be a string, a list of token ids"):
+        llm.generate(None)
+    with pytest.raises(TypeError, match="sampling_params must be a SamplingParams.*got dict"):
+        llm.generate(["a"], {"max_tokens": 2})
+    with pytest.raises(TypeError, match="must be a SamplingParams or None, got dict"):
+        llm.engine.add_request("a", {"max_tokens": 2})
+    assert not llm.engine.has_unfinished_requests()
 
 
 def test_chat_template_renders_messages(llm):

@@ -12,7 +12,7 @@ from phasewise.engine.generation import GenerationDefaults
 from phasewise.engine.request import Request
 from phasewise.engine.sampling_params import SamplingParams
 from phasewise.engine.structured import GrammarCompiler
-from phasewise.engine.validation import check_token_ids
+from phasewise.engine.validation import ValidationError, check_token_ids
 from phasewise.model.tokenizer import Tokenizer
 
 
@@ -44,9 +44,17 @@ class RequestBuilder:
               request_id: str | None, arrival_time: float | None) -> Request:
         """A new request; ValueError (``phasewise.engine.validation.ValidationError`` where a
         field is at fault) for a prompt or an id it cannot take."""
+        if params is not None and not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling params must be a SamplingParams or None, got "
+                            f"{type(params).__name__}")
         params = params or self.defaults.sampling_params()
         if isinstance(prompt, str):
             text: str | None = prompt
+            try:
+                prompt.encode("utf-8")  # a lone surrogate: no tokenizer takes it
+            except UnicodeEncodeError as e:
+                raise ValidationError(f"prompt holds an invalid Unicode character (a lone "
+                                      f"surrogate at position {e.start})", "prompt") from None
             ids = self.tokenizer.encode(prompt)
         elif isinstance(prompt, (list, tuple)):
             text = None
