@@ -64,8 +64,10 @@ def resolve_model(model: str | Path | None, note: Callable[[str], None] | None =
         if path.name == "config.json":
             raise ValueError(f"{model} is a file; --model takes the checkpoint folder that "
                              f"holds config.json: {folder}")
+        hint = (f", such as the one it is in: {folder}"
+                if (path.parent / "config.json").is_file() else "")
         raise ValueError(f"{model} is a file; --model takes a checkpoint folder (config.json, "
-                         f"*.safetensors, tokenizer.json), such as the one it is in: {folder}")
+                         f"*.safetensors, tokenizer.json){hint}")
     if not path.exists() and catalog is not None:
         name = catalog(str(model))
         if name is not None:

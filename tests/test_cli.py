@@ -144,6 +144,15 @@ def test_model_flag_says_what_it_found_and_what_it_takes(serving, tmp_path, caps
     err = capsys.readouterr().err
     assert f"{cfg} is a file; --model takes the checkpoint folder that holds config.json: " \
            f"{cfg.parent}/" in err
+    weights = cfg.parent / "model.safetensors"
+    weights.write_text("")
+    assert main(["generate", "--model", str(weights), "x"]) == 2
+    assert f"such as the one it is in: {cfg.parent}/" in capsys.readouterr().err
+    stray = tmp_path / "notes.txt"
+    stray.write_text("")
+    assert main(["generate", "--model", str(stray), "x"]) == 2
+    err = capsys.readouterr().err  # its folder is no checkpoint: not offered as one
+    assert "is a file; --model takes a checkpoint folder" in err and "such as" not in err
     for name in ("Llama-3.1-8B", "qwen3-8b", "meta-llama/Llama-3.1-8B"):
         assert main(["serve", "--model", name]) == 2
         err = capsys.readouterr().err
