@@ -36,7 +36,7 @@ SPECS = [
                           "decode": RoleResources("8", "64Gi", 2)},
                labels={"phasewise/plan": "pd"}),
     DeploySpec(MODEL, mode="pd", hpa=False, port=9000, kv_port=9100, shutdown_grace_s=12.5,
-               prestop_sleep_s=0),
+               prestop_sleep_s=0, network_policy=False),
 ]
 
 
@@ -144,6 +144,27 @@ def check_structure(spec: DeploySpec, docs: list[dict]) -> None:
         assert has_secret == (role(dep) in ("prefill", "decode"))
         grace = pod["spec"]["terminationGracePeriodSeconds"]
         assert grace > spec.shutdown_grace_s + k8s.UVICORN_BACKSTOP_S + spec.prestop_sleep_s
+    # pd: one NetworkPolicy, on every decode pod and nothing else; its K/V rule admits the
+    # prefill pods (not the router's), its HTTP rule anyone, on ports the pods have
+    policies = by_kind(docs, "NetworkPolicy")
+    assert len(policies) == (spec.mode == "pd" and spec.network_policy)
+    for pol in policies:
+        sel = pol["spec"]["podSelector"]["matchLabels"]
+        covered = [d for d in deployments
+                   if selects(sel, d["spec"]["template"]["metadata"]["labels"])]
+        assert covered and {role(d) for d in covered} == {"decode"}
+        assert len(covered) == spec.decode
+        http, kv = pol["spec"]["ingress"]
+        assert "from" not in http and http["ports"] == [{"protocol": "TCP", "port": "http"}]
+        assert kv["ports"] == [{"protocol": "TCP", "port": "kv"}]
+        (peer,) = kv["from"]
+        admitted = {role(d) for d in deployments
+                    if selects(peer["podSelector"]["matchLabels"],
+                               d["spec"]["template"]["metadata"]["labels"])}
+        assert admitted == {"prefill"}
+        for d in covered:
+            port_of(container(d), "kv")
+            port_of(container(d), "http")
     for hpa in by_kind(docs, "HorizontalPodAutoscaler"):
         ref = hpa["spec"]["scaleTargetRef"]
         target = named(docs, "Deployment", ref["name"])
@@ -379,6 +400,7 @@ BAD = [
     (dict(labels={"phasewise/plan": "not ok!"}), "must be a label value"),
     (dict(image_pull_policy="always"), "must be one of Always, IfNotPresent, Never"),
     (dict(kv_secret="My_Secret"), "DeploySpec.kv_secret must name a Kubernetes object"),
+    (dict(network_policy="yes"), "DeploySpec.network_policy must be True or False"),
     # engine_args
     (dict(engine_args=(("--frobnicate", "1"),)), "unknown flag '--frobnicate'; the engine "
      "flags of phasewise serve that can be set here:"),

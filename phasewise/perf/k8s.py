@@ -211,6 +211,7 @@ class DeploySpec:
     startup_timeout_s: int = 1800      # model loading (and the router's --wait for workers)
     shutdown_grace_s: float = 30.0     # --shutdown-grace: running streams' time after SIGTERM
     prestop_sleep_s: int = 5           # after SIGTERM is due, while endpoints drop the pod
+    network_policy: bool = True        # pd: a NetworkPolicy on the decode pods' K/V port
 
     def __post_init__(self) -> None:
         _check_spec(self)
@@ -280,6 +281,9 @@ def _check_spec(s: DeploySpec) -> None:
     if not isinstance(s.image, str) or not s.image or any(c.isspace() for c in s.image):
         raise ValueError(f"DeploySpec.image must be an image reference without spaces; "
                          f"got {s.image!r}")
+    if not isinstance(s.network_policy, bool):
+        raise ValueError(f"DeploySpec.network_policy must be True or False; got "
+                         f"{s.network_policy!r}")
     if s.image_pull_policy not in PULL_POLICIES:
         raise ValueError(f"DeploySpec.image_pull_policy must be one of "
                          f"{', '.join(PULL_POLICIES)}; got {s.image_pull_policy!r}")
@@ -638,9 +642,31 @@ def adapter_rules() -> dict[str, Any]:
 # ----------------------------------------------------------------------------- the whole
 
 
+def _kv_policy(s: DeploySpec) -> dict[str, Any]:
+    """pd: the decode pods' K/V port admits this deployment's prefill pods only; their HTTP
+    port stays open inside the cluster (the router, the metrics scraper), as their Services
+    are ClusterIP. The channel is authenticated (the K/V Secret) either way: this keeps
+    strangers from reaching its handshake at all, where the cluster's network enforces
+    NetworkPolicies."""
+    decode = {"app.kubernetes.io/name": "phasewise", "app.kubernetes.io/part-of": s.name,
+              "app.kubernetes.io/component": "decode"}
+    note = ("the decode workers' K/V port admits only this deployment's prefill pods; their "
+            "HTTP port stays open inside the cluster (the router, the metrics scraper); "
+            "enforced where the cluster's network plugin enforces NetworkPolicies")
+    return {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+            "metadata": _meta(s, f"{s.name}-decode-kv", _labels(s, "decode"),
+                              {"phasewise/note": note}),
+            "spec": {"podSelector": {"matchLabels": decode}, "policyTypes": ["Ingress"],
+                     "ingress": [
+                         {"ports": [{"protocol": "TCP", "port": "http"}]},
+                         {"from": [{"podSelector": {"matchLabels": _selector(s, "prefill")}}],
+                          "ports": [{"protocol": "TCP", "port": "kv"}]}]}}
+
+
 def manifests(spec: DeploySpec) -> list[dict]:
     """The Kubernetes objects for ``spec``, in apply order: ConfigMaps, engine Deployments and
-    Services (decode workers first), PodDisruptionBudgets, the HPA, the router."""
+    Services (decode workers first), PodDisruptionBudgets, the HPA, the decode workers'
+    NetworkPolicy (pd), the router."""
     s = spec
     args = engine_args_text(s.engine_args)
     config_hash = hashlib.sha256(args.encode()).hexdigest()[:16]
@@ -698,6 +724,8 @@ def manifests(spec: DeploySpec) -> list[dict]:
         docs.append(_pdb(s, "decode", "a node drain evicts one decode worker at a time: its "
                          "streams move to the other decode workers"))
         docs.append(_pdb(s, "prefill", "a node drain evicts one prefill worker at a time"))
+        if s.network_policy:
+            docs.append(_kv_policy(s))
     docs += _router(s)
     return docs
 
