@@ -698,7 +698,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--served-model-name", default=None,
                    help="the model name clients send (default: the folder's name)")
     s.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on /v1 routes")
+                   help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize and "
+                   "/detokenize, and a login for /dashboard (/health, /metrics and /version "
+                   "stay open; docs/serving.md#authentication)")
     _add_slo_args(s)
     s.add_argument("--max-waiting-requests", type=int, default=256,
                    help="requests allowed to wait for the engine; beyond it new ones get 503")
@@ -814,8 +816,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="prompts with fewer uncached tokens prefill on the decode worker (0: "
                          "every prompt goes to the prefill worker)")
     pd.add_argument("--api-key", default=None,
-                    help="require 'Authorization: Bearer KEY' on the router's and workers' /v1 "
-                         "routes")
+                    help="require 'Authorization: Bearer KEY' on the router's and workers' "
+                         "/v1/*, /tokenize and /detokenize, and a login for /dashboard")
     pd.add_argument("--pin", action="store_true",
                     help="decode worker on core 0, prefill worker on core 1, one thread each")
     pd.add_argument("--dtype", default=None, choices=DTYPE_CHOICES,

@@ -559,3 +559,17 @@ def test_version_prints_the_package_version(capsys):
     with pytest.raises(SystemExit) as e:
         main(["--version"])
     assert e.value.code == 0 and capsys.readouterr().out.strip() == f"phasewise {__version__}"
+
+
+def test_pd_workers_start_from_a_folder_that_holds_a_phasewise_folder(tmp_path):
+    """A clone's parent holds a folder named phasewise: ``python -m`` put the current folder
+    first on the path, and the workers imported that folder instead of the package."""
+    from phasewise.launch.pd import Launcher, PDConfig
+
+    (tmp_path / "phasewise").mkdir()
+    cmd = Launcher(PDConfig(model="m")).commands("secret")["decode"]
+    base = cmd[:cmd.index("serve")]
+    out = subprocess.run([*base, "--version"], cwd=tmp_path, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("phasewise ")

@@ -709,6 +709,8 @@ def test_a_verdict_within_the_noise_of_unstable_peaks_says_either_bound():
                                         0.1, 512))
     assert "within the noise of this machine's unstable peaks" in text
     assert "either bound" in text
+    # the hedge is a clause of its own: "either bound and decode was ..." read as one
+    assert "either bound and" not in text and "either bound; decode was" in text
     # The crossovers come from the same ridge: hedged alike, and only there.
     assert "from unstable peaks: the ridge these come from could be off" in text
     assert "from unstable peaks" not in stable

@@ -88,7 +88,9 @@ class Launcher:
     def commands(self, secret_file: str) -> dict[str, list[str]]:
         c = self.cfg
         dport, pport = c.ports()
-        base = [sys.executable, "-m", "phasewise"]
+        # -P: the current folder is not put first on the path, so a folder named phasewise
+        # there (a clone's parent) cannot shadow the installed package in the workers
+        base = [sys.executable, "-P", "-m", "phasewise"]
         auth = ["--api-key", c.api_key] if c.api_key else []
         common = ["--model", c.model, "--host", c.host, "--log-level", c.log_level, *auth]
         kv = f"tcp://{c.host}:{c.kv_port}"

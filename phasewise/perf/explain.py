@@ -265,8 +265,10 @@ def explain_generation(shape: ModelShape, accel: Accelerator, weight_dtype: str,
                     f"this machine's unstable peaks (x{noise:.2f}): either bound")
         return f"{p.name} was {p.bound}-bound"
 
-    said = " and ".join(verdict(p, c) for p, c in zip(phases, (prefill_compute,
-                                                              decode_compute)))
+    verdicts = [verdict(p, c) for p, c in zip(phases, (prefill_compute, decode_compute))]
+    # a hedged verdict ends in a clause of its own: "and" would run it into the next one
+    said = ("; " if any(v.endswith("either bound") for v in verdicts) else " and ").join(
+        verdicts)
     flips = []
     crossover = compute_bound_prompt_len(pre_roof, max(1, max_step_tokens))
     if pre.bound == "memory":

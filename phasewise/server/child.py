@@ -90,7 +90,8 @@ class Child:
     def start(self) -> None:
         self.kill()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", self.module], stdin=subprocess.PIPE,
+            # -P: no current folder first on the path (it could shadow phasewise)
+            [sys.executable, "-P", "-m", self.module], stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env={**os.environ, **self.env})
         try:
             self._ask(self.setup, time.monotonic() + self.start_timeout_s)
