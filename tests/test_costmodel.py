@@ -114,6 +114,32 @@ def test_a_stored_profile_with_impossible_figures_says_so():
     assert any(ln.startswith("  per sequence: not resolved") for ln in lines)
 
 
+def test_a_profile_calibrated_under_load_or_fitted_badly_warns_where_it_is_used():
+    """calibrate on a busy machine stored step times 20x a quiet run's, and simulate and
+    plan then priced every step from them without a word."""
+    from phasewise.perf.calibrate import FIT_DOUBT, note_conditions
+    from phasewise.perf.contention import Contention
+
+    quiet = fitted(truth(attn=1.3))
+    note_conditions(quiet, Contention(30.0, 0.05, 0.0))
+    assert quiet.fit_report["conditions"] == {"others": 0.05, "steal": 0.0, "window_s": 30.0}
+    assert "unstable" not in quiet.fit_report
+    assert not any("WARNING" in ln for ln in quiet.describe())
+    busy = fitted(truth(attn=1.3))
+    note_conditions(busy, Contention(30.0, 0.6, 0.0))
+    # the reason survives the profile's file, and every describe() leads with it
+    stored = CostModel.from_dict(SHAPE, CPU, json.loads(json.dumps(busy.to_dict())))
+    (warn,) = [ln for ln in stored.describe() if "WARNING" in ln]
+    assert stored.describe()[1] == warn
+    assert "other processes used 60% of this machine's CPU time over 30.0 s" in warn
+    assert "run 'phasewise calibrate' again on a quiet machine" in warn
+    rough = fitted(truth(attn=1.3))
+    rough.fit_report.update(median_abs_rel_err=FIT_DOUBT * 2, max_abs_rel_err=0.9)
+    note_conditions(rough, None)  # no /proc: the fit's error alone
+    assert "misses the measured steps by a median 30% (worst 90%)" in \
+        rough.fit_report["unstable"]
+
+
 @pytest.mark.parametrize("attn", [2.5, 1.3])
 def test_a_plausible_fit_prints_its_figures_plainly(attn):
     cm = fitted(truth(attn=attn))

@@ -37,6 +37,7 @@ from typing import Any
 
 from phasewise.engine.step_cost import Chunk
 from phasewise.files import write_text_atomic
+from phasewise.perf.contention import Contention, CpuSample
 from phasewise.perf.costmodel import CostModel, StepMix, fit
 from phasewise.perf.hardware import Accelerator, accelerator_from_entry, machine_file
 from phasewise.perf.models import ModelShape
@@ -287,7 +288,9 @@ def calibrate(model: str, *, engine_kwargs: dict[str, Any] | None = None, quick:
     rng = random.Random(0)
     for _ in range(2):  # warm-up: first steps pay for allocations and kernel builds
         measure_point(engine, GridPoint(4, min(128, max_len - 1), 16, 16), rng)
+    before = CpuSample.now() if device == "cpu" else None
     times = time_points(engine, points, reps, rng, say)
+    contention = Contention.between(before, CpuSample.now()) if before is not None else None
     rows = [(p, statistics.median(times[p])) for p in points]
     for p, t in rows:
         say(f"  {p.label():<36} {t * 1e3:9.2f} ms")
@@ -296,6 +299,7 @@ def calibrate(model: str, *, engine_kwargs: dict[str, Any] | None = None, quick:
     cm = fit(shape, accel, dtype, [(p.mix(), t) for p, t in rows], compute_dtype,
              source=f"fitted by phasewise calibrate on {time.strftime('%Y-%m-%d %H:%M')}, "
                     f"{mid['cpu'] if device == 'cpu' else device}")
+    note_conditions(cm, contention)
     gpu = re.sub(r"[^a-z0-9]+", "-", accel.name.lower()).strip("-")
     path = out or profile_path(Path(model).name, machine_slug(mid) if device == "cpu"
                                else f"{device}-{gpu}")
@@ -309,6 +313,33 @@ def calibrate(model: str, *, engine_kwargs: dict[str, Any] | None = None, quick:
                  for p, t in rows],
     }, indent=1))
     return cm, path
+
+
+# A fit whose median error over the grid is past this did not find one machine's step
+# times in the steps (a quiet run's is a few percent).
+FIT_DOUBT = 0.15
+
+
+def note_conditions(cm: CostModel, contention: Contention | None) -> None:
+    """Keep in the fit's report the load the grid ran under and, where that load or the
+    fit's error says the step times are not this machine's own, why the profile is not
+    trusted (``CostModel.describe`` and every command that prints it say so)."""
+    fr = cm.fit_report
+    reasons = []
+    if contention is not None:
+        fr["conditions"] = {"others": round(contention.others, 3),
+                            "steal": round(contention.steal, 3),
+                            "window_s": round(contention.window_s, 1)}
+        if contention.shared:
+            reasons.append(f"measured while {contention.words()}: its step times include "
+                           "that load")
+    err = fr.get("median_abs_rel_err")
+    if err is not None and err > FIT_DOUBT:
+        reasons.append(f"its fit misses the measured steps by a median {err:.0%} (worst "
+                       f"{fr.get('max_abs_rel_err', err):.0%}): the steps did not keep one "
+                       "speed")
+    if reasons:
+        fr["unstable"] = "; ".join(reasons)
 
 
 def _accel_entry(a: Accelerator) -> dict[str, Any]:

@@ -226,6 +226,9 @@ class CostModel:
                          f"bandwidth, {self.overhead_s * 1e3:.3g} ms per step")
             return lines
         fr = self.fit_report
+        if fr and fr.get("unstable"):
+            lines.append(f"  WARNING: this profile is not trusted: {fr['unstable']}; run "
+                         "'phasewise calibrate' again on a quiet machine")
         at_bound = set(fr.get("at_bound", ())) if fr else set()
         over_s = self.overhead_s > 0 and "overhead" not in at_bound
         seq_s = self.per_seq_s > 0 and "per_seq" not in at_bound
