@@ -38,6 +38,14 @@ class LLM:
     def step_stats(self) -> list[StepStats]:
         return list(self.engine.step_stats)
 
+    def warm_up(self) -> None:
+        """Run one short greedy request, so that one-time costs (buffers, the first calls of
+        each kernel) stay out of the next requests' timings, as ``phasewise generate`` does
+        before its prompt."""
+        from phasewise.generate import warm_up
+
+        warm_up(self)
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],

@@ -224,3 +224,11 @@ def test_engine_releases_the_heap_after_its_cpu_set_up(llama_dir, monkeypatch):
     monkeypatch.setattr(backend_module, "release_freed_heap", lambda: calls.append(1) or True)
     LLM(str(llama_dir), dtype="bfloat16")
     assert calls == [1]
+
+
+def test_warm_up_runs_one_short_request_and_leaves_nothing_behind(llm):
+    last = llm.step_stats[-1].index if llm.step_stats else -1
+    llm.warm_up()
+    assert llm.step_stats[-1].index > last  # it ran steps (the history is bounded: by index)
+    assert llm.step_stats[-1].num_prefill_tokens + llm.step_stats[-1].num_decode_tokens > 0
+    assert not llm.engine.has_unfinished_requests()

@@ -758,7 +758,7 @@ def header(spec: DeploySpec) -> str:
         f"phasewise {s.mode} deployment {s.name!r}, written by phasewise.perf.k8s.",
         "Before kubectl apply -f this file:",
         f"- an image {s.image!r} with phasewise installed and on PATH (phasewise publishes "
-        "none: build one from this repository);",
+        "none: build one from this repository, docs/predicting.md#an-image);",
         f"- a PersistentVolumeClaim {s.model_pvc!r}{' in ' + s.namespace if s.namespace else ''}"
         f" holding the checkpoint at {s.model_path} (mounted read-only at {s.model_mount}; "
         "ReadOnlyMany or ReadWriteMany where pods land on several nodes);",
