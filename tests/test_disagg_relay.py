@@ -6,6 +6,7 @@ prefill worker and counts why it prefilled locally."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 
 import httpx
@@ -150,7 +151,10 @@ def test_internal_generate_streams_what_the_engine_makes_and_checks_its_input(wo
                                                   "params": {"max_tokens": 10 ** 4}}]},
                     "specs.0.params.max_tokens"),
                    ({"request_id": "x", "specs": [{"token_ids": ids, "params": {},
-                                                  "extra": 1}]}, "specs.0.extra")]
+                                                  "extra": 1}]}, "specs.0.extra"),
+                   # a stop id past the vocabulary, refused as /v1 refuses it
+                   ({"request_id": "x", "specs": [{"token_ids": ids, "params": {
+                       "stop_token_ids": [10 ** 9]}}]}, "specs.0.params.stop_token_ids")]
             for body, param in bad:
                 r = await c.post("/internal/v1/generate", headers=auth, json=body)
                 assert r.status_code == 400, (body, r.text)
@@ -170,6 +174,63 @@ def test_internal_generate_streams_what_the_engine_makes_and_checks_its_input(wo
                 assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
             load = (await c.get("/internal/v1/load", headers=auth)).json()
             assert load["alive"] and load["snapshot"]["num_running"] == 0
+        await asyncio.to_thread(engine.shutdown)
+
+    asyncio.run(run())
+
+
+def test_only_a_relay_groups_own_key_aborts_it_and_never_a_v1_clients_request(worker):
+    """/internal/v1/abort took any id: a client that learnt another's (the dashboard shows
+    them) froze that client's stream with no end. Now it aborts a relay group's requests,
+    and only with the key the group's router sent."""
+    engine, server = _serve(worker)
+    ids = LLM(str(worker)).tokenizer.encode("def f(x):")
+    long = params_to_wire(SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))
+
+    async def running(prefix: str) -> list[str]:
+        for _ in range(2000):
+            got = [r for r in list(engine.engine.requests) if r.startswith(prefix)]
+            if got:
+                return got
+            await asyncio.sleep(0.005)
+        raise AssertionError(f"no request {prefix}* ran")
+
+    async def run():
+        engine.start(asyncio.get_running_loop())
+        transport = httpx.ASGITransport(app=server.app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://w",
+                                     timeout=120) as c:
+            victim = asyncio.ensure_future(c.post("/v1/completions", json={
+                "prompt": ids, "max_tokens": 100, "ignore_eos": True, "temperature": 0}))
+            (rid,) = await running("cmpl-")
+            r = await c.post("/internal/v1/abort", json={"request_ids": [rid],
+                                                        "abort_key": "x" * 32})
+            assert r.status_code == 200 and r.json() == {"aborted": 0}
+            r = await c.post("/internal/v1/abort", json={"request_ids": [rid]})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "abort_key"
+            done = (await victim).json()
+            assert done["choices"][0]["finish_reason"] == "length"
+            assert done["usage"]["completion_tokens"] == 100  # it ran to its end
+
+            key = "k" * 32
+            relay = asyncio.ensure_future(c.post("/internal/v1/generate", json={
+                "request_id": "relay-1", "abort_key": key,
+                "specs": [{"token_ids": ids, "params": long}]}))
+            (rid,) = await running("relay-1")
+            r = await c.post("/internal/v1/abort", json={"request_ids": [rid],
+                                                        "abort_key": "y" * 32})
+            assert r.json() == {"aborted": 0} and rid in engine.engine.requests
+            r = await c.post("/internal/v1/abort", json={"request_ids": [rid, rid],
+                                                        "abort_key": key})
+            assert r.json() == {"aborted": 1}
+            for _ in range(2000):
+                if rid not in engine.engine.requests:
+                    break
+                await asyncio.sleep(0.005)
+            assert rid not in engine.engine.requests
+            relay.cancel()  # the router that asked closes the stream itself
+            with contextlib.suppress(asyncio.CancelledError):
+                await relay
         await asyncio.to_thread(engine.shutdown)
 
     asyncio.run(run())

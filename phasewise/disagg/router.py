@@ -44,6 +44,7 @@ import dataclasses
 import itertools
 import json
 import logging
+import secrets
 import time
 import urllib.parse
 from collections import deque
@@ -105,6 +106,9 @@ class _Stream:
     aborted: set[int] = dataclasses.field(default_factory=set)  # requests the client ended
     moving: bool = False  # a move is under way (its task waits on another worker)
     stay: bool = False  # a drain's move found no taker: read the old worker to the end
+    # what /internal/v1/abort must show a worker to abort this group's requests there (no
+    # one else, who may learn their ids, can)
+    abort_key: str = ""
 
 
 class _Migrate(Exception):
@@ -353,8 +357,9 @@ class Router(Fleet):
             raise ValueError(f"request id {request_id!r} is already in use")
         arrival = time.monotonic() if arrival_time is None else arrival_time
         # handover: the worker may write a drain notice into the stream (this router moves it)
+        abort_key = secrets.token_hex(16)  # aborts on the worker only what this group asks
         body: dict[str, Any] = {"request_id": request_id, "handover": True,
-                                "specs": _wire_specs(specs, range(n))}
+                                "abort_key": abort_key, "specs": _wire_specs(specs, range(n))}
         slo = specs[0].slo if specs else None
         if slo is not None:  # each worker judges it against its own queue
             for name, value in (("slo_ttft_ms", slo.ttft_s), ("slo_tpot_ms", slo.tpot_s)):
@@ -374,7 +379,7 @@ class Router(Fleet):
             assembler = OutputAssembler(ids, [s.token_ids for s in specs],
                                         [s.prompt for s in specs], arrival)
             assembler.admitted()
-            stream = _Stream(request_id, list(specs), hashes, relay)
+            stream = _Stream(request_id, list(specs), hashes, relay, abort_key=abort_key)
             task = asyncio.ensure_future(self._run(group, assembler, stream))
         except BaseException:
             self._release(relay)
@@ -675,7 +680,7 @@ class Router(Fleet):
             return False
         # (moved: admitted once already, it is not judged by a worker's SLO targets again)
         content = await _encode({"request_id": stream.request_id, "moved": True,
-                                 "handover": True,
+                                 "handover": True, "abort_key": stream.abort_key,
                                  "specs": _wire_specs(stream.specs, pending, assembler)})
         try:
             relay, _ = await self._open(content, stream.hashes, pending, [gone])
@@ -771,13 +776,13 @@ class Router(Fleet):
             names = _relay_ids(stream.request_id, len(relay.index))  # the relay's numbering
             theirs = [names[k] for k, i in enumerate(relay.index) if i in mine]
             if theirs and self._loop is not None and self._client is not None:
-                self._spawn(self._abort_remote(relay.worker, theirs))
+                self._spawn(self._abort_remote(relay.worker, theirs, stream.abort_key))
 
-    async def _abort_remote(self, worker: Worker, rids: list[str]) -> None:
+    async def _abort_remote(self, worker: Worker, rids: list[str], key: str) -> None:
         assert self._client is not None
         try:
             await self._client.post(worker.url + "/internal/v1/abort",
-                                    json={"request_ids": rids})
+                                    json={"request_ids": rids, "abort_key": key})
         except httpx.HTTPError as e:
             log.warning("could not abort %s on %s: %s", rids, worker.url, why_failed(e))
 

@@ -21,13 +21,17 @@ OpenAPI document: it is phasewise's own, not OpenAI's.
   is a 429 the router takes to the next worker). When this server starts to drain, each
   open stream of a router that asked (``handover``) gets a ``{"notice": "handover"}`` line
   (``phasewise.engine.relay``) and runs on until its router moves it or it ends.
-* ``POST /internal/v1/abort``: abort requests by id.
+* ``POST /internal/v1/abort``: abort requests of a relay group by id, with the group's
+  ``abort_key``: the secret its router sent with ``/internal/v1/generate``. Only that group's
+  requests can be aborted so: never a ``/v1`` client's, whose ids another client may learn
+  (the dashboard shows them), nor another router's.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hmac
 import json
 import time
 from collections.abc import AsyncIterator, Callable
@@ -82,12 +86,17 @@ class RelayRequest(BaseModel):
     moved: bool = False
     # the router moves a stream on a drain notice (an older one would not read the line)
     handover: bool = False
+    # the secret /internal/v1/abort must show to abort this group's requests (none: they
+    # cannot be aborted by id, only by closing this stream)
+    abort_key: str | None = Field(None, min_length=16, max_length=128,
+                                  pattern=r"^[A-Za-z0-9_-]+$")
 
 
 class AbortRelay(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     request_ids: list[str] = Field(min_length=1, max_length=4096)
+    abort_key: str = Field(min_length=16, max_length=128)
 
 
 class NDJSONResponse(SSEResponse):
@@ -103,6 +112,7 @@ def add_internal_routes(app: FastAPI, backend: ServingBackend, routes: Routes, *
     tells every open relay stream that it may be handed over."""
     identity = checkpoint_identity(Path(backend.info.model_path))
     relays: set[RequestGroup] = set()  # the groups whose streams are open now
+    abort_keys: dict[str, str] = {}  # open relay requests' ids -> their group's abort_key
 
     def handover() -> None:
         for group in list(relays):
@@ -139,8 +149,11 @@ def add_internal_routes(app: FastAPI, backend: ServingBackend, routes: Routes, *
 
     @app.post("/internal/v1/abort", include_in_schema=False)
     async def abort(body: AbortRelay) -> dict[str, Any]:
-        backend.abort(body.request_ids)
-        return {"aborted": len(body.request_ids)}
+        mine = [rid for rid in dict.fromkeys(body.request_ids)
+                if rid in abort_keys and hmac.compare_digest(abort_keys[rid].encode(),
+                                                             body.abort_key.encode())]
+        backend.abort(mine)
+        return {"aborted": len(mine)}
 
     def check(body: RelayRequest) -> list[PromptSpec]:
         """On a worker thread: a body of n long prompts is work the size of the request."""
@@ -165,6 +178,8 @@ def add_internal_routes(app: FastAPI, backend: ServingBackend, routes: Routes, *
                 if isinstance(e, ValidationError) and e.param:
                     param = f"{param}.{e.param}"
                 raise ApiError(400, f"{param}: {e}", param=param) from e
+            if params.stop_token_ids:  # as /v1 checks them: ids of this vocabulary
+                routes._ids(list(params.stop_token_ids), f"{where}.params.stop_token_ids")
             routes._budget(len(ids), params.max_tokens, f"{where}.token_ids",
                            f"{where}.params.max_tokens", min_max_tokens=0)
             resume = (tuple(routes._ids(s.resume, f"{where}.resume")) if s.resume
@@ -192,6 +207,9 @@ def add_internal_routes(app: FastAPI, backend: ServingBackend, routes: Routes, *
             None if body.moved else routes.default_slo)
         group = await routes._submit(specs, body.request_id, arrival,
                                      slo if slo.any else None)
+        if body.abort_key is not None:
+            for rid in group.request_ids:
+                abort_keys[rid] = body.abort_key
 
         produced: dict[int, int] = {}
         if body.handover:
@@ -219,11 +237,12 @@ def add_internal_routes(app: FastAPI, backend: ServingBackend, routes: Routes, *
             except EngineError as e:
                 yield encode_error("engine", str(e))
             finally:
-                relays.discard(group)
-                group.close()
+                close()
 
         def close() -> None:
             relays.discard(group)
+            for rid in group.request_ids:
+                abort_keys.pop(rid, None)
             group.close()
 
         return NDJSONResponse(lines(), close, lambda e: encode_error(
