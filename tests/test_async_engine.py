@@ -189,3 +189,33 @@ def test_an_add_never_waits_forever_when_the_engine_thread_dies(llama_dir):
             await asyncio.to_thread(ae.shutdown)
 
     asyncio.run(main())
+
+
+def test_a_newcomer_gets_its_first_token_while_a_big_group_holds_the_seats(llama_dir):
+    """One request of many sequences within every limit took all the seats, and another
+    client waited for its first token until whole generations of it ended. Its sequences
+    form one group: the newcomer's first token comes while most of the group is still
+    running, and every sequence still ends as it would alone."""
+    engine = LLMEngine(EngineConfig(model=str(llama_dir), max_num_seqs=4))
+    ae = AsyncEngine(engine, max_waiting=64)
+    long = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    want = LLM(str(llama_dir)).generate([[5, 6, 7]], long)[0].token_ids
+
+    async def main():
+        ae.start()
+        try:
+            big = await ae.add([PromptSpec([5, 6, 7], long)] * 12, "big")
+            first = await big.__anext__()  # the group runs
+            assert first is not None
+            small = await ae.add([PromptSpec([9, 10], GREEDY)], "small")
+            await small.__anext__()  # its first token
+            left = sum(1 for r in engine.requests.values() if r.group == "big-0")
+            assert left >= 8  # FCFS would have run two-thirds of the group first
+            assert len((await collect(small))[0].token_ids) == 6
+            outs = await collect(big)
+            assert all(outs[i].token_ids == want for i in range(12))
+            assert engine.kv.usage == 0 and not engine.requests
+        finally:
+            await asyncio.to_thread(ae.shutdown)
+
+    asyncio.run(main())

@@ -333,3 +333,57 @@ def test_a_verify_registers_the_true_chain_in_the_prefix_cache():
     s.finish_request(a, RequestStatus.FINISHED_ABORTED)
     b = Request("b", tokens + [9], SamplingParams(max_tokens=1), arrival_time=0.0)
     assert s.kv.get_computed_blocks(b).num_tokens == 12  # all three full blocks are found
+
+
+def _grouped(rid: str, group: str | None, n_prompt: int = 3, max_tokens: int = 50,
+             first: int = 1000) -> Request:
+    r = req(rid, n_prompt, max_tokens, first)
+    r.group = group
+    return r
+
+
+@pytest.mark.parametrize("policy", ["chunked", "prefill-first"])
+def test_a_request_of_many_sequences_cannot_keep_a_newcomer_from_every_seat(policy):
+    """16 prompts x n=16 (256 sequences) took all 128 seats and kept another client's
+    request from its first token for a whole generation, twice over: now the newcomer gets
+    a seat within two steps, the big request gives up one (by preemption) for it, and
+    sequences of one group each are still admitted in arrival order."""
+    s = make(budget=64, seqs=8, blocks=256, policy=policy)
+    for i in range(12):
+        s.add_request(_grouped(f"big-{i}", "big", first=1000 + 10 * i))
+    step(s)
+    assert len(s.running) == 8 and all(r.group == "big" for r in s.running)
+    s.add_request(_grouped("new", None, first=2000))
+    preempted = []
+    for _ in range(2):
+        preempted += [r.request_id for r in step(s).preempted]
+        if any(r.request_id == "new" for r in s.running):
+            break
+    assert any(r.request_id == "new" for r in s.running)
+    assert preempted == ["big-7"]  # the group's latest admitted, once
+    assert [r.request_id for r in s.waiting][0] == "big-7"  # and first of its group again
+
+
+def test_fair_admission_keeps_arrival_order_between_single_requests():
+    s = make(budget=64, seqs=2, blocks=256)
+    for name in ("a", "b", "c", "d"):
+        s.add_request(_grouped(name, None, max_tokens=2, first=ord(name) * 10))
+    admitted = []
+    while s.has_unfinished():
+        for r in step(s).requests:
+            if r.request_id not in admitted:
+                admitted.append(r.request_id)
+    assert admitted == ["a", "b", "c", "d"]
+    assert s.num_preemptions == 0
+
+
+def test_a_group_at_half_the_seats_or_less_keeps_them():
+    s = make(budget=64, seqs=8, blocks=256)
+    for i in range(4):
+        s.add_request(_grouped(f"g-{i}", "g", first=1000 + 10 * i))
+    for i in range(4):
+        s.add_request(_grouped(f"h-{i}", "h", first=3000 + 10 * i))
+    step(s)
+    s.add_request(_grouped("new", None, first=5000))
+    for _ in range(3):
+        assert not step(s).preempted  # no group holds more than half: it waits its turn

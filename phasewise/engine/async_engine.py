@@ -430,8 +430,11 @@ class AsyncEngine:
                                        export_kv_from=spec.export_kv_from,
                                        resume=spec.resume)
                 hits.append(hit)
+                req = engine.requests[rid]
                 if spec.prompt is not None:
-                    engine.requests[rid].prompt = spec.prompt
+                    req.prompt = spec.prompt
+                if n > 1:  # one client request's sequences share their seats fairly
+                    req.group = cmd.requests[0][0]
                 added.append(rid)
         except Exception as e:
             for rid in added:

@@ -124,6 +124,9 @@ class Request:
         self.prompt_logprobs: list[dict[int, float] | None] | None = (
             [None] if params.prompt_logprobs is not None else None)
         self.metrics = RequestMetrics(arrival_time)
+        # The client request it is one sample of (n samples, several prompts: one group);
+        # None: its own. The scheduler shares seats fairly between groups.
+        self.group: str | None = None
         # Structured output: its place in its grammar (a structured.Matcher, set by the
         # engine), advanced by each token it is given.
         self.grammar: Any = None

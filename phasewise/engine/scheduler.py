@@ -23,6 +23,15 @@ frees all its blocks, goes back to the *front* of the waiting queue with
 ``num_computed_tokens = 0``, and later recomputes its prompt and outputs so far (the prefix
 cache often keeps most of them). No new request is admitted in a step that preempted.
 
+Fairness between client requests: one request of many sequences (n samples of several
+prompts: a group, ``Request.group``) must not hold every seat while another client's request
+waits for its first token. Admission takes, of the waiting requests, the first whose group
+holds the fewest seats (FCFS among equals, so requests of one sequence each are admitted in
+arrival order, and a preempted request first); and where no seat is free, a request whose
+group holds none waits, and some group holds more than half of ``max_num_seqs``, that
+group's most recently admitted sequence is preempted, once a step, so that the newcomer
+gets the seat.
+
 Time: the scheduler reads no clock of its own. Every timestamp it stamps on a request
 (``first_scheduled_time``, ``first_token_time``, ``token_times``, ``finished_time``) comes from
 the ``clock`` it is given: the engine passes ``time.monotonic``; a simulator passes its virtual
@@ -32,7 +41,7 @@ manager, this module imports no torch.
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -113,6 +122,10 @@ class ScheduledBatch:
             else:
                 chunks.append((req.request_id, n))
         return tuple(chunks), tuple(decodes)
+
+
+def _group(req: Request) -> str:
+    return req.group if req.group is not None else req.request_id
 
 
 def is_decode(req: Request, n: int) -> bool:
@@ -231,6 +244,12 @@ class Scheduler:
     # -- scheduling ------------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch:
         if self.config.policy == "prefill-first" and self.waiting:
+            hog = None if self._has_seat() else self._seat_for_a_newcomer(self._seats())
+            if hog is not None:  # the newcomer's seat: a decode step, then its prompt
+                self._preempt(hog)
+                batch = self._schedule(admit=False)
+                batch.preempted.insert(0, hog)
+                return batch
             batch = self._schedule_whole_prompts()
             if batch.requests or batch.preempted:  # (preempted: its chunked fallback's)
                 return batch
@@ -273,6 +292,13 @@ class Scheduler:
         budget = cfg.max_num_batched_tokens
         batch = ScheduledBatch()
         scheduled: set[str] = set()
+        seats = self._seats()
+        if admit and self.waiting and not self._has_seat():
+            hog = self._seat_for_a_newcomer(seats)
+            if hog is not None:
+                self._preempt(hog)
+                seats[_group(hog)] -= 1
+                batch.preempted.append(hog)
         decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
         chunks = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
         picked: list[tuple[Request, int]] = []
@@ -312,7 +338,7 @@ class Scheduler:
 
         if admit and not batch.preempted:
             while self.waiting and budget > 0 and self._has_seat():
-                req = self.waiting[0]
+                req = self._next_waiting(seats)
                 prefix = self._cached_prefix(req)
                 n = min(req.num_tokens - prefix.num_tokens, budget)
                 if not self.kv.allocate_slots(req, n, prefix):
@@ -323,6 +349,7 @@ class Scheduler:
                         break
                     n = fit
                 self._admit(req, prefix.num_tokens)
+                seats[_group(req)] += 1
                 picked.append((req, n))
                 budget -= n
 
@@ -353,8 +380,9 @@ class Scheduler:
         """prefill-first: admit waiting prompts whole; no decodes run in this step."""
         budget = self.config.max_num_batched_tokens
         batch = ScheduledBatch()
+        seats = self._seats()
         while self.waiting and self._has_seat():
-            req = self.waiting[0]
+            req = self._next_waiting(seats)
             prefix = self._cached_prefix(req)
             n = req.num_tokens - prefix.num_tokens
             if n > budget or not self.kv.allocate_slots(req, n, prefix):
@@ -366,6 +394,7 @@ class Scheduler:
                     return self._schedule(admit=True)
                 break
             self._admit(req, prefix.num_tokens)
+            seats[_group(req)] += 1
             batch.requests.append(req)
             batch.num_tokens.append(n)
             batch.num_prefill_tokens += n
@@ -383,12 +412,43 @@ class Scheduler:
             return CachedPrefix()
         return self.kv.get_computed_blocks(req)
 
+    def _seats(self) -> Counter[str]:
+        """Seats each group holds: its running requests and those waiting for remote K/V."""
+        return Counter(_group(r) for r in (*self.running, *self.remote.values()))
+
+    def _next_waiting(self, seats: Counter[str]) -> Request:
+        """The waiting request to admit next: the first whose group holds the fewest seats
+        (the queue's head where every group holds none)."""
+        best, fewest = self.waiting[0], seats[_group(self.waiting[0])]
+        if fewest:
+            for r in self.waiting:
+                n = seats[_group(r)]
+                if n < fewest:
+                    best, fewest = r, n
+                    if n == 0:
+                        break
+        return best
+
+    def _seat_for_a_newcomer(self, seats: Counter[str]) -> Request | None:
+        """With every seat taken: where a waiting request's group holds none and another
+        group holds more than half of them, that group's most recently admitted running
+        request (to preempt), else None."""
+        if not any(seats[_group(r)] == 0 for r in self.waiting):
+            return None
+        hog, held = max(seats.items(), key=lambda kv: kv[1], default=(None, 0))
+        if held * 2 <= self.config.max_num_seqs:
+            return None
+        return next((r for r in reversed(self.running) if _group(r) == hog), None)
+
     def _has_seat(self) -> bool:
         """Under max_num_seqs: requests waiting for remote K/V hold their seat too."""
         return len(self.running) + len(self.remote) < self.config.max_num_seqs
 
     def _admit(self, req: Request, num_cached: int) -> None:
-        self.waiting.popleft()
+        if self.waiting[0] is req:
+            self.waiting.popleft()
+        else:
+            self.waiting.remove(req)
         self.kv.record_prefix_lookup(req.num_tokens, num_cached)
         if req.metrics.first_scheduled_time is None:
             req.metrics.first_scheduled_time = self.clock()
