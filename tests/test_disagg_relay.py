@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 
 import httpx
@@ -166,6 +167,23 @@ def test_internal_generate_streams_what_the_engine_makes_and_checks_its_input(wo
             asm = OutputAssembler(["cmpl-2-0", "cmpl-2-1"], [ids, ids], [None, None], 0.0)
             finals = [o for o in map(asm.feed, r.text.splitlines()) if o.finished]
             assert [o.token_ids for o in finals] == [want.token_ids] * 2
+            # ... and their parameters once: the others send what differs (a seed)
+            seeded = params_to_wire(SamplingParams(temperature=1.0, max_tokens=6,
+                                                   ignore_eos=True, seed=3))
+            r = await c.post("/internal/v1/generate", headers=auth, json={
+                "request_id": "cmpl-3", "specs": [
+                    {"token_ids": ids, "params": seeded},
+                    {"same_as": 0, "params_from": 0, "params": {"seed": 3}},
+                    {"same_as": 0, "params_from": 0, "params": {"seed": 4}}]})
+            asm = OutputAssembler([f"cmpl-3-{i}" for i in range(3)], [ids] * 3, [None] * 3,
+                                  0.0)
+            finals = {o.request_id: o.token_ids for o in map(asm.feed, r.text.splitlines())
+                      if o.finished}
+            assert finals["cmpl-3-0"] == finals["cmpl-3-1"]  # the same seed: the same draw
+            r = await c.post("/internal/v1/generate", headers=auth, json={
+                "request_id": "x", "specs": [{"token_ids": ids, "params_from": 0,
+                                              "params": {}}]})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "specs.0.params_from"
             for specs, param in (([{"same_as": 0, "params": params}], "specs.0.same_as"),
                                  ([{"token_ids": ids, "same_as": 0, "params": params}],
                                   "specs.0")):
@@ -234,6 +252,25 @@ def test_only_a_relay_groups_own_key_aborts_it_and_never_a_v1_clients_request(wo
         await asyncio.to_thread(engine.shutdown)
 
     asyncio.run(run())
+
+
+def test_a_groups_samples_send_their_parameters_once():
+    """n=16 samples with a 600 KB schema made a 9.6 MB relay body, past the worker's 8 MiB:
+    the samples after the first send only what differs from it."""
+    from phasewise.disagg.router import _wire_specs
+    from phasewise.engine.backend import PromptSpec
+    from phasewise.engine.relay import params_from_wire
+
+    ids = [5, 6, 7]
+    big = SamplingParams(temperature=1.0, max_tokens=4, stop=["x" * 50000])
+    specs = [PromptSpec(ids, dataclasses.replace(big, seed=10 + j)) for j in range(16)]
+    wire = _wire_specs(specs, range(16))
+    assert len(json.dumps(wire)) < 2 * 50000  # the long stop string crossed once
+    assert wire[0]["params"]["seed"] == 10 and "params_from" not in wire[0]
+    assert all(w["params_from"] == 0 and w["params"] == {"seed": 10 + k}
+               for k, w in enumerate(wire[1:], 1))
+    rebuilt = [params_from_wire({**wire[0]["params"], **w["params"]}) for w in wire]
+    assert rebuilt == [s.params for s in specs]
 
 
 def test_the_router_names_a_workers_400_as_its_client_named_the_field():

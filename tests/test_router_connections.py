@@ -111,13 +111,14 @@ def _gone_mid_wait(router) -> None:
 
 
 def _refused_by_the_worker(router) -> None:
-    """A request within the router's limits whose relay body (4 samples of a 108-token
-    prompt: about 2.6 kB) is over the worker's 2 KiB."""
-    body = {"prompt": "The quick brown fox jumps over the lazy dog. " * 4, "max_tokens": 1,
-            "n": 4}
+    """A request within the router's limits whose relay body (4 prompts of ~108 tokens,
+    each crossing once: about 3 kB) is over the worker's 2 KiB."""
+    text = "The quick brown fox jumps over the lazy dog. " * 4
+    body = {"prompt": [f"{i} {text}" for i in range(4)], "max_tokens": 1}
     r = httpx.post(router.url + "/v1/completions", json=body, timeout=60)
     assert r.status_code == 400, r.text
-    assert "too large for decode worker" in r.json()["error"]["message"]
+    message = r.json()["error"]["message"]
+    assert "for 4 sequence(s)" in message and "is past what decode worker" in message
 
 
 def test_the_router_gives_back_every_connection_to_its_worker(servers):

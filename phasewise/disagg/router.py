@@ -133,19 +133,29 @@ def _relay_ids(request_id: str, n: int) -> list[str]:
 def _wire_specs(specs: Sequence[PromptSpec], pending: Sequence[int],
                 assembler: OutputAssembler | None = None) -> list[dict[str, Any]]:
     """The relay specs of a group's ``pending`` requests: each prompt once (n samples of
-    one prompt share its token list: the others name it ``same_as``), its parameters, and
+    one prompt share its token list: the others name it ``same_as``), its parameters (the
+    first spec's whole, the others' as what differs from them: ``params_from``), and
     where ``assembler`` says the request streamed already (a migration) no prompt logprobs
     the client has and the tokens streamed so far as ``resume``."""
     first_of: dict[int, int] = {}
     out: list[dict[str, Any]] = []
+    base: dict[str, Any] | None = None  # the first spec's parameters
     for k, i in enumerate(pending):
         s = specs[i]
         j = first_of.setdefault(id(s.token_ids), k)
         params = params_to_wire(s.params)
         if assembler is not None and assembler.prompt_logprobs[i] is not None:
             params["prompt_logprobs"] = None
-        spec: dict[str, Any] = {**({"token_ids": s.token_ids} if j == k else {"same_as": j}),
-                                "params": params, "prompt": s.prompt}
+        spec: dict[str, Any] = {**({"token_ids": s.token_ids} if j == k else {"same_as": j})}
+        if base is None or base.keys() != params.keys():
+            base = base or params
+            spec["params"] = params
+        else:
+            # the group's samples differ in their seeds at most: the rest (a schema of
+            # hundreds of KB among them) crosses once, not once per sample
+            spec["params_from"] = 0
+            spec["params"] = {key: v for key, v in params.items() if base[key] != v}
+        spec["prompt"] = s.prompt
         if assembler is not None and assembler.ids[i]:
             spec["resume"] = list(assembler.ids[i])
         out.append(spec)
@@ -476,8 +486,12 @@ class Router(Fleet):
                 raise EngineError(f"decode worker {w.url} refused the router's API key: give "
                                   "the router the workers' --api-key")
             if resp.status_code == 413:
-                raise ValidationError(f"the request is too large for decode worker {w.url} "
-                                      f"({message})", "prompt")
+                raise ValidationError(
+                    f"the request, relayed as {len(content)} bytes for {len(index)} "
+                    f"sequence(s) (its prompts, their parameters once, the tokens a moved "
+                    f"stream resumes from), is past what decode worker {w.url} takes "
+                    f"({message}): shorten the prompts or lower n, or raise the workers' "
+                    "--max-request-size")
             raise EngineError(f"decode worker {w.url} answered {resp.status_code}: {message}")
         if slo and len(slo) == len(tried):
             # every worker predicts a miss: the one that would soonest have room speaks

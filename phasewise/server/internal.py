@@ -69,6 +69,9 @@ class RelaySpec(_Checked):
     token_ids: list[int] | None = Field(default=None, min_length=1)
     same_as: int | None = Field(default=None, ge=0)
     params: dict[str, Any]
+    # params as the fields that differ from an earlier spec's (n samples of one request
+    # differ in their seeds at most; a schema crosses once, not once per sample)
+    params_from: int | None = Field(default=None, ge=0)
     prompt: Str | None = None
     resume: list[int] | None = None
 
@@ -159,8 +162,16 @@ def add_internal_routes(app: FastAPI, backend: ServingBackend, routes: Routes, *
         """On a worker thread: a body of n long prompts is work the size of the request."""
         routes._check_sequences(len(body.specs), 1)
         specs: list[PromptSpec] = []
+        wires: list[dict[str, Any]] = []  # each spec's whole parameters, as sent or rebuilt
         for i, s in enumerate(body.specs):
             where = f"specs.{i}"
+            wire = s.params
+            if s.params_from is not None:
+                if s.params_from >= i:
+                    raise ApiError(400, f"{where}.params_from must name an earlier spec "
+                                   f"(< {i})", param=f"{where}.params_from")
+                wire = {**wires[s.params_from], **s.params}
+            wires.append(wire)
             if (s.token_ids is None) == (s.same_as is None):
                 raise ApiError(400, f"{where}: give exactly one of token_ids or same_as",
                                param=where)
@@ -172,7 +183,7 @@ def add_internal_routes(app: FastAPI, backend: ServingBackend, routes: Routes, *
                 raise ApiError(400, f"{where}.same_as must name an earlier spec (< {i})",
                                param=f"{where}.same_as")
             try:
-                params = params_from_wire(s.params)
+                params = params_from_wire(wire)
             except (ValueError, TypeError) as e:
                 param = f"{where}.params"
                 if isinstance(e, ValidationError) and e.param:
