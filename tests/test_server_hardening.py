@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import signal
 import socket
@@ -497,3 +498,14 @@ def test_review_findings_stay_fixed(server):
     assert r.status_code == 400 and r.json()["error"]["param"] == "n"
     assert r.json()["error"]["code"] == "invalid_combination"
     assert httpx.head(server.url + "/health").status_code == 200
+
+
+def test_nan_and_infinity_are_refused_as_not_finite_not_as_past_a_bound():
+    """"temperature": NaN was answered "less than or equal to 100 (got NaN)"."""
+    import pydantic
+
+    for value in (math.nan, math.inf, -math.inf):
+        with pytest.raises(pydantic.ValidationError) as e:
+            CompletionRequest(prompt="x", temperature=value)
+        (err,) = e.value.errors()
+        assert err["type"] == "finite_number" and err["loc"] == ("temperature",)

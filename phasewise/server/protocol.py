@@ -20,8 +20,8 @@ import json
 import types
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
-from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field,
-                      PrivateAttr, Strict, WithJsonSchema, model_validator)
+from pydantic import (AfterValidator, AllowInfNan, BaseModel, BeforeValidator, ConfigDict,
+                      Field, PrivateAttr, Strict, WithJsonSchema, model_validator)
 
 from phasewise.engine.sampling_params import (MAX_INT32, MAX_LOGPROBS, MAX_SEED,
                                               MAX_STOP_STRINGS, MIN_REPETITION_PENALTY,
@@ -55,7 +55,9 @@ def Int(ge: int, le: int) -> Any:  # noqa: N802 - used as a type
     return Annotated[int, Strict(), Field(ge=ge, le=le), BeforeValidator(_integral)]
 
 
-Float = Annotated[float, Strict()]
+# finite: NaN and Infinity (Python's JSON reads both) are refused as such, not as a bound
+# they would fail to compare with ("less than or equal to 100 (got NaN)")
+Float = Annotated[float, Strict(), AllowInfNan(False)]
 Bool = Annotated[bool, Strict()]
 Str = Annotated[str, Strict(), AfterValidator(_valid_unicode)]
 TokenId = Int(0, MAX_INT32)  # the served document narrows it to the vocabulary
