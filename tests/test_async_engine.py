@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -215,6 +216,38 @@ def test_a_newcomer_gets_its_first_token_while_a_big_group_holds_the_seats(llama
             outs = await collect(big)
             assert all(outs[i].token_ids == want for i in range(12))
             assert engine.kv.usage == 0 and not engine.requests
+        finally:
+            await asyncio.to_thread(ae.shutdown)
+
+    asyncio.run(main())
+
+
+def test_an_id_reused_right_after_its_abort_gets_none_of_the_old_outputs(llama_dir):
+    """A router moving a stream back to a worker reuses its request id: outputs of the
+    aborted request still on their way to the event loop landed in the new group (21
+    tokens for max_tokens 20, one repeated)."""
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    want = LLM(str(llama_dir)).generate([[5, 6, 7]], params)[0].token_ids
+    engine = LLMEngine(EngineConfig(model=str(llama_dir)))
+    ae = AsyncEngine(engine, max_waiting=8)
+
+    async def main():
+        ae.start()
+        try:
+            for trial in range(5):
+                old = await ae.add([PromptSpec([5, 6, 7], params)], f"x{trial}")
+                got: list[int] = []
+                while len(got) < 2:
+                    _, out = await old.__anext__()
+                    got = list(out.token_ids)
+                old.close()  # the relay is gone; the same id comes straight back
+                since = time.monotonic()
+                new = await ae.add([PromptSpec([5, 6, 7], params, resume=tuple(got))],
+                                   f"x{trial}")
+                outs = [out async for _, out in new]
+                # every output is the new request's (an old one arrived before it)
+                assert all(o.metrics.arrival_time >= since for o in outs), trial
+                assert list(outs[-1].token_ids) == want, trial
         finally:
             await asyncio.to_thread(ae.shutdown)
 

@@ -72,6 +72,53 @@ def test_the_index_follows_the_reports_and_forgets_evicted_blocks():
     assert wb.held(h) == 3 and len(wb.blocks) == 3
 
 
+def _load_reply(**snapshot_over):
+    snap = {"num_running": 1, "num_waiting": 0, "kv_usage": 0.5, "num_free_blocks": 5,
+            "num_blocks": 10, "num_preemptions": 0, "prefix_queries": 0, "prefix_hits": 0}
+    return {"role": "both", "alive": True, "draining": False, "open_groups": 1,
+            "snapshot": {**snap, **snapshot_over}}
+
+
+@pytest.mark.parametrize("over,field", [
+    ({"num_running": "x"}, "num_running"), ({"num_waiting": -10 ** 18}, "num_waiting"),
+    ({"num_waiting": 10 ** 400}, "num_waiting"), ({"kv_usage": float("nan")}, "kv_usage"),
+    ({"kv_usage": 7}, "kv_usage"), ({"num_blocks": True}, "num_blocks")])
+def test_a_workers_load_reply_is_checked_field_by_field(over, field):
+    """A worker's /load with num_running "x" made every request through the router a 500
+    and cut the streams on its other workers; a huge or negative count skewed routing and
+    broke /metrics. Each is refused, naming the field (the worker is then down)."""
+    import json
+
+    from phasewise.disagg.router import _read_load
+
+    snap, groups, draining, alive, kv = _read_load(json.dumps(_load_reply()).encode(), None)
+    assert (snap.num_running, groups, draining, alive, kv) == (1, 1, False, True, None)
+    with pytest.raises(ValueError, match=f"snapshot's {field} is"):
+        _read_load(json.dumps(_load_reply(**over)).encode(), None)
+    with pytest.raises(ValueError, match="draining and alive"):
+        _read_load(json.dumps({**_load_reply(), "alive": "yes"}).encode(), None)
+
+
+def test_a_k_v_report_past_what_the_index_keeps_is_cut_to_its_newest():
+    from phasewise.disagg.prefix_index import parse_report
+
+    h = [bytes([i % 256, i // 256]) * 16 for i in range(5000)]
+    held = parse_report({"epoch": "e", "next": 1, "held": [x.hex() for x in h]}, 100)
+    assert list(held.held) == h[-100:]  # the newest the index would keep
+    events = [["s", x.hex()] for x in h]
+    many = parse_report({"epoch": "e", "next": 1, "events": events}, 100)
+    assert many.held == {} and [b for _, b in many.events] == h[-(2 * 100 + 1024):]
+    wb = WorkerBlocks(capacity=100)
+    wb.enter(h[:3])
+    wb.apply(many)
+    assert list(wb.blocks) == h[-100:] and h[0] not in wb.blocks
+    for bad in ({"epoch": "", "next": 1, "held": []}, {"epoch": "e", "next": -1, "held": []},
+                {"epoch": "e", "next": 1, "events": [["x", "00"]]},
+                {"epoch": "e", "next": 1, "held": ["zz"]}, [1, 2]):
+        with pytest.raises(ValueError):
+            parse_report(bad, 100)
+
+
 def test_requests_sharing_a_prefix_go_to_the_worker_that_holds_it_unless_load_outweighs_it():
     blocks = 10
     # Worker 1 holds the whole prompt; both equally loaded: worker 1, whatever the turn.

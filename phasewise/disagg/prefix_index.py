@@ -84,19 +84,72 @@ class WorkerBlocks:
 
     def report(self, kv: dict[str, Any]) -> None:
         """Apply a worker's ``kv_events`` answer (see the module)."""
-        if "held" in kv:
-            self.blocks = OrderedDict((bytes.fromhex(h), None) for h in kv["held"])
-        else:
-            for kind, h in kv["events"]:
-                b = bytes.fromhex(h)
-                if kind == "s":
-                    self.blocks[b] = None
-                    self.blocks.move_to_end(b)
-                else:
-                    self.blocks.pop(b, None)
-        self.epoch, self.next = str(kv["epoch"]), int(kv["next"])
+        self.apply(parse_report(kv, self.capacity))
+
+    def apply(self, parsed: ParsedReport) -> None:
+        """Apply a report ``parse_report`` read (on the event loop: its work is bounded by
+        the capacity; the parsing, which is not, may run on another thread)."""
+        if parsed.held is not None:
+            self.blocks = parsed.held
+        for stored, b in parsed.events:
+            if stored:
+                self.blocks[b] = None
+                self.blocks.move_to_end(b)
+            else:
+                self.blocks.pop(b, None)
+        self.epoch, self.next = parsed.epoch, parsed.next
         while len(self.blocks) > self.capacity:
             self.blocks.popitem(last=False)
+
+
+@dataclass(frozen=True)
+class ParsedReport:
+    """A worker's ``kv_events`` answer, checked: everything it holds (the newest
+    ``capacity`` blocks: those the index would keep), then the events since the last (where
+    there were more than the index could use, ``held`` is empty and only the newest
+    events follow it)."""
+
+    epoch: str
+    next: int
+    held: OrderedDict[bytes, None] | None
+    events: list[tuple[bool, bytes]]
+
+
+def parse_report(kv: Any, capacity: int) -> ParsedReport:
+    """Check and decode a ``kv_events`` answer; ValueError names what is wrong. Of a list
+    of events longer than twice the capacity only the newest are kept, over an empty index
+    (what they do not say is forgotten: the index is a hint, and its work on the event loop
+    stays bounded)."""
+    if not isinstance(kv, dict):
+        raise ValueError("kv_events is not an object")
+    epoch, nxt = kv.get("epoch"), kv.get("next")
+    if not isinstance(epoch, str) or not 0 < len(epoch) <= 64:
+        raise ValueError("kv_events.epoch is not a short string")
+    if not isinstance(nxt, int) or isinstance(nxt, bool) or not 0 <= nxt <= 2**62:
+        raise ValueError("kv_events.next is not an integer in [0, 2^62]")
+
+    def block(h: Any) -> bytes:
+        if not isinstance(h, str) or len(h) > 128:
+            raise ValueError("a block hash is not a short hex string")
+        return bytes.fromhex(h)
+
+    if "held" in kv:
+        held = kv["held"]
+        if not isinstance(held, list):
+            raise ValueError("kv_events.held is not a list")
+        return ParsedReport(epoch, nxt, OrderedDict(
+            (block(h), None) for h in held[max(0, len(held) - capacity):]), [])
+    events = kv.get("events")
+    if not isinstance(events, list):
+        raise ValueError("kv_events.events is not a list")
+    most = 2 * capacity + 1024
+    fresh: OrderedDict[bytes, None] | None = OrderedDict() if len(events) > most else None
+    out = []
+    for e in events[max(0, len(events) - most):]:
+        if not isinstance(e, list) or len(e) != 2 or e[0] not in ("s", "e"):
+            raise ValueError("a K/V event is not [\"s\" or \"e\", hash]")
+        out.append((e[0] == "s", block(e[1])))
+    return ParsedReport(epoch, nxt, fresh, out)
 
 
 @dataclass(frozen=True)

@@ -57,8 +57,8 @@ import httpx
 from phasewise.disagg.fleet import Fleet, RouterConfigError, Worker, seed_address, why_failed
 from phasewise.disagg.prefix_index import (DEFAULT_LOAD_WEIGHT, DEFAULT_MAX_MIGRATIONS,
                                            DEFAULT_POLICY, DEFAULT_PREFIX_WEIGHT,
-                                           MAX_MIGRATIONS_LIMIT, POLICIES, Choice, WorkerBlocks,
-                                           block_hashes, rank)
+                                           MAX_MIGRATIONS_LIMIT, POLICIES, Choice, ParsedReport,
+                                           WorkerBlocks, block_hashes, parse_report, rank)
 from phasewise.engine.backend import (BackendInfo, EngineError, EngineObserver,
                                       EngineOverloaded, EngineSnapshot, EngineStopped,
                                       EngineUnavailable, FinishedRequest, GrammarFailed,
@@ -160,6 +160,39 @@ def _wire_specs(specs: Sequence[PromptSpec], pending: Sequence[int],
             spec["resume"] = list(assembler.ids[i])
         out.append(spec)
     return out
+
+
+# A worker's /internal/v1/load reply: its snapshot and, at most, every block hash its pool
+# holds (tens of bytes each); a longer one is not a worker's.
+MAX_LOAD_BYTES = 64 << 20
+# The most blocks the router's index keeps of one worker, whatever pool it reports.
+MAX_INDEX_BLOCKS = 1 << 20
+
+
+def _index_capacity(snapshot: EngineSnapshot) -> int:
+    """It can hold no more blocks than its pool has: the index keeps no more."""
+    return max(1, min(snapshot.num_blocks, MAX_INDEX_BLOCKS))
+
+
+def _read_load(body: bytes, blocks: Any) -> tuple[EngineSnapshot, int, bool, bool,
+                                                   ParsedReport | None]:
+    """A worker's /internal/v1/load reply, every field checked (ValueError names the first
+    that is not what a worker sends); its K/V report decoded for ``blocks`` (its index)."""
+    data = json.loads(body)
+    if not isinstance(data, dict):
+        raise ValueError("the reply is not an object")
+    snapshot = EngineSnapshot.from_wire(data.get("snapshot"))
+    groups = data.get("open_groups")
+    if not isinstance(groups, int) or isinstance(groups, bool) or not 0 <= groups <= 2**62:
+        raise ValueError("its open_groups is not an integer in [0, 2^62]")
+    draining, alive = data.get("draining"), data.get("alive")
+    if not isinstance(draining, bool) or not isinstance(alive, bool):
+        raise ValueError("its draining and alive are not both true or false")
+    kv = data.get("kv_events")
+    parsed = None
+    if blocks is not None and kv is not None:
+        parsed = parse_report(kv, _index_capacity(snapshot))
+    return snapshot, groups, draining, alive, parsed
 
 
 async def _encode(body: dict[str, Any]) -> str:
@@ -492,7 +525,10 @@ class Router(Fleet):
                     f"stream resumes from), is past what decode worker {w.url} takes "
                     f"({message}): shorten the prompts or lower n, or raise the workers' "
                     "--max-request-size")
-            raise EngineError(f"decode worker {w.url} answered {resp.status_code}: {message}")
+            # Anything else (a 500, a redirect, a proxy's page): that worker cannot take
+            # requests now, another may; it stays down until a poll finds it well.
+            w.down(f"answered {resp.status_code} to a request: {message[:200]}")
+            tried.append(f"{w.url} ({w.reason})")
         if slo and len(slo) == len(tried):
             # every worker predicts a miss: the one that would soonest have room speaks
             retry, code, message = min(slo)
@@ -907,21 +943,28 @@ class Router(Fleet):
             {"kv_since": str(blocks.next)} if blocks.next is not None else {})}
         sent = time.monotonic()
         try:
-            r = await self._client.get(w.url + "/internal/v1/load", params=params,
-                                       timeout=min(2.0, self.request_timeout))
-            if r.status_code != 200:
-                w.down(f"/internal/v1/load answered {r.status_code}")
-                return
-            data = r.json()
-            w.snapshot = EngineSnapshot(**data["snapshot"])
-            w.open_groups = int(data["open_groups"])
+            async with self._client.stream("GET", w.url + "/internal/v1/load", params=params,
+                                           timeout=min(2.0, self.request_timeout)) as r:
+                if r.status_code != 200:
+                    w.down(f"/internal/v1/load answered {r.status_code}")
+                    return
+                body = bytearray()
+                async for chunk in r.aiter_bytes():
+                    body += chunk
+                    if len(body) > MAX_LOAD_BYTES:
+                        w.down(f"its /internal/v1/load reply passed "
+                               f"{MAX_LOAD_BYTES >> 20} MiB")
+                        return
+            # (a report of everything a large pool holds is megabytes: read off the loop)
+            snapshot, open_groups, draining, alive, kv = (
+                _read_load(bytes(body), blocks) if len(body) < 1 << 16
+                else await asyncio.to_thread(_read_load, bytes(body), blocks))
+            w.snapshot, w.open_groups, w.draining = snapshot, open_groups, draining
             if blocks is not None:
-                # it can hold no more blocks than its pool has: the index keeps no more
-                blocks.capacity = max(1, w.snapshot.num_blocks)
-                if isinstance(data.get("kv_events"), dict):
-                    blocks.report(data["kv_events"])
-            w.draining = bool(data["draining"])
-            if not data["alive"]:
+                blocks.capacity = _index_capacity(snapshot)
+                if kv is not None:
+                    blocks.apply(kv)
+            if not alive:
                 w.down("its engine is not running")
                 return
             if not w.up:

@@ -89,6 +89,7 @@ class AsyncEngine:
         self._groups: dict[str, RequestGroup] = {}  # request id -> its group (loop side)
         # ticket -> the caller's future (loop side): each request's remote_hits when admitted
         self._verdicts: dict[int, asyncio.Future[tuple[int | None, ...]]] = {}
+        self._admitting: dict[int, RequestGroup] = {}  # by ticket: groups awaiting admission
         self._tickets = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -207,12 +208,17 @@ class AsyncEngine:
             if rid in self._groups:
                 raise ValueError(f"request id {rid!r} is already in use")
         group = RequestGroup(ids, self.abort, self._groups_closed)
+        # Outputs reach it only once the engine has admitted it (_resolve): those still on
+        # their way for a request of the same id that was aborted just before (a router
+        # moving a stream back here) would otherwise land in this group.
+        group.ready = False
         for rid in ids:
             self._groups[rid] = group
         assert self._loop is not None
         ticket = next(self._tickets)
         verdict: asyncio.Future[tuple[int | None, ...]] = self._loop.create_future()
         self._verdicts[ticket] = verdict
+        self._admitting[ticket] = group
         arrival = time.monotonic() if arrival_time is None else arrival_time
         try:
             self._commands.put(AddRequests(ticket, tuple(zip(ids, specs)), arrival,
@@ -229,6 +235,7 @@ class AsyncEngine:
             raise
         finally:
             self._verdicts.pop(ticket, None)
+            self._admitting.pop(ticket, None)
         return group
 
     # -- remote prefill (the decode role; any thread) -------------------------------------
@@ -267,7 +274,7 @@ class AsyncEngine:
         """On the event loop: hand outputs to their groups (closed groups are skipped)."""
         for rid, item in items:
             group = self._groups.get(rid)
-            if group is not None:
+            if group is not None and group.ready:
                 group._put(item)
 
     def _reply(self, verdict: Verdict) -> None:
@@ -280,6 +287,9 @@ class AsyncEngine:
         if fut is None or fut.done():
             return
         if verdict.error is None:
+            group = self._admitting.get(verdict.ticket)
+            if group is not None:  # (in the loop's order: after outputs sent before it)
+                group.ready = True
             fut.set_result(verdict.remote_hits)
             return
         kind, message, param = verdict.error

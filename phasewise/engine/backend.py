@@ -91,6 +91,35 @@ class EngineSnapshot:
     spec_accepted: int = 0
     spec_emitted: int = 0
 
+    @classmethod
+    def from_wire(cls, d: Any) -> EngineSnapshot:
+        """A snapshot another process sent (a worker's ``/internal/v1/load``), every field
+        checked: counts are integers in [0, 2^62], ``kv_usage`` a fraction. ValueError
+        names the first field that is not (a router sums and ranks by them)."""
+        import dataclasses
+        import math
+
+        if not isinstance(d, dict):
+            raise ValueError("the snapshot is not an object")
+        values: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):
+            if f.name not in d:
+                if f.default is dataclasses.MISSING:
+                    raise ValueError(f"the snapshot has no {f.name}")
+                continue
+            v = d[f.name]
+            if f.name == "kv_usage":
+                ok = (isinstance(v, (int, float)) and not isinstance(v, bool)
+                      and math.isfinite(v) and 0 <= v <= 1)
+            else:
+                ok = isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= 2**62
+            if not ok:
+                raise ValueError(f"the snapshot's {f.name} is {str(v)[:40]!r}, not "
+                                 + ("a fraction" if f.name == "kv_usage"
+                                    else "an integer in [0, 2^62]"))
+            values[f.name] = v
+        return cls(**values)
+
 
 @dataclass(frozen=True)
 class FinishedRequest:
@@ -182,6 +211,8 @@ class RequestGroup:
         # holds (the prefill worker sends K/V from there), or None: it prefills here.
         self.remote_hits: list[int | None] = []
         self.routing: str | None = None  # behind a router: the worker it chose, and why
+        # whether outputs may reach it yet (AsyncEngine: once its engine admitted it)
+        self.ready = True
         self._queue: asyncio.Queue[RequestOutput | BaseException | _Notice] = asyncio.Queue()
         self._open = set(request_ids)
 
