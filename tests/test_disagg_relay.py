@@ -65,6 +65,29 @@ def test_an_output_keeps_its_own_tokens_and_logprobs_when_later_lines_arrive():
     assert first.logprobs[-len(first.delta_token_ids):] == [{5: -0.5}]
 
 
+@pytest.mark.parametrize("line", [
+    {"i": 0, "text": "x", "ids": [999999], "lp": None},  # past the vocabulary
+    {"i": 0, "text": "x", "ids": [-7], "lp": None},
+    {"i": 0, "text": "x", "ids": [10 ** 30], "lp": None},
+    {"i": 0, "text": "x", "ids": [True], "lp": None},
+    {"i": 0, "text": "x", "ids": [5], "lp": [[[999999, -0.5]]]},
+    {"i": 0, "text": "x", "ids": [5], "lp": [[[5, "nan"]]]},
+    {"i": 0, "text": "", "ids": [], "lp": None, "fin": "length",
+     "timing": {"cached_tokens": 1e400}},
+    {"i": 0, "text": "", "ids": [], "lp": None, "fin": "length",
+     "timing": {"kv_bytes": "lots"}},
+])
+def test_a_line_with_a_token_or_figure_no_worker_sends_is_refused(line):
+    """A foreign worker's id 10**30 or -7 reached the tokenizer (a 500 and a traceback),
+    999999 streamed as "", and a timing of 1e400 failed the relay with an OverflowError."""
+    asm = OutputAssembler(["g"], [[1, 2]], [None], arrival_time=0.0, vocab_size=512)
+    with pytest.raises(RelayError):
+        asm.feed(json.dumps(line).replace("1e+400", "1e400"))
+    ok = asm.feed(json.dumps({"i": 0, "text": "a", "ids": [5], "lp": [[[5, -0.5],
+                                                                        [7, float("-inf")]]]}))
+    assert ok.token_ids == [5]  # a -inf logprob (a token the filters ruled out) is one
+
+
 def test_a_relay_numbers_its_own_specs_and_the_assembler_maps_them():
     """A migration resends only a group's unfinished requests: the relay's spec 0 is the
     group's request 1."""
@@ -279,3 +302,4 @@ def test_the_router_names_a_workers_400_as_its_client_named_the_field():
     assert _client_param("specs.3.params.max_tokens") == "max_tokens"
     assert _client_param("specs.0.token_ids") == "prompt"
     assert _client_param("request_id") == "request_id" and _client_param(None) is None
+

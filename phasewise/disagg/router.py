@@ -219,6 +219,12 @@ def _stop(task: asyncio.Task) -> None:
         task.cancel()
 
 
+def _line_cap(info: BackendInfo) -> int:
+    """The longest relay line a worker of this model sends: an output's delta, and on a
+    request's first line its prompt logprobs (up to ~1 KiB a prompt position)."""
+    return (16 << 20) + info.max_model_len * 1024
+
+
 def _split(pending: list[bytes], chunk: bytes) -> list[bytes]:
     """The whole lines ``chunk`` completes (``pending``: the unfinished line's pieces)."""
     lines = []
@@ -420,7 +426,8 @@ class Router(Fleet):
             group.routing = (f"{relay.worker.url} {choice.policy} expected_hit="
                              f"{choice.expected_hit}/{choice.blocks}blocks")
             assembler = OutputAssembler(ids, [s.token_ids for s in specs],
-                                        [s.prompt for s in specs], arrival)
+                                        [s.prompt for s in specs], arrival,
+                                        vocab_size=self.info.vocab_size)
             assembler.admitted()
             stream = _Stream(request_id, list(specs), hashes, relay, abort_key=abort_key)
             task = asyncio.ensure_future(self._run(group, assembler, stream))
@@ -658,8 +665,13 @@ class Router(Fleet):
         worker = relay.worker
         try:
             while True:
+                cap = _line_cap(self.info)
                 while relay.backlog:
-                    line = relay.backlog.popleft().decode()
+                    raw = relay.backlog.popleft()
+                    if len(raw) > cap:
+                        raise RelayError(f"a line of {len(raw) >> 20} MiB, longer than any "
+                                         f"output of this model ({cap >> 20} MiB)")
+                    line = raw.decode()
                     if not line:
                         continue
                     if line.startswith('{"notice"'):
@@ -694,6 +706,9 @@ class Router(Fleet):
                     break
                 relay.last_heard = time.monotonic()
                 relay.backlog.extend(_split(relay.partial, chunk))
+                if len(relay.partial) > 1 and sum(map(len, relay.partial)) > cap:
+                    raise RelayError(f"a line past {cap >> 20} MiB that does not end, longer "
+                                     "than any output of this model")
             if relay.partial:
                 raise RelayError(f"the stream ended inside a line: {relay.partial[0][:200]!r}")
             if not all(assembler.finished[i] or i in stream.aborted for i in relay.index):

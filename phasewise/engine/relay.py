@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -74,8 +75,24 @@ def _entries(entries: list[dict[int, float] | None]) -> list[list[list[Any]] | N
     return [None if e is None else [[t, lp] for t, lp in e.items()] for e in entries]
 
 
-def _parse_entries(raw: list[Any]) -> list[dict[int, float] | None]:
-    return [None if e is None else {int(t): float(lp) for t, lp in e} for e in raw]
+def _parse_entries(raw: list[Any], vocab: int = 2**31) -> list[dict[int, float] | None]:
+    """Logprob entries from the wire: ids in [0, vocab), log-probabilities finite or -inf
+    (a token the filters ruled out); ValueError otherwise."""
+    out: list[dict[int, float] | None] = []
+    for e in raw:
+        if e is None:
+            out.append(None)
+            continue
+        entry = {}
+        for t, lp in e:
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
+                raise ValueError(f"a logprob's token id {str(t)[:40]} is not in [0, {vocab})")
+            v = float(lp)
+            if math.isnan(v) or v > 0:
+                raise ValueError(f"a log-probability of {v} is not one")
+            entry[t] = v
+        out.append(entry)
+    return out
 
 
 def encode_output(index: int, out: RequestOutput, timing: dict[str, Any] | None, *,
@@ -109,6 +126,16 @@ def encode_error(kind: str, message: str) -> bytes:
     return json.dumps({"error": {"kind": kind, "message": message}}).encode() + b"\n"
 
 
+def _plain_timing(timing: Any) -> bool:
+    """A worker's timing of a request: short names of finite numbers within ±1e12
+    (seconds, counts, bytes), or of null."""
+    return isinstance(timing, dict) and len(timing) <= 64 and all(
+        isinstance(k, str) and len(k) <= 64 and (v is None or (
+            isinstance(v, (int, float)) and not isinstance(v, bool)
+            and math.isfinite(v) and abs(v) <= 1e12))
+        for k, v in timing.items())
+
+
 class RelayError(Exception):
     """A line the router cannot use (a bug or a foreign peer): the request fails."""
 
@@ -118,7 +145,9 @@ class OutputAssembler:
 
     def __init__(self, request_ids: list[str], prompts: list[list[int]],
                  texts: list[str | None], arrival_time: float,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 vocab_size: int = 2**31) -> None:
+        self.vocab_size = vocab_size  # a token id past it is a foreign worker's line
         self.request_ids = request_ids
         self.prompts = prompts
         self.texts = texts
@@ -147,14 +176,20 @@ class OutputAssembler:
             if index is not None:
                 i = index[i] if isinstance(i, int) and 0 <= i < len(index) else -1
             delta_text, delta_ids, lps = line["text"], line["ids"], line["lp"]
+            vocab = self.vocab_size
             if not (isinstance(i, int) and 0 <= i < len(self.request_ids)
                     and not self.finished[i] and isinstance(delta_text, str)
                     and isinstance(delta_ids, list)
-                    and all(isinstance(t, int) for t in delta_ids)):
+                    and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
+                            for t in delta_ids)):
                 raise RelayError(f"malformed output line: {str(raw)[:200]}")
-            entries = None if lps is None else _parse_entries(lps)
-            if "plp" in line:
-                self.prompt_logprobs[i] = _parse_entries(line["plp"])
+            entries = None if lps is None else _parse_entries(lps, vocab)
+            plp = _parse_entries(line["plp"], vocab) if "plp" in line else None
+            timing = line.get("timing") if "fin" in line else None
+            if timing is not None and not _plain_timing(timing):
+                raise RelayError(f"malformed timing: {str(timing)[:200]}")
+            if plp is not None:
+                self.prompt_logprobs[i] = plp
         except (ValueError, KeyError, TypeError) as e:
             raise RelayError(f"malformed output line ({type(e).__name__}: {e}): "
                              f"{str(raw)[:200]}") from None
@@ -174,7 +209,6 @@ class OutputAssembler:
         if finished:
             self.finished[i] = True
             m.finished_time = now
-            timing = line.get("timing")
             if isinstance(timing, dict):
                 m.worker_timing = timing
                 m.num_cached_tokens = int(timing.get("cached_tokens") or 0)

@@ -1,0 +1,114 @@
+"""A router in front of a good worker and a broken one (a foreign peer, a bug): what the
+broken one answers must not fail the requests the good one can serve, nor the router.
+
+The broken worker is an HTTP server in this process: it forwards ``/internal/v1/info`` from
+the good worker (so the router takes it for the same checkpoint) and answers the rest as the
+test's ``MODE`` says."""
+
+from __future__ import annotations
+
+import http.server
+import json
+import threading
+
+import httpx
+import pytest
+
+from conftest import build_hf_checkpoint
+from serving import start_server
+
+MODE: dict[str, str] = {"load": "ok", "generate": "500"}
+
+
+def _handler(good_url: str):
+    class Broken(http.server.BaseHTTPRequestHandler):
+        def log_message(self, *args):  # quiet
+            pass
+
+        def _send(self, code: int, body: bytes, ctype: str = "application/json") -> None:
+            self.send_response(code)
+            self.send_header("Content-Type", ctype)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_GET(self):  # noqa: N802 - http.server's name
+            path = self.path.split("?")[0]
+            if path == "/internal/v1/info":
+                self._send(200, httpx.get(good_url + path, timeout=30).content)
+            elif path == "/internal/v1/load":
+                snap = {"num_running": 0, "num_waiting": 0, "kv_usage": 0.0,
+                        "num_free_blocks": 10, "num_blocks": 10, "num_preemptions": 0,
+                        "prefix_queries": 0, "prefix_hits": 0}
+                if MODE["load"] == "strings":
+                    snap.update(num_running="x", num_waiting="y")
+                self._send(200, json.dumps({"role": "both", "alive": True, "draining": False,
+                                            "open_groups": 0, "snapshot": snap}).encode())
+            else:
+                self._send(200, b'{"status": "ok"}')
+
+        def do_POST(self):  # noqa: N802
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            if MODE["generate"] == "500":
+                self._send(500, b"<html>internal server error</html>", "text/html")
+            else:
+                self._send(307, b"", "text/plain")
+
+    return Broken
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("bad-worker")
+    model = tmp / "model"
+    build_hf_checkpoint(model, "LlamaForCausalLM", seed=4, max_position_embeddings=256)
+    good = start_server(model, tmp / "good.log", "--role", "both", "--log-interval", "0")
+    broken = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _handler(good.url))
+    thread = threading.Thread(target=broken.serve_forever, daemon=True)
+    thread.start()
+    router = None
+    try:
+        bad_url = f"http://127.0.0.1:{broken.server_address[1]}"
+        router = start_server(model, tmp / "router.log", "--decode", good.url, bad_url,
+                              "--routing", "round-robin", command="router")
+        yield good, router
+    finally:
+        if router is not None:
+            router.stop()
+        broken.shutdown()
+        broken.server_close()
+        good.stop()
+
+
+def _completions(router, n: int) -> list[httpx.Response]:
+    body = {"prompt": "def f(x):", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    return [httpx.post(router.url + "/v1/completions", json=body, timeout=60)
+            for _ in range(n)]
+
+
+@pytest.mark.parametrize("generate", ["500", "307"])
+def test_a_worker_that_fails_admissions_sends_them_to_the_other(fleet, generate):
+    """Under round-robin half the requests went to a worker answering 500 (or a redirect)
+    and failed, its HTML in the error, while a healthy worker stood by."""
+    good, router = fleet
+    MODE.update(load="ok", generate=generate)
+    want = _completions(good, 1)[0].json()["choices"][0]["text"]
+    for r in _completions(router, 4):
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == want
+
+
+def test_a_load_reply_of_the_wrong_types_marks_only_its_worker_down(fleet):
+    """num_running "x" from one worker made every request through the router a 500 and
+    /metrics a 500."""
+    good, router = fleet
+    MODE.update(load="strings", generate="500")
+    for _ in range(100):  # its next poll (every second) reads it
+        health = httpx.get(router.url + "/health", timeout=30)
+        if "num_running" in health.text:
+            break
+        threading.Event().wait(0.1)
+    assert "the snapshot's num_running is 'x'" in health.text, health.text
+    for r in _completions(router, 3):
+        assert r.status_code == 200, r.text
+    assert httpx.get(router.url + "/metrics", timeout=30).status_code == 200
