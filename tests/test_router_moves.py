@@ -68,6 +68,8 @@ def _two_workers(model, **kw) -> Router:
 
     class Info:
         max_waiting = 256
+        vocab_size = 512  # the ids the fake workers send are below it
+        max_model_len = 256
 
     r.info = Info()
     return r
