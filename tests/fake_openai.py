@@ -8,7 +8,10 @@ The script is chosen by the prompt's length (prompts are token ids):
 * ``SCRIPTS`` maps prompt length -> (ttft, gaps, tokens per chunk); other lengths use
   the default script; prompt length 13 answers HTTP 500;
 * a prompt that, with its ``max_tokens``, exceeds ``CONTEXT_LEN`` answers 400 with an
-  OpenAI-style error body, as phasewise's server words it.
+  OpenAI-style error body, as phasewise's server words it;
+* a hostile server's replies (``HOSTILE``): length 21 reports 1e308 completion tokens, 22
+  sends timings of strings and 1e308, 23 a line past any bound, 24 headers and then
+  nothing; ``/metrics`` answers ``METRICS["text"]`` when it is set.
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ ERROR_LEN = 13
 CONTEXT_LEN = 512
 # whether /tokenize says max_model_len (phasewise and vLLM do; a test may turn it off)
 REPORT_CONTEXT = {"on": True}
+HOSTILE = {"usage": 21, "timings": 22, "endless": 23, "hang": 24}
+METRICS: dict[str, str | None] = {"text": None}
 
 
 async def app(scope, receive, send):
@@ -61,6 +66,9 @@ async def app(scope, receive, send):
         await reply(200, {"tokens": [ord(c) % 1000 for c in text[::3]], "count": 0,
                           **({"max_model_len": CONTEXT_LEN} if REPORT_CONTEXT["on"] else {})})
         return
+    if path == "/metrics" and METRICS["text"] is not None:
+        await reply(200, METRICS["text"].encode(), b"text/plain")
+        return
     if path != "/v1/completions":
         await reply(404, {"error": {"message": "not found"}})
         return
@@ -78,6 +86,17 @@ async def app(scope, receive, send):
     ttft, gaps, tokens = SCRIPTS.get(n, DEFAULT)
     await send({"type": "http.response.start", "status": 200,
                 "headers": [(b"content-type", b"text/event-stream")]})
+    if n == HOSTILE["hang"]:
+        await asyncio.sleep(3600)
+    if n == HOSTILE["endless"]:
+        # one line past any client's bound (2 MiB: the test bounds lines at 1 MiB), then
+        # the end (sends after the client has gone are dropped: no loop may outlive it)
+        for _ in range(32):
+            await send({"type": "http.response.body", "more_body": True,
+                        "body": b"data: " + b"x" * 65536})
+            await asyncio.sleep(0)
+        await send({"type": "http.response.body", "body": b""})
+        return
     t0 = time.monotonic()
     due = ttft
     done = 0
@@ -91,7 +110,11 @@ async def app(scope, receive, send):
                     "body": f"data: {json.dumps(chunk)}\n\n".encode()})
         if k < len(gaps):
             due += gaps[k]
-    final = {"choices": [], "usage": {"prompt_tokens": n, "completion_tokens": done}}
+    final = {"choices": [], "usage": {"prompt_tokens": n, "completion_tokens":
+                                      1e308 if n == HOSTILE["usage"] else done}}
+    if n == HOSTILE["timings"]:
+        final["timings"] = [{"index": 0, "queue_s": "lots", "prefill_s": 1e308,
+                             "decode_s": 0.2}]
     if n == 500:  # as a phasewise server would: the engine's own split
         final["timings"] = [{"index": 0, "queue_s": 0.5, "prefill_s": 0.4, "decode_s": 0.2}]
     await send({"type": "http.response.body", "more_body": True,

@@ -170,6 +170,36 @@ def fake():
         yield server
 
 
+def test_a_hostile_servers_replies_fail_their_requests_and_never_the_run(fake, monkeypatch,
+                                                                        capsys):
+    """1e308 tokens, timings of strings and 1e308, a line that never ends (it took 3.9 GB
+    in 25 s) and a stream that never starts (a 6-hour wait): each fails its own request or
+    is dropped, the summary and its text table come out, and the run ends."""
+    import fake_openai
+
+    from phasewise.bench import client as client_mod
+    from phasewise.bench.run import scrape_phasewise_metrics
+    from phasewise.perf.summary import text_table
+
+    monkeypatch.setattr(client_mod, "MAX_EVENT_LINE", 1 << 20)
+    lens = [fake_openai.HOSTILE[k] for k in ("usage", "timings", "endless", "hang")] + [16]
+    specs = [RequestSpec(i, 0.0, n, 5) for i, n in enumerate(lens)]
+    cfg = ClientConfig(base_url=fake.url, timeout_s=3.0)
+    results, duration = asyncio.run(run_workload(cfg, specs, [[7] * n for n in lens]))
+    usage, timings, endless, hang, fine = results
+    assert not usage.success and "1e+308, not a token count" in usage.error
+    assert timings.success and timings.server_timing == {"index": 0, "decode_s": 0.2}
+    assert not endless.success and "an event line longer than 1 MiB" in endless.error
+    assert not hang.success and "no end within --request-timeout 3 s" in hang.error
+    assert fine.success and fine.output_tokens == 5
+    text_table(summarize(results, duration))  # no overflow, no type error
+    # a /metrics that is not Prometheus text (or holds no finite figure): no split, a warning
+    for text in ('phasewise:x{a="1" 2\n', "phasewise:num_requests_running NaN\n"):
+        monkeypatch.setitem(fake_openai.METRICS, "text", text)
+        assert scrape_phasewise_metrics(fake.url, {}) is None
+        assert "could not be read as phasewise's" in capsys.readouterr().err
+
+
 def test_client_measures_the_scripted_timings(fake):
     specs = [RequestSpec(i, 0.0, n, 5, intruder=n == 500)
              for i, n in enumerate([16, 17, 18, 500, 13])]

@@ -14,7 +14,7 @@ import json
 import math
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -33,7 +33,7 @@ class ClientConfig:
     ignore_eos: bool = True
     temperature: float = 0.0
     headers: dict[str, str] = field(default_factory=dict)
-    timeout_s: float = 6 * 3600.0
+    timeout_s: float = 3600.0  # each request's whole life, its stream included
     extra_body: dict[str, Any] = field(default_factory=dict)
 
 
@@ -69,9 +69,66 @@ def error_message(body: str) -> str:
     return body.strip()
 
 
+# The longest server-sent event line read: an OpenAI chunk of a few tokens is bytes to
+# kilobytes; a longer line is not one, and is not held in memory.
+MAX_EVENT_LINE = 16 << 20
+MAX_COUNT = 2**31  # a token count a server may report
+
+
+async def _event_lines(r: httpx.Response) -> AsyncIterator[str]:
+    """The response's lines, each at most ``MAX_EVENT_LINE`` bytes (ValueError past it)."""
+    buf = bytearray()
+    async for chunk in r.aiter_bytes():
+        buf += chunk
+        start = 0
+        while (end := buf.find(b"\n", start)) >= 0:
+            yield buf[start:end].decode("utf-8", errors="replace").rstrip("\r")
+            start = end + 1
+        del buf[:start]
+        if len(buf) > MAX_EVENT_LINE:
+            raise ValueError(f"an event line longer than {MAX_EVENT_LINE >> 20} MiB")
+    if buf:
+        yield buf.decode("utf-8", errors="replace").rstrip("\r")
+
+
+def _count(value: Any, name: str) -> int:
+    """A token count the server reported: a whole number in [0, 2^31] (ValueError naming
+    it otherwise: a count that is not one fails its request, not the run's summary)."""
+    if value is None:
+        return 0
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+            0 <= value <= MAX_COUNT) or value != int(value):
+        raise ValueError(f"the server reported {name} {str(value)[:40]}, not a token count")
+    return int(value)
+
+
+def _timing(entry: dict[str, Any]) -> dict[str, Any]:
+    """A server's timing of a request, its figures only where they are finite numbers
+    within ±1e9 (seconds, counts, bytes): what the summary averages."""
+    return {k: v for k, v in entry.items() if isinstance(k, str) and (
+        v is None or (isinstance(v, (int, float)) and not isinstance(v, bool)
+                      and math.isfinite(v) and abs(v) <= 1e9))}
+
+
 async def send_one(client: httpx.AsyncClient, cfg: ClientConfig, spec: RequestSpec,
                    prompt: list[int] | str, t_run0: float) -> RequestResult:
+    """One request; it fails (never the run) on an error, an odd reply, or past
+    ``cfg.timeout_s`` from its start, stream included."""
     res = RequestResult(spec.index, spec.prompt_len, spec.output_len, spec.intruder)
+    t0 = time.monotonic()
+    try:
+        return await asyncio.wait_for(_send_one(client, cfg, spec, prompt, t_run0, res),
+                                      cfg.timeout_s)
+    except TimeoutError:
+        res.success = False
+        res.error = f"no end within --request-timeout {cfg.timeout_s:g} s"
+        res.latency = time.monotonic() - t0
+        return res
+
+
+async def _send_one(client: httpx.AsyncClient, cfg: ClientConfig, spec: RequestSpec,
+                    prompt: list[int] | str, t_run0: float,
+                    res: RequestResult) -> RequestResult:
     t0 = time.monotonic()
     res.start = t0 - t_run0
     counted = 0  # completion tokens reported by usage so far
@@ -83,7 +140,7 @@ async def send_one(client: httpx.AsyncClient, cfg: ClientConfig, spec: RequestSp
                 res.error = f"HTTP {r.status_code}: {error_message(text)[:500]}"
                 res.latency = time.monotonic() - t0
                 return res
-            async for line in r.aiter_lines():
+            async for line in _event_lines(r):
                 if not line.startswith("data:"):
                     continue
                 data = line[5:].strip()
@@ -104,7 +161,8 @@ async def send_one(client: httpx.AsyncClient, cfg: ClientConfig, spec: RequestSp
                         "content") or ""
                     if usage is not None:
                         saw_usage = True
-                        n = int(usage.get("completion_tokens") or 0) - counted
+                        n = _count(usage.get("completion_tokens"),
+                                   "usage.completion_tokens") - counted
                         counted += n
                     else:
                         n = 1 if text else 0
@@ -114,16 +172,18 @@ async def send_one(client: httpx.AsyncClient, cfg: ClientConfig, spec: RequestSp
                         res.chunk_times.append(now)
                         res.chunk_tokens.append(n)
                 elif usage is not None:  # the final usage-only chunk
-                    res.output_tokens = int(usage.get("completion_tokens") or 0)
+                    res.output_tokens = _count(usage.get("completion_tokens"),
+                                               "usage.completion_tokens")
                     if isinstance(prompt, str) and usage.get("prompt_tokens"):
-                        res.prompt_len = int(usage["prompt_tokens"])  # a text prompt's length
+                        # a text prompt's length
+                        res.prompt_len = _count(usage["prompt_tokens"], "usage.prompt_tokens")
                     details = usage.get("prompt_tokens_details")
-                    if isinstance(details, dict) and isinstance(details.get("cached_tokens"),
-                                                                int):
-                        res.cached_tokens = details["cached_tokens"]
+                    if isinstance(details, dict) and details.get("cached_tokens") is not None:
+                        res.cached_tokens = _count(details["cached_tokens"],
+                                                   "usage.prompt_tokens_details.cached_tokens")
                     timings = chunk.get("timings")
                     if isinstance(timings, list) and timings and isinstance(timings[0], dict):
-                        res.server_timing = timings[0]
+                        res.server_timing = _timing(timings[0])
         res.latency = time.monotonic() - t0
         if not res.output_tokens:
             res.output_tokens = counted if saw_usage else sum(res.chunk_tokens)

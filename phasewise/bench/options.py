@@ -17,6 +17,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     add_workload_args(p)
     p.add_argument("--max-concurrency", type=int, default=None,
                    help="most requests in flight at once (default: no limit)")
+    p.add_argument("--request-timeout", type=positive_float, default=3600.0, metavar="S",
+                   help="a request not ended this many seconds after it was sent, its "
+                   "stream included, fails (a server that hangs or streams without end)")
     p.add_argument("--tokenizer", default=None,
                    help="tokenizer.json for the prompts (default: the server's /tokenize)")
     p.add_argument("--temperature", type=float, default=0.0,

@@ -48,13 +48,20 @@ def scrape_phasewise_metrics(base_url: str, headers: dict[str, str]) -> dict[str
     from prometheus_client.parser import text_string_to_metric_families
 
     out: dict[str, float] = {}
-    for fam in text_string_to_metric_families(r.text):
-        for s in fam.samples:
-            extra = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items())
-                             if k not in ("model_name", "le"))
-            if "le" in s.labels:
-                continue  # bucket counts: the sums and counts are enough here
-            out[s.name + (f"{{{extra}}}" if extra else "")] = s.value
+    try:
+        for fam in text_string_to_metric_families(r.text):
+            for s in fam.samples:
+                extra = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items())
+                                 if k not in ("model_name", "le"))
+                if "le" in s.labels:
+                    continue  # bucket counts: the sums and counts are enough here
+                if not math.isfinite(s.value) or abs(s.value) > 1e15:
+                    raise ValueError(f"{s.name} is {s.value}")
+                out[s.name + (f"{{{extra}}}" if extra else "")] = s.value
+    except ValueError as e:  # (the parser's errors too): no split, and the run goes on
+        print(f"warning: {base_url}/metrics could not be read as phasewise's ({e}); the "
+              "server's own split is left out", file=sys.stderr)
+        return None
     return out
 
 
@@ -146,7 +153,8 @@ def main(a: argparse.Namespace) -> int:
             if corpus_ids else [s.prompt or "" for s in specs]
         cfg = ClientConfig(base_url=a.base_url, model=a.model, endpoint=a.endpoint,
                            max_concurrency=a.max_concurrency, ignore_eos=not a.no_ignore_eos,
-                           temperature=a.temperature, headers=headers)
+                           temperature=a.temperature, headers=headers,
+                           timeout_s=a.request_timeout)
         before = scrape_phasewise_metrics(a.base_url, headers)
         progress = Progress(len(specs), f"rate {rate:g} req/s", enabled=not a.disable_tqdm)
         results, duration = asyncio.run(run_workload(cfg, specs, prompts, progress=progress))
