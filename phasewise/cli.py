@@ -272,6 +272,7 @@ def cmd_router(a: argparse.Namespace) -> int:
                                        "load_weight": a.load_weight,
                                        "max_migrations": a.max_migrations,
                                        "stream_deadline": a.stream_deadline,
+                                       "admit_timeout": a.admit_timeout,
                                        "discover": a.discover,
                                        "discover_interval": a.discover_interval})
         run(server, host=a.host, port=a.port, shutdown_grace_s=a.shutdown_grace,
@@ -793,6 +794,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="seconds a decode worker may answer no poll before its streams are "
                     "moved to another worker (or ended, where none can take them); a worker "
                     "that closes its connections is moved from at once (default 15)")
+    ro.add_argument("--admit-timeout", type=positive_float, default=120.0, metavar="S",
+                    help="seconds a decode worker may take to take or refuse a request (its "
+                    "reply's headers) before the router tries the next worker")
     ro.add_argument("--log-level", default="info", choices=LOG_LEVELS,
                     help="least severe log lines shown")
     ro.add_argument("--no-access-log", action="store_true",
