@@ -1,0 +1,114 @@
+"""Fairness between client requests: another client's time to first token while one request
+of many sequences runs.
+
+One ``phasewise serve`` (the bundled model unless ``--model``). A short greedy streaming
+request (the *newcomer*) is timed alone, then again ``--after`` seconds into a *hog*: one
+request of ``--prompts`` prompts x ``n`` samples (256 sequences by default: twice the default
+128 seats) of ``--max-tokens`` tokens each, all within the server's limits. Each is repeated
+``--rounds`` times. Printed per round: the newcomer's TTFT alone and beside the hog, their
+ratio, and the hog's own wall time; then the medians.
+
+Under first-come-first-served seats the newcomer waited for a whole generation of the hog's
+sequences to end; with the seats shared between requests (``phasewise.engine.scheduler``:
+the fewest seats first, and a request past half of them gives one up) it waits a step or
+two. The hog's own time is the cost side of that: one of its sequences recomputes its prompt
+and tokens after giving up its seat.
+
+    python -m benchmarks.bench_fairness [--model DIR] [--rounds 3] [--prompts 16] [--n 16]
+                                        [--max-tokens 200] [--after 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+from benchmarks.harness import log, machine_info, machine_line, start_server
+
+HERE = Path(__file__).resolve().parent
+NOISE = ("figures measured on a shared machine: other tenants move them by 5-30% from run to "
+         "run; compare the ratios within this run, not absolute figures across runs")
+
+
+def newcomer_ttft(url: str) -> float:
+    """Seconds from sending a short greedy streaming request to its first token."""
+    body = {"prompt": "import os", "max_tokens": 8, "temperature": 0, "stream": True}
+    t0 = time.monotonic()
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=600) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if line.startswith("data:") and line != "data: [DONE]":
+                return time.monotonic() - t0
+    raise RuntimeError("the newcomer's stream ended without a token")
+
+
+def one_round(url: str, a: argparse.Namespace) -> dict[str, float]:
+    alone = newcomer_ttft(url)
+    hog_body = {"prompt": [f"def a{i}():" for i in range(a.prompts)], "n": a.n,
+                "max_tokens": a.max_tokens, "ignore_eos": True}
+    hog: dict[str, float] = {}
+
+    def run_hog() -> None:
+        t0 = time.monotonic()
+        r = httpx.post(url + "/v1/completions", json=hog_body, timeout=3600)
+        r.raise_for_status()
+        hog["wall_s"] = time.monotonic() - t0
+
+    th = threading.Thread(target=run_hog)
+    th.start()
+    time.sleep(a.after)
+    beside = newcomer_ttft(url)
+    th.join()
+    return {"alone_s": alone, "beside_hog_s": beside, "ratio": beside / alone,
+            "hog_wall_s": hog["wall_s"]}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=None, help="checkpoint folder (default: the bundled one)")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--prompts", type=int, default=16, help="the hog's prompts")
+    p.add_argument("--n", type=int, default=16, help="the hog's samples per prompt (1-16)")
+    p.add_argument("--max-tokens", type=int, default=200, help="each hog sequence's tokens")
+    p.add_argument("--after", type=float, default=2.0,
+                   help="seconds into the hog at which the newcomer is sent")
+    a = p.parse_args()
+    m = machine_info()
+    print(machine_line(m))
+    print(NOISE)
+    out_dir = HERE / "results" / "fairness"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    server = start_server(Path(a.model) if a.model else None, out_dir / "serve.log",
+                          "--log-level", "warning", "--no-access-log")
+    rows = []
+    try:
+        newcomer_ttft(server.url)  # warm-up: one-time costs out of the first round
+        for k in range(a.rounds):
+            log(f"round {k + 1}/{a.rounds}: a hog of {a.prompts} x n={a.n} x "
+                f"{a.max_tokens} tokens")
+            row = one_round(server.url, a)
+            rows.append(row)
+            print(f"round {k + 1}: newcomer TTFT alone {row['alone_s'] * 1e3:.0f} ms, beside "
+                  f"the hog {row['beside_hog_s'] * 1e3:.0f} ms (x{row['ratio']:.1f}); the "
+                  f"hog's {a.prompts * a.n} sequences took {row['hog_wall_s']:.1f} s",
+                  flush=True)
+    finally:
+        server.stop()
+    med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+    print(f"median over {len(rows)} rounds: newcomer TTFT alone {med['alone_s'] * 1e3:.0f} ms, "
+          f"beside the hog {med['beside_hog_s'] * 1e3:.0f} ms (x{med['ratio']:.1f}); hog "
+          f"{med['hog_wall_s']:.1f} s")
+    (out_dir / "fairness.json").write_text(json.dumps(
+        {"machine": m, "args": vars(a), "rounds": rows, "median": med}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
