@@ -377,6 +377,18 @@ def test_fair_admission_keeps_arrival_order_between_single_requests():
     assert s.num_preemptions == 0
 
 
+@pytest.mark.parametrize("seqs", [1, 2])
+def test_requests_of_one_sequence_never_preempt_each_other_for_a_seat(seqs):
+    """Under one seat a newcomer preempting the running request would be preempted by the
+    next, and none would finish: single requests wait their turn."""
+    s = make(budget=64, seqs=seqs, blocks=256)
+    for name in ("a", "b", "c"):
+        s.add_request(_grouped(name, None, max_tokens=5, first=ord(name) * 10))
+    while s.has_unfinished():
+        assert not step(s).preempted
+    assert s.num_preemptions == 0
+
+
 def test_a_group_at_half_the_seats_or_less_keeps_them():
     s = make(budget=64, seqs=8, blocks=256)
     for i in range(4):

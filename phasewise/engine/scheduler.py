@@ -28,9 +28,9 @@ prompts: a group, ``Request.group``) must not hold every seat while another clie
 waits for its first token. Admission takes, of the waiting requests, the first whose group
 holds the fewest seats (FCFS among equals, so requests of one sequence each are admitted in
 arrival order, and a preempted request first); and where no seat is free, a request whose
-group holds none waits, and some group holds more than half of ``max_num_seqs``, that
-group's most recently admitted sequence is preempted, once a step, so that the newcomer
-gets the seat.
+group holds none waits, and some group holds more than half of ``max_num_seqs`` (and at
+least two), that group's most recently admitted sequence is preempted, once a step, so that
+the newcomer gets the seat.
 
 Time: the scheduler reads no clock of its own. Every timestamp it stamps on a request
 (``first_scheduled_time``, ``first_token_time``, ``token_times``, ``finished_time``) comes from
@@ -431,12 +431,14 @@ class Scheduler:
 
     def _seat_for_a_newcomer(self, seats: Counter[str]) -> Request | None:
         """With every seat taken: where a waiting request's group holds none and another
-        group holds more than half of them, that group's most recently admitted running
-        request (to preempt), else None."""
+        group holds more than half of them, and two or more, that group's most recently
+        admitted running request (to preempt), else None. (A request of one sequence is
+        never preempted so: under one or two seats, each newcomer would preempt the one
+        before it, and none would finish.)"""
         if not any(seats[_group(r)] == 0 for r in self.waiting):
             return None
         hog, held = max(seats.items(), key=lambda kv: kv[1], default=(None, 0))
-        if held * 2 <= self.config.max_num_seqs:
+        if held < 2 or held * 2 <= self.config.max_num_seqs:
             return None
         return next((r for r in reversed(self.running) if _group(r) == hog), None)
 
