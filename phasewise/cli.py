@@ -342,7 +342,8 @@ def cmd_roofline(a: argparse.Namespace) -> int:
         if not 0 < value <= 1:
             raise ValueError(f"{flag} is a fraction of the peak: in (0, 1], got {value}")
     if not 0 <= a.reserve < 1:
-        raise ValueError(f"--reserve is a fraction of the memory the weights leave: in [0, 1), got {a.reserve}")
+        raise ValueError(f"--reserve is a fraction of the memory the weights leave: in [0, 1), "
+                         f"got {a.reserve}")
     if a.plot:
         from phasewise.files import check_output
 
@@ -406,8 +407,6 @@ def cmd_tune(a: argparse.Namespace) -> int:
     if a.out is not None:
         check_output(a.out, "--out")
     if a.threads is not None:
-        import os
-
         # A plan is kept per machine and thread count; more threads than this process may
         # run on would time oversubscription, a plan no engine here should follow.
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
@@ -975,7 +974,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--k8s-out", default=None, metavar="DIR",
                     help="write the winner's Kubernetes manifests here")
     # The manifests' flags default to None so that one given without --k8s-out is refused
-    # rather than ignored (perf.commands.MANIFEST_DEFAULTS holds their defaults).
+    # rather than ignored (perf.commands.check_plan_flags gives them the manifests' defaults).
     pl.add_argument("--name", default=None,
                     help="manifests: prefix of every object (default: phasewise)")
     pl.add_argument("--namespace", default=None,

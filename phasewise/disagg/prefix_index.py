@@ -31,6 +31,7 @@ from typing import Any
 
 from phasewise.cache.block_pool import chain_hash
 from phasewise.cache.manager import windowed_hit
+from phasewise.engine.validation import is_count
 
 POLICIES = ("prefix", "least-load", "round-robin")
 DEFAULT_POLICY = "prefix"
@@ -125,7 +126,7 @@ def parse_report(kv: Any, capacity: int) -> ParsedReport:
     epoch, nxt = kv.get("epoch"), kv.get("next")
     if not isinstance(epoch, str) or not 0 < len(epoch) <= 64:
         raise ValueError("kv_events.epoch is not a short string")
-    if not isinstance(nxt, int) or isinstance(nxt, bool) or not 0 <= nxt <= 2**62:
+    if not is_count(nxt):
         raise ValueError("kv_events.next is not an integer in [0, 2^62]")
 
     def block(h: Any) -> bytes:

@@ -65,7 +65,7 @@ from phasewise.engine.backend import (BackendInfo, EngineError, EngineObserver,
                                       PromptSpec, RequestGroup, SLORefused)
 from phasewise.engine.relay import OutputAssembler, RelayError, params_to_wire
 from phasewise.engine.sampling_params import SamplingParams
-from phasewise.engine.validation import ValidationError, check_sequences
+from phasewise.engine.validation import ValidationError, check_sequences, is_count
 from phasewise.model.tokenizer import Tokenizer
 
 log = logging.getLogger("phasewise.router")
@@ -147,8 +147,9 @@ def _wire_specs(specs: Sequence[PromptSpec], pending: Sequence[int],
         if assembler is not None and assembler.prompt_logprobs[i] is not None:
             params["prompt_logprobs"] = None
         spec: dict[str, Any] = {**({"token_ids": s.token_ids} if j == k else {"same_as": j})}
-        if base is None or base.keys() != params.keys():
-            base = base or params
+        if base is None:
+            base = params
+        if params is base or base.keys() != params.keys():
             spec["params"] = params
         else:
             # the group's samples differ in their seeds at most: the rest (a schema of
@@ -183,7 +184,7 @@ def _read_load(body: bytes, blocks: Any) -> tuple[EngineSnapshot, int, bool, boo
         raise ValueError("the reply is not an object")
     snapshot = EngineSnapshot.from_wire(data.get("snapshot"))
     groups = data.get("open_groups")
-    if not isinstance(groups, int) or isinstance(groups, bool) or not 0 <= groups <= 2**62:
+    if not is_count(groups):
         raise ValueError("its open_groups is not an integer in [0, 2^62]")
     draining, alive = data.get("draining"), data.get("alive")
     if not isinstance(draining, bool) or not isinstance(alive, bool):
@@ -663,9 +664,9 @@ class Router(Fleet):
         module)."""
         relay = stream.relay
         worker = relay.worker
+        cap = _line_cap(self.info)
         try:
             while True:
-                cap = _line_cap(self.info)
                 while relay.backlog:
                     raw = relay.backlog.popleft()
                     if len(raw) > cap:

@@ -9,14 +9,16 @@ here is plain data or a protocol: this module imports no torch and no engine int
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import MISSING, dataclass, fields
 from typing import TYPE_CHECKING, Any, Protocol
 
 from phasewise.engine.outputs import RequestOutput, StepStats
 from phasewise.engine.request import RequestMetrics
 from phasewise.engine.sampling_params import SamplingParams
 from phasewise.engine.slo import SLO
+from phasewise.engine.validation import is_count
 
 if TYPE_CHECKING:
     from phasewise.model.tokenizer import Tokenizer
@@ -96,15 +98,12 @@ class EngineSnapshot:
         """A snapshot another process sent (a worker's ``/internal/v1/load``), every field
         checked: counts are integers in [0, 2^62], ``kv_usage`` a fraction. ValueError
         names the first field that is not (a router sums and ranks by them)."""
-        import dataclasses
-        import math
-
         if not isinstance(d, dict):
             raise ValueError("the snapshot is not an object")
         values: dict[str, Any] = {}
-        for f in dataclasses.fields(cls):
+        for f in fields(cls):
             if f.name not in d:
-                if f.default is dataclasses.MISSING:
+                if f.default is MISSING:
                     raise ValueError(f"the snapshot has no {f.name}")
                 continue
             v = d[f.name]
@@ -112,7 +111,7 @@ class EngineSnapshot:
                 ok = (isinstance(v, (int, float)) and not isinstance(v, bool)
                       and math.isfinite(v) and 0 <= v <= 1)
             else:
-                ok = isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= 2**62
+                ok = is_count(v)
             if not ok:
                 raise ValueError(f"the snapshot's {f.name} is {str(v)[:40]!r}, not "
                                  + ("a fraction" if f.name == "kv_usage"

@@ -29,6 +29,7 @@ from typing import Any
 from phasewise.engine.outputs import RequestOutput
 from phasewise.engine.request import RequestMetrics
 from phasewise.engine.sampling_params import SamplingParams
+from phasewise.engine.validation import is_count
 
 MEDIA_TYPE = "application/x-ndjson"
 
@@ -85,7 +86,7 @@ def _parse_entries(raw: list[Any], vocab: int = 2**31) -> list[dict[int, float] 
             continue
         entry = {}
         for t, lp in e:
-            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
+            if not is_count(t, vocab - 1):
                 raise ValueError(f"a logprob's token id {str(t)[:40]} is not in [0, {vocab})")
             v = float(lp)
             if math.isnan(v) or v > 0:
@@ -180,8 +181,7 @@ class OutputAssembler:
             if not (isinstance(i, int) and 0 <= i < len(self.request_ids)
                     and not self.finished[i] and isinstance(delta_text, str)
                     and isinstance(delta_ids, list)
-                    and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
-                            for t in delta_ids)):
+                    and all(is_count(t, vocab - 1) for t in delta_ids)):
                 raise RelayError(f"malformed output line: {str(raw)[:200]}")
             entries = None if lps is None else _parse_entries(lps, vocab)
             plp = _parse_entries(line["plp"], vocab) if "plp" in line else None

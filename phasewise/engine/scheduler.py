@@ -244,9 +244,8 @@ class Scheduler:
     # -- scheduling ------------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch:
         if self.config.policy == "prefill-first" and self.waiting:
-            hog = None if self._has_seat() else self._seat_for_a_newcomer(self._seats())
+            hog = self._make_room(self._seats())
             if hog is not None:  # the newcomer's seat: a decode step, then its prompt
-                self._preempt(hog)
                 batch = self._schedule(admit=False)
                 batch.preempted.insert(0, hog)
                 return batch
@@ -292,12 +291,11 @@ class Scheduler:
         budget = cfg.max_num_batched_tokens
         batch = ScheduledBatch()
         scheduled: set[str] = set()
-        seats = self._seats()
-        if admit and self.waiting and not self._has_seat():
-            hog = self._seat_for_a_newcomer(seats)
+        seats: Counter[str] = Counter()
+        if admit and self.waiting:  # (the seats by group matter only to admission)
+            seats = self._seats()
+            hog = self._make_room(seats)
             if hog is not None:
-                self._preempt(hog)
-                seats[_group(hog)] -= 1
                 batch.preempted.append(hog)
         decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
         chunks = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
@@ -428,6 +426,17 @@ class Scheduler:
                     if n == 0:
                         break
         return best
+
+    def _make_room(self, seats: Counter[str]) -> Request | None:
+        """With every seat taken, preempt the request ``_seat_for_a_newcomer`` names (its
+        seat leaves ``seats``); returns it, or None."""
+        if self._has_seat():
+            return None
+        hog = self._seat_for_a_newcomer(seats)
+        if hog is not None:
+            self._preempt(hog)
+            seats[_group(hog)] -= 1
+        return hog
 
     def _seat_for_a_newcomer(self, seats: Counter[str]) -> Request | None:
         """With every seat taken: where a waiting request's group holds none and another

@@ -79,6 +79,12 @@ def check_sequences(num_prompts: int, n: int, max_waiting: int | None) -> None:
 _CHECK_SLICE = 65536
 
 
+def is_count(v: object, most: int = 2**62) -> bool:
+    """Whether ``v`` is a whole number in [0, ``most``] as JSON decodes one (a bool is not):
+    a count, an index or a token id another process sent."""
+    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= most
+
+
 def check_token_ids(ids: Iterable[object], vocab_size: int, param: str = "prompt") -> list[int]:
     """The ids as a list, after checking each is an integer in ``[0, vocab_size)`` and that
     there is at least one. Raises ``ValidationError`` with ``param``."""

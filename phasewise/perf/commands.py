@@ -196,11 +196,13 @@ def deployment(a: argparse.Namespace) -> Deployment:
     if a.trace is None and a.trace_time_scale != 1.0:
         raise ValueError("--trace-time-scale scales a trace's arrivals: give --trace")
     link = lookup_link(a.link) if a.link is not None else None
-    return Deployment(a.mode, replicas=_given(a.replicas, 1), prefill=_given(a.prefill, 1),
-                      decode=_given(a.decode, 1), threshold=_given(a.disagg_threshold, 0),
-                      prefill_queue_limit=_given(a.prefill_queue_limit, 8),
-                      link=link, admission=admission_of(a),
-                      routing=a.routing, fail_at=a.fail_at)
+    # the flags given; Deployment's own defaults stand for the rest
+    given = {k: v for k, v in (("replicas", a.replicas), ("prefill", a.prefill),
+                               ("decode", a.decode), ("threshold", a.disagg_threshold),
+                               ("prefill_queue_limit", a.prefill_queue_limit))
+             if v is not None}
+    return Deployment(a.mode, link=link, admission=admission_of(a), routing=a.routing,
+                      fail_at=a.fail_at, **given)
 
 
 def _given(value: Any, default: Any) -> Any:
@@ -369,7 +371,8 @@ def run_plan(a: argparse.Namespace, model: str,
                    ratios=_ratios(_given(a.ratios, PLAN_RATIOS)),
                    thresholds=sorted(set(_given(a.thresholds, PLAN_THRESHOLDS))), link=link,
                    pd=not a.no_pd,
-                   queue_limit=_given(a.prefill_queue_limit, 8), progress=_say)
+                   queue_limit=_given(a.prefill_queue_limit, Deployment.prefill_queue_limit),
+                   progress=_say)
     print(f"\nSLO: TTFT <= {slo['ttft']:g} ms and TPOT <= {slo['tpot']:g} ms for >= 90% of "
           "requests (DistServe's goodput); per accelerator: goodput / accelerators")
     print(table(cands))
@@ -418,12 +421,10 @@ def _ratios(items: list[str]) -> list[tuple[int, int]]:
     return out
 
 
-# plan's P/D candidates and its manifests' flags: their defaults, given where the flag was
-# not (the flags default to None, so that one that would be ignored is refused instead)
+# plan's P/D candidates: their defaults, given where the flag was not (the flags default to
+# None, so that one that would be ignored is refused instead)
 PLAN_RATIOS = ("1:1", "1:2", "2:1", "1:3", "3:1")
 PLAN_THRESHOLDS = (0, 512, 1024)
-MANIFEST_DEFAULTS = {"name": "phasewise", "image": "phasewise:latest",
-                     "model_pvc": "phasewise-models", "cpus": 2}
 _MANIFEST_FLAGS = ("name", "namespace", "image", "model_pvc", "model_path", "cpus")
 
 
@@ -448,7 +449,13 @@ def check_plan_flags(a: argparse.Namespace) -> None:
             raise ValueError(f"{', '.join(given)} shape{'' if len(given) > 1 else 's'} the "
                              "Kubernetes manifests, which plan writes only with --k8s-out DIR")
         return
-    for dest, default in MANIFEST_DEFAULTS.items():
+    from phasewise.perf.k8s import DEFAULT_RESOURCES, DeploySpec
+
+    # the manifests' own defaults stand for the flags not given (None)
+    defaults = {"name": DeploySpec.name, "image": DeploySpec.image,
+                "model_pvc": DeploySpec.model_pvc,
+                "cpus": int(DEFAULT_RESOURCES["both"].cpu)}
+    for dest, default in defaults.items():
         if getattr(a, dest) is None:
             setattr(a, dest, default)
     check_manifest_flags(a)

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from phasewise.files import check_output
+from phasewise.files import check_output, write_text_atomic
 
 PERCENTILES = (50, 90, 99)
 
@@ -374,5 +374,5 @@ def save_result(a: argparse.Namespace, out: dict[str, Any], label: str, rate: fl
     null)."""
     path = result_path(a, label, rate, sweep)
     if path is not None:
-        path.write_text(json.dumps(_json_safe(out), indent=1, allow_nan=False))
+        write_text_atomic(path, json.dumps(_json_safe(out), indent=1, allow_nan=False))
         print(f"result written to {path}")

@@ -188,8 +188,8 @@ def check_fits(specs: Sequence[RequestSpec], context: int, trace: bool = False,
         f"stay within {context} tokens")
 
 
-# A trace line's most bytes: a request with its prompt's text (a long prompt is hundreds of
-# KB); a file without line breaks would otherwise be read whole into one line.
+# A trace line's most characters: a request with its prompt's text (a long prompt is
+# hundreds of KB); a file without line breaks would otherwise be read whole into one line.
 MAX_TRACE_LINE = 16 * 2**20
 
 
