@@ -444,7 +444,8 @@ class AsyncEngine:
                 if spec.prompt is not None:
                     req.prompt = spec.prompt
                 if n > 1:  # one client request's sequences share their seats fairly
-                    req.group = cmd.requests[0][0]
+                    # (the add's ticket: no request id, which a client may choose, equals it)
+                    req.group = cmd.ticket
                 added.append(rid)
         except Exception as e:
             for rid in added:

@@ -16,6 +16,7 @@ A step that computes up to ``num_tokens`` samples one new token; a step that sto
 from __future__ import annotations
 
 import enum
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -124,9 +125,10 @@ class Request:
         self.prompt_logprobs: list[dict[int, float] | None] | None = (
             [None] if params.prompt_logprobs is not None else None)
         self.metrics = RequestMetrics(arrival_time)
-        # The client request it is one sample of (n samples, several prompts: one group);
-        # None: its own. The scheduler shares seats fairly between groups.
-        self.group: str | None = None
+        # The client request it is one sample of (n samples, several prompts: one group),
+        # a key no request id equals; None: its own. The scheduler shares seats fairly
+        # between groups.
+        self.group: Hashable | None = None
         # Structured output: its place in its grammar (a structured.Matcher, set by the
         # engine), advanced by each token it is given.
         self.grammar: Any = None

@@ -42,7 +42,7 @@ manager, this module imports no torch.
 from __future__ import annotations
 
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
 from phasewise.cache.manager import CachedPrefix, KVCacheManager
@@ -124,7 +124,7 @@ class ScheduledBatch:
         return tuple(chunks), tuple(decodes)
 
 
-def _group(req: Request) -> str:
+def _group(req: Request) -> Hashable:
     return req.group if req.group is not None else req.request_id
 
 
@@ -291,7 +291,7 @@ class Scheduler:
         budget = cfg.max_num_batched_tokens
         batch = ScheduledBatch()
         scheduled: set[str] = set()
-        seats: Counter[str] = Counter()
+        seats: Counter[Hashable] = Counter()
         if admit and self.waiting:  # (the seats by group matter only to admission)
             seats = self._seats()
             hog = self._make_room(seats)
@@ -410,11 +410,11 @@ class Scheduler:
             return CachedPrefix()
         return self.kv.get_computed_blocks(req)
 
-    def _seats(self) -> Counter[str]:
+    def _seats(self) -> Counter[Hashable]:
         """Seats each group holds: its running requests and those waiting for remote K/V."""
         return Counter(_group(r) for r in (*self.running, *self.remote.values()))
 
-    def _next_waiting(self, seats: Counter[str]) -> Request:
+    def _next_waiting(self, seats: Counter[Hashable]) -> Request:
         """The waiting request to admit next: the first whose group holds the fewest seats
         (the queue's head where every group holds none)."""
         best, fewest = self.waiting[0], seats[_group(self.waiting[0])]
@@ -427,7 +427,7 @@ class Scheduler:
                         break
         return best
 
-    def _make_room(self, seats: Counter[str]) -> Request | None:
+    def _make_room(self, seats: Counter[Hashable]) -> Request | None:
         """With every seat taken, preempt the request ``_seat_for_a_newcomer`` names (its
         seat leaves ``seats``); returns it, or None."""
         if self._has_seat():
@@ -438,7 +438,7 @@ class Scheduler:
             seats[_group(hog)] -= 1
         return hog
 
-    def _seat_for_a_newcomer(self, seats: Counter[str]) -> Request | None:
+    def _seat_for_a_newcomer(self, seats: Counter[Hashable]) -> Request | None:
         """With every seat taken: where a waiting request's group holds none and another
         group holds more than half of them, and two or more, that group's most recently
         admitted running request (to preempt), else None. (A request of one sequence is
