@@ -127,6 +127,17 @@ def test_int8_steps_are_rated_at_the_arithmetic_they_run_in(engines):
     assert rate(cpu_kernels.INT8_ROWS_MAX + 1) == ("bf16" if cpu_kernels.amx_available()
                                                   else "fp32")
     assert engine_compute_dtype(engines["int8-torch"].engine)(512) == "fp32"
+    # the [kernels] line names the int8 kernels' split (the arithmetic rated above), not a
+    # bf16 plan that no int8 weight follows
+    backend = engines["int8"].engine.cpu_backend
+    if backend is None:  # no kernel library here: no [kernels] line
+        return
+    line = backend.describe()
+    assert line.startswith(f"int8 weights: the int8 streams for <= {cpu_kernels.INT8_ROWS_MAX} "
+                           "rows")
+    assert ("AMX tiles above" in line) == cpu_kernels.amx_available()
+    assert ("fp32 arithmetic" in line) != cpu_kernels.amx_available()
+    assert "avx512bf16" not in line and "torch" not in line
 
 
 def test_the_int8_kernel_computes_what_the_dequantized_torch_path_does(engines):

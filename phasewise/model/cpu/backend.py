@@ -18,7 +18,8 @@ from phasewise.model.cpu import kernels
 from phasewise.model.cpu.capabilities import capabilities
 from phasewise.model.cpu.linear import LinearDispatch
 from phasewise.model.cpu.ops import CpuKernelOps
-from phasewise.model.cpu.plan import KernelPlan, PlanKey, Runtime, resolve, stream_prefetch_rule
+from phasewise.model.cpu.plan import (INT8_ROWS_MAX, INT8_TILE_ROWS_MAX, KernelPlan, PlanKey,
+                                      Runtime, resolve, stream_prefetch_rule)
 from phasewise.model.linear_types import PanelLinear
 
 
@@ -38,6 +39,12 @@ class CpuBackend:
 
     def describe(self) -> str:
         """How the linear layers run, in words (``generate``'s ``[kernels]`` line)."""
+        if self.plan.key.quantization == "int8":  # the int8 kernels' own split, not the plan's
+            above = ("AMX tiles above, the weights widened to bf16 as they come"
+                     if self.runtime.amx else
+                     f"the AVX2 register tiles to {INT8_TILE_ROWS_MAX} rows, the packed GEMM "
+                     "above, the weights widened to fp32 (fp32 arithmetic)")
+            return f"int8 weights: the int8 streams for <= {INT8_ROWS_MAX} rows, {above}"
         if self.head_panels:
             return ("decoder projections and the LM head packed into panels (AVX512_BF16 dot "
                     "products at every row count)")
