@@ -54,6 +54,26 @@ def _roofline_dtype(text: str) -> str:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _threads(text: str) -> int:
+    """An argparse type: a thread count from 1 to the cores this process may run on."""
+    from phasewise.config import check_threads
+
+    try:
+        return check_threads(int(text) if text.strip().lstrip("+-").isdigit() else text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+THREADS_HELP = ("CPU threads for the kernels and torch, 1 to the cores this process may run "
+                "on (default: torch's, the cores). On a machine where other work runs, fewer "
+                "threads than cores can be several times faster: a kernel's threads wait for "
+                "each other, so one that loses its core holds up the rest")
+
+
+def _add_threads_arg(p: argparse.ArgumentParser, help: str = THREADS_HELP) -> None:
+    p.add_argument("--threads", type=_threads, default=None, metavar="N", help=help)
+
+
 def _engine_defaults() -> dict:
     from phasewise.config import EngineConfig
 
@@ -121,6 +141,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help=f"drafts verified per step with --speculative (1.."
                    f"{MAX_SPECULATIVE_TOKENS}; default {DEFAULT_SPECULATIVE_TOKENS})")
     _add_kernel_plan_arg(p)
+    _add_threads_arg(p)
 
 
 def _add_kernel_plan_arg(p: argparse.ArgumentParser) -> None:
@@ -142,7 +163,8 @@ def _engine_kwargs(a: argparse.Namespace) -> dict:
                 policy=a.policy, enable_prefix_caching=not a.no_prefix_caching, seed=a.seed,
                 kernels=a.kernels, quantization=a.quantization, speculative=a.speculative,
                 num_speculative_tokens=a.num_speculative_tokens, load_format=a.load_format,
-                enforce_eager=a.enforce_eager, kernel_plan=a.kernel_plan)
+                enforce_eager=a.enforce_eager, kernel_plan=a.kernel_plan,
+                num_threads=a.threads)
 
 
 def _model_arg(a: argparse.Namespace) -> str:
@@ -286,11 +308,15 @@ def cmd_pd(a: argparse.Namespace) -> int:
     from phasewise.launch.pd import Launcher, PDConfig
 
     _logging(a.log_level)
+    if a.pin and a.threads not in (None, 1):
+        raise ValueError(f"--pin runs each worker on a core of its own with one thread; "
+                         f"--threads {a.threads} cannot apply (leave one of them out)")
     engine = []
     for flag, value in (("--dtype", a.dtype), ("--max-model-len", a.max_model_len),
                         ("--kv-cache-memory", a.kv_cache_memory),
                         ("--max-num-batched-tokens", a.max_num_batched_tokens),
-                        ("--max-num-seqs", a.max_num_seqs), ("--kernel-plan", a.kernel_plan)):
+                        ("--max-num-seqs", a.max_num_seqs), ("--kernel-plan", a.kernel_plan),
+                        ("--threads", a.threads)):
         if value is not None:
             engine += [flag, str(value)]
     return Launcher(PDConfig(
@@ -373,6 +399,10 @@ def cmd_measure(a: argparse.Namespace) -> int:
 
     if a.out is not None:
         check_output(a.out, "--out")
+    if a.threads is not None:
+        import torch
+
+        torch.set_num_threads(a.threads)
     for key, entry in measure(Path(a.out) if a.out else None, quick=a.quick).items():
         print(format_entry(key, entry))
     return 0
@@ -391,7 +421,8 @@ def cmd_calibrate(a: argparse.Namespace) -> int:
     kw = {k: v for k, v in (("dtype", a.dtype), ("device", a.device),
                             ("kernels", a.kernels), ("block_size", a.block_size),
                             ("max_num_batched_tokens", a.max_num_batched_tokens),
-                            ("kernel_plan", a.kernel_plan)) if v is not None}
+                            ("kernel_plan", a.kernel_plan), ("num_threads", a.threads))
+          if v is not None}
     cm, path = calibrate(_model_arg(a), engine_kwargs=kw, quick=a.quick, reps=a.reps,
                          out=Path(a.out) if a.out else None, max_context=a.max_context)
     print("\n".join(cm.describe()))
@@ -406,14 +437,7 @@ def cmd_tune(a: argparse.Namespace) -> int:
 
     if a.out is not None:
         check_output(a.out, "--out")
-    if a.threads is not None:
-        # A plan is kept per machine and thread count; more threads than this process may
-        # run on would time oversubscription, a plan no engine here should follow.
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
-            os.cpu_count() or 1)
-        if not 1 <= a.threads <= cores:
-            raise ValueError(f"--threads must be 1-{cores} (the cores this process may run "
-                             f"on), got {a.threads}")
+    if a.threads is not None:  # (a plan is kept per machine and thread count)
         import torch
 
         torch.set_num_threads(a.threads)
@@ -834,6 +858,8 @@ def build_parser() -> argparse.ArgumentParser:
     pd.add_argument("--max-num-seqs", type=int, default=None,
                     help="each worker's most sequences a step (default: serve's)")
     _add_kernel_plan_arg(pd)
+    _add_threads_arg(pd, "each worker's CPU threads (--threads of serve; default: torch's, "
+                     "the cores; --pin: 1)")
     pd.add_argument("--log-level", default="info", choices=LOG_LEVELS,
                     help="least severe log lines shown")
 
@@ -889,6 +915,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--out", default=None, help="file to write (default: the cache folder)")
     m.add_argument("--quick", action="store_true",
                    help="fewer repetitions; never replaces a full measurement in the file")
+    _add_threads_arg(m, "CPU threads to measure with (default: torch's, the cores); figures "
+                     "for another count than the file's cpu-local are kept as cpu-local@Nt, "
+                     "which engines run with --threads N read")
 
     ca = command("calibrate", "time the real engine over a grid of steps and fit the step "
                  "cost model that simulate and plan use (a profile per model x machine)",
@@ -912,6 +941,8 @@ def build_parser() -> argparse.ArgumentParser:
     ca.add_argument("--out", default=None, help="profile file (default: the cache folder's "
                     "profiles/MODEL@MACHINE.json, which simulate and plan read)")
     _add_kernel_plan_arg(ca)
+    _add_threads_arg(ca, "as serve will run it (default: serve's, torch's; a profile is kept "
+                     "per thread count)")
 
     tu = command("tune", "measure the CPU kernel plan for this machine and a model, once, "
                  "and store it for every later start (serve and generate follow it)", cmd_tune)
@@ -923,9 +954,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="as the engines will load it")
     tu.add_argument("--load-format", default="safetensors", choices=LOAD_FORMATS,
                     help="as the engines will load it")
-    tu.add_argument("--threads", type=int, default=None,
-                    help="torch threads to tune for, at most this machine's cores (default: "
-                    "torch's; the plan is kept per thread count)")
+    _add_threads_arg(tu, "CPU threads to tune for, 1 to the cores this process may run on "
+                     "(default: torch's; the plan is kept per thread count)")
     tu.add_argument("--rounds", type=int, default=3,
                     help="calibrations run; the plan most of them chose is kept (1-20)")
     tu.add_argument("--out", default=None, metavar="FILE",

@@ -96,6 +96,24 @@ def parse_memory(value: int | str) -> int:
     return n
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity where the system tells it)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def check_threads(n: object, name: str = "--threads") -> int:
+    """``n`` as a thread count: an integer from 1 to the cores this process may run on (more
+    would have threads take turns on a core, each waiting for the others at every kernel's
+    end); ValueError naming ``name`` and the range otherwise."""
+    cores = usable_cores()
+    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= cores:
+        raise ValueError(f"{name} must be an integer from 1 to {cores} (the cores this process "
+                         f"may run on), got {n!r}")
+    return n
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything that shapes an engine. Defaults suit a CPU machine serving a small model.
@@ -134,6 +152,13 @@ class EngineConfig:
     ``enforce_eager``: on CUDA, decode-only steps of up to ``CUDA_GRAPH_MAX_BATCH`` rows
     replay captured CUDA graphs (``phasewise.engine.cuda_graphs``) unless this is True;
     every step then launches its kernels one by one, as on CPU.
+    ``num_threads``: the CPU threads the engine's kernels and torch's operations use, 1 to
+    the cores this process may run on (``usable_cores``); None keeps torch's own count
+    (the cores, as a rule). It is the process's setting: the engine sets it when it starts.
+    Fewer threads than cores leave some to other work: every kernel's threads wait for each
+    other at its end, so on a machine where other processes run, a thread that loses its
+    core holds up the rest (with as many threads as busy cores, a step can take several
+    times as long as with fewer). The kernel plan and the measured peaks are kept per thread count.
     """
 
     model: str
@@ -155,6 +180,7 @@ class EngineConfig:
     load_format: str = "safetensors"
     enforce_eager: bool = False
     kernel_plan: str | None = None
+    num_threads: int | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_CHOICES:
@@ -205,6 +231,8 @@ class EngineConfig:
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if self.kernel_plan is not None:
             self._check_kernel_plan()
+        if self.num_threads is not None:
+            check_threads(self.num_threads, "num_threads")
 
     def _check_kernel_plan(self) -> None:
         """A pinned plan: the path of a file (its form, and its fit to this machine and model,

@@ -320,6 +320,8 @@ def roofline_lines(llm: Any, prefill_chunks: list[int], prefill_s: float, decode
                    forward: tuple[float | None, float | None] = (None, None)) -> list[str]:
     """The run's two phases against this machine's measured roofline (phasewise.perf).
     ``forward``: the seconds of the prefill's and of the decode's forward passes."""
+    import torch
+
     from phasewise.perf.attribution import engine_compute_dtype, engine_weight_dtype
     from phasewise.perf.explain import explain_generation
     from phasewise.perf.measure import ensure_local
@@ -338,4 +340,6 @@ def roofline_lines(llm: Any, prefill_chunks: list[int], prefill_s: float, decode
                                   eng.max_model_len), verifies,
                               model_dtype, contention,
                               prefill_forward_s=forward[0], decode_forward_s=forward[1],
-                              moe_dtype=model_dtype)
+                              moe_dtype=model_dtype,
+                              threads=torch.get_num_threads() if eng.device.type == "cpu"
+                              else None)

@@ -232,7 +232,8 @@ def test_a_bad_or_busy_kv_address_is_refused_before_loading(tmp_path, capsys):
 @pytest.mark.parametrize("command", ["generate", "serve"])
 def test_every_engine_option_is_a_flag_and_reaches_the_config(command):
     """docs/python-api.md: generate and serve take EngineConfig's fields as flags (the
-    prefix cache's as --no-prefix-caching); each one's value arrives in the config."""
+    prefix cache's as --no-prefix-caching, num_threads as --threads); each one's value
+    arrives in the config."""
     import dataclasses
 
     from phasewise.config import EngineConfig
@@ -242,8 +243,8 @@ def test_every_engine_option_is_a_flag_and_reaches_the_config(command):
              for o in a.option_strings}
     for f in dataclasses.fields(EngineConfig):
         if f.name != "model":
-            flag = "--no-prefix-caching" if f.name == "enable_prefix_caching" else (
-                "--" + f.name.replace("_", "-"))
+            flag = {"enable_prefix_caching": "--no-prefix-caching",
+                    "num_threads": "--threads"}.get(f.name, "--" + f.name.replace("_", "-"))
             assert flag in flags, f.name
     a = parser.parse_args([command, "--num-kv-blocks", "7", "--block-size", "8",
                            "--no-prefix-caching"] + (["x"] if command == "generate" else []))
@@ -426,7 +427,7 @@ def test_a_broken_pipe_that_is_not_stdout_is_an_error(monkeypatch, capsys):
      "--max-concurrency must be >= 1"),
     (["bench", "--base-url", "http://127.0.0.1:9", "--header", "a b=c"],
      "not a valid HTTP header"),
-    (["tune", "--threads", "100000"], "--threads must be 1-"),
+    (["pd", "--pin", "--threads", "2"], "--pin runs each worker on a core of its own"),
     (["bench", "report", "x.json", "--stall-factor", "nan"],
      "--stall-factor must be a finite number > 1, got nan"),
 ])
@@ -439,6 +440,21 @@ def test_an_output_or_value_that_cannot_work_is_refused_before_the_work(tmp_path
     fill = {"dir": str(tmp_path), "file": str(tmp_path / "f")}
     assert main([a.format(**fill) for a in argv]) == 2
     assert match.format(**fill) in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,given", [
+    (["tune", "--threads", "100000"], "100000"), (["generate", "x", "--threads", "0"], "0"),
+    (["serve", "--threads", "1.5"], "'1.5'"), (["measure", "--threads", "100000"], "100000"),
+    (["calibrate", "--threads", "-1"], "-1"), (["pd", "--threads", "x"], "'x'"),
+])
+def test_a_thread_count_is_checked_against_the_cores(argv, given, capsys):
+    from phasewise.config import usable_cores
+
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    assert (f"--threads must be an integer from 1 to {usable_cores()} (the cores this process "
+            f"may run on), got {given}") in capsys.readouterr().err
 
 
 def test_plan_offers_no_result_file_it_would_not_write(capsys):

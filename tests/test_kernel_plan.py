@@ -280,6 +280,40 @@ def test_a_start_beside_a_cpu_hog_picks_the_plan_a_quiet_start_picks(bf16_dir, n
         assert torch.equal(quiet[2], busy[2]) and quiet[3] == busy[3]
 
 
+def test_num_threads_is_bounded_by_the_cores():
+    from phasewise.config import usable_cores
+
+    cores = usable_cores()
+    for bad in (0, cores + 1, True, 1.0, "2", None.__class__):
+        with pytest.raises(ValueError, match=f"num_threads must be an integer from 1 to "
+                                             f"{cores} \\(the cores this process may run on\\)"):
+            EngineConfig(model="m", num_threads=bad)
+    assert EngineConfig(model="m", num_threads=cores).num_threads == cores
+    assert EngineConfig(model="m").num_threads is None
+
+
+@needs_kernels
+def test_num_threads_sets_the_threads_and_the_plan_for_that_count(bf16_dir, no_timing):
+    """``num_threads`` (``--threads``) is the process's thread count from the engine's start,
+    and the plan is found for that count: one stored for another count is not followed."""
+    from phasewise.config import usable_cores
+
+    if usable_cores() < 2:
+        pytest.skip("one core: no other thread count to run")
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        path = store_for(bf16_dir, rows_spec())  # for 2 threads
+        assert start(bf16_dir)[0].startswith(f"stored plan {path}")
+        llm = LLM(str(bf16_dir), dtype="bfloat16", device="cpu", num_threads=1)
+        assert torch.get_num_threads() == 1
+        assert llm.engine.cpu_backend.plan.key.threads == 1
+        line = llm.engine.cpu_backend.plan_line()
+        assert line.startswith("rule from") and "-1t.json; phasewise tune stores one" in line
+    finally:
+        torch.set_num_threads(before)
+
+
 @needs_kernels
 def test_a_stored_plan_may_keep_the_rows_where_the_rule_packs_panels(bf16_dir, no_timing):
     """(What PHASEWISE_PANELS=0 did.) The plan's panels false: every weight stays in rows."""

@@ -550,6 +550,19 @@ def test_explain_splits_a_slow_phase_into_its_forward_pass_and_the_hosts_time():
     # unknown load: the split and what it shows are still given
     dec = bound_lines(0.1, 0.09, None)["decode"]
     assert "load during the run unknown" in dec and "the excess is in the forward pass" in dec
+    # contended with several threads: fewer is offered, one fewer than it ran; with one
+    # thread, or on a quiet machine, nothing is offered
+    busy = Contention(1.5, 0.55, 0.0)
+
+    def with_threads(threads, contention):
+        lines = explain_generation(shape, acc, "bf16", "fp32", "fp32", [5], 0.05, 10, 0.1,
+                                   512, contention=contention, decode_forward_s=0.008,
+                                   threads=threads)
+        return next(ln for ln in lines if ln.startswith("[bound]    decode ran"))
+
+    assert "--threads 3 may run faster while the machine is busy" in with_threads(4, busy)
+    assert "--threads" not in with_threads(1, busy)
+    assert "--threads" not in with_threads(4, quiet)
 
 
 def test_ensure_local_measures_only_what_is_missing(tmp_path, monkeypatch):
@@ -586,6 +599,61 @@ def test_ensure_local_measures_only_what_is_missing(tmp_path, monkeypatch):
     blocker.write_text("x")
     acc = measure_mod.ensure_local("cpu", ("fp32",), blocker / "sub" / "machine.json")
     assert acc.peak_flops_for("fp32") == 5e9  # an unwritable cache only costs the saving
+
+
+def test_peaks_are_kept_per_thread_count(tmp_path, monkeypatch):
+    """A CPU's figures measured at one thread count are not another's: an engine run at
+    another count reads (and on first need measures) ``cpu-local@Nt``, and leaves the
+    ``cpu-local`` entry, which ``roofline --gpu cpu-local`` reads, as it was."""
+    import torch
+
+    from phasewise.perf import measure as measure_mod
+    from phasewise.perf.attribution import stored_peaks
+    from phasewise.perf.hardware import load_local, local_slot, lookup_accelerator
+
+    assert local_slot("cpu-local", 1, {}) == "cpu-local"  # free: the first count takes it
+    two = {"cpu-local": {"measured": {"threads": 2}}}
+    assert local_slot("cpu-local", 2, two) == "cpu-local"
+    assert local_slot("cpu-local", 1, two) == "cpu-local@1t"
+    assert local_slot("cpu-local", None, two) == "cpu-local"  # no count asked for
+    assert local_slot("gpu-local", 1, {"gpu-local": {"measured": {"threads": 2}}}) == \
+        "gpu-local"
+    assert local_slot("cpu-local", 1, {"cpu-local": {"measured": {}}}) == "cpu-local"
+
+    calls = []
+
+    def fake_measure_device(device, progress, quick=False, dtypes=(), read_bandwidth=True):
+        calls.append(torch.get_num_threads())
+        return {"name": f"{torch.get_num_threads()} threads",
+                "peak_flops": {d: 1e9 * torch.get_num_threads() for d in dtypes},
+                "mem_bytes": 1e9, "mem_bandwidth": 3e9,
+                "measured": {"quick": quick, "threads": torch.get_num_threads()}}
+
+    monkeypatch.setattr(measure_mod, "measure_device", fake_measure_device)
+    monkeypatch.setenv("PHASEWISE_CACHE_DIR", str(tmp_path))
+    path = tmp_path / "machine.json"
+    full = {"name": "full, 2 threads", "peak_flops": {"bf16": 2e9}, "mem_bytes": 1e9,
+            "mem_bandwidth": 9e9, "measured": {"threads": 2}}
+    path.write_text(json.dumps({"cpu-local": full}))
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert stored_peaks("cpu", path) is None  # none at 1 thread yet: never measures
+        acc = measure_mod.ensure_local("cpu", ("bf16",), path)
+        assert calls == [1] and acc.key == "cpu-local" and acc.name == "1 threads"
+        data = json.loads(path.read_text())
+        assert data["cpu-local"] == full and data["cpu-local@1t"]["peak_flops"] == {"bf16": 1e9}
+        assert stored_peaks("cpu", path).peak_flops_for("bf16") == 1e9
+        assert load_local("cpu-local", path, 1).name == "1 threads"
+        assert measure_mod.ensure_local("cpu", ("bf16",), path).name == "1 threads"
+        assert calls == [1]  # stored: not measured again
+    finally:
+        torch.set_num_threads(before)
+    assert load_local("cpu-local", path, 2).name == "full, 2 threads"
+    assert lookup_accelerator("cpu-local").name == "full, 2 threads"
+    assert lookup_accelerator("cpu-local@1t").name == "1 threads"
+    with pytest.raises(ValueError, match="no 'cpu-local@3t' entry.*--threads 3"):
+        load_local("cpu-local", path, 3)
 
 
 def test_weight_only_int8_halves_the_weights_and_keeps_16_bit_kv_and_activations():

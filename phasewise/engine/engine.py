@@ -70,6 +70,8 @@ class LLMEngine:
         (``StepStats.predicted_*``; ``phasewise.perf.attribution.StepCostModel.for_engine``);
         None: steps carry no predictions."""
         self.config = config
+        if config.num_threads is not None:  # before the kernel plan, keyed by thread count
+            torch.set_num_threads(config.num_threads)
         model_dir = Path(config.model)
         if not model_dir.is_dir():
             raise FileNotFoundError(f"model folder {model_dir} does not exist (phasewise loads "

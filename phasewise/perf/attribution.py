@@ -68,11 +68,17 @@ def engine_compute_dtype(engine: Any) -> Callable[[int], str]:
 
 
 def stored_peaks(device_type: str, path: Path | None = None) -> Accelerator | None:
-    """This machine's stored figures for ``device_type`` (``cpu`` or ``cuda``), or None when
-    ``phasewise measure`` has stored none (or they are unreadable). Never measures."""
+    """This machine's stored figures for ``device_type`` (``cpu`` or ``cuda``; on the CPU
+    those measured at this process's thread count), or None when ``phasewise measure`` has
+    stored none (or they are unreadable). Never measures."""
     key = "gpu-local" if device_type == "cuda" else "cpu-local"
+    threads = None
+    if device_type != "cuda":  # the figures measured at the threads this process runs
+        import torch
+
+        threads = torch.get_num_threads()
     try:
-        accel = load_local(key, path)
+        accel = load_local(key, path, threads)
     except (ValueError, KeyError, TypeError, AttributeError, OSError):
         return None
     if not accel.mem_bandwidth > 0:

@@ -106,8 +106,9 @@ def pool_blocks(points: Sequence[GridPoint], block_size: int, max_len: int) -> i
 
 
 # -- where profiles live --------------------------------------------------------------------
-def machine_id() -> dict[str, Any]:
-    """What identifies this machine's speed: CPU model, vector extensions, threads."""
+def machine_id(threads: int | None = None) -> dict[str, Any]:
+    """What identifies this machine's speed: CPU model, vector extensions, threads (the
+    cores this process may run on, unless an engine runs ``threads``)."""
     name, flags = platform.processor() or platform.machine(), set()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -118,8 +119,9 @@ def machine_id() -> dict[str, Any]:
     except OSError:
         pass
     isa = [f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
-    threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
-        else os.cpu_count() or 1
+    if threads is None:
+        threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
+            else os.cpu_count() or 1
     return {"cpu": name, "isa": isa, "threads": threads}
 
 
@@ -295,7 +297,7 @@ def calibrate(model: str, *, engine_kwargs: dict[str, Any] | None = None, quick:
     for p, t in rows:
         say(f"  {p.label():<36} {t * 1e3:9.2f} ms")
     dtype = str(engine.dtype).removeprefix("torch.")
-    mid = machine_id()
+    mid = machine_id(kw.get("num_threads"))  # a profile per thread count
     cm = fit(shape, accel, dtype, [(p.mix(), t) for p, t in rows], compute_dtype,
              source=f"fitted by phasewise calibrate on {time.strftime('%Y-%m-%d %H:%M')}, "
                     f"{mid['cpu'] if device == 'cpu' else device}")

@@ -214,7 +214,8 @@ def explain_generation(shape: ModelShape, accel: Accelerator, weight_dtype: str,
                        contention: Contention | None = None,
                        prefill_forward_s: float | None = None,
                        decode_forward_s: float | None = None,
-                       moe_dtype: str | None = None) -> list[str]:
+                       moe_dtype: str | None = None,
+                       threads: int | None = None) -> list[str]:
     """The lines ``phasewise generate`` prints after the stream (see the module doc).
 
     ``*_compute``: whose peak each phase's arithmetic runs at (it may differ from the
@@ -230,7 +231,9 @@ def explain_generation(shape: ModelShape, accel: Accelerator, weight_dtype: str,
     (``StepStats.forward_s`` summed), which splits a phase far above its roofline into the
     kernels' time and the host's; None: not measured, and the excess is left unexplained.
     ``moe_dtype``: how an MoE's experts are stored, where not ``weight_dtype`` (int8
-    weights keep the model's experts).
+    weights keep the model's experts). ``threads``: the CPU threads the kernels ran on; where
+    other work contended for the CPUs and there were several, the blame says that fewer
+    could run faster (each kernel's threads wait for the one that lost its core).
     """
     pre_roof = Roofline(shape, accel, weight_dtype, kv_dtype, compute_dtype=prefill_compute,
                         moe_dtype=moe_dtype)
@@ -297,6 +300,10 @@ def explain_generation(shape: ModelShape, accel: Accelerator, weight_dtype: str,
     contended = contention if contention is not None and contention.shared else None
     blame = ("the excess is that contention, not this work; the verdicts above may differ on "
              "a quiet machine")
+    if threads is not None and threads > 1:
+        blame += (f"; its {threads} threads wait for each other at the end of every kernel, so "
+                  f"one that loses its core holds up the rest: --threads {threads - 1} may run "
+                  "faster while the machine is busy")
     for p in slow:  # one line each: how its time splits, then what the excess is
         line = f"[bound]    {p.name} ran {p.vs_roofline:.0f}x above the roofline time"
         split = _split_words(p)

@@ -2,7 +2,9 @@
 
 Peak FLOP/s are dense (not the sparsity-doubled figures datasheets often lead with). The
 ``cpu-local`` / ``gpu-local`` entries are this machine, as ``phasewise measure`` measured it
-(see ``phasewise/perf/measure.py``); they are read from the file it writes.
+(see ``phasewise/perf/measure.py``); they are read from the file it writes. A CPU's peaks
+depend on the threads that reach them: figures measured at another thread count than the
+file's ``cpu-local`` are kept as ``cpu-local@Nt`` (``local_slot``).
 """
 
 from __future__ import annotations
@@ -10,8 +12,10 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 T = 1e12
 G = 1e9
@@ -144,7 +148,23 @@ def machine_file() -> Path:
     return Path(root) / "machine.json"
 
 
-def load_local(key: str = "cpu-local", path: Path | None = None) -> Accelerator:
+def local_slot(key: str, threads: int | None, data: Any) -> str:
+    """The machine file's entry for ``key`` measured at ``threads`` CPU threads: ``key``
+    itself where it is free, was measured at that count, or no count is asked for; else
+    ``key@Nt``. A CPU's peaks depend on the threads that reach them: figures from 2 threads
+    would rate a 1-thread engine's steps against twice the arithmetic it has."""
+    if threads is None or key != "cpu-local" or not isinstance(data, dict):
+        return key
+    entry = data.get(key)
+    measured = entry.get("measured") if isinstance(entry, dict) else None
+    had = measured.get("threads") if isinstance(measured, dict) else None
+    return key if entry is None or had is None or had == threads else f"{key}@{threads}t"
+
+
+def load_local(key: str = "cpu-local", path: Path | None = None,
+               threads: int | None = None) -> Accelerator:
+    """``key``'s stored figures (``cpu-local@Nt``: those measured at N threads); with
+    ``threads``, those measured at that count (``local_slot``)."""
     path = path or machine_file()
     if not path.exists():
         raise ValueError(f"{key} is this machine as measured: run 'phasewise measure' first "
@@ -153,9 +173,12 @@ def load_local(key: str = "cpu-local", path: Path | None = None) -> Accelerator:
         data = json.loads(path.read_text())
     except (OSError, ValueError) as e:
         raise ValueError(f"cannot read {path} ({e}); run 'phasewise measure' again") from e
-    entry = data.get(key) if isinstance(data, dict) else None
+    slot = local_slot(key, threads, data)
+    entry = data.get(slot) if isinstance(data, dict) else None
     if entry is None:
-        raise ValueError(f"{path} holds no {key!r} entry; run 'phasewise measure'")
+        raise ValueError(f"{path} holds no {slot!r} entry; run 'phasewise measure'"
+                         + (f" with {threads} threads (--threads {threads})"
+                            if slot != key else ""))
     return accelerator_from_entry(key, entry, path)
 
 
@@ -181,7 +204,7 @@ def accelerator_from_entry(key: str, entry: dict, path: Path | None = None) -> A
 
 def lookup_accelerator(key: str) -> Accelerator:
     k = key.lower()
-    if k in ("cpu-local", "gpu-local"):
+    if k in ("cpu-local", "gpu-local") or re.fullmatch(r"cpu-local@[0-9]+t", k):
         return load_local(k)
     if k in ACCELERATORS:
         return ACCELERATORS[k]

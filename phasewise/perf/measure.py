@@ -20,7 +20,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from phasewise.files import write_text_atomic
-from phasewise.perf.hardware import Accelerator, accelerator_from_entry, machine_file
+from phasewise.perf.hardware import (Accelerator, accelerator_from_entry, local_slot,
+                                     machine_file)
 
 CPU_CACHE_DIR = Path("/sys/devices/system/cpu/cpu0/cache")
 
@@ -244,7 +245,9 @@ def measure_device(device: str, progress: Callable[[str], None], quick: bool = F
         name = torch.cuda.get_device_name(dev)
     else:
         mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        name = f"{platform.processor() or platform.machine()} CPU, {os.cpu_count()} cores"
+        threads = torch.get_num_threads()
+        name = (f"{platform.processor() or platform.machine()} CPU, {os.cpu_count()} cores, "
+                f"{threads} thread{'s' * (threads != 1)}")
     return {"name": f"{name} (measured)", "peak_flops": peaks, "mem_bytes": float(mem),
             "mem_bandwidth": bandwidth,
             "source": f"measured by phasewise measure on {time.strftime('%Y-%m-%d %H:%M')}",
@@ -306,11 +309,13 @@ def measure(out: Path | None = None, quick: bool = False) -> dict[str, Any]:
     import torch
 
     progress = _progress
-    result = {"cpu-local": measure_device("cpu", progress, quick)}
-    if torch.cuda.is_available():
-        result["gpu-local"] = measure_device("cuda", progress, quick)
     path = out or machine_file()
     existing = _read_machine_file(path)
+    # the CPU's entry for this thread count (local_slot: cpu-local@Nt beside another count's)
+    result = {local_slot("cpu-local", torch.get_num_threads(), existing):
+              measure_device("cpu", progress, quick)}
+    if torch.cuda.is_available():
+        result["gpu-local"] = measure_device("cuda", progress, quick)
     kept = [k for k in result if quick and _complete(existing.get(k))
             and is_full(existing[k])]
     for key in kept:
@@ -403,10 +408,13 @@ def ensure_local(device: str, compute_dtypes: tuple[str, ...],
     ``compute_dtypes``: from ``phasewise measure``'s file or, when that lacks one, a quick
     measurement of what is missing (a few seconds, with progress), added to the file. A file
     that cannot be written only costs the saving."""
+    import torch
+
     is_cuda = device.startswith("cuda")
-    key = "gpu-local" if is_cuda else "cpu-local"
     path = path or machine_file()
     data = _read_machine_file(path)
+    # the peaks at the threads this process runs (local_slot), under their own entry
+    key = "gpu-local" if is_cuda else local_slot("cpu-local", torch.get_num_threads(), data)
     old = data.get(key)
     if not _complete(old):
         old = {}  # missing or damaged: measured afresh
@@ -415,7 +423,7 @@ def ensure_local(device: str, compute_dtypes: tuple[str, ...],
     redo = tuple(d for d in compute_dtypes if d in was_unstable and d not in missing)
     redo_read = bool(old) and "mem_bandwidth" in was_unstable
     if old and not missing and not redo and not redo_read:
-        return accelerator_from_entry(key, old, path)
+        return accelerator_from_entry(key.split("@")[0], old, path)
     if missing:
         what = " and ".join(f"{d} matmul" for d in missing)
         _progress(f"no {what} figures for {key} in {path} yet: a quick measurement"
@@ -434,4 +442,4 @@ def ensure_local(device: str, compute_dtypes: tuple[str, ...],
         _progress(f"written to {path}")
     except OSError as e:
         _progress(f"could not save to {path} ({e}); using the figures for this run only")
-    return accelerator_from_entry(key, entry, path)
+    return accelerator_from_entry(key.split("@")[0], entry, path)
