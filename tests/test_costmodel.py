@@ -101,6 +101,28 @@ def test_a_per_sequence_cost_lost_in_noise_is_not_resolved():
     assert "not resolved by these measurements" in seq and "median error of 1.8%" in seq
 
 
+def test_only_the_curves_points_at_measured_row_counts_are_printed():
+    # A grid without steps of 2, 32 or 64 rows: the curve's points there are free between
+    # their neighbours' steps, so they are named as not shown rather than printed.
+    t = truth()
+    steps = [(p.mix(), t.step_time(p.mix().chunks, p.mix().decodes)) for p in POINTS
+             if not {p.mix().rows, p.mix().samples} & {2, 32, 64}]
+    cm = fit(SHAPE, CPU, "bf16", steps, lambda rows: "fp32")
+    assert {2, 32, 64} <= {k.rows for k in cm.knots}
+    assert not {2, 32, 64} & set(cm.fit_report["rows_measured"])
+    (line,) = [ln for ln in cm.describe() if ln.startswith("  matmuls reach")]
+    assert "at 1 rows" in line and "at 16 rows" in line and "at 128 rows" in line
+    assert not re.search(r"at (2|32|64) rows", line)
+    assert line.endswith("(the curve's points at 2, 32, 64 rows lie between the measured "
+                         "steps' rows: not shown)")
+    # a profile fitted before rows were recorded prints every point, as it did
+    d = cm.to_dict()
+    del d["fit"]["rows_measured"]
+    (old,) = [ln for ln in CostModel.from_dict(SHAPE, CPU, d).describe()
+              if ln.startswith("  matmuls reach")]
+    assert "at 32 rows" in old and "not shown" not in old
+
+
 def test_a_stored_profile_with_impossible_figures_says_so():
     # A profile fitted before the bounds: its figures are printed with their reasons.
     d = truth(attn=0.79, per_seq=0.0).to_dict()

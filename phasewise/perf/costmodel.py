@@ -247,15 +247,22 @@ class CostModel:
                 lines.append("  per sequence: " + self._unresolved(
                     "what each sequence adds", "the terms that grow with the batch (its rows' "
                     "matmuls, its K/V reads)"))
-        over = [k for k in self.knots if k.inv_eff < 1]
+        # Only the knots at row counts some step had: a knot between them is a free
+        # point of the curve, which only its neighbours' steps constrain.
+        measured = set(fr.get("rows_measured", ())) if fr else set()
+        shown = [k for k in self.knots if not measured or k.rows in measured]
+        between = [k.rows for k in self.knots if k not in shown]
+        over = [k for k in shown if k.inv_eff < 1]
         lines.append("  matmuls reach " + ", ".join(
             f"{1 / k.inv_eff:.0%} at {k.rows} rows" if k.inv_eff >= 1 else
-            f">100%* at {k.rows} rows" for k in self.knots) + " of their roofline")
+            f">100%* at {k.rows} rows" for k in shown) + " of their roofline"
+            + (f" (the curve's points at {', '.join(map(str, between))} rows lie between the "
+               "measured steps' rows: not shown)" if between else ""))
         if over:
-            lines.append("  * above the roofline: at these row counts the fit carries the "
-                         "matmuls' time in the fixed per-step cost (the two are nearly "
-                         "collinear there); their sum is what the steps measured, not "
-                         "either alone (not trusted apart)")
+            lines.append("  * above the roofline: at these row counts the fit cannot tell the "
+                         "matmuls' time from the other terms that grow with a step (its "
+                         "fixed cost, attention, K/V reads); the steps' total is what was "
+                         "measured, not this split (not trusted)")
         held = fr.get("held_at_roofline", {}) if fr else {}
         for term, name, u in (("attn_prefill", "prompt attention arithmetic",
                                self.attn_prefill_inv_eff),
@@ -444,7 +451,8 @@ def fit(shape: ModelShape, accel: Accelerator, dtype: str,
                         "median_abs_rel_err": float(np.median(err)),
                         "max_abs_rel_err": float(err.max()), "rms_rel_err": _rms(err),
                         "at_bound": at_bound,
-                        "unmeasured": [TERMS[j] for j in range(len(TERMS)) if not used[j]]}
+                        "unmeasured": [TERMS[j] for j in range(len(TERMS)) if not used[j]],
+                        "rows_measured": sorted(set(rows))}
     if held:
         model.fit_report["held_at_roofline"] = held
     if above:
