@@ -20,7 +20,7 @@ from phasewise.bench.prompts import make_prompts
 from phasewise.bench.report import render
 from phasewise.cli import main
 from phasewise.perf.summary import (RequestResult, longest_stall, parse_slo, percentile,
-                                    summarize)
+                                    summarize, text_table)
 from phasewise.perf.workload import (LengthDist, RequestSpec, arrival_times, build_workload,
                                      load_trace)
 
@@ -111,6 +111,23 @@ def _result(i, start, ttft, gaps, tokens=None, prompt_len=16, intruder=False):
     return RequestResult(i, prompt_len, sum(tokens), intruder, start=start, ttft=ttft,
                          chunk_times=times, chunk_tokens=tokens, output_tokens=sum(tokens),
                          latency=times[-1], success=True)
+
+
+def test_tokens_that_arrive_together_are_called_a_burst_not_a_fast_decode():
+    from phasewise.perf.summary import BURST_GAP_S
+
+    steady = [_result(0, 0.0, 0.1, [0.003] * 9)]
+    out = summarize(steady, 1.0)
+    assert out["burst_share"] == 0.0
+    assert "bursts" not in text_table(out)
+    # one 36 ms gap, then nine tokens 10 µs apart (as seen behind a busy router)
+    bursty = [_result(0, 0.0, 0.1, [0.036] + [1e-5] * 9)]
+    out = summarize(bursty, 1.0)
+    assert out["burst_share"] == pytest.approx(0.9)
+    (line,) = [ln for ln in text_table(out).splitlines() if "bursts" in ln]
+    assert f"90% of the gaps between tokens were under {BURST_GAP_S * 1e3:g} ms" in line
+    assert "measure their delivery, not the decode steps" in line
+    assert summarize([], 1.0)["burst_share"] is None
 
 
 def test_percentile_matches_linear_interpolation():
@@ -427,3 +444,29 @@ def test_ttft_split_averages_the_servers_timings_and_the_remote_parts_over_remot
     assert split["mean_kv_bytes"] == 2_000_000
     assert ttft_split([None, None]) is None
     assert ttft_split([timings[0]])["mean_kv_transfer_ms"] is None
+    # printed, kv_transfer_s is the hand-off (a chunked prompt's later chunks are in it)
+    from phasewise.perf.summary import summarize, text_table
+
+    out = summarize([], 1.0)
+    out["ttft_split"] = split
+    (line,) = [ln for ln in text_table(out).splitlines() if ln.startswith("TTFT split")]
+    assert "remote_prefill 200.0  kv_handoff 50.0  first_step 10.0" in line
+    assert "kv_transfer" not in line
+
+
+def test_the_server_wide_line_says_when_the_server_counts_no_steps():
+    """Behind a router (no engine of its own) the steps are not 0 but uncounted there."""
+    from phasewise.bench.run import server_split, server_wide_line
+
+    before = {"phasewise:engine_steps_total{kind=decode}": 5.0}
+    after = {"phasewise:engine_steps_total{kind=decode}": 12.0,
+             "phasewise:engine_steps_total{kind=mixed}": 2.0}
+    assert server_wide_line(server_split(before, after), 3).endswith(
+        "steps: 0 prefill, 7 decode, 2 mixed")
+    router = server_split({}, {"phasewise:request_queue_time_seconds_count": 3.0,
+                               "phasewise:request_queue_time_seconds_sum": 0.03})
+    line = server_wide_line(router, 3)
+    assert "queue 10" in line and line.endswith(
+        "steps: none counted by this server (a router runs no engine: each worker's /metrics "
+        "counts its own)")
+    assert server_wide_line(router, 0).endswith("steps: 0 prefill, 0 decode, 0 mixed")

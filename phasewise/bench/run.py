@@ -83,6 +83,20 @@ def server_split(before: dict[str, float], after: dict[str, float]) -> dict[str,
     return split
 
 
+def server_wide_line(sm: dict[str, Any], completed: int) -> str:
+    """The summary's line from ``server_split``: from /metrics before and after the run, so
+    every request the server served meanwhile, another client's too (the TTFT split above:
+    this run's requests alone)."""
+    steps = ", ".join(f"{n} {kind}" for kind, n in sm["engine_steps"].items())
+    if completed and not any(sm["engine_steps"].values()):
+        steps = ("none counted by this server (a router runs no engine: each worker's "
+                 "/metrics counts its own)")
+    return (f"{'Server-wide, all clients (mean ms):':<37} queue "
+            f"{_fmt(sm['mean_request_queue_time_ms'])}  prefill "
+            f"{_fmt(sm['mean_request_prefill_time_ms'])}  decode "
+            f"{_fmt(sm['mean_request_decode_time_ms'])}; steps: {steps}")
+
+
 def _headers(a: argparse.Namespace) -> dict[str, str]:
     h = {}
     for item in a.header:
@@ -176,14 +190,7 @@ def main(a: argparse.Namespace) -> int:
         if warning:
             print(warning)
         if out["server_metrics"]:
-            sm = out["server_metrics"]
-            # from /metrics before and after: every request the server served meanwhile,
-            # another client's too (the TTFT split above: this run's requests alone)
-            steps = ", ".join(f"{n} {kind}" for kind, n in sm["engine_steps"].items())
-            print(f"{'Server-wide, all clients (mean ms):':<37} queue "
-                  f"{_fmt(sm['mean_request_queue_time_ms'])}  prefill "
-                  f"{_fmt(sm['mean_request_prefill_time_ms'])}  decode "
-                  f"{_fmt(sm['mean_request_decode_time_ms'])}; steps: {steps}")
+            print(server_wide_line(out["server_metrics"], out["completed"]))
         save_result(a, out, label, rate, sweep)
         summaries.append(out)
     if sweep:

@@ -72,6 +72,13 @@ class RequestResult:
         return (self.latency - self.ttft) / (self.output_tokens - 1)
 
 
+# A gap between two token-carrying chunks shorter than this is two tokens that arrived
+# together: no engine step, CPU or GPU, is this short.
+BURST_GAP_S = 1e-4
+# The share of such gaps from which the summary says the timings measure delivery.
+BURST_NOTE_SHARE = 0.2
+
+
 def percentile(values: Sequence[float], p: float) -> float:
     """Linear interpolation between closest ranks (numpy's default)."""
     if not values:
@@ -232,7 +239,11 @@ def summarize(results: Sequence[RequestResult], duration: float,
     _stats("ttft", [r.ttft for r in ok if r.ttft is not None], out)
     _stats("tpot", [r.tpot for r in ok if r.tpot is not None], out)
     out["tpot_modes"] = modes([r.tpot for r in ok if r.tpot is not None])
-    _stats("itl", [g for r in ok for g in r.itls], out)
+    gaps = [g for r in ok for g in r.itls]
+    _stats("itl", gaps, out)
+    # Gaps no engine step could make: tokens that arrived together (a proxy or the server's
+    # own buffering held them, or speculative decoding emitted several in one step)
+    out["burst_share"] = (sum(g < BURST_GAP_S for g in gaps) / len(gaps)) if gaps else None
     _stats("e2el", [r.latency for r in ok], out)
     out["longest_stall"] = longest_stall(ok)
     # Per-request detail, in vLLM's field names (seconds), plus what only this client keeps.
@@ -307,6 +318,12 @@ def text_table(result: dict[str, Any]) -> str:
         stats = "  ".join(f"{k} {v:.1f}" for k, v in
                           zip(("mean", "median", "std", "p90", "p99"), values))
         row(f"{label} (ms):", stats)
+    burst = result.get("burst_share")
+    if burst is not None and burst >= BURST_NOTE_SHARE:
+        row("Tokens arrived in bursts:", f"{burst:.0%} of the gaps between tokens were under "
+            f"{BURST_GAP_S * 1e3:g} ms, shorter than any engine step: several tokens came "
+            "together (held by a proxy or the server's buffering, or emitted by one "
+            "speculative step), so ITL and TPOT measure their delivery, not the decode steps")
     m = result.get("tpot_modes")
     if m:
         row("TPOT has two modes:", f"{1 - m['high_share']:.0%} of requests near "
@@ -323,8 +340,13 @@ def text_table(result: dict[str, Any]) -> str:
             f"t={stall['at_s']:.2f}s{culprit}")
     split = result.get("ttft_split")
     if split:
-        parts = [f"{name} {split[f'mean_{name}_ms']:.1f}" for name in
-                 ("queue", "prefill", "remote_prefill", "kv_transfer", "first_step")
+        # kv_transfer_s runs from the first K/V frame to the first token back: for a chunked
+        # prompt, the prefill worker's later chunks too, so it is shown as the hand-off, not
+        # as a copy's time
+        parts = [f"{shown} {split[f'mean_{name}_ms']:.1f}" for name, shown in
+                 (("queue", "queue"), ("prefill", "prefill"),
+                  ("remote_prefill", "remote_prefill"), ("kv_transfer", "kv_handoff"),
+                  ("first_step", "first_step"))
                  if split.get(f"mean_{name}_ms") is not None]
         remote = (f"; {split['remote']} of {split['requests']} prefilled remotely, "
                   f"a mean {split['mean_kv_bytes'] / 1e6:.2f} MB of K/V a request"
