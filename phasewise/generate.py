@@ -96,7 +96,7 @@ def run(model: str, engine_kwargs: dict[str, Any], opts: GenerateOptions,
     decode_s = (m.token_times[-1] - m.token_times[0]) if n_out > 1 else 0.0
     steps_text = (f"{len(chunks)} steps of " + " + ".join(map(str, chunks))
                   if len(chunks) > 1 else "1 step")
-    ttft = f"; TTFT {m.ttft * 1e3:.1f} ms" if m.ttft is not None else ""
+    ttft = ttft_words(m.ttft, prefill_s)
     print(f"[prefill]  {n_prompt} prompt tokens, {steps_text}, {prefill_s * 1e3:.1f} ms: "
           f"{n_prompt / max(prefill_s, 1e-9):.0f} tok/s{ttft}", file=err)
     verifies = None
@@ -122,6 +122,18 @@ def run(model: str, engine_kwargs: dict[str, Any], opts: GenerateOptions,
                                    contention, forward):
             print(line, file=err)
     return 0
+
+
+def ttft_words(ttft: float | None, prefill_s: float) -> str:
+    """The ``[prefill]`` line's TTFT clause; a TTFT shorter than the prefill steps says why
+    (the token is stamped when sampled, and its step's output work comes after it)."""
+    if ttft is None:
+        return ""
+    words = f"; TTFT {ttft * 1e3:.1f} ms"
+    if ttft < prefill_s:
+        words += (" (stamped when the token was sampled; the step's work on its outputs came "
+                  "after, within its time)")
+    return words
 
 
 def experts_line(eng: Any, prefill_steps: list[Any], run_steps: list[Any]) -> str | None:

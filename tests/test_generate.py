@@ -159,3 +159,12 @@ def test_policy_line_keeps_decisions_and_drops_the_estimate():
         "draft policy by decoding batch: 1: drafts; 2-3: measuring; 4-7: no drafts (decided "
         "on its running estimate over recent drafting steps)")
     assert policy_line("no decode-only step measured yet") == "no decode-only step measured yet"
+
+
+def test_a_ttft_shorter_than_its_prefill_step_says_why():
+    from phasewise.generate import ttft_words
+
+    assert ttft_words(0.0050, 0.0040) == "; TTFT 5.0 ms"
+    short = ttft_words(0.0034, 0.0115)
+    assert short.startswith("; TTFT 3.4 ms (stamped when the token was sampled")
+    assert ttft_words(None, 0.01) == ""
