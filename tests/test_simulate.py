@@ -739,3 +739,27 @@ def test_a_ttft_verdict_names_the_role_whose_queue_held_the_prompts(prefill_busy
     text = verdict(c, {"ttft": 500.0, "tpot": 50.0})
     assert text.startswith(f"{bound} at 5 req/s: the late prompts waited 600 ms")
     assert f"decode {decode_busy:.0%} busy" in text and "2 of 3 miss TTFT" in text
+
+
+@pytest.mark.parametrize("queue_s,prefill_s,decode_busy,start", [
+    # saturated decode workers stretch a late prompt's first token whichever time is larger
+    (0.336, 0.341, 0.99, "decode-bound at 5 req/s: the late prompts waited 336 ms for their "
+                         "first step behind the busy decode workers, then took 341 ms"),
+    # decode not saturated, prefill the larger: the prompts' own prefill, by the docs' name
+    (0.1, 0.4, 0.6, "prefill-bound at 5 req/s: the late prompts' own prefill took 400 ms "
+                    "(after 100 ms of waiting) against a TTFT SLO of 500 ms")])
+def test_a_late_prompts_own_prefill_is_put_down_to_a_saturated_role(queue_s, prefill_s,
+                                                                     decode_busy, start):
+    from phasewise.perf.plan import Candidate, verdict
+
+    late = {"queue_s": queue_s, "prefill_s": prefill_s}
+    above = {"ttfts": [0.9, 0.8], "latencies": [1.0, 0.9], "output_lens": [4] * 2,
+             "server_timings": [late, late], "request_rate": 5.0, "p90_tpot_ms": 10.0,
+             "simulated": {"workers": [
+                 {"role": "prefill", "utilization": 0.52, "steps": {}, "preemptions": 0},
+                 {"role": "decode", "utilization": decode_busy, "steps": {},
+                  "preemptions": 0}]}}
+    c = Candidate(Deployment("pd", prefill=1, decode=1), ENGINE, goodput=4.0, above=above)
+    text = verdict(c, {"ttft": 500.0, "tpot": 50.0})
+    assert text.startswith(start), text
+    assert "prompt-bound" not in text

@@ -118,6 +118,11 @@ def goodput(cost: CostModel, engine: EngineSpec, dep: Deployment, wl: Workload,
     return lo, lo_res
 
 
+# A role this busy (its mean share of the simulated time) is saturated: the late prompts'
+# time is put down to it.
+SATURATED = 0.9
+
+
 def verdict(c: Candidate, slo: dict[str, float]) -> str:
     """Why a candidate stops where it does, from the simulation just above its goodput: which
     SLO gives first, and what the requests that miss it spent their time on."""
@@ -150,9 +155,12 @@ def verdict(c: Candidate, slo: dict[str, float]) -> str:
         q = sum(queue) / len(queue) if queue else 0.0
         p = sum(pre) / len(pre) if pre else 0.0
         # the waiting is behind the busiest role's steps: a saturated decode worker of a P/D
-        # pair delays first steps as a saturated prefill worker does
+        # pair delays first steps as a saturated prefill worker does; and where it is
+        # saturated, a late prompt's prefill (its remote prefill, the hand-off and its first
+        # step there) is stretched by it too, however the two times compare
         busiest = max(roles, key=lambda r: sum(roles[r]) / len(roles[r]))
-        if q >= p and busiest == "decode":
+        saturated = sum(roles[busiest]) / len(roles[busiest]) >= SATURATED
+        if busiest == "decode" and (q >= p or saturated):
             why = (f"decode-bound at {rate:.3g} req/s: the late prompts waited {q * 1e3:.0f} "
                    f"ms for their first step behind the busy decode workers, then took "
                    f"{p * 1e3:.0f} ms")
@@ -160,7 +168,7 @@ def verdict(c: Candidate, slo: dict[str, float]) -> str:
             why = (f"prefill-bound at {rate:.3g} req/s: the late prompts waited {q * 1e3:.0f} "
                    f"ms for their first step, then took {p * 1e3:.0f} ms")
         else:
-            why = (f"prompt-bound at {rate:.3g} req/s: the late prompts' own prefill took "
+            why = (f"prefill-bound at {rate:.3g} req/s: the late prompts' own prefill took "
                    f"{p * 1e3:.0f} ms (after {q * 1e3:.0f} ms of waiting) against a TTFT "
                    f"SLO of {ttft_ms:g} ms")
     else:
