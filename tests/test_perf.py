@@ -803,3 +803,23 @@ def test_a_config_of_impossible_sizes_is_refused_by_the_field(over, match):
         ModelShape.from_hf_config(cfg)
     with pytest.raises(ValueError, match="a JSON object"):
         ModelShape.from_hf_config([1, 2])  # type: ignore[arg-type]
+
+
+def test_a_decode_batch_near_the_context_limit_says_it_grows_without_bound():
+    """Close to the context past which decode never turns compute-bound, the batch it would
+    need grows without bound: the line says so rather than leave a bare large figure."""
+    from phasewise.perf.explain import explain_generation
+
+    shape, acc, roof = _explain_setup()
+    limit = roof.never_compute_bound_context()
+
+    def bound_line(prompt_len):
+        lines = explain_generation(shape, acc, "bf16", "fp32", "fp32", [prompt_len], 0.05, 10,
+                                   0.1, 512)
+        return next(ln for ln in lines if ln.startswith("[bound]    on this machine"))
+
+    far = bound_line(10)  # a context of 20, far below the limit
+    assert "decode would need a batch of ~11 sequences" in far and "nears the" not in far
+    near = bound_line(390)  # a context of 400
+    assert f"at a context of 400 tokens, which nears the {limit:.0f} past which decode never " \
+           "turns compute-bound at any batch" in near

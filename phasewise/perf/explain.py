@@ -282,10 +282,17 @@ def explain_generation(shape: ModelShape, accel: Accelerator, weight_dtype: str,
     elif crossover and crossover > 1:
         flips.append(f"prompt chunks under {crossover} tokens would leave prefill memory-bound")
     if dec is not None and dec.bound == "memory":
-        batch = dec_roof.critical_batch(prompt_len + decode_steps)
+        context = prompt_len + decode_steps
+        batch = dec_roof.critical_batch(context)
         flips.append(f"decode would need a batch of ~{max(2, math.ceil(batch))} sequences to "
                      "turn compute-bound" if batch else
                      "decode stays memory-bound at any batch at this context")
+        limit = dec_roof.never_compute_bound_context()
+        if batch and limit is not None and context >= limit / 2:
+            # the batch grows without bound as the context nears the limit: a figure this
+            # close to it says little beyond "not at any batch a server runs"
+            flips[-1] += (f" at a context of {context} tokens, which nears the {limit:.0f} "
+                          "past which decode never turns compute-bound at any batch")
     # The crossovers move with the ridge (peak over bandwidth): from unstable peaks they are
     # as unsure as the verdicts, and say so.
     noisy = [n for n in (noise_factor(accel, prefill_compute),
@@ -305,7 +312,9 @@ def explain_generation(shape: ModelShape, accel: Accelerator, weight_dtype: str,
                   f"one that loses its core holds up the rest: --threads {threads - 1} may run "
                   "faster while the machine is busy")
     for p in slow:  # one line each: how its time splits, then what the excess is
-        line = f"[bound]    {p.name} ran {p.vs_roofline:.0f}x above the roofline time"
+        # one decimal below 10x, as the [roofline] lines print the same ratio
+        times = f"{p.vs_roofline:.1f}" if p.vs_roofline < 10 else f"{p.vs_roofline:.0f}"
+        line = f"[bound]    {p.name} ran {times}x above the roofline time"
         split = _split_words(p)
         if split is None and contended is not None:
             line += f" while {contended.words()}: {blame}"
