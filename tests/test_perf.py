@@ -155,6 +155,27 @@ def test_monotone_properties(model, acc, t, b, s):
     assert r.prefill(s).intensity > r.decode(1, s).intensity  # prefill beats decode
 
 
+def test_a_cpu_kv_capacity_names_the_pool_serve_sizes():
+    """On a CPU the memory the weights leave is not the pool: serve sizes it at 1 GiB unless
+    --kv-cache-memory, and the analysis says how many requests that holds."""
+    from phasewise.engine.kv_sizing import DEFAULT_CPU_KV_MEMORY
+    from phasewise.perf.analysis import analyse, format_text
+    from phasewise.perf.hardware import Accelerator
+
+    shape = lookup_model("qwen2.5-0.5b")
+    cpu = Accelerator("cpu-local", "test CPU", {"bf16": 4e11}, 24e9, 30e9, None, "test")
+    a = analyse(shape, cpu, prompt_len=512, output_len=128)
+    mc = a["max_concurrent_requests"]
+    kvpt = Roofline(shape, cpu).kv_bytes_per_token
+    assert mc["serve_cpu_pool_requests"] == int(DEFAULT_CPU_KV_MEMORY // (640 * kvpt))
+    assert mc["serve_cpu_pool_requests"] < mc["requests"]
+    assert (f"phasewise serve on a CPU sizes its pool at 1 GiB unless --kv-cache-memory says "
+            f"otherwise: {mc['serve_cpu_pool_requests']} such requests") in format_text(a)
+    gpu = analyse(shape, H100, prompt_len=512, output_len=128)
+    assert gpu["max_concurrent_requests"]["serve_cpu_pool_requests"] is None
+    assert "sizes its pool" not in format_text(gpu)
+
+
 def test_kv_capacity_transfer_and_moe_notes():
     r = Roofline(lookup_model("Llama-3.1-8B"), H100)
     kvpt = 128 * 1024

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from phasewise.engine.kv_sizing import DEFAULT_CPU_KV_MEMORY
 from phasewise.perf.hardware import Accelerator, Link
 from phasewise.perf.models import GenericModel, ModelShape
 from phasewise.perf.roofline import Roofline
@@ -63,6 +64,7 @@ def analyse(model: ModelShape | GenericModel, accel: Accelerator, dtype: str = "
     ctx_total = max(prefix_len + prompt_len + output_len, context)
     sweep = []
     cap = r.max_concurrent_requests(ctx_total, reserve_frac) if shaped else None
+    on_cpu = accel.key.startswith("cpu")
     limit = getattr(model, "max_position_embeddings", None)
     if shaped and limit and ctx_total > limit:
         notes.append(f"a context of {ctx_total} tokens exceeds the model's "
@@ -121,8 +123,12 @@ def analyse(model: ModelShape | GenericModel, accel: Accelerator, dtype: str = "
         "batch_sweep": sweep,
         "critical_batch": critical,
         "never_compute_bound_beyond_context": r.never_compute_bound_context(),
-        "max_concurrent_requests": {"context": ctx_total, "reserve_frac": reserve_frac,
-                                    "requests": cap},
+        "max_concurrent_requests": {
+            "context": ctx_total, "reserve_frac": reserve_frac, "requests": cap,
+            # on a CPU, phasewise serve's pool is a set size, far below the memory
+            "serve_cpu_pool_bytes": DEFAULT_CPU_KV_MEMORY if on_cpu else None,
+            "serve_cpu_pool_requests": (r.requests_in_pool(DEFAULT_CPU_KV_MEMORY, ctx_total)
+                                        if on_cpu and shaped else None)},
         "kv_transfer": (dict(r.kv_transfer(prompt_len, link) or {}, link=link.as_dict())
                         if link is not None and shaped else None),
         "notes": notes,
@@ -218,6 +224,10 @@ def format_text(a: dict[str, Any]) -> str:
         lines.append(f"KV capacity: {mc['requests']} concurrent requests of {mc['context']} "
                      f"tokens (after the weights, {mc['reserve_frac']:.0%} of what they leave "
                      "kept for activations)")
+        if mc.get("serve_cpu_pool_requests") is not None:
+            lines.append(f"  phasewise serve on a CPU sizes its pool at "
+                         f"{mc['serve_cpu_pool_bytes'] / 2**30:g} GiB unless --kv-cache-memory "
+                         f"says otherwise: {mc['serve_cpu_pool_requests']} such requests")
     kt = a["kv_transfer"]
     if kt:
         lines.append(f"KV transfer of one {w['prompt_len']}-token prompt over "

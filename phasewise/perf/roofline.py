@@ -383,6 +383,14 @@ class Roofline:
         # is freed)
         return max(0, int(free // (self._span(context) * kvpt)))
 
+    def requests_in_pool(self, pool_bytes: float, context: int) -> int | None:
+        """Requests of ``context`` tokens whose K/V a pool of ``pool_bytes`` holds (a CPU
+        engine's pool is a set size, not what the weights leave: ``kv_cache_memory``)."""
+        kvpt = self.kv_bytes_per_token
+        if kvpt is None or context < 1:
+            return None
+        return max(0, int(pool_bytes // (self._span(context) * kvpt)))
+
     def kv_transfer(self, prompt_len: int, link: Link) -> dict[str, float] | None:
         """Time to ship one prompt's KV cache over ``link``, against its prefill time."""
         kvpt = self.kv_bytes_per_token
