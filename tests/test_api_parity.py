@@ -430,7 +430,7 @@ def test_required_tool_calls_always_parse_and_stream_as_deltas(server):
 
 
 def test_auto_parses_hermes_blocks():
-    from phasewise.server.tools import parse_hermes, required_schema
+    from phasewise.server.tools import parse_hermes, parse_required, required_schema
 
     text = ('Let me look.\n<tool_call>\n{"name": "get_time", "arguments": {"zone": "utc"}}'
             '\n</tool_call>\n<tool_call>{"name": "nope", "arguments": {}}</tool_call>')
@@ -449,6 +449,17 @@ def test_auto_parses_hermes_blocks():
     assert parse_hermes(many, {"get_time"}) == (many, [])
     schema = required_schema([WEATHER, TIME], parallel=False)
     assert schema["maxItems"] == 1 and len(schema["items"]["anyOf"]) == 2
+    # a name that is a list or an object names no tool (it was a 500: unhashable)
+    for bad in ('[1]', '{}', '["get_time"]'):
+        block = f'<tool_call>{{"name": {bad}}}</tool_call>'
+        assert parse_hermes(block, {"get_time"}) == (block, [])
+    assert parse_required('[{"name": ["get_time"]}, {"name": "get_time"}]') == [
+        {"name": "get_time", "arguments": "{}"}]
+    # arguments are JSON text however the model wrote them
+    _, calls = parse_hermes('<tool_call>{"name": "get_time", "arguments": "str"}</tool_call>'
+                            '<tool_call>{"name": "get_time", "arguments": "{\\"a\\": 1}"}'
+                            '</tool_call>', {"get_time"})
+    assert [c["arguments"] for c in calls] == ['"str"', '{"a": 1}']
 
 
 def test_auto_streams_content_until_a_tool_call_begins():

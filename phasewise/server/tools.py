@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from collections.abc import Collection
 from typing import Any
 
 from phasewise.engine.outputs import RequestOutput
@@ -69,7 +70,22 @@ def required_schema(tools: list[dict[str, Any]], parallel: bool) -> dict[str, An
 
 
 def _arguments(value: Any) -> str:
-    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+    """A call's ``arguments`` as OpenAI's API gives them: JSON text. A string the model wrote
+    there is kept where it is JSON text already, else encoded as a JSON string (a client
+    parses every ``arguments`` with a JSON parser)."""
+    if isinstance(value, str):
+        try:
+            json.loads(value)
+            return value
+        except (ValueError, RecursionError):
+            pass
+    return json.dumps(value, ensure_ascii=False)
+
+
+def _is_name(value: Any, names: Collection[str]) -> bool:
+    """Whether ``value`` (a call's ``name`` as the model wrote it) names one of ``names``: a
+    list or an object there names nothing (and cannot be looked up in a set)."""
+    return isinstance(value, str) and value in names
 
 
 def split_hermes(text: str, names: set[str]) -> tuple[str, list[dict[str, str]]]:
@@ -89,7 +105,7 @@ def split_hermes(text: str, names: set[str]) -> tuple[str, list[dict[str, str]]]
             obj = json.loads(text[start + len(OPEN):end])
         except (ValueError, RecursionError):
             continue
-        if not (isinstance(obj, dict) and obj.get("name") in names):
+        if not (isinstance(obj, dict) and _is_name(obj.get("name"), names)):
             continue
         kept.append(text[pos:start])
         pos = at
@@ -115,7 +131,7 @@ def parse_required(text: str) -> list[dict[str, str]] | None:
     if not isinstance(items, list):
         return None
     return [{"name": i["name"], "arguments": _arguments(i.get("arguments", {}))}
-            for i in items if isinstance(i, dict) and "name" in i]
+            for i in items if isinstance(i, dict) and isinstance(i.get("name"), str)]
 
 
 def _members(text: str, start: int) -> tuple[list[tuple[str, int, int | None]], int | None]:
