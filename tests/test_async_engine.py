@@ -252,3 +252,45 @@ def test_an_id_reused_right_after_its_abort_gets_none_of_the_old_outputs(llama_d
             await asyncio.to_thread(ae.shutdown)
 
     asyncio.run(main())
+
+
+def test_a_reader_that_falls_behind_finds_one_output_per_request():
+    """A stream whose client stopped reading: each request's later outputs merge into the
+    one not yet taken (deltas joined, the rest the latest), so what waits stays one output
+    per request however long the output grows; never across a notice or an error."""
+    from phasewise.engine.backend import RequestGroup
+    from phasewise.engine.outputs import RequestOutput
+    from phasewise.engine.request import RequestMetrics
+
+    def out(rid, n, finished=False):
+        ids = list(range(n))
+        return RequestOutput(rid, None, [1], "x" * n, ids, "x", [n - 1], finished,
+                             "length" if finished else None, None, [{i: -0.5} for i in ids],
+                             RequestMetrics(0.0))
+
+    async def run():
+        group = RequestGroup(["a", "b"], abort=lambda ids: None, on_close=lambda ids: None)
+        for n in range(1, 201):  # 200 steps of both, nothing read
+            group._put(out("a", n))
+            group._put(out("b", n, finished=n == 200))
+        assert group._queue.qsize() == 2
+        (i, a), (j, b) = [await group.__anext__() for _ in range(2)]
+        assert (i, j) == (0, 1)
+        assert a.delta_token_ids == list(range(200)) and a.delta_text == "x" * 200
+        assert a.token_ids == list(range(200)) and len(a.logprobs) == 200
+        assert b.finished and b.finish_reason == "length" and len(b.delta_token_ids) == 200
+        # taken: the next output starts a new slot
+        group._put(out("a", 201))
+        group.notify("handover")
+        group._put(out("a", 202))  # after the notice: not merged into the one before it
+        got = [await group.__anext__() for _ in range(3)]
+        assert [g[0] for g in got] == [0, -1, 0]
+        assert got[0][1].delta_token_ids == [200] and got[2][1].delta_token_ids == [201]
+        group._put(out("a", 203))
+        group._put(RuntimeError("boom"))
+        group._put(out("a", 204))
+        assert (await group.__anext__())[1].delta_token_ids == [202]
+        with pytest.raises(RuntimeError, match="boom"):
+            await group.__anext__()
+
+    asyncio.run(run())

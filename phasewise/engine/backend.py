@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import MISSING, dataclass, fields
+from dataclasses import MISSING, dataclass, fields, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
 from phasewise.engine.outputs import RequestOutput, StepStats
@@ -189,6 +189,23 @@ class _Notice:
     text: str
 
 
+class _Slot:
+    """A request's output waiting in its group's queue; a later output of the same request
+    merges into it until the reader takes it (``RequestGroup._put``)."""
+
+    __slots__ = ("out",)
+
+    def __init__(self, out: RequestOutput) -> None:
+        self.out = out
+
+
+def merge_outputs(old: RequestOutput, new: RequestOutput) -> RequestOutput:
+    """One output that says what ``old`` then ``new`` said: ``new``'s state (everything so
+    far) with both deltas."""
+    return replace(new, delta_text=old.delta_text + new.delta_text,
+                   delta_token_ids=old.delta_token_ids + new.delta_token_ids)
+
+
 class RequestGroup:
     """The outputs of a group of requests, in the order the backend produced them.
 
@@ -198,6 +215,12 @@ class RequestGroup:
     put into the group (``_put``) ends the iteration by raising it. A notice (``notify``:
     text for the group's reader that ends nothing) comes out between outputs as
     ``(-1, text)``; only the relay's own groups get them (``phasewise.server.internal``).
+
+    A reader that falls behind (a client that stops reading its stream) finds at most one
+    output per request waiting: a request's later outputs merge into the one not yet taken
+    (``merge_outputs``; deltas joined, the rest the latest), never across a notice. Each
+    output holds everything so far, so a queue of them would grow with the square of the
+    output's length while its stream stands still.
     """
 
     def __init__(self, request_ids: list[str], abort: Callable[[list[str]], None],
@@ -212,13 +235,24 @@ class RequestGroup:
         self.routing: str | None = None  # behind a router: the worker it chose, and why
         # whether outputs may reach it yet (AsyncEngine: once its engine admitted it)
         self.ready = True
-        self._queue: asyncio.Queue[RequestOutput | BaseException | _Notice] = asyncio.Queue()
+        self._queue: asyncio.Queue[_Slot | BaseException | _Notice] = asyncio.Queue()
+        self._waiting: dict[str, _Slot] = {}  # request id -> its output not yet taken
         self._open = set(request_ids)
 
     def _put(self, item: RequestOutput | BaseException) -> None:  # on the event loop
-        self._queue.put_nowait(item)
+        if isinstance(item, BaseException):
+            self._waiting.clear()
+            self._queue.put_nowait(item)
+            return
+        slot = self._waiting.get(item.request_id)
+        if slot is not None:
+            slot.out = merge_outputs(slot.out, item)
+            return
+        slot = self._waiting[item.request_id] = _Slot(item)
+        self._queue.put_nowait(slot)
 
     def notify(self, text: str) -> None:  # on the event loop
+        self._waiting.clear()  # an output after the notice stays after it
         self._queue.put_nowait(_Notice(text))
 
     def __aiter__(self) -> RequestGroup:
@@ -227,12 +261,15 @@ class RequestGroup:
     async def __anext__(self) -> tuple[int, RequestOutput]:
         if not self._open:
             raise StopAsyncIteration
-        item = await self._queue.get()
-        if isinstance(item, _Notice):
-            return -1, item.text  # type: ignore[return-value]
-        if isinstance(item, BaseException):
+        got = await self._queue.get()
+        if isinstance(got, _Notice):
+            return -1, got.text  # type: ignore[return-value]
+        if isinstance(got, BaseException):
             self.close()
-            raise item
+            raise got
+        item = got.out
+        if self._waiting.get(item.request_id) is got:
+            del self._waiting[item.request_id]
         if item.finished:
             self._open.discard(item.request_id)
         return self._index[item.request_id], item
