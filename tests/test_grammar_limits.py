@@ -176,6 +176,58 @@ def test_a_request_whose_mask_is_over_the_step_limit_ends_alone(hf_checkpoints, 
     assert free.error is None and len(free.token_ids) == 8
 
 
+def test_grammars_that_would_more_than_double_a_shared_step_end_costliest_first():
+    from types import SimpleNamespace
+
+    from phasewise.engine.sampler import HEAVY_MASK_S, grammars_over_budget
+
+    def req(rid, cost, group=None):
+        grammar = None if cost is None else SimpleNamespace(last_fill_s=cost)
+        return SimpleNamespace(request_id=rid, grammar=grammar, group=group)
+
+    heavy = [req(f"h{i}", 0.004 + i * 0.001, group="attacker") for i in range(4)]
+    other = req("v", None, group="victim")
+    cheap = [req(f"c{i}", HEAVY_MASK_S / 2, group="victim") for i in range(3)]
+    ended = grammars_over_budget([*heavy, other, *cheap], 0.006)
+    # 4+5+6+7 ms of heavy masks and 1.5 ms of cheap ones against 6 ms: the three costliest go
+    assert sorted(ended) == ["h1", "h2", "h3"]
+    assert "took 7.0 ms of CPU time for one token's mask" in ended["h3"]
+    assert "this step's grammars 24 ms together" in ended["h3"]
+    assert "longer than the step's forward pass (6 ms)" in ended["h3"]
+    # a cheap mask is never ended, however many there are
+    assert grammars_over_budget([req(f"c{i}", 0.0009, group=i) for i in range(100)],
+                                0.005) == {}
+    # a step that holds one group's requests alone slows no one else
+    assert grammars_over_budget(heavy, 0.005) == {}
+    assert grammars_over_budget([heavy[0], other], 0.005) == {}  # within the budget
+
+
+def test_a_grammar_that_would_double_shared_steps_ends_and_the_others_go_on(
+        hf_checkpoints, monkeypatch):
+    from phasewise.engine import sampler
+
+    llm = LLM(str(hf_checkpoints["LlamaForCausalLM"][0]), dtype="float32")
+    fill = structured.Matcher.fill
+
+    def costly_fill(self):  # every mask after the first as if it took 20 ms of CPU
+        bits = fill(self)
+        if self.fills > 1:
+            self.last_fill_s = 0.02
+        return bits
+
+    monkeypatch.setattr(structured.Matcher, "fill", costly_fill)
+    monkeypatch.setattr(sampler, "GRAMMAR_STEP_FLOOR_S", 0.01)
+    grammar = SamplingParams(max_tokens=8, structured_output=spec_json("regex", "[a-z]{8}"))
+    constrained, free = llm.generate(["x", "y"], [grammar,
+                                                  SamplingParams(max_tokens=8, ignore_eos=True)])
+    assert constrained.error is not None and "may at most double" in constrained.error
+    assert constrained.error_code == "invalid_grammar"
+    assert free.error is None and len(free.token_ids) == 8
+    # alone, it slows no other request's steps: it runs to its end
+    (alone,) = llm.generate(["x"], grammar)
+    assert alone.error is None and alone.finish_reason == "stop" and len(alone.text) == 8
+
+
 # -- the check in a child process --------------------------------------------------------------
 def _check(checker: GrammarChecker, text: str, client: str | None = "a") -> int | str:
     async def go():

@@ -437,6 +437,38 @@ class Sampler:
         return probs
 
 
+# The masks of one step's grammars together may take as long as its forward pass (at least
+# this floor), where the step holds other clients' requests: a grammar may slow the steps
+# it shares at most twofold. Past it, the requests whose one mask took HEAVY_MASK_S or more
+# are ended, costliest first, until the rest fit. A typical grammar's mask takes tens of
+# microseconds, so only grammars far off the common case are ever ended.
+GRAMMAR_STEP_FLOOR_S = 0.005
+HEAVY_MASK_S = 0.001
+
+
+def grammars_over_budget(requests: list[Request], budget_s: float) -> dict[str, str]:
+    """The requests whose grammar to end this step (request id -> why): where this step's
+    masks took longer than ``budget_s`` together and the step holds requests of more than
+    one group, the costliest masks of ``HEAVY_MASK_S`` or more, until the rest fit."""
+    costs = sorted(((r.grammar.last_fill_s, r) for r in requests if r.grammar is not None),
+                   key=lambda c: -c[0])
+    total = sum(c for c, _ in costs)
+    groups = {r.group if r.group is not None else r.request_id for r in requests}
+    if total <= budget_s or len(groups) < 2:
+        return {}
+    ended, step_total = {}, total
+    for cost, req in costs:
+        if total <= budget_s or cost < HEAVY_MASK_S:
+            break
+        ended[req.request_id] = (
+            f"its structured output's grammar took {cost * 1e3:.1f} ms of CPU time for one "
+            f"token's mask, and this step's grammars {step_total * 1e3:.0f} ms together, "
+            f"longer than the step's forward pass ({budget_s * 1e3:.0f} ms) that other "
+            "requests share: a grammar may at most double their steps; simplify it")
+        total -= cost
+    return ended
+
+
 def sample_step(sampler: Sampler, ran: RunnerOutput
                 ) -> tuple[dict[str, list[int]], list[Failure]]:
     """Tokens for the requests of a step that sample one token (and their logprobs, recorded
@@ -447,7 +479,8 @@ def sample_step(sampler: Sampler, ran: RunnerOutput
     own settings fail: those come back in the second list, with the error, and the rest
     of the step goes on. If every row fails alone too, the fault is not one request's,
     and the original error is raised. A request whose grammar gives up or refuses the
-    token fails with ``GrammarFailed.code``."""
+    token, or whose masks take too long (``Matcher.too_slow``, ``grammars_over_budget``),
+    fails with ``GrammarFailed.code``."""
     plain = [(req, row) for req, row, n in ran.spans() if n == 1]
     if not plain:
         return {}, []
@@ -471,8 +504,11 @@ def sample_step(sampler: Sampler, ran: RunnerOutput
         if not rows:
             raise batch_error
     tokens = {}
+    heavy = grammars_over_budget([req for req, _, _ in rows], max(
+        GRAMMAR_STEP_FLOOR_S, ran.forward_end - ran.forward_start))
     for req, tok, lp in rows:
         slow = req.grammar.too_slow if req.grammar is not None else None
+        slow = heavy.get(req.request_id, slow)
         if slow is not None:
             failed.append((req, slow, GrammarFailed.code))
             continue

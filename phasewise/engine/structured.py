@@ -25,8 +25,10 @@ into huge lexers. Compiling and each token's mask are bounded by parser limits t
 llguidance's defaults (``LIMITS``: a few milliseconds of lexer work at the start and per
 token, no precomputation of large lexemes, short errors). A matcher records the CPU time of
 its last mask (``Matcher.last_fill_s``); the engine ends a request whose mask takes longer
-than ``STEP_LIMIT_S`` (``FIRST_MASK_LIMIT_S`` for its first), so one request's grammar delays
-the others' steps by at most that. A server checks each grammar in a separate process first
+than ``STEP_LIMIT_S`` (``FIRST_MASK_LIMIT_S`` for its first), and, where a step's masks
+together take longer than its forward pass while it holds other clients' requests, the
+costliest (``phasewise.engine.sampler.grammars_over_budget``), so grammars slow the steps
+they share at most about twofold. A server checks each grammar in a separate process first
 (``phasewise.server.grammar_check``), so that a crash or a memory blow-up there is a 400,
 then compiles it here and computes its first mask on a worker thread (``warm``), so the
 engine's copy starts warm. Compiled grammars are kept while they fit ``CACHE_BYTES`` (each
