@@ -117,6 +117,76 @@ def test_vllm_prompt_logprobs_field(server, model):
     assert "prompt_logprobs" not in post(server, {"prompt": ids, "max_tokens": 1})["choices"][0]
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_n_samples_share_one_prompts_logprobs(server, model, stream):
+    """Each prompt's logprobs are computed by its first sample only; every choice carries
+    them, as n separate requests' would (echo's prompt entries too)."""
+    ids = Tokenizer(model[0]).encode("def area(r):\n    return 3.14 * r", add_special_tokens=False)
+    one = post(server, {"prompt": ids, "prompt_logprobs": 2, "echo": True, "logprobs": 1,
+                        "max_tokens": 2, "temperature": 0})["choices"][0]
+    body = {"prompt": [ids, ids[:5]], "n": 3, "prompt_logprobs": 2, "echo": True,
+            "logprobs": 1, "max_tokens": 2, "temperature": 1.0, "seed": 5}
+    if stream:
+        with httpx.stream("POST", server.url + "/v1/completions", timeout=120,
+                          json=dict(body, stream=True)) as r:
+            events = [json.loads(line[6:]) for line in r.iter_lines()
+                      if line.startswith("data: ") and line != "data: [DONE]"]
+        firsts: dict[int, dict] = {}
+        for e in events:
+            for c in e["choices"]:
+                firsts.setdefault(c["index"], c)
+        choices = [firsts[i] for i in range(6)]
+    else:
+        choices = post(server, body)["choices"]
+    echo_len = len(one["logprobs"]["tokens"]) - 2
+    for i, c in enumerate(choices):
+        want = one if i < 3 else None
+        assert c["prompt_logprobs"][0] is None
+        if want is not None:
+            assert c["prompt_logprobs"] == want["prompt_logprobs"], i
+            assert (c["logprobs"]["token_logprobs"][:echo_len]
+                    == want["logprobs"]["token_logprobs"][:echo_len]), i
+        else:
+            assert len(c["prompt_logprobs"]) == 5 and c["prompt_logprobs"] == \
+                choices[3]["prompt_logprobs"]
+
+
+def test_only_each_prompts_first_sample_computes_its_logprobs():
+    from types import SimpleNamespace
+
+    from phasewise import SamplingParams
+    from phasewise.server.routes import Routes
+
+    fake = SimpleNamespace(_ids=lambda *a: None, _params=lambda o: SamplingParams(**o))
+    specs = Routes._specs(fake, [([1, 2, 3], None, 4), ([4, 5], None, 4)], 3,
+                          {"prompt_logprobs": 2, "seed": 7})
+    assert [s.params.prompt_logprobs for s in specs] == [2, None, None, 2, None, None]
+    assert [s.params.seed for s in specs] == [7, 8, 9, 7, 8, 9]
+
+
+def test_held_samples_go_out_with_their_first_samples_prompt_logprobs():
+    from phasewise.engine.outputs import RequestOutput
+    from phasewise.engine.request import RequestMetrics
+    from phasewise.server.sse import SharedPromptLogprobs
+
+    def out(i, n_tokens, plp=None):
+        return RequestOutput(f"r{i}", None, [1, 2], "t" * n_tokens, list(range(n_tokens)),
+                             "t", [n_tokens - 1], False, None, None, None, RequestMetrics(0.0),
+                             prompt_logprobs=plp)
+
+    share = SharedPromptLogprobs(3)
+    assert share.ready(1, out(1, 1)) == [] and share.ready(1, out(1, 2)) == []
+    assert share.ready(2, out(2, 1)) == []
+    lead = share.ready(0, out(0, 1, plp=[None, {2: -0.1}]))
+    assert [i for i, _ in lead] == [0, 1, 2]
+    assert all(o.prompt_logprobs == [None, {2: -0.1}] for _, o in lead)
+    assert lead[1][1].delta_token_ids == [0, 1]  # the held outputs merged, none lost
+    (later,) = share.ready(1, out(1, 3))
+    assert later[1].prompt_logprobs == [None, {2: -0.1}]
+    assert share.ready(3, out(3, 1, plp=[None, {1: -2.0}]))[0][1].prompt_logprobs[1] == \
+        {1: -2.0}  # the next prompt's samples have their own
+
+
 def test_echo_streams_the_prompt_first(server):
     prompt = "The quick brown fox"
     with httpx.stream("POST", server.url + "/v1/completions", timeout=60, json={

@@ -156,12 +156,30 @@ class CompletionChoices:
         self.prompt_logprobs = prompt_logprobs
         self.offsets = [0] * num_choices  # characters sent so far, per choice
         self.started = [False] * num_choices
+        # A prompt's entries built once for all its samples, which share its prompt logprobs
+        # (one list: sse.SharedPromptLogprobs): id -> (that list, what was built of it)
+        self._built: dict[tuple[int, str, str], tuple[Any, Any]] = {}
+
+    def _once(self, entries: Any, kind: str, head: str, build: Callable[[], Any]) -> Any:
+        """``build()``, made once per prompt logprobs list (and echoed head)."""
+        if entries is None:
+            return build()
+        key = (id(entries), kind, head)
+        got = self._built.get(key)
+        if got is None or got[0] is not entries:
+            got = self._built[key] = (entries, build())
+        return got[1]
 
     def _echoed(self, idx: int, out: RequestOutput) -> tuple[str, dict[str, Any] | None]:
         """The prompt's text and (with logprobs) its tokens' entries, from offset 0. Each
         ``text_offset`` points into the echoed text: a special token the tokenizer added
         (a BOS before a text prompt) has no text there, so it takes none."""
-        head, lp = self.prompt_texts[idx], None
+        head = self.prompt_texts[idx]
+        return head, self._once(out.prompt_logprobs, "echo", head,
+                                lambda: self._echo_entries(head, out))
+
+    def _echo_entries(self, head: str, out: RequestOutput) -> dict[str, Any] | None:
+        lp = None
         if self.logprobs is not None:
             lp = completion_logprobs(self.token_text, out.prompt_token_ids,
                                      out.prompt_logprobs or [None] * len(out.prompt_token_ids),
@@ -172,13 +190,14 @@ class CompletionChoices:
                 if tok not in self.special_ids or head.startswith(text, pos):
                     pos += len(text)
             lp["text_offset"] = offsets
-        return head, lp
+        return lp
 
     def _extra(self, out: RequestOutput) -> dict[str, Any]:
         if self.prompt_logprobs is None:
             return {}
-        return {"prompt_logprobs": vllm_prompt_logprobs(
-            self.token_text, out.prompt_logprobs or [], self.prompt_logprobs)}
+        top = self.prompt_logprobs
+        return {"prompt_logprobs": self._once(out.prompt_logprobs, "vllm", "", lambda: (
+            vllm_prompt_logprobs(self.token_text, out.prompt_logprobs or [], top)))}
 
     def delta(self, idx: int, out: RequestOutput) -> list[tuple[dict[str, Any], bool]]:
         first = not self.started[idx]

@@ -42,7 +42,7 @@ from phasewise.server.protocol import (COMBINATION, GRAMMAR, TEMPLATE,
                                        ChatCompletionRequest,
                                        CompletionRequest,
                                        DetokenizeRequest, TokenizeChat, TokenizeRequest)
-from phasewise.server.sse import stream_group
+from phasewise.server.sse import share_prompt_logprobs, stream_group
 
 T = TypeVar("T")
 # /tokenize and /detokenize requests up to this many characters (a quarter as many token
@@ -246,6 +246,8 @@ class Routes:
                 o = dict(overrides, max_tokens=max_tokens)
                 if j and o.get("seed") is not None:
                     o["seed"] = wrap_seed(o["seed"] + j)
+                if j:  # one prompt's logprobs are the same for every sample: computed once
+                    o.pop("prompt_logprobs", None)  # (sse.SharedPromptLogprobs shares them)
                 specs.append(PromptSpec(ids, self._params(o), text))
         return specs
 
@@ -515,15 +517,19 @@ class Routes:
                 rec.ttft_s = out.metrics.ttft
 
         model = self.served_model_name
+        # prompt logprobs computed by each prompt's first sample only (_specs)
+        shared = body.n > 1 and specs[0].params.prompt_logprobs is not None
         if body.stream:
             return stream_group(group=group, rid=rid, obj=choices.stream_object, model=model,
                                 prompt_lens=prompt_lens, prompt_tokens=rec.prompt_tokens,
                                 include_usage=body.include_usage,
                                 continuous_usage=body.continuous_usage, render=choices.delta,
-                                n=body.n,
+                                n=body.n, shared_prompt_logprobs=shared,
                                 on_token=on_token)
         created = int(time.time())
         finals = await self._collect(request, group, on_token)
+        if shared:
+            finals = share_prompt_logprobs(finals, body.n)
 
         def render() -> bytes:  # on a worker: a reply with logprobs of many choices is big
             return jsontext.dumps({

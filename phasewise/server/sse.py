@@ -8,11 +8,12 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import replace
 from typing import Any
 
 from fastapi.responses import StreamingResponse
 
-from phasewise.engine.backend import EngineError, EngineStopped, RequestGroup
+from phasewise.engine.backend import EngineError, EngineStopped, RequestGroup, merge_outputs
 from phasewise.engine.outputs import RequestOutput
 from phasewise.server.errors import ApiError
 from phasewise.server.openai_format import cached_prompt_tokens, timing, usage
@@ -109,11 +110,49 @@ class SSEResponse(StreamingResponse):
                     log.error("stream failed: %s: %s", type(err).__name__, err)
 
 
+class SharedPromptLogprobs:
+    """A group whose prompts' logprobs only each prompt's first sample computed (index
+    ``i - i % n``; ``share_prompt_logprobs``): another sample's outputs are held (merged)
+    until its first sample's first output brings them, then go out with them."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.logprobs: dict[int, list | None] = {}  # first sample -> its prompt's logprobs
+        self.held: dict[int, RequestOutput] = {}  # another sample -> its output, waiting
+
+    def ready(self, idx: int, out: RequestOutput) -> list[tuple[int, RequestOutput]]:
+        """The outputs to render now, in order, with the prompt logprobs they carry."""
+        lead = idx - idx % self.n
+        if idx == lead:
+            if idx in self.logprobs:
+                return [(idx, out)]
+            self.logprobs[idx] = out.prompt_logprobs  # None: it failed before its prompt
+            now = [(idx, out)]
+            for other in sorted(i for i in self.held if i - i % self.n == idx):
+                now.append((other, self._with(self.held.pop(other), idx)))
+            return now
+        if lead in self.logprobs:
+            return [(idx, self._with(out, lead))]
+        held = self.held.get(idx)
+        self.held[idx] = out if held is None else merge_outputs(held, out)
+        return []
+
+    def _with(self, out: RequestOutput, lead: int) -> RequestOutput:
+        return replace(out, prompt_logprobs=self.logprobs[lead])
+
+
+def share_prompt_logprobs(outs: list[RequestOutput], n: int) -> list[RequestOutput]:
+    """A whole reply's outputs, each prompt's later samples given its first sample's prompt
+    logprobs (``SharedPromptLogprobs``)."""
+    return [out if i % n == 0 else replace(out, prompt_logprobs=outs[i - i % n].prompt_logprobs)
+            for i, out in enumerate(outs)]
+
+
 def stream_group(*, group: RequestGroup, rid: str, obj: str, model: str,
                  prompt_lens: list[int], prompt_tokens: int, include_usage: bool, continuous_usage: bool,
                  render: Callable[[int, RequestOutput], Rendered],
                  on_token: Callable[[RequestOutput], None] | None = None,
-                 n: int = 1) -> SSEResponse:
+                 n: int = 1, shared_prompt_logprobs: bool = False) -> SSEResponse:
     """SSE for a group (``prompt_lens``: each request's; ``prompt_tokens``: the usage
     total, each prompt counted once however many samples (``n``, next to each other) it
     has): the choices ``render`` makes of each output (those marked True carry the choice's
@@ -121,7 +160,9 @@ def stream_group(*, group: RequestGroup, rid: str, obj: str, model: str,
     (``prompt_tokens_details.cached_tokens`` included) with the engine's per-choice
     ``timings``, then ``[DONE]``. An engine failure, the end of a shutdown's grace period,
     or any other failure once the 200 is sent ends the stream with an error event that says
-    so, then ``[DONE]``."""
+    so, then ``[DONE]``. ``shared_prompt_logprobs``: only each prompt's first sample computed
+    its prompt logprobs (``share_prompt_logprobs``); the others' outputs wait for it and
+    carry its logprobs."""
     created = int(time.time())
 
     def chunk(choices: list[dict[str, Any]], use: dict | None = None) -> dict:
@@ -136,6 +177,7 @@ def stream_group(*, group: RequestGroup, rid: str, obj: str, model: str,
         cached = [0] * len(prompt_lens)
         timings: dict[int, dict[str, Any]] = {}
         rendered_first: set[int] = set()
+        share = SharedPromptLogprobs(n) if shared_prompt_logprobs else None
         try:
             async for idx, out in group:
                 if on_token is not None:
@@ -144,22 +186,24 @@ def stream_group(*, group: RequestGroup, rid: str, obj: str, model: str,
                 if out.finished:
                     completion_tokens += len(out.token_ids)
                     timings[idx] = timing(idx, out)
-                running = (usage(prompt_lens[idx], len(out.token_ids), cached[idx])
-                           if continuous_usage else None)
+                for idx, out in (share.ready(idx, out) if share else [(idx, out)]):
+                    running = (usage(prompt_lens[idx], len(out.token_ids), cached[idx])
+                               if continuous_usage else None)
 
-                def lines(idx: int = idx, out: RequestOutput = out,
-                          running: dict | None = running) -> list[str]:
-                    return [sse(chunk([choice], running if counted else None))
-                            for choice, counted in render(idx, out)]
+                    def lines(idx: int = idx, out: RequestOutput = out,
+                              running: dict | None = running) -> list[str]:
+                        return [sse(chunk([choice], running if counted else None))
+                                for choice, counted in render(idx, out)]
 
-                if out.prompt_logprobs is not None and idx not in rendered_first:
-                    # the first chunk carries the whole prompt's logprobs: a worker builds it
-                    rendered_first.add(idx)
-                    for line in await asyncio.to_thread(lines):
-                        yield line
-                else:
-                    for line in lines():
-                        yield line
+                    if out.prompt_logprobs is not None and idx not in rendered_first:
+                        # the first chunk carries the whole prompt's logprobs: a worker
+                        # builds it
+                        rendered_first.add(idx)
+                        for line in await asyncio.to_thread(lines):
+                            yield line
+                    else:
+                        for line in lines():
+                            yield line
             if include_usage:
                 yield sse(dict(chunk([], usage(prompt_tokens, completion_tokens,
                                                cached_prompt_tokens(cached, n))),
