@@ -126,20 +126,33 @@ def _read_until_closed(sock: socket.socket) -> bytes:
         got += chunk
 
 
-def test_connections_that_send_no_request_are_refused_past_the_cap_then_closed(server):
+def test_connections_that_send_no_request_are_evicted_past_the_cap_then_closed(server):
     """Finding 8: 1,000 idle or half-sent connections stayed open; now one address holds
-    at most --max-connections-per-address of them, and each gets --timeout-header."""
-    socks = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(10)]
+    at most --max-connections-per-address of them, each gets --timeout-header, and a newer
+    one closes the oldest (so squatters cannot keep a client with a request out)."""
+    socks = [socket.create_connection(("127.0.0.1", server.port))]
     socks[0].sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")  # headers, never ended
-    answers = [_read_until_closed(s) for s in socks]
+    with server.client() as c:  # a round trip after it: its bytes were read first
+        assert c.get("/health").status_code == 200  # (c's connection, idle, counts too)
+        socks += [socket.create_connection(("127.0.0.1", server.port)) for _ in range(9)]
+        answers = [_read_until_closed(s) for s in socks]
     for s in socks:
         s.close()
-    refused = [a for a in answers if b" 503 " in a.split(b"\r\n")[0]]
-    timed_out = [a for a in answers if b" 408 " in a.split(b"\r\n")[0]]
-    assert len(refused) >= 4 and len(refused) + len(timed_out) == 10, answers
-    assert b"too_many_connections" in refused[0]
-    assert json.loads(timed_out[0].split(b"\r\n\r\n", 1)[1])["error"]["code"] == \
-        "request_timeout"
+    # of six slots c's kept-alive connection holds one: the oldest socket (its headers
+    # begun) answered 408 to make room, the next four closed silently to make room, the
+    # last five answered 408 at --timeout-header
+    bodies = [json.loads(a.split(b"\r\n\r\n", 1)[1])["error"] if a else None
+              for a in answers]
+    assert answers[0].startswith(b"HTTP/1.1 408 ") and "to make room" in bodies[0]["message"]
+    silent = [a for a in answers if not a]
+    timed_out = [b for b in bodies if b is not None and "did not arrive" in b["message"]]
+    assert len(silent) == 4 and len(timed_out) == 5, answers
+    assert all(b["code"] == "request_timeout" for b in bodies if b is not None)
+    with server.client() as c:  # a client with a request gets in past squatters
+        squat = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(6)]
+        assert c.get("/health").status_code == 200
+        for s in squat:
+            s.close()
     _alive(server)
 
 
@@ -279,6 +292,9 @@ def test_a_refused_connection_is_answered_then_half_closed_not_reset():
         first, second = cls(config, state, {}), cls(config, state, {})
         t1, t2 = _Transport(), _Transport()
         first.connection_made(t1)
+        # a body under way: not closed to make room (an idle one would be)
+        first.data_received(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                            b"Content-Length: 10\r\n\r\n{")
         second.connection_made(t2)  # one too many for this address
         second.data_received(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n\r\n")
         assert t2.written.startswith(b"HTTP/1.1 503 ") and b"too_many_connections" in t2.written
@@ -286,6 +302,48 @@ def test_a_refused_connection_is_answered_then_half_closed_not_reset():
         assert second.cycle is None
         assert not t1.written and not t1.closed
         for p in (first, second):
+            for timer in ("_header_timer", "_body_timer"):
+                p._cancel(timer)
+
+    asyncio.run(main())
+
+
+def test_a_newer_connection_closes_the_oldest_idle_one_of_its_address():
+    """Connections of one address that send nothing (a squatter's, or idle keep-alive ones)
+    cannot fill its slots against a client with a request: the oldest that waits for a
+    request's headers is answered 408 and closed, and the newcomer is served. One whose
+    body is arriving is never closed so."""
+    import asyncio
+
+    import uvicorn
+    from uvicorn.server import ServerState
+
+    from phasewise.server.limits import ConnectionLimits, guarded_protocol
+
+    async def main():
+        config = uvicorn.Config(lambda *a: None, lifespan="off")
+        config.load()
+        cls = guarded_protocol(ConnectionLimits(max_connections_per_address=2))
+        state = ServerState()
+        conns = [(cls(config, state, {}), _Transport()) for _ in range(5)]
+        (a, ta), (b, tb), (c, tc), (d, td), (e, te) = conns
+        body = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\n{"
+        a.connection_made(ta)
+        b.connection_made(tb)
+        b.data_received(body)  # its body under way: never closed to make room
+        c.connection_made(tc)  # a is the oldest waiting for headers: it makes room
+        assert ta.closed and not ta.written  # idle: closed as an idle keep-alive one is
+        assert not tb.written and not tb.closed and not tc.written
+        assert cls.refusals["evicted"] == 1
+        c.data_received(b"GET /health HTTP/1.1\r\n")  # part of its headers
+        d.connection_made(td)  # c makes room: its headers begun, so it is answered first
+        assert tc.written.startswith(b"HTTP/1.1 408 ") and b"to make room" in tc.written
+        assert tc.eof and not td.written and cls.refusals["evicted"] == 2
+        d.data_received(body)
+        e.connection_made(te)  # b and d both receiving bodies: no room, e is refused
+        assert te.written.startswith(b"HTTP/1.1 503 ") and b"too_many_connections" in te.written
+        assert not tb.closed and not td.closed
+        for p, _ in conns:
             for timer in ("_header_timer", "_body_timer"):
                 p._cancel(timer)
 

@@ -18,9 +18,13 @@ connections: a client that opens connections and sends nothing, or a byte every 
   is never cut; many slow downloads behind one proxy address count against its limit.)
 * ``max_connections``: connections open at once; one more is answered 503 and closed.
 * ``max_connections_per_address``: connections one address holds *without a request in
-  progress* (opening, sending a request's headers or body, or idle between requests); one
-  more is answered 503 and closed, and an idle one over the count is closed when its
-  response ends. Connections whose request has arrived whole do not count: the engine's own
+  progress* (opening, sending a request's headers or body, or idle between requests). One
+  more closes the address's oldest connection that is waiting for its first request's
+  headers (silent: closed; still sending them: answered 408 first), or, where none is, is
+  itself answered 503 and closed; an idle one over the count is closed when its response
+  ends. So connections that send nothing cannot keep a client with a request to send from
+  the address's slots (a router's polls come from the same address as anyone else's on its
+  host). Connections whose request has arrived whole do not count: the engine's own
   waiting limit bounds those, and a router, which reaches its workers from one address, may
   hold hundreds of streams. A body still arriving counts (else one address could hold every
   connection the server takes by sending headers and no body; a router refused for that
@@ -115,8 +119,10 @@ def guarded_protocol(limits: ConnectionLimits) -> type:
     import h11
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
-    waiting: dict[str, int] = {}  # address -> its connections without a request in progress
-    counts = {"refused": 0, "header_timeouts": 0, "body_timeouts": 0, "write_timeouts": 0}
+    # address -> its connections without a request in progress, oldest first
+    waiting: dict[str, dict[Any, None]] = {}
+    counts = {"refused": 0, "header_timeouts": 0, "body_timeouts": 0, "write_timeouts": 0,
+              "evicted": 0}
 
     class GuardedH11Protocol(H11Protocol):
         refusals = counts
@@ -130,20 +136,53 @@ def guarded_protocol(limits: ConnectionLimits) -> type:
             self._body_timer: asyncio.TimerHandle | None = None
             self._write_timer: asyncio.TimerHandle | None = None
             self._stalled = False  # writing paused: the client does not read
+            self._served = False  # a response has been sent on it (then it is kept alive)
             self._unsent = 0  # bytes waiting to be sent when the write timer was set
             if len(self.connections) > limits.max_connections:
                 self._refuse(503, "Service Unavailable", "the server holds "
                              f"{limits.max_connections} connections, its limit; try again",
                              "too_many_connections")
                 return
-            if waiting.get(self._addr, 0) >= limits.max_connections_per_address:
-                self._refuse(503, "Service Unavailable", "this address holds "
-                             f"{limits.max_connections_per_address} connections without a "
-                             "request in progress, the limit; reuse or close them",
-                             "too_many_connections")
-                return
+            mine = waiting.get(self._addr, {})
+            if len(mine) >= limits.max_connections_per_address:
+                # The oldest that has not yet sent its first request's headers (silent,
+                # or still sending them) makes room: connections that send nothing cannot
+                # hold the address's every slot against a client that has a request to
+                # send (a router polling its workers from the same address as a squatter).
+                # A kept-alive one, which has served a request, is not closed so: its
+                # client may be sending the next request as it closes.
+                oldest = next((p for p in mine if p._evictable()), None)
+                if oldest is None:
+                    self._refuse(503, "Service Unavailable", "this address holds "
+                                 f"{limits.max_connections_per_address} connections without a "
+                                 "request in progress, the limit; reuse or close them",
+                                 "too_many_connections")
+                    return
+                oldest._evict()
             self._count(True)
             self._arm_header_timer()
+
+        def _evictable(self) -> bool:
+            """Counted, and waiting for its first request's headers (not a body, nor a
+            client to read a response, nor a kept-alive connection's next request)."""
+            return (self._counted and self._header_timer is not None and not self._refused
+                    and not self._served)
+
+        def _evict(self) -> None:
+            """Closed to make room: with no byte of a request in, without a word (as a
+            connection may be closed before its first request); with part of its headers,
+            answered 408 first."""
+            counts["evicted"] += 1
+            self._cancel("_header_timer")
+            self._count(False)
+            if not self.conn.trailing_data[0]:
+                self._refused = True
+                self.transport.close()
+                return
+            self._refuse(408, "Request Timeout", "closed to make room for a newer connection "
+                         "from this address: this one had no request under way, and the "
+                         f"address holds {limits.max_connections_per_address} such "
+                         "connections, the limit", "request_timeout")
 
         def _refuse(self, status: int, reason: str, message: str, code: str) -> None:
             """Answer, then close (``_close_after_answer``)."""
@@ -174,11 +213,13 @@ def guarded_protocol(limits: ConnectionLimits) -> type:
             if on == self._counted:
                 return
             self._counted = on
-            n = waiting.get(self._addr, 0) + (1 if on else -1)
-            if n > 0:
-                waiting[self._addr] = n
+            mine = waiting.setdefault(self._addr, {})
+            if on:
+                mine[self] = None  # the newest
             else:
-                waiting.pop(self._addr, None)
+                mine.pop(self, None)
+                if not mine:
+                    del waiting[self._addr]
 
         def _cancel(self, name: str) -> None:
             timer = getattr(self, name)
@@ -277,6 +318,7 @@ def guarded_protocol(limits: ConnectionLimits) -> type:
             self.transport.abort()  # what it holds unsent is dropped
 
         def on_response_complete(self) -> None:
+            self._served = True
             if self._body_timer is not None:
                 # answered before its body was in: closed, and counted until then
                 # (connection_lost); a client still uploading gets as long as its body had
@@ -287,7 +329,7 @@ def guarded_protocol(limits: ConnectionLimits) -> type:
                 self._close_after_answer(limits.timeout_body_s)
                 return
             if not self.transport.is_closing():
-                others = waiting.get(self._addr, 0) - (1 if self._counted else 0)
+                others = len(waiting.get(self._addr, ())) - (1 if self._counted else 0)
                 if others >= limits.max_connections_per_address:
                     self.transport.close()  # one idle connection too many: not kept
                 else:
