@@ -700,3 +700,13 @@ def test_langchain_and_litellm_use_the_responses_api(server, monkeypatch):
 def test_the_server_logged_no_error(server):
     """Last: nothing above (max_tokens 0 has no first token, for one) hit a server bug."""
     assert "Traceback" not in server.log()
+
+
+def test_min_tokens_over_the_token_limit_names_the_limit_not_the_context(server):
+    r = httpx.post(server.url + "/v1/completions", timeout=30,
+                   json={"prompt": "x", "max_tokens": 3, "min_tokens": 10})
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["param"] == "min_tokens"
+    assert err["message"].startswith("min_tokens (10) must be <= the 3 tokens this request "
+                                     "may generate (its token limit")

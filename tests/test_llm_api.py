@@ -232,3 +232,15 @@ def test_warm_up_runs_one_short_request_and_leaves_nothing_behind(llm):
     assert llm.step_stats[-1].index > last  # it ran steps (the history is bounded: by index)
     assert llm.step_stats[-1].num_prefill_tokens + llm.step_stats[-1].num_decode_tokens > 0
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_a_stop_token_id_past_the_vocabulary_is_refused_offline_as_by_the_server():
+    from phasewise.engine.validation import ValidationError
+
+    llm = LLM()
+    vocab = llm.engine.model_config.vocab_size
+    with pytest.raises(ValidationError, match=rf"stop_token_ids must hold token ids: integers in "
+                                              rf"\[0, {vocab}\); got {vocab}"):
+        llm.generate(["x"], SamplingParams(max_tokens=2, stop_token_ids=[1, vocab]))
+    (out,) = llm.generate(["x"], SamplingParams(max_tokens=2, stop_token_ids=[vocab - 1]))
+    assert out.error is None

@@ -77,3 +77,17 @@ def test_a_request_may_not_ask_for_more_sequences_than_may_wait():
     with pytest.raises(ValidationError, match=r"2 prompt\(s\) x n=16") as err:
         check_sequences(2, 16, 31)
     assert err.value.param == "n"
+
+
+@pytest.mark.parametrize("field,value", [("stop", {"a": 1}), ("stop", {"a"}),
+                                         ("stop_token_ids", {1: 2}), ("stop_token_ids", 7)])
+def test_stop_lists_must_be_lists_not_sets_or_mappings(field, value):
+    """A dict or a set would be taken by its keys (the relay once did so for a dict)."""
+    from phasewise.engine.sampling_params import SamplingParams
+
+    with pytest.raises(ValidationError, match=rf"{field} must be a list, got "
+                                              rf"{type(value).__name__}") as e:
+        SamplingParams(**{field: value})
+    assert e.value.param == field
+    assert SamplingParams(stop=["a"], stop_token_ids=(1,)).stop == ("a",)
+    assert SamplingParams(stop="ab").stop == ("ab",)

@@ -62,6 +62,8 @@ class RequestBuilder:
         else:
             raise ValueError(f"prompt must be a string or a list of token ids, "
                              f"got {type(prompt).__name__}")
+        if params.stop_token_ids:  # an id past the vocabulary could never be sampled
+            check_token_ids(params.stop_token_ids, self.vocab_size, "stop_token_ids")
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self.in_use:
             raise ValueError(f"request id {rid!r} is already in use")

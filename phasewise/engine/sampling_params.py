@@ -63,6 +63,12 @@ class SamplingParams:
         stop = self.stop
         if isinstance(stop, str):
             stop = (stop,)
+        # a list or tuple (or None): a set or a dict would be taken by its keys, in no
+        # order the client chose
+        for name, value in (("stop", stop), ("stop_token_ids", self.stop_token_ids)):
+            if value is not None and not isinstance(value, (list, tuple)):
+                raise ValidationError(f"{name} must be a list, got {type(value).__name__}",
+                                      name)
         object.__setattr__(self, "stop", tuple(stop or ()))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
         self._validate()

@@ -240,7 +240,8 @@ class Routes:
         for ids, text, max_tokens in prompts:
             if overrides.get("min_tokens", 0) > max_tokens:  # max_tokens: after the context
                 raise ApiError(400, f"min_tokens ({overrides['min_tokens']}) must be <= the "
-                               f"{max_tokens} tokens this prompt leaves in the context",
+                               f"{max_tokens} tokens this request may generate (its token "
+                               "limit, at most the room its prompt leaves in the context)",
                                param="min_tokens", code=COMBINATION)
             for j in range(n):
                 o = dict(overrides, max_tokens=max_tokens)
