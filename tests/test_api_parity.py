@@ -703,10 +703,12 @@ def test_the_server_logged_no_error(server):
 
 
 def test_min_tokens_over_the_token_limit_names_the_limit_not_the_context(server):
+    # no max_tokens: the default 16, capped at the 4 tokens a 1020-token prompt leaves
     r = httpx.post(server.url + "/v1/completions", timeout=30,
-                   json={"prompt": "x", "max_tokens": 3, "min_tokens": 10})
+                   json={"prompt": [5] * 1020, "min_tokens": 10})
     assert r.status_code == 400
     err = r.json()["error"]
     assert err["param"] == "min_tokens"
-    assert err["message"].startswith("min_tokens (10) must be <= the 3 tokens this request "
-                                     "may generate (its token limit")
+    assert err["message"].startswith("min_tokens (10) must be <= the 4 tokens this request "
+                                     "may generate (its token limit, at most the room its "
+                                     "prompt leaves in the context)")
