@@ -244,3 +244,16 @@ def test_a_stop_token_id_past_the_vocabulary_is_refused_offline_as_by_the_server
         llm.generate(["x"], SamplingParams(max_tokens=2, stop_token_ids=[1, vocab]))
     (out,) = llm.generate(["x"], SamplingParams(max_tokens=2, stop_token_ids=[vocab - 1]))
     assert out.error is None
+
+
+def test_an_output_cut_mid_character_shows_its_bytes_as_a_full_decode_does():
+    """Two tokens of a four-byte character, then max_tokens: the text was "", the bytes lost;
+    it is what decoding the output's ids gives (a replacement character)."""
+    from phasewise.engine.structured import spec_json
+
+    llm = LLM()
+    for n in (2, 5):
+        (out,) = llm.generate(["x"], SamplingParams(
+            max_tokens=n, structured_output=spec_json("regex", "\U0001F600\U0001F600")))
+        full = llm.engine.tokenizer.decode(out.token_ids)
+        assert out.finish_reason == "length" and out.text == full and "\ufffd" in full, n

@@ -52,6 +52,8 @@ class TextState:
         return s
 
     def take_delta(self, finished: bool) -> str:
+        if finished:  # bytes of a character the output was cut in: shown as a full decode
+            self.text += self.stream.flush()  # shows them
         hold = 0 if finished else max(0, self.params.max_stop_len - 1)
         limit = max(self.sent_chars, len(self.text) - hold)
         delta = self.text[self.sent_chars:limit]

@@ -143,12 +143,28 @@ class TextStream:
 
     def __init__(self, tok: HFTokenizer, prompt_ids: list[int], skip_special_tokens: bool):
         self._tok = tok
+        self._skip = skip_special_tokens
         self._stream = DecodeStream(ids=list(prompt_ids[-8:]),
                                     skip_special_tokens=skip_special_tokens)
+        self._pending: list[int] = []  # tokens since the last piece: bytes of a character
 
     def step(self, token_id: int) -> str:
-        piece = self._stream.step(self._tok, token_id)
-        return piece or ""
+        piece = self._stream.step(self._tok, token_id) or ""
+        if piece:
+            self._pending.clear()
+        else:
+            self._pending.append(token_id)
+        return piece
+
+    def flush(self) -> str:
+        """At the output's end, the text of tokens still waiting to form a character (an
+        output cut mid-character): their bytes as a full decode shows them, replacement
+        characters, rather than nothing."""
+        if not self._pending:
+            return ""
+        text = self._tok.decode(self._pending, skip_special_tokens=self._skip)
+        self._pending.clear()
+        return text
 
 
 def load_generation_config(model_dir: str | Path) -> dict[str, Any]:
