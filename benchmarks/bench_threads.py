@@ -47,7 +47,7 @@ def child(model: str | None, threads: int, rounds: int, tokens: int) -> None:
 
 
 def run_child(a: argparse.Namespace, threads: int) -> list[float]:
-    cmd = [sys.executable, "-P", "-m", "benchmarks.bench_threads", "--child", str(threads),
+    cmd = [sys.executable, "-m", "benchmarks.bench_threads", "--child", str(threads),
            "--rounds", str(a.rounds), "--tokens", str(a.tokens)]
     if a.model:
         cmd += ["--model", a.model]
