@@ -76,3 +76,33 @@ def test_a_verdict_within_the_noise_of_the_hogged_peaks_says_either_bound(hogged
     assert "either bound" in hedged
     plain = bound_line(stable)
     assert "prefill was compute-bound" in plain and "either bound" not in plain
+
+
+def test_the_servers_stats_line_names_contention_and_offers_fewer_threads(monkeypatch,
+                                                                         caplog):
+    """serve's periodic line: where other processes took the CPUs over the interval, it says
+    so, and with several engine threads it warns (at most once a minute) that fewer may run
+    faster. Samples are made up: other processes' share is exact, nothing is timed."""
+    import logging
+
+    from phasewise.engine.backend import EngineSnapshot
+    from phasewise.server import metrics
+
+    samples = iter([CpuSample(0.0, 0, 0, 0, 0),
+                    CpuSample(5.0, 700, 1000, 0, 100),  # others: 700 - 100 of 1000 ticks
+                    CpuSample(10.0, 1400, 2000, 0, 200),
+                    CpuSample(15.0, 1450, 3000, 0, 250)])  # others: nothing
+    monkeypatch.setattr(metrics.CpuSample, "now", classmethod(lambda cls: next(samples)))
+    threads = [2]
+    log = metrics.StatLogger(5.0, threads=lambda: threads[0])
+    snap = EngineSnapshot(1, 0, 0.1, 90, 100, 0, 0, 0)
+    log.on_step(None, [], [], snap)
+    with caplog.at_level(logging.INFO, logger="phasewise.stats"):
+        first = log.flush()
+        second = log.flush()
+        quiet = log.flush()
+    assert "other processes used 60% of this machine's CPU time" in first
+    assert first.endswith("--threads 1 may run faster while this lasts")
+    assert [r.levelname for r in caplog.records] == ["WARNING", "INFO", "INFO"]  # once a minute
+    assert "--threads 1" in second
+    assert "other processes" not in quiet

@@ -117,7 +117,9 @@ def build_server(engine_config: EngineConfig, *, served_model_name: str | None =
     feed = DashboardFeed(model_name=name, role=role)
     observers: list[Any] = [metrics, feed]
     if log_interval_s > 0:
-        observers.append(StatLogger(log_interval_s))
+        import torch
+
+        observers.append(StatLogger(log_interval_s, threads=torch.get_num_threads))
     engine = AsyncEngine.from_config(engine_config, cost_model=StepCostModel.for_engine,
                                      max_waiting=config.max_waiting_requests,
                                      observers=observers)

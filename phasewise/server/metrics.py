@@ -13,14 +13,16 @@ over the roofline's lower bound.
 from __future__ import annotations
 
 import logging
+import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from phasewise.engine.backend import EngineSnapshot, FinishedRequest
 from phasewise.engine.outputs import RequestOutput, StepStats, new_token_gaps
+from phasewise.perf.contention import Contention, CpuSample
 
 PREFIX = "phasewise:"
 
@@ -259,17 +261,26 @@ class PrometheusMetrics:
 
 class StatLogger:
     """Engine observer that logs one throughput line at most every ``interval_s`` seconds,
-    and only when something happened since the last line."""
+    and only when something happened since the last line. Where other processes took a
+    large share of the CPUs over the interval (``phasewise.perf.contention``), the line says
+    so, and, where the engine runs several threads (``threads()``), that fewer may run
+    faster: a warning, at most every ``CONTENTION_WARN_S``."""
+
+    CONTENTION_WARN_S = 60.0
 
     def __init__(self, interval_s: float = 5.0,
-                 logger: logging.Logger | None = None) -> None:
+                 logger: logging.Logger | None = None,
+                 threads: Callable[[], int] | None = None) -> None:
         self.interval_s = interval_s
         self.log = logger or logging.getLogger("phasewise.stats")
+        self._threads = threads
         self._t0 = time.monotonic()
         self._prompt = 0
         self._gen = 0
         self._last: EngineSnapshot | None = None
         self._base: EngineSnapshot | None = None
+        self._cpu = CpuSample.now()
+        self._warned = -math.inf
 
     def on_step(self, step: StepStats | None, outputs: Sequence[RequestOutput],
                 finished: Sequence[FinishedRequest], snapshot: EngineSnapshot) -> None:
@@ -289,6 +300,7 @@ class StatLogger:
         snap, base = self._last, self._base
         dt = max(now - self._t0, 1e-9)
         line = None
+        cpu = CpuSample.now()
         if snap is not None and (self._prompt or self._gen or snap.num_running
                                  or snap.num_waiting):
             queries = snap.prefix_queries - (base.prefix_queries if base else 0)
@@ -297,6 +309,21 @@ class StatLogger:
             line = (f"prompt {self._prompt / dt:.1f} tok/s, generation {self._gen / dt:.1f} "
                     f"tok/s, running {snap.num_running}, waiting {snap.num_waiting}, "
                     f"KV usage {100 * snap.kv_usage:.1f}%, prefix hit rate {hit_rate:.1f}%")
-            self.log.info(line)
+            warn = False
+            busy = Contention.between(self._cpu, cpu)
+            if busy is not None and busy.shared:
+                line += f"; {busy.words()}"
+                threads = self._threads() if self._threads is not None else 1
+                if threads > 1:
+                    line += (f": the engine's {threads} threads wait for each other at every "
+                             "kernel's end, so one that loses its core holds up the rest; "
+                             f"--threads {threads - 1} may run faster while this lasts")
+                    warn = now - self._warned >= self.CONTENTION_WARN_S
+            if warn:
+                self._warned = now
+                self.log.warning(line)
+            else:
+                self.log.info(line)
+        self._cpu = cpu
         self._t0, self._prompt, self._gen, self._base = now, 0, 0, snap
         return line
