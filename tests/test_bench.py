@@ -381,6 +381,21 @@ def test_a_run_whose_requests_all_failed_still_renders_quietly(tmp_path):
     assert page.count("data:image/png;base64,") == 4  # a timeline, 2 CDFs, tokens/s
 
 
+def test_runs_under_one_label_are_told_apart_by_their_files(tmp_path):
+    out = summarize([_result(0, 0.0, 0.5, [0.1])], 1.0)
+    out["label"] = "phasewise-bench"  # bench's default, for every run not given --label
+    for name in ("run.json", "again.json"):
+        (tmp_path / name).write_text(json.dumps(out))
+    other = dict(out, label="chunked")
+    (tmp_path / "c.json").write_text(json.dumps(other))
+    page = render([tmp_path / "run.json", tmp_path / "again.json", tmp_path / "c.json"],
+                  tmp_path / "r.html").read_text()
+    data = json.loads(re.search(r'<script type="application/json" id="phasewise-series">'
+                                r"(.*?)</script>", page, re.S).group(1))
+    assert [s["label"] for s in data["series"]] == [
+        "phasewise-bench (run.json)", "phasewise-bench (again.json)", "chunked"]
+
+
 def test_report_reads_vllm_results_and_refuses_other_json(tmp_path):
     vllm_like = {"ttfts": [0.2, 0.4], "itls": [[0.05, 0.05], [0.05]], "latencies": [0.3, 0.45],
                  "start_times": [0.0, 0.1], "output_lens": [3, 2], "completed": 2,

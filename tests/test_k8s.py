@@ -483,7 +483,9 @@ def test_engine_flag_table_matches_the_serve_parser():
             assert tuple(action.choices) == kind, flag
         else:
             assert action.choices is None, flag
-            assert (action.type or str) is kind, flag
+            # (--threads: an int the parser also bounds by the cores, checked in the pod)
+            typed = {"--threads": cli._threads}.get(flag, kind)
+            assert (action.type or str) is typed, flag
     # Every flag of serve is either settable through engine_args or set by the manifests: a
     # new flag has to be placed in one of the two tables.
     known = set(k8s.ENGINE_FLAGS) | set(k8s.MANAGED_FLAGS) | {"-h", "--help", "--debug"}
@@ -499,3 +501,28 @@ def test_imports_no_torch():
                          check=False)
     assert out.returncode == 0, out.stderr
     assert int(out.stdout) > 1000
+
+
+def test_a_cpu_pod_runs_as_many_threads_as_its_cpu_limit():
+    """A container sees every core of its node and torch would start as many threads; under
+    a limit of a few CPUs they take turns, and every kernel waits for the slowest. So a CPU
+    pod's serve gets --threads at its limit, unless engine_args set it; a GPU pod none."""
+    assert [k8s.cpu_threads(RoleResources(cpu=c)) for c in ("2", "500m", "3.5", "16")] == \
+        [2, 1, 3, 16]
+    assert k8s.cpu_threads(RoleResources(cpu="8", gpus=1)) is None
+
+    def threads_of(spec, name):
+        (script,) = [c for c in container(named(manifests(spec), "Deployment", name))
+                     ["command"] if "exec phasewise serve" in c]
+        words = script.split()
+        return [words[i + 1] for i, w in enumerate(words) if w == "--threads"]
+
+    cpu = DeploySpec("/models/m", resources={"both": RoleResources(cpu="1500m")})
+    assert threads_of(cpu, "phasewise-both") == ["1"]
+    own = DeploySpec("/models/m", engine_args=(("--threads", "1"),),
+                     resources={"both": RoleResources(cpu="4")})
+    assert threads_of(own, "phasewise-both") == []  # theirs, from the ConfigMap
+    assert "--threads 1" in named(manifests(own), "ConfigMap", "phasewise-engine")["data"][
+        k8s.ENGINE_ARGS_VAR]
+    gpu = DeploySpec("/models/m", resources={"both": RoleResources(cpu="8", gpus=1)})
+    assert threads_of(gpu, "phasewise-both") == []

@@ -106,6 +106,15 @@ def test_the_wake_up_cost_goes_as_the_log_of_the_idle_time_between_and_beyond_th
     assert s.wake_at(16.0) == pytest.approx(0.06)  # beyond the long wait: as measured there
     with pytest.raises(ValueError, match="idle waits"):
         Served(wake_idle_s=(4.0, 1.0))
+    # a longer idle measured cheaper is the probes' noise: the short one's cost throughout,
+    # and the description says so
+    noisy = Served(wake_s=0.0151, wake_long_s=0.0016, wake_idle_s=(1.0, 12.0))
+    assert noisy.wake_at(1.0) == noisy.wake_at(6.0) == noisy.wake_at(30.0) == \
+        pytest.approx(0.0151)
+    assert ("+15.1 ms more at an engine idle 1 s, +1.6 ms idle 12 s (the longer idle "
+            "measured cheaper: the probes' noise, not the idle; charged as 15.1 ms from 1 s "
+            "on)") in noisy.describe()
+    assert "measured cheaper" not in s.describe()
 
 
 def test_a_served_request_reaches_its_engine_request_s_after_the_client_sent_it():

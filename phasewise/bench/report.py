@@ -255,6 +255,14 @@ def render(paths: Sequence[str | Path], out: str | Path, stall_factor: float = 5
     if not 1 < stall_factor < math.inf:
         raise ValueError(f"--stall-factor must be a finite number > 1, got {stall_factor}")
     results = [load_result(p) for p in paths]
+    # runs under the same name (bench's default label, or a label used twice) are told
+    # apart by their files' names
+    counts: dict[str, int] = {}
+    for r in results:
+        counts[r["label"]] = counts.get(r["label"], 0) + 1
+    for r, p in zip(results, paths):
+        if counts[r["label"]] > 1:
+            r["label"] = f"{r['label']} ({Path(p).name})"
     if not results:
         raise ValueError("give at least one result file")
     slo = slo or next((r["slo"] for r in results if r.get("slo")), None) or {}

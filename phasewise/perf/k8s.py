@@ -101,6 +101,7 @@ ENGINE_FLAGS: dict[str, Any] = {
     "--seed": int,
     "--kernels": KERNEL_CHOICES,
     "--kernel-plan": str,
+    "--threads": int,
     "--load-format": LOAD_FORMATS,
     "--enforce-eager": SWITCH,
     "--quantization": ("int8",),
@@ -139,7 +140,7 @@ MANAGED_FLAGS: dict[str, str] = {
 # The flags the emitted commands pass (tests/test_k8s.py checks phasewise.cli still has them).
 SERVE_FLAGS_USED = ("--model", "--host", "--port", "--shutdown-grace", "--role", "--kv-bind",
                     "--kv-connect", "--kv-secret-file", "--disagg-threshold",
-                    "--served-model-name")
+                    "--served-model-name", "--threads")
 ROUTER_FLAGS_USED = ("--model", "--decode", "--prefill", "--host", "--port", "--wait",
                      "--shutdown-grace", "--served-model-name", "--discover")
 
@@ -507,6 +508,20 @@ def _model_mount(s: DeploySpec) -> dict[str, Any]:
     return {"name": "models", "mountPath": s.model_mount, "readOnly": True}
 
 
+def cpu_threads(r: RoleResources) -> int | None:
+    """``--threads`` for a CPU pod: its CPU limit, whole (at least 1). A container sees every
+    core of its node, and torch starts as many threads; under a limit of a few CPUs they take
+    turns on them, and each kernel waits for the one that lost its turn. None for a GPU pod
+    (the kernels run on the GPU)."""
+    if r.gpus:
+        return None
+    m = re.fullmatch(r"(\d*\.?\d*)(m?)", r.cpu)
+    if m is None:
+        return 1
+    value = float(m.group(1)) / (1000 if m.group(2) else 1)
+    return max(1, math.floor(value))
+
+
 def _engine_command(s: DeploySpec, role: str) -> list[str]:
     """``sh -c 'exec phasewise serve ... $PHASEWISE_ENGINE_ARGS ...'``: the variable is
     expanded unquoted, so that it splits into flags (its values were checked for that);
@@ -522,6 +537,9 @@ def _engine_command(s: DeploySpec, role: str) -> list[str]:
         tail += ["--kv-connect", *(f"tcp://{d}:{s.kv_port}" for d in _decode_names(s))]
     if role in ("prefill", "decode"):
         tail += ["--kv-secret-file", f"{KV_SECRET_DIR}/{KV_SECRET_KEY}"]
+    threads = cpu_threads(s.role_resources(role))
+    if threads is not None and not any(f == "--threads" for f, _ in s.engine_args):
+        tail += ["--threads", str(threads)]
     script = (f"exec phasewise serve --model {shlex.quote(s.model_path)} ${ENGINE_ARGS_VAR} "
               + " ".join(shlex.quote(a) for a in tail))
     return ["sh", "-c", script]

@@ -102,7 +102,9 @@ class Served:
         short, long = self.wake_idle_s
         if self.wake_long_s is None or not long > short:
             return self.wake_s
-        slope = (self.wake_long_s - self.wake_s) / math.log(long / short)
+        # a longer idle never costs less: a long probe cheaper than the short one is noise,
+        # and the short one's cost is charged throughout
+        slope = max(0.0, (self.wake_long_s - self.wake_s) / math.log(long / short))
         t = min(max(idle_s, short), long)
         return max(0.0, self.wake_s + slope * math.log(t / short))
 
@@ -129,6 +131,9 @@ class Served:
             busy += (f", +{self.wake_s * 1e3:.1f} ms more at an engine idle {short:g} s"
                      + ("" if self.wake_long_s is None else
                         f", +{self.wake_long_s * 1e3:.1f} ms idle {long:g} s"))
+            if self.wake_long_s is not None and self.wake_long_s < self.wake_s:
+                busy += (" (the longer idle measured cheaper: the probes' noise, not the "
+                         f"idle; charged as {self.wake_s * 1e3:.1f} ms from {short:g} s on)")
         basis = "the profile's" if self.profiled else "the assumed efficiencies'"
         return (f"served: prefill x{self.prefill_scale:.3f}, decode x{self.decode_scale:.3f}"
                 f" {basis} step times, +{self.step_s * 1e3:.2f} ms a step and "
