@@ -165,6 +165,7 @@ def test_a_ttft_shorter_than_its_prefill_step_says_why():
     from phasewise.generate import ttft_words
 
     assert ttft_words(0.0050, 0.0040) == "; TTFT 5.0 ms"
+    assert ttft_words(0.0029, 0.0030) == "; TTFT 2.9 ms"  # a hair short: nothing to say
     short = ttft_words(0.0034, 0.0115)
     assert short.startswith("; TTFT 3.4 ms (stamped when the token was sampled")
     assert ttft_words(None, 0.01) == ""
