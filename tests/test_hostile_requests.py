@@ -515,3 +515,32 @@ def test_a_slow_readers_progress_counts_the_kernels_send_queue():
     asyncio.run(main())
     ours.close()
     client.close()
+
+
+def test_accept_errors_out_of_descriptors_fold_into_one_line_a_while(caplog):
+    """asyncio logs a traceback for each connection it fails to accept when descriptors run
+    out: a K/V port flood wrote 8,854 of them in 2 s. One line per ACCEPT_ERROR_EVERY_S,
+    with how many it folds; any other loop error goes to the default handler."""
+    import asyncio
+    import logging
+
+    from phasewise.server.limits import ACCEPT_ERROR_EVERY_S, accept_error_handler
+
+    now = [100.0]
+    handler = accept_error_handler(logging.getLogger("test.accept"), clock=lambda: now[0])
+    loop = asyncio.new_event_loop()
+    other = []
+    loop.default_exception_handler = other.append
+    ctx = {"message": "socket.accept() out of system resource",
+           "exception": OSError(24, "Too many open files")}
+    with caplog.at_level(logging.ERROR, logger="test.accept"):
+        for _ in range(500):
+            handler(loop, ctx)
+        now[0] += ACCEPT_ERROR_EVERY_S
+        handler(loop, ctx)
+        handler(loop, {"message": "something else"})
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2 and "Too many open files" in lines[0]
+    assert "499 more such errors since the last line" in lines[1]
+    assert other == [{"message": "something else"}]
+    loop.close()

@@ -40,7 +40,7 @@ from phasewise.server.dashboard import add_dashboard_routes
 from phasewise.server.dashboard.hub import Hub
 from phasewise.server.errors import ApiError, error_response, validation_error
 from phasewise.server.guard import AccessLog, Guard
-from phasewise.server.limits import ClientContext
+from phasewise.server.limits import ClientContext, accept_error_handler
 from phasewise.server.internal import add_internal_routes
 from phasewise.server.metrics import PrometheusMetrics, RefusalCollector
 from phasewise.server.protocol import ErrorBody
@@ -158,6 +158,7 @@ class OpenAIServer:
         @contextlib.asynccontextmanager
         async def lifespan(app: FastAPI) -> AsyncIterator[None]:
             self.loop = asyncio.get_running_loop()
+            self.loop.set_exception_handler(accept_error_handler(log))
             self.backend.start(self.loop)
             try:
                 yield

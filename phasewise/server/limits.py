@@ -42,9 +42,11 @@ import asyncio
 import dataclasses
 import fcntl
 import json
+import math
 import struct
 import sys
 import termios
+import time
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
@@ -104,6 +106,42 @@ class ConnectionLimits:
 _LINGER_S = 2.0
 # ioctl: bytes in a socket's kernel send queue (Linux's SIOCOUTQ, which is TIOCOUTQ)
 _OUTQ: int | None = getattr(termios, "TIOCOUTQ", None) if sys.platform == "linux" else None
+
+
+# asyncio's accept loop, out of file descriptors, logs a traceback for every pending
+# connection it tries (thousands a second under a flood); one line this often says it all
+ACCEPT_ERROR_EVERY_S = 10.0
+_ACCEPT_ERROR = "socket.accept() out of system resource"
+
+
+def accept_error_handler(log: Any, clock: Any = time.monotonic) -> Any:
+    """An event-loop exception handler: asyncio's "out of system resource" accept errors
+    become one line at most every ``ACCEPT_ERROR_EVERY_S`` (with how many were folded into
+    it); every other error goes to the loop's default handler."""
+    last = [-math.inf]
+    folded = [0]
+
+    def handler(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        if context.get("message") != _ACCEPT_ERROR:
+            loop.default_exception_handler(context)
+            return
+        now = clock()
+        if now - last[0] < ACCEPT_ERROR_EVERY_S:
+            folded[0] += 1
+            return
+        try:
+            import resource
+
+            limit = f"{resource.getrlimit(resource.RLIMIT_NOFILE)[0]}"
+        except (ImportError, ValueError, OSError):
+            limit = "unknown"
+        log.error("cannot accept connections: %s (open-file limit, ulimit -n: %s); new ones "
+                  "wait in the listen backlog until descriptors free up%s",
+                  context.get("exception"), limit,
+                  f"; {folded[0]} more such errors since the last line" if folded[0] else "")
+        last[0], folded[0] = now, 0
+
+    return handler
 
 
 def _refusal(status: int, reason: str, message: str, code: str) -> bytes:
