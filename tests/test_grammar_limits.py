@@ -188,7 +188,7 @@ def test_grammars_that_would_more_than_double_a_shared_step_end_costliest_first(
     heavy = [req(f"h{i}", 0.004 + i * 0.001, group="attacker") for i in range(4)]
     other = req("v", None, group="victim")
     cheap = [req(f"c{i}", HEAVY_MASK_S / 2, group="victim") for i in range(3)]
-    ended = grammars_over_budget([*heavy, other, *cheap], 0.006)
+    ended = grammars_over_budget([*heavy, other, *cheap], 0.006, groups=2)
     # 4+5+6+7 ms of heavy masks and 1.5 ms of cheap ones against 6 ms: the three costliest go
     assert sorted(ended) == ["h1", "h2", "h3"]
     assert "took 7.0 ms of CPU time for one token's mask" in ended["h3"]
@@ -196,18 +196,33 @@ def test_grammars_that_would_more_than_double_a_shared_step_end_costliest_first(
     assert "longer than the step's forward pass (6 ms)" in ended["h3"]
     # a cheap mask is never ended, however many there are
     assert grammars_over_budget([req(f"c{i}", 0.0009, group=i) for i in range(100)],
-                                0.005) == {}
-    # a step that holds one group's requests alone slows no one else
-    assert grammars_over_budget(heavy, 0.005) == {}
-    assert grammars_over_budget([heavy[0], other], 0.005) == {}  # within the budget
+                                0.005, groups=100) == {}
+    # a step that holds one client request alone slows no one else
+    assert grammars_over_budget(heavy, 0.005, groups=1) == {}
+    assert grammars_over_budget([heavy[0], other], 0.005, groups=2) == {}  # within budget
+    # the offline API's requests (no group) are one caller's
+    from phasewise.engine.sampler import step_groups
+
+    assert step_groups([req("a", 0.01), req("b", 0.01)]) == 1
+    assert step_groups([req("a", 0.01), req("b", 0.01, group=7)]) == 2
 
 
 def test_a_grammar_that_would_double_shared_steps_ends_and_the_others_go_on(
         hf_checkpoints, monkeypatch):
     from phasewise.engine import sampler
+    from phasewise.engine.request_builder import RequestBuilder
 
-    llm = LLM(str(hf_checkpoints["LlamaForCausalLM"][0]), dtype="float32")
+    llm = LLM(str(hf_checkpoints["LlamaForCausalLM"][0]), dtype="float32",
+              max_num_batched_tokens=32)
     fill = structured.Matcher.fill
+    build = RequestBuilder.build
+    clients = [True]
+
+    def one_client_each(self, *a, **k):  # as a server's requests are: each its own group
+        req = build(self, *a, **k)
+        if clients[0]:
+            req.group = req.request_id
+        return req
 
     def costly_fill(self):  # every mask after the first as if it took 20 ms of CPU
         bits = fill(self)
@@ -217,15 +232,24 @@ def test_a_grammar_that_would_double_shared_steps_ends_and_the_others_go_on(
 
     monkeypatch.setattr(structured.Matcher, "fill", costly_fill)
     monkeypatch.setattr(sampler, "GRAMMAR_STEP_FLOOR_S", 0.01)
+    monkeypatch.setattr(RequestBuilder, "build", one_client_each)
     grammar = SamplingParams(max_tokens=8, structured_output=spec_json("regex", "[a-z]{8}"))
-    constrained, free = llm.generate(["x", "y"], [grammar,
-                                                  SamplingParams(max_tokens=8, ignore_eos=True)])
+    free = SamplingParams(max_tokens=8, ignore_eos=True)
+    constrained, other = llm.generate(["x", "y"], [grammar, free])
     assert constrained.error is not None and "may at most double" in constrained.error
     assert constrained.error_code == "invalid_grammar"
-    assert free.error is None and len(free.token_ids) == 8
+    assert other.error is None and len(other.token_ids) == 8
+    # another client's prompt, still in chunks that sample nothing, is held up too
+    constrained, other = llm.generate(["x", [5] * 300], [grammar, free])
+    assert constrained.error is not None and len(constrained.token_ids) < 8
+    assert other.error is None and len(other.token_ids) == 8
     # alone, it slows no other request's steps: it runs to its end
     (alone,) = llm.generate(["x"], grammar)
     assert alone.error is None and alone.finish_reason == "stop" and len(alone.text) == 8
+    # one caller's batch (the offline API's requests, no group) is one client: none ends
+    clients[0] = False
+    outs = llm.generate(["x", "y", "z"], grammar)
+    assert all(o.error is None and len(o.text) == 8 for o in outs)
 
 
 # -- the check in a child process --------------------------------------------------------------

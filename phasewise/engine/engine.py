@@ -31,7 +31,7 @@ from phasewise.engine.outputs import RequestOutput, StepStats
 from phasewise.engine.remote_prefill import RemotePrefills
 from phasewise.engine.request import Request, RequestStatus
 from phasewise.engine.request_builder import RequestBuilder
-from phasewise.engine.sampler import Failure, Sampler, sample_step
+from phasewise.engine.sampler import Failure, Sampler, sample_step, step_groups
 from phasewise.engine.sampling_params import SamplingParams
 from phasewise.engine.scheduler import Scheduler, SchedulerConfig
 from phasewise.engine.slo import (SLO, Refusal, StepClock, group_forecast, judge,
@@ -364,7 +364,12 @@ class LLMEngine:
             if exports:
                 self.connector.save(exports, {r.request_id: t
                                               for r, t in zip(batch.requests, tables)})
-            tokens, failed = sample_step(self.sampler, ran)
+            # the grammars' budget: this step's forward time, on CUDA (whose kernels may
+            # still run when the forward call returns) the last step's
+            last = self.step_stats[-1].forward_s if self.step_stats else None
+            tokens, failed = sample_step(
+                self.sampler, ran, step_groups(batch.requests),
+                None if self.device.type == "cpu" else (last or 0.0))
             verified = Speculator.verify(self.sampler, ran, tokens, failed)
             read = time.monotonic()
         except Exception as e:

@@ -446,15 +446,23 @@ GRAMMAR_STEP_FLOOR_S = 0.005
 HEAVY_MASK_S = 0.001
 
 
-def grammars_over_budget(requests: list[Request], budget_s: float) -> dict[str, str]:
+def step_groups(requests: list[Request]) -> int:
+    """The client requests a step holds: its requests' groups, those without one (the
+    offline API's, whose caller is one) counting as one."""
+    return len({r.group for r in requests})
+
+
+def grammars_over_budget(requests: list[Request], budget_s: float,
+                         groups: int) -> dict[str, str]:
     """The requests whose grammar to end this step (request id -> why): where this step's
-    masks took longer than ``budget_s`` together and the step holds requests of more than
-    one group, the costliest masks of ``HEAVY_MASK_S`` or more, until the rest fit."""
+    masks took longer than ``budget_s`` together and the step holds ``groups`` client
+    requests, more than one (every scheduled request counts: prompt chunks that sample
+    nothing wait for the masks too), the costliest masks of ``HEAVY_MASK_S`` or more, until
+    the rest fit."""
     costs = sorted(((r.grammar.last_fill_s, r) for r in requests if r.grammar is not None),
                    key=lambda c: -c[0])
     total = sum(c for c, _ in costs)
-    groups = {r.group if r.group is not None else r.request_id for r in requests}
-    if total <= budget_s or len(groups) < 2:
+    if total <= budget_s or groups < 2:
         return {}
     ended, step_total = {}, total
     for cost, req in costs:
@@ -469,7 +477,8 @@ def grammars_over_budget(requests: list[Request], budget_s: float) -> dict[str, 
     return ended
 
 
-def sample_step(sampler: Sampler, ran: RunnerOutput
+def sample_step(sampler: Sampler, ran: RunnerOutput, groups: int = 1,
+                forward_s: float | None = None
                 ) -> tuple[dict[str, list[int]], list[Failure]]:
     """Tokens for the requests of a step that sample one token (and their logprobs, recorded
     on the requests); the rows of verifying requests (``Request.spec_token_ids``) are left
@@ -479,8 +488,9 @@ def sample_step(sampler: Sampler, ran: RunnerOutput
     own settings fail: those come back in the second list, with the error, and the rest
     of the step goes on. If every row fails alone too, the fault is not one request's,
     and the original error is raised. A request whose grammar gives up or refuses the
-    token, or whose masks take too long (``Matcher.too_slow``, ``grammars_over_budget``),
-    fails with ``GrammarFailed.code``."""
+    token, or whose masks take too long (``Matcher.too_slow``, ``grammars_over_budget``:
+    ``groups``, the client requests the step holds; ``forward_s``, the step's forward time
+    where ``ran``'s window does not hold it, on CUDA), fails with ``GrammarFailed.code``."""
     plain = [(req, row) for req, row, n in ran.spans() if n == 1]
     if not plain:
         return {}, []
@@ -504,8 +514,10 @@ def sample_step(sampler: Sampler, ran: RunnerOutput
         if not rows:
             raise batch_error
     tokens = {}
-    heavy = grammars_over_budget([req for req, _, _ in rows], max(
-        GRAMMAR_STEP_FLOOR_S, ran.forward_end - ran.forward_start))
+    if forward_s is None:
+        forward_s = ran.forward_end - ran.forward_start
+    heavy = grammars_over_budget([req for req, _, _ in rows],
+                                 max(GRAMMAR_STEP_FLOOR_S, forward_s), groups)
     for req, tok, lp in rows:
         slow = req.grammar.too_slow if req.grammar is not None else None
         slow = heavy.get(req.request_id, slow)
