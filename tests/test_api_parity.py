@@ -530,6 +530,10 @@ def test_auto_parses_hermes_blocks():
                             '<tool_call>{"name": "get_time", "arguments": "{\\"a\\": 1}"}'
                             '</tool_call>', {"get_time"})
     assert [c["arguments"] for c in calls] == ['"str"', '{"a": 1}']
+    for written, sent in (('"NaN"', '"NaN"'), ('"5"', '"5"'), ('"[1]"', "[1]")):
+        _, calls = parse_hermes(f'<tool_call>{{"name": "get_time", "arguments": {written}}}'
+                                "</tool_call>", {"get_time"})
+        assert calls[0]["arguments"] == sent, written
 
 
 def test_auto_streams_content_until_a_tool_call_begins():

@@ -196,3 +196,26 @@ def test_each_step_is_rated_at_the_arithmetic_its_rows_run_in():
     rows = cpu_kernels.INT8_ROWS_MAX
     assert [engine_compute_dtype(int8)(r) for r in (1, rows, rows + 1, 4096)] == [
         "fp32", "fp32", above, above]
+
+
+def test_the_start_up_note_names_the_thread_count_to_measure_at():
+    """serve --threads N reads peaks measured at N threads; its note says to measure at N
+    (a plain measure would store the cores' count again)."""
+    import torch
+
+    from phasewise.config import usable_cores
+
+    shape = ModelShape("small", hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2,
+                       head_dim=64, intermediate_size=768, vocab_size=4096,
+                       tie_word_embeddings=True)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(usable_cores())
+        assert "run 'phasewise measure' and restart" in StepCostModel(
+            shape, "bf16", None).note(64)
+        if usable_cores() > 1:
+            torch.set_num_threads(1)
+            assert "run 'phasewise measure --threads 1' and restart" in StepCostModel(
+                shape, "bf16", None).note(64)
+    finally:
+        torch.set_num_threads(before)

@@ -208,3 +208,33 @@ def test_a_windowed_models_decode_cost_stops_growing_at_its_window():
     full = CostModel(ModelShape(**{**m.__dict__, "sliding_window": None, "window_layers": 0}),
                      acc, "bf16", overhead_s=0.0, per_seq_s=0.0)
     assert full.step_time([], [16384] * 32) > 2 * full.step_time([], [4097] * 32)
+
+
+def test_a_profile_calibrated_at_another_thread_count_is_found_and_named(tmp_path,
+                                                                         monkeypatch):
+    """calibrate --threads N keeps its profile under N threads' name; simulate and plan,
+    which look for the cores' one, take it where it is the only one, and say so."""
+    from phasewise.perf.calibrate import PROFILE_VERSION, machine_id, machine_slug, profile_path
+    from phasewise.perf.commands import cost_model
+
+    monkeypatch.setenv("PHASEWISE_CACHE_DIR", str(tmp_path))
+    here = profile_path("qwen2.5-0.5b")
+    odd = machine_id(threads=machine_id()["threads"] + 7)
+    path = profile_path("qwen2.5-0.5b", machine_slug(odd))
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({
+        "version": PROFILE_VERSION, "shape": SHAPE.__dict__, "machine": odd,
+        "accelerator": {"key": "cpu-local", "name": CPU.name, "peak_flops": CPU.peak_flops,
+                        "mem_bytes": CPU.mem_bytes, "mem_bandwidth": CPU.mem_bandwidth},
+        "cost_model": truth().to_dict()}))
+    assert not here.exists()
+    cm = cost_model("qwen2.5-0.5b", "cpu-local", None)
+    assert cm.knots and f"(from {path.name}, calibrated at another thread count" in cm.source
+    second = path.with_name(path.name.replace(f"-{odd['threads']}t", "-99t"))
+    second.write_text(path.read_text())
+    from phasewise.perf import hardware
+
+    monkeypatch.setattr(hardware, "lookup_accelerator", lambda g: CPU)  # (no machine file)
+    cm = cost_model("qwen2.5-0.5b", "cpu-local", None)
+    assert not cm.knots and "calibrated at other thread counts" in cm.source
+    assert path.name in cm.source and second.name in cm.source

@@ -67,6 +67,17 @@ def engine_compute_dtype(engine: Any) -> Callable[[int], str]:
     return lambda rows: dtype
 
 
+def _threads_flag() -> str:
+    """`` --threads N`` where this process runs another thread count than the cores (the
+    peaks it reads are that count's), else ""."""
+    import torch
+
+    from phasewise.config import usable_cores
+
+    n = torch.get_num_threads()
+    return f" --threads {n}" if n != usable_cores() else ""
+
+
 def stored_peaks(device_type: str, path: Path | None = None) -> Accelerator | None:
     """This machine's stored figures for ``device_type`` (``cpu`` or ``cuda``; on the CPU
     those measured at this process's thread count), or None when ``phasewise measure`` has
@@ -172,9 +183,9 @@ class StepCostModel:
         the most tokens a step holds (the engine's step budget)."""
         accel = self.accel
         if accel is None:
-            return ("per-step roofline: no figures are stored for this machine, so /metrics "
-                    "has each step's FLOPs and bytes but no predicted time; run 'phasewise "
-                    "measure' and restart")
+            return ("per-step roofline: no figures are stored for this machine at this "
+                    "thread count, so /metrics has each step's FLOPs and bytes but no "
+                    f"predicted time; run 'phasewise measure{_threads_flag()}' and restart")
         used = sorted({self.compute_dtype(1), self.compute_dtype(max_rows)})
         missing = [d for d in used if d not in accel.peak_flops]
         peaks = ", ".join(f"{k} {v / 1e9:.1f} GFLOP/s" for k, v in accel.peak_flops.items())
@@ -182,7 +193,8 @@ class StepCostModel:
                 f"figures ({accel.name}): read {accel.mem_bandwidth / 1e9:.1f} GB/s, {peaks}")
         if missing:
             return (line + f"; no {'/'.join(missing)} peak is stored, so steps in it get no "
-                    "predicted time on /metrics: run 'phasewise measure' and restart")
+                    f"predicted time on /metrics: run 'phasewise measure{_threads_flag()}' "
+                    "and restart")
         unstable = (accel.measured or {}).get("unstable") or {}
         shaky = [n for n in (*used, "mem_bandwidth") if n in unstable]
         if shaky:

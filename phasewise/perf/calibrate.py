@@ -23,6 +23,7 @@ machine. torch is imported only when calibrating.
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import platform
@@ -140,6 +141,15 @@ def profile_dir() -> Path:
 def profile_path(model_name: str, slug: str | None = None) -> Path:
     safe = re.sub(r"[^A-Za-z0-9._-]+", "_", model_name)
     return profile_dir() / f"{safe}@{slug or machine_slug()}.json"
+
+
+def profiles_at_other_threads(model_name: str) -> list[Path]:
+    """This model's profiles for this machine calibrated at another thread count
+    (``calibrate --threads N``) than the cores this process may run on, by name."""
+    here = profile_path(model_name)
+    stem = re.sub(r"-\d+t\.json$", "", here.name)
+    return sorted(p for p in here.parent.glob(f"{glob.escape(stem)}-*t.json")
+                  if p != here and re.fullmatch(r"-\d+t\.json", p.name[len(stem):]))
 
 
 def load_profile(path: str | Path, shape: ModelShape | None = None) -> CostModel:

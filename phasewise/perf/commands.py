@@ -48,7 +48,7 @@ def model_shape(model: str) -> ModelShape:
 def cost_model(model: str, gpu: str, profile: str | None, dtype: str = "bf16"
                ) -> CostModel:
     """The step cost model for ``model`` on ``gpu`` (see the module)."""
-    from phasewise.perf.calibrate import load_profile, profile_path
+    from phasewise.perf.calibrate import load_profile, profile_path, profiles_at_other_threads
     from phasewise.perf.hardware import lookup_accelerator
 
     shape = model_shape(model)
@@ -57,10 +57,18 @@ def cost_model(model: str, gpu: str, profile: str | None, dtype: str = "bf16"
             raise ValueError("--profile: an empty path (leave the flag out for the stored "
                              "profile)")
         return load_profile(profile, shape)
+    others: list[Path] = []
     if gpu == "cpu-local":
-        stored = profile_path(Path(model).name if Path(model).exists() else model)
+        name = Path(model).name if Path(model).exists() else model
+        stored = profile_path(name)
         if stored.exists():
             return load_profile(stored, shape)
+        others = profiles_at_other_threads(name)
+        if len(others) == 1:  # calibrate --threads N: the only one there is
+            cm = load_profile(others[0], shape)
+            cm.source += (f" (from {others[0].name}, calibrated at another thread count "
+                          "than this machine's cores: --profile FILE chooses)")
+            return cm
     accel = lookup_accelerator(gpu)
     compute = None
     if gpu == "cpu-local" and norm_dtype(dtype) != "fp32":
@@ -70,7 +78,10 @@ def cost_model(model: str, gpu: str, profile: str | None, dtype: str = "bf16"
     cm = CostModel(shape, accel, dtype, compute_dtype=compute)
     if gpu == "cpu-local":
         cm.source = ("assumed efficiencies: no profile for this model on this machine "
-                     "('phasewise calibrate' fits one)")
+                     "('phasewise calibrate' fits one)" if not others else
+                     "assumed efficiencies: this model's profiles here were calibrated at "
+                     f"other thread counts ({', '.join(p.name for p in others)}); "
+                     "--profile FILE picks one")
     return cm
 
 

@@ -71,15 +71,19 @@ def required_schema(tools: list[dict[str, Any]], parallel: bool) -> dict[str, An
 
 def _arguments(value: Any) -> str:
     """A call's ``arguments`` as OpenAI's API gives them: JSON text. A string the model wrote
-    there is kept where it is JSON text already, else encoded as a JSON string (a client
-    parses every ``arguments`` with a JSON parser)."""
+    there is kept where it is a JSON object or array already, else encoded as a JSON string
+    (a client parses every ``arguments`` with a strict JSON parser, and "5" is no number)."""
     if isinstance(value, str):
-        try:
-            json.loads(value)
-            return value
+        try:  # kept only as a JSON object or array (strict: no NaN), what arguments are
+            if isinstance(json.loads(value, parse_constant=_no_constant), (dict, list)):
+                return value
         except (ValueError, RecursionError):
             pass
     return json.dumps(value, ensure_ascii=False)
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
 
 
 def _is_name(value: Any, names: Collection[str]) -> bool:
