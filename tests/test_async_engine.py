@@ -254,13 +254,17 @@ def test_an_id_reused_right_after_its_abort_gets_none_of_the_old_outputs(llama_d
     asyncio.run(main())
 
 
-def test_a_reader_that_falls_behind_finds_one_output_per_request():
-    """A stream whose client stopped reading: each request's later outputs merge into the
-    one not yet taken (deltas joined, the rest the latest), so what waits stays one output
-    per request however long the output grows; never across a notice or an error."""
+def test_a_reader_that_falls_behind_finds_a_bounded_number_of_outputs():
+    """A stream whose client stopped reading: past MERGE_AFTER waiting outputs of a request,
+    its later ones merge into the latest not yet taken (deltas joined, the rest the
+    latest), so what waits stays bounded however long the output grows; a reader a few
+    steps behind still gets one output per step; never merged across a notice or an
+    error."""
     from phasewise.engine.backend import RequestGroup
     from phasewise.engine.outputs import RequestOutput
     from phasewise.engine.request import RequestMetrics
+
+    k = RequestGroup.MERGE_AFTER
 
     def out(rid, n, finished=False):
         ids = list(range(n))
@@ -273,23 +277,29 @@ def test_a_reader_that_falls_behind_finds_one_output_per_request():
         for n in range(1, 201):  # 200 steps of both, nothing read
             group._put(out("a", n))
             group._put(out("b", n, finished=n == 200))
-        assert group._queue.qsize() == 2
-        (i, a), (j, b) = [await group.__anext__() for _ in range(2)]
-        assert (i, j) == (0, 1)
-        assert a.delta_token_ids == list(range(200)) and a.delta_text == "x" * 200
-        assert a.token_ids == list(range(200)) and len(a.logprobs) == 200
-        assert b.finished and b.finish_reason == "length" and len(b.delta_token_ids) == 200
-        # taken: the next output starts a new slot
-        group._put(out("a", 201))
+        assert group._queue.qsize() == 2 * k
+        got = [await group.__anext__() for _ in range(2 * k)]
+        a = [o for i, o in got if i == 0]
+        b = [o for i, o in got if i == 1]
+        assert [o.delta_token_ids for o in a[:-1]] == [[n] for n in range(k - 1)]
+        assert a[-1].delta_token_ids == list(range(k - 1, 200))  # the rest, merged
+        assert a[-1].delta_text == "x" * (200 - k + 1) and len(a[-1].logprobs) == 200
+        assert b[-1].finished and b[-1].finish_reason == "length"
+        assert sum(len(o.delta_token_ids) for o in b) == 200
+        # a few steps behind: one output each
+        for n in range(201, 204):
+            group._put(out("a", n))
+        assert [(await group.__anext__())[1].delta_token_ids for _ in range(3)] == [
+            [200], [201], [202]]
+        # never across a notice or an error
+        for n in range(204, 204 + k):
+            group._put(out("a", n))
         group.notify("handover")
-        group._put(out("a", 202))  # after the notice: not merged into the one before it
-        got = [await group.__anext__() for _ in range(3)]
-        assert [g[0] for g in got] == [0, -1, 0]
-        assert got[0][1].delta_token_ids == [200] and got[2][1].delta_token_ids == [201]
-        group._put(out("a", 203))
+        group._put(out("a", 204 + k))
+        got = [await group.__anext__() for _ in range(k + 2)]
+        assert [i for i, _ in got] == [0] * k + [-1, 0]
+        assert got[-1][1].delta_token_ids == [203 + k]
         group._put(RuntimeError("boom"))
-        group._put(out("a", 204))
-        assert (await group.__anext__())[1].delta_token_ids == [202]
         with pytest.raises(RuntimeError, match="boom"):
             await group.__anext__()
 

@@ -164,14 +164,21 @@ def test_connections_that_send_headers_and_hold_the_body_count_for_their_address
     head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
             b"\r\nContent-Length: 1000\r\n\r\n{")
     socks = []
-    with server.client() as c:  # (its connection, idle between requests, counts too)
-        for _ in range(10):
-            socks.append(socket.create_connection(("127.0.0.1", server.port)))
-            socks[-1].sendall(head)
-            assert c.get("/health").status_code == 200  # a round trip: the head was read
-    answers = [_read_until_closed(s) for s in socks]
-    for s in socks:
-        s.close()
+    try:
+        with server.client() as c:  # (its connection, idle between requests, counts too)
+            for _ in range(10):
+                socks.append(socket.create_connection(("127.0.0.1", server.port)))
+                socks[-1].sendall(head)
+                # a round trip: the head was read. c's idle connection may have been closed
+                # by the 1 s header timeout (a loaded machine), and its new one refused
+                # while the bodies hold the address: an answer all the same
+                r = c.get("/health")
+                assert r.status_code == 200 or r.json()["error"]["code"] == \
+                    "too_many_connections", r.text
+        answers = [_read_until_closed(s) for s in socks]
+    finally:
+        for s in socks:
+            s.close()
     refused = [a for a in answers if b" 503 " in a.split(b"\r\n")[0]]
     assert len(refused) >= 4 and b"too_many_connections" in refused[0], answers
     _alive(server)

@@ -216,12 +216,15 @@ class RequestGroup:
     text for the group's reader that ends nothing) comes out between outputs as
     ``(-1, text)``; only the relay's own groups get them (``phasewise.server.internal``).
 
-    A reader that falls behind (a client that stops reading its stream) finds at most one
-    output per request waiting: a request's later outputs merge into the one not yet taken
-    (``merge_outputs``; deltas joined, the rest the latest), never across a notice. Each
-    output holds everything so far, so a queue of them would grow with the square of the
-    output's length while its stream stands still.
+    A reader that falls far behind (a client that stops reading its stream) finds at most
+    ``MERGE_AFTER`` outputs of a request waiting: past that, a request's outputs merge into
+    its latest one not yet taken (``merge_outputs``; deltas joined, the rest the latest),
+    never across a notice. Each output holds everything so far, so a queue of them would
+    grow with the square of the output's length while its stream stands still; a reader a
+    few steps behind still gets one output per step (a stream, one chunk per token).
     """
+
+    MERGE_AFTER = 16  # outputs of one request waiting before later ones merge
 
     def __init__(self, request_ids: list[str], abort: Callable[[list[str]], None],
                  on_close: Callable[[list[str]], None]) -> None:
@@ -236,7 +239,8 @@ class RequestGroup:
         # whether outputs may reach it yet (AsyncEngine: once its engine admitted it)
         self.ready = True
         self._queue: asyncio.Queue[_Slot | BaseException | _Notice] = asyncio.Queue()
-        self._waiting: dict[str, _Slot] = {}  # request id -> its output not yet taken
+        self._waiting: dict[str, _Slot] = {}  # request id -> its latest output not yet taken
+        self._queued: dict[str, int] = {}  # request id -> its outputs not yet taken
         self._open = set(request_ids)
 
     def _put(self, item: RequestOutput | BaseException) -> None:  # on the event loop
@@ -244,11 +248,13 @@ class RequestGroup:
             self._waiting.clear()
             self._queue.put_nowait(item)
             return
-        slot = self._waiting.get(item.request_id)
-        if slot is not None:
+        rid = item.request_id
+        slot = self._waiting.get(rid)
+        if slot is not None and self._queued.get(rid, 0) >= self.MERGE_AFTER:
             slot.out = merge_outputs(slot.out, item)
             return
-        slot = self._waiting[item.request_id] = _Slot(item)
+        self._waiting[rid] = slot = _Slot(item)
+        self._queued[rid] = self._queued.get(rid, 0) + 1
         self._queue.put_nowait(slot)
 
     def notify(self, text: str) -> None:  # on the event loop
@@ -268,8 +274,14 @@ class RequestGroup:
             self.close()
             raise got
         item = got.out
-        if self._waiting.get(item.request_id) is got:
-            del self._waiting[item.request_id]
+        rid = item.request_id
+        if self._waiting.get(rid) is got:
+            del self._waiting[rid]
+        n = self._queued.get(rid, 0) - 1
+        if n > 0:
+            self._queued[rid] = n
+        else:
+            self._queued.pop(rid, None)
         if item.finished:
             self._open.discard(item.request_id)
         return self._index[item.request_id], item
