@@ -485,3 +485,22 @@ def test_the_server_wide_line_says_when_the_server_counts_no_steps():
         "steps: none counted by this server (a router runs no engine: each worker's /metrics "
         "counts its own)")
     assert server_wide_line(router, 0).endswith("steps: 0 prefill, 0 decode, 0 mixed")
+
+
+def test_a_cache_warning_needs_more_than_one_windows_chance_hit():
+    """A synthetic run's prompts are corpus windows: one that starts where an earlier
+    request's did is chance, not a repeated seed. The warning needs half the requests (and
+    at least two) served in part from the cache, as well as a tenth of the tokens."""
+    from phasewise.bench.run import cache_warning
+
+    def out(cached, hits, completed=3):
+        return {"cached_prompt_tokens": cached, "cached_of_prompt_tokens": 144,
+                "requests_with_cache_hits": hits, "completed": completed, "seed": 12}
+
+    assert cache_warning(out(16, 1), synthetic=True) is None  # one window by chance
+    assert cache_warning(out(96, 3), synthetic=True).startswith(
+        "warning: the server's prefix cache served 67% of the prompt tokens (3 requests)")
+    assert cache_warning(out(96, 3), synthetic=False) is None  # a trace may share prefixes
+    assert cache_warning(out(10, 3), synthetic=True) is None  # under a tenth
+    assert cache_warning(out(60, 4, completed=10), synthetic=True) is None
+    assert cache_warning(out(60, 5, completed=10), synthetic=True) is not None

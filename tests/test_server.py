@@ -472,14 +472,15 @@ def test_bench_reports_prefix_hits_and_warns_when_a_cold_run_was_cached(server, 
     other, text2 = bench("d")
     assert fresh["seed"] != other["seed"] and f"--seed {other['seed']}" in text2
     for r, t in ((fresh, text), (other, text2)):
-        assert r["cached_prompt_tokens"] < 0.1 * r["cached_of_prompt_tokens"], r
+        # (one window may start where one of the server's earlier requests did, by chance)
+        assert r["requests_with_cache_hits"] <= 1, r
         assert "warning: the server's prefix cache" not in t
     rc = main(["bench", "--base-url", server.url, "--num-prompts", "3", "--input-len", "48",
                "--output-len", "2", "--request-rate", "1000", "inf", "--seed", "12",
                "--result-dir", str(tmp_path / "sweep"), "--save-result", "--disable-tqdm"])
     assert rc == 0
     second = json.loads((tmp_path / "sweep" / "phasewise-bench-rateinf.json").read_text())
-    assert second["cached_prompt_tokens"] < 0.1 * second["cached_of_prompt_tokens"], second
+    assert second["requests_with_cache_hits"] <= 1, second
 
 
 def test_periodic_log_line_reports_throughput(server, client):
