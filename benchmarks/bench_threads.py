@@ -21,13 +21,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
 from pathlib import Path
 
 from benchmarks.harness import REPO, cpu_hogs, log, print_machine
+from phasewise.config import usable_cores
 
 NOISE = ("figures measured on a shared machine: other tenants move them by 5-30% from run to "
          "run; compare the ratios within this run, not absolute figures across runs")
@@ -70,7 +70,7 @@ def main() -> None:
         return
     print_machine()
     print(NOISE, file=sys.stderr)
-    cores = len(os.sched_getaffinity(0))
+    cores = usable_cores()
     counts = list(range(cores, 0, -1))
     results: dict[str, dict[int, float]] = {}
     for condition in ("quiet", "busy"):

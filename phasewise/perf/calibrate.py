@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import glob
 import json
-import os
 import platform
 import re
 import statistics
@@ -36,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from phasewise.config import usable_cores
 from phasewise.engine.step_cost import Chunk
 from phasewise.files import write_text_atomic
 from phasewise.perf.contention import Contention, CpuSample
@@ -120,10 +120,7 @@ def machine_id(threads: int | None = None) -> dict[str, Any]:
     except OSError:
         pass
     isa = [f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
-    if threads is None:
-        threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
-            else os.cpu_count() or 1
-    return {"cpu": name, "isa": isa, "threads": threads}
+    return {"cpu": name, "isa": isa, "threads": usable_cores() if threads is None else threads}
 
 
 def machine_slug(m: dict[str, Any] | None = None) -> str:

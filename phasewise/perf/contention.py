@@ -105,3 +105,11 @@ class Contention:
         steal = f", the hypervisor {self.steal:.0%} (steal)" if self.steal >= 0.005 else ""
         return (f"other processes used {self.others:.0%} of this machine's CPU time over "
                 f"{self.window_s:.1f} s{steal}")
+
+
+def fewer_threads(threads: int) -> str:
+    """What to try where other work took the CPUs from an engine running ``threads`` (> 1)
+    threads: every kernel waits for the slowest of them."""
+    return (f"the engine's {threads} threads wait for each other at the end of every kernel, "
+            f"so one that loses its core holds up the rest: --threads {threads - 1} may run "
+            "faster")

@@ -17,7 +17,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from phasewise.perf.contention import Contention
+from phasewise.perf.contention import Contention, fewer_threads
 from phasewise.perf.hardware import Accelerator
 from phasewise.perf.models import ModelShape
 from phasewise.perf.roofline import Roofline, StepCost
@@ -308,9 +308,7 @@ def explain_generation(shape: ModelShape, accel: Accelerator, weight_dtype: str,
     blame = ("the excess is that contention, not this work; the verdicts above may differ on "
              "a quiet machine")
     if threads is not None and threads > 1:
-        blame += (f"; its {threads} threads wait for each other at the end of every kernel, so "
-                  f"one that loses its core holds up the rest: --threads {threads - 1} may run "
-                  "faster while the machine is busy")
+        blame += f"; {fewer_threads(threads)} while the machine is busy"
     for p in slow:  # one line each: how its time splits, then what the excess is
         # one decimal below 10x, as the [roofline] lines print the same ratio
         times = f"{p.vs_roofline:.1f}" if p.vs_roofline < 10 else f"{p.vs_roofline:.0f}"

@@ -414,7 +414,8 @@ def ensure_local(device: str, compute_dtypes: tuple[str, ...],
     path = path or machine_file()
     data = _read_machine_file(path)
     # the peaks at the threads this process runs (local_slot), under their own entry
-    key = "gpu-local" if is_cuda else local_slot("cpu-local", torch.get_num_threads(), data)
+    local = "gpu-local" if is_cuda else "cpu-local"
+    key = local_slot(local, torch.get_num_threads(), data)  # (gpu-local: itself)
     old = data.get(key)
     if not _complete(old):
         old = {}  # missing or damaged: measured afresh
@@ -423,7 +424,7 @@ def ensure_local(device: str, compute_dtypes: tuple[str, ...],
     redo = tuple(d for d in compute_dtypes if d in was_unstable and d not in missing)
     redo_read = bool(old) and "mem_bandwidth" in was_unstable
     if old and not missing and not redo and not redo_read:
-        return accelerator_from_entry(key.split("@")[0], old, path)
+        return accelerator_from_entry(local, old, path)
     if missing:
         what = " and ".join(f"{d} matmul" for d in missing)
         _progress(f"no {what} figures for {key} in {path} yet: a quick measurement"
@@ -442,4 +443,4 @@ def ensure_local(device: str, compute_dtypes: tuple[str, ...],
         _progress(f"written to {path}")
     except OSError as e:
         _progress(f"could not save to {path} ({e}); using the figures for this run only")
-    return accelerator_from_entry(key.split("@")[0], entry, path)
+    return accelerator_from_entry(local, entry, path)

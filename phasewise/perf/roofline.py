@@ -375,13 +375,8 @@ class Roofline:
         ``reserve_frac`` of what the weights leave for activations and the runtime: the
         engine's rule on a GPU (``engine.kv_sizing.CUDA_FREE_FRACTION`` is 1 - the default),
         so that this and ``simulate``'s pool agree."""
-        kvpt = self.kv_bytes_per_token
-        if kvpt is None or context < 1:
-            return None
         free = (self.accel.mem_bytes - self.weight_bytes) * (1 - reserve_frac)
-        # a windowed layer holds no more than its window of K/V (once what falls out of it
-        # is freed)
-        return max(0, int(free // (self._span(context) * kvpt)))
+        return self.requests_in_pool(free, context)
 
     def requests_in_pool(self, pool_bytes: float, context: int) -> int | None:
         """Requests of ``context`` tokens whose K/V a pool of ``pool_bytes`` holds (a CPU
@@ -389,6 +384,8 @@ class Roofline:
         kvpt = self.kv_bytes_per_token
         if kvpt is None or context < 1:
             return None
+        # a windowed layer holds no more than its window of K/V (once what falls out of it
+        # is freed)
         return max(0, int(pool_bytes // (self._span(context) * kvpt)))
 
     def kv_transfer(self, prompt_len: int, link: Link) -> dict[str, float] | None:

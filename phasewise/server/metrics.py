@@ -22,7 +22,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from phasewise.engine.backend import EngineSnapshot, FinishedRequest
 from phasewise.engine.outputs import RequestOutput, StepStats, new_token_gaps
-from phasewise.perf.contention import Contention, CpuSample
+from phasewise.perf.contention import Contention, CpuSample, fewer_threads
 
 PREFIX = "phasewise:"
 
@@ -315,9 +315,7 @@ class StatLogger:
                 line += f"; {busy.words()}"
                 threads = self._threads() if self._threads is not None else 1
                 if threads > 1:
-                    line += (f": the engine's {threads} threads wait for each other at every "
-                             "kernel's end, so one that loses its core holds up the rest; "
-                             f"--threads {threads - 1} may run faster while this lasts")
+                    line += f": {fewer_threads(threads)} while this lasts"
                     warn = now - self._warned >= self.CONTENTION_WARN_S
             if warn:
                 self._warned = now

@@ -14,9 +14,10 @@ No torch here: the CLI and the plan files read it cheaply.
 from __future__ import annotations
 
 import functools
-import os
 import platform
 from dataclasses import dataclass
+
+from phasewise.config import usable_cores
 
 # The flags that pick a kernel or change a plan's timings: a stored plan's key holds these
 # (not the whole flag list, whose hypervisor and microcode bits vary between hosts of one CPU).
@@ -94,8 +95,7 @@ def read_capabilities(cpuinfo: str | None = None, machine: str | None = None,
     flags = frozenset(info.get("flags", "").split()) if machine in ("x86_64", "amd64") \
         else frozenset()
     if cores is None:
-        cores = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-                 else os.cpu_count() or 1)
+        cores = usable_cores()
     return CpuCapabilities(vendor=info.get("vendor_id", ""),
                            model_name=info.get("model name", "") or platform.processor(),
                            flags=flags, cores=cores)
