@@ -116,6 +116,22 @@ def stored(key, linear=LinearSpec(3, "torch", mid="avx512bf16", mid_max_rows=32)
                       created="2025-01-02T03:04:05Z", measured={"rounds": 0})
 
 
+def test_a_plan_file_and_a_cost_profile_name_one_cpu_by_one_family():
+    """Stored plans and calibrate's profiles both carry the CPU's kernel family in their
+    file names: the same CPU must read the same there, and a CPU with AVX-512F but not the
+    BF16 dot products is named for the AVX2 kernels it runs."""
+    from phasewise.perf.calibrate import machine_slug
+
+    skylake = read_capabilities("vendor_id : GenuineIntel\nmodel name : Xeon Gold\nflags : "
+                                "avx2 fma avx512f avx512bw avx512vl avx512dq\n", "x86_64", 2)
+    for caps, family in ((INTEL, "amx"), (AMD, "avx512bf16"), (ZEN2, "avx2"),
+                         (skylake, "avx2")):
+        plan_name = key_for(caps).file_name()
+        slug = machine_slug({"cpu": caps.model_name, "isa": list(caps.isa), "threads": 2})
+        assert plan_name.endswith(f"-{family}-2t.json"), plan_name
+        assert slug.endswith(f"-{family}-2t") and slug in plan_name, (slug, plan_name)
+
+
 def test_a_plan_file_round_trips_and_a_malformed_one_is_refused_by_name(tmp_path):
     key = key_for(AMD)
     path = write_plan_file(stored(key), tmp_path / "p.json")

@@ -38,6 +38,7 @@ from typing import Any
 from phasewise.config import usable_cores
 from phasewise.engine.step_cost import Chunk
 from phasewise.files import write_text_atomic
+from phasewise.model.cpu.capabilities import capabilities, isa_family
 from phasewise.perf.contention import Contention, CpuSample
 from phasewise.perf.costmodel import CostModel, StepMix, fit
 from phasewise.perf.hardware import Accelerator, accelerator_from_entry, machine_file
@@ -110,25 +111,16 @@ def pool_blocks(points: Sequence[GridPoint], block_size: int, max_len: int) -> i
 def machine_id(threads: int | None = None) -> dict[str, Any]:
     """What identifies this machine's speed: CPU model, vector extensions, threads (the
     cores this process may run on, unless an engine runs ``threads``)."""
-    name, flags = platform.processor() or platform.machine(), set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name") and ":" in line:
-                name = line.split(":", 1)[1].strip()
-            elif line.startswith("flags") and ":" in line:
-                flags = set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    isa = [f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
-    return {"cpu": name, "isa": isa, "threads": usable_cores() if threads is None else threads}
+    caps = capabilities()
+    return {"cpu": caps.model_name or platform.machine(), "isa": list(caps.isa),
+            "threads": usable_cores() if threads is None else threads}
 
 
 def machine_slug(m: dict[str, Any] | None = None) -> str:
+    """``<cpu>-<kernel family>-<threads>t``: the family named as stored kernel plans name it."""
     m = m or machine_id()
     base = re.sub(r"[^a-z0-9]+", "-", m["cpu"].lower()).strip("-")[:40] or "cpu"
-    isa = "amx" if "amx_bf16" in m["isa"] else ("avx512" if "avx512f" in m["isa"] else
-                                                ("avx2" if "avx2" in m["isa"] else "base"))
-    return f"{base}-{isa}-{m['threads']}t"
+    return f"{base}-{isa_family(m['isa'])}-{m['threads']}t"
 
 
 def profile_dir() -> Path:

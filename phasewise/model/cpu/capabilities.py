@@ -28,6 +28,15 @@ AVX512BF16_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "av
 AMX_FLAGS = AVX512BF16_FLAGS | {"amx_tile", "amx_bf16"}
 
 
+def isa_family(flags) -> str:
+    """The widest kernel family a set of CPU flags offers, as files and profiles name it:
+    ``amx``, ``avx512bf16``, ``avx2`` or ``base``. Stored kernel plans and cost profiles both
+    carry it in their file names, so one CPU must map to one name in both."""
+    f = set(flags)
+    return ("amx" if AMX_FLAGS <= f else "avx512bf16" if AVX512BF16_FLAGS <= f
+            else "avx2" if AVX2_FLAGS <= f else "base")
+
+
 @dataclass(frozen=True)
 class CpuCapabilities:
     """One CPU as the kernels see it. ``flags``: every feature flag /proc/cpuinfo lists (empty

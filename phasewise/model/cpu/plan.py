@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from phasewise.files import write_text_atomic
-from phasewise.model.cpu.capabilities import CpuCapabilities
+from phasewise.model.cpu.capabilities import CpuCapabilities, isa_family
 
 PLAN_FORMAT = "phasewise-kernel-plan"
 PLAN_VERSION = 1
@@ -343,9 +343,7 @@ class PlanKey:
                  f"{'-tied' if s['tie_word_embeddings'] else ''}-{self.dtype}"
                  f"{'-' + self.quantization if self.quantization else ''}")
         cpu = re.sub(r"[^a-z0-9]+", "-", self.cpu.lower()).strip("-")[:40] or "cpu"
-        fam = ("amx" if "amx_bf16" in self.isa else "avx512bf16" if "avx512_bf16" in self.isa
-               else "avx2" if "avx2" in self.isa else "base")
-        return f"{model}@{cpu}-{fam}-{self.threads}t.json"
+        return f"{model}@{cpu}-{isa_family(self.isa)}-{self.threads}t.json"
 
     def to_json(self) -> dict[str, Any]:
         return {"cpu": self.cpu, "vendor": self.vendor, "isa": list(self.isa),
