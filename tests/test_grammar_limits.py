@@ -230,8 +230,18 @@ def test_a_grammar_that_would_double_shared_steps_ends_and_the_others_go_on(
             self.last_fill_s = 0.02
         return bits
 
+    from phasewise.engine import engine as engine_module
+
+    step = engine_module.sample_step
+
+    def instant_forward(sampler_, ran, groups=1, forward_s=None):
+        # the budget is the floor (10 ms) whatever the forward pass took: on a busy machine
+        # a measured forward pass may outlast the 20 ms masks
+        return step(sampler_, ran, groups, 0.0)
+
     monkeypatch.setattr(structured.Matcher, "fill", costly_fill)
     monkeypatch.setattr(sampler, "GRAMMAR_STEP_FLOOR_S", 0.01)
+    monkeypatch.setattr(engine_module, "sample_step", instant_forward)
     monkeypatch.setattr(RequestBuilder, "build", one_client_each)
     grammar = SamplingParams(max_tokens=8, structured_output=spec_json("regex", "[a-z]{8}"))
     free = SamplingParams(max_tokens=8, ignore_eos=True)
