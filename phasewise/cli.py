@@ -29,7 +29,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from phasewise.bench.options import positive_float
+from phasewise.bench.options import http_url, positive_float
 
 USER_ERRORS = (ValueError, FileNotFoundError, ConnectionError)
 # plan --window: seconds of traffic a rate is simulated over (each such rate's requests are
@@ -403,7 +403,8 @@ def cmd_measure(a: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(a.threads)
-    for key, entry in measure(Path(a.out) if a.out else None, quick=a.quick).items():
+    for key, entry in measure(Path(a.out) if a.out else None, quick=a.quick,
+                              replace=a.replace).items():
         print(format_entry(key, entry))
     return 0
 
@@ -768,9 +769,9 @@ def build_parser() -> argparse.ArgumentParser:
     ro.add_argument("--model", default=None,
                     help="the checkpoint folder the workers serve (for its tokenizer; "
                     "default: the bundled stdlib-coder); checked against each worker")
-    ro.add_argument("--decode", nargs="+", required=True, metavar="URL",
+    ro.add_argument("--decode", nargs="+", required=True, metavar="URL", type=http_url,
                     help="decode (or --role both) workers, http://HOST:PORT")
-    ro.add_argument("--prefill", nargs="*", default=[], metavar="URL",
+    ro.add_argument("--prefill", nargs="*", default=[], metavar="URL", type=http_url,
                     help="prefill workers, http://HOST:PORT (watched for /health and "
                     "/metrics; their K/V goes to the decode workers directly)")
     ro.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: all)")
@@ -915,6 +916,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--out", default=None, help="file to write (default: the cache folder)")
     m.add_argument("--quick", action="store_true",
                    help="fewer repetitions; never replaces a full measurement in the file")
+    m.add_argument("--replace", action="store_true",
+                   help="store every figure of this run, even one measured unstable where "
+                   "the file holds a stable one (by default that one is kept)")
     _add_threads_arg(m, "CPU threads to measure with (default: torch's, the cores); figures "
                      "for another count than the file's cpu-local are kept as cpu-local@Nt, "
                      "which engines run with --threads N read")

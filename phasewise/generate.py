@@ -29,6 +29,27 @@ class GenerateOptions:
     roofline: bool = True  # the closing [roofline] / [bound] lines
 
 
+# generate's flags for the sampling fields they set, as its errors name them
+SAMPLING_FLAGS = {"max_tokens": "--max-tokens", "temperature": "--temperature",
+                  "seed": "--sample-seed"}
+
+
+def check_sampling(overrides: dict[str, Any]) -> None:
+    """Refuse sampling values no request could take, naming the flag that gave each."""
+    from phasewise import SamplingParams
+    from phasewise.engine.validation import ValidationError
+
+    try:
+        SamplingParams(**overrides)
+    except ValidationError as e:
+        flag = SAMPLING_FLAGS.get(e.param or "")
+        if flag is None:
+            raise
+        raise ValueError(f"{flag}{e.message[len(e.param or ''):]}".replace(", or unset", "")
+                         if e.message.startswith(e.param or "\0") else
+                         f"{flag}: {e.message}") from None
+
+
 def run(model: str, engine_kwargs: dict[str, Any], opts: GenerateOptions,
         out: TextIO | None = None, err: TextIO | None = None) -> int:
     """Load ``model`` with ``engine_kwargs`` (``EngineConfig`` fields), stream ``opts.prompt``
@@ -43,6 +64,12 @@ def run(model: str, engine_kwargs: dict[str, Any], opts: GenerateOptions,
     before = CpuSample.now()
     from phasewise.model.cpu.kernels import KERNELS
 
+    overrides: dict[str, Any] = {"max_tokens": opts.max_tokens}
+    if opts.temperature is not None:
+        overrides["temperature"] = opts.temperature
+    if opts.sample_seed is not None:
+        overrides["seed"] = opts.sample_seed
+    check_sampling(overrides)  # before the load, which can take minutes
     compiled_before = KERNELS.compile_s  # (a sum over the process: this load's share)
     t0 = time.monotonic()
     llm = LLM(model, **engine_kwargs)
@@ -62,11 +89,6 @@ def run(model: str, engine_kwargs: dict[str, Any], opts: GenerateOptions,
                   f"{eng.runner.graphs.max_batch} rows" if eng.runner.graphs is not None
                   else "eager steps (enforce_eager)")
         print(f"[kernels]  {eng.gpu_kernels}; {graphs}", file=err)
-    overrides: dict[str, Any] = {"max_tokens": opts.max_tokens}
-    if opts.temperature is not None:
-        overrides["temperature"] = opts.temperature
-    if opts.sample_seed is not None:
-        overrides["seed"] = opts.sample_seed
     params = eng.default_sampling_params(**overrides)
     prompt: str | list[int] = opts.prompt
     if opts.chat:  # the template places any BOS itself, as the server's chat route does
@@ -104,9 +126,13 @@ def run(model: str, engine_kwargs: dict[str, Any], opts: GenerateOptions,
         print(f"[decode]   none: no output token was asked for (--max-tokens 0); finish: "
               f"{final.finish_reason}", file=err)
     elif n_out > 1:
+        cut = ""
+        if final.finish_reason == "length" and n_out < params.max_tokens:
+            cut = (f" (the model's context of {eng.max_model_len} tokens, prompt included, "
+                   f"ended it before --max-tokens {params.max_tokens})")
         print(f"[decode]   {n_out - 1} tokens, {decode_s * 1e3:.1f} ms: "
               f"{(n_out - 1) / max(decode_s, 1e-9):.0f} tok/s (TPOT {m.tpot * 1e3:.1f} ms); "
-              f"finish: {final.finish_reason}", file=err)
+              f"finish: {final.finish_reason}{cut}", file=err)
         if eng.proposer is not None:
             verifies = speculation_lines(run_steps, n_out - 1, err, eng.draft_policy)
     else:

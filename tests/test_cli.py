@@ -4,6 +4,7 @@ reaching the server, and what --model says when it is not a checkpoint folder.""
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 
@@ -229,6 +230,23 @@ def test_a_bad_or_busy_kv_address_is_refused_before_loading(tmp_path, capsys):
         assert "--kv-bind" in err and "already in use" in err and "loading" not in err
 
 
+@pytest.mark.parametrize("flag", ["--port", "--decode-port", "--prefill-port", "--kv-port"])
+def test_pd_names_the_flag_of_the_port_that_is_in_use(flag, capsys, tmp_path):
+    free = []
+    for _ in range(4):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            free.append(s.getsockname()[1])
+    ports = dict(zip(["--port", "--decode-port", "--prefill-port", "--kv-port"], free))
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", ports[flag]))
+        busy.listen()
+        args = [a for f, p in ports.items() for a in (f, str(p))]
+        assert main(["pd", "--model", str(tmp_path / "none"), *args]) == 2
+    err = capsys.readouterr().err
+    assert "already in use" in err and f"with {flag} " in err, err
+
+
 @pytest.mark.parametrize("command", ["generate", "serve"])
 def test_every_engine_option_is_a_flag_and_reaches_the_config(command):
     """docs/python-api.md: generate and serve take EngineConfig's fields as flags (the
@@ -262,6 +280,24 @@ def test_generate_with_no_output_token_reports_the_prefill_alone(llama_dir, caps
     assert rc == 0
     assert "[prefill]" in err and "TTFT" not in err
     assert "[decode]   none: no output token was asked for" in err
+
+
+@pytest.mark.parametrize("flag, value", [("--max-tokens", "-3"), ("--temperature", "-1"),
+                                         ("--temperature", "nan")])
+def test_generate_refuses_a_sampling_value_by_its_flag_before_loading(flag, value, llama_dir,
+                                                                    capsys):
+    assert main(["generate", "--model", str(llama_dir), flag, value, "def f"]) == 2
+    err = capsys.readouterr().err
+    assert f"error: {flag} must be" in err and "loaded" not in err and "None" not in err
+
+
+def test_generate_says_when_the_context_ended_the_output_first(llama_dir, capsys):
+    rc = main(["generate", "--model", str(llama_dir), "--max-model-len", "24",
+               "--max-tokens", "100", "--no-roofline", "def f"])
+    err = capsys.readouterr().err
+    assert rc == 0
+    assert ("finish: length (the model's context of 24 tokens, prompt included, ended it "
+            "before --max-tokens 100)") in err
 
 
 @pytest.mark.parametrize("argv", [
@@ -589,3 +625,20 @@ def test_pd_workers_start_from_a_folder_that_holds_a_phasewise_folder(tmp_path):
                          timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("phasewise ")
+
+
+def test_server_urls_take_host_port_alone_and_refuse_other_schemes(capsys):
+    """bench --base-url and router --decode/--prefill: HOST:PORT (as curl takes it) means
+    http://HOST:PORT; another scheme, or no host, is refused by name before anything runs."""
+    parser = build_parser()
+    a = parser.parse_args(["bench", "--base-url", "localhost:8000"])
+    assert a.base_url == "http://localhost:8000"
+    a = parser.parse_args(["router", "--decode", "127.0.0.1:8001", "HTTPS://w:1",
+                           "--prefill", "p:2"])
+    assert a.decode == ["http://127.0.0.1:8001", "https://w:1"] and a.prefill == ["http://p:2"]
+    for argv in (["bench", "--base-url", "ftp://x:1"], ["router", "--decode", ":8001"]):
+        with pytest.raises(SystemExit) as e:
+            parser.parse_args(argv)
+        assert e.value.code == 2
+        err = capsys.readouterr().err
+        assert "http://127.0.0.1:8000" in err and ("ftp://x:1" in err or "':8001'" in err)

@@ -51,6 +51,40 @@ def test_quick_never_replaces_a_full_measurement(fake_device, tmp_path, capsys):
     assert json.loads(path.read_text())["cpu-local"]["measured"]["quick"] is False
 
 
+def test_an_unstable_full_figure_keeps_the_stable_one_unless_replace(monkeypatch, tmp_path,
+                                                                     capsys):
+    """docs/predicting.md: an unstable figure never replaces a stable one; a full run on a busy
+    machine keeps the stable figures it measured unstable (and stores the stable ones it
+    measured), and ``--replace`` stores every figure of the run."""
+    runs = [_entry(False, 16e9, 105e9)]
+    busy = _entry(False, 9e9, 40e9)
+    busy["measured"]["unstable"] = {"mem_bandwidth": "other processes took 45% of the CPU",
+                                    "fp32": "other processes took 45% of the CPU"}
+    busy["measured"]["conditions"] = {"load": 3.0}
+    busy["peak_flops"]["bf16"] = 30e9  # measured stable: stored
+    runs.append(busy)
+    runs.append(busy)
+    monkeypatch.setattr(measure_mod, "measure_device", lambda *a, **k: runs.pop(0))
+    path = tmp_path / "machine.json"
+    assert main(["measure", "--out", str(path)]) == 0
+    capsys.readouterr()
+    assert main(["measure", "--out", str(path)]) == 0
+    out, err = capsys.readouterr()
+    entry = json.loads(path.read_text())["cpu-local"]
+    assert entry["mem_bandwidth"] == 16e9 and entry["peak_flops"]["fp32"] == 105e9  # kept
+    assert entry["peak_flops"]["bf16"] == 30e9  # a stable figure of the new run is taken
+    assert entry["measured"]["unstable"] == {}
+    assert entry["measured"]["spread"]["fp32"] == [105e9 * 0.9, 105e9]  # the kept one's band
+    assert "kept the stable read bandwidth" in err and "9.0 GB/s, other processes" in err
+    assert "kept the stable fp32 matmul" in err and "--replace" in err
+    assert "read 16.0 GB/s" in out and "UNSTABLE" not in out  # as stored
+    assert "kept from an earlier full run" in entry["source"]
+
+    assert main(["measure", "--replace", "--out", str(path)]) == 0
+    entry = json.loads(path.read_text())["cpu-local"]
+    assert entry["mem_bandwidth"] == 9e9 and "fp32" in entry["measured"]["unstable"]
+
+
 def test_quick_is_stored_where_there_is_no_full_one(fake_device, tmp_path, capsys):
     path = tmp_path / "machine.json"
     path.write_text(json.dumps({"gpu-local": {"keep": "me"}}))

@@ -155,6 +155,11 @@ def test_a_profile_calibrated_under_load_or_fitted_badly_warns_where_it_is_used(
     assert stored.describe()[1] == warn
     assert "other processes used 60% of this machine's CPU time over 30.0 s" in warn
     assert "run 'phasewise calibrate' again on a quiet machine" in warn
+    # and under the figures, where readers look, simulate and plan repeat it
+    from phasewise.perf.commands import doubt_line
+
+    assert "from a profile that is not trusted" in doubt_line(stored)
+    assert doubt_line(quiet) is None
     rough = fitted(truth(attn=1.3))
     rough.fit_report.update(median_abs_rel_err=FIT_DOUBT * 2, max_abs_rel_err=0.9)
     note_conditions(rough, None)  # no /proc: the fit's error alone

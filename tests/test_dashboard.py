@@ -64,12 +64,12 @@ class Run:
     def arrive(self, rid: str) -> None:
         self.metrics[rid] = RequestMetrics(arrival_time=self.clock.t)
 
-    def step(self, duration: float, prefill=(), decode=(), first=()) -> StepStats:
+    def step(self, duration: float, prefill=(), decode=(), first=(), **kw) -> StepStats:
         """``first``: requests whose last prompt chunk rides here (they get a token)."""
         self.index += 1
         start = self.clock.t
         self.clock.t += duration
-        s = step(self.index, start, duration, prefill, decode)
+        s = step(self.index, start, duration, prefill, decode, **kw)
         outs = []
         for rid in [*first, *decode]:
             m = self.metrics[rid]
@@ -104,6 +104,21 @@ def test_a_long_prompt_chunk_among_decodes_is_a_stall_that_names_it():
     run.step(0.050, prefill=[("big", 256)])
     (stall,) = run.feed.frame(Cursor(stalls=1))["stalls"]
     assert stall["intruders"][0]["id"] == "big" and sorted(stall["victims"]) == ["a", "b"]
+
+
+def test_a_stall_names_the_intruders_whole_prompt_before_it_has_output_anything():
+    """A chunk of a long prompt has no output yet (its prompt ends steps later): its prompt's
+    length comes with the step, so the stall names the chunk and the prompt it is part of."""
+    run = Run()
+    for rid in ("a", "b"):
+        run.arrive(rid)
+    run.step(0.004, prefill=[("a", 4), ("b", 4)], first=["a", "b"])
+    for _ in range(8):
+        run.step(0.005, decode=["a", "b"])
+    run.arrive("big")
+    run.step(0.040, prefill=[("big", 254)], decode=["a", "b"], prefill_prompt_tokens=(900,))
+    (stall,) = run.feed.frame(Cursor())["stalls"]
+    assert stall["intruders"] == [{"id": "big", "tokens": 254, "prompt_tokens": 900}]
 
 
 def test_a_stall_is_blamed_on_a_chunk_only_where_its_predicted_cost_explains_it():

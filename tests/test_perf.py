@@ -844,3 +844,40 @@ def test_a_decode_batch_near_the_context_limit_says_it_grows_without_bound():
     near = bound_line(390)  # a context of 400
     assert f"at a context of 400 tokens, which nears the {limit:.0f} past which decode never " \
            "turns compute-bound at any batch" in near
+
+
+def test_roofline_and_simulate_say_when_cpu_local_figures_are_unstable(tmp_path, monkeypatch,
+                                                                        capsys):
+    """A prediction from a cpu-local figure stored as unstable says which, why and how far
+    off it could be; from stable figures it says nothing of the kind."""
+    import json as _json
+
+    from phasewise.cli import main
+
+    monkeypatch.setenv("PHASEWISE_CACHE_DIR", str(tmp_path))
+
+    def store(unstable):
+        entry = {"name": "cpu (measured)", "peak_flops": {"fp32": 100e9, "bf16": 400e9},
+                 "mem_bytes": 16e9, "mem_bandwidth": 20e9, "source": "test",
+                 "measured": {"quick": False, "unstable": unstable,
+                              "spread": {"bf16": [200e9, 400e9], "fp32": [90e9, 100e9],
+                                         "mem_bandwidth": [19e9, 20e9]},
+                              "conditions": {"others": 0.0}}}
+        (tmp_path / "machine.json").write_text(_json.dumps({"cpu-local": entry}))
+
+    store({"bf16": "its two best runs are 50% apart"})
+    assert main(["roofline", "--model", "Qwen2.5-0.5B", "--gpu", "cpu-local"]) == 0
+    out = capsys.readouterr().out
+    assert "cpu-local's figures were measured UNSTABLE (bf16 matmul: its two best runs" in out
+    assert "off by up to x2.00" in out
+    assert main(["roofline", "--model", "Qwen2.5-0.5B", "--gpu", "cpu-local",
+                 "--compute-dtype", "fp32"]) == 0  # the figure it uses is stable
+    assert "UNSTABLE" not in capsys.readouterr().out
+    assert main(["simulate", "--model", "Qwen2.5-0.5B", "--gpu", "cpu-local",
+                 "--num-prompts", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "UNSTABLE (bf16 matmul" in out
+    assert "caveat: these figures come from peaks measured UNSTABLE" in out
+    store({})
+    assert main(["roofline", "--model", "Qwen2.5-0.5B", "--gpu", "cpu-local"]) == 0
+    assert "UNSTABLE" not in capsys.readouterr().out

@@ -29,7 +29,7 @@ def llm(llama_dir):
     ("top_p", 1.5, "top_p must be a number in (0, 1]"),
     ("top_k", -2, "top_k must be an integer >= 1, or 0 / -1 to disable"),
     ("min_p", 1.1, "min_p must be a number in [0, 1]"),
-    ("max_tokens", -1, "max_tokens must be an integer >= 0 or None"),
+    ("max_tokens", -1, "max_tokens must be an integer >= 0 (at most"),
     ("min_tokens", -1, "min_tokens must be an integer >= 0"),
     ("repetition_penalty", 0.0, "repetition_penalty must be a number in [0.01, 10]"),
     ("repetition_penalty", 1e-300, "repetition_penalty must be a number in [0.01, 10]"),

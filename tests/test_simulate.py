@@ -435,7 +435,7 @@ def test_plan_ranks_by_goodput_per_accelerator_gives_reasons_and_sizes_the_winne
     per = [c.per_accelerator for c in cands]
     assert per == sorted(per, reverse=True) and per[0] > 0
     for c in cands:
-        assert "bound at" in c.verdict and "miss TTFT" in c.verdict
+        assert "bound (missed at" in c.verdict and "miss TTFT" in c.verdict
         assert attainment(c.at_goodput, slo) >= 0.9
     sized = size(cands[0], wl, cm, slo)
     assert sized is not None and sized.units >= math.ceil(12.0 / cands[0].goodput)
@@ -737,16 +737,16 @@ def test_a_ttft_verdict_names_the_role_whose_queue_held_the_prompts(prefill_busy
                     "preemptions": 0}] * 3]}}
     c = Candidate(Deployment("pd", prefill=1, decode=3), ENGINE, goodput=4.0, above=above)
     text = verdict(c, {"ttft": 500.0, "tpot": 50.0})
-    assert text.startswith(f"{bound} at 5 req/s: the late prompts waited 600 ms")
+    assert text.startswith(f"{bound} (missed at 5 req/s): the late prompts waited 600 ms")
     assert f"decode {decode_busy:.0%} busy" in text and "2 of 3 miss TTFT" in text
 
 
 @pytest.mark.parametrize("queue_s,prefill_s,decode_busy,start", [
     # saturated decode workers stretch a late prompt's first token whichever time is larger
-    (0.336, 0.341, 0.99, "decode-bound at 5 req/s: the late prompts waited 336 ms for their "
-                         "first step behind the busy decode workers, then took 341 ms"),
+    (0.336, 0.341, 0.99, "decode-bound (missed at 5 req/s): the late prompts waited 336 ms "
+                         "for their first step behind the busy decode workers, then took 341 ms"),
     # decode not saturated, prefill the larger: the prompts' own prefill, by the docs' name
-    (0.1, 0.4, 0.6, "prefill-bound at 5 req/s: the late prompts' own prefill took 400 ms "
+    (0.1, 0.4, 0.6, "prefill-bound (missed at 5 req/s): the late prompts' own prefill took 400 ms "
                     "(after 100 ms of waiting) against a TTFT SLO of 500 ms")])
 def test_a_late_prompts_own_prefill_is_put_down_to_a_saturated_role(queue_s, prefill_s,
                                                                      decode_busy, start):

@@ -9,8 +9,9 @@ import math
 
 def add_args(p: argparse.ArgumentParser) -> None:
     """Flags follow ``vllm bench serve`` where the concept is the same."""
-    p.add_argument("--base-url", default="http://127.0.0.1:8000",
-                   help="server root, e.g. http://127.0.0.1:8000")
+    p.add_argument("--base-url", type=http_url, default="http://127.0.0.1:8000",
+                   help="server root, e.g. http://127.0.0.1:8000 (HOST:PORT alone means "
+                   "http://HOST:PORT)")
     p.add_argument("--endpoint", default="/v1/completions", choices=["/v1/completions"],
                    help="completions only: prompts are token ids, so lengths are exact")
     p.add_argument("--model", default=None, help="model name to send (default: none)")
@@ -31,6 +32,24 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--header", nargs="+", default=[], metavar="KEY=VALUE",
                    help="extra HTTP headers on every request")
     p.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
+
+
+def http_url(text: str) -> str:
+    """An argparse type: a server's root, ``http://HOST:PORT`` or ``https://…``; a bare
+    ``HOST:PORT`` (as curl takes it) means ``http://HOST:PORT``. Any other scheme, or none
+    with no host, is refused by name."""
+    url = text.strip()
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        scheme, rest = "http", url
+    if scheme.lower() not in ("http", "https"):
+        raise argparse.ArgumentTypeError(f"must be an http:// or https:// URL such as "
+                                         f"http://127.0.0.1:8000, got {text!r}")
+    host = rest.split("/", 1)[0]
+    if not host or host.startswith(":") or any(c.isspace() for c in rest):
+        raise argparse.ArgumentTypeError(f"must name a host, as in http://127.0.0.1:8000; "
+                                         f"got {text!r}")
+    return f"{scheme.lower()}://{rest}"
 
 
 def positive_float(text: str) -> float:

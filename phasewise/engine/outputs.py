@@ -74,6 +74,9 @@ class StepStats:
     # chunk as (request id, tokens), and the ids of the requests that decoded one token.
     prefill_chunks: tuple[tuple[str, int], ...] = ()
     decode_ids: tuple[str, ...] = ()
+    # each prompt chunk's whole prompt in tokens, in prefill_chunks' order (empty where the
+    # record was made without them)
+    prefill_prompt_tokens: tuple[int, ...] = ()
     compute_dtype: str | None = None  # whose peak predicted_s is rated at
     # Speculative decoding: draft tokens this step verified, and how many it kept.
     num_spec_proposed: int = 0
@@ -93,7 +96,8 @@ class StepStats:
 
     @classmethod
     def of(cls, index: int, start: float, duration: float, batch: Any,
-           riders: tuple[tuple[tuple[str, int], ...], tuple[str, ...]], cost: Any,
+           riders: tuple[tuple[tuple[str, int], ...], tuple[str, ...], tuple[int, ...]],
+           cost: Any,
            scheduler: Any, kv_usage: float, proposed: int, accepted: int,
            decode_s: float | None = None, forward_s: float | None = None,
            experts_read: float | None = None,
@@ -111,6 +115,7 @@ class StepStats:
             kv_usage=kv_usage, num_preempted=len(batch.preempted),
             predicted_flops=cost.flops, predicted_bytes=cost.bytes, predicted_s=cost.seconds,
             predicted_decode_s=decode_s, prefill_chunks=riders[0], decode_ids=riders[1],
+            prefill_prompt_tokens=riders[2],
             compute_dtype=cost.compute_dtype, num_spec_proposed=proposed,
             num_spec_accepted=accepted, forward_s=forward_s, experts_read=experts_read,
             kv_context=kv_read[0] if kv_read else None,

@@ -85,7 +85,7 @@ class SamplingParams:
 
         if self.max_tokens is not None and (not is_int(self.max_tokens)
                                             or not 0 <= self.max_tokens <= MAX_INT32):
-            raise bad("max_tokens", f"an integer >= 0 or None (at most {MAX_INT32})",
+            raise bad("max_tokens", f"an integer >= 0 (at most {MAX_INT32}), or unset",
                       self.max_tokens)
         if not is_int(self.min_tokens) or not 0 <= self.min_tokens <= MAX_INT32:
             raise bad("min_tokens", f"an integer >= 0 (at most {MAX_INT32})", self.min_tokens)

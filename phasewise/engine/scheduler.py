@@ -112,16 +112,18 @@ class ScheduledBatch:
                 chunks.append(Chunk(n, done, done + n == req.num_tokens))
         return chunks, decodes
 
-    def riders(self) -> tuple[tuple[tuple[str, int], ...], tuple[str, ...]]:
-        """Who rides on the step: each prompt chunk as (request id, tokens), and the ids of
-        the decoding requests. Read it before ``update()``, as ``mix``."""
-        chunks, decodes = [], []
+    def riders(self) -> tuple[tuple[tuple[str, int], ...], tuple[str, ...], tuple[int, ...]]:
+        """Who rides on the step: each prompt chunk as (request id, tokens), the ids of the
+        decoding requests, and each chunk's whole prompt in tokens (in the chunks' order).
+        Read it before ``update()``, as ``mix``."""
+        chunks, decodes, prompts = [], [], []
         for req, n in zip(self.requests, self.num_tokens):
             if is_decode(req, n):
                 decodes.append(req.request_id)
             else:
                 chunks.append((req.request_id, n))
-        return tuple(chunks), tuple(decodes)
+                prompts.append(req.num_prompt_tokens)
+        return tuple(chunks), tuple(decodes), tuple(prompts)
 
 
 def _group(req: Request) -> Hashable:

@@ -173,8 +173,9 @@ class Launcher:
         if len(set(ports)) != len(ports):
             raise ValueError(f"the router, decode, prefill and K/V ports must differ; got "
                              f"{ports}")
-        for p in ports:
-            check_port(c.host, p)
+        flags = ("--port", "--decode-port", "--prefill-port", "--kv-port")
+        for p, flag in zip(ports, flags):
+            check_port(c.host, p, flag)
         cmds = self.commands(self._secret_file())
 
         def on_signal(signum: int, frame: object) -> None:

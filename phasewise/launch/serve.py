@@ -93,10 +93,9 @@ def build_server(engine_config: EngineConfig, *, served_model_name: str | None =
         host, port = kv_bind[len("tcp://"):].rsplit(":", 1)
         if int(port):
             try:
-                check_port("127.0.0.1" if host == "*" else host, int(port))
+                check_port("127.0.0.1" if host == "*" else host, int(port), "--kv-bind")
             except ValueError as e:
-                raise ValueError(f"--kv-bind {kv_bind}: {e}".replace("--port", "--kv-bind")
-                                 ) from e
+                raise ValueError(f"--kv-bind {kv_bind}: {e}") from e
     if role == "prefill" and not kv_connect:
         raise ValueError("--role prefill needs --kv-connect tcp://HOST:PORT, the decode "
                          "worker's K/V port")

@@ -10,6 +10,7 @@ import math
 from typing import Any
 
 from phasewise.engine.kv_sizing import DEFAULT_CPU_KV_MEMORY
+from phasewise.perf.explain import unstable_note
 from phasewise.perf.hardware import Accelerator, Link
 from phasewise.perf.models import GenericModel, ModelShape
 from phasewise.perf.roofline import Roofline
@@ -39,6 +40,9 @@ def analyse(model: ModelShape | GenericModel, accel: Accelerator, dtype: str = "
     pre = r.prefill(prompt_len, prefix_len)
     dec = r.decode(batch, context)
     notes = []
+    noisy = unstable_note(accel, r.compute_dtype)
+    if noisy:
+        notes.append(noisy)
     if isinstance(model, GenericModel):
         notes.append("generic dense model: 2 FLOPs per parameter per token, every weight read "
                      "once per step; no attention or KV cache (give a model for those)")
@@ -103,6 +107,7 @@ def analyse(model: ModelShape | GenericModel, accel: Accelerator, dtype: str = "
             "active_params": model.params if isinstance(model, GenericModel)
             else model.active_params,
             "moe": shaped and model.is_moe,
+            "generic": not shaped,
             "sliding_window": model.sliding_window if shaped and model.windowed else None,
             "window_layers": model.window_layers if shaped and model.windowed else 0,
             "weight_bytes": r.weight_bytes,
@@ -157,7 +162,7 @@ def _b(n: float | None) -> str:
 def _step_lines(title: str, s: dict[str, Any]) -> list[str]:
     return [
         f"{title}",
-        f"  arithmetic        {s['flops'] / 1e9:.4g} GFLOP -> {_t(s['t_compute_s'])}",
+        f"  arithmetic        {_amount(s['flops'], 'FLOP')} -> {_t(s['t_compute_s'])}",
         f"  memory traffic    {_b(s['bytes'])} (weights {_b(s['weight_bytes'])}, KV read "
         f"{_b(s['kv_read_bytes'])}, KV written {_b(s['kv_write_bytes'])}, activations "
         f"{_b(s['act_bytes'])}) -> {_t(s['t_memory_s'])}",
@@ -173,9 +178,9 @@ def format_text(a: dict[str, Any]) -> str:
         f"model        {m['name']}: {m['total_params'] / 1e9:.3g}B parameters"
         + (f" ({m['active_params'] / 1e9:.3g}B active)" if m["moe"] else "")
         + f", {_b(m['weight_bytes'])} of weights at {a['dtype']}",
-        f"accelerator  {acc['name']}: {eff['peak_flops'] / 1e12:.4g} TFLOP/s "
+        f"accelerator  {acc['name']}: {_rate(eff['peak_flops'], 'FLOP')} "
         f"{a['compute_dtype']}, "
-        f"{eff['bandwidth_Bps'] / 1e12:.4g} TB/s, {_b(acc['mem_bytes'])} "
+        f"{_rate(eff['bandwidth_Bps'], 'B')}, {_b(acc['mem_bytes'])} "
         f"[{acc['source']}]",
     ]
     if m["kv_bytes_per_token"]:
@@ -196,19 +201,20 @@ def format_text(a: dict[str, Any]) -> str:
                          f"{w['prefix_len']}", a["prefill"])
     lines.append(f"  TTFT (no queueing) {_t(a['ttft_s'])}")
     lines.append("")
-    lines += _step_lines(f"decode step: batch {w['batch']} at context {w['decode_context']}",
+    lines += _step_lines(f"decode step: batch {w['batch']} at context {w['decode_context']}"
+                         + (" (a generic model: no K/V to read)" if m.get("generic") else ""),
                          a["decode"])
-    lines.append(f"  TPOT              {_t(a['tpot_s'])}; {a['decode_tokens_per_s']:.4g} "
+    lines.append(f"  TPOT              {_t(a['tpot_s'])}; {_n(a['decode_tokens_per_s'])} "
                  "output tokens/s")
     lines.append("")
     lines.append("decode throughput against batch (context as above):")
     for p in a["batch_sweep"]:
         moe = ("" if p.get("experts_touched") is None else
-               f", {p['experts_touched']:.3g} experts/layer, weights {_b(p['weight_bytes'])}"
-               f" of {_b(p['bytes'])} read")
+               f", {p['experts_touched']:.3g} experts/layer; reads {_b(p['bytes'])}, "
+               f"{_b(p['weight_bytes'])} of it weights")
         lines.append(f"  batch {p['batch']:>5}: step {_t(p['step_s']):>9}, "
-                     f"{p['tokens_per_s']:>10.4g} tok/s, {p['bound']}-bound{moe}")
-    crit = ", ".join(f"{'-' if v is None else f'{v:.4g}'} at {c}"
+                     f"{_n(p['tokens_per_s']):>10} tok/s, {p['bound']}-bound{moe}")
+    crit = ", ".join(f"{'never' if v is None else _n(v)} at {c}"
                      for c, v in a["critical_batch"].items())
     lines.append(f"critical batch (decode turns compute-bound): {crit}"
                  + ("" if m["kv_bytes_per_token"] else " (weights only)"))
@@ -238,12 +244,22 @@ def format_text(a: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _rate(v: float, unit: str) -> str:
-    """A per-second figure with a fitting prefix: ``989.4 TFLOP/s``, ``105.2 GFLOP/s``."""
+def _n(v: float) -> str:
+    """A count or rate for a table: four significant digits, thousands as ``15,310``."""
+    return f"{v:,.0f}" if v >= 1e4 else f"{v:.4g}"
+
+
+def _amount(v: float, unit: str) -> str:
+    """A figure with a fitting prefix: ``12.99 TFLOP``, ``105.2 GFLOP``."""
     for prefix, size in (("T", 1e12), ("G", 1e9), ("M", 1e6)):
         if v >= size:
-            return f"{v / size:.4g} {prefix}{unit}/s"
-    return f"{v:.4g} {unit}/s"
+            return f"{v / size:.4g} {prefix}{unit}"
+    return f"{v:.4g} {unit}"
+
+
+def _rate(v: float, unit: str) -> str:
+    """A per-second figure with a fitting prefix: ``989.4 TFLOP/s``, ``105.2 GFLOP/s``."""
+    return f"{_amount(v, unit)}/s"
 
 
 def _accelerator_lines(acc: Accelerator) -> list[str]:

@@ -22,6 +22,7 @@ from typing import Any
 
 from phasewise.engine.slo import SLO
 from phasewise.perf.costmodel import CostModel
+from phasewise.perf.explain import unstable_note
 from phasewise.perf.models import ModelShape, lookup_model
 from phasewise.perf.roofline import DTYPE_BYTES, norm_dtype
 from phasewise.perf.simulate import Deployment, EngineSpec, simulate
@@ -82,6 +83,9 @@ def cost_model(model: str, gpu: str, profile: str | None, dtype: str = "bf16"
                      "assumed efficiencies: this model's profiles here were calibrated at "
                      f"other thread counts ({', '.join(p.name for p in others)}); "
                      "--profile FILE picks one")
+        noisy = unstable_note(accel, norm_dtype(compute or dtype))
+        if noisy:
+            cm.source += f"; {noisy}"
     return cm
 
 
@@ -300,6 +304,9 @@ def run_simulate(a: argparse.Namespace, model: str,
         print(f"\n==== {label}: {rate_text} ({len(specs)} requests; the simulation took "
               f"{wall:.2f} s of wall time) ====")
         print(text_table(out))
+        doubt = doubt_line(cm)
+        if doubt:
+            print(doubt)
         sim = out["simulated"]
         if "migrated" in sim:
             print(f"replica 0 failed at {dep.fail_at:g} s: {sim['migrated']} request(s) "
@@ -325,10 +332,27 @@ def run_simulate(a: argparse.Namespace, model: str,
                             sorted(local.items())) if local else "none"
             print(f"remote prefills {sim['remote_prefills']}, local {sum(local.values())} "
                   f"({why}), "
-                  f"mean wait for the last K/V byte after the prefill: "
-                  f"{_ms(sim['mean_transfer_wait_ms'])}")
+                  f"mean K/V hand-off after the prefill: {_ms(sim['mean_transfer_wait_ms'])} "
+                  f"(the last K/V byte's wait over "
+                  f"{dep.link.key if dep.link else 'an instant link (--link names one)'}, "
+                  f"plus {dep.handoff_s * 1e3:g} ms fixed)")
         save_result(a, out, label, rate, sweep)
     return 0
+
+
+def doubt_line(cm: CostModel) -> str | None:
+    """A line to print under predicted figures where the cost model's own header warned
+    about them (an untrusted profile, or peaks measured unstable), since readers go to the
+    figures and not the header; None where it did not."""
+    fr = cm.fit_report or {}
+    if cm.knots and fr.get("unstable"):
+        why = "from a profile that is not trusted"
+    elif not cm.knots and "UNSTABLE" in cm.source:
+        why = "from peaks measured UNSTABLE"
+    else:
+        return None
+    return (f"caveat: these figures come {why}, as the cost model's lines above say; "
+            "they may be far from what this machine serves")
 
 
 def _ms(v: float | None) -> str:
@@ -387,6 +411,9 @@ def run_plan(a: argparse.Namespace, model: str,
     print(f"\nSLO: TTFT <= {slo['ttft']:g} ms and TPOT <= {slo['tpot']:g} ms for >= 90% of "
           "requests (DistServe's goodput); per accelerator: goodput / accelerators")
     print(table(cands))
+    doubt = doubt_line(cm)
+    if doubt:
+        print(doubt)
     best = cands[0]
     if best.goodput <= 0:
         print("\nno deployment meets the SLO at any rate: loosen the SLO or use a faster "

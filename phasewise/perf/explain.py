@@ -198,6 +198,21 @@ def noise_factor(accel: Accelerator, compute: str) -> float | None:
     return worst
 
 
+def unstable_note(accel: Accelerator, compute: str) -> str | None:
+    """A line for a prediction made from ``accel``'s figures where the ones it uses (the peak
+    for ``compute`` and the read bandwidth) are stored as unstable: which, why, how far off
+    they could be. None where both are stable (or not measured: a catalog entry)."""
+    factor = noise_factor(accel, compute)
+    if factor is None:
+        return None
+    unstable = (accel.measured or {}).get("unstable") or {}
+    which = "; ".join(f"{'read bandwidth' if n == 'mem_bandwidth' else f'{n} matmul'}: "
+                      f"{unstable[n]}" for n in (compute, "mem_bandwidth") if n in unstable)
+    return (f"{accel.key}'s figures were measured UNSTABLE ({which}): they could be off by "
+            f"up to x{factor:.2f}, and so could the times below and a bound within that of "
+            "the ridge; 'phasewise measure' on a quiet machine replaces them")
+
+
 def _stored(roof: Roofline) -> str:
     """How ``roof``'s weights are stored: "int8", or "int8; experts bf16"."""
     if roof.moe_dtype == roof.dtype or not getattr(roof.model, "is_moe", False):

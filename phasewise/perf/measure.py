@@ -301,11 +301,54 @@ def _progress(msg: str) -> None:
     print(f"measure: {msg}", file=sys.stderr, flush=True)
 
 
-def measure(out: Path | None = None, quick: bool = False) -> dict[str, Any]:
+def keep_stable(old: dict[str, Any], new: dict[str, Any]
+                ) -> tuple[dict[str, Any], dict[str, str]]:
+    """``new`` (a full measurement) with each figure that it measured unstable where ``old``
+    (a full entry) held it stable, or unstable and higher, put back from ``old`` with its band
+    and conditions: the figures a busy machine would otherwise overwrite. Returns the entry
+    and, for each figure put back, what this run measured and why it was unstable."""
+    m_old, m_new = old.get("measured") or {}, new.get("measured") or {}
+    old_unstable, new_unstable = m_old.get("unstable") or {}, m_new.get("unstable") or {}
+    def value(entry: dict[str, Any], n: str) -> float | None:
+        return entry["mem_bandwidth"] if n == "mem_bandwidth" else entry["peak_flops"].get(n)
+
+    # between two unstable figures the higher stays (a peak is an upper bound)
+    kept = [n for n in new_unstable if value(old, n) is not None
+            and (n not in old_unstable or value(old, n) > value(new, n))]
+    if not kept:
+        return new, {}
+    why = {n: (f"{new['mem_bandwidth'] / 1e9:.1f} GB/s" if n == "mem_bandwidth" else
+               f"{new['peak_flops'][n] / 1e9:.1f} GFLOP/s") + f", {new_unstable[n]}"
+           for n in kept}
+    peaks, bandwidth = dict(new["peak_flops"]), new["mem_bandwidth"]
+    measured = {**m_new, "unstable": {**{n: w for n, w in new_unstable.items() if n not in kept},
+                                      **{n: old_unstable[n] for n in kept if n in old_unstable}}}
+    old_conditions = m_old.get("figure_conditions") or {}
+    for field in ("spread", "runs", "figure_conditions"):
+        measured[field] = dict(m_new.get(field) or {})
+    for n in kept:
+        if n == "mem_bandwidth":
+            bandwidth = old["mem_bandwidth"]
+        else:
+            peaks[n] = old["peak_flops"][n]
+        for field in ("spread", "runs"):
+            measured[field][n] = (m_old.get(field) or {}).get(n)
+        measured["figure_conditions"][n] = old_conditions.get(n, m_old.get("conditions"))
+    what = ", ".join("read bandwidth" if n == "mem_bandwidth" else f"{n} matmul" for n in kept)
+    source = (f"{new['source']}; {what} kept from an earlier full run "
+              f"({str(old.get('source', 'undated')).split('; ')[0]})")
+    return {**new, "peak_flops": peaks, "mem_bandwidth": bandwidth, "measured": measured,
+            "source": source}, why
+
+
+def measure(out: Path | None = None, quick: bool = False,
+            replace: bool = False) -> dict[str, Any]:
     """Measure this machine (``cpu-local``, and ``gpu-local`` with a GPU) and store it in the
     machine file. A quick measurement never replaces a full one: it is reported, and the
     file keeps the full entry (``phasewise generate`` reads the file, and a quick run's noise
-    could flip its verdict on the bound). Returns the new measurements."""
+    could flip its verdict on the bound). Nor, unless ``replace``, does a figure a full run
+    measured unstable replace the stable one of an earlier full run (``keep_stable``).
+    Returns the entries as stored."""
     import torch
 
     progress = _progress
@@ -323,6 +366,18 @@ def measure(out: Path | None = None, quick: bool = False) -> dict[str, Any]:
                  f"({existing[key].get('source', 'undated')}); a quick one never replaces it "
                  "(run 'phasewise measure' without --quick for a new full one)")
     new = {k: v for k, v in result.items() if k not in kept}
+    for key in list(new):
+        if replace or quick or not (_complete(existing.get(key)) and is_full(existing[key])):
+            continue
+        new[key], figures = keep_stable(existing[key], new[key])
+        result[key] = new[key]
+        for name, why in figures.items():
+            label = "read bandwidth" if name == "mem_bandwidth" else f"{name} matmul"
+            was = ("higher unstable" if name in (existing[key].get("measured") or {}).get(
+                "unstable", {}) else "stable")
+            progress(f"{key}: kept the {was} {label} of the earlier full measurement; this "
+                     f"run's was unstable ({why}); 'phasewise measure --replace' stores it "
+                     "anyway")
     if new:
         existing.update(new)
         write_text_atomic(path, json.dumps(existing, indent=1))

@@ -146,6 +146,7 @@ def verdict(c: Candidate, slo: dict[str, float]) -> str:
     busy = ", ".join(f"{role} {sum(u) / len(u):.0%} busy" for role, u in roles.items())
     rate = a["request_rate"]
     misses = f"{len(late)} of {n} miss TTFT, {tpot_miss} miss TPOT"
+    missed = f"(missed at {rate:.3g} req/s)"
     if not late and not tpot_miss:
         why = (f"meets the SLO at {rate:.3g} req/s too, above the rate the search settled on "
                "(attainment is not monotonic in the rate at this number of requests)")
@@ -161,14 +162,13 @@ def verdict(c: Candidate, slo: dict[str, float]) -> str:
         busiest = max(roles, key=lambda r: sum(roles[r]) / len(roles[r]))
         saturated = sum(roles[busiest]) / len(roles[busiest]) >= SATURATED
         if busiest == "decode" and (q >= p or saturated):
-            why = (f"decode-bound at {rate:.3g} req/s: the late prompts waited {q * 1e3:.0f} "
-                   f"ms for their first step behind the busy decode workers, then took "
-                   f"{p * 1e3:.0f} ms")
+            why = (f"decode-bound {missed}: the late prompts waited {q * 1e3:.0f} ms for their "
+                   f"first step behind the busy decode workers, then took {p * 1e3:.0f} ms")
         elif q >= p:
-            why = (f"prefill-bound at {rate:.3g} req/s: the late prompts waited {q * 1e3:.0f} "
-                   f"ms for their first step, then took {p * 1e3:.0f} ms")
+            why = (f"prefill-bound {missed}: the late prompts waited {q * 1e3:.0f} ms for their "
+                   f"first step, then took {p * 1e3:.0f} ms")
         else:
-            why = (f"prefill-bound at {rate:.3g} req/s: the late prompts' own prefill took "
+            why = (f"prefill-bound {missed}: the late prompts' own prefill took "
                    f"{p * 1e3:.0f} ms (after {q * 1e3:.0f} ms of waiting) against a TTFT "
                    f"SLO of {ttft_ms:g} ms")
     else:
@@ -177,7 +177,7 @@ def verdict(c: Candidate, slo: dict[str, float]) -> str:
             for k, v in w["steps"].items():
                 mix[k] = mix.get(k, 0) + v
         steps = sum(mix.values()) or 1
-        why = (f"decode-bound at {rate:.3g} req/s: TPOT p90 {a['p90_tpot_ms']:.1f} ms against "
+        why = (f"decode-bound {missed}: TPOT p90 {a['p90_tpot_ms']:.1f} ms against "
                f"{tpot_ms:g} ms; {mix.get('mixed', 0) / steps:.0%} of steps carry prompt "
                "chunks")
     why += f" ({busy}; {misses})"
@@ -301,7 +301,7 @@ def admission_table(rows: Sequence[dict[str, Any]]) -> str:
 
 def table(cands: Sequence[Candidate]) -> str:
     lines = [f"{'rank':>4}  {'deployment':<44} {'accel':>5} {'goodput':>9} {'per accel':>9}  "
-             "verdict"]
+             "verdict: what limits it, at the lowest rate tried that missed the SLO"]
     for i, c in enumerate(cands, 1):
         lines.append(f"{i:>4}  {c.label():<44} {c.accelerators:>5} {c.goodput:>9.3f} "
                      f"{c.per_accelerator:>9.3f}  {c.verdict}")

@@ -157,7 +157,7 @@ class Deployment:
             routing = "" if self.routing == "least-load" else f", {self.routing} routing"
             return f"co-located x{self.replicas}" + routing + fail + self._admits()
         return (f"P/D {self.prefill}P:{self.decode}D, threshold {self.threshold}"
-                + (f", {self.link.key}" if self.link else "") + self._admits())
+                + f", K/V link {self.link.key if self.link else 'instant'}" + self._admits())
 
     def _admits(self) -> str:
         a = self.admission

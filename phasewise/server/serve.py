@@ -25,10 +25,11 @@ log = logging.getLogger("phasewise.server")
 _BACKSTOP_S = 10.0
 
 
-def check_port(host: str, port: int) -> None:
-    """Fail now, before minutes of loading, if ``host:port`` cannot be bound."""
+def check_port(host: str, port: int, flag: str = "--port") -> None:
+    """Fail now, before minutes of loading, if ``host:port`` cannot be bound (``flag``: the
+    option that chose the port, which the error names)."""
     if not 0 < port < 65536:
-        raise ValueError(f"--port must be in 1..65535, got {port}")
+        raise ValueError(f"{flag} must be in 1..65535, got {port}")
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except socket.gaierror as e:
@@ -41,9 +42,9 @@ def check_port(host: str, port: int) -> None:
         except OSError as e:
             if e.errno == errno.EADDRINUSE:
                 raise ValueError(f"port {port} on {host} is already in use; choose another "
-                                 f"with --port (or stop what is listening there)") from e
+                                 f"with {flag} (or stop what is listening there)") from e
             raise ValueError(f"cannot listen on {host}:{port}: {e.strerror}; change --host "
-                             "or --port") from e
+                             f"or {flag}") from e
 
 
 def run(server: OpenAIServer, *, host: str = "127.0.0.1", port: int = 8000,

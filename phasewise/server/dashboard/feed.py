@@ -240,6 +240,9 @@ class DashboardFeed:
         base_host = _median(self._decode_host) if self._decode_host else None
         host_share = (None if host is None or base_host is None or excess <= 0
                       else max(host - base_host, 0.0) / excess)
+        # each chunk's prompt: from the step (the request may not have output anything yet),
+        # else from its trace
+        prompts = dict(zip((rid for rid, _ in step.prefill_chunks), step.prefill_prompt_tokens))
         intruders = sorted(step.prefill_chunks, key=lambda c: -c[1]) if explained else []
         self._num_stalls += 1
         self._stalls.append({
@@ -252,8 +255,9 @@ class DashboardFeed:
             "chunks": [{"id": rid, "tokens": n} for rid, n in step.prefill_chunks
                        ][:MAX_VICTIM_IDS] if not explained else [],
             "intruders": [{"id": rid, "tokens": n,
-                           "prompt_tokens": (self._active[rid].prompt_tokens or None
-                                             if rid in self._active else None)}
+                           "prompt_tokens": prompts.get(rid) or (
+                               self._active[rid].prompt_tokens or None
+                               if rid in self._active else None)}
                           for rid, n in intruders],
             "num_victims": len(victims), "victims": victims[:MAX_VICTIM_IDS]})
 
