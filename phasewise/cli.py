@@ -847,7 +847,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="require 'Authorization: Bearer KEY' on the router's and workers' "
                          "/v1/*, /tokenize and /detokenize, and a login for /dashboard")
     pd.add_argument("--pin", action="store_true",
-                    help="decode worker on core 0, prefill worker on core 1, one thread each")
+                    help="decode worker on the first core this process may use, prefill "
+                    "worker on the second, one thread each")
     pd.add_argument("--dtype", default=None, choices=DTYPE_CHOICES,
                     help="both workers' dtype (default: serve's, auto)")
     pd.add_argument("--max-model-len", type=int, default=None,

@@ -642,3 +642,17 @@ def test_server_urls_take_host_port_alone_and_refuse_other_schemes(capsys):
         assert e.value.code == 2
         err = capsys.readouterr().err
         assert "http://127.0.0.1:8000" in err and ("ftp://x:1" in err or "':8001'" in err)
+
+
+def test_pd_pin_places_the_workers_on_the_cores_this_process_may_use(monkeypatch):
+    """Under ``taskset -c 4,6 phasewise pd --pin`` the workers took cores 0 and 1, outside
+    the set the user gave."""
+    from phasewise.launch import pd as pd_launch
+
+    monkeypatch.setattr(pd_launch.os, "sched_getaffinity", lambda pid: {6, 4})
+    cmds = pd_launch.Launcher(pd_launch.PDConfig(model="m", pin=True)).commands("secret")
+    assert cmds["decode"][:3] == ["taskset", "-c", "4"]
+    assert cmds["prefill"][:3] == ["taskset", "-c", "6"]
+    monkeypatch.setattr(pd_launch.os, "sched_getaffinity", lambda pid: {3})
+    cmds = pd_launch.Launcher(pd_launch.PDConfig(model="m", pin=True)).commands("secret")
+    assert cmds["decode"][:3] == cmds["prefill"][:3] == ["taskset", "-c", "3"]

@@ -88,6 +88,23 @@ def test_a_line_with_a_token_or_figure_no_worker_sends_is_refused(line):
     assert ok.token_ids == [5]  # a -inf logprob (a token the filters ruled out) is one
 
 
+def test_text_a_workers_tokens_could_not_decode_to_is_refused():
+    """A foreign worker's 15 MB text deltas grew a 40-token reply to 555 MB in the router,
+    and a lone surrogate became a 500: both are an unusable line now, and text as long as
+    the tokens' entries allow still passes."""
+    asm = OutputAssembler(["g"], [[1, 2]], [None], arrival_time=0.0, vocab_size=512,
+                          max_token_chars=10)
+    with pytest.raises(RelayError, match="lone|surrogate|UnicodeEncodeError"):
+        asm.feed(json.dumps({"i": 0, "text": "\ud800", "ids": [5], "lp": None}))
+    ok = asm.feed(json.dumps({"i": 0, "text": "é" * (11 * 2 + 64), "ids": [5, 6],
+                              "lp": None}))
+    assert len(ok.text) == 86
+    with pytest.raises(RelayError, match="more than their 97 could decode to"):
+        asm.feed(json.dumps({"i": 0, "text": "x" * 12, "ids": [7], "lp": None}))
+    free = OutputAssembler(["g"], [[1]], [None], arrival_time=0.0)  # no bound given
+    assert free.feed(json.dumps({"i": 0, "text": "x" * 5000, "ids": [5], "lp": None}))
+
+
 def test_a_relay_numbers_its_own_specs_and_the_assembler_maps_them():
     """A migration resends only a group's unfinished requests: the relay's spec 0 is the
     group's request 1."""

@@ -317,6 +317,7 @@ class Router(Fleet):
         self.migrations_failed = 0  # streams that needed a move and could not get one
         self._background: set[asyncio.Task] = set()
         self.tokenizer = Tokenizer(self.model_dir)
+        self.tokenizer.max_token_chars  # noqa: B018  (read once here, not on a request)
         self.info: BackendInfo = None  # type: ignore[assignment]  # set by connect()
         self._defaults: dict[str, Any] = {}
         self._observers: list[EngineObserver] = []
@@ -428,7 +429,8 @@ class Router(Fleet):
                              f"{choice.expected_hit}/{choice.blocks}blocks")
             assembler = OutputAssembler(ids, [s.token_ids for s in specs],
                                         [s.prompt for s in specs], arrival,
-                                        vocab_size=self.info.vocab_size)
+                                        vocab_size=self.info.vocab_size,
+                                        max_token_chars=self.tokenizer.max_token_chars)
             assembler.admitted()
             stream = _Stream(request_id, list(specs), hashes, relay, abort_key=abort_key)
             task = asyncio.ensure_future(self._run(group, assembler, stream))

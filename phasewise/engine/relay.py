@@ -137,6 +137,11 @@ def _plain_timing(timing: Any) -> bool:
         for k, v in timing.items())
 
 
+# Characters a request's text may hold beyond its tokens' entries: a character the prompt's
+# last token began and the first output token completes.
+TEXT_SLACK = 64
+
+
 class RelayError(Exception):
     """A line the router cannot use (a bug or a foreign peer): the request fails."""
 
@@ -147,8 +152,12 @@ class OutputAssembler:
     def __init__(self, request_ids: list[str], prompts: list[list[int]],
                  texts: list[str | None], arrival_time: float,
                  clock: Callable[[], float] = time.monotonic,
-                 vocab_size: int = 2**31) -> None:
+                 vocab_size: int = 2**31, max_token_chars: int | None = None) -> None:
         self.vocab_size = vocab_size  # a token id past it is a foreign worker's line
+        # A token's text is at most its vocabulary entry's characters (and a space a decoder
+        # may put before it): a request's text longer than that over its tokens is a foreign
+        # worker's, which would otherwise grow the router's memory without bound.
+        self.max_token_chars = max_token_chars
         self.request_ids = request_ids
         self.prompts = prompts
         self.texts = texts
@@ -183,6 +192,15 @@ class OutputAssembler:
                     and isinstance(delta_ids, list)
                     and all(is_count(t, vocab - 1) for t in delta_ids)):
                 raise RelayError(f"malformed output line: {str(raw)[:200]}")
+            if not delta_text.isascii():
+                delta_text.encode()  # a lone surrogate: no UTF-8 a client could be sent
+            if self.max_token_chars is not None:
+                most = ((self.max_token_chars + 1) * (len(self.ids[i]) + len(delta_ids))
+                        + TEXT_SLACK)
+                if len(self.text[i]) + len(delta_text) > most:
+                    raise RelayError(f"{len(self.text[i]) + len(delta_text)} characters of "
+                                     f"text for {len(self.ids[i]) + len(delta_ids)} tokens, "
+                                     f"more than their {most} could decode to")
             entries = None if lps is None else _parse_entries(lps, vocab)
             plp = _parse_entries(line["plp"], vocab) if "plp" in line else None
             timing = line.get("timing") if "fin" in line else None

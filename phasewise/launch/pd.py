@@ -105,10 +105,11 @@ class Launcher:
                        "--decode", f"http://{c.host}:{dport}",
                        "--prefill", f"http://{c.host}:{pport}"],
         }
-        if c.pin:
-            cmds["decode"] = ["taskset", "-c", "0", *cmds["decode"]]
-            cmds["prefill"] = ["taskset", "-c", str(1 % (os.cpu_count() or 1)),
-                               *cmds["prefill"]]
+        if c.pin:  # on the cores this process may use (taskset, a cgroup), not the machine's
+            cores = (sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                     else list(range(os.cpu_count() or 1)))
+            cmds["decode"] = ["taskset", "-c", str(cores[0]), *cmds["decode"]]
+            cmds["prefill"] = ["taskset", "-c", str(cores[1 % len(cores)]), *cmds["prefill"]]
         return cmds
 
     def _start(self, role: str, cmd: list[str]) -> subprocess.Popen:
