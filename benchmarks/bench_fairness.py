@@ -14,15 +14,26 @@ the fewest seats first, and a request past half of them gives one up) it waits a
 two. The hog's own time is the cost side of that: one of its sequences recomputes its prompt
 and tokens after giving up its seat.
 
+With ``--unread K`` the hog is instead K streamed requests (``--n`` samples each, 20
+logprobs a token) whose client never reads a byte: the newcomer's TTFT is timed beside them,
+then its largest gap between tokens while they close their connections at once. A request
+whose reader stopped reading is parked (``RequestGroup``): its seats go to the newcomer.
+
+``--server-pythonpath DIR`` runs the server from another checkout (a ``git worktree`` of an
+older commit), so that a before/after pair runs in one invocation on one machine state.
+
     python -m benchmarks.bench_fairness [--model DIR] [--rounds 3] [--prompts 16] [--n 16]
-                                        [--max-tokens 200] [--after 2]
+                                        [--max-tokens 200] [--after 2] [--unread K]
+                                        [--server-pythonpath DIR]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import socket
 import statistics
+import struct
 import sys
 import threading
 import time
@@ -70,6 +81,51 @@ def one_round(url: str, a: argparse.Namespace) -> dict[str, float]:
             "hog_wall_s": hog["wall_s"]}
 
 
+def unread_round(url: str, a: argparse.Namespace) -> dict[str, float]:
+    """K streams nobody reads: the newcomer's TTFT beside them, then its largest gap between
+    tokens while they all close."""
+    alone = newcomer_ttft(url)
+    host, port = url.removeprefix("http://").split(":")
+    socks = []
+    for i in range(a.unread):
+        body = json.dumps({"prompt": f"def a{i}():", "n": a.n, "max_tokens": a.max_tokens,
+                           "logprobs": 20, "ignore_eos": True, "stream": True}).encode()
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # full at once
+        s.connect((host, int(port)))
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                  b"application/json\r\nContent-Length: " + str(len(body)).encode()
+                  + b"\r\n\r\n" + body)
+        socks.append(s)
+    try:
+        time.sleep(a.after)
+        beside = newcomer_ttft(url)
+        gaps: list[float] = []
+
+        def stream() -> None:
+            body = {"prompt": "import os", "max_tokens": 64, "temperature": 0,
+                    "ignore_eos": True, "stream": True}
+            last = None
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=600) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        now = time.monotonic()
+                        if last is not None:
+                            gaps.append(now - last)
+                        last = now
+
+        th = threading.Thread(target=stream)
+        th.start()
+        time.sleep(0.5)
+    finally:
+        for s in socks:  # a reset, as a client that gives up
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            s.close()
+    th.join()
+    return {"alone_s": alone, "beside_hog_s": beside, "ratio": beside / alone,
+            "max_gap_at_close_s": max(gaps) if gaps else float("nan")}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="checkpoint folder (default: the bundled one)")
@@ -79,6 +135,10 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=200, help="each hog sequence's tokens")
     p.add_argument("--after", type=float, default=2.0,
                    help="seconds into the hog at which the newcomer is sent")
+    p.add_argument("--unread", type=int, default=0, metavar="K",
+                   help="the hog: K streams of --n samples nobody reads (see above)")
+    p.add_argument("--server-pythonpath", default=None, metavar="DIR",
+                   help="run the server from this checkout (before/after in one run)")
     a = p.parse_args()
     m = machine_info()
     print(machine_line(m))
@@ -86,11 +146,25 @@ def main() -> int:
     out_dir = HERE / "results" / "fairness"
     out_dir.mkdir(parents=True, exist_ok=True)
     server = start_server(Path(a.model) if a.model else None, out_dir / "serve.log",
-                          "--log-level", "warning", "--no-access-log")
+                          "--log-level", "warning", "--no-access-log",
+                          env={"PYTHONPATH": a.server_pythonpath}
+                          if a.server_pythonpath else None)
+    if a.server_pythonpath:
+        print(f"server from {a.server_pythonpath}")
     rows = []
     try:
         newcomer_ttft(server.url)  # warm-up: one-time costs out of the first round
         for k in range(a.rounds):
+            if a.unread:
+                log(f"round {k + 1}/{a.rounds}: {a.unread} unread streams of n={a.n} x "
+                    f"{a.max_tokens} tokens")
+                row = unread_round(server.url, a)
+                rows.append(row)
+                print(f"round {k + 1}: newcomer TTFT alone {row['alone_s'] * 1e3:.0f} ms, "
+                      f"beside {a.unread} unread streams {row['beside_hog_s'] * 1e3:.0f} ms "
+                      f"(x{row['ratio']:.1f}); largest gap while they closed "
+                      f"{row['max_gap_at_close_s'] * 1e3:.0f} ms", flush=True)
+                continue
             log(f"round {k + 1}/{a.rounds}: a hog of {a.prompts} x n={a.n} x "
                 f"{a.max_tokens} tokens")
             row = one_round(server.url, a)
@@ -102,9 +176,10 @@ def main() -> int:
     finally:
         server.stop()
     med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+    last = (f"largest gap at close {med['max_gap_at_close_s'] * 1e3:.0f} ms" if a.unread
+            else f"hog {med['hog_wall_s']:.1f} s")
     print(f"median over {len(rows)} rounds: newcomer TTFT alone {med['alone_s'] * 1e3:.0f} ms, "
-          f"beside the hog {med['beside_hog_s'] * 1e3:.0f} ms (x{med['ratio']:.1f}); hog "
-          f"{med['hog_wall_s']:.1f} s")
+          f"beside the hog {med['beside_hog_s'] * 1e3:.0f} ms (x{med['ratio']:.1f}); {last}")
     (out_dir / "fairness.json").write_text(json.dumps(
         {"machine": m, "args": vars(a), "rounds": rows, "median": med}, indent=1))
     return 0

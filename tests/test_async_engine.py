@@ -304,3 +304,35 @@ def test_a_reader_that_falls_behind_finds_a_bounded_number_of_outputs():
             await group.__anext__()
 
     asyncio.run(run())
+
+
+def test_a_group_nobody_reads_is_parked_and_gives_its_seats_to_one_that_is_read(llama_dir):
+    """Eight n=16 streams nobody read held every seat of a server for a minute, and another
+    client's request waited 77 s for its first token. A request whose outputs start to merge
+    (its reader is MERGE_AFTER behind) is parked: it runs no tokens and gives up its seat to
+    a waiting request; once its reader has taken everything, it runs on to the same output
+    an unbroken run gives."""
+    engine = LLMEngine(EngineConfig(model=str(llama_dir), max_num_seqs=4))
+    ae = AsyncEngine(engine)
+    long = SamplingParams(temperature=0, max_tokens=120, ignore_eos=True)
+    want = LLM(str(llama_dir)).generate([[3, 17, 42, 9]], long)[0].token_ids
+
+    async def main():
+        ae.start()
+        try:
+            hog = await ae.add([PromptSpec([3, 17, 42, 9], long)] * 4, "hog")  # every seat
+            while not hog._parked:  # (nobody reads it)
+                await asyncio.sleep(0.01)
+            victim = await ae.add([PromptSpec([8, 8, 100], GREEDY)], "victim")
+            got = await collect(victim)
+            assert len(got[0].token_ids) == GREEDY.max_tokens
+            behind = [len(r.output_token_ids) for r in engine.requests.values()
+                      if r.request_id.startswith("hog")]
+            assert behind and max(behind) < long.max_tokens  # served while the hog stood
+            outs = await collect(hog)  # now read: it runs on to its end
+            assert all(outs[i].token_ids == want for i in range(4))
+            assert not hog._parked
+        finally:
+            await asyncio.to_thread(ae.shutdown)
+
+    asyncio.run(main())

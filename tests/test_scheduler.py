@@ -399,3 +399,52 @@ def test_a_group_at_half_the_seats_or_less_keeps_them():
     s.add_request(_grouped("new", None, first=5000))
     for _ in range(3):
         assert not step(s).preempted  # no group holds more than half: it waits its turn
+
+
+# -- parked requests (a reader that stopped reading: RequestGroup parks them) ----------------
+
+def test_a_parked_request_runs_nothing_until_released_and_never_trips_the_safety_net():
+    s = make(budget=16, seqs=4)
+    for rid, first in (("a", 1000), ("b", 2000)):
+        s.add_request(req(rid, 4, max_tokens=20, first=first))
+    step(s)
+    a, b = s.running
+    a.parked = True
+    for _ in range(3):
+        assert plan(step(s)) == [("b", 1)]
+    b.parked = True  # everything parked: an empty step, no preemption
+    batch = step(s)
+    assert batch.requests == [] and batch.preempted == [] and len(s.running) == 2
+    a.parked = b.parked = False
+    assert sorted(plan(step(s))) == [("a", 1), ("b", 1)]
+
+
+def test_a_parked_request_gives_its_seat_and_its_blocks_to_a_waiting_one():
+    """Seats: two parked requests hold every seat; a newcomer takes the latest one's, and
+    the parked one waits, never readmitted while parked. Blocks: requests that fill the
+    pool while parked give them up to a newcomer that needs them."""
+    s = make(budget=16, seqs=2)
+    s.add_request(req("a", 4, max_tokens=20))
+    s.add_request(req("b", 4, max_tokens=20, first=2000))
+    step(s)
+    for r in s.running:
+        r.parked = True
+    s.add_request(req("c", 4, max_tokens=2, first=3000))
+    preempted = step(s).preempted
+    assert [r.request_id for r in preempted] == ["b"]
+    assert plan(step(s)) == [("c", 4)]  # b stays waiting, parked
+    while any(r.request_id == "c" for r in s.running):
+        assert all(r.request_id != "b" for r in step(s).requests)
+    s.waiting[0].parked = False
+    step(s)
+    assert any(r.request_id == "b" for r in s.running)
+
+    s = make(budget=32, seqs=8, blocks=8, block_size=4, max_len=32, prefix=False)
+    s.add_request(req("a", 12, max_tokens=20))
+    s.add_request(req("b", 12, max_tokens=20, first=2000))
+    step(s)
+    for r in s.running:
+        r.parked = True
+    s.add_request(req("c", 12, max_tokens=2, first=3000))  # needs blocks the parked hold
+    batch = step(s)
+    assert [r.request_id for r in batch.preempted] == ["b"] and ("c", 12) in plan(batch)

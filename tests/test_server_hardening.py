@@ -509,3 +509,55 @@ def test_nan_and_infinity_are_refused_as_not_finite_not_as_past_a_bound():
             CompletionRequest(prompt="x", temperature=value)
         (err,) = e.value.errors()
         assert err["type"] == "finite_number" and err["loc"] == ("temperature",)
+
+
+def test_a_lagging_readers_merged_output_renders_off_the_event_loop():
+    """A reader that stops reading gets its outputs merged; one merge of many tokens with
+    logprobs took 1.5 s to render on the event loop, every other stream waiting. A step's
+    usual chunk renders on the loop; a chunk of OFF_LOOP_ENTRIES or more does not."""
+    from phasewise.engine.outputs import RequestOutput
+    from phasewise.engine.request import RequestMetrics
+    from phasewise.server import sse
+
+    def output(tokens: int, finished: bool) -> RequestOutput:
+        ids = [5] * tokens
+        lps = [{5: -0.1, **{t: -2.0 for t in range(6, 25)}}] * tokens  # 20 logprobs each
+        return RequestOutput("r-0", None, [1, 2], "x" * tokens, ids, "x" * tokens, ids,
+                             finished, "length" if finished else None, None, lps,
+                             RequestMetrics(0.0))
+
+    small, merged = output(1, False), output(200, True)
+    assert sse.render_cost(small) < sse.OFF_LOOP_ENTRIES <= sse.render_cost(merged)
+
+    class Group:
+        def __init__(self):
+            self.items = [(0, small), (0, merged)]
+
+        def __aiter__(self):
+            return self
+
+        async def __anext__(self):
+            if not self.items:
+                raise StopAsyncIteration
+            return self.items.pop(0)
+
+        def close(self):
+            pass
+
+    rendered: list[tuple[int, str]] = []
+
+    def render(idx, out):
+        rendered.append((len(out.delta_token_ids), threading.current_thread().name))
+        return [({"index": idx, "text": out.delta_text}, False)]
+
+    async def run():
+        loop_thread = threading.current_thread().name
+        response = sse.stream_group(group=Group(), rid="r", obj="text_completion", model="m",
+                                    prompt_lens=[2], prompt_tokens=2, include_usage=False,
+                                    continuous_usage=False, render=render)
+        lines = [line async for line in response.body_iterator]
+        return loop_thread, lines
+
+    loop_thread, lines = asyncio.run(run())
+    assert [n for n, _ in rendered] == [1, 200] and lines[-1].strip() == b"data: [DONE]"
+    assert rendered[0][1] == loop_thread and rendered[1][1] != loop_thread

@@ -40,7 +40,7 @@ from phasewise.engine.backend import (BackendInfo, EngineError, EngineObserver,
                                       request_error)
 from phasewise.engine.commands import (AbortAll, AbortRequests, AddRequests, Command,
                                        FailRemotePrefill, FinishRemotePrefill, LoadRemoteKV,
-                                       Stop, Verdict)
+                                       ParkRequests, Stop, Verdict)
 from phasewise.engine.request import RemoteTiming, Request, RequestStatus
 from phasewise.engine.sampling_params import SamplingParams
 from phasewise.engine.structured import compile_thread
@@ -207,7 +207,7 @@ class AsyncEngine:
         for rid in ids:
             if rid in self._groups:
                 raise ValueError(f"request id {rid!r} is already in use")
-        group = RequestGroup(ids, self.abort, self._groups_closed)
+        group = RequestGroup(ids, self.abort, self._groups_closed, park=self.park)
         # Outputs reach it only once the engine has admitted it (_resolve): those still on
         # their way for a request of the same id that was aborted just before (a router
         # moving a stream back here) would otherwise land in this group.
@@ -262,6 +262,12 @@ class AsyncEngine:
             self._commands.put(AbortRequests(tuple(request_ids)))
             for listener in self._abort_listeners:
                 listener(request_ids)
+
+    def park(self, request_ids: Sequence[str], parked: bool) -> None:
+        """Hold or release requests whose reader stopped reading (any thread;
+        ``LLMEngine.park``): a group calls it as its reader falls behind and catches up."""
+        if request_ids:
+            self._commands.put(ParkRequests(tuple(request_ids), parked))
 
     def add_abort_listener(self, listener: Callable[[Sequence[str]], None]) -> None:
         self._abort_listeners.append(listener)
@@ -375,6 +381,8 @@ class AsyncEngine:
                     self._handle_add(cmd)
                 elif isinstance(cmd, AbortRequests):
                     finished += self._abort(cmd.request_ids)
+                elif isinstance(cmd, ParkRequests):
+                    engine.park(cmd.request_ids, cmd.parked)
                 elif isinstance(cmd, (LoadRemoteKV, FinishRemotePrefill, FailRemotePrefill)):
                     out = self._handle_remote(cmd)
                     if out is not None:

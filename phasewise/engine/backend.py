@@ -222,15 +222,22 @@ class RequestGroup:
     never across a notice. Each output holds everything so far, so a queue of them would
     grow with the square of the output's length while its stream stands still; a reader a
     few steps behind still gets one output per step (a stream, one chunk per token).
+
+    A request whose outputs begin to merge is parked (``park(ids, True)``, where the backend
+    gives ``park``): it runs no more tokens, and gives its seat to a waiting request that
+    needs one, until its reader has taken every output of it (``park(ids, False)``).
     """
 
     MERGE_AFTER = 16  # outputs of one request waiting before later ones merge
 
     def __init__(self, request_ids: list[str], abort: Callable[[list[str]], None],
-                 on_close: Callable[[list[str]], None]) -> None:
+                 on_close: Callable[[list[str]], None],
+                 park: Callable[[list[str], bool], None] | None = None) -> None:
         self.request_ids = request_ids
         self._abort = abort
         self._on_close = on_close
+        self._park = park
+        self._parked: set[str] = set()
         self._index = {rid: i for i, rid in enumerate(request_ids)}
         # Per request with PromptSpec.remote: the prompt tokens the decode engine already
         # holds (the prefill worker sends K/V from there), or None: it prefills here.
@@ -252,6 +259,9 @@ class RequestGroup:
         slot = self._waiting.get(rid)
         if slot is not None and self._queued.get(rid, 0) >= self.MERGE_AFTER:
             slot.out = merge_outputs(slot.out, item)
+            if self._park is not None and rid not in self._parked and not item.finished:
+                self._parked.add(rid)
+                self._park([rid], True)
             return
         self._waiting[rid] = slot = _Slot(item)
         self._queued[rid] = self._queued.get(rid, 0) + 1
@@ -282,6 +292,10 @@ class RequestGroup:
             self._queued[rid] = n
         else:
             self._queued.pop(rid, None)
+            if rid in self._parked:  # its reader has caught up: it may run again
+                self._parked.discard(rid)
+                if not item.finished and self._park is not None:
+                    self._park([rid], False)
         if item.finished:
             self._open.discard(item.request_id)
         return self._index[item.request_id], item

@@ -60,6 +60,15 @@ class AbortRequests:
 
 
 @dataclass(frozen=True)
+class ParkRequests:
+    """Hold (``parked``) or release requests whose reader stopped taking their outputs
+    (``LLMEngine.park``)."""
+
+    request_ids: tuple[str, ...]
+    parked: bool
+
+
+@dataclass(frozen=True)
 class AbortAll:
     """End every request now; their streams get ``EngineStopped(reason)``."""
 
@@ -74,7 +83,7 @@ class Stop:
 
 
 Command = (AddRequests | AbortRequests | AbortAll | Stop | LoadRemoteKV | FinishRemotePrefill
-           | FailRemotePrefill)
+           | FailRemotePrefill | ParkRequests)
 
 
 @dataclass(frozen=True)

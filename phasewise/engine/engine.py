@@ -329,6 +329,15 @@ class LLMEngine:
         self._forget(req)
         return req
 
+    def park(self, request_ids: Sequence[str], parked: bool) -> None:
+        """Hold (``parked``) or release these requests: a parked request runs no tokens
+        and gives up its seat to a waiting request that needs one (``Request.parked``).
+        Unknown or finished ids are ignored."""
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is not None and not req.finished:
+                req.parked = parked
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 

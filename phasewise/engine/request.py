@@ -129,6 +129,10 @@ class Request:
         # a key no request id equals; None: its own. The scheduler shares seats fairly
         # between groups.
         self.group: Hashable | None = None
+        # Its reader has stopped taking its outputs (a client that does not read its
+        # stream): the scheduler runs none of its tokens, and gives its seat to a waiting
+        # request that needs one, until the reader catches up (LLMEngine.park).
+        self.parked = False
         # Structured output: its place in its grammar (a structured.Matcher, set by the
         # engine), advanced by each token it is given.
         self.grammar: Any = None

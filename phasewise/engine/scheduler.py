@@ -268,8 +268,13 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     def _pick_victim(self, asking: Request, scheduled: set[str]) -> Request | None:
-        """Latest-admitted running request not yet scheduled this step, if it ranks below
-        ``asking``; None means ``asking`` itself is the lowest-priority candidate."""
+        """A parked request (its reader takes nothing), else the latest-admitted running
+        request not yet scheduled this step, if it ranks below ``asking``; None means
+        ``asking`` itself is the lowest-priority candidate."""
+        parked = next((r for r in reversed(self.running) if r.parked and r is not asking),
+                      None)
+        if parked is not None:
+            return parked
         for cand in reversed(self.running):
             if cand is asking:
                 return None
@@ -279,10 +284,11 @@ class Scheduler:
 
     def _schedule(self, admit: bool) -> ScheduledBatch:
         batch = self._schedule_once(admit)
-        if not batch.requests and not batch.preempted and self.running:
+        runnable = [r for r in self.running if not r.parked]
+        if not batch.requests and not batch.preempted and runnable:
             # Safety net: nothing could run although requests hold blocks (running prompts
             # filled the pool). Preempt the lowest-priority one so the others move on.
-            victim = self.running[-1]
+            victim = runnable[-1]
             self._preempt(victim)
             batch = self._schedule_once(admit=False)
             batch.preempted.insert(0, victim)
@@ -299,13 +305,15 @@ class Scheduler:
             hog = self._make_room(seats)
             if hog is not None:
                 batch.preempted.append(hog)
-        decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
-        chunks = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        # a parked request's reader takes nothing: its tokens wait until it reads again
+        active = [r for r in self.running if not r.parked]
+        decodes = [r for r in active if r.num_tokens - r.num_computed_tokens == 1]
+        chunks = [r for r in active if r.num_tokens - r.num_computed_tokens > 1]
         picked: list[tuple[Request, int]] = []
         # Speculative drafts get only what is left once every decode has its token and the
         # prompts their chunks: they never take budget or blocks from another request.
         drafts = {}
-        for r in self.running:
+        for r in active:
             if r.spec_token_ids:
                 drafts[r.request_id] = r.spec_token_ids
                 r.spec_token_ids = []
@@ -339,9 +347,20 @@ class Scheduler:
         if admit and not batch.preempted:
             while self.waiting and budget > 0 and self._has_seat():
                 req = self._next_waiting(seats)
+                if req is None:
+                    break
                 prefix = self._cached_prefix(req)
                 n = min(req.num_tokens - prefix.num_tokens, budget)
-                if not self.kv.allocate_slots(req, n, prefix):
+                ok = self.kv.allocate_slots(req, n, prefix)
+                while not ok and (parked := next(
+                        (r for r in reversed(self.running) if r.parked), None)):
+                    self._preempt(parked)  # its blocks, to a request that will run
+                    batch.preempted.append(parked)
+                    seats[_group(parked)] -= 1
+                    prefix = self._cached_prefix(req)
+                    n = min(req.num_tokens - prefix.num_tokens, budget)
+                    ok = self.kv.allocate_slots(req, n, prefix)
+                if not ok:
                     # a window's request needs only its window's blocks at once: a first
                     # chunk larger than the pool holds shrinks (else it could never start)
                     fit = self.kv.fit_tokens(req, prefix) if self.kv.window else 0
@@ -383,6 +402,8 @@ class Scheduler:
         seats = self._seats()
         while self.waiting and self._has_seat():
             req = self._next_waiting(seats)
+            if req is None:
+                break
             prefix = self._cached_prefix(req)
             n = req.num_tokens - prefix.num_tokens
             if n > budget or not self.kv.allocate_slots(req, n, prefix):
@@ -416,17 +437,19 @@ class Scheduler:
         """Seats each group holds: its running requests and those waiting for remote K/V."""
         return Counter(_group(r) for r in (*self.running, *self.remote.values()))
 
-    def _next_waiting(self, seats: Counter[Hashable]) -> Request:
+    def _next_waiting(self, seats: Counter[Hashable]) -> Request | None:
         """The waiting request to admit next: the first whose group holds the fewest seats
-        (the queue's head where every group holds none)."""
-        best, fewest = self.waiting[0], seats[_group(self.waiting[0])]
-        if fewest:
-            for r in self.waiting:
-                n = seats[_group(r)]
-                if n < fewest:
-                    best, fewest = r, n
-                    if n == 0:
-                        break
+        (the queue's head where every group holds none); parked ones wait. None: every
+        waiting request is parked."""
+        best, fewest = None, 0
+        for r in self.waiting:
+            if r.parked:
+                continue
+            n = seats[_group(r)]
+            if best is None or n < fewest:
+                best, fewest = r, n
+                if n == 0:
+                    break
         return best
 
     def _make_room(self, seats: Counter[Hashable]) -> Request | None:
@@ -434,11 +457,19 @@ class Scheduler:
         seat leaves ``seats``); returns it, or None."""
         if self._has_seat():
             return None
-        hog = self._seat_for_a_newcomer(seats)
+        hog = self._parked_seat() or self._seat_for_a_newcomer(seats)
         if hog is not None:
             self._preempt(hog)
             seats[_group(hog)] -= 1
         return hog
+
+    def _parked_seat(self) -> Request | None:
+        """With every seat taken and a request waiting that may run: the latest admitted
+        parked request (to preempt: its reader takes nothing, and its tokens so far are
+        computed again, or found in the prefix cache, once it reads again), else None."""
+        if not any(not r.parked for r in self.waiting):
+            return None
+        return next((r for r in reversed(self.running) if r.parked), None)
 
     def _seat_for_a_newcomer(self, seats: Counter[Hashable]) -> Request | None:
         """With every seat taken: where a waiting request's group holds none and another
@@ -446,7 +477,7 @@ class Scheduler:
         admitted running request (to preempt), else None. (A request of one sequence is
         never preempted so: under one or two seats, each newcomer would preempt the one
         before it, and none would finish.)"""
-        if not any(seats[_group(r)] == 0 for r in self.waiting):
+        if not any(seats[_group(r)] == 0 and not r.parked for r in self.waiting):
             return None
         hog, held = max(seats.items(), key=lambda kv: kv[1], default=(None, 0))
         if held < 2 or held * 2 <= self.config.max_num_seqs:

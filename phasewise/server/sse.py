@@ -148,8 +148,23 @@ def share_prompt_logprobs(outs: list[RequestOutput], n: int) -> list[RequestOutp
             for i, out in enumerate(outs)]
 
 
+# A chunk whose output holds this many tokens and logprob entries is rendered off the event
+# loop: a reader that stopped reading gets its outputs merged (RequestGroup), and one merge
+# of 16 choices x 11k tokens x 20 logprobs took 1.5 s to render, every stream on the server
+# waiting; a normal step's chunk (a token and its logprobs) stays on the loop.
+OFF_LOOP_ENTRIES = 2048
+
+
+def render_cost(out: RequestOutput) -> int:
+    """The tokens and logprob entries a chunk of ``out``'s delta renders."""
+    n = len(out.delta_token_ids)
+    width = len(out.logprobs[-1]) if n and out.logprobs else 0
+    return n * (1 + width)
+
+
 def stream_group(*, group: RequestGroup, rid: str, obj: str, model: str,
-                 prompt_lens: list[int], prompt_tokens: int, include_usage: bool, continuous_usage: bool,
+                 prompt_lens: list[int], prompt_tokens: int, include_usage: bool,
+                 continuous_usage: bool,
                  render: Callable[[int, RequestOutput], Rendered],
                  on_token: Callable[[RequestOutput], None] | None = None,
                  n: int = 1, shared_prompt_logprobs: bool = False) -> SSEResponse:
@@ -195,10 +210,12 @@ def stream_group(*, group: RequestGroup, rid: str, obj: str, model: str,
                         return [sse(chunk([choice], running if counted else None))
                                 for choice, counted in render(idx, out)]
 
-                    if out.prompt_logprobs is not None and idx not in rendered_first:
-                        # the first chunk carries the whole prompt's logprobs: a worker
-                        # builds it
-                        rendered_first.add(idx)
+                    first = out.prompt_logprobs is not None and idx not in rendered_first
+                    if first or render_cost(out) >= OFF_LOOP_ENTRIES:
+                        # the first chunk carries the whole prompt's logprobs, and a lagging
+                        # reader's merged output many tokens': a worker builds those
+                        if first:
+                            rendered_first.add(idx)
                         for line in await asyncio.to_thread(lines):
                             yield line
                     else:
