@@ -19,12 +19,12 @@ logprobs a token) whose client never reads a byte: the newcomer's TTFT is timed 
 then its largest gap between tokens while they close their connections at once. A request
 whose reader stopped reading is parked (``RequestGroup``): its seats go to the newcomer.
 
-``--server-pythonpath DIR`` runs the server from another checkout (a ``git worktree`` of an
+``--server-checkout DIR`` runs the server from another checkout (a ``git worktree`` of an
 older commit), so that a before/after pair runs in one invocation on one machine state.
 
     python -m benchmarks.bench_fairness [--model DIR] [--rounds 3] [--prompts 16] [--n 16]
                                         [--max-tokens 200] [--after 2] [--unread K]
-                                        [--server-pythonpath DIR]
+                                        [--server-checkout DIR]
 """
 
 from __future__ import annotations
@@ -137,7 +137,7 @@ def main() -> int:
                    help="seconds into the hog at which the newcomer is sent")
     p.add_argument("--unread", type=int, default=0, metavar="K",
                    help="the hog: K streams of --n samples nobody reads (see above)")
-    p.add_argument("--server-pythonpath", default=None, metavar="DIR",
+    p.add_argument("--server-checkout", default=None, metavar="DIR",
                    help="run the server from this checkout (before/after in one run)")
     a = p.parse_args()
     m = machine_info()
@@ -147,10 +147,9 @@ def main() -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     server = start_server(Path(a.model) if a.model else None, out_dir / "serve.log",
                           "--log-level", "warning", "--no-access-log",
-                          env={"PYTHONPATH": a.server_pythonpath}
-                          if a.server_pythonpath else None)
-    if a.server_pythonpath:
-        print(f"server from {a.server_pythonpath}")
+                          cwd=a.server_checkout)
+    if a.server_checkout:
+        print(f"server from {a.server_checkout}")
     rows = []
     try:
         newcomer_ttft(server.url)  # warm-up: one-time costs out of the first round

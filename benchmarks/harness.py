@@ -459,11 +459,12 @@ class ServerProcess:
 def start_server(model_dir: Path | None, log_path: Path, *args: str,
                  api_key: str | None = None, timeout: float = 120,
                  env: dict[str, str] | None = None, command: str = "serve",
-                 port: int | None = None) -> ServerProcess:
+                 port: int | None = None, cwd: str | Path | None = None) -> ServerProcess:
     """``phasewise <command>`` on 127.0.0.1 (a free port unless ``port``), once its /health
     answers 200. ``model_dir`` None: no ``--model`` (the bundled default). ``env``: added to
     this process's environment. ``command``: ``serve``, ``router`` or ``pd`` (its ``--port``
-    is the one whose /health is awaited)."""
+    is the one whose /health is awaited). ``cwd``: the folder it runs in (``python -m``
+    imports the package from there first: another checkout's server)."""
     port = port or free_port()
     cmd = [*PW, command, *(["--model", str(model_dir)] if model_dir is not None else []),
            "--host", "127.0.0.1", "--port", str(port), *args]
@@ -471,7 +472,7 @@ def start_server(model_dir: Path | None, log_path: Path, *args: str,
         cmd += ["--api-key", api_key]
     with open(log_path, "wb") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT,
-                                env={**os.environ, **(env or {})})
+                                env={**os.environ, **(env or {})}, cwd=cwd)
     server = ServerProcess(proc, port, log_path)
     if api_key:
         server.headers = {"Authorization": f"Bearer {api_key}"}
