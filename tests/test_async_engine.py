@@ -323,6 +323,8 @@ def test_a_group_nobody_reads_is_parked_and_gives_its_seats_to_one_that_is_read(
             hog = await ae.add([PromptSpec([3, 17, 42, 9], long)] * 4, "hog")  # every seat
             while not hog._parked:  # (nobody reads it)
                 await asyncio.sleep(0.01)
+            while ae.snapshot.num_parked < 1:  # (published after the park lands)
+                await asyncio.sleep(0.01)
             victim = await ae.add([PromptSpec([8, 8, 100], GREEDY)], "victim")
             got = await collect(victim)
             assert len(got[0].token_ids) == GREEDY.max_tokens
@@ -331,7 +333,7 @@ def test_a_group_nobody_reads_is_parked_and_gives_its_seats_to_one_that_is_read(
             assert behind and max(behind) < long.max_tokens  # served while the hog stood
             outs = await collect(hog)  # now read: it runs on to its end
             assert all(outs[i].token_ids == want for i in range(4))
-            assert not hog._parked
+            assert not hog._parked and ae.snapshot.num_parked == 0
         finally:
             await asyncio.to_thread(ae.shutdown)
 

@@ -320,6 +320,7 @@ class AsyncEngine:
             num_blocks=e.kv.num_blocks, num_preemptions=e.scheduler.num_preemptions,
             prefix_queries=e.kv.stats.prefix_queries, prefix_hits=e.kv.stats.prefix_hits,
             num_waiting_remote=len(e.scheduler.remote),
+            num_parked=sum(r.parked for r in (*e.scheduler.running, *e.scheduler.waiting)),
             num_blocks_waiting_remote=sum(len(e.kv.block_table(r))
                                           for r in e.scheduler.remote),
             spec_verifies=e.spec_stats.verifies, spec_proposed=e.spec_stats.proposed,

@@ -86,6 +86,8 @@ class EngineSnapshot:
     prefix_hits: int  # of those, tokens found cached
     num_waiting_remote: int = 0  # requests holding blocks while a prefill worker computes
     num_blocks_waiting_remote: int = 0  # the blocks those requests hold
+    # requests whose reader stopped taking their outputs (Request.parked), running or not
+    num_parked: int = 0
     # Speculative decoding: verifies (request-steps with drafts), drafts proposed, accepted,
     # and the tokens those verifies emitted.
     spec_verifies: int = 0

@@ -178,6 +178,9 @@ class PrometheusMetrics:
                                     "computes their prompt (P/D).")
         self.blocks_waiting_remote = gauge("num_blocks_waiting_remote_kv",
                                            "KV blocks those requests hold (P/D).")
+        self.parked = gauge("num_requests_parked",
+                            "Requests held because their client stopped reading its stream "
+                            "(running none of their tokens; the first to give up a seat).")
         self.kv_usage = gauge("kv_cache_usage_perc",
                               "Fraction of KV-cache blocks held by requests (0..1).")
         self.kv_free_blocks = gauge("kv_cache_free_blocks", "KV-cache blocks not held.")
@@ -222,6 +225,7 @@ class PrometheusMetrics:
         self.waiting.set(snapshot.num_waiting)
         self.waiting_remote.set(snapshot.num_waiting_remote)
         self.blocks_waiting_remote.set(snapshot.num_blocks_waiting_remote)
+        self.parked.set(snapshot.num_parked)
         self.kv_usage.set(snapshot.kv_usage)
         self.kv_free_blocks.set(snapshot.num_free_blocks)
         self.kv_blocks.set(snapshot.num_blocks)
