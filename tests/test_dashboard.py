@@ -624,3 +624,13 @@ def test_the_routers_dashboard_shows_each_worker_and_the_kv_transfers(model_dir,
         assert [p for _, _, p in tr["steps"]].count("decode") == 5
     finally:
         pd.stop()
+
+
+def test_the_frame_carries_the_parked_requests_count():
+    """The running / waiting tile names requests held because their clients stopped reading
+    (``EngineSnapshot.num_parked``)."""
+    from dataclasses import replace
+
+    feed = DashboardFeed(model_name="m", clock=Clock())
+    feed.on_step(None, [], [], replace(SNAP, num_parked=3))
+    assert feed.frame(Cursor())["snapshot"]["parked"] == 3

@@ -358,7 +358,7 @@ class DashboardFeed:
                     "kv_usage": snap.kv_usage, "free_blocks": snap.num_free_blocks,
                     "blocks": snap.num_blocks, "preemptions": snap.num_preemptions,
                     "prefix_queries": snap.prefix_queries, "prefix_hits": snap.prefix_hits,
-                    "waiting_remote": snap.num_waiting_remote},
+                    "waiting_remote": snap.num_waiting_remote, "parked": snap.num_parked},
                 "ttft": ttft, "itl": itl, "traced": active, "finished": finished}
 
     def trace(self, request_id: str) -> dict[str, Any] | None:

@@ -319,7 +319,11 @@ function drawState(src) {
     src.snaps.map((p) => p[1].preemptions)]);
   const s = src.lastSnap;
   if (s) {
-    $("k-run").textContent = `${s.running} / ${s.waiting}`;
+    // requests whose client stopped reading are held (parked): said beside the counts
+    $("k-run").textContent = `${s.running} / ${s.waiting}` +
+      (s.parked ? ` (${s.parked} parked)` : "");
+    $("k-run").title = s.parked ? `${s.parked} request(s) held: their clients stopped ` +
+      "reading their streams; they run again once their clients catch up" : "";
     $("k-kv").textContent = `${num(100 * s.kv_usage)} %`;
     $("k-pre").textContent = String(s.preemptions);
     const h = hit[hit.length - 1];
