@@ -55,7 +55,11 @@ from phasewise.model.cpu import kernels as cpu_kernels  # noqa: E402
 from phasewise.model.cpu.linear import LinearDispatch, Upcast  # noqa: E402
 
 SHAPES = {"qkv": (1152, 896), "o": (896, 896), "gate_up": (9728, 896), "down": (896, 4864),
-          "lm_head": (32000, 896)}
+          "lm_head": (32000, 896),
+          # one expert of bench_moe's Qwen-MoE-shaped checkpoint (hidden 1024, width 512):
+          # at batch 64 with 4 of 32 experts a token, an expert gets ~8 rows
+          "expert_gate_up": (1024, 1024), "expert_down": (1024, 512)}
+DEFAULT_SHAPES = ["qkv", "o", "gate_up", "down", "lm_head"]  # the reference checkpoint's
 INT8_SHAPES = ["qkv", "o", "gate_up", "down"]  # the decoder's projections (int8 leaves lm_head)
 CYCLE_BYTES = 96 * 2**20
 
@@ -174,7 +178,8 @@ def main() -> None:
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 128, 512])
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=None,
-                    help="default: all; with --int8, all but lm_head")
+                    help="default: the reference checkpoint's five; with --int8, all but "
+                    "lm_head; expert_*: an MoE expert's")
     ap.add_argument("--int8", action="store_true",
                     help="weight-only int8 at 1, 2 and 4 rows instead (formerly bench_int8.py)")
     ap.add_argument("--reps", type=int, default=200, help="--int8: calls timed per method")
@@ -184,7 +189,7 @@ def main() -> None:
         run_int8(a.reps, a.shapes or INT8_SHAPES)
         return
     print(machine_line(machine_info()), file=sys.stderr)
-    run(a.rows, a.rounds, a.shapes or list(SHAPES))
+    run(a.rows, a.rounds, a.shapes or DEFAULT_SHAPES)
 
 
 if __name__ == "__main__":
