@@ -448,3 +448,18 @@ def test_a_parked_request_gives_its_seat_and_its_blocks_to_a_waiting_one():
     s.add_request(req("c", 12, max_tokens=2, first=3000))  # needs blocks the parked hold
     batch = step(s)
     assert [r.request_id for r in batch.preempted] == ["b"] and ("c", 12) in plan(batch)
+
+
+def test_prefill_first_takes_a_parked_requests_blocks_for_a_whole_prompt():
+    """Under prefill-first a waiting prompt found no blocks while a parked request held them,
+    and waited as long as its client did not read."""
+    s = make(budget=32, seqs=8, blocks=8, block_size=4, max_len=32, policy="prefill-first",
+             prefix=False)
+    s.add_request(req("a", 12, max_tokens=20))
+    s.add_request(req("b", 12, max_tokens=20, first=2000))
+    step(s)
+    for r in s.running:
+        r.parked = True
+    s.add_request(req("c", 12, max_tokens=2, first=3000))
+    batch = step(s)
+    assert [r.request_id for r in batch.preempted] == ["b"] and plan(batch) == [("c", 12)]

@@ -209,3 +209,34 @@ def test_requests_without_a_target_are_never_refused(model):
         await asyncio.to_thread(engine.shutdown)
 
     asyncio.run(run())
+
+
+def test_parked_requests_are_no_load_in_a_groups_forecast():
+    """Eight unread n=16 streams, parked, made every request with x-slo-ttft-ms a 429 while
+    one without a target got its first token in 40 ms: a parked request runs nothing and
+    gives its seat up first, so the forecast leaves it out."""
+    from phasewise.cache.manager import KVCacheManager
+    from phasewise.engine.request import Request
+    from phasewise.engine.sampling_params import SamplingParams
+    from phasewise.engine.scheduler import Scheduler, SchedulerConfig
+    from phasewise.engine.slo import group_forecast
+
+    def forecast_beside(hogs: int, parked: bool):
+        kv = KVCacheManager(256, 4)
+        s = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4,
+                                      max_model_len=128), kv, clock=lambda: 0.0)
+        for i in range(hogs):
+            s.add_request(Request(f"h{i}", list(range(100 * i, 100 * i + 8)),
+                                  SamplingParams(max_tokens=50, ignore_eos=True),
+                                  arrival_time=0.0))
+        s.schedule()
+        for r in s.running:
+            r.parked = parked
+        new = Request("new", [7, 8, 9], SamplingParams(max_tokens=4), arrival_time=0.0)
+        s.add_request(new)
+        return group_forecast(s, kv, [new], linear(0.01, 0.0001, 0.001))
+
+    busy, parked, alone = (forecast_beside(4, False), forecast_beside(4, True),
+                           forecast_beside(0, False))
+    assert parked.ttft_s < busy.ttft_s
+    assert parked.ttft_s == pytest.approx(alone.ttft_s)

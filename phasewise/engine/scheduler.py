@@ -406,7 +406,16 @@ class Scheduler:
                 break
             prefix = self._cached_prefix(req)
             n = req.num_tokens - prefix.num_tokens
-            if n > budget or not self.kv.allocate_slots(req, n, prefix):
+            ok = n <= budget and self.kv.allocate_slots(req, n, prefix)
+            while n <= budget and not ok and (parked := next(
+                    (r for r in reversed(self.running) if r.parked), None)):
+                self._preempt(parked)  # its blocks, to a prompt that will run
+                batch.preempted.append(parked)
+                seats[_group(parked)] -= 1
+                prefix = self._cached_prefix(req)
+                n = req.num_tokens - prefix.num_tokens
+                ok = n <= budget and self.kv.allocate_slots(req, n, prefix)
+            if not ok:
                 if not batch.requests and not self.kv.fits_empty_pool(req, n, prefix):
                     # Under a sliding window the pool may hold a request a window at a time
                     # but never its whole prompt (or, preempted, its tokens so far) at

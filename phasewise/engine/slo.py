@@ -175,7 +175,13 @@ def group_forecast(scheduler: Any, kv: Any, group: list[Any], cost: Cost,
     mine = {r.request_id for r in group}
     decodes = prefills = ahead = 0
     finishing = []
+    # a parked request (its client stopped reading) runs nothing and gives up its seat to a
+    # newcomer first: no load ahead of the group
+    parked = 0
     for r in s.running:
+        if r.parked:
+            parked += 1
+            continue
         left = r.num_tokens - r.num_computed_tokens
         if left <= 1:
             decodes += 1
@@ -187,12 +193,14 @@ def group_forecast(scheduler: Any, kv: Any, group: list[Any], cost: Cost,
             cap = min(cap, r.params.max_tokens - r.num_output_tokens)
         finishing.append(max(0, cap))
     for r in s.waiting:
-        if r.request_id not in mine:
+        if r.parked:
+            parked += 1
+        elif r.request_id not in mine:
             prefills += 1
             ahead += r.num_tokens - r.num_computed_tokens
     own = sum(r.num_tokens - kv.get_computed_blocks(r).num_tokens
               for r in group if r.request_id not in s.remote)
-    seated = len(s.running) + len(s.remote) + len(s.waiting) - len(group)
+    seated = len(s.running) + len(s.remote) + len(s.waiting) - len(group) - parked
     q = QueueState(decodes, prefills, ahead, max(0, seated), tuple(sorted(finishing)),
                    s.config.max_num_batched_tokens, s.config.max_num_seqs)
     return forecast(q, own, len(group), cost, interference)

@@ -10,6 +10,7 @@ the launcher exits with an error naming it.
 
 from __future__ import annotations
 
+import http.client
 import logging
 import os
 import secrets
@@ -64,7 +65,9 @@ def _ready(url: str) -> bool:
     try:
         with urllib.request.urlopen(url + "/health", timeout=2) as r:
             return r.status == 200
-    except (urllib.error.URLError, OSError):
+    except (urllib.error.URLError, OSError, http.client.HTTPException):
+        # (HTTPException: a probe of a port nobody listens on yet can connect to itself on
+        # loopback and read its own request back as a bad status line)
         return False
 
 
