@@ -320,3 +320,105 @@ def test_the_router_names_a_workers_400_as_its_client_named_the_field():
     assert _client_param("specs.0.token_ids") == "prompt"
     assert _client_param("request_id") == "request_id" and _client_param(None) is None
 
+
+
+def test_a_router_parks_a_relay_groups_requests_on_the_worker_with_its_key(worker):
+    """Behind the router the decode worker never parked: the router reads on and merges, so
+    the worker saw no reader fall behind, and eight unread streams held its seats (66.7 s to
+    another client's first token). The router's group now tells the worker, with the
+    group's key; any other key parks nothing."""
+    import threading
+
+    engine, server = _serve(worker)
+    ids = LLM(str(worker)).tokenizer.encode("def f(x):")
+    long = params_to_wire(SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))
+    gate = threading.Event()  # the engine's steps wait on it: the park lands first
+    step = engine.engine.step
+
+    def gated_step():
+        gate.wait()
+        return step()
+
+    engine.engine.step = gated_step
+
+    async def until(cond):
+        for _ in range(4000):
+            if cond():
+                return
+            await asyncio.sleep(0.005)
+        raise AssertionError("never happened")
+
+    async def run():
+        engine.start(asyncio.get_running_loop())
+        transport = httpx.ASGITransport(app=server.app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://w",
+                                     timeout=120) as c:
+            key = "k" * 32
+            relay = asyncio.ensure_future(c.post("/internal/v1/generate", json={
+                "request_id": "relay-1", "abort_key": key,
+                "specs": [{"token_ids": ids, "params": long}]}))
+            await until(lambda: any(r.startswith("relay-1") for r in engine.engine.requests))
+            (rid,) = [r for r in engine.engine.requests if r.startswith("relay-1")]
+            req = engine.engine.requests[rid]
+            r = await c.post("/internal/v1/park", json={"request_ids": [rid],
+                                                       "abort_key": "y" * 32, "parked": True})
+            assert r.json() == {"parked": 0}
+            r = await c.post("/internal/v1/park", json={"request_ids": [rid],
+                                                       "abort_key": key, "parked": True})
+            assert r.json() == {"parked": 1}
+            gate.set()
+            await until(lambda: req.parked and engine.engine.stalled)  # nothing it may run
+            assert req.num_output_tokens <= 1 and not req.finished
+            r = await c.post("/internal/v1/park", json={"request_ids": [rid],
+                                                       "abort_key": key, "parked": False})
+            assert r.json() == {"released": 1}
+            done = await relay  # runs on to its end
+            assert done.status_code == 200 and '"fin": "length"' in done.text
+        await asyncio.to_thread(engine.shutdown)
+
+    asyncio.run(run())
+
+
+def test_the_routers_group_tells_the_worker_to_park_in_order_with_the_relays_names(worker):
+    """A client behind on request 1 of a group relayed as its spec 0 (after a move): the
+    router posts park for the relay's own name, with the group's key, then the release;
+    posts go one at a time, so a release never overtakes its park, and a park released
+    before it went out sends nothing."""
+    from phasewise.disagg.fleet import Worker
+    from phasewise.disagg.router import Router, _Relay, _relay_ids, _Stream
+    from phasewise.engine.backend import RequestGroup
+
+    router = Router(["http://127.0.0.1:9"], model_dir=worker)
+    posts = []
+
+    class Client:
+        async def post(self, url, json):
+            posts.append((url, json))
+            await asyncio.sleep(0.01)  # a park still in flight when the release is asked
+
+    async def run():
+        router._loop, router._client = asyncio.get_running_loop(), Client()
+        w = Worker("http://w:1", "decode")
+        relay = _Relay(w, None, None, index=[1])  # type: ignore[arg-type]
+        stream = _Stream("cmpl-x", [], [], relay, abort_key="k" * 32)
+        group = RequestGroup(["cmpl-x-0", "cmpl-x-1"], router.abort, router._closed,
+                             park=router.park)
+        for rid in group.request_ids:
+            router._groups[rid] = (group, None, stream)
+        router.park(["cmpl-x-1"], True)
+        router.park(["cmpl-x-1"], False)  # before anything went out: nothing is sent
+        while router._background:
+            await asyncio.gather(*router._background)
+        assert posts == []
+        router.park(["cmpl-x-1"], True)
+        await asyncio.sleep(0.001)  # its post in flight
+        router.park(["cmpl-x-1"], False)
+        router.park(["cmpl-x-0"], True)  # not on this relay: nothing to send for it
+        while router._background:
+            await asyncio.gather(*router._background)
+
+    asyncio.run(run())
+    name = _relay_ids("cmpl-x", 1)[0]
+    assert posts[0] == ("http://w:1/internal/v1/park",
+                        {"request_ids": [name], "abort_key": "k" * 32, "parked": True})
+    assert [p[1]["parked"] for p in posts] == [True, False]

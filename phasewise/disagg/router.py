@@ -109,6 +109,12 @@ class _Stream:
     # what /internal/v1/abort must show a worker to abort this group's requests there (no
     # one else, who may learn their ids, can)
     abort_key: str = ""
+    # The group's requests its client has fallen behind on (RequestGroup parks them): the
+    # worker is told to park them there too (/internal/v1/park), one post at a time so that
+    # a park and its release cannot pass each other.
+    parked: set[int] = dataclasses.field(default_factory=set)
+    parked_sent: set[int] = dataclasses.field(default_factory=set)
+    parking: bool = False  # a sender runs
 
 
 class _Migrate(Exception):
@@ -423,7 +429,7 @@ class Router(Fleet):
                   if len(first) > 4096 else block_hashes(first, self.block_size))
         relay, choice = await self._open(content, hashes, list(range(n)))  # in_flight from here
         try:
-            group = RequestGroup(ids, self.abort, self._closed)
+            group = RequestGroup(ids, self.abort, self._closed, park=self.park)
             group.remote_hits = [None] * n
             group.routing = (f"{relay.worker.url} {choice.policy} expected_hit="
                              f"{choice.expected_hit}/{choice.blocks}blocks")
@@ -845,6 +851,47 @@ class Router(Fleet):
             theirs = [names[k] for k, i in enumerate(relay.index) if i in mine]
             if theirs and self._loop is not None and self._client is not None:
                 self._spawn(self._abort_remote(relay.worker, theirs, stream.abort_key))
+
+    def park(self, request_ids: Sequence[str], parked: bool) -> None:
+        """The client fell behind on (or caught up with) these requests: the router's own
+        group merges their outputs, so the worker would never see it; tell it, so that it
+        parks them (runs none of their tokens, gives their seats up first) or runs them on."""
+        for rid in request_ids:
+            entry = self._groups.get(rid)
+            if entry is None:
+                continue
+            group, _, stream = entry
+            i = group.request_ids.index(rid)
+            (stream.parked.add if parked else stream.parked.discard)(i)
+            if not stream.parking and self._loop is not None and self._client is not None:
+                stream.parking = True
+                self._spawn(self._send_parks(stream))
+
+    async def _send_parks(self, stream: _Stream) -> None:
+        """Post the stream's parked set to its worker until what was sent is what is wanted
+        (a request finished or moved meanwhile is ignored there)."""
+        assert self._client is not None
+        try:
+            while stream.parked != stream.parked_sent and not stream.ended:
+                want = set(stream.parked)
+                relay = stream.relay
+                names = _relay_ids(stream.request_id, len(relay.index))
+                for parked in (True, False):
+                    changed = (want - stream.parked_sent) if parked else (
+                        stream.parked_sent - want)
+                    theirs = [names[k] for k, i in enumerate(relay.index) if i in changed]
+                    if theirs:
+                        try:
+                            await self._client.post(
+                                relay.worker.url + "/internal/v1/park",
+                                json={"request_ids": theirs, "abort_key": stream.abort_key,
+                                      "parked": parked})
+                        except httpx.HTTPError as e:
+                            log.warning("could not tell %s to park %s: %s", relay.worker.url,
+                                        theirs, why_failed(e))
+                stream.parked_sent = want
+        finally:
+            stream.parking = False
 
     async def _abort_remote(self, worker: Worker, rids: list[str], key: str) -> None:
         assert self._client is not None

@@ -116,6 +116,9 @@ class _Delegate:
     def abort(self, request_ids: Sequence[str]) -> None:
         self.backend.abort(request_ids)
 
+    def park(self, request_ids: Sequence[str], parked: bool) -> None:
+        self.backend.park(request_ids, parked)
+
     def abort_all(self, reason: str) -> None:
         self.backend.abort_all(reason)
 

@@ -339,6 +339,10 @@ class ServingBackend(Protocol):
 
     def abort(self, request_ids: Sequence[str]) -> None: ...
 
+    def park(self, request_ids: Sequence[str], parked: bool) -> None:
+        """Hold (``parked``) or release requests whose reader stopped reading (see
+        ``RequestGroup``)."""
+
     def abort_all(self, reason: str) -> None: ...
 
     @property

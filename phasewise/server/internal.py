@@ -25,6 +25,9 @@ OpenAPI document: it is phasewise's own, not OpenAI's.
   ``abort_key``: the secret its router sent with ``/internal/v1/generate``. Only that group's
   requests can be aborted so: never a ``/v1`` client's, whose ids another client may learn
   (the dashboard shows them), nor another router's.
+* ``POST /internal/v1/park``: park (``"parked": true``) or release requests of a relay group
+  by id, with its ``abort_key``: the router's client fell behind on them (the router reads on
+  and merges, so the worker cannot see it; ``RequestGroup``).
 """
 
 from __future__ import annotations
@@ -102,6 +105,10 @@ class AbortRelay(BaseModel):
     abort_key: str = Field(min_length=16, max_length=128)
 
 
+class ParkRelay(AbortRelay):
+    parked: bool
+
+
 class NDJSONResponse(SSEResponse):
     """The relay stream: one JSON line per output, aborted as soon as the router goes."""
 
@@ -157,6 +164,18 @@ def add_internal_routes(app: FastAPI, backend: ServingBackend, routes: Routes, *
                                                              body.abort_key.encode())]
         backend.abort(mine)
         return {"aborted": len(mine)}
+
+    @app.post("/internal/v1/park", include_in_schema=False)
+    async def park(body: ParkRelay) -> dict[str, Any]:
+        """The router's client fell behind on (or caught up with) these requests of its
+        relay group (``RequestGroup`` parks them on the router, which reads on): park them
+        here, or run them on. Like an abort, only with the group's ``abort_key``."""
+        mine = [rid for rid in dict.fromkeys(body.request_ids)
+                if rid in abort_keys and hmac.compare_digest(abort_keys[rid].encode(),
+                                                             body.abort_key.encode())]
+        if mine:
+            backend.park(mine, body.parked)
+        return {"parked" if body.parked else "released": len(mine)}
 
     def check(body: RelayRequest) -> list[PromptSpec]:
         """On a worker thread: a body of n long prompts is work the size of the request."""
