@@ -24,21 +24,13 @@ from pathlib import Path
 
 import httpx
 
-from benchmarks.harness import machine_info, machine_line, start_server
+from benchmarks.harness import machine_info, machine_line, start_server, stream_gaps
 
 
 def victim(url: str, gaps: list[float], started: threading.Event) -> None:
     body = {"prompt": "def fibonacci(n):", "max_tokens": 200, "temperature": 0,
             "ignore_eos": True, "stream": True}
-    last = None
-    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=300) as r:
-        for line in r.iter_lines():
-            if line.startswith("data: "):
-                now = time.monotonic()
-                if last is not None:
-                    gaps.append(now - last)
-                last = now
-                started.set()
+    stream_gaps(url, body, gaps, started)
 
 
 def probe(url: str, stop: threading.Event, lat: list[float]) -> None:

@@ -41,7 +41,7 @@ from pathlib import Path
 
 import httpx
 
-from benchmarks.harness import log, machine_info, machine_line, start_server
+from benchmarks.harness import log, machine_info, machine_line, start_server, stream_gaps
 
 HERE = Path(__file__).resolve().parent
 NOISE = ("figures measured on a shared machine: other tenants move them by 5-30% from run to "
@@ -102,19 +102,10 @@ def unread_round(url: str, a: argparse.Namespace) -> dict[str, float]:
         beside = newcomer_ttft(url)
         gaps: list[float] = []
 
-        def stream() -> None:
-            body = {"prompt": "import os", "max_tokens": 64, "temperature": 0,
-                    "ignore_eos": True, "stream": True}
-            last = None
-            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=600) as r:
-                for line in r.iter_lines():
-                    if line.startswith("data: {"):
-                        now = time.monotonic()
-                        if last is not None:
-                            gaps.append(now - last)
-                        last = now
-
-        th = threading.Thread(target=stream)
+        body = {"prompt": "import os", "max_tokens": 64, "temperature": 0,
+                "ignore_eos": True, "stream": True}
+        th = threading.Thread(target=stream_gaps, args=(url, body, gaps),
+                              kwargs={"line_prefix": "data: {", "timeout": 600})
         th.start()
         time.sleep(0.5)
     finally:

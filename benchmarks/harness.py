@@ -502,6 +502,24 @@ def served(model_dir: Path | None, log_path: Path, *args: str,
     finally:
         server.stop()
 
+def stream_gaps(url: str, body: dict[str, Any], gaps: list[float],
+                started: Any = None, line_prefix: str = "data: ",
+                timeout: float = 300.0) -> None:
+    """Stream ``body`` to ``url``'s /v1/completions and append to ``gaps`` the seconds
+    between consecutive lines that start with ``line_prefix`` (``data: {``: the chunks,
+    without [DONE]); ``started`` (a ``threading.Event``), if given, is set at the first."""
+    last = None
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=timeout) as r:
+        for line in r.iter_lines():
+            if line.startswith(line_prefix):
+                now = time.monotonic()
+                if last is not None:
+                    gaps.append(now - last)
+                last = now
+                if started is not None:
+                    started.set()
+
+
 # -- P/D links: measured latency and bandwidth, for the roofline's kv_transfer ----------------
 
 PROBE_CHILD = r"""

@@ -83,13 +83,20 @@ class Run:
         return s
 
 
-def test_a_long_prompt_chunk_among_decodes_is_a_stall_that_names_it():
+def streaming_pair() -> Run:
+    """A run with two streams, "a" and "b", past their prompts and 8 decode steps of 5 ms
+    (a baseline for the stall view)."""
     run = Run()
     for rid in ("a", "b"):
         run.arrive(rid)
     run.step(0.004, prefill=[("a", 4), ("b", 4)], first=["a", "b"])
     for _ in range(8):
         run.step(0.005, decode=["a", "b"])
+    return run
+
+
+def test_a_long_prompt_chunk_among_decodes_is_a_stall_that_names_it():
+    run = streaming_pair()
     run.step(0.006, prefill=[("small", 8)], decode=["a", "b"])  # barely slower: no stall
     run.arrive("big")
     run.step(0.040, prefill=[("big", 256), ("small", 8)], decode=["a", "b"])
@@ -109,12 +116,7 @@ def test_a_long_prompt_chunk_among_decodes_is_a_stall_that_names_it():
 def test_a_stall_names_the_intruders_whole_prompt_before_it_has_output_anything():
     """A chunk of a long prompt has no output yet (its prompt ends steps later): its prompt's
     length comes with the step, so the stall names the chunk and the prompt it is part of."""
-    run = Run()
-    for rid in ("a", "b"):
-        run.arrive(rid)
-    run.step(0.004, prefill=[("a", 4), ("b", 4)], first=["a", "b"])
-    for _ in range(8):
-        run.step(0.005, decode=["a", "b"])
+    run = streaming_pair()
     run.arrive("big")
     run.step(0.040, prefill=[("big", 254)], decode=["a", "b"], prefill_prompt_tokens=(900,))
     (stall,) = run.feed.frame(Cursor())["stalls"]

@@ -419,16 +419,21 @@ def test_a_parked_request_runs_nothing_until_released_and_never_trips_the_safety
     assert sorted(plan(step(s))) == [("a", 1), ("b", 1)]
 
 
+def parked_pair(s: Scheduler, prompt: int) -> Scheduler:
+    """``s`` running two requests of ``prompt`` tokens, "a" then "b", both parked."""
+    s.add_request(req("a", prompt, max_tokens=20))
+    s.add_request(req("b", prompt, max_tokens=20, first=2000))
+    step(s)
+    for r in s.running:
+        r.parked = True
+    return s
+
+
 def test_a_parked_request_gives_its_seat_and_its_blocks_to_a_waiting_one():
     """Seats: two parked requests hold every seat; a newcomer takes the latest one's, and
     the parked one waits, never readmitted while parked. Blocks: requests that fill the
     pool while parked give them up to a newcomer that needs them."""
-    s = make(budget=16, seqs=2)
-    s.add_request(req("a", 4, max_tokens=20))
-    s.add_request(req("b", 4, max_tokens=20, first=2000))
-    step(s)
-    for r in s.running:
-        r.parked = True
+    s = parked_pair(make(budget=16, seqs=2), 4)
     s.add_request(req("c", 4, max_tokens=2, first=3000))
     preempted = step(s).preempted
     assert [r.request_id for r in preempted] == ["b"]
@@ -439,12 +444,8 @@ def test_a_parked_request_gives_its_seat_and_its_blocks_to_a_waiting_one():
     step(s)
     assert any(r.request_id == "b" for r in s.running)
 
-    s = make(budget=32, seqs=8, blocks=8, block_size=4, max_len=32, prefix=False)
-    s.add_request(req("a", 12, max_tokens=20))
-    s.add_request(req("b", 12, max_tokens=20, first=2000))
-    step(s)
-    for r in s.running:
-        r.parked = True
+    s = parked_pair(make(budget=32, seqs=8, blocks=8, block_size=4, max_len=32,
+                         prefix=False), 12)
     s.add_request(req("c", 12, max_tokens=2, first=3000))  # needs blocks the parked hold
     batch = step(s)
     assert [r.request_id for r in batch.preempted] == ["b"] and ("c", 12) in plan(batch)
@@ -453,13 +454,8 @@ def test_a_parked_request_gives_its_seat_and_its_blocks_to_a_waiting_one():
 def test_prefill_first_takes_a_parked_requests_blocks_for_a_whole_prompt():
     """Under prefill-first a waiting prompt found no blocks while a parked request held them,
     and waited as long as its client did not read."""
-    s = make(budget=32, seqs=8, blocks=8, block_size=4, max_len=32, policy="prefill-first",
-             prefix=False)
-    s.add_request(req("a", 12, max_tokens=20))
-    s.add_request(req("b", 12, max_tokens=20, first=2000))
-    step(s)
-    for r in s.running:
-        r.parked = True
+    s = parked_pair(make(budget=32, seqs=8, blocks=8, block_size=4, max_len=32,
+                         policy="prefill-first", prefix=False), 12)
     s.add_request(req("c", 12, max_tokens=2, first=3000))
     batch = step(s)
     assert [r.request_id for r in batch.preempted] == ["b"] and plan(batch) == [("c", 12)]

@@ -271,8 +271,7 @@ class Scheduler:
         """A parked request (its reader takes nothing), else the latest-admitted running
         request not yet scheduled this step, if it ranks below ``asking``; None means
         ``asking`` itself is the lowest-priority candidate."""
-        parked = next((r for r in reversed(self.running) if r.parked and r is not asking),
-                      None)
+        parked = self._latest_parked(besides=asking)
         if parked is not None:
             return parked
         for cand in reversed(self.running):
@@ -349,17 +348,7 @@ class Scheduler:
                 req = self._next_waiting(seats)
                 if req is None:
                     break
-                prefix = self._cached_prefix(req)
-                n = min(req.num_tokens - prefix.num_tokens, budget)
-                ok = self.kv.allocate_slots(req, n, prefix)
-                while not ok and (parked := next(
-                        (r for r in reversed(self.running) if r.parked), None)):
-                    self._preempt(parked)  # its blocks, to a request that will run
-                    batch.preempted.append(parked)
-                    seats[_group(parked)] -= 1
-                    prefix = self._cached_prefix(req)
-                    n = min(req.num_tokens - prefix.num_tokens, budget)
-                    ok = self.kv.allocate_slots(req, n, prefix)
+                ok, prefix, n = self._first_slots(req, budget, False, seats, batch)
                 if not ok:
                     # a window's request needs only its window's blocks at once: a first
                     # chunk larger than the pool holds shrinks (else it could never start)
@@ -404,17 +393,7 @@ class Scheduler:
             req = self._next_waiting(seats)
             if req is None:
                 break
-            prefix = self._cached_prefix(req)
-            n = req.num_tokens - prefix.num_tokens
-            ok = n <= budget and self.kv.allocate_slots(req, n, prefix)
-            while n <= budget and not ok and (parked := next(
-                    (r for r in reversed(self.running) if r.parked), None)):
-                self._preempt(parked)  # its blocks, to a prompt that will run
-                batch.preempted.append(parked)
-                seats[_group(parked)] -= 1
-                prefix = self._cached_prefix(req)
-                n = req.num_tokens - prefix.num_tokens
-                ok = n <= budget and self.kv.allocate_slots(req, n, prefix)
+            ok, prefix, n = self._first_slots(req, budget, True, seats, batch)
             if not ok:
                 if not batch.requests and not self.kv.fits_empty_pool(req, n, prefix):
                     # Under a sliding window the pool may hold a request a window at a time
@@ -434,6 +413,31 @@ class Scheduler:
         batch.requests = [batch.requests[i] for i in order]
         batch.num_tokens = [batch.num_tokens[i] for i in order]
         return batch
+
+    def _latest_parked(self, besides: Request | None = None) -> Request | None:
+        """The most recently admitted parked running request (not ``besides``), or None."""
+        return next((r for r in reversed(self.running) if r.parked and r is not besides),
+                    None)
+
+    def _first_slots(self, req: Request, budget: int, whole: bool, seats: Counter[Hashable],
+                     batch: ScheduledBatch) -> tuple[bool, CachedPrefix, int]:
+        """Blocks for a waiting request's first chunk (``whole``: its whole prompt, which must
+        fit ``budget``; else as much as ``budget`` takes), preempting parked requests for
+        them while they do not fit (their blocks, to a request that will run). Returns
+        whether they were allocated, the cached prefix and the chunk's tokens."""
+        while True:
+            prefix = self._cached_prefix(req)
+            n = req.num_tokens - prefix.num_tokens
+            if not whole:
+                n = min(n, budget)
+            fits = not whole or n <= budget
+            ok = fits and self.kv.allocate_slots(req, n, prefix)
+            parked = None if ok or not fits else self._latest_parked()
+            if parked is None:
+                return ok, prefix, n
+            self._preempt(parked)
+            batch.preempted.append(parked)
+            seats[_group(parked)] -= 1
 
     def _cached_prefix(self, req: Request) -> CachedPrefix:
         """The prefix cache's blocks for a request, none for one that still needs its prompt
@@ -478,7 +482,7 @@ class Scheduler:
         computed again, or found in the prefix cache, once it reads again), else None."""
         if not any(not r.parked for r in self.waiting):
             return None
-        return next((r for r in reversed(self.running) if r.parked), None)
+        return self._latest_parked()
 
     def _seat_for_a_newcomer(self, seats: Counter[Hashable]) -> Request | None:
         """With every seat taken: where a waiting request's group holds none and another
