@@ -115,6 +115,24 @@ def test_a_relay_numbers_its_own_specs_and_the_assembler_maps_them():
         asm.feed(encode_output(1, _out(1, "x", [7], None, False), None), index=[1])
 
 
+def test_usage_counts_the_prompts_cache_hits_where_it_was_first_served():
+    """A worker that resumes a moved request counts cache hits over the prompt and the
+    tokens it was resumed with (here 4 of 3 + 1): usage keeps the first worker's count of
+    the prompt's own, and a count past what the worker was sent is refused."""
+    def line(ids, cached, fin=False, timing=None):
+        out = _out(0, "x", ids, None, fin)
+        out.metrics.num_cached_tokens = cached
+        return encode_output(0, out, timing, first=True)
+
+    asm = OutputAssembler(["g"], [[1, 2, 3]], [None], arrival_time=0.0)
+    assert asm.feed(line([5], 2)).metrics.num_cached_tokens == 2  # worker A, then it died
+    last = asm.feed(line([6], 4, fin=True, timing={"cached_tokens": 4}), index=[0])
+    assert last.metrics.num_cached_tokens == 2 and last.token_ids == [5, 6]
+    fresh = OutputAssembler(["g"], [[1, 2, 3]], [None], arrival_time=0.0)
+    with pytest.raises(RelayError, match="cached prompt count of 4"):
+        fresh.feed(line([5], 4))
+
+
 def test_prompt_logprobs_cross_on_a_requests_first_line():
     out = _out(0, "x", [5], None, True)
     out.prompt_logprobs = [None, {2: -0.75, 9: -0.5}]

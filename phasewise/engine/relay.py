@@ -99,16 +99,19 @@ def _parse_entries(raw: list[Any], vocab: int = 2**31) -> list[dict[int, float] 
 def encode_output(index: int, out: RequestOutput, timing: dict[str, Any] | None, *,
                   first: bool = False) -> bytes:
     """One line: what this output added (text, token ids, their logprobs), on a request's
-    ``first`` line its prompt logprobs (if asked for), and on the last one the finish and the
-    worker's ``timing`` of the request."""
+    ``first`` line the prompt tokens this worker's prefix cache served and its prompt logprobs
+    (if asked for), and on the last one the finish and the worker's ``timing`` of the
+    request."""
     k = len(out.delta_token_ids)
     lps = None
     if out.logprobs is not None and k:
         lps = _entries(out.logprobs[-k:])
     line: dict[str, Any] = {"i": index, "text": out.delta_text, "ids": out.delta_token_ids,
                             "lp": lps}
-    if first and out.prompt_logprobs is not None:
-        line["plp"] = _entries(out.prompt_logprobs)
+    if first:
+        line["cached"] = out.metrics.num_cached_tokens
+        if out.prompt_logprobs is not None:
+            line["plp"] = _entries(out.prompt_logprobs)
     if out.finished:
         line.update(fin=out.finish_reason, stop=out.stop_reason, err=out.error,
                     timing=timing)
@@ -169,6 +172,11 @@ class OutputAssembler:
         self.finished = [False] * len(request_ids)
         self.prompt_logprobs: list[list[dict[int, float] | None] | None] = [
             None for _ in request_ids]
+        # The prompt tokens the first worker that answered a request served from its cache.
+        # A worker that resumes a moved request counts its cache hits over the prompt and the
+        # tokens it was resumed with, which are not the prompt's: the first worker's count
+        # is the one usage reports.
+        self.cached: list[int | None] = [None for _ in request_ids]
 
     def admitted(self) -> None:
         """The worker took the group (its reply began)."""
@@ -208,11 +216,19 @@ class OutputAssembler:
                 raise RelayError(f"malformed timing: {str(timing)[:200]}")
             if plp is not None:
                 self.prompt_logprobs[i] = plp
+            cached = line.get("cached")
+            # a resumed request's prompt holds the tokens streamed before its move
+            seen = len(self.prompts[i]) + len(self.ids[i])
+            if cached is not None and not is_count(cached, seen):
+                raise RelayError(f"a cached prompt count of {str(cached)[:40]} is not in "
+                                 f"[0, {seen}]")
         except (ValueError, KeyError, TypeError) as e:
             raise RelayError(f"malformed output line ({type(e).__name__}: {e}): "
                              f"{str(raw)[:200]}") from None
         now = self.clock()
         m = self.metrics[i]
+        if cached is not None and self.cached[i] is None:
+            self.cached[i] = m.num_cached_tokens = cached
         if delta_ids and m.first_token_time is None:
             m.first_token_time = now
         m.token_times.extend([now] * len(delta_ids))
@@ -229,7 +245,8 @@ class OutputAssembler:
             m.finished_time = now
             if isinstance(timing, dict):
                 m.worker_timing = timing
-                m.num_cached_tokens = int(timing.get("cached_tokens") or 0)
+                if self.cached[i] is None:  # a worker that does not send "cached"
+                    m.num_cached_tokens = int(timing.get("cached_tokens") or 0)
                 m.num_preemptions = int(timing.get("preemptions") or 0)
         # Copies, as the engine's outputs are: the reader of this output may take its delta
         # (the last entries) after later lines have grown the request's lists.
