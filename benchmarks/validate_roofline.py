@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.harness import HERE, REFERENCE_MODEL, PeakNotes
+from benchmarks.harness import HERE, REFERENCE_MODEL, PeakNotes, checkpoint_or_reference
 
 DEFAULT_MODEL = REFERENCE_MODEL
 
@@ -42,9 +42,7 @@ def main() -> None:
     ap.add_argument("--compute-dtype", default="fp32")
     ap.add_argument("--out", type=Path, default=HERE / "results" / "roofline_validation.json")
     a = ap.parse_args()
-    if not (a.model / "config.json").exists():
-        raise SystemExit(f"no checkpoint at {a.model}: run python -m "
-                         "benchmarks.make_reference_checkpoint first")
+    a.model = checkpoint_or_reference(a.model)
 
     from phasewise.perf.hardware import load_local, machine_file
     from phasewise.perf.measure import measure

@@ -533,8 +533,8 @@ def _add_sim_args(p: argparse.ArgumentParser, results: bool = True) -> None:
     p.add_argument("--served-idle", type=float, nargs=2, default=[1.0, 12.0],
                    metavar=("SHORT", "LONG"), help="--served: the idle waits (s) after which "
                    "the probe measures what a request to an idle engine pays (default 1 12)")
-    p.add_argument("--link", default=None, help="P/D: the K/V link (catalog key; default: "
-                   "instant)")
+    p.add_argument("--link", default=None, help="P/D: the K/V link, 'instant' (K/V arrives "
+                   "at once; the default) or a catalog link (roofline --list shows them)")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="the simulated engines' context (default: the model's)")
     p.add_argument("--block-size", type=int, default=d["block_size"],

@@ -730,7 +730,8 @@ def test_a_figure_whose_best_runs_disagree_or_that_ran_beside_other_load_is_unst
     assert unstable_reasons({"fp32": [1.0, 1.02]}, None) == {}
 
 
-def test_an_unstable_stored_figure_is_measured_again_and_never_preferred(tmp_path, monkeypatch):
+def test_an_unstable_stored_figure_is_measured_again_and_never_preferred(tmp_path, monkeypatch,
+                                                                         capsys):
     """generate's first quick measurement ran beside other load: its figure is stored as
     unstable, printed so, measured again at the next use, and replaced by a stable one; a
     second unstable one never replaces a higher one, and a stable one is left alone."""
@@ -760,9 +761,13 @@ def test_an_unstable_stored_figure_is_measured_again_and_never_preferred(tmp_pat
     assert "UNSTABLE: its two best runs" in pm.format_entry("cpu-local",
                                                             json.loads(path.read_text())
                                                             ["cpu-local"])
+    capsys.readouterr()
     acc = pm.ensure_local("cpu", ("fp32",), path)  # again unstable, and lower: kept 150
     assert acc.peak_flops["fp32"] == 150e9 and "other processes" in acc.measured["unstable"][
         "fp32"]
+    # and it says so: the figure this run measured is not the one it goes on with
+    assert "kept the stored fp32 matmul 150.0 GFLOP/s, higher than this run's 120.0" in \
+        capsys.readouterr().err
     # The kept figure keeps the conditions it was measured in, not the newest run's: its
     # noise is its own spread (150/60), not the 80% load of a run whose figure was dropped.
     from phasewise.perf.explain import noise_factor
@@ -881,3 +886,17 @@ def test_roofline_and_simulate_say_when_cpu_local_figures_are_unstable(tmp_path,
     store({})
     assert main(["roofline", "--model", "Qwen2.5-0.5B", "--gpu", "cpu-local"]) == 0
     assert "UNSTABLE" not in capsys.readouterr().out
+
+
+def test_a_missing_dtype_figure_names_how_to_measure_it_on_this_machine():
+    """generate's quick measurement stores the dtype it ran in: a roofline in another one on
+    cpu-local said only which it lacked, not that 'phasewise measure' fills it in."""
+    from phasewise.perf.hardware import accelerator_from_entry
+
+    local = accelerator_from_entry("cpu-local", {"name": "cpu", "peak_flops": {"bf16": 1e11},
+                                                 "mem_bytes": 1e9, "mem_bandwidth": 2e10})
+    with pytest.raises(ValueError, match="no fp32 figure; it has bf16; 'phasewise measure'"):
+        local.peak_flops_for("fp32")
+    with pytest.raises(ValueError) as e:  # a catalog card: nothing here can measure it
+        ACCELERATORS["h100-sxm"].peak_flops_for("int4")
+    assert "phasewise measure" not in str(e.value)

@@ -266,8 +266,8 @@ def test_the_simulators_pool_is_capped_as_the_engines_is_and_says_where_it_comes
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "8193 K/V blocks of 16" in out
-    assert ("K/V pool: 8193 blocks of 16 tokens x 4 KiB (0.03 GiB) from 1.00 GiB, the engine's "
-            "default on a CPU, capped at what 128 sequences of 1024 tokens could use") in out
+    assert ("K/V pool: 8193 blocks of 16 tokens, 4 KiB a block (0.03 GiB) from 1.00 GiB, "
+            "the engine's default on a CPU, capped at what 128 sequences of 1024 tokens could use") in out
     # An explicit context the pool cannot hold is refused, as phasewise serve refuses it.
     rc = main(["simulate", "--model", folder, "--kv-cache-memory", "64KiB",
                "--max-model-len", "1000", "--num-prompts", "2"])
@@ -501,6 +501,27 @@ def test_simulate_cli_writes_a_result_the_report_reads(tmp_path, capsys):
     r = load_result(res)
     assert r["completed"] == 50 and r["simulated"]["deployment"].startswith("P/D")
     assert render([res], tmp_path / "report.html").exists()
+
+
+def test_an_instant_kv_link_is_named_where_pd_is_ranked_on_it(capsys):
+    """plan with no --link ranked P/D over a free K/V hand-off without a word; 'instant' is
+    now a value --link takes and lists, and plan says when its P/D rows assume it."""
+    from phasewise.cli import main
+
+    argv = ["plan", "--model", "llama-3.1-8b", "--gpu", "l4", "--input-len",
+            "uniform:64-256", "--output-len", "16", "--num-prompts", "20", "--request-rate",
+            "2", "--goodput", "ttft:1000", "tpot:100", "--budgets", "256", "--ratios", "1:1",
+            "--thresholds", "0", "--window", "5", "--max-model-len", "2048"]
+    main(argv)
+    assert "P/D rows move K/V over an instant link (no --link given)" in capsys.readouterr().out
+    main([*argv, "--link", "25gbe"])
+    assert "instant link" not in capsys.readouterr().out
+    rc = main(["simulate", "--model", "llama-3.1-8b", "--gpu", "h100-sxm", "--num-prompts",
+               "8", "--output-len", "4", "--mode", "pd", "--link", "instant"])
+    assert rc == 0 and "K/V link instant" in capsys.readouterr().out
+    assert main(["simulate", "--model", "llama-3.1-8b", "--gpu", "h100-sxm", "--mode", "pd",
+                 "--link", "bogus"]) == 2
+    assert "unknown link 'bogus'; choose instant or one of nvlink3" in capsys.readouterr().err
 
 
 def test_simulate_cli_names_what_is_missing(tmp_path, capsys, monkeypatch):

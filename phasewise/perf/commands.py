@@ -174,7 +174,7 @@ def engine_spec(cm: CostModel, a: argparse.Namespace, model: str | None = None) 
     if blocks == plan.most_blocks:
         what += (f", capped at what {config.max_num_seqs} sequences of {plan.max_model_len} "
                  "tokens could use")
-    source = (f"{blocks} blocks of {a.block_size} tokens x {bb / 2**10:g} KiB "
+    source = (f"{blocks} blocks of {a.block_size} tokens, {bb / 2**10:g} KiB a block "
               f"({_gib(blocks * bb)}) from {what}; as phasewise serve sizes it{note}")
     served = getattr(limits, "dtype", None)  # a checkpoint's: serve's --dtype auto loads it
     if served is not None:
@@ -197,7 +197,7 @@ def _gib(n: float) -> str:
 def deployment(a: argparse.Namespace) -> Deployment:
     """``simulate``'s deployment; a flag of the other mode is refused, not ignored (None: a
     flag not given)."""
-    from phasewise.perf.hardware import lookup_link
+    from phasewise.perf.hardware import sim_link
 
     flags = {"colocated": (("--replicas", a.replicas), ("--fail-at", a.fail_at)),
              "pd": (("--prefill", a.prefill), ("--decode", a.decode),
@@ -210,7 +210,7 @@ def deployment(a: argparse.Namespace) -> Deployment:
                          f"--mode {other}, or leave {'it' if len(wrong) == 1 else 'them'} out")
     if a.trace is None and a.trace_time_scale != 1.0:
         raise ValueError("--trace-time-scale scales a trace's arrivals: give --trace")
-    link = lookup_link(a.link) if a.link is not None else None
+    link = sim_link(a.link)
     # the flags given; Deployment's own defaults stand for the rest
     given = {k: v for k, v in (("replicas", a.replicas), ("prefill", a.prefill),
                                ("decode", a.decode), ("threshold", a.disagg_threshold),
@@ -393,9 +393,9 @@ def run_plan(a: argparse.Namespace, model: str,
         return make(r, n)
 
     wl = Workload(at, rate if math.isfinite(rate) else None)
-    from phasewise.perf.hardware import lookup_link
+    from phasewise.perf.hardware import sim_link
 
-    link = lookup_link(a.link) if a.link is not None else None
+    link = sim_link(a.link)
     for line in cm.describe():
         print(line)
     print(f"K/V pool per engine: {eng.kv_source}")
@@ -414,6 +414,10 @@ def run_plan(a: argparse.Namespace, model: str,
     doubt = doubt_line(cm)
     if doubt:
         print(doubt)
+    if link is None and any(c.deployment.mode == "pd" for c in cands):
+        print("P/D rows move K/V over an instant link (no --link given): each hand-off costs "
+              f"its fixed {Deployment.handoff_s * 1e3:g} ms only, which flatters P/D wherever "
+              "the real link is slower; --link names the one the workers would use")
     best = cands[0]
     if best.goodput <= 0:
         print("\nno deployment meets the SLO at any rate: loosen the SLO or use a faster "

@@ -49,8 +49,10 @@ class Accelerator:
     def peak_flops_for(self, dtype: str) -> float:
         d = {"fp16": "bf16"}.get(dtype, dtype) if dtype not in self.peak_flops else dtype
         if d not in self.peak_flops:
+            hint = ("; 'phasewise measure' measures every dtype this machine has"
+                    if self.key.startswith(("cpu-local", "gpu-local")) else "")
             raise ValueError(f"{self.name} has no {dtype} figure; it has "
-                             f"{', '.join(sorted(self.peak_flops))}")
+                             f"{', '.join(sorted(self.peak_flops))}{hint}")
         return self.peak_flops[d]
 
     def as_dict(self) -> dict:
@@ -217,3 +219,17 @@ def lookup_link(key: str) -> Link:
     if k in LINKS:
         return LINKS[k]
     raise ValueError(f"unknown link {key!r}; choose one of {', '.join(LINKS)}")
+
+
+INSTANT = "instant"  # simulate/plan --link: K/V arrives at once, the fixed hand-off cost aside
+
+
+def sim_link(key: str | None) -> Link | None:
+    """A simulated P/D deployment's K/V link: None (``instant``, the default) or a catalog
+    link."""
+    if key is None or key.lower() == INSTANT:
+        return None
+    k = key.lower()
+    if k in LINKS:
+        return LINKS[k]
+    raise ValueError(f"unknown link {key!r}; choose {INSTANT} or one of {', '.join(LINKS)}")

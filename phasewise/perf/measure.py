@@ -491,7 +491,18 @@ def ensure_local(device: str, compute_dtypes: tuple[str, ...],
     entry = measure_device(device, _progress, quick=True, dtypes=missing + redo,
                            read_bandwidth=not old or redo_read)
     if old:
+        measured_now = entry
         entry = merge_entry(old, entry, missing + redo, redo_read)
+        for name in (*redo, *(("mem_bandwidth",) if redo_read else ())):
+            read = name == "mem_bandwidth"
+            now, kept = ((measured_now["mem_bandwidth"], entry["mem_bandwidth"]) if read else
+                         (measured_now["peak_flops"][name], entry["peak_flops"][name]))
+            if kept != now:  # both unstable: the higher stays, as merge_entry says
+                unit = "GB/s" if read else "GFLOP/s"
+                label = "read bandwidth" if read else f"{name} matmul"
+                _progress(f"{key}: kept the stored {label} {kept / 1e9:.1f} {unit}, higher "
+                          f"than this run's {now / 1e9:.1f} {unit} (both unstable: a peak is "
+                          "the highest seen)")
     data[key] = entry
     try:
         write_text_atomic(path, json.dumps(data, indent=1))
