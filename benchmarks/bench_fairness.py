@@ -19,12 +19,16 @@ logprobs a token) whose client never reads a byte: the newcomer's TTFT is timed 
 then its largest gap between tokens while they close their connections at once. A request
 whose reader stopped reading is parked (``RequestGroup``): its seats go to the newcomer.
 
+``--pd`` serves through ``phasewise pd`` (a router, a prefill and a decode worker) instead:
+the router relays the streams, and tells the decode worker to park a request whose client
+stopped reading (``/internal/v1/park``).
+
 ``--server-checkout DIR`` runs the server from another checkout (a ``git worktree`` of an
 older commit), so that a before/after pair runs in one invocation on one machine state.
 
     python -m benchmarks.bench_fairness [--model DIR] [--rounds 3] [--prompts 16] [--n 16]
                                         [--max-tokens 200] [--after 2] [--unread K]
-                                        [--server-checkout DIR]
+                                        [--pd] [--server-checkout DIR]
 """
 
 from __future__ import annotations
@@ -41,7 +45,8 @@ from pathlib import Path
 
 import httpx
 
-from benchmarks.harness import log, machine_info, machine_line, start_server, stream_gaps
+from benchmarks.harness import (free_port, log, machine_info, machine_line, start_server,
+                                stream_gaps)
 
 HERE = Path(__file__).resolve().parent
 NOISE = ("figures measured on a shared machine: other tenants move them by 5-30% from run to "
@@ -128,6 +133,8 @@ def main() -> int:
                    help="seconds into the hog at which the newcomer is sent")
     p.add_argument("--unread", type=int, default=0, metavar="K",
                    help="the hog: K streams of --n samples nobody reads (see above)")
+    p.add_argument("--pd", action="store_true",
+                   help="serve through phasewise pd (router, prefill and decode worker)")
     p.add_argument("--server-checkout", default=None, metavar="DIR",
                    help="run the server from this checkout (before/after in one run)")
     a = p.parse_args()
@@ -136,9 +143,16 @@ def main() -> int:
     print(NOISE)
     out_dir = HERE / "results" / "fairness"
     out_dir.mkdir(parents=True, exist_ok=True)
-    server = start_server(Path(a.model) if a.model else None, out_dir / "serve.log",
-                          "--log-level", "warning", "--no-access-log",
-                          cwd=a.server_checkout)
+    if a.pd:
+        args = ("--decode-port", str(free_port()), "--prefill-port", str(free_port()),
+                "--kv-port", str(free_port()), "--log-level", "warning")
+    else:
+        args = ("--log-level", "warning", "--no-access-log")
+    server = start_server(Path(a.model) if a.model else None, out_dir / "serve.log", *args,
+                          cwd=a.server_checkout, command="pd" if a.pd else "serve",
+                          timeout=300 if a.pd else 120)
+    print("served by phasewise " + ("pd: a router, a prefill and a decode worker" if a.pd
+                                    else "serve"))
     if a.server_checkout:
         print(f"server from {a.server_checkout}")
     rows = []

@@ -258,13 +258,23 @@ def _add_connection_args(p: argparse.ArgumentParser) -> None:
                    help="connections one address may hold with no request in progress "
                    "(opening, sending a request, idle, not reading its answer); more are "
                    "answered 503")
+    p.add_argument("--send-buffer", default=f"{d.send_buffer >> 10}KiB",
+                   help="bytes of a response the kernel may hold for a client that does not "
+                   "read them (SO_SNDBUF; 0: the system's own, up to MiBs): a stream whose "
+                   "client stopped reading is parked once it is full")
 
 
 def _connection_limits(a: argparse.Namespace) -> Any:
     from phasewise.server.limits import ConnectionLimits
 
+    from phasewise.config import parse_memory
+
+    try:
+        send = 0 if str(a.send_buffer).strip() == "0" else parse_memory(a.send_buffer)
+    except ValueError as e:
+        raise ValueError(f"--send-buffer: {e}") from None
     return ConnectionLimits(a.timeout_header, a.timeout_body, a.max_connections,
-                            a.max_connections_per_address, a.timeout_write)
+                            a.max_connections_per_address, a.timeout_write, send)
 
 
 def _logging(level: str) -> None:

@@ -524,6 +524,46 @@ def test_a_slow_readers_progress_counts_the_kernels_send_queue():
     client.close()
 
 
+@pytest.mark.parametrize("send_buffer", [0, 64 << 10])
+def test_a_connections_kernel_buffer_is_bounded_so_an_unread_stream_parks_soon(send_buffer):
+    """A loopback socket's send buffer autotunes to 4 MiB: eight unread streams of 16
+    samples with logprobs filled theirs only 11-13 s in (through pd), holding every seat
+    till then. Each connection's buffer is set to --send-buffer (Linux keeps twice the
+    value); 0 leaves the system's own."""
+    import asyncio
+
+    import uvicorn
+    from uvicorn.server import ServerState
+
+    from phasewise.server.limits import ConnectionLimits, guarded_protocol
+
+    config = uvicorn.Config(lambda *a: None, lifespan="off")
+    config.load()
+    cls = guarded_protocol(ConnectionLimits(send_buffer=send_buffer))
+    ours, client = socket.socketpair()
+    system = ours.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
+
+    class Sock(_Transport):
+        def get_extra_info(self, name, default=None):
+            return ours if name == "socket" else super().get_extra_info(name, default)
+
+    async def main():
+        p = cls(config, ServerState(), {})
+        p.connection_made(Sock())
+        for timer in ("_header_timer", "_body_timer", "_write_timer"):
+            p._cancel(timer)
+
+    try:
+        asyncio.run(main())
+        got = ours.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
+        assert got == system if send_buffer == 0 else send_buffer <= got <= 2 * send_buffer
+    finally:
+        ours.close()
+        client.close()
+    with pytest.raises(ValueError, match="--send-buffer must be 0 .* or 4KiB-64MiB"):
+        ConnectionLimits(send_buffer=100)
+
+
 def test_accept_errors_out_of_descriptors_fold_into_one_line_a_while(caplog):
     """asyncio logs a traceback for each connection it fails to accept when descriptors run
     out: a K/V port flood wrote 8,854 of them in 2 s. One line per ACCEPT_ERROR_EVERY_S,

@@ -121,6 +121,7 @@ ENGINE_FLAGS: dict[str, Any] = {
     "--timeout-write": float,
     "--max-connections": int,
     "--max-connections-per-address": int,
+    "--send-buffer": str,
 }
 # Flags of `phasewise serve` the manifests set themselves, with what sets them instead.
 MANAGED_FLAGS: dict[str, str] = {

@@ -43,6 +43,7 @@ import dataclasses
 import fcntl
 import json
 import math
+import socket
 import struct
 import sys
 import termios
@@ -70,6 +71,10 @@ class ClientContext:
             CLIENT.reset(token)
 
 
+SEND_BUFFER = 256 << 10
+MIN_SEND_BUFFER, MAX_SEND_BUFFER = 4 << 10, 64 << 20
+
+
 @dataclass(frozen=True)
 class ConnectionLimits:
     timeout_header_s: float = 15.0
@@ -77,6 +82,12 @@ class ConnectionLimits:
     max_connections: int = 2048
     max_connections_per_address: int = 64
     timeout_write_s: float = 60.0
+    # Bytes of a response the kernel may hold for a client that reads none of them
+    # (SO_SNDBUF; Linux reserves twice that). Autotuned, a loopback socket grows to 4 MiB,
+    # which a stream of 16 samples with logprobs fills in seconds: a request whose client
+    # stopped reading kept its seats that long before it was parked (RequestGroup). Bounded,
+    # a connection carries at most about twice this per round trip. 0: the system's own.
+    send_buffer: int = SEND_BUFFER
 
     def __post_init__(self) -> None:
         for name in ("timeout_header_s", "timeout_body_s", "timeout_write_s"):
@@ -89,6 +100,10 @@ class ConnectionLimits:
         if self.max_connections_per_address < 1:
             raise ValueError("--max-connections-per-address must be >= 1, got "
                              f"{self.max_connections_per_address}")
+        if self.send_buffer != 0 and not MIN_SEND_BUFFER <= self.send_buffer <= MAX_SEND_BUFFER:
+            raise ValueError(f"--send-buffer must be 0 (the system's own) or "
+                             f"{MIN_SEND_BUFFER >> 10}KiB-{MAX_SEND_BUFFER >> 20}MiB, got "
+                             f"{self.send_buffer} bytes")
 
     def clamped(self, open_files: int | None) -> ConnectionLimits:
         """These limits with ``max_connections`` below the process's file limit (less a
@@ -167,6 +182,12 @@ def guarded_protocol(limits: ConnectionLimits) -> type:
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
+            sock = transport.get_extra_info("socket")
+            if limits.send_buffer and sock is not None:
+                try:
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, limits.send_buffer)
+                except OSError:  # a socket that takes no such option: the system's own
+                    pass
             self._addr = self.client[0] if self.client else ""
             self._counted = False
             self._refused = False
