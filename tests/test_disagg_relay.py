@@ -440,3 +440,45 @@ def test_the_routers_group_tells_the_worker_to_park_in_order_with_the_relays_nam
     assert posts[0] == ("http://w:1/internal/v1/park",
                         {"request_ids": [name], "abort_key": "k" * 32, "parked": True})
     assert [p[1]["parked"] for p in posts] == [True, False]
+
+
+def test_a_moved_stream_is_parked_again_on_its_new_worker(worker):
+    """A client that stopped reading a stream whose worker then died: the new worker ran
+    its requests to the end unparked (the router had sent the park to the old one only).
+    A move posts the parked set to the new worker, also when a park to the old one was
+    still in flight."""
+    from phasewise.disagg.fleet import Worker
+    from phasewise.disagg.router import Router, _Relay, _Stream
+    from phasewise.engine.backend import RequestGroup
+
+    router = Router(["http://127.0.0.1:9"], model_dir=worker)
+    posts = []
+
+    class Client:
+        async def post(self, url, json):
+            posts.append((url, json["parked"]))
+            await asyncio.sleep(0.01)
+
+    async def run():
+        router._loop, router._client = asyncio.get_running_loop(), Client()
+        old, new = (_Relay(Worker(u, "decode"), None, None, index=[0])  # type: ignore
+                    for u in ("http://a:1", "http://b:1"))
+        stream = _Stream("cmpl-y", [], [], old, abort_key="k" * 32)
+        group = RequestGroup(["cmpl-y-0"], router.abort, router._closed, park=router.park)
+        router._groups["cmpl-y-0"] = (group, None, stream)
+        router.park(["cmpl-y-0"], True)
+        await asyncio.sleep(0.001)  # the park to A in flight as the stream moves
+        stream.relay = new
+        router._repark(stream)
+        while router._background:
+            await asyncio.gather(*router._background)
+        assert stream.parked_sent == {0}
+        stream.parked.clear()
+        router._repark(stream)  # a move with nothing parked sends nothing
+        while router._background:
+            await asyncio.gather(*router._background)
+
+    asyncio.run(run())
+    assert posts == [("http://a:1/internal/v1/park", True),
+                     ("http://b:1/internal/v1/park", True)]
+

@@ -42,6 +42,8 @@ def _handler(good_url: str):
                         "prefix_queries": 0, "prefix_hits": 0}
                 if MODE["load"] == "strings":
                     snap.update(num_running="x", num_waiting="y")
+                elif MODE["load"] == "busy":
+                    snap.update(num_running=5, kv_usage=0.5)
                 self._send(200, json.dumps({"role": "both", "alive": True, "draining": False,
                                             "open_groups": 0, "snapshot": snap}).encode())
             else:
@@ -112,3 +114,29 @@ def test_a_load_reply_of_the_wrong_types_marks_only_its_worker_down(fleet):
     for r in _completions(router, 3):
         assert r.status_code == 200, r.text
     assert httpx.get(router.url + "/metrics", timeout=30).status_code == 200
+
+
+def _gauge(router, name: str) -> float:
+    for line in httpx.get(router.url + "/metrics", timeout=30).text.splitlines():
+        if line.startswith(f"phasewise:{name}{{") or line.startswith(f"phasewise:{name} "):
+            return float(line.split()[-1])
+    raise AssertionError(f"no {name} on /metrics")
+
+
+def test_the_routers_gauges_follow_its_workers_polls_while_it_is_idle(fleet):
+    """The router set its gauges only when a stream's output came through: 6 s after every
+    request had finished it still said 6 running. Each poll round updates them."""
+    good, router = fleet
+    MODE.update(load="busy", generate="500")
+    for _ in range(100):  # the next poll (every second) reads the 5 running
+        if _gauge(router, "num_requests_running") == 5:
+            break
+        threading.Event().wait(0.1)
+    assert _gauge(router, "num_requests_running") == 5
+    MODE.update(load="ok")
+    for _ in range(100):
+        if _gauge(router, "num_requests_running") == 0:
+            break
+        threading.Event().wait(0.1)
+    assert _gauge(router, "num_requests_running") == 0
+

@@ -767,6 +767,7 @@ class Router(Fleet):
                            f"over ({why_failed(e)}); the response is incomplete")
             return False
         stream.relay = relay
+        self._repark(stream)
         stream.moves += 1
         self.migrations[move.reason] += 1
         group.routing = f"{group.routing} moved={relay.worker.url}({move.reason})"
@@ -867,6 +868,15 @@ class Router(Fleet):
                 stream.parking = True
                 self._spawn(self._send_parks(stream))
 
+    def _repark(self, stream: _Stream) -> None:
+        """The stream moved to another worker: nothing is parked there yet, so its parked
+        requests are posted again (its client still reads none of them)."""
+        stream.parked_sent = set()
+        if stream.parked and not stream.parking and self._loop is not None \
+                and self._client is not None:
+            stream.parking = True
+            self._spawn(self._send_parks(stream))
+
     async def _send_parks(self, stream: _Stream) -> None:
         """Post the stream's parked set to its worker until what was sent is what is wanted
         (a request finished or moved meanwhile is ignored there)."""
@@ -889,7 +899,8 @@ class Router(Fleet):
                         except httpx.HTTPError as e:
                             log.warning("could not tell %s to park %s: %s", relay.worker.url,
                                         theirs, why_failed(e))
-                stream.parked_sent = want
+                if stream.relay is relay:  # (moved meanwhile: _repark emptied it; go again)
+                    stream.parked_sent = want
         finally:
             stream.parking = False
 
@@ -982,6 +993,9 @@ class Router(Fleet):
                 except Exception:  # noqa: BLE001 - discovery must never stop the polls
                     log.exception("--discover failed")
             await asyncio.gather(*(self._poll_one(w) for w in self.workers))
+            # the workers' fresh snapshots to the gauges (/metrics), which would otherwise
+            # keep the last streamed output's view while the router is idle
+            self._notify([], [])
             await asyncio.sleep(self.poll_interval)
 
     def _end_streams_of_silent_workers(self) -> None:
