@@ -165,7 +165,8 @@ def add_dashboard_routes(app: FastAPI, hub: Hub, routes: Any, *, api_key: str | 
         if hub.closed:
             raise ApiError(503, "the server is shutting down", type="server_error",
                            code="shutting_down")
-        client = request.client.host if request.client else "-"
+        # (an IPv6 host by its /64, as failures are counted: it commonly holds all of it)
+        client = client_address(request.scope)
         if hub.full or hub.pages_of(client) >= hub.max_pages_per_client:
             many = (f"{hub.max_pages} dashboard pages are open already" if hub.full else
                     f"{hub.max_pages_per_client} dashboard pages are open from {client}")
