@@ -194,7 +194,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
 
 def _serve(a: argparse.Namespace) -> int:
     from phasewise.config import EngineConfig, parse_memory
-    from phasewise.launch.serve import build_server, read_secret
+    from phasewise.launch.serve import build_server, read_internal_key, read_secret
     from phasewise.server.serve import check_port, run
 
     model = _model_arg(a)
@@ -202,6 +202,7 @@ def _serve(a: argparse.Namespace) -> int:
     _check_slo_args(a)
     limits = _connection_limits(a)
     secret = read_secret(a.kv_secret_file, a.role) if a.role != "both" else None
+    internal_key = read_internal_key(a.internal_key_file)
     server = build_server(
         EngineConfig(model=model, **_engine_kwargs(a)),
         served_model_name=a.served_model_name,
@@ -211,7 +212,7 @@ def _serve(a: argparse.Namespace) -> int:
         kv_bind=a.kv_bind, kv_connect=a.kv_connect, kv_secret=secret,
         disagg_threshold=a.disagg_threshold, prefill_queue_limit=a.prefill_queue_limit,
         remote_prefill_timeout=a.remote_prefill_timeout, kv_name=a.kv_name,
-        slo_ttft_ms=a.slo_ttft_ms, slo_tpot_ms=a.slo_tpot_ms)
+        slo_ttft_ms=a.slo_ttft_ms, slo_tpot_ms=a.slo_tpot_ms, internal_key=internal_key)
     try:
         run(server, host=a.host, port=a.port, shutdown_grace_s=a.shutdown_grace,
             log_level=a.log_level, access_log=not a.no_access_log, limits=limits)
@@ -286,7 +287,7 @@ def _logging(level: str) -> None:
 
 def cmd_router(a: argparse.Namespace) -> int:
     from phasewise.config import parse_memory
-    from phasewise.launch.serve import build_router
+    from phasewise.launch.serve import build_router, read_internal_key
     from phasewise.server.serve import check_port, run
 
     _logging(a.log_level)
@@ -297,6 +298,7 @@ def cmd_router(a: argparse.Namespace) -> int:
     try:
         server = build_router(model, a.decode, a.prefill or [],
                               served_model_name=a.served_model_name, api_key=a.api_key,
+                              internal_key=read_internal_key(a.internal_key_file),
                               wait_s=a.wait, max_waiting_requests=a.max_waiting_requests,
                               slo_ttft_ms=a.slo_ttft_ms, slo_tpot_ms=a.slo_tpot_ms,
                               max_request_bytes=parse_memory(a.max_request_size),
@@ -736,6 +738,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize and "
                    "/detokenize, and a login for /dashboard (/health, /metrics and /version "
                    "stay open; docs/serving.md#authentication)")
+    s.add_argument("--internal-key-file", default=None, metavar="FILE",
+                   help="behind a router: the fleet's own key (32+ characters, e.g. "
+                   "'openssl rand -hex 32'), which /internal/* then take instead of --api-key, "
+                   "so that wrong API keys never lock the router out (default: --api-key "
+                   "guards them)")
     _add_slo_args(s)
     s.add_argument("--max-waiting-requests", type=int, default=256,
                    help="requests allowed to wait for the engine; beyond it new ones get 503")
@@ -791,6 +798,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the model name clients send (default: the folder's name)")
     ro.add_argument("--api-key", default=None,
                     help="required of clients, and sent to the workers")
+    ro.add_argument("--internal-key-file", default=None, metavar="FILE",
+                    help="the workers' --internal-key-file, sent to their /internal/* routes")
     ro.add_argument("--max-waiting-requests", type=int, default=256,
                     help="requests allowed to wait for a worker; beyond it new ones get 503")
     _add_slo_args(ro)

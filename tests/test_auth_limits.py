@@ -108,6 +108,65 @@ def test_wrong_keys_from_one_address_wait_longer_each_time_others_get_through():
     asyncio.run(main())
 
 
+def test_a_fleets_internal_key_is_never_locked_out_and_the_api_key_is_no_way_in():
+    """A client sharing the router's address sent wrong API keys to a worker: the worker
+    locked that address out, answered the router's polls and relays 429, and every request
+    through the router failed. With an internal key the /internal/* routes take only it,
+    and no wrong key of either kind locks them."""
+    from phasewise.engine.relay import INTERNAL_HEADER
+
+    clock = Clock()
+    app = FastAPI()
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"data": []}
+
+    @app.get("/internal/v1/load")
+    async def load() -> dict:
+        return {"alive": True}
+
+    internal = "i" * 64
+    guard = Guard(app, api_key=KEY, max_request_bytes=1 << 20, is_draining=lambda: False,
+                  limiter=FailureLimiter(clock=clock), internal_key=internal)
+    fleet = {INTERNAL_HEADER: internal}
+
+    async def main():
+        async with client(guard, "127.0.0.1") as c:
+            for _ in range(8):  # the address is locked for /v1
+                await c.get("/v1/models", headers=BAD)
+            assert (await c.get("/v1/models", headers=GOOD)).status_code == 429
+            assert (await c.get("/internal/v1/load", headers=fleet)).status_code == 200
+            # the clients' key opens no internal route, nor does a wrong internal key, and
+            # neither counts as a guess of the API key
+            for headers in (GOOD, {INTERNAL_HEADER: "x" * 64}, {}):
+                r = await c.get("/internal/v1/load", headers=headers)
+                assert r.status_code == 401 and r.json()["error"]["code"] == \
+                    "invalid_internal_key"
+            assert (await c.get("/internal/v1/load", headers=fleet)).status_code == 200
+            r = await c.get("/internal/v1/load", headers=[(INTERNAL_HEADER, internal)] * 2)
+            assert r.status_code == 401  # two of them: which counts would be a guess
+        async with client(guard, "10.0.0.7") as other:
+            assert (await other.get("/v1/models", headers=GOOD)).status_code == 200
+
+    asyncio.run(main())
+
+
+def test_an_internal_key_file_is_long_printable_and_named_in_its_errors(tmp_path):
+    from phasewise.launch.serve import read_internal_key
+
+    assert read_internal_key(None) is None
+    good = tmp_path / "k"
+    good.write_text("ab" * 32 + "\n")
+    assert read_internal_key(str(good)) == "ab" * 32
+    for bad in ("short", "a b" * 20, "é" * 40):
+        good.write_text(bad)
+        with pytest.raises(ValueError, match="--internal-key-file .* at least 32 printable"):
+            read_internal_key(str(good))
+    with pytest.raises(ValueError, match="--internal-key-file .*missing"):
+        read_internal_key(str(tmp_path / "missing"))
+
+
 def test_wrong_login_posts_count_with_wrong_bearer_keys():
     clock = Clock()
     app = guarded(clock)

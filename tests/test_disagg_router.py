@@ -21,6 +21,7 @@ import pytest
 
 from conftest import build_hf_checkpoint
 from phasewise import LLM, SamplingParams
+from phasewise.engine.relay import INTERNAL_HEADER
 from serving import free_port, start_server
 
 PROMPT = "def fibonacci(n):"
@@ -79,6 +80,22 @@ def test_pd_starts_three_processes_the_openai_client_streams_through_the_router(
                           timeout=10).status_code == 401
         assert httpx.get(f"http://127.0.0.1:{dport}/internal/v1/info",
                          timeout=10).status_code == 401
+        # The workers' /internal/* take pd's own internal key, not the clients' one; and
+        # wrong API keys sent to a worker from the router's address lock that address out
+        # of the worker's /v1, never the router out of its relays and polls.
+        r = httpx.get(f"http://127.0.0.1:{dport}/internal/v1/info", headers=pd.headers,
+                      timeout=10)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_internal_key"
+        for _ in range(8):
+            httpx.get(f"http://127.0.0.1:{dport}/v1/models", timeout=10,
+                      headers={"Authorization": "Bearer wrong"})
+        assert httpx.get(f"http://127.0.0.1:{dport}/v1/models", headers=pd.headers,
+                         timeout=10).status_code == 429
+        args = [open(f"/proc/{c}/cmdline", "rb").read().split(b"\0") for c in children]
+        (path,) = {a[a.index(b"--internal-key-file") + 1] for a in args}  # one, all three
+        fleet = {INTERNAL_HEADER: open(path, "rb").read().decode().strip()}
+        assert httpx.get(f"http://127.0.0.1:{dport}/internal/v1/load", headers=fleet,
+                         timeout=10).status_code == 200  # the router's polls still pass
         client = openai.OpenAI(base_url=pd.url + "/v1", api_key=KEY, max_retries=0)
         stream = client.completions.create(
             model=model.name, prompt=PROMPT, max_tokens=20, temperature=0, stream=True,

@@ -146,8 +146,8 @@ class Fleet:
                         continue
                     if r.status_code == 401:
                         raise RouterConfigError(
-                            f"{w.role} worker {url} refused the router's API key (401): give "
-                            "the router the workers' --api-key")
+                            f"{w.role} worker {url} refused the router's keys (401): give "
+                            "the router the workers' --api-key and --internal-key-file")
                     if r.status_code != 200:
                         w.reason = f"/internal/v1/info answered {r.status_code}"
                         continue

@@ -63,7 +63,8 @@ from phasewise.engine.backend import (BackendInfo, EngineError, EngineObserver,
                                       EngineOverloaded, EngineSnapshot, EngineStopped,
                                       EngineUnavailable, FinishedRequest, GrammarFailed,
                                       PromptSpec, RequestGroup, SLORefused)
-from phasewise.engine.relay import OutputAssembler, RelayError, params_to_wire
+from phasewise.engine.relay import (INTERNAL_HEADER, OutputAssembler, RelayError,
+                                    params_to_wire)
 from phasewise.engine.sampling_params import SamplingParams
 from phasewise.engine.validation import ValidationError, check_sequences, is_count
 from phasewise.model.tokenizer import Tokenizer
@@ -268,7 +269,7 @@ class Router(Fleet):
                  prefix_weight: float = DEFAULT_PREFIX_WEIGHT,
                  load_weight: float = DEFAULT_LOAD_WEIGHT, block_size: int = 16,
                  max_migrations: int = DEFAULT_MAX_MIGRATIONS, discover: bool = False,
-                 discover_interval: float = 5.0) -> None:
+                 discover_interval: float = 5.0, internal_key: str | None = None) -> None:
         if not decode:
             raise RouterConfigError("the router needs at least one --decode URL")
         urls = [u.rstrip("/") for u in (*decode, *prefill)]
@@ -310,6 +311,8 @@ class Router(Fleet):
         self._identity: dict[str, Any] = {}  # what every worker must serve (connect)
         self.model_dir = Path(model_dir)
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        if internal_key is not None:  # the workers' /internal/* take it (server.guard)
+            self.headers[INTERNAL_HEADER] = internal_key
         self.poll_interval = poll_interval
         self.wait_s = wait_s
         self.request_timeout = request_timeout

@@ -32,6 +32,9 @@ from phasewise.engine.sampling_params import SamplingParams
 from phasewise.engine.validation import is_count
 
 MEDIA_TYPE = "application/x-ndjson"
+# The header a router sends its workers' /internal/* routes the fleet's internal key in
+# (--internal-key-file; phasewise.server.guard checks it).
+INTERNAL_HEADER = "x-phasewise-internal"
 
 
 def file_sha256(path: Path) -> str | None:

@@ -78,24 +78,32 @@ class Launcher:
         self._tmp: tempfile.TemporaryDirectory | None = None
         self._stopping = False
 
-    def _secret_file(self) -> str:
-        if self.cfg.kv_secret_file:
-            return self.cfg.kv_secret_file
-        self._tmp = tempfile.TemporaryDirectory(prefix="phasewise-pd-")
-        path = Path(self._tmp.name) / "kv.secret"
+    def _fresh_secret(self, name: str) -> str:
+        """A new random secret in a file only this user reads, removed when pd stops."""
+        if self._tmp is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="phasewise-pd-")
+        path = Path(self._tmp.name) / name
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as f:
             f.write(secrets.token_hex(32))
         return str(path)
 
-    def commands(self, secret_file: str) -> dict[str, list[str]]:
+    def _secret_file(self) -> str:
+        return self.cfg.kv_secret_file or self._fresh_secret("kv.secret")
+
+    def commands(self, secret_file: str,
+                 internal_key_file: str | None = None) -> dict[str, list[str]]:
         c = self.cfg
         dport, pport = c.ports()
         # -P: the current folder is not put first on the path, so a folder named phasewise
         # there (a clone's parent) cannot shadow the installed package in the workers
         base = [sys.executable, "-P", "-m", "phasewise"]
         auth = ["--api-key", c.api_key] if c.api_key else []
-        common = ["--model", c.model, "--host", c.host, "--log-level", c.log_level, *auth]
+        # the router's own key to the workers' /internal/* routes: a client sharing this
+        # host's address and sending wrong API keys to a worker cannot lock the router out
+        internal = ["--internal-key-file", internal_key_file] if internal_key_file else []
+        common = ["--model", c.model, "--host", c.host, "--log-level", c.log_level, *auth,
+                  *internal]
         kv = f"tcp://{c.host}:{c.kv_port}"
         cmds = {
             "decode": [*base, "serve", *common, *c.engine_args, "--role", "decode",
@@ -180,7 +188,7 @@ class Launcher:
         flags = ("--port", "--decode-port", "--prefill-port", "--kv-port")
         for p, flag in zip(ports, flags):
             check_port(c.host, p, flag)
-        cmds = self.commands(self._secret_file())
+        cmds = self.commands(self._secret_file(), self._fresh_secret("internal.key"))
 
         def on_signal(signum: int, frame: object) -> None:
             raise KeyboardInterrupt

@@ -45,6 +45,27 @@ def read_secret(path: str | None, role: str) -> bytes:
     return secret
 
 
+INTERNAL_KEY_MIN = 32
+
+
+def read_internal_key(path: str | None) -> str | None:
+    """The fleet's internal key (``--internal-key-file``): None without a file; else its
+    text, at least ``INTERNAL_KEY_MIN`` printable ASCII characters with no space (it travels
+    in a header). Long and random (``openssl rand -hex 32``), no guessing reaches it, which is
+    why no address is ever locked out for a wrong one."""
+    if path is None:
+        return None
+    try:
+        key = Path(path).read_text(encoding="ascii", errors="replace").strip()
+    except OSError as e:
+        raise ValueError(f"--internal-key-file {path}: {e.strerror}") from e
+    if len(key) < INTERNAL_KEY_MIN or not all("!" <= c <= "~" for c in key):
+        raise ValueError(f"--internal-key-file {path} must hold at least {INTERNAL_KEY_MIN} "
+                         f"printable ASCII characters and no space (it holds {len(key)}); "
+                         "for example the output of 'openssl rand -hex 32'")
+    return key
+
+
 def _connect_prefill(engine: AsyncEngine, connect: list[str], secret: bytes, name: str,
                      wait_s: float) -> Any:
     """The prefill role's K/V connection. A decode worker that is still loading does not
@@ -179,17 +200,17 @@ def dashboard_info(engine: Any) -> dict[str, Any]:
 def build_router(model: str, decode: list[str], prefill: list[str], *,
                  served_model_name: str | None = None, api_key: str | None = None,
                  wait_s: float = 300.0, routing: dict[str, Any] | None = None,
-                 **server_kwargs: Any) -> OpenAIServer:
+                 internal_key: str | None = None, **server_kwargs: Any) -> OpenAIServer:
     """``phasewise router``: wait for the workers, check they serve ``model``'s checkpoint,
     and put the OpenAI API in front of them (``phasewise.disagg.router``)."""
     from phasewise.disagg.router import Router, RouterCollector
 
     router = Router(decode, prefill, model_dir=model, api_key=api_key, wait_s=wait_s,
-                    **(routing or {}))
+                    internal_key=internal_key, **(routing or {}))
     router.connect()
     name = served_model_name or Path(model).resolve().name
     config = ServerConfig(served_model_name=name, role="router", api_key=api_key,
-                          **server_kwargs)
+                          internal_key=internal_key, **server_kwargs)
     metrics = PrometheusMetrics(name)
     router.add_observer(metrics)
     metrics.registry.register(RouterCollector(router))

@@ -137,6 +137,8 @@ MANAGED_FLAGS: dict[str, str] = {
     "--disagg-threshold": "DeploySpec.disagg_threshold",
     "--kv-name": "nothing: each prefill pod's default, prefill@POD, is unique",
     "--api-key": "nothing: not supported here, it would sit in a ConfigMap in plain text",
+    "--internal-key-file": "nothing: without --api-key no wrong key locks the router out, "
+                           "and the router reaches the pods from its own address",
 }
 # The flags the emitted commands pass (tests/test_k8s.py checks phasewise.cli still has them).
 SERVE_FLAGS_USED = ("--model", "--host", "--port", "--shutdown-grace", "--role", "--kv-bind",

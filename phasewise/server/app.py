@@ -58,6 +58,8 @@ class ServerConfig:
 
     served_model_name: str
     api_key: str | None = None
+    # the fleet's own key for /internal/* (a router and its workers; --internal-key-file)
+    internal_key: str | None = None
     max_waiting_requests: int = 256
     max_request_bytes: int = 8 * 2**20
     retry_after_s: int = 1
@@ -122,7 +124,7 @@ class OpenAIServer:
         self.fastapi = self._build()
         guarded = Guard(self.fastapi, api_key=config.api_key,
                         max_request_bytes=config.max_request_bytes,
-                        is_draining=lambda: self.draining)
+                        is_draining=lambda: self.draining, internal_key=config.internal_key)
         self.access_log = AccessLog(guarded, enabled=config.access_log)
         self.app: Any = ClientContext(self.access_log)
 

@@ -38,6 +38,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from phasewise.engine.relay import INTERNAL_HEADER
 from phasewise.server.errors import ApiError
 
 Scope = dict[str, Any]
@@ -241,6 +242,9 @@ def cookies_named(headers: dict[str, str], name: str) -> list[str]:
 
 
 # Logged only when they fail: probes, scrapes and a router's polls.
+# The routes a router and its workers use between themselves (phasewise.server.internal);
+# where the fleet has an internal key, relay.INTERNAL_HEADER carries it to them.
+INTERNAL_PREFIX = "/internal/"
 QUIET_PATHS = frozenset({"/health", "/metrics", "/internal/v1/load", "/internal/v1/info"})
 
 access_log = logging.getLogger("phasewise.access")
@@ -325,9 +329,10 @@ class Guard:
 
     def __init__(self, app: Any, *, api_key: str | None, max_request_bytes: int,
                  is_draining: Callable[[], bool], limiter: FailureLimiter | None = None,
-                 sessions: Sessions | None = None) -> None:
+                 sessions: Sessions | None = None, internal_key: str | None = None) -> None:
         self.app = app
         self.api_key = api_key
+        self.internal_key = internal_key
         self.max_request_bytes = max_request_bytes
         self.is_draining = is_draining
         self.limiter = limiter if limiter is not None else FailureLimiter()
@@ -353,7 +358,21 @@ class Guard:
         by_cookie = False
         if dashboard:
             scope.setdefault("state", {})[GUARD_STATE] = self
-        if key is not None and path not in OPEN_PATHS:
+        if self.internal_key is not None and path.startswith(INTERNAL_PREFIX):
+            # A fleet's own routes take its internal key, not the clients' API key: a long
+            # random secret no guessing reaches, so no address is ever locked out of them
+            # (a client sharing the router's address, sending wrong API keys to a worker,
+            # had locked the router out of every worker), and a client's key is no way in.
+            given = [v for k, v in scope.get("headers", [])
+                     if k.lower() == INTERNAL_HEADER.encode()]
+            if len(given) != 1 or not hmac.compare_digest(
+                    given[0], self.internal_key.encode()):
+                await self._refuse(send, ApiError(
+                    401, f"{INTERNAL_PREFIX}* routes need this fleet's internal key in one "
+                    f"'{INTERNAL_HEADER}' header (--internal-key-file)",
+                    code="invalid_internal_key"))
+                return
+        elif key is not None and path not in OPEN_PATHS:
             auth = headers.get("authorization")
             if sum(k.lower() == b"authorization" for k, _ in scope.get("headers", [])) > 1:
                 # which one counts would be this server's guess (a proxy in front may read
