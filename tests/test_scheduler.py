@@ -278,6 +278,24 @@ def test_stop_strings_find_the_earliest_match_after_the_search_start():
     assert find_stop_string("abc", 0, ("x",)) is None
 
 
+def test_min_tokens_holds_stop_strings_back_as_it_holds_stop_tokens():
+    """min_tokens 10 with a stop string finished after 1 token: the docs said no stop before
+    that many tokens, and vLLM's min_tokens holds stop strings back too. An output among the
+    first min_tokens that completes a stop string goes on; a later one stops."""
+    from phasewise.engine.output_processor import TextState
+
+    class Pieces:  # a token's text: token i is "ab"[i]
+        def step(self, token_id):
+            return "ab"[token_id]
+
+    # "ab" is completed by outputs 2, 4 and 6; outputs up to min_tokens cannot stop
+    for min_tokens, first_stop in ((0, 2), (1, 2), (2, 4), (3, 4), (4, 6)):
+        state = TextState(Pieces(), SamplingParams(stop=["ab"], min_tokens=min_tokens))
+        n = next(i for i in range(1, 7) if state.add_token(i % 2 == 0) is not None)
+        assert n == first_stop, min_tokens
+        assert state.text == "ab" * (n // 2 - 1)  # cut before the stop string, as ever
+
+
 # -- speculative drafts take only what is left -----------------------------------------------
 
 def draft_step(s: Scheduler, drafts: int, accept_all: bool = True) -> ScheduledBatch:

@@ -3,9 +3,10 @@
 After each sampled token (the scheduler calls ``token_finish`` with the token already
 appended), the first rule that holds ends the request:
 
-1. ``min_tokens``: the first ``min_tokens`` outputs cannot end it by token. The sampler masks
-   the stop token ids and (unless ``ignore_eos``) the EOS ids for them (``masked_tokens``), and
-   rules 2 and 3 skip them.
+1. ``min_tokens``: the first ``min_tokens`` outputs cannot end it by token or stop string.
+   The sampler masks the stop token ids and (unless ``ignore_eos``) the EOS ids for them
+   (``masked_tokens``); rules 2, 3 and 6 skip them (a stop string one of them completed is
+   not looked for again, as vLLM's ``min_tokens`` does).
 2. ``stop_token_ids``: the token is one of them -> ``stop``, ``stop_reason`` = the token.
 3. EOS: the token is one of the model's EOS ids and ``ignore_eos`` is off -> ``stop``,
    ``stop_reason`` None.
@@ -19,7 +20,6 @@ appended), the first rule that holds ends the request:
    2 or 3 adds no text (unless ``include_stop_str_in_output``); one that ended it under 4 or
    5 does, and a stop string it completes still cuts the text, but the finish reason stays
    ``length``.
-   ``min_tokens`` does not hold back stop strings.
 """
 
 from __future__ import annotations

@@ -33,11 +33,15 @@ class TextState:
         self.text = ""
         self.sent_chars = 0
         self.sent_tokens = 0
+        self.num_tokens = 0  # outputs added (min_tokens holds stop strings back until then)
 
     def add_token(self, token_id: int) -> str | None:
         """Append a token's text; return the stop string it completed, if any."""
+        self.num_tokens += 1
         piece = self.stream.step(token_id)
-        if not piece:
+        if not piece or self.num_tokens <= self.params.min_tokens:
+            if piece:
+                self.text += piece
             return None
         old_len = len(self.text)
         self.text += piece
@@ -93,7 +97,7 @@ class OutputProcessor:
         state = self._text[req.request_id]
         for token in req.output_token_ids[:n]:
             state.text += state.stream.step(token)
-        state.sent_tokens = n
+        state.num_tokens = state.sent_tokens = n
         state.take_delta(False)
 
     def remove(self, request_id: str) -> None:
