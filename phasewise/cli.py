@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from phasewise.bench.options import http_url, positive_float
+from phasewise.config import API_KEY_ENV
 
 USER_ERRORS = (ValueError, FileNotFoundError, ConnectionError)
 # plan --window: seconds of traffic a rate is simulated over (each such rate's requests are
@@ -734,10 +735,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="port to listen on")
     s.add_argument("--served-model-name", default=None,
                    help="the model name clients send (default: the folder's name)")
-    s.add_argument("--api-key", default=None,
+    s.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
                    help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize and "
                    "/detokenize, and a login for /dashboard (/health, /metrics and /version "
-                   "stay open; docs/serving.md#authentication)")
+                   f"stay open; docs/serving.md#authentication); default: ${API_KEY_ENV}, "
+                   "which keeps the key out of the process list")
     s.add_argument("--internal-key-file", default=None, metavar="FILE",
                    help="behind a router: the fleet's own key (32+ characters, e.g. "
                    "'openssl rand -hex 32'), which /internal/* then take instead of --api-key, "
@@ -796,8 +798,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="port to listen on")
     ro.add_argument("--served-model-name", default=None,
                     help="the model name clients send (default: the folder's name)")
-    ro.add_argument("--api-key", default=None,
-                    help="required of clients, and sent to the workers")
+    ro.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
+                    help=f"required of clients, and sent to the workers (default: "
+                    f"${API_KEY_ENV})")
     ro.add_argument("--internal-key-file", default=None, metavar="FILE",
                     help="the workers' --internal-key-file, sent to their /internal/* routes")
     ro.add_argument("--max-waiting-requests", type=int, default=256,
@@ -862,9 +865,11 @@ def build_parser() -> argparse.ArgumentParser:
     pd.add_argument("--disagg-threshold", type=int, default=0,
                     help="prompts with fewer uncached tokens prefill on the decode worker (0: "
                          "every prompt goes to the prefill worker)")
-    pd.add_argument("--api-key", default=None,
+    pd.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
                     help="require 'Authorization: Bearer KEY' on the router's and workers' "
-                         "/v1/*, /tokenize and /detokenize, and a login for /dashboard")
+                         "/v1/*, /tokenize and /detokenize, and a login for /dashboard "
+                         f"(default: ${API_KEY_ENV}; the three processes get it so, never "
+                         "on their command lines)")
     pd.add_argument("--pin", action="store_true",
                     help="decode worker on the first core this process may use, prefill "
                     "worker on the second, one thread each")

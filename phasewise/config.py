@@ -8,6 +8,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+# The environment variable serve, router and pd take their --api-key from when the flag is
+# not given (a key on a command line is listed to every user of the machine).
+API_KEY_ENV = "PHASEWISE_API_KEY"
+
 DEVICES = ("auto", "cpu", "cuda")  # and "cuda:N"
 # The engine's load dtypes (phasewise.model.loader maps each one to a torch dtype; a test
 # checks the two agree). Kept here, torch-free, so that the CLI's parser can offer them.

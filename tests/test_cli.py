@@ -656,3 +656,26 @@ def test_pd_pin_places_the_workers_on_the_cores_this_process_may_use(monkeypatch
     monkeypatch.setattr(pd_launch.os, "sched_getaffinity", lambda pid: {3})
     cmds = pd_launch.Launcher(pd_launch.PDConfig(model="m", pin=True)).commands("secret")
     assert cmds["decode"][:3] == cmds["prefill"][:3] == ["taskset", "-c", "3"]
+
+
+def test_pd_hands_its_api_key_to_the_workers_in_the_environment_not_argv(monkeypatch):
+    """pd put --api-key KEY on its children's command lines, which any user of the machine
+    can list (ps); they now read it from PHASEWISE_API_KEY, as serve and router can."""
+    from phasewise.config import API_KEY_ENV
+    from phasewise.launch import pd as pd_launch
+
+    launcher = pd_launch.Launcher(pd_launch.PDConfig(model="m", api_key="k-secret"))
+    cmds = launcher.commands("secret", "internal.key")
+    assert not any("k-secret" in " ".join(c) or "--api-key" in c for c in cmds.values())
+    assert all(c[c.index("--internal-key-file") + 1] == "internal.key" for c in cmds.values())
+    started = []
+    monkeypatch.setattr(pd_launch.subprocess, "Popen",
+                        lambda cmd, env, **kw: started.append(env) or object())
+    monkeypatch.setenv(API_KEY_ENV, "someone-elses")
+    launcher._start("router", cmds["router"])
+    assert started[0][API_KEY_ENV] == "k-secret"
+    pd_launch.Launcher(pd_launch.PDConfig(model="m"))._start("router", cmds["router"])
+    assert API_KEY_ENV not in started[1]  # no key given: none passed on
+    monkeypatch.setenv(API_KEY_ENV, "from-env")
+    assert build_parser().parse_args(["serve"]).api_key == "from-env"
+    assert build_parser().parse_args(["serve", "--api-key", "flag"]).api_key == "flag"

@@ -24,6 +24,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from phasewise.config import API_KEY_ENV
 from phasewise.server.serve import check_port
 
 log = logging.getLogger("phasewise.pd")
@@ -98,7 +99,7 @@ class Launcher:
         # -P: the current folder is not put first on the path, so a folder named phasewise
         # there (a clone's parent) cannot shadow the installed package in the workers
         base = [sys.executable, "-P", "-m", "phasewise"]
-        auth = ["--api-key", c.api_key] if c.api_key else []
+        auth: list[str] = []  # the key goes in the environment (_start), not argv
         # the router's own key to the workers' /internal/* routes: a client sharing this
         # host's address and sending wrong API keys to a worker cannot lock the router out
         internal = ["--internal-key-file", internal_key_file] if internal_key_file else []
@@ -125,6 +126,9 @@ class Launcher:
 
     def _start(self, role: str, cmd: list[str]) -> subprocess.Popen:
         env = dict(os.environ)
+        env.pop(API_KEY_ENV, None)
+        if self.cfg.api_key:  # not on the command line, which every user can list
+            env[API_KEY_ENV] = self.cfg.api_key
         if self.cfg.pin and role != "router":
             env["OMP_NUM_THREADS"] = "1"
         log.info("starting the %s: %s", role, " ".join(
