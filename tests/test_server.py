@@ -178,6 +178,19 @@ def test_stop_strings_and_stop_finish_reason(client, offline):
                                     temperature=0, stop=[stop], extra_body={"ignore_eos": True})
     assert got.choices[0].text == full.text[:full.text.find(stop)]
     assert got.choices[0].finish_reason == "stop"
+    # vLLM's stop_reason says which stop ended it: the string here, a token's id, or none
+    assert got.choices[0].model_extra["stop_reason"] == stop
+    streamed = list(client.chat.completions.create(
+        model="tiny-llama", messages=[{"role": "user", "content": "hi"}], max_tokens=30,
+        temperature=0, stream=True, stop=["\n", " "], extra_body={"ignore_eos": True}))
+    last = [c.choices[0] for c in streamed if c.choices and c.choices[0].finish_reason]
+    assert len(last) == 1 and last[0].model_extra["stop_reason"] in ("\n", " ", None)
+    assert not any("stop_reason" in (c.choices[0].model_extra or {}) for c in streamed
+                   if c.choices and not c.choices[0].finish_reason)  # only the last has it
+    capped = client.completions.create(model="tiny-llama", prompt=PROMPTS[0], max_tokens=2,
+                                       temperature=0, extra_body={"ignore_eos": True})
+    assert capped.choices[0].finish_reason == "length"
+    assert capped.choices[0].model_extra["stop_reason"] is None
 
 
 def test_logprobs_match_offline_engine(client, offline):

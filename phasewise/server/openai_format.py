@@ -37,6 +37,12 @@ def finish_reason(out: RequestOutput) -> str | None:
     return "length" if out.finish_reason == "length" else "stop"
 
 
+def stop_reason(out: RequestOutput) -> dict[str, Any]:
+    """vLLM's ``stop_reason`` on a finished choice: the stop string or stop token id that
+    ended it (None: EOS, a length, or an abort); nothing on an unfinished chunk."""
+    return {"stop_reason": out.stop_reason} if out.finished else {}
+
+
 def timing(index: int, out: RequestOutput) -> dict[str, Any]:
     """The engine's own split of a finished request's time (phasewise's extension, sent on the
     final usage chunk as ``timings``; other clients ignore it).
@@ -222,7 +228,7 @@ class CompletionChoices:
         if not (text or lp or out.finished or extra):
             return []  # bytes of an unfinished character: nothing to show
         return [({"index": idx, "text": text, "logprobs": lp,
-                  "finish_reason": finish_reason(out), **extra}, True)]
+                  "finish_reason": finish_reason(out), **stop_reason(out), **extra}, True)]
 
     def whole(self, idx: int, out: RequestOutput) -> dict[str, Any]:
         text, lp = out.text, None
@@ -231,7 +237,7 @@ class CompletionChoices:
             lp = _joined(head_lp, completion_logprobs(self.token_text, out.token_ids,
                                                       out.logprobs or [], len(head)))
         return {"index": idx, "text": head + text, "logprobs": lp,
-                "finish_reason": finish_reason(out), **self._extra(out)}
+                "finish_reason": finish_reason(out), **stop_reason(out), **self._extra(out)}
 
 
 class ChatChoices:
@@ -260,7 +266,7 @@ class ChatChoices:
         if out.delta_text or lp or out.finished:
             delta = {"content": out.delta_text} if out.delta_text else {}
             chunks.append(({"index": idx, "delta": delta, "logprobs": lp,
-                            "finish_reason": finish_reason(out)}, True))
+                            "finish_reason": finish_reason(out), **stop_reason(out)}, True))
         return chunks
 
     def whole(self, idx: int, out: RequestOutput) -> dict[str, Any]:
@@ -268,4 +274,4 @@ class ChatChoices:
         if self.top_n is not None:
             lp = chat_logprobs(self.token_text, out.token_ids, out.logprobs or [], self.top_n)
         return {"index": idx, "message": {"role": "assistant", "content": out.text},
-                "logprobs": lp, "finish_reason": finish_reason(out)}
+                "logprobs": lp, "finish_reason": finish_reason(out), **stop_reason(out)}

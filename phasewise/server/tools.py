@@ -32,7 +32,8 @@ from collections.abc import Collection
 from typing import Any
 
 from phasewise.engine.outputs import RequestOutput
-from phasewise.server.openai_format import ChatChoices, TokenText, chat_logprobs, finish_reason
+from phasewise.server.openai_format import (ChatChoices, TokenText, chat_logprobs, finish_reason,
+                                           stop_reason)
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
@@ -328,7 +329,9 @@ class ToolChatChoices(ChatChoices):
                 "function": {"name": call["name"], "arguments": ""}}]}, False))
             chunks.append(chunk({"tool_calls": [{
                 "index": k, "function": {"arguments": call["arguments"]}}]}, False))
-        chunks.append(chunk({}, True, self._finish(out, calls), logprobs=True))
+        last = chunk({}, True, self._finish(out, calls), logprobs=True)
+        last[0].update(stop_reason(out))
+        chunks.append(last)
         return chunks
 
     def whole(self, idx: int, out: RequestOutput) -> dict[str, Any]:
