@@ -212,11 +212,14 @@ def test_responses_times_are_integers(server):
 
 # -- echo ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("stream", [False, True])
-def test_echoed_offsets_point_at_each_tokens_text(server, stream):
+@pytest.mark.parametrize("prompt", ["def f(x):", "x = '\U0001f600\u4e16\u754c\u00e9'\nf(x)"])
+def test_echoed_offsets_point_at_each_tokens_text(server, stream, prompt):
     """echo + logprobs on a text prompt: every text_offset indexes the returned text, so a
     token's text is found there (the BOS the tokenizer added has none: it takes none, and
-    the offsets never run backwards)."""
-    body = {"prompt": "def f(x):", "max_tokens": 4, "echo": True, "logprobs": 0,
+    the offsets never run backwards). The bytes of one character (byte tokens, each U+FFFD
+    alone) all stand at that character: counted one character each, an emoji's 4 put the
+    quote after it at 17 where it is at 9."""
+    body = {"prompt": prompt, "max_tokens": 4, "echo": True, "logprobs": 0,
             "temperature": 0, "stream": stream}
     if stream:
         with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
@@ -230,10 +233,13 @@ def test_echoed_offsets_point_at_each_tokens_text(server, stream):
                             timeout=60).json()["choices"][0]
         text, tokens = choice["text"], choice["logprobs"]["tokens"]
         offsets = choice["logprobs"]["text_offset"]
-    assert text.startswith("def f(x):") and len(tokens) == len(offsets) > 4
+    assert text.startswith(prompt) and len(tokens) == len(offsets) > 4
     assert offsets == sorted(offsets)
-    found = [text[o:o + len(t)] == t for t, o in zip(tokens, offsets)]
+    found = [text[o:o + len(t)] == t or "\ufffd" in t for t, o in zip(tokens, offsets)]
     assert all(found[1:]) and (found[0] or tokens[0].startswith("<|")), list(zip(tokens, offsets))
+    quotes = [o for t, o in zip(tokens, offsets) if t == "'"]
+    if "'" in prompt and "\ufffd" in "".join(tokens[:12]):  # its characters as bytes
+        assert quotes[:2] == [4, 9] == [prompt.index("'"), prompt.index("'", 5)]
 
 
 # -- errors that name the field and what it allows ----------------------------------------
@@ -425,3 +431,27 @@ def test_a_responses_stream_that_fails_after_its_200_ends_with_its_error_events(
     assert data[-1]["response"]["status"] == "failed" and data[-1]["response"]["error"]
     assert [d["sequence_number"] for d in data] == list(range(len(data)))
     assert group.closed
+
+
+def test_text_offsets_put_a_characters_bytes_at_its_start_and_a_stray_byte_in_place():
+    """Byte tokens (each U+FFFD alone): the four of an emoji stand at its start and the
+    next token one character on; a byte that is no character's stays a U+FFFD of its own;
+    a character split across stream chunks continues where the last chunk left it."""
+    from phasewise.server.openai_format import text_offsets
+
+    pieces = {1: "a", 2: b"\xf0", 3: b"\x9f", 4: b"\x98", 5: b"\x80", 6: b"\x80"}
+
+    def decode(ids):
+        return b"".join(p if isinstance(p, bytes) else p.encode()
+                        for p in map(pieces.get, ids)).decode(errors="replace")
+
+    def text(t):
+        return decode([t])
+
+    assert text_offsets(text, decode, [1, 2, 3, 4, 5, 1], 0) == ([0, 1, 1, 1, 1, 2], 3, [])
+    # a stray continuation byte, then a letter: "\ufffda"
+    assert text_offsets(text, decode, [1, 6, 1], 0) == ([0, 1, 2], 3, [])
+    # the emoji's bytes over two chunks of a stream
+    first = text_offsets(text, decode, [1, 2, 3], 0)
+    assert first == ([0, 1, 1], 1, [2, 3])
+    assert text_offsets(text, decode, [4, 5, 1], first[1], first[2]) == ([1, 1, 2], 3, [])

@@ -267,7 +267,8 @@ def test_the_simulators_pool_is_capped_as_the_engines_is_and_says_where_it_comes
     assert rc == 0, out
     assert "8193 K/V blocks of 16" in out
     assert ("K/V pool: 8193 blocks of 16 tokens, 4 KiB a block (0.03 GiB) from 1.00 GiB, "
-            "the engine's default on a CPU, capped at what 128 sequences of 1024 tokens could use") in out
+            "the engine's default on a CPU, capped at what 128 sequences of 1024 tokens "
+            "could use") in out
     # An explicit context the pool cannot hold is refused, as phasewise serve refuses it.
     rc = main(["simulate", "--model", folder, "--kv-cache-memory", "64KiB",
                "--max-model-len", "1000", "--num-prompts", "2"])

@@ -105,6 +105,43 @@ def completion_logprobs(token_text: TokenText, token_ids: list[int],
             "text_offset": offsets}
 
 
+Decode = Callable[[list[int]], str]
+# UTF-8 holds a character in at most 4 bytes: byte tokens pending longer are not one
+MAX_CHAR_TOKENS = 4
+
+
+def text_offsets(token_text: TokenText, decode: Decode, token_ids: list[int], pos: int,
+                 pending: list[int] | None = None) -> tuple[list[int], int, list[int]]:
+    """Each token's ``text_offset``: where its characters begin in the text. A token that
+    decodes alone to part of a character (a byte token: U+FFFD) waits for the tokens that
+    complete it, and each of them is at that character's start; counted token by token,
+    an emoji of 4 byte tokens took 4 characters, and every later offset was 3 too far.
+    ``pending``: tokens of a character an earlier call left incomplete (their offsets were
+    given as its start). Returns the offsets, the position after the complete characters,
+    and the tokens still pending."""
+    offsets: list[int] = []
+    pend = list(pending or ())
+    for tok in token_ids:
+        offsets.append(pos)
+        pend.append(tok)
+        text = token_text(tok) if len(pend) == 1 else decode(pend)
+        if text.endswith("\ufffd") and len(pend) < MAX_CHAR_TOKENS:
+            continue
+        # A group's later tokens stand where the group's text stops agreeing with what
+        # the tokens before them decode to: the character's start for bytes of one
+        # character, past it for a byte that was no character's (U+FFFD there too). (Those
+        # an earlier call left pending were given out already.)
+        k = len(pend)
+        for j in range(max(1, k - len(offsets)), k):
+            head = decode(pend[:j])
+            agree = next((i for i, (a, b) in enumerate(zip(head, text)) if a != b),
+                         min(len(head), len(text)))
+            offsets[len(offsets) - k + j] = pos + agree
+        pos += len(text)
+        pend = []
+    return offsets, pos, pend
+
+
 def _joined(head: dict[str, Any] | None, tail: dict[str, Any] | None) -> dict[str, Any] | None:
     """Two legacy logprobs layouts one after the other (an echoed prompt's, then the
     completion's); either may be None."""
@@ -153,8 +190,13 @@ class CompletionChoices:
     def __init__(self, token_text: TokenText, num_choices: int, logprobs: int | None, *,
                  echo: bool = False, prompt_texts: list[str] | None = None,
                  prompt_logprobs: int | None = None,
-                 special_ids: frozenset[int] = frozenset()) -> None:
+                 special_ids: frozenset[int] = frozenset(),
+                 decode: Decode | None = None) -> None:
         self.token_text = token_text
+        # several tokens' text at once: offsets over byte tokens (text_offsets); None: each
+        # token's own text counts
+        self.decode = decode
+        self.pending: list[list[int]] = [[] for _ in range(num_choices)]
         self.special_ids = special_ids
         self.logprobs = logprobs
         self.echo = echo
@@ -190,11 +232,18 @@ class CompletionChoices:
             lp = completion_logprobs(self.token_text, out.prompt_token_ids,
                                      out.prompt_logprobs or [None] * len(out.prompt_token_ids),
                                      0, self.logprobs)
-            pos, offsets = 0, []
+            pos, offsets, pending = 0, [], []
             for tok, text in zip(out.prompt_token_ids, lp["tokens"]):
-                offsets.append(pos)
-                if tok not in self.special_ids or head.startswith(text, pos):
+                if tok in self.special_ids and not head.startswith(text, pos):
+                    offsets.append(pos)
+                    continue
+                if self.decode is None:
+                    offsets.append(pos)
                     pos += len(text)
+                    continue
+                (off,), pos, pending = text_offsets(self.token_text, self.decode, [tok], pos,
+                                                    pending)
+                offsets.append(off)
             lp["text_offset"] = offsets
         return lp
 
@@ -223,7 +272,12 @@ class CompletionChoices:
                                      (out.logprobs or [])[-k:], self.offsets[idx])
             # Offsets follow the tokens' texts, as in the whole reply (the text itself may
             # lag: a stop string holds characters back, a split character waits).
-            self.offsets[idx] = lp["text_offset"][-1] + len(lp["tokens"][-1])
+            if self.decode is not None:
+                lp["text_offset"], self.offsets[idx], self.pending[idx] = text_offsets(
+                    self.token_text, self.decode, out.delta_token_ids, self.offsets[idx],
+                    self.pending[idx])
+            else:
+                self.offsets[idx] = lp["text_offset"][-1] + len(lp["tokens"][-1])
         lp = _joined(head_lp, lp)
         if not (text or lp or out.finished or extra):
             return []  # bytes of an unfinished character: nothing to show
@@ -234,8 +288,12 @@ class CompletionChoices:
         text, lp = out.text, None
         head, head_lp = self._echoed(idx, out) if self.echo else ("", None)
         if self.logprobs is not None:
-            lp = _joined(head_lp, completion_logprobs(self.token_text, out.token_ids,
-                                                      out.logprobs or [], len(head)))
+            tail = completion_logprobs(self.token_text, out.token_ids, out.logprobs or [],
+                                       len(head))
+            if self.decode is not None:
+                tail["text_offset"] = text_offsets(self.token_text, self.decode,
+                                                   out.token_ids, len(head))[0]
+            lp = _joined(head_lp, tail)
         return {"index": idx, "text": head + text, "logprobs": lp,
                 "finish_reason": finish_reason(out), **stop_reason(out), **self._extra(out)}
 

@@ -315,6 +315,10 @@ class Routes:
                                                                  skip_special_tokens=False)
         return text
 
+    def _decode_ids(self, token_ids: list[int]) -> str:
+        """Several tokens' text at once: the bytes of one character, for ``text_offset``."""
+        return self.tokenizer.decode(token_ids, skip_special_tokens=False)
+
     # -- chat templating -------------------------------------------------------------------
     def _messages(self, messages: list[Any]) -> list[dict[str, Any]]:
         msgs = []
@@ -442,7 +446,8 @@ class Routes:
         choices = CompletionChoices(self._token_text, len(specs), body.logprobs, echo=body.echo,
                                     prompt_texts=echoed or None,
                                     prompt_logprobs=body.prompt_logprobs,
-                                    special_ids=self.tokenizer.special_ids)
+                                    special_ids=self.tokenizer.special_ids,
+                                    decode=self._decode_ids)
         return await self._respond(request, body, specs, rid, choices, arrival)
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
