@@ -128,6 +128,7 @@ def test_usage_counts_the_prompts_cache_hits_where_it_was_first_served():
     assert asm.feed(line([5], 2)).metrics.num_cached_tokens == 2  # worker A, then it died
     last = asm.feed(line([6], 4, fin=True, timing={"cached_tokens": 4}), index=[0])
     assert last.metrics.num_cached_tokens == 2 and last.token_ids == [5, 6]
+    assert last.metrics.worker_timing == {"cached_tokens": 2}  # timings agree with usage
     fresh = OutputAssembler(["g"], [[1, 2, 3]], [None], arrival_time=0.0)
     with pytest.raises(RelayError, match="cached prompt count of 4"):
         fresh.feed(line([5], 4))
@@ -482,3 +483,33 @@ def test_a_moved_stream_is_parked_again_on_its_new_worker(worker):
     assert posts == [("http://a:1/internal/v1/park", True),
                      ("http://b:1/internal/v1/park", True)]
 
+
+
+def test_the_routers_counters_never_count_a_workers_lifetime_twice(worker):
+    """A worker that missed one poll (marked down) dropped out of the router's summed
+    snapshot, and back in it added its whole lifetime's prefix lookups to the counter
+    again. The router counts what each worker's counters grew by, and a restart (a counter
+    that went down) as all new."""
+    import dataclasses as dc
+
+    from phasewise.disagg.router import _EMPTY, Router
+
+    router = Router(["http://a:1", "http://b:1"], model_dir=worker)
+    a, b = router.decode
+    a.up = b.up = True
+
+    def poll(w, queries):
+        w.snapshot = dc.replace(_EMPTY, prefix_queries=queries, num_running=1)
+        router._count(w.url, w.snapshot)
+
+    poll(a, 100_000)
+    poll(b, 10)
+    assert router.snapshot.prefix_queries == 100_010
+    a.up = False  # one missed poll
+    assert router.snapshot.prefix_queries == 100_010  # the counter does not fall
+    assert router.snapshot.num_running == 1  # the moment's gauges are the workers up
+    a.up = True
+    poll(a, 100_050)
+    assert router.snapshot.prefix_queries == 100_060  # grew by 50, not by 100,050
+    poll(b, 3)  # b restarted: its 3 are new
+    assert router.snapshot.prefix_queries == 100_063

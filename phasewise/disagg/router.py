@@ -177,6 +177,11 @@ MAX_LOAD_BYTES = 64 << 20
 MAX_INDEX_BLOCKS = 1 << 20
 
 
+# EngineSnapshot's cumulative counters (the rest are the moment's gauges)
+CUMULATIVE = ("num_preemptions", "prefix_queries", "prefix_hits", "spec_verifies",
+              "spec_proposed", "spec_accepted", "spec_emitted")
+
+
 def _index_capacity(snapshot: EngineSnapshot) -> int:
     """It can hold no more blocks than its pool has: the index keeps no more."""
     return max(1, min(snapshot.num_blocks, MAX_INDEX_BLOCKS))
@@ -330,6 +335,10 @@ class Router(Fleet):
         self.info: BackendInfo = None  # type: ignore[assignment]  # set by connect()
         self._defaults: dict[str, Any] = {}
         self._observers: list[EngineObserver] = []
+        # cumulative counters over the decode workers' lifetimes, and each one's last
+        # snapshot counted (_count)
+        self._totals = dict.fromkeys(CUMULATIVE, 0)
+        self._counted: dict[str, EngineSnapshot] = {}
         self._groups: dict[str, tuple[RequestGroup, asyncio.Task, _Stream]] = {}
         # Every relay task until it ends (a closed group's may still read its end of
         # stream): what shutdown and a silent worker's deadline stop.
@@ -390,15 +399,29 @@ class Router(Fleet):
                              "draining": w.draining, "reason": w.reason}
                             for w in self.workers]}
 
+    def _count(self, url: str, snap: EngineSnapshot) -> None:
+        """Add what a decode worker's cumulative counters grew by since its last poll to
+        the router's own totals (a counter that went down: the worker restarted, and all
+        of it is new). Summing the counters of the workers up at each moment made them fall
+        while one missed a poll and then count its whole lifetime again."""
+        last = self._counted.get(url)
+        for name in CUMULATIVE:
+            now = getattr(snap, name)
+            before = getattr(last, name) if last is not None else 0
+            self._totals[name] += now - before if now >= before else now
+        self._counted[url] = snap
+
     @property
     def snapshot(self) -> EngineSnapshot:
-        """The decode workers' snapshots, summed (``kv_usage``: their mean)."""
+        """The decode workers' snapshots, summed over those up (``kv_usage``: their mean);
+        the cumulative counters are the router's own totals (``_count``)."""
         snaps = [w.snapshot for w in self.decode if w.up and w.snapshot is not None]
         if not snaps:
-            return _EMPTY
+            return dataclasses.replace(_EMPTY, **self._totals)
         total = {f.name: sum(getattr(s, f.name) for s in snaps)
                  for f in dataclasses.fields(EngineSnapshot)}
         total["kv_usage"] = total["kv_usage"] / len(snaps)
+        total.update(self._totals)
         return EngineSnapshot(**total)
 
     @property
@@ -1042,6 +1065,8 @@ class Router(Fleet):
                 _read_load(bytes(body), blocks) if len(body) < 1 << 16
                 else await asyncio.to_thread(_read_load, bytes(body), blocks))
             w.snapshot, w.open_groups, w.draining = snapshot, open_groups, draining
+            if w.role == "decode":
+                self._count(w.url, snapshot)
             if blocks is not None:
                 blocks.capacity = _index_capacity(snapshot)
                 if kv is not None:

@@ -247,9 +247,11 @@ class OutputAssembler:
             self.finished[i] = True
             m.finished_time = now
             if isinstance(timing, dict):
-                m.worker_timing = timing
                 if self.cached[i] is None:  # a worker that does not send "cached"
                     m.num_cached_tokens = int(timing.get("cached_tokens") or 0)
+                elif "cached_tokens" in timing:  # the prompt's, as usage says it
+                    timing = {**timing, "cached_tokens": self.cached[i]}
+                m.worker_timing = timing
                 m.num_preemptions = int(timing.get("preemptions") or 0)
         # Copies, as the engine's outputs are: the reader of this output may take its delta
         # (the last entries) after later lines have grown the request's lists.
