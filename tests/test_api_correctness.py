@@ -455,3 +455,28 @@ def test_text_offsets_put_a_characters_bytes_at_its_start_and_a_stray_byte_in_pl
     first = text_offsets(text, decode, [1, 2, 3], 0)
     assert first == ([0, 1, 1], 1, [2, 3])
     assert text_offsets(text, decode, [4, 5, 1], first[1], first[2]) == ([1, 1, 2], 3, [])
+
+
+def test_a_stray_byte_before_a_character_leaves_its_bytes_together():
+    """A stray byte just before an emoji's four: the cap of 4 bytes a character counted
+    from the stray one, and every later offset was one too far."""
+    from phasewise.server.openai_format import text_offsets
+
+    pieces = {1: b"a", 2: b"\xf0", 3: b"\x9f", 4: b"\x98", 5: b"\x80", 6: b"\x80",
+              7: b"\xc3"}
+
+    def decode(ids):
+        return b"".join(map(pieces.get, ids)).decode(errors="replace")
+
+    def text(t):
+        return decode([t])
+
+    for stray in (6, 7):  # a continuation byte, a lone lead byte
+        assert text_offsets(text, decode, [stray, 2, 3, 4, 5, 1], 0) == \
+            ([0, 1, 1, 1, 1, 2], 3, []), stray
+        # one token a chunk, as a stream gives them
+        pos, pend, got = 0, [], []
+        for t in [1, stray, 2, 3, 4, 5, 1]:
+            (off,), pos, pend = text_offsets(text, decode, [t], pos, pend)
+            got.append(off)
+        assert got == [0, 1, 2, 2, 2, 2, 3] and pos == 4 and not pend

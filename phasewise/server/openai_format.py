@@ -121,22 +121,36 @@ def text_offsets(token_text: TokenText, decode: Decode, token_ids: list[int], po
     and the tokens still pending."""
     offsets: list[int] = []
     pend = list(pending or ())
+
+    def settle(group: list[int], text: str, base: int) -> None:
+        """``group`` decodes to the complete ``text`` at ``pos``; its first token is this
+        call's ``offsets[base]`` (negative: an earlier call's). Each later token stands
+        where ``text`` stops agreeing with what the tokens before it decode to: the
+        character's start for bytes of one character, past it after a stray byte."""
+        for j in range(max(1, -base), len(group)):
+            head = decode(group[:j])
+            offsets[base + j] = pos + next(
+                (i for i, (a, b) in enumerate(zip(head, text)) if a != b),
+                min(len(head), len(text)))
+
     for tok in token_ids:
         offsets.append(pos)
         pend.append(tok)
         text = token_text(tok) if len(pend) == 1 else decode(pend)
         if text.endswith("\ufffd") and len(pend) < MAX_CHAR_TOKENS:
+            if len(text) > 1 and len(pend) > 1:
+                # complete characters (a stray byte) before the one still incomplete:
+                # settle them, so the cap counts from where that character starts
+                done = text[:-1]
+                i = next((i for i in range(1, len(pend)) if decode(pend[:i]) == done), 0)
+                if i:
+                    settle(pend[:i], done, len(offsets) - len(pend))
+                    pos += len(done)
+                    pend = pend[i:]
+                    for k in range(max(0, len(offsets) - len(pend)), len(offsets)):
+                        offsets[k] = pos
             continue
-        # A group's later tokens stand where the group's text stops agreeing with what
-        # the tokens before them decode to: the character's start for bytes of one
-        # character, past it for a byte that was no character's (U+FFFD there too). (Those
-        # an earlier call left pending were given out already.)
-        k = len(pend)
-        for j in range(max(1, k - len(offsets)), k):
-            head = decode(pend[:j])
-            agree = next((i for i, (a, b) in enumerate(zip(head, text)) if a != b),
-                         min(len(head), len(text)))
-            offsets[len(offsets) - k + j] = pos + agree
+        settle(pend, text, len(offsets) - len(pend))
         pos += len(text)
         pend = []
     return offsets, pos, pend
