@@ -294,6 +294,15 @@ def test_min_tokens_holds_stop_strings_back_as_it_holds_stop_tokens():
         n = next(i for i in range(1, 7) if state.add_token(i % 2 == 0) is not None)
         assert n == first_stop, min_tokens
         assert state.text == "ab" * (n // 2 - 1)  # cut before the stop string, as ever
+    # a shorter stop string that ended within the first min_tokens outputs is not found
+    # by a later output's search (the window of the longest stop string reaches back)
+    class Letters:
+        def step(self, token_id):
+            return "xby"[token_id]
+
+    state = TextState(Letters(), SamplingParams(stop=["b", "abc"], min_tokens=2))
+    assert [state.add_token(t) for t in (0, 1, 2)] == [None, None, None]
+    assert state.text == "xby" and state.add_token(1) == "b" and state.text == "xby"
 
 
 # -- speculative drafts take only what is left -----------------------------------------------

@@ -60,12 +60,14 @@ def token_finish(params: SamplingParams, eos_token_ids: Sequence[int], token: in
     return None
 
 
-def find_stop_string(text: str, search_from: int, stops: Sequence[str]) -> tuple[int, str] | None:
-    """Rule 6: the earliest stop string in ``text`` that starts at or after ``search_from``,
-    as ``(position, string)``; ties at one position go to the string listed first."""
+def find_stop_string(text: str, search_from: int, stops: Sequence[str],
+                     ends_after: int = 0) -> tuple[int, str] | None:
+    """Rule 6: the earliest stop string in ``text`` that starts at or after ``search_from``
+    and ends after ``ends_after`` (text that ``min_tokens`` held no stop in), as
+    ``(position, string)``; ties at one position go to the string listed first."""
     hit: tuple[int, str] | None = None
     for s in stops:
-        pos = text.find(s, search_from)
+        pos = text.find(s, max(search_from, ends_after - len(s) + 1))
         if pos != -1 and (hit is None or pos < hit[0]):
             hit = (pos, s)
     return hit

@@ -34,6 +34,7 @@ class TextState:
         self.sent_chars = 0
         self.sent_tokens = 0
         self.num_tokens = 0  # outputs added (min_tokens holds stop strings back until then)
+        self.held = 0  # the text of the first min_tokens outputs: no stop string ends in it
 
     def add_token(self, token_id: int) -> str | None:
         """Append a token's text; return the stop string it completed, if any."""
@@ -42,13 +43,14 @@ class TextState:
         if not piece or self.num_tokens <= self.params.min_tokens:
             if piece:
                 self.text += piece
+                self.held = len(self.text)
             return None
         old_len = len(self.text)
         self.text += piece
         if not self.params.stop:
             return None
         start = max(0, old_len - self.params.max_stop_len + 1)
-        hit = find_stop_string(self.text, start, self.params.stop)
+        hit = find_stop_string(self.text, start, self.params.stop, self.held)
         if hit is None:
             return None
         pos, s = hit
@@ -95,8 +97,10 @@ class OutputProcessor:
         same tokens through the same decoder give the same text; the stop-string hold-back
         keeps the same tail unsent), so the deltas from here on continue its stream."""
         state = self._text[req.request_id]
-        for token in req.output_token_ids[:n]:
+        for i, token in enumerate(req.output_token_ids[:n], start=1):
             state.text += state.stream.step(token)
+            if i <= req.params.min_tokens:
+                state.held = len(state.text)
         state.num_tokens = state.sent_tokens = n
         state.take_delta(False)
 
