@@ -472,6 +472,7 @@ def start_server(model_dir: Path | None, log_path: Path, *args: str,
     if api_key:
         cmd += ["--api-key", api_key]
     env = {**os.environ, **(env or {})}
+    env.pop("PHASEWISE_API_KEY", None)  # a key the caller did not give would refuse its clients
     if cwd is not None:
         env["PYTHONPATH"] = os.pathsep.join(
             [str(Path(cwd).resolve()), *filter(None, [env.get("PYTHONPATH")])])

@@ -186,6 +186,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
 
 def cmd_serve(a: argparse.Namespace) -> int:
     _logging(a.log_level)
+    os.environ.pop(API_KEY_ENV, None)  # read (a.api_key); no child process inherits it
     try:
         return _serve(a)
     except KeyboardInterrupt:  # Ctrl-C while loading: nothing to drain
@@ -292,6 +293,7 @@ def cmd_router(a: argparse.Namespace) -> int:
     from phasewise.server.serve import check_port, run
 
     _logging(a.log_level)
+    os.environ.pop(API_KEY_ENV, None)  # read (a.api_key); no child process inherits it
     model = _model_arg(a)
     check_port(a.host, a.port)
     _check_slo_args(a)

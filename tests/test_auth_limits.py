@@ -126,6 +126,7 @@ def test_a_fleets_internal_key_is_never_locked_out_and_the_api_key_is_no_way_in(
     async def load() -> dict:
         return {"alive": True}
 
+    add_dashboard_routes(app, Hub(DashboardFeed(model_name="m")), None, api_key=KEY)
     internal = "i" * 64
     guard = Guard(app, api_key=KEY, max_request_bytes=1 << 20, is_draining=lambda: False,
                   limiter=FailureLimiter(clock=clock), internal_key=internal)
@@ -144,6 +145,10 @@ def test_a_fleets_internal_key_is_never_locked_out_and_the_api_key_is_no_way_in(
                 assert r.status_code == 401 and r.json()["error"]["code"] == \
                     "invalid_internal_key"
             assert (await c.get("/internal/v1/load", headers=fleet)).status_code == 200
+            # the router relays its workers' dashboards with the fleet's key too
+            assert (await c.get("/dashboard/api/status", headers=fleet)).status_code == 200
+            assert (await c.get("/dashboard/api/status", headers=GOOD)).status_code == 429
+            assert (await c.get("/v1/models", headers=fleet)).status_code == 401  # not /v1
             r = await c.get("/internal/v1/load", headers=[(INTERNAL_HEADER, internal)] * 2)
             assert r.status_code == 401  # two of them: which counts would be a guess
         async with client(guard, "10.0.0.7") as other:

@@ -358,21 +358,25 @@ class Guard:
         by_cookie = False
         if dashboard:
             scope.setdefault("state", {})[GUARD_STATE] = self
+        fleet = False  # the request carries the fleet's internal key
+        if self.internal_key is not None:
+            given = [v for k, v in scope.get("headers", [])
+                     if k.lower() == INTERNAL_HEADER.encode()]
+            fleet = len(given) == 1 and hmac.compare_digest(given[0],
+                                                             self.internal_key.encode())
         if self.internal_key is not None and path.startswith(INTERNAL_PREFIX):
             # A fleet's own routes take its internal key, not the clients' API key: a long
             # random secret no guessing reaches, so no address is ever locked out of them
             # (a client sharing the router's address, sending wrong API keys to a worker,
             # had locked the router out of every worker), and a client's key is no way in.
-            given = [v for k, v in scope.get("headers", [])
-                     if k.lower() == INTERNAL_HEADER.encode()]
-            if len(given) != 1 or not hmac.compare_digest(
-                    given[0], self.internal_key.encode()):
+            if not fleet:
                 await self._refuse(send, ApiError(
                     401, f"{INTERNAL_PREFIX}* routes need this fleet's internal key in one "
                     f"'{INTERNAL_HEADER}' header (--internal-key-file)",
                     code="invalid_internal_key"))
                 return
-        elif key is not None and path not in OPEN_PATHS:
+        elif key is not None and path not in OPEN_PATHS and not (fleet and dashboard):
+            # (the router relays its workers' dashboards and traces with the fleet's key)
             auth = headers.get("authorization")
             if sum(k.lower() == b"authorization" for k, _ in scope.get("headers", [])) > 1:
                 # which one counts would be this server's guess (a proxy in front may read

@@ -42,6 +42,7 @@ import asyncio
 import dataclasses
 import fcntl
 import json
+import logging
 import math
 import socket
 import struct
@@ -174,6 +175,7 @@ def guarded_protocol(limits: ConnectionLimits) -> type:
 
     # address -> its connections without a request in progress, oldest first
     waiting: dict[str, dict[Any, None]] = {}
+    told_cap = [False]  # a send buffer the kernel capped is said once
     counts = {"refused": 0, "header_timeouts": 0, "body_timeouts": 0, "write_timeouts": 0,
               "evicted": 0}
 
@@ -186,8 +188,16 @@ def guarded_protocol(limits: ConnectionLimits) -> type:
             if limits.send_buffer and sock is not None:
                 try:
                     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, limits.send_buffer)
+                    got = sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
                 except OSError:  # a socket that takes no such option: the system's own
-                    pass
+                    got = None
+                # Linux keeps twice the value asked, at most twice net.core.wmem_max
+                if got is not None and sys.platform == "linux" and \
+                        got < 2 * limits.send_buffer and not told_cap[0]:
+                    told_cap[0] = True
+                    logging.getLogger("phasewise.server").info(
+                        "--send-buffer %d: the kernel holds %d bytes a connection "
+                        "(net.core.wmem_max caps it)", limits.send_buffer, got)
             self._addr = self.client[0] if self.client else ""
             self._counted = False
             self._refused = False
