@@ -897,6 +897,9 @@ def test_a_missing_dtype_figure_names_how_to_measure_it_on_this_machine():
                                                  "mem_bytes": 1e9, "mem_bandwidth": 2e10})
     with pytest.raises(ValueError, match="no fp32 figure; it has bf16; 'phasewise measure'"):
         local.peak_flops_for("fp32")
+    with pytest.raises(ValueError) as e:  # nor a dtype measure never measures
+        local.peak_flops_for("int8")
+    assert "phasewise measure" not in str(e.value)
     with pytest.raises(ValueError) as e:  # a catalog card: nothing here can measure it
         ACCELERATORS["h100-sxm"].peak_flops_for("int4")
     assert "phasewise measure" not in str(e.value)

@@ -514,7 +514,8 @@ def test_an_instant_kv_link_is_named_where_pd_is_ranked_on_it(capsys):
             "2", "--goodput", "ttft:1000", "tpot:100", "--budgets", "256", "--ratios", "1:1",
             "--thresholds", "0", "--window", "5", "--max-model-len", "2048"]
     main(argv)
-    assert "P/D rows move K/V over an instant link (no --link given)" in capsys.readouterr().out
+    assert "P/D rows move K/V over an instant link (--link instant, the default)" in \
+        capsys.readouterr().out
     main([*argv, "--link", "25gbe"])
     assert "instant link" not in capsys.readouterr().out
     rc = main(["simulate", "--model", "llama-3.1-8b", "--gpu", "h100-sxm", "--num-prompts",

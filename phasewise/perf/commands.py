@@ -415,7 +415,8 @@ def run_plan(a: argparse.Namespace, model: str,
     if doubt:
         print(doubt)
     if link is None and any(c.deployment.mode == "pd" for c in cands):
-        print("P/D rows move K/V over an instant link (no --link given): each hand-off costs "
+        print("P/D rows move K/V over an instant link (--link instant, the default): each "
+              "hand-off costs "
               f"its fixed {Deployment.handoff_s * 1e3:g} ms only, which flatters P/D wherever "
               "the real link is slower; --link names the one the workers would use")
     best = cands[0]

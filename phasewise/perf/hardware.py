@@ -49,8 +49,9 @@ class Accelerator:
     def peak_flops_for(self, dtype: str) -> float:
         d = {"fp16": "bf16"}.get(dtype, dtype) if dtype not in self.peak_flops else dtype
         if d not in self.peak_flops:
-            hint = ("; 'phasewise measure' measures every dtype this machine has"
-                    if self.key.startswith(("cpu-local", "gpu-local")) else "")
+            hint = ("; 'phasewise measure' measures fp32, bf16 and fp16"
+                    if self.key.startswith(("cpu-local", "gpu-local"))
+                    and dtype in ("fp32", "bf16", "fp16") else "")
             raise ValueError(f"{self.name} has no {dtype} figure; it has "
                              f"{', '.join(sorted(self.peak_flops))}{hint}")
         return self.peak_flops[d]
