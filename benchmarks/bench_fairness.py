@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import socket
 import statistics
 import struct
@@ -51,6 +52,16 @@ from benchmarks.harness import (free_port, log, machine_info, machine_line, star
 HERE = Path(__file__).resolve().parent
 NOISE = ("figures measured on a shared machine: other tenants move them by 5-30% from run to "
          "run; compare the ratios within this run, not absolute figures across runs")
+
+
+def _ms(seconds: float) -> str:
+    """A figure in ms, or why there is none (a stream that gave fewer than two tokens)."""
+    return "none measured" if math.isnan(seconds) else f"{seconds * 1e3:.0f} ms"
+
+
+def _median(values: list[float]) -> float:
+    measured = [v for v in values if not math.isnan(v)]
+    return statistics.median(measured) if measured else float("nan")
 
 
 def newcomer_ttft(url: str) -> float:
@@ -167,7 +178,7 @@ def main() -> int:
                 print(f"round {k + 1}: newcomer TTFT alone {row['alone_s'] * 1e3:.0f} ms, "
                       f"beside {a.unread} unread streams {row['beside_hog_s'] * 1e3:.0f} ms "
                       f"(x{row['ratio']:.1f}); largest gap while they closed "
-                      f"{row['max_gap_at_close_s'] * 1e3:.0f} ms", flush=True)
+                      f"{_ms(row['max_gap_at_close_s'])}", flush=True)
                 continue
             log(f"round {k + 1}/{a.rounds}: a hog of {a.prompts} x n={a.n} x "
                 f"{a.max_tokens} tokens")
@@ -179,8 +190,8 @@ def main() -> int:
                   flush=True)
     finally:
         server.stop()
-    med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
-    last = (f"largest gap at close {med['max_gap_at_close_s'] * 1e3:.0f} ms" if a.unread
+    med = {k: _median([r[k] for r in rows]) for k in rows[0]}
+    last = (f"largest gap at close {_ms(med['max_gap_at_close_s'])}" if a.unread
             else f"hog {med['hog_wall_s']:.1f} s")
     print(f"median over {len(rows)} rounds: newcomer TTFT alone {med['alone_s'] * 1e3:.0f} ms, "
           f"beside the hog {med['beside_hog_s'] * 1e3:.0f} ms (x{med['ratio']:.1f}); {last}")
