@@ -402,8 +402,8 @@ class Router(Fleet):
     def _count(self, url: str, snap: EngineSnapshot) -> None:
         """Add what a decode worker's cumulative counters grew by since its last poll to
         the router's own totals (a counter that went down: the worker restarted, and all
-        of it is new). Summing the counters of the workers up at each moment made them fall
-        while one missed a poll and then count its whole lifetime again."""
+        of it is new): a sum over the workers up at each moment would fall while one misses
+        a poll, and count its whole lifetime again when it is back."""
         last = self._counted.get(url)
         for name in CUMULATIVE:
             now = getattr(snap, name)

@@ -367,8 +367,8 @@ class Guard:
         if self.internal_key is not None and path.startswith(INTERNAL_PREFIX):
             # A fleet's own routes take its internal key, not the clients' API key: a long
             # random secret no guessing reaches, so no address is ever locked out of them
-            # (a client sharing the router's address, sending wrong API keys to a worker,
-            # had locked the router out of every worker), and a client's key is no way in.
+            # (else a client sharing the router's address could, with wrong API keys to a
+            # worker, lock the router out of every worker), and a client's key is no way in.
             if not fleet:
                 await self._refuse(send, ApiError(
                     401, f"{INTERNAL_PREFIX}* routes need this fleet's internal key in one "

@@ -84,10 +84,11 @@ class ConnectionLimits:
     max_connections_per_address: int = 64
     timeout_write_s: float = 60.0
     # Bytes of a response the kernel may hold for a client that reads none of them
-    # (SO_SNDBUF; Linux reserves twice that). Autotuned, a loopback socket grows to 4 MiB,
-    # which a stream of 16 samples with logprobs fills in seconds: a request whose client
-    # stopped reading kept its seats that long before it was parked (RequestGroup). Bounded,
-    # a connection carries at most about twice this per round trip. 0: the system's own.
+    # (SO_SNDBUF; Linux reserves twice that). A request is parked (RequestGroup) only once
+    # they are full, and autotuned a loopback socket grows to 4 MiB, which a stream of 16
+    # samples with logprobs fills only after many seconds, all of them holding its seats.
+    # Bounded, a connection carries at most about twice this per round trip. 0: the
+    # system's own.
     send_buffer: int = SEND_BUFFER
 
     def __post_init__(self) -> None:

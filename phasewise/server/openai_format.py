@@ -114,8 +114,8 @@ def text_offsets(token_text: TokenText, decode: Decode, token_ids: list[int], po
                  pending: list[int] | None = None) -> tuple[list[int], int, list[int]]:
     """Each token's ``text_offset``: where its characters begin in the text. A token that
     decodes alone to part of a character (a byte token: U+FFFD) waits for the tokens that
-    complete it, and each of them is at that character's start; counted token by token,
-    an emoji of 4 byte tokens took 4 characters, and every later offset was 3 too far.
+    complete it, and each of them is at that character's start (counting each token's own
+    text would give every byte of an emoji a character, and shift every later offset).
     ``pending``: tokens of a character an earlier call left incomplete (their offsets were
     given as its start). Returns the offsets, the position after the complete characters,
     and the tokens still pending."""
