@@ -223,6 +223,16 @@ def _serve(a: argparse.Namespace) -> int:
     return 0
 
 
+def _api_key(value: str) -> str:
+    """argparse's type for --api-key (its default, $PHASEWISE_API_KEY, goes through it too)."""
+    from phasewise.config import check_api_key
+
+    try:
+        return check_api_key(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{e} (from --api-key or ${API_KEY_ENV})") from None
+
+
 def _check_slo_args(a: argparse.Namespace) -> None:
     from phasewise.engine.slo import check_slo_ms
 
@@ -273,7 +283,9 @@ def _connection_limits(a: argparse.Namespace) -> Any:
     from phasewise.config import parse_memory
 
     try:
-        send = 0 if str(a.send_buffer).strip() == "0" else parse_memory(a.send_buffer)
+        zero = re.fullmatch(r"\s*0*\.?0*\s*[a-zA-Z]*\s*", str(a.send_buffer)) and \
+            re.search(r"0", str(a.send_buffer))
+        send = 0 if zero else parse_memory(a.send_buffer)
     except ValueError as e:
         raise ValueError(f"--send-buffer: {e}") from None
     return ConnectionLimits(a.timeout_header, a.timeout_body, a.max_connections,
@@ -737,7 +749,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="port to listen on")
     s.add_argument("--served-model-name", default=None,
                    help="the model name clients send (default: the folder's name)")
-    s.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
+    s.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None, type=_api_key,
                    help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize and "
                    "/detokenize, and a login for /dashboard (/health, /metrics and /version "
                    f"stay open; docs/serving.md#authentication); default: ${API_KEY_ENV}, "
@@ -800,7 +812,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="port to listen on")
     ro.add_argument("--served-model-name", default=None,
                     help="the model name clients send (default: the folder's name)")
-    ro.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
+    ro.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None, type=_api_key,
                     help=f"required of clients, and sent to the workers (default: "
                     f"${API_KEY_ENV})")
     ro.add_argument("--internal-key-file", default=None, metavar="FILE",
@@ -867,7 +879,7 @@ def build_parser() -> argparse.ArgumentParser:
     pd.add_argument("--disagg-threshold", type=int, default=0,
                     help="prompts with fewer uncached tokens prefill on the decode worker (0: "
                          "every prompt goes to the prefill worker)")
-    pd.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
+    pd.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None, type=_api_key,
                     help="require 'Authorization: Bearer KEY' on the router's and workers' "
                          "/v1/*, /tokenize and /detokenize, and a login for /dashboard "
                          f"(default: ${API_KEY_ENV}; the three processes get it so, never "

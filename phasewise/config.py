@@ -12,6 +12,21 @@ from pathlib import Path
 # not given (a key on a command line is listed to every user of the machine).
 API_KEY_ENV = "PHASEWISE_API_KEY"
 
+
+def check_api_key(value: str) -> str:
+    """An API key as ``--api-key`` (or ``PHASEWISE_API_KEY``) gives it: without the spaces
+    and line break around it (a secret mounted from a file ends in one), and refused if
+    empty or holding a control character, which no client could send in a header. The
+    error never repeats the key."""
+    key = value.strip()
+    if not key:
+        raise ValueError("the API key is empty")
+    bad = next((i for i, c in enumerate(key) if ord(c) < 0x20 or ord(c) == 0x7F), None)
+    if bad is not None:
+        raise ValueError(f"the API key holds a control character (a line break, a tab) at "
+                         f"position {bad}; no client could send it in a header")
+    return key
+
 DEVICES = ("auto", "cpu", "cuda")  # and "cuda:N"
 # The engine's load dtypes (phasewise.model.loader maps each one to a torch dtype; a test
 # checks the two agree). Kept here, torch-free, so that the CLI's parser can offer them.

@@ -679,3 +679,32 @@ def test_pd_hands_its_api_key_to_the_workers_in_the_environment_not_argv(monkeyp
     monkeypatch.setenv(API_KEY_ENV, "from-env")
     assert build_parser().parse_args(["serve"]).api_key == "from-env"
     assert build_parser().parse_args(["serve", "--api-key", "flag"]).api_key == "flag"
+
+
+def test_an_api_key_is_stripped_and_one_with_a_control_character_refused(monkeypatch, capsys):
+    """A key mounted from a file ends in a line break: serve took it as it was and refused
+    every client with the right key, and the router's error quoted the whole key."""
+    from phasewise.config import API_KEY_ENV
+
+    monkeypatch.setenv(API_KEY_ENV, "sekret-key-123\n")
+    assert build_parser().parse_args(["router", "--decode", "http://a:1"]).api_key == \
+        "sekret-key-123"
+    for bad in ("sek\tret", "sek\nret", "  "):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["serve", "--api-key", bad])
+        err = capsys.readouterr().err
+        assert "argument --api-key: the API key" in err and "sek" not in err
+
+
+@pytest.mark.parametrize("value,want", [("0", 0), ("0KiB", 0), ("00", 0), ("0B", 0),
+                                        ("64KiB", 64 << 10), ("lots", None)])
+def test_send_buffer_takes_zero_in_any_unit(value, want):
+    """--send-buffer 0KiB was refused as 'must be > 0', though 0 is the system's own."""
+    from phasewise.cli import _connection_limits
+
+    a = build_parser().parse_args(["serve", "--send-buffer", value])
+    if want is None:
+        with pytest.raises(ValueError, match="--send-buffer"):
+            _connection_limits(a)
+    else:
+        assert _connection_limits(a).send_buffer == want
