@@ -12,6 +12,8 @@ import json
 
 import httpx
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from conftest import build_hf_checkpoint
 from serving import start_server
@@ -480,3 +482,51 @@ def test_a_stray_byte_before_a_character_leaves_its_bytes_together():
             (off,), pos, pend = text_offsets(text, decode, [t], pos, pend)
             got.append(off)
         assert got == [0, 1, 2, 2, 2, 2, 3] and pos == 4 and not pend
+
+
+def test_a_token_the_text_leaves_out_takes_no_room_and_offsets_never_look_back():
+    """A sampled <|im_end|> that skip_special_tokens leaves out of the text moved every
+    later offset 10 characters on; and a stray lead byte's offsets differed between a
+    stream and a whole reply, which had revised them once later tokens came."""
+    from phasewise.server.openai_format import text_offsets
+
+    pieces = {1: b"ab", 2: b"\xf0", 3: b"\x9f", 4: b"\x98", 5: b"\x80", 7: b"\xc3",
+              9: b"<|im_end|>"}
+
+    def decode(ids):
+        return b"".join(map(pieces.get, ids)).decode(errors="replace")
+
+    def text(t):
+        return decode([t])
+
+    assert text_offsets(text, decode, [1, 9, 1], 0, hidden=frozenset({9})) == \
+        ([0, 2, 2], 4, [])
+    for ids in ([7, 2, 3, 4, 5, 1], [2, 3, 7, 1], [7, 7, 1], [1, 7, 2, 3, 4, 5, 9, 1]):
+        whole = text_offsets(text, decode, ids, 0)
+        pos, pend, streamed = 0, [], []
+        for t in ids:
+            (off,), pos, pend = text_offsets(text, decode, [t], pos, pend)
+            streamed.append(off)
+        assert (streamed, pos, pend) == whole, ids
+        assert whole[0] == sorted(whole[0]) and whole[1] == len(decode(ids)), ids
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from([1, 2, 3, 4, 5, 6, 7, 8, 9]), max_size=14))
+def test_text_offsets_agree_streamed_and_whole_and_add_up_for_any_bytes(ids):
+    from phasewise.server.openai_format import text_offsets
+
+    pieces = {1: b"ab", 2: b"\xf0", 3: b"\x9f", 4: b"\x98", 5: b"\x80", 6: b"\xe4",
+              7: b"\xc3", 8: b"\xa9", 9: "é".encode()}
+
+    def decode(t):
+        return b"".join(map(pieces.get, t)).decode(errors="replace")
+
+    whole = text_offsets(lambda t: decode([t]), decode, ids, 0)
+    pos, pend, streamed = 0, [], []
+    for t in ids:
+        (off,), pos, pend = text_offsets(lambda t: decode([t]), decode, [t], pos, pend)
+        streamed.append(off)
+    assert (streamed, pos, pend) == whole
+    assert whole[0] == sorted(whole[0])
+    assert whole[1] + len(decode(whole[2])) == len(decode(ids))

@@ -111,46 +111,45 @@ MAX_CHAR_TOKENS = 4
 
 
 def text_offsets(token_text: TokenText, decode: Decode, token_ids: list[int], pos: int,
-                 pending: list[int] | None = None) -> tuple[list[int], int, list[int]]:
+                 pending: list[int] | None = None,
+                 hidden: frozenset[int] = frozenset()) -> tuple[list[int], int, list[int]]:
     """Each token's ``text_offset``: where its characters begin in the text. A token that
     decodes alone to part of a character (a byte token: U+FFFD) waits for the tokens that
     complete it, and each of them is at that character's start (counting each token's own
-    text would give every byte of an emoji a character, and shift every later offset).
-    ``pending``: tokens of a character an earlier call left incomplete (their offsets were
-    given as its start). Returns the offsets, the position after the complete characters,
-    and the tokens still pending."""
+    text would give every byte of an emoji a character, and shift every later offset). A
+    token's offset depends only on the tokens up to it, never revised by later ones, so a
+    stream's chunks give the offsets a whole reply gives. ``pending``: tokens of a character
+    an earlier call left incomplete; ``hidden``: tokens the text leaves out (special tokens
+    under ``skip_special_tokens``), which take no room. Returns the offsets, the position
+    after the complete characters, and the tokens still pending."""
     offsets: list[int] = []
     pend = list(pending or ())
-
-    def settle(group: list[int], text: str, base: int) -> None:
-        """``group`` decodes to the complete ``text`` at ``pos``; its first token is this
-        call's ``offsets[base]`` (negative: an earlier call's). Each later token stands
-        where ``text`` stops agreeing with what the tokens before it decode to: the
-        character's start for bytes of one character, past it after a stray byte."""
-        for j in range(max(1, -base), len(group)):
-            head = decode(group[:j])
-            offsets[base + j] = pos + next(
-                (i for i, (a, b) in enumerate(zip(head, text)) if a != b),
-                min(len(head), len(text)))
-
     for tok in token_ids:
-        offsets.append(pos)
+        if tok in hidden:
+            offsets.append(pos)
+            continue
         pend.append(tok)
         text = token_text(tok) if len(pend) == 1 else decode(pend)
-        if text.endswith("\ufffd") and len(pend) < MAX_CHAR_TOKENS:
+        if text.endswith("\ufffd"):
+            split = 0
             if len(text) > 1 and len(pend) > 1:
-                # complete characters (a stray byte) before the one still incomplete:
-                # settle them, so the cap counts from where that character starts
-                done = text[:-1]
-                i = next((i for i in range(1, len(pend)) if decode(pend[:i]) == done), 0)
-                if i:
-                    settle(pend[:i], done, len(offsets) - len(pend))
-                    pos += len(done)
-                    pend = pend[i:]
-                    for k in range(max(0, len(offsets) - len(pend)), len(offsets)):
-                        offsets[k] = pos
-            continue
-        settle(pend, text, len(offsets) - len(pend))
+                # complete characters (stray bytes) before the one still incomplete: past
+                # them, so that the cap counts from where that character starts (the
+                # longest such prefix: a lead byte alone decodes as one too)
+                split = next((i for i in range(len(pend) - 1, 0, -1)
+                              if decode(pend[:i]) == text[:-1]), 0)
+                if split:
+                    pos += len(text) - 1
+                    pend = pend[split:]
+            if split or len(pend) < MAX_CHAR_TOKENS:
+                offsets.append(pos)
+                continue
+            # as many bytes as a character has, and still none: stray, taken as they are
+        # complete: this token stands where the text stops agreeing with what the tokens
+        # before it decode to (the character's start, or past a stray byte before it)
+        head = decode(pend[:-1]) if len(pend) > 1 else ""
+        offsets.append(pos + next((i for i, (a, b) in enumerate(zip(head, text)) if a != b),
+                                  min(len(head), len(text))))
         pos += len(text)
         pend = []
     return offsets, pos, pend
@@ -205,11 +204,12 @@ class CompletionChoices:
                  echo: bool = False, prompt_texts: list[str] | None = None,
                  prompt_logprobs: int | None = None,
                  special_ids: frozenset[int] = frozenset(),
-                 decode: Decode | None = None) -> None:
+                 decode: Decode | None = None, hidden: frozenset[int] = frozenset()) -> None:
         self.token_text = token_text
         # several tokens' text at once: offsets over byte tokens (text_offsets); None: each
         # token's own text counts
         self.decode = decode
+        self.hidden = hidden  # output tokens the text leaves out (skip_special_tokens)
         self.pending: list[list[int]] = [[] for _ in range(num_choices)]
         self.special_ids = special_ids
         self.logprobs = logprobs
@@ -289,7 +289,7 @@ class CompletionChoices:
             if self.decode is not None:
                 lp["text_offset"], self.offsets[idx], self.pending[idx] = text_offsets(
                     self.token_text, self.decode, out.delta_token_ids, self.offsets[idx],
-                    self.pending[idx])
+                    self.pending[idx], self.hidden)
             else:
                 self.offsets[idx] = lp["text_offset"][-1] + len(lp["tokens"][-1])
         lp = _joined(head_lp, lp)
@@ -306,7 +306,8 @@ class CompletionChoices:
                                        len(head))
             if self.decode is not None:
                 tail["text_offset"] = text_offsets(self.token_text, self.decode,
-                                                   out.token_ids, len(head))[0]
+                                                   out.token_ids, len(head),
+                                                   hidden=self.hidden)[0]
             lp = _joined(head_lp, tail)
         return {"index": idx, "text": head + text, "logprobs": lp,
                 "finish_reason": finish_reason(out), **stop_reason(out), **self._extra(out)}

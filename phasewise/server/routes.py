@@ -447,7 +447,9 @@ class Routes:
                                     prompt_texts=echoed or None,
                                     prompt_logprobs=body.prompt_logprobs,
                                     special_ids=self.tokenizer.special_ids,
-                                    decode=self._decode_ids)
+                                    decode=self._decode_ids,
+                                    hidden=self.tokenizer.special_ids
+                                    if body.skip_special_tokens else frozenset())
         return await self._respond(request, body, specs, rid, choices, arrival)
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
