@@ -162,6 +162,15 @@ def test_the_eos_that_ends_a_grammar_is_not_text(llm):
         assert eos not in o.text and re.fullmatch("[a-z]{0,3}", o.text), o.text
 
 
+def test_a_stop_string_the_grammars_last_token_completes_is_the_stop_reason(llm):
+    """A grammar's final token that completes a stop string: the text was cut before it,
+    the finish 'stop', and stop_reason None, as if the grammar alone had ended it."""
+    out = llm.generate(["x"], SamplingParams(
+        max_tokens=8, temperature=0, stop=["}"],
+        structured_output=spec_json("regex", "ab}")))[0]
+    assert out.text == "ab" and out.finish_reason == "stop" and out.stop_reason == "}"
+
+
 def test_n_samples_of_one_grammar_compile_once(llm):
     spec = spec_json("choice", ["north", "south"])
     llm.generate(["x"] * 4, SamplingParams(max_tokens=4, structured_output=spec))

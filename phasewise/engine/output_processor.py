@@ -127,7 +127,14 @@ class OutputProcessor:
             if last and ended_by_token and not req.params.include_stop_str_in_output:
                 break
             stop = state.add_token(token)
-            if stop is None or (last and req.finished):
+            if stop is None:
+                continue
+            if last and req.finished:
+                # the token ended it already (a length keeps its reason); one that ended it
+                # with no reason of its own (its grammar complete) names the stop string
+                # that cut its text
+                if req.status is RequestStatus.FINISHED_STOPPED and req.stop_reason is None:
+                    req.stop_reason = stop
                 continue
             req.truncate_outputs(req.num_output_tokens - (len(tokens) - 1 - i))
             req.stop_reason = stop
