@@ -40,3 +40,18 @@ def test_encode_and_decode_match_the_plain_calls_on_long_and_odd_text():
 @given(st.text(max_size=300))
 def test_encode_matches_the_plain_call_on_any_text(text):
     _same(text)
+
+
+def test_a_prompt_cut_mid_character_outputs_that_character_once():
+    """Token ids cut one byte into an emoji: the stream, seeded with the prompt's U+FFFD,
+    gave '\ufffd😀😀' for the output that completed it. The character that the prompt
+    began and the outputs finished is output once; and a whole prompt is unchanged."""
+    ids = TOK.encode("s = '\U0001f600\U0001f600'", add_special_tokens=False)
+    full = TOK.decode(ids)
+    for cut in range(1, 6):
+        prompt, outs = ids[:-cut], ids[-cut:]
+        stream = TOK.decode_stream(prompt, True)
+        text = "".join(stream.step(t) for t in outs) + stream.flush()
+        head = TOK.decode(prompt)
+        assert text == full[len(head.rstrip("\ufffd")):], cut
+        assert text.count("\U0001f600") <= 1 and "\ufffd" not in text, cut

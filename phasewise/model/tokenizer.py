@@ -144,8 +144,19 @@ class TextStream:
     def __init__(self, tok: HFTokenizer, prompt_ids: list[int], skip_special_tokens: bool):
         self._tok = tok
         self._skip = skip_special_tokens
-        self._stream = DecodeStream(ids=list(prompt_ids[-8:]),
-                                    skip_special_tokens=skip_special_tokens)
+        seed = list(prompt_ids[-8:])
+        # A prompt that ends part-way through a character (token ids cut mid-emoji): the
+        # stream is seeded with its complete text and then takes the character's first
+        # bytes as it takes outputs, so that the output completing it shows that character
+        # once, not the seed's U+FFFD and the character again.
+        # (a character is at most 4 bytes: its first 1-3 are what may hang over; where no
+        # cut within them leaves whole text, the bytes are stray and seeded as they are)
+        cut = next((c for c in range(len(seed), max(0, len(seed) - 3) - 1, -1)
+                    if not tok.decode(seed[:c], skip_special_tokens=skip_special_tokens)
+                    .endswith("\ufffd")), len(seed))
+        self._stream = DecodeStream(ids=seed[:cut], skip_special_tokens=skip_special_tokens)
+        for t in seed[cut:]:  # the prompt's own bytes: never output
+            self._stream.step(tok, t)
         self._pending: list[int] = []  # tokens since the last piece: bytes of a character
 
     def step(self, token_id: int) -> str:
