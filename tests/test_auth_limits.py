@@ -149,6 +149,9 @@ def test_a_fleets_internal_key_is_never_locked_out_and_the_api_key_is_no_way_in(
             assert (await c.get("/dashboard/api/status", headers=fleet)).status_code == 200
             assert (await c.get("/dashboard/api/status", headers=GOOD)).status_code == 429
             assert (await c.get("/v1/models", headers=fleet)).status_code == 401  # not /v1
+            r = await c.post("/dashboard/api/completions", json={"prompt": "x"},
+                             headers=fleet)
+            assert r.status_code == 401  # to read only: the playground needs the API key
             r = await c.get("/internal/v1/load", headers=[(INTERNAL_HEADER, internal)] * 2)
             assert r.status_code == 401  # two of them: which counts would be a guess
         async with client(guard, "10.0.0.7") as other:
@@ -164,9 +167,13 @@ def test_an_internal_key_file_is_long_printable_and_named_in_its_errors(tmp_path
     good = tmp_path / "k"
     good.write_text("ab" * 32 + "\n")
     assert read_internal_key(str(good)) == "ab" * 32
-    for bad in ("short", "a b" * 20, "é" * 40):
+    good.write_text("short")
+    with pytest.raises(ValueError, match="--internal-key-file .* holds 5 characters; the key "
+                                         "needs at least 32"):
+        read_internal_key(str(good))
+    for bad in ("a b" * 20, "é" * 40):
         good.write_text(bad)
-        with pytest.raises(ValueError, match="--internal-key-file .* at least 32 printable"):
+        with pytest.raises(ValueError, match="no printable ASCII or is a space"):
             read_internal_key(str(good))
     with pytest.raises(ValueError, match="--internal-key-file .*missing"):
         read_internal_key(str(tmp_path / "missing"))
@@ -376,3 +383,20 @@ def test_the_servers_defaults_limit_guesses_and_sign_sessions(model_dir):
         asyncio.run(main())
     finally:
         engine.shutdown()
+
+
+def test_a_workers_refusal_of_the_router_says_which_key_to_give():
+    """A router with the wrong internal key was told to give 'the workers' --api-key and
+    --internal-key-file', and at run time only '/internal/v1/load answered 401'."""
+    import json
+
+    from phasewise.disagg.fleet import refusal
+
+    def body(code):
+        return json.dumps({"error": {"code": code, "message": "x"}}).encode()
+
+    assert "same --internal-key-file" in refusal(401, body("invalid_internal_key"))
+    assert "the workers' --api-key" in refusal(401, body("invalid_api_key"))
+    assert "an --internal-key-file, which no lockout holds" in \
+        refusal(429, body("too_many_wrong_keys"))
+    assert refusal(503, b"<html>") == "it answered 503"

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import logging
 import socket
 import time
@@ -60,6 +61,24 @@ class Worker:
     def load(self) -> int:
         waiting = self.snapshot.num_waiting if self.snapshot is not None else 0
         return self.in_flight + waiting
+
+
+def refusal(status: int, body: bytes) -> str:
+    """Why a worker refused the router, in words an operator can act on (``body``: the
+    worker's JSON error, of which only the code is read)."""
+    try:
+        code = json.loads(body)["error"]["code"]
+    except (ValueError, KeyError, TypeError):
+        code = None
+    if status == 401 and code == "invalid_internal_key":
+        return ("it refused the router's internal key (401): give the router and every "
+                "worker the same --internal-key-file")
+    if status == 401:
+        return "it refused the router's API key (401): give the router the workers' --api-key"
+    if status == 429 and code == "too_many_wrong_keys":
+        return ("it locks the router's address out for wrong API keys (429): give the "
+                "router and the workers an --internal-key-file, which no lockout holds")
+    return f"it answered {status}"
 
 
 def seed_address(url: str) -> tuple[str, str, int]:
@@ -145,9 +164,8 @@ class Fleet:
                         w.reason = why_failed(e)
                         continue
                     if r.status_code == 401:
-                        raise RouterConfigError(
-                            f"{w.role} worker {url} refused the router's keys (401): give "
-                            "the router the workers' --api-key and --internal-key-file")
+                        raise RouterConfigError(f"{w.role} worker {url}: "
+                                                f"{refusal(401, r.content[:4096])}")
                     if r.status_code != 200:
                         w.reason = f"/internal/v1/info answered {r.status_code}"
                         continue

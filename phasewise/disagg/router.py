@@ -54,7 +54,8 @@ from typing import Any
 
 import httpx
 
-from phasewise.disagg.fleet import Fleet, RouterConfigError, Worker, seed_address, why_failed
+from phasewise.disagg.fleet import (Fleet, RouterConfigError, Worker, refusal, seed_address,
+                                    why_failed)
 from phasewise.disagg.prefix_index import (DEFAULT_LOAD_WEIGHT, DEFAULT_MAX_MIGRATIONS,
                                            DEFAULT_POLICY, DEFAULT_PREFIX_WEIGHT,
                                            MAX_MIGRATIONS_LIMIT, POLICIES, Choice, ParsedReport,
@@ -180,6 +181,16 @@ MAX_INDEX_BLOCKS = 1 << 20
 # EngineSnapshot's cumulative counters (the rest are the moment's gauges)
 CUMULATIVE = ("num_preemptions", "prefix_queries", "prefix_hits", "spec_verifies",
               "spec_proposed", "spec_accepted", "spec_emitted")
+
+
+async def _head(resp: httpx.Response, most: int) -> bytes:
+    """At most ``most`` bytes of a streamed response's body (a refusal's JSON)."""
+    got = bytearray()
+    async for chunk in resp.aiter_bytes():
+        got += chunk
+        if len(got) >= most:
+            break
+    return bytes(got[:most])
 
 
 def _index_capacity(snapshot: EngineSnapshot) -> int:
@@ -1051,7 +1062,10 @@ class Router(Fleet):
             async with self._client.stream("GET", w.url + "/internal/v1/load", params=params,
                                            timeout=min(2.0, self.request_timeout)) as r:
                 if r.status_code != 200:
-                    w.down(f"/internal/v1/load answered {r.status_code}")
+                    why = refusal(r.status_code, await _head(r, 4096))
+                    if r.status_code in (401, 429) and w.reason != why:
+                        log.warning("%s worker %s: %s", w.role, w.url, why)
+                    w.down(f"/internal/v1/load: {why}")
                     return
                 body = bytearray()
                 async for chunk in r.aiter_bytes():

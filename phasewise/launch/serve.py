@@ -59,10 +59,15 @@ def read_internal_key(path: str | None) -> str | None:
         key = Path(path).read_text(encoding="ascii", errors="replace").strip()
     except OSError as e:
         raise ValueError(f"--internal-key-file {path}: {e.strerror}") from e
-    if len(key) < INTERNAL_KEY_MIN or not all("!" <= c <= "~" for c in key):
-        raise ValueError(f"--internal-key-file {path} must hold at least {INTERNAL_KEY_MIN} "
-                         f"printable ASCII characters and no space (it holds {len(key)}); "
-                         "for example the output of 'openssl rand -hex 32'")
+    odd = next((i for i, c in enumerate(key) if not "!" <= c <= "~"), None)
+    if odd is not None:
+        raise ValueError(f"--internal-key-file {path} holds a character that is no printable "
+                         f"ASCII or is a space (at position {odd}); use, for example, the "
+                         "output of 'openssl rand -hex 32'")
+    if len(key) < INTERNAL_KEY_MIN:
+        raise ValueError(f"--internal-key-file {path} holds {len(key)} characters; the key "
+                         f"needs at least {INTERNAL_KEY_MIN} (for example the output of "
+                         "'openssl rand -hex 32')")
     return key
 
 

@@ -375,8 +375,10 @@ class Guard:
                     f"'{INTERNAL_HEADER}' header (--internal-key-file)",
                     code="invalid_internal_key"))
                 return
-        elif key is not None and path not in OPEN_PATHS and not (fleet and dashboard):
-            # (the router relays its workers' dashboards and traces with the fleet's key)
+        elif key is not None and path not in OPEN_PATHS and not (
+                fleet and dashboard and scope.get("method") in ("GET", "HEAD")):
+            # (the router relays its workers' dashboards and traces with the fleet's key;
+            # to read them only: the playground's completions need the API key)
             auth = headers.get("authorization")
             if sum(k.lower() == b"authorization" for k, _ in scope.get("headers", [])) > 1:
                 # which one counts would be this server's guess (a proxy in front may read
