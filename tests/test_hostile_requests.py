@@ -170,9 +170,13 @@ def test_connections_that_send_headers_and_hold_the_body_count_for_their_address
                 socks.append(socket.create_connection(("127.0.0.1", server.port)))
                 socks[-1].sendall(head)
                 # a round trip: the head was read. c's idle connection may have been closed
-                # by the 1 s header timeout (a loaded machine), and its new one refused
+                # by the 1 s header timeout (a loaded machine): sent on as it closed, the
+                # request meets a reset, and goes again on a new one, which may be refused
                 # while the bodies hold the address: an answer all the same
-                r = c.get("/health")
+                try:
+                    r = c.get("/health")
+                except (httpx.ReadError, httpx.RemoteProtocolError):
+                    r = c.get("/health")
                 assert r.status_code == 200 or r.json()["error"]["code"] == \
                     "too_many_connections", r.text
         answers = [_read_until_closed(s) for s in socks]
