@@ -435,20 +435,35 @@ def test_a_responses_stream_that_fails_after_its_200_ends_with_its_error_events(
     assert group.closed
 
 
+def _byte_tokens(pieces):
+    """``(token_text, decode)`` for text_offsets over a vocabulary of ``pieces`` (a token id
+    -> its bytes, or str), decoded as a lossy UTF-8 decoder does."""
+    def decode(ids):
+        return b"".join(p if isinstance(p, bytes) else p.encode()
+                        for p in map(pieces.get, ids)).decode(errors="replace")
+
+    return (lambda t: decode([t])), decode
+
+
+def _streamed_offsets(text, decode, ids):
+    """text_offsets one token a call, as a stream's chunks give them: (offsets, pos, pend)."""
+    from phasewise.server.openai_format import text_offsets
+
+    pos, pend, offsets = 0, [], []
+    for t in ids:
+        (off,), pos, pend = text_offsets(text, decode, [t], pos, pend)
+        offsets.append(off)
+    return offsets, pos, pend
+
+
 def test_text_offsets_put_a_characters_bytes_at_its_start_and_a_stray_byte_in_place():
     """Byte tokens (each U+FFFD alone): the four of an emoji stand at its start and the
     next token one character on; a byte that is no character's stays a U+FFFD of its own;
     a character split across stream chunks continues where the last chunk left it."""
     from phasewise.server.openai_format import text_offsets
 
-    pieces = {1: "a", 2: b"\xf0", 3: b"\x9f", 4: b"\x98", 5: b"\x80", 6: b"\x80"}
-
-    def decode(ids):
-        return b"".join(p if isinstance(p, bytes) else p.encode()
-                        for p in map(pieces.get, ids)).decode(errors="replace")
-
-    def text(t):
-        return decode([t])
+    text, decode = _byte_tokens({1: "a", 2: b"\xf0", 3: b"\x9f", 4: b"\x98", 5: b"\x80",
+                                 6: b"\x80"})
 
     assert text_offsets(text, decode, [1, 2, 3, 4, 5, 1], 0) == ([0, 1, 1, 1, 1, 2], 3, [])
     # a stray continuation byte, then a letter: "\ufffda"
@@ -464,23 +479,13 @@ def test_a_stray_byte_before_a_character_leaves_its_bytes_together():
     from the stray one, and every later offset was one too far."""
     from phasewise.server.openai_format import text_offsets
 
-    pieces = {1: b"a", 2: b"\xf0", 3: b"\x9f", 4: b"\x98", 5: b"\x80", 6: b"\x80",
-              7: b"\xc3"}
-
-    def decode(ids):
-        return b"".join(map(pieces.get, ids)).decode(errors="replace")
-
-    def text(t):
-        return decode([t])
-
+    text, decode = _byte_tokens({1: b"a", 2: b"\xf0", 3: b"\x9f", 4: b"\x98", 5: b"\x80",
+                                 6: b"\x80", 7: b"\xc3"})
     for stray in (6, 7):  # a continuation byte, a lone lead byte
         assert text_offsets(text, decode, [stray, 2, 3, 4, 5, 1], 0) == \
             ([0, 1, 1, 1, 1, 2], 3, []), stray
         # one token a chunk, as a stream gives them
-        pos, pend, got = 0, [], []
-        for t in [1, stray, 2, 3, 4, 5, 1]:
-            (off,), pos, pend = text_offsets(text, decode, [t], pos, pend)
-            got.append(off)
+        got, pos, pend = _streamed_offsets(text, decode, [1, stray, 2, 3, 4, 5, 1])
         assert got == [0, 1, 2, 2, 2, 2, 3] and pos == 4 and not pend
 
 
@@ -490,24 +495,14 @@ def test_a_token_the_text_leaves_out_takes_no_room_and_offsets_never_look_back()
     stream and a whole reply, which had revised them once later tokens came."""
     from phasewise.server.openai_format import text_offsets
 
-    pieces = {1: b"ab", 2: b"\xf0", 3: b"\x9f", 4: b"\x98", 5: b"\x80", 7: b"\xc3",
-              9: b"<|im_end|>"}
-
-    def decode(ids):
-        return b"".join(map(pieces.get, ids)).decode(errors="replace")
-
-    def text(t):
-        return decode([t])
+    text, decode = _byte_tokens({1: b"ab", 2: b"\xf0", 3: b"\x9f", 4: b"\x98", 5: b"\x80",
+                                 7: b"\xc3", 9: b"<|im_end|>"})
 
     assert text_offsets(text, decode, [1, 9, 1], 0, hidden=frozenset({9})) == \
         ([0, 2, 2], 4, [])
     for ids in ([7, 2, 3, 4, 5, 1], [2, 3, 7, 1], [7, 7, 1], [1, 7, 2, 3, 4, 5, 9, 1]):
         whole = text_offsets(text, decode, ids, 0)
-        pos, pend, streamed = 0, [], []
-        for t in ids:
-            (off,), pos, pend = text_offsets(text, decode, [t], pos, pend)
-            streamed.append(off)
-        assert (streamed, pos, pend) == whole, ids
+        assert _streamed_offsets(text, decode, ids) == whole, ids
         assert whole[0] == sorted(whole[0]) and whole[1] == len(decode(ids)), ids
 
 
@@ -516,17 +511,9 @@ def test_a_token_the_text_leaves_out_takes_no_room_and_offsets_never_look_back()
 def test_text_offsets_agree_streamed_and_whole_and_add_up_for_any_bytes(ids):
     from phasewise.server.openai_format import text_offsets
 
-    pieces = {1: b"ab", 2: b"\xf0", 3: b"\x9f", 4: b"\x98", 5: b"\x80", 6: b"\xe4",
-              7: b"\xc3", 8: b"\xa9", 9: "é".encode()}
-
-    def decode(t):
-        return b"".join(map(pieces.get, t)).decode(errors="replace")
-
-    whole = text_offsets(lambda t: decode([t]), decode, ids, 0)
-    pos, pend, streamed = 0, [], []
-    for t in ids:
-        (off,), pos, pend = text_offsets(lambda t: decode([t]), decode, [t], pos, pend)
-        streamed.append(off)
-    assert (streamed, pos, pend) == whole
+    text, decode = _byte_tokens({1: b"ab", 2: b"\xf0", 3: b"\x9f", 4: b"\x98", 5: b"\x80",
+                                 6: b"\xe4", 7: b"\xc3", 8: b"\xa9", 9: "é".encode()})
+    whole = text_offsets(text, decode, ids, 0)
+    assert _streamed_offsets(text, decode, ids) == whole
     assert whole[0] == sorted(whole[0])
     assert whole[1] + len(decode(whole[2])) == len(decode(ids))

@@ -301,6 +301,21 @@ def _progress(msg: str) -> None:
     print(f"measure: {msg}", file=sys.stderr, flush=True)
 
 
+def figure_label(name: str) -> str:
+    """A machine-file figure's name in words: ``mem_bandwidth`` or a dtype's peak."""
+    return "read bandwidth" if name == "mem_bandwidth" else f"{name} matmul"
+
+
+def figure_value(entry: dict[str, Any], name: str) -> float | None:
+    """An entry's ``name`` figure (bytes/s, or a dtype's FLOP/s; None where it has none)."""
+    return entry["mem_bandwidth"] if name == "mem_bandwidth" else entry["peak_flops"].get(name)
+
+
+def figure_rate(value: float, name: str) -> str:
+    """``value`` of the ``name`` figure with its unit: ``28.6 GB/s``, ``421.6 GFLOP/s``."""
+    return f"{value / 1e9:.1f} {'GB/s' if name == 'mem_bandwidth' else 'GFLOP/s'}"
+
+
 def keep_stable(old: dict[str, Any], new: dict[str, Any]
                 ) -> tuple[dict[str, Any], dict[str, str]]:
     """``new`` (a full measurement) with each figure that it measured unstable where ``old``
@@ -309,17 +324,12 @@ def keep_stable(old: dict[str, Any], new: dict[str, Any]
     and, for each figure put back, what this run measured and why it was unstable."""
     m_old, m_new = old.get("measured") or {}, new.get("measured") or {}
     old_unstable, new_unstable = m_old.get("unstable") or {}, m_new.get("unstable") or {}
-    def value(entry: dict[str, Any], n: str) -> float | None:
-        return entry["mem_bandwidth"] if n == "mem_bandwidth" else entry["peak_flops"].get(n)
-
     # between two unstable figures the higher stays (a peak is an upper bound)
-    kept = [n for n in new_unstable if value(old, n) is not None
-            and (n not in old_unstable or value(old, n) > value(new, n))]
+    kept = [n for n in new_unstable if figure_value(old, n) is not None
+            and (n not in old_unstable or figure_value(old, n) > figure_value(new, n))]
     if not kept:
         return new, {}
-    why = {n: (f"{new['mem_bandwidth'] / 1e9:.1f} GB/s" if n == "mem_bandwidth" else
-               f"{new['peak_flops'][n] / 1e9:.1f} GFLOP/s") + f", {new_unstable[n]}"
-           for n in kept}
+    why = {n: f"{figure_rate(figure_value(new, n), n)}, {new_unstable[n]}" for n in kept}
     peaks, bandwidth = dict(new["peak_flops"]), new["mem_bandwidth"]
     measured = {**m_new, "unstable": {**{n: w for n, w in new_unstable.items() if n not in kept},
                                       **{n: old_unstable[n] for n in kept if n in old_unstable}}}
@@ -334,7 +344,7 @@ def keep_stable(old: dict[str, Any], new: dict[str, Any]
         for field in ("spread", "runs"):
             measured[field][n] = (m_old.get(field) or {}).get(n)
         measured["figure_conditions"][n] = old_conditions.get(n, m_old.get("conditions"))
-    what = ", ".join("read bandwidth" if n == "mem_bandwidth" else f"{n} matmul" for n in kept)
+    what = ", ".join(map(figure_label, kept))
     source = (f"{new['source']}; {what} kept from an earlier full run "
               f"({str(old.get('source', 'undated')).split('; ')[0]})")
     return {**new, "peak_flops": peaks, "mem_bandwidth": bandwidth, "measured": measured,
@@ -372,7 +382,7 @@ def measure(out: Path | None = None, quick: bool = False,
         new[key], figures = keep_stable(existing[key], new[key])
         result[key] = new[key]
         for name, why in figures.items():
-            label = "read bandwidth" if name == "mem_bandwidth" else f"{name} matmul"
+            label = figure_label(name)
             was = ("higher unstable" if name in (existing[key].get("measured") or {}).get(
                 "unstable", {}) else "stable")
             progress(f"{key}: kept the {was} {label} of the earlier full measurement; this "
@@ -428,7 +438,7 @@ def merge_entry(old: dict[str, Any], new: dict[str, Any], dtypes: tuple[str, ...
     taken = []
     names = [*dtypes, *(("mem_bandwidth",) if read else ())]
     for name in names:
-        value = new["mem_bandwidth"] if name == "mem_bandwidth" else new["peak_flops"][name]
+        value = figure_value(new, name)
         before = bandwidth if name == "mem_bandwidth" else peaks.get(name)
         stable_now = name not in new_unstable
         if before is None or stable_now or (name in unstable and value > before):
@@ -450,8 +460,7 @@ def merge_entry(old: dict[str, Any], new: dict[str, Any], dtypes: tuple[str, ...
                                          *(n for n in taken if n != "mem_bandwidth")})}
     source = str(old.get("source", "")).split("; ")[0]  # (the full measurement's words)
     if taken:  # where a figure now comes from, as roofline --list and calibrate cite it
-        what = ", ".join("read bandwidth" if n == "mem_bandwidth" else f"{n} matmul"
-                         for n in taken)
+        what = ", ".join(map(figure_label, taken))
         source += f"; {what} measured again quickly on {time.strftime('%Y-%m-%d %H:%M')}"
     return {**old, "peak_flops": peaks, "mem_bandwidth": bandwidth, "measured": measured,
             "source": source}
@@ -494,15 +503,12 @@ def ensure_local(device: str, compute_dtypes: tuple[str, ...],
         measured_now = entry
         entry = merge_entry(old, entry, missing + redo, redo_read)
         for name in (*redo, *(("mem_bandwidth",) if redo_read else ())):
-            read = name == "mem_bandwidth"
-            now, kept = ((measured_now["mem_bandwidth"], entry["mem_bandwidth"]) if read else
-                         (measured_now["peak_flops"][name], entry["peak_flops"][name]))
+            now, kept = figure_value(measured_now, name), figure_value(entry, name)
             if kept != now:  # both unstable: the higher stays, as merge_entry says
-                unit = "GB/s" if read else "GFLOP/s"
-                label = "read bandwidth" if read else f"{name} matmul"
-                _progress(f"{key}: kept the stored {label} {kept / 1e9:.1f} {unit}, higher "
-                          f"than this run's {now / 1e9:.1f} {unit} (both unstable: a peak is "
-                          "the highest seen)")
+                _progress(f"{key}: kept the stored {figure_label(name)} "
+                          f"{figure_rate(kept, name)}, higher than this run's "
+                          f"{figure_rate(now, name)} (both unstable: a peak is the highest "
+                          "seen)")
     data[key] = entry
     try:
         write_text_atomic(path, json.dumps(data, indent=1))
