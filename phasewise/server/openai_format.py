@@ -78,19 +78,15 @@ TokenText = Callable[[int], str]
 
 
 def completion_logprobs(token_text: TokenText, token_ids: list[int],
-                        entries: list[dict[int, float] | None], offset: int,
+                        entries: list[dict[int, float] | None], offsets: list[int],
                         top_n: int | None = None) -> dict[str, Any]:
-    """The legacy layout; ``text_offset`` counts each token's own text from ``offset``. An
-    entry of None (an echoed prompt's first token) is a null logprob and null top entries;
+    """The legacy layout, each token at its ``text_offset`` in ``offsets`` (``text_offsets``).
+    An entry of None (an echoed prompt's first token) is a null logprob and null top entries;
     ``top_n`` keeps that many of an entry's others (an entry may carry more, when
     prompt_logprobs asked for more than logprobs)."""
-    tokens, lps, tops, offsets = [], [], [], []
-    pos = offset
+    tokens, lps, tops = [], [], []
     for tok, entry in zip(token_ids, entries):
-        text = token_text(tok)
-        tokens.append(text)
-        offsets.append(pos)
-        pos += len(text)
+        tokens.append(token_text(tok))
         if entry is None:
             lps.append(None)
             tops.append(None)
@@ -102,7 +98,7 @@ def completion_logprobs(token_text: TokenText, token_ids: list[int],
         # The top-N and the sampled token (OpenAI: "up to logprobs + 1" entries).
         tops.append({token_text(t): lp for lp, t in ranked})
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops,
-            "text_offset": offsets}
+            "text_offset": list(offsets)}
 
 
 Decode = Callable[[list[int]], str]
@@ -200,15 +196,13 @@ class CompletionChoices:
     stream_object = "text_completion"
     object = "text_completion"
 
-    def __init__(self, token_text: TokenText, num_choices: int, logprobs: int | None, *,
-                 echo: bool = False, prompt_texts: list[str] | None = None,
-                 prompt_logprobs: int | None = None,
+    def __init__(self, token_text: TokenText, decode: Decode, num_choices: int,
+                 logprobs: int | None, *, echo: bool = False,
+                 prompt_texts: list[str] | None = None, prompt_logprobs: int | None = None,
                  special_ids: frozenset[int] = frozenset(),
-                 decode: Decode | None = None, hidden: frozenset[int] = frozenset()) -> None:
+                 hidden: frozenset[int] = frozenset()) -> None:
         self.token_text = token_text
-        # several tokens' text at once: offsets over byte tokens (text_offsets); None: each
-        # token's own text counts
-        self.decode = decode
+        self.decode = decode  # several tokens' text at once: offsets over byte tokens
         self.hidden = hidden  # output tokens the text leaves out (skip_special_tokens)
         self.pending: list[list[int]] = [[] for _ in range(num_choices)]
         self.special_ids = special_ids
@@ -241,25 +235,19 @@ class CompletionChoices:
                                 lambda: self._echo_entries(head, out))
 
     def _echo_entries(self, head: str, out: RequestOutput) -> dict[str, Any] | None:
-        lp = None
-        if self.logprobs is not None:
-            lp = completion_logprobs(self.token_text, out.prompt_token_ids,
-                                     out.prompt_logprobs or [None] * len(out.prompt_token_ids),
-                                     0, self.logprobs)
-            pos, offsets, pending = 0, [], []
-            for tok, text in zip(out.prompt_token_ids, lp["tokens"]):
-                if tok in self.special_ids and not head.startswith(text, pos):
-                    offsets.append(pos)
-                    continue
-                if self.decode is None:
-                    offsets.append(pos)
-                    pos += len(text)
-                    continue
-                (off,), pos, pending = text_offsets(self.token_text, self.decode, [tok], pos,
-                                                    pending)
-                offsets.append(off)
-            lp["text_offset"] = offsets
-        return lp
+        if self.logprobs is None:
+            return None
+        ids = out.prompt_token_ids
+        pos, offsets, pending = 0, [], []
+        for tok in ids:
+            if tok in self.special_ids and not head.startswith(self.token_text(tok), pos):
+                offsets.append(pos)
+                continue
+            (off,), pos, pending = text_offsets(self.token_text, self.decode, [tok], pos,
+                                                pending)
+            offsets.append(off)
+        return completion_logprobs(self.token_text, ids, out.prompt_logprobs or [None] * len(ids),
+                                   offsets, self.logprobs)
 
     def _extra(self, out: RequestOutput) -> dict[str, Any]:
         if self.prompt_logprobs is None:
@@ -282,16 +270,13 @@ class CompletionChoices:
                     self.offsets[idx] = len(head)
         if self.logprobs is not None and out.delta_token_ids:
             k = len(out.delta_token_ids)
-            lp = completion_logprobs(self.token_text, out.delta_token_ids,
-                                     (out.logprobs or [])[-k:], self.offsets[idx])
             # Offsets follow the tokens' texts, as in the whole reply (the text itself may
             # lag: a stop string holds characters back, a split character waits).
-            if self.decode is not None:
-                lp["text_offset"], self.offsets[idx], self.pending[idx] = text_offsets(
-                    self.token_text, self.decode, out.delta_token_ids, self.offsets[idx],
-                    self.pending[idx], self.hidden)
-            else:
-                self.offsets[idx] = lp["text_offset"][-1] + len(lp["tokens"][-1])
+            offsets, self.offsets[idx], self.pending[idx] = text_offsets(
+                self.token_text, self.decode, out.delta_token_ids, self.offsets[idx],
+                self.pending[idx], self.hidden)
+            lp = completion_logprobs(self.token_text, out.delta_token_ids,
+                                     (out.logprobs or [])[-k:], offsets)
         lp = _joined(head_lp, lp)
         if not (text or lp or out.finished or extra):
             return []  # bytes of an unfinished character: nothing to show
@@ -302,13 +287,10 @@ class CompletionChoices:
         text, lp = out.text, None
         head, head_lp = self._echoed(idx, out) if self.echo else ("", None)
         if self.logprobs is not None:
-            tail = completion_logprobs(self.token_text, out.token_ids, out.logprobs or [],
-                                       len(head))
-            if self.decode is not None:
-                tail["text_offset"] = text_offsets(self.token_text, self.decode,
-                                                   out.token_ids, len(head),
-                                                   hidden=self.hidden)[0]
-            lp = _joined(head_lp, tail)
+            offsets = text_offsets(self.token_text, self.decode, out.token_ids, len(head),
+                                   hidden=self.hidden)[0]
+            lp = _joined(head_lp, completion_logprobs(self.token_text, out.token_ids,
+                                                      out.logprobs or [], offsets))
         return {"index": idx, "text": head + text, "logprobs": lp,
                 "finish_reason": finish_reason(out), **stop_reason(out), **self._extra(out)}
 

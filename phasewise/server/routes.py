@@ -443,11 +443,11 @@ class Routes:
         await self._structured(body, overrides)
         specs = self._specs(prompts, body.n, overrides)
         rid = f"{id_prefix}{uuid.uuid4().hex}"
-        choices = CompletionChoices(self._token_text, len(specs), body.logprobs, echo=body.echo,
+        choices = CompletionChoices(self._token_text, self._decode_ids, len(specs),
+                                    body.logprobs, echo=body.echo,
                                     prompt_texts=echoed or None,
                                     prompt_logprobs=body.prompt_logprobs,
                                     special_ids=self.tokenizer.special_ids,
-                                    decode=self._decode_ids,
                                     hidden=self.tokenizer.special_ids
                                     if body.skip_special_tokens else frozenset())
         return await self._respond(request, body, specs, rid, choices, arrival)
