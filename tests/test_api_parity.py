@@ -396,9 +396,11 @@ def test_a_grammar_whose_check_runs_too_long_is_refused(model):
 
 
 def test_langchain_and_litellm_get_structured_output(server, monkeypatch):
-    from pydantic import BaseModel, Field
+    from pydantic import BaseModel, ConfigDict, Field
 
     class Pet(BaseModel):
+        # no other properties: a random model's extra keys ran the reply past max_tokens
+        model_config = ConfigDict(extra="forbid")
         name: str = Field(max_length=6)
         legs: int = Field(ge=0, le=8)
 
@@ -689,15 +691,18 @@ def test_responses_text_format_and_what_is_refused(server):
 def test_langchain_and_litellm_use_the_responses_api(server, monkeypatch):
     from langchain_openai import ChatOpenAI
 
+    # (ignore_eos: a random model may draw its EOS within the counts asserted below)
     chat = ChatOpenAI(base_url=server.url + "/v1", api_key="x", model="tiny", max_tokens=8,
-                      max_retries=0, use_responses_api=True)
+                      max_retries=0, use_responses_api=True,
+                      extra_body={"ignore_eos": True})
     msg = chat.invoke("hello")
     assert msg.text and msg.usage_metadata["output_tokens"] == 8
     monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")
     import litellm
 
     r = litellm.responses(model="openai/tiny", api_base=server.url + "/v1", api_key="x",
-                          input="hello", max_output_tokens=16)  # (LiteLLM sends >= 16)
+                          input="hello", max_output_tokens=16,  # (LiteLLM sends >= 16)
+                          extra_body={"ignore_eos": True})
     assert r.usage.output_tokens == 16 and r.output[0].content[0].text
 
 
