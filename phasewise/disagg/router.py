@@ -901,16 +901,18 @@ class Router(Fleet):
             group, _, stream = entry
             i = group.request_ids.index(rid)
             (stream.parked.add if parked else stream.parked.discard)(i)
-            if not stream.parking and self._loop is not None and self._client is not None:
-                stream.parking = True
-                self._spawn(self._send_parks(stream))
+            self._post_parks(stream)
 
     def _repark(self, stream: _Stream) -> None:
         """The stream moved to another worker: nothing is parked there yet, so its parked
         requests are posted again (its client still reads none of them)."""
         stream.parked_sent = set()
-        if stream.parked and not stream.parking and self._loop is not None \
-                and self._client is not None:
+        if stream.parked:
+            self._post_parks(stream)
+
+    def _post_parks(self, stream: _Stream) -> None:
+        """Start the stream's one sender of park posts, unless it runs already."""
+        if not stream.parking and self._loop is not None and self._client is not None:
             stream.parking = True
             self._spawn(self._send_parks(stream))
 
