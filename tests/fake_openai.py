@@ -128,7 +128,10 @@ class FakeServer:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port,
-                                                    log_level="warning", lifespan="on"))
+                                                    log_level="warning", lifespan="on",
+                                                    # The hostile "hang" stream never ends
+                                                    # by itself: shutdown cuts it.
+                                                    timeout_graceful_shutdown=1))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     @property
