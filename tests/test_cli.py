@@ -12,6 +12,7 @@ import pytest
 
 from phasewise import cli
 from phasewise.cli import build_parser, main
+from phasewise.cli.args import engine_kwargs
 
 
 def _sub(name: str):
@@ -203,7 +204,7 @@ def test_roofline_list_prints_each_figure_with_its_source(tmp_path, monkeypatch,
 
 
 def test_cli_module_holds_no_command_logic():
-    """generate's work lives in phasewise.generate (cli.py only parses and calls)."""
+    """generate's work lives in phasewise.generate (phasewise.cli only parses and calls)."""
     assert not hasattr(cli, "_roofline_lines") and not hasattr(cli, "_compute_dtype")
     from phasewise import generate
 
@@ -266,7 +267,7 @@ def test_every_engine_option_is_a_flag_and_reaches_the_config(command):
             assert flag in flags, f.name
     a = parser.parse_args([command, "--num-kv-blocks", "7", "--block-size", "8",
                            "--no-prefix-caching"] + (["x"] if command == "generate" else []))
-    config = EngineConfig(model="m", **cli._engine_kwargs(a))
+    config = EngineConfig(model="m", **engine_kwargs(a))
     assert (config.num_kv_blocks, config.block_size, config.enable_prefix_caching) == (
         7, 8, False)
 
@@ -700,11 +701,11 @@ def test_an_api_key_is_stripped_and_one_with_a_control_character_refused(monkeyp
                                         ("64KiB", 64 << 10), ("lots", None)])
 def test_send_buffer_takes_zero_in_any_unit(value, want):
     """--send-buffer 0KiB was refused as 'must be > 0', though 0 is the system's own."""
-    from phasewise.cli import _connection_limits
+    from phasewise.cli.args import connection_limits
 
     a = build_parser().parse_args(["serve", "--send-buffer", value])
     if want is None:
         with pytest.raises(ValueError, match="--send-buffer"):
-            _connection_limits(a)
+            connection_limits(a)
     else:
-        assert _connection_limits(a).send_buffer == want
+        assert connection_limits(a).send_buffer == want

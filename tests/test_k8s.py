@@ -19,6 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from phasewise import cli
+from phasewise.cli.args import thread_count
 from phasewise.perf import k8s
 from phasewise.perf.k8s import DeploySpec, RoleResources, manifests, to_yaml
 
@@ -484,7 +485,7 @@ def test_engine_flag_table_matches_the_serve_parser():
         else:
             assert action.choices is None, flag
             # (--threads: an int the parser also bounds by the cores, checked in the pod)
-            typed = {"--threads": cli._threads}.get(flag, kind)
+            typed = {"--threads": thread_count}.get(flag, kind)
             assert (action.type or str) is typed, flag
     # Every flag of serve is either settable through engine_args or set by the manifests: a
     # new flag has to be placed in one of the two tables.

@@ -12,7 +12,7 @@ below it and from itself, never from a room above it or from a peer (rooms on on
 4. ``perf``;
 5. ``bench``, ``server``, ``disagg`` (peers);
 6. ``launch``;
-7. ``cli``: ``phasewise/cli.py``, ``generate.py``, ``llm.py`` and ``__main__.py``.
+7. ``cli``: ``phasewise/cli/``, ``generate.py``, ``llm.py`` and ``__main__.py``.
 
 Every import statement counts, wherever it is: at module level, inside a function (a lazy
 import runs all the same), and under ``if TYPE_CHECKING:`` (a type from a room above still ties

@@ -1,4 +1,4 @@
-"""The work behind ``phasewise calibrate``, ``simulate`` and ``plan`` (``cli.py`` parses their
+"""The work behind ``phasewise calibrate``, ``simulate`` and ``plan`` (``phasewise.cli`` parses their
 flags and calls these). What is modelled, and from where:
 
 * the model: a catalog name (``phasewise roofline --list``) or a checkpoint folder;
