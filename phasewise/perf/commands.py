@@ -1,5 +1,5 @@
-"""The work behind ``phasewise calibrate``, ``simulate`` and ``plan`` (``phasewise.cli`` parses their
-flags and calls these). What is modelled, and from where:
+"""The work behind ``phasewise calibrate``, ``simulate`` and ``plan`` (``phasewise.cli`` parses
+their flags and calls these). What is modelled, and from where:
 
 * the model: a catalog name (``phasewise roofline --list``) or a checkpoint folder;
 * the machine: a catalog accelerator, or ``cpu-local`` / ``gpu-local`` (this machine as
