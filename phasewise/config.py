@@ -47,6 +47,11 @@ MAX_SPECULATIVE_TOKENS = 16  # the verify rows of one request in a step, at most
 POLICIES = ("chunked", "prefill-first")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 SERVE_ROLES = ("both", "prefill", "decode")  # phasewise serve --role
+# Seconds one round of the engine thread (its commands, then at most one step) may last before
+# the engine counts as stuck (serve --step-timeout). A step holds at most the step budget's
+# tokens: seconds on a CPU even for an 8B model, so this is far past any step that is merely
+# slow, and well inside the patience of an orchestrator's liveness probe.
+DEFAULT_STEP_TIMEOUT_S = 120.0
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6,
           "mib": 2**20, "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12,
           "tib": 2**40}

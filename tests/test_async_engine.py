@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import pytest
@@ -12,6 +13,7 @@ from conftest import collect
 from phasewise import EngineConfig, LLM, SamplingParams
 from phasewise.engine.async_engine import (AsyncEngine, EngineError, EngineOverloaded,
                                            EngineStopped, PromptSpec)
+from phasewise.engine.backend import EngineUnavailable
 from phasewise.engine.engine import LLMEngine
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
@@ -190,6 +192,116 @@ def test_an_add_never_waits_forever_when_the_engine_thread_dies(llama_dir):
             await asyncio.to_thread(ae.shutdown)
 
     asyncio.run(main())
+
+
+def test_a_step_that_does_not_end_makes_the_engine_stuck_until_it_ends(llama_dir):
+    """A step that hangs (a kernel, a machine swapping): past ``step_timeout_s`` the engine
+    is not alive, its reason names the step, and a new request is refused at once instead
+    of waiting behind it. Once the step ends, the request it held finishes as it would
+    have, and the engine takes requests again. Waiting for work is no step: an idle engine
+    stays alive however short the timeout."""
+    ids = [3, 17, 42, 9]
+    want = LLM(str(llama_dir)).generate([ids], GREEDY)[0].token_ids
+    engine = LLMEngine(EngineConfig(model=str(llama_dir)))
+    ae = AsyncEngine(engine, step_timeout_s=0.2)
+    real_step = engine.step
+    entered, release = threading.Event(), threading.Event()
+
+    def hanging_step():
+        entered.set()
+        release.wait(60)
+        return real_step()
+
+    async def until(condition):
+        deadline = time.monotonic() + 30
+        while not condition() and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+
+    async def main():
+        ae.start()
+        try:
+            for _ in range(40):  # idle rounds wait up to 0.5 s each for a command
+                assert ae.is_alive and not ae.stuck
+                await asyncio.sleep(0.05)
+            engine.step = hanging_step
+            held = await ae.add([PromptSpec(ids, GREEDY)], "held")
+            await asyncio.to_thread(entered.wait, 30)
+            await until(lambda: not ae.is_alive)
+            assert ae.stuck and not ae.is_alive
+            assert "in one step for" in ae.down_reason and "--step-timeout" in ae.down_reason
+            with pytest.raises(EngineUnavailable, match="in one step for"):
+                await ae.add([PromptSpec(ids, GREEDY)], "refused")
+            engine.step = real_step
+            release.set()
+            assert (await collect(held))[0].token_ids == want
+            await until(lambda: ae.is_alive)
+            assert ae.is_alive and not ae.stuck
+            after = await ae.add([PromptSpec(ids, GREEDY)], "after")
+            assert (await collect(after))[0].token_ids == want
+        finally:
+            engine.step = real_step
+            release.set()
+            await asyncio.to_thread(ae.shutdown)
+
+    asyncio.run(main())
+
+
+def test_a_stuck_engine_answers_503_on_health_and_to_new_requests(llama_dir):
+    """Over HTTP: /health says the engine is stuck and why (a liveness probe restarts it),
+    a new request gets 503 with Retry-After and code "unavailable" rather than a wait of
+    unknown length, and the stream the step held carries on once it ends."""
+    from fastapi.testclient import TestClient
+
+    from phasewise.server.app import OpenAIServer, ServerConfig
+
+    engine = LLMEngine(EngineConfig(model=str(llama_dir)))
+    server = OpenAIServer(AsyncEngine(engine, step_timeout_s=0.2),
+                          ServerConfig(served_model_name="m"))
+    real_step = engine.step
+    entered, release = threading.Event(), threading.Event()
+
+    def hanging_step():
+        entered.set()
+        release.wait(60)
+        return real_step()
+
+    body = {"prompt": [3, 17, 42, 9], "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    with TestClient(server.app) as tc:
+        want = tc.post("/v1/completions", json=body).json()["choices"][0]["text"]
+        engine.step = hanging_step
+        held: dict = {}
+        thread = threading.Thread(target=lambda: held.update(
+            r=tc.post("/v1/completions", json=body)))
+        thread.start()
+        try:
+            assert entered.wait(30)
+            for _ in range(300):
+                health = tc.get("/health")
+                if health.status_code == 503:
+                    break
+                time.sleep(0.02)
+            assert health.status_code == 503, health.text
+            assert "in one step for" in health.json()["error"]["message"]
+            refused = tc.post("/v1/completions", json=body)
+            assert refused.status_code == 503, refused.text
+            assert refused.json()["error"]["code"] == "unavailable"
+            assert "in one step for" in refused.json()["error"]["message"]
+            assert refused.headers["retry-after"] == "1"
+        finally:
+            engine.step = real_step
+            release.set()
+            thread.join(60)
+        assert held["r"].status_code == 200
+        assert held["r"].json()["choices"][0]["text"] == want
+        assert tc.get("/health").status_code == 200
+
+
+def test_a_step_timeout_must_be_positive(llama_dir):
+    engine = LLMEngine(EngineConfig(model=str(llama_dir)))
+    for bad in (0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="step_timeout_s must be in"):
+            AsyncEngine(engine, step_timeout_s=bad)
+    assert AsyncEngine(engine, step_timeout_s=None).step_timeout_s is None
 
 
 def test_a_newcomer_gets_its_first_token_while_a_big_group_holds_the_seats(llama_dir):

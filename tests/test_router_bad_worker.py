@@ -18,6 +18,8 @@ from conftest import build_hf_checkpoint
 from serving import start_server
 
 MODE: dict[str, str] = {"load": "ok", "generate": "500"}
+STUCK = ("the engine has been in one step for 130 s (the limit, --step-timeout, is 120 s); it "
+         "takes no new requests until that step ends")
 
 
 def _handler(good_url: str):
@@ -44,8 +46,13 @@ def _handler(good_url: str):
                     snap.update(num_running="x", num_waiting="y")
                 elif MODE["load"] == "busy":
                     snap.update(num_running=5, kv_usage=0.5)
-                self._send(200, json.dumps({"role": "both", "alive": True, "draining": False,
-                                            "open_groups": 0, "snapshot": snap}).encode())
+                reply = {"role": "both", "alive": True, "draining": False, "open_groups": 0,
+                         "snapshot": snap}
+                if MODE["load"] == "stuck":
+                    reply.update(alive=False, down_reason=STUCK)
+                elif MODE["load"] == "stuck-unreadable":
+                    reply.update(alive=False, down_reason="\x1b[2Jstuck\x00")
+                self._send(200, json.dumps(reply).encode())
             else:
                 self._send(200, b'{"status": "ok"}')
 
@@ -140,3 +147,34 @@ def test_the_routers_gauges_follow_its_workers_polls_while_it_is_idle(fleet):
         threading.Event().wait(0.1)
     assert _gauge(router, "num_requests_running") == 0
 
+
+
+def _health_until(router, text: str) -> str:
+    for _ in range(100):  # its next poll (every second) reads it
+        health = httpx.get(router.url + "/health", timeout=30).text
+        if text in health:
+            break
+        threading.Event().wait(0.1)
+    return health
+
+
+def test_a_worker_whose_engine_is_stuck_is_down_with_its_reason(fleet):
+    """A worker whose engine has been in one step past its --step-timeout says so in its
+    load reply: the router takes it as down, names why on /health, and sends the requests
+    to the other worker. A reason it cannot show safely is not repeated."""
+    good, router = fleet
+    MODE.update(load="stuck", generate="500")
+    health = _health_until(router, "in one step for")
+    assert "its engine is down: " + STUCK in health, health
+    for r in _completions(router, 3):
+        assert r.status_code == 200, r.text
+    MODE.update(load="stuck-unreadable")
+    health = _health_until(router, "its engine is not running")
+    assert "its engine is not running" in health and "stuck" not in health, health
+    MODE.update(load="ok")  # the step ended: the worker is up again
+    for _ in range(100):
+        workers = httpx.get(router.url + "/health", timeout=30).json()["workers"]
+        if all(w["up"] for w in workers):
+            break
+        threading.Event().wait(0.1)
+    assert [w["up"] for w in workers] == [True, True], workers

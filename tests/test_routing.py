@@ -91,8 +91,8 @@ def test_a_workers_load_reply_is_checked_field_by_field(over, field):
 
     from phasewise.disagg.router import _read_load
 
-    snap, groups, draining, alive, kv = _read_load(json.dumps(_load_reply()).encode(), None)
-    assert (snap.num_running, groups, draining, alive, kv) == (1, 1, False, True, None)
+    snap, groups, draining, down, kv = _read_load(json.dumps(_load_reply()).encode(), None)
+    assert (snap.num_running, groups, draining, down, kv) == (1, 1, False, None, None)
     with pytest.raises(ValueError, match=f"snapshot's {field} is"):
         _read_load(json.dumps(_load_reply(**over)).encode(), None)
     with pytest.raises(ValueError, match="draining and alive"):

@@ -27,7 +27,7 @@ from phasewise.config import API_KEY_ENV
 
 
 def add_commands(command: Command) -> None:
-    from phasewise.config import DTYPE_CHOICES, LOG_LEVELS, SERVE_ROLES
+    from phasewise.config import DEFAULT_STEP_TIMEOUT_S, DTYPE_CHOICES, LOG_LEVELS, SERVE_ROLES
 
     g = command("generate", "stream a completion for one prompt", cmd_generate)
     add_engine_args(g)
@@ -67,6 +67,10 @@ def add_commands(command: Command) -> None:
     s.add_argument("--max-request-size", default="8MiB", help="request body size limit")
     s.add_argument("--shutdown-grace", type=float, default=30.0,
                    help="seconds running streams get to finish after SIGTERM")
+    s.add_argument("--step-timeout", type=float, default=DEFAULT_STEP_TIMEOUT_S, metavar="S",
+                   help="seconds one engine step may run before the engine counts as stuck: "
+                   "/health answers 503 (a liveness probe restarts it; a router moves its "
+                   "streams) and new requests get 503, until the step ends (0: never)")
     s.add_argument("--log-interval", type=float, default=5.0,
                    help="seconds between throughput log lines (0: off)")
     s.add_argument("--log-level", default="info", choices=LOG_LEVELS,
@@ -249,7 +253,8 @@ def _serve(a: argparse.Namespace) -> int:
         kv_bind=a.kv_bind, kv_connect=a.kv_connect, kv_secret=secret,
         disagg_threshold=a.disagg_threshold, prefill_queue_limit=a.prefill_queue_limit,
         remote_prefill_timeout=a.remote_prefill_timeout, kv_name=a.kv_name,
-        slo_ttft_ms=a.slo_ttft_ms, slo_tpot_ms=a.slo_tpot_ms, internal_key=internal_key)
+        slo_ttft_ms=a.slo_ttft_ms, slo_tpot_ms=a.slo_tpot_ms, internal_key=internal_key,
+        step_timeout_s=a.step_timeout or None)
     try:
         run(server, host=a.host, port=a.port, shutdown_grace_s=a.shutdown_grace,
             log_level=a.log_level, access_log=not a.no_access_log, limits=limits)

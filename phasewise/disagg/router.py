@@ -198,10 +198,12 @@ def _index_capacity(snapshot: EngineSnapshot) -> int:
     return max(1, min(snapshot.num_blocks, MAX_INDEX_BLOCKS))
 
 
-def _read_load(body: bytes, blocks: Any) -> tuple[EngineSnapshot, int, bool, bool,
+def _read_load(body: bytes, blocks: Any) -> tuple[EngineSnapshot, int, bool, str | None,
                                                    ParsedReport | None]:
     """A worker's /internal/v1/load reply, every field checked (ValueError names the first
-    that is not what a worker sends); its K/V report decoded for ``blocks`` (its index)."""
+    that is not what a worker sends): its snapshot, open groups, whether it drains, why its
+    engine cannot serve (None: it can) and its K/V report decoded for ``blocks`` (its
+    index)."""
     data = json.loads(body)
     if not isinstance(data, dict):
         raise ValueError("the reply is not an object")
@@ -212,11 +214,17 @@ def _read_load(body: bytes, blocks: Any) -> tuple[EngineSnapshot, int, bool, boo
     draining, alive = data.get("draining"), data.get("alive")
     if not isinstance(draining, bool) or not isinstance(alive, bool):
         raise ValueError("its draining and alive are not both true or false")
+    down = None
+    if not alive:  # (its reason, where it gives a readable one, goes into /health and the log)
+        why = data.get("down_reason")
+        down = ("its engine is down: " + " ".join(why.split())[:300]
+                if isinstance(why, str) and why.isprintable() and why.strip()
+                else "its engine is not running")
     kv = data.get("kv_events")
     parsed = None
     if blocks is not None and kv is not None:
         parsed = parse_report(kv, _index_capacity(snapshot))
-    return snapshot, groups, draining, alive, parsed
+    return snapshot, groups, draining, down, parsed
 
 
 async def _encode(body: dict[str, Any]) -> str:
@@ -1077,7 +1085,7 @@ class Router(Fleet):
                                f"{MAX_LOAD_BYTES >> 20} MiB")
                         return
             # (a report of everything a large pool holds is megabytes: read off the loop)
-            snapshot, open_groups, draining, alive, kv = (
+            snapshot, open_groups, draining, down, kv = (
                 _read_load(bytes(body), blocks) if len(body) < 1 << 16
                 else await asyncio.to_thread(_read_load, bytes(body), blocks))
             w.snapshot, w.open_groups, w.draining = snapshot, open_groups, draining
@@ -1087,8 +1095,8 @@ class Router(Fleet):
                 blocks.capacity = _index_capacity(snapshot)
                 if kv is not None:
                     blocks.apply(kv)
-            if not alive:
-                w.down("its engine is not running")
+            if down is not None:
+                w.down(down)
                 return
             if not w.up:
                 log.info("%s worker %s is up", w.role, w.url)

@@ -102,6 +102,10 @@ class _Delegate:
         return self.backend.is_alive
 
     @property
+    def down_reason(self) -> str:
+        return self.backend.down_reason
+
+    @property
     def num_open_groups(self) -> int:
         return self.backend.num_open_groups
 
@@ -466,7 +470,7 @@ class PrefillSide(_Delegate):
     @property
     def down_reason(self) -> str:
         if not self.backend.is_alive:
-            return "the engine thread is not running"
+            return self.backend.down_reason
         return "no answer from the decode workers' K/V ports (reconnecting): " + "; ".join(
             f"{link.endpoint} silent for {link.client.silent_for:.0f} s"
             for link in self.links)

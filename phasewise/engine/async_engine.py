@@ -17,6 +17,12 @@ so the engine needs no locks. Other threads reach it only through a queue of typ
 * ``LoadRemoteKV``, ``FinishRemotePrefill``, ``FailRemotePrefill`` (the decode role of P/D):
   a prefill worker's K/V blocks, its first token, or the end of its attempt.
 
+Liveness: each round of the thread handles the commands queued, then runs at most one
+step. A round that has lasted ``step_timeout_s`` means a step that does not end
+(a kernel that hangs, a machine swapping): ``is_alive`` turns false, so ``/health`` answers
+503 (an orchestrator's liveness probe restarts the process), a router moves the streams
+elsewhere, and new requests get ``EngineUnavailable``, until the round ends.
+
 Outputs travel back with ``loop.call_soon_threadsafe`` into one ``asyncio.Queue`` per group, so
 the event loop never waits on a forward pass. Observers (metrics, the periodic log line) are
 called on the engine thread after every step and after every batch of commands, with a
@@ -34,10 +40,11 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from phasewise.config import DEFAULT_STEP_TIMEOUT_S
 from phasewise.engine.backend import (BackendInfo, EngineError, EngineObserver,
                                       EngineOverloaded, EngineSnapshot, EngineStopped,
-                                      FinishedRequest, PromptSpec, RequestGroup, SLORefused,
-                                      request_error)
+                                      EngineUnavailable, FinishedRequest, PromptSpec,
+                                      RequestGroup, SLORefused, request_error)
 from phasewise.engine.commands import (AbortAll, AbortRequests, AddRequests, Command,
                                        FailRemotePrefill, FinishRemotePrefill, LoadRemoteKV,
                                        ParkRequests, Stop, Verdict)
@@ -64,12 +71,22 @@ class AsyncEngine:
 
     def __init__(self, engine: LLMEngine, *, max_waiting: int | None = None,
                  observers: Sequence[EngineObserver] = (),
-                 kv_sink: Callable[[str, int, int, Any], None] | None = None) -> None:
+                 kv_sink: Callable[[str, int, int, Any], None] | None = None,
+                 step_timeout_s: float | None = DEFAULT_STEP_TIMEOUT_S) -> None:
         """``kv_sink`` (the prefill role): called on the engine thread with (request id,
         first token, end token, K/V blocks tensor) right after a forward pass filled blocks
-        of a request added with ``PromptSpec.export_kv_from``."""
+        of a request added with ``PromptSpec.export_kv_from``. ``step_timeout_s``: how long
+        one round of the engine thread may last before the engine counts as stuck (None:
+        never; see the module)."""
         if max_waiting is not None and max_waiting < 1:
             raise ValueError(f"max_waiting must be >= 1 or None, got {max_waiting}")
+        if step_timeout_s is not None and not 0 < step_timeout_s <= 86400:
+            raise ValueError(f"step_timeout_s must be in (0, 86400] seconds or None, got "
+                             f"{step_timeout_s}")
+        self.step_timeout_s = step_timeout_s
+        # time.monotonic() when the engine thread's current round began; None while it waits
+        # for a command (idle)
+        self._busy_since: float | None = None
         self.engine = engine
         engine.kv_sink = kv_sink
         self.max_waiting = max_waiting
@@ -163,12 +180,38 @@ class AsyncEngine:
                 self._reply(Verdict(cmd.ticket, ("stopped", "the server shut down", None)))
 
     @property
-    def is_alive(self) -> bool:
+    def _thread_runs(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
     @property
+    def round_s(self) -> float:
+        """Seconds the engine thread has been in its current round (commands, then at most
+        one step; 0 while it waits for work): under a second while it runs normally."""
+        began = self._busy_since  # (read once: the engine thread sets it meanwhile)
+        return 0.0 if began is None else time.monotonic() - began
+
+    @property
+    def stuck(self) -> bool:
+        """The thread runs but its round has lasted more than ``step_timeout_s``."""
+        return (self.step_timeout_s is not None and self._thread_runs
+                and self.round_s > self.step_timeout_s)
+
+    @property
+    def is_alive(self) -> bool:
+        """The engine thread runs, and no round of it has lasted ``step_timeout_s``."""
+        return self._thread_runs and not self.stuck
+
+    @property
+    def down_reason(self) -> str:
+        if self.stuck:
+            return (f"the engine has been in one step for {self.round_s:.0f} s (the limit, "
+                    f"--step-timeout, is {self.step_timeout_s:g} s); it takes no new "
+                    "requests until that step ends")
+        return "the engine thread is not running"
+
+    @property
     def accepting(self) -> bool:
-        return self._accepting and self.is_alive
+        return self._accepting and self._thread_runs
 
     @property
     def snapshot(self) -> EngineSnapshot:
@@ -201,6 +244,8 @@ class AsyncEngine:
         output stream. Raises ``EngineOverloaded``, ``EngineStopped`` or ``ValueError``."""
         if not self.accepting:
             raise EngineStopped("the server is shutting down and takes no new requests")
+        if self.stuck:
+            raise EngineUnavailable(self.down_reason)
         n = len(specs)
         check_sequences(n, 1, self.max_waiting)
         ids = [request_id] if n == 1 else [f"{request_id}-{i}" for i in range(n)]
@@ -223,7 +268,7 @@ class AsyncEngine:
         try:
             self._commands.put(AddRequests(ticket, tuple(zip(ids, specs)), arrival,
                                            self.max_waiting))
-            if not self.is_alive:  # the thread ended after the check above: nobody reads
+            if not self._thread_runs:  # it ended after the check above: nobody reads
                 self._refuse_queued_adds()
             group.remote_hits = list(await verdict)
         except BaseException:
@@ -368,6 +413,7 @@ class AsyncEngine:
             # Only a command (K/V arriving, an abort) can unstall it: wait for one.
             idle = stalled or not engine.has_unfinished_requests()
             commands: list[Command] = []
+            self._busy_since = None  # (waiting for a command is not a round that lasts)
             try:
                 commands.append(self._commands.get(timeout=0.5) if idle
                                 else self._commands.get_nowait())
@@ -375,6 +421,7 @@ class AsyncEngine:
                     commands.append(self._commands.get_nowait())
             except queue.Empty:
                 pass
+            self._busy_since = time.monotonic()
             finished: list[FinishedRequest] = []
             firsts = []  # first tokens a prefill worker sent back
             for cmd in commands:

@@ -334,8 +334,8 @@ class ServingBackend(Protocol):
 
     async def add(self, specs: Sequence[PromptSpec], request_id: str,
                   arrival_time: float | None = None) -> RequestGroup:
-        """Admit a group (all or nothing). Raises ``EngineOverloaded``, ``EngineStopped`` or
-        ``ValueError``."""
+        """Admit a group (all or nothing). Raises ``EngineOverloaded``, ``EngineStopped``,
+        ``EngineUnavailable`` (nothing can take it now: retry later) or ``ValueError``."""
 
     def abort(self, request_ids: Sequence[str]) -> None: ...
 
@@ -357,7 +357,13 @@ class ServingBackend(Protocol):
     def shutdown(self, timeout: float = 10.0) -> None: ...
 
     @property
-    def is_alive(self) -> bool: ...
+    def is_alive(self) -> bool:
+        """It can serve: false while its engine is down or stuck in one step (``/health``
+        answers 503 then)."""
+
+    @property
+    def down_reason(self) -> str:
+        """Why ``is_alive`` is false, in a sentence for ``/health``."""
 
     @property
     def num_open_groups(self) -> int: ...

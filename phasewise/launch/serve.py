@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from phasewise.config import SERVE_ROLES, EngineConfig
+from phasewise.config import DEFAULT_STEP_TIMEOUT_S, SERVE_ROLES, EngineConfig
 from phasewise.engine.async_engine import AsyncEngine
 from phasewise.perf.attribution import StepCostModel
 from phasewise.server.app import OpenAIServer, ServerConfig
@@ -100,6 +100,7 @@ def build_server(engine_config: EngineConfig, *, served_model_name: str | None =
                  kv_secret: bytes | None = None, disagg_threshold: int = 0,
                  prefill_queue_limit: int = 8, kv_connect_wait_s: float = 300.0,
                  remote_prefill_timeout: float = 300.0, kv_name: str | None = None,
+                 step_timeout_s: float | None = DEFAULT_STEP_TIMEOUT_S,
                  **server_kwargs: Any) -> OpenAIServer:
     """Load the checkpoint and wire backend, metrics and HTTP app together.
 
@@ -107,7 +108,9 @@ def build_server(engine_config: EngineConfig, *, served_model_name: str | None =
     ``kv_bind``; prompts of at least ``disagg_threshold`` uncached tokens go to a connected
     prefill worker with fewer than ``prefill_queue_limit`` prompts queued; the rest, and every
     fault, are prefilled here) or ``prefill`` (connects to a decode worker's K/V port
-    ``kv_connect``, one or several, and computes the prompts each sends)."""
+    ``kv_connect``, one or several, and computes the prompts each sends). ``step_timeout_s``:
+    how long one engine step may run before the engine counts as stuck (``AsyncEngine``;
+    None: never)."""
     if role not in ROLES:
         raise ValueError(f"--role must be one of {', '.join(ROLES)}; got {role!r}")
     if isinstance(kv_connect, str):
@@ -131,6 +134,9 @@ def build_server(engine_config: EngineConfig, *, served_model_name: str | None =
         raise ValueError(f"--prefill-queue-limit must be >= 1, got {prefill_queue_limit}")
     if not remote_prefill_timeout > 0:
         raise ValueError(f"--remote-prefill-timeout must be > 0, got {remote_prefill_timeout}")
+    if step_timeout_s is not None and not 0 < step_timeout_s <= 86400:
+        raise ValueError(f"--step-timeout must be in (0, 86400] seconds, or 0 for never; got "
+                         f"{step_timeout_s}")
     from phasewise.model.cpu.kernels import KERNELS
 
     compiled_before = KERNELS.compile_s  # (a sum over the process: this load's share)
@@ -147,7 +153,7 @@ def build_server(engine_config: EngineConfig, *, served_model_name: str | None =
         observers.append(StatLogger(log_interval_s, threads=torch.get_num_threads))
     engine = AsyncEngine.from_config(engine_config, cost_model=StepCostModel.for_engine,
                                      max_waiting=config.max_waiting_requests,
-                                     observers=observers)
+                                     observers=observers, step_timeout_s=step_timeout_s)
     feed.peaks = peaks_of(engine.engine.cost_model.accel)
     feed.info = dashboard_info(engine.engine)
     backend: Any = engine

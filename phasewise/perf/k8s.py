@@ -48,8 +48,8 @@ Probes, from what the server does (``phasewise.server.serve`` and ``app``):
   the engine is down; on a prefill worker also 503 while no decode worker answers, on the
   router while no decode worker is up. It is every pod's readinessProbe.
 * livenessProbe: ``/health`` for ``both`` and ``decode`` (a 503 there means the engine
-  thread died: a restart helps); ``/version`` (200 while the process serves HTTP) for prefill
-  and router, whose ``/health`` reflects other pods: restarting them would not bring a decode
+  thread died, or has been in one step past ``--step-timeout``: a restart helps);
+  ``/version`` (200 while the process serves HTTP) for prefill and router, whose ``/health`` reflects other pods: restarting them would not bring a decode
   worker back, and would cost a model load.
 
 Prerequisites that are the operator's (``write`` puts them at the top of the file): an image
@@ -122,6 +122,7 @@ ENGINE_FLAGS: dict[str, Any] = {
     "--max-connections": int,
     "--max-connections-per-address": int,
     "--send-buffer": str,
+    "--step-timeout": float,
 }
 # Flags of `phasewise serve` the manifests set themselves, with what sets them instead.
 MANAGED_FLAGS: dict[str, str] = {

@@ -196,12 +196,12 @@ class OpenAIServer:
 
         @app.api_route("/health", methods=["GET", "HEAD"], response_model=None, responses={
             200: {"content": {"application/json": {"schema": {"type": "object"}}}},
-            503: {**_ERROR, "description": "the engine is down, or the server is draining"}})
+            503: {**_ERROR, "description": "the engine is down or stuck in one step, or the "
+                  "server is draining"}})
         async def health() -> Response:
             if not self.backend.is_alive:
-                why = getattr(self.backend, "down_reason", None) or \
-                    "the engine thread is not running"
-                return error_response(ApiError(503, why, type="server_error"))
+                return error_response(ApiError(503, self.backend.down_reason,
+                                               type="server_error"))
             if self.draining:  # load balancers stop sending here while streams finish
                 return error_response(ApiError(503, "the server is draining",
                                                type="server_error", code="shutting_down"))

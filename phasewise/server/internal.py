@@ -141,9 +141,12 @@ def add_internal_routes(app: FastAPI, backend: ServingBackend, routes: Routes, *
     @app.get("/internal/v1/load", include_in_schema=False)
     async def load(kv_since: int | None = Query(None, ge=0, le=2**62),
                    kv_epoch: str | None = Query(None, max_length=64)) -> Any:
-        out = {"role": role, "alive": backend.is_alive, "draining": bool(is_draining()),
+        alive = backend.is_alive
+        out = {"role": role, "alive": alive, "draining": bool(is_draining()),
                "open_groups": backend.num_open_groups,
                "snapshot": dataclasses.asdict(backend.snapshot)}
+        if not alive:  # why, for the router's /health and log
+            out["down_reason"] = backend.down_reason
         events = getattr(backend, "kv_events", None)
         if kv_epoch is None or events is None:
             return out
