@@ -17,7 +17,9 @@ import pytest
 from conftest import build_hf_checkpoint
 from serving import start_server
 
-MODE: dict[str, str] = {"load": "ok", "generate": "500"}
+MODE: dict[str, str] = {"load": "ok", "generate": "500", "info": "same", "instance": ""}
+THAW = threading.Event()  # set: a "frozen" worker answers again
+SEEN = {"dropped": 0, "relayed": 0, "frozen": 0}
 STUCK = ("the engine has been in one step for 130 s (the limit, --step-timeout, is 120 s); it "
          "takes no new requests until that step ends")
 
@@ -36,8 +38,16 @@ def _handler(good_url: str):
 
         def do_GET(self):  # noqa: N802 - http.server's name
             path = self.path.split("?")[0]
+            if MODE["load"] == "frozen" and path == "/internal/v1/load":
+                THAW.wait(60)  # a stopped process: the router's poll times out
             if path == "/internal/v1/info":
-                self._send(200, httpx.get(good_url + path, timeout=30).content)
+                info = httpx.get(good_url + path, timeout=30).json()
+                info["instance"] = MODE["instance"] or "b0"
+                if MODE["info"] == "other-model":
+                    info["config_sha256"] = "0" * 64
+                elif MODE["info"] == "other-limits":
+                    info["info"]["max_model_len"] //= 2
+                self._send(200, json.dumps(info).encode())
             elif path == "/internal/v1/load":
                 snap = {"num_running": 0, "num_waiting": 0, "kv_usage": 0.0,
                         "num_free_blocks": 10, "num_blocks": 10, "num_preemptions": 0,
@@ -47,7 +57,8 @@ def _handler(good_url: str):
                 elif MODE["load"] == "busy":
                     snap.update(num_running=5, kv_usage=0.5)
                 reply = {"role": "both", "alive": True, "draining": False, "open_groups": 0,
-                         "snapshot": snap}
+                         "snapshot": snap, **({"instance": MODE["instance"]}
+                                              if MODE["instance"] else {})}
                 if MODE["load"] == "stuck":
                     reply.update(alive=False, down_reason=STUCK)
                 elif MODE["load"] == "stuck-unreadable":
@@ -57,8 +68,23 @@ def _handler(good_url: str):
                 self._send(200, b'{"status": "ok"}')
 
         def do_POST(self):  # noqa: N802
-            self.rfile.read(int(self.headers.get("Content-Length") or 0))
-            if MODE["generate"] == "500":
+            body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            if MODE["generate"] == "frozen":
+                SEEN["frozen"] += 1
+                THAW.wait(60)
+                self._send(503, b'{"error": {"message": "thawed", "code": "x"}}')
+            elif MODE["generate"] == "drop-once" and not SEEN["dropped"] % 2:
+                # what a worker whose keep-alive timer ran out does to a request that
+                # arrives as it closes: the connection ends, nothing answered
+                SEEN["dropped"] += 1
+                self.close_connection = True
+            elif MODE["generate"] == "drop-once":
+                SEEN["dropped"] += 1
+                SEEN["relayed"] += 1
+                r = httpx.post(good_url + self.path, content=body, timeout=60,
+                               headers={"Content-Type": "application/json"})
+                self._send(r.status_code, r.content, r.headers["content-type"])
+            elif MODE["generate"] == "500":
                 self._send(500, b"<html>internal server error</html>", "text/html")
             else:
                 self._send(307, b"", "text/plain")
@@ -79,9 +105,11 @@ def fleet(tmp_path_factory):
     try:
         bad_url = f"http://127.0.0.1:{broken.server_address[1]}"
         router = start_server(model, tmp / "router.log", "--decode", good.url, bad_url,
-                              "--routing", "round-robin", command="router")
+                              "--routing", "round-robin", "--stream-deadline", "3",
+                              command="router")
         yield good, router
     finally:
+        THAW.set()
         if router is not None:
             router.stop()
         broken.shutdown()
@@ -178,3 +206,79 @@ def test_a_worker_whose_engine_is_stuck_is_down_with_its_reason(fleet):
             break
         threading.Event().wait(0.1)
     assert [w["up"] for w in workers] == [True, True], workers
+
+
+def _worker_state(router, until) -> list[dict]:
+    for _ in range(100):  # its next poll (every second) reads it
+        workers = httpx.get(router.url + "/health", timeout=30).json()["workers"]
+        if until(workers):
+            break
+        threading.Event().wait(0.1)
+    return workers
+
+
+@pytest.mark.parametrize("info, why", [
+    ("other-model", "serves a different checkpoint: its config_sha256 is 000"),
+    ("other-limits", "differ in max_model_len: start them with the same flags")])
+def test_a_worker_that_restarts_as_something_else_is_not_routed_to(fleet, info, why):
+    """A worker restarted on its URL with another checkpoint got requests and answered
+    them in the other model's words (14 of 32 greedy choices), and one with a shorter
+    context made every other long prompt a 400: the router checked workers only at
+    start-up. A new process id in a poll's reply now has it checked again; it stays out
+    of rotation, with the reason on /health, until it passes."""
+    good, router = fleet
+    MODE.update(load="ok", generate="500", info=info, instance="b1")
+    workers = _worker_state(router, lambda ws: not ws[1]["up"])
+    assert not workers[1]["up"] and why in workers[1]["reason"], workers
+    for r in _completions(router, 4):  # round-robin: half would have gone there
+        assert r.status_code == 200, r.text
+    MODE.update(info="same", instance="b2")  # restarted again, as it was
+    workers = _worker_state(router, lambda ws: ws[1]["up"])
+    assert [w["up"] for w in workers] == [True, True], workers
+
+
+def test_a_request_waiting_on_a_worker_that_froze_goes_to_the_next(fleet):
+    """Requests sent to a worker as it froze (SIGSTOP) waited for the whole freeze, up to
+    --admit-timeout (120 s), while the streams already there moved after the stream
+    deadline. A request still waiting to be taken now moves with them."""
+    good, router = fleet
+    want = _completions(good, 1)[0].json()["choices"][0]["text"]
+    THAW.clear()
+    SEEN["frozen"] = 0
+    MODE.update(load="frozen", generate="frozen", info="same", instance="")
+    try:
+        results: list = [None] * 4
+
+        def one(i):
+            results[i] = _completions(router, 1)[0]
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(90)
+        assert SEEN["frozen"] >= 1  # round-robin sent some there
+        for r in results:
+            assert r is not None and r.status_code == 200, r
+            assert r.json()["choices"][0]["text"] == want
+    finally:
+        THAW.set()
+        MODE.update(load="ok", generate="500")
+    _worker_state(router, lambda ws: ws[1]["up"])
+
+
+def test_a_connection_the_worker_closes_under_a_request_is_tried_again(fleet):
+    """A worker whose keep-alive timer ran out while it was frozen closed the router's
+    connection as a request went out on it: the router marked it down, and with no other
+    worker the request got 503. It is sent once more, on a fresh connection."""
+    good, router = fleet
+    want = _completions(good, 1)[0].json()["choices"][0]["text"]
+    SEEN.update(dropped=0, relayed=0)
+    MODE.update(load="ok", generate="drop-once", info="same", instance="")
+    try:
+        for r in _completions(router, 4):  # round-robin: two go there
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["text"] == want
+        assert SEEN["relayed"] >= 1 and SEEN["dropped"] == 2 * SEEN["relayed"]
+    finally:
+        MODE.update(generate="500")

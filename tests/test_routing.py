@@ -91,8 +91,12 @@ def test_a_workers_load_reply_is_checked_field_by_field(over, field):
 
     from phasewise.disagg.router import _read_load
 
-    snap, groups, draining, down, kv = _read_load(json.dumps(_load_reply()).encode(), None)
-    assert (snap.num_running, groups, draining, down, kv) == (1, 1, False, None, None)
+    load = _read_load(json.dumps(_load_reply()).encode(), None)
+    assert (load.snapshot.num_running, load.open_groups, load.draining, load.down, load.kv,
+            load.instance) == (1, 1, False, None, None, None)
+    for instance, want in (("3fa9c2", "3fa9c2"), ("x" * 65, None), ("a b", None), (7, None)):
+        got = _read_load(json.dumps({**_load_reply(), "instance": instance}).encode(), None)
+        assert got.instance == want, instance
     with pytest.raises(ValueError, match=f"snapshot's {field} is"):
         _read_load(json.dumps(_load_reply(**over)).encode(), None)
     with pytest.raises(ValueError, match="draining and alive"):

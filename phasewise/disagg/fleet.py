@@ -45,6 +45,9 @@ class Worker:
     open_groups: int = 0
     in_flight: int = 0  # groups this router streams from it now
     retired: bool = False  # --discover: its address left the Service (no new requests)
+    # its process's id (/internal/v1/info and load): another one means it restarted, maybe
+    # with another checkpoint or other flags, so it is checked again before it is routed to
+    instance: str | None = None
 
     # time.monotonic() at the start of the first failed poll in a row (a poll that times out
     # says, when it does, that the worker has not answered since it was sent)
@@ -61,6 +64,12 @@ class Worker:
     def load(self) -> int:
         waiting = self.snapshot.num_waiting if self.snapshot is not None else 0
         return self.in_flight + waiting
+
+
+def instance_of(reply: Any) -> str | None:
+    """The worker process's id in an info or load reply (None: none, or not one)."""
+    got = reply.get("instance") if isinstance(reply, dict) else None
+    return got if isinstance(got, str) and 1 <= len(got) <= 64 and got.isalnum() else None
 
 
 def refusal(status: int, body: bytes) -> str:
@@ -195,7 +204,7 @@ class Fleet:
             why = self._mismatch(w, infos[w.url], first)
             if why is not None:
                 raise RouterConfigError(why)
-            w.up, w.reason = True, None
+            w.up, w.reason, w.instance = True, None, instance_of(infos[w.url])
         base = dict(first["info"])
         base["description"] = (f"router over {len(self.decode)} decode and "
                                f"{len(self.prefill)} prefill worker(s)"
@@ -238,6 +247,10 @@ class Fleet:
         except (KeyError, TypeError, AttributeError):
             return f"decode worker {w.url} sent an /internal/v1/info the router cannot read"
         diff = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+        if diff and w is self.decode[0]:
+            return (f"decode worker {w.url} came back with other settings than the router "
+                    f"started with ({', '.join(diff)}): restart it with its former flags, or "
+                    "restart the router")
         if diff:
             return (f"decode workers {self.decode[0].url} and {w.url} differ in "
                     f"{', '.join(diff)}: start them with the same flags")
@@ -250,6 +263,27 @@ class Fleet:
                     f"({first.get('kv_block_size')} and {got.get('kv_block_size')}): start "
                     "them with the same --block-size")
         return None
+
+    async def recheck(self, w: Worker) -> str | None:
+        """Why worker ``w`` may not be routed to now that it is back (it restarted, or was
+        unreachable): its ``/internal/v1/info`` checked as ``connect`` checked it, against
+        the first decode worker's at start-up (whose limits the router announces); None
+        where it passes, after which ``w.instance`` is the one it reported."""
+        assert self._client is not None
+        try:
+            r = await self._client.get(w.url + "/internal/v1/info",
+                                       timeout=min(2.0, self.request_timeout))
+            if r.status_code != 200:
+                return f"/internal/v1/info: {refusal(r.status_code, r.content[:4096])}"
+            got = r.json()
+        except (httpx.HTTPError, ValueError) as e:
+            return f"/internal/v1/info: {why_failed(e)}"
+        if not isinstance(got, dict):
+            return "its /internal/v1/info is not an object"
+        why = self._mismatch(w, got, self._first_info)
+        if why is None:
+            w.instance = instance_of(got)
+        return why
 
     # -- discovery (--discover) ------------------------------------------------------------
     @staticmethod
@@ -319,6 +353,7 @@ class Fleet:
                 log.warning("--discover: not routing to %s: %s", url, why)
                 continue
             w.up, w.reason = True, None  # it answered; its polls keep it so
+            w.instance = instance_of(got)
             self.index[url] = WorkerBlocks()
             self.decode = [*self.decode, w]
             log.info("--discover: decode worker %s joined", url)

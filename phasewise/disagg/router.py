@@ -12,7 +12,10 @@ cache, the prefill workers' queues). The router watches every worker
 evicted since the last poll for routing, liveness for ``/health`` and ``/metrics``.
 
 Faults: a decode worker that cannot be reached when a request arrives is skipped (the next
-one is tried; none left is a 503 that names each worker and why). A stream is migrated
+one is tried; none left is a 503 that names each worker and why), as is one that stops
+answering polls for ``stream_deadline`` while the request waits for it. A worker that comes
+back, or whose polls show a new process id (a restart), is checked as at start-up
+(``Fleet.recheck``) before it is routed to again. A stream is migrated
 instead of lost: when its worker goes away (the connection breaks or ends early), stops (its
 grace period ran out), answers no poll for ``stream_deadline`` or starts to drain (its
 ``handover`` notice, acted on only where another worker can take the stream), the router
@@ -54,8 +57,8 @@ from typing import Any
 
 import httpx
 
-from phasewise.disagg.fleet import (Fleet, RouterConfigError, Worker, refusal, seed_address,
-                                    why_failed)
+from phasewise.disagg.fleet import (Fleet, RouterConfigError, Worker, instance_of, refusal,
+                                    seed_address, why_failed)
 from phasewise.disagg.prefix_index import (DEFAULT_LOAD_WEIGHT, DEFAULT_MAX_MIGRATIONS,
                                            DEFAULT_POLICY, DEFAULT_PREFIX_WEIGHT,
                                            MAX_MIGRATIONS_LIMIT, POLICIES, Choice, ParsedReport,
@@ -129,6 +132,14 @@ class _Migrate(Exception):
         self.reason, self.why, self.stopped, self.keep = reason, why, stopped, keep
 
 
+# A connection that broke under a request, before any reply (not one that could not be opened)
+_BROKEN = (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError)
+
+
+class _Silent(Exception):
+    """The worker a request waits on has answered no poll for the stream deadline."""
+
+
 MIGRATION_REASONS = ("worker_lost", "worker_stopped", "worker_silent", "drain")
 
 
@@ -198,12 +209,21 @@ def _index_capacity(snapshot: EngineSnapshot) -> int:
     return max(1, min(snapshot.num_blocks, MAX_INDEX_BLOCKS))
 
 
-def _read_load(body: bytes, blocks: Any) -> tuple[EngineSnapshot, int, bool, str | None,
-                                                   ParsedReport | None]:
+@dataclasses.dataclass(frozen=True)
+class _Load:
+    """A worker's /internal/v1/load reply, read."""
+
+    snapshot: EngineSnapshot
+    open_groups: int
+    draining: bool
+    down: str | None  # why its engine cannot serve now (None: it can)
+    kv: ParsedReport | None  # its K/V report, for its index
+    instance: str | None  # its process's id (fleet.instance_of)
+
+
+def _read_load(body: bytes, blocks: Any) -> _Load:
     """A worker's /internal/v1/load reply, every field checked (ValueError names the first
-    that is not what a worker sends): its snapshot, open groups, whether it drains, why its
-    engine cannot serve (None: it can) and its K/V report decoded for ``blocks`` (its
-    index)."""
+    that is not what a worker sends); its K/V report decoded for ``blocks`` (its index)."""
     data = json.loads(body)
     if not isinstance(data, dict):
         raise ValueError("the reply is not an object")
@@ -224,7 +244,7 @@ def _read_load(body: bytes, blocks: Any) -> tuple[EngineSnapshot, int, bool, str
     parsed = None
     if blocks is not None and kv is not None:
         parsed = parse_report(kv, _index_capacity(snapshot))
-    return snapshot, groups, draining, down, parsed
+    return _Load(snapshot, groups, draining, down, parsed, instance_of(data))
 
 
 async def _encode(body: dict[str, Any]) -> str:
@@ -521,11 +541,14 @@ class Router(Fleet):
                     "POST", w.url + "/internal/v1/generate", content=content,
                     headers={"Content-Type": "application/json",
                              "Accept-Encoding": "identity"})
-                resp = await self._send(req)
-            except (httpx.HTTPError, TimeoutError) as e:
+                resp = await self._send(req, w)
+            except (httpx.HTTPError, TimeoutError, _Silent) as e:
                 w.in_flight -= 1
                 if isinstance(e, TimeoutError):
                     tried.append(f"{w.url} (took no request in {self.admit_timeout:g} s)")
+                    continue
+                if isinstance(e, _Silent):
+                    tried.append(f"{w.url} ({e})")
                     continue
                 w.down(why_failed(e))
                 tried.append(f"{w.url} ({w.reason})")
@@ -603,21 +626,43 @@ class Router(Fleet):
         raise EngineUnavailable("no decode worker can take this request now: "
                                 + "; ".join(tried))
 
-    async def _send(self, req: httpx.Request) -> httpx.Response:
-        """``send(req, stream=True)``, given up after ``admit_timeout`` (``TimeoutError``) or
-        when this waiter is cancelled; a response that comes after that is closed, not
-        dropped with its connection."""
+    async def _send(self, req: httpx.Request, w: Worker) -> httpx.Response:
+        """``send(req, stream=True)`` to worker ``w``, given up after ``admit_timeout``
+        (``TimeoutError``), once ``w`` has answered no poll for ``stream_deadline`` seconds
+        (``_Silent``: a frozen worker's streams move then, and a request waiting on it must
+        not wait longer than they do), or when this waiter is cancelled; a response that
+        comes after that is closed, not dropped with its connection.
+
+        A connection that breaks before any reply is tried once more on a fresh one: a kept-
+        alive connection the worker closed as the request went out (its keep-alive timer
+        ran out while it was frozen, say) is no sign that it cannot take the request."""
         assert self._client is not None
         send = asyncio.ensure_future(self._client.send(req, stream=True))
+        until = time.monotonic() + self.admit_timeout
+        retried = False
         try:
-            done, _ = await asyncio.wait({send}, timeout=self.admit_timeout)
+            while True:
+                left = until - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError
+                done, _ = await asyncio.wait({send}, timeout=min(left, 0.25))
+                if done and not retried and isinstance(send.exception(), _BROKEN):
+                    log.debug("decode worker %s: %s; sending again", w.url,
+                              why_failed(send.exception()))
+                    retried = True
+                    send = asyncio.ensure_future(self._client.send(req, stream=True))
+                    continue
+                if done:
+                    return send.result()
+                silent = None if w.up or w.down_since is None else \
+                    time.monotonic() - w.down_since
+                if silent is not None and silent >= self.stream_deadline:
+                    raise _Silent(f"stopped answering ({w.reason}) for {silent:.0f} s while "
+                                  "this request waited to be taken")
         except BaseException:
-            self._abandon(send)
+            if not send.done() or send.cancelled() or send.exception() is None:
+                self._abandon(send)
             raise
-        if not done:
-            self._abandon(send)
-            raise TimeoutError
-        return send.result()
 
     def _abandon(self, send: asyncio.Task) -> None:
         def close(_: asyncio.Future) -> None:
@@ -1085,18 +1130,26 @@ class Router(Fleet):
                                f"{MAX_LOAD_BYTES >> 20} MiB")
                         return
             # (a report of everything a large pool holds is megabytes: read off the loop)
-            snapshot, open_groups, draining, down, kv = (
-                _read_load(bytes(body), blocks) if len(body) < 1 << 16
-                else await asyncio.to_thread(_read_load, bytes(body), blocks))
-            w.snapshot, w.open_groups, w.draining = snapshot, open_groups, draining
+            load = (_read_load(bytes(body), blocks) if len(body) < 1 << 16
+                    else await asyncio.to_thread(_read_load, bytes(body), blocks))
+            if not w.up or (load.instance is not None and load.instance != w.instance):
+                # back, or restarted: checked as at start-up before anything is routed there
+                # (another checkpoint would answer in another model's words)
+                why = await self.recheck(w)
+                if why is not None:
+                    if w.reason != why:
+                        log.warning("%s worker %s is not routed to: %s", w.role, w.url, why)
+                    w.down(why)
+                    return
+            w.snapshot, w.open_groups, w.draining = load.snapshot, load.open_groups, load.draining
             if w.role == "decode":
-                self._count(w.url, snapshot)
+                self._count(w.url, load.snapshot)
             if blocks is not None:
-                blocks.capacity = _index_capacity(snapshot)
-                if kv is not None:
-                    blocks.apply(kv)
-            if down is not None:
-                w.down(down)
+                blocks.capacity = _index_capacity(load.snapshot)
+                if load.kv is not None:
+                    blocks.apply(load.kv)
+            if load.down is not None:
+                w.down(load.down)
                 return
             if not w.up:
                 log.info("%s worker %s is up", w.role, w.url)

@@ -36,6 +36,7 @@ import asyncio
 import dataclasses
 import hmac
 import json
+import secrets
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -121,6 +122,9 @@ def add_internal_routes(app: FastAPI, backend: ServingBackend, routes: Routes, *
     """Add the routes; returns what to call (on the event loop) when draining begins: it
     tells every open relay stream that it may be handed over."""
     identity = checkpoint_identity(Path(backend.info.model_path))
+    # this process's own: a router that sees it change knows the worker restarted, perhaps
+    # with another checkpoint or other limits, and checks it again before routing to it
+    instance = secrets.token_hex(8)
     relays: set[RequestGroup] = set()  # the groups whose streams are open now
     abort_keys: dict[str, str] = {}  # open relay requests' ids -> their group's abort_key
 
@@ -136,13 +140,15 @@ def add_internal_routes(app: FastAPI, backend: ServingBackend, routes: Routes, *
                 "kv_block_size": getattr(backend, "block_size", None),
                 # the window every layer shares: a hit needs only the blocks it reads
                 "kv_window": getattr(backend, "kv_window", None),
-                "defaults": param_defaults(backend.default_sampling_params()), **identity}
+                "defaults": param_defaults(backend.default_sampling_params()),
+                "instance": instance, **identity}
 
     @app.get("/internal/v1/load", include_in_schema=False)
     async def load(kv_since: int | None = Query(None, ge=0, le=2**62),
                    kv_epoch: str | None = Query(None, max_length=64)) -> Any:
         alive = backend.is_alive
-        out = {"role": role, "alive": alive, "draining": bool(is_draining()),
+        out = {"role": role, "instance": instance, "alive": alive,
+               "draining": bool(is_draining()),
                "open_groups": backend.num_open_groups,
                "snapshot": dataclasses.asdict(backend.snapshot)}
         if not alive:  # why, for the router's /health and log
