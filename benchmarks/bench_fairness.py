@@ -19,6 +19,13 @@ logprobs a token) whose client never reads a byte: the newcomer's TTFT is timed 
 then its largest gap between tokens while they close their connections at once. A request
 whose reader stopped reading is parked (``RequestGroup``): its seats go to the newcomer.
 
+With ``--scoring K`` the hog is instead K concurrent scoring requests, each a streamed
+1,022-token prompt of token ids with ``echo``, 20 logprobs, 20 prompt logprobs and ``n``
+samples of one token (~32 MB of reply at n=16, within every limit): the newcomer streams
+``--max-tokens`` tokens alone, then beside them, and its largest gap between tokens and its
+wall time are compared. Building such replies holds the GIL, which the engine's thread needs
+between its kernels (``phasewise.server.sse``).
+
 ``--pd`` serves through ``phasewise pd`` (a router, a prefill and a decode worker) instead:
 the router relays the streams, and tells the decode worker to park a request whose client
 stopped reading (``/internal/v1/park``).
@@ -28,7 +35,7 @@ older commit), so that a before/after pair runs in one invocation on one machine
 
     python -m benchmarks.bench_fairness [--model DIR] [--rounds 3] [--prompts 16] [--n 16]
                                         [--max-tokens 200] [--after 2] [--unread K]
-                                        [--pd] [--server-checkout DIR]
+                                        [--scoring K] [--pd] [--server-checkout DIR]
 """
 
 from __future__ import annotations
@@ -133,6 +140,47 @@ def unread_round(url: str, a: argparse.Namespace) -> dict[str, float]:
             "max_gap_at_close_s": max(gaps) if gaps else float("nan")}
 
 
+def scoring_round(url: str, a: argparse.Namespace) -> dict[str, float]:
+    """The newcomer's stream alone, then beside K scoring requests: its largest gap between
+    tokens and its wall time, each way."""
+    body = {"prompt": "def f(x):", "max_tokens": a.max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+
+    def newcomer() -> tuple[float, float]:
+        gaps: list[float] = []
+        t0 = time.monotonic()
+        stream_gaps(url, body, gaps, line_prefix="data: {", timeout=600)
+        return (max(gaps) if gaps else float("nan")), time.monotonic() - t0
+
+    gap_alone, wall_alone = newcomer()
+    sizes: list[int] = []
+
+    def score(k: int) -> None:
+        req = {"prompt": list(range(5 + k, 1027 + k)), "max_tokens": 1, "echo": True,
+               "logprobs": 20, "prompt_logprobs": 20, "n": a.n, "stream": True}
+        with httpx.stream("POST", url + "/v1/completions", json=req, timeout=600) as r:
+            r.raise_for_status()
+            sizes.append(sum(len(c) for c in r.iter_bytes()))
+
+    scorers = [threading.Thread(target=score, args=(k,)) for k in range(a.scoring)]
+    result: dict[str, float] = {}
+
+    def run_newcomer() -> None:
+        result["gap"], result["wall"] = newcomer()
+
+    th = threading.Thread(target=run_newcomer)
+    th.start()
+    time.sleep(0.3)  # the newcomer streams; then the scorers arrive at once
+    for s in scorers:
+        s.start()
+    for s in scorers:
+        s.join()
+    th.join()
+    return {"gap_alone_s": gap_alone, "wall_alone_s": wall_alone,
+            "gap_beside_s": result["gap"], "wall_beside_s": result["wall"],
+            "reply_mb": statistics.mean(sizes) / 1e6 if sizes else float("nan")}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="checkpoint folder (default: the bundled one)")
@@ -144,6 +192,9 @@ def main() -> int:
                    help="seconds into the hog at which the newcomer is sent")
     p.add_argument("--unread", type=int, default=0, metavar="K",
                    help="the hog: K streams of --n samples nobody reads (see above)")
+    p.add_argument("--scoring", type=int, default=0, metavar="K",
+                   help="the hog: K concurrent scoring requests of --n samples (see above); "
+                   "the newcomer streams --max-tokens tokens")
     p.add_argument("--pd", action="store_true",
                    help="serve through phasewise pd (router, prefill and decode worker)")
     p.add_argument("--server-checkout", default=None, metavar="DIR",
@@ -170,6 +221,16 @@ def main() -> int:
     try:
         newcomer_ttft(server.url)  # warm-up: one-time costs out of the first round
         for k in range(a.rounds):
+            if a.scoring:
+                log(f"round {k + 1}/{a.rounds}: {a.scoring} scoring requests of n={a.n}")
+                row = scoring_round(server.url, a)
+                rows.append(row)
+                print(f"round {k + 1}: newcomer's {a.max_tokens} tokens alone: largest gap "
+                      f"{_ms(row['gap_alone_s'])}, {row['wall_alone_s']:.2f} s; beside "
+                      f"{a.scoring} scoring requests ({row['reply_mb']:.1f} MB of reply "
+                      f"each): largest gap {_ms(row['gap_beside_s'])}, "
+                      f"{row['wall_beside_s']:.2f} s", flush=True)
+                continue
             if a.unread:
                 log(f"round {k + 1}/{a.rounds}: {a.unread} unread streams of n={a.n} x "
                     f"{a.max_tokens} tokens")
@@ -191,6 +252,15 @@ def main() -> int:
     finally:
         server.stop()
     med = {k: _median([r[k] for r in rows]) for k in rows[0]}
+    if a.scoring:
+        print(f"median over {len(rows)} rounds: the newcomer's largest gap alone "
+              f"{_ms(med['gap_alone_s'])}, beside {a.scoring} scoring requests "
+              f"{_ms(med['gap_beside_s'])}; its stream {med['wall_alone_s']:.2f} s alone, "
+              f"{med['wall_beside_s']:.2f} s beside them "
+              f"(x{med['wall_beside_s'] / med['wall_alone_s']:.2f})")
+        (out_dir / "fairness.json").write_text(json.dumps(
+            {"machine": m, "args": vars(a), "rounds": rows, "median": med}, indent=1))
+        return 0
     last = (f"largest gap at close {_ms(med['max_gap_at_close_s'])}" if a.unread
             else f"hog {med['hog_wall_s']:.1f} s")
     print(f"median over {len(rows)} rounds: newcomer TTFT alone {med['alone_s'] * 1e3:.0f} ms, "

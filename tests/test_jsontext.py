@@ -44,3 +44,38 @@ def test_a_long_list_is_encoded_a_slice_at_a_time(monkeypatch):
     assert json.loads(text)["choices"][2]["logprobs"]["content"][4999]["token"] == "t4999"
     assert max(sizes) == jsontext.SLICE
     assert len(sizes) < 3 * (5000 // jsontext.SLICE + 1) + 20
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(values, min_size=1, max_size=4), st.lists(st.integers(0, 3), max_size=6),
+       st.lists(scalars, max_size=100))
+def test_a_memo_and_joined_lists_give_json_dumps_text(parts, picks, tail):
+    """Shared lists (the same object in several places, as a prompt's samples share its
+    logprobs) and ``Joined`` lists are written as json.dumps writes them, in one reply
+    and across replies that share a memo."""
+    long = [list(range(jsontext.SLICE + 7)), *[[p] * (jsontext.SLICE + 1) for p in parts]]
+    shared = [long[i % len(long)] for i in picks]
+    reply = {"choices": [{"a": s, "b": jsontext.Joined(s, tail)} for s in shared],
+             "same": long[0], "again": long[0], "empty": jsontext.Joined([], [])}
+    memo: jsontext.Memo = {}
+    for _ in range(2):
+        assert jsontext.dumps(reply, memo) == json.dumps(reply, ensure_ascii=False)
+    assert jsontext.dumps(reply) == json.dumps(reply, ensure_ascii=False)
+
+
+def test_a_list_shared_by_choices_is_encoded_once(monkeypatch):
+    calls: list[int] = []
+    real = jsontext._encode
+
+    def counting(obj):
+        calls.append(1)
+        return real(obj)
+
+    entries = [{"t": f"t{i}", "lp": -0.5} for i in range(10 * jsontext.SLICE)]
+    reply = {"choices": [{"logprobs": jsontext.Joined(entries, [{"t": "x", "lp": -1.0}])}
+                         for _ in range(16)]}
+    monkeypatch.setattr(jsontext, "_encode", counting)
+    text = jsontext.dumps(reply, {})
+    monkeypatch.undo()
+    assert text == json.dumps(reply, ensure_ascii=False)
+    assert len(calls) < 10 + 16 * 8  # its 10 slices once, then each choice's few pieces

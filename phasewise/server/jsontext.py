@@ -9,6 +9,11 @@ encodes a long list a slice at a time, so that Python hands the GIL over (every
 encoded in one call unless it is a long list: a reply's bulk is its long lists (tokens,
 their entries), and walking their small parts in Python would cost more than it saves. It
 is meant for a worker thread.
+
+``memo`` (one per reply or stream): a long list met again, the same object, is written as
+the text it gave the first time, and a ``Joined`` list as its two parts' texts. The samples
+of one prompt share its prompt logprobs (one list, ``sse.SharedPromptLogprobs``) and its
+echoed entries (joined with each sample's own): 16 samples' streams encoded them 16 times.
 """
 
 from __future__ import annotations
@@ -16,25 +21,56 @@ from __future__ import annotations
 import json
 from typing import Any
 
+# id of a long list -> (the list, its text); holding the list keeps its id from being reused
+Memo = dict[int, tuple[Any, str]]
+
 SLICE = 64  # items of a long list encoded per call (a reply's long lists hold small items)
 DEPTH = 5  # levels walked in Python: a reply's logprobs lists sit at depth 3 or 4
 _encode = json.JSONEncoder(ensure_ascii=False).encode  # (json.dumps's, made once)
 
 
-def dumps(obj: Any) -> str:
+class Joined(list):
+    """A list that is two lists one after the other (an echoed prompt's logprobs, then a
+    completion's): a list to anything else, written as its parts' texts where ``dumps`` has
+    a memo, so that a part shared between replies is encoded once."""
+
+    def __init__(self, head: list[Any], tail: list[Any]) -> None:
+        super().__init__(head)
+        self.extend(tail)
+        self.parts = (head, tail)
+
+
+def dumps(obj: Any, memo: Memo | None = None) -> str:
     """``json.dumps(obj, ensure_ascii=False)``, in pieces (see the module)."""
     out: list[str] = []
-    _write(obj, out, 0)
+    _write(obj, out, 0, memo)
     return "".join(out)
 
 
-def _write(obj: Any, out: list[str], depth: int) -> None:
-    if isinstance(obj, (list, tuple)) and len(obj) > SLICE:
-        out.append("[")
+def _write(obj: Any, out: list[str], depth: int, memo: Memo | None = None) -> None:
+    if memo is not None and isinstance(obj, Joined) and obj:
+        inner = []
+        for part in obj.parts:
+            text: list[str] = []
+            _write(part, text, depth, memo)
+            if part:
+                inner.append("".join(text)[1:-1])  # (its items, without its brackets)
+        out.append("[" + ", ".join(inner) + "]")
+    elif isinstance(obj, (list, tuple)) and len(obj) > SLICE:
+        seen = memo.get(id(obj)) if memo is not None else None
+        if seen is not None and seen[0] is obj:
+            out.append(seen[1])
+            return
+        own: list[str] = ["["]
         for i in range(0, len(obj), SLICE):
-            out.append(", " if i else "")
-            out.append(_encode(list(obj[i:i + SLICE]))[1:-1])
-        out.append("]")
+            own.append(", " if i else "")
+            own.append(_encode(list(obj[i:i + SLICE]))[1:-1])
+        own.append("]")
+        if memo is not None:
+            memo[id(obj)] = (obj, "".join(own))
+            out.append(memo[id(obj)][1])
+        else:
+            out.extend(own)
     elif depth >= DEPTH:
         out.append(_encode(obj))
     elif isinstance(obj, dict) and obj and all(isinstance(k, str) for k in obj):
@@ -43,13 +79,13 @@ def _write(obj: Any, out: list[str], depth: int) -> None:
             out.append(", " if i else "")
             out.append(_encode(k))
             out.append(": ")
-            _write(v, out, depth + 1)
+            _write(v, out, depth + 1, memo)
         out.append("}")
     elif isinstance(obj, (list, tuple)) and obj:
         out.append("[")
         for i, v in enumerate(obj):
             out.append(", " if i else "")
-            _write(v, out, depth + 1)
+            _write(v, out, depth + 1, memo)
         out.append("]")
     else:  # a scalar, an empty container, or a dict with keys json converts itself
         out.append(_encode(obj))

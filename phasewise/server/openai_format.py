@@ -7,6 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 from phasewise.engine.outputs import RequestOutput
+from phasewise.server.jsontext import Joined
 
 
 def usage(prompt_tokens: int, completion_tokens: int,
@@ -156,7 +157,8 @@ def _joined(head: dict[str, Any] | None, tail: dict[str, Any] | None) -> dict[st
     completion's); either may be None."""
     if head is None or tail is None:
         return tail if head is None else head
-    return {k: head[k] + tail[k] for k in head}
+    # (the head's lists are shared by a prompt's samples: jsontext writes them once)
+    return {k: Joined(head[k], tail[k]) for k in head}
 
 
 def vllm_prompt_logprobs(token_text: TokenText, entries: list[dict[int, float] | None],

@@ -42,7 +42,8 @@ from phasewise.server.protocol import (COMBINATION, GRAMMAR, TEMPLATE,
                                        ChatCompletionRequest,
                                        CompletionRequest,
                                        DetokenizeRequest, TokenizeChat, TokenizeRequest)
-from phasewise.server.sse import share_prompt_logprobs, stream_group
+from phasewise.server.sse import (OFF_LOOP_ENTRIES, share_prompt_logprobs, stream_group,
+                                  whole_cost)
 
 T = TypeVar("T")
 # /tokenize and /detokenize requests up to this many characters (a quarter as many token
@@ -125,6 +126,11 @@ class Routes:
         self.cpu = ThreadPoolExecutor(tokenizer_threads, thread_name_prefix="phasewise-tok")
         self.cpu_tools = ThreadPoolExecutor(1, thread_name_prefix="phasewise-tokenize")
         self.cpu_tools_large = ThreadPoolExecutor(1, thread_name_prefix="phasewise-tokenize-l")
+        # Large replies (logprobs of long prompts, of many choices) are built one at a time:
+        # building one holds the GIL, which the engine thread needs between its kernels, and
+        # each more thread doing so at once lengthens every stream's gaps (8 concurrent
+        # scoring requests of 16 choices: 1.1 s gaps in another client's stream).
+        self.render = ThreadPoolExecutor(1, thread_name_prefix="phasewise-render")
         self._texts: dict[int, str] = {}  # token id -> its text (bounded by the vocabulary)
         self._grammar_checker: GrammarChecker | None = None  # structured output's
         self.max_waiting = info.max_waiting
@@ -146,6 +152,7 @@ class Routes:
         self.cpu.shutdown(wait=False, cancel_futures=True)
         self.cpu_tools.shutdown(wait=False, cancel_futures=True)
         self.cpu_tools_large.shutdown(wait=False, cancel_futures=True)
+        self.render.shutdown(wait=False, cancel_futures=True)
         if self._grammar_checker is not None:
             self._grammar_checker.close()
         self.bodies.close()
@@ -533,7 +540,7 @@ class Routes:
                                 include_usage=body.include_usage,
                                 continuous_usage=body.continuous_usage, render=choices.delta,
                                 n=body.n, shared_prompt_logprobs=shared,
-                                on_token=on_token)
+                                on_token=on_token, pool=self.render)
         created = int(time.time())
         finals = await self._collect(request, group, on_token)
         if shared:
@@ -545,9 +552,12 @@ class Routes:
                 "choices": [choices.whole(i, out) for i, out in enumerate(finals)],
                 "usage": usage(rec.prompt_tokens, sum(len(o.token_ids) for o in finals),
                                cached_prompt_tokens([o.metrics.num_cached_tokens
-                                                     for o in finals], body.n))}).encode()
+                                                     for o in finals], body.n))},
+                {}).encode()
 
-        return Response(await self._off_loop(render), media_type="application/json")
+        large = sum(map(whole_cost, finals)) >= OFF_LOOP_ENTRIES
+        return Response(await self._off_loop(render, pool=self.render if large else None),
+                        media_type="application/json")
 
     async def _collect(self, request: Request, group: RequestGroup,
                        on_token: Callable[[RequestOutput], None]) -> list[RequestOutput]:

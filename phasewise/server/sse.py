@@ -8,13 +8,16 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import Executor
 from dataclasses import replace
+from functools import partial
 from typing import Any
 
 from fastapi.responses import StreamingResponse
 
 from phasewise.engine.backend import EngineError, EngineStopped, RequestGroup, merge_outputs
 from phasewise.engine.outputs import RequestOutput
+from phasewise.server import jsontext
 from phasewise.server.errors import ApiError
 from phasewise.server.openai_format import cached_prompt_tokens, timing, usage
 
@@ -162,12 +165,21 @@ def render_cost(out: RequestOutput) -> int:
     return n * (1 + width)
 
 
+def whole_cost(out: RequestOutput) -> int:
+    """The tokens and logprob entries a whole reply's choice of ``out`` renders."""
+    width = len(out.logprobs[-1]) if out.token_ids and out.logprobs else 0
+    prompt = out.prompt_logprobs or ()
+    prompt_width = max((len(e) for e in prompt[:2] if e), default=0)
+    return len(out.token_ids) * (1 + width) + len(prompt) * (1 + prompt_width)
+
+
 def stream_group(*, group: RequestGroup, rid: str, obj: str, model: str,
                  prompt_lens: list[int], prompt_tokens: int, include_usage: bool,
                  continuous_usage: bool,
                  render: Callable[[int, RequestOutput], Rendered],
                  on_token: Callable[[RequestOutput], None] | None = None,
-                 n: int = 1, shared_prompt_logprobs: bool = False) -> SSEResponse:
+                 n: int = 1, shared_prompt_logprobs: bool = False,
+                 pool: Executor | None = None) -> SSEResponse:
     """SSE for a group (``prompt_lens``: each request's; ``prompt_tokens``: the usage
     total, each prompt counted once however many samples (``n``, next to each other) it
     has): the choices ``render`` makes of each output (those marked True carry the choice's
@@ -177,7 +189,13 @@ def stream_group(*, group: RequestGroup, rid: str, obj: str, model: str,
     or any other failure once the 200 is sent ends the stream with an error event that says
     so, then ``[DONE]``. ``shared_prompt_logprobs``: only each prompt's first sample computed
     its prompt logprobs (``share_prompt_logprobs``); the others' outputs wait for it and
-    carry its logprobs."""
+    carry its logprobs.
+
+    A large chunk (a prompt's logprobs, a lagging reader's merged outputs) is built on
+    ``pool`` (default: asyncio's), its JSON written in pieces (``jsontext``) and each long
+    list shared between the samples written once: building it holds the GIL, which the
+    engine's thread needs between its kernels, so the fewer threads do it at once and the
+    shorter each holds it, the less every other stream waits."""
     created = int(time.time())
 
     def chunk(choices: list[dict[str, Any]], use: dict | None = None) -> dict:
@@ -193,6 +211,8 @@ def stream_group(*, group: RequestGroup, rid: str, obj: str, model: str,
         timings: dict[int, dict[str, Any]] = {}
         rendered_first: set[int] = set()
         share = SharedPromptLogprobs(n) if shared_prompt_logprobs else None
+        memo: jsontext.Memo = {}  # (the samples' shared prompt logprobs, written once)
+        loop = asyncio.get_running_loop()
         try:
             async for idx, out in group:
                 if on_token is not None:
@@ -206,9 +226,12 @@ def stream_group(*, group: RequestGroup, rid: str, obj: str, model: str,
                                if continuous_usage else None)
 
                     def lines(idx: int = idx, out: RequestOutput = out,
-                              running: dict | None = running) -> list[str]:
-                        return [sse(chunk([choice], running if counted else None))
-                                for choice, counted in render(idx, out)]
+                              running: dict | None = running, large: bool = False
+                              ) -> list[str]:
+                        return [f"data: {jsontext.dumps(payload, memo)}\n\n" if large
+                                else sse(payload) for payload in (
+                                    chunk([choice], running if counted else None)
+                                    for choice, counted in render(idx, out))]
 
                     first = out.prompt_logprobs is not None and idx not in rendered_first
                     if first or render_cost(out) >= OFF_LOOP_ENTRIES:
@@ -216,7 +239,8 @@ def stream_group(*, group: RequestGroup, rid: str, obj: str, model: str,
                         # reader's merged output many tokens': a worker builds those
                         if first:
                             rendered_first.add(idx)
-                        for line in await asyncio.to_thread(lines):
+                        for line in await loop.run_in_executor(
+                                pool, partial(lines, large=True)):
                             yield line
                     else:
                         for line in lines():
