@@ -517,3 +517,26 @@ def test_text_offsets_agree_streamed_and_whole_and_add_up_for_any_bytes(ids):
     assert _streamed_offsets(text, decode, ids) == whole
     assert whole[0] == sorted(whole[0])
     assert whole[1] + len(decode(whole[2])) == len(decode(ids))
+
+
+def test_a_stored_response_is_a_404_that_says_none_is_stored(server):
+    """GET /v1/responses/{id} was the generic 'Not Found: GET ...'."""
+    for method in ("GET", "DELETE"):
+        r = httpx.request(method, server.url + "/v1/responses/resp_abc", timeout=30)
+        assert r.status_code == 404, r.text
+        err = r.json()["error"]
+        assert err["code"] == "not_found" and "stores no responses" in err["message"]
+        assert "'resp_abc'" in err["message"]
+
+
+def test_reasoning_options_asking_for_nothing_are_taken(server):
+    """reasoning: null was taken and reasoning: {"effort": null} refused."""
+    body = {"input": "hi", "max_output_tokens": 2}
+    for reasoning in (None, {}, {"effort": None}, {"effort": None, "summary": None}):
+        r = httpx.post(server.url + "/v1/responses", timeout=60,
+                       json={**body, "reasoning": reasoning})
+        assert r.status_code == 200, (reasoning, r.text)
+    r = httpx.post(server.url + "/v1/responses", timeout=60,
+                   json={**body, "reasoning": {"effort": "high"}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "reasoning", r.text
+    assert "do not reason" in r.json()["error"]["message"]

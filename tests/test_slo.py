@@ -171,6 +171,11 @@ def test_the_server_refuses_what_would_miss_and_serves_the_rest(model):
             assert 'phasewise:requests_refused_total{model_name="m",reason="slo_ttft"} 2.0' \
                 in metrics
             assert 'reason="slo_tpot"} 1.0' in metrics
+            # /v1/responses takes the fields as the other routes do (it had ignored them)
+            resp = await c.post("/v1/responses", json={
+                "input": "hi", "max_output_tokens": 2, "slo_ttft_ms": 50})
+            assert resp.status_code == 429, resp.text
+            assert resp.json()["error"]["code"] == "slo_ttft"
             # hostile targets: clear 400s naming the field or header, nothing else changes
             for extra, headers, param in (
                     ({"slo_ttft_ms": 0}, {}, "slo_ttft_ms"),

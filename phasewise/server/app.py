@@ -280,6 +280,17 @@ class OpenAIServer:
             return await responses_api.create(
                 routes, await routes.body("ResponsesRequest", request), request)
 
+        @app.api_route("/v1/responses/{response_id:path}", methods=["GET", "DELETE"],
+                       response_model=None, responses={401: _POST_ERRORS[401], 404: {
+                           **_ERROR, "description": "no response is stored"}})
+        async def stored_response(response_id: str) -> Response:
+            """Not served: phasewise stores no responses (``store`` is ignored), so there is
+            none to fetch, cancel or delete: always a 404 that says so."""
+            shown = response_id[:64] + ("..." if len(response_id) > 64 else "")
+            raise ApiError(404, f"no response {shown!r} is stored: phasewise stores no "
+                           "responses (store is ignored); send the whole conversation as "
+                           "input instead", code="not_found")
+
         @app.post("/v1/embeddings", response_model=None, responses={
             401: _POST_ERRORS[401],
             404: {**_ERROR, "description": "not served: phasewise serves text generation "

@@ -140,6 +140,8 @@ class ResponsesRequest(_Sampling):
     def _check(self) -> ResponsesRequest:
         for name, why in REFUSED.items():
             value = getattr(self, name)
+            if isinstance(value, dict) and all(v is None for v in value.values()):
+                continue  # {"effort": null}: no option asked for
             if value not in (None, False, [], {}, "", 0):
                 raise field_error(name, f"{name}: {why}")
         fmt = self.text.format if self.text is not None else None
@@ -299,7 +301,7 @@ async def create(routes: Any, body: ResponsesRequest, request: Request) -> Respo
     rec = access_record(request.scope)
     rec.request_id = builder.id
     rec.prompt_tokens = len(ids)
-    group = await routes._submit(specs, builder.id, arrival, routes.slo(request))
+    group = await routes._submit(specs, builder.id, arrival, routes.slo(request, body))
 
     def on_token(out: RequestOutput) -> None:
         rec.output_tokens = len(out.token_ids)
