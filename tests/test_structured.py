@@ -80,9 +80,10 @@ def test_regex_choice_lark_and_any_object(llm):
         for o in outs:
             assert o.finish_reason == "stop" and ok(o.text), (spec, o.text)
     # json_object: any object; cut short by max_tokens it need not parse, so only a
-    # finished one is checked
+    # finished one is checked (a random model's objects rarely close: each of its tokens
+    # is checked against the grammar all the same)
     outs = llm.generate(["x = "] * 4, [SamplingParams(
-        max_tokens=200, temperature=1.0, seed=s, structured_output=spec_json("json_object"))
+        max_tokens=40, temperature=1.0, seed=s, structured_output=spec_json("json_object"))
         for s in range(4)])
     for o in outs:
         assert o.text.startswith("{")
