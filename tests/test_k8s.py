@@ -35,7 +35,7 @@ SPECS = [
                disagg_threshold=256, decode=3, prefill=2,
                resources={"prefill": RoleResources("8", "32Gi", 1),
                           "decode": RoleResources("8", "64Gi", 2)},
-               labels={"phasewise/plan": "pd"}),
+               labels={"phasewise/plan": "pd"}, api_key_secret="chat-keys"),
     DeploySpec(MODEL, mode="pd", hpa=False, port=9000, kv_port=9100, shutdown_grace_s=12.5,
                prestop_sleep_s=0, network_policy=False),
 ]
@@ -73,17 +73,45 @@ def engine_argv(docs: list[dict], deployment: dict, tmp_path) -> list[str]:
     a stand-in ``phasewise`` on PATH that prints its arguments, and the ConfigMap's value in
     the environment, as Kubernetes would set it."""
     c = container(deployment)
-    (env,) = c["env"]
-    ref = env["valueFrom"]["configMapKeyRef"]
-    value = named(docs, "ConfigMap", ref["name"])["data"][ref["key"]]
+    env = {}
+    for var in c["env"]:
+        ref = var["valueFrom"].get("configMapKeyRef")
+        env[var["name"]] = (named(docs, "ConfigMap", ref["name"])["data"][ref["key"]]
+                            if ref is not None else "a key from a Secret")
     fake = tmp_path / "bin" / "phasewise"
     fake.parent.mkdir(exist_ok=True)
     fake.write_text("#!/bin/sh\nfor a in \"$@\"; do printf '%s\\n' \"$a\"; done\n")
     fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
     assert c["command"][:2] == ["sh", "-c"]
     out = subprocess.run(c["command"], capture_output=True, text=True, check=True, env={
-        "PATH": f"{fake.parent}{os.pathsep}{os.environ['PATH']}", env["name"]: value})
+        "PATH": f"{fake.parent}{os.pathsep}{os.environ['PATH']}", **env})
     return out.stdout.splitlines()
+
+
+def check_keys(spec: DeploySpec, dep: dict) -> None:
+    """With an API key Secret, every pod (router and engines) takes the clients' key from it
+    as $PHASEWISE_API_KEY and reads the fleet's internal key from it, mounted; without one,
+    neither."""
+    c = container(dep)
+    volumes = {v["name"]: v for v in dep["spec"]["template"]["spec"]["volumes"]}
+    env = {v["name"]: v["valueFrom"] for v in c.get("env", [])}
+    words = c["command"][2].split() if c["command"][0] == "sh" else c["command"]
+    if spec.api_key_secret is None:
+        assert "fleet-key" not in volumes and "PHASEWISE_API_KEY" not in env
+        assert "--internal-key-file" not in words
+        return
+    assert env["PHASEWISE_API_KEY"] == {"secretKeyRef": {"name": spec.api_key_secret,
+                                                         "key": "api-key"}}
+    secret = volumes["fleet-key"]["secret"]
+    assert secret["secretName"] == spec.api_key_secret
+    (item,) = secret["items"]
+    assert item["key"] == "internal-key" and secret["defaultMode"] == 0o400
+    (mount,) = [m for m in c["volumeMounts"] if m["name"] == "fleet-key"]
+    assert mount["readOnly"]
+    path = words[words.index("--internal-key-file") + 1].strip("'")
+    assert path == f"{mount['mountPath']}/{item['path']}"
+    # the key never sits on a command line or in a ConfigMap
+    assert "--api-key" not in words
 
 
 def check_structure(spec: DeploySpec, docs: list[dict]) -> None:
@@ -141,8 +169,10 @@ def check_structure(spec: DeploySpec, docs: list[dict]) -> None:
             "claimName": spec.model_pvc, "readOnly": True}
         assert mounts[spec.model_mount] == {"name": "models", "mountPath": spec.model_mount,
                                             "readOnly": True}
-        has_secret = any("secret" in v for v in volumes.values())
-        assert has_secret == (role(dep) in ("prefill", "decode"))
+        assert ("kv-secret" in volumes) == (role(dep) in ("prefill", "decode"))
+        if "kv-secret" in volumes:
+            assert volumes["kv-secret"]["secret"]["secretName"] == spec.kv_secret
+        check_keys(spec, dep)
         grace = pod["spec"]["terminationGracePeriodSeconds"]
         assert grace > spec.shutdown_grace_s + k8s.UVICORN_BACKSTOP_S + spec.prestop_sleep_s
     # pd: one NetworkPolicy, on every decode pod and nothing else; its K/V rule admits the
@@ -249,7 +279,7 @@ def test_pd_commands_wire_every_decode_worker(spec, tmp_path):
     assert a.served_model_name == spec.served_model_name
     assert a.shutdown_grace == spec.shutdown_grace_s
     pod = prefill["spec"]["template"]["spec"]
-    (secret,) = [v["secret"] for v in pod["volumes"] if "secret" in v]
+    (secret,) = [v["secret"] for v in pod["volumes"] if v["name"] == "kv-secret"]
     (mount,) = [m for m in container(prefill)["volumeMounts"] if m["name"] == "kv-secret"]
     assert secret["secretName"] == spec.kv_secret and mount["readOnly"]
     assert a.kv_secret_file == f"{mount['mountPath']}/{secret['items'][0]['path']}"
@@ -281,7 +311,9 @@ def test_pd_commands_wire_every_decode_worker(spec, tmp_path):
     assert a.prefill == [f"http://{spec.name}-prefill:{spec.port}"]
     assert a.wait >= spec.startup_timeout_s
     assert a.model == spec.model_path and (a.host, a.port) == ("0.0.0.0", spec.port)
-    assert not any("secret" in v for v in router["spec"]["template"]["spec"]["volumes"])
+    assert not any(v.get("secret", {}).get("secretName") == spec.kv_secret
+                   for v in router["spec"]["template"]["spec"]["volumes"])
+    assert (a.internal_key_file is not None) == (spec.api_key_secret is not None)
 
 
 def test_the_server_accepts_the_kv_bind_form(tmp_path):
@@ -419,7 +451,8 @@ BAD = [
     (dict(engine_args=(("--no-prefix-caching", "true"),)), "is a switch and takes no value"),
     (dict(engine_args=(("--port", "9000"),)), "--port is set by the manifests; use "
      "DeploySpec.port"),
-    (dict(engine_args=(("--api-key", "k"),)), "it would sit in a ConfigMap"),
+    (dict(engine_args=(("--api-key", "k"),)), "use DeploySpec.api_key_secret (a Secret"),
+    (dict(api_key_secret="Keys"), "DeploySpec.api_key_secret must name a Kubernetes object"),
     (dict(engine_args=(("--seed", "1"), ("--seed", "2"))), "--seed is given twice"),
     (dict(engine_args=("--seed",)), "(flag, value) pairs"),
 ]

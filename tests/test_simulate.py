@@ -470,11 +470,17 @@ def test_plan_cli_writes_manifests_that_validate(tmp_path, capsys):
                "--request-rate", "3", "--goodput", "ttft:1000", "tpot:100", "--budgets", "128",
                "512",
                "--ratios", "1:1", "--thresholds", "0", "--window", "5", "--max-model-len",
-               "2048", "--k8s-out", str(out)])
+               "2048", "--k8s-out", str(out), "--api-key-secret", "serving-keys"])
     text = capsys.readouterr().out
     assert rc == 0, text
     assert "rank" in text and "best:" in text and "unit(s)" in text
-    docs = [d for f in out.glob("*.yaml") for d in yaml.safe_load_all(f.read_text()) if d]
+    (written,) = out.glob("*.yaml")
+    assert "create secret generic serving-keys --from-literal=api-key=" in written.read_text()
+    docs = [d for d in yaml.safe_load_all(written.read_text()) if d]
+    for d in (d for d in docs if d["kind"] == "Deployment"):  # every pod takes the key
+        (c,) = d["spec"]["template"]["spec"]["containers"]
+        assert {"name": "PHASEWISE_API_KEY", "valueFrom": {"secretKeyRef": {
+            "name": "serving-keys", "key": "api-key"}}} in c["env"]
     # The winner's own settings reach the engines' flags.
     best = text.split("best: ", 1)[1].split(":", 1)[0]
     budget = best.rsplit("budget ", 1)[1]
@@ -660,6 +666,7 @@ def test_simulate_refuses_weights_the_machine_cannot_hold_and_says_when_none_fin
     (["--name", "BAD_NAME!"], "--name: "),
     (["--namespace", "Bad_NS"], "--namespace: "),
     (["--model-path", "rel/path"], "--model-path: "),
+    (["--api-key-secret", "My Keys"], "--api-key-secret: "),
 ])
 def test_plan_refuses_a_manifest_flag_before_its_search(flags, match, capsys, monkeypatch):
     """A manifest flag the manifests would refuse is refused by its name before the search

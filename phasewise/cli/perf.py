@@ -190,6 +190,11 @@ def add_commands(command: Command) -> None:
                     "(default: /models/NAME)")
     pl.add_argument("--cpus", type=int, default=None,
                     help="manifests: CPUs per engine pod (default: 2)")
+    pl.add_argument("--api-key-secret", default=None, metavar="SECRET",
+                    help="manifests: require an API key, from this Secret's api-key (clients "
+                    "send it as a bearer token), with the fleet's internal key from its "
+                    "internal-key (the manifests' header says how to create it; default: "
+                    "no key)")
 
 
 def cmd_roofline(a: argparse.Namespace) -> int:

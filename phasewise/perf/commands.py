@@ -468,7 +468,8 @@ def _ratios(items: list[str]) -> list[tuple[int, int]]:
 # None, so that one that would be ignored is refused instead)
 PLAN_RATIOS = ("1:1", "1:2", "2:1", "1:3", "3:1")
 PLAN_THRESHOLDS = (0, 512, 1024)
-_MANIFEST_FLAGS = ("name", "namespace", "image", "model_pvc", "model_path", "cpus")
+_MANIFEST_FLAGS = ("name", "namespace", "image", "model_pvc", "model_path", "cpus",
+                   "api_key_secret")
 
 
 def _flag(dest: str) -> str:
@@ -516,6 +517,8 @@ def check_manifest_flags(a: argparse.Namespace) -> None:
               ("--image", lambda: DeploySpec(model_path="/models/m", image=a.image)),
               ("--model-pvc", lambda: DeploySpec(model_path="/models/m",
                                                  model_pvc=a.model_pvc)),
+              ("--api-key-secret", lambda: DeploySpec(model_path="/models/m",
+                                                      api_key_secret=a.api_key_secret)),
               ("--model-path", lambda: a.model_path is None
                or DeploySpec(model_path=a.model_path)))
     for flag, check in checks:
@@ -552,7 +555,7 @@ def write_manifests(a: argparse.Namespace, model: str, best: Any, dep: Deploymen
         model_path=_given(a.model_path, f"/models/{name}"),
         mode=dep.mode, replicas=dep.replicas, prefill=dep.prefill, decode=dep.decode,
         name=a.name, namespace=a.namespace, image=a.image, model_pvc=a.model_pvc,
-        engine_args=tuple(args), disagg_threshold=dep.threshold,
+        api_key_secret=a.api_key_secret, engine_args=tuple(args), disagg_threshold=dep.threshold,
         resources={"both": engine_role, "prefill": engine_role, "decode": engine_role,
                    "router": RoleResources(cpu="1", memory="2Gi")})
     return write(spec, a.k8s_out)

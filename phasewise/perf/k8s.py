@@ -54,8 +54,10 @@ Probes, from what the server does (``phasewise.server.serve`` and ``app``):
 
 Prerequisites that are the operator's (``write`` puts them at the top of the file): an image
 with phasewise installed (phasewise publishes none), a PersistentVolumeClaim holding the
-checkpoint, the K/V Secret (pd), and for the HPA Prometheus plus prometheus-adapter (the
-rules are emitted as a ConfigMap to merge into the adapter's configuration).
+checkpoint, the K/V Secret (pd), the key Secret (``api_key_secret``: the clients' API key
+as every pod's ``$PHASEWISE_API_KEY``, the fleet's internal key mounted for
+``--internal-key-file``), and for the HPA Prometheus plus prometheus-adapter (the rules are
+emitted as a ConfigMap to merge into the adapter's configuration).
 """
 
 from __future__ import annotations
@@ -70,8 +72,8 @@ from typing import Any
 
 import yaml
 
-from phasewise.config import (DEVICES, DTYPE_CHOICES, KERNEL_CHOICES, LOAD_FORMATS, LOG_LEVELS,
-                              POLICIES)
+from phasewise.config import (API_KEY_ENV, DEVICES, DTYPE_CHOICES, KERNEL_CHOICES, LOAD_FORMATS,
+                              LOG_LEVELS, POLICIES)
 
 MODES = ("colocated", "pd")
 ROLES = ("both", "prefill", "decode", "router")
@@ -80,6 +82,11 @@ PULL_POLICIES = ("Always", "IfNotPresent", "Never")
 ENGINE_ARGS_VAR = "PHASEWISE_ENGINE_ARGS"  # the ConfigMap key and the containers' env var
 KV_SECRET_KEY = "secret"  # the key in the operator's Secret
 KV_SECRET_DIR = "/etc/phasewise/kv"
+# DeploySpec.api_key_secret: the operator's Secret with the clients' API key (as the
+# containers' $PHASEWISE_API_KEY: never in a ConfigMap, never on a command line) and the
+# fleet's internal key (mounted, for --internal-key-file: the router's calls to the workers)
+API_KEY_KEY, INTERNAL_KEY_KEY = "api-key", "internal-key"
+FLEET_KEY_DIR = "/etc/phasewise/fleet"
 ALL_INTERFACES = "0.0.0.0"  # --host, and the --kv-bind host (zmq binds IPv4 on both forms)
 UVICORN_BACKSTOP_S = 10  # phasewise.server.serve gives uvicorn this long after the grace
 
@@ -137,16 +144,16 @@ MANAGED_FLAGS: dict[str, str] = {
     "--kv-secret-file": "DeploySpec.kv_secret (a Secret, mounted)",
     "--disagg-threshold": "DeploySpec.disagg_threshold",
     "--kv-name": "nothing: each prefill pod's default, prefill@POD, is unique",
-    "--api-key": "nothing: not supported here, it would sit in a ConfigMap in plain text",
-    "--internal-key-file": "nothing: without --api-key no wrong key locks the router out, "
-                           "and the router reaches the pods from its own address",
+    "--api-key": "DeploySpec.api_key_secret (a Secret's api-key, as $PHASEWISE_API_KEY)",
+    "--internal-key-file": "DeploySpec.api_key_secret (its internal-key, mounted)",
 }
 # The flags the emitted commands pass (tests/test_k8s.py checks phasewise.cli still has them).
 SERVE_FLAGS_USED = ("--model", "--host", "--port", "--shutdown-grace", "--role", "--kv-bind",
                     "--kv-connect", "--kv-secret-file", "--disagg-threshold",
-                    "--served-model-name", "--threads")
+                    "--served-model-name", "--threads", "--internal-key-file")
 ROUTER_FLAGS_USED = ("--model", "--decode", "--prefill", "--host", "--port", "--wait",
-                     "--shutdown-grace", "--served-model-name", "--discover")
+                     "--shutdown-grace", "--served-model-name", "--discover",
+                     "--internal-key-file")
 
 _DNS1035 = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
 _DNS1123_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
@@ -206,6 +213,10 @@ class DeploySpec:
     port: int = 8000
     kv_port: int = 8100
     kv_secret: str = "phasewise-kv"    # a Secret the operator creates (key "secret")
+    # None: no API key. Else a Secret the operator creates with keys "api-key" (what clients
+    # send as their bearer token) and "internal-key" (32+ characters: the router's key to
+    # the workers' /internal/* routes)
+    api_key_secret: str | None = None
     hpa: bool = True
     hpa_max_replicas: int = 8
     hpa_waiting_per_pod: float = 4.0   # target average phasewise:num_requests_waiting per pod
@@ -256,8 +267,10 @@ def _check_spec(s: DeploySpec) -> None:
                                     or not _DNS1123_LABEL.fullmatch(s.namespace)):
         raise ValueError("DeploySpec.namespace must be None or a DNS-1123 label (lower-case "
                          f"letters, digits and '-', at most 63); got {s.namespace!r}")
-    for f in ("model_pvc", "kv_secret"):
+    for f in ("model_pvc", "kv_secret", "api_key_secret"):
         v = getattr(s, f)
+        if f == "api_key_secret" and v is None:
+            continue
         if not isinstance(v, str) or len(v) > 253 or not _DNS1123_SUBDOMAIN.fullmatch(v):
             raise ValueError(f"DeploySpec.{f} must name a Kubernetes object (a DNS-1123 "
                              f"subdomain: lower-case letters, digits, '-' and '.'); got {v!r}")
@@ -490,6 +503,11 @@ def _pod_template(s: DeploySpec, role: str, index: int | None, container: dict[s
         volumes.append({"name": "kv-secret", "secret": {
             "secretName": s.kv_secret, "items": [{"key": KV_SECRET_KEY, "path": KV_SECRET_KEY}],
             "defaultMode": 0o400}})
+    if s.api_key_secret is not None:
+        volumes.append({"name": "fleet-key", "secret": {
+            "secretName": s.api_key_secret,
+            "items": [{"key": INTERNAL_KEY_KEY, "path": INTERNAL_KEY_KEY}],
+            "defaultMode": 0o400}})
     annotations = {"prometheus.io/scrape": "true", "prometheus.io/port": str(s.port),
                    "prometheus.io/path": "/metrics"}
     if role != "router":  # a changed ConfigMap rolls the engine pods (they read it at start)
@@ -541,6 +559,7 @@ def _engine_command(s: DeploySpec, role: str) -> list[str]:
         tail += ["--kv-connect", *(f"tcp://{d}:{s.kv_port}" for d in _decode_names(s))]
     if role in ("prefill", "decode"):
         tail += ["--kv-secret-file", f"{KV_SECRET_DIR}/{KV_SECRET_KEY}"]
+    tail += _fleet_key_args(s)
     threads = cpu_threads(s.role_resources(role))
     if threads is not None and not any(f == "--threads" for f, _ in s.engine_args):
         tail += ["--threads", str(threads)]
@@ -553,14 +572,33 @@ def _engine_deployment(s: DeploySpec, role: str, name: str, index: int | None,
                        replicas: int | None, config_hash: str,
                        annotations: dict[str, str]) -> dict[str, Any]:
     ports = {"http": s.port, **({"kv": s.kv_port} if role == "decode" else {})}
-    mounts = [_model_mount(s)]
+    mounts = [_model_mount(s), *_fleet_key_mount(s)]
     if role in ("prefill", "decode"):
         mounts.append({"name": "kv-secret", "mountPath": KV_SECRET_DIR, "readOnly": True})
     env = [{"name": ENGINE_ARGS_VAR, "valueFrom": {"configMapKeyRef": {
-        "name": f"{s.name}-engine", "key": ENGINE_ARGS_VAR}}}]
+        "name": f"{s.name}-engine", "key": ENGINE_ARGS_VAR}}}, *_api_key_env(s)]
     container = _container(s, role, _engine_command(s, role), ports, env, mounts)
     return _deployment(s, role, name, index, replicas,
                        _pod_template(s, role, index, container, config_hash), annotations)
+
+
+def _api_key_env(s: DeploySpec) -> list[dict[str, Any]]:
+    """$PHASEWISE_API_KEY from the Secret (serve and router read it when --api-key is not
+    given), or nothing."""
+    if s.api_key_secret is None:
+        return []
+    return [{"name": API_KEY_ENV, "valueFrom": {"secretKeyRef": {
+        "name": s.api_key_secret, "key": API_KEY_KEY}}}]
+
+
+def _fleet_key_mount(s: DeploySpec) -> list[dict[str, Any]]:
+    return ([] if s.api_key_secret is None else
+            [{"name": "fleet-key", "mountPath": FLEET_KEY_DIR, "readOnly": True}])
+
+
+def _fleet_key_args(s: DeploySpec) -> list[str]:
+    return ([] if s.api_key_secret is None else
+            ["--internal-key-file", f"{FLEET_KEY_DIR}/{INTERNAL_KEY_KEY}"])
 
 
 def _deployment(s: DeploySpec, role: str, name: str, index: int | None, replicas: int | None,
@@ -614,7 +652,9 @@ def _router(s: DeploySpec) -> list[dict[str, Any]]:
                 "--wait", str(s.startup_timeout_s), "--shutdown-grace", f"{s.shutdown_grace_s:g}"]
     if s.served_model_name is not None:
         command += ["--served-model-name", s.served_model_name]
-    container = _container(s, "router", command, {"http": s.port}, [], [_model_mount(s)])
+    command += _fleet_key_args(s)
+    container = _container(s, "router", command, {"http": s.port}, _api_key_env(s),
+                           [_model_mount(s), *_fleet_key_mount(s)])
     name = f"{s.name}-router"
     note = {"phasewise/note": "the OpenAI API; it waits for the workers at start (--wait), "
             "routes each request by --routing (default: the prompt blocks a worker holds "
@@ -789,6 +829,12 @@ def header(spec: DeploySpec) -> str:
         lines.append(f"- the K/V secret (at least 16 bytes): kubectl{ns} create secret generic "
                      f"{s.kv_secret} --from-literal={KV_SECRET_KEY}=\"$(head -c 32 "
                      "/dev/urandom | base64)\";")
+    if s.api_key_secret is not None:
+        lines.append(f"- the API key and the fleet's internal key: kubectl{ns} create secret "
+                     f"generic {s.api_key_secret} --from-literal={API_KEY_KEY}=YOUR_KEY "
+                     f"--from-literal={INTERNAL_KEY_KEY}=\"$(openssl rand -hex 32)\" (clients "
+                     "send YOUR_KEY as 'Authorization: Bearer YOUR_KEY'; /health, /metrics and "
+                     "/version stay open for the probes and Prometheus);")
     if s.hpa:
         lines.append("- for the HPA: Prometheus scraping pods by their prometheus.io/* "
                      "annotations (series labelled namespace and pod) and prometheus-adapter "
