@@ -49,8 +49,9 @@ Probes, from what the server does (``phasewise.server.serve`` and ``app``):
   router while no decode worker is up. It is every pod's readinessProbe.
 * livenessProbe: ``/health`` for ``both`` and ``decode`` (a 503 there means the engine
   thread died, or has been in one step past ``--step-timeout``: a restart helps);
-  ``/version`` (200 while the process serves HTTP) for prefill and router, whose ``/health`` reflects other pods: restarting them would not bring a decode
-  worker back, and would cost a model load.
+  ``/version`` (200 while the process serves HTTP) for prefill and router, whose
+  ``/health`` reflects other pods: restarting them would not bring a decode worker back,
+  and would cost a model load.
 
 Prerequisites that are the operator's (``write`` puts them at the top of the file): an image
 with phasewise installed (phasewise publishes none), a PersistentVolumeClaim holding the
