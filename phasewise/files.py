@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,12 @@ def write_text_atomic(path: Path, text: str) -> None:
     path = Path(os.path.realpath(path))  # a symlink's target is written, the link kept
     path.parent.mkdir(parents=True, exist_ok=True)
     try:
-        mode = os.stat(path).st_mode & 0o7777  # the file's own mode, kept
+        st = os.stat(path)
+        # (a device, a pipe, a socket: the rename would replace it with a file; as root,
+        # /dev/null itself)
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError(f"{path}: not a regular file (phasewise writes files only)")
+        mode = st.st_mode & 0o7777  # the file's own mode, kept
     except FileNotFoundError:
         umask = os.umask(0)
         os.umask(umask)
@@ -44,17 +50,30 @@ def check_output(path: str | Path, option: str, folder: bool = False) -> None:
     if str(path) == "":
         raise ValueError(f"{option}: an empty path; give a {'folder' if folder else 'file'}")
     if p.exists() and p.is_dir() != folder:
-        raise ValueError(f"{option} {path}: is a {'file' if folder else 'folder'}; give a "
+        what = "folder" if p.is_dir() else "file" if p.is_file() else "device or pipe"
+        raise ValueError(f"{option} {path}: is a {what}; give a "
                          f"{'folder' if folder else 'file name'}")
+    if p.exists() and not folder and not p.is_file():
+        raise ValueError(f"{option} {path}: not a regular file (a device, a pipe or a "
+                         "socket); give a file name")
     if p.exists() and not os.access(p, os.W_OK):
         raise ValueError(f"{option} {path}: not writable")
     parent = p if folder and p.exists() else p.parent
-    while not parent.exists():  # the folders that would be made: their first existing one
-        parent = parent.parent
+    while not parent.exists() and not parent.is_symlink():
+        parent = parent.parent  # the folders that would be made: their first existing one
     if not parent.is_dir():
         raise ValueError(f"{option} {path}: {parent} is a file, not a folder")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise ValueError(f"{option} {path}: cannot write in {parent}")
+    # Tried for real: os.access says yes to root everywhere, even under /proc or on a
+    # read-only mount, and the command would find out only after its work.
+    try:
+        if parent == p.parent or (folder and parent == p):
+            fd, probe = tempfile.mkstemp(dir=parent, prefix=".phasewise-probe-")
+            os.close(fd)
+            os.unlink(probe)
+        else:
+            os.rmdir(tempfile.mkdtemp(dir=parent, prefix=".phasewise-probe-"))
+    except OSError as e:
+        raise ValueError(f"{option} {path}: cannot write in {parent} ({e.strerror})") from None
 
 
 def read_json_file(path: str | Path) -> Any:

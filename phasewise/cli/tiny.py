@@ -81,6 +81,9 @@ def cmd_make_tiny(a: argparse.Namespace) -> int:
         raise ValueError("make-tiny needs a folder to write into, got an empty path")
     if Path(a.out).exists() and not Path(a.out).is_dir():
         raise ValueError(f"{a.out} is a file; make-tiny writes a checkpoint folder")
+    from phasewise.files import check_output
+
+    check_output(a.out, "make-tiny's folder", folder=True)  # (under a file, or unwritable)
     held = sorted(p.name for p in Path(a.out).glob("*")) if Path(a.out).is_dir() else []
     if held and not a.force:
         shown = ", ".join(held[:4]) + (f" and {len(held) - 4} more" if len(held) > 4 else "")
