@@ -101,6 +101,18 @@ class Contention:
         """Whether other work took enough of the CPUs to explain a slow run."""
         return self.others >= BUSY_SHARE or self.steal >= STEAL_SHARE
 
+    def most_slowdown(self, threads: int | None) -> float | None:
+        """The most this share of other work can slow a run of ``threads`` threads, or None
+        where it has no bound. One thread gets at least the share of the CPUs others leave:
+        1 / that share, taken twice over for margin; slower has a cause beyond the
+        contention. Several threads wait at each kernel's end for any that lost its core,
+        a scheduler's time slice (milliseconds) per kernel: a step of many short kernels
+        can run 100x slower (two threads beside 48% of other work: decode 130x above its
+        roofline time, 1.6x on the quiet machine), so no bound is claimed."""
+        if threads != 1:
+            return None
+        return 2.0 / max(0.05, 1.0 - self.others - self.steal)
+
     def words(self) -> str:
         steal = f", the hypervisor {self.steal:.0%} (steal)" if self.steal >= 0.005 else ""
         return (f"other processes used {self.others:.0%} of this machine's CPU time over "

@@ -324,12 +324,22 @@ def explain_generation(shape: ModelShape, accel: Accelerator, weight_dtype: str,
              "a quiet machine")
     if threads is not None and threads > 1:
         blame += f"; {fewer_threads(threads)} while the machine is busy"
+    # the most the contention can explain (None: no bound, with several threads)
+    most = contended.most_slowdown(threads) if contended is not None else None
     for p in slow:  # one line each: how its time splits, then what the excess is
         # one decimal below 10x, as the [roofline] lines print the same ratio
         times = f"{p.vs_roofline:.1f}" if p.vs_roofline < 10 else f"{p.vs_roofline:.0f}"
         line = f"[bound]    {p.name} ran {times}x above the roofline time"
         split = _split_words(p)
-        if split is None and contended is not None:
+        if contended is not None and most is not None and p.vs_roofline > most:
+            # more than the load can explain: it is named, and so is the rest
+            load = (f"{contended.words()}, which can explain up to ~{most:.0f}x, not "
+                    f"{times}x")
+            line += (f": {split}; {load}: beyond it, {_excess_words(p)}" if split is not None
+                     else f" while {load}: the rest is not explained by this step's work as "
+                     "the roofline counts it (arithmetic, weight and K/V reads), and its "
+                     "forward pass was not timed apart from the host's work")
+        elif split is None and contended is not None:
             line += f" while {contended.words()}: {blame}"
         elif split is None:
             load = (f"with the CPUs to itself ({contention.words()})" if contention is not None
