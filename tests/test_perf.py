@@ -74,7 +74,9 @@ def test_flops_and_bytes_by_hand():
     d = r.decode(2, [5, 7])
     assert d.flops == 2 * (2 * 1152 + 160) + 64 * 12
     assert d.kv_read_bytes == (4 + 6) * kvpt and d.kv_write_bytes == 2 * kvpt
-    assert d.weight_bytes == m.total_params * 2
+    # every weight but the untied embedding's 10 rows of 8, of which its 2 tokens' are read
+    assert d.weight_bytes == (m.total_params - 10 * 8 + 2 * 8) * 2
+    assert r.weight_bytes == m.total_params * 2  # (what it stores)
 
 
 _COST_FIELDS = ("tokens", "flops", "bytes", "weight_bytes", "kv_read_bytes", "kv_write_bytes",
@@ -103,7 +105,9 @@ def test_a_mixed_step_reads_the_weights_once():
     mixed = r.mixed([Chunk(512, 128)], [2048] * 8)
     assert mixed.kind == "mixed" and mixed.tokens == 520
     assert mixed.flops == pytest.approx(pre.flops + dec.flops, rel=1e-12)
-    assert mixed.bytes == pytest.approx(pre.bytes + dec.bytes - r.weight_bytes, rel=1e-12)
+    # (the weights but the embedding rows, which each token looks up)
+    assert mixed.bytes == pytest.approx(pre.bytes + dec.bytes - r.step_weight_bytes(0),
+                                        rel=1e-12)
     assert mixed.time < pre.time + dec.time
 
 
@@ -117,7 +121,7 @@ def test_mixed_step_by_hand():
     assert c.tokens == 5
     assert c.flops == 2 * 1152 * 5 + 64 * ((3 * 2 + 6) + 5 + 6) + 2 * 160
     assert c.kv_read_bytes == (2 + 4 + 5) * kvpt and c.kv_write_bytes == 5 * kvpt
-    assert c.weight_bytes == m.total_params * 2
+    assert c.weight_bytes == (m.total_params - 10 * 8 + 5 * 8) * 2
     with pytest.raises(ValueError):
         r.mixed()
     with pytest.raises(ValueError):
@@ -222,7 +226,8 @@ def test_deepseek_v3_latent_attention_dense_layers_and_shared_expert():
     # a query's FLOPs per key: against the latent and rotary key, then the latent, per head
     assert m.attn_flops_per_position == 2 * 61 * 128 * (2 * 512 + 64)
     # at batch 1 a step reads the attention, the dense layers and 8 + 1 experts a layer
-    assert m.params_read(1) == pytest.approx(m.total_params - 58 * 248 * expert)
+    assert m.params_read(1) == pytest.approx(m.total_params - 58 * 248 * expert
+                                             - (129280 - 1) * h)  # one embedding row
     cfg = {"architectures": ["DeepseekV3ForCausalLM"], "hidden_size": h,
            "num_hidden_layers": 61, "num_attention_heads": 128, "num_key_value_heads": 128,
            "intermediate_size": 18432, "moe_intermediate_size": 2048, "vocab_size": 129280,
@@ -256,21 +261,26 @@ def test_moe_decode_reads_the_experts_its_tokens_route_to():
     assert m.experts_touched(1) == pytest.approx(2.0)
     assert m.experts_touched(2) == pytest.approx(8 * (1 - 0.75 ** 2))  # 3.5
     one = r.decode(1, 0)
-    assert one.weight_bytes == pytest.approx((m.total_params - 32 * 6 * expert) * 2)
+    # (of its untied input embedding, the one token's row)
+    assert one.weight_bytes == pytest.approx(
+        (m.total_params - 32 * 6 * expert - (32000 - 1) * 4096) * 2)
     assert 12.5e9 < m.params_read(1) < 13.5e9 and 46e9 < m.total_params < 47e9
     assert one.weight_bytes == pytest.approx(2 * m.params_read(1))
     touched = [m.experts_touched(b) for b in (1, 2, 4, 8, 16, 32, 64)]
     assert touched == sorted(touched) and touched[-1] == pytest.approx(8, abs=1e-6)
-    assert r.decode(64, 0).weight_bytes == pytest.approx(r.weight_bytes, rel=1e-6)
+    # all but the embedding rows no token looks up (32000 of 4096, untied)
+    rows = (32000 - 64) * 4096 * 2
+    assert r.decode(64, 0).weight_bytes == pytest.approx(r.weight_bytes - rows, rel=1e-6)
     # a prompt of hundreds of tokens reads every expert; a dense model reads all at any batch
-    assert r.prefill(512).weight_bytes == pytest.approx(r.weight_bytes, rel=1e-9)
+    assert r.prefill(512).weight_bytes == pytest.approx(
+        r.weight_bytes - (32000 - 512) * 4096 * 2, rel=1e-9)
     dense = Roofline(lookup_model("Mistral-7B-v0.1"), H100)
-    assert dense.decode(1, 0).weight_bytes == dense.weight_bytes
+    assert dense.decode(1, 0).weight_bytes == dense.weight_bytes - (32000 - 1) * 4096 * 2
     # the batch at which decode turns compute-bound: where its own arithmetic meets the
     # bytes that batch reads (more than the full-model formula would give: small batches
     # read less); the step there is balanced, above it compute-bound
     b = r.critical_batch(0)
-    full = (r.weight_bytes / r.bandwidth) / (r.decode(1, 0).flops / r.peak_flops
+    full = (r.step_weight_bytes(b) / r.bandwidth) / (r.decode(1, 0).flops / r.peak_flops
                                              - (one.bytes - one.weight_bytes) / r.bandwidth)
     assert b == pytest.approx(full, rel=0.01)  # by then every expert is read anyway
     assert r.decode(int(b) + 1, 0).bound == "compute" and r.decode(int(b) - 1, 0).bound == \

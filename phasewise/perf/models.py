@@ -230,11 +230,15 @@ class ModelShape:
                                 self.experts_per_token, tokens)
 
     def params_read(self, tokens: float) -> float:
-        """Weights a step of ``tokens`` tokens reads: all of a dense model's; an MoE
-        model's less the experts no token routed to (``experts_touched``)."""
+        """Weights a step of ``tokens`` tokens reads: all of a dense model's but the rows of
+        an untied input embedding no token looks up (a tied one is the LM head too, read
+        whole); an MoE model's less the experts no token routed to (``experts_touched``)."""
+        unread = 0.0 if self.tie_word_embeddings else max(
+            0.0, self.embedding_params - max(tokens, 0) * self.hidden_size)
         if not self.is_moe:
-            return float(self.total_params)
-        return self.total_params - self.idle_expert_params(self.experts_touched(tokens))
+            return self.total_params - unread
+        return (self.total_params - unread
+                - self.idle_expert_params(self.experts_touched(tokens)))
 
     def idle_expert_params(self, experts: float) -> float:
         """The expert weights a step leaves unread when its tokens touch ``experts`` of each

@@ -156,13 +156,28 @@ class Roofline:
             return m.params * self.wbytes
         return m.weight_bytes(self.wbytes, self.moe_wbytes)
 
-    def step_weight_bytes(self, tokens: float) -> float:
-        """Weight bytes a step of ``tokens`` tokens reads (an MoE model: the experts they
-        route to, ``ModelShape.experts_touched``)."""
+    @cached_property
+    def _unread_embedding(self) -> tuple[float, float]:
+        """An untied input embedding's bytes, and one row's: a step looks up only its
+        tokens' rows (a tied one is the LM head too, which reads all of it)."""
         m = self.model
-        if isinstance(m, GenericModel) or not m.is_moe:
+        if isinstance(m, GenericModel) or m.tie_word_embeddings:
+            return 0.0, 0.0
+        return m.embedding_params * self.wbytes, m.hidden_size * self.wbytes
+
+    def step_weight_bytes(self, tokens: float) -> float:
+        """Weight bytes a step of ``tokens`` tokens reads: all of them but the input
+        embedding's rows no token looks up, and for an MoE model the experts no token
+        routes to (``ModelShape.experts_touched``)."""
+        m = self.model
+        if isinstance(m, GenericModel):
             return self.weight_bytes
-        return m.weight_bytes(self.wbytes, self.moe_wbytes, m.experts_touched(tokens))
+        table, row = self._unread_embedding
+        looked_up = min(table, max(tokens, 0) * row)
+        if not m.is_moe:
+            return self.weight_bytes - table + looked_up
+        return (m.weight_bytes(self.wbytes, self.moe_wbytes, m.experts_touched(tokens))
+                - table + looked_up)
 
     @property
     def kv_bytes_per_token(self) -> float | None:
@@ -216,7 +231,8 @@ class Roofline:
         cost, and on a CPU whose caches the weights' stream has just flushed each property
         walked costs a few microseconds more."""
         return (self._linear_flops_per_token(), self._attn_flops(1), self._lm_head_flops(),
-                self.kv_bytes_per_token or 0.0, self._act_bytes(1), self.weight_bytes)
+                self.kv_bytes_per_token or 0.0, self._act_bytes(1),
+                self.weight_bytes - self._unread_embedding[0])
 
     # -- steps -----------------------------------------------------------------------------
     def prefill(self, prompt_len: int, prefix_len: int = 0, batch: int = 1) -> StepCost:
@@ -294,6 +310,8 @@ class Roofline:
         act = tokens * act1
         if self._moe:
             weights = self.step_weight_bytes(tokens)
+        else:  # the embedding rows its tokens look up (an untied one's: none counted above)
+            weights += min(self._unread_embedding[0], tokens * self._unread_embedding[1])
         total = weights + kv_read + kv_write + act
         kind = "mixed" if chunks and decodes else ("prefill" if chunks else "decode")
         return StepCost(kind, tokens, flops, total, weights, kv_read, kv_write, act,
@@ -318,8 +336,8 @@ class Roofline:
         seq_memory = (per_seq.bytes - per_seq.weight_bytes) / self.bandwidth
         if seq_compute <= seq_memory:
             return None
-        if not self._moe:
-            return (self.weight_bytes / self.bandwidth) / (seq_compute - seq_memory)
+        if not self._moe:  # (the embedding rows a batch looks up: negligible here)
+            return (self.step_weight_bytes(1) / self.bandwidth) / (seq_compute - seq_memory)
 
         def over(b: float) -> float:  # compute time less memory time of a batch of b
             w = self.step_weight_bytes(b) / self.bandwidth
