@@ -251,8 +251,12 @@ class EngineConfig:
             object.__setattr__(self, "num_speculative_tokens", DEFAULT_SPECULATIVE_TOKENS)
         if self.kv_cache_memory is not None:
             parse_memory(self.kv_cache_memory)
-        if not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        # (a seed torch cannot take failed later as 'Overflow when unpacking long long'; a
+        # request's own seeds live in the same range)
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool) or \
+                not -(2**53 - 1) <= self.seed <= 2**53 - 1:
+            raise ValueError(f"seed must be an integer in [-(2^53-1), 2^53-1], got "
+                             f"{self.seed!r}")
         if self.kernel_plan is not None:
             self._check_kernel_plan()
         if self.num_threads is not None:

@@ -4,6 +4,7 @@ reaching the server, and what --model says when it is not a checkpoint folder.""
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -467,6 +468,21 @@ def test_a_broken_pipe_that_is_not_stdout_is_an_error(monkeypatch, capsys):
     (["pd", "--pin", "--threads", "2"], "--pin runs each worker on a core of its own"),
     (["bench", "report", "x.json", "--stall-factor", "nan"],
      "--stall-factor must be a finite number > 1, got nan"),
+    # found by a hostile pass: each was taken (or failed as an internal error)
+    (["measure", "--quick", "--out", "/proc/phasewise-x.json"], "cannot write in /proc"),
+    (["bench", "report", "x.json", "-o", os.devnull], "not a regular file"),
+    (["make-tiny", "{file}/x"], "{file} is a file, not a folder"),
+    (["make-tiny", "{dir}/m", "--seed", "1" + "0" * 20], "--seed must be an integer in [0"),
+    (["roofline", "--params", "1e308"], "--params must be at most 1e+15"),
+    (["serve", "--shutdown-grace", "nan"], "--shutdown-grace must be a number of seconds in"),
+    (["serve", "--shutdown-grace", "-1"], "--shutdown-grace must be a number of seconds in"),
+    (["serve", "--log-interval", "-5"], "--log-interval must be a number of seconds in "
+     "[0.1, 86400] (0: off), got -5.0"),
+    (["router", "--decode", "http://127.0.0.1:9", "--wait", "nan"],
+     "--wait must be a number of seconds in [1, 86400], got nan"),
+    (["generate", "x", "--seed", "1" + "0" * 29], "--seed must be an integer in"),
+    (["calibrate", "--max-context", "0"], "--max-context must be"),
+    (["calibrate", "--max-num-batched-tokens", "0"], "--max-num-batched-tokens must be"),
 ])
 def test_an_output_or_value_that_cannot_work_is_refused_before_the_work(tmp_path, argv, match,
                                                                        capsys):

@@ -113,8 +113,13 @@ def by_flag(message: str, parser: argparse.ArgumentParser | None) -> str:
         return name if name in flags else m.group(0)
 
     # (not inside a path, a file name or a quoted value: only a word standing alone)
-    return re.sub(r"(?<![\w\-/.\\'\"])[a-z][a-z0-9]*(?:_[a-z0-9]+)+(?![\w\-/.\\'\"])", flag,
-                  message)
+    message = re.sub(r"(?<![\w\-/.\\'\"])[a-z][a-z0-9]*(?:_[a-z0-9]+)+(?![\w\-/.\\'\"])",
+                     flag, message)
+    # a one-word option that opens the message ("seed must be ..."): the subject is the flag
+    first = re.match(r"[a-z][a-z0-9]*(?= )", message)
+    if first and "--" + first.group(0) in flags:
+        message = "--" + message
+    return message
 
 
 def _stdout_closed() -> bool:

@@ -158,6 +158,19 @@ def api_key_arg(value: str) -> str:
         raise argparse.ArgumentTypeError(f"{e} (from --api-key or ${API_KEY_ENV})") from None
 
 
+def check_seconds(a: argparse.Namespace, *limits: tuple[str, float, float, bool]) -> None:
+    """Each (dest, least, most, zero_is_off) flag holds a number of seconds in [least, most]
+    (or 0, where that turns it off); nan, inf and negatives are refused by the flag's name
+    (a nan grace period had logged 'running streams get up to nans')."""
+    for dest, least, most, zero in limits:
+        v = getattr(a, dest)
+        if v is None or (zero and v == 0) or least <= v <= most:
+            continue
+        off = " (0: off)" if zero else ""
+        raise ValueError(f"--{dest.replace('_', '-')} must be a number of seconds in "
+                         f"[{least:g}, {most:g}]{off}, got {v}")
+
+
 def check_slo_args(a: argparse.Namespace) -> None:
     from phasewise.engine.slo import check_slo_ms
 

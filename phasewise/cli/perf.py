@@ -29,6 +29,9 @@ def _plan_window(text: str) -> float:
 
 
 
+MAX_PARAMS = 1e15  # roofline --params: far past any model, and within what its sums hold
+
+
 def add_commands(command: Command) -> None:
     from phasewise.config import DTYPE_CHOICES, KERNEL_CHOICES, LOAD_FORMATS
     from phasewise.perf.roofline import DTYPE_BYTES
@@ -212,6 +215,9 @@ def cmd_roofline(a: argparse.Namespace) -> int:
         return 0
     if (a.model is None) == (a.params is None):
         raise ValueError("give exactly one of --model NAME|PATH or --params N (e.g. 7e9)")
+    if a.params is not None and a.params > MAX_PARAMS:
+        raise ValueError(f"--params must be at most {MAX_PARAMS:.0e} (the largest models have "
+                         f"a few 1e12), got {a.params:g}")
     for flag, value, least in (("--prompt-len", a.prompt_len, 1), ("--prefix-len", a.prefix_len, 0),
                                ("--output-len", a.output_len, 1), ("--batch", a.batch, 1),
                                ("--context", a.context, 0)):
@@ -272,6 +278,12 @@ def cmd_calibrate(a: argparse.Namespace) -> int:
         check_output(a.out, "--out")
     if a.block_size is not None and a.block_size < 1:
         raise ValueError(f"--block-size must be >= 1, got {a.block_size}")
+    # (0 had been taken as 'the default': a full calibration that overwrote the profile)
+    if not 16 <= a.max_context <= 1 << 20:
+        raise ValueError(f"--max-context must be in 16..1048576 tokens, got {a.max_context}")
+    if a.max_num_batched_tokens is not None and not 16 <= a.max_num_batched_tokens <= 65536:
+        raise ValueError(f"--max-num-batched-tokens must be in 16..65536, got "
+                         f"{a.max_num_batched_tokens}")
     kw = {k: v for k, v in (("dtype", a.dtype), ("device", a.device),
                             ("kernels", a.kernels), ("block_size", a.block_size),
                             ("max_num_batched_tokens", a.max_num_batched_tokens),

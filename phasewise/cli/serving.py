@@ -17,6 +17,7 @@ from phasewise.cli.args import (
     add_slo_args,
     add_threads_arg,
     api_key_arg,
+    check_seconds,
     check_slo_args,
     connection_limits,
     engine_kwargs,
@@ -238,6 +239,8 @@ def _serve(a: argparse.Namespace) -> int:
     from phasewise.launch.serve import build_server, read_internal_key, read_secret
     from phasewise.server.serve import check_port, run
 
+    check_seconds(a, ("shutdown_grace", 0, 3600, False), ("log_interval", 0.1, 86400, True),
+                  ("remote_prefill_timeout", 0.1, 86400, False))
     model = model_arg(a)
     check_port(a.host, a.port)  # before the minutes a large model can take to load
     check_slo_args(a)
@@ -271,6 +274,7 @@ def cmd_router(a: argparse.Namespace) -> int:
 
     setup_logging(a.log_level)
     os.environ.pop(API_KEY_ENV, None)  # read (a.api_key); no child process inherits it
+    check_seconds(a, ("shutdown_grace", 0, 3600, False), ("wait", 1, 86400, False))
     model = model_arg(a)
     check_port(a.host, a.port)
     check_slo_args(a)

@@ -71,6 +71,8 @@ def cmd_make_tiny(a: argparse.Namespace) -> int:
     # A random checkpoint to try things on: 4 heads of hidden/4 (RoPE pairs: a multiple of
     # 8), a byte-level tokenizer's 256 bytes and specials at least, and small enough to
     # write in seconds; anything else is refused by its flag rather than written broken.
+    if not 0 <= a.seed <= 2**53 - 1:
+        raise ValueError(f"--seed must be an integer in [0, 2^53-1], got {a.seed}")
     for flag, value, lo, hi, step in (("--hidden-size", a.hidden_size, 8, 4096, 8),
                                       ("--layers", a.layers, 1, 64, 1),
                                       ("--vocab-size", a.vocab_size, 300, 65536, 1)):
