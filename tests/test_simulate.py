@@ -793,3 +793,23 @@ def test_a_late_prompts_own_prefill_is_put_down_to_a_saturated_role(queue_s, pre
     text = verdict(c, {"ttft": 500.0, "tpot": 50.0})
     assert text.startswith(start), text
     assert "prompt-bound" not in text
+
+
+def test_a_low_rate_is_sized_on_the_fewest_accelerators_not_the_best_ratio():
+    """plan sized 10 req/s as one P/D unit of 2 accelerators (the most goodput per
+    accelerator) while one co-located engine met 35 req/s alone. The deployment is the
+    one whose units for the rate take the fewest accelerators; at a high rate that is the
+    best per accelerator again, and ties go to it."""
+    from phasewise.perf.plan import Candidate, cheapest_for, units_for
+    from phasewise.perf.simulate import Deployment, EngineSpec
+
+    eng = EngineSpec(num_kv_blocks=1024)
+    pd = Candidate(Deployment("pd", prefill=1, decode=1), eng, goodput=80.0)  # 40 a card
+    co = Candidate(Deployment("colocated"), eng, goodput=35.0)  # 35 a card
+    cands = sorted([co, pd], key=lambda c: -c.per_accelerator)
+    assert cands[0] is pd
+    assert cheapest_for(cands, 10.0) is co and units_for(co, 10.0) == 1
+    assert cheapest_for(cands, 70.0) is pd  # 2 accelerators either way: the better ratio
+    assert cheapest_for(cands, 400.0) is pd  # 10 against 12
+    assert cheapest_for(cands, None) is None
+    assert cheapest_for([Candidate(Deployment("colocated"), eng, goodput=0.0)], 5.0) is None

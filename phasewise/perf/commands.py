@@ -424,9 +424,19 @@ def run_plan(a: argparse.Namespace, model: str,
         print("\nno deployment meets the SLO at any rate: loosen the SLO or use a faster "
               "accelerator")
         return 1
+    print(f"\nbest: {best.label()}: {best.per_accelerator:.3g} req/s per accelerator")
+    from phasewise.perf.plan import cheapest_for, units_for
+
+    pick = cheapest_for(cands, wl.rate) or best
+    if pick is not best:  # a low rate: a smaller unit of less goodput each is enough
+        need = units_for(best, wl.rate) * best.accelerators
+        print(f"for {rate:g} req/s fewer accelerators do: {pick.label()} "
+              f"({pick.goodput:.3g} req/s a unit of {pick.accelerators}) needs "
+              f"{units_for(pick, wl.rate) * pick.accelerators}, the best per accelerator "
+              f"{need}")
+    best = pick
     sized = size(best, wl, cm, slo)
     short = sized is not None and sized.attainment < 0.9
-    print(f"\nbest: {best.label()}: {best.per_accelerator:.3g} req/s per accelerator")
     dep = best.deployment
     if sized is not None:
         dep = sized.deployment

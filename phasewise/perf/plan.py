@@ -14,8 +14,11 @@ The search (``search``):
 Candidates are ranked by goodput per accelerator. Each gets a verdict with its reason: the
 deployment is simulated just above its goodput to see what gives first (the TTFT or the TPOT
 SLO, which workers are saturated, preemptions). For the workload's own rate (when it has
-one), the planner sizes the winner (units needed at the per-unit goodput) and checks that
-size by simulating the whole deployment at that rate.
+one), the planner sizes the candidate that meets it with the fewest accelerators (units
+needed at its per-unit goodput; ties go to the more goodput per accelerator), which at a
+low rate may not be the one with the most goodput per accelerator (one co-located engine
+for 10 req/s rather than a P/D pair), and checks that size by simulating the whole
+deployment at that rate.
 """
 
 from __future__ import annotations
@@ -221,6 +224,21 @@ def search(cost: CostModel, engine: EngineSpec, wl: Workload, slo: dict[str, flo
     return cands
 
 
+def units_for(c: Candidate, rate: float) -> int:
+    """Units of ``c`` its goodput says ``rate`` needs (at least one)."""
+    return max(1, math.ceil(rate / c.goodput))
+
+
+def cheapest_for(cands: Sequence[Candidate], rate: float | None) -> Candidate | None:
+    """Of the candidates that meet the SLOs at some rate, the one whose units for ``rate``
+    take the fewest accelerators; ties go to the earlier (more goodput per accelerator, as
+    ``search`` ranks them). None where none does, or no rate is given."""
+    able = [c for c in cands if c.goodput > 0]
+    if rate is None or not math.isfinite(rate) or not able:
+        return None
+    return min(able, key=lambda c: units_for(c, rate) * c.accelerators)
+
+
 @dataclass
 class Sized:
     """The winner scaled to the workload's rate, and its check."""
@@ -240,7 +258,7 @@ def size(best: Candidate, wl: Workload, cost: CostModel, slo: dict[str, float]) 
     behind one router (one more unit while the check misses, up to 4 more)."""
     if wl.rate is None or not math.isfinite(wl.rate) or best.goodput <= 0:
         return None
-    units = max(1, math.ceil(wl.rate / best.goodput))
+    units = units_for(best, wl.rate)
     d = best.deployment
     per_unit = d.replicas if d.mode == "colocated" else max(d.prefill, d.decode)
     if units * per_unit > MAX_WORKERS:
