@@ -330,7 +330,14 @@ def test_failure_reasons_group_messages_that_differ_only_in_numbers():
                                                                 "  x1  xxxxxxxxx…"]
     assert error_message('{"error": {"message": "too long", "type": "x"}}') == "too long"
     assert error_message('{"detail": "Not Found"}') == "Not Found"
-    assert error_message("<html>bad gateway</html>") == "<html>bad gateway</html>"
+    # an HTML page (a server that is no OpenAI one): one line, its title or its text
+    assert error_message("<html>bad gateway</html>") == \
+        "an HTML page, not an OpenAI-compatible reply: bad gateway"
+    page = ("<!DOCTYPE HTML>\n<html><head>\n<title>Error response</title>\n</head>\n<body>"
+            "\n<h1>Error response</h1>\n<p>Error code: 501</p>\n</body></html>\n")
+    assert error_message(page) == \
+        "an HTML page, not an OpenAI-compatible reply: Error response"
+    assert error_message("upstream\n  timed out\n") == "upstream timed out"
 
 
 # -- the report ------------------------------------------------------------------------------

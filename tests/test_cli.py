@@ -483,6 +483,9 @@ def test_a_broken_pipe_that_is_not_stdout_is_an_error(monkeypatch, capsys):
     (["generate", "x", "--seed", "1" + "0" * 29], "--seed must be an integer in"),
     (["calibrate", "--max-context", "0"], "--max-context must be"),
     (["calibrate", "--max-num-batched-tokens", "0"], "--max-num-batched-tokens must be"),
+    # pd: before any worker starts (they had printed their command lines, then failed)
+    (["pd", "--kv-secret-file", "{dir}/missing"], "--kv-secret-file {dir}/missing: No such"),
+    (["pd", "--disagg-threshold", "-1"], "--disagg-threshold must be >= 0, got -1"),
 ])
 def test_an_output_or_value_that_cannot_work_is_refused_before_the_work(tmp_path, argv, match,
                                                                        capsys):

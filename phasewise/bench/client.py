@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import re
 import sys
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -53,11 +54,12 @@ def _body(cfg: ClientConfig, spec: RequestSpec, prompt: list[int] | str) -> dict
 
 def error_message(body: str) -> str:
     """An error reply's message: ``error.message`` of an OpenAI-style JSON body (or
-    ``message`` / ``detail`` at the top), else the body as it came."""
+    ``message`` / ``detail`` at the top), else the body on one line (an HTML page: its
+    title, or its text without tags: no OpenAI-compatible server answers so)."""
     try:
         data = json.loads(body)
     except ValueError:
-        return body.strip()
+        return _one_line(body)
     if isinstance(data, dict):
         err = data.get("error", data)
         if isinstance(err, dict):
@@ -66,7 +68,18 @@ def error_message(body: str) -> str:
                 return msg
         elif isinstance(err, str) and err:
             return err
-    return body.strip()
+    return _one_line(body)
+
+
+def _one_line(body: str) -> str:
+    title = re.search(r"<title[^>]*>(.*?)</title>", body, re.I | re.S)
+    if title is not None:
+        return "an HTML page, not an OpenAI-compatible reply: " + " ".join(
+            title.group(1).split())
+    if re.search(r"<(html|body|!doctype)", body, re.I):
+        text = re.sub(r"<[^>]*>", " ", body)
+        return "an HTML page, not an OpenAI-compatible reply: " + " ".join(text.split())
+    return " ".join(body.split())
 
 
 # The longest server-sent event line read: an OpenAI chunk of a few tokens is bytes to

@@ -319,8 +319,15 @@ def cmd_tune(a: argparse.Namespace) -> int:
     m = stored.measured
     if m.get("rounds"):
         print(f"chosen by {m['agreement']} rounds: {m['chosen']} (the rule: {m['rule']})")
-    print(f"plan written to {path}; engines with this machine, model, dtype, quantization and "
-          f"{stored.key.threads} threads follow it (--kernel-plan {path} pins it elsewhere)")
+    from phasewise.model.cpu.plan import plans_dir
+
+    if Path(path).resolve().parent == plans_dir().resolve():
+        print(f"plan written to {path}; engines with this machine, model, dtype, quantization "
+              f"and {stored.key.threads} threads follow it (--kernel-plan {path} pins it "
+              "elsewhere)")
+    else:  # engines look for stored plans in the cache folder only
+        print(f"plan written to {path}; engines follow it when given --kernel-plan {path} "
+              f"(without --out it is stored where they find it by themselves)")
     return 0
 
 

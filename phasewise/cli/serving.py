@@ -304,6 +304,12 @@ def cmd_pd(a: argparse.Namespace) -> int:
     from phasewise.launch.pd import Launcher, PDConfig
 
     setup_logging(a.log_level)
+    if a.disagg_threshold < 0:  # (checked here, not by the worker it would fail to start)
+        raise ValueError(f"--disagg-threshold must be >= 0, got {a.disagg_threshold}")
+    if a.kv_secret_file is not None:
+        from phasewise.launch.serve import read_secret
+
+        read_secret(a.kv_secret_file, "decode")
     if a.pin and a.threads not in (None, 1):
         raise ValueError(f"--pin runs each worker on a core of its own with one thread; "
                          f"--threads {a.threads} cannot apply (leave one of them out)")
