@@ -299,6 +299,13 @@ def test_values_within_less_than_the_gap_have_one_mode(vals):
     assert modes(vals) is None
 
 
+def test_a_few_requests_are_not_two_modes():
+    """bench called 8 requests split 4 and 4 'two modes': so few show a gap by chance."""
+    assert modes([0.020] * 4 + [0.060] * 4) is None
+    assert modes([0.020] * 16 + [0.060] * 4) is None  # 4 are too few to be a mode
+    assert modes([0.020] * 15 + [0.060] * 5) is not None
+
+
 def test_a_few_outliers_are_not_a_mode():
     vals = [0.020 + 0.0002 * i for i in range(18)] + [0.2, 0.3]  # 10%: under the share
     assert modes(vals) is None

@@ -195,7 +195,9 @@ def prefix_hits(ok: Sequence[RequestResult]) -> dict[str, Any]:
 # percentiles near that stretch, a few requests moving across it move p50 or p90 by the gap.
 MODE_GAP = 1.3
 MODE_SHARE = 0.15
-MODE_MIN_VALUES = 8
+# Too few values show a gap by chance: 8 requests split 4 and 4 had been called two modes.
+MODE_MIN_VALUES = 20
+MODE_MIN_EACH = 5  # values each mode holds at least
 
 
 def modes(values: Sequence[float]) -> dict[str, Any] | None:
@@ -205,7 +207,7 @@ def modes(values: Sequence[float]) -> dict[str, Any] | None:
     n = len(v)
     if n < MODE_MIN_VALUES:
         return None
-    least = max(2, math.ceil(MODE_SHARE * n))
+    least = max(MODE_MIN_EACH, math.ceil(MODE_SHARE * n))
     best = None
     for i in range(least, n - least + 1):
         ratio = v[i] / v[i - 1]
