@@ -486,6 +486,9 @@ def test_a_broken_pipe_that_is_not_stdout_is_an_error(monkeypatch, capsys):
     # pd: before any worker starts (they had printed their command lines, then failed)
     (["pd", "--kv-secret-file", "{dir}/missing"], "--kv-secret-file {dir}/missing: No such"),
     (["pd", "--disagg-threshold", "-1"], "--disagg-threshold must be >= 0, got -1"),
+    (["router", "--decode", "http://127.0.0.1:9", "--routing", "least-load",
+      "--prefix-weight", "5"], "--prefix-weight weigh --routing prefix's score; with "
+     "--routing least-load they would be ignored"),
 ])
 def test_an_output_or_value_that_cannot_work_is_refused_before_the_work(tmp_path, argv, match,
                                                                        capsys):

@@ -275,6 +275,15 @@ def cmd_router(a: argparse.Namespace) -> int:
     setup_logging(a.log_level)
     os.environ.pop(API_KEY_ENV, None)  # read (a.api_key); no child process inherits it
     check_seconds(a, ("shutdown_grace", 0, 3600, False), ("wait", 1, 86400, False))
+    from phasewise.disagg.prefix_index import DEFAULT_LOAD_WEIGHT, DEFAULT_PREFIX_WEIGHT
+
+    weights = [f for f, v, d in (("--prefix-weight", a.prefix_weight, DEFAULT_PREFIX_WEIGHT),
+                                 ("--load-weight", a.load_weight, DEFAULT_LOAD_WEIGHT))
+               if v != d]
+    if a.routing != "prefix" and weights:
+        raise ValueError(f"{' and '.join(weights)} weigh --routing prefix's score; with "
+                         f"--routing {a.routing} they would be ignored (drop them, or use "
+                         "--routing prefix)")
     model = model_arg(a)
     check_port(a.host, a.port)
     check_slo_args(a)
