@@ -251,8 +251,7 @@ class EngineConfig:
             object.__setattr__(self, "num_speculative_tokens", DEFAULT_SPECULATIVE_TOKENS)
         if self.kv_cache_memory is not None:
             parse_memory(self.kv_cache_memory)
-        # (a seed torch cannot take failed later as 'Overflow when unpacking long long'; a
-        # request's own seeds live in the same range)
+        # (torch takes no seed past 64 bits; a request's own seeds live in this range)
         if not isinstance(self.seed, int) or isinstance(self.seed, bool) or \
                 not -(2**53 - 1) <= self.seed <= 2**53 - 1:
             raise ValueError(f"seed must be an integer in [-(2^53-1), 2^53-1], got "

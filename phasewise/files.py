@@ -61,6 +61,9 @@ def check_output(path: str | Path, option: str, folder: bool = False) -> None:
     parent = p if folder and p.exists() else p.parent
     while not parent.exists() and not parent.is_symlink():
         parent = parent.parent  # the folders that would be made: their first existing one
+    if parent.is_symlink() and not parent.exists():
+        raise ValueError(f"{option} {path}: {parent} is a symlink to a missing "
+                         f"{os.readlink(parent)}")
     if not parent.is_dir():
         raise ValueError(f"{option} {path}: {parent} is a file, not a folder")
     # Tried for real: os.access says yes to root everywhere, even under /proc or on a

@@ -53,7 +53,8 @@ def test_a_memo_and_joined_lists_give_json_dumps_text(parts, picks, tail):
     """Shared lists (the same object in several places, as a prompt's samples share its
     logprobs) and ``Joined`` lists are written as json.dumps writes them, in one reply
     and across replies that share a memo."""
-    long = [list(range(jsontext.SLICE + 7)), *[[p] * (jsontext.SLICE + 1) for p in parts]]
+    long = [jsontext.Shared(range(jsontext.SLICE + 7)),
+            *[jsontext.Shared([p] * (jsontext.SLICE + 1)) for p in parts], [1, 2]]
     shared = [long[i % len(long)] for i in picks]
     reply = {"choices": [{"a": s, "b": jsontext.Joined(s, tail)} for s in shared],
              "same": long[0], "again": long[0], "empty": jsontext.Joined([], [])}
@@ -71,7 +72,7 @@ def test_a_list_shared_by_choices_is_encoded_once(monkeypatch):
         calls.append(1)
         return real(obj)
 
-    entries = [{"t": f"t{i}", "lp": -0.5} for i in range(10 * jsontext.SLICE)]
+    entries = jsontext.Shared({"t": f"t{i}", "lp": -0.5} for i in range(10 * jsontext.SLICE))
     reply = {"choices": [{"logprobs": jsontext.Joined(entries, [{"t": "x", "lp": -1.0}])}
                          for _ in range(16)]}
     monkeypatch.setattr(jsontext, "_encode", counting)
@@ -79,3 +80,15 @@ def test_a_list_shared_by_choices_is_encoded_once(monkeypatch):
     monkeypatch.undo()
     assert text == json.dumps(reply, ensure_ascii=False)
     assert len(calls) < 10 + 16 * 8  # its 10 slices once, then each choice's few pieces
+
+
+def test_a_memo_keeps_only_the_lists_that_recur():
+    """A stream's memo lives as long as the stream: a slow reader's merged chunks (long
+    lists that never recur) had all been kept in it, text and objects, until the end."""
+    memo: jsontext.Memo = {}
+    shared = jsontext.Shared(range(200))
+    for k in range(50):
+        chunk = {"choices": [{"index": k, "logprobs": list(range(k, k + 500)),
+                              "prompt": shared}]}
+        assert jsontext.dumps(chunk, memo) == json.dumps(chunk, ensure_ascii=False)
+    assert list(memo) == [id(shared)]

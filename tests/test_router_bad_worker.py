@@ -73,11 +73,18 @@ def _handler(good_url: str):
                 SEEN["frozen"] += 1
                 THAW.wait(60)
                 self._send(503, b'{"error": {"message": "thawed", "code": "x"}}')
-            elif MODE["generate"] == "drop-once" and not SEEN["dropped"] % 2:
+            elif MODE["generate"] in ("drop-once", "drop-then-held") and \
+                    not SEEN["dropped"] % 2:
                 # what a worker whose keep-alive timer ran out does to a request that
                 # arrives as it closes: the connection ends, nothing answered
                 SEEN["dropped"] += 1
                 self.close_connection = True
+            elif MODE["generate"] == "drop-then-held":
+                # the first try was taken before its connection broke, and is still held
+                SEEN["dropped"] += 1
+                self._send(400, json.dumps({"error": {
+                    "message": "request id 'x' is already in use", "type": "invalid_request",
+                    "param": "request_id"}}).encode())
             elif MODE["generate"] == "drop-once":
                 SEEN["dropped"] += 1
                 SEEN["relayed"] += 1
@@ -280,5 +287,22 @@ def test_a_connection_the_worker_closes_under_a_request_is_tried_again(fleet):
             assert r.status_code == 200, r.text
             assert r.json()["choices"][0]["text"] == want
         assert SEEN["relayed"] >= 1 and SEEN["dropped"] == 2 * SEEN["relayed"]
+    finally:
+        MODE.update(generate="500")
+
+
+def test_a_retry_the_worker_still_holds_goes_to_the_next_worker(fleet):
+    """The retried send can find its first try still held by the worker (taken before the
+    connection broke): its 'already in use' is no client error, and another worker goes
+    on with the request."""
+    good, router = fleet
+    want = _completions(good, 1)[0].json()["choices"][0]["text"]
+    SEEN.update(dropped=0, relayed=0)
+    MODE.update(load="ok", generate="drop-then-held", info="same", instance="")
+    try:
+        for r in _completions(router, 4):  # round-robin: two go there first
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["text"] == want
+        assert SEEN["dropped"] >= 2
     finally:
         MODE.update(generate="500")

@@ -160,8 +160,8 @@ def api_key_arg(value: str) -> str:
 
 def check_seconds(a: argparse.Namespace, *limits: tuple[str, float, float, bool]) -> None:
     """Each (dest, least, most, zero_is_off) flag holds a number of seconds in [least, most]
-    (or 0, where that turns it off); nan, inf and negatives are refused by the flag's name
-    (a nan grace period had logged 'running streams get up to nans')."""
+    (or 0, where that turns it off); nan, inf and negatives are refused by the flag's
+    name."""
     for dest, least, most, zero in limits:
         v = getattr(a, dest)
         if v is None or (zero and v == 0) or least <= v <= most:

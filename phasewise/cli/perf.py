@@ -278,7 +278,7 @@ def cmd_calibrate(a: argparse.Namespace) -> int:
         check_output(a.out, "--out")
     if a.block_size is not None and a.block_size < 1:
         raise ValueError(f"--block-size must be >= 1, got {a.block_size}")
-    # (0 had been taken as 'the default': a full calibration that overwrote the profile)
+    # (calibrate reads 0 as its default: a size that means nothing is refused, not that)
     if not 16 <= a.max_context <= 1 << 20:
         raise ValueError(f"--max-context must be in 16..1048576 tokens, got {a.max_context}")
     if a.max_num_batched_tokens is not None and not 16 <= a.max_num_batched_tokens <= 65536:

@@ -13,9 +13,9 @@ evicted since the last poll for routing, liveness for ``/health`` and ``/metrics
 
 Faults: a decode worker that cannot be reached when a request arrives is skipped (the next
 one is tried; none left is a 503 that names each worker and why), as is one that stops
-answering polls for ``stream_deadline`` while the request waits for it. A worker that comes
-back, or whose polls show a new process id (a restart), is checked as at start-up
-(``Fleet.recheck``) before it is routed to again. A stream is migrated
+answering polls for ``stream_deadline`` while the request waits for it. A worker whose
+polls show a new process id (a restart; for one that reports none, one that comes back) is
+checked as at start-up (``Fleet.recheck``) before it is routed to again. A stream is migrated
 instead of lost: when its worker goes away (the connection breaks or ends early), stops (its
 grace period ran out), answers no poll for ``stream_deadline`` or starts to drain (its
 ``handover`` notice, acted on only where another worker can take the stream), the router
@@ -580,6 +580,11 @@ class Router(Fleet):
                 tried.append(f"{w.url} ({w.reason})")
                 continue
             message, param, code = _error_of(raw)
+            if resp.status_code == 400 and "is already in use" in message:
+                # (a retried send whose first try the worker took before the connection
+                # broke, and has not aborted yet: not the client's error; another may go on)
+                tried.append(f"{w.url} (still held this request from a broken connection)")
+                continue
             if resp.status_code == 400:
                 # The relay's field names, as the client named them.
                 param = _client_param(param)
@@ -1132,9 +1137,11 @@ class Router(Fleet):
             # (a report of everything a large pool holds is megabytes: read off the loop)
             load = (_read_load(bytes(body), blocks) if len(body) < 1 << 16
                     else await asyncio.to_thread(_read_load, bytes(body), blocks))
-            if not w.up or (load.instance is not None and load.instance != w.instance):
-                # back, or restarted: checked as at start-up before anything is routed there
-                # (another checkpoint would answer in another model's words)
+            if (load.instance is not None and load.instance != w.instance) or (
+                    load.instance is None and not w.up):
+                # restarted (or back, where it reports no process id): checked as at
+                # start-up before anything is routed there (another checkpoint would
+                # answer in another model's words)
                 why = await self.recheck(w)
                 if why is not None:
                     if w.reason != why:

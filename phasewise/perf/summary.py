@@ -195,7 +195,7 @@ def prefix_hits(ok: Sequence[RequestResult]) -> dict[str, Any]:
 # percentiles near that stretch, a few requests moving across it move p50 or p90 by the gap.
 MODE_GAP = 1.3
 MODE_SHARE = 0.15
-# Too few values show a gap by chance: 8 requests split 4 and 4 had been called two modes.
+# Too few values show a gap of MODE_GAP by chance (eight can split four and four).
 MODE_MIN_VALUES = 20
 MODE_MIN_EACH = 5  # values each mode holds at least
 

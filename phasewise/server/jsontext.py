@@ -10,10 +10,12 @@ encoded in one call unless it is a long list: a reply's bulk is its long lists (
 their entries), and walking their small parts in Python would cost more than it saves. It
 is meant for a worker thread.
 
-``memo`` (one per reply or stream): a long list met again, the same object, is written as
-the text it gave the first time, and a ``Joined`` list as its two parts' texts. The samples
-of one prompt share its prompt logprobs (one list, ``sse.SharedPromptLogprobs``) and its
-echoed entries (joined with each sample's own): 16 samples' streams encoded them 16 times.
+``memo`` (one per reply or stream): a ``Shared`` list met again, the same object, is written
+as the text it gave the first time, and a ``Joined`` list as its two parts' texts. The
+samples of one prompt share its prompt logprobs (``sse.SharedPromptLogprobs``) and its
+echoed entries (joined with each sample's own), so each is encoded once per reply, not once
+per sample. Only ``Shared`` lists are kept: a memo holds nothing that cannot recur, so a
+long stream's memo does not grow with its chunks.
 """
 
 from __future__ import annotations
@@ -21,8 +23,13 @@ from __future__ import annotations
 import json
 from typing import Any
 
-# id of a long list -> (the list, its text); holding the list keeps its id from being reused
+# id of a Shared list -> (the list, its text); holding the list keeps its id from being reused
 Memo = dict[int, tuple[Any, str]]
+
+
+class Shared(list):
+    """A list that several of one reply's chunks hold, the same object (a prompt's logprobs,
+    which its samples share): a list to anything else, written once per memo by ``dumps``."""
 
 SLICE = 64  # items of a long list encoded per call (a reply's long lists hold small items)
 DEPTH = 5  # levels walked in Python: a reply's logprobs lists sit at depth 3 or 4
@@ -56,21 +63,19 @@ def _write(obj: Any, out: list[str], depth: int, memo: Memo | None = None) -> No
             if part:
                 inner.append("".join(text)[1:-1])  # (its items, without its brackets)
         out.append("[" + ", ".join(inner) + "]")
+    elif memo is not None and isinstance(obj, Shared) and obj:
+        seen = memo.get(id(obj))
+        if seen is None or seen[0] is not obj:
+            text: list[str] = []
+            _write(list(obj), text, depth, None)
+            seen = memo[id(obj)] = (obj, "".join(text))
+        out.append(seen[1])
     elif isinstance(obj, (list, tuple)) and len(obj) > SLICE:
-        seen = memo.get(id(obj)) if memo is not None else None
-        if seen is not None and seen[0] is obj:
-            out.append(seen[1])
-            return
-        own: list[str] = ["["]
+        out.append("[")
         for i in range(0, len(obj), SLICE):
-            own.append(", " if i else "")
-            own.append(_encode(list(obj[i:i + SLICE]))[1:-1])
-        own.append("]")
-        if memo is not None:
-            memo[id(obj)] = (obj, "".join(own))
-            out.append(memo[id(obj)][1])
-        else:
-            out.extend(own)
+            out.append(", " if i else "")
+            out.append(_encode(list(obj[i:i + SLICE]))[1:-1])
+        out.append("]")
     elif depth >= DEPTH:
         out.append(_encode(obj))
     elif isinstance(obj, dict) and obj and all(isinstance(k, str) for k in obj):

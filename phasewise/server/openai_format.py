@@ -7,7 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 from phasewise.engine.outputs import RequestOutput
-from phasewise.server.jsontext import Joined
+from phasewise.server.jsontext import Joined, Shared
 
 
 def usage(prompt_tokens: int, completion_tokens: int,
@@ -152,6 +152,16 @@ def text_offsets(token_text: TokenText, decode: Decode, token_ids: list[int], po
     return offsets, pos, pend
 
 
+def _shared(built: Any) -> Any:
+    """What ``CompletionChoices._once`` built, its lists marked ``Shared`` (its samples'
+    chunks hold the same ones: jsontext writes them once per reply)."""
+    if isinstance(built, list):
+        return Shared(built)
+    if isinstance(built, dict):
+        return {k: Shared(v) if isinstance(v, list) else v for k, v in built.items()}
+    return built
+
+
 def _joined(head: dict[str, Any] | None, tail: dict[str, Any] | None) -> dict[str, Any] | None:
     """Two legacy logprobs layouts one after the other (an echoed prompt's, then the
     completion's); either may be None."""
@@ -225,7 +235,7 @@ class CompletionChoices:
         key = (id(entries), kind, head)
         got = self._built.get(key)
         if got is None or got[0] is not entries:
-            got = self._built[key] = (entries, build())
+            got = self._built[key] = (entries, _shared(build()))
         return got[1]
 
     def _echoed(self, idx: int, out: RequestOutput) -> tuple[str, dict[str, Any] | None]:

@@ -128,8 +128,8 @@ class Routes:
         self.cpu_tools_large = ThreadPoolExecutor(1, thread_name_prefix="phasewise-tokenize-l")
         # Large replies (logprobs of long prompts, of many choices) are built one at a time:
         # building one holds the GIL, which the engine thread needs between its kernels, and
-        # each more thread doing so at once lengthens every stream's gaps (8 concurrent
-        # scoring requests of 16 choices: 1.1 s gaps in another client's stream).
+        # each more thread doing so at once lengthens every stream's gaps
+        # (benchmarks/bench_fairness.py --scoring measures them).
         self.render = ThreadPoolExecutor(1, thread_name_prefix="phasewise-render")
         self._texts: dict[int, str] = {}  # token id -> its text (bounded by the vocabulary)
         self._grammar_checker: GrammarChecker | None = None  # structured output's

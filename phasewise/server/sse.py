@@ -234,13 +234,16 @@ def stream_group(*, group: RequestGroup, rid: str, obj: str, model: str,
                                     for choice, counted in render(idx, out))]
 
                     first = out.prompt_logprobs is not None and idx not in rendered_first
-                    if first or render_cost(out) >= OFF_LOOP_ENTRIES:
+                    large = render_cost(out) + (whole_cost(out) if first else 0) \
+                        >= OFF_LOOP_ENTRIES
+                    if first or large:
                         # the first chunk carries the whole prompt's logprobs, and a lagging
-                        # reader's merged output many tokens': a worker builds those
+                        # reader's merged output many tokens': a worker builds those, the
+                        # large ones on ``pool`` (one at a time), the others on asyncio's
                         if first:
                             rendered_first.add(idx)
                         for line in await loop.run_in_executor(
-                                pool, partial(lines, large=True)):
+                                pool if large else None, partial(lines, large=large)):
                             yield line
                     else:
                         for line in lines():
