@@ -296,6 +296,27 @@ def test_the_shortest_prefill_queue_is_chosen_and_a_busy_one_is_skipped(llama_di
         decode.close()
 
 
+def test_a_stuck_prefill_worker_reports_a_queue_no_decode_worker_waits_on():
+    """Its engine stuck in one step, a prefill worker's heartbeats (another thread) go on:
+    they report a queue past any decode worker's limit, so prompts are prefilled there
+    instead of waiting --remote-prefill-timeout on it."""
+    from types import SimpleNamespace
+
+    from phasewise.disagg.worker import STUCK_QUEUE
+    from phasewise.engine.backend import EngineSnapshot
+
+    snap = EngineSnapshot(2, 3, 0.0, 0, 0, 0, 0, 0)
+    side = SimpleNamespace(backend=SimpleNamespace(snapshot=snap, stuck=False))
+    assert PrefillSide._queue_len(side) == 5
+    side.backend.stuck = True
+    assert PrefillSide._queue_len(side) == STUCK_QUEUE > 1_000_000  # the limit's bound
+    with pytest.raises(ValueError, match="--prefill-queue-limit must be in 1..1000000"):
+        from phasewise.launch.serve import build_server
+
+        build_server(EngineConfig(model="/nonexistent"), role="decode",
+                     kv_bind="tcp://127.0.0.1:0", prefill_queue_limit=STUCK_QUEUE)
+
+
 def test_a_prefill_worker_that_never_answers_is_timed_out_per_request(llama_dir):
     """Alive (its heartbeats go on) but its first token never comes: after the decode side's
     per-request deadline the prompt is computed there."""

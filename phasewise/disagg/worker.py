@@ -47,6 +47,8 @@ from phasewise.engine.sampling_params import SamplingParams
 from phasewise.engine.structured import compile_aside
 
 log = logging.getLogger("phasewise.disagg")
+# A stuck prefill worker's reported queue: more than any decode worker's --prefill-queue-limit
+STUCK_QUEUE = 1 << 30
 
 # Why a prompt sent to the decode role was prefilled there: shorter than the threshold;
 # its uncached part shorter than the threshold; no prefill worker connected; every one at the
@@ -506,7 +508,12 @@ class PrefillSide(_Delegate):
             return
 
     def _queue_len(self) -> int:
-        """The prompts this worker holds (its heartbeats carry it to the decode side)."""
+        """The prompts this worker holds (its heartbeats carry it to the decode side); while
+        its engine is stuck in one step (``AsyncEngine.stuck``), ``STUCK_QUEUE``: past any
+        decode worker's queue limit, so that they prefill the prompts themselves instead of
+        waiting on it (its heartbeats come from another thread, and go on)."""
+        if getattr(self.backend, "stuck", False):
+            return STUCK_QUEUE
         snap = self.backend.snapshot
         return snap.num_running + snap.num_waiting
 

@@ -130,8 +130,9 @@ def build_server(engine_config: EngineConfig, *, served_model_name: str | None =
                          "worker's K/V port")
     if disagg_threshold < 0:
         raise ValueError(f"--disagg-threshold must be >= 0, got {disagg_threshold}")
-    if prefill_queue_limit < 1:
-        raise ValueError(f"--prefill-queue-limit must be >= 1, got {prefill_queue_limit}")
+    if not 1 <= prefill_queue_limit <= 1_000_000:  # (below a stuck worker's STUCK_QUEUE)
+        raise ValueError(f"--prefill-queue-limit must be in 1..1000000, got "
+                         f"{prefill_queue_limit}")
     if not remote_prefill_timeout > 0:
         raise ValueError(f"--remote-prefill-timeout must be > 0, got {remote_prefill_timeout}")
     if step_timeout_s is not None and not 0 < step_timeout_s <= 86400:
