@@ -125,6 +125,26 @@ def serving(monkeypatch):
     return fake
 
 
+def test_a_flag_the_role_does_not_read_is_warned_of(serving, tmp_path, caplog):
+    """--kv-bind without --role decode served co-located without a word: the flag is named
+    as ignored (a warning, since manifests give every engine role one set of flags)."""
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="phasewise.cli"):
+        assert main(["serve", "--model", str(tmp_path), "--kv-bind", "tcp://127.0.0.1:9100",
+                     "--disagg-threshold", "64"]) == 0
+    said = [r.getMessage() for r in caplog.records if r.name == "phasewise.cli"]
+    assert said == ["--kv-bind applies to --role decode only; --role both ignores it",
+                    "--disagg-threshold applies to --role decode only; --role both ignores it"]
+    caplog.clear()
+    (tmp_path / "s").write_text("k" * 32)
+    with caplog.at_level(logging.WARNING, logger="phasewise.cli"):
+        assert main(["serve", "--model", str(tmp_path), "--role", "decode",
+                     "--kv-secret-file", str(tmp_path / "s"), "--kv-bind",
+                     "tcp://127.0.0.1:9100"]) == 0
+    assert not [r for r in caplog.records if r.name == "phasewise.cli"]
+
+
 def test_serve_passes_its_flags_and_checks_the_port_first(serving, tmp_path):
     assert main(["serve", "--model", str(tmp_path), "--port", "8123", "--no-access-log",
                  "--log-level", "warning"]) == 0

@@ -224,6 +224,26 @@ def cmd_generate(a: argparse.Namespace) -> int:
         sample_seed=a.sample_seed, chat=a.chat, roofline=not a.no_roofline))
 
 
+# serve's flags that only some roles read: given to another, they change nothing
+ROLE_FLAGS = {"kv_bind": ("decode",), "disagg_threshold": ("decode",),
+              "prefill_queue_limit": ("decode",), "remote_prefill_timeout": ("decode",),
+              "kv_connect": ("prefill",), "kv_name": ("prefill",),
+              "kv_secret_file": ("prefill", "decode")}
+
+
+def warn_role_flags(a: argparse.Namespace) -> None:
+    """A warning for each role flag given a value other than its default that this --role
+    does not read (a forgotten --role decode would otherwise serve co-located in silence).
+    Not an error: Kubernetes manifests give every engine role one set of flags."""
+    import logging
+
+    for dest, roles in ROLE_FLAGS.items():
+        if a.role not in roles and getattr(a, dest) != a.parser.get_default(dest):
+            logging.getLogger("phasewise.cli").warning(
+                "--%s applies to --role %s only; --role %s ignores it", dest.replace("_", "-"),
+                " and ".join(roles), a.role)
+
+
 def cmd_serve(a: argparse.Namespace) -> int:
     setup_logging(a.log_level)
     os.environ.pop(API_KEY_ENV, None)  # read (a.api_key); no child process inherits it
@@ -241,6 +261,7 @@ def _serve(a: argparse.Namespace) -> int:
 
     check_seconds(a, ("shutdown_grace", 0, 3600, False), ("log_interval", 0.1, 86400, True),
                   ("remote_prefill_timeout", 0.1, 86400, False))
+    warn_role_flags(a)
     model = model_arg(a)
     check_port(a.host, a.port)  # before the minutes a large model can take to load
     check_slo_args(a)
