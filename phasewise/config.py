@@ -225,6 +225,9 @@ class EngineConfig:
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
                 raise ValueError(f"{name} must be an integer >= 1 or None, got {v!r}")
+        if self.max_model_len == 1:  # (refused before the model loads, not by each request)
+            raise ValueError("max_model_len must be at least 2: a prompt token and the token "
+                             "generated after it; got 1")
         if self.kernels not in KERNEL_CHOICES:
             raise ValueError(f"kernels must be one of {', '.join(KERNEL_CHOICES)}; "
                              f"got {self.kernels!r}")

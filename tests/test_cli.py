@@ -501,6 +501,7 @@ def test_a_broken_pipe_that_is_not_stdout_is_an_error(monkeypatch, capsys):
     (["router", "--decode", "http://127.0.0.1:9", "--wait", "nan"],
      "--wait must be a number of seconds in [1, 86400], got nan"),
     (["generate", "x", "--seed", "1" + "0" * 29], "--seed must be an integer in"),
+    (["generate", "x", "--max-model-len", "1"], "--max-model-len must be at least 2"),
     (["calibrate", "--max-context", "0"], "--max-context must be"),
     (["calibrate", "--max-num-batched-tokens", "0"], "--max-num-batched-tokens must be"),
     # pd: before any worker starts (they had printed their command lines, then failed)
