@@ -282,6 +282,9 @@ def test_a_stuck_engine_answers_503_on_health_and_to_new_requests(llama_dir):
                 time.sleep(0.02)
             assert health.status_code == 503, health.text
             assert "in one step for" in health.json()["error"]["message"]
+            engine_health = tc.get("/health/engine")  # (a liveness probe's question)
+            assert engine_health.status_code == 503
+            assert "in one step for" in engine_health.json()["error"]["message"]
             refused = tc.post("/v1/completions", json=body)
             assert refused.status_code == 503, refused.text
             assert refused.json()["error"]["code"] == "unavailable"
@@ -294,6 +297,7 @@ def test_a_stuck_engine_answers_503_on_health_and_to_new_requests(llama_dir):
         assert held["r"].status_code == 200
         assert held["r"].json()["choices"][0]["text"] == want
         assert tc.get("/health").status_code == 200
+        assert tc.get("/health/engine").json() == {"status": "ok"}
 
 
 def test_a_step_timeout_must_be_positive(llama_dir):

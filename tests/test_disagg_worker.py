@@ -399,6 +399,7 @@ def test_a_prefill_worker_connects_again_to_a_restarted_decode_worker(llama_dir)
             assert time.monotonic() < deadline, "the prefill worker never noticed"
             await asyncio.sleep(0.05)
         assert "no answer from the decode workers' K/V ports" in prefill.down_reason
+        assert prefill.engine_health() is None  # its own engine is well: no restart helps
         second_engine = async_engine(llama_dir)
         second_engine.start()
         second = DecodeSide(second_engine, secret=SECRET, bind=endpoint)

@@ -145,8 +145,10 @@ def check_structure(spec: DeploySpec, docs: list[dict]) -> None:
             assert p["port"] == port_of(c, p["targetPort"])
         assert port_of(c, "http") == spec.port
         # Probes: readiness on /health at the HTTP port; liveness and startup on /health where
-        # a 503 is this pod's own engine, /version where /health reflects other pods.
-        live = "/health" if role(dep) in ("both", "decode") else "/version"
+        # a 503 is this pod's own engine, /health/engine on a prefill worker (whose /health
+        # reflects its decode workers), /version on the router (no engine of its own).
+        live = {"both": "/health", "decode": "/health", "prefill": "/health/engine"}.get(
+            role(dep), "/version")
         for probe, path in (("readinessProbe", "/health"), ("livenessProbe", live),
                             ("startupProbe", live)):
             assert c[probe]["httpGet"] == {"path": path, "port": port_of(c, "http")}

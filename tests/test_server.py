@@ -529,6 +529,7 @@ def test_api_key_is_required_on_v1_routes(narrow):
     assert r.status_code == 401
     assert httpx.get(narrow.url + "/v1/models").status_code == 401
     assert httpx.get(narrow.url + "/health").status_code == 200  # probes need no key
+    assert httpx.get(narrow.url + "/health/engine").status_code == 200
     r = httpx.post(narrow.url + "/v1/completions", json=body, headers=narrow.headers)
     assert r.status_code == 200
     # More sequences than may ever wait at once: a 400 (retrying could never help), not 503.

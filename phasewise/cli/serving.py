@@ -70,8 +70,9 @@ def add_commands(command: Command) -> None:
                    help="seconds running streams get to finish after SIGTERM")
     s.add_argument("--step-timeout", type=float, default=DEFAULT_STEP_TIMEOUT_S, metavar="S",
                    help="seconds one engine step may run before the engine counts as stuck: "
-                   "/health answers 503 (a liveness probe on it restarts it; a router moves its "
-                   "streams) and new requests get 503, until the step ends (0: never)")
+                   "/health and /health/engine answer 503 (a liveness probe restarts it; a "
+                   "router moves its streams) and new requests get 503, until the step ends "
+                   "(0: never)")
     s.add_argument("--log-interval", type=float, default=5.0,
                    help="seconds between throughput log lines (0: off)")
     s.add_argument("--log-level", default="info", choices=LOG_LEVELS,

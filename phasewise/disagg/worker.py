@@ -107,6 +107,9 @@ class _Delegate:
     def down_reason(self) -> str:
         return self.backend.down_reason
 
+    def engine_health(self) -> str | None:
+        return self.backend.engine_health()
+
     @property
     def num_open_groups(self) -> int:
         return self.backend.num_open_groups
@@ -468,6 +471,11 @@ class PrefillSide(_Delegate):
         """The engine runs and some decode worker answers."""
         return self.backend.is_alive and any(
             link.client.silent_for <= self.server_deadline for link in self.links)
+
+    def engine_health(self) -> str | None:
+        """Its own engine's (``/health/engine``): not its decode workers' links, which a
+        restart of this worker would not bring back."""
+        return self.backend.engine_health()
 
     @property
     def down_reason(self) -> str:

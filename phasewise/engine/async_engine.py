@@ -209,6 +209,11 @@ class AsyncEngine:
                     "requests until that step ends")
         return "the engine thread is not running"
 
+    def engine_health(self) -> str | None:
+        """Why this process's own engine cannot serve (dead, or stuck in one step), or None:
+        what a liveness probe asks (``/health/engine``), whatever other processes do."""
+        return None if self.is_alive else self.down_reason
+
     @property
     def accepting(self) -> bool:
         return self._accepting and self._thread_runs

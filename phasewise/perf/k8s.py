@@ -49,9 +49,9 @@ Probes, from what the server does (``phasewise.server.serve`` and ``app``):
   router while no decode worker is up. It is every pod's readinessProbe.
 * livenessProbe: ``/health`` for ``both`` and ``decode`` (a 503 there means the engine
   thread died, or has been in one step past ``--step-timeout``: a restart helps);
-  ``/version`` (200 while the process serves HTTP) for prefill and router, whose
-  ``/health`` reflects other pods: restarting them would not bring a decode worker back,
-  and would cost a model load.
+  ``/health/engine`` for prefill, whose ``/health`` also reflects its decode workers
+  (restarting it would not bring one back, and would cost a model load): its own engine
+  only; ``/version`` (200 while the process serves HTTP) for the router, which has none.
 
 Prerequisites that are the operator's (``write`` puts them at the top of the file): an image
 with phasewise installed (phasewise publishes none), a PersistentVolumeClaim holding the
@@ -471,8 +471,10 @@ def _container(s: DeploySpec, role: str, command: list[str], ports: dict[str, in
     if r.gpus:
         amount["nvidia.com/gpu"] = str(r.gpus)
     # /health reflects other pods on prefill workers and the router: liveness there asks only
-    # whether the process still serves (see the module docstring).
-    live = "/health" if role in ("both", "decode") else "/version"
+    # about the pod's own engine, or (the router, which has none) whether it still serves
+    # (see the module docstring).
+    live = {"both": "/health", "decode": "/health", "prefill": "/health/engine"}.get(
+        role, "/version")
     c: dict[str, Any] = {
         "name": "router" if role == "router" else "engine",
         "image": s.image,

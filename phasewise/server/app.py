@@ -208,6 +208,28 @@ class OpenAIServer:
             detail = getattr(self.backend, "health_detail", None)
             return JSONResponse({"status": "ok", **(detail() if detail else {})})
 
+        @app.api_route("/health/engine", methods=["GET", "HEAD"], response_model=None,
+                       responses={
+                           200: {"content": {"application/json": {"schema": {
+                               "type": "object"}}}},
+                           404: {**_ERROR, "description": "no engine runs in this process "
+                                 "(a router)"},
+                           503: {**_ERROR, "description": "this process's engine is down or "
+                                 "stuck in one step"}})
+        async def engine_health() -> Response:
+            """This process's own engine only (a liveness probe's question: would a restart
+            help?): unlike ``/health``, not whether other processes (a prefill worker's decode
+            workers) answer, and not draining."""
+            check = getattr(self.backend, "engine_health", None)
+            if check is None:
+                return error_response(ApiError(404, "no engine runs in this process (a "
+                                               "router); /health says whether its workers "
+                                               "answer", code="unsupported_endpoint"))
+            why = check()
+            if why is not None:
+                return error_response(ApiError(503, why, type="server_error"))
+            return JSONResponse({"status": "ok"})
+
         @app.get("/version", response_model=None)
         async def version() -> dict[str, str]:
             return {"version": phasewise.__version__}

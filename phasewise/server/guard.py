@@ -3,9 +3,10 @@ untouched): the access log, and the guard (API key, draining, body size, JSON bo
 
 Which routes ``--api-key`` protects: every route that takes input or runs the model —
 ``/v1/*``, ``/tokenize`` and ``/detokenize`` (tokenizing costs CPU time and reveals the
-vocabulary). Left open, by choice: ``/health`` (load balancers and Kubernetes probes send no
-key), ``/metrics`` (Prometheus scrapers; it holds counts and latencies, no request content),
-``/version`` and ``/openapi.json`` (they describe the software, not the deployment).
+vocabulary). Left open, by choice: ``/health`` and ``/health/engine`` (load balancers and
+Kubernetes probes send no key), ``/metrics`` (Prometheus scrapers; it holds counts and
+latencies, no request content), ``/version`` and ``/openapi.json`` (they describe the
+software, not the deployment).
 ``/dashboard`` is behind the key too; a browser, which cannot send the header, logs in at
 ``/dashboard/login`` and gets a session cookie (``HttpOnly``, ``SameSite=Strict``, path
 ``/dashboard``) that is good for ``/dashboard*`` only, for ``SESSION_S``, or until
@@ -45,7 +46,7 @@ Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 
-OPEN_PATHS = frozenset({"/health", "/metrics", "/version", "/openapi.json",
+OPEN_PATHS = frozenset({"/health", "/health/engine", "/metrics", "/version", "/openapi.json",
                         "/dashboard/login", "/dashboard/logout"})
 DASHBOARD = "/dashboard"
 DASHBOARD_COOKIE = "phasewise_dashboard"
@@ -245,7 +246,8 @@ def cookies_named(headers: dict[str, str], name: str) -> list[str]:
 # The routes a router and its workers use between themselves (phasewise.server.internal);
 # where the fleet has an internal key, relay.INTERNAL_HEADER carries it to them.
 INTERNAL_PREFIX = "/internal/"
-QUIET_PATHS = frozenset({"/health", "/metrics", "/internal/v1/load", "/internal/v1/info"})
+QUIET_PATHS = frozenset({"/health", "/health/engine", "/metrics", "/internal/v1/load",
+                         "/internal/v1/info"})
 
 access_log = logging.getLogger("phasewise.access")
 
