@@ -306,3 +306,12 @@ def test_a_retry_the_worker_still_holds_goes_to_the_next_worker(fleet):
         assert SEEN["dropped"] >= 2
     finally:
         MODE.update(generate="500")
+
+
+def test_a_router_has_no_engine_of_its_own_to_probe(fleet):
+    """/health/engine asks whether a restart of this process would help its engine: a
+    router runs none, and says so (its liveness is /version, its /health its workers')."""
+    good, router = fleet
+    r = httpx.get(router.url + "/health/engine", timeout=30)
+    assert r.status_code == 404 and "no engine runs in this process" in r.text
+    assert httpx.get(good.url + "/health/engine", timeout=30).json() == {"status": "ok"}
