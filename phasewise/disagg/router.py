@@ -137,7 +137,8 @@ _BROKEN = (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError)
 
 
 class _Silent(Exception):
-    """The worker a request waits on has answered no poll for the stream deadline."""
+    """The worker a request waits on has been down (its polls unanswered or refused) for the
+    stream deadline."""
 
 
 MIGRATION_REASONS = ("worker_lost", "worker_stopped", "worker_silent", "drain")
@@ -662,8 +663,8 @@ class Router(Fleet):
                 silent = None if w.up or w.down_since is None else \
                     time.monotonic() - w.down_since
                 if silent is not None and silent >= self.stream_deadline:
-                    raise _Silent(f"stopped answering ({w.reason}) for {silent:.0f} s while "
-                                  "this request waited to be taken")
+                    raise _Silent(f"down ({w.reason}) for {silent:.0f} s while this request "
+                                  "waited to be taken")
         except BaseException:
             if not send.done() or send.cancelled() or send.exception() is None:
                 self._abandon(send)
