@@ -233,12 +233,18 @@ class ModelShape:
         """Weights a step of ``tokens`` tokens reads: all of a dense model's but the rows of
         an untied input embedding no token looks up (a tied one is the LM head too, read
         whole); an MoE model's less the experts no token routed to (``experts_touched``)."""
-        unread = 0.0 if self.tie_word_embeddings else max(
-            0.0, self.embedding_params - max(tokens, 0) * self.hidden_size)
+        unread = self.unread_embedding_params(tokens)
         if not self.is_moe:
             return self.total_params - unread
         return (self.total_params - unread
                 - self.idle_expert_params(self.experts_touched(tokens)))
+
+    def unread_embedding_params(self, tokens: float) -> float:
+        """The input embedding's weights a step of ``tokens`` tokens does not look up: an
+        untied one's rows but theirs; none of a tied one, which is the LM head too."""
+        if self.tie_word_embeddings:
+            return 0.0
+        return max(0.0, self.embedding_params - max(tokens, 0) * self.hidden_size)
 
     def idle_expert_params(self, experts: float) -> float:
         """The expert weights a step leaves unread when its tokens touch ``experts`` of each

@@ -156,15 +156,6 @@ class Roofline:
             return m.params * self.wbytes
         return m.weight_bytes(self.wbytes, self.moe_wbytes)
 
-    @cached_property
-    def _unread_embedding(self) -> tuple[float, float]:
-        """An untied input embedding's bytes, and one row's: a step looks up only its
-        tokens' rows (a tied one is the LM head too, which reads all of it)."""
-        m = self.model
-        if isinstance(m, GenericModel) or m.tie_word_embeddings:
-            return 0.0, 0.0
-        return m.embedding_params * self.wbytes, m.hidden_size * self.wbytes
-
     def step_weight_bytes(self, tokens: float) -> float:
         """Weight bytes a step of ``tokens`` tokens reads: all of them but the input
         embedding's rows no token looks up, and for an MoE model the experts no token
@@ -172,12 +163,9 @@ class Roofline:
         m = self.model
         if isinstance(m, GenericModel):
             return self.weight_bytes
-        table, row = self._unread_embedding
-        looked_up = min(table, max(tokens, 0) * row)
-        if not m.is_moe:
-            return self.weight_bytes - table + looked_up
-        return (m.weight_bytes(self.wbytes, self.moe_wbytes, m.experts_touched(tokens))
-                - table + looked_up)
+        read = (m.weight_bytes(self.wbytes, self.moe_wbytes, m.experts_touched(tokens))
+                if m.is_moe else self.weight_bytes)
+        return read - m.unread_embedding_params(tokens) * self.wbytes
 
     @property
     def kv_bytes_per_token(self) -> float | None:
@@ -231,8 +219,7 @@ class Roofline:
         cost, and on a CPU whose caches the weights' stream has just flushed each property
         walked costs a few microseconds more."""
         return (self._linear_flops_per_token(), self._attn_flops(1), self._lm_head_flops(),
-                self.kv_bytes_per_token or 0.0, self._act_bytes(1),
-                self.weight_bytes - self._unread_embedding[0])
+                self.kv_bytes_per_token or 0.0, self._act_bytes(1), self.weight_bytes)
 
     # -- steps -----------------------------------------------------------------------------
     def prefill(self, prompt_len: int, prefix_len: int = 0, batch: int = 1) -> StepCost:
@@ -310,8 +297,8 @@ class Roofline:
         act = tokens * act1
         if self._moe:
             weights = self.step_weight_bytes(tokens)
-        else:  # the embedding rows its tokens look up (an untied one's: none counted above)
-            weights += min(self._unread_embedding[0], tokens * self._unread_embedding[1])
+        elif self.shaped:  # (an untied embedding's rows its tokens do not look up)
+            weights -= self.model.unread_embedding_params(tokens) * self.wbytes
         total = weights + kv_read + kv_write + act
         kind = "mixed" if chunks and decodes else ("prefill" if chunks else "decode")
         return StepCost(kind, tokens, flops, total, weights, kv_read, kv_write, act,
