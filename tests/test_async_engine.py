@@ -194,6 +194,18 @@ def test_an_add_never_waits_forever_when_the_engine_thread_dies(llama_dir):
     asyncio.run(main())
 
 
+def _hanging(step):
+    """A step that hangs until released: (it, set once it is entered, its release)."""
+    entered, release = threading.Event(), threading.Event()
+
+    def hanging_step():
+        entered.set()
+        release.wait(60)
+        return step()
+
+    return hanging_step, entered, release
+
+
 def test_a_step_that_does_not_end_makes_the_engine_stuck_until_it_ends(llama_dir):
     """A step that hangs (a kernel, a machine swapping): past ``step_timeout_s`` the engine
     is not alive, its reason names the step, and a new request is refused at once instead
@@ -205,12 +217,7 @@ def test_a_step_that_does_not_end_makes_the_engine_stuck_until_it_ends(llama_dir
     engine = LLMEngine(EngineConfig(model=str(llama_dir)))
     ae = AsyncEngine(engine, step_timeout_s=0.2)
     real_step = engine.step
-    entered, release = threading.Event(), threading.Event()
-
-    def hanging_step():
-        entered.set()
-        release.wait(60)
-        return real_step()
+    hanging_step, entered, release = _hanging(real_step)
 
     async def until(condition):
         deadline = time.monotonic() + 30
@@ -258,12 +265,7 @@ def test_a_stuck_engine_answers_503_on_health_and_to_new_requests(llama_dir):
     server = OpenAIServer(AsyncEngine(engine, step_timeout_s=0.2),
                           ServerConfig(served_model_name="m"))
     real_step = engine.step
-    entered, release = threading.Event(), threading.Event()
-
-    def hanging_step():
-        entered.set()
-        release.wait(60)
-        return real_step()
+    hanging_step, entered, release = _hanging(real_step)
 
     body = {"prompt": [3, 17, 42, 9], "max_tokens": 6, "temperature": 0, "ignore_eos": True}
     with TestClient(server.app) as tc:
