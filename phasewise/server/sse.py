@@ -234,8 +234,7 @@ def stream_group(*, group: RequestGroup, rid: str, obj: str, model: str,
                                     for choice, counted in render(idx, out))]
 
                     first = out.prompt_logprobs is not None and idx not in rendered_first
-                    large = render_cost(out) + (whole_cost(out) if first else 0) \
-                        >= OFF_LOOP_ENTRIES
+                    large = (whole_cost(out) if first else render_cost(out)) >= OFF_LOOP_ENTRIES
                     if first or large:
                         # the first chunk carries the whole prompt's logprobs, and a lagging
                         # reader's merged output many tokens': a worker builds those, the
